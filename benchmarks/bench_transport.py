@@ -1,0 +1,145 @@
+"""TransferTransport latency and bandwidth between two worker processes, beside memcpy.
+
+    /work/venv/bin/python benchmarks/bench_transport.py
+
+Two worker processes (each pinned to its own core, XLA single-threaded) play ping-pong with
+the transport: slice 0 sends a float32 payload, slice 1 receives it and sends it back. The
+one-way time is half a round trip, so it includes send, pull, the wire (loopback TCP) and
+the receiver seeing the array ready. The numpy memcpy bandwidth is measured in this same run
+on this machine, and so is raw loopback TCP between two processes pinned the same way (the
+wire's ceiling: the transport cannot beat it); bandwidth = payload bytes / one-way time.
+Goals: >= 0.3x memcpy at 64 MB, <= 1 ms one-way at 1 MB.
+"""
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES_MB = (1, 64)
+NUM_WARMUP = 3
+NUM_RUNS = {1: 50, 64: 10}
+
+
+def worker(slice_index: int) -> None:
+    import jax
+    from runtime.transport import TransferTransport
+
+    peer = 1 - slice_index
+    device = jax.devices()[0]
+    transport = TransferTransport(slice_index, device)
+    print(json.dumps({"address": transport.address}), flush=True)
+    transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
+    results = {}
+    for size_mb in SIZES_MB:
+        spec = (jax.ShapeDtypeStruct((size_mb * 2**20 // 4,), np.float32),)
+        payload = (jax.device_put(np.arange(spec[0].shape[0], dtype=np.float32), device),)
+        one_way_s = []
+        for i in range(NUM_WARMUP + NUM_RUNS[size_mb]):
+            ping, pong = f"{size_mb}MB/{i}/ping", f"{size_mb}MB/{i}/pong"
+            if slice_index == 0:
+                back = transport.recv(pong, peer, spec)       # posted before the send
+                start = time.perf_counter()
+                transport.send(ping, payload, peer)
+                echoed = back.result()
+                one_way_s.append((time.perf_counter() - start) / 2)
+            else:
+                echoed = transport.recv(ping, peer, spec).result()
+                transport.send(pong, echoed, peer)
+        if slice_index == 0:
+            assert np.array_equal(np.asarray(echoed[0]), np.asarray(payload[0]))
+            results[size_mb] = statistics.median(one_way_s[NUM_WARMUP:])
+    print(json.dumps(results), flush=True)
+    sys.stdin.readline()                                        # stay up until told to go
+    transport.close()
+
+
+def memcpy_s(size_mb: int, num_runs: int = 20) -> float:
+    src = np.ones(size_mb * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(num_runs):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tcp_one_way_s(size_mb: int, num_runs: int = 8) -> float:
+    """Raw loopback TCP, one process per core: send the payload, wait for a 1-byte ack."""
+    num_bytes = size_mb * 2**20
+    listener = socket.create_server(("127.0.0.1", 0))
+    pid = os.fork()
+    if pid == 0:                                                # receiver
+        os.sched_setaffinity(0, {1 % os.cpu_count()})
+        conn = socket.create_connection(listener.getsockname())
+        buf = memoryview(bytearray(num_bytes))
+        for _ in range(num_runs):
+            got = 0
+            while got < num_bytes:
+                got += conn.recv_into(buf[got:], num_bytes - got)
+            conn.sendall(b"k")
+        os._exit(0)
+    os.sched_setaffinity(0, {0})
+    conn, _ = listener.accept()
+    data, times = bytes(num_bytes), []
+    for _ in range(num_runs):
+        start = time.perf_counter()
+        conn.sendall(data)
+        conn.recv(1)
+        times.append(time.perf_counter() - start)
+    os.waitpid(pid, 0)
+    os.sched_setaffinity(0, range(os.cpu_count()))
+    return statistics.median(times)
+
+
+def main() -> None:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    procs = []
+    try:
+        for i in range(2):
+            cpu = i % os.cpu_count()
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(i)], env=env, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, {cpu})))
+        addresses = [p.stdout.readline() for p in procs]
+        for p, peer_line in zip(procs, reversed(addresses)):
+            p.stdin.write(peer_line)
+            p.stdin.flush()
+        one_way_s = {int(k): v for k, v in json.loads(procs[0].stdout.readline()).items()}
+        procs[1].stdout.readline()
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+            p.wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()                                        # by pid
+                p.wait()
+
+    print(f"{'payload':>8} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
+          f"{'x memcpy':>9} {'raw TCP GB/s':>13} {'x TCP':>6}")
+    for size_mb in SIZES_MB:
+        num_bytes = size_mb * 2**20
+        transfer_bps = num_bytes / one_way_s[size_mb]
+        memcpy_bps = num_bytes / memcpy_s(size_mb)
+        tcp_bps = num_bytes / tcp_one_way_s(size_mb)
+        print(f"{size_mb:>6}MB {one_way_s[size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
+              f"{memcpy_bps / 1e9:>12.2f} {transfer_bps / memcpy_bps:>9.2f} "
+              f"{tcp_bps / 1e9:>13.2f} {transfer_bps / tcp_bps:>6.2f}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(int(sys.argv[2]))
+    else:
+        main()

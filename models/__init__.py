@@ -1,0 +1,13 @@
+"""Models built as ordered lists of single-array layers, so they can be cut into stages.
+
+Each model exposes `layers()` (its own submodules, in order) and a `__call__` that applies
+them in that order. This package knows nothing about pipelines.
+"""
+
+from models.gpt import GPT, Block, CausalSelfAttention, Embed, FeedForward, Head, lm_loss
+from models.mlp import MLP, Hidden, mse_loss
+
+__all__ = [
+    "GPT", "Embed", "Block", "CausalSelfAttention", "FeedForward", "Head", "lm_loss",
+    "MLP", "Hidden", "mse_loss",
+]

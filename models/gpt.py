@@ -1,0 +1,160 @@
+"""A GPT-style decoder-only language model built as an ordered list of layers.
+
+Every layer takes one array and returns one array, so the model can be cut between any two
+layers into pipeline stages without threading extra state (masks, positions, caches) across
+the cut: `GPT.layers()` is that list, and `GPT.__call__` is just a fold over it.
+
+Float32 throughout; no dropout, so a forward pass is a pure function of params and tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+# nanoGPT / GPT-2 initialise embeddings with N(0, 0.02); the nnx.Embed default (unit variance
+# per row) makes the residual stream start far larger than the attention/MLP updates.
+_EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+def _require_positive(**sizes: int) -> None:
+    """Raises ValueError naming every argument that is not a positive int."""
+    bad = [f"{name}={value!r}" for name, value in sizes.items()
+           if not isinstance(value, int) or isinstance(value, bool) or value <= 0]
+    if bad:
+        raise ValueError(f"sizes must be positive integers, got {', '.join(bad)}")
+
+
+class Embed(nnx.Module):
+    """int32 tokens [B, T] -> token embedding + learned position embedding, float32 [B, T, D]."""
+
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, *, rngs: nnx.Rngs):
+        _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
+        self.seq_len = seq_len
+        self.token = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
+        self.position = nnx.Embed(seq_len, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
+        num_steps = tokens.shape[1]
+        # Shapes are static under jit, so this check costs nothing at run time.
+        if num_steps > self.seq_len:
+            raise ValueError(
+                f"sequence length {num_steps} exceeds the model's seq_len={self.seq_len}")
+        # Positions 0..T-1 broadcast over the batch: [T, D] + [B, T, D].
+        return self.token(tokens) + self.position(jnp.arange(num_steps))
+
+
+class CausalSelfAttention(nnx.Module):
+    """Multi-head self-attention where position t attends only to positions <= t."""
+
+    def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, num_heads=num_heads)
+        if d_model % num_heads:
+            raise ValueError(
+                f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        # One fused projection for q, k and v: a single [D, 3D] matmul instead of three.
+        # No bias: a key bias adds q.b to every logit of a row, which softmax cancels, so its
+        # exact gradient is zero and Adam would only amplify rounding noise into updates.
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, num_steps, d_model = x.shape
+        head_dim = d_model // self.num_heads
+        # [B, T, 3D] -> three [B, T, H, Dh].
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        q, k, v = (a.reshape(batch, num_steps, self.num_heads, head_dim) for a in (q, k, v))
+        # Scores [B, H, Tq, Tk], scaled by 1/sqrt(Dh) so their variance does not grow with Dh.
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool))
+        # Every row keeps at least its diagonal, so the softmax never sees an all-masked row;
+        # the finite minimum (not -inf) keeps gradients free of NaN regardless.
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores, axis=-1)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        return self.out(attended.reshape(batch, num_steps, d_model))
+
+
+class FeedForward(nnx.Module):
+    """Position-wise D -> mlp_ratio*D -> D with GELU (named so as not to clash with models.MLP)."""
+
+    def __init__(self, d_model: int, mlp_ratio: int, *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, mlp_ratio=mlp_ratio)
+        self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
+        self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int = 4, *, rngs: nnx.Rngs):
+        self.ln_attn = nnx.LayerNorm(d_model, rngs=rngs)
+        self.attn = CausalSelfAttention(d_model, num_heads, rngs=rngs)
+        self.ln_mlp = nnx.LayerNorm(d_model, rngs=rngs)
+        self.mlp = FeedForward(d_model, mlp_ratio, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class Head(nnx.Module):
+    """Final LayerNorm + linear LM head: [B, T, D] -> logits [B, T, vocab_size]."""
+
+    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, vocab_size=vocab_size)
+        self.ln = nnx.LayerNorm(d_model, rngs=rngs)
+        self.lm_head = nnx.Linear(d_model, vocab_size, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.lm_head(self.ln(x))
+
+
+class GPT(nnx.Module):
+    """Decoder-only LM: Embed, num_layers Blocks, Head. tokens [B, T] -> logits [B, T, V].
+
+    The token embedding and LM head are not tied: tying would make the first and last
+    pipeline stages share a parameter, which a stage split cannot express.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int,
+                 seq_len: int, mlp_ratio: int = 4, *, rngs: nnx.Rngs):
+        _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
+                          num_layers=num_layers, seq_len=seq_len, mlp_ratio=mlp_ratio)
+        if d_model % num_heads:
+            raise ValueError(
+                f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        self.embed = Embed(vocab_size, d_model, seq_len, rngs=rngs)
+        # flax 0.12 rejects plain Python lists of modules as attributes; nnx.List registers
+        # the blocks as graph children so nnx.state / nnx.split see their params.
+        self.blocks = nnx.List(
+            [Block(d_model, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)])
+        self.head = Head(d_model, vocab_size, rngs=rngs)
+
+    def layers(self) -> list[nnx.Module]:
+        """The model's own submodules in application order: [Embed, Block_0.., Head]."""
+        return [self.embed, *self.blocks, self.head]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = tokens
+        for layer in self.layers():
+            x = layer(x)
+        return x
+
+
+def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in nats over batch and time.
+
+    logits [B, T, V] float, targets [B, T] int (already shifted: targets[:, t] is the token
+    that should follow position t).
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

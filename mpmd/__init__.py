@@ -1,0 +1,7 @@
+"""mpmd: MPMD pipeline-parallel training of JAX/Flax models under a single controller."""
+from mpmd.pipeline import Pipeline
+from mpmd.split import split
+from mpmd.trainer import Trainer
+from runtime.inprocess import InProcessCluster
+
+__all__ = ["Pipeline", "Trainer", "split", "InProcessCluster"]

@@ -1,0 +1,90 @@
+"""A pipeline: ordered stages (nnx.Modules) and a loss on the last stage's output.
+
+Each stage becomes a pure function of (flat parameter leaves, input pytree) so it can be
+traced into programs; the module's non-parameter variables are baked in as constants
+(stages must not mutate state in their forward pass: no dropout RNG streams, no batch
+statistics).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+from flax import nnx
+
+
+class StageFn(NamedTuple):
+    """One stage as a pure function and its initial parameters."""
+    apply: Callable[[tuple, Any], Any]       # (param leaves, input pytree) -> output pytree
+    param_leaves: tuple                      # initial values (arrays or ShapeDtypeStructs)
+    param_tree: Any                          # treedef of the stage's nnx.Param state
+
+
+def stage_fn(module: nnx.Module) -> StageFn:
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(params)
+
+    def apply(leaves, x):
+        return nnx.merge(graphdef, jax.tree.unflatten(tree, list(leaves)), rest)(x)
+    return StageFn(apply, tuple(leaves), tree)
+
+
+class Pipeline:
+    """`stages[i]` consumes `stages[i-1]`'s output; `loss_fn(last_output, targets)` returns the
+    scalar mean over a microbatch.
+
+    `sample_input` (optional, one microbatch or batch of inputs) lets shape mismatches between
+    stages be reported here instead of at the first step.
+    """
+
+    def __init__(self, stages, loss_fn: Callable, sample_input=None):
+        stages = list(stages)
+        if not stages:
+            raise ValueError("Pipeline needs at least one stage, got an empty list")
+        for i, s in enumerate(stages):
+            if not isinstance(s, nnx.Module):
+                raise ValueError(f"stage {i} must be an nnx.Module, got {type(s).__name__}")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(last_stage_output, targets), got {loss_fn!r}")
+        self.stages = stages
+        self.loss_fn = loss_fn
+        self.fns = [stage_fn(s) for s in stages]
+        if sample_input is not None:
+            self.activation_specs(jax.tree.map(_spec, sample_input))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def activation_specs(self, input_spec) -> list:
+        """Abstract input of every stage plus the last output: specs[i] enters stage i.
+
+        Raises ValueError naming the stage whose input does not fit.
+        """
+        specs = [input_spec]
+        for i, fn in enumerate(self.fns):
+            param_specs = tuple(jax.tree.map(_spec, fn.param_leaves))
+            try:
+                out = jax.eval_shape(fn.apply, param_specs, specs[-1])
+            except Exception as e:  # shape errors surface as TypeError/ValueError from inside Flax
+                got = _describe(specs[-1])
+                where = "the pipeline input" if i == 0 else f"stage {i - 1}'s output"
+                raise ValueError(f"stage {i} ({type(self.stages[i]).__name__}) cannot take {where} "
+                                 f"{got}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+            specs.append(out)
+        return specs
+
+    def reference_loss(self, params_per_stage, inputs, targets):
+        """The unpipelined loss of the whole batch, for tests and checks: compose the stages."""
+        x = inputs
+        for fn, leaves in zip(self.fns, params_per_stage):
+            x = fn.apply(leaves, x)
+        return self.loss_fn(x, targets)
+
+
+def _spec(x):
+    return jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
+
+
+def _describe(tree) -> str:
+    return ", ".join(f"{l.dtype}{list(l.shape)}" for l in jax.tree.leaves(tree))

@@ -1,0 +1,82 @@
+"""Draw a simulated schedule as an SVG timeline: one row per slice, one box per task.
+
+Colour says the kind (F blue, B green, W orange); lighter and darker shades alternate with
+the microbatch number, and the number is written in each box wide enough to hold it.
+Plain SVG text, standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from xml.sax.saxutils import escape
+
+from mpmd.schedules import Schedule
+from mpmd.simulate import Simulation
+
+# Two shades per kind, alternated by microbatch parity, so neighbouring microbatches of the
+# same kind stay distinguishable even where boxes are too narrow for a label.
+_COLOURS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#54a24b", "#a1d99b"),
+            "W": ("#f58518", "#ffbf79")}
+_TIMELINE_PX = 1200  # width of the time axis; one time unit gets _TIMELINE_PX / makespan px
+_ROW_PX, _ROW_GAP_PX, _LEFT_PX, _TOP_PX, _BOTTOM_PX = 28, 6, 70, 44, 40
+_LABEL_MIN_PX = 14  # narrower boxes get no microbatch label
+
+
+def _tick_step(makespan: float) -> float:
+    # A 1, 2 or 5 times a power of ten giving about ten ticks.
+    raw = makespan / 10
+    power = 10 ** math.floor(math.log10(raw))
+    return next(f * power for f in (1, 2, 5, 10) if f * power >= raw)
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def render_svg(schedule: Schedule, simulation: Simulation, path_or_none=None) -> str:
+    """SVG text of the timeline; also written to `path_or_none` unless it is None."""
+    makespan = simulation.makespan if simulation.makespan > 0 else 1.0
+    px_per_unit = _TIMELINE_PX / makespan
+    num_rows = len(simulation.spans)
+    rows_px = num_rows * (_ROW_PX + _ROW_GAP_PX)
+    width, height = _LEFT_PX + _TIMELINE_PX + 20, _TOP_PX + rows_px + _BOTTOM_PX
+    title = (f"{schedule.name}: p={num_rows} slices, {schedule.num_stages} stages, "
+             f"m={schedule.num_microbatches}, makespan={_fmt(simulation.makespan)}, "
+             f"bubble={simulation.bubble_fraction:.1%}")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<text x="{_LEFT_PX}" y="20" font-size="14">{escape(title)}</text>']
+    for r, spans in enumerate(simulation.spans):
+        y = _TOP_PX + r * (_ROW_PX + _ROW_GAP_PX)
+        out.append(f'<text x="{_LEFT_PX - 8}" y="{y + _ROW_PX / 2 + 4}" '
+                   f'text-anchor="end">slice {r}</text>')
+        for task, start, end in spans:
+            x, w = _LEFT_PX + start * px_per_unit, (end - start) * px_per_unit
+            colour = _COLOURS[task.kind][task.microbatch % 2]
+            out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{_ROW_PX}" '
+                       f'fill="{colour}" stroke="white" stroke-width="0.5">'
+                       f'<title>{escape(str(task))} [{_fmt(start)}, {_fmt(end)})</title></rect>')
+            if w >= _LABEL_MIN_PX:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW_PX / 2 + 4}" '
+                           f'text-anchor="middle">{task.microbatch}</text>')
+    axis_y = _TOP_PX + rows_px
+    out.append(f'<line x1="{_LEFT_PX}" y1="{axis_y}" x2="{_LEFT_PX + _TIMELINE_PX}" '
+               f'y2="{axis_y}" stroke="black"/>')
+    out.append(f'<text x="{_LEFT_PX - 8}" y="{axis_y + 18}" text-anchor="end">time</text>')
+    step = _tick_step(makespan)
+    for k in range(int(makespan / step + 1e-9) + 1):
+        x = _LEFT_PX + k * step * px_per_unit
+        out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
+                   f'stroke="black"/><text x="{x:.2f}" y="{axis_y + 18}" '
+                   f'text-anchor="middle">{_fmt(k * step)}</text>')
+    legend_x = _LEFT_PX + _TIMELINE_PX - 150
+    for i, (kind, name) in enumerate((("F", "forward"), ("B", "backward"), ("W", "weight"))):
+        x = legend_x + i * 55
+        out.append(f'<rect x="{x}" y="{height - 14}" width="10" height="10" '
+                   f'fill="{_COLOURS[kind][0]}"/><text x="{x + 13}" y="{height - 5}">{name}</text>')
+    out.append("</svg>\n")
+    svg = "\n".join(out)
+    if path_or_none is not None:
+        with open(path_or_none, "w", encoding="utf-8") as f:
+            f.write(svg)
+    return svg

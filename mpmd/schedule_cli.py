@@ -1,0 +1,72 @@
+"""`mpmd schedule NAME --stages P --microbatches M ...`: simulate a schedule and draw it.
+
+`main(argv)` takes the arguments after the word `schedule` and returns the exit status:
+0 on success, 2 when the schedule or costs are impossible (message "error: ..." on stderr).
+Malformed command lines exit 2 through argparse, as usual.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mpmd import schedules
+from mpmd.render import render_svg
+from mpmd.simulate import simulate
+
+
+def _parse_costs(text: str) -> dict:
+    parts = text.split(",")
+    try:
+        values = [float(x) for x in parts]
+    except ValueError:
+        values = []
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(
+            f"--costs needs three comma-separated numbers F,B,W (e.g. 1,1,1), got {text!r}")
+    return dict(zip(("F", "B", "W"), values))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpmd schedule",
+        description="Simulate a pipeline schedule: makespan, bubble and live activations.")
+    parser.add_argument("name", metavar="NAME",
+                        help=f"schedule: {', '.join(sorted(schedules.SCHEDULES))}")
+    parser.add_argument("--stages", type=int, required=True, metavar="P",
+                        help="number of pipeline stages (slices times virtual stages)")
+    parser.add_argument("--microbatches", type=int, required=True, metavar="M")
+    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                        help="stages per slice (interleaved-1f1b only; default 1)")
+    parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W",
+                        help="time of one forward, input-gradient backward and weight-gradient "
+                             "task; a full backward costs B+W (default 1,1,1)")
+    parser.add_argument("-o", "--output", metavar="OUT.svg",
+                        help="write the timeline as SVG here (default NAME.svg)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        schedule = schedules.make(args.name, args.stages, args.microbatches,
+                                  args.virtual_stages)
+        simulation = simulate(schedule, args.costs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    output = args.output or f"{args.name}.svg"
+    render_svg(schedule, simulation, output)
+    print(f"schedule:          {schedule.name}  (stages={schedule.num_stages}, "
+          f"slices={len(schedule.slices)}, microbatches={schedule.num_microbatches}, "
+          f"virtual_stages={schedule.virtual_stages})")
+    print(f"makespan:          {simulation.makespan:g}")
+    print(f"bubble fraction:   {simulation.bubble_fraction:.4f}")
+    print(f"peak live activations per slice: "
+          f"{' '.join(map(str, simulation.peak_live_activations))}")
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

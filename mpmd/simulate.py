@@ -1,0 +1,112 @@
+"""Timeline of a schedule under given task costs: makespan, bubbles, live activations.
+
+Cost convention. `costs` gives the time of one F, one B (input gradient only) and one W
+(weight gradient) of a stage: a dict {"F": f, "B": b, "W": w} for every stage, or a callable
+cost(task) -> float for per-stage costs (called with kind "F", "B" or "W"). A schedule with
+split_backward=False runs the whole backward as one B task, which costs b + w. So one cost
+model prices 1F1B and ZB-H1 with the same total work, and the default F = B = W = 1 (a full
+backward twice a forward, the usual rule of thumb) gives, with p slices:
+  GPipe, 1F1B:   bubble = (p-1)/(m+p-1)      (any f, b, w: the formula does not depend on them)
+  interleaved:   bubble = (p-1)/(v*m+p-1)    (m a multiple of p)
+  ZB-H1:         bubble = (p-1)/(3m+p-1)     (a third of 1F1B's idle time, 3(p-1) -> p-1)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
+
+from mpmd.schedules import (BACKWARD, FORWARD, WEIGHT, Schedule, Task, dependencies,
+                            execution_order)
+
+DEFAULT_COSTS = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
+
+Costs = Union[dict, Callable[[Task], float], None]
+
+
+class Simulation(NamedTuple):
+    makespan: float
+    bubble_fraction: float  # 1 - sum(busy over slices) / (num_slices * makespan)
+    bubble_fraction_per_slice: tuple[float, ...]  # 1 - busy / makespan, per slice
+    # Per slice, the most (stage, mb) pairs at once whose F has started and whose last
+    # backward task (W if split, else B) has not finished: activations the slice must hold.
+    peak_live_activations: tuple[int, ...]
+    spans: tuple[tuple[tuple[Task, float, float], ...], ...]  # per slice: (task, start, end)
+
+
+def _cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]:
+    if costs is None:
+        costs = DEFAULT_COSTS
+    if callable(costs):
+        def cost(task):
+            value = costs(task)
+            if not split_backward and task.kind == BACKWARD:
+                value += costs(Task(task.stage, task.microbatch, WEIGHT))
+            if not value >= 0:
+                raise ValueError(f"costs({task}) must be a number >= 0, got {value!r}")
+            return value
+        return cost
+    if not isinstance(costs, dict) or set(costs) != {FORWARD, BACKWARD, WEIGHT}:
+        raise ValueError(f"costs must be None, a callable(task) -> seconds, or a dict with "
+                         f"exactly the keys 'F', 'B', 'W'; got {costs!r}")
+    for kind, value in costs.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"costs[{kind!r}] must be a number >= 0, got {value!r}")
+    table = dict(costs)
+    if not split_backward:
+        table[BACKWARD] = costs[BACKWARD] + costs[WEIGHT]
+    return lambda task: table[task.kind]
+
+
+def _peak_live(tasks, split_backward: bool) -> int:
+    # Slices run one task at a time, so the live count changes only between tasks: +1 when
+    # an F starts, -1 when the microbatch's last backward task ends. Costs do not matter.
+    last = WEIGHT if split_backward else BACKWARD
+    live = peak = 0
+    for task in tasks:
+        if task.kind == FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif task.kind == last:
+            live -= 1
+    return peak
+
+
+def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Simulation:
+    """Run `schedule` (validated first; ScheduleError if broken) with the given costs.
+
+    Every task starts as soon as its slice is free and its dependencies have ended, plus
+    comm_s (seconds) for each dependency produced on another slice: a fixed latency per
+    cross-slice transfer, overlapping with compute.
+    """
+    if isinstance(comm_s, bool) or not isinstance(comm_s, (int, float)) or not comm_s >= 0:
+        raise ValueError(f"comm_s must be a number >= 0 (seconds), got {comm_s!r}")
+    order = execution_order(schedule)
+    cost = _cost_function(costs, schedule.split_backward)
+    S, p = schedule.num_stages, len(schedule.slices)
+    end = {}
+    free_at = [0.0] * p
+    busy = [0.0] * p
+    spans = [[] for _ in range(p)]
+    # execution_order puts each task after its dependencies and its slice predecessor, so
+    # one pass computes every start time.
+    for task in order:
+        r = task.stage % p
+        start = free_at[r]
+        for dep in dependencies(task, S):
+            ready = end[dep] + (comm_s if dep[0] % p != r else 0.0)
+            if ready > start:
+                start = ready
+        duration = cost(task)
+        finish = start + duration
+        end[task] = finish
+        free_at[r] = finish
+        busy[r] += duration
+        spans[r].append((task, start, finish))
+    makespan = max(free_at)
+    if makespan > 0:
+        per_slice = tuple(1.0 - b / makespan for b in busy)
+        total = 1.0 - sum(busy) / (p * makespan)
+    else:  # all costs zero: nothing to wait for
+        per_slice, total = (0.0,) * p, 0.0
+    peaks = tuple(_peak_live(tasks, schedule.split_backward) for tasks in schedule.slices)
+    return Simulation(makespan, total, per_slice, peaks, tuple(map(tuple, spans)))

@@ -1,0 +1,175 @@
+"""The programs one stage runs, traced on the controller and exported with `jax.export`.
+
+Forward returns the activation and the vjp residuals; the backward programs rebuild the vjp
+from those residuals, so nothing is recomputed. Residuals that are the stage's own
+parameters are not stored per microbatch: the backward programs take the parameter bundle
+and put them back in place (a stage would otherwise keep one copy of its weights per
+microbatch in flight).
+
+Backward comes in three forms:
+- "full"  (GPipe, 1F1B): input gradient and weight gradient together;
+- "input" (zero-bubble B): input gradient only; XLA drops the weight-gradient math;
+- "weight" (zero-bubble W): weight gradient only; XLA drops the input-gradient math.
+Weight gradients are accumulated into the stage's gradient bundle; the first microbatch
+to arrive creates it ("first"), so no zero-fill program is needed.
+
+The pipelined loss is the mean of the m microbatch losses, equal to the unpipelined
+mean over the batch for equal microbatches; hence the last stage's cotangent is 1/m.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from runtime import programs
+from mpmd.pipeline import StageFn
+
+
+class StageShapes(NamedTuple):
+    params: tuple                  # ShapeDtypeStructs of the parameter leaves
+    x: Any                         # pytree of ShapeDtypeStructs entering the stage (one microbatch)
+    y: Any                         # pytree leaving it (or the loss, for the last stage)
+    targets: Any                   # the targets pytree, last stage only (else None)
+
+
+class StagePrograms(NamedTuple):
+    specs: dict[str, programs.ProgramSpec]
+    residual_specs: tuple          # ShapeDtypeStructs of the stored residual bundle
+
+
+def _bundle(tree) -> tuple:
+    return tuple(jax.tree.leaves(tree))
+
+
+def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> StagePrograms:
+    """Export forward and backward programs for stage k. Program names end in the stage index."""
+    x_tree = jax.tree.structure(shapes.x)
+    t_tree = jax.tree.structure(shapes.targets) if last else None
+    y_tree = jax.tree.structure(shapes.y)
+
+    def objective(p, x, t):
+        out = fn.apply(p, x)
+        return loss_fn(out, t) if last else out
+
+    def vjp_of(p, x, t):
+        # The first stage's input is data (often integer tokens): no gradient flows into it.
+        if first:
+            return jax.vjp(lambda p: objective(p, x, t), p)
+        return jax.vjp(lambda p, x: objective(p, x, t), p, x)
+
+    layout: dict[str, Any] = {}
+
+    def forward(params, xb, *tb):
+        p = tuple(params)
+        x = jax.tree.unflatten(x_tree, list(xb))
+        t = jax.tree.unflatten(t_tree, list(tb[0])) if last else None
+        out, vjp = vjp_of(p, x, t)
+        leaves, vjp_tree = jax.tree.flatten(vjp)
+        where = {id(a): i for i, a in enumerate(p)}
+        # slot j of the residual list: ("p", i) = parameter i, ("r", n) = stored residual n
+        slots, stored = [], []
+        for leaf in leaves:
+            if id(leaf) in where:
+                slots.append(("p", where[id(leaf)]))
+            else:
+                slots.append(("r", len(stored)))
+                stored.append(leaf)
+        layout.update(vjp_tree=vjp_tree, slots=slots)
+        return _bundle(out), tuple(stored)
+
+    x_specs = _bundle(shapes.x)
+    t_specs = (_bundle(shapes.targets),) if last else ()
+    fwd_args = (shapes.params, x_specs, *t_specs)
+    specs = {f"fwd{k}": programs.exported(forward, *fwd_args)}
+    _, res_specs = jax.eval_shape(forward, *fwd_args)
+
+    def rebuild(params, res):
+        leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
+        return jax.tree.unflatten(layout["vjp_tree"], leaves)
+
+    def cotangents(params, res, gb):
+        vjp = rebuild(tuple(params), tuple(res))
+        if last:
+            loss_spec = shapes.y
+            ct = jnp.asarray(1.0 / num_microbatches, loss_spec.dtype)
+        else:
+            ct = jax.tree.unflatten(y_tree, list(gb))
+        grads = vjp(ct)
+        dp = grads[0]
+        dx = None if first else grads[1]
+        return dp, dx
+
+    g_args = () if last else (_bundle(shapes.y),)
+
+    def input_grad(params, res, *g):
+        _, dx = cotangents(params, res, g[0] if g else ())
+        return (_bundle(dx),)
+
+    def weight_grad(params, res, *rest):
+        g, acc = (rest[0], rest[1:]) if not last else ((), rest)
+        dp, _ = cotangents(params, res, g)
+        if acc:
+            dp = tuple(a + d for a, d in zip(acc[0], dp))
+        return (tuple(dp),)
+
+    def full_grad(params, res, *rest):
+        g, acc = (rest[0], rest[1:]) if not last else ((), rest)
+        dp, dx = cotangents(params, res, g)
+        if acc:
+            dp = tuple(a + d for a, d in zip(acc[0], dp))
+        return ((_bundle(dx),) if not first else ()) + (tuple(dp),)
+
+    base = (shapes.params, res_specs, *g_args)
+    acc = (shapes.params,)
+    if split_backward:
+        if not first:
+            specs[f"bwd_in{k}"] = programs.exported(input_grad, *base)
+        specs[f"bwd_w_first{k}"] = programs.exported(weight_grad, *base)
+        specs[f"bwd_w_acc{k}"] = programs.exported(weight_grad, *base, *acc)
+    else:
+        specs[f"bwd_first{k}"] = programs.exported(full_grad, *base)
+        specs[f"bwd_acc{k}"] = programs.exported(full_grad, *base, *acc)
+    return StagePrograms(specs, tuple(res_specs))
+
+
+def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
+                    num_stages: int, max_grad_norm: float | None) -> tuple[dict, tuple]:
+    """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}; return (specs, opt_state specs).
+
+    Clipping follows optax.clip_by_global_norm over ALL stages' gradients: every slice gets
+    every stage's squared norm and sums them in stage order, so each stage scales by the same
+    global factor (clipping each stage by its own norm would change the update direction).
+    """
+    tree = fn.param_tree
+
+    def opt_init(params):
+        return (tuple(jax.tree.leaves(optimizer.init(jax.tree.unflatten(tree, list(params))))),)
+
+    (opt_specs,) = jax.eval_shape(opt_init, param_specs)
+    opt_tree = jax.tree.structure(optimizer.init(jax.tree.unflatten(tree, list(param_specs))))
+
+    def update(params, opt, grads, *sqnorms):
+        p = jax.tree.unflatten(tree, list(params))
+        g = jax.tree.unflatten(tree, list(grads))
+        if max_grad_norm is not None:
+            g_norm = jnp.sqrt(sum(s[0] for s in sqnorms))
+            trigger = g_norm < max_grad_norm
+            g = jax.tree.map(lambda t: jnp.where(trigger, t, (t / g_norm.astype(t.dtype)) * max_grad_norm), g)
+        updates, opt_state = optimizer.update(g, jax.tree.unflatten(opt_tree, list(opt)), p)
+        p = optax.apply_updates(p, updates)
+        return tuple(jax.tree.leaves(p)), tuple(jax.tree.leaves(opt_state))
+
+    def sqnorm(grads):
+        return ((sum(jnp.sum(jnp.square(g)) for g in grads),),)
+
+    scalar = (jax.ShapeDtypeStruct((), jnp.float32),)
+    specs = {f"opt_init{k}": programs.exported(opt_init, param_specs),
+             f"update{k}": programs.exported(update, param_specs, opt_specs, param_specs,
+                                              *([scalar] * num_stages if max_grad_norm is not None else []))}
+    if max_grad_norm is not None:
+        specs[f"sqnorm{k}"] = programs.exported(sqnorm, param_specs)
+    return specs, tuple(opt_specs)

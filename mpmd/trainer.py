@@ -1,0 +1,177 @@
+"""Trainer: the single controller's training loop over any cluster.
+
+    trainer = mpmd.Trainer(pipe, optimizer=optax.adamw(3e-4), schedule="1f1b",
+                           num_microbatches=8, cluster=mpmd.InProcessCluster())
+    metrics = trainer.step(inputs, targets)   # {"loss": ...}
+    params = trainer.params()                 # per stage nnx.Param state, host arrays
+
+Parameters and optimizer state are created on their slices and stay there; a step sends
+each slice one message (the plan name, the step number, and the microbatches it needs).
+Programs are compiled for the microbatch shapes seen at the first step (or at construction
+when the pipeline has a sample input) and shipped to the slices once.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import optax
+
+from mpmd import lowering, schedules
+from mpmd.pipeline import Pipeline, _spec
+
+
+class Trainer:
+    def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation, schedule: str = "1f1b",
+                 num_microbatches: int = 1, cluster=None, virtual_stages: int = 1,
+                 max_grad_norm: float | None = None):
+        if not isinstance(pipeline, Pipeline):
+            raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
+        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+            raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+        S = pipeline.num_stages
+        if not isinstance(virtual_stages, int) or virtual_stages < 1 or S % virtual_stages:
+            raise ValueError(f"num_stages ({S}) must be divisible by virtual_stages ({virtual_stages}); "
+                             f"allowed virtual_stages: {[v for v in range(1, S + 1) if S % v == 0]}")
+        self.schedule = schedules.make(schedule, S, num_microbatches, virtual_stages)
+        schedules.validate(self.schedule)
+        self.pipeline = pipeline
+        self.optimizer = optimizer
+        self.max_grad_norm = max_grad_norm
+        self.num_microbatches = num_microbatches
+        if cluster is None:
+            from runtime.inprocess import InProcessCluster
+            cluster = InProcessCluster()
+        self.cluster = cluster
+        self.num_slices = len(self.schedule.slices)
+        self.home = [schedules.slice_of(k, self.num_slices) for k in range(S)]
+        self._compiled_for = None
+        self._lowered = None
+        self._step = 0
+        self._runs = 0      # every cluster run gets a fresh id: transfer keys must never repeat
+        self._closed = False
+        self.cluster.start(self.num_slices)
+        try:
+            for k, fn in enumerate(pipeline.fns):
+                self.cluster.put(self.home[k], f"p{k}", fn.param_leaves)
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    # -- compile -------------------------------------------------------------------------
+    def _micro_specs(self, inputs, targets):
+        m = self.num_microbatches
+        sizes = {np.shape(l)[0] if np.ndim(l) else None for l in jax.tree.leaves((inputs, targets))}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"inputs and targets must share a leading batch axis, got batch sizes {sorted(map(str, sizes))}")
+        (batch,) = sizes
+        if batch % m:
+            ok = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise ValueError(f"batch size {batch} is not divisible by num_microbatches={m}; "
+                             f"allowed num_microbatches for this batch: {ok}")
+        micro = lambda x: jax.ShapeDtypeStruct((batch // m,) + np.shape(x)[1:], np.result_type(x))
+        return jax.tree.map(micro, inputs), jax.tree.map(micro, targets)
+
+    def _compile(self, in_spec, tgt_spec) -> None:
+        key = (jax.tree.structure((in_spec, tgt_spec)), tuple(jax.tree.leaves((in_spec, tgt_spec))))
+        if self._compiled_for == key:
+            return
+        low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec)
+        for r in range(low.num_slices):
+            self.cluster.load_programs(r, low.programs[r])
+            self.cluster.install_plan(r, "train", low.train[r])
+            self.cluster.install_plan(r, "grads", low.grads[r])
+            self.cluster.install_plan(r, "init", low.init[r])
+        if self._lowered is None:   # first compile: create optimizer state on each slice
+            self._runs += 1
+            self.cluster.run("init", self._runs, {}, {})
+        self._lowered, self._compiled_for = low, key
+
+    # -- public --------------------------------------------------------------------------
+    def step(self, inputs, targets, trace: bool = False) -> dict:
+        """One training step on a global batch split along axis 0 into equal microbatches.
+
+        Returns {"step", "loss" (mean over microbatches), "step_s"} plus "grad_norm" when
+        clipping and, with trace=True, "events": per slice, the timed tasks and transfers.
+        """
+        results = self._run("train", inputs, targets, trace)
+        self._step += 1
+        return self._metrics(results, trace)
+
+    def grads(self, inputs, targets) -> tuple[float, list]:
+        """(loss, per-stage gradient state) of a batch, without updating anything.
+
+        The gradient is that of the mean loss over the whole batch, as jax.grad of the
+        unpipelined model gives it; for checking a pipeline against plain JAX.
+        """
+        results = self._run("grads", inputs, targets, False)
+        loss = self._metrics(results, False)["loss"]
+        out = []
+        for k, fn in enumerate(self.pipeline.fns):
+            leaves = self.cluster.get(self.home[k], [f"g{k}"])[f"g{k}"]
+            out.append(jax.tree.unflatten(fn.param_tree, list(leaves)))
+        return loss, out
+
+    def _run(self, plan: str, inputs, targets, trace: bool):
+        self._check_open()
+        in_spec, tgt_spec = self._micro_specs(inputs, targets)
+        self._compile(in_spec, tgt_spec)
+        m = self.num_microbatches
+        first, last = self.home[0], self.home[-1]
+        feeds: dict[int, dict] = {first: {}, last: {}} if first != last else {first: {}}
+        for j, mb in enumerate(_split(inputs, m)):
+            feeds[first][f"x/{j}"] = jax.tree.leaves(mb)
+        for j, mb in enumerate(_split(targets, m)):
+            feeds[last][f"t/{j}"] = jax.tree.leaves(mb)
+        t0 = time.perf_counter()
+        self._runs += 1
+        results = self.cluster.run(plan, self._runs, feeds, self._lowered.fetch, trace)
+        self._last_step_s = time.perf_counter() - t0
+        return results
+
+    def _metrics(self, results, trace: bool) -> dict:
+        m, last = self.num_microbatches, self.home[-1]
+        step_s = self._last_step_s
+        losses = [results[last].fetched[f"loss/{j}"][0] for j in range(m)]
+        metrics = {"step": self._step, "loss": float(np.mean(np.asarray(losses, np.float64))), "step_s": step_s}
+        if self.max_grad_norm is not None:
+            sq = [results[0].fetched[f"sq{k}"][0] for k in range(self.pipeline.num_stages)]
+            metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
+        if trace:
+            metrics["events"] = [r.events for r in results]
+        return metrics
+
+    def params(self) -> list:
+        """Per stage, its nnx.Param state with host (numpy) arrays, fetched from its slice."""
+        self._check_open()
+        out = []
+        for k, fn in enumerate(self.pipeline.fns):
+            leaves = self.cluster.get(self.home[k], [f"p{k}"])[f"p{k}"]
+            out.append(jax.tree.unflatten(fn.param_tree, list(leaves)))
+        return out
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.cluster.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("this Trainer is closed")
+
+
+def _split(tree, m: int) -> list:
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [np.split(np.asarray(l), m, axis=0) for l in leaves]
+    return [jax.tree.unflatten(treedef, [p[j] for p in parts]) for j in range(m)]

@@ -1,0 +1,1 @@
+"""Recipes: config files -> a training run."""

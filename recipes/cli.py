@@ -1,0 +1,26 @@
+"""The `mpmd` command: `mpmd train`, `mpmd worker`, `mpmd schedule`. Logic lives in modules."""
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "schedule": ("mpmd.schedule_cli", "simulate a pipeline schedule and draw its timeline"),
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:10s} {doc}" for name, (_, doc) in COMMANDS.items()]
+        msg = "usage: mpmd COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"error: unknown command {argv[0]!r}; allowed: {', '.join(COMMANDS)}\n\n{msg}", file=sys.stderr)
+            return 2
+        print(msg)
+        return 0
+    import importlib
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+"""The one typed schema for a training run: every default, its description, and its checks.
+
+Config flow (after MaxText): defaults live here and only here; a YAML file holds only the keys
+it overrides; `key=value` arguments override the file; unknown keys are rejected with the
+nearest valid key suggested; the resolved config is written to the run directory (`dump`).
+Every check a user's config can fail runs in `load`, before any worker starts, and raises
+`ConfigError` naming the key and what is allowed.
+"""
+
+import difflib
+import hashlib
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config the user wrote is invalid; the message names the key and what is allowed."""
+
+
+class _Section(BaseModel):
+    # strict: YAML already gives typed values, so "5" for an int is a mistake, not a coercion.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelConfig(_Section):
+    kind: Literal["gpt", "mlp", "custom"] = Field("gpt", description="which model to build")
+    vocab_size: int = Field(256, gt=0, description="gpt token vocabulary; 256 = one token per byte")
+    d_model: int = Field(64, gt=0, description="gpt residual stream width")
+    num_heads: int = Field(2, gt=0, description="gpt attention heads; must divide d_model")
+    num_layers: int = Field(4, gt=0, description="transformer blocks (gpt) or hidden layers (mlp)")
+    seq_len: int = Field(64, ge=2, description="gpt context length in tokens")
+    mlp_ratio: int = Field(4, gt=0, description="gpt feed-forward width as a multiple of d_model")
+    in_features: int = Field(16, gt=0, description="mlp input width")
+    hidden_features: int = Field(64, gt=0, description="mlp hidden width")
+    out_features: int = Field(4, gt=0, description="mlp output width")
+    module: str | None = Field(
+        None, description="custom: 'package.module:function' that builds a list of nnx stages")
+
+
+class DataConfig(_Section):
+    source: Literal["stdlib", "files", "synthetic"] = Field(
+        "stdlib", description="stdlib = this Python's own .py files as bytes; no download")
+    paths: list[str] = Field([], description="files source: file paths, directories or globs")
+    eval_fraction: float = Field(
+        0.05, gt=0, lt=1, description="last fraction of the byte corpus held out for eval")
+    max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, gt=0, description="optimizer steps; step k is the k-th update")
+    batch_size: int = Field(16, gt=0, description="sequences (or examples) per global batch")
+    eval_every: int = Field(50, ge=0, description="eval every N steps and at the end; 0 = never")
+    eval_batches: int = Field(4, gt=0, description="batches averaged per eval")
+    sample_tokens: int = Field(200, ge=0, description="greedy sample length at the end; 0 = none")
+    sample_prompt: str = Field("def ", description="text the final sample continues")
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optax optimizer")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay; adamw only")
+    b1: float = Field(0.9, ge=0, lt=1, description="adam beta1; sgd momentum (0 = plain sgd)")
+    b2: float = Field(0.95, ge=0, lt=1, description="adam beta2; unused by sgd")
+    warmup_steps: int = Field(
+        20, ge=0, description="linear warmup from 0 to lr over this many steps, then constant")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="clip the global gradient norm to this; null = no clipping")
+
+
+class PipelineConfig(_Section):
+    num_stages: int = Field(2, gt=0, description="pipeline stages the model is split into")
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"] = Field(
+        "1f1b", description="order of forward/backward tasks on each slice")
+    num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
+    virtual_stages: int = Field(
+        1, gt=0, description="stages per slice; >= 2 only for interleaved-1f1b")
+
+
+class ClusterConfig(_Section):
+    backend: Literal["inprocess", "local", "static", "ray"] = Field(
+        "local", description="inprocess = threads; local = processes here; static = by address")
+    num_workers: int | None = Field(
+        None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
+    addresses: list[str] = Field([], description="static: one 'host:port' per worker")
+    token_file: str | None = Field(
+        None, description="file holding the cluster secret; static needs one, others generate it")
+    devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
+    threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(50, ge=0, description="save every N steps and at the end; 0 = end only")
+    keep: int = Field(2, gt=0, description="newest committed checkpoints kept on disk")
+
+
+class LogConfig(_Section):
+    every: int = Field(10, gt=0, description="log a line (and flush scalars) every N steps")
+    trace_steps: list[typing.Annotated[int, Field(gt=0)]] = Field(
+        [2, 3], description="steps whose per-task timeline is written as a Perfetto trace")
+    tensorboard: bool = Field(True, description="also write scalars to <run_dir>/tb")
+    progress: Literal["auto", "bar", "lines"] = Field(
+        "auto", description="auto = tqdm bar on a terminal, log lines otherwise")
+
+
+_ADDRESS = re.compile(r"^[^\s:]+:(\d{1,5})$")
+_MODULE_FN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class Config(_Section):
+    run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
+    seed: int = Field(0, description="seeds parameter init and data order")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes (= pipeline slices): each holds virtual_stages stages."""
+        return self.pipeline.num_stages // self.pipeline.virtual_stages
+
+    def hash(self, exclude: typing.Iterable[str] = ()) -> str:
+        """12 hex digits of sha256 over the resolved config, minus the dotted keys in exclude."""
+        values = self.model_dump(mode="json")
+        for key in exclude:
+            *sections, leaf = key.split(".")
+            node = values
+            for section in sections:
+                node = node[section]
+            del node[leaf]
+        text = json.dumps(values, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> "Config":
+        problems = _cross_field_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+def _cross_field_problems(c: Config) -> list[str]:
+    """Every cross-field inconsistency, each a full sentence; empty when the config is sound."""
+    m, p, t, d, cl = c.model, c.pipeline, c.train, c.data, c.cluster
+    out = []
+    if t.batch_size % p.num_microbatches:
+        out.append(f"train.batch_size={t.batch_size} must be divisible by "
+                   f"pipeline.num_microbatches={p.num_microbatches} (equal-sized microbatches)")
+    if p.num_stages % p.virtual_stages:
+        out.append(f"pipeline.num_stages={p.num_stages} must be divisible by "
+                   f"pipeline.virtual_stages={p.virtual_stages}")
+    interleaved = p.schedule == "interleaved-1f1b"
+    if interleaved and p.virtual_stages < 2:
+        out.append(f"pipeline.schedule='interleaved-1f1b' needs pipeline.virtual_stages >= 2, "
+                   f"got {p.virtual_stages}")
+    if not interleaved and p.virtual_stages != 1:
+        out.append(f"pipeline.virtual_stages={p.virtual_stages} needs pipeline.schedule="
+                   f"'interleaved-1f1b'; schedule '{p.schedule}' allows only virtual_stages=1")
+    num_slices = max(1, p.num_stages // p.virtual_stages)
+    if p.schedule != "gpipe" and p.num_microbatches < num_slices:
+        out.append(f"pipeline.schedule='{p.schedule}' needs pipeline.num_microbatches >= the "
+                   f"number of slices ({num_slices}), got {p.num_microbatches}")
+    if interleaved and p.num_microbatches % num_slices:
+        out.append(f"pipeline.schedule='interleaved-1f1b' needs pipeline.num_microbatches to be a "
+                   f"multiple of the number of slices ({num_slices}), got {p.num_microbatches}")
+    if m.kind == "gpt":
+        if m.d_model % m.num_heads:
+            out.append(f"model.d_model={m.d_model} must be divisible by "
+                       f"model.num_heads={m.num_heads}")
+        if p.num_stages > m.num_layers + 2:
+            out.append(f"pipeline.num_stages={p.num_stages} is more than the gpt's "
+                       f"{m.num_layers + 2} layers (embed + {m.num_layers} blocks + head)")
+    if m.kind == "mlp":
+        if p.num_stages > m.num_layers + 1:
+            out.append(f"pipeline.num_stages={p.num_stages} is more than the mlp's "
+                       f"{m.num_layers + 1} layers ({m.num_layers} hidden + output)")
+        if d.source != "synthetic":
+            out.append(f"model.kind='mlp' regresses synthetic data: data.source must be "
+                       f"'synthetic', got '{d.source}'")
+        if t.sample_tokens:
+            out.append(f"model.kind='mlp' cannot sample text: train.sample_tokens must be 0, "
+                       f"got {t.sample_tokens}")
+    if m.kind == "custom" and not (m.module and _MODULE_FN.match(m.module)):
+        out.append(f"model.kind='custom' needs model.module='package.module:function', "
+                   f"got {m.module!r}")
+    if m.kind != "custom" and m.module is not None:
+        out.append(f"model.module is only used by model.kind='custom', got kind '{m.kind}'")
+    if d.source in ("stdlib", "files") and m.kind != "mlp" and m.vocab_size < 256:
+        out.append(f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must "
+                   f"be >= 256, got {m.vocab_size}")
+    if (d.source == "files") != bool(d.paths):
+        out.append("data.paths must be non-empty when data.source='files' and empty otherwise, "
+                   f"got source '{d.source}' with {len(d.paths)} paths")
+    if t.sample_tokens and not t.sample_prompt:
+        out.append("train.sample_prompt must be non-empty when train.sample_tokens > 0")
+    if c.optimizer.name != "adamw" and c.optimizer.weight_decay:
+        out.append(f"optimizer.weight_decay={c.optimizer.weight_decay} only applies to 'adamw'; "
+                   f"set it to 0 for '{c.optimizer.name}'")
+    if cl.num_workers is not None and cl.num_workers != num_slices:
+        out.append(f"cluster.num_workers={cl.num_workers} must equal pipeline.num_stages // "
+                   f"pipeline.virtual_stages = {num_slices} (or be null)")
+    if cl.backend == "static":
+        if len(cl.addresses) != num_slices:
+            out.append(f"cluster.backend='static' needs cluster.addresses with one 'host:port' "
+                       f"per worker ({num_slices}), got {len(cl.addresses)}")
+        if not cl.token_file:
+            out.append("cluster.backend='static' needs cluster.token_file (the secret the "
+                       "workers were started with)")
+    elif cl.addresses:
+        out.append(f"cluster.addresses is only used by cluster.backend='static', "
+                   f"got backend '{cl.backend}'")
+    for address in cl.addresses:
+        match = _ADDRESS.match(address)
+        if not match or not 0 < int(match.group(1)) < 65536:
+            out.append(f"cluster.addresses entry {address!r} must be 'host:port' "
+                       f"with port 1..65535")
+    return out
+
+
+# PyYAML follows YAML 1.1, where "3e-3" (no dot) is a string; accept it as the float it means.
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)(?:\.[\d_]*)?[eE][-+]?\d+$"), list("-+0123456789"))
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def _leaf_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections included: ['run_dir', 'model', 'model.kind', ..]."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += _leaf_keys(field.annotation, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _leaf_keys(), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else "; run with --help-config for all keys"
+    return ConfigError(f"unknown key '{key}'{hint}")
+
+
+def _check_keys(values: dict, model: type[BaseModel] = Config, prefix: str = "") -> None:
+    """Rejects unknown keys anywhere in values, before pydantic, so the suggestion is ours."""
+    for key, value in values.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            raise _unknown_key(f"{prefix}{key}")
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            if isinstance(value, dict):
+                raise ConfigError(f"'{prefix}{key}' is a value, not a section: cannot set "
+                                  f"'{prefix}{key}.{next(iter(value), '')}'")
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{prefix}{key}' is a section, not a value: set its keys, "
+                              f"e.g. {prefix}{key}.{next(iter(section.model_fields))}=...")
+        _check_keys(value, section, f"{prefix}{key}.")
+
+
+def _set(values: dict, key: str, value: Any) -> None:
+    """values[a][b][c] = value for key 'a.b.c', creating sections; a leaf is never a section."""
+    *sections, leaf = key.split(".")
+    node = values
+    for depth, section in enumerate(sections):
+        child = node.setdefault(section, {})
+        if child is None:
+            child = node[section] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{'.'.join(sections[:depth + 1])}' is a value, not a section: "
+                              f"cannot set '{key}'")
+        node = child
+    node[leaf] = value
+
+
+_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+               "string_type": "a string", "list_type": "a list", "dict_type": "a mapping",
+               "model_type": "a mapping", "int_from_float": "an integer"}
+_BOUND_WORDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
+                "less_than_equal": "<="}
+
+
+def _describe_error(error: dict) -> str:
+    """One pydantic error -> 'train.steps must be an integer, got 'abc''."""
+    key = ""
+    for part in error["loc"]:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    kind, got, ctx = error["type"], error.get("input"), error.get("ctx", {})
+    if kind == "value_error":  # our cross-field checks: already full sentences
+        return str(ctx.get("error", error["msg"]))
+    if kind == "extra_forbidden":
+        return str(_unknown_key(key))
+    if kind in _TYPE_WORDS:
+        return f"{key} must be {_TYPE_WORDS[kind]}, got {got!r}"
+    if kind == "literal_error":
+        return f"{key} must be one of {ctx['expected']}, got {got!r}"
+    for bound, word in _BOUND_WORDS.items():
+        if kind == bound:
+            return f"{key} must be {word} {next(iter(ctx.values()))}, got {got!r}"
+    return f"{key}: {error['msg']}, got {got!r}"
+
+
+def validate(values: dict) -> Config:
+    """A nested dict of overrides -> Config, or ConfigError listing every problem."""
+    _check_keys(values)
+    try:
+        return Config.model_validate(values)
+    except ValidationError as e:
+        raise ConfigError("\n".join(_describe_error(err) for err in e.errors())) from None
+
+
+def _read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' not found") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror or e}") from None
+    try:
+        values = yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML: {e}") from None
+    if values is None:  # an empty file, or only comments: no overrides
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys to values, "
+                          f"got a {type(values).__name__}")
+    # A section with all its keys commented out parses as null: treat it as empty.
+    return {k: ({} if v is None and k in Config.model_fields and k not in ("run_dir", "seed")
+                else v) for k, v in values.items()}
+
+
+def load(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults <- YAML file at path (if any) <- 'dotted.key=value' overrides, validated.
+
+    Values are parsed as YAML: `train.steps=5`, `optimizer.max_grad_norm=null`,
+    `log.trace_steps=[1,2]`, `log.tensorboard=false`, `optimizer.lr=1e-3`.
+    """
+    values = _read_yaml(path) if path is not None else {}
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        key = key.strip()
+        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*", key):
+            raise ConfigError(f"override {override!r} must look like key=value, "
+                              f"e.g. train.steps=100")
+        try:
+            value = _parse_value(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML "
+                              f"(quote strings that contain ':' or brackets)") from None
+        _set(values, key, value)
+    return validate(values)
+
+
+def dump(config: Config, path: str | Path) -> Path:
+    """Writes the fully resolved config as YAML that `load` reads back to an equal Config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# resolved mpmd config (hash {config.hash()}); every key, defaults included\n"
+    path.write_text(header + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def _allowed(annotation: Any) -> str:
+    if typing.get_origin(annotation) is Literal:
+        return " (one of: " + ", ".join(typing.get_args(annotation)) + ")"
+    return ""
+
+
+def describe(model: type[BaseModel] = Config, indent: str = "") -> str:
+    """Every key with its default and description, as YAML (the defaults file nobody edits)."""
+    lines = []
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            lines.append(f"{indent}{name}:")
+            lines.append(describe(field.annotation, indent + "  "))
+            continue
+        value = yaml.safe_dump(field.default, default_flow_style=True).strip()
+        value = value.removesuffix("\n...").removesuffix("...").strip()
+        lines.append(f"{indent}{name}: {value}  # {field.description}{_allowed(field.annotation)}")
+    return "\n".join(lines)

@@ -1,0 +1,240 @@
+"""What a run leaves behind for people: metrics.jsonl, TensorBoard scalars, progress, traces.
+
+Named run_log (not logging) so it never shadows the standard library's `logging`.
+
+metrics.jsonl holds one JSON object per step, exactly once: a run that resumes from a
+checkpoint first drops the lines past that checkpoint (`truncate_after`), and a step written
+twice replaces its line, so the file always describes the updates that landed in the state.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, NamedTuple, Sequence, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class Event(NamedTuple):
+    """One timed task on one slice, in wall-clock nanoseconds (any 4-tuple in this order works)."""
+    name: str
+    kind: str  # "run" | "recv" | "send"
+    start_ns: int
+    end_ns: int
+
+
+def _plain(value):
+    """numpy / jax scalars -> Python numbers, so json can write them."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not a number")
+
+
+def _parse_lines(path: Path) -> list[dict]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):  # torn final append from a crash: that step never counted
+                break
+            raise ValueError(f"{path}:{number} is not a JSON object: {line[:80]!r}") from None
+    return records
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    """Every step's metrics in file order, each a dict with at least 'step'."""
+    return _parse_lines(Path(run_dir) / METRICS_FILE)
+
+
+class MetricsLog:
+    """Appends {"step": k, **metrics} per step to <run_dir>/metrics.jsonl, one line per step."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._records = {r["step"]: r for r in _parse_lines(self.path)}
+        self._rewrite()  # drops a torn last line, if a crash left one
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> None:
+        record = {"step": int(step), **metrics}
+        replaces = record["step"] in self._records
+        self._records[record["step"]] = record
+        if replaces:
+            self._rewrite()
+        else:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, default=_plain) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Forgets every step > step (a resume from the checkpoint at `step` redoes them)."""
+        self._records = {k: r for k, r in self._records.items() if k <= step}
+        self._rewrite()
+
+    def records(self) -> list[dict]:
+        return list(self._records.values())
+
+    def _rewrite(self) -> None:
+        # Temp file + os.replace: a crash mid-rewrite leaves the old file or the new, never half.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w") as f:
+            f.writelines(json.dumps(r, default=_plain) + "\n" for r in self._records.values())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+class TensorBoard:
+    """Numeric metrics as TensorBoard scalars under <run_dir>/tb (tensorboardX)."""
+
+    def __init__(self, run_dir: str | Path):
+        from tensorboardX import SummaryWriter  # imported here: only runs that want it pay
+        self._writer = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> None:
+        for name, value in metrics.items():
+            if hasattr(value, "item"):  # numpy / jax scalar
+                value = value.item()
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(name, float(value), step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _fmt(value) -> str:
+    value = float(value)
+    if value != value or math.isinf(value):
+        return str(value)
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}" if abs(value) < 1e-2 \
+        else f"{value:.2f}"
+
+
+class Progress:
+    """A tqdm bar (loss, tok/s, ETA) on a terminal, else one line every `every` steps.
+
+    `update(step, metrics)` takes the step just completed (1-based) and that step's metrics;
+    tok/s is measured here from tokens_per_step and the wall time between updates.
+    """
+
+    def __init__(self, total_steps: int, tokens_per_step: int, mode: str = "auto",
+                 every: int = 10, start_step: int = 0, stream: TextIO | None = None):
+        if mode not in ("auto", "bar", "lines"):
+            raise ValueError(f"progress mode must be 'auto', 'bar' or 'lines', got {mode!r}")
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.mode, self.total, self.every = mode, total_steps, every
+        self.tokens_per_step = tokens_per_step
+        self._last_step, self._last_time = start_step, time.perf_counter()
+        self._latest: dict[str, float] = {}  # last seen value of each metric (eval is rarer)
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream,
+                             unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Mapping[str, object]) -> None:
+        now = time.perf_counter()
+        elapsed, done = now - self._last_time, step - self._last_step
+        self._latest.update({k: v for k, v in metrics.items() if k != "step"})
+        if elapsed > 0 and done > 0:
+            self._latest["tok/s"] = self.tokens_per_step * done / elapsed
+        if self._bar is not None:
+            shown = {k: _fmt(self._latest[k]) for k in ("loss", "eval_loss", "tok/s")
+                     if k in self._latest}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(done)
+        elif step % self.every == 0 or step == self.total:
+            self.stream.write(self.line(step) + "\n")
+            self.stream.flush()
+        else:
+            return  # lines mode between log steps: keep measuring over the whole interval
+        self._last_step, self._last_time = step, now
+
+    def line(self, step: int) -> str:
+        """'step 10/200 loss 3.21 eval_loss 3.30 tok/s 1234 bubble 0.21'."""
+        parts = [f"step {step}/{self.total}"]
+        for key in ("loss", "eval_loss", "tok/s", "bubble"):
+            if key in self._latest:
+                parts.append(f"{key} {_fmt(self._latest[key])}")
+        return " ".join(parts)
+
+    def message(self, text: str) -> None:
+        """Prints text without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def write_trace(path: str | Path, events_per_step: Mapping[int, Sequence[Iterable]]) -> Path:
+    """Chrome-trace / Perfetto JSON: one process per slice, one thread per event kind.
+
+    events_per_step: {step: [slice 0's events, slice 1's events, ..]}, each event a
+    (name, kind, start_ns, end_ns) tuple. Times become microseconds after the earliest event.
+    Kinds get their own threads because a posted receive overlaps the compute it hides behind,
+    and overlapping events on one thread draw as a broken stack.
+    """
+    starts = [e[2] for slices in events_per_step.values() for events in slices for e in events]
+    origin_ns = min(starts, default=0)
+    num_slices = max((len(slices) for slices in events_per_step.values()), default=0)
+    kinds: dict[str, int] = {}
+    trace = []
+    for step, slices in sorted(events_per_step.items()):
+        for pid, events in enumerate(slices):
+            for name, kind, start_ns, end_ns in events:
+                tid = kinds.setdefault(kind, len(kinds))
+                trace.append({"name": name, "cat": kind, "ph": "X", "pid": pid, "tid": tid,
+                              "ts": (start_ns - origin_ns) / 1e3,
+                              "dur": max(0, end_ns - start_ns) / 1e3,
+                              "args": {"step": int(step)}})
+    metadata = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"slice {pid}"}}
+                for pid in range(num_slices)]
+    metadata += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": kind}}
+                 for pid in range(num_slices) for kind, tid in kinds.items()]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": metadata + trace, "displayTimeUnit": "ms"}))
+    return path
+
+
+def measured_bubble(events_per_slice: Sequence[Iterable], kinds: Sequence[str] = ("run",)) -> float:
+    """1 - busy / (num_slices * span), over events whose kind is in kinds.
+
+    busy sums, per slice, the union of its intervals (so overlapping events are not counted
+    twice); span = latest end - earliest start over all slices. A slice with no such events
+    counts as idle for the whole span.
+    """
+    intervals = [sorted((e[2], e[3]) for e in events if e[1] in kinds)
+                 for events in events_per_slice]
+    flat = [iv for slice_ivs in intervals for iv in slice_ivs]
+    if not flat:
+        raise ValueError(f"no events of kinds {tuple(kinds)} to measure a bubble from")
+    span = max(end for _, end in flat) - min(start for start, _ in flat)
+    if span <= 0:
+        return 0.0
+    busy = 0
+    for slice_ivs in intervals:
+        covered_to = None
+        for start, end in slice_ivs:
+            if covered_to is not None and start < covered_to:
+                start = covered_to  # skip the part already counted
+            if end > start:
+                busy += end - start
+            covered_to = end if covered_to is None else max(covered_to, end)
+    return 1 - busy / (len(intervals) * span)

@@ -1,0 +1,143 @@
+"""The per-slice executor: walks one instruction stream per step.
+
+The same class serves the in-process cluster (one executor per thread) and the worker
+process (one executor behind the gRPC service). It owns its slice's buffers, including the
+persistent ones (parameters, optimizer state), which never leave the slice unless fetched.
+
+One step:
+1. every Recv of the stream is posted at once, so each transfer runs while earlier
+   instructions compute;
+2. the stream is walked in order; Run dispatches a program (JAX dispatch is asynchronous, so
+   the walk runs ahead of the device), Send hands the bundle to the transport without
+   waiting for the receiver, Delete frees a buffer after its last use;
+3. the fetched buffers come back to the caller as host arrays, with the task timings when
+   tracing.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from runtime import programs as programs_lib
+from runtime.instructions import Delete, Instruction, Recv, Run, Send
+
+
+class Event(NamedTuple):
+    """One traced interval on a slice; times are wall-clock ns (comparable across processes)."""
+    name: str        # a Run's label, "recv <key>" or "send <key>"
+    kind: str        # "run" | "recv" | "send"
+    start_ns: int
+    end_ns: int
+
+
+class StepResult(NamedTuple):
+    fetched: dict[str, tuple[np.ndarray, ...]]
+    events: tuple[Event, ...]
+    wall_s: float    # time from the step's start to its last fetched array being ready
+
+
+class Aborted(RuntimeError):
+    """The step was aborted (a peer slice was lost); the slice's buffers are undefined."""
+
+
+class Executor:
+    def __init__(self, slice_index: int, device: jax.Device, transport):
+        self.slice_index = slice_index
+        self.device = device
+        self.transport = transport
+        self.programs: dict[str, programs_lib.Program] = {}
+        self.plans: dict[str, tuple[Instruction, ...]] = {}
+        self.buffers: dict[str, tuple[jax.Array, ...]] = {}
+        self._abort = threading.Event()
+
+    # -- state -----------------------------------------------------------------------
+    def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
+        for name, spec in specs.items():
+            self.programs[name] = programs_lib.load(spec, self.device)
+
+    def install_plan(self, name: str, stream: list[Instruction]) -> None:
+        for i, ins in enumerate(stream):
+            if isinstance(ins, Run) and ins.program not in self.programs:
+                raise ValueError(f"plan {name!r} instruction {i} runs unknown program "
+                                 f"{ins.program!r}; loaded: {sorted(self.programs)[:20]}")
+        self.plans[name] = tuple(stream)
+
+    def put(self, name: str, arrays) -> None:
+        self.buffers[name] = tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a,
+                                                  self.device) for a in arrays)
+
+    def get(self, names) -> dict[str, tuple[np.ndarray, ...]]:
+        missing = [n for n in names if n not in self.buffers]
+        if missing:
+            raise KeyError(f"slice {self.slice_index} has no buffer(s) {missing}")
+        return {n: tuple(np.asarray(a) for a in self.buffers[n]) for n in names}
+
+    def delete(self, names) -> None:
+        for n in names:
+            self.buffers.pop(n, None)
+
+    def abort(self) -> None:
+        """Make a running step raise `Aborted` at its next wait."""
+        self._abort.set()
+
+    # -- one step --------------------------------------------------------------------
+    def run(self, plan: str, step: int, feeds: dict[str, tuple] | None = None,
+            fetch: tuple[str, ...] = (), trace: bool = False) -> StepResult:
+        if plan not in self.plans:
+            raise ValueError(f"slice {self.slice_index}: no plan {plan!r}; installed: {sorted(self.plans)}")
+        self._abort.clear()
+        t0 = time.time_ns()
+        stream = self.plans[plan]
+        buffers = self.buffers
+        for name, arrays in (feeds or {}).items():
+            self.put(name, arrays)
+        prefix = f"{step}:"
+        pending = {ins.buffer: self.transport.recv(prefix + ins.key, ins.src, ins.specs)
+                   for ins in stream if isinstance(ins, Recv)}
+        events: list[Event] = []
+        try:
+            for ins in stream:
+                if isinstance(ins, Run):
+                    try:
+                        args = [buffers[n] for n in ins.inputs]
+                    except KeyError as e:
+                        raise ValueError(f"slice {self.slice_index} plan {plan!r}: {ins.label or ins.program} "
+                                         f"reads buffer {e.args[0]!r}, which does not exist") from None
+                    start = time.time_ns() if trace else 0
+                    with jax.default_device(self.device):
+                        outs = self.programs[ins.program](*args)
+                    assert len(outs) == len(ins.outputs), (ins, len(outs))
+                    for name, bundle in zip(ins.outputs, outs):
+                        buffers[name] = tuple(bundle)
+                    if trace:
+                        jax.block_until_ready(outs)
+                        events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))
+                elif isinstance(ins, Recv):
+                    start = time.time_ns() if trace else 0
+                    buffers[ins.buffer] = self._wait(pending.pop(ins.buffer), ins)
+                    if trace:
+                        events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
+                elif isinstance(ins, Send):
+                    self.transport.send(prefix + ins.key, buffers[ins.buffer], ins.dst)
+                else:
+                    assert isinstance(ins, Delete)
+                    buffers.pop(ins.buffer, None)
+            fetched = {n: tuple(np.asarray(a) for a in buffers[n]) for n in fetch}
+        finally:
+            for fut in pending.values():
+                fut.cancel()
+        return StepResult(fetched, tuple(events), (time.time_ns() - t0) / 1e9)
+
+    def _wait(self, fut, ins: Recv):
+        # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
+        while True:
+            if self._abort.is_set():
+                raise Aborted(f"slice {self.slice_index}: step aborted while waiting for {ins.key!r}")
+            try:
+                return tuple(fut.result(timeout=0.05))
+            except TimeoutError:
+                continue

@@ -1,0 +1,139 @@
+"""InProcessCluster: every slice is an executor on its own thread and its own JAX device.
+
+Transfers between slices are in-memory hand-offs (a device_put onto the receiver's device).
+It runs exactly the programs and instruction streams the multi-process clusters run, so the
+two are pinned to identical results by the tests.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+
+from runtime.executor import Aborted, Executor, StepResult
+
+
+class _Hub:
+    """Rendezvous of sends and receives by key; whichever side comes first creates the slot."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slots: dict[str, Future] = {}
+
+    def slot(self, key: str) -> Future:
+        with self._lock:
+            fut = self._slots.get(key)
+            if fut is None:
+                fut = self._slots[key] = Future()
+            return fut
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._slots.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()
+
+
+class MemoryTransport:
+    def __init__(self, hub: _Hub, device: jax.Device):
+        self._hub = hub
+        self._device = device
+
+    def send(self, key: str, arrays, dst_slice: int) -> None:
+        self._hub.slot(key).set_result(tuple(arrays))
+
+    def recv(self, key: str, src_slice: int, specs) -> Future:
+        out: Future = Future()
+        device = self._device
+
+        def land(src: Future):
+            self._hub.drop(key)
+            if src.cancelled():
+                out.cancel()
+            elif not out.cancelled():
+                # device_put is asynchronous: the copy waits for the producer on the device.
+                out.set_result(tuple(jax.device_put(a, device) for a in src.result()))
+        self._hub.slot(key).add_done_callback(land)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def devices_for(num_slices: int, devices=None) -> list[jax.Device]:
+    devices = list(devices) if devices is not None else jax.devices()
+    if len(devices) < num_slices:
+        raise ValueError(
+            f"InProcessCluster needs one JAX device per slice: {num_slices} slices, "
+            f"{len(devices)} device(s) available. On CPU, get more by setting "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_slices} before JAX starts.")
+    return devices[:num_slices]
+
+
+class InProcessCluster:
+    """All slices in this process. `devices` defaults to jax.devices()."""
+
+    def __init__(self, devices=None):
+        self._devices = devices
+        self.executors: list[Executor] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._hub = _Hub()
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.executors)
+
+    def start(self, num_slices: int) -> None:
+        if self.executors:
+            raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
+        devices = devices_for(num_slices, self._devices)
+        self.executors = [Executor(i, d, MemoryTransport(self._hub, d)) for i, d in enumerate(devices)]
+        self._pool = ThreadPoolExecutor(num_slices, thread_name_prefix="mpmd-slice")
+
+    def load_programs(self, slice_index: int, specs) -> None:
+        self.executors[slice_index].load_programs(specs)
+
+    def install_plan(self, slice_index: int, name: str, stream) -> None:
+        self.executors[slice_index].install_plan(name, stream)
+
+    def put(self, slice_index: int, name: str, arrays) -> None:
+        self.executors[slice_index].put(name, arrays)
+
+    def get(self, slice_index: int, names) -> dict:
+        return self.executors[slice_index].get(names)
+
+    def delete(self, slice_index: int, names) -> None:
+        self.executors[slice_index].delete(names)
+
+    def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+            trace: bool = False) -> list[StepResult]:
+        futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace)
+                   for i, ex in enumerate(self.executors)]
+        return gather(futures, on_error=lambda: [ex.abort() for ex in self.executors],
+                      cleanup=self._hub.clear)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.executors = []
+
+
+def gather(futures: list[Future], on_error, cleanup=lambda: None) -> list:
+    """Results of per-slice futures in order. On the first failure, abort the rest (they may
+    be waiting for data the failed slice will never send), wait for them, and re-raise the
+    root cause rather than the aborts it triggered."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    if all(f.exception() is None for f in done) and len(done) == len(futures):
+        return [f.result() for f in futures]
+    on_error()
+    wait(futures)
+    cleanup()
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    root = [e for e in errors if not isinstance(e, Aborted)]
+    raise (root or errors)[0]

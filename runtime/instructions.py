@@ -1,0 +1,138 @@
+"""The instruction set a slice executes, as plain records.
+
+A *plan* is one ordered instruction stream per slice. The runtime walks it without knowing
+what a stage or a microbatch is: it runs programs on named buffers, moves buffers between
+slices, and frees them. Every buffer is a *bundle*: a tuple of arrays (a flattened pytree),
+so a program's inputs and outputs are bundles too.
+
+Records are NamedTuples of str/int/tuples so a plan can be printed, diffed, validated and
+sent over the wire as JSON (see `to_json` / `from_json`); nothing here is pickled.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Union
+
+
+class Spec(NamedTuple):
+    """Shape and dtype of one array in a bundle (dtype as a numpy name, e.g. 'float32')."""
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class Run(NamedTuple):
+    """Run `program` on the input bundles, bind its output bundles to `outputs`."""
+    program: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    label: str = ""          # what a trace shows, e.g. "F s1 mb3"
+
+
+class Send(NamedTuple):
+    """Make `buffer` available to slice `dst` under `key`. Never blocks the sender."""
+    buffer: str
+    dst: int
+    key: str
+
+
+class Recv(NamedTuple):
+    """Bind `buffer` to what slice `src` sends under `key`.
+
+    Receives are posted ahead of need (when the step starts), so the transfer runs while
+    the slice computes earlier instructions; the instruction itself only marks where the
+    stream first needs the data.
+    """
+    buffer: str
+    src: int
+    key: str
+    specs: tuple[Spec, ...]
+
+
+class Delete(NamedTuple):
+    """Free `buffer` (its last use has passed)."""
+    buffer: str
+
+
+Instruction = Union[Run, Send, Recv, Delete]
+KINDS = {"run": Run, "send": Send, "recv": Recv, "delete": Delete}
+_NAMES = {cls: name for name, cls in KINDS.items()}
+
+
+def buffers_read(ins: Instruction) -> tuple[str, ...]:
+    if isinstance(ins, Run):
+        return ins.inputs
+    if isinstance(ins, Send):
+        return (ins.buffer,)
+    return ()
+
+
+def buffers_written(ins: Instruction) -> tuple[str, ...]:
+    if isinstance(ins, Run):
+        return ins.outputs
+    if isinstance(ins, Recv):
+        return (ins.buffer,)
+    return ()
+
+
+def with_deletes(stream: list[Instruction], keep: set[str] | frozenset[str]) -> list[Instruction]:
+    """Insert a Delete after the last read of every buffer not in `keep`.
+
+    `keep` names the buffers that outlive the step (parameters, optimizer state) or that the
+    controller fetches when the step ends. A buffer written and never read is freed at once.
+    """
+    last_use: dict[str, int] = {}
+    for i, ins in enumerate(stream):
+        for name in buffers_written(ins) + buffers_read(ins):
+            last_use[name] = i
+    frees: dict[int, list[str]] = {}
+    for name, i in last_use.items():
+        if name not in keep:
+            frees.setdefault(i, []).append(name)
+    out: list[Instruction] = []
+    for i, ins in enumerate(stream):
+        out.append(ins)
+        out.extend(Delete(name) for name in sorted(frees.get(i, ())))
+    return out
+
+
+def to_json(ins: Instruction) -> list:
+    """[kind, field, ...] with tuples as lists: a stable, language-neutral wire form."""
+    fields = list(ins)
+    if isinstance(ins, Recv):
+        fields[3] = [[list(s.shape), s.dtype] for s in ins.specs]
+    return [_NAMES[type(ins)], *[list(f) if isinstance(f, tuple) else f for f in fields]]
+
+
+def from_json(item: list) -> Instruction:
+    """Inverse of `to_json`; raises ValueError naming what is malformed."""
+    if not isinstance(item, list) or not item or item[0] not in KINDS:
+        raise ValueError(f"instruction must be [kind, ...] with kind in {sorted(KINDS)}, got {item!r:.200}")
+    cls = KINDS[item[0]]
+    fields = item[1:]
+    if len(fields) not in (len(cls._fields) - len(cls._field_defaults), len(cls._fields)):
+        raise ValueError(f"{item[0]} takes fields {cls._fields}, got {len(fields)} values")
+    try:
+        if cls is Run:
+            program, inputs, outputs, *rest = fields
+            ins = Run(_str(program), tuple(map(_str, inputs)), tuple(map(_str, outputs)), *map(_str, rest))
+        elif cls is Send:
+            ins = Send(_str(fields[0]), _int(fields[1]), _str(fields[2]))
+        elif cls is Recv:
+            specs = tuple(Spec(tuple(map(_int, s)), _str(d)) for s, d in fields[3])
+            ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs)
+        else:
+            ins = Delete(_str(fields[0]))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"malformed {item[0]} instruction {item!r:.200}: {e}") from None
+    return ins
+
+
+def _str(x) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _int(x) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise TypeError(f"expected an integer, got {type(x).__name__}")
+    return x

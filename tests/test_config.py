@@ -1,0 +1,175 @@
+"""recipes.config: defaults, overrides, every kind of bad config and its message, dump/load."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipes import config
+from recipes.config import Config, ConfigError
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _leaf_keys(values: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in values.items():
+        keys += _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
+    return keys
+
+
+def test_defaults_are_valid_and_describe_lists_every_key():
+    cfg = config.load(None, [])
+    assert cfg == Config()
+    assert cfg.num_workers == cfg.pipeline.num_stages // cfg.pipeline.virtual_stages == 2
+    text = config.describe()
+    described = yaml.safe_load(text)  # describe() is itself valid YAML of the defaults
+    assert described == cfg.model_dump(mode="json")
+    for key in _leaf_keys(cfg.model_dump()):
+        leaf = key.split(".")[-1]
+        line = next(line for line in text.splitlines() if line.strip().startswith(leaf + ":"))
+        assert "  # " in line and len(line.split("  # ", 1)[1]) > 5, key
+    assert "(one of: gpipe, 1f1b, interleaved-1f1b, zb-h1)" in text
+
+
+def test_overrides_parse_nested_lists_null_bools_and_floats():
+    cfg = config.load(None, [
+        "train.steps=5", "optimizer.max_grad_norm=null", "log.trace_steps=[1, 2]",
+        "log.tensorboard=false", "optimizer.lr=1e-3", "seed=7", "train.sample_prompt=hello there",
+        "model={d_model: 32, num_heads: 4}", "optimizer.b1=0",
+    ])
+    assert cfg.train.steps == 5
+    assert cfg.optimizer.max_grad_norm is None
+    assert cfg.log.trace_steps == [1, 2]
+    assert cfg.log.tensorboard is False
+    assert cfg.optimizer.lr == pytest.approx(1e-3) and isinstance(cfg.optimizer.lr, float)
+    assert cfg.seed == 7 and cfg.train.sample_prompt == "hello there"
+    assert (cfg.model.d_model, cfg.model.num_heads, cfg.model.num_layers) == (32, 4, 4)
+    assert cfg.optimizer.b1 == 0.0
+
+
+def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("# comment\ntrain:\n  steps: 11\n  batch_size: 8\nlog:\n")
+    cfg = config.load(path, ["train.steps=12", "train.steps=13"])
+    assert (cfg.train.steps, cfg.train.batch_size) == (13, 8)
+    assert cfg.log == Config().log  # an empty section in YAML means "no overrides"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline.num_microbatch=4"],
+     "unknown key 'pipeline.num_microbatch'; did you mean 'pipeline.num_microbatches'?"),
+    (["num_microbatches=4"], "did you mean 'pipeline.num_microbatches'?"),
+    (["train.steps=abc"], "train.steps must be an integer, got 'abc'"),
+    (["train.steps=2.5"], "train.steps must be an integer, got 2.5"),
+    (["log.tensorboard=3"], "log.tensorboard must be true or false, got 3"),
+    (["log.trace_steps=[1, x]"], "log.trace_steps[1] must be an integer, got 'x'"),
+    (["model.kind=gtp"], "model.kind must be one of 'gpt', 'mlp' or 'custom', got 'gtp'"),
+    (["pipeline.schedule=1F1B"], "'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'"),
+    (["train.steps=0"], "train.steps must be > 0, got 0"),
+    (["model.seq_len=1"], "model.seq_len must be >= 2, got 1"),
+    (["data.eval_fraction=1.0"], "data.eval_fraction must be < 1"),
+    (["pipeline.num_microbatches=3"],
+     "train.batch_size=16 must be divisible by pipeline.num_microbatches=3"),
+    (["pipeline.virtual_stages=2"],
+     "pipeline.virtual_stages=2 needs pipeline.schedule='interleaved-1f1b'"),
+    (["pipeline.schedule=interleaved-1f1b"],
+     "pipeline.schedule='interleaved-1f1b' needs pipeline.virtual_stages >= 2, got 1"),
+    (["pipeline.num_stages=3", "pipeline.virtual_stages=2", "pipeline.schedule=interleaved-1f1b"],
+     "pipeline.num_stages=3 must be divisible by pipeline.virtual_stages=2"),
+    (["pipeline.num_stages=8", "pipeline.virtual_stages=2", "pipeline.schedule=interleaved-1f1b",
+      "pipeline.num_microbatches=8", "model.num_layers=6", "train.batch_size=24",
+      "pipeline.num_microbatches=6"],
+     "needs pipeline.num_microbatches to be a multiple of the number of slices (4), got 6"),
+    (["pipeline.num_stages=4", "pipeline.num_microbatches=2"],
+     "pipeline.schedule='1f1b' needs pipeline.num_microbatches >= the number of slices (4)"),
+    (["model.num_heads=3"], "model.d_model=64 must be divisible by model.num_heads=3"),
+    (["pipeline.num_stages=7"], "pipeline.num_stages=7 is more than the gpt's 6 layers"),
+    (["cluster.num_workers=3"], "cluster.num_workers=3 must equal"),
+    (["cluster.backend=static"], "cluster.backend='static' needs cluster.addresses"),
+    (["cluster.backend=static"], "cluster.backend='static' needs cluster.token_file"),
+    (["cluster.backend=static", "cluster.addresses=[a:1, b]", "cluster.token_file=t"],
+     "cluster.addresses entry 'b' must be 'host:port'"),
+    (["cluster.addresses=[a:1, b:2]"], "cluster.addresses is only used by cluster.backend"),
+    (["data.source=files"], "data.paths must be non-empty when data.source='files'"),
+    (["model.kind=mlp"], "data.source must be 'synthetic', got 'stdlib'"),
+    (["model.kind=custom"], "model.kind='custom' needs model.module='package.module:function'"),
+    (["model.vocab_size=100"], "model.vocab_size must be >= 256, got 100"),
+    (["optimizer.name=sgd"], "optimizer.weight_decay=0.01 only applies to 'adamw'"),
+    (["model=3"], "'model' is a section, not a value"),
+    (["train.steps.x=1"], "'train.steps' is a value, not a section"),
+    (["train.steps"], "override 'train.steps' must look like key=value"),
+    (["=5"], "must look like key=value"),
+    (["train steps=5"], "must look like key=value"),
+])
+def test_bad_config_is_rejected_with_a_message_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        config.load(None, overrides)
+    assert message in str(error.value)
+
+
+def test_config_error_is_a_value_error_and_lists_every_problem():
+    with pytest.raises(ValueError) as error:
+        config.load(None, ["train.steps=0", "model.num_heads=3"])
+    assert "train.steps" in str(error.value)
+    with pytest.raises(ValueError) as error:
+        config.load(None, ["cluster.backend=static", "pipeline.num_microbatches=3"])
+    assert str(error.value).count("\n") == 2  # three problems, one per line
+
+
+def test_valid_static_and_custom_configs_pass():
+    cfg = config.load(None, ["cluster.backend=static", "cluster.addresses=[10.0.0.1:7001, h:7002]",
+                             "cluster.token_file=/tmp/token", "cluster.num_workers=2"])
+    assert cfg.cluster.addresses == ["10.0.0.1:7001", "h:7002"]
+    cfg = config.load(None, ["model.kind=custom", "model.module=my_pkg.models:build_stages"])
+    assert cfg.model.module == "my_pkg.models:build_stages"
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file '.*nope.yaml' not found"):
+        config.load(tmp_path / "nope.yaml", [])
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of keys to values, got a list"):
+        config.load(tmp_path / "list.yaml", [])
+    (tmp_path / "bad.yaml").write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        config.load(tmp_path / "bad.yaml", [])
+    (tmp_path / "typo.yaml").write_text("optimiser:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown key 'optimiser'; did you mean 'optimizer'"):
+        config.load(tmp_path / "typo.yaml", [])
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        config.load(tmp_path, [])  # a directory
+
+
+def test_resolved_config_round_trips_through_dump_and_load(tmp_path):
+    cfg = config.load(CONFIGS / "gpt_small.yaml", ["optimizer.max_grad_norm=null",
+                                                   "log.trace_steps=[5]", "optimizer.lr=3e-5"])
+    path = config.dump(cfg, tmp_path / "run" / "config.yaml")
+    again = config.load(path, [])
+    assert again == cfg and again.hash() == cfg.hash()
+    assert path.read_text().startswith(f"# resolved mpmd config (hash {cfg.hash()})")
+
+
+def test_hash_is_stable_short_and_sensitive():
+    a, b = config.load(None, []), config.load(None, ["train.steps=201"])
+    assert a.hash() == Config().hash() and len(a.hash()) == 12
+    assert a.hash() != b.hash()
+    assert a.hash(exclude=["train.steps"]) == b.hash(exclude=["train.steps"])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_loads_and_holds_only_overrides(path):
+    cfg = config.load(path, [])
+    assert path.read_text().startswith("#")  # says what it is
+    defaults = Config().model_dump()
+    for key in _leaf_keys(yaml.safe_load(path.read_text())):
+        *sections, leaf = key.split(".")
+        default, value = defaults, cfg.model_dump()
+        for section in sections:
+            default, value = default[section], value[section]
+        assert value[leaf] != default[leaf], f"{path.name}: {key} restates its default"
+
+
+def test_shipped_configs_exist():
+    assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"gpt_tiny.yaml", "gpt_small.yaml",
+                                                         "mlp.yaml"}

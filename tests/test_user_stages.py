@@ -1,0 +1,98 @@
+"""Pipelines of hand-written stages and of the MLP train like their unpipelined model."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import mpmd
+from tests import reference
+
+
+class EmbedStage(nnx.Module):
+    def __init__(self, vocab, width, rngs):
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.embed(tokens)
+
+
+class WidenStage(nnx.Module):
+    """Changes the width, so the next stage's input differs from this one's."""
+
+    def __init__(self, d_in, d_out, rngs):
+        self.norm = nnx.LayerNorm(d_in, rngs=rngs)
+        self.proj = nnx.Linear(d_in, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.gelu(self.proj(self.norm(x)))
+
+
+class HeadStage(nnx.Module):
+    def __init__(self, width, vocab, rngs):
+        self.out = nnx.Linear(width, vocab, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x)
+
+
+class UserModel:
+    """Only so the reference can walk the same stages as layers."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(3)
+        self.stages = [EmbedStage(32, 12, rngs), WidenStage(12, 20, rngs), WidenStage(20, 28, rngs),
+                       HeadStage(28, 32, rngs)]
+
+    def layers(self):
+        return self.stages
+
+
+def token_batches(steps=3, batch=8, seq=6):
+    rng = np.random.default_rng(7)
+    return [(rng.integers(0, 32, (batch, seq)).astype(np.int32),
+             rng.integers(0, 32, (batch, seq)).astype(np.int32)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "gpipe"])
+def test_user_written_stages(name):
+    data = token_batches()
+    ref_losses, ref_grads, ref_params = reference.train(UserModel, models.lm_loss, data, optax.adamw(1e-3))
+    pipe = mpmd.Pipeline(UserModel().stages, models.lm_loss)
+    with mpmd.Trainer(pipe, optax.adamw(1e-3), schedule=name, num_microbatches=4) as trainer:
+        loss, grads = trainer.grads(*data[0])
+        assert loss == pytest.approx(ref_losses[0], rel=1e-5)
+        reference.assert_leaves_close(reference.stage_leaves(grads), ref_grads, 1e-5, what="gradients")
+        losses = [trainer.step(x, y)["loss"] for x, y in data]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        reference.assert_leaves_close(reference.stage_leaves(trainer.params()), ref_params, 1e-5)
+
+
+@pytest.mark.parametrize("name,p", [("1f1b", 2), ("zb-h1", 3), ("interleaved-1f1b", 2)])
+def test_mlp(name, p):
+    make = lambda: models.MLP(5, 16, 3, 2, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(12, 5)).astype(np.float32), rng.normal(size=(12, 2)).astype(np.float32))
+            for _ in range(3)]
+    ref_losses, ref_grads, ref_params = reference.train(make, models.mse_loss, data, optax.adamw(1e-3))
+    v = 2 if name == "interleaved-1f1b" else 1
+    pipe = mpmd.Pipeline(mpmd.split(make(), num_stages=p * v), models.mse_loss)
+    with mpmd.Trainer(pipe, optax.adamw(1e-3), schedule=name, num_microbatches=p * 2 if v > 1 else 3,
+                      virtual_stages=v) as trainer:
+        _, grads = trainer.grads(*data[0])
+        reference.assert_leaves_close(reference.stage_leaves(grads), ref_grads, 1e-5, what="gradients")
+        losses = [trainer.step(x, y)["loss"] for x, y in data]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        reference.assert_leaves_close(reference.stage_leaves(trainer.params()), ref_params, 1e-5)
+
+
+def test_params_are_host_arrays_per_stage():
+    pipe = mpmd.Pipeline(UserModel().stages, models.lm_loss)
+    with mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=4) as trainer:
+        params = trainer.params()
+    assert len(params) == 4
+    assert isinstance(params[1], nnx.State)
+    assert all(isinstance(l, np.ndarray) for l in jax.tree.leaves(params))
+    assert params[1]["proj"]["kernel"].shape == (12, 20)
