@@ -26,6 +26,8 @@ class Lowered(NamedTuple):
     programs: list[dict]                   # per slice: name -> ProgramSpec
     train: list[list[Instruction]]         # per slice: the training step
     grads: list[list[Instruction]]         # per slice: forward + backward only, gradients kept
+    eval: list[list[Instruction]]          # per slice: forward only, loss per microbatch
+    predict: list[list[Instruction]]       # per slice: forward only, last stage's output kept
     init: list[list[Instruction]]          # per slice: optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a step
     param_home: list[int]                  # slice of each stage
@@ -59,6 +61,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                                      num_microbatches=m, split_backward=schedule.split_backward)
         opt, o_specs = stage_programs.build_optimizer(k, fn, param_specs, optimizer, S, max_grad_norm)
         progs[home[k]].update(built.specs)
+        progs[home[k]].update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn))
         progs[home[k]].update(opt)
         opt_specs.append(o_specs)
 
@@ -116,6 +119,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                 s.append(Run(f"update{k}", (f"p{k}", f"o{k}", f"g{k}") + sq, (f"p{k}", f"o{k}"), f"U s{k}"))
         train.append(s)
 
+    evaluate, predict = _forward_only(S, m, P, home, act_specs)
     fetch = {home[S - 1]: tuple(f"loss/{j}" for j in range(m))}
     if clip:
         fetch[0] = fetch.get(0, ()) + tuple(f"sq{k}" for k in range(S))
@@ -125,9 +129,38 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     grads = [with_deletes(s, persistent | {f"g{k}" for k in range(S)} | set(fetch.get(r, ())))
              for r, s in enumerate(no_update)]
     train = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(train)]
+    outputs = {f"out/{j}" for j in range(m)}
+    evaluate = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(evaluate)]
+    predict = [with_deletes(s, persistent | outputs) for s in predict]
     init = [[Run(f"opt_init{k}", (f"p{k}",), (f"o{k}",), f"init s{k}") for k in range(S) if home[k] == r]
             for r in range(P)]
-    return Lowered(P, progs, train, grads, init, fetch, home, opt_specs)
+    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, home, opt_specs)
+
+
+def _forward_only(S, m, P, home, act_specs):
+    """Evaluation and prediction plans: F tasks only, each slice in (microbatch, stage) order.
+
+    Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice
+    can wait on a task that waits on it: deadlock-free for any placement.
+    """
+    evaluate: list[list[Instruction]] = [[] for _ in range(P)]
+    predict: list[list[Instruction]] = [[] for _ in range(P)]
+    for j in range(m):
+        for k in range(S):
+            r = home[k]
+            a_in = f"x/{j}" if k == 0 else f"a{k}/{j}"
+            out = f"out/{j}" if k == S - 1 else f"a{k + 1}/{j}"
+            ops: list[Instruction] = []
+            if k > 0 and home[k - 1] != r:
+                ops.append(Recv(a_in, home[k - 1], f"act{k}/{j}", act_specs[k]))
+            ops.append(Run(f"infer{k}", (f"p{k}", a_in), (out,), f"F s{k} mb{j}"))
+            if k < S - 1 and home[k + 1] != r:
+                ops.append(Send(out, home[k + 1], f"act{k + 1}/{j}"))
+            evaluate[r] += ops
+            predict[r] += ops
+            if k == S - 1:
+                evaluate[r].append(Run(f"loss{k}", (out, f"t/{j}"), (f"loss/{j}",), f"loss mb{j}"))
+    return evaluate, predict
 
 
 def _is_update(ins) -> bool:

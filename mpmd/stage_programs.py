@@ -136,6 +136,25 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     return StagePrograms(specs, tuple(res_specs))
 
 
+def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable) -> dict:
+    """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage."""
+    x_tree = jax.tree.structure(shapes.x)
+
+    def infer(params, xb):
+        return (_bundle(fn.apply(tuple(params), jax.tree.unflatten(x_tree, list(xb)))),)
+
+    specs = {f"infer{k}": programs.exported(infer, shapes.params, _bundle(shapes.x))}
+    if last:
+        out = jax.eval_shape(infer, shapes.params, _bundle(shapes.x))[0]
+        y_tree = jax.eval_shape(lambda p, x: fn.apply(p, x), shapes.params, shapes.x)
+        y_def, t_def = jax.tree.structure(y_tree), jax.tree.structure(shapes.targets)
+
+        def loss(yb, tb):
+            return ((loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb))),),)
+        specs[f"loss{k}"] = programs.exported(loss, tuple(out), _bundle(shapes.targets))
+    return specs
+
+
 def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
                     num_stages: int, max_grad_norm: float | None) -> tuple[dict, tuple]:
     """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}; return (specs, opt_state specs).

@@ -86,6 +86,8 @@ class Trainer:
             self.cluster.load_programs(r, low.programs[r])
             self.cluster.install_plan(r, "train", low.train[r])
             self.cluster.install_plan(r, "grads", low.grads[r])
+            self.cluster.install_plan(r, "eval", low.eval[r])
+            self.cluster.install_plan(r, "predict", low.predict[r])
             self.cluster.install_plan(r, "init", low.init[r])
         if self._lowered is None:   # first compile: create optimizer state on each slice
             self._runs += 1
@@ -117,7 +119,26 @@ class Trainer:
             out.append(jax.tree.unflatten(fn.param_tree, list(leaves)))
         return loss, out
 
-    def _run(self, plan: str, inputs, targets, trace: bool):
+    def evaluate(self, inputs, targets) -> float:
+        """Mean loss of a batch through a forward-only plan: no backward, no update."""
+        results = self._run("eval", inputs, targets, False)
+        return self._metrics(results, False)["loss"]
+
+    def predict(self, inputs, targets_like=None):
+        """The last stage's output for a batch (forward only), concatenated over microbatches.
+
+        `targets_like` gives the targets' shape when the plan is first compiled (defaults to
+        the inputs' own shape and dtype); predictions do not read targets.
+        """
+        targets = inputs if targets_like is None else targets_like
+        self._run("predict", inputs, targets, False, feed_targets=False)
+        m, last = self.num_microbatches, self.home[-1]
+        names = [f"out/{j}" for j in range(m)]
+        got = self.cluster.get(last, names)
+        self.cluster.delete(last, names)
+        return [np.concatenate(parts, axis=0) for parts in zip(*(got[n] for n in names))]
+
+    def _run(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
         self._check_open()
         in_spec, tgt_spec = self._micro_specs(inputs, targets)
         self._compile(in_spec, tgt_spec)
@@ -126,11 +147,12 @@ class Trainer:
         feeds: dict[int, dict] = {first: {}, last: {}} if first != last else {first: {}}
         for j, mb in enumerate(_split(inputs, m)):
             feeds[first][f"x/{j}"] = jax.tree.leaves(mb)
-        for j, mb in enumerate(_split(targets, m)):
+        for j, mb in enumerate(_split(targets, m) if feed_targets else ()):
             feeds[last][f"t/{j}"] = jax.tree.leaves(mb)
         t0 = time.perf_counter()
         self._runs += 1
-        results = self.cluster.run(plan, self._runs, feeds, self._lowered.fetch, trace)
+        fetch = self._lowered.fetch if plan != "predict" else {}
+        results = self.cluster.run(plan, self._runs, feeds, fetch, trace)
         self._last_step_s = time.perf_counter() - t0
         return results
 

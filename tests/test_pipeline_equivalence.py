@@ -78,3 +78,19 @@ def test_global_norm_clipping_matches_optax(name):
     per_stage = reference.train(make_gpt, models.lm_loss, data,
                                 optax.chain(optax.clip(0.05), sgd))
     assert not all(np.allclose(a, b, rtol=1e-5) for a, b in zip(ref[2], per_stage[2]))
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_forward_only_evaluate_and_predict(name, v):
+    model = make_gpt()
+    x, y = batches()[0]
+    want_logits = np.asarray(model(x))
+    want_loss = float(models.lm_loss(model(x), y))
+    pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
+    with mpmd.Trainer(pipe, optax.adamw(LR), schedule=name, num_microbatches=4, virtual_stages=v) as trainer:
+        before = reference.stage_leaves(trainer.params())
+        assert trainer.evaluate(x, y) == pytest.approx(want_loss, rel=1e-5)
+        (logits,) = trainer.predict(x)
+        after = reference.stage_leaves(trainer.params())
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after)), "forward-only must not update"
