@@ -2,6 +2,8 @@
 from mpmd.pipeline import Pipeline
 from mpmd.split import split
 from mpmd.trainer import Trainer
+from runtime.client import StaticCluster
 from runtime.inprocess import InProcessCluster
+from runtime.local import LocalCluster
 
-__all__ = ["Pipeline", "Trainer", "split", "InProcessCluster"]
+__all__ = ["Pipeline", "Trainer", "split", "InProcessCluster", "LocalCluster", "StaticCluster"]

@@ -177,10 +177,13 @@ class Trainer:
             out.append(jax.tree.unflatten(fn.param_tree, list(leaves)))
         return out
 
-    def close(self) -> None:
+    def close(self, close_cluster: bool = True) -> None:
+        """Release the slices; with close_cluster=False the cluster's workers stay up for the
+        next Trainer (its state is dropped when that Trainer starts it)."""
         if not self._closed:
             self._closed = True
-            self.cluster.close()
+            if close_cluster:
+                self.cluster.close()
 
     def __enter__(self):
         return self

@@ -4,7 +4,9 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
+    "train": ("recipes.train_cli", "train a model from a YAML config and key=value overrides"),
     "schedule": ("mpmd.schedule_cli", "simulate a pipeline schedule and draw its timeline"),
+    "worker": ("runtime.worker", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }
 
 

@@ -1,0 +1,274 @@
+"""One training run from a resolved config: parse -> build -> train -> close.
+
+    cfg = config.load("configs/gpt_tiny.yaml", ["cluster.backend=inprocess"])
+    summary = train.run(cfg)   # {"first_loss", "last_loss", "eval_loss", "steps", "run_dir"}
+
+The recipe only combines library parts (models/, mpmd.Pipeline / split / Trainer, a cluster,
+recipes.data, recipes.run_log); each piece is one small function below. A run leaves in
+<run_dir>: config.yaml (resolved, written before the first step), metrics.jsonl, tb/,
+trace.json (the steps in log.trace_steps) and, for a GPT on text, sample.txt.
+
+Problems a user's config causes at build time (a custom module that does not import, a stage
+count that does not match, a backend not built yet) raise ConfigError before any worker
+starts, so `mpmd train` can report them like a bad key.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import optax
+from flax import nnx
+
+import models
+import mpmd
+from recipes import config as config_lib
+from recipes import data, run_log
+from recipes.config import Config, ConfigError
+
+
+# -- build ---------------------------------------------------------------------------------
+def build_model(cfg: Config, sample_input=None) -> tuple[list, Callable]:
+    """(stages, loss_fn): the model cut into cfg.pipeline.num_stages nnx.Module stages.
+
+    `sample_input` (one microbatch of inputs) lets mpmd.split balance stages by FLOPs rather
+    than by parameter count. A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
+    returns `(stages, loss_fn)`, `(model, loss_fn)` or a bare model, where a model exposes
+    `.layers()` and is split like the built-in ones; a bare model's loss is the data's
+    natural one (next-token cross-entropy on tokens, mean squared error on regression).
+    """
+    m, num_stages = cfg.model, cfg.pipeline.num_stages
+    rngs = nnx.Rngs(cfg.seed)
+    if m.kind == "gpt":
+        built = models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
+                           m.mlp_ratio, rngs=rngs), models.lm_loss
+    elif m.kind == "mlp":
+        built = models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features,
+                           rngs=rngs), models.mse_loss
+    else:
+        built = _custom_builder(m.module)(cfg)
+    loss_fn = None
+    if isinstance(built, tuple) and len(built) == 2 and callable(built[1]):
+        built, loss_fn = built
+    if loss_fn is None:
+        loss_fn = models.mse_loss if m.kind == "mlp" else models.lm_loss
+    if callable(getattr(built, "layers", None)):
+        return list(mpmd.split(built, num_stages, sample_input)), loss_fn
+    stages = list(built)
+    if len(stages) != num_stages:
+        raise ConfigError(f"model.module={m.module!r} returned {len(stages)} stages but "
+                          f"pipeline.num_stages={num_stages}; set pipeline.num_stages="
+                          f"{len(stages)} or return a model with .layers() to be split")
+    return stages, loss_fn
+
+
+def _custom_builder(spec: str):
+    module_name, fn_name = spec.split(":")  # the config schema already checked the shape
+    # The `mpmd` console script, unlike `python -m`, does not put the working directory on
+    # sys.path; a user's own module next to their config should import either way.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"model.module={spec!r}: cannot import {module_name!r}: {e}") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ConfigError(f"model.module={spec!r}: {module_name} has no function {fn_name!r}")
+    return fn
+
+
+def learning_rate(cfg: Config) -> optax.Schedule:
+    """Linear warmup from 0 to optimizer.lr over warmup_steps updates, then constant."""
+    o = cfg.optimizer
+    if o.warmup_steps == 0:
+        return optax.constant_schedule(o.lr)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, o.lr, o.warmup_steps), optax.constant_schedule(o.lr)],
+        [o.warmup_steps])
+
+
+def build_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """The optax optimizer with the warmup schedule. No clipping here: an optax clip would
+    see one stage's gradients only, so clipping is mpmd.Trainer(max_grad_norm=...), whose
+    norm spans every stage."""
+    o, lr = cfg.optimizer, learning_rate(cfg)
+    if o.name == "adamw":
+        return optax.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    if o.name == "adam":
+        return optax.adam(lr, b1=o.b1, b2=o.b2)
+    assert o.name == "sgd", o.name
+    return optax.sgd(lr, momentum=o.b1 or None)
+
+
+def build_cluster(cfg: Config):
+    """The cluster object for cluster.backend; workers start when the Trainer starts it."""
+    c = cfg.cluster
+    if c.backend == "inprocess":
+        return mpmd.InProcessCluster()
+    # The process-based clusters land separately; look them up now so a build without one
+    # fails with a message, not an AttributeError halfway through startup.
+    name = {"local": "LocalCluster", "static": "StaticCluster", "ray": "RayCluster"}[c.backend]
+    cls = getattr(mpmd, name, None)
+    if cls is None:
+        raise ConfigError(f"cluster.backend='{c.backend}' is not available yet in this mpmd "
+                          f"(mpmd.{name} is missing); use cluster.backend=inprocess")
+    if c.backend == "local":
+        return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
+                   threads_per_worker=c.threads_per_worker)
+    if c.backend == "static":
+        return cls(c.addresses, token_file=c.token_file)
+    return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker)
+
+
+# -- pieces of the loop --------------------------------------------------------------------
+def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) -> float:
+    """Mean forward-only loss over the same first num_batches eval batches every time."""
+    losses = [trainer.evaluate(*eval_loader.batch_at(i)) for i in range(num_batches)]
+    return float(np.mean(losses))
+
+
+def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> str:
+    """Greedy continuation of prompt by num_tokens bytes, one pipelined forward per byte.
+
+    The context (last seq_len tokens) is right-padded: attention is causal, so the logits at
+    the context's last position ignore the padding. The batch is one copy of the context per
+    microbatch, the least predict accepts: it costs one lowering for the new shape (a few
+    seconds, once), then each byte is ~batch_size/num_microbatches times cheaper than
+    reusing the training batch shape would be.
+    """
+    seq_len, rows = cfg.model.seq_len, cfg.pipeline.num_microbatches
+    tokens = list(data.encode(prompt))
+    for _ in range(num_tokens):
+        context = tokens[-seq_len:]
+        window = np.zeros((rows, seq_len), np.int32)
+        window[:, :len(context)] = context
+        (logits,) = trainer.predict(window)
+        tokens.append(int(np.argmax(logits[0, len(context) - 1])))
+    return data.decode(tokens)
+
+
+def _first_microbatch(loader: data.Loader, num_microbatches: int):
+    inputs, _ = loader.batch_at(0)
+    return inputs[:len(inputs) // num_microbatches]
+
+
+def _should_eval(cfg: Config, step: int) -> bool:
+    every = cfg.train.eval_every
+    return every > 0 and (step % every == 0 or step == cfg.train.steps)
+
+
+# -- the run -------------------------------------------------------------------------------
+def run(cfg: Config) -> dict:
+    """Trains cfg.train.steps steps; returns a summary of the run."""
+    p = cfg.pipeline
+    # Everything that can reject the config runs before a run directory exists.
+    try:
+        train_loader, eval_loader = data.make_loaders(cfg)
+        sample_input = _first_microbatch(train_loader, p.num_microbatches)
+        stages, loss_fn = build_model(cfg, sample_input)
+        pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
+        optimizer = build_optimizer(cfg)
+        cluster = build_cluster(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+    try:
+        trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
+                               num_microbatches=p.num_microbatches, cluster=cluster,
+                               virtual_stages=p.virtual_stages,
+                               max_grad_norm=cfg.optimizer.max_grad_norm)
+    except BaseException as e:
+        cluster.close()  # whatever start() got going before it failed
+        if isinstance(e, ValueError) and not isinstance(e, ConfigError):
+            raise ConfigError(str(e)) from e  # e.g. fewer JAX devices than slices
+        raise
+    try:
+        run_dir = Path(cfg.run_dir)
+        config_lib.dump(cfg, run_dir / "config.yaml")
+        return train(cfg, trainer, train_loader, eval_loader, run_dir)
+    finally:
+        trainer.close()
+
+
+def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
+          eval_loader: data.Loader, run_dir: Path) -> dict:
+    t = cfg.train
+    lr = learning_rate(cfg)
+    # Tokens for sequence models; examples (one "token" each) for the MLP regressor.
+    tokens_per_step = t.batch_size * (1 if cfg.model.kind == "mlp" else cfg.model.seq_len)
+    # Resume hook (checkpointing is a later issue): restoring <run_dir>/checkpoints sets
+    # start_step, seeks train_loader to the manifest's position and truncates metrics there.
+    start_step = 0
+    metrics_log = run_log.MetricsLog(run_dir)
+    metrics_log.truncate_after(start_step)  # lines from an earlier run here are not this run's
+    board = run_log.TensorBoard(run_dir) if cfg.log.tensorboard else None
+    progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
+                                start_step)
+    traces: dict[int, list] = {}
+    losses, eval_loss = [], None
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            t0 = time.perf_counter()
+            inputs, targets = train_loader.next()
+            out = trainer.step(inputs, targets, trace=step in cfg.log.trace_steps)
+            wall_s = time.perf_counter() - t0
+            # optax evaluates the schedule at the count of updates already applied.
+            record = {"loss": out["loss"], "step_s": out["step_s"],
+                      "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(step - 1))}
+            if "grad_norm" in out:
+                record["grad_norm"] = out["grad_norm"]
+            if "events" in out:
+                traces[step] = out["events"]
+                record["bubble"] = run_log.measured_bubble(out["events"])
+            if _should_eval(cfg, step):
+                eval_loss = record["eval_loss"] = evaluate(trainer, eval_loader, t.eval_batches)
+            losses.append(out["loss"])
+            metrics_log.write(step, record)
+            if board is not None:
+                board.write(step, record)
+                if step % cfg.log.every == 0:
+                    board.flush()
+            progress.update(step, record)
+            # Checkpoint hook (later issue): save every checkpoint.every steps and at the end,
+            # with train_loader.state() in the step's commit manifest.
+        if traces:
+            run_log.write_trace(run_dir / "trace.json", traces)
+        text = _final_sample(cfg, trainer, progress)
+        if text is not None:
+            (run_dir / "sample.txt").write_text(text)
+    finally:
+        progress.close()
+        if board is not None:
+            board.close()
+    summary = {"first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss,
+               "steps": len(losses), "run_dir": str(run_dir)}
+    print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
+          f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}")
+    return summary
+
+
+def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress):
+    t = cfg.train
+    if not t.sample_tokens:
+        return None
+    if cfg.model.kind != "gpt" or cfg.data.source == "synthetic":
+        # Only a GPT trained on bytes has logits that decode to text.
+        progress.message(f"sample skipped: needs model.kind='gpt' on text data "
+                         f"(got '{cfg.model.kind}' on '{cfg.data.source}')")
+        return None
+    text = sample(trainer, cfg, t.sample_prompt, t.sample_tokens)
+    progress.message(f"sample ({t.sample_tokens} bytes, greedy):\n{text}")
+    return text
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

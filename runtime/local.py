@@ -1,0 +1,107 @@
+"""LocalCluster: the controller starts one worker process per slice on this machine.
+
+The embedded default of every recipe. Each worker gets the cluster's random token on its
+stdin (never on the command line, where `ps` would show it) and keeps that pipe open, so a
+worker notices within moments when its controller is gone, however it died. Workers are
+pinned round-robin to the machine's cores with XLA's intra-op threads off, so N workers on
+N cores do not fight.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from runtime.client import StaticCluster, new_token
+from runtime.worker import READY
+
+START_TIMEOUT_S = 60.0
+
+
+class LocalCluster(StaticCluster):
+    def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
+                 threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1"):
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+            raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
+        if devices_per_worker != 1:
+            raise ValueError(f"devices_per_worker={devices_per_worker} is not supported yet: stage programs "
+                             f"run on one device per slice; allowed: 1")
+        if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
+        self.num_workers = num_workers
+        self.devices_per_worker = devices_per_worker
+        self.threads_per_worker = threads_per_worker
+        self.pin = pin
+        self.host = host
+        self.procs: list[subprocess.Popen] = []
+        super().__init__(["0.0.0.0:0"], token=new_token())
+
+    def start(self, num_slices: int) -> None:
+        n = self.num_workers if self.num_workers is not None else num_slices
+        if n < num_slices:
+            raise ValueError(f"{num_slices} slices need at least {num_slices} workers, LocalCluster has num_workers={n}")
+        if self.procs:       # already running: reuse the workers from a clean state
+            super().start(num_slices)
+            return
+        try:
+            self.addresses = [self._spawn(i) for i in range(n)]
+            super().start(num_slices)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, i: int) -> str:
+        cpus = os.sched_getaffinity(0)
+        ordered = sorted(cpus)
+        cmd = [sys.executable, "-m", "runtime.worker", "--listen", f"{self.host}:0", "--token-stdin",
+               "--devices", str(self.devices_per_worker)]
+        if self.pin:
+            mine = [ordered[(i * self.threads_per_worker + t) % len(ordered)] for t in range(self.threads_per_worker)]
+            cmd += ["--cpus", ",".join(map(str, sorted(set(mine))))]
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
+                                env=env, text=True, bufsize=1)
+        self.procs.append(proc)
+        proc.stdin.write(self._token + "\n")
+        proc.stdin.flush()
+        line = _readline(proc, START_TIMEOUT_S)
+        if not line.startswith(READY):
+            raise RuntimeError(f"worker {i} (pid {proc.pid}) failed to start: {line.strip() or 'no output'}")
+        # Keep draining stdout so a chatty worker never blocks on a full pipe.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        return line.split()[1]
+
+    def close(self) -> None:
+        super().close()
+        procs, self.procs = self.procs, []
+        deadline = time.monotonic() + 5.0
+        for p in procs:
+            try:
+                p.stdin.close()      # the worker also exits on end-of-file
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()             # by its own pid, never by name
+                p.wait()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        proc.kill()
+        raise RuntimeError(f"worker pid {proc.pid} did not report ready within {timeout_s:g} s")
+    return out[0] if out else ""

@@ -1,0 +1,135 @@
+"""A worker process: `mpmd worker --listen HOST:PORT --token-file F` (or started by LocalCluster).
+
+It hosts one slice: a gRPC control-plane server (runtime/service.py) and a transfer server
+for the data plane. It needs none of the user's model code: programs arrive serialized.
+
+Lifetime. It exits cleanly when the controller asks (Shutdown), on SIGINT/SIGTERM, and when
+its controller is gone:
+- started by LocalCluster (`--token-stdin`): the token arrives on stdin and stdin stays open;
+  end-of-file means the controller process is gone (even after SIGKILL, the kernel closes
+  the pipe), and the worker exits at once;
+- started by hand: once a controller has attached (Setup), a silence longer than `--lease-s`
+  (the controller heartbeats every second or so) means it is gone; the worker exits, or with
+  `--persist` drops its state and waits for the next controller.
+
+Threads. XLA's CPU runtime would otherwise use every core in each process, and two such
+processes on two cores thrash. Eigen's intra-op pool is switched off and the process can be
+pinned to chosen cores (`--cpus 0,1`).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+READY = "MPMD_WORKER_READY"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="mpmd worker", description="Serve one mpmd slice.")
+    p.add_argument("--listen", default="127.0.0.1:0",
+                   help="HOST:PORT to listen on (default 127.0.0.1:0: loopback, any free port)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--token-file", help="file whose first line is the cluster token")
+    g.add_argument("--token-stdin", action="store_true",
+                   help="read the token from stdin's first line; exit when stdin closes")
+    p.add_argument("--devices", type=int, default=1, help="host devices of this slice (CPU only)")
+    p.add_argument("--cpus", default="", help="comma-separated cores to pin to (default: no pinning)")
+    p.add_argument("--lease-s", type=float, default=15.0,
+                   help="exit after this long without a word from an attached controller")
+    p.add_argument("--persist", action="store_true",
+                   help="when the controller's lease lapses, reset and wait for another instead of exiting")
+    return p.parse_args(argv)
+
+
+def configure_process(devices: int, cpus: str) -> None:
+    """Must run before JAX is imported in this process."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if not f.startswith(("--xla_force_host_platform_device_count",
+                                                                   "--xla_cpu_multi_thread_eigen")))
+    os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count={devices} "
+                               f"--xla_cpu_multi_thread_eigen=false").strip()
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
+def read_token(args) -> str:
+    if args.token_stdin:
+        token = sys.stdin.readline().strip()
+    else:
+        try:
+            with open(args.token_file) as f:
+                token = f.readline().strip()
+        except OSError as e:
+            raise SystemExit(f"error: cannot read --token-file {args.token_file!r}: {e.strerror}")
+    if len(token) < 16:
+        raise SystemExit("error: the token must be at least 16 characters")
+    return token
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
+    token = read_token(args)
+    configure_process(args.devices, args.cpus)
+
+    import grpc
+    from concurrent import futures
+    from runtime.service import GRPC_OPTIONS, WorkerService
+
+    done = threading.Event()
+    reason = []
+
+    def stop(why: str):
+        if args.persist and why == "controller asked":
+            logging.info("controller detached: resetting, waiting for the next")
+            service.reset()
+            return
+        if not done.is_set():
+            reason.append(why)
+            done.set()
+
+    service = WorkerService(token, stop)
+    # Several threads: Heartbeat and Abort must be served while a Run is executing.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpmd-rpc"),
+                         options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((service.handler(),))
+    host, _, port = args.listen.rpartition(":")
+    try:
+        bound = server.add_insecure_port(args.listen)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        print(f"error: cannot listen on {args.listen!r}", file=sys.stderr)
+        return 2
+    server.start()
+    signal.signal(signal.SIGTERM, lambda *_: stop("SIGTERM"))
+    signal.signal(signal.SIGINT, lambda *_: stop("SIGINT"))
+    if args.token_stdin:
+        threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")),
+                         daemon=True).start()
+    print(f"{READY} {host or '127.0.0.1'}:{bound}", flush=True)
+    logging.info("serving slice on %s:%d", host, bound)
+    while not done.wait(0.5):
+        if service.attached and time.monotonic() - service.last_contact > args.lease_s:
+            if args.persist:
+                logging.warning("controller silent for %.0f s: resetting, waiting for the next", args.lease_s)
+                service.reset()
+            else:
+                stop(f"controller silent for {args.lease_s:.0f} s")
+    logging.info("shutting down: %s", reason[0] if reason else "")
+    server.stop(grace=1.0).wait(2.0)
+    if service.transport is not None:
+        service.transport.close()
+    # Daemon threads may still hold XLA resources; leave without running their teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The multi-process runtime: real worker processes, real gRPC, real transfers.
+
+It must give exactly what the in-process cluster gives (bitwise: same compiled programs,
+same threading), over every schedule, for split and for hand-written stages.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import mpmd
+from tests import reference
+from tests.test_pipeline_equivalence import batches, make_gpt
+from tests.test_user_stages import UserModel, token_batches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def wait_gone(pids, timeout_s=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = mpmd.LocalCluster(num_workers=4)
+    c.start(4)
+    pids = list(c.pids)
+    yield c
+    c.close()
+    assert wait_gone(pids) == [], "workers outlived their cluster"
+
+
+def train(pipe_factory, schedule, m, v, cluster, data):
+    trainer = mpmd.Trainer(pipe_factory(), optax.adamw(1e-3), schedule=schedule, num_microbatches=m,
+                           virtual_stages=v, cluster=cluster)
+    try:
+        losses = [trainer.step(x, y)["loss"] for x, y in data]
+        return losses, reference.stage_leaves(trainer.params())
+    finally:
+        trainer.close(close_cluster=not isinstance(cluster, mpmd.LocalCluster))
+
+
+def assert_same(a, b):
+    assert a[0] == b[0], f"losses differ: {a[0]} vs {b[0]}"
+    assert len(a[1]) == len(b[1])
+    for i, (x, y) in enumerate(zip(a[1], b[1])):
+        assert np.array_equal(x, y), f"parameter leaf {i} differs (max {np.max(np.abs(x - y))})"
+
+
+CASES = [(name, p) for p in (2, 4) for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")]
+
+
+@pytest.mark.parametrize("name,p", CASES, ids=[f"{n}-p{p}" for n, p in CASES])
+def test_same_as_inprocess(cluster, name, p):
+    v = 2 if name == "interleaved-1f1b" else 1
+    make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=p * v), models.lm_loss)
+    data = batches()
+    local = train(make, name, 4, v, cluster, data)
+    inproc = train(make, name, 4, v, mpmd.InProcessCluster(), data)
+    assert_same(local, inproc)
+    assert cluster.rpc_counts["Run"] > 0
+
+
+def test_user_stages_same_as_inprocess(cluster):
+    make = lambda: mpmd.Pipeline(UserModel().stages, models.lm_loss)
+    data = token_batches()
+    assert_same(train(make, "1f1b", 4, 1, cluster, data), train(make, "1f1b", 4, 1, mpmd.InProcessCluster(), data))
+
+
+def test_one_run_rpc_per_worker_per_step(cluster):
+    pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
+    trainer = mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=8, cluster=cluster)
+    try:
+        x, y = batches()[0]
+        trainer.step(x, y)           # compiles and ships programs
+        before = dict(cluster.rpc_counts)
+        for _ in range(3):
+            trainer.step(x, y)
+        after = cluster.rpc_counts
+        calls = {k: after[k] - before.get(k, 0) for k in after if k != "Heartbeat" and after[k] != before.get(k, 0)}
+        assert calls == {"Run": 3 * 4}, calls
+    finally:
+        trainer.close(close_cluster=False)
+
+
+def test_unreachable_worker_fails_fast_naming_it():
+    cluster = mpmd.StaticCluster(["127.0.0.1:9"], token="t" * 32, connect_timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"worker 127\.0\.0\.1:9: did not answer within 1 s"):
+        cluster.start(1)
+    assert time.monotonic() - t0 < 5
+
+
+def start_worker(token_file, *extra):
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
+                             "--token-file", str(token_file), *extra],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("MPMD_WORKER_READY"), line + proc.stderr.read()
+    return proc, line.split()[1]
+
+
+@pytest.fixture
+def static_workers(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-0123456789abcdef\n")
+    procs = []
+    try:
+        addrs = []
+        for _ in range(2):
+            proc, addr = start_worker(token_file)
+            procs.append(proc)
+            addrs.append(addr)
+        yield token_file, addrs, procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_static_cluster_with_mpmd_worker_processes(static_workers):
+    token_file, addrs, procs = static_workers
+    make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
+    data = batches()[:2]
+    static = train(make, "1f1b", 4, 1, mpmd.StaticCluster(addrs, token_file=str(token_file)), data)
+    assert_same(static, train(make, "1f1b", 4, 1, mpmd.InProcessCluster(), data))
+    for p in procs:   # closing the cluster shuts its workers down
+        assert p.wait(timeout=10) == 0
+
+
+def raw_call(address, method, body: bytes, token=None):
+    import grpc
+    with grpc.insecure_channel(address) as ch:
+        md = (("mpmd-token", token),) if token is not None else ()
+        return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=5)
+
+
+def test_token_is_required_and_bad_messages_get_errors(static_workers):
+    import grpc
+    from runtime import wire
+    token_file, addrs, procs = static_workers
+    token = token_file.read_text().strip()
+    addr = addrs[0]
+    hello = wire.encode({}, [])
+    for bad in (None, "wrong-token-wrong-token"):
+        with pytest.raises(grpc.RpcError) as e:
+            raw_call(addr, "Hello", hello, bad)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for body, why in [(b"\x00\x00", "shorter than its 4-byte header"),
+                      (b"\x00\x00\x00\x05notjs", "not UTF-8 JSON"),
+                      (wire.encode({"slice_index": "zero"}, []), "'slice_index' must be an integer"),
+                      (b"\x00\x00\x00\x02{}junk", "trailing bytes")]:
+        with pytest.raises(grpc.RpcError) as e:
+            raw_call(addr, "Setup", body, token)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:   # a program that is not a jax.export serialization
+        raw_call(addr, "Setup", wire.encode({"slice_index": 0, "transfer_host": "127.0.0.1"}, []), token)
+        raw_call(addr, "LoadPrograms", wire.encode({"programs": [{"name": "f", "kind": "exported",
+                                                                  "data": {"$blob": 0}}]}, [b"garbage"]), token)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # The worker keeps serving after all of that.
+    header, _ = wire.decode(raw_call(addr, "Hello", hello, token))
+    assert header["pid"] == procs[0].pid
+    procs[0].terminate()
+    assert procs[0].wait(timeout=10) == 0
+    assert "refused Hello" in procs[0].stderr.read()
+
+
+CONTROLLER = """
+import sys, time, mpmd
+c = mpmd.LocalCluster(num_workers=2)
+c.start(2)
+print(*c.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_controller_is_killed():
+    ctl = subprocess.Popen([sys.executable, "-c", CONTROLLER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        pids = [int(p) for p in ctl.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        ctl.send_signal(signal.SIGKILL)
+        ctl.wait()
+        assert wait_gone(pids, timeout_s=5.0) == [], "orphaned workers outlived their controller"
+    finally:
+        if ctl.poll() is None:
+            ctl.kill()
+            ctl.wait()
+
+
+def test_worker_exits_cleanly_on_ctrl_c(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("another-token-0123456789\n")
+    proc, _ = start_worker(token_file)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=10) == 0
+    assert "shutting down: SIGINT" in proc.stderr.read()
