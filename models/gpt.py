@@ -110,7 +110,9 @@ class Head(nnx.Module):
     def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, vocab_size=vocab_size)
         self.ln = nnx.LayerNorm(d_model, rngs=rngs)
-        self.lm_head = nnx.Linear(d_model, vocab_size, rngs=rngs)
+        # Small init (GPT-2's 0.02): unit-scale initial logits would start the loss well above
+        # ln(vocab_size) and spend the first steps only shrinking them.
+        self.lm_head = nnx.Linear(d_model, vocab_size, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.lm_head(self.ln(x))
@@ -136,6 +138,11 @@ class GPT(nnx.Module):
         self.blocks = nnx.List(
             [Block(d_model, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)])
         self.head = Head(d_model, vocab_size, rngs=rngs)
+        self.seq_len = seq_len
+
+    def sample_input(self, batch: int = 1) -> jax.Array:
+        """A zero batch of full-length token rows: what cost analysis traces to balance a split."""
+        return jnp.zeros((batch, self.seq_len), jnp.int32)
 
     def layers(self) -> list[nnx.Module]:
         """The model's own submodules in application order: [Embed, Block_0.., Head]."""

@@ -34,6 +34,11 @@ class MLP(nnx.Module):
             [Hidden(n_in, n_out, rngs=rngs) for n_in, n_out in zip(widths[:-1], widths[1:])])
         # No activation on the output: a regressor must be able to produce any real value.
         self.output = nnx.Linear(hidden_features, out_features, rngs=rngs)
+        self.in_features = in_features
+
+    def sample_input(self, batch: int = 1) -> jax.Array:
+        """A zero batch of inputs: what cost analysis traces to balance a split."""
+        return jnp.zeros((batch, self.in_features), jnp.float32)
 
     def layers(self) -> list[nnx.Module]:
         """The model's own submodules in application order: [Hidden_0.., output]."""

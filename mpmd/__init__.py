@@ -1,4 +1,5 @@
 """mpmd: MPMD pipeline-parallel training of JAX/Flax models under a single controller."""
+from mpmd.lazy import abstract
 from mpmd.pipeline import Pipeline
 from mpmd.split import split
 from mpmd.trainer import Trainer
@@ -6,4 +7,4 @@ from runtime.client import StaticCluster
 from runtime.inprocess import InProcessCluster
 from runtime.local import LocalCluster
 
-__all__ = ["Pipeline", "Trainer", "split", "InProcessCluster", "LocalCluster", "StaticCluster"]
+__all__ = ["abstract", "Pipeline", "Trainer", "split", "InProcessCluster", "LocalCluster", "StaticCluster"]

@@ -66,6 +66,35 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
         opt_specs.append(o_specs)
 
     act_specs = [_specs(a) for a in acts]
+    train = train_streams(schedule, act_specs, clip)
+    evaluate, predict = _forward_only(S, m, P, home, act_specs)
+    fetch = {home[S - 1]: tuple(f"loss/{j}" for j in range(m))}
+    if clip:
+        fetch[0] = fetch.get(0, ()) + tuple(f"sq{k}" for k in range(S))
+    persistent = {f"p{k}" for k in range(S)} | {f"o{k}" for k in range(S)}
+    # The gradient plan is the training plan minus the optimizer: same programs, no update.
+    no_update = [[i for i in s if not (isinstance(i, (Run, Send, Recv)) and _is_update(i))] for s in train]
+    grads = [with_deletes(s, persistent | {f"g{k}" for k in range(S)} | set(fetch.get(r, ())))
+             for r, s in enumerate(no_update)]
+    train = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(train)]
+    outputs = {f"out/{j}" for j in range(m)}
+    evaluate = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(evaluate)]
+    predict = [with_deletes(s, persistent | outputs) for s in predict]
+    init = [[Run(f"opt_init{k}", (f"p{k}",), (f"o{k}",), f"init s{k}") for k in range(S) if home[k] == r]
+            for r in range(P)]
+    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, home, opt_specs)
+
+
+def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]], clip: bool
+                  ) -> list[list[Instruction]]:
+    """One training step's instruction stream per slice, before Deletes are inserted.
+
+    `act_specs[k]` is the bundle entering stage k (k = num_stages: the last output). The
+    streams name programs but do not need them, so a dry run can replay a schedule with
+    synthetic programs of declared cost under the same names (mpmd/dryrun.py).
+    """
+    S, P = schedule.num_stages, len(schedule.slices)
+    home = [schedules.slice_of(k, P) for k in range(S)]
     scalar = (Spec((), "float32"),)
     train: list[list[Instruction]] = []
     for r, tasks in enumerate(schedule.slices):
@@ -119,22 +148,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                 s.append(Run(f"update{k}", (f"p{k}", f"o{k}", f"g{k}") + sq, (f"p{k}", f"o{k}"), f"U s{k}"))
         train.append(s)
 
-    evaluate, predict = _forward_only(S, m, P, home, act_specs)
-    fetch = {home[S - 1]: tuple(f"loss/{j}" for j in range(m))}
-    if clip:
-        fetch[0] = fetch.get(0, ()) + tuple(f"sq{k}" for k in range(S))
-    persistent = {f"p{k}" for k in range(S)} | {f"o{k}" for k in range(S)}
-    # The gradient plan is the training plan minus the optimizer: same programs, no update.
-    no_update = [[i for i in s if not (isinstance(i, (Run, Send, Recv)) and _is_update(i))] for s in train]
-    grads = [with_deletes(s, persistent | {f"g{k}" for k in range(S)} | set(fetch.get(r, ())))
-             for r, s in enumerate(no_update)]
-    train = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(train)]
-    outputs = {f"out/{j}" for j in range(m)}
-    evaluate = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(evaluate)]
-    predict = [with_deletes(s, persistent | outputs) for s in predict]
-    init = [[Run(f"opt_init{k}", (f"p{k}",), (f"o{k}",), f"init s{k}") for k in range(S) if home[k] == r]
-            for r in range(P)]
-    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, home, opt_specs)
+    return train
 
 
 def _forward_only(S, m, P, home, act_specs):

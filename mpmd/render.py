@@ -1,7 +1,8 @@
 """Draw a simulated schedule as an SVG timeline: one row per slice, one box per task.
 
 Colour says the kind (F blue, B green, W orange); lighter and darker shades alternate with
-the microbatch number, and the number is written in each box wide enough to hold it.
+the microbatch number, and the number is written in each box wide enough to hold it (white
+on the dark shade, black on the light one). The legend lists the kinds the schedule has.
 Plain SVG text, standard library only.
 """
 
@@ -20,6 +21,8 @@ _COLOURS = {"F": ("#4c78a8", "#9ecae9"), "B": ("#54a24b", "#a1d99b"),
 _TIMELINE_PX = 1200  # width of the time axis; one time unit gets _TIMELINE_PX / makespan px
 _ROW_PX, _ROW_GAP_PX, _LEFT_PX, _TOP_PX, _BOTTOM_PX = 28, 6, 70, 44, 40
 _LABEL_MIN_PX = 14  # narrower boxes get no microbatch label
+_TEXT_COLOURS = ("white", "black")  # on the dark / light shade of _COLOURS
+_CHAR_PX = 6  # rough width of one 11 px sans-serif character, for laying out the legend
 
 
 def _tick_step(makespan: float) -> float:
@@ -58,7 +61,8 @@ def render_svg(schedule: Schedule, simulation: Simulation, path_or_none=None) ->
                        f'<title>{escape(str(task))} [{_fmt(start)}, {_fmt(end)})</title></rect>')
             if w >= _LABEL_MIN_PX:
                 out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW_PX / 2 + 4}" '
-                           f'text-anchor="middle">{task.microbatch}</text>')
+                           f'text-anchor="middle" fill="{_TEXT_COLOURS[task.microbatch % 2]}">'
+                           f'{task.microbatch}</text>')
     axis_y = _TOP_PX + rows_px
     out.append(f'<line x1="{_LEFT_PX}" y1="{axis_y}" x2="{_LEFT_PX + _TIMELINE_PX}" '
                f'y2="{axis_y}" stroke="black"/>')
@@ -69,11 +73,17 @@ def render_svg(schedule: Schedule, simulation: Simulation, path_or_none=None) ->
         out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
                    f'stroke="black"/><text x="{x:.2f}" y="{axis_y + 18}" '
                    f'text-anchor="middle">{_fmt(k * step)}</text>')
-    legend_x = _LEFT_PX + _TIMELINE_PX - 150
-    for i, (kind, name) in enumerate((("F", "forward"), ("B", "backward"), ("W", "weight"))):
-        x = legend_x + i * 55
+    # Without split_backward a B task is the whole backward; with it, B and W are its halves.
+    names = {"F": "forward", "B": "backward (input grad)" if schedule.split_backward else "backward",
+             "W": "backward (weight grad)"}
+    kinds = [k for k in names if any(t.kind == k for spans in simulation.spans for t, _, _ in spans)]
+    entries_px = [10 + 4 + _CHAR_PX * len(names[k]) + 16 for k in kinds]  # swatch, gap, text, gap
+    x = _LEFT_PX + _TIMELINE_PX - sum(entries_px)
+    for kind, entry_px in zip(kinds, entries_px):
         out.append(f'<rect x="{x}" y="{height - 14}" width="10" height="10" '
-                   f'fill="{_COLOURS[kind][0]}"/><text x="{x + 13}" y="{height - 5}">{name}</text>')
+                   f'fill="{_COLOURS[kind][0]}"/><text x="{x + 14}" y="{height - 5}">'
+                   f'{names[kind]}</text>')
+        x += entry_px
     out.append("</svg>\n")
     svg = "\n".join(out)
     if path_or_none is not None:

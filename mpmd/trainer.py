@@ -18,8 +18,9 @@ import jax
 import numpy as np
 import optax
 
-from mpmd import lowering, schedules
+from mpmd import lazy, lowering, schedules
 from mpmd.pipeline import Pipeline, _spec
+from runtime.instructions import Run
 
 
 class Trainer:
@@ -50,18 +51,34 @@ class Trainer:
         self.cluster = cluster
         self.num_slices = len(self.schedule.slices)
         self.home = [schedules.slice_of(k, self.num_slices) for k in range(S)]
-        self._compiled_for = None
+        self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered)
         self._lowered = None
         self._step = 0
         self._runs = 0      # every cluster run gets a fresh id: transfer keys must never repeat
         self._closed = False
         self.cluster.start(self.num_slices)
         try:
-            for k, fn in enumerate(pipeline.fns):
-                self.cluster.put(self.home[k], f"p{k}", fn.param_leaves)
+            self._materialize()
         except BaseException:
             self.cluster.close()
             raise
+
+    def _materialize(self) -> None:
+        """Put each stage's initial parameters on its slice: the module's own values, shipped
+        once, or for an abstract model (mpmd.abstract) created there by its seeded init."""
+        plans: dict[int, list] = {}
+        for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
+            r = self.home[k]
+            if lazy.is_abstract(fn.param_leaves):
+                self.cluster.load_programs(r, {f"init_params{k}": lazy.init_program(stage, fn.param_tree)})
+                plans.setdefault(r, []).append(Run(f"init_params{k}", (), (f"p{k}",), f"init params s{k}"))
+            else:
+                self.cluster.put(r, f"p{k}", fn.param_leaves)
+        if plans:
+            for r in range(self.num_slices):
+                self.cluster.install_plan(r, "init_params", plans.get(r, []))
+            self._runs += 1
+            self.cluster.run("init_params", self._runs, {}, {})
 
     # -- compile -------------------------------------------------------------------------
     def _micro_specs(self, inputs, targets):
@@ -77,22 +94,27 @@ class Trainer:
         micro = lambda x: jax.ShapeDtypeStruct((batch // m,) + np.shape(x)[1:], np.result_type(x))
         return jax.tree.map(micro, inputs), jax.tree.map(micro, targets)
 
-    def _compile(self, in_spec, tgt_spec) -> None:
+    def _compile(self, in_spec, tgt_spec) -> str:
+        """Lower and ship the programs for these microbatch shapes once; returns the suffix
+        naming that shape's programs and plans, so several shapes (training batches,
+        a sampling batch) live side by side on the slices without recompiling."""
         key = (jax.tree.structure((in_spec, tgt_spec)), tuple(jax.tree.leaves((in_spec, tgt_spec))))
-        if self._compiled_for == key:
-            return
+        if key in self._compiled:
+            suffix, self._lowered = self._compiled[key]
+            return suffix
+        suffix = f"@{len(self._compiled)}"
         low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec)
+        rename = lambda stream: [i._replace(program=i.program + suffix) if isinstance(i, Run) else i for i in stream]
         for r in range(low.num_slices):
-            self.cluster.load_programs(r, low.programs[r])
-            self.cluster.install_plan(r, "train", low.train[r])
-            self.cluster.install_plan(r, "grads", low.grads[r])
-            self.cluster.install_plan(r, "eval", low.eval[r])
-            self.cluster.install_plan(r, "predict", low.predict[r])
-            self.cluster.install_plan(r, "init", low.init[r])
-        if self._lowered is None:   # first compile: create optimizer state on each slice
+            self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
+            for plan in ("train", "grads", "eval", "predict", "init"):
+                self.cluster.install_plan(r, plan + suffix, rename(getattr(low, plan)[r]))
+        if not self._compiled:   # first compile: create optimizer state on each slice
             self._runs += 1
-            self.cluster.run("init", self._runs, {}, {})
-        self._lowered, self._compiled_for = low, key
+            self.cluster.run("init" + suffix, self._runs, {}, {})
+        self._compiled[key] = (suffix, low)
+        self._lowered = low
+        return suffix
 
     # -- public --------------------------------------------------------------------------
     def step(self, inputs, targets, trace: bool = False) -> dict:
@@ -141,7 +163,7 @@ class Trainer:
     def _run(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
         self._check_open()
         in_spec, tgt_spec = self._micro_specs(inputs, targets)
-        self._compile(in_spec, tgt_spec)
+        suffix = self._compile(in_spec, tgt_spec)
         m = self.num_microbatches
         first, last = self.home[0], self.home[-1]
         feeds: dict[int, dict] = {first: {}, last: {}} if first != last else {first: {}}
@@ -152,7 +174,7 @@ class Trainer:
         t0 = time.perf_counter()
         self._runs += 1
         fetch = self._lowered.fetch if plan != "predict" else {}
-        results = self.cluster.run(plan, self._runs, feeds, fetch, trace)
+        results = self.cluster.run(plan + suffix, self._runs, feeds, fetch, trace)
         self._last_step_s = time.perf_counter() - t0
         return results
 

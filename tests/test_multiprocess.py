@@ -219,3 +219,26 @@ def test_worker_exits_cleanly_on_ctrl_c(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=10) == 0
     assert "shutting down: SIGINT" in proc.stderr.read()
+
+
+def test_abstract_model_is_initialised_on_its_slices(cluster):
+    """A model built with mpmd.abstract never materialises on the controller; each slice
+    runs the module's own seeded initialiser and gets the values an eager build would."""
+    make = lambda: models.GPT(32, 16, 2, 2, 8, rngs=nnx.Rngs(0))
+    model = mpmd.abstract(make)
+    assert all(isinstance(l, jax.ShapeDtypeStruct) for l in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    stages = mpmd.split(model, num_stages=4)
+    trainer = mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optax.sgd(0.1), "1f1b", 4, cluster=cluster)
+    try:
+        got = reference.stage_leaves(trainer.params())
+    finally:
+        trainer.close(close_cluster=False)
+    want = reference.layer_leaves(make())
+    reference.assert_leaves_close(got, want, rtol=1e-6)
+    assert any(np.any(w != 0) for w in want)
+
+
+def test_abstract_stage_not_built_by_mpmd_is_rejected():
+    stage = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"was not built by mpmd.abstract"):
+        mpmd.Trainer(mpmd.Pipeline([stage], models.mse_loss), optax.sgd(0.1), "gpipe", 1)
