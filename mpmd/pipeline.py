@@ -1,4 +1,5 @@
-"""A pipeline: ordered stages (nnx.Modules) and a loss on the last stage's output.
+"""A pipeline: ordered stages (nnx.Modules, or the StageFn records mpmd.split cuts from a
+model with stage marks) and a loss on the last stage's output.
 
 Each stage becomes a pure function of (flat parameter leaves, input pytree) so it can be
 traced into programs; the module's non-parameter variables are baked in as constants
@@ -18,6 +19,9 @@ class StageFn(NamedTuple):
     apply: Callable[[tuple, Any], Any]       # (param leaves, input pytree) -> output pytree
     param_leaves: tuple                      # initial values (arrays or ShapeDtypeStructs)
     param_tree: Any                          # treedef of the stage's nnx.Param state
+    # For stages cut from one model at its marks: the model's global leaf index of each of
+    # param_leaves. A weight used by several stages (tied embedding) has the same index in each.
+    param_index: tuple | None = None
 
 
 def stage_fn(module: nnx.Module) -> StageFn:
@@ -33,6 +37,10 @@ class Pipeline:
     """`stages[i]` consumes `stages[i-1]`'s output; `loss_fn(last_output, targets)` returns the
     scalar mean over a microbatch.
 
+    `shared` lists the parameters held by more than one stage (from StageFn.param_index): each
+    group is the (stage, local leaf index) copies of one weight, whose gradients must be summed
+    so the copies stay equal. Module stages share nothing.
+
     `sample_input` (optional, one microbatch or batch of inputs) lets shape mismatches between
     stages be reported here instead of at the first step.
     """
@@ -42,13 +50,15 @@ class Pipeline:
         if not stages:
             raise ValueError("Pipeline needs at least one stage, got an empty list")
         for i, s in enumerate(stages):
-            if not isinstance(s, nnx.Module):
-                raise ValueError(f"stage {i} must be an nnx.Module, got {type(s).__name__}")
+            if not isinstance(s, (nnx.Module, StageFn)):
+                raise ValueError(f"stage {i} must be an nnx.Module, got {type(s).__name__} "
+                                 f"(or a StageFn, as mpmd.split returns for a model with stage marks)")
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(last_stage_output, targets), got {loss_fn!r}")
         self.stages = stages
         self.loss_fn = loss_fn
-        self.fns = [stage_fn(s) for s in stages]
+        self.fns = [s if isinstance(s, StageFn) else stage_fn(s) for s in stages]
+        self.shared = shared_params(self.fns)
         if sample_input is not None:
             self.activation_specs(jax.tree.map(_spec, sample_input))
 
@@ -80,6 +90,15 @@ class Pipeline:
         for fn, leaves in zip(self.fns, params_per_stage):
             x = fn.apply(leaves, x)
         return self.loss_fn(x, targets)
+
+
+def shared_params(fns) -> list[list[tuple[int, int]]]:
+    """Groups of (stage, local leaf index) that are one global parameter, by global index."""
+    where: dict[int, list[tuple[int, int]]] = {}
+    for k, fn in enumerate(fns):
+        for j, g in enumerate(fn.param_index or ()):
+            where.setdefault(g, []).append((k, j))
+    return [where[g] for g in sorted(where) if len(where[g]) > 1]
 
 
 def _spec(x):

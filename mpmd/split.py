@@ -1,4 +1,5 @@
-"""Split a model that exposes its ordered layers into balanced pipeline stages.
+"""Split a model into pipeline stages: at its `mpmd.stage_boundary` marks (mpmd/marks.py), or,
+for a model that exposes its ordered layers, into balanced contiguous runs of layers.
 
 A layer's cost is its forward FLOPs from XLA's cost analysis on a sample microbatch (the
 embedding's gather costs almost nothing, a block's matmuls most), falling back to its
@@ -14,31 +15,53 @@ from flax import nnx
 
 
 class Stages(list):
-    """The stages (nnx.Modules) in order; `.costs` holds each stage's predicted cost and
-    `.cost_unit` says in what ("flops" or "params")."""
+    """The stages in order (nnx.Modules, or StageFn records for a marked model); `.costs`
+    holds each stage's predicted cost and `.cost_unit` says in what ("flops" or "params")."""
     costs: list[float]
     cost_unit: str
 
 
-def split(model, num_stages: int, sample_input=None) -> Stages:
-    """Split `model.layers()` into `num_stages` contiguous stages of balanced cost.
+def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
+    """Cut `model` into pipeline stages.
 
-    The first stage holds the first layer (the embedding), the last stage the last (the head).
-    `sample_input` (one microbatch; defaults to `model.sample_input()` where the model has
-    one) enables FLOP-based balancing.
+    num_stages=None: at the model's `mpmd.stage_boundary` marks (len(marks) + 1 stages of
+    StageFn records; shared weights live in every stage that uses them). With num_stages, a
+    marked model is cut at its marks when they make exactly that many stages; an unmarked
+    model has `model.layers()` split into `num_stages` contiguous stages of balanced cost (the
+    first stage holds the first layer, the last stage the last).
+    `sample_input` (one microbatch; defaults to `model.sample_input()` where the model has one)
+    is what a marked model is traced with, and enables FLOP-based balancing of layers.
     """
-    if not callable(getattr(model, "layers", None)):
-        raise ValueError(f"mpmd.split needs a model exposing its ordered layers as model.layers(); "
-                         f"{type(model).__name__} has none. Pass your own list of nnx.Module stages "
-                         f"to mpmd.Pipeline instead.")
-    layers = list(model.layers())
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
-    if num_stages > len(layers):
-        raise ValueError(f"cannot split {type(model).__name__} into {num_stages} stages: it has only "
-                         f"{len(layers)} layers; allowed num_stages: 1..{len(layers)}")
+    from mpmd import marks
+    name = type(model).__name__
     if sample_input is None and callable(getattr(model, "sample_input", None)):
         sample_input = model.sample_input()
+    if num_stages is None:
+        if sample_input is None:
+            raise ValueError(f"mpmd.split({name}) without num_stages cuts the model at its mpmd.stage_boundary "
+                             f"marks, which needs a sample input: pass sample_input=(one microbatch) or give "
+                             f"the model a sample_input() method")
+        return marks.split_marked(model, sample_input)
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    # Marks are found by tracing, which needs a concrete model and an input to trace with.
+    traceable = (sample_input is not None and isinstance(model, nnx.Module)
+                 and not any(isinstance(l, jax.ShapeDtypeStruct) for l in jax.tree.leaves(nnx.state(model))))
+    num_marks = marks.count_marks(model, sample_input) if traceable else 0
+    if num_marks:
+        if num_marks + 1 != num_stages:
+            raise ValueError(f"{name} has {num_marks} mpmd.stage_boundary marks, which make {num_marks + 1} "
+                             f"stages, but num_stages={num_stages}; pass num_stages=None (or {num_marks + 1}) "
+                             f"to cut at the marks, or move the marks")
+        return marks.split_marked(model, sample_input)
+    if not callable(getattr(model, "layers", None)):
+        raise ValueError(f"mpmd.split needs a model exposing its ordered layers as model.layers(); "
+                         f"{name} has none. Pass your own list of nnx.Module stages "
+                         f"to mpmd.Pipeline instead, or mark stage ends with mpmd.stage_boundary.")
+    layers = list(model.layers())
+    if num_stages > len(layers):
+        raise ValueError(f"cannot split {name} into {num_stages} stages: it has only "
+                         f"{len(layers)} layers; allowed num_stages: 1..{len(layers)}")
     costs, unit = layer_costs(layers, sample_input)
     bounds = balanced_boundaries(costs, num_stages)
     stages = Stages(nnx.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:]))
@@ -50,11 +73,16 @@ def split(model, num_stages: int, sample_input=None) -> Stages:
 def layer_costs(layers, sample_input) -> tuple[list[float], str]:
     if sample_input is None:
         return [float(sum(np.size(p) for p in jax.tree.leaves(nnx.state(l, nnx.Param)))) for l in layers], "params"
-    from mpmd.pipeline import _spec, stage_fn
+    from mpmd.pipeline import stage_fn
+    return fn_costs([stage_fn(l) for l in layers], sample_input), "flops"
+
+
+def fn_costs(fns, sample_input) -> list[float]:
+    """Forward FLOPs (plus output bytes / 4) of each StageFn in turn, fed by the previous one."""
+    from mpmd.pipeline import _spec
     x = jax.tree.map(_spec, sample_input)
     costs = []
-    for layer in layers:
-        fn = stage_fn(layer)
+    for fn in fns:
         p = tuple(jax.tree.map(_spec, fn.param_leaves))
         analysis = jax.jit(fn.apply).lower(p, x).cost_analysis() or {}
         if isinstance(analysis, list):  # older jax returned one dict per computation
@@ -62,7 +90,7 @@ def layer_costs(layers, sample_input) -> tuple[list[float], str]:
         # A pure gather (the embedding) reports ~0 flops; count its output bytes so it is not free.
         costs.append(float(analysis.get("flops", 0.0)) + float(analysis.get("bytes accessed", 0.0)) / 4)
         x = jax.eval_shape(fn.apply, p, x)
-    return costs, "flops"
+    return costs
 
 
 def balanced_boundaries(costs, num_stages: int) -> list[int]:

@@ -19,14 +19,17 @@ import numpy as np
 import optax
 
 from mpmd import lazy, lowering, schedules
+from mpmd.checkpoints import Rewound, StageCheckpoints
 from mpmd.pipeline import Pipeline, _spec
+from runtime.client import WorkerLost
 from runtime.instructions import Run
 
 
 class Trainer:
     def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation, schedule: str = "1f1b",
                  num_microbatches: int = 1, cluster=None, virtual_stages: int = 1,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
+                 keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3):
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
@@ -56,9 +59,30 @@ class Trainer:
         self._step = 0
         self._runs = 0      # every cluster run gets a fresh id: transfer keys must never repeat
         self._closed = False
+        if not isinstance(checkpoint_every, int) or checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be a non-negative integer (0: only when asked), got {checkpoint_every!r}")
+        if checkpoint_every and run_dir is None:
+            raise ValueError("checkpoint_every needs run_dir: where to write the checkpoints")
+        self.checkpoint_every = checkpoint_every
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.resumed: tuple[int, object] | None = None   # (step, data_state) when resumed from run_dir
+        self._opt_ready = False
+        self.checkpoints = None
         self.cluster.start(self.num_slices)
         try:
+            if run_dir is not None:
+                partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": schedule,
+                             "virtual_stages": virtual_stages,
+                             "params": [[list(l.shape) for l in fn.param_leaves] for fn in pipeline.fns]}
+                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.home, partition, keep, async_checkpoint)
             self._materialize()
+            if self.checkpoints is not None:
+                restored = self.checkpoints.restore_latest()
+                if restored is not None:
+                    self._step, manifest = restored
+                    self._opt_ready = True
+                    self.resumed = (self._step, manifest.get("data_state"))
         except BaseException:
             self.cluster.close()
             raise
@@ -109,23 +133,77 @@ class Trainer:
             self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
             for plan in ("train", "grads", "eval", "predict", "init"):
                 self.cluster.install_plan(r, plan + suffix, rename(getattr(low, plan)[r]))
-        if not self._compiled:   # first compile: create optimizer state on each slice
+        if not self._opt_ready:   # first compile: create optimizer state on each slice
             self._runs += 1
             self.cluster.run("init" + suffix, self._runs, {}, {})
+            self._opt_ready = True
         self._compiled[key] = (suffix, low)
         self._lowered = low
         return suffix
 
     # -- public --------------------------------------------------------------------------
-    def step(self, inputs, targets, trace: bool = False) -> dict:
+    def step(self, inputs, targets, trace: bool = False, data_state=None) -> dict:
         """One training step on a global batch split along axis 0 into equal microbatches.
 
         Returns {"step", "loss" (mean over microbatches), "step_s"} plus "grad_norm" when
         clipping and, with trace=True, "events": per slice, the timed tasks and transfers.
+        `data_state` (JSON-able) is saved with the checkpoint this step may trigger.
+
+        If a slice is lost during the step, the Trainer replaces it, restores the last
+        committed checkpoint and raises `Rewound` (see mpmd/checkpoints.py).
         """
-        results = self._run("train", inputs, targets, trace)
+        try:
+            results = self._run("train", inputs, targets, trace)
+        except WorkerLost as e:
+            self._recover(e)
         self._step += 1
-        return self._metrics(results, trace)
+        metrics = self._metrics(results, trace)
+        if self.checkpoint_every and self._step % self.checkpoint_every == 0:
+            self.save(data_state)
+        return metrics
+
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far (restored ones included)."""
+        return self._step
+
+    def save(self, data_state=None, wait: bool = False, **extra) -> None:
+        """Checkpoint the state after the current step, with `data_state` (JSON-able: where the
+        data loader stands) in the manifest. Asynchronous unless `wait` or the Trainer's
+        async_checkpoint=False."""
+        self._check_open()
+        if self.checkpoints is None:
+            raise ValueError("this Trainer has no run_dir to save checkpoints in")
+        self.checkpoints.save(self._step, data_state, extra)
+        if wait:
+            self.checkpoints.wait()
+
+    def _recover(self, lost: WorkerLost):
+        """Replace the lost slice, restore every slice from the last committed checkpoint (or
+        the initial state), and tell the caller where to resume by raising Rewound."""
+        self.restarts += 1
+        last = self.checkpoints.latest() if self.checkpoints is not None else None
+        if self.restarts > self.max_restarts or not hasattr(self.cluster, "replace"):
+            raise RuntimeError(f"{lost}; giving up after {self.restarts - 1} recoveries (max_restarts="
+                               f"{self.max_restarts}); last committed checkpoint: "
+                               f"{'step ' + str(last) if last is not None else 'none'}") from lost
+        t0 = time.perf_counter()
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
+        self.cluster.replace(lost.slice_index)
+        t_replace = time.perf_counter()
+        restored = self.checkpoints.restore_latest() if self.checkpoints is not None else None
+        if restored is None:   # nothing committed yet: back to the initial state
+            self._materialize()
+            for suffix, _ in list(self._compiled.values())[:1]:
+                self._runs += 1
+                self.cluster.run("init" + suffix, self._runs, {}, {})
+            self._step, data_state = 0, None
+        else:
+            self._step, manifest = restored
+            data_state = manifest.get("data_state")
+        self.recovery_s = {"replace_s": t_replace - t0, "restore_s": time.perf_counter() - t_replace}
+        raise Rewound(self._step, data_state, str(lost))
 
     def grads(self, inputs, targets) -> tuple[float, list]:
         """(loss, per-stage gradient state) of a batch, without updating anything.
@@ -201,9 +279,12 @@ class Trainer:
 
     def close(self, close_cluster: bool = True) -> None:
         """Release the slices; with close_cluster=False the cluster's workers stay up for the
-        next Trainer (its state is dropped when that Trainer starts it)."""
+        next Trainer (its state is dropped when that Trainer starts it). A checkpoint still
+        being written is committed first."""
         if not self._closed:
             self._closed = True
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
             if close_cluster:
                 self.cluster.close()
 

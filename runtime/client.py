@@ -1,9 +1,20 @@
 """The controller's side of the control plane: a client per worker, and StaticCluster.
 
 A cluster exposes the same verbs as InProcessCluster (start, load_programs, install_plan,
-put, get, delete, run, close), so the Trainer has one code path for every backend.
-`run` sends each worker ONE Run RPC per step, all in parallel, carrying the feeds that slice
-needs; activations then flow slice to slice over the data plane, never through here.
+put, get, delete, run, save, wait_saves, restore, close), so the Trainer has one code path
+for every backend. `run` sends each worker ONE Run RPC per step, all in parallel, carrying
+the feeds that slice needs; activations then flow slice to slice over the data plane, never
+through here.
+
+Failure detection. Every worker is pinged every HEARTBEAT_S; a slice is declared lost when
+an RPC to it fails for transport reasons (process gone: UNAVAILABLE at once) or when it has
+not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off). `run` then
+cancels the step everywhere and raises WorkerLost naming the slice.
+
+Replacement. The cluster remembers what it shipped to each slice (programs, plans), so
+`replace(slice)` can bring a new worker to the same point: a spare address here, a new
+process for LocalCluster, a new actor for RayCluster. State (parameters) is not replayed:
+the caller restores it from a checkpoint.
 """
 from __future__ import annotations
 
@@ -11,17 +22,20 @@ import collections
 import logging
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from runtime import instructions, wire
 from runtime.executor import Aborted, Event, StepResult
-from runtime.inprocess import gather
 from runtime.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
 
 log = logging.getLogger("mpmd.controller")
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 0.5
+# gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
+_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+         grpc.StatusCode.UNKNOWN}
 
 
 class WorkerError(RuntimeError):
@@ -33,6 +47,15 @@ class WorkerError(RuntimeError):
         self.code = code
 
 
+class WorkerLost(RuntimeError):
+    """Slice `slice_index` is gone (died, hung or unreachable); the step was aborted everywhere."""
+
+    def __init__(self, slice_index: int, address: str, why: str):
+        super().__init__(f"slice {slice_index} (worker {address}) lost: {why}")
+        self.slice_index = slice_index
+        self.address = address
+
+
 class WorkerClient:
     def __init__(self, address: str, token: str, rpc_counts: collections.Counter):
         self.address = address
@@ -40,6 +63,7 @@ class WorkerClient:
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._counts = rpc_counts
         self._stubs = {}
+        self.last_ok = time.monotonic()
 
     def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -48,18 +72,29 @@ class WorkerClient:
             raise WorkerError(self.address, f"did not answer within {timeout_s:g} s "
                                             f"(is `mpmd worker` running and listening there?)") from None
 
-    def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
+    def future(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
+        """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
         stub = self._stubs.get(method)
         if stub is None:
             stub = self._stubs[method] = self._channel.unary_unary(f"/{SERVICE}/{method}")
         self._counts[method] += 1
         try:
-            reply = stub(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)
+            return stub.future(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)
+        except ValueError as e:      # the channel was closed: this client was replaced
+            raise WorkerError(self.address, f"{method}: {e}") from None
+
+    def result(self, method: str, fut):
+        try:
+            reply = fut.result()
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ABORTED:
                 raise Aborted(f"worker {self.address}: {e.details()}") from None
             raise WorkerError(self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code()) from None
+        self.last_ok = time.monotonic()
         return wire.decode(reply)
+
+    def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
+        return self.result(method, self.future(method, header, blobs, timeout_s))
 
     def close(self) -> None:
         self._channel.close()
@@ -73,14 +108,18 @@ def _arrays_out(b: wire.Builder, arrays) -> list:
 class StaticCluster:
     """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F`.
 
-    The first `num_slices` addresses serve slices; any further ones are spares.
+    The first `num_slices` addresses serve slices; the others are spares that replace a
+    lost slice.
     """
 
     def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
-                 connect_timeout_s: float = 10.0, transfer_host: str | None = None):
+                 connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
+                 transfer_host: str | None = None):
         addresses = list(addresses)
         if not addresses or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
             raise ValueError(f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
+        if not failure_timeout_s > 0:
+            raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
         if token is None:
             if token_file is None:
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
@@ -92,10 +131,14 @@ class StaticCluster:
         self.addresses = addresses
         self._token = token
         self._connect_timeout_s = connect_timeout_s
+        self.failure_timeout_s = failure_timeout_s
         self._transfer_host = transfer_host
         self.rpc_counts: collections.Counter = collections.Counter()
         self.clients: list[WorkerClient] = []      # one per slice
-        self._all: list[WorkerClient] = []         # one per address
+        self._spares: list[str] = []
+        self._others: list[WorkerClient] = []      # idle workers: heartbeats keep their lease
+        self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
+        self._transfer: dict[str, str] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -104,6 +147,7 @@ class StaticCluster:
     def num_slices(self) -> int:
         return len(self.clients)
 
+    # -- membership --------------------------------------------------------------------------
     def start(self, num_slices: int) -> None:
         """Attach to the first `num_slices` workers and give each a fresh slice (new executor,
         new transfer server): a cluster that is already started is reused from a clean state."""
@@ -112,36 +156,87 @@ class StaticCluster:
         if len(self.addresses) < num_slices:
             raise ValueError(f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
                              f"address(es): {self.addresses}")
-        # Clients for every address, spares included: all of them get heartbeats, so a worker
-        # that served an earlier Trainer and now idles keeps its lease.
-        self._all = [WorkerClient(a, self._token, self.rpc_counts) for a in self.addresses]
-        self.clients = self._all[:num_slices]
-        self._pool = ThreadPoolExecutor(max(num_slices, 1), thread_name_prefix="mpmd-ctl")
+        self.clients = [self._client(a) for a in self.addresses[:num_slices]]
+        self._others = [self._client(a) for a in self.addresses[num_slices:]]
+        self._spares = list(self.addresses[num_slices:])
+        self._shipped = [{"programs": {}, "plans": {}} for _ in range(num_slices)]
+        self._pool = ThreadPoolExecutor(max(2 * num_slices, 2), thread_name_prefix="mpmd-ctl")
         try:
             list(self._pool.map(lambda c: c.wait_ready(self._connect_timeout_s), self.clients))
-            transfer = {}
-            for i, c in enumerate(self.clients):
-                host = self._transfer_host or c.address.rpartition(":")[0].strip("[]")
-                transfer[str(i)] = c.call("Setup", {"slice_index": i, "transfer_host": host})[0]["transfer_address"]
+            self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
             for c in self.clients:
-                c.call("Connect", {"peers": transfer})
+                c.call("Connect", {"peers": self._transfer})
         except BaseException:
             self.close()
             raise
+        self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="mpmd-heartbeat")
         self._heartbeat.start()
 
+    def _client(self, address: str) -> WorkerClient:
+        return WorkerClient(address, self._token, self.rpc_counts)
+
+    def _setup(self, i: int, c: WorkerClient) -> str:
+        host = self._transfer_host or c.address.rpartition(":")[0].strip("[]")
+        return c.call("Setup", {"slice_index": i, "transfer_host": host})[0]["transfer_address"]
+
     def _beat(self) -> None:
-        # Keeps the workers' lease alive; failure detection builds on these replies.
+        # Keeps the workers' lease alive and feeds failure detection (WorkerClient.last_ok).
+        # One future per worker per round, so a hung worker does not delay the others' pings.
         while not self._stop.wait(HEARTBEAT_S):
-            for c in list(self._all):
+            futs = []
+            for c in list(self.clients) + list(self._others):
                 try:
-                    c.call("Heartbeat", timeout_s=HEARTBEAT_S * 2)
-                except (WorkerError, Aborted) as e:
-                    log.warning("heartbeat: %s", e)
+                    futs.append((c, c.future("Heartbeat", timeout_s=HEARTBEAT_S * 2)))
+                except WorkerError:
+                    pass             # replaced while we looked
+            for c, f in futs:
+                try:
+                    c.result("Heartbeat", f)
+                except (WorkerError, Aborted):
+                    pass
+
+    def lost_slice(self) -> tuple[int, str] | None:
+        """(slice, why) of a slice silent for longer than failure_timeout_s, if any."""
+        now = time.monotonic()
+        for i, c in enumerate(self.clients):
+            if now - c.last_ok > self.failure_timeout_s:
+                return i, f"no answer for {now - c.last_ok:.1f} s (failure_timeout_s={self.failure_timeout_s:g})"
+        return None
+
+    def replace(self, slice_index: int) -> None:
+        """Put a new worker in place of a lost slice and bring it to where the slice was:
+        same programs and plans; every slice's transfers reconnected. State is not restored."""
+        old = self.clients[slice_index]
+        old.close()
+        address = self._new_worker(slice_index)
+        c = self._client(address)
+        c.wait_ready(self._connect_timeout_s)
+        self.clients[slice_index] = c
+        self._transfer[str(slice_index)] = self._setup(slice_index, c)
+        for other in self.clients:
+            other.call("Connect", {"peers": self._transfer})
+        shipped = self._shipped[slice_index]
+        if shipped["programs"]:
+            self._load(slice_index, shipped["programs"])
+        for name, stream in shipped["plans"].items():
+            self._install(slice_index, name, stream)
+
+    def _new_worker(self, slice_index: int) -> str:
+        """The address of a worker to take over `slice_index`. Here: the next spare."""
+        if not self._spares:
+            raise RuntimeError(f"slice {slice_index} was lost and StaticCluster has no spare address left "
+                               f"(give more addresses than slices to allow replacement)")
+        address = self._spares.pop(0)
+        self._others = [o for o in self._others if o.address != address]
+        return address
 
     # -- the cluster verbs -------------------------------------------------------------------
     def load_programs(self, slice_index: int, specs: dict) -> None:
+        self._shipped[slice_index]["programs"].update(specs)
+        self._load(slice_index, specs)
+
+    def _load(self, slice_index: int, specs: dict) -> None:
         b = wire.Builder()
         progs = []
         for name, s in specs.items():
@@ -153,6 +248,10 @@ class StaticCluster:
         self.clients[slice_index].call("LoadPrograms", {"programs": progs}, b.blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
+        self._shipped[slice_index]["plans"][name] = list(stream)
+        self._install(slice_index, name, stream)
+
+    def _install(self, slice_index: int, name: str, stream) -> None:
         self.clients[slice_index].call("InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
 
     def put(self, slice_index: int, name: str, arrays) -> None:
@@ -166,43 +265,81 @@ class StaticCluster:
     def delete(self, slice_index: int, names) -> None:
         self.clients[slice_index].call("Delete", {"names": list(names)})
 
+    def save(self, slice_index: int, items: dict) -> None:
+        self.clients[slice_index].call("Save", {"items": items})
+
+    def wait_saves(self, slice_index: int) -> list[str]:
+        return self.clients[slice_index].call("WaitSaves")[0]["finalized"]
+
+    def restore(self, slice_index: int, items: dict) -> None:
+        self.clients[slice_index].call("Restore", {"items": items})
+
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
-        def one(i: int) -> StepResult:
+        futs = []
+        for i, c in enumerate(self.clients):
             b = wire.Builder()
             header = {"plan": plan, "step": step, "fetch": list(fetch.get(i, ())), "trace": trace,
                       "feeds": {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}}
-            h, blobs = self.clients[i].call("Run", header, b.blobs)
-            fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["fetched"].items()}
-            return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"])
+            futs.append(c.future("Run", header, b.blobs))
+        lost = None
+        while lost is None and not all(f.done() for f in futs):
+            time.sleep(0.005)
+            lost = self.lost_slice()
+            for i, f in enumerate(futs):
+                if lost is None and f.done() and f.exception() is not None:
+                    e = f.exception()
+                    if isinstance(e, grpc.RpcError) and e.code() in _GONE:
+                        lost = (i, f"{e.code().name}: {e.details()}")
+        if lost is None:
+            errors = [i for i, f in enumerate(futs) if f.exception() is not None]
+            if not errors:
+                return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
+            root = [i for i in errors if futs[i].exception().code() != grpc.StatusCode.ABORTED] or errors
+            self._abort_all(step, futs)
+            self.clients[root[0]].result("Run", futs[root[0]])     # raises the root cause
+            raise AssertionError("unreachable")
+        self._abort_all(step, futs)
+        raise WorkerLost(lost[0], self.clients[lost[0]].address, lost[1])
 
-        futures = [self._pool.submit(one, i) for i in range(len(self.clients))]
-        return gather(futures, on_error=self._abort_all)
+    def _step_result(self, c: WorkerClient, fut) -> StepResult:
+        h, blobs = c.result("Run", fut)
+        fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["fetched"].items()}
+        return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"])
 
-    def _abort_all(self) -> None:
-        for c in self.clients:
+    def _abort_all(self, step: int, futs=()) -> None:
+        aborts = [(c, c.future("Abort", {"step": step}, timeout_s=2.0)) for c in self.clients]
+        for c, f in aborts:
             try:
-                c.call("Abort", timeout_s=2.0)
+                c.result("Abort", f)
             except (WorkerError, Aborted):
                 pass
+        # Survivors answer ABORTED promptly; a hung or dead worker's Run is cancelled.
+        deadline = time.monotonic() + 2.0
+        for f in futs:
+            while not f.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            f.cancel()
 
+    # -- shutdown ----------------------------------------------------------------------------
     def _detach(self) -> None:
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
-        self._stop = threading.Event()
-        for c in self._all:
+            self._heartbeat = None
+        for c in self.clients + self._others:
             c.close()
-        self.clients, self._all = [], []
+        self.clients, self._others = [], []
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
 
     def close(self) -> None:
         """Shut the workers down (a worker started with --persist resets instead)."""
-        for c in self._all:
+        futs = [(c, c.future("Shutdown", timeout_s=2.0)) for c in self.clients + self._others]
+        for c, f in futs:
             try:
-                c.call("Shutdown", timeout_s=2.0)
+                c.result("Shutdown", f)
             except (WorkerError, Aborted):
                 pass
         self._detach()

@@ -15,7 +15,6 @@ One step:
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import NamedTuple
 
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 
 from runtime import programs as programs_lib
+from runtime.checkpoint import SliceCheckpointer
 from runtime.instructions import Delete, Instruction, Recv, Run, Send
 
 
@@ -52,7 +52,8 @@ class Executor:
         self.programs: dict[str, programs_lib.Program] = {}
         self.plans: dict[str, tuple[Instruction, ...]] = {}
         self.buffers: dict[str, tuple[jax.Array, ...]] = {}
-        self._abort = threading.Event()
+        self._aborted_upto = -1      # runs with an id <= this are aborted (even if not started yet)
+        self._checkpointer = SliceCheckpointer()
 
     # -- state -----------------------------------------------------------------------
     def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
@@ -80,16 +81,31 @@ class Executor:
         for n in names:
             self.buffers.pop(n, None)
 
-    def abort(self) -> None:
-        """Make a running step raise `Aborted` at its next wait."""
-        self._abort.set()
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, items: dict[str, list[str]]) -> None:
+        """Start an asynchronous save of {directory: [buffer names]}."""
+        missing = [n for names in items.values() for n in names if n not in self.buffers]
+        if missing:
+            raise ValueError(f"slice {self.slice_index} cannot save missing buffer(s) {missing}")
+        self._checkpointer.save({d: {n: self.buffers[n] for n in names} for d, names in items.items()})
+
+    def wait_saves(self) -> list[str]:
+        return self._checkpointer.wait()
+
+    def restore(self, items: dict[str, list[str]]) -> None:
+        """Replace buffers with a checkpoint's; nothing changes if any part fails to read."""
+        self.buffers.update(self._checkpointer.restore(items, self.device))
+
+    def abort(self, step: int) -> None:
+        """Make run `step` (and any earlier one) raise `Aborted` at its next wait, whether it is
+        running now or its Run message has not arrived yet."""
+        self._aborted_upto = max(self._aborted_upto, step)
 
     # -- one step --------------------------------------------------------------------
     def run(self, plan: str, step: int, feeds: dict[str, tuple] | None = None,
             fetch: tuple[str, ...] = (), trace: bool = False) -> StepResult:
         if plan not in self.plans:
             raise ValueError(f"slice {self.slice_index}: no plan {plan!r}; installed: {sorted(self.plans)}")
-        self._abort.clear()
         t0 = time.time_ns()
         stream = self.plans[plan]
         buffers = self.buffers
@@ -118,7 +134,7 @@ class Executor:
                         events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))
                 elif isinstance(ins, Recv):
                     start = time.time_ns() if trace else 0
-                    buffers[ins.buffer] = self._wait(pending.pop(ins.buffer), ins)
+                    buffers[ins.buffer] = self._wait(pending.pop(ins.buffer), ins, step)
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
@@ -132,10 +148,10 @@ class Executor:
                 fut.cancel()
         return StepResult(fetched, tuple(events), (time.time_ns() - t0) / 1e9)
 
-    def _wait(self, fut, ins: Recv):
+    def _wait(self, fut, ins: Recv, step: int):
         # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
         while True:
-            if self._abort.is_set():
+            if self._aborted_upto >= step:
                 raise Aborted(f"slice {self.slice_index}: step aborted while waiting for {ins.key!r}")
             try:
                 return tuple(fut.result(timeout=0.05))

@@ -108,11 +108,20 @@ class InProcessCluster:
     def delete(self, slice_index: int, names) -> None:
         self.executors[slice_index].delete(names)
 
+    def save(self, slice_index: int, items: dict) -> None:
+        self.executors[slice_index].save(items)
+
+    def wait_saves(self, slice_index: int) -> list[str]:
+        return self.executors[slice_index].wait_saves()
+
+    def restore(self, slice_index: int, items: dict) -> None:
+        self.executors[slice_index].restore(items)
+
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
         futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace)
                    for i, ex in enumerate(self.executors)]
-        return gather(futures, on_error=lambda: [ex.abort() for ex in self.executors],
+        return gather(futures, on_error=lambda: [ex.abort(step) for ex in self.executors],
                       cleanup=self._hub.clear)
 
     def close(self) -> None:

@@ -22,7 +22,8 @@ START_TIMEOUT_S = 60.0
 
 class LocalCluster(StaticCluster):
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
-                 threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1"):
+                 threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
+                 failure_timeout_s: float = 5.0):
         if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
             raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
         if devices_per_worker != 1:
@@ -36,7 +37,7 @@ class LocalCluster(StaticCluster):
         self.pin = pin
         self.host = host
         self.procs: list[subprocess.Popen] = []
-        super().__init__(["0.0.0.0:0"], token=new_token())
+        super().__init__(["0.0.0.0:0"], token=new_token(), failure_timeout_s=failure_timeout_s)
 
     def start(self, num_slices: int) -> None:
         n = self.num_workers if self.num_workers is not None else num_slices
@@ -52,6 +53,16 @@ class LocalCluster(StaticCluster):
             self.close()
             raise
 
+    def _new_worker(self, slice_index: int) -> str:
+        """Replace a lost slice's process: make sure the old one is gone (SIGKILL by its pid:
+        it may be hung or stopped), then start a new one in its place."""
+        old = self.procs[slice_index]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        self.addresses[slice_index] = address = self._spawn(slice_index)
+        return address
+
     def _spawn(self, i: int) -> str:
         cpus = os.sched_getaffinity(0)
         ordered = sorted(cpus)
@@ -65,7 +76,10 @@ class LocalCluster(StaticCluster):
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
                                 env=env, text=True, bufsize=1)
-        self.procs.append(proc)
+        if i < len(self.procs):
+            self.procs[i] = proc
+        else:
+            self.procs.append(proc)
         proc.stdin.write(self._token + "\n")
         proc.stdin.flush()
         line = _readline(proc, START_TIMEOUT_S)

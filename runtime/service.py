@@ -9,8 +9,10 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Put          {name, arrays: [blob]}                   Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
   Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
+  Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save)
+  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}}
   Heartbeat    -> {pid, step_running}
-  Abort        (a running step raises at its next wait)
+  Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
   Shutdown
 Every call must carry the cluster token in metadata `mpmd-token`; a call without it, or
 with a wrong one, is refused (UNAUTHENTICATED) and logged. A malformed body gets
@@ -110,12 +112,26 @@ class WorkerService:
         fetched = {n: [out.add(a) for a in arrays] for n, arrays in result.fetched.items()}
         return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s}, out.blobs
 
+    def Save(self, h, b):
+        self._exec().save(_items(h))
+        return {}, []
+
+    def WaitSaves(self, h, b):
+        return {"finalized": self._exec().wait_saves()}, []
+
+    def Restore(self, h, b):
+        self._exec().restore(_items(h))
+        return {}, []
+
     def Heartbeat(self, h, b):
         return {"pid": os.getpid(), "step_running": self._running.locked()}, []
 
     def Abort(self, h, b):
+        """Stop a running step and drop this slice's pending transfers (peers waiting on them
+        fail instead of hanging; nothing of the aborted step can pair with a later one)."""
         if self.executor is not None:
-            self.executor.abort()
+            self.executor.abort(_int(h, "step"))
+            self.transport.reset()
         return {}, []
 
     def Shutdown(self, h, b):
@@ -136,7 +152,7 @@ class WorkerService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         names = ["Hello", "Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete",
-                 "Run", "Heartbeat", "Abort", "Shutdown"]
+                 "Run", "Save", "WaitSaves", "Restore", "Heartbeat", "Abort", "Shutdown"]
         return grpc.method_handlers_generic_handler(
             SERVICE, {n: grpc.unary_unary_rpc_method_handler(self._wrap(n)) for n in names})
 
@@ -162,6 +178,13 @@ class WorkerService:
                 log.error("%s failed:\n%s", name, traceback.format_exc())
                 context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
         return call
+
+
+def _items(h: dict) -> dict[str, list[str]]:
+    items = h.get("items")
+    if not isinstance(items, dict) or not all(isinstance(v, list) for v in items.values()):
+        raise ValueError("'items' must be {directory: [buffer name, ...]}")
+    return {str(d): [str(n) for n in names] for d, names in items.items()}
 
 
 def _int(h: dict, key: str) -> int:

@@ -46,13 +46,17 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def configure_process(devices: int, cpus: str) -> None:
-    """Must run before JAX is imported in this process."""
-    flags = os.environ.get("XLA_FLAGS", "")
+def xla_flags(devices: int, flags: str = "") -> str:
+    """flags with this slice's host device count and Eigen's intra-op pool switched off."""
     flags = " ".join(f for f in flags.split() if not f.startswith(("--xla_force_host_platform_device_count",
                                                                    "--xla_cpu_multi_thread_eigen")))
-    os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count={devices} "
-                               f"--xla_cpu_multi_thread_eigen=false").strip()
+    return (f"{flags} --xla_force_host_platform_device_count={devices} "
+            f"--xla_cpu_multi_thread_eigen=false").strip()
+
+
+def configure_process(devices: int, cpus: str) -> None:
+    """Must run before JAX is imported in this process."""
+    os.environ["XLA_FLAGS"] = xla_flags(devices, os.environ.get("XLA_FLAGS", ""))
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 
@@ -77,9 +81,7 @@ def main(argv=None) -> int:
     token = read_token(args)
     configure_process(args.devices, args.cpus)
 
-    import grpc
-    from concurrent import futures
-    from runtime.service import GRPC_OPTIONS, WorkerService
+    from runtime.service import WorkerService
 
     done = threading.Event()
     reason = []
@@ -94,26 +96,18 @@ def main(argv=None) -> int:
             done.set()
 
     service = WorkerService(token, stop)
-    # Several threads: Heartbeat and Abort must be served while a Run is executing.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpmd-rpc"),
-                         options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((service.handler(),))
-    host, _, port = args.listen.rpartition(":")
     try:
-        bound = server.add_insecure_port(args.listen)
-    except RuntimeError:
-        bound = 0
-    if not bound:
-        print(f"error: cannot listen on {args.listen!r}", file=sys.stderr)
+        server, address = serve(service, args.listen)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    server.start()
     signal.signal(signal.SIGTERM, lambda *_: stop("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: stop("SIGINT"))
     if args.token_stdin:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")),
                          daemon=True).start()
-    print(f"{READY} {host or '127.0.0.1'}:{bound}", flush=True)
-    logging.info("serving slice on %s:%d", host, bound)
+    print(f"{READY} {address}", flush=True)
+    logging.info("serving slice on %s", address)
     while not done.wait(0.5):
         if service.attached and time.monotonic() - service.last_contact > args.lease_s:
             if args.persist:
@@ -129,6 +123,29 @@ def main(argv=None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def serve(service, listen: str):
+    """Serve `service` (a runtime.service.WorkerService) over gRPC on listen (HOST:PORT, port 0
+    = any free one); returns (started server, "host:port"). Raises OSError if it cannot bind.
+    Shared by this process's main and the Ray actor of runtime/ray_cluster.py."""
+    import grpc
+    from concurrent import futures
+    from runtime.service import GRPC_OPTIONS
+
+    # Several threads: Heartbeat and Abort must be served while a Run is executing.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpmd-rpc"),
+                         options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((service.handler(),))
+    host = listen.rpartition(":")[0]
+    try:
+        bound = server.add_insecure_port(listen)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise OSError(f"cannot listen on {listen!r}")
+    server.start()
+    return server, f"{host or '127.0.0.1'}:{bound}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,343 @@
+"""The runtime measured on itself: scheduling fidelity, per-instruction overhead, overlap of
+transfers with compute, and end-to-end GPT training against one core.
+
+    /work/venv/bin/python benchmarks/bench_runtime.py [--quick]
+
+Every ratio is measured in this one run on this machine. Stage costs are declared "sleep"
+programs (mpmd/dryrun.py) wherever the question is about the runtime, not the cores: a
+sleep takes wall time and no CPU, so two cores do not distort it.
+
+a. Scheduling fidelity. p = 4 slices, m = 8, F 20 ms, B 40 ms, W 20 ms (B + W as one task
+   where the backward is not split), 64 KB activations; interleaved-1f1b runs 8 stages on
+   4 slices at half the per-stage cost, so every slice does the same work. Median measured
+   step time / simulated makespan, on LocalCluster(num_workers=4) (real processes, gRPC,
+   real transfers) and on InProcessCluster. Goal <= 1.05. The columns after the ratio say
+   where the excess over the simulation went, on the slice that finished last:
+   ctl = controller wall - that worker's own step wall (RPC, dispatch, reply);
+   over = its programs' run time - their declared time (sleep overshoot, tracing);
+   gaps = its wall time outside programs and receive waits (executor bookkeeping, sends).
+b. Worker overhead per instruction: zero-duration programs, many microbatches; a worker's
+   own step wall time / instructions in its stream (p = 1: no transfers, no waits; p = 2:
+   receive waits subtracted using the trace). Goal <= 100 us. Plus the control plane:
+   RPCs per step by method (must be one Run per worker) and controller time per step
+   beyond the slowest worker.
+c. Overlap. p = 2, m = 8, 30 ms per task (F and full B) and an activation sized so that one
+   transfer takes ~30 ms here (measured first, in this run, by ping-pong on the runtime).
+   Overlap bound = simulate(comm_s = transfer time); no overlap = simulate with each
+   transfer added to the task that sends it. hidden = share of the transfer time that the
+   runtime hid: (no overlap - measured) / (no overlap - overlap bound).
+d. End to end: GPT (vocab 256, 8 layers, d_model 512, 8 heads, seq 64, batch 32), m = 8,
+   1F1B on 2 slices and interleaved-1f1b (v = 2, 4 stages) on LocalCluster(num_workers=2),
+   against the unpipelined model: one jitted adamw step in a subprocess pinned to one core
+   with XLA's intra-op threads off. speedup = unpipelined / pipelined step time (the
+   ceiling on 2 cores is ~2x; the controller shares those cores).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Before jax is imported. The baseline subprocess gets its own flags (run_baseline).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--baseline" not in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+                               " --xla_cpu_multi_thread_eigen=false").strip()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MS = 1e-3
+FIDELITY_COSTS = {"F": 20 * MS, "B": 40 * MS, "W": 20 * MS}
+FIDELITY_P, FIDELITY_M, FIDELITY_ACT_BYTES = 4, 8, 64 * 2**10
+OVERLAP_TASK_S, OVERLAP_P, OVERLAP_M = 30 * MS, 2, 8
+GPT = dict(vocab_size=256, d_model=512, num_heads=8, num_layers=8, seq_len=64)
+GPT_BATCH, GPT_M, LR = 32, 8, 3e-4
+
+
+def fidelity_cases():
+    from mpmd import schedules
+    p, m, c = FIDELITY_P, FIDELITY_M, FIDELITY_COSTS
+    half = {k: v / 2 for k, v in c.items()}
+    return [(schedules.make("gpipe", p, m), c), (schedules.make("1f1b", p, m), c),
+            (schedules.make("zb-h1", p, m), c),
+            (schedules.make("interleaved-1f1b", 2 * p, m, 2), half)]
+
+
+def busy_s(simulation, r: int) -> float:
+    """Declared program time of slice r in one step (what its sleeps should take)."""
+    return sum(end - start for _, start, end in simulation.spans[r])
+
+
+def excess_breakdown(result) -> tuple[float, float, float]:
+    """(ctl, over, gaps) in seconds, medians over steps, for the slice that finished last."""
+    ctl, over, gaps = [], [], []
+    for step_s, walls, events in zip(result.step_s, result.slice_wall_s, result.events):
+        r = max(range(len(walls)), key=walls.__getitem__)
+        run_s = sum(e.end_ns - e.start_ns for e in events[r] if e.kind == "run") / 1e9
+        recv_s = sum(e.end_ns - e.start_ns for e in events[r] if e.kind == "recv") / 1e9
+        ctl.append(step_s - walls[r])
+        over.append(run_s - busy_s(result.simulation, r))
+        gaps.append(walls[r] - run_s - recv_s)
+    return statistics.median(ctl), statistics.median(over), statistics.median(gaps)
+
+
+def goal(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+# -- a. scheduling fidelity -------------------------------------------------------------------
+def fidelity(local, num_steps: int) -> None:
+    import mpmd
+    from mpmd.dryrun import dry_run
+
+    print(f"\na. scheduling fidelity: p={FIDELITY_P} slices, m={FIDELITY_M}, F/B/W = "
+          f"{'/'.join(f'{v / MS:g}' for v in FIDELITY_COSTS.values())} ms, activations "
+          f"{FIDELITY_ACT_BYTES // 2**10} KB, median of {num_steps} steps (goal: ratio <= 1.05)")
+    print(f"{'schedule':>17} {'cluster':>10} {'simulated ms':>13} {'measured ms':>12} {'ratio':>6} "
+          f"{'ctl ms':>7} {'over ms':>8} {'gaps ms':>8}  goal")
+    for schedule, costs in fidelity_cases():
+        for label, make in (("local", lambda: local), ("in-process", mpmd.InProcessCluster)):
+            cluster = make()
+            try:
+                result = dry_run(schedule, costs, FIDELITY_ACT_BYTES, cluster, steps=num_steps)
+            finally:
+                if cluster is not local:
+                    cluster.close()
+            measured = statistics.median(result.step_s)
+            ratio = measured / result.simulated_makespan_s
+            ctl, over, gaps = excess_breakdown(result)
+            name = schedule.name + (f" v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else "")
+            print(f"{name:>17} {label:>10} {result.simulated_makespan_s / MS:>13.1f} {measured / MS:>12.1f} "
+                  f"{ratio:>6.3f} {ctl / MS:>7.2f} {over / MS:>8.2f} {gaps / MS:>8.2f}  "
+                  f"{goal(ratio <= 1.05) if label == 'local' else '(reference)'}")
+
+
+# -- b. per-instruction overhead and dispatch ------------------------------------------------
+def overhead(local, num_steps: int, num_microbatches: int) -> None:
+    import mpmd
+    from mpmd import schedules
+    from mpmd.dryrun import dry_run
+
+    zero = {"F": 0.0, "B": 0.0, "W": 0.0}
+    print(f"\nb. worker overhead per instruction: zero-duration programs, 1f1b, m={num_microbatches}, "
+          f"median of {num_steps} steps (goal <= 100 us)")
+    print(f"{'case':>38} {'instructions':>13} {'worker step ms':>15} {'waits ms':>9} {'us/instr':>9}  goal")
+    cases = (("p=1 LocalCluster worker, untraced", 1, local, False),
+             ("p=1 InProcessCluster, untraced", 1, None, False),
+             ("p=2 LocalCluster workers, traced", 2, local, True))
+    for label, p, cluster, trace in cases:
+        cluster = cluster or mpmd.InProcessCluster()
+        schedule = schedules.make("1f1b", p, num_microbatches)
+        before = dict(local.rpc_counts)
+        t0 = time.perf_counter()
+        try:
+            result = dry_run(schedule, zero, 4 * 2**10, cluster, steps=num_steps, trace=trace)
+        finally:
+            if cluster is not local:
+                cluster.close()
+        elapsed = time.perf_counter() - t0
+        per_instr, walls, waits, counts = [], [], [], []
+        for step_walls, step_events in zip(result.slice_wall_s, result.events):
+            for r, wall in enumerate(step_walls):
+                wait = sum(e.end_ns - e.start_ns for e in step_events[r] if e.kind == "recv") / 1e9
+                per_instr.append((wall - wait) / len(result.streams[r]))
+                walls.append(wall)
+                waits.append(wait)
+        us = statistics.median(per_instr) / 1e-6
+        num_instr = "/".join(str(len(s)) for s in result.streams)
+        print(f"{label:>38} {num_instr:>13} {statistics.median(walls) / MS:>15.2f} "
+              f"{statistics.median(waits) / MS:>9.2f} {us:>9.1f}  {goal(us <= 100)}")
+        if cluster is local:
+            rpcs = {k: v - before.get(k, 0) for k, v in local.rpc_counts.items() if k != "Heartbeat"}
+            run_steps = num_steps + 1   # + the warm-up step
+            ctl = statistics.median(s - max(w) for s, w in zip(result.step_s, result.slice_wall_s))
+            print(f"{'':>38} control plane: {rpcs.get('Run', 0) / run_steps:g} Run RPC(s) per step for "
+                  f"{p} worker(s) ({goal(rpcs.get('Run', 0) == p * run_steps)}: one per worker); "
+                  f"setup RPCs {sorted((k, v) for k, v in rpcs.items() if k != 'Run')}; "
+                  f"controller time beyond the slowest worker {ctl / MS:.2f} ms/step "
+                  f"(whole dry run {elapsed:.1f} s)")
+
+
+# -- c. overlap of transfers with compute ----------------------------------------------------
+def transfer_s(cluster, num_bytes: int, num_reps: int) -> float:
+    """One-way transfer time of `num_bytes` slice 0 -> slice 1 on the runtime: half of a
+    ping-pong's round trip, both ends timed on slice 0's clock (median of num_reps)."""
+    from runtime import programs
+    from runtime.instructions import Delete, Recv, Run, Send, Spec
+
+    spec = (Spec((num_bytes // 4,), "float32"),)
+    cluster.start(2)
+    cluster.load_programs(0, {"produce": programs.sleep(0.0, (spec,))})
+    cluster.load_programs(1, {})
+    cluster.install_plan(0, "pingpong", [Run("produce", (), ("a",), "produce"), Send("a", 1, "ping"),
+                                         Delete("a"), Recv("b", 1, "pong", spec), Delete("b")])
+    cluster.install_plan(1, "pingpong", [Recv("a", 0, "ping", spec), Send("a", 0, "pong"), Delete("a")])
+    one_way = []
+    for step in range(1 + num_reps):
+        events = cluster.run("pingpong", step + 1, {}, {}, trace=True)[0].events
+        produced = next(e for e in events if e.kind == "run").end_ns
+        back = next(e for e in events if e.kind == "recv").end_ns
+        if step:
+            one_way.append((back - produced) / 2e9)
+    return statistics.median(one_way)
+
+
+def overlap(local, num_steps: int) -> None:
+    from mpmd import schedules
+    from mpmd.dryrun import dry_run
+    from mpmd.simulate import simulate
+
+    probe = 8 * 2**20
+    probe_s = transfer_s(local, probe, 3)
+    num_bytes = int(probe * OVERLAP_TASK_S / probe_s) // 4 * 4
+    comm_s = transfer_s(local, num_bytes, 5)
+    print(f"\nc. overlap: p={OVERLAP_P}, m={OVERLAP_M}, {OVERLAP_TASK_S / MS:g} ms per task (F, full B); "
+          f"activation {num_bytes / 2**20:.1f} MB, measured one-way transfer {comm_s / MS:.1f} ms "
+          f"({num_bytes / comm_s / 1e9:.2f} GB/s; probe {probe // 2**20} MB in {probe_s / MS:.1f} ms); "
+          f"median of {num_steps} steps")
+    print(f"{'schedule':>9} {'no-overlap ms':>14} {'overlap bound ms':>17} {'measured ms':>12} "
+          f"{'x bound':>8} {'hidden':>7}")
+    costs = {"F": OVERLAP_TASK_S, "B": OVERLAP_TASK_S, "W": 0.0}
+    for name in ("gpipe", "1f1b"):
+        schedule = schedules.make(name, OVERLAP_P, OVERLAP_M)
+        S = schedule.num_stages
+
+        def serialised(task, S=S):
+            # The transfer occupies the task that sends it: F sends forward (not the last
+            # stage), B sends backward (not the first).
+            sends = (task.kind == "F" and task.stage < S - 1) or (task.kind == "B" and task.stage > 0)
+            return costs[task.kind] + (comm_s if sends else 0.0)
+        no_overlap = simulate(schedule, serialised).makespan
+        bound = simulate(schedule, costs, comm_s=comm_s).makespan
+        result = dry_run(schedule, costs, num_bytes, local, steps=num_steps)
+        measured = statistics.median(result.step_s)
+        hidden = (no_overlap - measured) / (no_overlap - bound)
+        print(f"{name:>9} {no_overlap / MS:>14.1f} {bound / MS:>17.1f} {measured / MS:>12.1f} "
+              f"{measured / bound:>8.3f} {hidden:>7.0%}")
+
+
+# -- d. end to end ---------------------------------------------------------------------------
+def make_batches(num: int) -> list:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    shape = (GPT_BATCH, GPT["seq_len"])
+    return [(rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
+             rng.integers(0, GPT["vocab_size"], shape).astype(np.int32)) for _ in range(num)]
+
+
+def baseline(num_warmup: int, num_steps: int) -> None:
+    """Subprocess body: the unpipelined step on one core, one thread; prints JSON."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import models
+
+    model = models.GPT(**GPT, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer = optax.adamw(LR)
+
+    def loss_fn(p, x, y):
+        return models.lm_loss(nnx.merge(graphdef, p, rest)(x), y)
+
+    def step(p, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    opt_state = optimizer.init(params)
+    batches = make_batches(num_warmup + num_steps)
+    losses = []
+    for x, y in batches[:num_warmup]:
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
+    start = time.perf_counter()
+    for x, y in batches[num_warmup:]:
+        params, opt_state, loss = step(params, opt_state, x, y)
+        losses.append(float(loss))
+    step_s = (time.perf_counter() - start) / num_steps
+    print(json.dumps({"step_s": step_s, "losses": losses, "cpus": sorted(os.sched_getaffinity(0))}))
+
+
+def run_baseline(num_warmup: int, num_steps: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    out = subprocess.run([sys.executable, __file__, "--baseline", str(num_warmup), str(num_steps)],
+                         env=env, capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def end_to_end(num_warmup: int, num_steps: int) -> None:
+    import optax
+    from flax import nnx
+
+    import models
+    import mpmd
+
+    base = run_baseline(num_warmup, num_steps)
+    print(f"\nd. end to end: GPT {GPT}, batch {GPT_BATCH}, m={GPT_M}, adamw; {num_steps} timed steps "
+          f"after {num_warmup} warm-up")
+    print(f"unpipelined, 1 core {base['cpus']}, 1 thread: {base['step_s']:.3f} s/step")
+    print(f"{'schedule':>20} {'slices':>6} {'stages':>6} {'step s':>8} {'speedup':>8} {'loss[0]':>8} "
+          f"{'baseline loss[0]':>17}")
+    batches = make_batches(num_warmup + num_steps)
+    cluster = mpmd.LocalCluster(num_workers=2)
+    try:
+        for name, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+            num_stages = 2 * v
+            model = models.GPT(**GPT, rngs=nnx.Rngs(0))
+            pipe = mpmd.Pipeline(mpmd.split(model, num_stages), models.lm_loss)
+            trainer = mpmd.Trainer(pipe, optax.adamw(LR), schedule=name, num_microbatches=GPT_M,
+                                   virtual_stages=v, cluster=cluster)
+            try:
+                losses = [trainer.step(x, y)["loss"] for x, y in batches[:num_warmup]]
+                start = time.perf_counter()
+                losses += [trainer.step(x, y)["loss"] for x, y in batches[num_warmup:]]
+                step_s = (time.perf_counter() - start) / num_steps
+            finally:
+                trainer.close(close_cluster=False)
+            print(f"{name:>20} {2:>6} {num_stages:>6} {step_s:>8.3f} {base['step_s'] / step_s:>7.2f}x "
+                  f"{losses[0]:>8.4f} {base['losses'][0]:>17.4f}")
+    finally:
+        cluster.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps: a smoke run, not a measurement")
+    args = parser.parse_args()
+    import jax
+
+    import mpmd
+
+    n = (dict(fid=2, instr=2, m=64, ovl=2, e2e_warm=1, e2e=1) if args.quick else
+         dict(fid=7, instr=5, m=256, ovl=5, e2e_warm=1, e2e=4))
+    start = time.perf_counter()
+    print(f"bench_runtime{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    local = mpmd.LocalCluster(num_workers=4)
+    try:
+        fidelity(local, n["fid"])
+        overhead(local, n["instr"], n["m"])
+        overlap(local, n["ovl"])
+    finally:
+        local.close()
+    end_to_end(n["e2e_warm"], n["e2e"])
+    print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--baseline"]:
+        baseline(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        main()

@@ -1,0 +1,152 @@
+"""Dry run: replay a schedule on the real runtime with declared task costs and no model.
+
+    result = dry_run(schedules.make("1f1b", 4, 8), {"F": 0.02, "B": 0.04, "W": 0.02},
+                     activation_bytes=64 * 2**10, cluster=mpmd.LocalCluster(num_workers=4))
+    result.step_s, result.simulated_makespan_s      # measured vs predicted, in seconds
+
+The instruction streams are exactly the training streams the Trainer installs
+(`lowering.train_streams` + `with_deletes`); only the programs are synthetic: every program
+name the streams use becomes a "sleep" program (runtime/programs.py) that takes its task's
+declared duration and returns zero bundles of the right shapes, so the sends, receives,
+deletes, transfers (activations and cotangents of `activation_bytes` each) and the control
+plane are all real. A sleep costs wall time but no CPU, so on a machine with few cores the
+measured step time over the simulated makespan is a property of the runtime (dispatch,
+transfers, waits), not of the cores.
+
+Costs, as in mpmd.simulate: {"F": f, "B": b, "W": w} seconds for every stage, or a callable
+cost(task) for per-stage costs. A program has one duration, so a callable must not depend on
+the microbatch. Program durations: fwd -> F, bwd_in (input gradient) -> B, bwd_w_* (weight
+gradient) -> W, bwd_first / bwd_acc (full backward) -> B + W, update / sqnorm -> 0.
+
+One difference from `simulate(schedule, costs)`: in a split-backward schedule the first
+stage has no input gradient to compute (its input is data), so the runtime runs no program
+for its B tasks. The simulated makespan reported here prices those tasks at 0, so it
+predicts what the runtime actually runs.
+"""
+from __future__ import annotations
+
+import re
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from mpmd import lowering, schedules
+from mpmd.simulate import Simulation, _cost_function, simulate
+from runtime import programs
+from runtime.executor import Event
+from runtime.instructions import Instruction, Run, Spec, with_deletes
+
+PLAN = "dryrun"
+_ACTIVATION = re.compile(r"^[ad]\d+/")     # a{k}/{j} activations, d{k}/{j} cotangents
+SCALAR = (Spec((), "float32"),)
+# Program name -> which declared costs its duration sums.
+_PROGRAM_COSTS = {"fwd": ("F",), "bwd_in": ("B",), "bwd_w_first": ("W",), "bwd_w_acc": ("W",),
+                  "bwd_first": ("B", "W"), "bwd_acc": ("B", "W"), "update": (), "sqnorm": ()}
+_PROGRAM_NAME = re.compile(r"^(" + "|".join(sorted(_PROGRAM_COSTS, key=len, reverse=True)) + r")(\d+)$")
+
+
+class DryRunResult(NamedTuple):
+    step_s: list[float]                  # controller wall time of each measured step
+    simulated_makespan_s: float          # the simulator's prediction for the same step
+    events: list[list[tuple[Event, ...]]]  # [step][slice]: traced tasks (empty if trace=False)
+    slice_wall_s: list[list[float]]      # [step][slice]: each worker's own wall time of the step
+    simulation: Simulation               # the full simulated timeline
+    streams: list[list[Instruction]]     # the installed instruction stream of each slice
+
+
+def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,
+            trace: bool = True, warmup_steps: int = 1, clip: bool = False) -> DryRunResult:
+    """Run `steps` training steps of `schedule` on `cluster` with sleep programs.
+
+    `cluster` is any cluster (InProcessCluster, LocalCluster, StaticCluster); it is started
+    here with one slice per schedule slice and left open: the caller closes it (a
+    LocalCluster can serve several dry runs; an InProcessCluster serves one).
+    `warmup_steps` run first and are not reported (the first step opens connections).
+    `clip` adds the global-norm exchange that gradient clipping performs.
+    """
+    for name, value, low in (("activation_bytes", activation_bytes, 0), ("steps", steps, 1),
+                             ("warmup_steps", warmup_steps, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    schedules.validate(schedule)
+    cost = _per_stage_costs(schedule, costs)
+    S, P = schedule.num_stages, len(schedule.slices)
+    home = [schedules.slice_of(k, P) for k in range(S)]
+
+    # One float32 bundle of activation_bytes (rounded down to whole floats) for every
+    # activation and cotangent; everything else a scalar.
+    act = (Spec((activation_bytes // 4,), "float32"),)
+    raw = lowering.train_streams(schedule, [act] * (S + 1), clip)
+    inputs = {r: {f"x/{j}" for j in range(schedule.num_microbatches)} if r == home[0] else set()
+              for r in range(P)}
+    inputs[home[-1]] |= {f"t/{j}" for j in range(schedule.num_microbatches)}
+    persistent = {f"p{k}" for k in range(S)} | {f"o{k}" for k in range(S)}
+    streams = [with_deletes(s, persistent | inputs[r]) for r, s in enumerate(raw)]
+    specs = [_sleep_programs(s, cost, act) for s in streams]
+
+    cluster.start(P)
+    zero = [np.zeros((), np.float32)]
+    for r in range(P):
+        cluster.load_programs(r, specs[r])
+        cluster.install_plan(r, PLAN, streams[r])
+        # No model: parameters, optimizer state and microbatch inputs are scalar stand-ins,
+        # put once and kept (the streams keep them), so a step's Run carries no feeds.
+        for name in sorted({f"p{k}" for k in range(S) if home[k] == r}
+                           | {f"o{k}" for k in range(S) if home[k] == r} | inputs[r]):
+            cluster.put(r, name, zero)
+
+    step_s, events, walls = [], [], []
+    for step in range(warmup_steps + steps):
+        start = time.perf_counter()
+        results = cluster.run(PLAN, step + 1, {}, {}, trace)
+        elapsed = time.perf_counter() - start
+        if step >= warmup_steps:
+            step_s.append(elapsed)
+            events.append([r.events for r in results])
+            walls.append([r.wall_s for r in results])
+
+    sim = simulate(schedule, _executed_costs(schedule, cost))
+    return DryRunResult(step_s, sim.makespan, events, walls, sim, streams)
+
+
+def _per_stage_costs(schedule: schedules.Schedule, costs):
+    """cost(stage, kind) in seconds, checked to be the same for every microbatch."""
+    task_cost = _cost_function(costs, split_backward=True)   # raw F, B, W; validates `costs`
+    kinds = (schedules.FORWARD, schedules.BACKWARD, schedules.WEIGHT)
+    table = {}
+    for k in range(schedule.num_stages):
+        for kind in kinds:
+            values = {task_cost(schedules.Task(k, j, kind)) for j in range(schedule.num_microbatches)}
+            if len(values) != 1:
+                raise ValueError(f"dry run costs must not depend on the microbatch (one program per "
+                                 f"stage and kind has one duration): stage {k} {kind} costs "
+                                 f"{sorted(values)} over microbatches")
+            table[k, kind] = values.pop()
+    return lambda stage, kind: table[stage, kind]
+
+
+def _executed_costs(schedule: schedules.Schedule, cost):
+    # The first stage's B runs no program in a split-backward schedule (see the module doc).
+    def task_cost(task: schedules.Task) -> float:
+        if schedule.split_backward and task.kind == schedules.BACKWARD and task.stage == 0:
+            return 0.0
+        return cost(task.stage, task.kind)
+    return task_cost
+
+
+def _sleep_programs(stream: list[Instruction], cost, act: tuple[Spec, ...]) -> dict:
+    """A sleep program for every program name `stream` runs, with outputs shaped by name:
+    activations "a*" and cotangents "d*" get `act`, everything else a scalar bundle."""
+    out: dict[str, programs.ProgramSpec] = {}
+    for ins in stream:
+        if not isinstance(ins, Run):
+            continue
+        match = _PROGRAM_NAME.match(ins.program)
+        assert match, f"train_streams named a program dryrun does not know: {ins.program!r}"
+        kind, stage = match.group(1), int(match.group(2))
+        duration_s = sum(cost(stage, c) for c in _PROGRAM_COSTS[kind])
+        outputs = tuple(act if _ACTIVATION.match(name) else SCALAR for name in ins.outputs)
+        spec = programs.sleep(duration_s, outputs)
+        assert out.setdefault(ins.program, spec) == spec, (ins.program, out[ins.program], spec)
+    return out

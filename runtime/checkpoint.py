@@ -1,0 +1,141 @@
+"""Checkpoints: each slice saves its own buffers with Orbax; the controller commits.
+
+Layout under the run directory:
+    checkpoints/<step>/<part>/        one Orbax checkpoint per part (the frontend uses one per
+                                      stage: "stage_<k>"), written by the slice that holds it
+    checkpoints/<step>/manifest.json  written by the controller, atomically, only after every
+                                      slice reported its saves finalized: the commit record
+
+A step directory without a manifest is not a checkpoint (a save was interrupted) and is never
+restored; a committed step is never written again. Orbax itself writes each part into a
+temporary directory and renames it when finalized, so a killed save leaves no part that looks
+complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+
+log = logging.getLogger("mpmd.checkpoint")
+MANIFEST = "manifest.json"
+
+
+class SliceCheckpointer:
+    """A slice's side: asynchronous Orbax saves of named buffers, and restores."""
+
+    def __init__(self):
+        self._pending: list = []          # AsyncCheckpointers with a save in flight
+        self._lock = threading.Lock()
+
+    def save(self, items: dict[str, dict[str, tuple]]) -> None:
+        """Start saving {directory: {buffer name: bundle}}; returns once the arrays are copied
+        to host memory (Orbax's blocking part), the writes finish in the background."""
+        import orbax.checkpoint as ocp
+        for directory, buffers in items.items():
+            ck = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
+            tree = {name: list(bundle) for name, bundle in buffers.items()}
+            ck.save(os.path.abspath(directory), args=ocp.args.StandardSave(tree))
+            with self._lock:
+                self._pending.append((directory, ck))
+
+    def wait(self) -> list[str]:
+        """Block until every save started so far is finalized on disk; the directories."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        done = []
+        for directory, ck in pending:
+            ck.wait_until_finished()
+            ck.close()
+            done.append(directory)
+        return done
+
+    def restore(self, items: dict[str, list[str]], device) -> dict[str, tuple]:
+        """Read {directory: [buffer names]}; raises ValueError naming a missing or unreadable part."""
+        import orbax.checkpoint as ocp
+        out = {}
+        for directory, names in items.items():
+            if not os.path.isdir(directory):
+                raise ValueError(f"checkpoint part {directory} does not exist")
+            try:
+                with ocp.StandardCheckpointer() as ck:
+                    tree = ck.restore(os.path.abspath(directory))
+            except Exception as e:   # Orbax/tensorstore raise assorted errors on damaged files
+                raise ValueError(f"checkpoint part {directory} is unreadable: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            for name in names:
+                if name not in tree:
+                    raise ValueError(f"checkpoint part {directory} has no buffer {name!r}; has {sorted(tree)}")
+                out[name] = tuple(jax.device_put(np.asarray(a), device) for a in tree[name])
+        return out
+
+
+class CheckpointStore:
+    """The controller's side: which steps are committed, commit, prune."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.root = Path(run_dir) / "checkpoints"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / str(step)
+
+    def committed(self) -> list[int]:
+        """Steps with a readable manifest, oldest first."""
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for d in self.root.iterdir():
+            if d.name.isdigit() and self.manifest(int(d.name)) is not None:
+                steps.append(int(d.name))
+        return sorted(steps)
+
+    def manifest(self, step: int) -> dict | None:
+        try:
+            with open(self.step_dir(step) / MANIFEST) as f:
+                m = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return None
+        return m if isinstance(m, dict) and m.get("step") == step else None
+
+    def prepare(self, step: int) -> Path:
+        """The directory to save `step` into; clears what an interrupted save left there.
+        Refuses a committed step: committed data is never overwritten."""
+        d = self.step_dir(step)
+        if self.manifest(step) is not None:
+            raise FileExistsError(f"checkpoint step {step} is already committed at {d}; it is never overwritten")
+        if d.exists():
+            log.warning("removing uncommitted checkpoint directory %s (an interrupted save)", d)
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        return d
+
+    def commit(self, step: int, manifest: dict) -> None:
+        d = self.step_dir(step)
+        tmp = d / (MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({**manifest, "step": step}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / MANIFEST)
+
+    def prune(self, keep: int) -> None:
+        """Keep the newest `keep` committed steps; drop older ones and stale uncommitted ones."""
+        committed = self.committed()
+        if not committed:
+            return
+        keep_set = set(committed[-keep:]) if keep > 0 else set(committed)
+        newest = committed[-1]
+        for d in self.root.iterdir():
+            if not d.name.isdigit():
+                continue
+            s = int(d.name)
+            if s in keep_set:
+                continue
+            if s in committed or s < newest:
+                shutil.rmtree(d, ignore_errors=True)

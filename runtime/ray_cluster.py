@@ -1,0 +1,218 @@
+"""RayCluster: one worker per slice, each a Ray actor on a Ray cluster.
+
+For users who outgrow one machine. Each actor hosts exactly what `mpmd worker` hosts (the
+WorkerService behind a gRPC server, served by runtime.worker.serve) in the actor's own
+process and reports its `host:port`; from then on the controller talks to it as to any other
+worker, through StaticCluster. Ray only places, starts and kills the workers: no step, no
+activation and no parameter goes through Ray.
+
+Ray is an optional extra (`pip install -e '.[ray]'`): it is imported inside the methods
+here, never when `mpmd` is imported.
+
+Lifetime. The actors are owned by the controller's Ray driver, so Ray kills them when the
+controller process dies (Ray's fate sharing plays the part of LocalCluster's stdin pipe).
+`close()` shuts the workers down, kills the actors, and disconnects from Ray only if this
+cluster called `ray.init` itself.
+
+Addresses. A worker listens on loopback when the Ray cluster is this one machine, and on its
+node's IP otherwise (the controller and the other workers must reach it). The cluster token
+travels to the actors as a constructor argument, inside Ray: whoever can submit work to the
+Ray cluster can run code on it anyway.
+
+Threads. XLA's flags must be set before JAX is imported in the actor process, and the
+actor's module imports JAX (runtime.service) as Ray loads the class, so they are set
+through the actor's runtime_env rather than from inside it.
+"""
+from __future__ import annotations
+
+import os
+
+from runtime.client import StaticCluster, new_token
+
+START_TIMEOUT_S = 120.0
+INSTALL_HINT = "pip install -e '.[ray]'"
+NODE_IP = "node"    # host= value: listen on the IP of the node the actor lands on
+
+
+class RayMissingError(ImportError, ValueError):
+    """Ray is not installed. A ValueError too, so config-level callers report it as a bad
+    choice of cluster.backend rather than a crash."""
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise RayMissingError(f"RayCluster needs Ray, which is not installed ({e}); "
+                              f"install the extra with: {INSTALL_HINT}") from e
+    return ray
+
+
+class _SliceActor:
+    """The body of one worker actor (wrapped with ray.remote at start time)."""
+
+    def __init__(self, token: str, host: str):
+        import ray
+        from runtime.service import WorkerService
+        from runtime.worker import serve
+
+        if host == NODE_IP:
+            host = ray.util.get_node_ip_address()
+        self.service = WorkerService(token, self._stop)
+        self.server, self.address = serve(self.service, f"[{host}]:0" if ":" in host else f"{host}:0")
+
+    def ready(self) -> tuple[str, int]:
+        """(gRPC address, pid), once the server is up."""
+        return self.address, os.getpid()
+
+    def _stop(self, why: str) -> None:
+        # Shutdown RPC: stop serving; the controller kills the actor right after.
+        self.server.stop(grace=1.0)
+        if self.service.transport is not None:
+            self.service.transport.close()
+
+
+class RayCluster(StaticCluster):
+    """Workers as Ray actors.
+
+    num_workers: actors to start (None: one per slice); more than num_slices leaves spares.
+    resources_per_worker: Ray resources each actor reserves, e.g. {"GPU": 1} or
+        {"CPU": 4, "slice_host": 1}; CPU defaults to threads_per_worker.
+    address: the Ray cluster to join ("auto", "ray://head:10001", ...); None connects to
+        $RAY_ADDRESS if set, else starts a Ray instance on this machine. Ignored when Ray is
+        already initialised in this process.
+    host: where workers listen; None picks loopback for a one-machine Ray cluster and the
+        node's IP otherwise, "node" forces the node's IP, anything else is used as is.
+    runtime_env: extra Ray runtime_env for the actors (e.g. py_modules, pip); its env_vars
+        are kept, with XLA_FLAGS extended as a worker needs.
+    failure_timeout_s: a slice silent this long is declared lost (see StaticCluster).
+
+    A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
+    the Trainer calls when it recovers); spare workers are not needed.
+    """
+
+    def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
+                 address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
+                 host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
+                 failure_timeout_s: float = 5.0):
+        _import_ray()
+        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+            raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
+        if devices_per_worker != 1:
+            raise ValueError(f"devices_per_worker={devices_per_worker} is not supported yet: stage programs "
+                             f"run on one device per slice; allowed: 1")
+        if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
+        resources = dict(resources_per_worker or {})
+        for k, v in resources.items():
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"resources_per_worker must map resource names to amounts >= 0, "
+                                 f"got {k!r}: {v!r}")
+        if runtime_env is not None and not isinstance(runtime_env, dict):
+            raise ValueError(f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}")
+        self.num_workers = num_workers
+        self.resources_per_worker = resources
+        self.ray_address = address
+        self.devices_per_worker = devices_per_worker
+        self.threads_per_worker = threads_per_worker
+        self.host = host
+        self.runtime_env = dict(runtime_env or {})
+        self.actors: list = []          # Ray actor handles, one per address
+        self.pids: list[int] = []
+        self._listen_host: str | None = None
+        self._started_ray = False
+        super().__init__(["0.0.0.0:0"], token=new_token(), connect_timeout_s=connect_timeout_s,
+                         failure_timeout_s=failure_timeout_s)
+
+    def start(self, num_slices: int) -> None:
+        n = self.num_workers if self.num_workers is not None else num_slices
+        if n < num_slices:
+            raise ValueError(f"{num_slices} slices need at least {num_slices} workers, RayCluster has num_workers={n}")
+        if self.actors:      # already running: reuse the workers from a clean state
+            super().start(num_slices)
+            return
+        ray = _import_ray()
+        try:
+            if not ray.is_initialized():
+                kwargs = {}
+                if self.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+                    # A fresh local instance: enough CPUs for every worker, even on a small
+                    # machine (XLA runs one thread per worker; oversubscribing is what
+                    # LocalCluster does too), and no dashboard.
+                    kwargs = {"num_cpus": max(os.cpu_count() or 1, n * self._actor_options()["num_cpus"]),
+                              "include_dashboard": False}
+                ray.init(address=self.ray_address, **kwargs)
+                self._started_ray = True
+            self._listen_host = self._pick_host(ray)
+            self.actors = [self._new_actor(ray) for _ in range(n)]
+            ready = self._wait_ready(ray, self.actors)
+            self.addresses = [a for a, _ in ready]
+            self.pids = [p for _, p in ready]
+            super().start(num_slices)
+        except BaseException:
+            self.close()
+            raise
+
+    def _new_worker(self, slice_index: int) -> str:
+        """StaticCluster.replace's hook: kill the actor of `slice_index` (dead, hung or cut off:
+        it must not come back and act on stale state) and start a fresh one in its slot."""
+        ray = _import_ray()
+        ray.kill(self.actors[slice_index], no_restart=True)
+        self.actors[slice_index] = self._new_actor(ray)
+        ((address, pid),) = self._wait_ready(ray, [self.actors[slice_index]])
+        self.addresses[slice_index], self.pids[slice_index] = address, pid
+        return address
+
+    def close(self) -> None:
+        super().close()
+        actors, self.actors, self.pids = self.actors, [], []
+        if not actors and not self._started_ray:
+            return
+        ray = _import_ray()
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:       # already gone, or Ray itself is shutting down
+                pass
+        if self._started_ray:
+            self._started_ray = False
+            ray.shutdown()
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _actor_options(self) -> dict:
+        # Ray takes CPU, GPU and memory as keywords, not in `resources`.
+        res = dict(self.resources_per_worker)
+        opts = {"num_cpus": res.pop("CPU", self.threads_per_worker), "num_gpus": res.pop("GPU", 0)}
+        if "memory" in res:
+            opts["memory"] = res.pop("memory")
+        opts["resources"] = res
+        return opts
+
+    def _new_actor(self, ray):
+        from runtime.worker import xla_flags
+        env = dict(self.runtime_env)
+        env_vars = dict(env.get("env_vars") or {})
+        env_vars["XLA_FLAGS"] = xla_flags(self.devices_per_worker,
+                                          env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
+        env["env_vars"] = env_vars
+        cls = ray.remote(**self._actor_options(), max_restarts=0, runtime_env=env)(_SliceActor)
+        return cls.remote(self._token, self._listen_host)
+
+    def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
+        from ray.exceptions import GetTimeoutError, RayActorError
+        try:
+            return ray.get([a.ready.remote() for a in actors], timeout=START_TIMEOUT_S)
+        except GetTimeoutError:
+            raise RuntimeError(f"Ray did not start {len(actors)} worker actor(s) within {START_TIMEOUT_S:g} s; "
+                               f"each asks for {self._actor_options()} and the cluster has "
+                               f"{ray.available_resources()} available") from None
+        except RayActorError as e:
+            raise RuntimeError(f"a Ray worker actor failed to start: {e}") from None
+
+    def _pick_host(self, ray) -> str:
+        if self.host is not None:
+            return self.host
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address():
+            return "127.0.0.1"
+        return NODE_IP
