@@ -15,7 +15,12 @@ a. Scheduling fidelity. p = 4 slices, m = 8, F 20 ms, B 40 ms, W 20 ms (B + W as
    where the excess over the simulation went, on the slice that finished last:
    ctl = controller wall - that worker's own step wall (RPC, dispatch, reply);
    over = its programs' run time - their declared time (sleep overshoot, tracing);
-   gaps = its wall time outside programs and receive waits (executor bookkeeping, sends).
+   gaps = its wall time outside programs and receive waits (executor bookkeeping, sends);
+   hop = median latency of a transfer that a slice waited for (sender's task end to data
+   ready on the receiver), over all slices: each cross-slice edge on the critical path
+   costs about this much, which the simulation (comm_s = 0) does not charge; "x +hop" is
+   the measured step over the simulation re-run with comm_s = hop: near 1 when per-hop
+   latency explains the excess.
 b. Worker overhead per instruction: zero-duration programs, many microbatches; a worker's
    own step wall time / instructions in its stream (p = 1: no transfers, no waits; p = 2:
    receive waits subtracted using the trace). Goal <= 100 us. Plus the control plane:
@@ -25,12 +30,24 @@ c. Overlap. p = 2, m = 8, 30 ms per task (F and full B) and an activation sized 
    transfer takes ~30 ms here (measured first, in this run, by ping-pong on the runtime).
    Overlap bound = simulate(comm_s = transfer time); no overlap = simulate with each
    transfer added to the task that sends it. hidden = share of the transfer time that the
-   runtime hid: (no overlap - measured) / (no overlap - overlap bound).
+   runtime hid: (no overlap - measured) / (no overlap - overlap bound), shown only where
+   the two bounds differ by > 10% (in 1F1B on 2 slices every transfer is on the critical
+   path, so there is little to hide). "in-step" = median transfer latency measured inside
+   the step from the trace (see a.'s hop), to tell a slow wire from a runtime that does not
+   overlap; "x bound(in-step)" is the measured step over the bound re-simulated with it.
 d. End to end: GPT (vocab 256, 8 layers, d_model 512, 8 heads, seq 64, batch 32), m = 8,
    1F1B on 2 slices and interleaved-1f1b (v = 2, 4 stages) on LocalCluster(num_workers=2),
    against the unpipelined model: one jitted adamw step in a subprocess pinned to one core
    with XLA's intra-op threads off. speedup = unpipelined / pipelined step time (the
-   ceiling on 2 cores is ~2x; the controller shares those cores).
+   ceiling on 2 cores is ~2x; the controller shares those cores); "vs accum" divides the
+   unpipelined step that accumulates the same 8 microbatches instead (same matmul shapes
+   as the pipeline's programs: on CPU the whole-batch step is slower per row). Two more
+   traced steps per schedule give each slice's busy share (program time / step), program
+   time and receive waits.
+
+The load average is printed at the start and the end: other processes on a 2-core machine
+inflate every figure here (sleep wake-ups, transfers and compute all wait for a core), so
+compare runs made at low load.
 """
 from __future__ import annotations
 
@@ -76,9 +93,32 @@ def busy_s(simulation, r: int) -> float:
     return sum(end - start for _, start, end in simulation.spans[r])
 
 
-def excess_breakdown(result) -> tuple[float, float, float]:
-    """(ctl, over, gaps) in seconds, medians over steps, for the slice that finished last."""
-    ctl, over, gaps = [], [], []
+def hop_latencies_s(events) -> list[float]:
+    """Transfer latencies seen in one traced step: for every receive that had to wait, data
+    ready on the receiver minus the end of the producing task on the sender (one clock:
+    every slice is on this machine)."""
+    ends = {e.name: e.end_ns for slice_events in events for e in slice_events if e.kind == "run"}
+    out = []
+    for slice_events in events:
+        for e in slice_events:
+            if e.kind != "recv" or e.end_ns - e.start_ns < 50_000:
+                continue                  # the data was there already: no latency to see
+            what, _, rest = e.name[len("recv "):].partition("/")
+            if what.startswith("act"):
+                producer = f"F s{int(what[3:]) - 1} mb{rest}"
+            elif what.startswith("grad"):
+                producer = f"B s{int(what[4:]) + 1} mb{rest}"
+            else:
+                continue
+            if producer in ends:
+                out.append((e.end_ns - ends[producer]) / 1e9)
+    return out
+
+
+def excess_breakdown(result) -> tuple[float, float, float, float]:
+    """(ctl, over, gaps, hop) in seconds, medians over steps: the first three for the slice
+    that finished last, hop over all slices."""
+    ctl, over, gaps, hops = [], [], [], []
     for step_s, walls, events in zip(result.step_s, result.slice_wall_s, result.events):
         r = max(range(len(walls)), key=walls.__getitem__)
         run_s = sum(e.end_ns - e.start_ns for e in events[r] if e.kind == "run") / 1e9
@@ -86,7 +126,9 @@ def excess_breakdown(result) -> tuple[float, float, float]:
         ctl.append(step_s - walls[r])
         over.append(run_s - busy_s(result.simulation, r))
         gaps.append(walls[r] - run_s - recv_s)
-    return statistics.median(ctl), statistics.median(over), statistics.median(gaps)
+        hops += hop_latencies_s(events)
+    hop = statistics.median(hops) if hops else float("nan")
+    return statistics.median(ctl), statistics.median(over), statistics.median(gaps), hop
 
 
 def goal(ok: bool) -> str:
@@ -96,13 +138,14 @@ def goal(ok: bool) -> str:
 # -- a. scheduling fidelity -------------------------------------------------------------------
 def fidelity(local, num_steps: int) -> None:
     import mpmd
-    from mpmd.dryrun import dry_run
+    from mpmd.dryrun import dry_run, executed_costs
+    from mpmd.simulate import simulate
 
     print(f"\na. scheduling fidelity: p={FIDELITY_P} slices, m={FIDELITY_M}, F/B/W = "
           f"{'/'.join(f'{v / MS:g}' for v in FIDELITY_COSTS.values())} ms, activations "
           f"{FIDELITY_ACT_BYTES // 2**10} KB, median of {num_steps} steps (goal: ratio <= 1.05)")
     print(f"{'schedule':>17} {'cluster':>10} {'simulated ms':>13} {'measured ms':>12} {'ratio':>6} "
-          f"{'ctl ms':>7} {'over ms':>8} {'gaps ms':>8}  goal")
+          f"{'ctl ms':>7} {'over ms':>8} {'gaps ms':>8} {'hop ms':>7} {'x +hop':>7}  goal")
     for schedule, costs in fidelity_cases():
         for label, make in (("local", lambda: local), ("in-process", mpmd.InProcessCluster)):
             cluster = make()
@@ -113,10 +156,12 @@ def fidelity(local, num_steps: int) -> None:
                     cluster.close()
             measured = statistics.median(result.step_s)
             ratio = measured / result.simulated_makespan_s
-            ctl, over, gaps = excess_breakdown(result)
+            ctl, over, gaps, hop = excess_breakdown(result)
+            with_hops = simulate(schedule, executed_costs(schedule, costs), comm_s=hop).makespan
             name = schedule.name + (f" v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else "")
             print(f"{name:>17} {label:>10} {result.simulated_makespan_s / MS:>13.1f} {measured / MS:>12.1f} "
-                  f"{ratio:>6.3f} {ctl / MS:>7.2f} {over / MS:>8.2f} {gaps / MS:>8.2f}  "
+                  f"{ratio:>6.3f} {ctl / MS:>7.2f} {over / MS:>8.2f} {gaps / MS:>8.2f} {hop / MS:>7.2f} "
+                  f"{measured / with_hops:>7.3f}  "
                   f"{goal(ratio <= 1.05) if label == 'local' else '(reference)'}")
 
 
@@ -204,7 +249,7 @@ def overlap(local, num_steps: int) -> None:
           f"({num_bytes / comm_s / 1e9:.2f} GB/s; probe {probe // 2**20} MB in {probe_s / MS:.1f} ms); "
           f"median of {num_steps} steps")
     print(f"{'schedule':>9} {'no-overlap ms':>14} {'overlap bound ms':>17} {'measured ms':>12} "
-          f"{'x bound':>8} {'hidden':>7}")
+          f"{'x bound':>8} {'hidden':>7} {'in-step ms':>11} {'x bound(in-step)':>17}")
     costs = {"F": OVERLAP_TASK_S, "B": OVERLAP_TASK_S, "W": 0.0}
     for name in ("gpipe", "1f1b"):
         schedule = schedules.make(name, OVERLAP_P, OVERLAP_M)
@@ -219,9 +264,12 @@ def overlap(local, num_steps: int) -> None:
         bound = simulate(schedule, costs, comm_s=comm_s).makespan
         result = dry_run(schedule, costs, num_bytes, local, steps=num_steps)
         measured = statistics.median(result.step_s)
-        hidden = (no_overlap - measured) / (no_overlap - bound)
+        hidden = (f"{(no_overlap - measured) / (no_overlap - bound):.0%}"
+                  if no_overlap - bound > 0.1 * bound else "-")
+        in_step = statistics.median(h for events in result.events for h in hop_latencies_s(events))
+        bound_in_step = simulate(schedule, costs, comm_s=in_step).makespan
         print(f"{name:>9} {no_overlap / MS:>14.1f} {bound / MS:>17.1f} {measured / MS:>12.1f} "
-              f"{measured / bound:>8.3f} {hidden:>7.0%}")
+              f"{measured / bound:>8.3f} {hidden:>7} {in_step / MS:>11.1f} {measured / bound_in_step:>17.3f}")
 
 
 # -- d. end to end ---------------------------------------------------------------------------
@@ -234,63 +282,88 @@ def make_batches(num: int) -> list:
 
 
 def baseline(num_warmup: int, num_steps: int) -> None:
-    """Subprocess body: the unpipelined step on one core, one thread; prints JSON."""
+    """Subprocess body: the unpipelined step on one core, one thread; prints JSON.
+
+    Two variants, each one jitted adamw step from the same initial state: "full" computes
+    the gradient of the whole batch at once (the brief's baseline); "accum" accumulates it
+    over the same GPT_M microbatches the pipeline uses (lax.scan), which separates the
+    pipeline's parallel speedup from the change in matmul shapes (on CPU smaller
+    microbatches can run faster per row: their activations stay in cache). Timed steps
+    alternate between the two, so load drift hits both alike.
+    """
     import jax
+    import jax.numpy as jnp
     import optax
     from flax import nnx
 
     import models
 
-    model = models.GPT(**GPT, rngs=nnx.Rngs(0))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params0, rest = nnx.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), nnx.Param, ...)
     optimizer = optax.adamw(LR)
 
     def loss_fn(p, x, y):
         return models.lm_loss(nnx.merge(graphdef, p, rest)(x), y)
 
-    def step(p, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state, loss
+    def full_grad(p, x, y):
+        return jax.value_and_grad(loss_fn)(p, x, y)
 
-    step = jax.jit(step, donate_argnums=(0, 1))
-    opt_state = optimizer.init(params)
+    def accum_grad(p, x, y):
+        split = lambda a: a.reshape((GPT_M, a.shape[0] // GPT_M) + a.shape[1:])
+
+        def body(acc, xy):
+            loss, grads = jax.value_and_grad(loss_fn)(p, *xy)
+            return (acc[0] + loss, jax.tree.map(jnp.add, acc[1], grads)), None
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, p))
+        (loss, grads), _ = jax.lax.scan(body, zero, (split(x), split(y)))
+        return loss / GPT_M, jax.tree.map(lambda g: g / GPT_M, grads)
+
+    def make_step(grad_fn):
+        def step(p, opt_state, x, y):
+            loss, grads = grad_fn(p, x, y)
+            updates, opt_state = optimizer.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, loss
+        return jax.jit(step, donate_argnums=(0, 1))
+
     batches = make_batches(num_warmup + num_steps)
-    losses = []
-    for x, y in batches[:num_warmup]:
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(float(loss))
-    start = time.perf_counter()
-    for x, y in batches[num_warmup:]:
-        params, opt_state, loss = step(params, opt_state, x, y)
-        losses.append(float(loss))
-    step_s = (time.perf_counter() - start) / num_steps
-    print(json.dumps({"step_s": step_s, "losses": losses, "cpus": sorted(os.sched_getaffinity(0))}))
+    state, steps, losses, times = {}, {}, {}, {}
+    for name, grad_fn in (("full", full_grad), ("accum", accum_grad)):
+        steps[name] = make_step(grad_fn)
+        params = jax.tree.map(jnp.copy, params0)
+        state[name] = (params, optimizer.init(params))
+        losses[name], times[name] = [], []
+    for i, (x, y) in enumerate(batches):
+        for name in (("full", "accum") if i % 2 == 0 else ("accum", "full")):
+            start = time.perf_counter()
+            params, opt_state, loss = steps[name](*state[name], x, y)
+            losses[name].append(float(loss))
+            state[name] = (params, opt_state)
+            if i >= num_warmup:
+                times[name].append(time.perf_counter() - start)
+    print(json.dumps({"step_s": {n: statistics.median(t) for n, t in times.items()}, "losses": losses,
+                      "cpus": sorted(os.sched_getaffinity(0))}))
 
 
 def run_baseline(num_warmup: int, num_steps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
     out = subprocess.run([sys.executable, __file__, "--baseline", str(num_warmup), str(num_steps)],
-                         env=env, capture_output=True, text=True, check=True,
-                         preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+                         env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def end_to_end(num_warmup: int, num_steps: int) -> None:
+def end_to_end(num_warmup: int, num_steps: int, baseline_after: bool = True) -> None:
     import optax
     from flax import nnx
 
     import models
     import mpmd
 
-    base = run_baseline(num_warmup, num_steps)
-    print(f"\nd. end to end: GPT {GPT}, batch {GPT_BATCH}, m={GPT_M}, adamw; {num_steps} timed steps "
-          f"after {num_warmup} warm-up")
-    print(f"unpipelined, 1 core {base['cpus']}, 1 thread: {base['step_s']:.3f} s/step")
-    print(f"{'schedule':>20} {'slices':>6} {'stages':>6} {'step s':>8} {'speedup':>8} {'loss[0]':>8} "
-          f"{'baseline loss[0]':>17}")
+    # The baseline runs before and (unless quick) after the pipelined runs, and the two are
+    # averaged: this machine's load drifts over minutes.
+    base_info = run_baseline(num_warmup, num_steps)
+    before = base_info.pop("step_s")
     batches = make_batches(num_warmup + num_steps)
+    rows = []
     cluster = mpmd.LocalCluster(num_workers=2)
     try:
         for name, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
@@ -301,15 +374,41 @@ def end_to_end(num_warmup: int, num_steps: int) -> None:
                                    virtual_stages=v, cluster=cluster)
             try:
                 losses = [trainer.step(x, y)["loss"] for x, y in batches[:num_warmup]]
+                # A step's Run returns once its losses are fetched, while the backward and
+                # update may still run (asynchronous dispatch); in steady state the time
+                # between returns is the step time.
                 start = time.perf_counter()
                 losses += [trainer.step(x, y)["loss"] for x, y in batches[num_warmup:]]
                 step_s = (time.perf_counter() - start) / num_steps
+                # Tracing blocks on every task; the first traced step also waits for the
+                # previous step's tail, so the second one is shown.
+                traced = [trainer.step(*batches[-1], trace=True) for _ in range(2)][-1]
             finally:
                 trainer.close(close_cluster=False)
-            print(f"{name:>20} {2:>6} {num_stages:>6} {step_s:>8.3f} {base['step_s'] / step_s:>7.2f}x "
-                  f"{losses[0]:>8.4f} {base['losses'][0]:>17.4f}")
+            rows.append((name, num_stages, step_s, losses[0], traced))
     finally:
         cluster.close()
+    base = run_baseline(num_warmup, num_steps) if baseline_after else {"step_s": before, **base_info}
+    after = base["step_s"]
+    base_s = {n: (before[n] + after[n]) / 2 for n in before}
+
+    print(f"\nd. end to end: GPT {GPT}, batch {GPT_BATCH}, m={GPT_M}, adamw; {num_steps} timed steps "
+          f"after {num_warmup} warm-up")
+    for n, what in (("full", "whole batch"), ("accum", f"{GPT_M} accumulated microbatches")):
+        print(f"unpipelined ({n}: {what}), 1 core {base['cpus']}, 1 thread: {base_s[n]:.3f} s/step "
+              f"(before {before[n]:.3f}, after {after[n]:.3f}); first loss {base['losses'][n][0]:.4f}")
+    print(f"{'schedule':>17} {'stages':>6} {'step s':>7} {'speedup':>8} {'vs accum':>9} {'loss[0]':>8}  "
+          f"traced step: per slice busy % / program s / receive wait s")
+    for name, num_stages, step_s, loss0, traced in rows:
+        shares = []
+        for events in traced["events"]:
+            wall_ns = events[-1].end_ns - events[0].start_ns
+            run_ns = sum(e.end_ns - e.start_ns for e in events if e.kind == "run")
+            recv_ns = sum(e.end_ns - e.start_ns for e in events if e.kind == "recv")
+            shares.append(f"{run_ns / wall_ns:.0%}/{run_ns / 1e9:.2f}/{recv_ns / 1e9:.2f}")
+        print(f"{name:>17} {num_stages:>6} {step_s:>7.3f} {base_s['full'] / step_s:>7.2f}x "
+              f"{base_s['accum'] / step_s:>8.2f}x {loss0:>8.4f}  "
+              f"{'  '.join(shares)} (traced step {traced['step_s']:.3f} s)")
 
 
 def main() -> None:
@@ -332,12 +431,14 @@ def main() -> None:
         overlap(local, n["ovl"])
     finally:
         local.close()
-    end_to_end(n["e2e_warm"], n["e2e"])
+    end_to_end(n["e2e_warm"], n["e2e"], baseline_after=not args.quick)
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--baseline"]:
+        # One core, before jax starts its threads: with Eigen's pool off, one thread computes.
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         baseline(int(sys.argv[2]), int(sys.argv[3]))
     else:
         main()

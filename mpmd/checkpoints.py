@@ -9,10 +9,12 @@ manifest follows from a background thread. One save is in flight at a time.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 from runtime.checkpoint import CheckpointStore
+from runtime.client import WorkerLost
 
 log = logging.getLogger("mpmd")
 
@@ -34,7 +36,7 @@ class StageCheckpoints:
     def __init__(self, run_dir, cluster, home: list[int], partition: dict, keep: int, asynchronous: bool):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer (committed checkpoints to keep), got {keep!r}")
-        self.store = CheckpointStore(run_dir)
+        self.store = CheckpointStore(os.path.abspath(run_dir))   # workers may not share our cwd
         self.cluster = cluster
         self.home = home
         self.partition = partition          # what a restored run must match: stages, placement
@@ -102,6 +104,8 @@ class StageCheckpoints:
             try:
                 for r in range(len(set(self.home))):
                     self.cluster.restore(r, self._items(step, r))
+            except WorkerLost:
+                raise            # the slice is gone, not the checkpoint
             except Exception as e:
                 log.warning("skipping checkpoint step %d: %s", step, e)
                 continue

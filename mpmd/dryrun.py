@@ -106,7 +106,7 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
             events.append([r.events for r in results])
             walls.append([r.wall_s for r in results])
 
-    sim = simulate(schedule, _executed_costs(schedule, cost))
+    sim = simulate(schedule, _executed(schedule, cost))
     return DryRunResult(step_s, sim.makespan, events, walls, sim, streams)
 
 
@@ -126,8 +126,14 @@ def _per_stage_costs(schedule: schedules.Schedule, costs):
     return lambda stage, kind: table[stage, kind]
 
 
-def _executed_costs(schedule: schedules.Schedule, cost):
-    # The first stage's B runs no program in a split-backward schedule (see the module doc).
+def executed_costs(schedule: schedules.Schedule, costs):
+    """cost(task) of what the runtime runs for `schedule` under `costs`, for mpmd.simulate:
+    `costs` itself except that the first stage's B costs 0 in a split-backward schedule
+    (see the module doc). E.g. simulate(schedule, executed_costs(schedule, costs), comm_s)."""
+    return _executed(schedule, _per_stage_costs(schedule, costs))
+
+
+def _executed(schedule: schedules.Schedule, cost):
     def task_cost(task: schedules.Task) -> float:
         if schedule.split_backward and task.kind == schedules.BACKWARD and task.stage == 0:
             return 0.0

@@ -29,7 +29,8 @@ class Lowered(NamedTuple):
     eval: list[list[Instruction]]          # per slice: forward only, loss per microbatch
     predict: list[list[Instruction]]       # per slice: forward only, last stage's output kept
     init: list[list[Instruction]]          # per slice: optimizer-state creation
-    fetch: dict[int, tuple[str, ...]]      # what the controller reads after a step
+    fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
+    loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
     param_home: list[int]                  # slice of each stage
     opt_specs: list[tuple]                 # per stage
 
@@ -59,16 +60,27 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                                             micro_target_spec if last else None)
         built = stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=pipe.loss_fn,
                                      num_microbatches=m, split_backward=schedule.split_backward)
-        opt, o_specs = stage_programs.build_optimizer(k, fn, param_specs, optimizer, S, max_grad_norm)
+        not_counted = [i for g in getattr(pipe, "shared", []) for s, i in g if s == k and s != min(t for t, _ in g)]
+        opt, o_specs = stage_programs.build_optimizer(k, fn, param_specs, optimizer, S, max_grad_norm, not_counted)
         progs[home[k]].update(built.specs)
         progs[home[k]].update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn))
         progs[home[k]].update(opt)
         opt_specs.append(o_specs)
 
     act_specs = [_specs(a) for a in acts]
-    train = train_streams(schedule, act_specs, clip)
+    shared = getattr(pipe, "shared", [])
+    param_specs = [tuple(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), fn.param_leaves))
+                   for fn in pipe.fns]
+    shared_specs = {}
+    for k, idx in enumerate(shared_indices(S, shared)):
+        if idx:
+            shared_specs[k] = tuple(Spec(tuple(param_specs[k][i].shape), jax.numpy.dtype(param_specs[k][i].dtype).name)
+                                    for i in idx)
+            progs[home[k]].update(stage_programs.build_shared(k, param_specs, shared))
+    train = train_streams(schedule, act_specs, clip, shared, shared_specs)
     evaluate, predict = _forward_only(S, m, P, home, act_specs)
     fetch = {home[S - 1]: tuple(f"loss/{j}" for j in range(m))}
+    loss_fetch = dict(fetch)
     if clip:
         fetch[0] = fetch.get(0, ()) + tuple(f"sq{k}" for k in range(S))
     persistent = {f"p{k}" for k in range(S)} | {f"o{k}" for k in range(S)}
@@ -82,24 +94,32 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     predict = [with_deletes(s, persistent | outputs) for s in predict]
     init = [[Run(f"opt_init{k}", (f"p{k}",), (f"o{k}",), f"init s{k}") for k in range(S) if home[k] == r]
             for r in range(P)]
-    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, home, opt_specs)
+    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch, home, opt_specs)
 
 
-def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]], clip: bool
+def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]], clip: bool,
+                  shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
                   ) -> list[list[Instruction]]:
     """One training step's instruction stream per slice, before Deletes are inserted.
 
     `act_specs[k]` is the bundle entering stage k (k = num_stages: the last output). The
     streams name programs but do not need them, so a dry run can replay a schedule with
     synthetic programs of declared cost under the same names (mpmd/dryrun.py).
+
+    `shared` groups (stage, leaf) pairs that are one parameter held by several stages (a tied
+    embedding): once a stage's gradient is final it sends its shared leaves' gradients to
+    the other holders, and before the update each holder sums every holder's part in stage
+    order, so all copies get the same total gradient, bit for bit, and stay identical.
     """
     S, P = schedule.num_stages, len(schedule.slices)
     home = [schedules.slice_of(k, P) for k in range(S)]
+    peers = shared_peers(S, shared)
     scalar = (Spec((), "float32"),)
     train: list[list[Instruction]] = []
     for r, tasks in enumerate(schedule.slices):
         s: list[Instruction] = []
         grads_started: set[int] = set()
+        # (a local peer's part is its own buffer sh{q}: no transfer)
         remaining = {k: sum(1 for t in tasks if t.stage == k and t.kind == ("W" if schedule.split_backward else "B"))
                      for k in range(S) if home[k] == r}
         for t in tasks:
@@ -134,11 +154,25 @@ def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]
             if t.kind == "B":
                 _send_grad(s, k, j, home, r)
             remaining[k] -= 1
-            if remaining[k] == 0 and clip:
-                # This stage's gradient is final: start the norm exchange now so it overlaps
+            if remaining[k] == 0 and peers[k]:
+                # This stage's gradient is final: offer its shared part to the other holders.
+                s.append(Run(f"shared_out{k}", (f"g{k}",), (f"sh{k}",), f"shared out s{k}"))
+                s.extend(Send(f"sh{k}", home[q], f"sh{k}/to{q}") for q in peers[k] if home[q] != r)
+            if remaining[k] == 0 and clip and not peers[k]:
+                # Final, and nothing to add to it: start the norm exchange now so it overlaps
                 # with the slice's remaining tasks.
                 s.append(Run(f"sqnorm{k}", (f"g{k}",), (f"sq{k}",), f"norm s{k}"))
                 s.extend(Send(f"sq{k}", q, f"sq{k}/to{q}") for q in range(P) if q != r)
+        for k in range(S):
+            if home[k] == r and peers[k]:
+                for q in peers[k]:
+                    if home[q] != r:
+                        s.append(Recv(f"sh{q}", home[q], f"sh{q}/to{k}", shared_specs[q]))
+                parts = tuple(f"sh{q}" for q in sorted(peers[k] + [k]))
+                s.append(Run(f"shared_in{k}", (f"g{k}",) + parts, (f"g{k}",), f"shared sum s{k}"))
+                if clip:
+                    s.append(Run(f"sqnorm{k}", (f"g{k}",), (f"sq{k}",), f"norm s{k}"))
+                    s.extend(Send(f"sq{k}", q, f"sq{k}/to{q}") for q in range(P) if q != r)
         for k in range(S):
             if clip and home[k] != r:
                 s.append(Recv(f"sq{k}", home[k], f"sq{k}/to{r}", scalar))
@@ -149,6 +183,25 @@ def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]
         train.append(s)
 
     return train
+
+
+def shared_indices(S: int, shared) -> list[list[int]]:
+    """Per stage, its local leaf indices that belong to a shared group, ascending."""
+    idx: list[set[int]] = [set() for _ in range(S)]
+    for group in shared:
+        for k, i in group:
+            idx[k].add(i)
+    return [sorted(x) for x in idx]
+
+
+def shared_peers(S: int, shared) -> list[list[int]]:
+    """Per stage, the other stages it shares a parameter with, ascending."""
+    peers: list[set[int]] = [set() for _ in range(S)]
+    for group in shared:
+        stages = {k for k, _ in group}
+        for k in stages:
+            peers[k] |= stages - {k}
+    return [sorted(x) for x in peers]
 
 
 def _forward_only(S, m, P, home, act_specs):

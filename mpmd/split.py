@@ -45,7 +45,7 @@ def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
     # Marks are found by tracing, which needs a concrete model and an input to trace with.
-    traceable = (sample_input is not None and isinstance(model, nnx.Module)
+    traceable = (sample_input is not None and isinstance(model, nnx.Module) and callable(model)
                  and not any(isinstance(l, jax.ShapeDtypeStruct) for l in jax.tree.leaves(nnx.state(model))))
     num_marks = marks.count_marks(model, sample_input) if traceable else 0
     if num_marks:

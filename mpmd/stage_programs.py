@@ -155,13 +155,44 @@ def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, 
     return specs
 
 
+def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
+    """shared_out{k}: the stage's shared leaves' gradients (its "part"); shared_in{k}: for each
+    shared leaf, every holder's gradient summed in stage order (the same sum, bit for bit, on
+    every holder), written back into the stage's gradient. `param_specs` is per stage."""
+    from mpmd.lowering import shared_indices, shared_peers
+    S = len(param_specs)
+    idx = shared_indices(S, shared)
+    holders = sorted(shared_peers(S, shared)[k] + [k])
+    pos = {s: {i: n for n, i in enumerate(idx[s])} for s in holders}
+    terms = {i: sorted((s, pos[s][j]) for s, j in group)       # local leaf -> holders' terms
+             for group in shared for t, i in group if t == k}
+
+    def shared_out(grads):
+        return (tuple(grads[i] for i in idx[k]),)
+
+    def shared_in(grads, *parts):
+        part_of = dict(zip(holders, parts))
+        out = list(grads)
+        for i, ts in terms.items():
+            total = part_of[ts[0][0]][ts[0][1]]
+            for s, n in ts[1:]:
+                total = total + part_of[s][n]
+            out[i] = total
+        return (tuple(out),)
+
+    parts = [tuple(param_specs[s][i] for i in idx[s]) for s in holders]
+    return {f"shared_out{k}": programs.exported(shared_out, param_specs[k]),
+            f"shared_in{k}": programs.exported(shared_in, param_specs[k], *parts)}
+
+
 def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
-                    num_stages: int, max_grad_norm: float | None) -> tuple[dict, tuple]:
+                    num_stages: int, max_grad_norm: float | None, not_counted=()) -> tuple[dict, tuple]:
     """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}; return (specs, opt_state specs).
 
     Clipping follows optax.clip_by_global_norm over ALL stages' gradients: every slice gets
     every stage's squared norm and sums them in stage order, so each stage scales by the same
     global factor (clipping each stage by its own norm would change the update direction).
+    `not_counted`: leaves whose gradient another stage already counts (shared parameters).
     """
     tree = fn.param_tree
 
@@ -182,8 +213,11 @@ def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.Gr
         p = optax.apply_updates(p, updates)
         return tuple(jax.tree.leaves(p)), tuple(jax.tree.leaves(opt_state))
 
+    # A shared parameter's gradient lives on each holder; the global norm counts it once.
+    counted = [i for i in range(len(param_specs)) if i not in set(not_counted)]
+
     def sqnorm(grads):
-        return ((sum(jnp.sum(jnp.square(g)) for g in grads),),)
+        return ((sum((jnp.sum(jnp.square(grads[i])) for i in counted), jnp.float32(0)),),)
 
     scalar = (jax.ShapeDtypeStruct((), jnp.float32),)
     specs = {f"opt_init{k}": programs.exported(opt_init, param_specs),

@@ -29,7 +29,8 @@ class Trainer:
     def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation, schedule: str = "1f1b",
                  num_microbatches: int = 1, cluster=None, virtual_stages: int = 1,
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
-                 keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3):
+                 keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
+                 checkpoint_metadata: dict | None = None):
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
@@ -64,6 +65,7 @@ class Trainer:
         if checkpoint_every and run_dir is None:
             raise ValueError("checkpoint_every needs run_dir: where to write the checkpoints")
         self.checkpoint_every = checkpoint_every
+        self._checkpoint_metadata = dict(checkpoint_metadata or {})   # e.g. a config hash, in every manifest
         self.max_restarts = max_restarts
         self.restarts = 0
         self.resumed: tuple[int, object] | None = None   # (step, data_state) when resumed from run_dir
@@ -152,14 +154,14 @@ class Trainer:
         If a slice is lost during the step, the Trainer replaces it, restores the last
         committed checkpoint and raises `Rewound` (see mpmd/checkpoints.py).
         """
-        try:
-            results = self._run("train", inputs, targets, trace)
-        except WorkerLost as e:
-            self._recover(e)
+        results = self._run("train", inputs, targets, trace)
         self._step += 1
         metrics = self._metrics(results, trace)
         if self.checkpoint_every and self._step % self.checkpoint_every == 0:
-            self.save(data_state)
+            try:
+                self.save(data_state)
+            except WorkerLost as e:
+                self._recover(e)
         return metrics
 
     @property
@@ -174,7 +176,7 @@ class Trainer:
         self._check_open()
         if self.checkpoints is None:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
-        self.checkpoints.save(self._step, data_state, extra)
+        self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **extra})
         if wait:
             self.checkpoints.wait()
 
@@ -251,8 +253,11 @@ class Trainer:
             feeds[last][f"t/{j}"] = jax.tree.leaves(mb)
         t0 = time.perf_counter()
         self._runs += 1
-        fetch = self._lowered.fetch if plan != "predict" else {}
-        results = self.cluster.run(plan + suffix, self._runs, feeds, fetch, trace)
+        fetch = {"train": self._lowered.fetch, "predict": {}}.get(plan, self._lowered.loss_fetch)
+        try:
+            results = self.cluster.run(plan + suffix, self._runs, feeds, fetch, trace)
+        except WorkerLost as e:
+            self._recover(e)
         self._last_step_s = time.perf_counter() - t0
         return results
 
@@ -261,7 +266,7 @@ class Trainer:
         step_s = self._last_step_s
         losses = [results[last].fetched[f"loss/{j}"][0] for j in range(m)]
         metrics = {"step": self._step, "loss": float(np.mean(np.asarray(losses, np.float64))), "step_s": step_s}
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and "sq0" in results[0].fetched:
             sq = [results[0].fetched[f"sq{k}"][0] for k in range(self.pipeline.num_stages)]
             metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
         if trace:

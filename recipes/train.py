@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -184,7 +186,10 @@ def run(cfg: Config) -> dict:
         trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
                                num_microbatches=p.num_microbatches, cluster=cluster,
                                virtual_stages=p.virtual_stages,
-                               max_grad_norm=cfg.optimizer.max_grad_norm)
+                               max_grad_norm=cfg.optimizer.max_grad_norm,
+                               run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
+                               keep=cfg.checkpoint.keep,
+                               checkpoint_metadata={"config_hash": cfg.hash(exclude=["train.steps"])})
     except BaseException as e:
         cluster.close()  # whatever start() got going before it failed
         if isinstance(e, ValueError) and not isinstance(e, ConfigError):
@@ -204,21 +209,41 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     lr = learning_rate(cfg)
     # Tokens for sequence models; examples (one "token" each) for the MLP regressor.
     tokens_per_step = t.batch_size * (1 if cfg.model.kind == "mlp" else cfg.model.seq_len)
-    # Resume hook (checkpointing is a later issue): restoring <run_dir>/checkpoints sets
-    # start_step, seeks train_loader to the manifest's position and truncates metrics there.
+    # A run directory with a committed checkpoint resumes from it (the Trainer restored every
+    # slice when it started): the data order continues from the saved position, and metric
+    # lines of steps after it belong to work that is about to be redone.
     start_step = 0
+    if trainer.resumed is not None:
+        start_step, data_state = trainer.resumed
+        _seek(train_loader, data_state)
     metrics_log = run_log.MetricsLog(run_dir)
-    metrics_log.truncate_after(start_step)  # lines from an earlier run here are not this run's
+    metrics_log.truncate_after(start_step)
     board = run_log.TensorBoard(run_dir) if cfg.log.tensorboard else None
     progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
                                 start_step)
+    if start_step:
+        progress.message(f"resumed from {run_dir}/checkpoints/{start_step}")
     traces: dict[int, list] = {}
     losses, eval_loss = [], None
+    stop = _StopRequest()
     try:
-        for step in range(start_step + 1, t.steps + 1):
+        step = start_step
+        while step < t.steps and not stop.requested:
+            step += 1
             t0 = time.perf_counter()
             inputs, targets = train_loader.next()
-            out = trainer.step(inputs, targets, trace=step in cfg.log.trace_steps)
+            try:
+                out = trainer.step(inputs, targets, trace=step in cfg.log.trace_steps,
+                                   data_state=train_loader.state())
+                eval_now = _should_eval(cfg, step)
+                step_eval = evaluate(trainer, eval_loader, t.eval_batches) if eval_now else None
+            except mpmd.Rewound as e:
+                # A slice was lost and replaced; every slice is back at step e.step.
+                progress.message(f"recovered: {e}")
+                step = e.step
+                _seek(train_loader, e.data_state)
+                metrics_log.truncate_after(step)
+                continue
             wall_s = time.perf_counter() - t0
             # optax evaluates the schedule at the count of updates already applied.
             record = {"loss": out["loss"], "step_s": out["step_s"],
@@ -228,8 +253,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             if "events" in out:
                 traces[step] = out["events"]
                 record["bubble"] = run_log.measured_bubble(out["events"])
-            if _should_eval(cfg, step):
-                eval_loss = record["eval_loss"] = evaluate(trainer, eval_loader, t.eval_batches)
+            if step_eval is not None:
+                eval_loss = record["eval_loss"] = step_eval
             losses.append(out["loss"])
             metrics_log.write(step, record)
             if board is not None:
@@ -237,14 +262,18 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 if step % cfg.log.every == 0:
                     board.flush()
             progress.update(step, record)
-            # Checkpoint hook (later issue): save every checkpoint.every steps and at the end,
-            # with train_loader.state() in the step's commit manifest.
+        # The final state is always committed: at the end, and when stopped by a signal.
+        trainer.save(data_state=train_loader.state(), wait=True)
+        if stop.requested:
+            progress.message(f"stopped by {stop.requested} after step {step}; checkpoint committed, "
+                             f"resume with the same command")
         if traces:
             run_log.write_trace(run_dir / "trace.json", traces)
-        text = _final_sample(cfg, trainer, progress)
+        text = _final_sample(cfg, trainer, progress) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
     finally:
+        stop.restore()
         progress.close()
         if board is not None:
             board.close()
@@ -254,6 +283,32 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
           f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}")
     return summary
+
+
+def _seek(loader: data.Loader, data_state) -> None:
+    """Put the loader where a checkpoint says it stood (the start when nothing was saved)."""
+    loader.seek(data_state["position"] if data_state else 0)
+
+
+class _StopRequest:
+    """SIGTERM or Ctrl-C ask the loop to stop after the step in flight, so the final
+    checkpoint holds a whole step; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.requested = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress):

@@ -21,7 +21,6 @@ import threading
 from pathlib import Path
 
 import jax
-import numpy as np
 
 log = logging.getLogger("mpmd.checkpoint")
 MANIFEST = "manifest.json"
@@ -65,14 +64,21 @@ class SliceCheckpointer:
                 raise ValueError(f"checkpoint part {directory} does not exist")
             try:
                 with ocp.StandardCheckpointer() as ck:
-                    tree = ck.restore(os.path.abspath(directory))
+                    path = os.path.abspath(directory)
+                    # Restore onto this slice's device whatever device saved it (the saved
+                    # sharding names a topology this process may not have).
+                    meta = ck.metadata(path).item_metadata
+                    meta = getattr(meta, "tree", meta)
+                    sharding = jax.sharding.SingleDeviceSharding(device)
+                    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), meta)
+                    tree = ck.restore(path, target)
             except Exception as e:   # Orbax/tensorstore raise assorted errors on damaged files
                 raise ValueError(f"checkpoint part {directory} is unreadable: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''}") from None
             for name in names:
                 if name not in tree:
                     raise ValueError(f"checkpoint part {directory} has no buffer {name!r}; has {sorted(tree)}")
-                out[name] = tuple(jax.device_put(np.asarray(a), device) for a in tree[name])
+                out[name] = tuple(tree[name])
         return out
 
 

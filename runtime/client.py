@@ -245,34 +245,43 @@ class StaticCluster:
             if s.data:
                 entry["data"] = b.add(s.data)
             progs.append(entry)
-        self.clients[slice_index].call("LoadPrograms", {"programs": progs}, b.blobs)
+        self._call(slice_index, "LoadPrograms", {"programs": progs}, b.blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
         self._shipped[slice_index]["plans"][name] = list(stream)
         self._install(slice_index, name, stream)
 
     def _install(self, slice_index: int, name: str, stream) -> None:
-        self.clients[slice_index].call("InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
+        self._call(slice_index, "InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
 
     def put(self, slice_index: int, name: str, arrays) -> None:
         b = wire.Builder()
-        self.clients[slice_index].call("Put", {"name": name, "arrays": _arrays_out(b, arrays)}, b.blobs)
+        self._call(slice_index, "Put", {"name": name, "arrays": _arrays_out(b, arrays)}, b.blobs)
 
     def get(self, slice_index: int, names) -> dict:
-        h, blobs = self.clients[slice_index].call("Get", {"names": list(names)})
+        h, blobs = self._call(slice_index, "Get", {"names": list(names)})
         return {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["arrays"].items()}
 
     def delete(self, slice_index: int, names) -> None:
-        self.clients[slice_index].call("Delete", {"names": list(names)})
+        self._call(slice_index, "Delete", {"names": list(names)})
 
     def save(self, slice_index: int, items: dict) -> None:
-        self.clients[slice_index].call("Save", {"items": items})
+        self._call(slice_index, "Save", {"items": items})
 
     def wait_saves(self, slice_index: int) -> list[str]:
-        return self.clients[slice_index].call("WaitSaves")[0]["finalized"]
+        """Blocks while the slice writes (that may take long) but not past its loss."""
+        c = self.clients[slice_index]
+        fut = c.future("WaitSaves")
+        while not fut.done():
+            time.sleep(0.05)
+            lost = self.lost_slice()
+            if lost is not None and lost[0] == slice_index:
+                fut.cancel()
+                raise WorkerLost(slice_index, c.address, lost[1])
+        return c.result("WaitSaves", fut)[0]["finalized"]
 
     def restore(self, slice_index: int, items: dict) -> None:
-        self.clients[slice_index].call("Restore", {"items": items})
+        self._call(slice_index, "Restore", {"items": items})
 
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
@@ -282,25 +291,52 @@ class StaticCluster:
             header = {"plan": plan, "step": step, "fetch": list(fetch.get(i, ())), "trace": trace,
                       "feeds": {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}}
             futs.append(c.future("Run", header, b.blobs))
+        # Wake on every completion (a sleep-poll here cost ~5 ms per step), and at least every
+        # 50 ms to look for a silent slice.
+        changed = threading.Event()
+        for f in futs:
+            f.add_done_callback(lambda _: changed.set())
         lost = None
         while lost is None and not all(f.done() for f in futs):
-            time.sleep(0.005)
-            lost = self.lost_slice()
-            for i, f in enumerate(futs):
-                if lost is None and f.done() and f.exception() is not None:
-                    e = f.exception()
-                    if isinstance(e, grpc.RpcError) and e.code() in _GONE:
-                        lost = (i, f"{e.code().name}: {e.details()}")
-        if lost is None:
-            errors = [i for i, f in enumerate(futs) if f.exception() is not None]
-            if not errors:
-                return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
-            root = [i for i in errors if futs[i].exception().code() != grpc.StatusCode.ABORTED] or errors
-            self._abort_all(step, futs)
-            self.clients[root[0]].result("Run", futs[root[0]])     # raises the root cause
-            raise AssertionError("unreachable")
+            changed.wait(0.05)
+            changed.clear()
+            lost = self.lost_slice() or self._gone(futs)
+        lost = lost or self._gone(futs)
+        errors = [i for i, f in enumerate(futs) if f.done() and f.exception() is not None]
+        if lost is None and not errors:
+            return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
         self._abort_all(step, futs)
-        raise WorkerLost(lost[0], self.clients[lost[0]].address, lost[1])
+        # A survivor's error may be only the echo of a peer's death (its transfer broke):
+        # ask everyone before blaming the slice that reported first.
+        lost = lost or self._probe()
+        if lost is not None:
+            raise WorkerLost(lost[0], self.clients[lost[0]].address, lost[1])
+        root = [i for i in errors if futs[i].exception().code() != grpc.StatusCode.ABORTED] or errors
+        self.clients[root[0]].result("Run", futs[root[0]])     # raises the root cause
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _gone(futs) -> tuple[int, str] | None:
+        for i, f in enumerate(futs):
+            e = f.exception() if f.done() and not f.cancelled() else None
+            if isinstance(e, grpc.RpcError) and e.code() in _GONE:
+                return i, f"{e.code().name}: {e.details()}"
+        return None
+
+    def _probe(self) -> tuple[int, str] | None:
+        futs = [c.future("Heartbeat", timeout_s=min(2.0, self.failure_timeout_s)) for c in self.clients]
+        for f in futs:
+            f.exception()          # wait
+        return self._gone(futs)
+
+    def _call(self, slice_index: int, method: str, header=None, blobs=()):
+        """An RPC to a slice; a worker that is not there anymore is reported as WorkerLost."""
+        try:
+            return self.clients[slice_index].call(method, header, blobs)
+        except WorkerError as e:
+            if e.code in _GONE:
+                raise WorkerLost(slice_index, e.address, str(e)) from None
+            raise
 
     def _step_result(self, c: WorkerClient, fut) -> StepResult:
         h, blobs = c.result("Run", fut)

@@ -74,8 +74,10 @@ class LocalCluster(StaticCluster):
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        # A session of its own: a Ctrl-C at the terminal reaches the controller only, which
+        # finishes its step, checkpoints and closes the cluster; the workers follow it.
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-                                env=env, text=True, bufsize=1)
+                                env=env, text=True, bufsize=1, start_new_session=True)
         if i < len(self.procs):
             self.procs[i] = proc
         else:

@@ -51,11 +51,15 @@ def _import_ray():
 class _SliceActor:
     """The body of one worker actor (wrapped with ray.remote at start time)."""
 
-    def __init__(self, token: str, host: str):
+    def __init__(self, token: str, host: str, workdir: str):
         import ray
         from runtime.service import WorkerService
         from runtime.worker import serve
 
+        # Relative paths the controller sends (checkpoint directories under a relative run_dir)
+        # must mean what they mean to it, as for a LocalCluster worker, which inherits its cwd.
+        if os.path.isdir(workdir):
+            os.chdir(workdir)
         if host == NODE_IP:
             host = ray.util.get_node_ip_address()
         self.service = WorkerService(token, self._stop)
@@ -78,9 +82,9 @@ class RayCluster(StaticCluster):
     num_workers: actors to start (None: one per slice); more than num_slices leaves spares.
     resources_per_worker: Ray resources each actor reserves, e.g. {"GPU": 1} or
         {"CPU": 4, "slice_host": 1}; CPU defaults to threads_per_worker.
-    address: the Ray cluster to join ("auto", "ray://head:10001", ...); None connects to
-        $RAY_ADDRESS if set, else starts a Ray instance on this machine. Ignored when Ray is
-        already initialised in this process.
+    address: the Ray cluster to join ("auto", "HEAD_IP:6379", "ray://head:10001", ...);
+        None joins $RAY_ADDRESS if set, else starts a new Ray instance on this machine (shut
+        down again by close()). Ignored when Ray is already initialised in this process.
     host: where workers listen; None picks loopback for a one-machine Ray cluster and the
         node's IP otherwise, "node" forces the node's IP, anything else is used as is.
     runtime_env: extra Ray runtime_env for the actors (e.g. py_modules, pip); its env_vars
@@ -134,14 +138,16 @@ class RayCluster(StaticCluster):
         ray = _import_ray()
         try:
             if not ray.is_initialized():
-                kwargs = {}
-                if self.ray_address is None and not os.environ.get("RAY_ADDRESS"):
-                    # A fresh local instance: enough CPUs for every worker, even on a small
-                    # machine (XLA runs one thread per worker; oversubscribing is what
-                    # LocalCluster does too), and no dashboard.
+                address, kwargs = self.ray_address, {}
+                if address is None and not os.environ.get("RAY_ADDRESS"):
+                    # A fresh local instance ("local": never another session's instance
+                    # that ray.init would otherwise find on this machine), with enough CPUs
+                    # for every worker even on a small machine (XLA runs one thread per
+                    # worker; oversubscribing is what LocalCluster does too), no dashboard.
+                    address = "local"
                     kwargs = {"num_cpus": max(os.cpu_count() or 1, n * self._actor_options()["num_cpus"]),
                               "include_dashboard": False}
-                ray.init(address=self.ray_address, **kwargs)
+                ray.init(address=address, **kwargs)
                 self._started_ray = True
             self._listen_host = self._pick_host(ray)
             self.actors = [self._new_actor(ray) for _ in range(n)]
@@ -196,7 +202,7 @@ class RayCluster(StaticCluster):
                                           env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         env["env_vars"] = env_vars
         cls = ray.remote(**self._actor_options(), max_restarts=0, runtime_env=env)(_SliceActor)
-        return cls.remote(self._token, self._listen_host)
+        return cls.remote(self._token, self._listen_host, os.getcwd())
 
     def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
         from ray.exceptions import GetTimeoutError, RayActorError

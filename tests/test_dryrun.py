@@ -11,6 +11,7 @@ import pytest
 import mpmd
 from mpmd import schedules
 from mpmd.dryrun import dry_run
+from runtime.instructions import Recv, Spec
 
 COSTS = {"F": 0.005, "B": 0.010, "W": 0.005}       # seconds
 ACTIVATION_BYTES = 16 * 2**10
@@ -36,6 +37,9 @@ def declared_s(label: str) -> float:
 def check(schedule, result) -> None:
     ratio = statistics.median(result.step_s) / result.simulated_makespan_s
     assert 0.95 <= ratio <= 2.0, (schedule.name, result.step_s, result.simulated_makespan_s)
+    # activations and cotangents travel at the declared size
+    recvs = [i for s in result.streams for i in s if isinstance(i, Recv)]
+    assert recvs and all(i.specs == (Spec((ACTIVATION_BYTES // 4,), "float32"),) for i in recvs)
     labels = expected_labels(schedule)
     for step_events in result.events:
         for r, events in enumerate(step_events):
@@ -74,21 +78,23 @@ def test_dry_run_on_worker_processes():
         cluster.close()
 
 
-def test_per_stage_costs_and_interleaving():
-    # 4 stages on 2 slices; the callable prices the last stage double.
+def test_per_stage_costs_interleaving_and_clipping():
+    # 4 stages on 2 slices; the callable prices the last stage double; clip=True adds the
+    # global-norm exchange (every slice sends its stages' squared norms to every other).
     schedule = schedules.make("interleaved-1f1b", 4, 4, 2)
 
     def cost(task):
         return COSTS[task.kind] * (2 if task.stage == 3 else 1)
     cluster = mpmd.InProcessCluster()
     try:
-        result = dry_run(schedule, cost, ACTIVATION_BYTES, cluster, steps=2)
+        result = dry_run(schedule, cost, ACTIVATION_BYTES, cluster, steps=2, clip=True)
     finally:
         cluster.close()
     ratio = statistics.median(result.step_s) / result.simulated_makespan_s
     assert 0.95 <= ratio <= 2.0, (result.step_s, result.simulated_makespan_s)
     runs = {e.name: (e.end_ns - e.start_ns) / 1e9 for sl in result.events[-1] for e in sl if e.kind == "run"}
     assert runs["F s3 mb0"] >= 2 * COSTS["F"] * 0.99 and runs["F s2 mb0"] < 2 * COSTS["F"]
+    assert {"norm s0", "norm s3"} <= set(runs)
 
 
 def test_bad_costs_are_refused_before_any_work():

@@ -70,7 +70,8 @@ def test_split_at_marks_composes_to_the_model():
     leaves = [s.param_leaves for s in stages]
     # Same ops in the same order, evaluated one by one: bit-identical.
     np.testing.assert_array_equal(compose(stages, leaves, x), model(x))
-    ops = lambda jaxpr: collections.Counter(e.primitive.name for e in jaxpr.eqns if e.primitive.name != "stage_boundary")
+    ops = lambda jaxpr: collections.Counter(e.primitive.name for e in jaxpr.eqns
+                                            if e.primitive.name != "stage_boundary")
     assert ops(jax.make_jaxpr(lambda x: compose(stages, leaves, x))(x)) == ops(jax.make_jaxpr(model)(x))
     # A batch size other than the traced one re-cuts the model for that shape.
     np.testing.assert_array_equal(compose(stages, leaves, tokens(5)), model(tokens(5)))
@@ -187,12 +188,13 @@ def test_bad_marks(body, match):
 
 def test_split_errors():
     linear, x = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.ones((2, 4))
-    with pytest.raises(ValueError, match=r"no mpmd.stage_boundary marks found in Linear; add marks or pass num_stages=\.\.\. "
-                                         r"for a model exposing \.layers\(\)"):
+    with pytest.raises(ValueError, match=r"no mpmd.stage_boundary marks found in Linear; add marks or pass "
+                                         r"num_stages=\.\.\. for a model exposing \.layers\(\)"):
         mpmd.split(linear, sample_input=x)
     with pytest.raises(ValueError, match=r"needs a sample input"):
         mpmd.split(linear)
-    with pytest.raises(ValueError, match=r"MarkedGPT has 2 mpmd.stage_boundary marks, which make 3 stages, but num_stages=4"):
+    with pytest.raises(ValueError, match=r"MarkedGPT has 2 mpmd.stage_boundary marks, which make 3 stages, "
+                                         r"but num_stages=4"):
         mpmd.split(MarkedGPT(rngs=nnx.Rngs(0)), num_stages=4)
 
 
@@ -202,12 +204,15 @@ def batches():
     return [(np.asarray(tokens(BATCH, 2 * i)), np.asarray(tokens(BATCH, 2 * i + 1))) for i in range(STEPS)]
 
 
-def plain_training(make_model):
+def plain_training(make_model, optimizer=None, max_grad_norm=None):
     """(losses, first grads, final params) of the whole model in plain JAX, global leaf order."""
     graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
     leaves, tree = jax.tree.flatten(params)
     loss = lambda ls, x, y: models.lm_loss(nnx.merge(graphdef, jax.tree.unflatten(tree, ls), rest)(x), y)
-    step, opt = jax.jit(jax.value_and_grad(loss)), optax.adamw(LR)
+    opt = optimizer or optax.adamw(LR)
+    if max_grad_norm is not None:
+        opt = optax.chain(optax.clip_by_global_norm(max_grad_norm), opt)
+    step = jax.jit(jax.value_and_grad(loss))
     state, losses, first = opt.init(leaves), [], None
     for x, y in batches():
         value, grads = step(leaves, x, y)
@@ -218,28 +223,48 @@ def plain_training(make_model):
     return losses, first, [np.asarray(l) for l in leaves]
 
 
-def check_trains_like_plain_jax(make_model):
-    ref_losses, ref_grads, ref_params = plain_training(make_model)
+def check_trains_like_plain_jax(make_model, schedule="1f1b", cluster=None, max_grad_norm=None,
+                                 optimizer=None):
+    optimizer = optimizer or optax.adamw(LR)
+    ref_losses, ref_grads, ref_params = plain_training(make_model, optimizer, max_grad_norm)
     stages = mpmd.split(make_model())
     by_stage = lambda per_stage: [np.asarray(l) for leaves in per_stage for l in jax.tree.leaves(leaves)]
     in_stage_order = lambda ref: [ref[i] for s in stages for i in s.param_index]
     pipe = mpmd.Pipeline(stages, models.lm_loss)
-    with mpmd.Trainer(pipe, optimizer=optax.adamw(LR), schedule="1f1b", num_microbatches=3,
-                      cluster=mpmd.InProcessCluster()) as trainer:
-        assert trainer.num_slices == 3
+    v = 3 if schedule == "interleaved-1f1b" else 1
+    with mpmd.Trainer(pipe, optimizer=optimizer, schedule=schedule, num_microbatches=3,
+                      cluster=cluster or mpmd.InProcessCluster(), virtual_stages=v,
+                      max_grad_norm=max_grad_norm) as trainer:
+        assert trainer.num_slices == 3 // v
         data = batches()
         loss, grads = trainer.grads(*data[0])
         assert loss == pytest.approx(ref_losses[0], rel=1e-5)
         reference.assert_leaves_close(by_stage(grads), in_stage_order(ref_grads), rtol=1e-5, what="gradients")
         losses = [trainer.step(x, y)["loss"] for x, y in data]
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        reference.assert_leaves_close(by_stage(trainer.params()), in_stage_order(ref_params), rtol=1e-5)
+        params = trainer.params()
+        reference.assert_leaves_close(by_stage(params), in_stage_order(ref_params), rtol=1e-5)
+        # The copies of a shared weight stay identical, bit for bit, after every update.
+        for group in pipe.shared:
+            copies = [np.asarray(jax.tree.leaves(params[k])[i]) for k, i in group]
+            assert all(np.array_equal(copies[0], c) for c in copies[1:]), group
+    return pipe
 
 
 def test_marked_model_trains_like_plain_jax_1f1b():
     check_trains_like_plain_jax(lambda: MarkedGPT(tie=False, rngs=nnx.Rngs(0)))
 
 
-@pytest.mark.xfail(strict=True, reason="shared-weight gradient sum in lowering not yet wired")
-def test_tied_marked_model_trains_like_plain_jax_1f1b():
-    check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_tied_marked_model_trains_like_plain_jax(schedule):
+    pipe = check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)), schedule)
+    assert [sorted(k for k, _ in g) for g in pipe.shared] == [[0, 2]]
+
+
+def test_tied_marked_model_global_norm_counts_shared_weight_once():
+    check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)), "1f1b", max_grad_norm=0.05,
+                                optimizer=optax.sgd(0.1))
+
+
+def test_tied_marked_model_on_local_cluster():
+    check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)), "zb-h1", cluster=mpmd.LocalCluster())

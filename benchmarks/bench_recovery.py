@@ -1,0 +1,268 @@
+"""Recovery after a lost worker, part by part, and what checkpointing costs a step.
+
+    /work/venv/bin/python benchmarks/bench_recovery.py [--quick]
+
+Model: the tiny GPT recipe's (vocab 256, d_model 64, 2 heads, 4 layers, seq 64), 2 stages,
+1F1B, 4 microbatches, batch 16, adamw, LocalCluster(num_workers=2) (real processes, gRPC),
+checkpoints in a temporary run_dir.
+
+a. Recovery, checkpoint_every=5. Worker 1 gets a signal (by pid) halfway through a step:
+   SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: declared
+   lost after failure_timeout_s, LocalCluster's default 5 s). Rounds alternate the two
+   signals; medians over rounds. The parts, in order:
+     detect  signal -> WorkerLost: signal to Rewound caught, minus the parts below that
+             happen between them (replace, restore; trainer.recovery_s)
+     spawn   the old process killed and reaped, a new one started and reporting ready
+     setup   connect, Setup, every slice's Connect to the new peer table (and waiting for a
+             checkpoint commit in flight, if any)
+     ship    the lost slice's programs and plans sent again (compiled later, on first Run)
+     restore every slice restored from the last committed checkpoint
+     1st     the first step after recovery: the new worker compiles its programs on its
+             first Run; "of it compile" = 1st - the median steady step
+   total = detect + spawn + setup + ship + restore + 1st step. Goal: < 10 s for SIGKILL.
+   spawn/setup/ship are timed by a LocalCluster subclass defined here (benchmark only).
+b. Checkpoint cost per step, checkpoint_every=1: no checkpointing vs async saves (arrays
+   copied to host in the step, written in the background) vs synchronous saves (the step
+   waits until the write is committed). Three Trainers side by side, rounds interleaved
+   (order rotated each round; an async write still in flight at the end of a round is
+   waited for, untimed, so it does not slow the next Trainer's round). Median wall time of
+   trainer.step (the save is inside it), its ratio to no checkpointing, and the median
+   snapshot (blocking part) and finalize (write + commit) times from last_save_s.
+
+Workers inherit this process's stderr; it is sent to a log file (path printed) so Orbax's
+INFO lines do not bury the tables. The load average is printed at the start and end: on a
+2-core machine other processes inflate every figure.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Before jax is imported: one host device per slice in this process, and no Eigen threads.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+                           " --xla_cpu_multi_thread_eigen=false").strip()
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+GPT = dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64)
+BATCH, M, LR, EVERY = 16, 4, 3e-4, 5
+GOAL_S = 10.0
+PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
+
+
+def make_trainer(cluster, **kw):
+    import models
+    import mpmd
+    import optax
+    from flax import nnx
+    pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
+    return mpmd.Trainer(pipe, optax.adamw(LR), "1f1b", num_microbatches=M, cluster=cluster, **kw)
+
+
+def batches(n: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, GPT["vocab_size"], (BATCH, GPT["seq_len"])).astype(np.int32) for _ in range(n)]
+
+
+def timed_step(trainer, batch) -> float:
+    t0 = time.perf_counter()
+    trainer.step(batch, batch)
+    return time.perf_counter() - t0
+
+
+def med(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# -- a. recovery -----------------------------------------------------------------------------
+def timed_cluster(**kw):
+    """A LocalCluster whose replace() records how long its parts took (in .parts)."""
+    import mpmd
+
+    class TimedLocalCluster(mpmd.LocalCluster):
+        parts: dict = {}
+        _in_replace = False
+
+        def replace(self, slice_index):
+            self.parts, self._in_replace = {"spawn": 0.0, "ship": 0.0}, True
+            t0 = time.perf_counter()
+            try:
+                super().replace(slice_index)
+            finally:
+                self._in_replace = False
+            self.parts["replace"] = time.perf_counter() - t0
+
+        def _new_worker(self, slice_index):
+            t0 = time.perf_counter()
+            address = super()._new_worker(slice_index)
+            self.parts["spawn"] += time.perf_counter() - t0
+            return address
+
+        def _load(self, slice_index, specs):
+            t0 = time.perf_counter()
+            super()._load(slice_index, specs)
+            if self._in_replace:
+                self.parts["ship"] += time.perf_counter() - t0
+
+        def _install(self, slice_index, name, stream):
+            t0 = time.perf_counter()
+            super()._install(slice_index, name, stream)
+            if self._in_replace:
+                self.parts["ship"] += time.perf_counter() - t0
+
+    return TimedLocalCluster(**kw)
+
+
+def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
+    """Send `sig` to worker 1 halfway through a step; step until Rewound; time the parts."""
+    import mpmd
+    cluster = trainer.cluster
+    pid = cluster.pids[1]
+    sent = []
+
+    def send():
+        sent.append(time.perf_counter())
+        os.kill(pid, sig)
+
+    threading.Timer(steady_s / 2, send).start()
+    i = 0
+    while True:
+        try:
+            trainer.step(data[i % len(data)], data[i % len(data)])
+        except mpmd.Rewound:
+            caught = time.perf_counter()
+            break
+        i += 1
+        assert i < 1000, "the worker was never declared lost"
+    rec, parts = trainer.recovery_s, cluster.parts
+    out = {"detect": caught - sent[0] - rec["replace_s"] - rec["restore_s"],
+           "spawn": parts["spawn"], "ship": parts["ship"],
+           "setup": rec["replace_s"] - parts["spawn"] - parts["ship"], "restore": rec["restore_s"]}
+    out["first"] = timed_step(trainer, data[0])
+    return out
+
+
+def recovery(run_dir: Path, num_rounds: int) -> None:
+    signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
+    cluster = timed_cluster(num_workers=2)
+    trainer = make_trainer(cluster, run_dir=run_dir, checkpoint_every=EVERY, max_restarts=10**6)
+    data = batches()
+    results: dict[str, list[dict]] = {name: [] for name in signals}
+    steady: list[float] = []
+    try:
+        for x in data[:2]:
+            timed_step(trainer, x)       # compile
+        for _ in range(num_rounds):
+            for name, sig in signals.items():
+                # A committed checkpoint to come back to, then steady steps to size the delay.
+                while trainer.step_count < EVERY or trainer.step_count % EVERY != 2:
+                    timed_step(trainer, data[trainer.step_count % len(data)])
+                recent = [timed_step(trainer, data[j]) for j in range(3)]
+                steady += recent
+                results[name].append(lose_worker(trainer, data, sig, med(recent)))
+                steady.append(timed_step(trainer, data[1]))
+        pids = list(cluster.pids)
+    finally:
+        trainer.close()
+    steady_s = med(steady)
+    print(f"\na. recovery of worker 1 (2 slices, 1f1b, m={M}, batch {BATCH}, checkpoint_every={EVERY}, "
+          f"failure_timeout_s={cluster.failure_timeout_s:g}); medians over {num_rounds} round(s), seconds")
+    print(f"{'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} {'1st step':>9} "
+          f"{'(compile)':>10} {'total':>6}  goal < {GOAL_S:g} s")
+    for name, rows in results.items():
+        m = {p: med([r[p] for r in rows]) for p in PARTS}
+        total = med([sum(r[p] for p in PARTS) for r in rows])
+        verdict = ("met" if total < GOAL_S else "MISSED") if name == "SIGKILL" else \
+            f"(detect bounded by failure_timeout_s {cluster.failure_timeout_s:g} s)"
+        print(f"{name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
+              f"{m['restore']:>8.2f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {total:>6.2f}  {verdict}")
+    print(f"steady step {steady_s * 1e3:.0f} ms (median of {len(steady)}); "
+          f"worker processes left: {len([p for p in pids if _alive(p)])}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+# -- b. checkpoint cost per step -------------------------------------------------------------
+def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> None:
+    import mpmd
+    variants = {"none": {}, "async": dict(async_checkpoint=True), "sync": dict(async_checkpoint=False)}
+    data = batches()
+    trainers = {}
+    try:
+        for name, kw in variants.items():
+            if kw:
+                kw = dict(kw, run_dir=run_dir / name, checkpoint_every=1)
+            trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), **kw)
+            for x in data[:2]:
+                timed_step(trainers[name], x)     # compile (and the first saves)
+            if trainers[name].checkpoints is not None:
+                trainers[name].checkpoints.wait()
+        step_s = {name: [] for name in variants}
+        saves = {name: [] for name in variants}
+        names = list(variants)
+        for r in range(num_rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                t = trainers[name]
+                for j in range(steps_per_round):
+                    step_s[name].append(timed_step(t, data[j % len(data)]))
+                    if t.checkpoints is not None:
+                        # One dict per save; an async commit fills in its finalize_s later
+                        # (before the next save starts, or at the wait below).
+                        saves[name].append(t.checkpoints.last_save_s)
+                if t.checkpoints is not None:
+                    t.checkpoints.wait()
+    finally:
+        for t in trainers.values():
+            t.close()
+    base = med(step_s["none"])
+    print(f"\nb. checkpoint cost per step (checkpoint_every=1); {num_rounds} interleaved round(s) of "
+          f"{steps_per_round} steps per variant")
+    print(f"{'variant':>8} {'step ms':>8} {'x none':>7} {'snapshot ms':>12} {'finalize ms':>12}")
+    for name in variants:
+        snap = med([s["snapshot_s"] for s in saves[name] if "snapshot_s" in s]) * 1e3
+        fin = med([s["finalize_s"] for s in saves[name] if "finalize_s" in s]) * 1e3
+        shown = (f"{snap:>12.1f} {fin:>12.1f}" if saves[name] else f"{'-':>12} {'-':>12}")
+        print(f"{name:>8} {med(step_s[name]) * 1e3:>8.1f} {med(step_s[name]) / base:>6.2f}x {shown}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not a measurement")
+    args = parser.parse_args()
+    import jax
+    n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:
+        log_path = Path(tmp).parent / f"bench_recovery_{os.getpid()}.log"
+        print(f"bench_recovery{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
+              f"load average at start {os.getloadavg()[0]:.2f}; compilation cache "
+              f"{os.environ.get('JAX_COMPILATION_CACHE_DIR') or 'off'}; worker logs: {log_path}", flush=True)
+        log = open(log_path, "w")
+        os.dup2(log.fileno(), 2)      # workers inherit fd 2
+        recovery(Path(tmp) / "recovery", n["rounds"])
+        checkpoint_cost(Path(tmp) / "cost", n["ck_rounds"], n["ck_steps"])
+    print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""`mpmd train` stopped and run again with the same command, end to end through the real CLI.
+
+The controller is a real subprocess with real worker processes (cluster.backend=local). A
+SIGKILLed controller takes its workers with it, and a SIGTERMed one commits a final
+checkpoint and exits 0; either way the same command then finishes the run with exactly the
+final state and per-step losses of an uninterrupted one (bitwise), and leaves no process.
+"""
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from recipes import run_log
+from runtime.checkpoint import CheckpointStore, SliceCheckpointer
+from tests.test_multiprocess import alive, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY = 12, 3
+OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
+             f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",
+             f"checkpoint.every={EVERY}", "log.progress=lines", "log.every=1", "log.trace_steps=[]",
+             "log.tensorboard=false", "data.max_bytes=300000"]
+TAG = "MPMD_TEST_RESUME_CLI"   # marks every process a test starts, workers included (inherited env)
+
+
+class Controller:
+    """`python -m recipes.cli train` in the background; its stdout lines arrive on a queue.
+
+    stderr (the workers' too: they inherit it) goes to a file: a pipe nobody drains would
+    block them once full."""
+
+    def __init__(self, run_dir: Path, tag: str):
+        env = dict(os.environ)   # carries conftest's XLA_FLAGS and JAX compilation cache settings
+        env["JAX_PLATFORMS"] = "cpu"
+        env[TAG] = tag
+        self.stderr = open(run_dir.parent / f"{run_dir.name}.stderr", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "recipes.cli", "train", "configs/gpt_tiny.yaml", *OVERRIDES,
+             f"run_dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr,
+            text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.stdout: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_step(self, step: int, timeout_s: float = 90.0) -> None:
+        """Until the progress line of `step` (or a later one) is printed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, f"the run ended before step {step}:\n{''.join(self.stdout)}"
+            self.stdout.append(line)
+            m = re.match(r"step (\d+)/", line)
+            if m and int(m.group(1)) >= step:
+                return
+
+    def finish(self, timeout_s: float = 120.0) -> tuple[int, str]:
+        """(exit status, whole stdout)."""
+        rc = self.proc.wait(timeout=timeout_s)
+        while (line := self.lines.get(timeout=10)) is not None:
+            self.stdout.append(line)
+        self.stderr.close()
+        return rc, "".join(self.stdout)
+
+    def workers(self) -> list[int]:
+        """The controller's child processes (LocalCluster starts them in sessions of their own,
+        so not its process group: its children)."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes started under `tag`, whoever their parent is now."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"{TAG}={tag}".encode() in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
+                    found.append(int(d.name))
+            except (OSError, ProcessLookupError):
+                pass     # gone, or not ours
+    return found
+
+
+def run_to_end(run_dir: Path, tag: str) -> str:
+    rc, out = Controller(run_dir, tag).finish()
+    assert rc == 0, f"exit {rc}:\n{out}\n{(run_dir.parent / f'{run_dir.name}.stderr').read_text()[-3000:]}"
+    return out
+
+
+def final_state(run_dir: Path) -> tuple[int, dict]:
+    """(newest committed step, {stage_k/name: host arrays}) read straight from the checkpoint."""
+    store = CheckpointStore(run_dir)
+    step = store.committed()[-1]
+    items = {str(store.step_dir(step) / f"stage_{k}"): [f"p{k}", f"o{k}"] for k in range(2)}
+    arrays = SliceCheckpointer().restore(items, jax.devices()[0])
+    return step, {name: [np.asarray(a) for a in bundle] for name, bundle in arrays.items()}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return run_log.read(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: (final state, per-step metrics)."""
+    run_dir = tmp_path_factory.mktemp("resume") / "a"
+    tag = uuid.uuid4().hex
+    run_to_end(run_dir, tag)
+    assert wait_gone(tagged(tag)) == []
+    return final_state(run_dir), metrics(run_dir)
+
+
+def assert_same_as_reference(run_dir: Path, reference):
+    (want_step, want), want_metrics = reference
+    got_step, got = final_state(run_dir)
+    assert got_step == want_step == STEPS
+    assert got.keys() == want.keys()
+    for name in want:
+        assert all(np.array_equal(a, b) for a, b in zip(got[name], want[name])), f"{name} differs"
+    got_metrics = metrics(run_dir)
+    assert [r["step"] for r in got_metrics] == list(range(1, STEPS + 1)), "each step exactly once"
+    assert [r["loss"] for r in got_metrics] == [r["loss"] for r in want_metrics]
+
+
+def test_controller_sigkilled_then_resumed(reference, tmp_path):
+    run_dir, tag = tmp_path / "b", uuid.uuid4().hex
+    ctl = Controller(run_dir, tag)
+    try:
+        ctl.wait_for_step(7)
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(ctl.proc.pid, signal.SIGKILL)
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    rc, _ = ctl.finish()
+    assert rc == -signal.SIGKILL
+    # A worker learns of its controller's death from its stdin pipe closing.
+    assert wait_gone(workers, timeout_s=5.0) == [], "workers outlived their SIGKILLed controller"
+    killed_at = CheckpointStore(run_dir).committed()[-1]
+    assert killed_at < STEPS, "the run finished before it was killed: nothing was resumed"
+
+    out = run_to_end(run_dir, tag)
+    assert f"resumed from {run_dir}/checkpoints/" in out
+    assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
+    run_dir, tag = tmp_path / "c", uuid.uuid4().hex
+    ctl = Controller(run_dir, tag)
+    try:
+        ctl.wait_for_step(5)
+        os.kill(ctl.proc.pid, signal.SIGTERM)
+        rc, out = ctl.finish()
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    assert rc == 0, out
+    m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint committed", out)
+    assert m, out
+    stopped_at = int(m.group(1))
+    assert 5 <= stopped_at < STEPS
+    # The final checkpoint holds the step it stopped at, off the checkpoint.every grid or not.
+    assert CheckpointStore(run_dir).committed()[-1] == stopped_at
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, stopped_at + 1))
+    assert wait_gone(tagged(tag)) == []
+
+    out = run_to_end(run_dir, tag)
+    assert f"resumed from {run_dir}/checkpoints/{stopped_at}" in out
+    assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
