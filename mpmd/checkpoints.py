@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 
 from runtime.checkpoint import CheckpointStore
@@ -43,6 +44,7 @@ class StageCheckpoints:
         self.keep = keep
         self.asynchronous = asynchronous
         self._commit: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max(len(set(home)), 1), thread_name_prefix="mpmd-ckpt")
         self.last_save_s = {}
 
     def _items(self, step: int, slice_index: int) -> dict[str, list[str]]:
@@ -56,7 +58,10 @@ class StageCheckpoints:
             return       # the same step after a replay: identical state, already committed
         self.store.prepare(step)
         t0 = time.perf_counter()
-        for r in range(len(set(self.home))):
+        slices = range(len(set(self.home)))
+        # One slice after another: Orbax keeps process-wide state, and two saves started at
+        # once in one process (the in-process cluster) collide on their temporary directories.
+        for r in slices:
             self.cluster.save(r, self._items(step, r))
         manifest = {"partition": self.partition, "data_state": data_state, **extra}
         self.last_save_s = {"snapshot_s": time.perf_counter() - t0}
@@ -64,8 +69,7 @@ class StageCheckpoints:
         def commit():
             t1 = time.perf_counter()
             try:
-                for r in range(len(set(self.home))):
-                    self.cluster.wait_saves(r)
+                list(self._pool.map(self.cluster.wait_saves, slices))   # finalize concurrently
             except Exception as e:   # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)
                 return

@@ -305,7 +305,7 @@ class StaticCluster:
         errors = [i for i, f in enumerate(futs) if f.done() and f.exception() is not None]
         if lost is None and not errors:
             return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
-        self._abort_all(step, futs)
+        self._abort_all(step, futs, lost[0] if lost else None)
         # A survivor's error may be only the echo of a peer's death (its transfer broke):
         # ask everyone before blaming the slice that reported first.
         lost = lost or self._probe()
@@ -343,17 +343,20 @@ class StaticCluster:
         fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["fetched"].items()}
         return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"])
 
-    def _abort_all(self, step: int, futs=()) -> None:
-        aborts = [(c, c.future("Abort", {"step": step}, timeout_s=2.0)) for c in self.clients]
+    def _abort_all(self, step: int, futs=(), lost: int | None = None) -> None:
+        """Abort run `step` everywhere. The lost slice, if known, is not waited for: it is hung
+        or gone, and its Run is simply cancelled."""
+        live = [i for i in range(len(self.clients)) if i != lost]
+        aborts = [(self.clients[i], self.clients[i].future("Abort", {"step": step}, timeout_s=2.0)) for i in live]
         for c, f in aborts:
             try:
                 c.result("Abort", f)
             except (WorkerError, Aborted):
                 pass
-        # Survivors answer ABORTED promptly; a hung or dead worker's Run is cancelled.
+        # Survivors answer ABORTED promptly once aborted.
         deadline = time.monotonic() + 2.0
-        for f in futs:
-            while not f.done() and time.monotonic() < deadline:
+        for i, f in enumerate(futs):
+            while i != lost and not f.done() and time.monotonic() < deadline:
                 time.sleep(0.01)
             f.cancel()
 
