@@ -15,7 +15,7 @@ import threading
 import time
 
 from runtime.client import StaticCluster, new_token
-from runtime.worker import READY
+from runtime.worker import READY, cores_for
 
 START_TIMEOUT_S = 60.0
 
@@ -64,13 +64,10 @@ class LocalCluster(StaticCluster):
         return address
 
     def _spawn(self, i: int) -> str:
-        cpus = os.sched_getaffinity(0)
-        ordered = sorted(cpus)
         cmd = [sys.executable, "-m", "runtime.worker", "--listen", f"{self.host}:0", "--token-stdin",
                "--devices", str(self.devices_per_worker)]
         if self.pin:
-            mine = [ordered[(i * self.threads_per_worker + t) % len(ordered)] for t in range(self.threads_per_worker)]
-            cmd += ["--cpus", ",".join(map(str, sorted(set(mine))))]
+            cmd += ["--cpus", ",".join(map(str, cores_for(i, self.threads_per_worker)))]
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -51,11 +51,13 @@ def _import_ray():
 class _SliceActor:
     """The body of one worker actor (wrapped with ray.remote at start time)."""
 
-    def __init__(self, token: str, host: str, workdir: str):
+    def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int):
         import ray
         from runtime.service import WorkerService
-        from runtime.worker import serve
+        from runtime.worker import cores_for, serve
 
+        # Pinned like a local worker, so both compute the same bits (see cores_for).
+        os.sched_setaffinity(0, cores_for(slot, threads))
         # Relative paths the controller sends (checkpoint directories under a relative run_dir)
         # must mean what they mean to it, as for a LocalCluster worker, which inherits its cwd.
         if os.path.isdir(workdir):
@@ -150,7 +152,7 @@ class RayCluster(StaticCluster):
                 ray.init(address=address, **kwargs)
                 self._started_ray = True
             self._listen_host = self._pick_host(ray)
-            self.actors = [self._new_actor(ray) for _ in range(n)]
+            self.actors = [self._new_actor(ray, i) for i in range(n)]
             ready = self._wait_ready(ray, self.actors)
             self.addresses = [a for a, _ in ready]
             self.pids = [p for _, p in ready]
@@ -164,7 +166,7 @@ class RayCluster(StaticCluster):
         it must not come back and act on stale state) and start a fresh one in its slot."""
         ray = _import_ray()
         ray.kill(self.actors[slice_index], no_restart=True)
-        self.actors[slice_index] = self._new_actor(ray)
+        self.actors[slice_index] = self._new_actor(ray, slice_index)
         ((address, pid),) = self._wait_ready(ray, [self.actors[slice_index]])
         self.addresses[slice_index], self.pids[slice_index] = address, pid
         return address
@@ -194,7 +196,7 @@ class RayCluster(StaticCluster):
         opts["resources"] = res
         return opts
 
-    def _new_actor(self, ray):
+    def _new_actor(self, ray, slot: int):
         from runtime.worker import xla_flags
         env = dict(self.runtime_env)
         env_vars = dict(env.get("env_vars") or {})
@@ -202,7 +204,7 @@ class RayCluster(StaticCluster):
                                           env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         env["env_vars"] = env_vars
         cls = ray.remote(**self._actor_options(), max_restarts=0, runtime_env=env)(_SliceActor)
-        return cls.remote(self._token, self._listen_host, os.getcwd())
+        return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker)
 
     def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
         from ray.exceptions import GetTimeoutError, RayActorError

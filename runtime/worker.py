@@ -54,6 +54,16 @@ def xla_flags(devices: int, flags: str = "") -> str:
             f"--xla_cpu_multi_thread_eigen=false").strip()
 
 
+def cores_for(slot: int, threads: int, available=None) -> list[int]:
+    """The cores worker `slot` pins to: `threads` of them, round-robin over the available ones.
+
+    How many cores a worker sees also sets how XLA's CPU runtime splits an op across threads,
+    hence its float rounding: workers pinned alike compute alike, bit for bit, wherever they run.
+    """
+    ordered = sorted(available if available is not None else os.sched_getaffinity(0))
+    return sorted({ordered[(slot * threads + t) % len(ordered)] for t in range(threads)})
+
+
 def configure_process(devices: int, cpus: str) -> None:
     """Must run before JAX is imported in this process."""
     os.environ["XLA_FLAGS"] = xla_flags(devices, os.environ.get("XLA_FLAGS", ""))

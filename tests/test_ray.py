@@ -122,3 +122,21 @@ def test_bad_arguments_fail_before_ray_starts():
         mpmd.RayCluster(resources_per_worker={"GPU": -1})
     with pytest.raises(ValueError, match="devices_per_worker=2 is not supported yet"):
         mpmd.RayCluster(devices_per_worker=2)
+
+
+def test_mpmd_train_on_ray_gives_the_local_losses(tmp_path):
+    """`mpmd train ... cluster.backend=ray` and `cluster.backend=local`: the same per-step
+    losses, bit for bit (actors are pinned like local workers, so they compute alike)."""
+    import json
+
+    from tests.test_train_cli import TINY_GPT, mpmd_train
+    losses = {}
+    for backend in ("local", "ray"):
+        run_dir = tmp_path / backend
+        proc = mpmd_train("configs/gpt_tiny.yaml", f"cluster.backend={backend}", "train.steps=4",
+                          "train.eval_every=0", "train.sample_tokens=0", "log.trace_steps=[]",
+                          f"run_dir={run_dir}", *TINY_GPT, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[backend] = [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["local"]) == 4
+    assert losses["ray"] == losses["local"]
