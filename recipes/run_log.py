@@ -146,6 +146,9 @@ class Progress:
     def update(self, step: int, metrics: Mapping[str, object]) -> None:
         now = time.perf_counter()
         elapsed, done = now - self._last_time, step - self._last_step
+        # eval_loss stands until the next eval; a bubble is a measurement of one traced step,
+        # shown with that step only.
+        self._latest.pop("bubble", None)
         self._latest.update({k: v for k, v in metrics.items() if k != "step"})
         if elapsed > 0 and done > 0:
             self._latest["tok/s"] = self.tokens_per_step * done / elapsed

@@ -61,7 +61,8 @@ def test_gpt_run_writes_trace_tensorboard_and_sample(gpt_run):
     assert {e["args"]["step"] for e in spans} == {2}
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     sample = (run_dir / "sample.txt").read_text()
-    assert sample.startswith("def ") and len(sample.encode("utf-8", "replace")) >= 4
+    prompt = config.load(run_dir / "config.yaml").train.sample_prompt
+    assert sample.startswith(prompt) and len(sample.encode("utf-8", "replace")) > len(prompt)
     assert "sample (8 bytes" in proc.stdout
 
 
