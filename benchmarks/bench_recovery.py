@@ -250,13 +250,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not a measurement")
     args = parser.parse_args()
     import jax
+    from runtime.local import default_compilation_cache
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:
         log_path = Path(tmp).parent / f"bench_recovery_{os.getpid()}.log"
         print(f"bench_recovery{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
               f"load average at start {os.getloadavg()[0]:.2f}; compilation cache "
-              f"{os.environ.get('JAX_COMPILATION_CACHE_DIR') or 'off'}; worker logs: {log_path}", flush=True)
+              f"of workers {default_compilation_cache() or 'off'}; worker logs: {log_path}", flush=True)
         log = open(log_path, "w")
         os.dup2(log.fileno(), 2)      # workers inherit fd 2
         recovery(Path(tmp) / "recovery", n["rounds"])
