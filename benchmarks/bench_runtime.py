@@ -189,7 +189,7 @@ def overhead(local, num_steps: int, num_microbatches: int) -> None:
             if cluster is not local:
                 cluster.close()
         elapsed = time.perf_counter() - t0
-        per_instr, walls, waits, counts = [], [], [], []
+        per_instr, walls, waits = [], [], []
         for step_walls, step_events in zip(result.slice_wall_s, result.events):
             for r, wall in enumerate(step_walls):
                 wait = sum(e.end_ns - e.start_ns for e in step_events[r] if e.kind == "recv") / 1e9

@@ -20,7 +20,7 @@ import optax
 
 from mpmd import lazy, lowering, schedules
 from mpmd.checkpoints import Rewound, StageCheckpoints
-from mpmd.pipeline import Pipeline, _spec
+from mpmd.pipeline import Pipeline
 from runtime.client import WorkerLost
 from runtime.instructions import Run
 

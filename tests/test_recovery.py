@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -19,7 +18,7 @@ from flax import nnx
 import models
 import mpmd
 from tests import reference
-from tests.test_multiprocess import alive, wait_gone
+from tests.test_multiprocess import wait_gone
 
 STEPS, EVERY = 8, 2
 

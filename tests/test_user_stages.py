@@ -1,6 +1,5 @@
 """Pipelines of hand-written stages and of the MLP train like their unpipelined model."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
