@@ -57,6 +57,8 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from runtime.local import process_alive  # noqa: E402
+
 GPT = dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64)
 BATCH, M, LR, EVERY = 16, 4, 3e-4, 5
 GOAL_S = 10.0
@@ -190,16 +192,7 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
         print(f"{name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
               f"{m['restore']:>8.2f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {total:>6.2f}  {verdict}")
     print(f"steady step {steady_s * 1e3:.0f} ms (median of {len(steady)}); "
-          f"worker processes left: {len([p for p in pids if _alive(p)])}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+          f"worker processes left: {len([p for p in pids if process_alive(p)])}")
 
 
 # -- b. checkpoint cost per step -------------------------------------------------------------

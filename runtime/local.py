@@ -20,17 +20,35 @@ from runtime.worker import READY, cores_for
 START_TIMEOUT_S = 60.0
 
 
+def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> None:
+    """What every launcher that starts its own workers accepts (LocalCluster, RayCluster)."""
+    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
+        raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
+    if devices_per_worker != 1:
+        raise ValueError(f"devices_per_worker={devices_per_worker} is not supported yet: stage programs "
+                         f"run on one device per slice; allowed: 1")
+    if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
+        raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class LocalCluster(StaticCluster):
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None):
-        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
-            raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
-        if devices_per_worker != 1:
-            raise ValueError(f"devices_per_worker={devices_per_worker} is not supported yet: stage programs "
-                             f"run on one device per slice; allowed: 1")
-        if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
+        check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self.num_workers = num_workers
         self.devices_per_worker = devices_per_worker
         self.threads_per_worker = threads_per_worker

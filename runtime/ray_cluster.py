@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 
 from runtime.client import StaticCluster, new_token
+from runtime.local import check_worker_args
 
 START_TIMEOUT_S = 120.0
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -102,13 +103,7 @@ class RayCluster(StaticCluster):
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
                  failure_timeout_s: float = 5.0):
         _import_ray()
-        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
-            raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
-        if devices_per_worker != 1:
-            raise ValueError(f"devices_per_worker={devices_per_worker} is not supported yet: stage programs "
-                             f"run on one device per slice; allowed: 1")
-        if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
+        check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         resources = dict(resources_per_worker or {})
         for k, v in resources.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:

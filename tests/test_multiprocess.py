@@ -17,6 +17,7 @@ from flax import nnx
 
 import models
 import mpmd
+from runtime.local import process_alive
 from tests import reference
 from tests.test_pipeline_equivalence import batches, make_gpt
 from tests.test_user_stages import UserModel, token_batches
@@ -24,14 +25,7 @@ from tests.test_user_stages import UserModel, token_batches
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
+alive = process_alive
 
 
 def wait_gone(pids, timeout_s=10.0) -> list[int]:
