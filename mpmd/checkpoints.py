@@ -40,11 +40,12 @@ class StageCheckpoints:
         self.store = CheckpointStore(os.path.abspath(run_dir))   # workers may not share our cwd
         self.cluster = cluster
         self.home = home
+        self.num_slices = max(home) + 1
         self.partition = partition          # what a restored run must match: stages, placement
         self.keep = keep
         self.asynchronous = asynchronous
         self._commit: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(max(len(set(home)), 1), thread_name_prefix="mpmd-ckpt")
+        self._pool = ThreadPoolExecutor(self.num_slices, thread_name_prefix="mpmd-ckpt")
         self.last_save_s = {}
 
     def _items(self, step: int, slice_index: int) -> dict[str, list[str]]:
@@ -58,7 +59,7 @@ class StageCheckpoints:
             return       # the same step after a replay: identical state, already committed
         self.store.prepare(step)
         t0 = time.perf_counter()
-        slices = range(len(set(self.home)))
+        slices = range(self.num_slices)
         # One slice after another: Orbax keeps process-wide state, and two saves started at
         # once in one process (the in-process cluster) collide on their temporary directories.
         for r in slices:
@@ -106,7 +107,7 @@ class StageCheckpoints:
                 raise ValueError(f"checkpoint step {step} in {self.store.root} was saved by a different "
                                  f"pipeline: {manifest.get('partition')}, this one is {self.partition}")
             try:
-                for r in range(len(set(self.home))):
+                for r in range(self.num_slices):
                     self.cluster.restore(r, self._items(step, r))
             except WorkerLost:
                 raise            # the slice is gone, not the checkpoint

@@ -18,7 +18,7 @@ import jax
 
 from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes
 from mpmd import schedules, stage_programs
-from mpmd.pipeline import Pipeline
+from mpmd.pipeline import Pipeline, shared_indices, shared_peers
 
 
 class Lowered(NamedTuple):
@@ -183,25 +183,6 @@ def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]
         train.append(s)
 
     return train
-
-
-def shared_indices(S: int, shared) -> list[list[int]]:
-    """Per stage, its local leaf indices that belong to a shared group, ascending."""
-    idx: list[set[int]] = [set() for _ in range(S)]
-    for group in shared:
-        for k, i in group:
-            idx[k].add(i)
-    return [sorted(x) for x in idx]
-
-
-def shared_peers(S: int, shared) -> list[list[int]]:
-    """Per stage, the other stages it shares a parameter with, ascending."""
-    peers: list[set[int]] = [set() for _ in range(S)]
-    for group in shared:
-        stages = {k for k, _ in group}
-        for k in stages:
-            peers[k] |= stages - {k}
-    return [sorted(x) for x in peers]
 
 
 def _forward_only(S, m, P, home, act_specs):

@@ -101,6 +101,25 @@ def shared_params(fns) -> list[list[tuple[int, int]]]:
     return [where[g] for g in sorted(where) if len(where[g]) > 1]
 
 
+def shared_indices(S: int, shared) -> list[list[int]]:
+    """Per stage, its local leaf indices that belong to a shared group, ascending."""
+    idx: list[set[int]] = [set() for _ in range(S)]
+    for group in shared:
+        for k, i in group:
+            idx[k].add(i)
+    return [sorted(x) for x in idx]
+
+
+def shared_peers(S: int, shared) -> list[list[int]]:
+    """Per stage, the other stages it shares a parameter with, ascending."""
+    peers: list[set[int]] = [set() for _ in range(S)]
+    for group in shared:
+        stages = {k for k, _ in group}
+        for k in stages:
+            peers[k] |= stages - {k}
+    return [sorted(x) for x in peers]
+
+
 def _spec(x):
     return jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
 

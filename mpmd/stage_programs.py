@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from runtime import programs
-from mpmd.pipeline import StageFn
+from mpmd.pipeline import StageFn, shared_indices, shared_peers
 
 
 class StageShapes(NamedTuple):
@@ -159,7 +159,6 @@ def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
     """shared_out{k}: the stage's shared leaves' gradients (its "part"); shared_in{k}: for each
     shared leaf, every holder's gradient summed in stage order (the same sum, bit for bit, on
     every holder), written back into the stage's gradient. `param_specs` is per stage."""
-    from mpmd.lowering import shared_indices, shared_peers
     S = len(param_specs)
     idx = shared_indices(S, shared)
     holders = sorted(shared_peers(S, shared)[k] + [k])

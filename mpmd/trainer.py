@@ -103,8 +103,12 @@ class Trainer:
         if plans:
             for r in range(self.num_slices):
                 self.cluster.install_plan(r, "init_params", plans.get(r, []))
-            self._runs += 1
-            self.cluster.run("init_params", self._runs, {}, {})
+            self._run_setup("init_params")
+
+    def _run_setup(self, plan: str) -> None:
+        """Run a plan that takes no feeds and returns nothing: it creates state on the slices."""
+        self._runs += 1
+        self.cluster.run(plan, self._runs, {}, {})
 
     # -- compile -------------------------------------------------------------------------
     def _micro_specs(self, inputs, targets):
@@ -136,8 +140,7 @@ class Trainer:
             for plan in ("train", "grads", "eval", "predict", "init"):
                 self.cluster.install_plan(r, plan + suffix, rename(getattr(low, plan)[r]))
         if not self._opt_ready:   # first compile: create optimizer state on each slice
-            self._runs += 1
-            self.cluster.run("init" + suffix, self._runs, {}, {})
+            self._run_setup("init" + suffix)
             self._opt_ready = True
         self._compiled[key] = (suffix, low)
         self._lowered = low
@@ -198,8 +201,7 @@ class Trainer:
         if restored is None:   # nothing committed yet: back to the initial state
             self._materialize()
             for suffix, _ in list(self._compiled.values())[:1]:
-                self._runs += 1
-                self.cluster.run("init" + suffix, self._runs, {}, {})
+                self._run_setup("init" + suffix)
             self._step, data_state = 0, None
         else:
             self._step, manifest = restored

@@ -19,7 +19,6 @@ the caller restores it from a checkpoint.
 from __future__ import annotations
 
 import collections
-import logging
 import secrets
 import threading
 import time
@@ -31,7 +30,6 @@ from runtime import instructions, wire
 from runtime.executor import Aborted, Event, StepResult
 from runtime.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
 
-log = logging.getLogger("mpmd.controller")
 HEARTBEAT_S = 0.5
 # gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
 _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
