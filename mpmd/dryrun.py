@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from mpmd import lowering, schedules
-from mpmd.simulate import Simulation, _cost_function, simulate
+from mpmd.simulate import Simulation, cost_function, simulate
 from runtime import programs
 from runtime.executor import Event
 from runtime.instructions import Instruction, Run, Spec, with_deletes
@@ -112,7 +112,7 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
 
 def _per_stage_costs(schedule: schedules.Schedule, costs):
     """cost(stage, kind) in seconds, checked to be the same for every microbatch."""
-    task_cost = _cost_function(costs, split_backward=True)   # raw F, B, W; validates `costs`
+    task_cost = cost_function(costs, split_backward=True)   # raw F, B, W; validates `costs`
     kinds = (schedules.FORWARD, schedules.BACKWARD, schedules.WEIGHT)
     table = {}
     for k in range(schedule.num_stages):

@@ -33,7 +33,9 @@ class Simulation(NamedTuple):
     spans: tuple[tuple[tuple[Task, float, float], ...], ...]  # per slice: (task, start, end)
 
 
-def _cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]:
+def cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]:
+    """task -> cost from a {"F","B","W"} dict or a callable; validates `costs` (also used by
+    the dry run, so both price tasks the same way)."""
     if costs is None:
         costs = DEFAULT_COSTS
     if callable(costs):
@@ -81,7 +83,7 @@ def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Si
     if isinstance(comm_s, bool) or not isinstance(comm_s, (int, float)) or not comm_s >= 0:
         raise ValueError(f"comm_s must be a number >= 0 (seconds), got {comm_s!r}")
     order = execution_order(schedule)
-    cost = _cost_function(costs, schedule.split_backward)
+    cost = cost_function(costs, schedule.split_backward)
     S, p = schedule.num_stages, len(schedule.slices)
     end = {}
     free_at = [0.0] * p

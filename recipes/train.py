@@ -113,19 +113,11 @@ def build_cluster(cfg: Config):
     c = cfg.cluster
     if c.backend == "inprocess":
         return mpmd.InProcessCluster()
-    # The process-based clusters land separately; look them up now so a build without one
-    # fails with a message, not an AttributeError halfway through startup.
-    name = {"local": "LocalCluster", "static": "StaticCluster", "ray": "RayCluster"}[c.backend]
-    cls = getattr(mpmd, name, None)
-    if cls is None:
-        raise ConfigError(f"cluster.backend='{c.backend}' is not available yet in this mpmd "
-                          f"(mpmd.{name} is missing); use cluster.backend=inprocess")
-    if c.backend == "local":
-        return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
-                   threads_per_worker=c.threads_per_worker)
     if c.backend == "static":
-        return cls(c.addresses, token_file=c.token_file)
-    return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker)
+        return mpmd.StaticCluster(c.addresses, token_file=c.token_file)
+    cls = mpmd.LocalCluster if c.backend == "local" else mpmd.RayCluster
+    return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
+               threads_per_worker=c.threads_per_worker)
 
 
 # -- pieces of the loop --------------------------------------------------------------------
