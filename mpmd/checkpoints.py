@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 
+from mpmd import names
 from runtime.checkpoint import CheckpointStore
 from runtime.client import WorkerLost
 
@@ -34,13 +35,14 @@ class Rewound(Exception):
 
 
 class StageCheckpoints:
-    def __init__(self, run_dir, cluster, home: list[int], partition: dict, keep: int, asynchronous: bool):
+    def __init__(self, run_dir, cluster, placement: tuple[int, ...], partition: dict, keep: int,
+                 asynchronous: bool):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer (committed checkpoints to keep), got {keep!r}")
         self.store = CheckpointStore(os.path.abspath(run_dir))   # workers may not share our cwd
         self.cluster = cluster
-        self.home = home
-        self.num_slices = max(home) + 1
+        self.placement = placement          # stage -> slice: which slice saves which stage
+        self.num_slices = max(placement) + 1
         self.partition = partition          # what a restored run must match: stages, placement
         self.keep = keep
         self.asynchronous = asynchronous
@@ -50,7 +52,8 @@ class StageCheckpoints:
 
     def _items(self, step: int, slice_index: int) -> dict[str, list[str]]:
         d = self.store.step_dir(step)
-        return {str(d / f"stage_{k}"): [f"p{k}", f"o{k}"] for k, r in enumerate(self.home) if r == slice_index}
+        return {str(d / names.stage_dir(k)): [names.params(k), names.opt_state(k)]
+                for k, r in enumerate(self.placement) if r == slice_index}
 
     def save(self, step: int, data_state, extra: dict) -> None:
         """Snapshot every stage at `step`; commit when all slices finalized their writes."""

@@ -14,9 +14,10 @@ measured step time over the simulated makespan is a property of the runtime (dis
 transfers, waits), not of the cores.
 
 Costs, as in mpmd.simulate: {"F": f, "B": b, "W": w} seconds for every stage, or a callable
-cost(task) for per-stage costs. A program has one duration, so a callable must not depend on
-the microbatch. Program durations: fwd -> F, bwd_in (input gradient) -> B, bwd_w_* (weight
-gradient) -> W, bwd_first / bwd_acc (full backward) -> B + W, update / sqnorm -> 0.
+cost(task) or a list of per-stage dicts for per-stage costs. A program has one duration, so a
+callable must not depend on the microbatch. Program durations: fwd -> F, bwd_in (input
+gradient) -> B, bwd_w_* (weight gradient) -> W, bwd_first / bwd_acc (full backward) -> BW
+(B + W unless the costs give "BW"), update / sqnorm -> 0.
 
 One difference from `simulate(schedule, costs)`: in a split-backward schedule the first
 stage has no input gradient to compute (its input is data), so the runtime runs no program
@@ -25,25 +26,22 @@ predicts what the runtime actually runs.
 """
 from __future__ import annotations
 
-import re
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-from mpmd import lowering, schedules
-from mpmd.simulate import Simulation, cost_function, simulate
+from mpmd import lowering, names, schedules
+from mpmd.simulate import FULL_BACKWARD, Simulation, cost_function, simulate
 from runtime import programs
 from runtime.executor import Event
 from runtime.instructions import Instruction, Run, Spec, with_deletes
 
 PLAN = "dryrun"
-_ACTIVATION = re.compile(r"^[ad]\d+/")     # a{k}/{j} activations, d{k}/{j} cotangents
 SCALAR = (Spec((), "float32"),)
-# Program name -> which declared costs its duration sums.
-_PROGRAM_COSTS = {"fwd": ("F",), "bwd_in": ("B",), "bwd_w_first": ("W",), "bwd_w_acc": ("W",),
-                  "bwd_first": ("B", "W"), "bwd_acc": ("B", "W"), "update": (), "sqnorm": ()}
-_PROGRAM_NAME = re.compile(r"^(" + "|".join(sorted(_PROGRAM_COSTS, key=len, reverse=True)) + r")(\d+)$")
+# Program kind -> the declared cost that is its duration (None: free).
+_PROGRAM_COSTS = {"fwd": "F", "bwd_in": "B", "bwd_w_first": "W", "bwd_w_acc": "W",
+                  "bwd_first": FULL_BACKWARD, "bwd_acc": FULL_BACKWARD, "update": None, "sqnorm": None}
 
 
 class DryRunResult(NamedTuple):
@@ -71,17 +69,17 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     schedules.validate(schedule)
     cost = _per_stage_costs(schedule, costs)
-    S, P = schedule.num_stages, len(schedule.slices)
-    home = [schedules.slice_of(k, P) for k in range(S)]
+    S, P, placement = schedule.num_stages, len(schedule.slices), schedule.placement
 
     # One float32 bundle of activation_bytes (rounded down to whole floats) for every
     # activation and cotangent; everything else a scalar.
     act = (Spec((activation_bytes // 4,), "float32"),)
     raw = lowering.train_streams(schedule, [act] * (S + 1), clip)
-    inputs = {r: {f"x/{j}" for j in range(schedule.num_microbatches)} if r == home[0] else set()
+    m = schedule.num_microbatches
+    inputs = {r: {names.inputs(j) for j in range(m)} if r == placement[0] else set()
               for r in range(P)}
-    inputs[home[-1]] |= {f"t/{j}" for j in range(schedule.num_microbatches)}
-    persistent = {f"p{k}" for k in range(S)} | {f"o{k}" for k in range(S)}
+    inputs[placement[-1]] |= {names.targets(j) for j in range(m)}
+    persistent = {names.params(k) for k in range(S)} | {names.opt_state(k) for k in range(S)}
     streams = [with_deletes(s, persistent | inputs[r]) for r, s in enumerate(raw)]
     specs = [_sleep_programs(s, cost, act) for s in streams]
 
@@ -92,8 +90,9 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
         cluster.install_plan(r, PLAN, streams[r])
         # No model: parameters, optimizer state and microbatch inputs are scalar stand-ins,
         # put once and kept (the streams keep them), so a step's Run carries no feeds.
-        for name in sorted({f"p{k}" for k in range(S) if home[k] == r}
-                           | {f"o{k}" for k in range(S) if home[k] == r} | inputs[r]):
+        mine = schedule.stages_on(r)
+        for name in sorted({names.params(k) for k in mine} | {names.opt_state(k) for k in mine}
+                           | inputs[r]):
             cluster.put(r, name, zero)
 
     step_s, events, walls = [], [], []
@@ -112,11 +111,13 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
 
 def _per_stage_costs(schedule: schedules.Schedule, costs):
     """cost(stage, kind) in seconds, checked to be the same for every microbatch."""
-    task_cost = cost_function(costs, split_backward=True)   # raw F, B, W; validates `costs`
-    kinds = (schedules.FORWARD, schedules.BACKWARD, schedules.WEIGHT)
+    split = cost_function(costs, split_backward=True)   # raw F, B, W; validates `costs`
+    full = cost_function(costs, split_backward=False)   # its B is the full backward
+    kinds = {schedules.FORWARD: split, schedules.BACKWARD: split, schedules.WEIGHT: split,
+             FULL_BACKWARD: lambda task: full(task._replace(kind=schedules.BACKWARD))}
     table = {}
     for k in range(schedule.num_stages):
-        for kind in kinds:
+        for kind, task_cost in kinds.items():
             values = {task_cost(schedules.Task(k, j, kind)) for j in range(schedule.num_microbatches)}
             if len(values) != 1:
                 raise ValueError(f"dry run costs must not depend on the microbatch (one program per "
@@ -126,33 +127,34 @@ def _per_stage_costs(schedule: schedules.Schedule, costs):
     return lambda stage, kind: table[stage, kind]
 
 
-def executed_costs(schedule: schedules.Schedule, costs):
-    """cost(task) of what the runtime runs for `schedule` under `costs`, for mpmd.simulate:
-    `costs` itself except that the first stage's B costs 0 in a split-backward schedule
-    (see the module doc). E.g. simulate(schedule, executed_costs(schedule, costs), comm_s)."""
+def executed_costs(schedule: schedules.Schedule, costs) -> list[dict]:
+    """Per-stage costs of what the runtime runs for `schedule` under `costs`, for
+    mpmd.simulate: `costs` itself except that the first stage's B costs 0 in a split-backward
+    schedule (see the module doc). E.g. simulate(schedule, executed_costs(schedule, costs))."""
     return _executed(schedule, _per_stage_costs(schedule, costs))
 
 
-def _executed(schedule: schedules.Schedule, cost):
-    def task_cost(task: schedules.Task) -> float:
-        if schedule.split_backward and task.kind == schedules.BACKWARD and task.stage == 0:
-            return 0.0
-        return cost(task.stage, task.kind)
-    return task_cost
+def _executed(schedule: schedules.Schedule, cost) -> list[dict]:
+    kinds = (schedules.FORWARD, schedules.BACKWARD, schedules.WEIGHT, FULL_BACKWARD)
+    table = [{kind: cost(k, kind) for kind in kinds} for k in range(schedule.num_stages)]
+    if schedule.split_backward:
+        table[0][schedules.BACKWARD] = 0.0
+    return table
 
 
 def _sleep_programs(stream: list[Instruction], cost, act: tuple[Spec, ...]) -> dict:
     """A sleep program for every program name `stream` runs, with outputs shaped by name:
-    activations "a*" and cotangents "d*" get `act`, everything else a scalar bundle."""
+    activations and cotangents get `act`, everything else a scalar bundle."""
     out: dict[str, programs.ProgramSpec] = {}
     for ins in stream:
         if not isinstance(ins, Run):
             continue
-        match = _PROGRAM_NAME.match(ins.program)
-        assert match, f"train_streams named a program dryrun does not know: {ins.program!r}"
-        kind, stage = match.group(1), int(match.group(2))
-        duration_s = sum(cost(stage, c) for c in _PROGRAM_COSTS[kind])
-        outputs = tuple(act if _ACTIVATION.match(name) else SCALAR for name in ins.outputs)
+        program = names.parse_program(ins.program)
+        assert program.kind in _PROGRAM_COSTS, f"dryrun does not price program {ins.program!r}"
+        kind = _PROGRAM_COSTS[program.kind]
+        duration_s = 0.0 if kind is None else cost(program.stage, kind)
+        outputs = tuple(act if names.parse_buffer(name).kind in ("activation", "cotangent") else SCALAR
+                        for name in ins.outputs)
         spec = programs.sleep(duration_s, outputs)
         assert out.setdefault(ins.program, spec) == spec, (ins.program, out[ins.program], spec)
     return out

@@ -1,14 +1,9 @@
 """Lower pipeline + schedule into runtime programs and one instruction stream per slice.
 
-Buffer names on a slice (k = stage, j = microbatch):
-  p{k} o{k}   parameters and optimizer state (persistent)     g{k}  accumulated gradients
-  x/{j}       microbatch input (fed to stage 0's slice)        t/{j} targets (last stage's slice)
-  a{k}/{j}    activation entering stage k                      r{k}/{j} stage k's residuals
-  d{k}/{j}    cotangent of stage k's output                    loss/{j} last stage's loss
-  sq{k}       squared norm of stage k's gradients (only when clipping)
-Transfer keys name the value ("act{k}/{j}", "grad{k}/{j}"; "sq{k}/to{q}" for the norm sent to
-every slice, since a key is consumed by one receive), so
-sender and receiver derive the same key from the plan; the executor prefixes the step.
+Every buffer, transfer key and program is named through mpmd/names.py; which slice holds a
+stage is the schedule's `placement`. A training stream is emitted task by task by
+`_TrainStream`, one method per part of the step (forward, input gradient, weight
+gradient, shared-weight exchange, clipping norm, update), so each part reads on its own.
 """
 from __future__ import annotations
 
@@ -17,8 +12,10 @@ from typing import NamedTuple
 import jax
 
 from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes
-from mpmd import schedules, stage_programs
+from mpmd import names, schedules, stage_programs
 from mpmd.pipeline import Pipeline, shared_indices, shared_peers
+
+SCALAR = (Spec((), "float32"),)
 
 
 class Lowered(NamedTuple):
@@ -31,8 +28,6 @@ class Lowered(NamedTuple):
     init: list[list[Instruction]]          # per slice: optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
     loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
-    param_home: list[int]                  # slice of each stage
-    opt_specs: list[tuple]                 # per stage
 
 
 def _specs(tree) -> tuple[Spec, ...]:
@@ -41,60 +36,56 @@ def _specs(tree) -> tuple[Spec, ...]:
 
 def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm,
           micro_input_spec, micro_target_spec) -> Lowered:
-    S = pipe.num_stages
-    m = schedule.num_microbatches
-    P = len(schedule.slices)
-    home = [schedules.slice_of(k, P) for k in range(S)]
+    S, m, P = pipe.num_stages, schedule.num_microbatches, schedule.num_slices
+    placement = schedule.placement
     acts = pipe.activation_specs(micro_input_spec)          # acts[k] enters stage k
     loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
     if jax.numpy.shape(loss_spec) != ():
         raise ValueError(f"loss_fn must return a scalar (the mean over the microbatch), got shape {loss_spec.shape}")
     clip = max_grad_norm is not None
-
-    progs: list[dict] = [{} for _ in range(P)]
-    opt_specs = []
-    for k, fn in enumerate(pipe.fns):
-        last = k == S - 1
-        param_specs = tuple(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), fn.param_leaves))
-        shapes = stage_programs.StageShapes(param_specs, acts[k], loss_spec if last else acts[k + 1],
-                                            micro_target_spec if last else None)
-        built = stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=pipe.loss_fn,
-                                     num_microbatches=m, split_backward=schedule.split_backward)
-        not_counted = [i for g in getattr(pipe, "shared", []) for s, i in g if s == k and s != min(t for t, _ in g)]
-        opt, o_specs = stage_programs.build_optimizer(k, fn, param_specs, optimizer, S, max_grad_norm, not_counted)
-        progs[home[k]].update(built.specs)
-        progs[home[k]].update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn))
-        progs[home[k]].update(opt)
-        opt_specs.append(o_specs)
-
-    act_specs = [_specs(a) for a in acts]
-    shared = getattr(pipe, "shared", [])
+    shared = pipe.shared
     param_specs = [tuple(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), fn.param_leaves))
                    for fn in pipe.fns]
+
+    progs: list[dict] = [{} for _ in range(P)]
+    for k, fn in enumerate(pipe.fns):
+        last = k == S - 1
+        shapes = stage_programs.StageShapes(param_specs[k], acts[k], loss_spec if last else acts[k + 1],
+                                            micro_target_spec if last else None)
+        here = progs[placement[k]]
+        here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=pipe.loss_fn,
+                                         num_microbatches=m, split_backward=schedule.split_backward))
+        here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn))
+        # A shared leaf's gradient is counted in the global norm by its first holder only.
+        not_counted = [i for g in shared for s, i in g if s == k and s != min(t for t, _ in g)]
+        here.update(stage_programs.build_optimizer(k, fn, param_specs[k], optimizer, S, max_grad_norm,
+                                                   not_counted))
+
     shared_specs = {}
     for k, idx in enumerate(shared_indices(S, shared)):
         if idx:
-            shared_specs[k] = tuple(Spec(tuple(param_specs[k][i].shape), jax.numpy.dtype(param_specs[k][i].dtype).name)
-                                    for i in idx)
-            progs[home[k]].update(stage_programs.build_shared(k, param_specs, shared))
+            shared_specs[k] = _specs(tuple(param_specs[k][i] for i in idx))
+            progs[placement[k]].update(stage_programs.build_shared(k, param_specs, shared))
+    act_specs = [_specs(a) for a in acts]
     train = train_streams(schedule, act_specs, clip, shared, shared_specs)
-    evaluate, predict = _forward_only(S, m, P, home, act_specs)
-    fetch = {home[S - 1]: tuple(f"loss/{j}" for j in range(m))}
+    evaluate, predict = _forward_only(schedule, act_specs)
+
+    fetch = {placement[-1]: tuple(names.loss(j) for j in range(m))}
     loss_fetch = dict(fetch)
-    if clip:
-        fetch[0] = fetch.get(0, ()) + tuple(f"sq{k}" for k in range(S))
-    persistent = {f"p{k}" for k in range(S)} | {f"o{k}" for k in range(S)}
+    if clip:   # every slice receives every stage's squared norm; slice 0 reports them
+        fetch[0] = fetch.get(0, ()) + tuple(names.sqnorm(k) for k in range(S))
+    persistent = {names.params(k) for k in range(S)} | {names.opt_state(k) for k in range(S)}
     # The gradient plan is the training plan minus the optimizer: same programs, no update.
-    no_update = [[i for i in s if not (isinstance(i, (Run, Send, Recv)) and _is_update(i))] for s in train]
-    grads = [with_deletes(s, persistent | {f"g{k}" for k in range(S)} | set(fetch.get(r, ())))
-             for r, s in enumerate(no_update)]
+    no_update = [[i for i in s if not _is_update(i)] for s in train]
+    all_grads = {names.grads(k) for k in range(S)}
+    grads = [with_deletes(s, persistent | all_grads | set(fetch.get(r, ()))) for r, s in enumerate(no_update)]
     train = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(train)]
-    outputs = {f"out/{j}" for j in range(m)}
+    outputs = {names.output(j) for j in range(m)}
     evaluate = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(evaluate)]
     predict = [with_deletes(s, persistent | outputs) for s in predict]
-    init = [[Run(f"opt_init{k}", (f"p{k}",), (f"o{k}",), f"init s{k}") for k in range(S) if home[k] == r]
-            for r in range(P)]
-    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch, home, opt_specs)
+    init = [[Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),), f"init s{k}")
+             for k in schedule.stages_on(r)] for r in range(P)]
+    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch)
 
 
 def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]], clip: bool,
@@ -111,112 +102,176 @@ def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]
     the other holders, and before the update each holder sums every holder's part in stage
     order, so all copies get the same total gradient, bit for bit, and stay identical.
     """
-    S, P = schedule.num_stages, len(schedule.slices)
-    home = [schedules.slice_of(k, P) for k in range(S)]
-    peers = shared_peers(S, shared)
-    scalar = (Spec((), "float32"),)
-    train: list[list[Instruction]] = []
+    peers = shared_peers(schedule.num_stages, shared)
+    streams = []
     for r, tasks in enumerate(schedule.slices):
-        s: list[Instruction] = []
-        grads_started: set[int] = set()
-        # (a local peer's part is its own buffer sh{q}: no transfer)
-        remaining = {k: sum(1 for t in tasks if t.stage == k and t.kind == ("W" if schedule.split_backward else "B"))
-                     for k in range(S) if home[k] == r}
-        for t in tasks:
-            k, j = t.stage, t.microbatch
-            first, last = k == 0, k == S - 1
-            if t.kind == "F":
-                a_in = "x/" + str(j) if first else f"a{k}/{j}"
-                if not first and home[k - 1] != r:
-                    s.append(Recv(a_in, home[k - 1], f"act{k}/{j}", act_specs[k]))
-                out = f"loss/{j}" if last else f"a{k + 1}/{j}"
-                s.append(Run(f"fwd{k}", (f"p{k}", a_in) + ((f"t/{j}",) if last else ()),
-                             (out, f"r{k}/{j}"), f"F s{k} mb{j}"))
-                if not last and home[k + 1] != r:
-                    s.append(Send(out, home[k + 1], f"act{k + 1}/{j}"))
+        out = _TrainStream(schedule, r, act_specs, clip, peers, shared_specs or {})
+        for task in tasks:
+            k, j = task.stage, task.microbatch
+            if task.kind == schedules.FORWARD:
+                out.forward(k, j)
+            elif task.kind == schedules.BACKWARD and schedule.split_backward:
+                out.input_grad(k, j)
+            else:   # a full backward (B without split) or a weight gradient (W)
+                out.weight_grad(k, j, input_grad_too=task.kind == schedules.BACKWARD)
+        out.sum_shared()
+        out.receive_norms()
+        out.update()
+        streams.append(out.ops)
+    return streams
+
+
+class _TrainStream:
+    """Emits one slice's training stream. Buffers are named by mpmd/names.py; a transfer is
+    emitted only where producer and consumer sit on different slices."""
+
+    def __init__(self, schedule: schedules.Schedule, r: int, act_specs, clip: bool, peers, shared_specs):
+        self.r, self.clip, self.peers, self.shared_specs = r, clip, peers, shared_specs
+        self.act_specs = act_specs
+        self.placement = schedule.placement
+        self.num_stages, self.num_slices = schedule.num_stages, schedule.num_slices
+        self.split = schedule.split_backward
+        self.ops: list[Instruction] = []
+        self.stages = schedule.stages_on(r)
+        # Weight-gradient tasks left per stage; at 0 the stage's gradient is final.
+        last_kind = schedules.WEIGHT if self.split else schedules.BACKWARD
+        tasks = schedule.slices[r]
+        self.remaining = {k: sum(1 for t in tasks if t.stage == k and t.kind == last_kind) for k in self.stages}
+        self.accumulating: set[int] = set()     # stages whose gradient buffer exists
+
+    def _elsewhere(self, k: int) -> bool:
+        return self.placement[k] != self.r
+
+    # -- forward --------------------------------------------------------------------------
+    def forward(self, k: int, j: int) -> None:
+        first, last = k == 0, k == self.num_stages - 1
+        a_in = names.inputs(j) if first else names.activation(k, j)
+        if not first and self._elsewhere(k - 1):
+            self.ops.append(Recv(a_in, self.placement[k - 1], names.act_key(k, j), self.act_specs[k]))
+        out = names.loss(j) if last else names.activation(k + 1, j)
+        targets = (names.targets(j),) if last else ()
+        self.ops.append(Run(names.program("fwd", k), (names.params(k), a_in) + targets,
+                            (out, names.residuals(k, j)), f"F s{k} mb{j}"))
+        if not last and self._elsewhere(k + 1):
+            self.ops.append(Send(out, self.placement[k + 1], names.act_key(k + 1, j)))
+
+    # -- backward -------------------------------------------------------------------------
+    def _backward_inputs(self, k: int, j: int, receive: bool) -> tuple[str, ...]:
+        """(params, residuals[, cotangent of the output]); receives the cotangent once, at
+        the task that first needs it (B, not W)."""
+        if k == self.num_stages - 1:    # the loss: its cotangent is the constant 1/m
+            return names.params(k), names.residuals(k, j)
+        d = names.cotangent(k, j)
+        if receive and self._elsewhere(k + 1):
+            self.ops.append(Recv(d, self.placement[k + 1], names.grad_key(k, j), self.act_specs[k + 1]))
+        return names.params(k), names.residuals(k, j), d
+
+    def _send_input_grad(self, k: int, j: int) -> None:
+        if k > 0 and self._elsewhere(k - 1):
+            self.ops.append(Send(names.cotangent(k - 1, j), self.placement[k - 1], names.grad_key(k - 1, j)))
+
+    def input_grad(self, k: int, j: int) -> None:
+        """Zero-bubble B: the input gradient only (none for the first stage: its input is data)."""
+        base = self._backward_inputs(k, j, receive=True)
+        if k > 0:
+            self.ops.append(Run(names.program("bwd_in", k), base, (names.cotangent(k - 1, j),), f"B s{k} mb{j}"))
+            self._send_input_grad(k, j)
+
+    def weight_grad(self, k: int, j: int, input_grad_too: bool) -> None:
+        """Accumulate stage k's weight gradient for microbatch j (W), or with input_grad_too
+        the full backward (B of a schedule without split backward)."""
+        base = self._backward_inputs(k, j, receive=input_grad_too)
+        g = names.grads(k)
+        acc = (g,) if k in self.accumulating else ()
+        kind = ("bwd_w_" if self.split else "bwd_") + ("acc" if acc else "first")
+        dx = (names.cotangent(k - 1, j),) if input_grad_too and k > 0 else ()
+        label = f"{'B' if input_grad_too else 'W'} s{k} mb{j}"
+        self.ops.append(Run(names.program(kind, k), base + acc, dx + (g,), label))
+        self.accumulating.add(k)
+        if input_grad_too:
+            self._send_input_grad(k, j)
+        self.remaining[k] -= 1
+        if self.remaining[k] == 0:
+            self._gradient_final(k)
+
+    def _gradient_final(self, k: int) -> None:
+        if self.peers[k]:
+            # Offer the shared part to the other holders; the norm waits for their parts.
+            self.ops.append(Run(names.program("shared_out", k), (names.grads(k),), (names.shared(k),),
+                                f"shared out s{k}"))
+            self.ops.extend(Send(names.shared(k), self.placement[q], names.shared_key(k, q))
+                            for q in self.peers[k] if self._elsewhere(q))
+        elif self.clip:
+            # Final, and nothing to add to it: start the norm exchange now so it overlaps
+            # with the slice's remaining tasks.
+            self._send_norm(k)
+
+    # -- after the last task ------------------------------------------------------------------
+    def sum_shared(self) -> None:
+        """Each holder of a shared parameter sums every holder's part, in stage order."""
+        for k in self.stages:
+            if not self.peers[k]:
                 continue
-            g_in: tuple[str, ...] = ()
-            if not last:
-                g_in = (f"d{k}/{j}",)
-                if home[k + 1] != r and t.kind == "B":
-                    s.append(Recv(g_in[0], home[k + 1], f"grad{k}/{j}", act_specs[k + 1]))
-            base = (f"p{k}", f"r{k}/{j}") + g_in
-            if t.kind == "B" and schedule.split_backward:
-                if not first:
-                    s.append(Run(f"bwd_in{k}", base, (f"d{k - 1}/{j}",), f"B s{k} mb{j}"))
-                    _send_grad(s, k, j, home, r)
-                continue
-            acc = (f"g{k}",) if k in grads_started else ()
-            variant = ("bwd_w_" if schedule.split_backward else "bwd_") + ("acc" if acc else "first")
-            outs = ((f"d{k - 1}/{j}",) if not first and t.kind == "B" else ()) + (f"g{k}",)
-            s.append(Run(f"{variant}{k}", base + acc, outs, f"{t.kind} s{k} mb{j}"))
-            grads_started.add(k)
-            if t.kind == "B":
-                _send_grad(s, k, j, home, r)
-            remaining[k] -= 1
-            if remaining[k] == 0 and peers[k]:
-                # This stage's gradient is final: offer its shared part to the other holders.
-                s.append(Run(f"shared_out{k}", (f"g{k}",), (f"sh{k}",), f"shared out s{k}"))
-                s.extend(Send(f"sh{k}", home[q], f"sh{k}/to{q}") for q in peers[k] if home[q] != r)
-            if remaining[k] == 0 and clip and not peers[k]:
-                # Final, and nothing to add to it: start the norm exchange now so it overlaps
-                # with the slice's remaining tasks.
-                s.append(Run(f"sqnorm{k}", (f"g{k}",), (f"sq{k}",), f"norm s{k}"))
-                s.extend(Send(f"sq{k}", q, f"sq{k}/to{q}") for q in range(P) if q != r)
-        for k in range(S):
-            if home[k] == r and peers[k]:
-                for q in peers[k]:
-                    if home[q] != r:
-                        s.append(Recv(f"sh{q}", home[q], f"sh{q}/to{k}", shared_specs[q]))
-                parts = tuple(f"sh{q}" for q in sorted(peers[k] + [k]))
-                s.append(Run(f"shared_in{k}", (f"g{k}",) + parts, (f"g{k}",), f"shared sum s{k}"))
-                if clip:
-                    s.append(Run(f"sqnorm{k}", (f"g{k}",), (f"sq{k}",), f"norm s{k}"))
-                    s.extend(Send(f"sq{k}", q, f"sq{k}/to{q}") for q in range(P) if q != r)
-        for k in range(S):
-            if clip and home[k] != r:
-                s.append(Recv(f"sq{k}", home[k], f"sq{k}/to{r}", scalar))
-        for k in range(S):
-            if home[k] == r:
-                sq = tuple(f"sq{i}" for i in range(S)) if clip else ()
-                s.append(Run(f"update{k}", (f"p{k}", f"o{k}", f"g{k}") + sq, (f"p{k}", f"o{k}"), f"U s{k}"))
-        train.append(s)
+            for q in self.peers[k]:
+                if self._elsewhere(q):   # a local peer's part is its own buffer: no transfer
+                    self.ops.append(Recv(names.shared(q), self.placement[q], names.shared_key(q, k),
+                                         self.shared_specs[q]))
+            parts = tuple(names.shared(q) for q in sorted(self.peers[k] + [k]))
+            self.ops.append(Run(names.program("shared_in", k), (names.grads(k),) + parts, (names.grads(k),),
+                                f"shared sum s{k}"))
+            if self.clip:
+                self._send_norm(k)
 
-    return train
+    def _send_norm(self, k: int) -> None:
+        """Stage k's squared gradient norm, to every other slice (each computes the global norm)."""
+        sq = names.sqnorm(k)
+        self.ops.append(Run(names.program("sqnorm", k), (names.grads(k),), (sq,), f"norm s{k}"))
+        self.ops.extend(Send(sq, q, names.sqnorm_key(k, q)) for q in range(self.num_slices) if q != self.r)
+
+    def receive_norms(self) -> None:
+        if self.clip:
+            self.ops.extend(Recv(names.sqnorm(k), self.placement[k], names.sqnorm_key(k, self.r), SCALAR)
+                            for k in range(self.num_stages) if self._elsewhere(k))
+
+    def update(self) -> None:
+        sq = tuple(names.sqnorm(i) for i in range(self.num_stages)) if self.clip else ()
+        for k in self.stages:
+            state = (names.params(k), names.opt_state(k))
+            self.ops.append(Run(names.program("update", k), state + (names.grads(k),) + sq, state, f"U s{k}"))
 
 
-def _forward_only(S, m, P, home, act_specs):
+def _forward_only(schedule: schedules.Schedule, act_specs):
     """Evaluation and prediction plans: F tasks only, each slice in (microbatch, stage) order.
 
     Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice
     can wait on a task that waits on it: deadlock-free for any placement.
     """
-    evaluate: list[list[Instruction]] = [[] for _ in range(P)]
-    predict: list[list[Instruction]] = [[] for _ in range(P)]
-    for j in range(m):
+    S, placement = schedule.num_stages, schedule.placement
+    evaluate: list[list[Instruction]] = [[] for _ in range(schedule.num_slices)]
+    predict: list[list[Instruction]] = [[] for _ in range(schedule.num_slices)]
+    for j in range(schedule.num_microbatches):
         for k in range(S):
-            r = home[k]
-            a_in = f"x/{j}" if k == 0 else f"a{k}/{j}"
-            out = f"out/{j}" if k == S - 1 else f"a{k + 1}/{j}"
+            r = placement[k]
+            a_in = names.inputs(j) if k == 0 else names.activation(k, j)
+            out = names.output(j) if k == S - 1 else names.activation(k + 1, j)
             ops: list[Instruction] = []
-            if k > 0 and home[k - 1] != r:
-                ops.append(Recv(a_in, home[k - 1], f"act{k}/{j}", act_specs[k]))
-            ops.append(Run(f"infer{k}", (f"p{k}", a_in), (out,), f"F s{k} mb{j}"))
-            if k < S - 1 and home[k + 1] != r:
-                ops.append(Send(out, home[k + 1], f"act{k + 1}/{j}"))
+            if k > 0 and placement[k - 1] != r:
+                ops.append(Recv(a_in, placement[k - 1], names.act_key(k, j), act_specs[k]))
+            ops.append(Run(names.program("infer", k), (names.params(k), a_in), (out,), f"F s{k} mb{j}"))
+            if k < S - 1 and placement[k + 1] != r:
+                ops.append(Send(out, placement[k + 1], names.act_key(k + 1, j)))
             evaluate[r] += ops
             predict[r] += ops
             if k == S - 1:
-                evaluate[r].append(Run(f"loss{k}", (out, f"t/{j}"), (f"loss/{j}",), f"loss mb{j}"))
+                evaluate[r].append(Run(names.program("loss", k), (out, names.targets(j)), (names.loss(j),),
+                                       f"loss mb{j}"))
     return evaluate, predict
 
 
-def _is_update(ins) -> bool:
+def _is_update(ins: Instruction) -> bool:
+    """Part of the optimizer step: the update, the clipping norm and its exchange."""
     if isinstance(ins, Run):
-        return ins.program.startswith(("update", "sqnorm"))
-    return ins.key.startswith("sq")
-
-
-def _send_grad(s: list, k: int, j: int, home: list[int], r: int) -> None:
-    if k > 0 and home[k - 1] != r:
-        s.append(Send(f"d{k - 1}/{j}", home[k - 1], f"grad{k - 1}/{j}"))
+        return names.parse_program(ins.program).kind in ("update", "sqnorm")
+    if isinstance(ins, (Send, Recv)):
+        return names.parse_key(ins.key).kind == "sqnorm_to"
+    return False

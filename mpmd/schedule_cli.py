@@ -21,10 +21,11 @@ def _parse_costs(text: str) -> dict:
         values = [float(x) for x in parts]
     except ValueError:
         values = []
-    if len(values) != 3:
+    if len(values) not in (3, 4):
         raise argparse.ArgumentTypeError(
-            f"--costs needs three comma-separated numbers F,B,W (e.g. 1,1,1), got {text!r}")
-    return dict(zip(("F", "B", "W"), values))
+            f"--costs needs three or four comma-separated numbers F,B,W[,BW] (e.g. 1,1,1 or "
+            f"1,1.1,2,2), got {text!r}")
+    return dict(zip(("F", "B", "W", "BW"), values))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,9 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, required=True, metavar="M")
     parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                         help="stages per slice (interleaved-1f1b only; default 1)")
-    parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W",
+    parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W[,BW]",
                         help="time of one forward, input-gradient backward and weight-gradient "
-                             "task; a full backward costs B+W (default 1,1,1)")
+                             "task, and optionally of one full backward (default B+W); default "
+                             "1,1,1. mpmd's W program today recomputes the vjp, so its real "
+                             "costs have B+W > BW: measure them with mpmd.costs.measure")
     parser.add_argument("-o", "--output", metavar="OUT.svg",
                         help="write the timeline as SVG here (default NAME.svg)")
     return parser
@@ -64,6 +67,10 @@ def main(argv=None) -> int:
     print(f"bubble fraction:   {simulation.bubble_fraction:.4f}")
     print(f"peak live activations per slice: "
           f"{' '.join(map(str, simulation.peak_live_activations))}")
+    if schedule.split_backward and (args.costs is None or "BW" not in args.costs):
+        print("note:              assumes B + W = one full backward; mpmd's W program today "
+              "recomputes the forward vjp (B + W ~ 1.5x the full backward on a GPT block), so "
+              "pass measured --costs F,B,W,BW (mpmd.costs.measure) for figures of mpmd itself")
     print(f"wrote {output}")
     return 0
 

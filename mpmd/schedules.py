@@ -8,6 +8,12 @@ differ in which forwards a slice owns, in what order, how many it runs before it
 backward, and how long W may lag. Nothing here imports jax: schedules can be printed,
 validated, simulated (mpmd.simulate) and drawn (mpmd.render) without a device.
 
+Placement (which slice holds which stage) is part of the schedule: `Schedule.placement[k]`
+is stage k's slice, produced by the generator and read by everything downstream (lowering,
+simulator, dry run, trainer, checkpoints). One stage per slice is the identity; interleaved
+uses a loop (slice r holds r, r+p, ...); a V (`v_placement`) or a shrunk cluster only
+changes this table.
+
 Dependencies (what validity means): F(s, mb) needs F(s-1, mb); B(s, mb) needs F(s, mb) and
 B(s+1, mb) unless s is the last stage; W(s, mb) needs B(s, mb). Each slice runs its list
 strictly in order, one task at a time.
@@ -37,24 +43,37 @@ class Schedule(NamedTuple):
     name: str
     num_stages: int
     num_microbatches: int
-    virtual_stages: int  # stages per slice
+    virtual_stages: int  # stages per slice (the most any slice holds)
     split_backward: bool
     slices: tuple[tuple[Task, ...], ...]  # one ordered task list per slice
+    placement: tuple[int, ...]  # placement[k]: the slice that holds stage k
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slices)
+
+    def stages_on(self, slice_index: int) -> tuple[int, ...]:
+        """The stages slice `slice_index` holds, ascending."""
+        return tuple(k for k, r in enumerate(self.placement) if r == slice_index)
 
 
 class ScheduleError(ValueError):
     """A schedule that breaks placement, completeness or a dependency."""
 
 
-def num_slices(num_stages: int, virtual_stages: int) -> int:
-    assert num_stages % virtual_stages == 0, (num_stages, virtual_stages)
-    return num_stages // virtual_stages
+def loop_placement(num_stages: int, num_slices: int) -> tuple[int, ...]:
+    """Slice r holds stages r, r+p, r+2p, ...: consecutive stages sit on consecutive slices,
+    so an interleaved schedule loops over the slices v times (one stage per slice when
+    num_stages == num_slices)."""
+    return tuple(k % num_slices for k in range(num_stages))
 
 
-def slice_of(stage: int, num_slices: int) -> int:
-    # Round-robin placement: slice r holds stages r, r+p, r+2p, ... so that consecutive stages
-    # sit on consecutive slices and an interleaved schedule loops over the slices v times.
-    return stage % num_slices
+def v_placement(num_stages: int, num_slices: int) -> tuple[int, ...]:
+    """Stages go down the slices and back up (0..p-1, p-1..0, 0..p-1, ...): slice 0 holds
+    the first and the last stage, as in ZB-V and DualPipeV, so the pipeline's two ends meet
+    on one slice and the turn at slice p-1 needs no transfer."""
+    p = num_slices
+    return tuple(k % p if (k // p) % 2 == 0 else p - 1 - k % p for k in range(num_stages))
 
 
 def dependencies(task: Task, num_stages: int) -> tuple[tuple, ...]:
@@ -130,13 +149,45 @@ def _per_rank(name, num_stages, num_microbatches, warmup, w_lag=None):
         pairs = [(r, mb) for mb in range(m)]
         lag = None if w_lag is None else w_lag(r, p)
         slices.append(_slice_tasks(pairs, pairs, warmup(r, p), lag))
-    return Schedule(name, p, m, 1, w_lag is not None, tuple(slices))
+    return Schedule(name, p, m, 1, w_lag is not None, tuple(slices), loop_placement(p, p))
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
-    """GPipe: every forward, then every backward. Keeps all m microbatches alive."""
+def gpipe(num_stages: int, num_microbatches: int, placement=None) -> Schedule:
+    """GPipe: every forward, then every backward. Keeps all m microbatches alive.
+
+    `placement` (stage -> slice; default one stage per slice) may put several stages on a
+    slice, e.g. `v_placement(4, 2)`: a slice then runs its stages' forwards in ascending
+    stage order and their backwards in descending order, which cannot deadlock for any
+    placement (every wait points to a lower stage in the forward phase, a higher one in
+    the backward phase).
+    """
     _check_counts("gpipe", num_stages, num_microbatches, 1, needs_full_pipeline=False)
-    return _per_rank("gpipe", num_stages, num_microbatches, lambda r, p: num_microbatches)
+    if placement is None:
+        return _per_rank("gpipe", num_stages, num_microbatches, lambda r, p: num_microbatches)
+    placement = _check_placement("gpipe", num_stages, placement)
+    slices = []
+    for r in range(max(placement) + 1):
+        mine = [k for k in range(num_stages) if placement[k] == r]
+        forwards = [(k, mb) for k in mine for mb in range(num_microbatches)]
+        backwards = [(k, mb) for k in reversed(mine) for mb in range(num_microbatches)]
+        slices.append(_slice_tasks(forwards, backwards, len(forwards), None))
+    most = max(placement.count(r) for r in range(len(slices)))
+    return Schedule("gpipe", num_stages, num_microbatches, most, False, tuple(slices), placement)
+
+
+def _check_placement(name: str, num_stages: int, placement) -> tuple[int, ...]:
+    """placement as a tuple, or ValueError unless it maps every stage onto slices 0..p-1
+    with each slice holding at least one stage."""
+    placement = tuple(placement)
+    if (len(placement) != num_stages
+            or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in placement)):
+        raise ValueError(f"schedule '{name}' needs placement to give a slice index >= 0 for each "
+                         f"of the {num_stages} stages, got {placement!r}")
+    empty = sorted(set(range(max(placement) + 1)) - set(placement))
+    if empty:
+        raise ValueError(f"schedule '{name}' placement {placement!r} leaves slice(s) {empty} "
+                         f"without a stage; number the slices 0..p-1")
+    return placement
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
@@ -198,7 +249,7 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
                 backwards.extend(((v - 1 - chunk) * p + r, mb) for mb in group)
         num_warmup = min(2 * (p - 1 - r) + (v - 1) * p, m * v)
         slices.append(_slice_tasks(forwards, backwards, num_warmup, None))
-    return Schedule(name, num_stages, m, v, False, tuple(slices))
+    return Schedule(name, num_stages, m, v, False, tuple(slices), loop_placement(num_stages, p))
 
 
 SCHEDULES = {
@@ -230,20 +281,24 @@ def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int 
 def _check_structure(schedule: Schedule) -> None:
     """Placement and completeness: each (stage, mb, kind) exactly once, on its slice."""
     S, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    if v < 1 or S < 1 or m < 1 or S % v:
+    if v < 1 or S < 1 or m < 1:
         raise ScheduleError(f"schedule {schedule.name!r} has num_stages={S}, "
-                            f"num_microbatches={m}, virtual_stages={v}; all must be >= 1 and "
-                            f"num_stages divisible by virtual_stages")
-    p = S // v
-    if len(schedule.slices) != p:
-        raise ScheduleError(f"schedule {schedule.name!r} has {len(schedule.slices)} slices, "
-                            f"expected num_stages / virtual_stages = {p}")
+                            f"num_microbatches={m}, virtual_stages={v}; all must be >= 1")
+    p, placement = len(schedule.slices), tuple(schedule.placement)
+    if len(placement) != S or not all(isinstance(r, int) and 0 <= r < p for r in placement):
+        raise ScheduleError(f"schedule {schedule.name!r} placement {placement!r} must give each of "
+                            f"its {S} stages a slice in [0, {p})")
+    held = [placement.count(r) for r in range(p)]
+    if min(held) == 0 or max(held) != v:
+        raise ScheduleError(f"schedule {schedule.name!r} placement {placement!r} puts {held} stages "
+                            f"on its slices; every slice must hold at least one and the most any "
+                            f"holds must equal virtual_stages={v}")
     kinds = (FORWARD, BACKWARD, WEIGHT) if schedule.split_backward else (FORWARD, BACKWARD)
     seen = set()
     for r, tasks in enumerate(schedule.slices):
         for i, task in enumerate(tasks):
             stage, mb, kind = task
-            if (kind in kinds and 0 <= stage < S and 0 <= mb < m and stage % p == r
+            if (kind in kinds and 0 <= stage < S and 0 <= mb < m and placement[stage] == r
                     and task not in seen):
                 seen.add(task)
                 continue
@@ -255,9 +310,9 @@ def _check_structure(schedule: Schedule) -> None:
             if not (0 <= stage < S and 0 <= mb < m):
                 raise ScheduleError(f"bad task {where}: stage must be in [0, {S}) and mb in "
                                     f"[0, {m})")
-            if stage % p != r:
+            if placement[stage] != r:
                 raise ScheduleError(f"wrong slice: {where}; stage {stage} belongs on slice "
-                                    f"{slice_of(stage, p)}")
+                                    f"{placement[stage]}")
             raise ScheduleError(f"duplicate task {where}")
     if len(seen) != S * m * len(kinds):
         missing = [Task(s, mb, k) for k in kinds for s in range(S) for mb in range(m)
@@ -304,7 +359,7 @@ def execution_order(schedule: Schedule) -> list[Task]:
 
 
 def _deadlock_message(schedule, position, done) -> str:
-    S, p = schedule.num_stages, len(schedule.slices)
+    S = schedule.num_stages
     where = {task: i for tasks in schedule.slices for i, task in enumerate(tasks)}
     parts = []
     for r, tasks in enumerate(schedule.slices):
@@ -313,7 +368,7 @@ def _deadlock_message(schedule, position, done) -> str:
         task = tasks[position[r]]
         blocker = next(d for d in dependencies(task, S) if d not in done)
         parts.append(f"slice {r} waits at {Task(*task)}, which needs {Task(*blocker)} not yet "
-                     f"run (slice {blocker[0] % p}, position {where[blocker]})")
+                     f"run (slice {schedule.placement[blocker[0]]}, position {where[blocker]})")
     return "deadlock: " + "; ".join(parts)
 
 

@@ -2,10 +2,13 @@
 
 Cost convention. `costs` gives the time of one F, one B (input gradient only) and one W
 (weight gradient) of a stage: a dict {"F": f, "B": b, "W": w} for every stage, or a callable
-cost(task) -> float for per-stage costs (called with kind "F", "B" or "W"). A schedule with
-split_backward=False runs the whole backward as one B task, which costs b + w. So one cost
-model prices 1F1B and ZB-H1 with the same total work, and the default F = B = W = 1 (a full
-backward twice a forward, the usual rule of thumb) gives, with p slices:
+cost(task) -> float (called with kind "F", "B" or "W"), or a list of such dicts, one per
+stage. A schedule with split_backward=False runs the whole backward as one B task, which
+costs b + w unless a dict also gives "BW", the full backward's own cost. B + W = BW is what zero-bubble schedules assume; mpmd's
+W program today recomputes the whole vjp (measured with XLA cost analysis on a 2-block GPT
+stage: BW 952, B 514, W 952 MFLOP), so ZB-H1 figures are honest only with measured costs:
+`mpmd.costs.measure` gives them for a pipeline. With F = B = W = 1 (a full backward twice a
+forward, the usual rule of thumb) and no BW, p slices give:
   GPipe, 1F1B:   bubble = (p-1)/(m+p-1)      (any f, b, w: the formula does not depend on them)
   interleaved:   bubble = (p-1)/(v*m+p-1)    (m a multiple of p)
   ZB-H1:         bubble = (p-1)/(3m+p-1)     (a third of 1F1B's idle time, 3(p-1) -> p-1)
@@ -18,9 +21,10 @@ from typing import Callable, NamedTuple, Union
 from mpmd.schedules import (BACKWARD, FORWARD, WEIGHT, Schedule, Task, dependencies,
                             execution_order)
 
+FULL_BACKWARD = "BW"   # a cost kind, not a task kind: B of a schedule without split backward
 DEFAULT_COSTS = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 
-Costs = Union[dict, Callable[[Task], float], None]
+Costs = Union[dict, list, Callable[[Task], float], None]
 
 
 class Simulation(NamedTuple):
@@ -34,10 +38,18 @@ class Simulation(NamedTuple):
 
 
 def cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]:
-    """task -> cost from a {"F","B","W"} dict or a callable; validates `costs` (also used by
-    the dry run, so both price tasks the same way)."""
+    """task -> cost from a {"F","B","W"[,"BW"]} dict, a list of them (one per stage) or a
+    callable; validates `costs` (also used by the dry run, so both price tasks the same way)."""
     if costs is None:
         costs = DEFAULT_COSTS
+    if isinstance(costs, (list, tuple)):
+        tables = [_kind_table(c, split_backward, f"costs[{k}]") for k, c in enumerate(costs)]
+        def per_stage(task):
+            if task.stage >= len(tables):
+                raise ValueError(f"costs has {len(tables)} per-stage entries; {task} needs stage "
+                                 f"{task.stage}'s")
+            return tables[task.stage][task.kind]
+        return per_stage
     if callable(costs):
         def cost(task):
             value = costs(task)
@@ -47,16 +59,24 @@ def cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]
                 raise ValueError(f"costs({task}) must be a number >= 0, got {value!r}")
             return value
         return cost
-    if not isinstance(costs, dict) or set(costs) != {FORWARD, BACKWARD, WEIGHT}:
-        raise ValueError(f"costs must be None, a callable(task) -> seconds, or a dict with "
-                         f"exactly the keys 'F', 'B', 'W'; got {costs!r}")
+    table = _kind_table(costs, split_backward, "costs")
+    return lambda task: table[task.kind]
+
+
+def _kind_table(costs, split_backward: bool, what: str) -> dict:
+    """{"F","B","W"} -> cost of that task kind in a schedule with/without split backward."""
+    kinds = {FORWARD, BACKWARD, WEIGHT}
+    if not isinstance(costs, dict) or not kinds <= set(costs) <= kinds | {FULL_BACKWARD}:
+        raise ValueError(f"{what} must be None, a callable(task) -> seconds, a list of per-stage "
+                         f"dicts, or a dict with exactly the keys 'F', 'B', 'W' and optionally "
+                         f"'BW' (the full backward); got {costs!r}")
     for kind, value in costs.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"costs[{kind!r}] must be a number >= 0, got {value!r}")
-    table = dict(costs)
+            raise ValueError(f"{what}[{kind!r}] must be a number >= 0, got {value!r}")
+    table = {kind: costs[kind] for kind in kinds}
     if not split_backward:
-        table[BACKWARD] = costs[BACKWARD] + costs[WEIGHT]
-    return lambda task: table[task.kind]
+        table[BACKWARD] = costs.get(FULL_BACKWARD, costs[BACKWARD] + costs[WEIGHT])
+    return table
 
 
 def _peak_live(tasks, split_backward: bool) -> int:
@@ -84,7 +104,7 @@ def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Si
         raise ValueError(f"comm_s must be a number >= 0 (seconds), got {comm_s!r}")
     order = execution_order(schedule)
     cost = cost_function(costs, schedule.split_backward)
-    S, p = schedule.num_stages, len(schedule.slices)
+    S, p, placement = schedule.num_stages, len(schedule.slices), schedule.placement
     end = {}
     free_at = [0.0] * p
     busy = [0.0] * p
@@ -92,10 +112,10 @@ def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Si
     # execution_order puts each task after its dependencies and its slice predecessor, so
     # one pass computes every start time.
     for task in order:
-        r = task.stage % p
+        r = placement[task.stage]
         start = free_at[r]
         for dep in dependencies(task, S):
-            ready = end[dep] + (comm_s if dep[0] % p != r else 0.0)
+            ready = end[dep] + (comm_s if placement[dep[0]] != r else 0.0)
             if ready > start:
                 start = ready
         duration = cost(task)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from runtime import programs
+from mpmd import names
 from mpmd.pipeline import StageFn, shared_indices, shared_peers
 
 
@@ -35,18 +36,13 @@ class StageShapes(NamedTuple):
     targets: Any                   # the targets pytree, last stage only (else None)
 
 
-class StagePrograms(NamedTuple):
-    specs: dict[str, programs.ProgramSpec]
-    residual_specs: tuple          # ShapeDtypeStructs of the stored residual bundle
-
-
 def _bundle(tree) -> tuple:
     return tuple(jax.tree.leaves(tree))
 
 
 def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> StagePrograms:
-    """Export forward and backward programs for stage k. Program names end in the stage index."""
+          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> dict:
+    """Export forward and backward programs for stage k, named by mpmd/names.py."""
     x_tree = jax.tree.structure(shapes.x)
     t_tree = jax.tree.structure(shapes.targets) if last else None
     y_tree = jax.tree.structure(shapes.y)
@@ -84,7 +80,7 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     x_specs = _bundle(shapes.x)
     t_specs = (_bundle(shapes.targets),) if last else ()
     fwd_args = (shapes.params, x_specs, *t_specs)
-    specs = {f"fwd{k}": programs.exported(forward, *fwd_args)}
+    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args)}
     _, res_specs = jax.eval_shape(forward, *fwd_args)
 
     def rebuild(params, res):
@@ -127,13 +123,13 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     acc = (shapes.params,)
     if split_backward:
         if not first:
-            specs[f"bwd_in{k}"] = programs.exported(input_grad, *base)
-        specs[f"bwd_w_first{k}"] = programs.exported(weight_grad, *base)
-        specs[f"bwd_w_acc{k}"] = programs.exported(weight_grad, *base, *acc)
+            specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base)
+        specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base)
+        specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *acc)
     else:
-        specs[f"bwd_first{k}"] = programs.exported(full_grad, *base)
-        specs[f"bwd_acc{k}"] = programs.exported(full_grad, *base, *acc)
-    return StagePrograms(specs, tuple(res_specs))
+        specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base)
+        specs[names.program("bwd_acc", k)] = programs.exported(full_grad, *base, *acc)
+    return specs
 
 
 def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable) -> dict:
@@ -143,7 +139,7 @@ def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, 
     def infer(params, xb):
         return (_bundle(fn.apply(tuple(params), jax.tree.unflatten(x_tree, list(xb)))),)
 
-    specs = {f"infer{k}": programs.exported(infer, shapes.params, _bundle(shapes.x))}
+    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x))}
     if last:
         out = jax.eval_shape(infer, shapes.params, _bundle(shapes.x))[0]
         y_tree = jax.eval_shape(lambda p, x: fn.apply(p, x), shapes.params, shapes.x)
@@ -151,7 +147,7 @@ def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, 
 
         def loss(yb, tb):
             return ((loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb))),),)
-        specs[f"loss{k}"] = programs.exported(loss, tuple(out), _bundle(shapes.targets))
+        specs[names.program("loss", k)] = programs.exported(loss, tuple(out), _bundle(shapes.targets))
     return specs
 
 
@@ -180,13 +176,13 @@ def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
         return (tuple(out),)
 
     parts = [tuple(param_specs[s][i] for i in idx[s]) for s in holders]
-    return {f"shared_out{k}": programs.exported(shared_out, param_specs[k]),
-            f"shared_in{k}": programs.exported(shared_in, param_specs[k], *parts)}
+    return {names.program("shared_out", k): programs.exported(shared_out, param_specs[k]),
+            names.program("shared_in", k): programs.exported(shared_in, param_specs[k], *parts)}
 
 
 def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
-                    num_stages: int, max_grad_norm: float | None, not_counted=()) -> tuple[dict, tuple]:
-    """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}; return (specs, opt_state specs).
+                    num_stages: int, max_grad_norm: float | None, not_counted=()) -> dict:
+    """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}.
 
     Clipping follows optax.clip_by_global_norm over ALL stages' gradients: every slice gets
     every stage's squared norm and sums them in stage order, so each stage scales by the same
@@ -219,9 +215,9 @@ def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.Gr
         return ((sum((jnp.sum(jnp.square(grads[i])) for i in counted), jnp.float32(0)),),)
 
     scalar = (jax.ShapeDtypeStruct((), jnp.float32),)
-    specs = {f"opt_init{k}": programs.exported(opt_init, param_specs),
-             f"update{k}": programs.exported(update, param_specs, opt_specs, param_specs,
+    specs = {names.program("opt_init", k): programs.exported(opt_init, param_specs),
+             names.program("update", k): programs.exported(update, param_specs, opt_specs, param_specs,
                                               *([scalar] * num_stages if max_grad_norm is not None else []))}
     if max_grad_norm is not None:
-        specs[f"sqnorm{k}"] = programs.exported(sqnorm, param_specs)
-    return specs, tuple(opt_specs)
+        specs[names.program("sqnorm", k)] = programs.exported(sqnorm, param_specs)
+    return specs

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import optax
 
-from mpmd import lazy, lowering, schedules
+from mpmd import lazy, lowering, names, schedules
 from mpmd.checkpoints import Rewound, StageCheckpoints
 from mpmd.pipeline import Pipeline
 from runtime.client import WorkerLost
@@ -26,8 +26,9 @@ from runtime.instructions import Run
 
 
 class Trainer:
-    def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation, schedule: str = "1f1b",
-                 num_microbatches: int = 1, cluster=None, virtual_stages: int = 1,
+    def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation,
+                 schedule: str | schedules.Schedule = "1f1b",
+                 num_microbatches: int | None = None, cluster=None, virtual_stages: int | None = None,
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
                  keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
                  checkpoint_metadata: dict | None = None):
@@ -37,14 +38,9 @@ class Trainer:
             raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
         S = pipeline.num_stages
-        if not isinstance(virtual_stages, int) or virtual_stages < 1 or S % virtual_stages:
-            raise ValueError(f"num_stages ({S}) must be divisible by virtual_stages ({virtual_stages}); "
-                             f"allowed virtual_stages: {[v for v in range(1, S + 1) if S % v == 0]}")
-        self.schedule = schedules.make(schedule, S, num_microbatches, virtual_stages)
-        schedules.validate(self.schedule)
+        self.schedule = _schedule(schedule, S, num_microbatches, virtual_stages)
+        num_microbatches = self.schedule.num_microbatches
         self.pipeline = pipeline
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
@@ -53,8 +49,8 @@ class Trainer:
             from runtime.inprocess import InProcessCluster
             cluster = InProcessCluster()
         self.cluster = cluster
-        self.num_slices = len(self.schedule.slices)
-        self.home = [schedules.slice_of(k, self.num_slices) for k in range(S)]
+        self.num_slices = self.schedule.num_slices
+        self.placement = self.schedule.placement     # stage -> slice
         self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered)
         self._lowered = None
         self._step = 0
@@ -74,10 +70,10 @@ class Trainer:
         self.cluster.start(self.num_slices)
         try:
             if run_dir is not None:
-                partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": schedule,
-                             "virtual_stages": virtual_stages,
+                partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
+                             "virtual_stages": self.schedule.virtual_stages,
                              "params": [[list(l.shape) for l in fn.param_leaves] for fn in pipeline.fns]}
-                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.home, partition, keep, async_checkpoint)
+                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint)
             self._materialize()
             if self.checkpoints is not None:
                 restored = self.checkpoints.restore_latest()
@@ -94,12 +90,13 @@ class Trainer:
         once, or for an abstract model (mpmd.abstract) created there by its seeded init."""
         plans: dict[int, list] = {}
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
-            r = self.home[k]
+            r = self.placement[k]
             if lazy.is_abstract(fn.param_leaves):
-                self.cluster.load_programs(r, {f"init_params{k}": lazy.init_program(stage, fn.param_tree)})
-                plans.setdefault(r, []).append(Run(f"init_params{k}", (), (f"p{k}",), f"init params s{k}"))
+                init = names.program("init_params", k)
+                self.cluster.load_programs(r, {init: lazy.init_program(stage, fn.param_tree)})
+                plans.setdefault(r, []).append(Run(init, (), (names.params(k),), f"init params s{k}"))
             else:
-                self.cluster.put(r, f"p{k}", fn.param_leaves)
+                self.cluster.put(r, names.params(k), fn.param_leaves)
         if plans:
             for r in range(self.num_slices):
                 self.cluster.install_plan(r, "init_params", plans.get(r, []))
@@ -132,7 +129,7 @@ class Trainer:
         if key in self._compiled:
             suffix, self._lowered = self._compiled[key]
             return suffix
-        suffix = f"@{len(self._compiled)}"
+        suffix = names.variant(len(self._compiled))
         low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec)
         rename = lambda stream: [i._replace(program=i.program + suffix) if isinstance(i, Run) else i for i in stream]
         for r in range(low.num_slices):
@@ -219,7 +216,7 @@ class Trainer:
         loss = self._metrics(results, False)["loss"]
         out = []
         for k, fn in enumerate(self.pipeline.fns):
-            leaves = self.cluster.get(self.home[k], [f"g{k}"])[f"g{k}"]
+            leaves = self.cluster.get(self.placement[k], [names.grads(k)])[names.grads(k)]
             out.append(jax.tree.unflatten(fn.param_tree, list(leaves)))
         return loss, out
 
@@ -236,23 +233,23 @@ class Trainer:
         """
         targets = inputs if targets_like is None else targets_like
         self._run("predict", inputs, targets, False, feed_targets=False)
-        m, last = self.num_microbatches, self.home[-1]
-        names = [f"out/{j}" for j in range(m)]
-        got = self.cluster.get(last, names)
-        self.cluster.delete(last, names)
-        return [np.concatenate(parts, axis=0) for parts in zip(*(got[n] for n in names))]
+        m, last = self.num_microbatches, self.placement[-1]
+        outputs = [names.output(j) for j in range(m)]
+        got = self.cluster.get(last, outputs)
+        self.cluster.delete(last, outputs)
+        return [np.concatenate(parts, axis=0) for parts in zip(*(got[n] for n in outputs))]
 
     def _run(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
         self._check_open()
         in_spec, tgt_spec = self._micro_specs(inputs, targets)
         suffix = self._compile(in_spec, tgt_spec)
         m = self.num_microbatches
-        first, last = self.home[0], self.home[-1]
+        first, last = self.placement[0], self.placement[-1]
         feeds: dict[int, dict] = {first: {}, last: {}} if first != last else {first: {}}
         for j, mb in enumerate(_split(inputs, m)):
-            feeds[first][f"x/{j}"] = jax.tree.leaves(mb)
+            feeds[first][names.inputs(j)] = jax.tree.leaves(mb)
         for j, mb in enumerate(_split(targets, m) if feed_targets else ()):
-            feeds[last][f"t/{j}"] = jax.tree.leaves(mb)
+            feeds[last][names.targets(j)] = jax.tree.leaves(mb)
         t0 = time.perf_counter()
         self._runs += 1
         fetch = {"train": self._lowered.fetch, "predict": {}}.get(plan, self._lowered.loss_fetch)
@@ -264,12 +261,12 @@ class Trainer:
         return results
 
     def _metrics(self, results, trace: bool) -> dict:
-        m, last = self.num_microbatches, self.home[-1]
+        m, last = self.num_microbatches, self.placement[-1]
         step_s = self._last_step_s
-        losses = [results[last].fetched[f"loss/{j}"][0] for j in range(m)]
+        losses = [results[last].fetched[names.loss(j)][0] for j in range(m)]
         metrics = {"step": self._step, "loss": float(np.mean(np.asarray(losses, np.float64))), "step_s": step_s}
-        if self.max_grad_norm is not None and "sq0" in results[0].fetched:
-            sq = [results[0].fetched[f"sq{k}"][0] for k in range(self.pipeline.num_stages)]
+        if self.max_grad_norm is not None and names.sqnorm(0) in results[0].fetched:
+            sq = [results[0].fetched[names.sqnorm(k)][0] for k in range(self.pipeline.num_stages)]
             metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
         if trace:
             metrics["events"] = [r.events for r in results]
@@ -280,7 +277,7 @@ class Trainer:
         self._check_open()
         out = []
         for k, fn in enumerate(self.pipeline.fns):
-            leaves = self.cluster.get(self.home[k], [f"p{k}"])[f"p{k}"]
+            leaves = self.cluster.get(self.placement[k], [names.params(k)])[names.params(k)]
             out.append(jax.tree.unflatten(fn.param_tree, list(leaves)))
         return out
 
@@ -304,6 +301,31 @@ class Trainer:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this Trainer is closed")
+
+
+def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> schedules.Schedule:
+    """The validated schedule: built by name, or a Schedule given as data (its own placement),
+    which must fit the pipeline and agree with any counts also given."""
+    if isinstance(schedule, schedules.Schedule):
+        for field, given in (("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages)):
+            if given is not None and given != getattr(schedule, field):
+                raise ValueError(f"{field}={given!r} disagrees with the given schedule's "
+                                 f"{field}={getattr(schedule, field)}; leave it out")
+        if schedule.num_stages != num_stages:
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_stages} stages, the "
+                             f"pipeline has {num_stages}")
+        schedules.validate(schedule)
+        return schedule
+    num_microbatches = 1 if num_microbatches is None else num_microbatches
+    virtual_stages = 1 if virtual_stages is None else virtual_stages
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    if not isinstance(virtual_stages, int) or virtual_stages < 1 or num_stages % virtual_stages:
+        raise ValueError(f"num_stages ({num_stages}) must be divisible by virtual_stages ({virtual_stages}); "
+                         f"allowed virtual_stages: {[v for v in range(1, num_stages + 1) if num_stages % v == 0]}")
+    built = schedules.make(schedule, num_stages, num_microbatches, virtual_stages)
+    schedules.validate(built)
+    return built
 
 
 def _split(tree, m: int) -> list:

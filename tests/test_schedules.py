@@ -138,7 +138,7 @@ def test_validator_rejects_cycle_between_slices():
     f, b = "F", "B"
     slices = ((Task(0, 1, f), Task(0, 1, b), Task(0, 0, f), Task(0, 0, b)),
               (Task(1, 1, f), Task(1, 0, f), Task(1, 0, b), Task(1, 1, b)))
-    broken = Schedule("broken", 2, 2, 1, False, slices)
+    broken = Schedule("broken", 2, 2, 1, False, slices, placement=(0, 1))
     with pytest.raises(ScheduleError) as info:
         schedules.validate(broken)
     message = str(info.value)
