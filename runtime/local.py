@@ -33,6 +33,14 @@ def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> No
         raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
 
 
+def num_workers_for(num_workers: int | None, num_slices: int, backend: str) -> int:
+    """How many workers a launcher that starts its own starts for `num_slices` slices."""
+    n = num_workers if num_workers is not None else num_slices
+    if n < num_slices:
+        raise ValueError(f"{num_slices} slices need at least {num_slices} workers, {backend} has num_workers={n}")
+    return n
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -69,9 +77,7 @@ class LocalLauncher:
         return [p.pid for p in self.procs]
 
     def start(self, num_slices: int) -> list[str]:
-        n = self.num_workers if self.num_workers is not None else num_slices
-        if n < num_slices:
-            raise ValueError(f"{num_slices} slices need at least {num_slices} workers, LocalCluster has num_workers={n}")
+        n = num_workers_for(self.num_workers, num_slices, "LocalCluster")
         if self.procs:       # already running: the control plane reuses them from a clean state
             return list(self.addresses)
         try:

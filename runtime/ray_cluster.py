@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 
 from runtime.client import ControlPlane, new_token
-from runtime.local import check_worker_args
+from runtime.local import check_worker_args, num_workers_for
 
 START_TIMEOUT_S = 120.0
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -111,9 +111,7 @@ class RayLauncher:
         self._started_ray = False
 
     def start(self, num_slices: int) -> list[str]:
-        n = self.num_workers if self.num_workers is not None else num_slices
-        if n < num_slices:
-            raise ValueError(f"{num_slices} slices need at least {num_slices} workers, RayCluster has num_workers={n}")
+        n = num_workers_for(self.num_workers, num_slices, "RayCluster")
         if self.actors:      # already running: the control plane reuses them from a clean state
             return list(self.addresses)
         ray = _import_ray()
