@@ -1,20 +1,22 @@
-"""The controller's side of the control plane: a client per worker, and StaticCluster.
+"""The controller's side of the control plane: a client per worker, ControlPlane, and
+StaticCluster.
 
-A cluster exposes the same verbs as InProcessCluster (start, load_programs, install_plan,
-put, get, delete, run, save, wait_saves, restore, close), so the Trainer has one code path
-for every backend. `run` sends each worker ONE Run RPC per step, all in parallel, carrying
-the feeds that slice needs; activations then flow slice to slice over the data plane, never
-through here.
+ControlPlane is the one implementation of the Cluster protocol (runtime/cluster.py) over
+gRPC workers; a Launcher only starts and stops the workers it talks to. StaticCluster
+composes it with StaticLauncher (addresses of workers started elsewhere), LocalCluster with
+LocalLauncher (runtime/local.py), RayCluster with RayLauncher (runtime/ray_cluster.py).
+`run` sends each worker ONE Run RPC per step, all in parallel, carrying the feeds that
+slice needs; activations then flow slice to slice over the data plane, never through here.
 
 Failure detection. Every worker is pinged every HEARTBEAT_S; a slice is declared lost when
 an RPC to it fails for transport reasons (process gone: UNAVAILABLE at once) or when it has
 not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off). `run` then
 cancels the step everywhere and raises WorkerLost naming the slice.
 
-Replacement. The cluster remembers what it shipped to each slice (programs, plans), so
-`replace(slice)` can bring a new worker to the same point: a spare address here, a new
-process for LocalCluster, a new actor for RayCluster. State (parameters) is not replayed:
-the caller restores it from a checkpoint.
+Replacement. The control plane remembers what it shipped to each slice (programs, plans),
+so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
+(StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher). State
+(parameters) is not replayed: the caller restores it from a checkpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from runtime import instructions, wire
+from runtime.cluster import Launcher, ReplaceUnsupported, WorkerLost
 from runtime.executor import Aborted, Event, StepResult
 from runtime.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
 
@@ -43,15 +46,6 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker {address}: {message}")
         self.address = address
         self.code = code
-
-
-class WorkerLost(RuntimeError):
-    """Slice `slice_index` is gone (died, hung or unreachable); the step was aborted everywhere."""
-
-    def __init__(self, slice_index: int, address: str, why: str):
-        super().__init__(f"slice {slice_index} (worker {address}) lost: {why}")
-        self.slice_index = slice_index
-        self.address = address
 
 
 class WorkerClient:
@@ -103,37 +97,27 @@ def _arrays_out(b: wire.Builder, arrays) -> list:
     return [b.add(np.asarray(a)) for a in arrays]
 
 
-class StaticCluster:
-    """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F`.
+class ControlPlane:
+    """The Cluster protocol over gRPC workers that `launcher` starts and stops.
 
-    The first `num_slices` addresses serve slices; the others are spares that replace a
-    lost slice.
+    token: the secret the launcher's workers hold (every RPC carries it).
+    connect_timeout_s: how long a new worker may take to answer its first RPC.
+    failure_timeout_s: a slice silent this long (no heartbeat answered) is declared lost.
+    transfer_host: where workers' data-plane servers listen; None: the host of each
+        worker's gRPC address.
     """
 
-    def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
-                 connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
-                 transfer_host: str | None = None):
-        addresses = list(addresses)
-        if not addresses or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
-            raise ValueError(f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
+    def __init__(self, launcher: Launcher, token: str, connect_timeout_s: float = 10.0,
+                 failure_timeout_s: float = 5.0, transfer_host: str | None = None):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
-        if token is None:
-            if token_file is None:
-                raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
-            try:
-                with open(token_file) as f:
-                    token = f.readline().strip()
-            except OSError as e:
-                raise ValueError(f"cannot read token_file {token_file!r}: {e.strerror}") from None
-        self.addresses = addresses
+        self.launcher = launcher
         self._token = token
         self._connect_timeout_s = connect_timeout_s
         self.failure_timeout_s = failure_timeout_s
         self._transfer_host = transfer_host
         self.rpc_counts: collections.Counter = collections.Counter()
         self.clients: list[WorkerClient] = []      # one per slice
-        self._spares: list[str] = []
         self._others: list[WorkerClient] = []      # idle workers: heartbeats keep their lease
         self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
         self._transfer: dict[str, str] = {}
@@ -142,21 +126,23 @@ class StaticCluster:
         self._heartbeat: threading.Thread | None = None
 
     @property
+    def addresses(self) -> list[str]:
+        return self.launcher.addresses
+
+    @property
     def num_slices(self) -> int:
         return len(self.clients)
 
     # -- membership --------------------------------------------------------------------------
     def start(self, num_slices: int) -> None:
-        """Attach to the first `num_slices` workers and give each a fresh slice (new executor,
-        new transfer server): a cluster that is already started is reused from a clean state."""
+        """Attach to the launcher's first `num_slices` workers and give each a fresh slice (new
+        executor, new transfer server): a cluster that is already started is reused from a
+        clean state, on the workers it has."""
+        addresses = self.launcher.start(num_slices)
         if self.clients:
             self._detach()
-        if len(self.addresses) < num_slices:
-            raise ValueError(f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
-                             f"address(es): {self.addresses}")
-        self.clients = [self._client(a) for a in self.addresses[:num_slices]]
-        self._others = [self._client(a) for a in self.addresses[num_slices:]]
-        self._spares = list(self.addresses[num_slices:])
+        self.clients = [self._client(a) for a in addresses[:num_slices]]
+        self._others = [self._client(a) for a in addresses[num_slices:]]
         self._shipped = [{"programs": {}, "plans": {}} for _ in range(num_slices)]
         self._pool = ThreadPoolExecutor(max(2 * num_slices, 2), thread_name_prefix="mpmd-ctl")
         try:
@@ -221,11 +207,8 @@ class StaticCluster:
             self._install(slice_index, name, stream)
 
     def _new_worker(self, slice_index: int) -> str:
-        """The address of a worker to take over `slice_index`. Here: the next spare."""
-        if not self._spares:
-            raise RuntimeError(f"slice {slice_index} was lost and StaticCluster has no spare address left "
-                               f"(give more addresses than slices to allow replacement)")
-        address = self._spares.pop(0)
+        """The launcher's worker for `slice_index`; an idle spare it hands over stops being idle."""
+        address = self.launcher.replace(slice_index)
         self._others = [o for o in self._others if o.address != address]
         return address
 
@@ -372,7 +355,8 @@ class StaticCluster:
             self._pool = None
 
     def close(self) -> None:
-        """Shut the workers down (a worker started with --persist resets instead)."""
+        """Shut the workers down (a worker started with --persist resets instead), then let the
+        launcher stop what it started."""
         futs = [(c, c.future("Shutdown", timeout_s=2.0)) for c in self.clients + self._others]
         for c, f in futs:
             try:
@@ -380,6 +364,56 @@ class StaticCluster:
             except (WorkerError, Aborted):
                 pass
         self._detach()
+        self.launcher.stop()
+
+
+class StaticLauncher:
+    """Workers started elsewhere (`mpmd worker --listen HOST:PORT`), given by address. Slices
+    take the first addresses; the others are spares, each replacing one lost slice."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self._spares: list[str] = []
+
+    def start(self, num_slices: int) -> list[str]:
+        if len(self.addresses) < num_slices:
+            raise ValueError(f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
+                             f"address(es): {self.addresses}")
+        self._spares = list(self.addresses[num_slices:])
+        return list(self.addresses)
+
+    def replace(self, slot: int) -> str:
+        if not self._spares:
+            raise ReplaceUnsupported(f"slice {slot} was lost and StaticCluster has no spare address left "
+                                     f"(give more addresses than slices to allow replacement)")
+        return self._spares.pop(0)
+
+    def stop(self) -> None:
+        pass          # not ours to stop: the control plane's Shutdown RPC is all they get
+
+
+class StaticCluster(ControlPlane):
+    """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F`.
+
+    The first `num_slices` addresses serve slices; the others are spares that replace a
+    lost slice.
+    """
+
+    def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
+                 connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
+                 transfer_host: str | None = None):
+        addresses = list(addresses)
+        if not addresses or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
+            raise ValueError(f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
+        if token is None:
+            if token_file is None:
+                raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
+            try:
+                with open(token_file) as f:
+                    token = f.readline().strip()
+            except OSError as e:
+                raise ValueError(f"cannot read token_file {token_file!r}: {e.strerror}") from None
+        super().__init__(StaticLauncher(addresses), token, connect_timeout_s, failure_timeout_s, transfer_host)
 
 
 def new_token() -> str:

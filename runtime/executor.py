@@ -16,7 +16,7 @@ One step:
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import numpy as np
@@ -25,9 +25,13 @@ from runtime import programs as programs_lib
 from runtime.checkpoint import SliceCheckpointer
 from runtime.instructions import Delete, Instruction, Recv, Run, Send
 
+if TYPE_CHECKING:
+    from runtime.transport import Transport
+
 
 class Event(NamedTuple):
-    """One traced interval on a slice; times are wall-clock ns (comparable across processes)."""
+    """One traced interval on a slice; times are wall-clock ns (comparable across processes).
+    The one definition: the dry run, the control plane and the run log all use this one."""
     name: str        # a Run's label, "recv <key>" or "send <key>"
     kind: str        # "run" | "recv" | "send"
     start_ns: int
@@ -45,7 +49,7 @@ class Aborted(RuntimeError):
 
 
 class Executor:
-    def __init__(self, slice_index: int, device: jax.Device, transport):
+    def __init__(self, slice_index: int, device: jax.Device, transport: Transport):
         self.slice_index = slice_index
         self.device = device
         self.transport = transport

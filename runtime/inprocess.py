@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 
+from runtime.cluster import ReplaceUnsupported
 from runtime.executor import Aborted, Executor, StepResult
 
 
@@ -74,7 +75,8 @@ def devices_for(num_slices: int, devices=None) -> list[jax.Device]:
 
 
 class InProcessCluster:
-    """All slices in this process. `devices` defaults to jax.devices()."""
+    """All slices in this process (the Cluster protocol of runtime/cluster.py). `devices`
+    defaults to jax.devices()."""
 
     def __init__(self, devices=None):
         self._devices = devices
@@ -123,6 +125,13 @@ class InProcessCluster:
                    for i, ex in enumerate(self.executors)]
         return gather(futures, on_error=lambda: [ex.abort(step) for ex in self.executors],
                       cleanup=self._hub.clear)
+
+    def replace(self, slice_index: int) -> None:
+        """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is
+        never lost on its own (nothing raises WorkerLost) and there is nothing to replace it with."""
+        raise ReplaceUnsupported(f"slice {slice_index} runs inside this process (InProcessCluster); "
+                                 f"an in-process slice cannot be replaced: use LocalCluster, "
+                                 f"StaticCluster or RayCluster for recovery from lost workers")
 
     def close(self) -> None:
         if self._pool is not None:

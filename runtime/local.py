@@ -1,5 +1,7 @@
 """LocalCluster: the controller starts one worker process per slice on this machine.
 
+LocalLauncher starts and stops the processes; LocalCluster is the control plane over it.
+
 The embedded default of every recipe. Each worker gets the cluster's random token on its
 stdin (never on the command line, where `ps` would show it) and keeps that pipe open, so a
 worker notices within moments when its controller is gone, however it died. Workers are
@@ -14,7 +16,7 @@ import sys
 import threading
 import time
 
-from runtime.client import StaticCluster, new_token
+from runtime.client import ControlPlane, new_token
 from runtime.worker import READY, cores_for
 
 START_TIMEOUT_S = 60.0
@@ -31,6 +33,14 @@ def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> No
         raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
 
 
+def num_workers_for(num_workers: int | None, num_slices: int, backend: str) -> int:
+    """How many workers a launcher that starts its own starts for `num_slices` slices."""
+    n = num_workers if num_workers is not None else num_slices
+    if n < num_slices:
+        raise ValueError(f"{num_slices} slices need at least {num_slices} workers, {backend} has num_workers={n}")
+    return n
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -44,46 +54,47 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-class LocalCluster(StaticCluster):
-    def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
+class LocalLauncher:
+    """Starts worker processes on this machine (`python -m runtime.worker`), one per slot,
+    each given `token` on its stdin. See LocalCluster for the arguments."""
+
+    def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None):
+                 compilation_cache_dir: str = ""):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        self._token = token
         self.num_workers = num_workers
         self.devices_per_worker = devices_per_worker
         self.threads_per_worker = threads_per_worker
         self.pin = pin
         self.host = host
+        self.compilation_cache_dir = compilation_cache_dir
+        self.addresses: list[str] = []
         self.procs: list[subprocess.Popen] = []
-        # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
-        # the next run of the same recipe, loads them instead of compiling again (compiling
-        # was ~3 of the ~4 s a recovery took). "" switches it off.
-        self.compilation_cache_dir = (compilation_cache_dir if compilation_cache_dir is not None
-                                      else default_compilation_cache())
-        super().__init__(["0.0.0.0:0"], token=new_token(), failure_timeout_s=failure_timeout_s)
 
-    def start(self, num_slices: int) -> None:
-        n = self.num_workers if self.num_workers is not None else num_slices
-        if n < num_slices:
-            raise ValueError(f"{num_slices} slices need at least {num_slices} workers, LocalCluster has num_workers={n}")
-        if self.procs:       # already running: reuse the workers from a clean state
-            super().start(num_slices)
-            return
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self, num_slices: int) -> list[str]:
+        n = num_workers_for(self.num_workers, num_slices, "LocalCluster")
+        if self.procs:       # already running: the control plane reuses them from a clean state
+            return list(self.addresses)
         try:
             self.addresses = [self._spawn(i) for i in range(n)]
-            super().start(num_slices)
         except BaseException:
-            self.close()
+            self.stop()
             raise
+        return list(self.addresses)
 
-    def _new_worker(self, slice_index: int) -> str:
-        """Replace a lost slice's process: make sure the old one is gone (SIGKILL by its pid:
-        it may be hung or stopped), then start a new one in its place."""
-        old = self.procs[slice_index]
+    def replace(self, slot: int) -> str:
+        """Make sure the slot's old process is gone (SIGKILL by its pid: it may be hung or
+        stopped), then start a new one in its place."""
+        old = self.procs[slot]
         if old.poll() is None:
             old.kill()
         old.wait()
-        self.addresses[slice_index] = address = self._spawn(slice_index)
+        self.addresses[slot] = address = self._spawn(slot)
         return address
 
     def _spawn(self, i: int) -> str:
@@ -114,8 +125,7 @@ class LocalCluster(StaticCluster):
         threading.Thread(target=proc.stdout.read, daemon=True).start()
         return line.split()[1]
 
-    def close(self) -> None:
-        super().close()
+    def stop(self) -> None:
         procs, self.procs = self.procs, []
         deadline = time.monotonic() + 5.0
         for p in procs:
@@ -130,9 +140,38 @@ class LocalCluster(StaticCluster):
                 p.kill()             # by its own pid, never by name
                 p.wait()
 
+
+class LocalCluster(ControlPlane):
+    """One worker process per slice on this machine (a ControlPlane over a LocalLauncher).
+
+    num_workers: processes to start (None: one per slice); more than num_slices leaves idle
+        spares, but a lost slice is replaced by a new process in its own slot anyway.
+    devices_per_worker, threads_per_worker: JAX devices and XLA threads per worker; each
+        worker is pinned to threads_per_worker cores, round-robin, when `pin`.
+    host: where workers listen (loopback by default).
+    failure_timeout_s: a slice silent this long is declared lost.
+    compilation_cache_dir: JAX's persistent compilation cache for the workers; None picks
+        default_compilation_cache(), "" switches it off.
+    """
+
+    def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
+                 threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
+                 failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None):
+        token = new_token()
+        # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
+        # the next run of the same recipe, loads them instead of compiling again (compiling
+        # was ~3 of the ~4 s a recovery took).
+        cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
+        launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache)
+        super().__init__(launcher, token, failure_timeout_s=failure_timeout_s)
+
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return self.launcher.pids
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        return self.launcher.procs
 
 
 def default_compilation_cache() -> str:

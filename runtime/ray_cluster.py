@@ -3,8 +3,9 @@
 For users who outgrow one machine. Each actor hosts exactly what `mpmd worker` hosts (the
 WorkerService behind a gRPC server, served by runtime.worker.serve) in the actor's own
 process and reports its `host:port`; from then on the controller talks to it as to any other
-worker, through StaticCluster. Ray only places, starts and kills the workers: no step, no
-activation and no parameter goes through Ray.
+worker, through the one control plane (runtime.client.ControlPlane). RayLauncher only
+places, starts and kills the workers: no step, no activation and no parameter goes through
+Ray.
 
 Ray is an optional extra (`pip install -e '.[ray]'`): it is imported inside the methods
 here, never when `mpmd` is imported.
@@ -27,17 +28,16 @@ from __future__ import annotations
 
 import os
 
-from runtime.client import StaticCluster, new_token
-from runtime.local import check_worker_args
+from runtime.client import ControlPlane, new_token
+from runtime.local import check_worker_args, num_workers_for
 
 START_TIMEOUT_S = 120.0
 INSTALL_HINT = "pip install -e '.[ray]'"
 NODE_IP = "node"    # host= value: listen on the IP of the node the actor lands on
 
 
-class RayMissingError(ImportError, ValueError):
-    """Ray is not installed. A ValueError too, so config-level callers report it as a bad
-    choice of cluster.backend rather than a crash."""
+class RayMissingError(ImportError):
+    """Ray is not installed; the message says how to install it."""
 
 
 def _import_ray():
@@ -79,29 +79,14 @@ class _SliceActor:
             self.service.transport.close()
 
 
-class RayCluster(StaticCluster):
-    """Workers as Ray actors.
+class RayLauncher:
+    """Starts worker actors on a Ray cluster (joining or starting Ray as RayCluster describes),
+    one per slot, each given `token` as a constructor argument. See RayCluster for the
+    arguments."""
 
-    num_workers: actors to start (None: one per slice); more than num_slices leaves spares.
-    resources_per_worker: Ray resources each actor reserves, e.g. {"GPU": 1} or
-        {"CPU": 4, "slice_host": 1}; CPU defaults to threads_per_worker.
-    address: the Ray cluster to join ("auto", "HEAD_IP:6379", "ray://head:10001", ...);
-        None joins $RAY_ADDRESS if set, else starts a new Ray instance on this machine (shut
-        down again by close()). Ignored when Ray is already initialised in this process.
-    host: where workers listen; None picks loopback for a one-machine Ray cluster and the
-        node's IP otherwise, "node" forces the node's IP, anything else is used as is.
-    runtime_env: extra Ray runtime_env for the actors (e.g. py_modules, pip); its env_vars
-        are kept, with XLA_FLAGS extended as a worker needs.
-    failure_timeout_s: a slice silent this long is declared lost (see StaticCluster).
-
-    A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
-    the Trainer calls when it recovers); spare workers are not needed.
-    """
-
-    def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
+    def __init__(self, token: str, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
-                 host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
-                 failure_timeout_s: float = 5.0):
+                 host: str | None = None, runtime_env: dict | None = None):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         resources = dict(resources_per_worker or {})
@@ -111,6 +96,7 @@ class RayCluster(StaticCluster):
                                  f"got {k!r}: {v!r}")
         if runtime_env is not None and not isinstance(runtime_env, dict):
             raise ValueError(f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}")
+        self._token = token
         self.num_workers = num_workers
         self.resources_per_worker = resources
         self.ray_address = address
@@ -118,20 +104,16 @@ class RayCluster(StaticCluster):
         self.threads_per_worker = threads_per_worker
         self.host = host
         self.runtime_env = dict(runtime_env or {})
+        self.addresses: list[str] = []
         self.actors: list = []          # Ray actor handles, one per address
         self.pids: list[int] = []
         self._listen_host: str | None = None
         self._started_ray = False
-        super().__init__(["0.0.0.0:0"], token=new_token(), connect_timeout_s=connect_timeout_s,
-                         failure_timeout_s=failure_timeout_s)
 
-    def start(self, num_slices: int) -> None:
-        n = self.num_workers if self.num_workers is not None else num_slices
-        if n < num_slices:
-            raise ValueError(f"{num_slices} slices need at least {num_slices} workers, RayCluster has num_workers={n}")
-        if self.actors:      # already running: reuse the workers from a clean state
-            super().start(num_slices)
-            return
+    def start(self, num_slices: int) -> list[str]:
+        n = num_workers_for(self.num_workers, num_slices, "RayCluster")
+        if self.actors:      # already running: the control plane reuses them from a clean state
+            return list(self.addresses)
         ray = _import_ray()
         try:
             if not ray.is_initialized():
@@ -151,23 +133,23 @@ class RayCluster(StaticCluster):
             ready = self._wait_ready(ray, self.actors)
             self.addresses = [a for a, _ in ready]
             self.pids = [p for _, p in ready]
-            super().start(num_slices)
         except BaseException:
-            self.close()
+            self.stop()
             raise
+        return list(self.addresses)
 
-    def _new_worker(self, slice_index: int) -> str:
-        """StaticCluster.replace's hook: kill the actor of `slice_index` (dead, hung or cut off:
-        it must not come back and act on stale state) and start a fresh one in its slot."""
+    def replace(self, slot: int) -> str:
+        """Kill the slot's actor (dead, hung or cut off: it must not come back and act on stale
+        state) and start a fresh one in its place."""
         ray = _import_ray()
-        ray.kill(self.actors[slice_index], no_restart=True)
-        self.actors[slice_index] = self._new_actor(ray, slice_index)
-        ((address, pid),) = self._wait_ready(ray, [self.actors[slice_index]])
-        self.addresses[slice_index], self.pids[slice_index] = address, pid
+        ray.kill(self.actors[slot], no_restart=True)
+        self.actors[slot] = self._new_actor(ray, slot)
+        ((address, pid),) = self._wait_ready(ray, [self.actors[slot]])
+        self.addresses[slot], self.pids[slot] = address, pid
         return address
 
-    def close(self) -> None:
-        super().close()
+    def stop(self) -> None:
+        """Kill the actors; disconnect from Ray only if start() called ray.init."""
         actors, self.actors, self.pids = self.actors, [], []
         if not actors and not self._started_ray:
             return
@@ -219,3 +201,40 @@ class RayCluster(StaticCluster):
         if len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address():
             return "127.0.0.1"
         return NODE_IP
+
+
+class RayCluster(ControlPlane):
+    """Workers as Ray actors (a ControlPlane over a RayLauncher).
+
+    num_workers: actors to start (None: one per slice); more than num_slices leaves spares.
+    resources_per_worker: Ray resources each actor reserves, e.g. {"GPU": 1} or
+        {"CPU": 4, "slice_host": 1}; CPU defaults to threads_per_worker.
+    address: the Ray cluster to join ("auto", "HEAD_IP:6379", "ray://head:10001", ...);
+        None joins $RAY_ADDRESS if set, else starts a new Ray instance on this machine (shut
+        down again by close()). Ignored when Ray is already initialised in this process.
+    host: where workers listen; None picks loopback for a one-machine Ray cluster and the
+        node's IP otherwise, "node" forces the node's IP, anything else is used as is.
+    runtime_env: extra Ray runtime_env for the actors (e.g. py_modules, pip); its env_vars
+        are kept, with XLA_FLAGS extended as a worker needs.
+    failure_timeout_s: a slice silent this long is declared lost (see ControlPlane).
+
+    A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
+    the Trainer calls when it recovers); spare workers are not needed.
+    """
+
+    def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
+                 address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
+                 host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
+                 failure_timeout_s: float = 5.0):
+        token = new_token()
+        launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
+                               threads_per_worker, host, runtime_env)
+        super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s)
+
+    @property
+    def actors(self) -> list:
+        return self.launcher.actors
+
+    @property
+    def pids(self) -> list[int]:
+        return self.launcher.pids

@@ -42,6 +42,10 @@ NUM_BULK_SOCKETS = 2
 
 
 class Transport(Protocol):
+    """What an Executor needs from its data plane: TransferTransport here (between
+    processes), MemoryTransport (runtime/inprocess.py) between threads. Keys are the
+    executor's: "<run id>:<plan key>", e.g. "12:act2/5"."""
+
     def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int) -> None:
         """Offer `arrays` to `dst_slice` under `key`; returns without waiting for the receiver."""
 
@@ -53,13 +57,14 @@ class Transport(Protocol):
 
 
 def key_to_uuid(key: str) -> int:
-    """The transfer id for a plan key such as "step3/s1->s2/mb5/act": the first 64 bits of
-    its BLAKE2b hash (the API takes any uint64).
+    """The transfer id for a transfer key such as "12:act2/5" (the executor's run id, then the
+    plan's key: "act2/5", "grad1/3", "sq0/to1", ...): the first 64 bits of its BLAKE2b hash
+    (the API takes any uint64).
 
     Ids share one table per *sending* server and only entries still waiting to be pulled can
     collide. With n such entries, P(any collision) ~ n**2 / 2**65: n = 10**4 gives 3e-12 per
-    step. Keys are unique within a step and callers put the step number in the key, so a
-    repeated id can only come from a hash collision, never from a reused key.
+    step. Keys are unique within a plan and the executor prefixes the run id, so a repeated
+    id can only come from a hash collision, never from a reused key.
     """
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 

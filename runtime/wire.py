@@ -96,7 +96,8 @@ def _dtype(name: str) -> np.dtype:
 
 
 class Builder:
-    """Collects blobs while a header is built: `ref = b.add(array)` then `b.frame(header)`."""
+    """Collects blobs while a header is built: `ref = b.add(array)`, then
+    `encode(header, b.blobs)`."""
 
     def __init__(self):
         self.blobs: list = []
@@ -104,6 +105,3 @@ class Builder:
     def add(self, value) -> dict:
         self.blobs.append(value)
         return {"$blob": len(self.blobs) - 1}
-
-    def frame(self, header: dict) -> bytes:
-        return encode(header, self.blobs)

@@ -112,8 +112,11 @@ def test_without_ray_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)                    # `import ray` now fails
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]'"):
         mpmd.RayCluster(num_workers=2)
-    # A ValueError too, so the recipe reports it as a config error rather than crashing.
-    with pytest.raises(ValueError, match=r"RayCluster needs Ray.*pip install -e '\.\[ray\]'"):
+    # An ImportError only (not a ValueError posing as a bad value): callers that want a
+    # friendly message catch RayMissingError by name.
+    from runtime.ray_cluster import RayMissingError
+    assert not issubclass(RayMissingError, ValueError)
+    with pytest.raises(RayMissingError, match=r"RayCluster needs Ray.*pip install -e '\.\[ray\]'"):
         recipe.build_cluster(cfg)
 
 

@@ -1,0 +1,122 @@
+"""The cluster contract, in one place: what the Trainer may ask of a cluster, and what a
+launcher must do for the one gRPC control plane.
+
+Two protocols:
+- `Cluster`: the verbs the Trainer calls. InProcessCluster (threads, runtime/inprocess.py)
+  and the control plane behind StaticCluster, LocalCluster and RayCluster
+  (runtime/client.py) implement them.
+- `Launcher`: the three verbs that start and stop workers (start -> addresses, replace one
+  -> its address, stop). The control plane (runtime/client.py) owns everything else:
+  clients, heartbeats, run/abort/probe, and what was shipped to each slice so a replacement
+  can be brought up to date. Launchers: StaticLauncher (runtime/client.py), LocalLauncher
+  (runtime/local.py), RayLauncher (runtime/ray_cluster.py).
+
+Slices are numbered 0..num_slices-1. Errors: a slice that is gone (process died, hung past
+the failure timeout, unreachable) surfaces as `WorkerLost` from `run`, `wait_saves` and the
+per-slice verbs; any other error a worker reports is re-raised as what it is (a bad plan is
+a ValueError, and so on). A cluster that cannot put a new worker in a lost slice's place
+raises `ReplaceUnsupported` from `replace`: the Trainer catches that one type and gives up
+with the last committed checkpoint in its message (no `hasattr` probing, no capability
+flag: whether a replacement exists is only known when one is asked for, e.g. a
+StaticCluster whose spares ran out).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from runtime.executor import StepResult
+    from runtime.instructions import Instruction
+    from runtime.programs import ProgramSpec
+
+
+class WorkerLost(RuntimeError):
+    """Slice `slice_index` is gone (died, hung or unreachable); the step was aborted everywhere."""
+
+    def __init__(self, slice_index: int, address: str, why: str):
+        super().__init__(f"slice {slice_index} (worker {address}) lost: {why}")
+        self.slice_index = slice_index
+        self.address = address
+
+
+class ReplaceUnsupported(RuntimeError):
+    """This cluster cannot put a new worker in a lost slice's place (an in-process slice, or
+    a StaticCluster with no spare address left). The message says why."""
+
+
+@runtime_checkable
+class Cluster(Protocol):
+    """What the Trainer may call. Every verb but `start`, `run` and `close` addresses one
+    slice; all are synchronous unless said otherwise."""
+
+    @property
+    def num_slices(self) -> int:
+        """Slices attached by the last `start` (0 before it and after `close`)."""
+
+    def start(self, num_slices: int) -> None:
+        """Give every slice 0..num_slices-1 a fresh executor. ValueError if the cluster has
+        too few workers (or devices) for that many."""
+
+    def load_programs(self, slice_index: int, specs: Mapping[str, ProgramSpec]) -> None:
+        """Load (deserialize and compile) programs by name; a name loaded again is replaced."""
+
+    def install_plan(self, slice_index: int, name: str, stream: Sequence[Instruction]) -> None:
+        """Install one instruction stream under `name`; ValueError if it runs a program not loaded."""
+
+    def put(self, slice_index: int, name: str, arrays: Sequence) -> None:
+        """Store host arrays as buffer `name` on the slice's device."""
+
+    def get(self, slice_index: int, names: Iterable[str]) -> dict[str, tuple[np.ndarray, ...]]:
+        """Copy buffers back to the host; an error naming any buffer that does not exist."""
+
+    def delete(self, slice_index: int, names: Iterable[str]) -> None:
+        """Free buffers; names that do not exist are ignored."""
+
+    def run(self, plan: str, step: int, feeds: Mapping[int, Mapping[str, Sequence]],
+            fetch: Mapping[int, Sequence[str]], trace: bool = False) -> list[StepResult]:
+        """Run plan `plan` on every slice at once, as run id `step` (ids must never repeat:
+        transfer keys are prefixed with it). `feeds[slice]` are buffers to put first,
+        `fetch[slice]` the buffers to bring back. One StepResult per slice, in slice order.
+        An error on any slice aborts the step everywhere; WorkerLost if a slice is gone."""
+
+    def save(self, slice_index: int, items: Mapping[str, Sequence[str]]) -> None:
+        """Start an asynchronous save of {directory: [buffer names]} (Orbax, on the slice)."""
+
+    def wait_saves(self, slice_index: int) -> list[str]:
+        """Block until the slice's saves are on disk; the directories finalized. WorkerLost if
+        the slice is lost meanwhile."""
+
+    def restore(self, slice_index: int, items: Mapping[str, Sequence[str]]) -> None:
+        """Replace buffers with those saved under {directory: [buffer names]}; all or nothing."""
+
+    def replace(self, slice_index: int) -> None:
+        """Put a new worker in place of lost slice `slice_index`, with the programs and plans
+        the old one had and every slice's transfers reconnected. Buffers are NOT restored:
+        the caller restores state from a checkpoint. ReplaceUnsupported if impossible."""
+
+    def close(self) -> None:
+        """Stop the workers this cluster started (or shut down/reset those it attached to)."""
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    """Starts and stops the worker processes a control plane talks to. Addresses are gRPC
+    `host:port` strings of workers that hold the control plane's token."""
+
+    addresses: list[str]
+    """Every worker this launcher knows, by slot (spares included)."""
+
+    def start(self, num_slices: int) -> list[str]:
+        """Make sure at least `num_slices` workers are up and return all their addresses: the
+        first `num_slices` serve slices, the rest are idle spares. ValueError (before starting
+        anything) if it cannot have that many. Called again on a started launcher, it
+        returns the running workers. On failure it stops what it started, then raises."""
+
+    def replace(self, slot: int) -> str:
+        """The address of a worker to take over slot `slot`, whose worker was lost (the old
+        one must not come back and act on stale state). ReplaceUnsupported if there is none."""
+
+    def stop(self) -> None:
+        """Stop every worker this launcher started (after the control plane's Shutdown RPC)."""
