@@ -1,6 +1,6 @@
 """Overhead of the in-process pipeline over a plain jitted train step, and schedule tooling time.
 
-    /work/venv/bin/python benchmarks/bench_inprocess.py [--quick]
+    .venv/bin/python benchmarks/bench_inprocess.py [--quick]
 
 1. One GPT (d_model 256, 4 blocks, seq 128, batch 16, vocab 256) trained two ways in this
    process: `mpmd.Trainer` with one stage on an InProcessCluster ("1f1b", p = 1), and a plain

@@ -1,6 +1,6 @@
 """Recovery after a lost worker, part by part, and what checkpointing costs a step.
 
-    /work/venv/bin/python benchmarks/bench_recovery.py [--quick]
+    .venv/bin/python benchmarks/bench_recovery.py [--quick]
 
 Model: the tiny GPT recipe's (vocab 256, d_model 64, 2 heads, 4 layers, seq 64), 2 stages,
 1F1B, 4 microbatches, batch 16, adamw, LocalCluster(num_workers=2) (real processes, gRPC),

@@ -1,7 +1,7 @@
 """The runtime measured on itself: scheduling fidelity, per-instruction overhead, overlap of
 transfers with compute, and end-to-end GPT training against one core.
 
-    /work/venv/bin/python benchmarks/bench_runtime.py [--quick]
+    .venv/bin/python benchmarks/bench_runtime.py [--quick]
 
 Every ratio is measured in this one run on this machine. Stage costs are declared "sleep"
 programs (mpmd/dryrun.py) wherever the question is about the runtime, not the cores: a

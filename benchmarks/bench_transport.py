@@ -1,6 +1,6 @@
 """TransferTransport latency and bandwidth between two worker processes, beside memcpy.
 
-    /work/venv/bin/python benchmarks/bench_transport.py
+    .venv/bin/python benchmarks/bench_transport.py
 
 Two worker processes (each pinned to its own core, XLA single-threaded) play ping-pong with
 the transport: slice 0 sends a float32 payload, slice 1 receives it and sends it back. The

@@ -121,8 +121,11 @@ class Head(nnx.Module):
 class GPT(nnx.Module):
     """Decoder-only LM: Embed, num_layers Blocks, Head. tokens [B, T] -> logits [B, T, V].
 
-    The token embedding and LM head are not tied: tying would make the first and last
-    pipeline stages share a parameter, which a stage split cannot express.
+    The token embedding and LM head are not tied. Tying is possible in mpmd, but not for
+    this model's split: `.layers()` cuts it into nnx.Module stages, which share no
+    parameters. A model cut at `mpmd.stage_boundary` marks may tie them: the weight becomes
+    a parameter of both stages and its gradients are summed (Pipeline.shared), as the tied
+    model in tests/marked_models.py does.
     """
 
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int,

@@ -1,14 +1,54 @@
-"""mpmd: MPMD pipeline-parallel training of JAX/Flax models under a single controller."""
-from mpmd.checkpoints import Rewound
-from mpmd.lazy import abstract
-from mpmd.marks import stage_boundary
-from mpmd.pipeline import Pipeline
-from mpmd.split import split
-from mpmd.trainer import Trainer
-from runtime.client import StaticCluster, WorkerLost
-from runtime.inprocess import InProcessCluster
-from runtime.local import LocalCluster
-from runtime.ray_cluster import RayCluster
+"""mpmd: MPMD pipeline-parallel training of JAX/Flax models under a single controller.
+
+The public names load on first use (PEP 562), so `import mpmd.schedules` and
+`mpmd schedule ...` (schedules, simulator, renderer: pure Python) never import JAX.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+# public name -> the module that defines it
+_WHERE = {
+    "abstract": "mpmd.lazy",
+    "Pipeline": "mpmd.pipeline",
+    "Trainer": "mpmd.trainer",
+    "split": "mpmd.split",
+    "stage_boundary": "mpmd.marks",
+    "InProcessCluster": "runtime.inprocess",
+    "LocalCluster": "runtime.local",
+    "RayCluster": "runtime.ray_cluster",
+    "StaticCluster": "runtime.client",
+    "Rewound": "mpmd.checkpoints",
+    "WorkerLost": "runtime.client",
+}
 
 __all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
            "Rewound", "WorkerLost"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mpmd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value      # later look-ups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Loading a submodule sets the package attribute of its name (the import system does so
+    for every submodule): importing `mpmd.split` would make `mpmd.split` that module. The
+    public `mpmd.split` is the function, as when this package imported it eagerly."""
+
+    def __setattr__(self, name, value):
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

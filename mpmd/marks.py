@@ -39,8 +39,9 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
-from mpmd.pipeline import StageFn, _spec
-from mpmd.split import Stages, fn_costs
+from mpmd.pipeline import StageFn
+from mpmd.specs import describe, spec
+from mpmd.stage_costs import Stages, fn_costs
 
 _boundary_p = Primitive("stage_boundary")
 _boundary_p.multiple_results = True   # one equation for the whole pytree: one cut point
@@ -108,8 +109,8 @@ class _Marked:
         if any(isinstance(l, jax.ShapeDtypeStruct) for l in self.leaves):
             raise ValueError("mpmd.split by stage marks does not support mpmd.abstract models yet: "
                              "build the model concretely, or split an abstract model with num_stages")
-        self.param_specs = [_spec(l) for l in self.leaves]
-        self.sample = jax.tree.map(_spec, sample_input)
+        self.param_specs = [spec(l) for l in self.leaves]
+        self.sample = jax.tree.map(spec, sample_input)
         self.cuts: dict = {}          # model-input specs -> its cut
         self.jaxpr, self.consts, self.out_tree = self._trace(self.sample)
         self.num_marks = sum(e.primitive is _boundary_p for e in self.jaxpr.eqns)
@@ -128,7 +129,7 @@ class _Marked:
             jaxpr, consts, out_tree = traced
             progs = _cut(jaxpr, consts, len(self.leaves), out_tree)
             if self.cuts and [p.param_index for p in progs] != [p.param_index for p in next(iter(self.cuts.values()))]:
-                raise ValueError(f"{self.name} cuts into different stages for input {_describe(x_spec)}: "
+                raise ValueError(f"{self.name} cuts into different stages for input {describe(x_spec)}: "
                                  f"its stage_boundary marks must not depend on the input shape")
             self.cuts[key] = progs
         return self.cuts[key]
@@ -136,9 +137,9 @@ class _Marked:
     def _cut_for(self, k: int, x) -> _Program:
         """Stage k's program for input x. Stage k > 0 sees only the values crossing its
         boundary, so the model input is guessed from their leading (batch) axes."""
-        specs = tuple(_spec(l) for l in jax.tree.leaves(x))
+        specs = tuple(spec(l) for l in jax.tree.leaves(x))
         if k == 0:
-            return self.cut(jax.tree.map(_spec, x))[0]
+            return self.cut(jax.tree.map(spec, x))[0]
         for progs in self.cuts.values():
             if progs[k].in_specs == specs:
                 return progs[k]
@@ -148,8 +149,8 @@ class _Marked:
             prog = self.cut(guess)[k]
             if prog.in_specs == specs:
                 return prog
-        raise ValueError(f"stage {k} of {self.name} takes {_describe(self.cut(self.sample)[k].in_specs)} for the "
-                         f"sample input; got {_describe(specs)}, which no batch size of the input produces")
+        raise ValueError(f"stage {k} of {self.name} takes {describe(self.cut(self.sample)[k].in_specs)} for the "
+                         f"sample input; got {describe(specs)}, which no batch size of the input produces")
 
     def stage_apply(self, k: int):
         def apply(param_leaves, x):
@@ -304,7 +305,3 @@ def _sub(mapping: dict, a):
 
 def _spec_of(v: Var) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-
-
-def _describe(tree) -> str:
-    return ", ".join(f"{l.dtype}{list(l.shape)}" for l in jax.tree.leaves(tree))

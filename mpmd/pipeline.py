@@ -13,6 +13,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 from flax import nnx
 
+from mpmd.specs import describe as _describe, spec as _spec
+
 
 class StageFn(NamedTuple):
     """One stage as a pure function and its initial parameters."""
@@ -118,11 +120,3 @@ def shared_peers(S: int, shared) -> list[list[int]]:
         for k in stages:
             peers[k] |= stages - {k}
     return [sorted(x) for x in peers]
-
-
-def _spec(x):
-    return jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
-
-
-def _describe(tree) -> str:
-    return ", ".join(f"{l.dtype}{list(l.shape)}" for l in jax.tree.leaves(tree))

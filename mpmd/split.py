@@ -1,11 +1,10 @@
 """Split a model into pipeline stages: at its `mpmd.stage_boundary` marks (mpmd/marks.py), or,
 for a model that exposes its ordered layers, into balanced contiguous runs of layers.
 
-A layer's cost is its forward FLOPs from XLA's cost analysis on a sample microbatch (the
-embedding's gather costs almost nothing, a block's matmuls most), falling back to its
-parameter count when no sample input is known. Boundaries minimise the most expensive
-stage (the pipeline runs at the pace of its slowest stage), by dynamic programming over
-contiguous layer ranges: O(layers^2 * stages), trivial for real layer counts.
+A layer's cost comes from mpmd/stage_costs.py (forward FLOPs on a sample microbatch, else
+its parameter count). Boundaries minimise the most expensive stage (the pipeline runs at
+the pace of its slowest stage), by dynamic programming over contiguous layer ranges:
+O(layers^2 * stages), trivial for real layer counts.
 """
 from __future__ import annotations
 
@@ -13,12 +12,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-
-class Stages(list):
-    """The stages in order (nnx.Modules, or StageFn records for a marked model); `.costs`
-    holds each stage's predicted cost and `.cost_unit` says in what ("flops" or "params")."""
-    costs: list[float]
-    cost_unit: str
+from mpmd import marks
+from mpmd.stage_costs import Stages, layer_costs
 
 
 def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
@@ -32,7 +27,6 @@ def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
     `sample_input` (one microbatch; defaults to `model.sample_input()` where the model has one)
     is what a marked model is traced with, and enables FLOP-based balancing of layers.
     """
-    from mpmd import marks
     name = type(model).__name__
     if sample_input is None and callable(getattr(model, "sample_input", None)):
         sample_input = model.sample_input()
@@ -68,29 +62,6 @@ def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
     stages.costs = [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
     stages.cost_unit = unit
     return stages
-
-
-def layer_costs(layers, sample_input) -> tuple[list[float], str]:
-    if sample_input is None:
-        return [float(sum(np.size(p) for p in jax.tree.leaves(nnx.state(l, nnx.Param)))) for l in layers], "params"
-    from mpmd.pipeline import stage_fn
-    return fn_costs([stage_fn(l) for l in layers], sample_input), "flops"
-
-
-def fn_costs(fns, sample_input) -> list[float]:
-    """Forward FLOPs (plus output bytes / 4) of each StageFn in turn, fed by the previous one."""
-    from mpmd.pipeline import _spec
-    x = jax.tree.map(_spec, sample_input)
-    costs = []
-    for fn in fns:
-        p = tuple(jax.tree.map(_spec, fn.param_leaves))
-        analysis = jax.jit(fn.apply).lower(p, x).cost_analysis() or {}
-        if isinstance(analysis, list):  # older jax returned one dict per computation
-            analysis = analysis[0] if analysis else {}
-        # A pure gather (the embedding) reports ~0 flops; count its output bytes so it is not free.
-        costs.append(float(analysis.get("flops", 0.0)) + float(analysis.get("bytes accessed", 0.0)) / 4)
-        x = jax.eval_shape(fn.apply, p, x)
-    return costs
 
 
 def balanced_boundaries(costs, num_stages: int) -> list[int]:

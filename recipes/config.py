@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mpmd import schedules
+
 
 class ConfigError(ValueError):
     """A config the user wrote is invalid; the message names the key and what is allowed."""
@@ -75,7 +77,7 @@ class OptimizerConfig(_Section):
 
 class PipelineConfig(_Section):
     num_stages: int = Field(2, gt=0, description="pipeline stages the model is split into")
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"] = Field(
+    schedule: Literal[tuple(schedules.SCHEDULES)] = Field(
         "1f1b", description="order of forward/backward tasks on each slice")
     num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
     virtual_stages: int = Field(
@@ -149,6 +151,19 @@ class Config(_Section):
         return self
 
 
+def _schedule_problem(p: PipelineConfig) -> str | None:
+    """What mpmd.schedules says is wrong with the pipeline section (which schedules take
+    virtual stages, how many microbatches each needs), found by building the schedule: the
+    rules live there only. Its messages name make()'s parameters, which are this section's
+    keys, so prefixing them makes the message name the config key."""
+    try:
+        schedules.make(p.schedule, p.num_stages, p.num_microbatches, p.virtual_stages)
+    except ValueError as e:
+        text = str(e).replace("schedule '", "pipeline.schedule='")
+        return re.sub(r"(?<![.\w])(num_stages|num_microbatches|virtual_stages)\b", r"pipeline.\1", text)
+    return None
+
+
 def _cross_field_problems(c: Config) -> list[str]:
     """Every cross-field inconsistency, each a full sentence; empty when the config is sound."""
     m, p, t, d, cl = c.model, c.pipeline, c.train, c.data, c.cluster
@@ -156,23 +171,10 @@ def _cross_field_problems(c: Config) -> list[str]:
     if t.batch_size % p.num_microbatches:
         out.append(f"train.batch_size={t.batch_size} must be divisible by "
                    f"pipeline.num_microbatches={p.num_microbatches} (equal-sized microbatches)")
-    if p.num_stages % p.virtual_stages:
-        out.append(f"pipeline.num_stages={p.num_stages} must be divisible by "
-                   f"pipeline.virtual_stages={p.virtual_stages}")
-    interleaved = p.schedule == "interleaved-1f1b"
-    if interleaved and p.virtual_stages < 2:
-        out.append(f"pipeline.schedule='interleaved-1f1b' needs pipeline.virtual_stages >= 2, "
-                   f"got {p.virtual_stages}")
-    if not interleaved and p.virtual_stages != 1:
-        out.append(f"pipeline.virtual_stages={p.virtual_stages} needs pipeline.schedule="
-                   f"'interleaved-1f1b'; schedule '{p.schedule}' allows only virtual_stages=1")
+    problem = _schedule_problem(p)
+    if problem:
+        out.append(problem)
     num_slices = max(1, p.num_stages // p.virtual_stages)
-    if p.schedule != "gpipe" and p.num_microbatches < num_slices:
-        out.append(f"pipeline.schedule='{p.schedule}' needs pipeline.num_microbatches >= the "
-                   f"number of slices ({num_slices}), got {p.num_microbatches}")
-    if interleaved and p.num_microbatches % num_slices:
-        out.append(f"pipeline.schedule='interleaved-1f1b' needs pipeline.num_microbatches to be a "
-                   f"multiple of the number of slices ({num_slices}), got {p.num_microbatches}")
     if m.kind == "gpt":
         if m.d_model % m.num_heads:
             out.append(f"model.d_model={m.d_model} must be divisible by "

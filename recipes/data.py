@@ -1,9 +1,11 @@
 """Training data with no download: bytes of local text files, or seeded synthetic batches.
 
 Every source answers `batch(seed, index, batch_size)` as a pure function of its arguments, so a
-`Loader` is only a cursor (`position` = batches served). Resuming from a checkpoint is
-`Loader.from_state(source, state)`, and a recovered run sees exactly the batches an
-uninterrupted one would have seen.
+`Loader` is only a cursor (`position` = batches served). Its `state()` is saved with every
+checkpoint; a resumed or recovered run seeks its loader (built from the same config, so the
+same seed and batch size) to the saved position, and so sees exactly the batches an
+uninterrupted one would have seen. `Loader.from_state(source, state)` rebuilds a loader from
+a saved state alone.
 
 Byte-level LM data: token = byte (0..255). The corpus is cut into non-overlapping windows of
 seq_len + 1 bytes (the +1 is the last target), so one epoch shows every byte as a target once.
@@ -17,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from recipes.config import Config, DataConfig
+from recipes.config import Config, ConfigError, DataConfig
 
 # Directory names under the stdlib that are not "the standard library's own code".
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -44,7 +46,7 @@ def corpus_files(cfg_data: DataConfig) -> list[Path]:
             files += [Path(folder, n) for n in names if n.endswith(".py")]
         files.sort(key=lambda p: p.relative_to(root).as_posix())
         if not files:
-            raise ValueError(f"data.source='stdlib' found no .py files under {root}; "
+            raise ConfigError(f"data.source='stdlib' found no .py files under {root}; "
                              f"use data.source='files' with data.paths")
         return files
     if cfg_data.source == "files":
@@ -61,7 +63,7 @@ def corpus_files(cfg_data: DataConfig) -> list[Path]:
                 missing.append(entry)
             files += [p for p in found if not (p in seen or seen.add(p))]
         if missing:
-            raise ValueError("data.paths: no file found for " + ", ".join(map(repr, missing)))
+            raise ConfigError("data.paths: no file found for " + ", ".join(map(repr, missing)))
         return files
     raise ValueError(f"data.source='{cfg_data.source}' has no files; "
                      f"only 'stdlib' and 'files' do")
@@ -114,7 +116,7 @@ class ByteCorpus:
         self.eval = ByteSplit(self.tokens[split:], seq_len)
         for name, part in (("train", self.train), ("eval", self.eval)):
             if part.num_examples == 0:
-                raise ValueError(
+                raise ConfigError(
                     f"the {name} split has {len(part.tokens)} bytes, fewer than one window of "
                     f"seq_len + 1 = {seq_len + 1}: add files or raise data.eval_fraction")
 
@@ -160,7 +162,7 @@ class Loader:
             raise ValueError(f"batch_size must be > 0 and position >= 0, "
                              f"got {batch_size} and {position}")
         if source.num_examples is not None and source.num_examples < batch_size:
-            raise ValueError(f"the data split has {source.num_examples} windows, fewer than "
+            raise ConfigError(f"the data split has {source.num_examples} windows, fewer than "
                              f"batch_size={batch_size}: add data, lower train.batch_size or "
                              f"raise data.eval_fraction")
         self.source, self.batch_size, self.seed, self.position = source, batch_size, seed, position

@@ -13,17 +13,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Mapping, NamedTuple, Sequence, TextIO
+from typing import Iterable, Mapping, Sequence, TextIO
+
+# The events this module draws and measures are the executor's (name, kind, start_ns, end_ns);
+# any 4-tuple in that order works.
+from runtime.executor import Event  # noqa: F401  (re-exported for callers that build events)
 
 METRICS_FILE = "metrics.jsonl"
-
-
-class Event(NamedTuple):
-    """One timed task on one slice, in wall-clock nanoseconds (any 4-tuple in this order works)."""
-    name: str
-    kind: str  # "run" | "recv" | "send"
-    start_ns: int
-    end_ns: int
 
 
 def _plain(value):

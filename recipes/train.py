@@ -9,11 +9,13 @@ recipes.data, recipes.run_log); each piece is one small function below. A run le
 trace.json (the steps in log.trace_steps) and, for a GPT on text, sample.txt.
 
 Problems a user's config causes at build time (a custom module that does not import, a stage
-count that does not match, a backend not built yet) raise ConfigError before any worker
-starts, so `mpmd train` can report them like a bad key.
+count the model cannot take, a backend whose package is not installed, too few devices for
+the in-process backend) raise ConfigError naming the key before any worker starts, so
+`mpmd train` reports them like a bad key. Any other error is a bug and stays itself.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -32,6 +34,20 @@ import mpmd
 from recipes import config as config_lib
 from recipes import data, run_log
 from recipes.config import Config, ConfigError
+from runtime.inprocess import devices_for
+from runtime.ray_cluster import RayMissingError
+
+
+@contextlib.contextmanager
+def _config_problem(key: str, errors: tuple[type[Exception], ...] = (ValueError,)):
+    """An error of `errors` raised inside comes from the config's value of `key` (a stage count
+    the model cannot take, arguments a cluster refuses): re-raise it as ConfigError naming it."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except errors as e:
+        raise ConfigError(f"{key}: {e}") from e
 
 
 # -- build ---------------------------------------------------------------------------------
@@ -60,7 +76,8 @@ def build_model(cfg: Config, sample_input=None) -> tuple[list, Callable]:
     if loss_fn is None:
         loss_fn = models.mse_loss if m.kind == "mlp" else models.lm_loss
     if callable(getattr(built, "layers", None)):
-        return list(mpmd.split(built, num_stages, sample_input)), loss_fn
+        with _config_problem(f"pipeline.num_stages={num_stages}"):
+            return list(mpmd.split(built, num_stages, sample_input)), loss_fn
     stages = list(built)
     if len(stages) != num_stages:
         raise ConfigError(f"model.module={m.module!r} returned {len(stages)} stages but "
@@ -111,13 +128,17 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
 def build_cluster(cfg: Config):
     """The cluster object for cluster.backend; workers start when the Trainer starts it."""
     c = cfg.cluster
-    if c.backend == "inprocess":
-        return mpmd.InProcessCluster()
-    if c.backend == "static":
-        return mpmd.StaticCluster(c.addresses, token_file=c.token_file)
-    cls = mpmd.LocalCluster if c.backend == "local" else mpmd.RayCluster
-    return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
-               threads_per_worker=c.threads_per_worker)
+    # Ray is optional: without it RayCluster raises RayMissingError (an ImportError), which
+    # says how to install it.
+    with _config_problem(f"cluster.backend='{c.backend}'", (ValueError, RayMissingError)):
+        if c.backend == "inprocess":
+            devices_for(cfg.num_workers)  # one JAX device per slice, else say how to get more
+            return mpmd.InProcessCluster()
+        if c.backend == "static":
+            return mpmd.StaticCluster(c.addresses, token_file=c.token_file)
+        cls = mpmd.LocalCluster if c.backend == "local" else mpmd.RayCluster
+        return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
+                   threads_per_worker=c.threads_per_worker)
 
 
 # -- pieces of the loop --------------------------------------------------------------------
@@ -162,18 +183,12 @@ def run(cfg: Config) -> dict:
     """Trains cfg.train.steps steps; returns a summary of the run."""
     p = cfg.pipeline
     # Everything that can reject the config runs before a run directory exists.
-    try:
-        train_loader, eval_loader = data.make_loaders(cfg)
-        sample_input = _first_microbatch(train_loader, p.num_microbatches)
-        stages, loss_fn = build_model(cfg, sample_input)
-        pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
-        optimizer = build_optimizer(cfg)
-        cluster = build_cluster(cfg)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
+    train_loader, eval_loader = data.make_loaders(cfg)
+    sample_input = _first_microbatch(train_loader, p.num_microbatches)
+    stages, loss_fn = build_model(cfg, sample_input)
+    pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
+    optimizer = build_optimizer(cfg)
+    cluster = build_cluster(cfg)
     try:
         trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
                                num_microbatches=p.num_microbatches, cluster=cluster,
@@ -182,10 +197,8 @@ def run(cfg: Config) -> dict:
                                run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
                                keep=cfg.checkpoint.keep,
                                checkpoint_metadata={"config_hash": cfg.hash(exclude=["train.steps"])})
-    except BaseException as e:
+    except BaseException:
         cluster.close()  # whatever start() got going before it failed
-        if isinstance(e, ValueError) and not isinstance(e, ConfigError):
-            raise ConfigError(str(e)) from e  # e.g. fewer JAX devices than slices
         raise
     try:
         run_dir = Path(cfg.run_dir)

@@ -111,3 +111,39 @@ def test_mlp_config_trains(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
     assert not (run_dir / "sample.txt").exists()
+
+
+def test_a_bug_while_building_is_an_error_not_a_config_error(monkeypatch, tmp_path):
+    from recipes import train, train_cli
+
+    def broken_optimizer(cfg):
+        raise ValueError("a bug in the recipe")
+    monkeypatch.setattr(train, "build_optimizer", broken_optimizer)
+    run_dir = tmp_path / "bug"
+    with pytest.raises(ValueError, match="a bug in the recipe") as error:
+        train_cli.main([str(ROOT / "configs/mlp.yaml"), f"run_dir={run_dir}"])
+    assert not isinstance(error.value, config.ConfigError)   # a traceback, not "error: ..."
+    assert not run_dir.exists()
+
+
+def test_missing_ray_is_a_one_line_error_naming_the_install(monkeypatch, capsys, tmp_path):
+    from recipes import train_cli
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` now fails
+    run_dir = tmp_path / "ray"
+    status = train_cli.main([str(ROOT / "configs/mlp.yaml"), "cluster.backend=ray", f"run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: cluster.backend='ray': RayCluster needs Ray") and err.count("\n") == 1
+    assert "pip install -e '.[ray]'" in err
+    assert not run_dir.exists()
+
+
+def test_too_few_devices_for_inprocess_is_a_config_error():
+    import jax
+
+    from recipes import train
+    n = len(jax.devices()) + 1
+    cfg = config.load(None, ["cluster.backend=inprocess", f"model.num_layers={n}", f"pipeline.num_stages={n}",
+                             f"pipeline.num_microbatches={n}", f"train.batch_size={n}"])
+    with pytest.raises(config.ConfigError, match=rf"cluster.backend='inprocess': .*device_count={n}"):
+        train.build_cluster(cfg)

@@ -1,0 +1,67 @@
+"""Import structure: the schedule tools load without JAX, the package's public names load
+lazily, and mpmd's modules import in any order (their imports form a DAG)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mpmd
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_schedule_modules_do_not_import_jax():
+    proc = run_python("-c", "import sys, mpmd.schedules, mpmd.simulate, mpmd.render, mpmd.schedule_cli; "
+                            "assert 'jax' not in sys.modules, 'jax was imported'")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_schedule_command_does_not_import_jax(tmp_path):
+    code = ("import sys; from recipes import cli; "
+            f"rc = cli.main(['schedule', '1f1b', '--stages', '4', '--microbatches', '8', '-o', {str(tmp_path / 'a.svg')!r}]); "
+            "assert rc == 0, rc; assert 'jax' not in sys.modules, 'jax was imported'")
+    proc = run_python("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert "bubble fraction" in proc.stdout and (tmp_path / "a.svg").exists()
+
+
+@pytest.mark.parametrize("name, module", [
+    ("abstract", "mpmd.lazy"), ("Pipeline", "mpmd.pipeline"), ("Trainer", "mpmd.trainer"),
+    ("split", "mpmd.split"), ("stage_boundary", "mpmd.marks"), ("Rewound", "mpmd.checkpoints"),
+    ("InProcessCluster", "runtime.inprocess"), ("LocalCluster", "runtime.local"),
+    ("RayCluster", "runtime.ray_cluster"), ("StaticCluster", "runtime.client"), ("WorkerLost", "runtime.client")])
+def test_public_names_resolve_lazily(name, module):
+    value = getattr(mpmd, name)
+    assert value is getattr(sys.modules[module], name)
+    assert name in mpmd.__all__ and name in dir(mpmd)
+
+
+def test_public_names_are_exactly_all():
+    assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "split", "stage_boundary",
+                                           "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
+                                           "Rewound", "WorkerLost"])
+
+
+def test_unknown_attribute_raises_attribute_error():
+    with pytest.raises(AttributeError, match="no_such_name"):
+        mpmd.no_such_name  # noqa: B018
+    assert not hasattr(mpmd, "no_such_name")
+
+
+def test_split_stays_the_function_after_importing_the_submodule():
+    # Importing the submodule mpmd.split must not replace the public function mpmd.split.
+    proc = run_python("-c", "import mpmd.split, mpmd; from mpmd.split import balanced_boundaries; "
+                            "import inspect; assert inspect.isfunction(mpmd.split), mpmd.split")
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("first, second", [("mpmd.split", "mpmd.marks"), ("mpmd.marks", "mpmd.split")])
+def test_marks_and_split_import_in_either_order(first, second):
+    proc = run_python("-c", f"import {first}, {second}; import mpmd; "
+                            "assert callable(mpmd.split) and callable(mpmd.stage_boundary)")
+    assert proc.returncode == 0, proc.stderr
