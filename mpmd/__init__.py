@@ -21,7 +21,7 @@ _WHERE = {
     "RayCluster": "runtime.ray_cluster",
     "StaticCluster": "runtime.client",
     "Rewound": "mpmd.checkpoints",
-    "WorkerLost": "runtime.client",
+    "WorkerLost": "runtime.cluster",
 }
 
 __all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",

@@ -16,7 +16,7 @@ import time
 
 from mpmd import names
 from runtime.checkpoint import CheckpointStore
-from runtime.client import WorkerLost
+from runtime.cluster import WorkerLost
 
 log = logging.getLogger("mpmd")
 

@@ -7,7 +7,7 @@ stage. A schedule with split_backward=False runs the whole backward as one B tas
 costs b + w unless a dict also gives "BW", the full backward's own cost. B + W = BW is what zero-bubble schedules assume; mpmd's
 W program today recomputes the whole vjp (measured with XLA cost analysis on a 2-block GPT
 stage: BW 952, B 514, W 952 MFLOP), so ZB-H1 figures are honest only with measured costs:
-`mpmd.costs.measure` gives them for a pipeline. With F = B = W = 1 (a full backward twice a
+`mpmd.stage_costs.measure` gives them for a pipeline. With F = B = W = 1 (a full backward twice a
 forward, the usual rule of thumb) and no BW, p slices give:
   GPipe, 1F1B:   bubble = (p-1)/(m+p-1)      (any f, b, w: the formula does not depend on them)
   interleaved:   bubble = (p-1)/(v*m+p-1)    (m a multiple of p)

@@ -5,6 +5,17 @@ A stage's cost is its forward FLOPs from XLA's cost analysis on a sample microba
 embedding's gather costs almost nothing, a block's matmuls most), falling back to its
 parameter count when no sample input is known. Both mpmd/split.py (balancing layers) and
 mpmd/marks.py (reporting the cost of a marked cut) use these.
+
+`measure` prices a built pipeline's own programs per task kind, for mpmd.simulate:
+
+    costs = measure(pipe, micro_input_spec, micro_target_spec)
+    simulate(schedules.make("zb-h1", 4, 8), costs)     # priced by what the programs do
+
+Each stage's forward (F), input gradient (B), weight gradient (W) and full backward (BW)
+program is exported exactly as the Trainer ships it and priced in the same unit. Simulating
+with these instead of the F = B = W rule of thumb shows what a zero-bubble schedule really
+costs: until W stops recomputing the forward vjp, B + W exceeds BW, and ZB-H1 does more
+backward work than 1F1B (see mpmd/simulate.py).
 """
 from __future__ import annotations
 
@@ -12,8 +23,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mpmd.pipeline import stage_fn
+from mpmd import names, stage_programs
+from mpmd.pipeline import Pipeline, stage_fn
+from mpmd.simulate import FULL_BACKWARD
 from mpmd.specs import spec
+from runtime.programs import ProgramSpec
 
 
 class Stages(list):
@@ -35,10 +49,44 @@ def fn_costs(fns, sample_input) -> list[float]:
     costs = []
     for fn in fns:
         p = tuple(jax.tree.map(spec, fn.param_leaves))
-        analysis = jax.jit(fn.apply).lower(p, x).cost_analysis() or {}
-        if isinstance(analysis, list):  # older jax returned one dict per computation
-            analysis = analysis[0] if analysis else {}
-        # A pure gather (the embedding) reports ~0 flops; count its output bytes so it is not free.
-        costs.append(float(analysis.get("flops", 0.0)) + float(analysis.get("bytes accessed", 0.0)) / 4)
+        costs.append(_cost(jax.jit(fn.apply).lower(p, x)))
         x = jax.eval_shape(fn.apply, p, x)
     return costs
+
+
+def _cost(lowered) -> float:
+    """flops + bytes accessed / 4 of a lowered computation, from XLA's cost analysis."""
+    analysis = lowered.cost_analysis() or {}
+    if isinstance(analysis, list):  # older jax returned one dict per computation
+        analysis = analysis[0] if analysis else {}
+    # A pure gather (the embedding) reports ~0 flops; count its output bytes so it is not free.
+    return float(analysis.get("flops", 0.0)) + float(analysis.get("bytes accessed", 0.0)) / 4
+
+
+def program_cost(program: ProgramSpec) -> float:
+    """The cost of an exported program (a ProgramSpec as shipped to a slice)."""
+    exported = jax.export.deserialize(bytearray(program.data))
+    args, _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    return _cost(jax.jit(exported.call).lower(*args))
+
+
+def measure(pipe: Pipeline, micro_input_spec, micro_target_spec) -> list[dict]:
+    """Per stage {"F", "B", "W", "BW"}: the cost of its programs for one microbatch of these
+    shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
+    acts = pipe.activation_specs(micro_input_spec)
+    loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
+    S = pipe.num_stages
+    out = []
+    for k, fn in enumerate(pipe.fns):
+        first, last = k == 0, k == S - 1
+        params = tuple(jax.tree.map(spec, fn.param_leaves))
+        shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
+                                            micro_target_spec if last else None)
+        built = {}
+        for split in (True, False):
+            built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn,
+                                              num_microbatches=1, split_backward=split))
+        cost = lambda kind: program_cost(built[names.program(kind, k)])
+        out.append({"F": cost("fwd"), "B": 0.0 if first else cost("bwd_in"), "W": cost("bwd_w_first"),
+                    FULL_BACKWARD: cost("bwd_first")})
+    return out

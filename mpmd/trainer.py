@@ -21,14 +21,14 @@ import optax
 from mpmd import lazy, lowering, names, schedules
 from mpmd.checkpoints import Rewound, StageCheckpoints
 from mpmd.pipeline import Pipeline
-from runtime.client import WorkerLost
+from runtime.cluster import Cluster, ReplaceUnsupported, WorkerLost
 from runtime.instructions import Run
 
 
 class Trainer:
     def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation,
                  schedule: str | schedules.Schedule = "1f1b",
-                 num_microbatches: int | None = None, cluster=None, virtual_stages: int | None = None,
+                 num_microbatches: int | None = None, cluster: Cluster | None = None, virtual_stages: int | None = None,
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
                  keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
                  checkpoint_metadata: dict | None = None):
@@ -185,14 +185,17 @@ class Trainer:
         the initial state), and tell the caller where to resume by raising Rewound."""
         self.restarts += 1
         last = self.checkpoints.latest() if self.checkpoints is not None else None
-        if self.restarts > self.max_restarts or not hasattr(self.cluster, "replace"):
+        committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
+        if self.restarts > self.max_restarts:
             raise RuntimeError(f"{lost}; giving up after {self.restarts - 1} recoveries (max_restarts="
-                               f"{self.max_restarts}); last committed checkpoint: "
-                               f"{'step ' + str(last) if last is not None else 'none'}") from lost
+                               f"{self.max_restarts}); {committed}") from lost
         t0 = time.perf_counter()
         if self.checkpoints is not None:
             self.checkpoints.wait()
-        self.cluster.replace(lost.slice_index)
+        try:
+            self.cluster.replace(lost.slice_index)
+        except ReplaceUnsupported as e:
+            raise RuntimeError(f"{lost}; cannot replace it: {e}; {committed}") from lost
         t_replace = time.perf_counter()
         restored = self.checkpoints.restore_latest() if self.checkpoints is not None else None
         if restored is None:   # nothing committed yet: back to the initial state

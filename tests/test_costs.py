@@ -7,7 +7,7 @@ from flax import nnx
 import models
 import mpmd
 from mpmd import schedules
-from mpmd.costs import measure
+from mpmd.stage_costs import measure
 from mpmd.schedule_cli import main
 from mpmd.simulate import simulate
 

@@ -34,7 +34,7 @@ def test_schedule_command_does_not_import_jax(tmp_path):
     ("abstract", "mpmd.lazy"), ("Pipeline", "mpmd.pipeline"), ("Trainer", "mpmd.trainer"),
     ("split", "mpmd.split"), ("stage_boundary", "mpmd.marks"), ("Rewound", "mpmd.checkpoints"),
     ("InProcessCluster", "runtime.inprocess"), ("LocalCluster", "runtime.local"),
-    ("RayCluster", "runtime.ray_cluster"), ("StaticCluster", "runtime.client"), ("WorkerLost", "runtime.client")])
+    ("RayCluster", "runtime.ray_cluster"), ("StaticCluster", "runtime.client"), ("WorkerLost", "runtime.cluster")])
 def test_public_names_resolve_lazily(name, module):
     value = getattr(mpmd, name)
     assert value is getattr(sys.modules[module], name)

@@ -116,7 +116,9 @@ def test_without_ray_says_how_to_install(monkeypatch):
     # friendly message catch RayMissingError by name.
     from runtime.ray_cluster import RayMissingError
     assert not issubclass(RayMissingError, ValueError)
-    with pytest.raises(RayMissingError, match=r"RayCluster needs Ray.*pip install -e '\.\[ray\]'"):
+    # The recipe reports it as a bad choice of cluster.backend, naming the install command.
+    with pytest.raises(config.ConfigError, match=r"cluster\.backend='ray'.*RayCluster needs Ray.*"
+                                                 r"pip install -e '\.\[ray\]'"):
         recipe.build_cluster(cfg)
 
 
