@@ -6,6 +6,7 @@ The public names load on first use (PEP 562), so `import mpmd.schedules` and
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 
@@ -30,6 +31,9 @@ __all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "InProc
 
 def __getattr__(name: str):
     if name not in _WHERE:
+        # A submodule used as an attribute (`mpmd.schedules.gpipe` after `import mpmd`).
+        if name.isidentifier() and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'mpmd' has no attribute {name!r}")
     value = getattr(importlib.import_module(_WHERE[name]), name)
     globals()[name] = value      # later look-ups skip __getattr__

@@ -86,13 +86,6 @@ class Pipeline:
             specs.append(out)
         return specs
 
-    def reference_loss(self, params_per_stage, inputs, targets):
-        """The unpipelined loss of the whole batch, for tests and checks: compose the stages."""
-        x = inputs
-        for fn, leaves in zip(self.fns, params_per_stage):
-            x = fn.apply(leaves, x)
-        return self.loss_fn(x, targets)
-
 
 def shared_params(fns) -> list[list[tuple[int, int]]]:
     """Groups of (stage, local leaf index) that are one global parameter, by global index."""

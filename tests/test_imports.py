@@ -53,6 +53,13 @@ def test_unknown_attribute_raises_attribute_error():
     assert not hasattr(mpmd, "no_such_name")
 
 
+def test_submodules_are_attributes_on_first_use():
+    proc = run_python("-c", "import mpmd, sys; assert 'mpmd.schedules' not in sys.modules; "
+                            "assert mpmd.schedules.gpipe(2, 2).placement == (0, 1); "
+                            "assert 'jax' not in sys.modules")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_split_stays_the_function_after_importing_the_submodule():
     # Importing the submodule mpmd.split must not replace the public function mpmd.split.
     proc = run_python("-c", "import mpmd.split, mpmd; from mpmd.split import balanced_boundaries; "
