@@ -43,6 +43,21 @@ def train(make_model, loss_fn, batches, optimizer, max_grad_norm=None):
     return losses, first_grads, [np.asarray(l) for l in jax.tree.leaves(params)]
 
 
+def leaf_errors(got, want) -> list[tuple[float, float]]:
+    """Per leaf, (max absolute error, the leaf's largest magnitude in `want`)."""
+    out = []
+    for g, w in zip(got, want):
+        scale = max(float(np.max(np.abs(w))), 1e-30) if w.size else 1.0
+        err = float(np.max(np.abs(g.astype(np.float64) - w))) if w.size else 0.0
+        out.append((err, scale))
+    return out
+
+
+def max_leaf_error(got, want) -> float:
+    """The largest error of any leaf relative to that leaf's scale (see assert_leaves_close)."""
+    return max(err / scale for err, scale in leaf_errors(got, want))
+
+
 def assert_leaves_close(got, want, rtol, what="parameters"):
     """Each leaf within `rtol` of the reference, relative to that leaf's largest magnitude.
 
@@ -53,6 +68,5 @@ def assert_leaves_close(got, want, rtol, what="parameters"):
     assert len(got) == len(want), f"{what}: {len(got)} leaves, expected {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape, f"{what} leaf {i}: shape {g.shape}, expected {w.shape}"
-        scale = max(float(np.max(np.abs(w))), 1e-30) if w.size else 1.0
-        err = float(np.max(np.abs(g.astype(np.float64) - w))) if w.size else 0.0
+    for i, (w, (err, scale)) in enumerate(zip(want, leaf_errors(got, want))):
         assert err <= rtol * scale, f"{what} leaf {i} {w.shape}: max error {err:.3g} > {rtol} x scale {scale:.3g}"
