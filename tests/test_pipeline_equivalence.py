@@ -3,25 +3,13 @@ import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import models
 import mpmd
 from tests import reference
+from tests.reference import batches, make_gpt
 
-VOCAB, D, HEADS, BLOCKS, SEQ, BATCH = 32, 16, 2, 6, 8, 8
 LR = 3e-4   # Adam turns relative gradient rounding into relative update error (~ LR per step); keep steps small
-STEPS = 3
-
-
-def make_gpt():
-    return models.GPT(VOCAB, D, HEADS, BLOCKS, SEQ, rngs=nnx.Rngs(0))
-
-
-def batches():
-    rng = np.random.default_rng(1)
-    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)) for _ in range(STEPS)]
 
 
 @pytest.fixture(scope="module")
