@@ -37,7 +37,7 @@ def make_pipe(spin=None):
 
 class Spin(nnx.Module):
     """The identity, exactly, whose forward first burns `forward_iters` serial sines over the
-    activation and whose backward burns `backward_iters` over the gradient (~50 us each on
+    activation and whose backward burns `backward_iters` over the gradient (~15 CPU us each on
     one microbatch here): it stretches one phase of a stage so that a kill aimed at its
     middle lands inside it with a wide margin."""
 
