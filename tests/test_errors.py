@@ -6,7 +6,7 @@ from flax import nnx
 
 import models
 import mpmd
-from tests.test_user_stages import HeadStage, UserModel, WidenStage
+from tests.user_stages import HeadStage, UserModel, WidenStage
 
 
 def gpt(layers=2):

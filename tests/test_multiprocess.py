@@ -17,22 +17,12 @@ from flax import nnx
 
 import models
 import mpmd
-from runtime.local import process_alive
 from tests import reference
-from tests.test_pipeline_equivalence import batches, make_gpt
-from tests.test_user_stages import UserModel, token_batches
+from tests.processes import alive, wait_gone
+from tests.reference import assert_same, batches, make_gpt, train_pipeline as train
+from tests.user_stages import UserModel, token_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-alive = process_alive
-
-
-def wait_gone(pids, timeout_s=10.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.fixture(scope="module")
@@ -43,23 +33,6 @@ def cluster():
     yield c
     c.close()
     assert wait_gone(pids) == [], "workers outlived their cluster"
-
-
-def train(pipe_factory, schedule, m, v, cluster, data):
-    trainer = mpmd.Trainer(pipe_factory(), optax.adamw(1e-3), schedule=schedule, num_microbatches=m,
-                           virtual_stages=v, cluster=cluster)
-    try:
-        losses = [trainer.step(x, y)["loss"] for x, y in data]
-        return losses, reference.stage_leaves(trainer.params())
-    finally:
-        trainer.close(close_cluster=not isinstance(cluster, mpmd.LocalCluster))
-
-
-def assert_same(a, b):
-    assert a[0] == b[0], f"losses differ: {a[0]} vs {b[0]}"
-    assert len(a[1]) == len(b[1])
-    for i, (x, y) in enumerate(zip(a[1], b[1])):
-        assert np.array_equal(x, y), f"parameter leaf {i} differs (max {np.max(np.abs(x - y))})"
 
 
 CASES = [(name, p) for p in (2, 4) for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")]

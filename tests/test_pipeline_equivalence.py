@@ -1,26 +1,15 @@
 """Every schedule trains exactly like the unpipelined model: loss, gradients, parameters."""
+import jax
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import models
 import mpmd
 from tests import reference
+from tests.reference import batches, make_gpt
 
-VOCAB, D, HEADS, BLOCKS, SEQ, BATCH = 32, 16, 2, 6, 8, 8
 LR = 3e-4   # Adam turns relative gradient rounding into relative update error (~ LR per step); keep steps small
-STEPS = 3
-
-
-def make_gpt():
-    return models.GPT(VOCAB, D, HEADS, BLOCKS, SEQ, rngs=nnx.Rngs(0))
-
-
-def batches():
-    rng = np.random.default_rng(1)
-    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)) for _ in range(STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +49,59 @@ def test_schedule_matches_unpipelined(gpt_reference, name, p, m, v):
         check_trainer(trainer, gpt_reference)
 
 
+CLIP = 0.2   # between the stage norms: at every step two stages' norms are above it, two below half of it
+
+
+def recording_norms(norms: list, stage_of_layer: list[int]) -> optax.GradientTransformation:
+    """Passes gradients through unchanged, appending (per-stage norms, global norm) to `norms`.
+
+    reference.train applies the optimizer outside jit, so the values are concrete."""
+    def update(grads, state, params=None):
+        per_stage = [float(optax.tree.norm([g for g, s in zip(grads, stage_of_layer) if s == k]))
+                     for k in range(max(stage_of_layer) + 1)]
+        norms.append((per_stage, float(optax.tree.norm(grads))))
+        return grads, state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def clip_each_stage(max_norm: float, stage_of_layer: list[int]) -> optax.GradientTransformation:
+    """The trap: every stage's gradient clipped by its own global norm, on the unpipelined
+    params (one nnx.State per layer), as a pipeline that skipped the cross-stage reduction would."""
+    labels = lambda params: [jax.tree.map(lambda _: f"stage{s}", p) for p, s in zip(params, stage_of_layer)]
+    return optax.multi_transform({f"stage{k}": optax.clip_by_global_norm(max_norm) for k in set(stage_of_layer)},
+                                 labels)
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
 def test_global_norm_clipping_matches_optax(name):
-    # SGD, because Adam is nearly invariant to gradient scale and would hide a wrong clip
-    # factor; a tight bound so clipping really triggers.
+    # SGD with momentum, because Adam is nearly invariant to gradient scale and would hide a
+    # wrong clip factor.
     data = batches()
-    sgd = optax.sgd(0.1)
-    ref = reference.train(make_gpt, models.lm_loss, data, sgd, max_grad_norm=0.05)
-    pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
-    with mpmd.Trainer(pipe, optimizer=sgd, schedule=name, num_microbatches=4, max_grad_norm=0.05) as trainer:
-        norms = []
-        for x, y in data:
-            norms.append(trainer.step(x, y)["grad_norm"])
-        reference.assert_leaves_close(reference.stage_leaves(trainer.params()), ref[2], rtol=1e-5)
-    assert min(norms) > 0.05, "the test must exercise clipping"
-    # The trap: clipping each stage by its own norm is a different update.
+    sgd = optax.sgd(0.1, momentum=0.9)
+    stages = mpmd.split(make_gpt(), num_stages=4)
+    stage_of_layer = [k for k, stage in enumerate(stages) for _ in stage.layers]
+    seen_global, seen_per_stage = [], []
+    ref = reference.train(make_gpt, models.lm_loss, data,
+                          optax.chain(recording_norms(seen_global, stage_of_layer), optax.clip_by_global_norm(CLIP), sgd))
     per_stage = reference.train(make_gpt, models.lm_loss, data,
-                                optax.chain(optax.clip(0.05), sgd))
-    assert not all(np.allclose(a, b, rtol=1e-5) for a, b in zip(ref[2], per_stage[2]))
+                                optax.chain(recording_norms(seen_per_stage, stage_of_layer),
+                                            clip_each_stage(CLIP, stage_of_layer), sgd))
+    with mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer=sgd, schedule=name, num_microbatches=4,
+                      max_grad_norm=CLIP) as trainer:
+        norms = [trainer.step(x, y)["grad_norm"] for x, y in data]
+        got = reference.stage_leaves(trainer.params())
+    # The pipeline reports the global norm (not any one stage's) and updates as optax's global clip.
+    np.testing.assert_allclose(norms, [g for _, g in seen_global], rtol=1e-5)
+    reference.assert_leaves_close(got, ref[2], rtol=1e-5)
+    # The two clips really disagree at every step: the global one scales every stage by
+    # CLIP / global norm, while clipping per stage leaves the small stages untouched and
+    # shrinks the large ones by a different factor.
+    for per, glob in seen_global + seen_per_stage:
+        assert glob > CLIP, f"global norm {glob:.3g} must exceed {CLIP} so that clipping triggers"
+        assert any(n < CLIP / 2 for n in per) and any(n > CLIP for n in per), f"stage norms {per} vs {CLIP}"
+    # ... so the per-stage run ends far outside the tolerance the pipeline met.
+    differ = reference.max_leaf_error(per_stage[2], ref[2])
+    assert differ > 1e4 * 1e-5, f"per-stage clipping changed the parameters by only {differ:.3g} x scale"
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("interleaved-1f1b", 2)])

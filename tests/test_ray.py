@@ -16,8 +16,8 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -
 import models  # noqa: E402
 import mpmd  # noqa: E402
 from tests import reference  # noqa: E402
-from tests.test_multiprocess import alive, assert_same, train, wait_gone  # noqa: E402
-from tests.test_pipeline_equivalence import batches, make_gpt  # noqa: E402
+from tests.processes import TINY_GPT, alive, mpmd_train, wait_gone  # noqa: E402
+from tests.reference import assert_same, batches, make_gpt, train_pipeline as train  # noqa: E402
 
 
 def make_pipeline():
@@ -134,7 +134,6 @@ def test_mpmd_train_on_ray_gives_the_local_losses(tmp_path):
     losses, bit for bit (actors are pinned like local workers, so they compute alike)."""
     import json
 
-    from tests.test_train_cli import TINY_GPT, mpmd_train
     losses = {}
     for backend in ("local", "ray"):
         run_dir = tmp_path / backend

@@ -4,12 +4,15 @@ Every scenario ends with exactly the parameters of an uninterrupted run (bitwise
 in-process and multi-process runtimes run the same programs with the same threading) and
 leaves no process behind.
 """
+import functools
 import os
 import shutil
 import signal
 import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,13 +21,46 @@ from flax import nnx
 import models
 import mpmd
 from tests import reference
-from tests.test_multiprocess import wait_gone
+from tests.processes import wait_gone
 
 STEPS, EVERY = 8, 2
 
 
-def make_pipe():
-    return mpmd.Pipeline(mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
+def make_pipe(spin=None):
+    """The GPT in two stages; with spin=(forward_iters, backward_iters), stage 1 starts with a
+    `Spin` of those counts."""
+    stages = mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2)
+    if spin is not None:
+        stages[1] = nnx.Sequential(Spin(*spin), *stages[1].layers)
+    return mpmd.Pipeline(stages, models.lm_loss)
+
+
+class Spin(nnx.Module):
+    """The identity, exactly, whose forward first burns `forward_iters` serial sines over the
+    activation and whose backward burns `backward_iters` over the gradient (~15 CPU us each on
+    one microbatch here): it stretches one phase of a stage so that a kill aimed at its
+    middle lands inside it with a wide margin."""
+
+    def __init__(self, forward_iters: int, backward_iters: int):
+        self.forward_iters, self.backward_iters = forward_iters, backward_iters
+
+    def __call__(self, x):
+        return _spin(x, self.forward_iters, self.backward_iters)
+
+
+def _burn(x, iters):
+    if not iters:
+        return x
+    # x + 0 * (finite sum) is x bitwise; XLA does not fold a float multiply by zero (NaN * 0).
+    return x + 0.0 * jnp.sum(jax.lax.fori_loop(0, iters, lambda _, u: jnp.sin(u), x))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _spin(x, forward_iters, backward_iters):
+    return _burn(x, forward_iters)
+
+
+_spin.defvjp(lambda x, f, b: (_burn(x, f), None), lambda f, b, _, g: (_burn(g, b),))
 
 
 def data():
@@ -32,25 +68,31 @@ def data():
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(STEPS)]
 
 
-def make_trainer(cluster, run_dir, **kw):
-    return mpmd.Trainer(make_pipe(), optax.adamw(1e-3), "gpipe", num_microbatches=4, cluster=cluster,
+def make_trainer(cluster, run_dir, spin=None, **kw):
+    return mpmd.Trainer(make_pipe(spin), optax.adamw(1e-3), "gpipe", num_microbatches=4, cluster=cluster,
                         run_dir=run_dir, checkpoint_every=EVERY, **kw)
 
 
-def train(trainer, batches, fault=None):
-    """Train to STEPS, replaying after a recovery; `fault(i, trainer)` runs before batch i
-    is stepped. Returns ({step: loss}, final params, number of rewinds)."""
+def train(trainer, batches, fault=None, traces=None, steps=STEPS):
+    """Train to `steps`, replaying after a recovery; `fault(i, trainer)` runs before batch i
+    is stepped. With a `traces` list, every completed step is traced and appended to it as
+    (i, start_ns, slice 1's worker pid, per-slice events), start_ns taken just before the
+    step is sent.
+    Returns ({step: loss}, final params, number of rewinds)."""
     losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
-    while i < STEPS:
+    while i < steps:
         if fault is not None:
             fault(i, trainer)
+        start_ns = time.time_ns()
         try:
-            out = trainer.step(batches[i], batches[i], data_state={"i": i + 1})
+            out = trainer.step(batches[i], batches[i], data_state={"i": i + 1}, trace=traces is not None)
         except mpmd.Rewound as e:
             rewinds += 1
             i = e.data_state["i"] if e.data_state else 0
             losses = {s: l for s, l in losses.items() if s <= e.step}
             continue
+        if traces is not None:
+            traces.append((i, start_ns, trainer.cluster.pids[1], out["events"]))
         losses[out["step"]] = out["loss"]
         i += 1
     return losses, reference.stage_leaves(trainer.params()), rewinds
@@ -63,30 +105,45 @@ def uninterrupted(tmp_path_factory):
     return losses, params
 
 
+# Per phase, the Spin that stretches slice 1's forward ("F") or backward ("B") phase: ~4 x 0.12 CPU s.
+SPIN = {"F": (9000, 0), "B": (0, 9000)}
+SPIN_STEPS = 4   # a spinning step is slow: killed in step 4, the run replays steps 3 and 4
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_spin(tmp_path_factory):
+    """phase -> the uninterrupted run of the pipeline spinning in that phase (computed once)."""
+    runs = {}
+
+    def get(phase):
+        if phase not in runs:
+            with make_trainer(mpmd.InProcessCluster(), tmp_path_factory.mktemp("ref_spin"), SPIN[phase]) as trainer:
+                losses, params, _ = train(trainer, data(), steps=SPIN_STEPS)
+            runs[phase] = losses, params
+        return runs[phase]
+    return get
+
+
 def assert_same_run(got, want):
     assert got[0] == want[0], "per-step losses differ from the uninterrupted run"
     assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1])), "final parameters differ"
 
 
-def kill_once(at_step, sig, delay_s=0.0, slice_index=1):
-    """A fault that sends `sig` to a worker while batch `at_step` is being trained,
-    `delay_s` after the step starts (0: just before it)."""
-    fired = []
-
+def kill_once(at_step, sig, slice_index=1):
+    """A fault that sends `sig` to a worker just before batch `at_step` is stepped."""
     def fault(i, trainer):
-        if i == at_step and not fired:
-            fired.append(trainer.cluster.pids[slice_index])
-            pid = fired[0]
-            threading.Timer(delay_s, lambda: os.kill(pid, sig)).start()
-    fault.fired = fired
+        if i == at_step and not fault.fired:
+            fault.fired.append(trainer.cluster.pids[slice_index])
+            os.kill(fault.fired[0], sig)
+    fault.fired = []
     return fault
 
 
-def run_with_fault(tmp_path, fault, **cluster_kw):
-    cluster = mpmd.LocalCluster(**cluster_kw)
-    trainer = make_trainer(cluster, tmp_path)
+def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, **cluster_kw):
+    cluster = cluster or mpmd.LocalCluster(**cluster_kw)
+    trainer = make_trainer(cluster, tmp_path, spin)
     try:
-        result = train(trainer, data(), fault)
+        result = train(trainer, data(), fault, traces, steps)
         pids = list(cluster.pids)
     finally:
         trainer.close()
@@ -94,13 +151,115 @@ def run_with_fault(tmp_path, fault, **cluster_kw):
     return result
 
 
-@pytest.mark.parametrize("phase,delay_s", [("forward", 0.01), ("backward", 0.06)])
-def test_worker_sigkilled_mid_step(uninterrupted, tmp_path, phase, delay_s):
-    # GPipe runs every forward before any backward: early in the step is the forward phase.
-    fault = kill_once(5, signal.SIGKILL, delay_s)
-    losses, params, rewinds = run_with_fault(tmp_path, fault)
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used, all threads (fields 14, 15 of /proc/pid/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuLog:
+    """(wall ns, pid, CPU s) of slice `slice_index`'s current worker, sampled every ~2 ms."""
+
+    def __init__(self, cluster, slice_index: int):
+        self.samples: list[tuple[int, int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(cluster, slice_index), daemon=True)
+        self._thread.start()
+
+    def _run(self, cluster, slice_index):
+        while not self._stop.wait(0.002):
+            try:
+                pid = cluster.pids[slice_index]
+                self.samples.append((time.time_ns(), pid, cpu_s(pid)))
+            except (OSError, ValueError, IndexError):   # no worker yet, or it just died
+                pass
+
+    def at(self, pid: int, t_ns: int) -> float:
+        """The CPU time of `pid` at wall time `t_ns` (its last sample before then)."""
+        before = [c for t, p, c in self.samples if p == pid and t <= t_ns]
+        assert before, f"no CPU sample of pid {pid} before {t_ns}"
+        return before[-1]
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def phase_window(trace, phase: str, slice_index: int) -> tuple[int, int]:
+    """(first start, last end) wall ns of slice `slice_index`'s tasks of `phase` ("F" forward,
+    "B" backward) in one traced step."""
+    _, _, pid, events = trace
+    mine = [e for e in events[slice_index] if e.kind == "run" and e.name.startswith(phase + " ")]
+    assert mine, f"no {phase} tasks traced on slice {slice_index}: {[e.name for e in events[slice_index]]}"
+    return min(e.start_ns for e in mine), max(e.end_ns for e in mine)
+
+
+def phase_cpu(trace, phase: str, cpu: CpuLog, slice_index: int = 1) -> tuple[float, float]:
+    """The CPU seconds slice `slice_index`'s worker had used since the step was sent, when its
+    `phase` began and when it ended, in one traced step."""
+    _, start_ns, pid, _ = trace
+    lo, hi = phase_window(trace, phase, slice_index)
+    base = cpu.at(pid, start_ns)
+    return cpu.at(pid, lo) - base, cpu.at(pid, hi) - base
+
+
+def kill_in_phase(at_step, phase, traces, cpu: CpuLog, slice_index=1):
+    """A fault that SIGKILLs slice `slice_index`'s worker while batch `at_step` is trained,
+    once the worker has used, since the step was sent, the CPU time that lay in the middle
+    of its `phase` in the traced step before (`fault.threshold_s`). A spinning phase is the
+    only place a worker burns that much CPU, however loaded the machine is. `fault.offset_s`
+    records the kill's wall-clock offset after the step was sent."""
+    def fault(i, trainer):
+        if i == at_step and not fault.fired:
+            lo, hi = phase_cpu(traces[-1], phase, cpu, slice_index)
+            fault.threshold_s = (lo + hi) / 2
+            pid = trainer.cluster.pids[slice_index]
+            fault.fired.append(pid)
+            start_ns, base = time.time_ns(), cpu_s(pid)
+
+            def kill():
+                deadline = time.monotonic() + 60
+                while cpu_s(pid) - base < fault.threshold_s and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                fault.offset_s = (time.time_ns() - start_ns) / 1e9
+                os.kill(pid, signal.SIGKILL)
+            threading.Thread(target=kill, daemon=True).start()
+    fault.fired, fault.threshold_s, fault.offset_s = [], None, None
+    return fault
+
+
+@pytest.mark.parametrize("phase", ["F", "B"], ids=["forward", "backward"])
+def test_worker_sigkilled_mid_step(uninterrupted_spin, tmp_path, phase):
+    """SIGKILL the last stage's worker inside its forward (or backward) phase of step 4.
+
+    Under GPipe a slice runs all its forwards, then all its backwards; `Spin` makes the phase
+    under test burn ~0.8 s of CPU on slice 1 and leaves the other phase cheap. The kill waits
+    for the worker to have used the CPU that, in the traced step before, it had used in the
+    middle of that phase; afterwards the test checks from the traces of both the step before
+    and the same step replayed after recovery that this CPU mark lies well inside the phase."""
+    at_step, traces = SPIN_STEPS - 1, []
+    cluster = mpmd.LocalCluster()
+    cpu = CpuLog(cluster, 1)
+    try:
+        fault = kill_in_phase(at_step, phase, traces, cpu)
+        losses, params, rewinds = run_with_fault(tmp_path, fault, SPIN[phase], traces, cluster, SPIN_STEPS)
+    finally:
+        cpu.close()
     assert rewinds == 1
-    assert_same_run((losses, params), uninterrupted)
+    before = next(t for t in traces if t[0] == at_step - 1)
+    replayed = [t for t in traces if t[0] == at_step][-1]
+    assert before[2] != replayed[2], "the replayed step should run on the replacement worker"
+    margin_s = 0.1
+    for which, trace in (("the step before", before), ("the replayed step", replayed)):
+        lo, hi = phase_cpu(trace, phase, cpu)
+        assert lo + margin_s <= fault.threshold_s <= hi - margin_s, (
+            f"kill at {fault.threshold_s:.3f} CPU s is not {margin_s} s inside the {phase} phase "
+            f"[{lo:.3f}, {hi:.3f}] CPU s of {which}")
+    print(f"{phase}: killed after {fault.threshold_s:.3f} CPU s, {fault.offset_s * 1e3:.0f} ms into the step; "
+          f"phase CPU windows (s) before/replayed: {[phase_cpu(t, phase, cpu) for t in (before, replayed)]}; "
+          f"wall windows (ms): {[[round((x - t[1]) / 1e6) for x in phase_window(t, phase, 1)] for t in (before, replayed)]}")
+    assert_same_run((losses, params), uninterrupted_spin(phase))
 
 
 def test_worker_sigkilled_during_async_save(uninterrupted, tmp_path):

@@ -22,7 +22,7 @@ import pytest
 
 from recipes import run_log
 from runtime.checkpoint import CheckpointStore, SliceCheckpointer
-from tests.test_multiprocess import alive, wait_gone
+from tests.processes import alive, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 12, 3

@@ -1,28 +1,10 @@
 """`mpmd train` end to end, as the real command in a subprocess, on tiny configs."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from recipes import config, run_log
-
-ROOT = Path(__file__).resolve().parent.parent
-# Small enough that a run is mostly process start-up; data.max_bytes keeps corpus reading short.
-TINY_GPT = ["model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.seq_len=16",
-            "train.batch_size=8", "train.eval_batches=2", "data.max_bytes=300000",
-            "log.progress=lines", "log.every=1"]
-
-
-def mpmd_train(*args, timeout=120):
-    env = dict(os.environ)  # carries conftest's JAX compilation cache settings
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "recipes.cli", "train", *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
+from tests.processes import TINY_GPT, mpmd_train
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
