@@ -1,10 +1,12 @@
 """`mpmd train` end to end, as the real command in a subprocess, on tiny configs."""
 import json
+import sys
 
 import pytest
 
 from recipes import config, run_log
-from tests.processes import TINY_GPT, mpmd_train
+from tests.processes import ROOT, TINY_GPT, mpmd_train
+
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
