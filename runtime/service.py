@@ -63,12 +63,12 @@ class WorkerService:
         return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform}, []
 
     def Setup(self, h, b):
-        from runtime.transport import TransferTransport
+        from runtime.transport import TransferTransport, check_secret
         index = _int(h, "slice_index")
-        try:
-            secret = bytes.fromhex(_str(h, "transfer_secret"))
+        try:     # checked before the session is touched; never echoed
+            secret = check_secret(bytes.fromhex(_str(h, "transfer_secret")))
         except ValueError:
-            raise ValueError("'transfer_secret' must be a hex string") from None   # never echo it
+            raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
         if self.transport is not None:
             self.transport.close()
         self.transport = TransferTransport(index, self.device, listen_host=_str(h, "transfer_host"), secret=secret)

@@ -69,6 +69,14 @@ class Transport(Protocol):
 MIN_SECRET_BYTES = 16
 
 
+def check_secret(secret) -> bytes:
+    """`secret` if it can key transfer ids (16 to 64 bytes: BLAKE2b's key size); a ValueError
+    that never echoes it otherwise."""
+    if not isinstance(secret, bytes) or not MIN_SECRET_BYTES <= len(secret) <= 64:
+        raise ValueError(f"the transfer secret must be {MIN_SECRET_BYTES} to 64 bytes")
+    return secret
+
+
 def key_to_uuid(key: str, secret: bytes) -> int:
     """The transfer id for a transfer key such as "12:act2/5" (the executor's run id, then the
     plan's key: "act2/5", "grad1/3", "sq0/to1", ...) in the session keyed by `secret`: the
@@ -94,9 +102,7 @@ class TransferTransport:
 
     def __init__(self, slice_index: int, device: jax.Device, listen_host: str = "127.0.0.1", *,
                  secret: bytes):
-        if not isinstance(secret, bytes) or not MIN_SECRET_BYTES <= len(secret) <= 64:
-            raise ValueError(f"the transfer secret must be {MIN_SECRET_BYTES} to 64 bytes")   # never echo it
-        self._secret = secret
+        self._secret = check_secret(secret)
         self.slice_index = slice_index
         self._device = device
         self._sharding = jax.sharding.SingleDeviceSharding(device)

@@ -178,3 +178,14 @@ def test_a_local_cluster_refuses_a_run_dir_outside_its_root(tmp_path):
             cluster.start(1, root=str(tmp_path))
     finally:
         cluster.close()
+
+
+def test_setup_needs_a_session_secret_and_never_echoes_it(rooted_worker):
+    cluster, _, _ = rooted_worker
+    setup = {"slice_index": 0, "transfer_host": "127.0.0.1"}
+    for secret in (None, "zz-not-hex-zz-not-hex-zz-not-hex", "ab" * 8 + "c", "abcd" * 4, 987654321987):
+        with pytest.raises(WorkerError) as e:
+            cluster.clients[0].call("Setup", setup if secret is None else {**setup, "transfer_secret": secret})
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'transfer_secret' must be" in str(e.value)
+        assert secret is None or str(secret) not in str(e.value)
+    cluster.get(0, ["w"])            # the session it was set up with is untouched
