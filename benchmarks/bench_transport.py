@@ -33,7 +33,7 @@ def worker(slice_index: int) -> None:
 
     peer = 1 - slice_index
     device = jax.devices()[0]
-    transport = TransferTransport(slice_index, device)
+    transport = TransferTransport(slice_index, device, secret=b"bench-transfer-secret")
     print(json.dumps({"address": transport.address}), flush=True)
     transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
     results = {}

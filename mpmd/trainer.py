@@ -12,6 +12,7 @@ when the pipeline has a sample input) and shipped to the slices once.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -67,7 +68,9 @@ class Trainer:
         self.resumed: tuple[int, object] | None = None   # (step, data_state) when resumed from run_dir
         self._opt_ready = False
         self.checkpoints = None
-        self.cluster.start(self.num_slices)
+        # The workers may save and restore only below run_dir (a cluster that starts its own
+        # workers confines them to it).
+        self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None)
         try:
             if run_dir is not None:
                 partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,

@@ -10,6 +10,13 @@ A step directory without a manifest is not a checkpoint (a save was interrupted)
 restored; a committed step is never written again. Orbax itself writes each part into a
 temporary directory and renames it when finalized, so a killed save leaves no part that looks
 complete.
+
+Confinement. A worker saves and restores only under the root it was started with (`mpmd
+worker --root`); `confine` resolves every directory a Save or Restore names (symlinks, "..",
+relative to the worker's cwd) and refuses one outside the root before Orbax touches it.
+Orbax deletes one thing on its own, `<directory>.orbax-checkpoint-tmp` (an earlier save's
+leftover), which lies beside the directory: inside the root too, since the directory must be
+strictly below it.
 """
 from __future__ import annotations
 
@@ -24,6 +31,30 @@ import jax
 
 log = logging.getLogger("mpmd.checkpoint")
 MANIFEST = "manifest.json"
+
+
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"   # what Orbax appends to a directory it is writing
+
+
+class OutsideRoot(ValueError):
+    """A Save or Restore named a directory outside the worker's root; the message names both."""
+
+
+def confine(items: dict[str, list[str]], root: str) -> dict[str, list[str]]:
+    """`items` ({directory: [buffer names]}) with every directory resolved to its real path;
+    OutsideRoot if any is not strictly below `root` (itself resolved), or its Orbax temporary
+    directory is not (a symlink planted there)."""
+    real_root = os.path.realpath(root)
+    out = {}
+    for directory, names in items.items():
+        real = os.path.realpath(directory)
+        for path in (real, os.path.realpath(real + ORBAX_TMP_SUFFIX)):
+            if path == real_root or os.path.commonpath([path, real_root]) != real_root:
+                raise OutsideRoot(f"checkpoint directory {directory!r} (really {path}) is outside this "
+                                  f"worker's root {real_root}: a worker saves and restores only below the "
+                                  f"root it was started with (mpmd worker --root DIR)")
+        out[real] = names
+    return out
 
 
 class SliceCheckpointer:

@@ -121,6 +121,7 @@ class ControlPlane:
         self._others: list[WorkerClient] = []      # idle workers: heartbeats keep their lease
         self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
         self._transfer: dict[str, str] = {}
+        self._transfer_secret = ""                 # per session, made by start()
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -134,11 +135,15 @@ class ControlPlane:
         return len(self.clients)
 
     # -- membership --------------------------------------------------------------------------
-    def start(self, num_slices: int) -> None:
+    def start(self, num_slices: int, root: str | None = None) -> None:
         """Attach to the launcher's first `num_slices` workers and give each a fresh slice (new
         executor, new transfer server): a cluster that is already started is reused from a
-        clean state, on the workers it has."""
-        addresses = self.launcher.start(num_slices)
+        clean state, on the workers it has. `root`: see Cluster.start.
+
+        Each start makes a new data-plane secret for the session (runtime/transport.py): a
+        worker it is sent to keys its transfer ids with it, so no one else can pull them."""
+        addresses = self.launcher.start(num_slices, root=root)
+        self._transfer_secret = secrets.token_bytes(32).hex()
         if self.clients:
             self._detach()
         self.clients = [self._client(a) for a in addresses[:num_slices]]
@@ -162,7 +167,8 @@ class ControlPlane:
 
     def _setup(self, i: int, c: WorkerClient) -> str:
         host = self._transfer_host or c.address.rpartition(":")[0].strip("[]")
-        return c.call("Setup", {"slice_index": i, "transfer_host": host})[0]["transfer_address"]
+        setup = {"slice_index": i, "transfer_host": host, "transfer_secret": self._transfer_secret}
+        return c.call("Setup", setup)[0]["transfer_address"]
 
     def _beat(self) -> None:
         # Keeps the workers' lease alive and feeds failure detection (WorkerClient.last_ok).
@@ -375,7 +381,9 @@ class StaticLauncher:
         self.addresses = addresses
         self._spares: list[str] = []
 
-    def start(self, num_slices: int) -> list[str]:
+    def start(self, num_slices: int, root: str | None = None) -> list[str]:
+        # root is not ours to set: each worker was started with its own --root, and refuses
+        # a checkpoint directory outside it.
         if len(self.addresses) < num_slices:
             raise ValueError(f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
                              f"address(es): {self.addresses}")
@@ -393,7 +401,8 @@ class StaticLauncher:
 
 
 class StaticCluster(ControlPlane):
-    """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F`.
+    """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F --root DIR`
+    (DIR must hold the run_dir of any Trainer that checkpoints on them).
 
     The first `num_slices` addresses serve slices; the others are spares that replace a
     lost slice.

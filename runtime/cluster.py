@@ -55,9 +55,12 @@ class Cluster(Protocol):
     def num_slices(self) -> int:
         """Slices attached by the last `start` (0 before it and after `close`)."""
 
-    def start(self, num_slices: int) -> None:
+    def start(self, num_slices: int, root: str | None = None) -> None:
         """Give every slice 0..num_slices-1 a fresh executor. ValueError if the cluster has
-        too few workers (or devices) for that many."""
+        too few workers (or devices) for that many. `root`: the directory the run saves
+        checkpoints under (the Trainer passes its run_dir); a cluster that starts its own
+        workers confines them to it, and ValueError if its workers already run confined to
+        a root that does not hold it. Workers started elsewhere keep their own --root."""
 
     def load_programs(self, slice_index: int, specs: Mapping[str, ProgramSpec]) -> None:
         """Load (deserialize and compile) programs by name; a name loaded again is replaced."""
@@ -108,11 +111,12 @@ class Launcher(Protocol):
     addresses: list[str]
     """Every worker this launcher knows, by slot (spares included)."""
 
-    def start(self, num_slices: int) -> list[str]:
+    def start(self, num_slices: int, root: str | None = None) -> list[str]:
         """Make sure at least `num_slices` workers are up and return all their addresses: the
         first `num_slices` serve slices, the rest are idle spares. ValueError (before starting
         anything) if it cannot have that many. Called again on a started launcher, it
-        returns the running workers. On failure it stops what it started, then raises."""
+        returns the running workers. On failure it stops what it started, then raises.
+        `root` as in Cluster.start (see runtime.local.worker_root)."""
 
     def replace(self, slot: int) -> str:
         """The address of a worker to take over slot `slot`, whose worker was lost (the old

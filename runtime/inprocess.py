@@ -88,7 +88,8 @@ class InProcessCluster:
     def num_slices(self) -> int:
         return len(self.executors)
 
-    def start(self, num_slices: int) -> None:
+    def start(self, num_slices: int, root: str | None = None) -> None:
+        # root is not enforced: in-process slices are this process, with its own rights.
         if self.executors:
             raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
         devices = devices_for(num_slices, self._devices)

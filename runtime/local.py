@@ -41,6 +41,22 @@ def num_workers_for(num_workers: int | None, num_slices: int, backend: str) -> i
     return n
 
 
+def worker_root(configured: str | None, asked: str | None, running: str | None, backend: str) -> str:
+    """The root a launcher's workers are confined to (`mpmd worker --root`): the root they
+    already run with, else the cluster's `root=`, else the run directory a start `asked` for,
+    else this process's cwd (what relative run_dirs mean). A root is fixed when the workers
+    start, so a start that asks for a directory outside it is refused (ValueError), never
+    widened."""
+    root = os.path.realpath(running or configured or asked or os.getcwd())
+    if asked is not None:
+        real = os.path.realpath(asked)
+        if os.path.commonpath([real, root]) != root:
+            raise ValueError(f"{backend}'s workers are confined to {root}, which does not hold {asked}: "
+                             f"make a new cluster for that run_dir, or give {backend}(root=...) a "
+                             f"directory that holds every run_dir it will serve")
+    return root
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -60,9 +76,11 @@ class LocalLauncher:
 
     def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 compilation_cache_dir: str = ""):
+                 compilation_cache_dir: str = "", root: str | None = None):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self._token = token
+        self.root = root              # the cluster's root=; the workers' is fixed at spawn
+        self._running_root: str | None = None
         self.num_workers = num_workers
         self.devices_per_worker = devices_per_worker
         self.threads_per_worker = threads_per_worker
@@ -76,10 +94,12 @@ class LocalLauncher:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def start(self, num_slices: int) -> list[str]:
+    def start(self, num_slices: int, root: str | None = None) -> list[str]:
         n = num_workers_for(self.num_workers, num_slices, "LocalCluster")
+        root = worker_root(self.root, root, self._running_root if self.procs else None, "LocalCluster")
         if self.procs:       # already running: the control plane reuses them from a clean state
             return list(self.addresses)
+        self._running_root = root
         try:
             self.addresses = [self._spawn(i) for i in range(n)]
         except BaseException:
@@ -99,7 +119,7 @@ class LocalLauncher:
 
     def _spawn(self, i: int) -> str:
         cmd = [sys.executable, "-m", "runtime.worker", "--listen", f"{self.host}:0", "--token-stdin",
-               "--devices", str(self.devices_per_worker)]
+               "--devices", str(self.devices_per_worker), "--root", self._running_root]
         if self.pin:
             cmd += ["--cpus", ",".join(map(str, cores_for(i, self.threads_per_worker)))]
         env = dict(os.environ)
@@ -152,17 +172,21 @@ class LocalCluster(ControlPlane):
     failure_timeout_s: a slice silent this long is declared lost.
     compilation_cache_dir: JAX's persistent compilation cache for the workers; None picks
         default_compilation_cache(), "" switches it off.
+    root: the only directory tree the workers may save checkpoints to and restore from
+        (None: the run_dir the Trainer starts the cluster with, else this process's cwd).
+        Fixed when the workers start; see worker_root.
     """
 
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None):
+                 failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
+                 root: str | None = None):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
-        launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache)
+        launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache, root)
         super().__init__(launcher, token, failure_timeout_s=failure_timeout_s)
 
     @property

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 
 from runtime.client import ControlPlane, new_token
-from runtime.local import check_worker_args, num_workers_for
+from runtime.local import check_worker_args, num_workers_for, worker_root
 
 START_TIMEOUT_S = 120.0
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -52,7 +52,7 @@ def _import_ray():
 class _SliceActor:
     """The body of one worker actor (wrapped with ray.remote at start time)."""
 
-    def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int):
+    def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str):
         import ray
         from runtime.service import WorkerService
         from runtime.worker import cores_for, serve
@@ -65,7 +65,7 @@ class _SliceActor:
             os.chdir(workdir)
         if host == NODE_IP:
             host = ray.util.get_node_ip_address()
-        self.service = WorkerService(token, self._stop)
+        self.service = WorkerService(token, self._stop, root=root)
         self.server, self.address = serve(self.service, f"[{host}]:0" if ":" in host else f"{host}:0")
 
     def ready(self) -> tuple[str, int]:
@@ -86,7 +86,7 @@ class RayLauncher:
 
     def __init__(self, token: str, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
-                 host: str | None = None, runtime_env: dict | None = None):
+                 host: str | None = None, runtime_env: dict | None = None, root: str | None = None):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         resources = dict(resources_per_worker or {})
@@ -104,16 +104,20 @@ class RayLauncher:
         self.threads_per_worker = threads_per_worker
         self.host = host
         self.runtime_env = dict(runtime_env or {})
+        self.root = root              # the cluster's root=; the actors' is fixed when they start
+        self._running_root: str | None = None
         self.addresses: list[str] = []
         self.actors: list = []          # Ray actor handles, one per address
         self.pids: list[int] = []
         self._listen_host: str | None = None
         self._started_ray = False
 
-    def start(self, num_slices: int) -> list[str]:
+    def start(self, num_slices: int, root: str | None = None) -> list[str]:
         n = num_workers_for(self.num_workers, num_slices, "RayCluster")
+        root = worker_root(self.root, root, self._running_root if self.actors else None, "RayCluster")
         if self.actors:      # already running: the control plane reuses them from a clean state
             return list(self.addresses)
+        self._running_root = root
         ray = _import_ray()
         try:
             if not ray.is_initialized():
@@ -181,7 +185,8 @@ class RayLauncher:
                                           env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         env["env_vars"] = env_vars
         cls = ray.remote(**self._actor_options(), max_restarts=0, runtime_env=env)(_SliceActor)
-        return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker)
+        return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker,
+                          self._running_root)
 
     def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -217,6 +222,8 @@ class RayCluster(ControlPlane):
     runtime_env: extra Ray runtime_env for the actors (e.g. py_modules, pip); its env_vars
         are kept, with XLA_FLAGS extended as a worker needs.
     failure_timeout_s: a slice silent this long is declared lost (see ControlPlane).
+    root: the only directory tree the actors may save checkpoints to and restore from, as
+        for LocalCluster (a path on the nodes' shared filesystem).
 
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
     the Trainer calls when it recovers); spare workers are not needed.
@@ -225,10 +232,10 @@ class RayCluster(ControlPlane):
     def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
-                 failure_timeout_s: float = 5.0):
+                 failure_timeout_s: float = 5.0, root: str | None = None):
         token = new_token()
         launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
-                               threads_per_worker, host, runtime_env)
+                               threads_per_worker, host, runtime_env, root)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s)
 
     @property

@@ -2,14 +2,16 @@
 
 Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire.py):
   Hello        -> {pid, devices, platform}
-  Setup        {slice_index, transfer_host}            -> {transfer_address}
+  Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids)}
+                                                        -> {transfer_address}
   Connect      {peers: {slice: transfer_address}}
   LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
   InstallPlan  {name, stream: [instruction as runtime.instructions.to_json]}
   Put          {name, arrays: [blob]}                   Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
   Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
-  Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save)
+  Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save; every
+               directory must lie below the worker's root, as must Restore's)
   WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}}
   Heartbeat    -> {pid, step_running}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
@@ -31,6 +33,7 @@ import grpc
 import jax
 
 from runtime import instructions, programs, wire
+from runtime.checkpoint import confine
 from runtime.executor import Aborted, Executor
 from runtime.instructions import Spec
 
@@ -42,8 +45,11 @@ log = logging.getLogger("mpmd.worker")
 
 
 class WorkerService:
-    def __init__(self, token: str, on_shutdown):
+    """root: the only directory tree Save and Restore may touch (default: the current directory)."""
+
+    def __init__(self, token: str, on_shutdown, root: str | None = None):
         self._token = token.encode()
+        self.root = os.path.realpath(root if root is not None else os.getcwd())
         self._on_shutdown = on_shutdown
         self.device = jax.devices()[0]
         self.executor: Executor | None = None
@@ -57,11 +63,15 @@ class WorkerService:
         return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform}, []
 
     def Setup(self, h, b):
-        from runtime.transport import TransferTransport
+        from runtime.transport import TransferTransport, check_secret
         index = _int(h, "slice_index")
+        try:     # checked before the session is touched; never echoed
+            secret = check_secret(bytes.fromhex(_str(h, "transfer_secret")))
+        except ValueError:
+            raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
         if self.transport is not None:
             self.transport.close()
-        self.transport = TransferTransport(index, self.device, listen_host=_str(h, "transfer_host"))
+        self.transport = TransferTransport(index, self.device, listen_host=_str(h, "transfer_host"), secret=secret)
         self.executor = Executor(index, self.device, self.transport)
         self.attached = True
         return {"transfer_address": self.transport.address}, []
@@ -113,14 +123,14 @@ class WorkerService:
         return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s}, out.blobs
 
     def Save(self, h, b):
-        self._exec().save(_items(h))
+        self._exec().save(confine(_items(h), self.root))
         return {}, []
 
     def WaitSaves(self, h, b):
         return {"finalized": self._exec().wait_saves()}, []
 
     def Restore(self, h, b):
-        self._exec().restore(_items(h))
+        self._exec().restore(confine(_items(h), self.root))
         return {}, []
 
     def Heartbeat(self, h, b):

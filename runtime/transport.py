@@ -2,8 +2,15 @@
 
 Each worker process runs one TransferServer. A send registers its arrays under an id
 (`await_pull`) and returns; the receiver pulls that id from the sender's server. Both sides
-derive the id from the same plan key (`key_to_uuid`), so they need no message of their own
-to agree on it.
+derive the id from the same plan key and the session's secret (`key_to_uuid`), so they need
+no message of their own to agree on it.
+
+Authentication. The transfer server has none: any process that reaches its port can connect
+and pull any id, and an entry goes to whoever pulls it first (see the facts below). So the
+ids themselves are the credential: a keyed hash of the plan key under a secret that only the
+controller and its workers hold (the controller makes one per session and sends it in
+Setup). Without the secret an id is a uniform 64-bit guess; a stranger's pull waits in the
+table for an id no one will ever offer, takes nothing, and delays no one.
 
 Facts about the API (jaxlib 0.10.2, checked by tests/test_transport.py and by hand):
 - `await_pull` never blocks, not even on arrays still being computed; the server holds a
@@ -19,6 +26,9 @@ Facts about the API (jaxlib 0.10.2, checked by tests/test_transport.py and by ha
   receiver makes them.
 - A pull fails (instead of hanging) when the peer's process dies (the socket closes) or when
   the peer resets its table (`reset`).
+- A server cannot restrict who connects: `start_transfer_server` takes addresses to bind,
+  no allowlist, no credential and no TLS; `connect` takes an address only. Bytes cross the
+  wire in the clear.
 """
 from __future__ import annotations
 
@@ -56,17 +66,29 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-def key_to_uuid(key: str) -> int:
+MIN_SECRET_BYTES = 16
+
+
+def check_secret(secret) -> bytes:
+    """`secret` if it can key transfer ids (16 to 64 bytes: BLAKE2b's key size); a ValueError
+    that never echoes it otherwise."""
+    if not isinstance(secret, bytes) or not MIN_SECRET_BYTES <= len(secret) <= 64:
+        raise ValueError(f"the transfer secret must be {MIN_SECRET_BYTES} to 64 bytes")
+    return secret
+
+
+def key_to_uuid(key: str, secret: bytes) -> int:
     """The transfer id for a transfer key such as "12:act2/5" (the executor's run id, then the
-    plan's key: "act2/5", "grad1/3", "sq0/to1", ...): the first 64 bits of its BLAKE2b hash
-    (the API takes any uint64).
+    plan's key: "act2/5", "grad1/3", "sq0/to1", ...) in the session keyed by `secret`: the
+    first 64 bits of its keyed BLAKE2b hash (a MAC; the API takes any uint64). Keys are
+    predictable, ids are not: without the secret each id is one guess in 2**64.
 
     Ids share one table per *sending* server and only entries still waiting to be pulled can
     collide. With n such entries, P(any collision) ~ n**2 / 2**65: n = 10**4 gives 3e-12 per
     step. Keys are unique within a plan and the executor prefixes the run id, so a repeated
     id can only come from a hash collision, never from a reused key.
     """
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest(), "little")
 
 
 def _host_port(host: str) -> str:
@@ -75,9 +97,12 @@ def _host_port(host: str) -> str:
 
 class TransferTransport:
     """One slice's end of the data plane. Make one per worker process (one server per process;
-    `slice_index` names this end in errors)."""
+    `slice_index` names this end in errors). `secret`: the session's data-plane secret (16 to
+    64 bytes), the same on every slice of the session; it keys every transfer id."""
 
-    def __init__(self, slice_index: int, device: jax.Device, listen_host: str = "127.0.0.1"):
+    def __init__(self, slice_index: int, device: jax.Device, listen_host: str = "127.0.0.1", *,
+                 secret: bytes):
+        self._secret = check_secret(secret)
         self.slice_index = slice_index
         self._device = device
         self._sharding = jax.sharding.SingleDeviceSharding(device)
@@ -102,7 +127,7 @@ class TransferTransport:
         arrays = [jax.device_put(a, self._device) for a in arrays]
         nonempty = [a for a in arrays if a.size]
         if nonempty:
-            self._server.await_pull(key_to_uuid(key), nonempty)
+            self._server.await_pull(key_to_uuid(key, self._secret), nonempty)
 
     def recv(self, key: str, src_slice: int,
              specs: tuple[jax.ShapeDtypeStruct, ...]) -> concurrent.futures.Future:
@@ -113,7 +138,7 @@ class TransferTransport:
         nonempty = [s for s in specs if s.size]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
-        pulled = iter(self._connections[src_slice].pull(key_to_uuid(key), nonempty)
+        pulled = iter(self._connections[src_slice].pull(key_to_uuid(key, self._secret), nonempty)
                       if nonempty else ())
         arrays = tuple(next(pulled) if s.size else jnp.zeros(s.shape, s.dtype, device=self._device)
                        for s in specs)

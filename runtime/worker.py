@@ -1,7 +1,10 @@
-"""A worker process: `mpmd worker --listen HOST:PORT --token-file F` (or started by LocalCluster).
+"""A worker process: `mpmd worker --listen HOST:PORT --token-file F [--root DIR]` (or started
+by LocalCluster).
 
 It hosts one slice: a gRPC control-plane server (runtime/service.py) and a transfer server
 for the data plane. It needs none of the user's model code: programs arrive serialized.
+It saves and restores checkpoints only below `--root` (default: the directory it was
+started in), fixed for its lifetime: no RPC can move it.
 
 Lifetime. It exits cleanly when the controller asks (Shutdown), on SIGINT/SIGTERM, and when
 its controller is gone:
@@ -37,6 +40,9 @@ def parse_args(argv):
     g.add_argument("--token-file", help="file whose first line is the cluster token")
     g.add_argument("--token-stdin", action="store_true",
                    help="read the token from stdin's first line; exit when stdin closes")
+    p.add_argument("--root", default=None,
+                   help="the only directory tree checkpoint saves and restores may touch; the "
+                        "controller's run_dir must lie below it (default: the current directory)")
     p.add_argument("--devices", type=int, default=1, help="host devices of this slice (CPU only)")
     p.add_argument("--cpus", default="", help="comma-separated cores to pin to (default: no pinning)")
     p.add_argument("--lease-s", type=float, default=15.0,
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
             reason.append(why)
             done.set()
 
-    service = WorkerService(token, stop)
+    service = WorkerService(token, stop, root=args.root)
     try:
         server, address = serve(service, args.listen)
     except OSError as e:
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")),
                          daemon=True).start()
     print(f"{READY} {address}", flush=True)
-    logging.info("serving slice on %s", address)
+    logging.info("serving slice on %s; checkpoints confined to %s", address, service.root)
     while not done.wait(0.5):
         if service.attached and time.monotonic() - service.last_contact > args.lease_s:
             if args.persist:

@@ -143,7 +143,8 @@ def test_token_is_required_and_bad_messages_get_errors(static_workers):
             raw_call(addr, "Setup", body, token)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
     with pytest.raises(grpc.RpcError) as e:   # a program that is not a jax.export serialization
-        raw_call(addr, "Setup", wire.encode({"slice_index": 0, "transfer_host": "127.0.0.1"}, []), token)
+        raw_call(addr, "Setup", wire.encode({"slice_index": 0, "transfer_host": "127.0.0.1",
+                                            "transfer_secret": "ab" * 16}, []), token)
         raw_call(addr, "LoadPrograms", wire.encode({"programs": [{"name": "f", "kind": "exported",
                                                                   "data": {"$blob": 0}}]}, [b"garbage"]), token)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

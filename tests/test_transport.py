@@ -35,7 +35,7 @@ def digest(arrays):
 
 SPECS = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in payload(0))
 device = jax.devices()[0]
-transport = TransferTransport(int(sys.argv[1]), device)
+transport = TransferTransport(int(sys.argv[1]), device, secret=b"test-transfer-secret")
 pending = {}
 
 def reply(**kw):
