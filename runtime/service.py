@@ -10,7 +10,8 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Delete       {names}
   Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
   Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save)
-  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}}
+  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}, staged}
+  FinishRestore {commit}: bind (or drop) what a staged Restore read
   Heartbeat    -> {pid, step_running}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
   Shutdown
@@ -120,7 +121,11 @@ class WorkerService:
         return {"finalized": self._exec().wait_saves()}, []
 
     def Restore(self, h, b):
-        self._exec().restore(_items(h))
+        self._exec().restore(_items(h), staged=bool(h.get("staged", False)))
+        return {}, []
+
+    def FinishRestore(self, h, b):
+        self._exec().finish_restore(bool(h.get("commit", False)))
         return {}, []
 
     def Heartbeat(self, h, b):
@@ -152,7 +157,7 @@ class WorkerService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         names = ["Hello", "Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete",
-                 "Run", "Save", "WaitSaves", "Restore", "Heartbeat", "Abort", "Shutdown"]
+                 "Run", "Save", "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown"]
         return grpc.method_handlers_generic_handler(
             SERVICE, {n: grpc.unary_unary_rpc_method_handler(self._wrap(n)) for n in names})
 
