@@ -110,7 +110,7 @@ class StageCheckpoints:
         self._failure = None
 
     def _failed(self, step: int, error: BaseException) -> None:
-        why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        why = _short(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         self.store.discard(step)
         self.failed_saves += 1
         self._failure = (step, why)
@@ -202,7 +202,7 @@ class StageCheckpoints:
             log.warning("skipping checkpoint step %d: %s", step, why)
             failed[step] = why
         if failed:
-            steps = "; ".join(f"step {s}: {w}" for s, w in sorted(failed.items(), reverse=True))
+            steps = "; ".join(f"step {s}: {_short(w)}" for s, w in sorted(failed.items(), reverse=True))
             raise CheckpointError(f"no checkpoint in {self.store.root} can be restored ({steps}); "
                                   f"nothing was trained or changed: move the damaged steps away or "
                                   f"use another run_dir")
@@ -228,3 +228,8 @@ class StageCheckpoints:
         for r in slices:
             self.cluster.finish_restore(r, commit=True)
         return None
+
+
+def _short(why: str, limit: int = 300) -> str:
+    """A reason cut for a one-line message (Orbax's errors carry whole tensorstore specs)."""
+    return why if len(why) <= limit else why[:limit] + "..."
