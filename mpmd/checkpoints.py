@@ -230,6 +230,8 @@ class StageCheckpoints:
         return None
 
 
-def _short(why: str, limit: int = 300) -> str:
-    """A reason cut for a one-line message (Orbax's errors carry whole tensorstore specs)."""
-    return why if len(why) <= limit else why[:limit] + "..."
+def _short(why: str, limit: int = 400) -> str:
+    """A reason fit for a one-line message: tensorstore's spec dropped, the middle of a long
+    one cut (its start says what failed, its end the OS error)."""
+    why = why.split(" [tensorstore_spec=")[0]
+    return why if len(why) <= limit else f"{why[:limit // 2]} ... {why[-limit // 2:]}"
