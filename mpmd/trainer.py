@@ -32,7 +32,7 @@ class Trainer:
                  num_microbatches: int | None = None, cluster: Cluster | None = None, virtual_stages: int | None = None,
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
                  keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
-                 checkpoint_metadata: dict | None = None):
+                 checkpoint_metadata: dict | None = None, max_failed_saves: int = 1):
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
@@ -76,7 +76,8 @@ class Trainer:
                 partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
                              "virtual_stages": self.schedule.virtual_stages,
                              "params": [[list(l.shape) for l in fn.param_leaves] for fn in pipeline.fns]}
-                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint)
+                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
+                                                    max_failed_saves)
             self._materialize()
             if self.checkpoints is not None:
                 restored = self.checkpoints.restore_latest()
@@ -155,14 +156,17 @@ class Trainer:
         `data_state` (JSON-able) is saved with the checkpoint this step may trigger.
 
         If a slice is lost during the step, the Trainer replaces it, restores the last
-        committed checkpoint and raises `Rewound` (see mpmd/checkpoints.py).
+        committed checkpoint and raises `Rewound` (see mpmd/checkpoints.py). A checkpoint
+        that failed to save is retried (waited for) after the next step; CheckpointError
+        once its retries are spent.
         """
         results = self._run("train", inputs, targets, trace)
         self._step += 1
         metrics = self._metrics(results, trace)
-        if self.checkpoint_every and self._step % self.checkpoint_every == 0:
+        retry = self.checkpoints is not None and self.checkpoints.failed()
+        if retry or (self.checkpoint_every and self._step % self.checkpoint_every == 0):
             try:
-                self.save(data_state)
+                self.save(data_state, wait=retry)
             except WorkerLost as e:
                 self._recover(e)
         return metrics
@@ -175,13 +179,12 @@ class Trainer:
     def save(self, data_state=None, wait: bool = False, **extra) -> None:
         """Checkpoint the state after the current step, with `data_state` (JSON-able: where the
         data loader stands) in the manifest. Asynchronous unless `wait` or the Trainer's
-        async_checkpoint=False."""
+        async_checkpoint=False; a waited-for save that fails is retried, then raises
+        CheckpointError."""
         self._check_open()
         if self.checkpoints is None:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
-        self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **extra})
-        if wait:
-            self.checkpoints.wait()
+        self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **extra}, wait=wait)
 
     def _recover(self, lost: WorkerLost):
         """Replace the lost slice, restore every slice from the last committed checkpoint (or
@@ -200,6 +203,8 @@ class Trainer:
         except ReplaceUnsupported as e:
             raise RuntimeError(f"{lost}; cannot replace it: {e}; {committed}") from lost
         t_replace = time.perf_counter()
+        # Raises CheckpointError when checkpoints exist but none restores: never train on
+        # from a state that is neither a checkpoint nor the initial one.
         restored = self.checkpoints.restore_latest() if self.checkpoints is not None else None
         if restored is None:   # nothing committed yet: back to the initial state
             self._materialize()

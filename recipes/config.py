@@ -99,6 +99,9 @@ class ClusterConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=0, description="save every N steps and at the end; 0 = end only")
     keep: int = Field(2, gt=0, description="newest committed checkpoints kept on disk")
+    max_failed_saves: int = Field(
+        1, ge=0, description="retries of a failed save before training stops at the last "
+                             "committed step")
 
 
 class LogConfig(_Section):
@@ -143,12 +146,46 @@ class Config(_Section):
         text = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
+    def math(self) -> dict[str, Any]:
+        """{dotted key: value} of every key in MATH_KEYS: what a resumed run must not change."""
+        values = self.model_dump(mode="json")
+        out = {}
+        for key in MATH_KEYS:
+            node = values
+            for part in key.split("."):
+                node = node[part]
+            out.update(_flatten(node, key) if isinstance(node, dict) else {key: node})
+        return out
+
+    def math_hash(self) -> str:
+        """12 hex digits of sha256 over math(): equal hashes, equal training updates."""
+        text = json.dumps(self.math(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
     @model_validator(mode="after")
     def _cross_check(self) -> "Config":
         problems = _cross_field_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+
+# The keys that change what training computes. Others (train.steps, logging, checkpoint
+# cadence, the cluster, run_dir) may change between a run and its resume.
+MATH_KEYS = ("seed", "model", "data", "optimizer", "train.batch_size", "pipeline.num_microbatches")
+
+
+def _flatten(values: dict, prefix: str) -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        out.update(_flatten(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
+    return out
+
+
+def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """'key: saved -> now' for every math key whose value differs."""
+    return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
+            for k in sorted(set(saved) | set(now)) if saved.get(k, "(unset)") != now.get(k, "(unset)")]
 
 
 def _schedule_problem(p: PipelineConfig) -> str | None:
@@ -331,11 +368,14 @@ def validate(values: dict) -> Config:
 def _read_yaml(path: str | Path) -> dict:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' not found") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file '{path}': {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}: "
+                          f"{e.reason}); a config is YAML") from None
     try:
         values = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:

@@ -106,7 +106,11 @@ class ByteCorpus:
         for path in files:
             if total >= max_bytes:
                 break
-            data = Path(path).read_bytes()[:max_bytes - total]
+            try:
+                with open(path, "rb") as f:
+                    data = f.read(max_bytes - total)
+            except OSError as e:   # a device, a FIFO, a file we may not read, ...
+                raise ConfigError(f"data.paths: cannot read {path}: {e.strerror or e}") from None
             chunks.append(data)
             total += len(data)
         self.files = list(files)

@@ -5,8 +5,11 @@ Named run_log (not logging) so it never shadows the standard library's `logging`
 metrics.jsonl holds one JSON object per step, exactly once: a run that resumes from a
 checkpoint first drops the lines past that checkpoint (`truncate_after`), and a step written
 twice replaces its line, so the file always describes the updates that landed in the state.
+A write that fails (a full disk) leaves the file as it was and raises: an append is cut
+back to the old length, a rewrite goes to a temporary file that is removed.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -65,8 +68,15 @@ class MetricsLog:
         if replaces:
             self._rewrite()
         else:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record, default=_plain) + "\n")
+            size = self.path.stat().st_size if self.path.exists() else 0
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(record, default=_plain) + "\n")
+            except OSError:
+                del self._records[record["step"]]
+                with contextlib.suppress(OSError):
+                    os.truncate(self.path, size)   # freeing space needs none
+                raise
 
     def truncate_after(self, step: int) -> None:
         """Forgets every step > step (a resume from the checkpoint at `step` redoes them)."""
@@ -79,11 +89,15 @@ class MetricsLog:
     def _rewrite(self) -> None:
         # Temp file + os.replace: a crash mid-rewrite leaves the old file or the new, never half.
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("w") as f:
-            f.writelines(json.dumps(r, default=_plain) + "\n" for r in self._records.values())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with tmp.open("w") as f:
+                f.writelines(json.dumps(r, default=_plain) + "\n" for r in self._records.values())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 class TensorBoard:

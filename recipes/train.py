@@ -11,7 +11,10 @@ trace.json (the steps in log.trace_steps) and, for a GPT on text, sample.txt.
 Problems a user's config causes at build time (a custom module that does not import, a stage
 count the model cannot take, a backend whose package is not installed, too few devices for
 the in-process backend) raise ConfigError naming the key before any worker starts, so
-`mpmd train` reports them like a bad key. Any other error is a bug and stays itself.
+`mpmd train` reports them like a bad key. So do a run_dir that is not a writable directory
+and a resume whose config changes the math (the MATH_KEYS of recipes/config.py) without
+allow_config_change. Checkpoints that cannot be restored or saved raise CheckpointError.
+Any other error is a bug and stays itself.
 """
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ import models
 import mpmd
 from recipes import config as config_lib
 from recipes import data, run_log
+from mpmd.checkpoints import CheckpointError  # noqa: F401  (raised through run())
 from recipes.config import Config, ConfigError
+from runtime.checkpoint import CheckpointStore
 from runtime.inprocess import devices_for
 from runtime.ray_cluster import RayMissingError
 
@@ -178,16 +183,55 @@ def _should_eval(cfg: Config, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == cfg.train.steps)
 
 
+def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
+    """What every manifest of this run records about its config: the math keys' hash and
+    values. A run directory whose newest committed step has other values is refused
+    (ConfigError listing the changed keys) unless allow_config_change; then both hashes
+    are recorded."""
+    now = {"math_hash": cfg.math_hash(), "math": cfg.math()}
+    store = CheckpointStore(cfg.run_dir)
+    committed = store.committed() if Path(cfg.run_dir).is_dir() else []
+    saved = store.manifest(committed[-1]) if committed else None
+    if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
+        return now
+    changes = config_lib.math_changes(saved.get("math", {}), now["math"])
+    if not allow_config_change:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained with other values "
+                          f"of keys that change training ({'; '.join(changes)}): resume with "
+                          f"the same values, use another run_dir, or pass --allow-config-change")
+    print(f"resuming with a changed config (math hash {saved['math_hash']} -> "
+          f"{now['math_hash']}): {'; '.join(changes)}")
+    return {**now, "math_hash_before": saved["math_hash"]}
+
+
+def check_run_dir(run_dir: str) -> None:
+    """run_dir and its checkpoints/ must be directories this process can write in; made if
+    missing. Found here, before any worker starts, not when the first checkpoint fails."""
+    for d in (Path(run_dir), Path(run_dir) / "checkpoints"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename and str(e.filename) != str(d) else ""
+            raise ConfigError(f"run_dir={run_dir!r}: cannot write in {d}{where}: "
+                              f"{e.strerror or e}") from None
+
+
 # -- the run -------------------------------------------------------------------------------
-def run(cfg: Config) -> dict:
+def run(cfg: Config, allow_config_change: bool = False) -> dict:
     """Trains cfg.train.steps steps; returns a summary of the run."""
     p = cfg.pipeline
-    # Everything that can reject the config runs before a run directory exists.
+    # Everything that can reject the config runs before a worker starts, and all but the
+    # run directory's own check before a run directory exists.
     train_loader, eval_loader = data.make_loaders(cfg)
     sample_input = _first_microbatch(train_loader, p.num_microbatches)
     stages, loss_fn = build_model(cfg, sample_input)
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
+    metadata = resume_metadata(cfg, allow_config_change)
+    check_run_dir(cfg.run_dir)
     cluster = build_cluster(cfg)
     try:
         trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
@@ -196,7 +240,8 @@ def run(cfg: Config) -> dict:
                                max_grad_norm=cfg.optimizer.max_grad_norm,
                                run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
                                keep=cfg.checkpoint.keep,
-                               checkpoint_metadata={"config_hash": cfg.hash(exclude=["train.steps"])})
+                               max_failed_saves=cfg.checkpoint.max_failed_saves,
+                               checkpoint_metadata=metadata)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         raise
@@ -229,7 +274,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     if start_step:
         progress.message(f"resumed from {run_dir}/checkpoints/{start_step}")
     traces: dict[int, list] = {}
-    losses, eval_loss = [], None
+    losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
+    eval_loss = None
     stop = _StopRequest()
     try:
         step = start_step
@@ -246,6 +292,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 # A slice was lost and replaced; every slice is back at step e.step.
                 progress.message(f"recovered: {e}")
                 step = e.step
+                losses = {k: v for k, v in losses.items() if k <= step}
                 _seek(train_loader, e.data_state)
                 metrics_log.truncate_after(step)
                 continue
@@ -260,7 +307,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 record["bubble"] = run_log.measured_bubble(out["events"])
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
-            losses.append(out["loss"])
+            losses[step] = out["loss"]
             metrics_log.write(step, record)
             if board is not None:
                 board.write(step, record)
@@ -282,8 +329,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
         progress.close()
         if board is not None:
             board.close()
-    summary = {"first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None, "eval_loss": eval_loss,
+    summary = {"first_loss": losses[min(losses)] if losses else None,
+               "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
                "steps": len(losses), "run_dir": str(run_dir)}
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
           f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}")

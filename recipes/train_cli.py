@@ -1,7 +1,9 @@
 """`mpmd train CONFIG [key=value ...] [--help-config]`: one training run from a YAML config.
 
 `main(argv)` takes the arguments after the word `train` and returns the exit status: 0 when
-the run finished, 2 when the config is invalid (message "error: ..." on stderr). The config
+the run finished, 2 when the config is invalid (message "error: ..." on stderr), 1 when the
+run stopped on its checkpoints or its disk (unrestorable checkpoints, saves that keep
+failing, a full or read-only disk: one line "error: ..."). The config
 is loaded and checked before JAX is imported, so a bad one fails in well under a second and
 leaves nothing behind (no run directory, no workers).
 """
@@ -24,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", metavar="key=value", nargs="*",
                         help="dotted-key overrides of the file, values parsed as YAML "
                              "(train.steps=100, log.trace_steps=[1,2], optimizer.max_grad_norm=null)")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume a run directory although keys that change training "
+                             "(model, optimizer, data, seed, batch sizes) differ; both config "
+                             "hashes are recorded")
     parser.add_argument("--help-config", action="store_true",
                         help="print every config key with its default and description, and exit")
     return parser
@@ -56,10 +62,18 @@ def main(argv=None) -> int:
         _ensure_host_devices(cfg.num_workers)
     from recipes import train  # imports JAX: only once the config is known to be good
     try:
-        train.run(cfg)
+        train.run(cfg, allow_config_change=args.allow_config_change)
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except train.CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the run's own files: ENOSPC, EROFS, EACCES, ...
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}; the run stopped after its last committed "
+              f"checkpoint", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

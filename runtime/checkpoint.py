@@ -114,7 +114,13 @@ class SliceCheckpointer:
 
 
 class CheckpointStore:
-    """The controller's side: which steps are committed, commit, prune."""
+    """The controller's side: which steps are committed, commit, prune, set damage aside.
+
+    A step whose manifest.json exists but cannot be read (not JSON, not UTF-8, another step's)
+    is damaged, not committed. A damaged step is renamed to `<step>.damaged-<n>`: out of the
+    way of pruning (which counts committed steps only) and of a new save of that step, and
+    kept for a person to look at.
+    """
 
     def __init__(self, run_dir: str | os.PathLike):
         self.root = Path(run_dir) / "checkpoints"
@@ -122,31 +128,72 @@ class CheckpointStore:
     def step_dir(self, step: int) -> Path:
         return self.root / str(step)
 
-    def committed(self) -> list[int]:
-        """Steps with a readable manifest, oldest first."""
+    def _steps(self) -> list[int]:
         if not self.root.is_dir():
             return []
-        steps = []
-        for d in self.root.iterdir():
-            if d.name.isdigit() and self.manifest(int(d.name)) is not None:
-                steps.append(int(d.name))
-        return sorted(steps)
+        return sorted(int(d.name) for d in self.root.iterdir() if d.name.isdigit() and d.is_dir())
+
+    def committed(self) -> list[int]:
+        """Steps with a readable manifest, oldest first."""
+        return [s for s in self._steps() if self.manifest(s) is not None]
+
+    def damaged(self) -> dict[int, str]:
+        """{step: why} of steps whose manifest.json is there but unreadable."""
+        out = {}
+        for s in self._steps():
+            why = self._read(s)[1]
+            if why is not None:
+                out[s] = why
+        return out
+
+    def quarantined(self) -> list[Path]:
+        """Step directories set aside as damaged."""
+        return sorted(self.root.glob("*.damaged-*")) if self.root.is_dir() else []
 
     def manifest(self, step: int) -> dict | None:
+        return self._read(step)[0]
+
+    def _read(self, step: int) -> tuple[dict | None, str | None]:
+        """(manifest, None) if committed; (None, why) if its manifest is damaged; (None, None)
+        if it has none (an interrupted save)."""
+        path = self.step_dir(step) / MANIFEST
         try:
-            with open(self.step_dir(step) / MANIFEST) as f:
+            with open(path, encoding="utf-8") as f:
                 m = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            return None
-        return m if isinstance(m, dict) and m.get("step") == step else None
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError) as e:   # ValueError: not JSON, or not UTF-8 at all
+            return None, f"{path} is unreadable: {type(e).__name__}: {str(e)[:120]}"
+        if not isinstance(m, dict) or m.get("step") != step:
+            return None, f"{path} is not the manifest of step {step}"
+        return m, None
+
+    def quarantine(self, step: int, why: str) -> Path:
+        """Rename a damaged step aside to `<step>.damaged-<n>` (n: the first free number)."""
+        n = 0
+        while (aside := self.root / f"{step}.damaged-{n}").exists():
+            n += 1
+        os.replace(self.step_dir(step), aside)
+        log.warning("checkpoint step %d is damaged (%s); moved aside to %s", step, why, aside)
+        return aside
+
+    def discard(self, step: int) -> None:
+        """Remove what a failed save of `step` left (never a committed step)."""
+        d = self.step_dir(step)
+        if self.manifest(step) is None and d.exists():
+            shutil.rmtree(d, ignore_errors=True)
 
     def prepare(self, step: int) -> Path:
-        """The directory to save `step` into; clears what an interrupted save left there.
-        Refuses a committed step: committed data is never overwritten."""
+        """The directory to save `step` into; clears what an interrupted save left there (a
+        damaged step is moved aside instead). Refuses a committed step: committed data is
+        never overwritten."""
         d = self.step_dir(step)
-        if self.manifest(step) is not None:
+        manifest, damage = self._read(step)
+        if manifest is not None:
             raise FileExistsError(f"checkpoint step {step} is already committed at {d}; it is never overwritten")
-        if d.exists():
+        if damage is not None:
+            self.quarantine(step, damage)
+        elif d.exists():
             log.warning("removing uncommitted checkpoint directory %s (an interrupted save)", d)
             shutil.rmtree(d)
         d.mkdir(parents=True)
@@ -155,24 +202,27 @@ class CheckpointStore:
     def commit(self, step: int, manifest: dict) -> None:
         d = self.step_dir(step)
         tmp = d / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({**manifest, "step": step}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, d / MANIFEST)
+        try:
+            with open(tmp, "w") as f:
+                json.dump({**manifest, "step": step}, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, d / MANIFEST)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
 
     def prune(self, keep: int) -> None:
-        """Keep the newest `keep` committed steps; drop older ones and stale uncommitted ones."""
+        """Keep the newest `keep` committed steps; drop older ones and stale uncommitted ones.
+        A damaged step is neither counted nor dropped (restore moves it aside)."""
         committed = self.committed()
         if not committed:
             return
         keep_set = set(committed[-keep:]) if keep > 0 else set(committed)
+        damaged = self.damaged()
         newest = committed[-1]
-        for d in self.root.iterdir():
-            if not d.name.isdigit():
-                continue
-            s = int(d.name)
-            if s in keep_set:
+        for s in self._steps():
+            if s in keep_set or s in damaged:
                 continue
             if s in committed or s < newest:
-                shutil.rmtree(d, ignore_errors=True)
+                shutil.rmtree(self.step_dir(s), ignore_errors=True)

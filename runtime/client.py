@@ -267,8 +267,11 @@ class ControlPlane:
                 raise WorkerLost(slice_index, c.address, lost[1])
         return c.result("WaitSaves", fut)[0]["finalized"]
 
-    def restore(self, slice_index: int, items: dict) -> None:
-        self._call(slice_index, "Restore", {"items": items})
+    def restore(self, slice_index: int, items: dict, staged: bool = False) -> None:
+        self._call(slice_index, "Restore", {"items": items, "staged": staged})
+
+    def finish_restore(self, slice_index: int, commit: bool) -> None:
+        self._call(slice_index, "FinishRestore", {"commit": commit})
 
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:

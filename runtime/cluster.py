@@ -91,8 +91,13 @@ class Cluster(Protocol):
         """Block until the slice's saves are on disk; the directories finalized. WorkerLost if
         the slice is lost meanwhile."""
 
-    def restore(self, slice_index: int, items: Mapping[str, Sequence[str]]) -> None:
-        """Replace buffers with those saved under {directory: [buffer names]}; all or nothing."""
+    def restore(self, slice_index: int, items: Mapping[str, Sequence[str]], staged: bool = False) -> None:
+        """Replace buffers with those saved under {directory: [buffer names]}; all or nothing.
+        staged=True only reads them, held aside until finish_restore."""
+
+    def finish_restore(self, slice_index: int, commit: bool) -> None:
+        """Bind what a staged restore read (commit=True) or drop it: every slice switches
+        only once all have read their part."""
 
     def replace(self, slice_index: int) -> None:
         """Put a new worker in place of lost slice `slice_index`, with the programs and plans

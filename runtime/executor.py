@@ -58,6 +58,7 @@ class Executor:
         self.buffers: dict[str, tuple[jax.Array, ...]] = {}
         self._aborted_upto = -1      # runs with an id <= this are aborted (even if not started yet)
         self._checkpointer = SliceCheckpointer()
+        self._staged: dict[str, tuple] = {}     # a restore read but not yet bound (finish_restore)
 
     # -- state -----------------------------------------------------------------------
     def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
@@ -96,9 +97,21 @@ class Executor:
     def wait_saves(self) -> list[str]:
         return self._checkpointer.wait()
 
-    def restore(self, items: dict[str, list[str]]) -> None:
-        """Replace buffers with a checkpoint's; nothing changes if any part fails to read."""
-        self.buffers.update(self._checkpointer.restore(items, self.device))
+    def restore(self, items: dict[str, list[str]], staged: bool = False) -> None:
+        """Replace buffers with a checkpoint's; nothing changes if any part fails to read.
+        With staged=True the arrays are held aside (replacing any staged before) until
+        finish_restore: the controller binds them only once every slice has read its part."""
+        got = self._checkpointer.restore(items, self.device)
+        if staged:
+            self._staged = got
+        else:
+            self.buffers.update(got)
+
+    def finish_restore(self, commit: bool) -> None:
+        """Bind the staged arrays as buffers (commit) or drop them."""
+        staged, self._staged = self._staged, {}
+        if commit:
+            self.buffers.update(staged)
 
     def abort(self, step: int) -> None:
         """Make run `step` (and any earlier one) raise `Aborted` at its next wait, whether it is

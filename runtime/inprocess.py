@@ -117,8 +117,11 @@ class InProcessCluster:
     def wait_saves(self, slice_index: int) -> list[str]:
         return self.executors[slice_index].wait_saves()
 
-    def restore(self, slice_index: int, items: dict) -> None:
-        self.executors[slice_index].restore(items)
+    def restore(self, slice_index: int, items: dict, staged: bool = False) -> None:
+        self.executors[slice_index].restore(items, staged)
+
+    def finish_restore(self, slice_index: int, commit: bool) -> None:
+        self.executors[slice_index].finish_restore(commit)
 
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:

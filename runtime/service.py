@@ -12,7 +12,8 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
   Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save; every
                directory must lie below the worker's root, as must Restore's)
-  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}}
+  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}, staged}
+  FinishRestore {commit}: bind (or drop) what a staged Restore read
   Heartbeat    -> {pid, step_running}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
   Shutdown
@@ -130,7 +131,11 @@ class WorkerService:
         return {"finalized": self._exec().wait_saves()}, []
 
     def Restore(self, h, b):
-        self._exec().restore(confine(_items(h), self.root))
+        self._exec().restore(confine(_items(h), self.root), staged=bool(h.get("staged", False)))
+        return {}, []
+
+    def FinishRestore(self, h, b):
+        self._exec().finish_restore(bool(h.get("commit", False)))
         return {}, []
 
     def Heartbeat(self, h, b):
@@ -162,7 +167,7 @@ class WorkerService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         names = ["Hello", "Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete",
-                 "Run", "Save", "WaitSaves", "Restore", "Heartbeat", "Abort", "Shutdown"]
+                 "Run", "Save", "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown"]
         return grpc.method_handlers_generic_handler(
             SERVICE, {n: grpc.unary_unary_rpc_method_handler(self._wrap(n)) for n in names})
 
