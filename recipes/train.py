@@ -231,8 +231,8 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
-    check_run_dir(cfg.run_dir)
-    cluster = build_cluster(cfg)
+    cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
+    check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
     try:
         trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
                                num_microbatches=p.num_microbatches, cluster=cluster,
