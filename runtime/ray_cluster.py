@@ -217,6 +217,7 @@ class RayCluster(ControlPlane):
     runtime_env: extra Ray runtime_env for the actors (e.g. py_modules, pip); its env_vars
         are kept, with XLA_FLAGS extended as a worker needs.
     failure_timeout_s: a slice silent this long is declared lost (see ControlPlane).
+    step_timeout_s: a step without progress this long is aborted (see ControlPlane).
 
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
     the Trainer calls when it recovers); spare workers are not needed.
@@ -225,11 +226,12 @@ class RayCluster(ControlPlane):
     def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
-                 failure_timeout_s: float = 5.0):
+                 failure_timeout_s: float = 5.0, step_timeout_s: float | None = None):
         token = new_token()
         launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
                                threads_per_worker, host, runtime_env)
-        super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s)
+        super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
+                         step_timeout_s=step_timeout_s)
 
     @property
     def actors(self) -> list:

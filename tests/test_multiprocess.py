@@ -92,6 +92,7 @@ def start_worker(token_file, *extra):
 def static_workers(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-0123456789abcdef\n")
+    token_file.chmod(0o600)     # a token file others may read is refused
     procs = []
     try:
         addrs = []
