@@ -10,9 +10,17 @@ Two kinds:
 
 A loaded program is called as `program(*bundles) -> tuple of bundles`, a bundle being a
 tuple of arrays.
+
+Custom calls. A StableHLO `custom_call` runs whatever native function is registered under
+its target name in the worker: a host callback target (`jax.pure_callback`,
+`jax.debug.callback`) would call into a Python object that does not exist there and crash
+the worker. An exported program may only call the targets XLA and jaxlib themselves emit
+for ordinary ops (ALLOWED_CUSTOM_CALLS); any other is refused at load, naming it. The
+repo's own stage programs (GPT, MLP; sgd, adam, adamw; with clipping) contain none on CPU.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, NamedTuple
 
@@ -31,6 +39,16 @@ class ProgramSpec(NamedTuple):
 
 
 KINDS = ("exported", "sleep")
+# The custom-call targets XLA/jaxlib emit for supported ops (jax.export's list of stable
+# targets, less user kernels (tpu_custom_call, mosaic_gpu_v2) and calls into other runtimes
+# (tf.call_tf_function)): sharding annotations, LAPACK / cuSOLVER / hipSOLVER linear
+# algebra, GPU threefry, TPU linear algebra and top-k, dynamic-shape ops.
+ALLOWED_CUSTOM_CALLS = re.compile(
+    r"Sharding|SPMDFullToShardShape|SPMDShardToFullShape|annotate_device_placement|shape_assertion"
+    r"|AllocateBuffer|ApproxTopK|Eigh|LuDecomposition|ProductOfElementaryHouseholderReflectors|Qr"
+    r"|lapack_\w+_ffi|(cusolver|hipsolver)_\w+_ffi|cusparse_gtsv2_ffi|(cu|hip)_threefry2x32_ffi"
+    r"|(cu|hip)_lu_pivots_to_permutation|stablehlo\.dynamic_\w+")
+_CUSTOM_CALL = re.compile(r'stablehlo\.custom_call\s*@(?:"([^"]*)"|([\w.$-]+))|call_target_name\s*=\s*"([^"]*)"')
 Program = Callable[..., tuple]
 
 
@@ -51,6 +69,7 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
             exp = jax.export.deserialize(bytearray(spec.data))
         except Exception as e:  # flatbuffers raises assorted errors on garbage
             raise ValueError(f"program data is not a valid jax.export serialization: {e}") from None
+        check_custom_calls(exp.mlir_module())
         return jax.jit(exp.call)
     if spec.kind == "sleep":
         if not spec.duration_s >= 0:
@@ -65,3 +84,12 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
             return outs
         return run
     raise ValueError(f"unknown program kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
+
+
+def check_custom_calls(mlir_text: str) -> None:
+    """ValueError naming the first custom-call target outside ALLOWED_CUSTOM_CALLS."""
+    for m in _CUSTOM_CALL.finditer(mlir_text):
+        target = next(t for t in m.groups() if t is not None)
+        if not ALLOWED_CUSTOM_CALLS.fullmatch(target):
+            raise ValueError(f"program calls custom-call target {target!r}, which workers refuse: only "
+                             f"targets XLA emits for ordinary ops are allowed (no host callbacks)")
