@@ -84,6 +84,8 @@ class Executor:
             if isinstance(ins, Run) and ins.program not in self.programs:
                 raise ValueError(f"plan {name!r} instruction {i} runs unknown program "
                                  f"{ins.program!r}; loaded: {sorted(self.programs)[:20]}")
+            if isinstance(ins, Recv):
+                programs_lib.check_specs(ins.specs, f"plan {name!r} instruction {i} (recv {ins.key!r})")
         self.plans[name] = tuple(stream)
 
     def put(self, name: str, arrays) -> None:

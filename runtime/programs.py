@@ -72,8 +72,10 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
         check_custom_calls(exp.mlir_module())
         return jax.jit(exp.call)
     if spec.kind == "sleep":
-        if not spec.duration_s >= 0:
-            raise ValueError(f"sleep program needs duration_s >= 0, got {spec.duration_s}")
+        if not 0 <= spec.duration_s < float("inf"):
+            raise ValueError(f"sleep program needs a finite duration_s >= 0, got {spec.duration_s}")
+        for bundle in spec.outputs:
+            check_specs(bundle, "sleep program output")
         # Outputs are made once: a synthetic program's outputs carry no information.
         with jax.default_device(device):
             outs = tuple(tuple(jnp.zeros(s.shape, np.dtype(s.dtype)) for s in bundle)
@@ -84,6 +86,25 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
             return outs
         return run
     raise ValueError(f"unknown program kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
+
+
+# The largest array a spec from the network may ask a worker to make or receive: XLA aborts
+# the whole process on a shape whose size overflows, so it is checked here first.
+MAX_ARRAY_BYTES = 2**40
+
+
+def check_specs(specs, what: str) -> None:
+    """ValueError unless every Spec has non-negative integer dims, a known dtype, and at most
+    MAX_ARRAY_BYTES."""
+    for s in specs:
+        try:
+            itemsize = (np.dtype(s.dtype) if s.dtype != "bfloat16" else jnp.dtype(jnp.bfloat16)).itemsize
+        except TypeError:
+            raise ValueError(f"{what}: unknown dtype {s.dtype!r}") from None
+        if not all(isinstance(d, int) and d >= 0 for d in s.shape):
+            raise ValueError(f"{what}: shape must be non-negative integers, got {s.shape!r:.100}")
+        if itemsize * int(np.prod([int(d) for d in s.shape], dtype=object)) > MAX_ARRAY_BYTES:
+            raise ValueError(f"{what}: {s.dtype}{list(s.shape)} is larger than {MAX_ARRAY_BYTES} bytes")
 
 
 def check_custom_calls(mlir_text: str) -> None:

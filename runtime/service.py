@@ -86,9 +86,15 @@ class WorkerService:
 
     def Connect(self, h, b):
         peers = h.get("peers")
-        if not isinstance(peers, dict):
-            raise ValueError("Connect needs 'peers': {slice index: transfer address}")
-        self._exec().transport.connect_peers({int(k): str(v) for k, v in peers.items()})
+        if not isinstance(peers, dict) or not all(isinstance(v, str) and v.rpartition(":")[2].isdigit()
+                                                  for v in peers.values()):
+            raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address}}, "
+                             f"got {peers!r:.200}")
+        peers = {int(k): v for k, v in peers.items()}
+        try:
+            self._exec().transport.connect_peers(peers)
+        except RuntimeError as e:      # XLA's own refusal of an address
+            raise ValueError(f"cannot connect to peers {peers}: {e}") from None
         return {}, []
 
     def LoadPrograms(self, h, b):

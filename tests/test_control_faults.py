@@ -294,6 +294,10 @@ def test_a_program_calling_a_host_callback_target_is_refused_at_load(cluster):
     ("Run", {"plan": "no such plan", "step": 1}, []),
     ("Run", {"plan": "p", "step": 1, "feeds": {"x": 3}}, []),
     ("Connect", {"peers": {"zero": 5}}, []),
+    ("Connect", {"peers": {"0": "not an address"}}, []),       # was INTERNAL
+    # An overflowing shape made XLA abort the whole worker process.
+    ("LoadPrograms", {"programs": [{"name": "s", "kind": "sleep", "outputs": [[[[2**40, 2**40], "float32"]]]}]}, []),
+    ("InstallPlan", {"name": "p", "stream": [["recv", "b", 0, "k", [[[2**40, 2**40], "float32"]]]]}, []),
     ("Abort", {"step": "now"}, []),
     ("LoadPrograms", {"programs": [{"name": "s", "kind": "sleep", "duration_s": "long"}]}, []),
     ("LoadPrograms", {"programs": [{"name": "s", "kind": "sleep", "outputs": [[[[2], "float99"]]]}]}, []),
@@ -302,3 +306,5 @@ def test_malformed_requests_get_invalid_argument(cluster, method, header, blobs)
     with pytest.raises(grpc.RpcError) as e:
         raw_call(cluster.addresses[1], method, wire.encode(header, blobs), cluster._token)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    header, _ = wire.decode(raw_call(cluster.addresses[1], "Hello", wire.encode({}, []), cluster._token))
+    assert header["pid"] == cluster.pids[1]       # still serving
