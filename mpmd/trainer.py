@@ -155,10 +155,12 @@ class Trainer:
         clipping and, with trace=True, "events": per slice, the timed tasks and transfers.
         `data_state` (JSON-able) is saved with the checkpoint this step may trigger.
 
-        If a slice is lost during the step, the Trainer replaces it, restores the last
-        committed checkpoint and raises `Rewound` (see mpmd/checkpoints.py). A checkpoint
-        that failed to save is retried (waited for) after the next step; CheckpointError
-        once its retries are spent.
+        If a slice is lost during the step (or the step stalls past the cluster's step
+        timeout), the Trainer replaces it, restores the last committed checkpoint and raises
+        `Rewound` (see mpmd/checkpoints.py). A slice that fails at an instruction raises
+        runtime.cluster.StepFailed, which is not recovered from: a replay would fail alike.
+        A checkpoint that failed to save is retried (waited for) after the next step;
+        CheckpointError once its retries are spent.
         """
         results = self._run("train", inputs, targets, trace)
         self._step += 1

@@ -94,6 +94,9 @@ class ClusterConfig(_Section):
         None, description="file holding the cluster secret; static needs one, others generate it")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
+    step_timeout_s: float | None = Field(
+        None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
+                                "null = max(60 s, 20 x the median recent step time)")
 
 
 class CheckpointConfig(_Section):

@@ -140,10 +140,13 @@ def build_cluster(cfg: Config):
             devices_for(cfg.num_workers)  # one JAX device per slice, else say how to get more
             return mpmd.InProcessCluster()
         if c.backend == "static":
-            return mpmd.StaticCluster(c.addresses, token_file=c.token_file)
-        cls = mpmd.LocalCluster if c.backend == "local" else mpmd.RayCluster
-        return cls(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
-                   threads_per_worker=c.threads_per_worker)
+            return mpmd.StaticCluster(c.addresses, token_file=c.token_file, step_timeout_s=c.step_timeout_s)
+        kw = dict(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
+                  threads_per_worker=c.threads_per_worker, step_timeout_s=c.step_timeout_s)
+        if c.backend == "ray":
+            return mpmd.RayCluster(**kw)
+        # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log, not the console.
+        return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"))
 
 
 # -- pieces of the loop --------------------------------------------------------------------

@@ -13,6 +13,15 @@ an RPC to it fails for transport reasons (process gone: UNAVAILABLE at once) or 
 not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off). `run` then
 cancels the step everywhere and raises WorkerLost naming the slice.
 
+No step waits forever. The first error reply from any slice aborts the step everywhere at
+once; one that is not the echo of a lost slice is raised as StepFailed (slice, instruction,
+the worker's message). A live worker whose heartbeats are answered can still be stuck (a
+receive whose sender never sends, a program that never returns): each heartbeat reply
+carries the slice's position in its stream (run id, instructions done, what it is doing),
+and a step in which no slice moves and none finishes for `step_timeout_s` is aborted by a
+watchdog and reported as WorkerLost for an unfinished slice, preferring one that is not
+merely waiting for a peer, so the Trainer replaces it, restores and replays.
+
 Replacement. The control plane remembers what it shipped to each slice (programs, plans),
 so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
 (StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher). State
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import secrets
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +39,18 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from runtime import instructions, wire
-from runtime.cluster import Launcher, ReplaceUnsupported, WorkerLost
-from runtime.executor import Aborted, Event, StepResult
-from runtime.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
+from runtime.cluster import Launcher, ReplaceUnsupported, StepFailed, WorkerLost
+from runtime.executor import Aborted, Event, Progress, StepResult
+from runtime.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
+from runtime.worker import read_token_file
 
 HEARTBEAT_S = 0.5
+# The watchdog's timeout when step_timeout_s is None: max(MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR
+# x the median of the last completed steps' times). Before any step has completed, the first
+# runs compile their programs (seconds to minutes), hence FIRST_STEP_TIMEOUT_S.
+MIN_STEP_TIMEOUT_S = 60.0
+STEP_TIMEOUT_FACTOR = 20
+FIRST_STEP_TIMEOUT_S = 300.0
 # gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
 _GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
          grpc.StatusCode.UNKNOWN}
@@ -56,6 +73,8 @@ class WorkerClient:
         self._counts = rpc_counts
         self._stubs = {}
         self.last_ok = time.monotonic()
+        self.progress: Progress | None = None      # from the last heartbeat
+        self.progress_at = time.monotonic()        # when `progress` last changed
 
     def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -105,12 +124,20 @@ class ControlPlane:
     failure_timeout_s: a slice silent this long (no heartbeat answered) is declared lost.
     transfer_host: where workers' data-plane servers listen; None: the host of each
         worker's gRPC address.
+    step_timeout_s: a step in which no slice advances for this long is aborted (watchdog);
+        None: max(60 s, 20 x the median time of the recent steps), 300 s before any completed.
     """
 
     def __init__(self, launcher: Launcher, token: str, connect_timeout_s: float = 10.0,
-                 failure_timeout_s: float = 5.0, transfer_host: str | None = None):
+                 failure_timeout_s: float = 5.0, transfer_host: str | None = None,
+                 step_timeout_s: float | None = None):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
+        if step_timeout_s is not None and not (isinstance(step_timeout_s, (int, float)) and step_timeout_s > 0):
+            raise ValueError(f"step_timeout_s must be positive or None (derived from step times), "
+                             f"got {step_timeout_s!r}")
+        self.step_timeout_s = step_timeout_s
+        self._step_times: collections.deque = collections.deque(maxlen=20)
         self.launcher = launcher
         self._token = token
         self._connect_timeout_s = connect_timeout_s
@@ -182,9 +209,21 @@ class ControlPlane:
                     pass             # replaced while we looked
             for c, f in futs:
                 try:
-                    c.result("Heartbeat", f)
+                    progress = c.result("Heartbeat", f)[0].get("progress")
                 except (WorkerError, Aborted):
-                    pass
+                    continue
+                if isinstance(progress, list) and len(progress) == 3:
+                    progress = Progress(*progress)
+                    if progress != c.progress:
+                        c.progress, c.progress_at = progress, time.monotonic()
+
+    def step_timeout(self) -> float:
+        """The watchdog's timeout for the next step, in seconds."""
+        if self.step_timeout_s is not None:
+            return self.step_timeout_s
+        if not self._step_times:
+            return FIRST_STEP_TIMEOUT_S
+        return max(MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR * statistics.median(self._step_times))
 
     def lost_slice(self) -> tuple[int, str] | None:
         """(slice, why) of a slice silent for longer than failure_timeout_s, if any."""
@@ -275,6 +314,8 @@ class ControlPlane:
 
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
+        t0 = time.monotonic()
+        timeout_s = self.step_timeout()
         futs = []
         for i, c in enumerate(self.clients):
             b = wire.Builder()
@@ -282,28 +323,68 @@ class ControlPlane:
                       "feeds": {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}}
             futs.append(c.future("Run", header, b.blobs))
         # Wake on every completion (a sleep-poll here cost ~5 ms per step), and at least every
-        # 50 ms to look for a silent slice.
+        # 50 ms to look for a silent slice or a stalled step. `failed` keeps the order in
+        # which slices failed: the first is the root cause, later ones may be its echoes.
         changed = threading.Event()
-        for f in futs:
-            f.add_done_callback(lambda _: changed.set())
-        lost = None
-        while lost is None and not all(f.done() for f in futs):
+        failed: list[int] = []
+        last_done = [t0]
+
+        def done(i, f):
+            last_done[0] = time.monotonic()
+            if not f.cancelled() and f.exception() is not None:
+                failed.append(i)
+            changed.set()
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda f, i=i: done(i, f))
+        lost = stalled = None
+        while lost is None and stalled is None and not failed and not all(f.done() for f in futs):
             changed.wait(0.05)
             changed.clear()
             lost = self.lost_slice() or self._gone(futs)
+            stalled = self._stalled(step, futs, max(last_done[0], t0), timeout_s)
         lost = lost or self._gone(futs)
-        errors = [i for i, f in enumerate(futs) if f.done() and f.exception() is not None]
-        if lost is None and not errors:
+        if lost is None and stalled is None and not failed:
+            self._step_times.append(time.monotonic() - t0)
             return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
+        if lost is None and stalled is not None:
+            # The stalled slice is alive (it answers heartbeats): abort it too, wait not for it.
+            self._abort_all(step, futs, stalled[0], abort_lost=True)
+            raise WorkerLost(stalled[0], self.clients[stalled[0]].address, stalled[1])
         self._abort_all(step, futs, lost[0] if lost else None)
         # A survivor's error may be only the echo of a peer's death (its transfer broke):
         # ask everyone before blaming the slice that reported first.
         lost = lost or self._probe()
         if lost is not None:
             raise WorkerLost(lost[0], self.clients[lost[0]].address, lost[1])
-        root = [i for i in errors if futs[i].exception().code() != grpc.StatusCode.ABORTED] or errors
-        self.clients[root[0]].result("Run", futs[root[0]])     # raises the root cause
-        raise AssertionError("unreachable")
+        order = failed + [i for i, f in enumerate(futs) if f.done() and not f.cancelled()
+                          and f.exception() is not None and i not in failed]
+        root = [i for i in order if futs[i].exception().code() != grpc.StatusCode.ABORTED] or order
+        raise self._step_failed(root[0], futs[root[0]].exception())
+
+    def _stalled(self, step: int, futs, last_done: float, timeout_s: float) -> tuple[int, str] | None:
+        """(slice, why) to blame if no slice has finished or advanced in run `step` for
+        timeout_s; the blamed one is unfinished and, if any is, not waiting for a peer."""
+        now = time.monotonic()
+        moved = [c.progress_at for c in self.clients if c.progress is not None and c.progress.run == step]
+        if now - max([last_done] + moved) <= timeout_s:
+            return None
+        unfinished = [i for i, f in enumerate(futs) if not f.done()]
+        where = {i: self.clients[i].progress for i in unfinished}
+        busy = [i for i in unfinished if where[i] is None or where[i].run != step or where[i].doing != "recv"]
+        blame = (busy or unfinished)[0]
+        at = {i: (f"instruction {p.done} ({p.doing})" if p is not None and p.run == step else "not started")
+              for i, p in where.items()}
+        return blame, (f"step {step} made no progress for {now - max([last_done] + moved):.1f} s "
+                       f"(step_timeout_s={timeout_s:g}); unfinished slices: "
+                       + ", ".join(f"{i} at {a}" for i, a in at.items()))
+
+    def _step_failed(self, slice_index: int, e: grpc.RpcError) -> Exception:
+        """The error a failed Run reply stands for: StepFailed naming slice and instruction."""
+        trailing = dict(e.trailing_metadata() or ())
+        at = trailing.get(FAILED_AT_KEY)
+        at = at.decode(errors="replace") if isinstance(at, bytes) else "Run"
+        address = self.clients[slice_index].address
+        return StepFailed(slice_index, at, f"{e.code().name} from worker {address}: {e.details()}")
 
     @staticmethod
     def _gone(futs) -> tuple[int, str] | None:
@@ -333,10 +414,10 @@ class ControlPlane:
         fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["fetched"].items()}
         return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"])
 
-    def _abort_all(self, step: int, futs=(), lost: int | None = None) -> None:
+    def _abort_all(self, step: int, futs=(), lost: int | None = None, abort_lost: bool = False) -> None:
         """Abort run `step` everywhere. The lost slice, if known, is not waited for: it is hung
-        or gone, and its Run is simply cancelled."""
-        live = [i for i in range(len(self.clients)) if i != lost]
+        or gone, and its Run is simply cancelled (it is sent the Abort too if `abort_lost`)."""
+        live = [i for i in range(len(self.clients)) if i != lost or abort_lost]
         aborts = [(self.clients[i], self.clients[i].future("Abort", {"step": step}, timeout_s=2.0)) for i in live]
         for c, f in aborts:
             try:
@@ -408,25 +489,26 @@ class StaticCluster(ControlPlane):
     (DIR must hold the run_dir of any Trainer that checkpoints on them).
 
     The first `num_slices` addresses serve slices; the others are spares that replace a
-    lost slice.
+    lost slice. A token file that its group or others may read is refused unless
+    `allow_insecure_token_file` (see read_token_file).
     """
 
     def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
                  connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
-                 transfer_host: str | None = None):
+                 transfer_host: str | None = None, step_timeout_s: float | None = None,
+                 allow_insecure_token_file: bool = False):
         addresses = list(addresses)
         if not addresses or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
             raise ValueError(f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
         if token is None:
             if token_file is None:
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
-            try:
-                with open(token_file) as f:
-                    token = f.readline().strip()
-            except OSError as e:
-                raise ValueError(f"cannot read token_file {token_file!r}: {e.strerror}") from None
-        super().__init__(StaticLauncher(addresses), token, connect_timeout_s, failure_timeout_s, transfer_host)
+            token = read_token_file(token_file, allow_insecure_token_file, "token_file",
+                                    "allow_insecure_token_file=True")
+        super().__init__(StaticLauncher(addresses), token, connect_timeout_s, failure_timeout_s, transfer_host,
+                         step_timeout_s)
 
 
 def new_token() -> str:
     return secrets.token_hex(16)
+

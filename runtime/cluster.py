@@ -13,8 +13,12 @@ Two protocols:
 
 Slices are numbered 0..num_slices-1. Errors: a slice that is gone (process died, hung past
 the failure timeout, unreachable) surfaces as `WorkerLost` from `run`, `wait_saves` and the
-per-slice verbs; any other error a worker reports is re-raised as what it is (a bad plan is
-a ValueError, and so on). A cluster that cannot put a new worker in a lost slice's place
+per-slice verbs; an error raised while a slice walks its stream (a program that fails, a
+plan that reads a missing buffer) aborts the step everywhere and surfaces as `StepFailed`
+naming the slice and the instruction: it would fail again, so it is not recovered from. A
+step that makes no progress for the cluster's step timeout is aborted by a watchdog and
+reported as `WorkerLost` for one of the slices that did not finish. Any other error a worker
+reports on a per-slice verb is re-raised as what it is. A cluster that cannot put a new worker in a lost slice's place
 raises `ReplaceUnsupported` from `replace`: the Trainer catches that one type and gives up
 with the last committed checkpoint in its message (no `hasattr` probing, no capability
 flag: whether a replacement exists is only known when one is asked for, e.g. a
@@ -39,6 +43,21 @@ class WorkerLost(RuntimeError):
         super().__init__(f"slice {slice_index} (worker {address}) lost: {why}")
         self.slice_index = slice_index
         self.address = address
+
+
+class StepFailed(RuntimeError):
+    """Slice `slice_index` raised while running `instruction` of a step (e.g. "train[12] F2/3",
+    "fetch loss/0"); the step was aborted everywhere. Deterministic: replaying it would fail
+    the same way, so the Trainer does not recover from it."""
+
+    def __init__(self, slice_index: int, instruction: str, message: str):
+        super().__init__(f"slice {slice_index} failed at {instruction}: {message}")
+        self.slice_index = slice_index
+        self.instruction = instruction
+        self.message = message
+
+    def __reduce__(self):
+        return StepFailed, (self.slice_index, self.instruction, self.message)
 
 
 class ReplaceUnsupported(RuntimeError):

@@ -12,6 +12,11 @@ One step:
    waiting for the receiver, Delete frees a buffer after its last use;
 3. the fetched buffers come back to the caller as host arrays, with the task timings when
    tracing.
+
+An error while walking the stream is raised as `StepFailed` naming the slice and the
+instruction. `progress` tells the controller's watchdog where the walk stands: (run id,
+instructions done, what it is doing), read by the worker's Heartbeat, a few attributes
+written per instruction.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import numpy as np
 
 from runtime import programs as programs_lib
 from runtime.checkpoint import SliceCheckpointer
+from runtime.cluster import StepFailed
 from runtime.instructions import Delete, Instruction, Recv, Run, Send
 
 if TYPE_CHECKING:
@@ -48,6 +54,14 @@ class Aborted(RuntimeError):
     """The step was aborted (a peer slice was lost); the slice's buffers are undefined."""
 
 
+class Progress(NamedTuple):
+    """Where a slice's walk stands, for the watchdog: run id, instructions done in it, and
+    what it does now ("idle", "run" a program, "recv" waiting for a peer, "fetch")."""
+    run: int
+    done: int
+    doing: str
+
+
 class Executor:
     def __init__(self, slice_index: int, device: jax.Device, transport: Transport):
         self.slice_index = slice_index
@@ -59,6 +73,7 @@ class Executor:
         self._aborted_upto = -1      # runs with an id <= this are aborted (even if not started yet)
         self._checkpointer = SliceCheckpointer()
         self._staged: dict[str, tuple] = {}     # a restore read but not yet bound (finish_restore)
+        self.progress = Progress(-1, 0, "idle")
 
     # -- state -----------------------------------------------------------------------
     def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
@@ -70,6 +85,8 @@ class Executor:
             if isinstance(ins, Run) and ins.program not in self.programs:
                 raise ValueError(f"plan {name!r} instruction {i} runs unknown program "
                                  f"{ins.program!r}; loaded: {sorted(self.programs)[:20]}")
+            if isinstance(ins, Recv):
+                programs_lib.check_specs(ins.specs, f"plan {name!r} instruction {i} (recv {ins.key!r})")
         self.plans[name] = tuple(stream)
 
     def put(self, name: str, arrays) -> None:
@@ -132,14 +149,16 @@ class Executor:
         pending = {ins.buffer: self.transport.recv(prefix + ins.key, ins.src, ins.specs)
                    for ins in stream if isinstance(ins, Recv)}
         events: list[Event] = []
+        where = "start"
         try:
-            for ins in stream:
+            for i, ins in enumerate(stream):
+                where = f"{plan}[{i}] {_describe(ins)}"
                 if isinstance(ins, Run):
+                    self.progress = Progress(step, i, "run")
                     try:
                         args = [buffers[n] for n in ins.inputs]
                     except KeyError as e:
-                        raise ValueError(f"slice {self.slice_index} plan {plan!r}: {ins.label or ins.program} "
-                                         f"reads buffer {e.args[0]!r}, which does not exist") from None
+                        raise ValueError(f"reads buffer {e.args[0]!r}, which does not exist") from None
                     start = time.time_ns() if trace else 0
                     with jax.default_device(self.device):
                         outs = self.programs[ins.program](*args)
@@ -150,6 +169,7 @@ class Executor:
                         jax.block_until_ready(outs)
                         events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))
                 elif isinstance(ins, Recv):
+                    self.progress = Progress(step, i, "recv")
                     start = time.time_ns() if trace else 0
                     buffers[ins.buffer] = self._wait(pending.pop(ins.buffer), ins, step)
                     if trace:
@@ -159,10 +179,19 @@ class Executor:
                 else:
                     assert isinstance(ins, Delete)
                     buffers.pop(ins.buffer, None)
+            self.progress = Progress(step, len(stream), "fetch")
+            where = f"{plan} fetch {list(fetch)}"
             fetched = {n: tuple(np.asarray(a) for a in buffers[n]) for n in fetch}
+        except Aborted:
+            raise
+        except Exception as e:
+            if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
+                raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
+            raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
         finally:
             for fut in pending.values():
                 fut.cancel()
+            self.progress = Progress(step, len(stream), "idle")
         return StepResult(fetched, tuple(events), (time.time_ns() - t0) / 1e9)
 
     def _wait(self, fut, ins: Recv, step: int):
@@ -174,3 +203,13 @@ class Executor:
                 return tuple(fut.result(timeout=0.05))
             except TimeoutError:
                 continue
+
+
+def _describe(ins: Instruction) -> str:
+    if isinstance(ins, Run):
+        return f"run {ins.label or ins.program!r} (program {ins.program!r})"
+    if isinstance(ins, Recv):
+        return f"recv {ins.key!r} from slice {ins.src}"
+    if isinstance(ins, Send):
+        return f"send {ins.key!r} to slice {ins.dst}"
+    return f"delete {ins.buffer!r}"

@@ -76,8 +76,9 @@ class LocalLauncher:
 
     def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 compilation_cache_dir: str = "", root: str | None = None):
+                 compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        self.log_dir = log_dir
         self._token = token
         self.root = root              # the cluster's root=; the workers' is fixed at spawn
         self._running_root: str | None = None
@@ -130,8 +131,16 @@ class LocalLauncher:
             env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
         # A session of its own: a Ctrl-C at the terminal reaches the controller only, which
         # finishes its step, checkpoints and closes the cluster; the workers follow it.
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None,
-                                env=env, text=True, bufsize=1, start_new_session=True)
+        stderr = None
+        if self.log_dir is not None:    # appended to: a replacement continues its slot's log
+            os.makedirs(self.log_dir, exist_ok=True)
+            stderr = open(os.path.join(self.log_dir, f"worker_{i}.log"), "a")
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                    env=env, text=True, bufsize=1, start_new_session=True)
+        finally:
+            if stderr is not None:
+                stderr.close()          # the child has its own copy
         if i < len(self.procs):
             self.procs[i] = proc
         else:
@@ -175,19 +184,23 @@ class LocalCluster(ControlPlane):
     root: the only directory tree the workers may save checkpoints to and restore from
         (None: the run_dir the Trainer starts the cluster with, else this process's cwd).
         Fixed when the workers start; see worker_root.
+    step_timeout_s: a step without progress this long is aborted (see ControlPlane).
+    log_dir: workers' stderr (their logs and tracebacks) goes to <log_dir>/worker_<slot>.log;
+        None: to this process's stderr.
     """
 
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
-                 root: str | None = None):
+                 step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
-        launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache, root)
-        super().__init__(launcher, token, failure_timeout_s=failure_timeout_s)
+        launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache,
+                                 log_dir, root)
+        super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     @property
     def pids(self) -> list[int]:

@@ -10,9 +10,17 @@ Two kinds:
 
 A loaded program is called as `program(*bundles) -> tuple of bundles`, a bundle being a
 tuple of arrays.
+
+Custom calls. A StableHLO `custom_call` runs whatever native function is registered under
+its target name in the worker: a host callback target (`jax.pure_callback`,
+`jax.debug.callback`) would call into a Python object that does not exist there and crash
+the worker. An exported program may only call the targets XLA and jaxlib themselves emit
+for ordinary ops (ALLOWED_CUSTOM_CALLS); any other is refused at load, naming it. The
+repo's own stage programs (GPT, MLP; sgd, adam, adamw; with clipping) contain none on CPU.
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, NamedTuple
 
@@ -31,6 +39,16 @@ class ProgramSpec(NamedTuple):
 
 
 KINDS = ("exported", "sleep")
+# The custom-call targets XLA/jaxlib emit for supported ops (jax.export's list of stable
+# targets, less user kernels (tpu_custom_call, mosaic_gpu_v2) and calls into other runtimes
+# (tf.call_tf_function)): sharding annotations, LAPACK / cuSOLVER / hipSOLVER linear
+# algebra, GPU threefry, TPU linear algebra and top-k, dynamic-shape ops.
+ALLOWED_CUSTOM_CALLS = re.compile(
+    r"Sharding|SPMDFullToShardShape|SPMDShardToFullShape|annotate_device_placement|shape_assertion"
+    r"|AllocateBuffer|ApproxTopK|Eigh|LuDecomposition|ProductOfElementaryHouseholderReflectors|Qr"
+    r"|lapack_\w+_ffi|(cusolver|hipsolver)_\w+_ffi|cusparse_gtsv2_ffi|(cu|hip)_threefry2x32_ffi"
+    r"|(cu|hip)_lu_pivots_to_permutation|stablehlo\.dynamic_\w+")
+_CUSTOM_CALL = re.compile(r'stablehlo\.custom_call\s*@(?:"([^"]*)"|([\w.$-]+))|call_target_name\s*=\s*"([^"]*)"')
 Program = Callable[..., tuple]
 
 
@@ -51,10 +69,13 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
             exp = jax.export.deserialize(bytearray(spec.data))
         except Exception as e:  # flatbuffers raises assorted errors on garbage
             raise ValueError(f"program data is not a valid jax.export serialization: {e}") from None
+        check_custom_calls(exp.mlir_module())
         return jax.jit(exp.call)
     if spec.kind == "sleep":
-        if not spec.duration_s >= 0:
-            raise ValueError(f"sleep program needs duration_s >= 0, got {spec.duration_s}")
+        if not 0 <= spec.duration_s < float("inf"):
+            raise ValueError(f"sleep program needs a finite duration_s >= 0, got {spec.duration_s}")
+        for bundle in spec.outputs:
+            check_specs(bundle, "sleep program output")
         # Outputs are made once: a synthetic program's outputs carry no information.
         with jax.default_device(device):
             outs = tuple(tuple(jnp.zeros(s.shape, np.dtype(s.dtype)) for s in bundle)
@@ -65,3 +86,31 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
             return outs
         return run
     raise ValueError(f"unknown program kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
+
+
+# The largest array a spec from the network may ask a worker to make or receive: XLA aborts
+# the whole process on a shape whose size overflows, so it is checked here first.
+MAX_ARRAY_BYTES = 2**40
+
+
+def check_specs(specs, what: str) -> None:
+    """ValueError unless every Spec has non-negative integer dims, a known dtype, and at most
+    MAX_ARRAY_BYTES."""
+    for s in specs:
+        try:
+            itemsize = (np.dtype(s.dtype) if s.dtype != "bfloat16" else jnp.dtype(jnp.bfloat16)).itemsize
+        except TypeError:
+            raise ValueError(f"{what}: unknown dtype {s.dtype!r}") from None
+        if not all(isinstance(d, int) and d >= 0 for d in s.shape):
+            raise ValueError(f"{what}: shape must be non-negative integers, got {s.shape!r:.100}")
+        if itemsize * int(np.prod([int(d) for d in s.shape], dtype=object)) > MAX_ARRAY_BYTES:
+            raise ValueError(f"{what}: {s.dtype}{list(s.shape)} is larger than {MAX_ARRAY_BYTES} bytes")
+
+
+def check_custom_calls(mlir_text: str) -> None:
+    """ValueError naming the first custom-call target outside ALLOWED_CUSTOM_CALLS."""
+    for m in _CUSTOM_CALL.finditer(mlir_text):
+        target = next(t for t in m.groups() if t is not None)
+        if not ALLOWED_CUSTOM_CALLS.fullmatch(target):
+            raise ValueError(f"program calls custom-call target {target!r}, which workers refuse: only "
+                             f"targets XLA emits for ordinary ops are allowed (no host callbacks)")

@@ -224,6 +224,7 @@ class RayCluster(ControlPlane):
     failure_timeout_s: a slice silent this long is declared lost (see ControlPlane).
     root: the only directory tree the actors may save checkpoints to and restore from, as
         for LocalCluster (a path on the nodes' shared filesystem).
+    step_timeout_s: a step without progress this long is aborted (see ControlPlane).
 
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
     the Trainer calls when it recovers); spare workers are not needed.
@@ -232,11 +233,13 @@ class RayCluster(ControlPlane):
     def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
-                 failure_timeout_s: float = 5.0, root: str | None = None):
+                 failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
+                 root: str | None = None):
         token = new_token()
         launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
                                threads_per_worker, host, runtime_env, root)
-        super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s)
+        super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
+                         step_timeout_s=step_timeout_s)
 
     @property
     def actors(self) -> list:

@@ -14,18 +14,25 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
                directory must lie below the worker's root, as must Restore's)
   WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}, staged}
   FinishRestore {commit}: bind (or drop) what a staged Restore read
-  Heartbeat    -> {pid, step_running}
+  Heartbeat    -> {pid, step_running, progress: [run id, instructions done, doing] | null}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
   Shutdown
 Every call must carry the cluster token in metadata `mpmd-token`; a call without it, or
-with a wrong one, is refused (UNAUTHENTICATED) and logged. A malformed body gets
-INVALID_ARGUMENT naming what is wrong; the worker keeps serving.
+with a wrong one, is refused (UNAUTHENTICATED) and logged, from its metadata alone, before
+its body is read: the refusing handler takes the request as a stream it never reads, so a
+400 MB body sent without the token costs the worker at most gRPC's flow-control window.
+A malformed body gets INVALID_ARGUMENT naming what is wrong; the worker keeps serving. A
+Run that fails at an instruction answers INVALID_ARGUMENT (a bad plan) or INTERNAL (a
+program that raised) with trailing metadata naming the slice and the instruction, which
+the controller raises as runtime.cluster.StepFailed.
 """
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
+import struct
 import threading
 import time
 import traceback
@@ -35,6 +42,7 @@ import jax
 
 from runtime import instructions, programs, wire
 from runtime.checkpoint import confine
+from runtime.cluster import StepFailed
 from runtime.executor import Aborted, Executor
 from runtime.instructions import Spec
 
@@ -42,6 +50,16 @@ SERVICE = "mpmd.Worker"
 TOKEN_KEY = "mpmd-token"
 # Shipped programs and activations can be large; gRPC's 4 MB default would refuse them.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+# The server's own: a port another process listens on is refused, not shared (with
+# SO_REUSEPORT two workers on one port would both serve and split the requests), and one
+# connection may not open more than MAX_STREAMS calls at once (the controller needs a few).
+MAX_STREAMS = 64
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS)]
+# Trailing metadata of a failed Run: which slice and instruction (UTF-8; "-bin": any bytes).
+FAILED_SLICE_KEY, FAILED_AT_KEY = "mpmd-failed-slice", "mpmd-failed-at-bin"
+# Errors that mean "this request is malformed" whichever handler raised them.
+_BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, struct.error,
+                json.JSONDecodeError)
 log = logging.getLogger("mpmd.worker")
 
 
@@ -79,9 +97,15 @@ class WorkerService:
 
     def Connect(self, h, b):
         peers = h.get("peers")
-        if not isinstance(peers, dict):
-            raise ValueError("Connect needs 'peers': {slice index: transfer address}")
-        self._exec().transport.connect_peers({int(k): str(v) for k, v in peers.items()})
+        if not isinstance(peers, dict) or not all(isinstance(v, str) and v.rpartition(":")[2].isdigit()
+                                                  for v in peers.values()):
+            raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address}}, "
+                             f"got {peers!r:.200}")
+        peers = {int(k): v for k, v in peers.items()}
+        try:
+            self._exec().transport.connect_peers(peers)
+        except RuntimeError as e:      # XLA's own refusal of an address
+            raise ValueError(f"cannot connect to peers {peers}: {e}") from None
         return {}, []
 
     def LoadPrograms(self, h, b):
@@ -139,7 +163,8 @@ class WorkerService:
         return {}, []
 
     def Heartbeat(self, h, b):
-        return {"pid": os.getpid(), "step_running": self._running.locked()}, []
+        progress = list(self.executor.progress) if self.executor is not None else None
+        return {"pid": os.getpid(), "step_running": self._running.locked(), "progress": progress}, []
 
     def Abort(self, h, b):
         """Stop a running step and drop this slice's pending transfers (peers waiting on them
@@ -166,19 +191,16 @@ class WorkerService:
         return self.executor
 
     def handler(self) -> grpc.GenericRpcHandler:
-        names = ["Hello", "Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete",
-                 "Run", "Save", "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown"]
-        return grpc.method_handlers_generic_handler(
-            SERVICE, {n: grpc.unary_unary_rpc_method_handler(self._wrap(n)) for n in names})
+        return _Handler(self)
 
-    def _wrap(self, name: str):
+    def authorized(self, metadata) -> bool:
+        token = dict(metadata or ()).get(TOKEN_KEY, "")
+        return isinstance(token, str) and hmac.compare_digest(token.encode(), self._token)
+
+    def wrap(self, name: str):
         method = getattr(self, name)
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
-            token = dict(context.invocation_metadata()).get(TOKEN_KEY, "")
-            if not hmac.compare_digest(token.encode(), self._token):
-                log.warning("refused %s from %s: %s token", name, context.peer(), "wrong" if token else "missing")
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_KEY}")
             self.last_contact = time.monotonic()
             try:
                 header, blobs = wire.decode(request)
@@ -186,13 +208,48 @@ class WorkerService:
                 return wire.encode(reply, out)
             except Aborted as e:
                 context.abort(grpc.StatusCode.ABORTED, f"{name}: {e}")
-            except (ValueError, KeyError, TypeError) as e:
+            except StepFailed as e:
+                bad_plan = isinstance(e.__cause__, _BAD_REQUEST)
+                (log.warning if bad_plan else log.error)("%s failed: %s\n%s", name, e,
+                                                         "" if bad_plan else traceback.format_exc())
+                context.set_trailing_metadata(((FAILED_SLICE_KEY, str(e.slice_index)),
+                                               (FAILED_AT_KEY, e.instruction.encode())))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad_plan else grpc.StatusCode.INTERNAL,
+                              e.message)
+            except _BAD_REQUEST as e:
                 log.warning("bad %s request: %s", name, e)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
             except Exception as e:
                 log.error("%s failed:\n%s", name, traceback.format_exc())
                 context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
         return call
+
+
+class _Handler(grpc.GenericRpcHandler):
+    """Routes a call by its method name and metadata, before gRPC reads its body. A call
+    without the token gets a handler that takes the request as a stream and never reads it:
+    the refusal costs a few bytes whatever the body's size (the wire format of a unary and a
+    streaming request is the same)."""
+
+    METHODS = ("Hello", "Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete",
+               "Run", "Save", "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
+
+    def __init__(self, service: WorkerService):
+        self._service = service
+        self._handlers = {f"/{SERVICE}/{n}": grpc.unary_unary_rpc_method_handler(service.wrap(n))
+                          for n in self.METHODS}
+
+    def service(self, details: grpc.HandlerCallDetails):
+        handler = self._handlers.get(details.method)
+        if handler is None or self._service.authorized(details.invocation_metadata):
+            return handler
+        token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
+        name = details.method.rpartition("/")[2]
+
+        def refuse(_unread_requests, context: grpc.ServicerContext):
+            log.warning("refused %s from %s: %s token", name, context.peer(), "wrong" if token else "missing")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_KEY}")
+        return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 def _items(h: dict) -> dict[str, list[str]]:

@@ -34,7 +34,7 @@ def encode(header: dict, blobs: list) -> bytes:
             described.append({"nbytes": len(b)})
             payload.append(bytes(b))
         else:
-            a = np.ascontiguousarray(np.asarray(b))
+            a = np.asarray(b, order="C")      # not ascontiguousarray: it makes a scalar 1-d
             described.append({"nbytes": a.nbytes, "shape": list(a.shape), "dtype": a.dtype.name})
             payload.append(a.tobytes())
     head = json.dumps({**header, "blobs": described}, separators=(",", ":")).encode()

@@ -25,6 +25,7 @@ import argparse
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -38,6 +39,8 @@ def parse_args(argv):
                    help="HOST:PORT to listen on (default 127.0.0.1:0: loopback, any free port)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--token-file", help="file whose first line is the cluster token")
+    p.add_argument("--allow-insecure-token-file", action="store_true",
+                   help="accept a --token-file that its group or others may read")
     g.add_argument("--token-stdin", action="store_true",
                    help="read the token from stdin's first line; exit when stdin closes")
     p.add_argument("--root", default=None,
@@ -82,12 +85,29 @@ def read_token(args) -> str:
         token = sys.stdin.readline().strip()
     else:
         try:
-            with open(args.token_file) as f:
-                token = f.readline().strip()
-        except OSError as e:
-            raise SystemExit(f"error: cannot read --token-file {args.token_file!r}: {e.strerror}")
+            token = read_token_file(args.token_file, args.allow_insecure_token_file, "--token-file",
+                                    "--allow-insecure-token-file")
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
     if len(token) < 16:
         raise SystemExit("error: the token must be at least 16 characters")
+    return token
+
+
+def read_token_file(path: str, allow_insecure: bool, what: str, escape: str) -> str:
+    """The first line of a token file. ValueError if it cannot be read, or if its group or
+    others may read or write it (anyone who can read the token can drive the workers) and
+    not `allow_insecure`. `what` names the argument, `escape` the way to allow it anyway."""
+    try:
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            token = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) and not allow_insecure:
+        raise ValueError(f"{what} {path!r} has mode {stat.S_IMODE(mode):04o}: its group or others may read "
+                         f"it, and the token is the key to the workers; `chmod 600 {path}` "
+                         f"(or pass {escape} to accept it)")
     return token
 
 
@@ -147,11 +167,11 @@ def serve(service, listen: str):
     Shared by this process's main and the Ray actor of runtime/ray_cluster.py."""
     import grpc
     from concurrent import futures
-    from runtime.service import GRPC_OPTIONS
+    from runtime.service import SERVER_OPTIONS
 
     # Several threads: Heartbeat and Abort must be served while a Run is executing.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpmd-rpc"),
-                         options=GRPC_OPTIONS)
+                         options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((service.handler(),))
     host = listen.rpartition(":")[0]
     try:
@@ -159,7 +179,8 @@ def serve(service, listen: str):
     except RuntimeError:
         bound = 0
     if not bound:
-        raise OSError(f"cannot listen on {listen!r}")
+        raise OSError(f"cannot listen on {listen!r}: the address is in use (another worker there?) "
+                      f"or not this machine's")
     server.start()
     return server, f"{host or '127.0.0.1'}:{bound}"
 

@@ -11,7 +11,7 @@ import mpmd
 from runtime.client import StaticLauncher, new_token
 from runtime.cluster import Cluster, Launcher, ReplaceUnsupported, WorkerLost
 from runtime.local import LocalLauncher
-from tests.test_multiprocess import alive, wait_gone
+from tests.processes import alive, wait_gone
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 

@@ -80,6 +80,7 @@ def test_unreachable_worker_fails_fast_naming_it():
 
 
 def start_worker(token_file, *extra):
+    os.chmod(token_file, 0o600)       # a token file others may read is refused
     proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
                              "--token-file", str(token_file), *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

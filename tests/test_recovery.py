@@ -4,152 +4,19 @@ Every scenario ends with exactly the parameters of an uninterrupted run (bitwise
 in-process and multi-process runtimes run the same programs with the same threading) and
 leaves no process behind.
 """
-import functools
 import os
 import shutil
 import signal
 import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
-import models
 import mpmd
-from tests import reference
 from tests.processes import wait_gone
-
-STEPS, EVERY = 8, 2
-
-
-def make_pipe(spin=None):
-    """The GPT in two stages; with spin=(forward_iters, backward_iters), stage 1 starts with a
-    `Spin` of those counts."""
-    stages = mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2)
-    if spin is not None:
-        stages[1] = nnx.Sequential(Spin(*spin), *stages[1].layers)
-    return mpmd.Pipeline(stages, models.lm_loss)
-
-
-class Spin(nnx.Module):
-    """The identity, exactly, whose forward first burns `forward_iters` serial sines over the
-    activation and whose backward burns `backward_iters` over the gradient (~15 CPU us each on
-    one microbatch here): it stretches one phase of a stage so that a kill aimed at its
-    middle lands inside it with a wide margin."""
-
-    def __init__(self, forward_iters: int, backward_iters: int):
-        self.forward_iters, self.backward_iters = forward_iters, backward_iters
-
-    def __call__(self, x):
-        return _spin(x, self.forward_iters, self.backward_iters)
-
-
-def _burn(x, iters):
-    if not iters:
-        return x
-    # x + 0 * (finite sum) is x bitwise; XLA does not fold a float multiply by zero (NaN * 0).
-    return x + 0.0 * jnp.sum(jax.lax.fori_loop(0, iters, lambda _, u: jnp.sin(u), x))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _spin(x, forward_iters, backward_iters):
-    return _burn(x, forward_iters)
-
-
-_spin.defvjp(lambda x, f, b: (_burn(x, f), None), lambda f, b, _, g: (_burn(g, b),))
-
-
-def data():
-    rng = np.random.default_rng(5)
-    return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(STEPS)]
-
-
-def make_trainer(cluster, run_dir, spin=None, **kw):
-    return mpmd.Trainer(make_pipe(spin), optax.adamw(1e-3), "gpipe", num_microbatches=4, cluster=cluster,
-                        run_dir=run_dir, checkpoint_every=EVERY, **kw)
-
-
-def train(trainer, batches, fault=None, traces=None, steps=STEPS):
-    """Train to `steps`, replaying after a recovery; `fault(i, trainer)` runs before batch i
-    is stepped. With a `traces` list, every completed step is traced and appended to it as
-    (i, start_ns, slice 1's worker pid, per-slice events), start_ns taken just before the
-    step is sent.
-    Returns ({step: loss}, final params, number of rewinds)."""
-    losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
-    while i < steps:
-        if fault is not None:
-            fault(i, trainer)
-        start_ns = time.time_ns()
-        try:
-            out = trainer.step(batches[i], batches[i], data_state={"i": i + 1}, trace=traces is not None)
-        except mpmd.Rewound as e:
-            rewinds += 1
-            i = e.data_state["i"] if e.data_state else 0
-            losses = {s: l for s, l in losses.items() if s <= e.step}
-            continue
-        if traces is not None:
-            traces.append((i, start_ns, trainer.cluster.pids[1], out["events"]))
-        losses[out["step"]] = out["loss"]
-        i += 1
-    return losses, reference.stage_leaves(trainer.params()), rewinds
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    with make_trainer(mpmd.InProcessCluster(), tmp_path_factory.mktemp("ref")) as trainer:
-        losses, params, _ = train(trainer, data())
-    return losses, params
-
-
-# Per phase, the Spin that stretches slice 1's forward ("F") or backward ("B") phase: ~4 x 0.12 CPU s.
-SPIN = {"F": (9000, 0), "B": (0, 9000)}
-SPIN_STEPS = 4   # a spinning step is slow: killed in step 4, the run replays steps 3 and 4
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_spin(tmp_path_factory):
-    """phase -> the uninterrupted run of the pipeline spinning in that phase (computed once)."""
-    runs = {}
-
-    def get(phase):
-        if phase not in runs:
-            with make_trainer(mpmd.InProcessCluster(), tmp_path_factory.mktemp("ref_spin"), SPIN[phase]) as trainer:
-                losses, params, _ = train(trainer, data(), steps=SPIN_STEPS)
-            runs[phase] = losses, params
-        return runs[phase]
-    return get
-
-
-def assert_same_run(got, want):
-    assert got[0] == want[0], "per-step losses differ from the uninterrupted run"
-    assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1])), "final parameters differ"
-
-
-def kill_once(at_step, sig, slice_index=1):
-    """A fault that sends `sig` to a worker just before batch `at_step` is stepped."""
-    def fault(i, trainer):
-        if i == at_step and not fault.fired:
-            fault.fired.append(trainer.cluster.pids[slice_index])
-            os.kill(fault.fired[0], sig)
-    fault.fired = []
-    return fault
-
-
-def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, **cluster_kw):
-    cluster = cluster or mpmd.LocalCluster(**cluster_kw)
-    trainer = make_trainer(cluster, tmp_path, spin)
-    try:
-        result = train(trainer, data(), fault, traces, steps)
-        pids = list(cluster.pids)
-    finally:
-        trainer.close()
-    assert wait_gone(pids + list(getattr(fault, "fired", []))) == []
-    return result
-
+from tests.recovery_runs import (EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once,
+                                 make_trainer, run_with_fault, train)
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds process `pid` has used, all threads (fields 14, 15 of /proc/pid/stat)."""
