@@ -342,7 +342,7 @@ class ControlPlane:
             changed.clear()
             lost = self.lost_slice() or self._gone(futs)
             stalled = self._stalled(step, futs, max(last_done[0], t0), timeout_s)
-        lost = lost or self._gone(futs)
+        lost = lost or self.lost_slice() or self._gone(futs)
         if lost is None and stalled is None and not failed:
             self._step_times.append(time.monotonic() - t0)
             return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
