@@ -107,6 +107,7 @@ def rooted_worker(tmp_path_factory):
     outside.mkdir()
     token_file = base / "token"
     token_file.write_text("confine-token-0123456789abcdef\n")
+    token_file.chmod(0o600)      # workers refuse a token file others may read
     proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
                              "--token-file", str(token_file), "--root", str(root)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
