@@ -86,7 +86,7 @@ class StageCheckpoints:
             if step in self.store.committed():
                 return   # the same step after a replay: identical state, already committed
             self._save(step, data_state, extra)
-            if not (wait or not self.asynchronous):
+            if self.asynchronous and not wait:   # committed in the background
                 return
             self.wait()
             if self._failure is None:
