@@ -29,16 +29,18 @@ NUM_RUNS = {1: 50, 64: 10}
 
 def worker(slice_index: int) -> None:
     import jax
+    from runtime.instructions import Spec
+    from runtime.mesh import bind
     from runtime.transport import TransferTransport
 
     peer = 1 - slice_index
     device = jax.devices()[0]
-    transport = TransferTransport(slice_index, device, secret=b"bench-transfer-secret")
+    transport = TransferTransport(slice_index, bind((1, 1, 1), [device]), secret=b"bench-transfer-secret")
     print(json.dumps({"address": transport.address}), flush=True)
     transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
     results = {}
     for size_mb in SIZES_MB:
-        spec = (jax.ShapeDtypeStruct((size_mb * 2**20 // 4,), np.float32),)
+        spec = (Spec((size_mb * 2**20 // 4,), "float32"),)
         payload = (jax.device_put(np.arange(spec[0].shape[0], dtype=np.float32), device),)
         one_way_s = []
         for i in range(NUM_WARMUP + NUM_RUNS[size_mb]):

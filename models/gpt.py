@@ -17,6 +17,25 @@ from flax import nnx
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 
 
+def axes(init, *names: str | None):
+    """`init` annotated with the logical axis names of the array it makes (one per dim), which
+    mpmd.sharding's rules map onto a slice's mesh. Metadata only: the values are unchanged,
+    and nothing is sharded when the module is built (eager_sharding=False)."""
+    return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+def _linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, rngs: nnx.Rngs):
+    """nnx.Linear whose kernel has logical axes `names` (in, out) and bias `names[1]`."""
+    kernel_init = kernel_init or nnx.nn.linear.default_kernel_init
+    return nnx.Linear(d_in, d_out, use_bias=use_bias, kernel_init=axes(kernel_init, *names),
+                      bias_init=axes(nnx.initializers.zeros_init(), names[1]), rngs=rngs)
+
+
+def _layer_norm(d_model: int, *, rngs: nnx.Rngs):
+    return nnx.LayerNorm(d_model, scale_init=axes(nnx.initializers.ones_init(), "embed"),
+                         bias_init=axes(nnx.initializers.zeros_init(), "embed"), rngs=rngs)
+
+
 def _require_positive(**sizes: int) -> None:
     """Raises ValueError naming every argument that is not a positive int."""
     bad = [f"{name}={value!r}" for name, value in sizes.items()
@@ -31,8 +50,9 @@ class Embed(nnx.Module):
     def __init__(self, vocab_size: int, d_model: int, seq_len: int, *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
         self.seq_len = seq_len
-        self.token = nnx.Embed(vocab_size, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
-        self.position = nnx.Embed(seq_len, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
+        self.token = nnx.Embed(vocab_size, d_model, embedding_init=axes(_EMBED_INIT, "vocab", "embed"), rngs=rngs)
+        self.position = nnx.Embed(seq_len, d_model, embedding_init=axes(_EMBED_INIT, "positions", "embed"),
+                                  rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if tokens.ndim != 2:
@@ -58,8 +78,8 @@ class CausalSelfAttention(nnx.Module):
         # One fused projection for q, k and v: a single [D, 3D] matmul instead of three.
         # No bias: a key bias adds q.b to every logit of a row, which softmax cancels, so its
         # exact gradient is zero and Adam would only amplify rounding noise into updates.
-        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(d_model, d_model, rngs=rngs)
+        self.qkv = _linear(d_model, 3 * d_model, ("embed", "heads"), use_bias=False, rngs=rngs)
+        self.out = _linear(d_model, d_model, ("heads", "embed"), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         batch, num_steps, d_model = x.shape
@@ -83,8 +103,8 @@ class FeedForward(nnx.Module):
 
     def __init__(self, d_model: int, mlp_ratio: int, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, mlp_ratio=mlp_ratio)
-        self.up = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
-        self.down = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
+        self.up = _linear(d_model, mlp_ratio * d_model, ("embed", "mlp"), rngs=rngs)
+        self.down = _linear(mlp_ratio * d_model, d_model, ("mlp", "embed"), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))
@@ -94,9 +114,9 @@ class Block(nnx.Module):
     """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). [B, T, D] -> [B, T, D]."""
 
     def __init__(self, d_model: int, num_heads: int, mlp_ratio: int = 4, *, rngs: nnx.Rngs):
-        self.ln_attn = nnx.LayerNorm(d_model, rngs=rngs)
+        self.ln_attn = _layer_norm(d_model, rngs=rngs)
         self.attn = CausalSelfAttention(d_model, num_heads, rngs=rngs)
-        self.ln_mlp = nnx.LayerNorm(d_model, rngs=rngs)
+        self.ln_mlp = _layer_norm(d_model, rngs=rngs)
         self.mlp = FeedForward(d_model, mlp_ratio, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -109,10 +129,11 @@ class Head(nnx.Module):
 
     def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, vocab_size=vocab_size)
-        self.ln = nnx.LayerNorm(d_model, rngs=rngs)
+        self.ln = _layer_norm(d_model, rngs=rngs)
         # Small init (GPT-2's 0.02): unit-scale initial logits would start the loss well above
         # ln(vocab_size) and spend the first steps only shrinking them.
-        self.lm_head = nnx.Linear(d_model, vocab_size, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.lm_head = _linear(d_model, vocab_size, ("embed", "vocab"), kernel_init=nnx.initializers.normal(0.02),
+                               rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.lm_head(self.ln(x))

@@ -8,14 +8,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import _require_positive
+from models.gpt import _linear, _require_positive
 
 
 class Hidden(nnx.Module):
     """Linear followed by GELU: [..., in_features] -> [..., out_features]."""
 
     def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs):
-        self.linear = nnx.Linear(in_features, out_features, rngs=rngs)
+        # Hidden widths split over `tensor` would cost a gather per layer; they go on fsdp.
+        self.linear = _linear(in_features, out_features, ("embed", "embed"), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return jax.nn.gelu(self.linear(x))
@@ -33,7 +34,7 @@ class MLP(nnx.Module):
         self.hidden = nnx.List(
             [Hidden(n_in, n_out, rngs=rngs) for n_in, n_out in zip(widths[:-1], widths[1:])])
         # No activation on the output: a regressor must be able to produce any real value.
-        self.output = nnx.Linear(hidden_features, out_features, rngs=rngs)
+        self.output = _linear(hidden_features, out_features, ("embed", None), rngs=rngs)
         self.in_features = in_features
 
     def sample_input(self, batch: int = 1) -> jax.Array:

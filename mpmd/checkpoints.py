@@ -50,7 +50,7 @@ class CheckpointError(RuntimeError):
 
 class StageCheckpoints:
     def __init__(self, run_dir, cluster, placement: tuple[int, ...], partition: dict, keep: int,
-                 asynchronous: bool, max_failed_saves: int = 1):
+                 asynchronous: bool, max_failed_saves: int = 1, layouts: dict | None = None):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer (committed checkpoints to keep), got {keep!r}")
         if not isinstance(max_failed_saves, int) or max_failed_saves < 0:
@@ -61,6 +61,9 @@ class StageCheckpoints:
         self.placement = placement          # stage -> slice: which slice saves which stage
         self.num_slices = max(placement) + 1
         self.partition = partition          # what a restored run must match: stages, placement
+        # {buffer: layout per array} on its slice's mesh: a restore lays the saved arrays out
+        # so, whatever mesh saved them (Orbax reads each device's part).
+        self.layouts = dict(layouts or {})
         self.keep = keep
         self.asynchronous = asynchronous
         self._commit: threading.Thread | None = None
@@ -218,7 +221,9 @@ class StageCheckpoints:
         slices = range(self.num_slices)
         try:
             for r in slices:
-                self.cluster.restore(r, self._items(step, r), staged=True)
+                items = self._items(step, r)
+                layouts = {n: self.layouts[n] for ns in items.values() for n in ns if n in self.layouts}
+                self.cluster.restore(r, items, staged=True, layouts=layouts)
         except WorkerLost:
             raise            # the slice is gone, not the checkpoint
         except Exception as e:

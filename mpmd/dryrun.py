@@ -74,7 +74,7 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
     # One float32 bundle of activation_bytes (rounded down to whole floats) for every
     # activation and cotangent; everything else a scalar.
     act = (Spec((activation_bytes // 4,), "float32"),)
-    raw = lowering.train_streams(schedule, [act] * (S + 1), clip)
+    raw = lowering.train_streams(schedule, lowering.Transfers.plain([act] * (S + 1)), clip)
     m = schedule.num_microbatches
     inputs = {r: {names.inputs(j) for j in range(m)} if r == placement[0] else set()
               for r in range(P)}

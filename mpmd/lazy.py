@@ -45,8 +45,9 @@ def is_abstract(leaves) -> bool:
     return any(isinstance(l, jax.ShapeDtypeStruct) for l in leaves)
 
 
-def init_program(stage: nnx.Module, param_tree) -> programs.ProgramSpec:
-    """A program with no inputs whose one output bundle is the stage's parameter leaves."""
+def init_program(stage: nnx.Module, param_tree, shardings=None) -> programs.ProgramSpec:
+    """A program with no inputs whose one output bundle is the stage's parameter leaves,
+    each made directly in its sharding (`shardings`, one per leaf; None: one device)."""
     parts = _parts(stage)
     factory = _ORIGINS[id(parts[0])].factory if parts else None
     if parts is None or any(_ORIGINS[id(p)].factory is not factory for p in parts):
@@ -62,7 +63,7 @@ def init_program(stage: nnx.Module, param_tree) -> programs.ProgramSpec:
         state = nnx.state(built, nnx.Param)
         assert jax.tree.structure(state) == param_tree, "abstract and concrete stage differ in structure"
         return (tuple(jax.tree.leaves(state)),)
-    return programs.exported(init)
+    return programs.exported(init, out_shardings=(tuple(shardings),) if shardings is not None else None)
 
 
 def _parts(stage: nnx.Module):

@@ -12,10 +12,67 @@ from typing import NamedTuple
 import jax
 
 from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes
-from mpmd import names, schedules, stage_programs
+from mpmd import names, schedules, sharding, stage_programs
 from mpmd.pipeline import Pipeline, shared_indices, shared_peers
+from mpmd.specs import spec
 
 SCALAR = (Spec((), "float32"),)
+
+
+class Layout(NamedTuple):
+    """Where everything lies: each slice's mesh, each stage's parameter and optimizer-state
+    layouts (mpmd/sharding.py). `Layout.single(...)`: one device per slice, all replicated."""
+    meshes: list                  # per slice: sharding.SliceMesh
+    params: list                  # per stage: PartitionSpec per parameter leaf
+    opt: list                     # per stage: PartitionSpec per optimizer-state leaf
+
+    @staticmethod
+    def single(pipe: Pipeline, optimizer, num_slices: int) -> "Layout":
+        return layout(pipe, optimizer, [sharding.SliceMesh()] * num_slices, (0,) * pipe.num_stages, {})
+
+
+def layout(pipe: Pipeline, optimizer, meshes, placement, rules) -> Layout:
+    """The layouts of every stage's state on its slice's mesh; ValueError naming a parameter
+    whose dimension a mesh axis does not divide."""
+    params, opt = [], []
+    for k, fn in enumerate(pipe.fns):
+        mesh = meshes[placement[k]]
+        p = sharding.stage_param_layouts(fn, mesh, rules, k)
+        params.append(p)
+        opt.append(sharding.optimizer_layouts(optimizer, fn, p))
+    return Layout(list(meshes), params, opt)
+
+
+class Transfers(NamedTuple):
+    """The specs a receive names and the pieces a send cuts, per kind of transfer. Index k:
+    acts_in[k] / act_pieces[k]: the activation entering stage k (on k's slice / as k-1's slice
+    cuts it); cts_in[k] / ct_pieces[k]: the gradient of stage k's output (on k's slice / as
+    k+1's slice cuts it)."""
+    acts_in: list
+    act_pieces: list
+    cts_in: list
+    ct_pieces: list
+
+    @staticmethod
+    def plain(act_specs: list[tuple[Spec, ...]]) -> "Transfers":
+        """Whole arrays, as received (act_specs[k]: the bundle entering stage k; k =
+        num_stages: the last output)."""
+        return Transfers(list(act_specs), [()] * len(act_specs), list(act_specs[1:]), [()] * (len(act_specs) - 1))
+
+
+def _laid_out(tree, mesh) -> tuple[Spec, ...]:
+    """Specs of an activation bundle on `mesh`: each leaf split along its batch axis."""
+    return tuple(Spec(tuple(l.shape), jax.numpy.dtype(l.dtype).name,
+                      tuple(sharding.batch_layout(l.shape, mesh))) for l in jax.tree.leaves(tree))
+
+
+def _pieces(specs: tuple[Spec, ...], mesh) -> tuple[int, ...]:
+    return tuple(sharding.batch_pieces(jax.sharding.PartitionSpec(*s.layout), mesh) for s in specs)
+
+
+def _placed(tree, mesh):
+    """A pytree of abstract arrays as ShapeDtypeStructs laid out (batch axis) on `mesh`."""
+    return jax.tree.map(lambda l: sharding.with_layout(l, sharding.batch_layout(l.shape, mesh), mesh), tree)
 
 
 class Lowered(NamedTuple):
@@ -35,40 +92,51 @@ def _specs(tree) -> tuple[Spec, ...]:
 
 
 def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm,
-          micro_input_spec, micro_target_spec) -> Lowered:
+          micro_input_spec, micro_target_spec, layouts: Layout | None = None) -> Lowered:
     S, m, P = pipe.num_stages, schedule.num_microbatches, schedule.num_slices
     placement = schedule.placement
+    layouts = layouts or Layout.single(pipe, optimizer, P)
+    mesh_of = [layouts.meshes[placement[k]] for k in range(S)]     # stage -> its slice's mesh
     acts = pipe.activation_specs(micro_input_spec)          # acts[k] enters stage k
     loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
     if jax.numpy.shape(loss_spec) != ():
         raise ValueError(f"loss_fn must return a scalar (the mean over the microbatch), got shape {loss_spec.shape}")
     clip = max_grad_norm is not None
     shared = pipe.shared
-    param_specs = [tuple(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), fn.param_leaves))
-                   for fn in pipe.fns]
+    param_specs = [tuple(sharding.with_layout(spec(a), lay, mesh_of[k])
+                         for a, lay in zip(fn.param_leaves, layouts.params[k])) for k, fn in enumerate(pipe.fns)]
 
     progs: list[dict] = [{} for _ in range(P)]
     for k, fn in enumerate(pipe.fns):
-        last = k == S - 1
-        shapes = stage_programs.StageShapes(param_specs[k], acts[k], loss_spec if last else acts[k + 1],
-                                            micro_target_spec if last else None)
+        last, mesh = k == S - 1, mesh_of[k]
+        scalar = sharding.with_layout(loss_spec, jax.sharding.PartitionSpec(), mesh)
+        shapes = stage_programs.StageShapes(param_specs[k], _placed(acts[k], mesh),
+                                            scalar if last else _placed(acts[k + 1], mesh),
+                                            _placed(micro_target_spec, mesh) if last else None)
         here = progs[placement[k]]
         here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=pipe.loss_fn,
                                          num_microbatches=m, split_backward=schedule.split_backward))
-        here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn))
+        here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn,
+                                                      y_specs=_placed(acts[k + 1], mesh)))
         # A shared leaf's gradient is counted in the global norm by its first holder only.
         not_counted = [i for g in shared for s, i in g if s == k and s != min(t for t, _ in g)]
         here.update(stage_programs.build_optimizer(k, fn, param_specs[k], optimizer, S, max_grad_norm,
-                                                   not_counted))
+                                                   not_counted, opt_layouts=[jax.sharding.NamedSharding(
+                                                       mesh.abstract(), o) for o in layouts.opt[k]]))
 
-    shared_specs = {}
-    for k, idx in enumerate(shared_indices(S, shared)):
-        if idx:
-            shared_specs[k] = _specs(tuple(param_specs[k][i] for i in idx))
+    idx = shared_indices(S, shared)
+    for k in range(S):
+        if idx[k]:
             progs[placement[k]].update(stage_programs.build_shared(k, param_specs, shared))
-    act_specs = [_specs(a) for a in acts]
-    train = train_streams(schedule, act_specs, clip, shared, shared_specs)
-    evaluate, predict = _forward_only(schedule, act_specs)
+    shared_specs = _shared_transfers(shared, idx, param_specs, layouts, mesh_of)
+    transfers = Transfers([_laid_out(a, mesh_of[k]) if k < S else () for k, a in enumerate(acts)],
+                          [_pieces(_laid_out(a, mesh_of[k - 1]), mesh_of[k - 1]) if 0 < k else ()
+                           for k, a in enumerate(acts)],
+                          [_laid_out(acts[k + 1], mesh_of[k]) for k in range(S)],
+                          [_pieces(_laid_out(acts[k + 1], mesh_of[k + 1]), mesh_of[k + 1]) if k + 1 < S else ()
+                           for k in range(S)])
+    train = train_streams(schedule, transfers, clip, shared, shared_specs)
+    evaluate, predict = _forward_only(schedule, transfers)
 
     fetch = {placement[-1]: tuple(names.loss(j) for j in range(m))}
     loss_fetch = dict(fetch)
@@ -88,14 +156,38 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch)
 
 
-def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]], clip: bool,
+def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dict:
+    """{(q, k): (specs, pieces)}: holder q's shared part as holder k receives it, each leaf
+    laid out like k's own copy of that weight (replicated if k holds no copy of it)."""
+    out = {}
+    copy_on = {}          # (q, j) -> {k: i}: where the other copies of q's leaf j sit
+    for group in shared:
+        for q, j in group:
+            copy_on[(q, j)] = dict(group)
+    for k in range(len(idx)):
+        for q in range(len(idx)):
+            if q == k or not idx[k] or not idx[q] or not any(k in copy_on[(q, j)] for j in idx[q]):
+                continue
+            specs, pieces = [], []
+            for j in idx[q]:
+                i = copy_on[(q, j)].get(k)
+                lay = tuple(layouts.params[k][i]) if i is not None else ()
+                leaf = param_specs[q][j]
+                specs.append(Spec(tuple(leaf.shape), jax.numpy.dtype(leaf.dtype).name, lay))
+                pieces.append(sharding.batch_pieces(layouts.params[q][j], mesh_of[q]))
+            out[(q, k)] = (tuple(specs), tuple(pieces))
+    return out
+
+
+def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
                   shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
                   ) -> list[list[Instruction]]:
     """One training step's instruction stream per slice, before Deletes are inserted.
 
-    `act_specs[k]` is the bundle entering stage k (k = num_stages: the last output). The
-    streams name programs but do not need them, so a dry run can replay a schedule with
-    synthetic programs of declared cost under the same names (mpmd/dryrun.py).
+    `transfers` gives each receive's specs and each send's pieces (see Transfers; for plans
+    without layouts, `Transfers.plain(act_specs)`). The streams name programs but do not
+    need them, so a dry run can replay a schedule with synthetic programs of declared cost
+    under the same names (mpmd/dryrun.py).
 
     `shared` groups (stage, leaf) pairs that are one parameter held by several stages (a tied
     embedding): once a stage's gradient is final it sends its shared leaves' gradients to
@@ -105,7 +197,7 @@ def train_streams(schedule: schedules.Schedule, act_specs: list[tuple[Spec, ...]
     peers = shared_peers(schedule.num_stages, shared)
     streams = []
     for r, tasks in enumerate(schedule.slices):
-        out = _TrainStream(schedule, r, act_specs, clip, peers, shared_specs or {})
+        out = _TrainStream(schedule, r, transfers, clip, peers, shared_specs or {})
         for task in tasks:
             k, j = task.stage, task.microbatch
             if task.kind == schedules.FORWARD:
@@ -125,9 +217,10 @@ class _TrainStream:
     """Emits one slice's training stream. Buffers are named by mpmd/names.py; a transfer is
     emitted only where producer and consumer sit on different slices."""
 
-    def __init__(self, schedule: schedules.Schedule, r: int, act_specs, clip: bool, peers, shared_specs):
+    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers,
+                 shared_specs):
         self.r, self.clip, self.peers, self.shared_specs = r, clip, peers, shared_specs
-        self.act_specs = act_specs
+        self.t = transfers
         self.placement = schedule.placement
         self.num_stages, self.num_slices = schedule.num_stages, schedule.num_slices
         self.split = schedule.split_backward
@@ -147,13 +240,14 @@ class _TrainStream:
         first, last = k == 0, k == self.num_stages - 1
         a_in = names.inputs(j) if first else names.activation(k, j)
         if not first and self._elsewhere(k - 1):
-            self.ops.append(Recv(a_in, self.placement[k - 1], names.act_key(k, j), self.act_specs[k]))
+            self.ops.append(Recv(a_in, self.placement[k - 1], names.act_key(k, j), self.t.acts_in[k],
+                                 self.t.act_pieces[k]))
         out = names.loss(j) if last else names.activation(k + 1, j)
         targets = (names.targets(j),) if last else ()
         self.ops.append(Run(names.program("fwd", k), (names.params(k), a_in) + targets,
                             (out, names.residuals(k, j)), f"F s{k} mb{j}"))
         if not last and self._elsewhere(k + 1):
-            self.ops.append(Send(out, self.placement[k + 1], names.act_key(k + 1, j)))
+            self.ops.append(Send(out, self.placement[k + 1], names.act_key(k + 1, j), self.t.act_pieces[k + 1]))
 
     # -- backward -------------------------------------------------------------------------
     def _backward_inputs(self, k: int, j: int, receive: bool) -> tuple[str, ...]:
@@ -163,12 +257,13 @@ class _TrainStream:
             return names.params(k), names.residuals(k, j)
         d = names.cotangent(k, j)
         if receive and self._elsewhere(k + 1):
-            self.ops.append(Recv(d, self.placement[k + 1], names.grad_key(k, j), self.act_specs[k + 1]))
+            self.ops.append(Recv(d, self.placement[k + 1], names.grad_key(k, j), self.t.cts_in[k], self.t.ct_pieces[k]))
         return names.params(k), names.residuals(k, j), d
 
     def _send_input_grad(self, k: int, j: int) -> None:
         if k > 0 and self._elsewhere(k - 1):
-            self.ops.append(Send(names.cotangent(k - 1, j), self.placement[k - 1], names.grad_key(k - 1, j)))
+            self.ops.append(Send(names.cotangent(k - 1, j), self.placement[k - 1], names.grad_key(k - 1, j),
+                                 self.t.ct_pieces[k - 1]))
 
     def input_grad(self, k: int, j: int) -> None:
         """Zero-bubble B: the input gradient only (none for the first stage: its input is data)."""
@@ -199,7 +294,8 @@ class _TrainStream:
             # Offer the shared part to the other holders; the norm waits for their parts.
             self.ops.append(Run(names.program("shared_out", k), (names.grads(k),), (names.shared(k),),
                                 f"shared out s{k}"))
-            self.ops.extend(Send(names.shared(k), self.placement[q], names.shared_key(k, q))
+            self.ops.extend(Send(names.shared(k), self.placement[q], names.shared_key(k, q),
+                                 self.shared_specs[(k, q)][1])
                             for q in self.peers[k] if self._elsewhere(q))
         elif self.clip:
             # Final, and nothing to add to it: start the norm exchange now so it overlaps
@@ -215,7 +311,7 @@ class _TrainStream:
             for q in self.peers[k]:
                 if self._elsewhere(q):   # a local peer's part is its own buffer: no transfer
                     self.ops.append(Recv(names.shared(q), self.placement[q], names.shared_key(q, k),
-                                         self.shared_specs[q]))
+                                         *self.shared_specs[(q, k)]))
             parts = tuple(names.shared(q) for q in sorted(self.peers[k] + [k]))
             self.ops.append(Run(names.program("shared_in", k), (names.grads(k),) + parts, (names.grads(k),),
                                 f"shared sum s{k}"))
@@ -240,7 +336,7 @@ class _TrainStream:
             self.ops.append(Run(names.program("update", k), state + (names.grads(k),) + sq, state, f"U s{k}"))
 
 
-def _forward_only(schedule: schedules.Schedule, act_specs):
+def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
     """Evaluation and prediction plans: F tasks only, each slice in (microbatch, stage) order.
 
     Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice
@@ -256,10 +352,11 @@ def _forward_only(schedule: schedules.Schedule, act_specs):
             out = names.output(j) if k == S - 1 else names.activation(k + 1, j)
             ops: list[Instruction] = []
             if k > 0 and placement[k - 1] != r:
-                ops.append(Recv(a_in, placement[k - 1], names.act_key(k, j), act_specs[k]))
+                ops.append(Recv(a_in, placement[k - 1], names.act_key(k, j), transfers.acts_in[k],
+                                transfers.act_pieces[k]))
             ops.append(Run(names.program("infer", k), (names.params(k), a_in), (out,), f"F s{k} mb{j}"))
             if k < S - 1 and placement[k + 1] != r:
-                ops.append(Send(out, placement[k + 1], names.act_key(k + 1, j)))
+                ops.append(Send(out, placement[k + 1], names.act_key(k + 1, j), transfers.act_pieces[k + 1]))
             evaluate[r] += ops
             predict[r] += ops
             if k == S - 1:

@@ -39,7 +39,7 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
-from mpmd.pipeline import StageFn
+from mpmd.pipeline import StageFn, logical_axes
 from mpmd.specs import describe, spec
 from mpmd.stage_costs import Stages, fn_costs
 
@@ -82,7 +82,8 @@ def split_marked(model, sample_input) -> MarkedSplit:
     first = marked.cut(marked.sample)
     stages = MarkedSplit(
         StageFn(marked.stage_apply(k), tuple(marked.leaves[i] for i in prog.param_index),
-                jax.tree.structure(tuple(prog.param_index)), tuple(prog.param_index))
+                jax.tree.structure(tuple(prog.param_index)), tuple(prog.param_index),
+                tuple(marked.axes[i] for i in prog.param_index))
         for k, prog in enumerate(first))
     stages.costs, stages.cost_unit = fn_costs(stages, marked.sample), "flops"
     return stages
@@ -106,6 +107,7 @@ class _Marked:
         self.name = type(model).__name__
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.leaves, self.param_tree = jax.tree.flatten(params)
+        self.axes = logical_axes(params)
         if any(isinstance(l, jax.ShapeDtypeStruct) for l in self.leaves):
             raise ValueError("mpmd.split by stage marks does not support mpmd.abstract models yet: "
                              "build the model concretely, or split an abstract model with num_stages")

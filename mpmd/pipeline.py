@@ -24,6 +24,9 @@ class StageFn(NamedTuple):
     # For stages cut from one model at its marks: the model's global leaf index of each of
     # param_leaves. A weight used by several stages (tied embedding) has the same index in each.
     param_index: tuple | None = None
+    # Per leaf, its logical axis names (Flax metadata `out_sharding`, e.g. ("embed", "mlp")),
+    # or None where unannotated: what mpmd.sharding's rules lay out on a slice's mesh.
+    param_axes: tuple | None = None
 
 
 def stage_fn(module: nnx.Module) -> StageFn:
@@ -32,7 +35,18 @@ def stage_fn(module: nnx.Module) -> StageFn:
 
     def apply(leaves, x):
         return nnx.merge(graphdef, jax.tree.unflatten(tree, list(leaves)), rest)(x)
-    return StageFn(apply, tuple(leaves), tree)
+    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params))
+
+
+def logical_axes(params) -> tuple:
+    """The logical axis names of each leaf of an nnx.Param state (None: unannotated), in
+    jax.tree.leaves order."""
+    variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    out = []
+    for v in variables:
+        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        out.append(tuple(names) if names else None)
+    return tuple(out)
 
 
 class Pipeline:

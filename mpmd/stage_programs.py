@@ -15,6 +15,11 @@ to arrive creates it ("first"), so no zero-fill program is needed.
 
 The pipelined loss is the mean of the m microbatch losses, equal to the unpipelined
 mean over the batch for equal microbatches; hence the last stage's cotangent is 1/m.
+
+Layouts. Every spec handed in carries its sharding on the slice's AbstractMesh (see
+mpmd/sharding.py); each program returns its outputs in the layouts of what they are:
+gradients like their parameters, input gradients like the stage's input, scalars
+replicated. Residuals are left to XLA: they never leave the slice.
 """
 from __future__ import annotations
 
@@ -38,6 +43,21 @@ class StageShapes(NamedTuple):
 
 def _bundle(tree) -> tuple:
     return tuple(jax.tree.leaves(tree))
+
+
+def _layouts(tree) -> tuple:
+    """The shardings of a pytree of specs, as a bundle (what out_shardings takes)."""
+    return tuple(s.sharding for s in jax.tree.leaves(tree))
+
+
+def _replicated(specs) -> jax.sharding.NamedSharding:
+    """Replicated on the mesh the given specs lie on (for scalars)."""
+    mesh = next(s.sharding.mesh for s in jax.tree.leaves(specs) if s.sharding is not None)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _unplaced(tree):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tree)
 
 
 def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
@@ -80,8 +100,10 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     x_specs = _bundle(shapes.x)
     t_specs = (_bundle(shapes.targets),) if last else ()
     fwd_args = (shapes.params, x_specs, *t_specs)
-    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args)}
+    p_out, x_out, y_out = _layouts(shapes.params), _layouts(shapes.x), _layouts(shapes.y)
+    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None))}
     _, res_specs = jax.eval_shape(forward, *fwd_args)
+    res_specs = _unplaced(res_specs)
 
     def rebuild(params, res):
         leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
@@ -121,33 +143,41 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
 
     base = (shapes.params, res_specs, *g_args)
     acc = (shapes.params,)
+    full_out = ((x_out,) if not first else ()) + (p_out,)
     if split_backward:
         if not first:
-            specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base)
-        specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base)
-        specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *acc)
+            specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base, out_shardings=(x_out,))
+        specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base, out_shardings=(p_out,))
+        specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *acc, out_shardings=(p_out,))
     else:
-        specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base)
-        specs[names.program("bwd_acc", k)] = programs.exported(full_grad, *base, *acc)
+        specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base, out_shardings=full_out)
+        specs[names.program("bwd_acc", k)] = programs.exported(full_grad, *base, *acc, out_shardings=full_out)
     return specs
 
 
-def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable) -> dict:
-    """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage."""
+def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable,
+                       y_specs=None) -> dict:
+    """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage.
+    `y_specs`: the stage output's specs with their layouts (for the last stage, the model's
+    output, which shapes.y, the loss, does not describe)."""
     x_tree = jax.tree.structure(shapes.x)
 
     def infer(params, xb):
         return (_bundle(fn.apply(tuple(params), jax.tree.unflatten(x_tree, list(xb)))),)
 
-    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x))}
+    # The output keeps the stage input's batch layout; a last stage's output (logits) is laid
+    # out like an activation of its shape would be.
+    y_out = _layouts(y_specs) if y_specs is not None else None
+    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x),
+                                                          out_shardings=(y_out,))}
     if last:
-        out = jax.eval_shape(infer, shapes.params, _bundle(shapes.x))[0]
         y_tree = jax.eval_shape(lambda p, x: fn.apply(p, x), shapes.params, shapes.x)
         y_def, t_def = jax.tree.structure(y_tree), jax.tree.structure(shapes.targets)
 
         def loss(yb, tb):
             return ((loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb))),),)
-        specs[names.program("loss", k)] = programs.exported(loss, tuple(out), _bundle(shapes.targets))
+        specs[names.program("loss", k)] = programs.exported(loss, tuple(_bundle(y_specs)), _bundle(shapes.targets),
+                                                            out_shardings=((_replicated((shapes.params, shapes.x)),),))
     return specs
 
 
@@ -175,15 +205,21 @@ def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
             out[i] = total
         return (tuple(out),)
 
-    parts = [tuple(param_specs[s][i] for i in idx[s]) for s in holders]
-    return {names.program("shared_out", k): programs.exported(shared_out, param_specs[k]),
-            names.program("shared_in", k): programs.exported(shared_in, param_specs[k], *parts)}
+    # Another holder's part arrives in whatever layout its receive chose (lowering lays it
+    # out like the local copy of the weight): its specs leave the layout open.
+    parts = [tuple(param_specs[k][i] for i in idx[k]) if s == k else
+             _unplaced(tuple(param_specs[s][i] for i in idx[s])) for s in holders]
+    mine = tuple(param_specs[k][i].sharding for i in idx[k])
+    return {names.program("shared_out", k): programs.exported(shared_out, param_specs[k], out_shardings=(mine,)),
+            names.program("shared_in", k): programs.exported(shared_in, param_specs[k], *parts,
+                                                             out_shardings=(_layouts(param_specs[k]),))}
 
 
 def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
-                    num_stages: int, max_grad_norm: float | None, not_counted=()) -> dict:
+                    num_stages: int, max_grad_norm: float | None, not_counted=(), opt_layouts=None) -> dict:
     """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}.
 
+    `opt_layouts`: the shardings of the optimizer-state leaves (mpmd.sharding.optimizer_layouts).
     Clipping follows optax.clip_by_global_norm over ALL stages' gradients: every slice gets
     every stage's squared norm and sums them in stage order, so each stage scales by the same
     global factor (clipping each stage by its own norm would change the update direction).
@@ -214,10 +250,15 @@ def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.Gr
     def sqnorm(grads):
         return ((sum((jnp.sum(jnp.square(grads[i])) for i in counted), jnp.float32(0)),),)
 
-    scalar = (jax.ShapeDtypeStruct((), jnp.float32),)
-    specs = {names.program("opt_init", k): programs.exported(opt_init, param_specs),
+    p_out = _layouts(param_specs)
+    o_out = tuple(opt_layouts) if opt_layouts is not None else tuple(None for _ in jax.tree.leaves(opt_specs))
+    opt_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=o) for s, o in zip(opt_specs, o_out))
+    replicated = _replicated(param_specs) if param_specs else None
+    scalar = (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),)
+    specs = {names.program("opt_init", k): programs.exported(opt_init, param_specs, out_shardings=(o_out,)),
              names.program("update", k): programs.exported(update, param_specs, opt_specs, param_specs,
-                                              *([scalar] * num_stages if max_grad_norm is not None else []))}
+                                              *([scalar] * num_stages if max_grad_norm is not None else []),
+                                              out_shardings=(p_out, o_out))}
     if max_grad_norm is not None:
-        specs[names.program("sqnorm", k)] = programs.exported(sqnorm, param_specs)
+        specs[names.program("sqnorm", k)] = programs.exported(sqnorm, param_specs, out_shardings=((replicated,),))
     return specs

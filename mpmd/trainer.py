@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from mpmd import lazy, lowering, names, schedules
+from mpmd import lazy, lowering, names, schedules, sharding
 from mpmd.checkpoints import Rewound, StageCheckpoints
 from mpmd.pipeline import Pipeline
 from runtime.cluster import Cluster, ReplaceUnsupported, WorkerLost
@@ -32,7 +32,8 @@ class Trainer:
                  num_microbatches: int | None = None, cluster: Cluster | None = None, virtual_stages: int | None = None,
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
                  keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
-                 checkpoint_metadata: dict | None = None, max_failed_saves: int = 1):
+                 checkpoint_metadata: dict | None = None, max_failed_saves: int = 1,
+                 mesh=None, rules: dict | None = None):
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
@@ -52,6 +53,9 @@ class Trainer:
         self.cluster = cluster
         self.num_slices = self.schedule.num_slices
         self.placement = self.schedule.placement     # stage -> slice
+        # Each slice's mesh and every stage's layouts, checked before any worker starts.
+        meshes = sharding.slice_meshes(mesh, self.num_slices, getattr(cluster, "devices_per_worker", None))
+        self.layout = lowering.layout(pipeline, optimizer, meshes, self.placement, sharding.check_rules(rules))
         self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered)
         self._lowered = None
         self._step = 0
@@ -70,14 +74,15 @@ class Trainer:
         self.checkpoints = None
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
-        self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None)
+        self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
+                           meshes=meshes)
         try:
             if run_dir is not None:
                 partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
                              "virtual_stages": self.schedule.virtual_stages,
                              "params": [[list(l.shape) for l in fn.param_leaves] for fn in pipeline.fns]}
                 self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
-                                                    max_failed_saves)
+                                                    max_failed_saves, self._state_layouts())
             self._materialize()
             if self.checkpoints is not None:
                 restored = self.checkpoints.restore_latest()
@@ -89,18 +94,29 @@ class Trainer:
             self.cluster.close()
             raise
 
+    def _state_layouts(self) -> dict:
+        """{buffer: layout per array} of every stage's parameters and optimizer state."""
+        out = {}
+        for k in range(self.pipeline.num_stages):
+            out[names.params(k)] = [tuple(p) for p in self.layout.params[k]]
+            out[names.opt_state(k)] = [tuple(p) for p in self.layout.opt[k]]
+        return out
+
     def _materialize(self) -> None:
-        """Put each stage's initial parameters on its slice: the module's own values, shipped
-        once, or for an abstract model (mpmd.abstract) created there by its seeded init."""
+        """Put each stage's initial parameters on its slice, laid out on its mesh: the
+        module's own values, shipped once, or for an abstract model (mpmd.abstract) created
+        there, already sharded, by its seeded init."""
         plans: dict[int, list] = {}
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
             r = self.placement[k]
             if lazy.is_abstract(fn.param_leaves):
                 init = names.program("init_params", k)
-                self.cluster.load_programs(r, {init: lazy.init_program(stage, fn.param_tree)})
+                mesh = self.layout.meshes[r].abstract()
+                shardings = [jax.sharding.NamedSharding(mesh, p) for p in self.layout.params[k]]
+                self.cluster.load_programs(r, {init: lazy.init_program(stage, fn.param_tree, shardings)})
                 plans.setdefault(r, []).append(Run(init, (), (names.params(k),), f"init params s{k}"))
             else:
-                self.cluster.put(r, names.params(k), fn.param_leaves)
+                self.cluster.put(r, names.params(k), fn.param_leaves, [tuple(p) for p in self.layout.params[k]])
         if plans:
             for r in range(self.num_slices):
                 self.cluster.install_plan(r, "init_params", plans.get(r, []))
@@ -134,7 +150,8 @@ class Trainer:
             suffix, self._lowered = self._compiled[key]
             return suffix
         suffix = names.variant(len(self._compiled))
-        low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec)
+        low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec,
+                             self.layout)
         rename = lambda stream: [i._replace(program=i.program + suffix) if isinstance(i, Run) else i for i in stream]
         for r in range(low.num_slices):
             self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})

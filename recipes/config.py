@@ -99,6 +99,36 @@ class ClusterConfig(_Section):
                                 "null = max(60 s, 20 x the median recent step time)")
 
 
+# mpmd.sharding.AXES, in its order; repeated because that module imports JAX, and a config is
+# checked before JAX is imported (tests/test_config.py keeps the two equal).
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class SliceShape(_Section):
+    """One slice's mesh: data x fsdp x tensor devices (mpmd.sharding.SliceMesh)."""
+    data: int | None = Field(
+        None, gt=0, description="ways a microbatch is split (data parallel); null = the devices "
+                                "fsdp x tensor leave: max(1, cluster.devices_per_worker // (fsdp x tensor))")
+    fsdp: int = Field(1, gt=0, description="ways a microbatch and the parameter dims the rules put "
+                                           "on fsdp are split (ZeRO-3)")
+    tensor: int = Field(1, gt=0, description="ways the parameter dims the rules put on tensor are "
+                                             "split (Megatron-style)")
+
+    def resolved(self, devices_per_worker: int) -> dict[str, int]:
+        """{data, fsdp, tensor} with data's null replaced (what mpmd.Trainer(mesh=...) takes)."""
+        data = self.data or max(1, devices_per_worker // (self.fsdp * self.tensor))
+        return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+class MeshConfig(SliceShape):
+    stages: list[SliceShape] | None = Field(
+        None, description="one {data, fsdp, tensor} per slice (worker), replacing the shape above "
+                          "for that slice; null = every slice alike")
+    rules: dict[str, Any] = Field(
+        {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
+                        "overrides mpmd.sharding.RULES")
+
+
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=0, description="save every N steps and at the end; 0 = end only")
     keep: int = Field(2, gt=0, description="newest committed checkpoints kept on disk")
@@ -129,6 +159,7 @@ class Config(_Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     pipeline: PipelineConfig = PipelineConfig()
     cluster: ClusterConfig = ClusterConfig()
+    mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
 
@@ -136,6 +167,16 @@ class Config(_Section):
     def num_workers(self) -> int:
         """Worker processes (= pipeline slices): each holds virtual_stages stages."""
         return self.pipeline.num_stages // self.pipeline.virtual_stages
+
+    def slice_shapes(self) -> list[dict[str, int]]:
+        """{data, fsdp, tensor} of each slice's mesh, one per slice (mesh.stages, else mesh)."""
+        shapes = self.mesh.stages if self.mesh.stages is not None else [self.mesh] * self.num_workers
+        return [s.resolved(self.cluster.devices_per_worker) for s in shapes]
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of every slice together (what the inprocess backend needs in one process)."""
+        return sum(s["data"] * s["fsdp"] * s["tensor"] for s in self.slice_shapes())
 
     def hash(self, exclude: typing.Iterable[str] = ()) -> str:
         """12 hex digits of sha256 over the resolved config, minus the dotted keys in exclude."""
@@ -174,7 +215,8 @@ class Config(_Section):
 
 
 # The keys that change what training computes. Others (train.steps, logging, checkpoint
-# cadence, the cluster, run_dir) may change between a run and its resume.
+# cadence, the cluster, run_dir, and the mesh: how the same math is spread over devices)
+# may change between a run and its resume.
 MATH_KEYS = ("seed", "model", "data", "optimizer", "train.batch_size", "pipeline.num_microbatches")
 
 
@@ -266,6 +308,31 @@ def _cross_field_problems(c: Config) -> list[str]:
         if not match or not 0 < int(match.group(1)) < 65536:
             out.append(f"cluster.addresses entry {address!r} must be 'host:port' "
                        f"with port 1..65535")
+    return out + _mesh_problems(c, num_slices)
+
+
+def _mesh_problems(c: Config, num_slices: int) -> list[str]:
+    """mesh.* against the slices and cluster.devices_per_worker (mpmd.sharding.slice_meshes
+    and check_rules decide the same again in the Trainer; here they cannot: they import JAX)."""
+    mesh, devices = c.mesh, c.cluster.devices_per_worker
+    out = []
+    if mesh.stages is not None and len(mesh.stages) != num_slices:
+        out.append(f"mesh.stages lists {len(mesh.stages)} slice shape(s) but there are {num_slices} slices "
+                   f"(pipeline.num_stages // pipeline.virtual_stages): give one per slice, or none")
+    # A worker owns devices_per_worker devices; an in-process slice takes as many as its mesh.
+    elif c.cluster.backend != "inprocess":
+        named = [(f"mesh.stages[{r}]", s) for r, s in enumerate(mesh.stages)] if mesh.stages else [("mesh", mesh)]
+        for where, shape in named:
+            axes = shape.resolved(devices)
+            product = axes["data"] * axes["fsdp"] * axes["tensor"]
+            if product != devices:
+                out.append(f"{where}: {' x '.join(f'{a}={n}' for a, n in axes.items())} = {product} devices, "
+                           f"but cluster.devices_per_worker={devices}: the axes' product must equal it")
+    for name, target in mesh.rules.items():
+        targets = [] if target is None else [target] if isinstance(target, str) else target
+        if not isinstance(targets, list) or not all(t in MESH_AXES for t in targets):
+            out.append(f"mesh.rules.{name}={target!r}: a rule maps a logical axis name to a mesh axis "
+                       f"({', '.join(MESH_AXES)}), a list of them, or null (replicated)")
     return out
 
 
@@ -284,17 +351,24 @@ def _parse_value(text: str) -> Any:
 
 
 def _leaf_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema, sections included: ['run_dir', 'model', 'model.kind', ..]."""
+    """Every dotted key of the schema, sections included: ['run_dir', 'model', 'model.kind', ..];
+    the keys of a list of sections' entries as 'mesh.stages[].data'."""
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
             keys += _leaf_keys(field.annotation, f"{prefix}{name}.")
+        for arg in typing.get_args(field.annotation):      # list[Section] | None
+            entry = (typing.get_args(arg) or (None,))[0] if typing.get_origin(arg) is list else None
+            if isinstance(entry, type) and issubclass(entry, BaseModel):
+                keys += _leaf_keys(entry, f"{prefix}{name}[].")
     return keys
 
 
 def _unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _leaf_keys(), n=1, cutoff=0.6)
+    index = re.search(r"\[\d+\]", key)     # an entry of a list of sections: mesh.stages[1].x
+    close = difflib.get_close_matches(re.sub(r"\[\d+\]", "[]", key), _leaf_keys(), n=1, cutoff=0.6)
+    close = [c.replace("[]", index.group(0)) for c in close] if index else close
     hint = f"; did you mean '{close[0]}'?" if close else "; run with --help-config for all keys"
     return ConfigError(f"unknown key '{key}'{hint}")
 
@@ -307,7 +381,7 @@ def _check_keys(values: dict, model: type[BaseModel] = Config, prefix: str = "")
             raise _unknown_key(f"{prefix}{key}")
         section = field.annotation
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
-            if isinstance(value, dict):
+            if isinstance(value, dict) and typing.get_origin(section) is not dict:
                 raise ConfigError(f"'{prefix}{key}' is a value, not a section: cannot set "
                                   f"'{prefix}{key}.{next(iter(value), '')}'")
             continue

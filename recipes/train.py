@@ -36,10 +36,12 @@ import models
 import mpmd
 from recipes import config as config_lib
 from recipes import data, run_log
+from mpmd import lowering, schedules, sharding
 from mpmd.checkpoints import CheckpointError  # noqa: F401  (raised through run())
+from mpmd.sharding import LayoutError
 from recipes.config import Config, ConfigError
 from runtime.checkpoint import CheckpointStore
-from runtime.inprocess import devices_for
+from runtime.inprocess import meshes_for
 from runtime.ray_cluster import RayMissingError
 
 
@@ -137,7 +139,7 @@ def build_cluster(cfg: Config):
     # says how to install it.
     with _config_problem(f"cluster.backend='{c.backend}'", (ValueError, RayMissingError)):
         if c.backend == "inprocess":
-            devices_for(cfg.num_workers)  # one JAX device per slice, else say how to get more
+            meshes_for(cfg.slice_shapes())  # each slice's devices, else say how to get more
             return mpmd.InProcessCluster()
         if c.backend == "static":
             return mpmd.StaticCluster(c.addresses, token_file=c.token_file, step_timeout_s=c.step_timeout_s)
@@ -222,6 +224,16 @@ def check_run_dir(run_dir: str) -> None:
                               f"{e.strerror or e}") from None
 
 
+def check_layout(cfg: Config, pipeline, optimizer) -> None:
+    """ConfigError naming the parameter a mesh cannot lay out (an axis that does not divide
+    its dimension, a logical axis without a rule), before any worker starts."""
+    p = cfg.pipeline
+    with _config_problem("mesh", (LayoutError,)):
+        placement = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages).placement
+        meshes = sharding.slice_meshes(cfg.slice_shapes(), max(placement) + 1)
+        lowering.layout(pipeline, optimizer, meshes, placement, sharding.check_rules(cfg.mesh.rules))
+
+
 # -- the run -------------------------------------------------------------------------------
 def run(cfg: Config, allow_config_change: bool = False) -> dict:
     """Trains cfg.train.steps steps; returns a summary of the run."""
@@ -234,6 +246,7 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
+    check_layout(cfg, pipeline, optimizer)
     cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
     try:
@@ -244,7 +257,8 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
                                run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
                                keep=cfg.checkpoint.keep,
                                max_failed_saves=cfg.checkpoint.max_failed_saves,
-                               checkpoint_metadata=metadata)
+                               checkpoint_metadata=metadata,
+                               mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         raise

@@ -36,8 +36,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ensure_host_devices(num_devices: int) -> None:
-    """InProcessCluster gives each slice its own JAX device, and JAX on CPU shows one device
-    unless XLA_FLAGS asks for more before JAX starts; ask, unless the user already chose."""
+    """InProcessCluster gives each slice its own JAX devices (as many as its mesh), and JAX on
+    CPU shows one device unless XLA_FLAGS asks for more before JAX starts; ask, unless the
+    user already chose."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" in flags or "jax" in sys.modules:
         return
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg.cluster.backend == "inprocess":
-        _ensure_host_devices(cfg.num_workers)
+        _ensure_host_devices(cfg.num_devices)
     from recipes import train  # imports JAX: only once the config is known to be good
     try:
         train.run(cfg, allow_config_change=args.allow_config_change)

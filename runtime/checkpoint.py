@@ -86,8 +86,10 @@ class SliceCheckpointer:
             done.append(directory)
         return done
 
-    def restore(self, items: dict[str, list[str]], device) -> dict[str, tuple]:
-        """Read {directory: [buffer names]}; raises ValueError naming a missing or unreadable part."""
+    def restore(self, items: dict[str, list[str]], sharding_of) -> dict[str, tuple]:
+        """Read {directory: [buffer names]}, array i of buffer `name` laid out as
+        `sharding_of(name, i)` (Orbax reads only the shards each device needs, whatever mesh
+        saved them); raises ValueError naming a missing or unreadable part."""
         import orbax.checkpoint as ocp
         out = {}
         for directory, names in items.items():
@@ -96,12 +98,12 @@ class SliceCheckpointer:
             try:
                 with ocp.StandardCheckpointer() as ck:
                     path = os.path.abspath(directory)
-                    # Restore onto this slice's device whatever device saved it (the saved
+                    # Restore onto this slice's mesh whatever devices saved it (the saved
                     # sharding names a topology this process may not have).
                     meta = ck.metadata(path).item_metadata
                     meta = getattr(meta, "tree", meta)
-                    sharding = jax.sharding.SingleDeviceSharding(device)
-                    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), meta)
+                    target = {name: [jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding_of(name, i))
+                                     for i, m in enumerate(leaves)] for name, leaves in meta.items()}
                     tree = ck.restore(path, target)
             except Exception as e:   # Orbax/tensorstore raise assorted errors on damaged files
                 raise ValueError(f"checkpoint part {directory} is unreadable: {type(e).__name__}: "

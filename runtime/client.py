@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from runtime import instructions, wire
+from runtime import instructions, mesh, wire
 from runtime.cluster import Launcher, ReplaceUnsupported, StepFailed, WorkerLost
 from runtime.executor import Aborted, Event, Progress, StepResult
 from runtime.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
@@ -149,6 +149,7 @@ class ControlPlane:
         self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
         self._transfer: dict[str, str] = {}
         self._transfer_secret = ""                 # per session, made by start()
+        self._meshes: list[dict] | None = None     # per slice: its mesh shape (None: data = its devices)
         self._pool: ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -162,14 +163,15 @@ class ControlPlane:
         return len(self.clients)
 
     # -- membership --------------------------------------------------------------------------
-    def start(self, num_slices: int, root: str | None = None) -> None:
+    def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         """Attach to the launcher's first `num_slices` workers and give each a fresh slice (new
         executor, new transfer server): a cluster that is already started is reused from a
-        clean state, on the workers it has. `root`: see Cluster.start.
+        clean state, on the workers it has. `root`, `meshes`: see Cluster.start.
 
         Each start makes a new data-plane secret for the session (runtime/transport.py): a
         worker it is sent to keys its transfer ids with it, so no one else can pull them."""
         addresses = self.launcher.start(num_slices, root=root)
+        self._meshes = [dict(zip(mesh.AXES, mesh.shape_of(m))) for m in meshes] if meshes is not None else None
         self._transfer_secret = secrets.token_bytes(32).hex()
         if self.clients:
             self._detach()
@@ -194,7 +196,8 @@ class ControlPlane:
 
     def _setup(self, i: int, c: WorkerClient) -> str:
         host = self._transfer_host or c.address.rpartition(":")[0].strip("[]")
-        setup = {"slice_index": i, "transfer_host": host, "transfer_secret": self._transfer_secret}
+        setup = {"slice_index": i, "transfer_host": host, "transfer_secret": self._transfer_secret,
+                 "mesh": self._meshes[i] if self._meshes is not None else None}
         return c.call("Setup", setup)[0]["transfer_address"]
 
     def _beat(self) -> None:
@@ -280,9 +283,12 @@ class ControlPlane:
     def _install(self, slice_index: int, name: str, stream) -> None:
         self._call(slice_index, "InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
 
-    def put(self, slice_index: int, name: str, arrays) -> None:
+    def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
         b = wire.Builder()
-        self._call(slice_index, "Put", {"name": name, "arrays": _arrays_out(b, arrays)}, b.blobs)
+        header = {"name": name, "arrays": _arrays_out(b, arrays)}
+        if layouts is not None:
+            header["layouts"] = [instructions.layout_to_json(tuple(l)) for l in layouts]
+        self._call(slice_index, "Put", header, b.blobs)
 
     def get(self, slice_index: int, names) -> dict:
         h, blobs = self._call(slice_index, "Get", {"names": list(names)})
@@ -306,8 +312,11 @@ class ControlPlane:
                 raise WorkerLost(slice_index, c.address, lost[1])
         return c.result("WaitSaves", fut)[0]["finalized"]
 
-    def restore(self, slice_index: int, items: dict, staged: bool = False) -> None:
-        self._call(slice_index, "Restore", {"items": items, "staged": staged})
+    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
+        header = {"items": items, "staged": staged}
+        if layouts:
+            header["layouts"] = {n: [instructions.layout_to_json(tuple(l)) for l in ls] for n, ls in layouts.items()}
+        self._call(slice_index, "Restore", header)
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self._call(slice_index, "FinishRestore", {"commit": commit})

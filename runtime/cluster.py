@@ -74,12 +74,14 @@ class Cluster(Protocol):
     def num_slices(self) -> int:
         """Slices attached by the last `start` (0 before it and after `close`)."""
 
-    def start(self, num_slices: int, root: str | None = None) -> None:
+    def start(self, num_slices: int, root: str | None = None, meshes: Sequence | None = None) -> None:
         """Give every slice 0..num_slices-1 a fresh executor. ValueError if the cluster has
         too few workers (or devices) for that many. `root`: the directory the run saves
         checkpoints under (the Trainer passes its run_dir); a cluster that starts its own
         workers confines them to it, and ValueError if its workers already run confined to
-        a root that does not hold it. Workers started elsewhere keep their own --root."""
+        a root that does not hold it. Workers started elsewhere keep their own --root.
+        `meshes`: per slice, the shape of its mesh ({"data", "fsdp", "tensor"} sizes, or
+        mpmd.sharding.SliceMesh) over all its devices; None: each slice's devices on `data`."""
 
     def load_programs(self, slice_index: int, specs: Mapping[str, ProgramSpec]) -> None:
         """Load (deserialize and compile) programs by name; a name loaded again is replaced."""
@@ -87,8 +89,9 @@ class Cluster(Protocol):
     def install_plan(self, slice_index: int, name: str, stream: Sequence[Instruction]) -> None:
         """Install one instruction stream under `name`; ValueError if it runs a program not loaded."""
 
-    def put(self, slice_index: int, name: str, arrays: Sequence) -> None:
-        """Store host arrays as buffer `name` on the slice's device."""
+    def put(self, slice_index: int, name: str, arrays: Sequence, layouts: Sequence | None = None) -> None:
+        """Store host arrays as buffer `name` on the slice's mesh, each laid out as its entry
+        of `layouts` (a PartitionSpec as a tuple; default: replicated)."""
 
     def get(self, slice_index: int, names: Iterable[str]) -> dict[str, tuple[np.ndarray, ...]]:
         """Copy buffers back to the host; an error naming any buffer that does not exist."""
@@ -110,9 +113,11 @@ class Cluster(Protocol):
         """Block until the slice's saves are on disk; the directories finalized. WorkerLost if
         the slice is lost meanwhile."""
 
-    def restore(self, slice_index: int, items: Mapping[str, Sequence[str]], staged: bool = False) -> None:
+    def restore(self, slice_index: int, items: Mapping[str, Sequence[str]], staged: bool = False,
+                layouts: Mapping[str, Sequence] | None = None) -> None:
         """Replace buffers with those saved under {directory: [buffer names]}; all or nothing.
-        staged=True only reads them, held aside until finish_restore."""
+        staged=True only reads them, held aside until finish_restore. `layouts`: {buffer:
+        [layout per array]} on this slice's mesh, whatever mesh saved them (default replicated)."""
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         """Bind what a staged restore read (commit=True) or drop it: every slice switches

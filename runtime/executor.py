@@ -63,9 +63,11 @@ class Progress(NamedTuple):
 
 
 class Executor:
-    def __init__(self, slice_index: int, device: jax.Device, transport: Transport):
+    """One slice: `mesh` is its devices (runtime/mesh.py); every buffer is laid out on it."""
+
+    def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, transport: Transport):
         self.slice_index = slice_index
-        self.device = device
+        self.mesh = mesh
         self.transport = transport
         self.programs: dict[str, programs_lib.Program] = {}
         self.plans: dict[str, tuple[Instruction, ...]] = {}
@@ -78,7 +80,7 @@ class Executor:
     # -- state -----------------------------------------------------------------------
     def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
         for name, spec in specs.items():
-            self.programs[name] = programs_lib.load(spec, self.device)
+            self.programs[name] = programs_lib.load(spec, self.mesh)
 
     def install_plan(self, name: str, stream: list[Instruction]) -> None:
         for i, ins in enumerate(stream):
@@ -89,9 +91,18 @@ class Executor:
                 programs_lib.check_specs(ins.specs, f"plan {name!r} instruction {i} (recv {ins.key!r})")
         self.plans[name] = tuple(stream)
 
-    def put(self, name: str, arrays) -> None:
+    def put(self, name: str, arrays, layouts=None) -> None:
+        """Bind `name` to `arrays`, each laid out as its entry of `layouts` (a PartitionSpec
+        tuple; default: replicated on the slice's devices)."""
+        arrays = list(arrays)
+        layouts = list(layouts) if layouts is not None else [()] * len(arrays)
+        if len(layouts) != len(arrays):
+            raise ValueError(f"put {name!r}: {len(arrays)} array(s) but {len(layouts)} layout(s)")
         self.buffers[name] = tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a,
-                                                  self.device) for a in arrays)
+                                                  self._sharding(layout)) for a, layout in zip(arrays, layouts))
+
+    def _sharding(self, layout) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*layout))
 
     def get(self, names) -> dict[str, tuple[np.ndarray, ...]]:
         missing = [n for n in names if n not in self.buffers]
@@ -114,11 +125,14 @@ class Executor:
     def wait_saves(self) -> list[str]:
         return self._checkpointer.wait()
 
-    def restore(self, items: dict[str, list[str]], staged: bool = False) -> None:
+    def restore(self, items: dict[str, list[str]], staged: bool = False, layouts=None) -> None:
         """Replace buffers with a checkpoint's; nothing changes if any part fails to read.
         With staged=True the arrays are held aside (replacing any staged before) until
-        finish_restore: the controller binds them only once every slice has read its part."""
-        got = self._checkpointer.restore(items, self.device)
+        finish_restore: the controller binds them only once every slice has read its part.
+        `layouts` ({buffer: [layout per array]}; default replicated) lays each array out on
+        this slice's mesh, whatever mesh saved it."""
+        layouts = layouts or {}
+        got = self._checkpointer.restore(items, lambda name, i: self._sharding(_nth(layouts.get(name), i)))
         if staged:
             self._staged = got
         else:
@@ -146,7 +160,7 @@ class Executor:
         for name, arrays in (feeds or {}).items():
             self.put(name, arrays)
         prefix = f"{step}:"
-        pending = {ins.buffer: self.transport.recv(prefix + ins.key, ins.src, ins.specs)
+        pending = {ins.buffer: self.transport.recv(prefix + ins.key, ins.src, ins.specs, ins.pieces)
                    for ins in stream if isinstance(ins, Recv)}
         events: list[Event] = []
         where = "start"
@@ -160,8 +174,7 @@ class Executor:
                     except KeyError as e:
                         raise ValueError(f"reads buffer {e.args[0]!r}, which does not exist") from None
                     start = time.time_ns() if trace else 0
-                    with jax.default_device(self.device):
-                        outs = self.programs[ins.program](*args)
+                    outs = self.programs[ins.program](*args)
                     assert len(outs) == len(ins.outputs), (ins, len(outs))
                     for name, bundle in zip(ins.outputs, outs):
                         buffers[name] = tuple(bundle)
@@ -175,7 +188,7 @@ class Executor:
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
-                    self.transport.send(prefix + ins.key, buffers[ins.buffer], ins.dst)
+                    self.transport.send(prefix + ins.key, buffers[ins.buffer], ins.dst, ins.pieces)
                 else:
                     assert isinstance(ins, Delete)
                     buffers.pop(ins.buffer, None)
@@ -203,6 +216,10 @@ class Executor:
                 return tuple(fut.result(timeout=0.05))
             except TimeoutError:
                 continue
+
+
+def _nth(layouts, i: int) -> tuple:
+    return tuple(layouts[i]) if layouts is not None and i < len(layouts) else ()
 
 
 def _describe(ins: Instruction) -> str:

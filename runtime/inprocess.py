@@ -1,6 +1,8 @@
-"""InProcessCluster: every slice is an executor on its own thread and its own JAX device.
+"""InProcessCluster: every slice is an executor on its own thread and its own JAX devices
+(a mesh of this process's devices: slice 0 the first D_0, slice 1 the next D_1, ...).
 
-Transfers between slices are in-memory hand-offs (a device_put onto the receiver's device).
+Transfers between slices are in-memory hand-offs, cut and put together by runtime/reshard.py
+exactly as between processes (only the wire is missing).
 It runs exactly the programs and instruction streams the multi-process clusters run, so the
 two are pinned to identical results by the tests.
 """
@@ -10,7 +12,9 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
+import numpy as np
 
+from runtime import mesh, reshard
 from runtime.cluster import ReplaceUnsupported
 from runtime.executor import Aborted, Executor, StepResult
 
@@ -39,24 +43,26 @@ class _Hub:
 
 
 class MemoryTransport:
-    def __init__(self, hub: _Hub, device: jax.Device):
+    def __init__(self, hub: _Hub, slice_mesh: jax.sharding.Mesh):
         self._hub = hub
-        self._device = device
+        self._mesh = slice_mesh
 
-    def send(self, key: str, arrays, dst_slice: int) -> None:
-        self._hub.slot(key).set_result(tuple(arrays))
+    def send(self, key: str, arrays, dst_slice: int, pieces: tuple[int, ...] = ()) -> None:
+        counts = pieces or (1,) * len(arrays)
+        self._hub.slot(key).set_result(tuple(reshard.cut(a, n) for a, n in zip(arrays, counts)))
 
-    def recv(self, key: str, src_slice: int, specs) -> Future:
+    def recv(self, key: str, src_slice: int, specs, pieces: tuple[int, ...] = ()) -> Future:
         out: Future = Future()
-        device = self._device
+        slice_mesh = self._mesh
 
         def land(src: Future):
             self._hub.drop(key)
             if src.cancelled():
                 out.cancel()
             elif not out.cancelled():
-                # device_put is asynchronous: the copy waits for the producer on the device.
-                out.set_result(tuple(jax.device_put(a, device) for a in src.result()))
+                # Asynchronous: the copies wait for the producer on the device.
+                out.set_result(tuple(reshard.assemble(parts, s.shape, s.layout, slice_mesh)
+                                     for parts, s in zip(src.result(), specs)))
         self._hub.slot(key).add_done_callback(land)
         return out
 
@@ -64,14 +70,15 @@ class MemoryTransport:
         pass
 
 
-def devices_for(num_slices: int, devices=None) -> list[jax.Device]:
+def meshes_for(shapes, devices=None) -> list[jax.sharding.Mesh]:
+    """Each slice's mesh shape bound to its own run of this process's devices."""
     devices = list(devices) if devices is not None else jax.devices()
-    if len(devices) < num_slices:
-        raise ValueError(
-            f"InProcessCluster needs one JAX device per slice: {num_slices} slices, "
-            f"{len(devices)} device(s) available. On CPU, get more by setting "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_slices} before JAX starts.")
-    return devices[:num_slices]
+    try:
+        return mesh.bind_all(shapes, devices)
+    except ValueError as e:
+        need = sum(int(np.prod(mesh.shape_of(s))) for s in shapes)
+        raise ValueError(f"InProcessCluster: {e}. On CPU, get more by setting "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts.") from None
 
 
 class InProcessCluster:
@@ -88,12 +95,12 @@ class InProcessCluster:
     def num_slices(self) -> int:
         return len(self.executors)
 
-    def start(self, num_slices: int, root: str | None = None) -> None:
+    def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         # root is not enforced: in-process slices are this process, with its own rights.
         if self.executors:
             raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
-        devices = devices_for(num_slices, self._devices)
-        self.executors = [Executor(i, d, MemoryTransport(self._hub, d)) for i, d in enumerate(devices)]
+        bound = meshes_for(list(meshes) if meshes is not None else [(1, 1, 1)] * num_slices, self._devices)
+        self.executors = [Executor(i, m, MemoryTransport(self._hub, m)) for i, m in enumerate(bound)]
         self._pool = ThreadPoolExecutor(num_slices, thread_name_prefix="mpmd-slice")
 
     def load_programs(self, slice_index: int, specs) -> None:
@@ -102,8 +109,8 @@ class InProcessCluster:
     def install_plan(self, slice_index: int, name: str, stream) -> None:
         self.executors[slice_index].install_plan(name, stream)
 
-    def put(self, slice_index: int, name: str, arrays) -> None:
-        self.executors[slice_index].put(name, arrays)
+    def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
+        self.executors[slice_index].put(name, arrays, layouts)
 
     def get(self, slice_index: int, names) -> dict:
         return self.executors[slice_index].get(names)
@@ -117,8 +124,8 @@ class InProcessCluster:
     def wait_saves(self, slice_index: int) -> list[str]:
         return self.executors[slice_index].wait_saves()
 
-    def restore(self, slice_index: int, items: dict, staged: bool = False) -> None:
-        self.executors[slice_index].restore(items, staged)
+    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
+        self.executors[slice_index].restore(items, staged, layouts)
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self.executors[slice_index].finish_restore(commit)

@@ -14,9 +14,12 @@ from typing import NamedTuple, Union
 
 
 class Spec(NamedTuple):
-    """Shape and dtype of one array in a bundle (dtype as a numpy name, e.g. 'float32')."""
+    """Shape, dtype and layout of one array in a bundle (dtype as a numpy name, e.g.
+    'float32'). `layout` is a PartitionSpec as a tuple over the slice's mesh axes (one entry
+    per dim: None, an axis name or a tuple of them; () is replicated)."""
     shape: tuple[int, ...]
     dtype: str
+    layout: tuple = ()
 
 
 class Run(NamedTuple):
@@ -28,10 +31,14 @@ class Run(NamedTuple):
 
 
 class Send(NamedTuple):
-    """Make `buffer` available to slice `dst` under `key`. Never blocks the sender."""
+    """Make `buffer` available to slice `dst` under `key`. Never blocks the sender.
+
+    `pieces`: per array, into how many equal parts along axis 0 it crosses the wire (its
+    batch shards on the sender; () or 1: whole). The matching Recv names the same."""
     buffer: str
     dst: int
     key: str
+    pieces: tuple[int, ...] = ()
 
 
 class Recv(NamedTuple):
@@ -45,6 +52,7 @@ class Recv(NamedTuple):
     src: int
     key: str
     specs: tuple[Spec, ...]
+    pieces: tuple[int, ...] = ()
 
 
 class Delete(NamedTuple):
@@ -98,8 +106,27 @@ def to_json(ins: Instruction) -> list:
     """[kind, field, ...] with tuples as lists: a stable, language-neutral wire form."""
     fields = list(ins)
     if isinstance(ins, Recv):
-        fields[3] = [[list(s.shape), s.dtype] for s in ins.specs]
+        fields[3] = [[list(s.shape), s.dtype] + ([layout_to_json(s.layout)] if s.layout else []) for s in ins.specs]
     return [_NAMES[type(ins)], *[list(f) if isinstance(f, tuple) else f for f in fields]]
+
+
+def layout_to_json(layout: tuple) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in layout]
+
+
+def layout_from_json(value) -> tuple:
+    """A layout from its JSON form; ValueError unless every entry is null, a name or a list of names."""
+    if not isinstance(value, list):
+        raise ValueError(f"a layout must be a list, got {type(value).__name__}")
+    out = []
+    for e in value:
+        if isinstance(e, list) and all(isinstance(n, str) for n in e):
+            out.append(tuple(e))
+        elif e is None or isinstance(e, str):
+            out.append(e)
+        else:
+            raise ValueError(f"layout entry {e!r:.50} must be null, a mesh axis name or a list of them")
+    return tuple(out)
 
 
 def from_json(item: list) -> Instruction:
@@ -115,15 +142,21 @@ def from_json(item: list) -> Instruction:
             program, inputs, outputs, *rest = fields
             ins = Run(_str(program), tuple(map(_str, inputs)), tuple(map(_str, outputs)), *map(_str, rest))
         elif cls is Send:
-            ins = Send(_str(fields[0]), _int(fields[1]), _str(fields[2]))
+            ins = Send(_str(fields[0]), _int(fields[1]), _str(fields[2]), *map(_pieces, fields[3:]))
         elif cls is Recv:
-            specs = tuple(Spec(tuple(map(_int, s)), _str(d)) for s, d in fields[3])
-            ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs)
+            specs = tuple(Spec(tuple(map(_int, s[0])), _str(s[1]), *map(layout_from_json, s[2:3])) for s in fields[3])
+            ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs, *map(_pieces, fields[4:]))
         else:
             ins = Delete(_str(fields[0]))
     except (TypeError, ValueError) as e:
         raise ValueError(f"malformed {item[0]} instruction {item!r:.200}: {e}") from None
     return ins
+
+
+def _pieces(x) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in x):
+        raise TypeError(f"pieces must be a list of positive integers, got {x!r:.50}")
+    return tuple(x)
 
 
 def _str(x) -> str:

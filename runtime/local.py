@@ -7,10 +7,17 @@ stdin (never on the command line, where `ps` would show it) and keeps that pipe 
 worker notices within moments when its controller is gone, however it died. Workers are
 pinned round-robin to the machine's cores with XLA's intra-op threads off, so N workers on
 N cores do not fight.
+
+Devices. A worker owns `devices_per_worker` devices, its slice's mesh. With GPUs (found by
+`visible_gpus`, or given as `gpus=`), worker i gets GPUs i*D .. i*D+D-1 as its
+CUDA_VISIBLE_DEVICES, so no two workers share a GPU and a replacement gets its slot's GPUs;
+on CPU it gets D host devices (XLA's --xla_force_host_platform_device_count, runtime/worker.py).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,9 +33,9 @@ def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> No
     """What every launcher that starts its own workers accepts (LocalCluster, RayCluster)."""
     if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
         raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
-    if devices_per_worker != 1:
-        raise ValueError(f"devices_per_worker={devices_per_worker} is not supported yet: stage programs "
-                         f"run on one device per slice; allowed: 1")
+    if not isinstance(devices_per_worker, int) or isinstance(devices_per_worker, bool) or devices_per_worker < 1:
+        raise ValueError(f"devices_per_worker must be a positive integer (the devices of one slice's mesh), "
+                         f"got {devices_per_worker!r}")
     if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
         raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
 
@@ -57,6 +64,38 @@ def worker_root(configured: str | None, asked: str | None, running: str | None, 
     return root
 
 
+def visible_gpus() -> list[str]:
+    """The ids of the GPUs this machine's workers may use, found without importing JAX (in
+    the controller it would take GPU memory): $CUDA_VISIBLE_DEVICES when set, else one per
+    /dev/nvidia<N>. None at all when $JAX_PLATFORMS leaves CUDA out or JAX's CUDA plugin
+    (`pip install -e '.[cuda]'`) is not installed: the workers would run on CPU anyway."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
+        return []
+    if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return []
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return []
+    return sorted((n[len("nvidia"):] for n in names if re.fullmatch(r"nvidia\d+", n)), key=int)
+
+
+def check_gpus(gpus) -> list[str]:
+    """An explicit `gpus=` (a list of GPU ids; [] = CPU) as the strings CUDA_VISIBLE_DEVICES takes."""
+    if not isinstance(gpus, (list, tuple)) or not all(
+            (isinstance(g, int) and not isinstance(g, bool) and g >= 0) or (isinstance(g, str) and g.strip())
+            for g in gpus):
+        raise ValueError(f"gpus must be None (find them), a list of GPU ids (ints >= 0 or CUDA ids), or [] "
+                         f"(CPU), got {gpus!r}")
+    ids = [str(g).strip() for g in gpus]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"gpus lists a GPU twice ({gpus!r}): two workers never share a GPU")
+    return ids
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -76,8 +115,11 @@ class LocalLauncher:
 
     def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None):
+                 compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None,
+                 gpus: list | None = None):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        self.gpus = visible_gpus() if gpus is None else check_gpus(gpus)
+        self.cpu_only = gpus is not None and not self.gpus     # gpus=[]: CPU even where GPUs are
         self.log_dir = log_dir
         self._token = token
         self.root = root              # the cluster's root=; the workers' is fixed at spawn
@@ -90,6 +132,8 @@ class LocalLauncher:
         self.compilation_cache_dir = compilation_cache_dir
         self.addresses: list[str] = []
         self.procs: list[subprocess.Popen] = []
+        if num_workers is not None:
+            self._check_gpus(num_workers)
 
     @property
     def pids(self) -> list[int]:
@@ -100,6 +144,7 @@ class LocalLauncher:
         root = worker_root(self.root, root, self._running_root if self.procs else None, "LocalCluster")
         if self.procs:       # already running: the control plane reuses them from a clean state
             return list(self.addresses)
+        self._check_gpus(n)
         self._running_root = root
         try:
             self.addresses = [self._spawn(i) for i in range(n)]
@@ -118,6 +163,13 @@ class LocalLauncher:
         self.addresses[slot] = address = self._spawn(slot)
         return address
 
+    def _check_gpus(self, num_workers: int) -> None:
+        need = num_workers * self.devices_per_worker
+        if self.gpus and need > len(self.gpus):
+            raise ValueError(f"{num_workers} worker(s) x devices_per_worker={self.devices_per_worker} need {need} "
+                             f"GPUs, and {len(self.gpus)} are at hand ({','.join(self.gpus)}): two workers never "
+                             f"share a GPU; use fewer devices per worker, or gpus=[] to run on CPU")
+
     def _spawn(self, i: int) -> str:
         cmd = [sys.executable, "-m", "runtime.worker", "--listen", f"{self.host}:0", "--token-stdin",
                "--devices", str(self.devices_per_worker), "--root", self._running_root]
@@ -129,6 +181,11 @@ class LocalLauncher:
         if self.compilation_cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
             env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        if self.gpus:         # the slot's own GPUs: a replacement gets the ones it replaces
+            d = self.devices_per_worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[i * d:(i + 1) * d])
+        elif self.cpu_only:
+            env["JAX_PLATFORMS"] = "cpu"
         # A session of its own: a Ctrl-C at the terminal reaches the controller only, which
         # finishes its step, checkpoints and closes the cluster; the workers follow it.
         stderr = None
@@ -175,8 +232,11 @@ class LocalCluster(ControlPlane):
 
     num_workers: processes to start (None: one per slice); more than num_slices leaves idle
         spares, but a lost slice is replaced by a new process in its own slot anyway.
-    devices_per_worker, threads_per_worker: JAX devices and XLA threads per worker; each
-        worker is pinned to threads_per_worker cores, round-robin, when `pin`.
+    devices_per_worker, threads_per_worker: JAX devices (the size of a slice's mesh) and XLA
+        threads per worker; each worker is pinned to threads_per_worker cores, round-robin,
+        when `pin`.
+    gpus: None finds the GPUs (visible_gpus; none: the workers run on CPU); a list of GPU
+        ids uses those; [] runs on CPU. Each worker gets devices_per_worker GPUs of its own.
     host: where workers listen (loopback by default).
     failure_timeout_s: a slice silent this long is declared lost.
     compilation_cache_dir: JAX's persistent compilation cache for the workers; None picks
@@ -192,14 +252,15 @@ class LocalCluster(ControlPlane):
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
-                 step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None):
+                 step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
+                 gpus: list | None = None):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
         launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache,
-                                 log_dir, root)
+                                 log_dir, root, gpus)
         super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     @property
@@ -209,6 +270,10 @@ class LocalCluster(ControlPlane):
     @property
     def procs(self) -> list[subprocess.Popen]:
         return self.launcher.procs
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.launcher.devices_per_worker
 
 
 def default_compilation_cache() -> str:

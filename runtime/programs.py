@@ -52,9 +52,14 @@ _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call\s*@(?:"([^"]*)"|([\w.$-]+))|c
 Program = Callable[..., tuple]
 
 
-def exported(fn: Callable, *arg_specs) -> ProgramSpec:
-    """Export `fn(*bundles) -> tuple of bundles` for the given abstract argument bundles."""
-    exp = jax.export.export(jax.jit(fn))(*arg_specs)
+def exported(fn: Callable, *arg_specs, out_shardings=None) -> ProgramSpec:
+    """Export `fn(*bundles) -> tuple of bundles` for the given abstract argument bundles.
+
+    Shardings: an argument spec's `sharding` (a NamedSharding on an AbstractMesh of the
+    slice's shape) is the layout the program takes; `out_shardings` (a prefix of the output
+    tree; None: XLA chooses) the layouts it returns. The program is then for that mesh's
+    number of devices, bound to concrete devices by `load`."""
+    exp = jax.export.export(jax.jit(fn, out_shardings=out_shardings))(*arg_specs)
     return ProgramSpec("exported", data=bytes(exp.serialize()))
 
 
@@ -62,24 +67,30 @@ def sleep(duration_s: float, outputs: tuple[tuple[Spec, ...], ...] = ()) -> Prog
     return ProgramSpec("sleep", duration_s=float(duration_s), outputs=tuple(outputs))
 
 
-def load(spec: ProgramSpec, device: jax.Device) -> Program:
-    """Turn a spec into a callable that runs on `device`. Raises ValueError on a bad spec."""
+def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
+    """Turn a spec into a callable that runs on `mesh` (the slice's devices, laid out as the
+    program was exported for). Raises ValueError on a bad spec."""
     if spec.kind == "exported":
         try:
             exp = jax.export.deserialize(bytearray(spec.data))
         except Exception as e:  # flatbuffers raises assorted errors on garbage
             raise ValueError(f"program data is not a valid jax.export serialization: {e}") from None
         check_custom_calls(exp.mlir_module())
-        return jax.jit(exp.call)
+        if exp.nr_devices != mesh.size:
+            raise ValueError(f"program was exported for {exp.nr_devices} device(s); this slice has {mesh.size}")
+        # The output layouts pin the devices (a program without inputs would otherwise run on
+        # the process's first devices, not this slice's); inputs come committed to the mesh.
+        outs = jax.tree.unflatten(exp.out_tree, exp.out_shardings_jax(mesh))
+        return jax.jit(exp.call, out_shardings=outs)
     if spec.kind == "sleep":
         if not 0 <= spec.duration_s < float("inf"):
             raise ValueError(f"sleep program needs a finite duration_s >= 0, got {spec.duration_s}")
         for bundle in spec.outputs:
             check_specs(bundle, "sleep program output")
         # Outputs are made once: a synthetic program's outputs carry no information.
-        with jax.default_device(device):
-            outs = tuple(tuple(jnp.zeros(s.shape, np.dtype(s.dtype)) for s in bundle)
-                         for bundle in spec.outputs)
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        outs = tuple(tuple(jax.device_put(np.zeros(s.shape, _dtype(s.dtype)), replicated) for s in bundle)
+                     for bundle in spec.outputs)
 
         def run(*_bundles):
             time.sleep(spec.duration_s)
@@ -93,12 +104,16 @@ def load(spec: ProgramSpec, device: jax.Device) -> Program:
 MAX_ARRAY_BYTES = 2**40
 
 
+def _dtype(name: str) -> np.dtype:
+    return np.dtype(name) if name != "bfloat16" else jnp.dtype(jnp.bfloat16)
+
+
 def check_specs(specs, what: str) -> None:
     """ValueError unless every Spec has non-negative integer dims, a known dtype, and at most
     MAX_ARRAY_BYTES."""
     for s in specs:
         try:
-            itemsize = (np.dtype(s.dtype) if s.dtype != "bfloat16" else jnp.dtype(jnp.bfloat16)).itemsize
+            itemsize = _dtype(s.dtype).itemsize
         except TypeError:
             raise ValueError(f"{what}: unknown dtype {s.dtype!r}") from None
         if not all(isinstance(d, int) and d >= 0 for d in s.shape):

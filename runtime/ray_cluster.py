@@ -86,7 +86,8 @@ class RayLauncher:
 
     def __init__(self, token: str, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
-                 host: str | None = None, runtime_env: dict | None = None, root: str | None = None):
+                 host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
+                 gpus: bool = False):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         resources = dict(resources_per_worker or {})
@@ -96,12 +97,18 @@ class RayLauncher:
                                  f"got {k!r}: {v!r}")
         if runtime_env is not None and not isinstance(runtime_env, dict):
             raise ValueError(f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}")
+        if not isinstance(gpus, bool):
+            raise ValueError(f"gpus must be True (each actor reserves devices_per_worker GPUs) or False, got {gpus!r}")
+        if gpus and resources.get("GPU", devices_per_worker) != devices_per_worker:
+            raise ValueError(f"gpus=True reserves devices_per_worker={devices_per_worker} GPU(s) per actor, but "
+                             f"resources_per_worker asks for GPU={resources['GPU']}: drop one of the two")
         self._token = token
         self.num_workers = num_workers
         self.resources_per_worker = resources
         self.ray_address = address
         self.devices_per_worker = devices_per_worker
         self.threads_per_worker = threads_per_worker
+        self.gpus = gpus
         self.host = host
         self.runtime_env = dict(runtime_env or {})
         self.root = root              # the cluster's root=; the actors' is fixed when they start
@@ -169,9 +176,11 @@ class RayLauncher:
 
     # -- plumbing --------------------------------------------------------------------------
     def _actor_options(self) -> dict:
-        # Ray takes CPU, GPU and memory as keywords, not in `resources`.
+        # Ray takes CPU, GPU and memory as keywords, not in `resources`. An actor given GPUs
+        # sees only its own (Ray sets its CUDA_VISIBLE_DEVICES).
         res = dict(self.resources_per_worker)
-        opts = {"num_cpus": res.pop("CPU", self.threads_per_worker), "num_gpus": res.pop("GPU", 0)}
+        opts = {"num_cpus": res.pop("CPU", self.threads_per_worker),
+                "num_gpus": res.pop("GPU", self.devices_per_worker if self.gpus else 0)}
         if "memory" in res:
             opts["memory"] = res.pop("memory")
         opts["resources"] = res
@@ -212,8 +221,11 @@ class RayCluster(ControlPlane):
     """Workers as Ray actors (a ControlPlane over a RayLauncher).
 
     num_workers: actors to start (None: one per slice); more than num_slices leaves spares.
-    resources_per_worker: Ray resources each actor reserves, e.g. {"GPU": 1} or
+    resources_per_worker: Ray resources each actor reserves, e.g. {"GPU": 2} or
         {"CPU": 4, "slice_host": 1}; CPU defaults to threads_per_worker.
+    devices_per_worker: JAX devices per actor (the size of its slice's mesh): host devices on
+        CPU, GPUs with `gpus`.
+    gpus: each actor reserves devices_per_worker GPUs (Ray's num_gpus), its slice's devices.
     address: the Ray cluster to join ("auto", "HEAD_IP:6379", "ray://head:10001", ...);
         None joins $RAY_ADDRESS if set, else starts a new Ray instance on this machine (shut
         down again by close()). Ignored when Ray is already initialised in this process.
@@ -234,10 +246,10 @@ class RayCluster(ControlPlane):
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
-                 root: str | None = None):
+                 root: str | None = None, gpus: bool = False):
         token = new_token()
         launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
-                               threads_per_worker, host, runtime_env, root)
+                               threads_per_worker, host, runtime_env, root, gpus)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
                          step_timeout_s=step_timeout_s)
 
@@ -248,3 +260,7 @@ class RayCluster(ControlPlane):
     @property
     def pids(self) -> list[int]:
         return self.launcher.pids
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.launcher.devices_per_worker

@@ -2,21 +2,24 @@
 
 Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire.py):
   Hello        -> {pid, devices, platform}
-  Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids)}
+  Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids),
+                mesh: {data, fsdp, tensor} (the slice's mesh over all of this worker's devices)}
                                                         -> {transfer_address}
   Connect      {peers: {slice: transfer_address}}
   LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
   InstallPlan  {name, stream: [instruction as runtime.instructions.to_json]}
-  Put          {name, arrays: [blob]}                   Get {names} -> {arrays: {name: [blob]}}
+  Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
   Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
   Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save; every
                directory must lie below the worker's root, as must Restore's)
-  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}, staged}
+  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}, staged,
+                                                                 layouts?: {name: [layout]}}
   FinishRestore {commit}: bind (or drop) what a staged Restore read
   Heartbeat    -> {pid, step_running, progress: [run id, instructions done, doing] | null}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
   Shutdown
+A layout is a PartitionSpec over the mesh axes as JSON (runtime/instructions.py layout_to_json).
 Every call must carry the cluster token in metadata `mpmd-token`; a call without it, or
 with a wrong one, is refused (UNAUTHENTICATED) and logged, from its metadata alone, before
 its body is read: the refusing handler takes the request as a stream it never reads, so a
@@ -40,7 +43,7 @@ import traceback
 import grpc
 import jax
 
-from runtime import instructions, programs, wire
+from runtime import instructions, mesh, programs, wire
 from runtime.checkpoint import confine
 from runtime.cluster import StepFailed
 from runtime.executor import Aborted, Executor
@@ -88,10 +91,12 @@ class WorkerService:
             secret = check_secret(bytes.fromhex(_str(h, "transfer_secret")))
         except ValueError:
             raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
+        shape = mesh.shape_of(h.get("mesh") or {"data": len(jax.devices())})
+        slice_mesh = mesh.bind(shape, jax.devices())
         if self.transport is not None:
             self.transport.close()
-        self.transport = TransferTransport(index, self.device, listen_host=_str(h, "transfer_host"), secret=secret)
-        self.executor = Executor(index, self.device, self.transport)
+        self.transport = TransferTransport(index, slice_mesh, listen_host=_str(h, "transfer_host"), secret=secret)
+        self.executor = Executor(index, slice_mesh, self.transport)
         self.attached = True
         return {"transfer_address": self.transport.address}, []
 
@@ -123,7 +128,8 @@ class WorkerService:
         return {"instructions": len(stream)}, []
 
     def Put(self, h, b):
-        self._exec().put(_str(h, "name"), [wire.blob(b, r) for r in _list(h, "arrays")])
+        layouts = [instructions.layout_from_json(l) for l in _list(h, "layouts")] if "layouts" in h else None
+        self._exec().put(_str(h, "name"), [wire.blob(b, r) for r in _list(h, "arrays")], layouts)
         return {}, []
 
     def Get(self, h, b):
@@ -155,7 +161,11 @@ class WorkerService:
         return {"finalized": self._exec().wait_saves()}, []
 
     def Restore(self, h, b):
-        self._exec().restore(confine(_items(h), self.root), staged=bool(h.get("staged", False)))
+        layouts = h.get("layouts", {})
+        if not isinstance(layouts, dict) or not all(isinstance(v, list) for v in layouts.values()):
+            raise ValueError("Restore 'layouts' must be {buffer name: [layout, ...]}")
+        layouts = {str(n): [instructions.layout_from_json(l) for l in ls] for n, ls in layouts.items()}
+        self._exec().restore(confine(_items(h), self.root), staged=bool(h.get("staged", False)), layouts=layouts)
         return {}, []
 
     def FinishRestore(self, h, b):

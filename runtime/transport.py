@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import transfer
 
+from runtime import reshard
+
 # Payloads move in chunks of CHUNK_BYTES over NUM_BULK_SOCKETS sockets per connection, so
 # copying in and out of the staging buffers overlaps the wire. The API's default chunk
 # (256 MB) sends a 64 MB payload as one piece: 67 ms one-way on loopback here, against 48 ms
@@ -56,12 +58,13 @@ class Transport(Protocol):
     processes), MemoryTransport (runtime/inprocess.py) between threads. Keys are the
     executor's: "<run id>:<plan key>", e.g. "12:act2/5"."""
 
-    def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int) -> None:
-        """Offer `arrays` to `dst_slice` under `key`; returns without waiting for the receiver."""
+    def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int, pieces: tuple[int, ...] = ()) -> None:
+        """Offer `arrays` to `dst_slice` under `key`, each cut in its number of `pieces` along
+        axis 0 (runtime/reshard.py); returns without waiting for the receiver."""
 
-    def recv(self, key: str, src_slice: int,
-             specs: tuple[jax.ShapeDtypeStruct, ...]) -> concurrent.futures.Future:
-        """Post a receive early; `result()` is a tuple of arrays on this slice's device."""
+    def recv(self, key: str, src_slice: int, specs: tuple, pieces: tuple[int, ...] = ()) -> concurrent.futures.Future:
+        """Post a receive early; `result()` is a tuple of arrays laid out on this slice's mesh
+        as `specs` (runtime.instructions.Spec: shape, dtype, layout) say."""
 
     def close(self) -> None: ...
 
@@ -91,6 +94,26 @@ def key_to_uuid(key: str, secret: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=secret).digest(), "little")
 
 
+def _counts(pieces: tuple[int, ...], num_arrays: int) -> tuple[int, ...]:
+    """Pieces per array: as given, or 1 each when the plan names none."""
+    if not pieces:
+        return (1,) * num_arrays
+    if len(pieces) != num_arrays:
+        raise ValueError(f"a transfer of {num_arrays} array(s) names pieces for {len(pieces)}")
+    return tuple(pieces)
+
+
+def _size(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def _sharding(mesh: jax.sharding.Mesh, layout: tuple) -> jax.sharding.NamedSharding:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*layout))
+
+
 def _host_port(host: str) -> str:
     return f"[{host}]:0" if ":" in host else f"{host}:0"   # IPv6 literals need brackets
 
@@ -100,16 +123,15 @@ class TransferTransport:
     `slice_index` names this end in errors). `secret`: the session's data-plane secret (16 to
     64 bytes), the same on every slice of the session; it keys every transfer id."""
 
-    def __init__(self, slice_index: int, device: jax.Device, listen_host: str = "127.0.0.1", *,
+    def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, listen_host: str = "127.0.0.1", *,
                  secret: bytes):
         self._secret = check_secret(secret)
         self.slice_index = slice_index
-        self._device = device
-        self._sharding = jax.sharding.SingleDeviceSharding(device)
+        self._mesh = mesh
         # The listening socket and the bulk-data sockets bind to listen_host only (the
         # default bulk address is 0.0.0.0); workers listen on loopback unless told otherwise.
         self._server = transfer.start_transfer_server(
-            device.client, _host_port(listen_host), [_host_port(listen_host)] * NUM_BULK_SOCKETS,
+            mesh.devices.flat[0].client, _host_port(listen_host), [_host_port(listen_host)] * NUM_BULK_SOCKETS,
             transfer_size=CHUNK_BYTES)
         self.address: str = self._server.address()
         self._connections: dict[int, transfer.TransferConnection] = {}
@@ -121,28 +143,37 @@ class TransferTransport:
         for index, address in addresses.items():
             self._connections[index] = self._server.connect(address)
 
-    def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int) -> None:
+    def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int, pieces: tuple[int, ...] = ()) -> None:
         # dst_slice is not needed: the receiver pulls by key. Arrays still being computed are
         # fine; the server serves them once they are ready.
-        arrays = [jax.device_put(a, self._device) for a in arrays]
-        nonempty = [a for a in arrays if a.size]
-        if nonempty:
-            self._server.await_pull(key_to_uuid(key, self._secret), nonempty)
+        offered = [p for a, n in zip(arrays, _counts(pieces, len(arrays))) if a.size for p in reshard.cut(a, n)]
+        if offered:
+            self._server.await_pull(key_to_uuid(key, self._secret), offered)
 
-    def recv(self, key: str, src_slice: int,
-             specs: tuple[jax.ShapeDtypeStruct, ...]) -> concurrent.futures.Future:
+    def recv(self, key: str, src_slice: int, specs: tuple, pieces: tuple[int, ...] = ()) -> concurrent.futures.Future:
         if src_slice not in self._connections:
             raise ValueError(f"slice {self.slice_index} cannot receive {key!r} from slice "
                              f"{src_slice}: not connected; connected: {sorted(self._connections)}")
-        specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._sharding) for s in specs]
-        nonempty = [s for s in specs if s.size]
+        counts = _counts(pieces, len(specs))
+        wanted = []        # one single-device spec per piece, on a device that needs its rows
+        for s, n in zip(specs, counts):
+            if _size(s.shape):
+                part = (s.shape[0] // n,) + tuple(s.shape[1:]) if n > 1 else tuple(s.shape)
+                wanted += [jax.ShapeDtypeStruct(part, s.dtype, sharding=jax.sharding.SingleDeviceSharding(d))
+                           for d in reshard.landing(s.shape, s.layout, self._mesh, n)]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
-        pulled = iter(self._connections[src_slice].pull(key_to_uuid(key, self._secret), nonempty)
-                      if nonempty else ())
-        arrays = tuple(next(pulled) if s.size else jnp.zeros(s.shape, s.dtype, device=self._device)
-                       for s in specs)
-        return self._waiters.submit(arrays)
+        pulled = self._connections[src_slice].pull(key_to_uuid(key, self._secret), wanted) if wanted else []
+        mesh = self._mesh
+
+        def assemble(landed) -> tuple:
+            # Runs once every piece has landed: copying a pulled array that is not ready
+            # yet would block the thread posting the receives (and so the step).
+            landed = iter(landed)
+            return tuple(reshard.assemble([next(landed) for _ in range(n)], s.shape, s.layout, mesh) if _size(s.shape)
+                         else jax.device_put(jnp.zeros(s.shape, s.dtype), _sharding(mesh, s.layout))
+                         for s, n in zip(specs, counts))
+        return self._waiters.submit(tuple(pulled), assemble)
 
     def reset(self) -> None:
         """Abort support: drop this slice's sends not yet pulled and fail the peers' pulls that
@@ -172,7 +203,8 @@ class _Waiters:
         self._num_threads = 0
         self._num_idle = 0
 
-    def submit(self, arrays: tuple[jax.Array, ...]) -> concurrent.futures.Future:
+    def submit(self, arrays: tuple[jax.Array, ...], then=lambda ready: ready) -> concurrent.futures.Future:
+        """A future of `then(arrays)` once `arrays` are ready (and of what `then` makes, ready)."""
         future = concurrent.futures.Future()
         with self._lock:
             if self._num_idle:
@@ -181,15 +213,15 @@ class _Waiters:
                 threading.Thread(target=self._loop, daemon=True,
                                  name=f"{self._name}-{self._num_threads}").start()
                 self._num_threads += 1
-        self._queue.put((future, arrays))
+        self._queue.put((future, arrays, then))
         return future
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, arrays = item
+            future, arrays, then = item
             if future.set_running_or_notify_cancel():         # False: cancelled while queued
                 try:
-                    future.set_result(jax.block_until_ready(arrays))
+                    future.set_result(jax.block_until_ready(then(jax.block_until_ready(arrays))))
                 except BaseException as e:
                     future.set_exception(e)
             with self._lock:

@@ -46,17 +46,23 @@ def parse_args(argv):
     p.add_argument("--root", default=None,
                    help="the only directory tree checkpoint saves and restores may touch; the "
                         "controller's run_dir must lie below it (default: the current directory)")
-    p.add_argument("--devices", type=int, default=1, help="host devices of this slice (CPU only)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="devices of this slice's mesh: on CPU, this many host devices; on GPU, the "
+                        "GPUs in CUDA_VISIBLE_DEVICES (LocalCluster gives each worker its own)")
     p.add_argument("--cpus", default="", help="comma-separated cores to pin to (default: no pinning)")
     p.add_argument("--lease-s", type=float, default=15.0,
                    help="exit after this long without a word from an attached controller")
     p.add_argument("--persist", action="store_true",
                    help="when the controller's lease lapses, reset and wait for another instead of exiting")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.devices < 1:
+        p.error(f"--devices must be a positive integer, got {args.devices}")
+    return args
 
 
 def xla_flags(devices: int, flags: str = "") -> str:
-    """flags with this slice's host device count and Eigen's intra-op pool switched off."""
+    """flags with this slice's host device count and Eigen's intra-op pool switched off. (On GPU
+    the host count is harmless and unused: the slice's devices are its GPUs.)"""
     flags = " ".join(f for f in flags.split() if not f.startswith(("--xla_force_host_platform_device_count",
                                                                    "--xla_cpu_multi_thread_eigen")))
     return (f"{flags} --xla_force_host_platform_device_count={devices} "

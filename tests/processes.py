@@ -1,9 +1,13 @@
-"""Helpers for tests that start real processes: worker liveness and the `mpmd train` command."""
+"""Helpers for tests that start real processes: worker liveness and the `mpmd train` command
+(run to the end, or in the background as a Controller)."""
 from __future__ import annotations
 
 import os
+import queue
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,3 +35,63 @@ def mpmd_train(*args, timeout=120):
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run([sys.executable, "-m", "recipes.cli", "train", *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class Controller:
+    """`python -m recipes.cli train ARGS run_dir=RUN_DIR` in the background (on the CPU, with
+    `env` added to this process's environment); its stdout lines arrive on a queue. stderr
+    goes to RUN_DIR.stderr beside the run directory: a pipe nobody drains would block the
+    controller (and workers inheriting it) once full."""
+
+    def __init__(self, run_dir: Path, args, env: dict | None = None):
+        full_env = dict(os.environ)   # carries conftest's XLA_FLAGS and JAX compilation cache settings
+        full_env["JAX_PLATFORMS"] = "cpu"
+        full_env.update(env or {})
+        self.stderr_path = run_dir.parent / f"{run_dir.name}.stderr"
+        with open(self.stderr_path, "a") as stderr:
+            self.proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "train", *args, f"run_dir={run_dir}"],
+                                         cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.stdout: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_step(self, step: int, timeout_s: float = 90.0) -> None:
+        """Until the progress line of `step` (or a later one) is printed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, f"the run ended before step {step}:\n{''.join(self.stdout)}"
+            self.stdout.append(line)
+            m = re.match(r"step (\d+)/", line)
+            if m and int(m.group(1)) >= step:
+                return
+
+    def finish(self, timeout_s: float = 120.0) -> tuple[int, str]:
+        """(exit status, whole stdout); the controller is killed if it outlives `timeout_s`."""
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        while (line := self.lines.get(timeout=10)) is not None:
+            self.stdout.append(line)
+        return rc, "".join(self.stdout)
+
+    def succeed(self, timeout_s: float = 120.0) -> str:
+        """The whole stdout, once the controller exited 0 (else fail with its stderr's tail)."""
+        rc, out = self.finish(timeout_s)
+        assert rc == 0, f"exit {rc}:\n{out}\n{self.stderr_path.read_text()[-3000:]}"
+        return out
+
+    def workers(self) -> list[int]:
+        """The controller's child processes (LocalCluster starts them in sessions of their own,
+        so not its process group: its children)."""
+        pids = []
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        return pids

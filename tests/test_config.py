@@ -26,8 +26,9 @@ def test_defaults_are_valid_and_describe_lists_every_key():
     described = yaml.safe_load(text)  # describe() is itself valid YAML of the defaults
     assert described == cfg.model_dump(mode="json")
     for key in _leaf_keys(cfg.model_dump()):
-        leaf = key.split(".")[-1]
-        line = next(line for line in text.splitlines() if line.strip().startswith(leaf + ":"))
+        # indented as deep as the key is nested: mesh.data is not the data section
+        *sections, leaf = key.split(".")
+        line = next(line for line in text.splitlines() if line.startswith("  " * len(sections) + leaf + ":"))
         assert "  # " in line and len(line.split("  # ", 1)[1]) > 5, key
     assert "(one of: gpipe, 1f1b, interleaved-1f1b, zb-h1)" in text
 
@@ -96,6 +97,16 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["model.kind=custom"], "model.kind='custom' needs model.module='package.module:function'"),
     (["model.vocab_size=100"], "model.vocab_size must be >= 256, got 100"),
     (["optimizer.name=sgd"], "optimizer.weight_decay=0.01 only applies to 'adamw'"),
+    (["cluster.devices_per_worker=2", "mesh.stages=[{data: 2}, {data: 2, tensor: 2}]"],
+     "mesh.stages[1]: data=2 x fsdp=1 x tensor=2 = 4 devices, but cluster.devices_per_worker=2"),
+    (["cluster.devices_per_worker=4", "mesh.tensor=3"],
+     "mesh: data=1 x fsdp=1 x tensor=3 = 3 devices, but cluster.devices_per_worker=4"),
+    (["mesh.data=2"], "mesh: data=2 x fsdp=1 x tensor=1 = 2 devices, but cluster.devices_per_worker=1"),
+    (["mesh.stages=[{tensor: 2}]"], "mesh.stages lists 1 slice shape(s) but there are 2 slices"),
+    (["mesh.stages=[{}, {tensr: 2}]"],
+     "unknown key 'mesh.stages[1].tensr'; did you mean 'mesh.stages[1].tensor'?"),
+    (["mesh.fsdp=0"], "mesh.fsdp must be > 0, got 0"),
+    (["mesh.rules.embed=tensr"], "mesh.rules.embed='tensr': a rule maps a logical axis name to a mesh axis"),
     (["model=3"], "'model' is a section, not a value"),
     (["train.steps.x=1"], "'train.steps' is a value, not a section"),
     (["train.steps"], "override 'train.steps' must look like key=value"),
@@ -125,6 +136,39 @@ def test_valid_static_and_custom_configs_pass():
     assert cfg.model.module == "my_pkg.models:build_stages"
 
 
+def test_mesh_defaults_to_data_over_every_device_and_stages_give_unlike_slices():
+    cfg = config.load(None, ["cluster.devices_per_worker=4"])
+    assert cfg.slice_shapes() == [{"data": 4, "fsdp": 1, "tensor": 1}] * 2
+    cfg = config.load(None, ["cluster.devices_per_worker=4", "mesh.tensor=2"])   # data takes the rest
+    assert cfg.slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 2}] * 2
+    cfg = config.load(None, ["cluster.devices_per_worker=2", "mesh.stages=[{tensor: 2}, {data: 2}]",
+                             "mesh.rules.mlp=[tensor, fsdp]", "mesh.rules.embed=null"])
+    assert cfg.slice_shapes() == [{"data": 1, "fsdp": 1, "tensor": 2}, {"data": 2, "fsdp": 1, "tensor": 1}]
+    assert cfg.mesh.rules == {"mlp": ["tensor", "fsdp"], "embed": None}
+    # In one process a slice takes as many devices as its mesh, whatever devices_per_worker says.
+    cfg = config.load(None, ["cluster.backend=inprocess", "mesh.stages=[{tensor: 2}, {data: 2, fsdp: 2}]"])
+    assert cfg.num_devices == 6
+
+
+def test_mesh_axes_are_mpmd_sharding_axes():
+    from mpmd import sharding
+    assert config.MESH_AXES == sharding.AXES == tuple(config.SliceShape.model_fields)
+    cfg = config.load(None, ["cluster.devices_per_worker=4", "mesh.stages=[{fsdp: 2, tensor: 2}, {}]",
+                             "mesh.rules.embed=tensor"])
+    assert sharding.slice_meshes(cfg.slice_shapes(), cfg.num_workers, 4)[0].size == 4
+    assert sharding.check_rules(cfg.mesh.rules)["embed"] == "tensor"
+
+
+def test_mesh_and_devices_are_not_in_the_math_hash():
+    """A run may resume on another mesh (the same math spread over other devices)."""
+    a = config.load(None, [])
+    b = config.load(None, ["cluster.devices_per_worker=4", "mesh.stages=[{data: 2, tensor: 2}, {fsdp: 4}]",
+                           "mesh.rules.embed=tensor"])
+    assert a.math_hash() == b.math_hash() and a.math() == b.math()
+    assert not any(k.startswith(("mesh", "cluster")) for k in b.math())
+    assert a.hash() != b.hash()    # the full hash, in the resolved config's header, does see it
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="config file '.*nope.yaml' not found"):
         config.load(tmp_path / "nope.yaml", [])
@@ -143,7 +187,10 @@ def test_file_errors(tmp_path):
 
 def test_resolved_config_round_trips_through_dump_and_load(tmp_path):
     cfg = config.load(CONFIGS / "gpt_small.yaml", ["optimizer.max_grad_norm=null",
-                                                   "log.trace_steps=[5]", "optimizer.lr=3e-5"])
+                                                   "log.trace_steps=[5]", "optimizer.lr=3e-5",
+                                                   "cluster.devices_per_worker=2",
+                                                   "mesh.stages=[{tensor: 2}, {data: 2}]",
+                                                   "mesh.rules.mlp=[tensor, fsdp]"])
     path = config.dump(cfg, tmp_path / "run" / "config.yaml")
     again = config.load(path, [])
     assert again == cfg and again.hash() == cfg.hash()

@@ -58,7 +58,8 @@ def test_every_name_a_lowered_plan_uses_parses(name, p, m, v):
     S = schedule.num_stages
     shared = [[(0, 0), (S - 1, 0)]]
     act = [(Spec((2,), "float32"),)] * (S + 1)
-    streams = lowering.train_streams(schedule, act, True, shared, {0: act[0], S - 1: act[0]})
+    parts = {(0, S - 1): (act[0], ()), (S - 1, 0): (act[0], ())}    # (sender, receiver) -> specs, pieces
+    streams = lowering.train_streams(schedule, lowering.Transfers.plain(act), True, shared, parts)
     seen = set()
     for stream in streams:
         for ins in stream:

@@ -67,7 +67,8 @@ def test_a_permuted_placement_moves_every_stage():
     swapped = base._replace(slices=base.slices[::-1], placement=(1, 0))
     schedules.validate(swapped)
     act = [(Spec((4,), "float32"),)] * 3
-    a, b = lowering.train_streams(base, act, False), lowering.train_streams(swapped, act, False)
+    plain = lowering.Transfers.plain(act)
+    a, b = lowering.train_streams(base, plain, False), lowering.train_streams(swapped, plain, False)
     flip = lambda ins: ins._replace(**{f: 1 - getattr(ins, f) for f in ("dst", "src") if hasattr(ins, f)})
     assert b == [[flip(i) for i in stream] for stream in a[::-1]]
     assert simulate(swapped).makespan == simulate(base).makespan

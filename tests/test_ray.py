@@ -125,8 +125,10 @@ def test_without_ray_says_how_to_install(monkeypatch):
 def test_bad_arguments_fail_before_ray_starts():
     with pytest.raises(ValueError, match="resources_per_worker must map resource names to amounts"):
         mpmd.RayCluster(resources_per_worker={"GPU": -1})
-    with pytest.raises(ValueError, match="devices_per_worker=2 is not supported yet"):
-        mpmd.RayCluster(devices_per_worker=2)
+    with pytest.raises(ValueError, match="devices_per_worker must be a positive integer"):
+        mpmd.RayCluster(devices_per_worker=0)
+    with pytest.raises(ValueError, match="gpus=True reserves devices_per_worker=2 GPU"):
+        mpmd.RayCluster(devices_per_worker=2, gpus=True, resources_per_worker={"GPU": 1})
 
 
 def test_mpmd_train_on_ray_gives_the_local_losses(tmp_path):

@@ -6,13 +6,8 @@ checkpoint and exits 0; either way the same command then finishes the run with e
 final state and per-step losses of an uninterrupted one (bitwise), and leaves no process.
 """
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 import uuid
 from pathlib import Path
 
@@ -22,9 +17,8 @@ import pytest
 
 from recipes import run_log
 from runtime.checkpoint import CheckpointStore, SliceCheckpointer
-from tests.processes import alive, wait_gone
+from tests.processes import Controller, alive, wait_gone
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 12, 3
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
              f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",
@@ -33,56 +27,8 @@ OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "trai
 TAG = "MPMD_TEST_RESUME_CLI"   # marks every process a test starts, workers included (inherited env)
 
 
-class Controller:
-    """`python -m recipes.cli train` in the background; its stdout lines arrive on a queue.
-
-    stderr (the workers' too: they inherit it) goes to a file: a pipe nobody drains would
-    block them once full."""
-
-    def __init__(self, run_dir: Path, tag: str):
-        env = dict(os.environ)   # carries conftest's XLA_FLAGS and JAX compilation cache settings
-        env["JAX_PLATFORMS"] = "cpu"
-        env[TAG] = tag
-        self.stderr = open(run_dir.parent / f"{run_dir.name}.stderr", "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "recipes.cli", "train", "configs/gpt_tiny.yaml", *OVERRIDES,
-             f"run_dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.stderr,
-            text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.stdout: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for_step(self, step: int, timeout_s: float = 90.0) -> None:
-        """Until the progress line of `step` (or a later one) is printed."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, f"the run ended before step {step}:\n{''.join(self.stdout)}"
-            self.stdout.append(line)
-            m = re.match(r"step (\d+)/", line)
-            if m and int(m.group(1)) >= step:
-                return
-
-    def finish(self, timeout_s: float = 120.0) -> tuple[int, str]:
-        """(exit status, whole stdout)."""
-        rc = self.proc.wait(timeout=timeout_s)
-        while (line := self.lines.get(timeout=10)) is not None:
-            self.stdout.append(line)
-        self.stderr.close()
-        return rc, "".join(self.stdout)
-
-    def workers(self) -> list[int]:
-        """The controller's child processes (LocalCluster starts them in sessions of their own,
-        so not its process group: its children)."""
-        pids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        return pids
+def controller(run_dir: Path, tag: str) -> Controller:
+    return Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES], {TAG: tag})
 
 
 def tagged(tag: str) -> list[int]:
@@ -99,9 +45,7 @@ def tagged(tag: str) -> list[int]:
 
 
 def run_to_end(run_dir: Path, tag: str) -> str:
-    rc, out = Controller(run_dir, tag).finish()
-    assert rc == 0, f"exit {rc}:\n{out}\n{(run_dir.parent / f'{run_dir.name}.stderr').read_text()[-3000:]}"
-    return out
+    return controller(run_dir, tag).succeed()
 
 
 def final_state(run_dir: Path) -> tuple[int, dict]:
@@ -109,7 +53,8 @@ def final_state(run_dir: Path) -> tuple[int, dict]:
     store = CheckpointStore(run_dir)
     step = store.committed()[-1]
     items = {str(store.step_dir(step) / f"stage_{k}"): [f"p{k}", f"o{k}"] for k in range(2)}
-    arrays = SliceCheckpointer().restore(items, jax.devices()[0])
+    replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    arrays = SliceCheckpointer().restore(items, lambda name, i: replicated)
     return step, {name: [np.asarray(a) for a in bundle] for name, bundle in arrays.items()}
 
 
@@ -141,7 +86,7 @@ def assert_same_as_reference(run_dir: Path, reference):
 
 def test_controller_sigkilled_then_resumed(reference, tmp_path):
     run_dir, tag = tmp_path / "b", uuid.uuid4().hex
-    ctl = Controller(run_dir, tag)
+    ctl = controller(run_dir, tag)
     try:
         ctl.wait_for_step(7)
         workers = ctl.workers()
@@ -165,7 +110,7 @@ def test_controller_sigkilled_then_resumed(reference, tmp_path):
 
 def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
     run_dir, tag = tmp_path / "c", uuid.uuid4().hex
-    ctl = Controller(run_dir, tag)
+    ctl = controller(run_dir, tag)
     try:
         ctl.wait_for_step(5)
         os.kill(ctl.proc.pid, signal.SIGTERM)

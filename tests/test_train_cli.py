@@ -64,6 +64,15 @@ def test_bad_config_exits_2_and_starts_nothing(tmp_path):
     assert not run_dir.exists()
 
 
+def test_bad_mesh_exits_2_naming_the_slice_and_product(tmp_path):
+    run_dir = tmp_path / "never"
+    proc = mpmd_train("configs/gpt_tiny.yaml", "cluster.devices_per_worker=2", "mesh.data=2",
+                      "mesh.stages=[{data: 2}, {data: 2, tensor: 2}]", f"run_dir={run_dir}")
+    assert proc.returncode == 2
+    assert "mesh.stages[1]: data=2 x fsdp=1 x tensor=2 = 4 devices, but cluster.devices_per_worker=2" in proc.stderr
+    assert not run_dir.exists()
+
+
 def test_custom_stages_config_trains(tmp_path):
     run_dir = tmp_path / "custom"
     proc = mpmd_train("configs/custom_stages.yaml", "train.steps=3", "model.d_model=16",

@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import hashlib, json, sys
 import jax, numpy as np
+from runtime.instructions import Spec
+from runtime.mesh import bind
 from runtime.transport import TransferTransport
 
 def payload(seed):
@@ -33,9 +35,9 @@ def digest(arrays):
     return hashlib.sha256(repr([(a.shape, a.dtype) for a in arrays]).encode()
                           + b"".join(np.asarray(a).tobytes() for a in arrays)).hexdigest()
 
-SPECS = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in payload(0))
+SPECS = tuple(Spec(a.shape, a.dtype.name) for a in payload(0))
 device = jax.devices()[0]
-transport = TransferTransport(int(sys.argv[1]), device, secret=b"test-transfer-secret")
+transport = TransferTransport(int(sys.argv[1]), bind((1, 1, 1), [device]), secret=b"test-transfer-secret")
 pending = {}
 
 def reply(**kw):

@@ -1,0 +1,315 @@
+"""Slices of several devices: what a mesh per slice costs, and what resharding between unlike
+slices costs on the wire.
+
+    .venv/bin/python benchmarks/bench_mesh.py [--quick] [--rounds N] [--block N] [--reps N] [--no-inprocess] [--only overhead|transfer]
+
+Every ratio is measured in this one run on this machine.
+
+1. Overhead. A small GPT (GPT_SIZES), 1F1B on 2 slices, m microbatches, one global batch,
+   adamw: 2 slices x D=2 (mesh data=2: each microbatch split over two devices, gradients
+   reduced inside the stage programs) against 2 slices x D=1. LocalCluster: one worker
+   process per slice, each pinned to its own core with XLA's intra-op threads off, so a D=2
+   worker runs its two devices on one core: with the same cores, the ratio is the cost of
+   the SPMD programs and the resharding-free shard-to-shard transfers, not a speedup. The
+   two trainers live side by side and run alternating blocks of steps, so load drift hits
+   both alike; a step's time is the interval between consecutive returns of trainer.step
+   within a block (the first of each block dropped: it overlaps the other trainer's tail).
+   Same again on InProcessCluster (all slices are threads of this process, unpinned) unless
+   --no-inprocess. loss[0] must agree between D=1 and D=2. A last traced step per trainer
+   splits each slice's time into its programs and its receive waits: where the D=2 excess
+   sits (in the SPMD programs, or in waiting for transfers).
+2. Resharding transfer. A float32 activation [64, 256, 256] (16 MB) moved from slice 0 to
+   slice 1 of LocalCluster(num_workers=2, devices_per_worker=2), by hand-written plans: slice
+   0 runs a program that makes the array in its layout, sends it; slice 1 receives it in its
+   own layout. One-way time = the receive's end on slice 1 (the array assembled in its
+   layout and ready) - the producing program's end on slice 0 (traced, both wall clocks of
+   this machine). Cases:
+     a  data=2 -> data=2, pieces=2: shard to shard (each device's half crosses on its own)
+     a1 data=2 -> data=2, pieces=1: the same move sent whole (the sender gathers first)
+     b  data=2 -> tensor=2, pieces=2: batch-split sender, receiver replicated over tensor
+        (the halves land on its two devices, one device_put replicates them)
+     c  tensor=2 -> data=2, pieces=1: replicated sender sends one replica whole, the
+        receiver slices it over its two devices
+     ref D=1 -> D=1: the plain one-device transport (no resharding), on 1-device workers
+   GB/s = payload bytes / median one-way time; "x a" = GB/s over case a's. The "local"
+   columns time the same resharding inside this process, no wire, between two 2-device
+   meshes (runtime/reshard.py): cut on the sender (free where the pieces are its shards, a
+   gather where they are not) and assemble on the receiver (slices, copies, concatenations
+   after the pieces have landed): what resharding costs beyond moving the bytes.
+
+The load average is printed at the start and the end: other processes on a 2-core machine
+inflate every figure here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Before jax is imported: this process hosts the in-process slices (2 slices x up to 2
+# devices) and the local reshard timings; LocalCluster's workers set their own flags.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+                           " --xla_cpu_multi_thread_eigen=false").strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+MS = 1e-3
+GPT_SIZES = dict(vocab_size=256, d_model=128, num_heads=4, num_layers=4, seq_len=64)
+GPT_BATCH, GPT_M, LR = 32, 4, 3e-4
+ACT_SHAPE = (64, 256, 256)                 # float32: 16 MB
+ACT_BYTES = 4 * ACT_SHAPE[0] * ACT_SHAPE[1] * ACT_SHAPE[2]
+
+
+# -- 1. overhead of a 2-device slice ---------------------------------------------------------
+def make_batches(num: int) -> list:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    shape = (GPT_BATCH, GPT_SIZES["seq_len"])
+    return [(rng.integers(0, GPT_SIZES["vocab_size"], shape).astype(np.int32),
+             rng.integers(0, GPT_SIZES["vocab_size"], shape).astype(np.int32)) for _ in range(num)]
+
+
+def make_trainer(cluster, mesh):
+    import optax
+    from flax import nnx
+
+    import models
+    import mpmd
+    model = models.GPT(**GPT_SIZES, rngs=nnx.Rngs(0))
+    pipe = mpmd.Pipeline(mpmd.split(model, 2), models.lm_loss)
+    return mpmd.Trainer(pipe, optax.adamw(LR), schedule="1f1b", num_microbatches=GPT_M, mesh=mesh,
+                        cluster=cluster)
+
+
+def alternate(trainers: dict, num_rounds: int, block: int, batches) -> tuple[dict, dict]:
+    """Per trainer: step times (s) from alternating blocks of `block` steps, and first losses."""
+    times = {name: [] for name in trainers}
+    losses = {name: [] for name in trainers}
+    for name, t in trainers.items():           # warm-up: compile, first dispatch
+        losses[name] += [t.step(*batches[i % len(batches)])["loss"] for i in range(2)]
+    for r in range(num_rounds):
+        order = list(trainers) if r % 2 == 0 else list(reversed(trainers))
+        for name in order:
+            t = trainers[name]
+            last = time.perf_counter()
+            for i in range(block):
+                t.step(*batches[(r * block + i) % len(batches)])
+                now = time.perf_counter()
+                if i:
+                    times[name].append(now - last)
+                last = now
+    return times, losses
+
+
+def traced_busy_s(trainer, batch) -> list[tuple[float, float]]:
+    """Per slice (program time, receive wait) in seconds in one traced step (the second of
+    two: the first also waits for the previous step's tail). Tracing blocks on every task."""
+    events = [trainer.step(*batch, trace=True) for _ in range(2)][-1]["events"]
+    return [(sum(e.end_ns - e.start_ns for e in ev if e.kind == "run") / 1e9,
+             sum(e.end_ns - e.start_ns for e in ev if e.kind == "recv") / 1e9) for ev in events]
+
+
+def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -> None:
+    import mpmd
+
+    batches = make_batches(4)
+    rows = []
+    setups = [("LocalCluster", lambda: local_d1, lambda: local_d2)]
+    if inprocess:
+        setups.append(("InProcessCluster", mpmd.InProcessCluster, mpmd.InProcessCluster))
+    for label, make_d1, make_d2 in setups:
+        t0 = time.perf_counter()
+        trainers = {"D=1": make_trainer(make_d1(), None), "D=2": make_trainer(make_d2(), {"data": 2})}
+        try:
+            times, losses = alternate(trainers, num_rounds, block, batches)
+            busy = {name: traced_busy_s(t, batches[0]) for name, t in trainers.items()}
+        finally:
+            for t in trainers.values():
+                t.close(close_cluster=label != "LocalCluster")
+        rows.append((label, times, losses, busy, time.perf_counter() - t0))
+
+    print(f"\n1. overhead: GPT {GPT_SIZES}, batch {GPT_BATCH}, 1f1b, m={GPT_M}, adamw, 2 slices; "
+          f"{num_rounds} alternating blocks of {block} steps each (median over "
+          f"{num_rounds * (block - 1)} step intervals)")
+    print(f"{'cluster':>17} {'D=1 ms/step':>12} {'D=2 ms/step':>12} {'D=2 / D=1':>10} "
+          f"{'(p25..p75 of D=2 / median D=1)':>31} {'loss[0] D=1 / D=2':>20} {'wall s':>7}")
+    for label, times, losses, busy, wall in rows:
+        d1, d2 = statistics.median(times["D=1"]), statistics.median(times["D=2"])
+        q = statistics.quantiles(times["D=2"], n=4)
+        print(f"{label:>17} {d1 / MS:>12.1f} {d2 / MS:>12.1f} {d2 / d1:>10.3f} "
+              f"{f'{q[0] / d1:.3f}..{q[2] / d1:.3f}':>31} "
+              f"{loss_text(losses):>20} {wall:>7.1f}")
+    print("traced step, per slice program ms / receive wait ms (tracing blocks on every task):")
+    for label, _, _, busy, _ in rows:
+        print(f"{label:>17}  " + "   ".join(
+            f"{name}: " + "  ".join(f"s{r} {run / MS:.1f}/{wait / MS:.1f}" for r, (run, wait) in enumerate(b))
+            for name, b in busy.items()))
+
+
+def loss_text(losses: dict) -> str:
+    return f"{losses['D=1'][0]:.5f} / {losses['D=2'][0]:.5f}"
+
+
+# -- 2. resharding transfer ------------------------------------------------------------------
+def produce_program(sizes: tuple[int, int, int], layout: tuple):
+    """A no-input program that makes the activation laid out as `layout` on a mesh of `sizes`
+    (data, fsdp, tensor): row i holds the value i everywhere (checked on arrival)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+
+    from runtime import programs
+    from runtime.mesh import AXES
+
+    def produce():
+        return ((jax.lax.broadcasted_iota(jnp.float32, ACT_SHAPE, 0),),)
+    out = NamedSharding(AbstractMesh(sizes, AXES), PartitionSpec(*layout))
+    return programs.exported(produce, out_shardings=((out,),))
+
+
+# name, sender mesh, its layout, receiver mesh, its layout, pieces, what
+CASES = [
+    ("a", (2, 1, 1), ("data",), (2, 1, 1), ("data",), 2, "data=2 -> data=2, shard to shard"),
+    ("a1", (2, 1, 1), ("data",), (2, 1, 1), ("data",), 1, "data=2 -> data=2, sent whole"),
+    ("b", (2, 1, 1), ("data",), (1, 1, 2), (), 2, "data=2 -> tensor=2 (replicated)"),
+    ("c", (1, 1, 2), (), (2, 1, 1), ("data",), 1, "tensor=2 (replicated) -> data=2"),
+]
+REF = ("ref", (1, 1, 1), (), (1, 1, 1), (), 1, "D=1 -> D=1, one device each")
+
+
+class RunIds:
+    """Run ids never repeat on a cluster (transfer keys are prefixed with them)."""
+    next = 1000
+
+    @classmethod
+    def take(cls) -> int:
+        cls.next += 1
+        return cls.next
+
+
+def one_way_s(cluster, case, num_reps: int, num_warmup: int = 3) -> list[float]:
+    """One-way times of the activation slice 0 -> slice 1 under `case`, after `num_warmup`
+    untimed transfers (the first one checked: the array arrives whole and in order)."""
+    import numpy as np
+
+    from runtime.instructions import Delete, Recv, Run, Send, Spec
+
+    _, src, src_layout, dst, dst_layout, pieces, _ = case
+    axes = ("data", "fsdp", "tensor")
+    cluster.start(2, meshes=[dict(zip(axes, src)), dict(zip(axes, dst))])
+    cluster.load_programs(0, {"produce": produce_program(src, src_layout)})
+    cluster.load_programs(1, {})
+    spec = Spec(ACT_SHAPE, "float32", dst_layout)
+    cluster.install_plan(0, "move", [Run("produce", (), ("a",), "produce"), Send("a", 1, "x", (pieces,)),
+                                     Delete("a")])
+    cluster.install_plan(1, "move", [Recv("b", 0, "x", (spec,), (pieces,))])
+    got = cluster.run("move", RunIds.take(), {}, {1: ("b",)})[1].fetched["b"][0]
+    want = np.broadcast_to(np.arange(ACT_SHAPE[0], dtype=np.float32)[:, None, None], ACT_SHAPE)
+    assert np.array_equal(got, want), f"case {case[0]}: the received array is wrong"
+    for _ in range(num_warmup - 1):
+        cluster.run("move", RunIds.take(), {}, {})
+    out = []
+    for _ in range(num_reps):
+        sent, received = cluster.run("move", RunIds.take(), {}, {}, trace=True)
+        produced = next(e for e in sent.events if e.kind == "run").end_ns
+        ready = next(e for e in received.events if e.kind == "recv").end_ns
+        out.append((ready - produced) / 1e9)
+    return out
+
+
+def local_reshard_s(case, num_reps: int) -> tuple[float, float]:
+    """(cut, assemble) median seconds of `case`'s resharding inside this process, no wire:
+    reshard.cut on a 2-device sender mesh (a gather where the pieces are not its shards), then,
+    after the pieces are put where the receiver lands them, reshard.assemble on another
+    2-device mesh (the receiver's slicing, copying and concatenating)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from runtime import mesh, reshard
+
+    _, src, src_layout, dst, dst_layout, pieces, _ = case
+    devices = jax.devices()
+    src_mesh, dst_mesh = mesh.bind(src, devices[:2]), mesh.bind(dst, devices[2:4])
+    a = jax.device_put(jax.numpy.zeros(ACT_SHAPE, "float32"), NamedSharding(src_mesh, PartitionSpec(*src_layout)))
+    a.block_until_ready()
+    cut_s, assemble_s = [], []
+    for _ in range(num_reps + 1):
+        start = time.perf_counter()
+        cut = jax.block_until_ready(reshard.cut(a, pieces))
+        cut_s.append(time.perf_counter() - start)
+        landed = jax.block_until_ready([jax.device_put(p, d) for p, d in
+                                        zip(cut, reshard.landing(ACT_SHAPE, dst_layout, dst_mesh, pieces))])
+        start = time.perf_counter()
+        jax.block_until_ready(reshard.assemble(landed, ACT_SHAPE, dst_layout, dst_mesh))
+        assemble_s.append(time.perf_counter() - start)
+    return statistics.median(cut_s[1:]), statistics.median(assemble_s[1:])
+
+
+def resharding(local_d1, local_d2, num_reps: int) -> None:
+    # Two passes, the second in reverse order, so load drift over the run hits every case alike.
+    cases = CASES + [REF]
+    times = {case[0]: [] for case in cases}
+    for order in (cases, cases[::-1]):
+        for case in order:
+            times[case[0]] += one_way_s(local_d1 if case is REF else local_d2, case, -(-num_reps // 2))
+    rows = []
+    for case in cases:
+        local = local_reshard_s(case, num_reps) if case is not REF else None
+        t = times[case[0]]
+        rows.append((case, statistics.median(t), statistics.quantiles(t, n=4), local))
+
+    print(f"\n2. resharding transfer: float32 {list(ACT_SHAPE)} ({ACT_BYTES / 2**20:.0f} MB) slice 0 -> slice 1, "
+          f"LocalCluster workers with D=2 (ref: D=1); median one-way of {len(times['a'])} "
+          f"(two passes of {len(times['a']) // 2}, each after 3 untimed, the first checked)")
+    print(f"{'case':>4} {'what':>34} {'pieces':>6} {'one-way ms':>11} {'p25..p75 ms':>12} {'GB/s':>6} "
+          f"{'x a':>6} {'local: cut ms':>14} {'assemble ms':>12}")
+    base = rows[0][1]
+    for case, median, q, local in rows:
+        name, *_, pieces, what = case
+        cut, assemble = (f"{x / MS:.1f}" for x in local) if local else ("-", "-")
+        print(f"{name:>4} {what:>34} {pieces:>6} {median / MS:>11.1f} {f'{q[0] / MS:.1f}..{q[2] / MS:.1f}':>12} "
+              f"{ACT_BYTES / median / 1e9:>6.2f} {base / median:>6.2f} {cut:>14} {assemble:>12}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few steps: a smoke run, not a measurement")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating blocks per trainer (1.)")
+    parser.add_argument("--block", type=int, default=None, help="steps per block (1.)")
+    parser.add_argument("--reps", type=int, default=None, help="transfers per case (2.)")
+    parser.add_argument("--no-inprocess", action="store_true", help="skip the InProcessCluster ratio (1.)")
+    parser.add_argument("--only", choices=("overhead", "transfer"), help="run one part only")
+    args = parser.parse_args()
+    import jax
+
+    import mpmd
+
+    n = dict(rounds=2, block=3, reps=3) if args.quick else dict(rounds=8, block=10, reps=24)
+    rounds, block, reps = args.rounds or n["rounds"], args.block or n["block"], args.reps or n["reps"]
+    start = time.perf_counter()
+    print(f"bench_mesh{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    # Both clusters stay up through the run: workers pinned one per core (slot 0 -> core 0,
+    # slot 1 -> core 1), one XLA thread each, so the D=1 and D=2 slices get the same cores.
+    local_d1 = mpmd.LocalCluster(num_workers=2, devices_per_worker=1, threads_per_worker=1, pin=True)
+    local_d2 = mpmd.LocalCluster(num_workers=2, devices_per_worker=2, threads_per_worker=1, pin=True)
+    try:
+        if args.only != "transfer":
+            overhead(local_d1, local_d2, rounds, block, not args.no_inprocess)
+        if args.only != "overhead":
+            resharding(local_d1, local_d2, reps)
+    finally:
+        local_d1.close()
+        local_d2.close()
+    print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
