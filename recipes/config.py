@@ -90,6 +90,18 @@ class ClusterConfig(_Section):
     num_workers: int | None = Field(
         None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
     addresses: list[str] = Field([], description="static: one 'host:port' per worker")
+    spares: list[str] = Field(
+        [], description="static: extra 'host:port' workers, each replacing one lost worker "
+                        "(without spares a static run cannot recover)")
+    address: str | None = Field(
+        None, description="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379', 'ray://head:10001'); "
+                          "null = $RAY_ADDRESS, else a new Ray instance on this machine")
+    resources: dict[str, float] = Field(
+        {}, description="ray: resources each worker reserves, e.g. {CPU: 1, GPU: 1}; "
+                        "CPU defaults to threads_per_worker")
+    failure_timeout_s: float | None = Field(
+        None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
+                                "and replaced; null = the cluster's default (5 s)")
     token_file: str | None = Field(
         None, description="file holding the cluster secret; static needs one, others generate it")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
@@ -144,6 +156,9 @@ class LogConfig(_Section):
     tensorboard: bool = Field(True, description="also write scalars to <run_dir>/tb")
     progress: Literal["auto", "bar", "lines"] = Field(
         "auto", description="auto = tqdm bar on a terminal, log lines otherwise")
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="least level of log records on the console (workers' too, one line "
+                               "each); info and up always go to <run_dir>/logs; $MPMD_LOG overrides")
 
 
 _ADDRESS = re.compile(r"^[^\s:]+:(\d{1,5})$")
@@ -300,14 +315,35 @@ def _cross_field_problems(c: Config) -> list[str]:
         if not cl.token_file:
             out.append("cluster.backend='static' needs cluster.token_file (the secret the "
                        "workers were started with)")
-    elif cl.addresses:
-        out.append(f"cluster.addresses is only used by cluster.backend='static', "
-                   f"got backend '{cl.backend}'")
-    for address in cl.addresses:
-        match = _ADDRESS.match(address)
-        if not match or not 0 < int(match.group(1)) < 65536:
-            out.append(f"cluster.addresses entry {address!r} must be 'host:port' "
-                       f"with port 1..65535")
+    else:
+        for key in ("addresses", "spares"):
+            if getattr(cl, key):
+                out.append(f"cluster.{key} is only used by cluster.backend='static', got backend "
+                           f"'{cl.backend}'" + ("" if key == "addresses" else
+                                                " (a local or ray cluster starts its own replacements)"))
+    for key in ("addresses", "spares"):
+        for address in getattr(cl, key):
+            match = _ADDRESS.match(address)
+            if not match or not 0 < int(match.group(1)) < 65536:
+                out.append(f"cluster.{key} entry {address!r} must be 'host:port' "
+                           f"with port 1..65535")
+    twice = sorted({a for a in cl.addresses + cl.spares if (cl.addresses + cl.spares).count(a) > 1})
+    if twice:
+        out.append(f"cluster.addresses and cluster.spares list {', '.join(twice)} more than once: "
+                   f"each worker serves one slice or waits as one spare")
+    if cl.backend != "ray":
+        if cl.address is not None:
+            out.append(f"cluster.address (the Ray cluster to join) is only used by cluster.backend='ray', "
+                       f"got backend '{cl.backend}'"
+                       + ("; a static cluster's workers are cluster.addresses" if cl.backend == "static" else ""))
+        if cl.resources:
+            out.append(f"cluster.resources is only used by cluster.backend='ray', got backend '{cl.backend}'")
+    for name, amount in cl.resources.items():
+        if amount < 0:
+            out.append(f"cluster.resources.{name}={amount:g} must be >= 0")
+    if cl.backend == "inprocess" and cl.failure_timeout_s is not None:
+        out.append("cluster.failure_timeout_s is not used by cluster.backend='inprocess' (its slices are "
+                   "threads of this process, never lost): set it to null")
     return out + _mesh_problems(c, num_slices)
 
 

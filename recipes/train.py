@@ -6,7 +6,8 @@
 The recipe only combines library parts (models/, mpmd.Pipeline / split / Trainer, a cluster,
 recipes.data, recipes.run_log); each piece is one small function below. A run leaves in
 <run_dir>: config.yaml (resolved, written before the first step), metrics.jsonl, tb/,
-trace.json (the steps in log.trace_steps) and, for a GPT on text, sample.txt.
+trace.json (the steps in log.trace_steps), logs/ (recipes/console.py) and, for a GPT on text,
+sample.txt.
 
 Problems a user's config causes at build time (a custom module that does not import, a stage
 count the model cannot take, a backend whose package is not installed, too few devices for
@@ -35,7 +36,7 @@ from flax import nnx
 import models
 import mpmd
 from recipes import config as config_lib
-from recipes import data, run_log
+from recipes import console, data, run_log
 from mpmd import lowering, schedules, sharding
 from mpmd.checkpoints import CheckpointError  # noqa: F401  (raised through run())
 from mpmd.sharding import LayoutError
@@ -141,14 +142,19 @@ def build_cluster(cfg: Config):
         if c.backend == "inprocess":
             meshes_for(cfg.slice_shapes())  # each slice's devices, else say how to get more
             return mpmd.InProcessCluster()
-        if c.backend == "static":
-            return mpmd.StaticCluster(c.addresses, token_file=c.token_file, step_timeout_s=c.step_timeout_s)
+        # failure_timeout_s: null leaves the cluster's own default.
+        timeouts = dict(step_timeout_s=c.step_timeout_s, **(
+            {"failure_timeout_s": c.failure_timeout_s} if c.failure_timeout_s is not None else {}))
+        if c.backend == "static":      # the spares follow the slices' addresses (StaticLauncher)
+            return mpmd.StaticCluster(c.addresses + c.spares, token_file=c.token_file, **timeouts)
         kw = dict(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
-                  threads_per_worker=c.threads_per_worker, step_timeout_s=c.step_timeout_s)
+                  threads_per_worker=c.threads_per_worker, **timeouts)
         if c.backend == "ray":
-            return mpmd.RayCluster(**kw)
-        # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log, not the console.
-        return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"))
+            return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None)
+        # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log; their records at
+        # the console level come back one line each (recipes/console.py).
+        return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"),
+                                 log_level=console.level(cfg.log.level))
 
 
 # -- pieces of the loop --------------------------------------------------------------------
@@ -249,6 +255,7 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     check_layout(cfg, pipeline, optimizer)
     cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
+    controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
         trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
                                num_microbatches=p.num_microbatches, cluster=cluster,
@@ -261,13 +268,17 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
                                mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
+        controller_log.close()
         raise
     try:
         run_dir = Path(cfg.run_dir)
         config_lib.dump(cfg, run_dir / "config.yaml")
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     finally:
-        trainer.close()
+        try:
+            trainer.close()
+        finally:
+            controller_log.close()
 
 
 def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,

@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from recipes import config
+from recipes import config, console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         return 2
     try:
         cfg = config.load(args.config, args.overrides)
+        console.to_console(console.level(cfg.log.level))
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

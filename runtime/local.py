@@ -12,10 +12,17 @@ Devices. A worker owns `devices_per_worker` devices, its slice's mesh. With GPUs
 `visible_gpus`, or given as `gpus=`), worker i gets GPUs i*D .. i*D+D-1 as its
 CUDA_VISIBLE_DEVICES, so no two workers share a GPU and a replacement gets its slot's GPUs;
 on CPU it gets D host devices (XLA's --xla_force_host_platform_device_count, runtime/worker.py).
+
+Logs. With a `log_dir`, a worker's stderr (all its logging, Orbax's and JAX's included, and
+anything else it prints there) goes to <log_dir>/worker_<slot>.log, and each of its records at
+`log_level` or above comes back as one line on its stdout (`mpmd worker --relay-level`), which
+is logged here through the logger `mpmd.workers` as "worker <slot> WARNING <message> (see
+<log file>)": with no logging set up, Python prints warnings and errors on stderr.
 """
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import subprocess
@@ -24,9 +31,10 @@ import threading
 import time
 
 from runtime.client import ControlPlane, new_token
-from runtime.worker import READY, cores_for
+from runtime.worker import LOG_LEVELS, READY, RELAY, cores_for
 
 START_TIMEOUT_S = 60.0
+log = logging.getLogger("mpmd.workers")
 
 
 def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> None:
@@ -116,8 +124,11 @@ class LocalLauncher:
     def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None):
+                 gpus: list | None = None, log_level: str = "warning"):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        self.log_level = log_level
         self.gpus = visible_gpus() if gpus is None else check_gpus(gpus)
         self.cpu_only = gpus is not None and not self.gpus     # gpus=[]: CPU even where GPUs are
         self.log_dir = log_dir
@@ -132,6 +143,7 @@ class LocalLauncher:
         self.compilation_cache_dir = compilation_cache_dir
         self.addresses: list[str] = []
         self.procs: list[subprocess.Popen] = []
+        self._readers: list[threading.Thread] = []     # one per process started: its stdout
         if num_workers is not None:
             self._check_gpus(num_workers)
 
@@ -175,6 +187,9 @@ class LocalLauncher:
                "--devices", str(self.devices_per_worker), "--root", self._running_root]
         if self.pin:
             cmd += ["--cpus", ",".join(map(str, cores_for(i, self.threads_per_worker)))]
+        if self.log_dir is not None:    # a log file to fill, and the console's share relayed
+            cmd += ["--log-level", "debug" if self.log_level == "debug" else "info",
+                    "--relay-level", self.log_level]
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -204,12 +219,38 @@ class LocalLauncher:
             self.procs.append(proc)
         proc.stdin.write(self._token + "\n")
         proc.stdin.flush()
-        line = _readline(proc, START_TIMEOUT_S)
-        if not line.startswith(READY):
-            raise RuntimeError(f"worker {i} (pid {proc.pid}) failed to start: {line.strip() or 'no output'}")
-        # Keep draining stdout so a chatty worker never blocks on a full pipe.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
-        return line.split()[1]
+        # Read stdout to its end, so a chatty worker never blocks on a full pipe: first its
+        # READY line, then the records it relays.
+        ready = threading.Event()
+        lines: list[str] = []
+        reader = threading.Thread(target=self._read_stdout, args=(proc, i, ready, lines), daemon=True,
+                                  name=f"mpmd-worker-{i}-stdout")
+        reader.start()
+        self._readers.append(reader)
+        if not ready.wait(START_TIMEOUT_S):
+            proc.kill()
+            raise RuntimeError(f"worker {i} (pid {proc.pid}) did not report ready within {START_TIMEOUT_S:g} s")
+        if not lines:
+            where = f"; see {self._log_file(i)}" if self.log_dir is not None else ""
+            raise RuntimeError(f"worker {i} (pid {proc.pid}) failed to start: it exited before it was ready{where}")
+        return lines[0].split()[1]
+
+    def _log_file(self, slot: int) -> str:
+        return os.path.join(self.log_dir, f"worker_{slot}.log")
+
+    def _read_stdout(self, proc: subprocess.Popen, slot: int, ready: threading.Event, lines: list) -> None:
+        """Until the worker's stdout ends: its READY line into `lines` (then `ready` is set; also
+        at the end without one), every relayed record logged as one line."""
+        for line in proc.stdout:
+            if not ready.is_set() and line.startswith(READY):
+                lines.append(line)
+                ready.set()
+            elif line.startswith(RELAY + " ") and self.log_dir is not None:
+                levelno, _, text = line[len(RELAY) + 1:].rstrip("\n").partition(" ")
+                level = int(levelno) if levelno.isdigit() else logging.WARNING
+                log.log(level, "worker %d %s %s (see %s)", slot, logging.getLevelName(level), text,
+                        self._log_file(slot))
+        ready.set()
 
     def stop(self) -> None:
         procs, self.procs = self.procs, []
@@ -225,6 +266,10 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()             # by its own pid, never by name
                 p.wait()
+        # Every exited worker's stdout has ended: report what it relayed before the end.
+        readers, self._readers = self._readers, []
+        for r in readers:
+            r.join(timeout=max(0.1, deadline - time.monotonic()))
 
 
 class LocalCluster(ControlPlane):
@@ -247,20 +292,23 @@ class LocalCluster(ControlPlane):
     step_timeout_s: a step without progress this long is aborted (see ControlPlane).
     log_dir: workers' stderr (their logs and tracebacks) goes to <log_dir>/worker_<slot>.log;
         None: to this process's stderr.
+    log_level: with a log_dir, the workers' records at this level and up ("debug", "info",
+        "warning", "error") are also logged here, one line each, by the logger mpmd.workers;
+        at "debug" the workers log debug records too.
     """
 
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
                  step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None):
+                 gpus: list | None = None, log_level: str = "warning"):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
         launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache,
-                                 log_dir, root, gpus)
+                                 log_dir, root, gpus, log_level)
         super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     @property
@@ -283,13 +331,3 @@ def default_compilation_cache() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "mpmd", "jax")
 
-
-def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
-    out: list[str] = []
-    t = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        proc.kill()
-        raise RuntimeError(f"worker pid {proc.pid} did not report ready within {timeout_s:g} s")
-    return out[0] if out else ""

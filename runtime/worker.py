@@ -15,6 +15,12 @@ its controller is gone:
   (the controller heartbeats every second or so) means it is gone; the worker exits, or with
   `--persist` drops its state and waits for the next controller.
 
+Logs. Everything the worker logs (its own records, Orbax's, JAX's, Python warnings) goes to
+stderr at `--log-level` (LocalCluster points stderr at <run_dir>/logs/worker_<slot>.log). With
+`--relay-level`, each record at or above that level is also printed on stdout as one line
+`MPMD_LOG <levelno> <text>`, which the launcher that reads stdout reports on the controller's
+console (runtime/local.py).
+
 Threads. XLA's CPU runtime would otherwise use every core in each process, and two such
 processes on two cores thrash. Eigen's intra-op pool is switched off and the process can be
 pinned to chosen cores (`--cpus 0,1`).
@@ -31,6 +37,12 @@ import threading
 import time
 
 READY = "MPMD_WORKER_READY"
+RELAY = "MPMD_LOG"            # a log record relayed on stdout: "MPMD_LOG <levelno> <text>"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Loggers whose warnings are JAX's backend start-up notes (a GPU or TPU it could use but has no
+# plugin for): about the machine, not the run, and printed by every process that starts JAX.
+# They reach the console only at level info or below; the log files always hold them.
+STARTUP_LOGGERS = ("jax._src.xla_bridge",)
 
 
 def parse_args(argv):
@@ -52,6 +64,11 @@ def parse_args(argv):
     p.add_argument("--cpus", default="", help="comma-separated cores to pin to (default: no pinning)")
     p.add_argument("--lease-s", type=float, default=15.0,
                    help="exit after this long without a word from an attached controller")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="the least level logged to stderr, from every logger (default info)")
+    p.add_argument("--relay-level", default=None, choices=LOG_LEVELS,
+                   help="also print each record at or above this level on stdout as one line "
+                        f"'{RELAY} <levelno> <text>', for the controller that started this worker")
     p.add_argument("--persist", action="store_true",
                    help="when the controller's lease lapses, reset and wait for another instead of exiting")
     args = p.parse_args(argv)
@@ -117,9 +134,54 @@ def read_token_file(path: str, allow_insecure: bool, what: str, escape: str) -> 
     return token
 
 
+def on_console(record: logging.LogRecord, level: int) -> bool:
+    """Whether a record belongs on a console showing `level` and up (JAX's backend start-up
+    notes only at info and below)."""
+    if record.levelno < level:
+        return False
+    return level <= logging.INFO or record.levelno >= logging.ERROR or not record.name.startswith(STARTUP_LOGGERS)
+
+
+def one_line(text: str) -> str:
+    """A message as one line: its first line, and its last when there are more (a traceback's
+    last line names the exception)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1:
+        return f"{lines[0]} ... {lines[-1]}"
+    return lines[0] if lines else ""
+
+
+class _Relay(logging.Handler):
+    """Prints each record it is shown on stdout as one line for the launcher (see --relay-level)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not on_console(record, self.level):
+            return
+        try:
+            sys.stdout.write(f"{RELAY} {record.levelno} {one_line(self.format(record))}\n")
+            sys.stdout.flush()
+        except OSError:
+            pass            # the reader is gone (the controller died): the log file has the record
+        except Exception:
+            self.handleError(record)
+
+
+def configure_logging(level: str, relay_level: str | None) -> None:
+    """Every logger to stderr at `level`; Python warnings as log records; the relay, if asked."""
+    stderr = logging.StreamHandler()
+    stderr.setLevel(level.upper())
+    stderr.setFormatter(logging.Formatter("%(asctime)s worker[%(process)d] %(levelname)s %(message)s"))
+    handlers = [stderr]
+    if relay_level is not None:
+        handlers.append(_Relay(relay_level.upper()))
+        handlers[-1].setFormatter(logging.Formatter("%(message)s"))
+    logging.basicConfig(level=min(h.level for h in handlers), handlers=handlers)
+    logging.captureWarnings(True)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker[%(process)d] %(levelname)s %(message)s")
+    configure_logging(args.log_level, args.relay_level)
     token = read_token(args)
     configure_process(args.devices, args.cpus)
 

@@ -92,6 +92,18 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["cluster.backend=static", "cluster.addresses=[a:1, b]", "cluster.token_file=t"],
      "cluster.addresses entry 'b' must be 'host:port'"),
     (["cluster.addresses=[a:1, b:2]"], "cluster.addresses is only used by cluster.backend"),
+    (["cluster.spares=[c:3]"], "cluster.spares is only used by cluster.backend='static', got backend 'local'"),
+    (["cluster.backend=static", "cluster.addresses=[a:1, b:2]", "cluster.spares=[b:2]", "cluster.token_file=t"],
+     "cluster.addresses and cluster.spares list b:2 more than once"),
+    (["cluster.backend=static", "cluster.addresses=[a:1, b:2]", "cluster.spares=[c]", "cluster.token_file=t"],
+     "cluster.spares entry 'c' must be 'host:port'"),
+    (["cluster.address=auto"], "cluster.address (the Ray cluster to join) is only used by cluster.backend='ray'"),
+    (["cluster.resources={GPU: 1}", "cluster.backend=static"], "cluster.resources is only used by cluster.backend='ray'"),
+    (["cluster.resources={CPU: -1}", "cluster.backend=ray"], "cluster.resources.CPU=-1 must be >= 0"),
+    (["cluster.failure_timeout_s=0"], "cluster.failure_timeout_s must be > 0"),
+    (["cluster.failure_timeout_s=3", "cluster.backend=inprocess"],
+     "cluster.failure_timeout_s is not used by cluster.backend='inprocess'"),
+    (["log.level=quiet"], "log.level must be one of"),
     (["data.source=files"], "data.paths must be non-empty when data.source='files'"),
     (["model.kind=mlp"], "data.source must be 'synthetic', got 'stdlib'"),
     (["model.kind=custom"], "model.kind='custom' needs model.module='package.module:function'"),
@@ -132,6 +144,11 @@ def test_valid_static_and_custom_configs_pass():
     cfg = config.load(None, ["cluster.backend=static", "cluster.addresses=[10.0.0.1:7001, h:7002]",
                              "cluster.token_file=/tmp/token", "cluster.num_workers=2"])
     assert cfg.cluster.addresses == ["10.0.0.1:7001", "h:7002"]
+    cfg = config.load(None, ["cluster.backend=static", "cluster.addresses=[a:1, b:2]", "cluster.spares=[c:3, d:4]",
+                             "cluster.token_file=t", "cluster.failure_timeout_s=2.5"])
+    assert cfg.cluster.spares == ["c:3", "d:4"] and cfg.cluster.failure_timeout_s == 2.5
+    cfg = config.load(None, ["cluster.backend=ray", "cluster.address=auto", "cluster.resources.GPU=1"])
+    assert cfg.cluster.address == "auto" and cfg.cluster.resources == {"GPU": 1.0}
     cfg = config.load(None, ["model.kind=custom", "model.module=my_pkg.models:build_stages"])
     assert cfg.model.module == "my_pkg.models:build_stages"
 

@@ -1,0 +1,90 @@
+"""What `mpmd train` shows on the console, and where the rest of the logging goes.
+
+The console shows the progress (stdout), the summary, and log records at the console level
+and up (stderr, one line per worker record): `log.level` (default warning), or $MPMD_LOG when
+set (`MPMD_LOG=debug` brings everything back). Everything else is written to files under
+<run_dir>/logs/:
+- worker_<slot>.log: a local worker's stderr, i.e. all its logging (Orbax's, JAX's, absl's,
+  at info and up, debug under debug) and its tracebacks. Its records at the console level come
+  back through runtime/local.py as "worker 1 WARNING <message> (see <run_dir>/logs/worker_1.log)".
+- controller.log: this process's records at info and up (its own Orbax, absl and JAX logging,
+  mpmd's warnings, the workers' relayed lines), while `train.run` runs.
+JAX's backend start-up notes (a GPU or TPU that it could use but has no plugin for) reach the
+console only at info and below (runtime.worker.STARTUP_LOGGERS).
+
+Not covered: what C++ code (XLA, gRPC) writes straight to this process's stderr, and the
+workers of a static or ray cluster, whose output is where their starter put it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from recipes.config import ConfigError
+from runtime.worker import LOG_LEVELS, on_console
+
+ENV = "MPMD_LOG"
+WORKERS = "mpmd.workers"       # the logger runtime/local.py reports worker records through
+CONTROLLER_LOG = "controller.log"
+
+
+def level(configured: str) -> str:
+    """The console level: $MPMD_LOG when set, else `configured` (the config's log.level)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if not value:
+        return configured
+    if value not in LOG_LEVELS:
+        raise ConfigError(f"{ENV}={value!r} must be one of {', '.join(LOG_LEVELS)} (or unset: log.level)")
+    return value
+
+
+class _Console(logging.Handler):
+    """Records at its level and up on stderr without breaking a progress bar: a worker's as the
+    one line runtime/local.py made of it, any other as 'LEVEL logger: message'."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not on_console(record, self.level):
+            return
+        try:
+            text = record.getMessage() if record.name == WORKERS else self.format(record)
+            from tqdm import tqdm          # clears the bar, writes, draws the bar again
+            tqdm.write(text, file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def to_console(console_level: str) -> None:
+    """Route this process's logging: records at console_level and up to the console, Python
+    warnings as records. Call once, from the command line, before the run starts."""
+    handler = _Console(console_level.upper())
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Console)]:   # a second call replaces it
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(min(handler.level, logging.INFO))    # info records still reach controller.log
+    logging.captureWarnings(True)
+
+
+class ControllerLog:
+    """<run_dir>/logs/controller.log holds this process's records at info and up (debug under
+    MPMD_LOG=debug) until close(): a handler on the root logger, removed again."""
+
+    def __init__(self, run_dir: str | Path, console_level: str = "warning"):
+        path = Path(run_dir) / "logs" / CONTROLLER_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._handler = logging.FileHandler(path)
+        self._handler.setLevel(logging.DEBUG if console_level == "debug" else logging.INFO)
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        self._root_level = root.level
+        root.setLevel(min(root.level or logging.WARNING, self._handler.level))
+        root.addHandler(self._handler)
+
+    def close(self) -> None:
+        root = logging.getLogger()
+        root.removeHandler(self._handler)
+        root.setLevel(self._root_level)
+        self._handler.close()
