@@ -209,7 +209,7 @@ class Llama(nnx.Module):
         _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
                           num_layers=num_layers, seq_len=seq_len)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        mlp_dim = mlp_dim if mlp_dim is not None else -(-8 * d_model // 3 // 64) * 64
+        mlp_dim = mlp_dim if mlp_dim is not None else math.ceil(8 * d_model / 3 / 64) * 64
         self.embed = Embed(vocab_size, d_model, seq_len, dtype, rngs=rngs)
         # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
         self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, mlp_dim, rope_theta, dtype, remat,

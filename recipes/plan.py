@@ -37,7 +37,9 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     inputs, targets = train_loader.batch_at(0)
     micro = len(inputs) // p.num_microbatches
     in_spec, tgt_spec = spec(inputs[:micro]), spec(targets[:micro])
-    stages, loss_fn = build_model(cfg, inputs[:micro], abstract=True)
+    # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
+    tied = cfg.model.kind == "llama" and cfg.model.tie_embeddings
+    stages, loss_fn = build_model(cfg, inputs[:micro], abstract=not tied)
     pipeline = mpmd.Pipeline(stages, loss_fn)
     optimizer = build_optimizer(cfg)
     check_layout(cfg, pipeline, optimizer)
@@ -58,12 +60,13 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def describe(summary: dict) -> str:
     s = summary
-    lines = [f"parameters: {s['num_params']:,} ({s['num_params'] / 1e9:.3f} B), "
+    count = f"{s['num_params'] / 1e9:.3f} B" if s["num_params"] >= 1e9 else f"{s['num_params'] / 1e6:.3f} M"
+    lines = [f"parameters: {s['num_params']:,} ({count}), "
              f"{s['num_stages']} stages, {s['schedule']}, {s['num_microbatches']} microbatches of "
              f"{s['microbatch']}, dtype {s['dtype']}, remat {s['remat']}"]
     for k, m in enumerate(s["stages"]):
@@ -73,8 +76,9 @@ def describe(summary: dict) -> str:
         lines.append(f"slice {r}: {_gib(m['total'])} = params {_gib(m['params'])} + grads "
                      f"{_gib(m['grads'])} + optimizer {_gib(m['optimizer'])} + saved activations "
                      f"{_gib(m['activations'])} (peak)")
-    lines.append(f"predicted step: {s['step_flops'] / 1e12:.1f} TFLOP on the critical path, "
-                 f"{s['step_s']:.2f} s at {s['tflops']:g} TFLOP/s sustained per slice; "
+    flops = f"{s['step_flops'] / 1e12:.1f} TFLOP" if s["step_flops"] >= 1e12 else f"{s['step_flops'] / 1e9:.3g} GFLOP"
+    lines.append(f"predicted step: {flops} on the critical path, "
+                 f"{s['step_s']:.3g} s at {s['tflops']:g} TFLOP/s sustained per slice; "
                  f"bubble {s['bubble']:.1%}")
     lines.append("not counted: activations in transit, XLA temporaries; a slice's figures are over "
                  "all its devices (sharded parameters divide among them)")

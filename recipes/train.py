@@ -6,7 +6,7 @@
 The recipe only combines library parts (models/, mpmd.Pipeline / split / Trainer, a cluster,
 recipes.data, recipes.run_log); each piece is one small function below. A run leaves in
 <run_dir>: config.yaml (resolved, written before the first step), metrics.jsonl, tb/,
-trace.json (the steps in log.trace_steps) and, for a GPT on text, sample.txt.
+trace.json (the steps in log.trace_steps) and, for a GPT or Llama on text, sample.txt.
 
 Problems a user's config causes at build time (a custom module that does not import, a stage
 count the model cannot take, a backend whose package is not installed, too few devices for
@@ -93,10 +93,11 @@ def _cut_tied(model: models.Llama, num_stages: int, sample_input) -> list:
 
 def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple[list, Callable]:
     """(stages, loss_fn): the model cut into cfg.pipeline.num_stages nnx.Module stages;
-    `abstract`: shapes only (mpmd.abstract), each stage to be initialised on its slice.
+    `abstract` (built-in kinds): shapes only (mpmd.abstract), each stage initialised on its slice.
 
     `sample_input` (one microbatch of inputs) lets mpmd.split balance stages by FLOPs rather
-    than by parameter count. A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
+    than by parameter count. A Llama with tied embeddings is cut at stage marks instead
+    (`_cut_tied`). A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
     returns `(stages, loss_fn)`, `(model, loss_fn)` or a bare model, where a model exposes
     `.layers()` and is split like the built-in ones; a bare model's loss is the data's
     natural one (next-token cross-entropy on tokens, mean squared error on regression).
