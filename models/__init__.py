@@ -5,9 +5,10 @@ them in that order. This package knows nothing about pipelines.
 """
 
 from models.gpt import GPT, Block, CausalSelfAttention, Embed, FeedForward, Head, lm_loss
+from models.llama import Llama
 from models.mlp import MLP, Hidden, mse_loss
 
 __all__ = [
     "GPT", "Embed", "Block", "CausalSelfAttention", "FeedForward", "Head", "lm_loss",
-    "MLP", "Hidden", "mse_loss",
+    "Llama", "MLP", "Hidden", "mse_loss",
 ]

@@ -24,11 +24,13 @@ def axes(init, *names: str | None):
     return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-def _linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, rngs: nnx.Rngs):
-    """nnx.Linear whose kernel has logical axes `names` (in, out) and bias `names[1]`."""
+def _linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, dtype=None,
+            rngs: nnx.Rngs):
+    """nnx.Linear whose kernel has logical axes `names` (in, out) and bias `names[1]`; float32
+    parameters, computed in `dtype` (None: the input's)."""
     kernel_init = kernel_init or nnx.nn.linear.default_kernel_init
     return nnx.Linear(d_in, d_out, use_bias=use_bias, kernel_init=axes(kernel_init, *names),
-                      bias_init=axes(nnx.initializers.zeros_init(), names[1]), rngs=rngs)
+                      bias_init=axes(nnx.initializers.zeros_init(), names[1]), dtype=dtype, rngs=rngs)
 
 
 def _layer_norm(d_model: int, *, rngs: nnx.Rngs):
@@ -180,7 +182,8 @@ class GPT(nnx.Module):
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in nats over batch and time.
+    """Mean next-token cross-entropy in nats over batch and time, computed in float32 (or
+    wider) whatever the logits' dtype.
 
     logits [B, T, V] float, targets [B, T] int (already shifted: targets[:, t] is the token
     that should follow position t).
@@ -188,4 +191,5 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()

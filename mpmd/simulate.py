@@ -79,18 +79,30 @@ def _kind_table(costs, split_backward: bool, what: str) -> dict:
     return table
 
 
-def _peak_live(tasks, split_backward: bool) -> int:
-    # Slices run one task at a time, so the live count changes only between tasks: +1 when
-    # an F starts, -1 when the microbatch's last backward task ends. Costs do not matter.
+def _peak_live(tasks, split_backward: bool, size: Callable[[int], float] = lambda stage: 1) -> float:
+    # Slices run one task at a time, so the live amount changes only between tasks: +size
+    # when an F starts, -size when the microbatch's last backward task ends. Costs do not matter.
     last = WEIGHT if split_backward else BACKWARD
     live = peak = 0
     for task in tasks:
         if task.kind == FORWARD:
-            live += 1
+            live += size(task.stage)
             peak = max(peak, live)
         elif task.kind == last:
-            live -= 1
+            live -= size(task.stage)
     return peak
+
+
+def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float]) -> tuple[float, ...]:
+    """Per slice, the most bytes of saved activations held at once, given the bytes stage k's
+    forward keeps for its backward per microbatch (`residual_bytes[k]`, e.g. from
+    mpmd.stage_costs.memory): peak_live_activations weighted by stage. Rematerialisation
+    shrinks residual_bytes and so this figure."""
+    if len(residual_bytes) != schedule.num_stages:
+        raise ValueError(f"residual_bytes has {len(residual_bytes)} entries; the schedule has "
+                         f"{schedule.num_stages} stages")
+    return tuple(_peak_live(tasks, schedule.split_backward, residual_bytes.__getitem__)
+                 for tasks in schedule.slices)
 
 
 def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Simulation:

@@ -16,6 +16,11 @@ program is exported exactly as the Trainer ships it and priced in the same unit.
 with these instead of the F = B = W rule of thumb shows what a zero-bubble schedule really
 costs: until W stops recomputing the forward vjp, B + W exceeds BW, and ZB-H1 does more
 backward work than 1F1B (see mpmd/simulate.py).
+
+`memory` gives what each stage holds, in bytes, from shapes alone (an mpmd.abstract model
+is never allocated): parameters, accumulated gradients, optimizer state, and the residuals
+its forward saves per microbatch (what rematerialisation shrinks). `slice_memory` adds them
+up per slice under a schedule, with the schedule's peak of microbatches in flight.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from flax import nnx
 
 from mpmd import names, stage_programs
 from mpmd.pipeline import Pipeline, stage_fn
-from mpmd.simulate import FULL_BACKWARD
+from mpmd.simulate import FULL_BACKWARD, peak_saved_bytes
 from mpmd.specs import spec
 from runtime.programs import ProgramSpec
 
@@ -89,4 +94,43 @@ def measure(pipe: Pipeline, micro_input_spec, micro_target_spec) -> list[dict]:
         cost = lambda kind: program_cost(built[names.program(kind, k)])
         out.append({"F": cost("fwd"), "B": 0.0 if first else cost("bwd_in"), "W": cost("bwd_w_first"),
                     FULL_BACKWARD: cost("bwd_first")})
+    return out
+
+
+def _nbytes(specs) -> int:
+    return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize for l in jax.tree.leaves(specs)))
+
+
+def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec) -> list[dict]:
+    """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
+    "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
+    the vjp residuals minus the stage's own parameters)}. Traced only: nothing is allocated."""
+    acts = pipe.activation_specs(micro_input_spec)
+    loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
+    S = pipe.num_stages
+    out = []
+    for k, fn in enumerate(pipe.fns):
+        first, last = k == 0, k == S - 1
+        params = tuple(jax.tree.map(spec, fn.param_leaves))
+        shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
+                                            micro_target_spec if last else None)
+        residuals = stage_programs.residual_specs(fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn)
+        opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(params)))
+        out.append({"params": _nbytes(params), "grads": _nbytes(params), "optimizer": _nbytes(opt),
+                    "residuals": _nbytes(residuals)})
+    return out
+
+
+def slice_memory(schedule, per_stage: list[dict]) -> list[dict]:
+    """Per slice of `schedule`, bytes: its stages' params, grads and optimizer state, and
+    "activations": the most residual bytes it holds at once (mpmd.simulate.peak_saved_bytes),
+    "total" their sum. Not counted: activations and cotangents in transit, XLA's temporaries."""
+    saved = peak_saved_bytes(schedule, [m["residuals"] for m in per_stage])
+    out = []
+    for r in range(len(schedule.slices)):
+        mine = schedule.stages_on(r)
+        entry = {key: sum(per_stage[k][key] for k in mine) for key in ("params", "grads", "optimizer")}
+        entry["activations"] = int(saved[r])
+        entry["total"] = sum(entry.values())
+        out.append(entry)
     return out

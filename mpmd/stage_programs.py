@@ -60,12 +60,11 @@ def _unplaced(tree):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tree)
 
 
-def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> dict:
-    """Export forward and backward programs for stage k, named by mpmd/names.py."""
+def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None):
+    """(forward, layout): forward(params, xb[, tb]) -> (output bundle, stored residuals), and
+    the dict it fills when traced with how to rebuild the vjp from params and residuals."""
     x_tree = jax.tree.structure(shapes.x)
     t_tree = jax.tree.structure(shapes.targets) if last else None
-    y_tree = jax.tree.structure(shapes.y)
 
     def objective(p, x, t):
         out = fn.apply(p, x)
@@ -96,10 +95,28 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
                 stored.append(leaf)
         layout.update(vjp_tree=vjp_tree, slots=slots)
         return _bundle(out), tuple(stored)
+    return forward, layout
 
-    x_specs = _bundle(shapes.x)
-    t_specs = (_bundle(shapes.targets),) if last else ()
-    fwd_args = (shapes.params, x_specs, *t_specs)
+
+def _forward_args(shapes: StageShapes, last: bool) -> tuple:
+    return (shapes.params, _bundle(shapes.x), *((_bundle(shapes.targets),) if last else ()))
+
+
+def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+                   loss_fn: Callable | None) -> tuple:
+    """ShapeDtypeStructs of what stage k's forward stores for its backward, per microbatch
+    (its vjp residuals minus its own parameters): the saved activations that
+    rematerialisation trades for recomputation. Traced only: nothing is allocated."""
+    forward, _ = _forward(fn, shapes, first, last, loss_fn)
+    return _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
+
+
+def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> dict:
+    """Export forward and backward programs for stage k, named by mpmd/names.py."""
+    y_tree = jax.tree.structure(shapes.y)
+    forward, layout = _forward(fn, shapes, first, last, loss_fn)
+    fwd_args = _forward_args(shapes, last)
     p_out, x_out, y_out = _layouts(shapes.params), _layouts(shapes.x), _layouts(shapes.y)
     specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None))}
     _, res_specs = jax.eval_shape(forward, *fwd_args)

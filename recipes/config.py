@@ -31,13 +31,28 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    kind: Literal["gpt", "mlp", "custom"] = Field("gpt", description="which model to build")
-    vocab_size: int = Field(256, gt=0, description="gpt token vocabulary; 256 = one token per byte")
-    d_model: int = Field(64, gt=0, description="gpt residual stream width")
-    num_heads: int = Field(2, gt=0, description="gpt attention heads; must divide d_model")
-    num_layers: int = Field(4, gt=0, description="transformer blocks (gpt) or hidden layers (mlp)")
-    seq_len: int = Field(64, ge=2, description="gpt context length in tokens")
+    kind: Literal["gpt", "llama", "mlp", "custom"] = Field("gpt", description="which model to build")
+    vocab_size: int = Field(256, gt=0, description="gpt/llama token vocabulary; 256 = one token per byte")
+    d_model: int = Field(64, gt=0, description="gpt/llama residual stream width")
+    num_heads: int = Field(2, gt=0, description="gpt/llama attention heads; must divide d_model")
+    num_layers: int = Field(4, gt=0, description="transformer blocks (gpt/llama) or hidden layers (mlp)")
+    seq_len: int = Field(64, ge=2, description="gpt/llama context length in tokens")
     mlp_ratio: int = Field(4, gt=0, description="gpt feed-forward width as a multiple of d_model")
+    num_kv_heads: int | None = Field(
+        None, gt=0, description="llama key/value heads (grouped-query attention), dividing num_heads; "
+                                "null = num_heads")
+    mlp_dim: int | None = Field(
+        None, gt=0, description="llama SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64")
+    tie_embeddings: bool = Field(
+        False, description="llama: the LM head is the token embedding transposed (the model is then cut "
+                           "at stage marks, and the embedding's gradients are summed across the two stages)")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="llama compute and activation dtype (also what crosses slices); parameters, "
+                               "gradients, optimizer state and the loss stay float32")
+    remat: Literal["none", "block", "dots_saveable"] = Field(
+        "none", description="llama rematerialisation of each block in the backward: none = keep every "
+                            "residual; block = keep only block inputs; dots_saveable = also keep projection "
+                            "outputs (recompute attention, norms, activations)")
     in_features: int = Field(16, gt=0, description="mlp input width")
     hidden_features: int = Field(64, gt=0, description="mlp hidden width")
     out_features: int = Field(4, gt=0, description="mlp output width")
@@ -59,8 +74,11 @@ class TrainConfig(_Section):
     batch_size: int = Field(16, gt=0, description="sequences (or examples) per global batch")
     eval_every: int = Field(50, ge=0, description="eval every N steps and at the end; 0 = never")
     eval_batches: int = Field(4, gt=0, description="batches averaged per eval")
-    sample_tokens: int = Field(200, ge=0, description="greedy sample length at the end; 0 = none")
+    sample_tokens: int = Field(200, ge=0, description="sample length in tokens at the end; 0 = none")
     sample_prompt: str = Field("def ", description="text the final sample continues")
+    sample_temperature: float = Field(
+        0.8, ge=0, description="divides the logits before sampling; 0 = greedy (argmax)")
+    sample_top_k: int = Field(40, ge=0, description="sample among the k likeliest tokens; 0 = all")
 
 
 class OptimizerConfig(_Section):
@@ -272,13 +290,29 @@ def _cross_field_problems(c: Config) -> list[str]:
     if problem:
         out.append(problem)
     num_slices = max(1, p.num_stages // p.virtual_stages)
-    if m.kind == "gpt":
+    if m.kind in ("gpt", "llama"):
         if m.d_model % m.num_heads:
             out.append(f"model.d_model={m.d_model} must be divisible by "
                        f"model.num_heads={m.num_heads}")
         if p.num_stages > m.num_layers + 2:
-            out.append(f"pipeline.num_stages={p.num_stages} is more than the gpt's "
+            out.append(f"pipeline.num_stages={p.num_stages} is more than the {m.kind}'s "
                        f"{m.num_layers + 2} layers (embed + {m.num_layers} blocks + head)")
+    if m.kind == "llama":
+        if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
+            out.append(f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
+                       f"(rotary embeddings rotate pairs of dimensions)")
+        if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
+            out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
+    else:
+        for key, value, default in (("num_kv_heads", m.num_kv_heads, None), ("mlp_dim", m.mlp_dim, None),
+                                    ("tie_embeddings", m.tie_embeddings, False)):
+            if value != default:
+                out.append(f"model.{key} is only used by model.kind='llama', got kind '{m.kind}'")
+        # A custom builder gets the config and may honour dtype and remat itself.
+        for key, value, default in (("dtype", m.dtype, "float32"), ("remat", m.remat, "none")):
+            if value != default and m.kind != "custom":
+                out.append(f"model.{key}={value!r} is only implemented by model.kind='llama' (or a custom "
+                           f"model that reads it), got kind '{m.kind}'")
     if m.kind == "mlp":
         if p.num_stages > m.num_layers + 1:
             out.append(f"pipeline.num_stages={p.num_stages} is more than the mlp's "

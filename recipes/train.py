@@ -6,8 +6,8 @@
 The recipe only combines library parts (models/, mpmd.Pipeline / split / Trainer, a cluster,
 recipes.data, recipes.run_log); each piece is one small function below. A run leaves in
 <run_dir>: config.yaml (resolved, written before the first step), metrics.jsonl, tb/,
-trace.json (the steps in log.trace_steps), logs/ (recipes/console.py) and, for a GPT on text,
-sample.txt.
+trace.json (the steps in log.trace_steps), logs/ (recipes/console.py) and, for a GPT or Llama
+on text, sample.txt.
 
 Problems a user's config causes at build time (a custom module that does not import, a stage
 count the model cannot take, a backend whose package is not installed, too few devices for
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import jax
 import numpy as np
 import optax
 from flax import nnx
@@ -40,6 +41,8 @@ from recipes import console, data, run_log
 from mpmd import lowering, schedules, sharding
 from mpmd.checkpoints import CheckpointError  # noqa: F401  (raised through run())
 from mpmd.sharding import LayoutError
+from mpmd.split import balanced_boundaries
+from mpmd.stage_costs import layer_costs
 from recipes.config import Config, ConfigError
 from runtime.checkpoint import CheckpointStore
 from runtime.inprocess import meshes_for
@@ -59,25 +62,54 @@ def _config_problem(key: str, errors: tuple[type[Exception], ...] = (ValueError,
 
 
 # -- build ---------------------------------------------------------------------------------
-def build_model(cfg: Config, sample_input=None) -> tuple[list, Callable]:
-    """(stages, loss_fn): the model cut into cfg.pipeline.num_stages nnx.Module stages.
+def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
+    """A function building model.kind's (gpt, llama or mlp) model, seeded by cfg.seed."""
+    m = cfg.model
+    if m.kind == "gpt":
+        return lambda: models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
+                                  m.mlp_ratio, rngs=nnx.Rngs(cfg.seed))
+    if m.kind == "llama":
+        return lambda: models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
+                                    num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim,
+                                    tie_embeddings=m.tie_embeddings, dtype=m.dtype, remat=m.remat,
+                                    rngs=nnx.Rngs(cfg.seed))
+    assert m.kind == "mlp", m.kind
+    return lambda: models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features,
+                              rngs=nnx.Rngs(cfg.seed))
+
+
+def _cut_tied(model: models.Llama, num_stages: int, sample_input) -> list:
+    """A tied Llama cut at marks after the layers that balance the stages' FLOPs (layers()
+    cannot cut it: see models/llama.py); one stage needs no cut."""
+    if num_stages == 1:
+        return [model]
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model))):
+        raise ConfigError("model.tie_embeddings=true cuts the model at stage marks, which needs the model "
+                          "built (mpmd cannot yet cut an abstract model at marks)")
+    costs, _ = layer_costs(model.all_layers(), sample_input)
+    bounds = balanced_boundaries(costs, num_stages)
+    model.cut_after([b - 1 for b in bounds[1:-1]], mpmd.stage_boundary)
+    return list(mpmd.split(model, num_stages, sample_input))
+
+
+def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple[list, Callable]:
+    """(stages, loss_fn): the model cut into cfg.pipeline.num_stages nnx.Module stages;
+    `abstract` (built-in kinds): shapes only (mpmd.abstract), each stage initialised on its slice.
 
     `sample_input` (one microbatch of inputs) lets mpmd.split balance stages by FLOPs rather
-    than by parameter count. A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
+    than by parameter count. A Llama with tied embeddings is cut at stage marks instead
+    (`_cut_tied`). A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
     returns `(stages, loss_fn)`, `(model, loss_fn)` or a bare model, where a model exposes
     `.layers()` and is split like the built-in ones; a bare model's loss is the data's
     natural one (next-token cross-entropy on tokens, mean squared error on regression).
     """
     m, num_stages = cfg.model, cfg.pipeline.num_stages
-    rngs = nnx.Rngs(cfg.seed)
-    if m.kind == "gpt":
-        built = models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                           m.mlp_ratio, rngs=rngs), models.lm_loss
-    elif m.kind == "mlp":
-        built = models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features,
-                           rngs=rngs), models.mse_loss
-    else:
+    if m.kind == "custom":
         built = _custom_builder(m.module)(cfg)
+    else:
+        built = mpmd.abstract(model_factory(cfg)) if abstract else model_factory(cfg)()
+        if m.kind == "llama" and m.tie_embeddings:
+            return _cut_tied(built, num_stages, sample_input), models.lm_loss
     loss_fn = None
     if isinstance(built, tuple) and len(built) == 2 and callable(built[1]):
         built, loss_fn = built
@@ -165,7 +197,9 @@ def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) 
 
 
 def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> str:
-    """Greedy continuation of prompt by num_tokens bytes, one pipelined forward per byte.
+    """The prompt and its continuation by num_tokens bytes, one pipelined forward per byte,
+    drawn as train.sample_temperature and train.sample_top_k say (next_token), from a
+    generator seeded by cfg.seed: the same run samples the same text.
 
     The context (last seq_len tokens) is right-padded: attention is causal, so the logits at
     the context's last position ignore the padding. The batch is one copy of the context per
@@ -174,14 +208,29 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
     reusing the training batch shape would be.
     """
     seq_len, rows = cfg.model.seq_len, cfg.pipeline.num_microbatches
+    rng = np.random.default_rng(cfg.seed)
     tokens = list(data.encode(prompt))
     for _ in range(num_tokens):
         context = tokens[-seq_len:]
         window = np.zeros((rows, seq_len), np.int32)
         window[:, :len(context)] = context
         (logits,) = trainer.predict(window)
-        tokens.append(int(np.argmax(logits[0, len(context) - 1])))
+        tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
+                                 cfg.train.sample_top_k, rng))
     return data.decode(tokens)
+
+
+def next_token(logits, temperature: float, top_k: int, rng: np.random.Generator) -> int:
+    """A token drawn from softmax(logits / temperature) over the top_k likeliest (0: all);
+    temperature 0 is greedy. Exactly one draw from `rng` per call when sampling."""
+    logits = np.asarray(logits, np.float64)
+    if temperature == 0:
+        return int(np.argmax(logits))
+    if 0 < top_k < logits.size:
+        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
+    scaled = (logits - logits.max()) / temperature
+    probs = np.exp(scaled)
+    return int(rng.choice(logits.size, p=probs / probs.sum()))
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
@@ -395,13 +444,16 @@ def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress
     t = cfg.train
     if not t.sample_tokens:
         return None
-    if cfg.model.kind != "gpt" or cfg.data.source == "synthetic":
-        # Only a GPT trained on bytes has logits that decode to text.
-        progress.message(f"sample skipped: needs model.kind='gpt' on text data "
+    if cfg.model.kind not in ("gpt", "llama") or cfg.data.source == "synthetic":
+        # Only a language model trained on bytes has logits that decode to text.
+        progress.message(f"sample skipped: needs model.kind='gpt' or 'llama' on text data "
                          f"(got '{cfg.model.kind}' on '{cfg.data.source}')")
         return None
     text = sample(trainer, cfg, t.sample_prompt, t.sample_tokens)
-    progress.message(f"sample ({t.sample_tokens} bytes, greedy):\n{text}")
+    how = ("greedy" if t.sample_temperature == 0 else
+           f"temperature {t.sample_temperature:g}, top-k {t.sample_top_k or 'off'}, seed {cfg.seed}")
+    progress.message(f"sample ({t.sample_tokens} bytes, {how}) continuing the prompt "
+                     f"{t.sample_prompt!r}:\n{text}")
     return text
 
 

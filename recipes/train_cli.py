@@ -1,11 +1,12 @@
-"""`mpmd train CONFIG [key=value ...] [--help-config]`: one training run from a YAML config.
+"""`mpmd train CONFIG [key=value ...] [--dry-run] [--help-config]`: one training run from a
+YAML config (or, with --dry-run, its size, memory and predicted step: recipes/plan.py).
 
 `main(argv)` takes the arguments after the word `train` and returns the exit status: 0 when
-the run finished, 2 when the config is invalid (message "error: ..." on stderr), 1 when the
-run stopped on its checkpoints or its disk (unrestorable checkpoints, saves that keep
-failing, a full or read-only disk: one line "error: ..."). The config
-is loaded and checked before JAX is imported, so a bad one fails in well under a second and
-leaves nothing behind (no run directory, no workers).
+the run finished (or its plan was printed), 2 when the config is invalid (message
+"error: ..." on stderr), 1 when the run stopped on its checkpoints or its disk
+(unrestorable checkpoints, saves that keep failing, a full or read-only disk: one line
+"error: ..."). The config is loaded and checked before JAX is imported, so a bad one fails
+in well under a second and leaves nothing behind (no run directory, no workers).
 """
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="resume a run directory although keys that change training "
                              "(model, optimizer, data, seed, batch sizes) differ; both config "
                              "hashes are recorded")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the model abstractly (no arrays) and print its parameter count, "
+                             "per-slice memory and the simulator's predicted step; start nothing")
+    parser.add_argument("--tflops", type=float, default=400.0, metavar="T",
+                        help="with --dry-run: sustained TFLOP/s per slice the predicted step time "
+                             "assumes (default 400)")
     parser.add_argument("--help-config", action="store_true",
                         help="print every config key with its default and description, and exit")
     return parser
@@ -46,7 +53,8 @@ def _ensure_host_devices(num_devices: int) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    # intermixed: `mpmd train C --dry-run key=value` takes the override after the flag too
+    args = _parser().parse_intermixed_args(argv)
     if args.help_config:
         print(config.describe())
         return 0
@@ -60,6 +68,14 @@ def main(argv=None) -> int:
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from recipes import plan  # imports JAX
+        try:
+            print(plan.describe(plan.dry_run(cfg, args.tflops)))
+        except config.ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if cfg.cluster.backend == "inprocess":
         _ensure_host_devices(cfg.num_devices)
     from recipes import train  # imports JAX: only once the config is known to be good

@@ -65,7 +65,15 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["train.steps=2.5"], "train.steps must be an integer, got 2.5"),
     (["log.tensorboard=3"], "log.tensorboard must be true or false, got 3"),
     (["log.trace_steps=[1, x]"], "log.trace_steps[1] must be an integer, got 'x'"),
-    (["model.kind=gtp"], "model.kind must be one of 'gpt', 'mlp' or 'custom', got 'gtp'"),
+    (["model.kind=gtp"], "model.kind must be one of 'gpt', 'llama', 'mlp' or 'custom', got 'gtp'"),
+    (["model.kind=llama", "model.num_heads=4", "model.num_kv_heads=3"],
+     "model.num_kv_heads=3 must divide model.num_heads=4"),
+    (["model.kind=llama", "model.d_model=66"], "model.d_model / model.num_heads = 33 must be even"),
+    (["model.dtype=bfloat16"], "model.dtype='bfloat16' is only implemented by model.kind='llama'"),
+    (["model.remat=block"], "model.remat='block' is only implemented by model.kind='llama'"),
+    (["model.num_kv_heads=1"], "model.num_kv_heads is only used by model.kind='llama'"),
+    (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
+    (["train.sample_temperature=-1"], "train.sample_temperature must be >= 0"),
     (["pipeline.schedule=1F1B"], "'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'"),
     (["train.steps=0"], "train.steps must be > 0, got 0"),
     (["model.seq_len=1"], "model.seq_len must be >= 2, got 1"),
@@ -236,4 +244,4 @@ def test_every_shipped_yaml_loads_and_holds_only_overrides(path):
 
 def test_shipped_configs_exist():
     assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"gpt_tiny.yaml", "gpt_small.yaml",
-                                                         "mlp.yaml"}
+                                                         "mlp.yaml", "llama_tiny.yaml", "llama_1b.yaml"}

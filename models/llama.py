@@ -1,0 +1,256 @@
+"""A Llama-style decoder built as an ordered list of single-array layers, like models/gpt.py.
+
+Differences from the GPT: RMSNorm instead of LayerNorm, rotary position embeddings instead of
+learned positions, a SwiGLU MLP, grouped-query attention (num_kv_heads key/value heads shared
+by num_heads query heads), no biases. Rotary angles are computed inside each attention layer
+from the sequence length, so nothing but the activation crosses a stage cut.
+
+Mixed precision (`dtype="bfloat16"`): parameters are created and kept in float32 (so are
+their gradients and the optimizer state); each layer casts its weights to `dtype` where it
+uses them, as MaxText does. Activations, and so everything that crosses a stage cut, are in
+`dtype`. Normalisation statistics, rotary angles and the attention softmax are computed in
+float32; the logits are returned in float32, so the loss is float32.
+
+Rematerialisation (`remat`): each Block's forward runs under `nnx.remat` (jax.checkpoint)
+with a policy saying what its vjp may keep; the rest is recomputed in the backward pass.
+  none           keep everything the vjp needs (fastest, most memory)
+  block          keep only the block's input (jax.checkpoint_policies.nothing_saveable)
+  dots_saveable  also keep the outputs of the projections (dots without batch dimensions);
+                 attention scores, softmax, SwiGLU products and norms are recomputed
+Under "none" in bfloat16 the vjp also keeps each bfloat16 copy of a weight (a matmul's input
+gradient needs it) for every microbatch in flight; both remat policies recompute those casts.
+
+Tied embeddings (`tie_embeddings=True`, logits = h @ E^T): one weight used by the first and
+the last layer. `layers()` cannot express that: mpmd.split turns each run of layers into its
+own nnx.Module stage, and stages share no parameters, so the two copies would drift apart.
+A tied model is instead cut at marks: pass `mark=mpmd.stage_boundary` and `stage_ends` (the
+layer indices after which a stage ends); mpmd.split then makes the embedding a parameter of
+both end stages and sums its gradients (mpmd.Pipeline.shared). models/ imports no mpmd, so
+the mark comes in as an argument.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.gpt import _EMBED_INIT, _linear, _require_positive, axes
+
+DTYPES = ("float32", "bfloat16")
+# What a block's vjp keeps under each `remat` (None: no jax.checkpoint at all).
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    name = jnp.dtype(dtype).name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return jnp.dtype(name)
+
+
+def _rms_norm(d_model: int, dtype, *, rngs: nnx.Rngs):
+    # flax computes the mean square in float32 whatever the input dtype.
+    return nnx.RMSNorm(d_model, epsilon=1e-5, dtype=dtype,
+                       scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of x [B, T, H, Dh] (Dh even) at positions 0..T-1.
+
+    Pairs (i, i + Dh/2) rotate by angle t * theta^(-2i/Dh) (the GPT-NeoX / Hugging Face Llama
+    layout), so q.k depends only on the positions' difference. Angles in float32: bf16 has
+    8 bits of mantissa, too few for t * freq at positions in the thousands.
+    """
+    num_steps, head_dim = x.shape[1], x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)     # [Dh/2]
+    angles = jnp.arange(num_steps, dtype=jnp.float32)[:, None] * inv_freq[None, :]    # [T, Dh/2]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    """int32 tokens [B, T] -> token embedding [B, T, D] in the compute dtype (no positions:
+    they enter as rotations inside attention)."""
+
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dtype="float32", *, rngs: nnx.Rngs):
+        _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
+        self.seq_len = seq_len
+        self.token = nnx.Embed(vocab_size, d_model, dtype=_compute_dtype(dtype),
+                               embedding_init=axes(_EMBED_INIT, "vocab", "embed"), rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
+        if tokens.shape[1] > self.seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's seq_len={self.seq_len}")
+        return self.token(tokens)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention with rotary positions: num_heads query heads, in
+    groups of num_heads // num_kv_heads sharing one key/value head."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, rope_theta: float = 10_000.0,
+                 dtype="float32", *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        if d_model % num_heads or (d_model // num_heads) % 2:
+            raise ValueError(f"d_model={d_model} must be num_heads={num_heads} x an even head size "
+                             f"(rotary embeddings rotate pairs of dimensions)")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+        self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
+        head_dim = d_model // num_heads
+        dtype = _compute_dtype(dtype)
+        proj = lambda d_out, names: _linear(d_model, d_out, names, use_bias=False, dtype=dtype, rngs=rngs)
+        self.q = proj(num_heads * head_dim, ("embed", "heads"))
+        self.k = proj(num_kv_heads * head_dim, ("embed", "kv"))
+        self.v = proj(num_kv_heads * head_dim, ("embed", "kv"))
+        self.out = _linear(num_heads * head_dim, d_model, ("heads", "embed"), use_bias=False, dtype=dtype,
+                           rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, num_steps, d_model = x.shape
+        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        head_dim = d_model // self.num_heads
+        q = rotary(self.q(x).reshape(batch, num_steps, self.num_heads, head_dim), self.rope_theta)
+        k = rotary(self.k(x).reshape(batch, num_steps, kv, head_dim), self.rope_theta)
+        v = self.v(x).reshape(batch, num_steps, kv, head_dim)
+        # Query head h = g_kv * group + j uses key/value head g_kv: [B, T, KV, G, Dh].
+        q = q.reshape(batch, num_steps, kv, group, head_dim)
+        # Scores [B, KV, G, Tq, Tk] in float32, scaled by 1/sqrt(Dh) (variance independent of Dh).
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool))
+        # Every row keeps its diagonal; a finite minimum (not -inf) keeps gradients NaN-free.
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
+        return self.out(attended.reshape(batch, num_steps, self.num_heads * head_dim))
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)): D -> mlp_dim -> D."""
+
+    def __init__(self, d_model: int, mlp_dim: int, dtype="float32", *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, mlp_dim=mlp_dim)
+        dtype = _compute_dtype(dtype)
+        self.gate = _linear(d_model, mlp_dim, ("embed", "mlp"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.up = _linear(d_model, mlp_dim, ("embed", "mlp"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.down = _linear(mlp_dim, d_model, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); [B, T, D] -> [B, T, D],
+    rematerialised in the backward pass as `remat` says (REMAT_POLICIES)."""
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
+                 rope_theta: float = 10_000.0, dtype="float32", remat: str = "none", *, rngs: nnx.Rngs):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+        self.remat = remat
+        self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
+        self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, rngs=rngs)
+        self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
+        self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.remat == "none":
+            return self.forward(x)
+        return nnx.remat(Block.forward, policy=REMAT_POLICIES[self.remat])(self, x)
+
+
+class Head(nnx.Module):
+    """Final RMSNorm + LM head: [B, T, D] -> float32 logits [B, T, vocab_size]. `tied`: the
+    token Embed whose table (transposed) is the head's weight, instead of a weight of its own."""
+
+    def __init__(self, d_model: int, vocab_size: int, dtype="float32", tied: Embed | None = None,
+                 *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, vocab_size=vocab_size)
+        self.dtype = _compute_dtype(dtype)
+        self.norm = _rms_norm(d_model, self.dtype, rngs=rngs)
+        # A shared nnx.Param: nnx.state lists it once, with the embedding.
+        self.table = tied.token.embedding if tied is not None else None
+        # Small init (0.02): unit-scale initial logits start the loss above ln(vocab_size).
+        self.lm_head = None if tied is not None else _linear(
+            d_model, vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype,
+            kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.norm(x)
+        logits = self.lm_head(x) if self.lm_head is not None else x @ self.table[...].astype(self.dtype).T
+        return logits.astype(jnp.float32)
+
+
+class Llama(nnx.Module):
+    """Decoder-only LM: Embed, num_layers Blocks, Head. tokens [B, T] -> float32 logits [B, T, V].
+
+    `mlp_dim` None: the SwiGLU width whose three matrices hold about as many weights as a
+    4 x d_model GELU MLP's two (8/3 x d_model), rounded up to a multiple of 64.
+    `stage_ends`/`mark`: `mark(x)` is applied to the activation after each layer index in
+    `stage_ends` (0 = the embedding; see the module doc); a tied model needs them to be split.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, seq_len: int,
+                 num_kv_heads: int | None = None, mlp_dim: int | None = None, rope_theta: float = 10_000.0,
+                 tie_embeddings: bool = False, dtype="float32", remat: str = "none",
+                 stage_ends=(), mark=None, *, rngs: nnx.Rngs):
+        _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
+                          num_layers=num_layers, seq_len=seq_len)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        mlp_dim = mlp_dim if mlp_dim is not None else math.ceil(8 * d_model / 3 / 64) * 64
+        self.embed = Embed(vocab_size, d_model, seq_len, dtype, rngs=rngs)
+        # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
+        self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, mlp_dim, rope_theta, dtype, remat,
+                                      rngs=rngs) for _ in range(num_layers)])
+        self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, rngs=rngs)
+        self.seq_len, self.tie_embeddings = seq_len, tie_embeddings
+        self.cut_after(stage_ends, mark)
+
+    def cut_after(self, stage_ends, mark) -> None:
+        """From now on apply `mark` (e.g. mpmd.stage_boundary) after each layer index in
+        `stage_ends` (0 = the embedding, len(blocks) = the last block)."""
+        num_blocks = len(self.blocks)
+        stage_ends = tuple(stage_ends)
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_blocks for i in stage_ends):
+            raise ValueError(f"stage_ends must be layer indices in 0..{num_blocks} (a stage ends after "
+                             f"that layer), got {stage_ends}")
+        if stage_ends and not callable(mark):
+            raise ValueError(f"stage_ends needs a callable mark (e.g. mpmd.stage_boundary), got {mark!r}")
+        self.stage_ends, self.mark = tuple(sorted(set(stage_ends))), mark
+
+    def sample_input(self, batch: int = 1) -> jax.Array:
+        """A zero batch of full-length token rows: what cost analysis traces to balance a split."""
+        return jnp.zeros((batch, self.seq_len), jnp.int32)
+
+    def all_layers(self) -> list[nnx.Module]:
+        """[Embed, Block_0.., Head] in application order, tied or not."""
+        return [self.embed, *self.blocks, self.head]
+
+    def layers(self) -> list[nnx.Module]:
+        """The layers to cut into stages by position (mpmd.split with num_stages)."""
+        if self.tie_embeddings:
+            raise ValueError("a Llama with tie_embeddings=True cannot be cut by layers(): its Embed and "
+                             "Head share the token table, and stages made of layers share no parameters "
+                             "(the two copies would train apart). Cut it at marks instead: "
+                             "Llama(..., stage_ends=(...), mark=mpmd.stage_boundary)")
+        return self.all_layers()
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = tokens
+        for i, layer in enumerate(self.all_layers()):
+            x = layer(x)
+            if i in self.stage_ends:
+                x = self.mark(x)
+        return x
