@@ -310,7 +310,12 @@ class ControlPlane:
             if lost is not None and lost[0] == slice_index:
                 fut.cancel()
                 raise WorkerLost(slice_index, c.address, lost[1])
-        return c.result("WaitSaves", fut)[0]["finalized"]
+        try:
+            return c.result("WaitSaves", fut)[0]["finalized"]
+        except WorkerError as e:      # the worker died while writing: its slice is lost,
+            if e.code in _GONE:       # not its checkpoint (as _call reports every other verb)
+                raise WorkerLost(slice_index, e.address, str(e)) from None
+            raise
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
         header = {"items": items, "staged": staged}
