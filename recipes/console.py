@@ -48,9 +48,7 @@ class _Console(logging.Handler):
         if not on_console(record, self.level):
             return
         try:
-            text = record.getMessage() if record.name == WORKERS else self.format(record)
-            from tqdm import tqdm          # clears the bar, writes, draws the bar again
-            tqdm.write(text, file=sys.stderr)
+            tqdm_write(record.getMessage() if record.name == WORKERS else self.format(record))
         except Exception:
             self.handleError(record)
 
@@ -68,6 +66,29 @@ def to_console(console_level: str) -> None:
     logging.captureWarnings(True)
 
 
+class _FileLog(logging.FileHandler):
+    """A log file that stops, once, when it cannot be written (a full disk): the run reports
+    that itself; logging's default would print a traceback on stderr for every record."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            if not getattr(self, "_failed", False):
+                self._failed = True
+                tqdm_write(f"warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                           f"its records are dropped from here on")
+            return
+        super().handleError(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not getattr(self, "_failed", False):
+            super().emit(record)
+
+
+def tqdm_write(text: str) -> None:
+    from tqdm import tqdm          # clears the bar, writes, draws the bar again
+    tqdm.write(text, file=sys.stderr)
+
+
 class ControllerLog:
     """<run_dir>/logs/controller.log holds this process's records at info and up (debug under
     MPMD_LOG=debug) until close(): a handler on the root logger, removed again."""
@@ -75,7 +96,7 @@ class ControllerLog:
     def __init__(self, run_dir: str | Path, console_level: str = "warning"):
         path = Path(run_dir) / "logs" / CONTROLLER_LOG
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._handler = logging.FileHandler(path)
+        self._handler = _FileLog(path)
         self._handler.setLevel(logging.DEBUG if console_level == "debug" else logging.INFO)
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger()
