@@ -66,8 +66,9 @@ def _laid_out(tree, mesh) -> tuple[Spec, ...]:
                       tuple(sharding.batch_layout(l.shape, mesh))) for l in jax.tree.leaves(tree))
 
 
-def _pieces(specs: tuple[Spec, ...], mesh) -> tuple[int, ...]:
-    return tuple(sharding.batch_pieces(jax.sharding.PartitionSpec(*s.layout), mesh) for s in specs)
+def _pieces(tree, mesh) -> tuple[int, ...]:
+    """Into how many batch shards `mesh` cuts each leaf of an activation bundle (a send's pieces)."""
+    return tuple(sharding.batch_pieces(sharding.batch_layout(l.shape, mesh), mesh) for l in jax.tree.leaves(tree))
 
 
 def _placed(tree, mesh):
@@ -85,10 +86,6 @@ class Lowered(NamedTuple):
     init: list[list[Instruction]]          # per slice: optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
     loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
-
-
-def _specs(tree) -> tuple[Spec, ...]:
-    return tuple(Spec(tuple(l.shape), jax.numpy.dtype(l.dtype).name) for l in jax.tree.leaves(tree))
 
 
 def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm,
@@ -130,10 +127,10 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
             progs[placement[k]].update(stage_programs.build_shared(k, param_specs, shared))
     shared_specs = _shared_transfers(shared, idx, param_specs, layouts, mesh_of)
     transfers = Transfers([_laid_out(a, mesh_of[k]) if k < S else () for k, a in enumerate(acts)],
-                          [_pieces(_laid_out(a, mesh_of[k - 1]), mesh_of[k - 1]) if 0 < k else ()
+                          [_pieces(a, mesh_of[k - 1]) if 0 < k else ()
                            for k, a in enumerate(acts)],
                           [_laid_out(acts[k + 1], mesh_of[k]) for k in range(S)],
-                          [_pieces(_laid_out(acts[k + 1], mesh_of[k + 1]), mesh_of[k + 1]) if k + 1 < S else ()
+                          [_pieces(acts[k + 1], mesh_of[k + 1]) if k + 1 < S else ()
                            for k in range(S)])
     train = train_streams(schedule, transfers, clip, shared, shared_specs)
     evaluate, predict = _forward_only(schedule, transfers)

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from runtime.mesh import AXES
+from mpmd.specs import spec
+from runtime.mesh import AXES, shape_of
 
 BATCH = ("data", "fsdp")          # the mesh axes a microbatch is split over
 
@@ -85,13 +86,10 @@ def slice_mesh(shape: Mapping[str, int] | SliceMesh | None, where: str = "mesh")
         return shape
     if not isinstance(shape, Mapping):
         raise LayoutError(f"{where} must be a mapping of mesh axes {list(AXES)} to sizes, got {shape!r}")
-    unknown = sorted(set(shape) - set(AXES))
-    if unknown:
-        raise LayoutError(f"{where}: unknown mesh axis {unknown[0]!r}; allowed axes: {', '.join(AXES)}")
-    for axis, n in shape.items():
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise LayoutError(f"{where}.{axis} must be a positive integer, got {n!r}")
-    return SliceMesh(**dict(shape))
+    try:
+        return SliceMesh(*shape_of(shape))
+    except ValueError as e:
+        raise LayoutError(f"{where}: {e}") from None
 
 
 def slice_meshes(mesh, num_slices: int, devices_per_slice: int | None = None) -> list[SliceMesh]:
@@ -190,8 +188,7 @@ def _key(k) -> str:
 def optimizer_layouts(optimizer, fn, param_layouts: tuple[P, ...]) -> tuple[P, ...]:
     """Each optimizer-state leaf takes its parameter's layout; the rest (counts) is replicated."""
     import optax
-    specs = jax.tree.unflatten(fn.param_tree, [jax.ShapeDtypeStruct(np.shape(l), _dtype(l))
-                                               for l in fn.param_leaves])
+    specs = jax.tree.unflatten(fn.param_tree, [spec(l) for l in fn.param_leaves])
     state = jax.eval_shape(optimizer.init, specs)
     layouts = jax.tree.unflatten(fn.param_tree, list(param_layouts))
     mapped = optax.tree_map_params(optimizer, lambda _, layout: layout, state, layouts,
@@ -201,13 +198,9 @@ def optimizer_layouts(optimizer, fn, param_layouts: tuple[P, ...]) -> tuple[P, .
     return out
 
 
-def _dtype(leaf):
-    return leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-
-
-def with_layout(spec, layout: P, mesh: SliceMesh) -> jax.ShapeDtypeStruct:
-    """`spec` (anything with shape and dtype) as a ShapeDtypeStruct laid out on `mesh`."""
-    return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=NamedSharding(mesh.abstract(), layout))
+def with_layout(abstract, layout: P, mesh: SliceMesh) -> jax.ShapeDtypeStruct:
+    """`abstract` (anything with shape and dtype) as a ShapeDtypeStruct laid out on `mesh`."""
+    return jax.ShapeDtypeStruct(abstract.shape, abstract.dtype, sharding=NamedSharding(mesh.abstract(), layout))
 
 
 def batch_pieces(layout: P, mesh: SliceMesh) -> int:

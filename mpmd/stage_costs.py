@@ -75,18 +75,23 @@ def program_cost(program: ProgramSpec) -> float:
     return _cost(jax.jit(exported.call).lower(*args))
 
 
-def measure(pipe: Pipeline, micro_input_spec, micro_target_spec) -> list[dict]:
-    """Per stage {"F", "B", "W", "BW"}: the cost of its programs for one microbatch of these
-    shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
+def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec):
+    """(k, fn, StageShapes, first, last) of every stage, for one microbatch of these shapes."""
     acts = pipe.activation_specs(micro_input_spec)
     loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
     S = pipe.num_stages
-    out = []
     for k, fn in enumerate(pipe.fns):
-        first, last = k == 0, k == S - 1
-        params = tuple(jax.tree.map(spec, fn.param_leaves))
-        shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
-                                            micro_target_spec if last else None)
+        last = k == S - 1
+        shapes = stage_programs.StageShapes(tuple(jax.tree.map(spec, fn.param_leaves)), acts[k],
+                                            loss_spec if last else acts[k + 1], micro_target_spec if last else None)
+        yield k, fn, shapes, k == 0, last
+
+
+def measure(pipe: Pipeline, micro_input_spec, micro_target_spec) -> list[dict]:
+    """Per stage {"F", "B", "W", "BW"}: the cost of its programs for one microbatch of these
+    shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
+    out = []
+    for k, fn, shapes, first, last in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
         built = {}
         for split in (True, False):
             built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn,
@@ -105,18 +110,11 @@ def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec) -> li
     """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
     "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
     the vjp residuals minus the stage's own parameters)}. Traced only: nothing is allocated."""
-    acts = pipe.activation_specs(micro_input_spec)
-    loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
-    S = pipe.num_stages
     out = []
-    for k, fn in enumerate(pipe.fns):
-        first, last = k == 0, k == S - 1
-        params = tuple(jax.tree.map(spec, fn.param_leaves))
-        shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
-                                            micro_target_spec if last else None)
+    for k, fn, shapes, first, last in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
         residuals = stage_programs.residual_specs(fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn)
-        opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(params)))
-        out.append({"params": _nbytes(params), "grads": _nbytes(params), "optimizer": _nbytes(opt),
+        opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(shapes.params)))
+        out.append({"params": _nbytes(shapes.params), "grads": _nbytes(shapes.params), "optimizer": _nbytes(opt),
                     "residuals": _nbytes(residuals)})
     return out
 

@@ -25,9 +25,9 @@ import time
 from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from runtime import wire
 from runtime.instructions import Spec
 
 
@@ -89,7 +89,7 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
             check_specs(bundle, "sleep program output")
         # Outputs are made once: a synthetic program's outputs carry no information.
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        outs = tuple(tuple(jax.device_put(np.zeros(s.shape, _dtype(s.dtype)), replicated) for s in bundle)
+        outs = tuple(tuple(jax.device_put(np.zeros(s.shape, wire.numpy_dtype(s.dtype)), replicated) for s in bundle)
                      for bundle in spec.outputs)
 
         def run(*_bundles):
@@ -104,16 +104,12 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
 MAX_ARRAY_BYTES = 2**40
 
 
-def _dtype(name: str) -> np.dtype:
-    return np.dtype(name) if name != "bfloat16" else jnp.dtype(jnp.bfloat16)
-
-
 def check_specs(specs, what: str) -> None:
     """ValueError unless every Spec has non-negative integer dims, a known dtype, and at most
     MAX_ARRAY_BYTES."""
     for s in specs:
         try:
-            itemsize = _dtype(s.dtype).itemsize
+            itemsize = wire.numpy_dtype(s.dtype).itemsize
         except TypeError:
             raise ValueError(f"{what}: unknown dtype {s.dtype!r}") from None
         if not all(isinstance(d, int) and d >= 0 for d in s.shape):

@@ -78,8 +78,7 @@ def assemble(pieces: list[jax.Array], shape, layout: tuple, mesh: jax.sharding.M
         return jax.device_put(pieces[0], target)
     rows = shape[0] // len(pieces)
     where = target.addressable_devices_indices_map(shape)
-    if all(_covers_rest(idx, shape) and (lambda lo, hi: hi - lo == rows and lo % rows == 0)(*_rows(idx, shape))
-           for idx in where.values()):
+    if all(_is_piece(idx, shape, rows) for idx in where.values()):
         return jax.make_array_from_single_device_arrays(
             shape, target, [jax.device_put(pieces[_rows(idx, shape)[0] // rows], d) for d, idx in where.items()])
     holders = [next(iter(p.devices())) for p in pieces]
@@ -114,6 +113,12 @@ def _rows(index: tuple, shape) -> tuple[int, int]:
     s = index[0] if index else slice(None)
     lo, hi, _ = s.indices(shape[0])
     return lo, hi
+
+
+def _is_piece(index: tuple, shape, rows: int) -> bool:
+    """Whether a shard index is exactly one of the pieces of `rows` rows each."""
+    lo, hi = _rows(index, shape)
+    return hi - lo == rows and lo % rows == 0 and _covers_rest(index, shape)
 
 
 def _covers_rest(index: tuple, shape) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import math
 import queue
 import threading
 from typing import Protocol
@@ -103,13 +104,6 @@ def _counts(pieces: tuple[int, ...], num_arrays: int) -> tuple[int, ...]:
     return tuple(pieces)
 
 
-def _size(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= d
-    return out
-
-
 def _sharding(mesh: jax.sharding.Mesh, layout: tuple) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*layout))
 
@@ -157,7 +151,7 @@ class TransferTransport:
         counts = _counts(pieces, len(specs))
         wanted = []        # one single-device spec per piece, on a device that needs its rows
         for s, n in zip(specs, counts):
-            if _size(s.shape):
+            if math.prod(s.shape):
                 part = (s.shape[0] // n,) + tuple(s.shape[1:]) if n > 1 else tuple(s.shape)
                 wanted += [jax.ShapeDtypeStruct(part, s.dtype, sharding=jax.sharding.SingleDeviceSharding(d))
                            for d in reshard.landing(s.shape, s.layout, self._mesh, n)]
@@ -170,7 +164,7 @@ class TransferTransport:
             # Runs once every piece has landed: copying a pulled array that is not ready
             # yet would block the thread posting the receives (and so the step).
             landed = iter(landed)
-            return tuple(reshard.assemble([next(landed) for _ in range(n)], s.shape, s.layout, mesh) if _size(s.shape)
+            return tuple(reshard.assemble([next(landed) for _ in range(n)], s.shape, s.layout, mesh) if math.prod(s.shape)
                          else jax.device_put(jnp.zeros(s.shape, s.dtype), _sharding(mesh, s.layout))
                          for s, n in zip(specs, counts))
         return self._waiters.submit(tuple(pulled), assemble)

@@ -69,7 +69,7 @@ def decode(frame: bytes) -> tuple[dict, list]:
             raise ValueError(f"blob {i}: dtype {dtype!r} not allowed; allowed: {sorted(_DTYPES)}")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise ValueError(f"blob {i}: shape must be a list of non-negative integers, got {shape!r}")
-        dt = _dtype(dtype)
+        dt = numpy_dtype(dtype)
         if int(np.prod(shape, dtype=np.int64)) * dt.itemsize != nbytes:
             raise ValueError(f"blob {i}: shape {shape} of {dtype} does not match {nbytes} bytes")
         blobs.append(np.frombuffer(raw, dtype=dt).reshape(shape))
@@ -88,7 +88,8 @@ def blob(blobs: list, ref, kind=None):
     return value
 
 
-def _dtype(name: str) -> np.dtype:
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name, bfloat16 included (ml_dtypes')."""
     if name == "bfloat16":
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
