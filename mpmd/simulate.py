@@ -147,23 +147,22 @@ def _cost_arrays(costs: Costs, schedule: Schedule, tasks: TaskArrays):
 class Spans(Sequence):
     """Per slice, the (task, start, end) triples of a simulation, built when a slice is read."""
 
-    def __init__(self, tasks: TaskArrays, start, cost_index, cost_table):
-        self._tasks, self._start, self._index, self._table = tasks, start, cost_index, cost_table
+    def __init__(self, run: timeline.Walk):
+        self._run = run
 
     def __len__(self) -> int:
-        return len(self._tasks)
+        return len(self._run.tasks)
+
+    def num_tasks(self, r: int) -> int:
+        offsets = self._run.tasks.offsets
+        return int(offsets[r + 1] - offsets[r])
 
     def __getitem__(self, r):
         if isinstance(r, slice):
             return tuple(self[i] for i in range(*r.indices(len(self))))
         r = range(len(self))[r]
-        a, b = int(self._tasks.offsets[r]), int(self._tasks.offsets[r + 1])
-        start = self._start[a:b]
-        end = start + self._table[self._index[a:b]]   # the same sum the walk formed
-        return tuple(zip(self._tasks[r], start.tolist(), end.tolist()))
-
-    def num_tasks(self, r: int) -> int:
-        return int(self._tasks.offsets[r + 1] - self._tasks.offsets[r])
+        a, b = int(self._run.tasks.offsets[r]), int(self._run.tasks.offsets[r + 1])
+        return tuple(zip(self._run.tasks[r], self._run.starts(a, b).tolist(), self._run.end[a:b].tolist()))
 
 
 def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Simulation:
@@ -187,5 +186,4 @@ def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Si
     else:  # all costs zero: nothing to wait for
         per_slice, total = (0.0,) * p, 0.0
     peaks = _peak_live(tasks, schedule.split_backward)
-    return Simulation(makespan, total, per_slice, peaks,
-                      Spans(tasks, run.start, cost_index, np.asarray(cost_table, dtype=np.float64)))
+    return Simulation(makespan, total, per_slice, peaks, Spans(run))

@@ -91,9 +91,14 @@ def as_arrays(slices) -> TaskArrays:
 
 def occurrence_rank(codes: np.ndarray) -> np.ndarray:
     """For each entry, how many earlier entries hold the same code: the microbatch of a
-    task in a slice whose stages each run their F (and B, and W) in microbatch order."""
+    task in a slice whose stages each run their F (and B, and W) in microbatch order.
+    One running count per distinct code (a slice has at most 3 x its stages of them)."""
     rank = np.empty(len(codes), dtype=np.int32)
-    for code in np.unique(codes):
-        where = np.flatnonzero(codes == code)
-        rank[where] = np.arange(len(where), dtype=np.int32)
+    if not len(codes):
+        return rank
+    low = codes.min()
+    local = (codes - low).astype(np.intp)
+    for code in np.flatnonzero(np.bincount(local)):
+        hit = local == code
+        rank[hit] = np.arange(np.count_nonzero(hit), dtype=np.int32)
     return rank

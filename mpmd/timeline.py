@@ -28,16 +28,30 @@ _CHUNK = 1 << 20   # tasks per vectorised pass over the arrays: bounds the tempo
 
 
 class Walk:
-    """The result: `start[i]` is task i's start (task order of `tasks`), `busy[r]` and
-    `free[r]` slice r's summed cost and end, `rounds[i]` (if asked) the round task i ran in."""
+    """The result. `end[i]` is task i's end (task order of `tasks`); `busy[r]` and `free[r]`
+    slice r's summed cost and end; `rounds[i]` (if asked) the round task i ran in.
+    `starts(a, b)` gives tasks a..b-1's starts (one slice's range), recomputed from the ends
+    the way the walk formed them: max(the previous task's end, the dependency's end + comm_s)."""
 
-    def __init__(self, tasks: TaskArrays, start, busy, free, rounds):
-        self.tasks, self.start, self.busy, self.free, self.rounds = tasks, start, busy, free, rounds
+    def __init__(self, tasks: TaskArrays, end, packed, comm_s, busy, free, rounds):
+        self.tasks, self._end, self._packed, self._comm_s = tasks, end, packed, comm_s
+        self.end = end[:tasks.num_tasks]
+        self.busy, self.free, self.rounds = busy, free, rounds
+
+    def starts(self, a: int, b: int) -> np.ndarray:
+        previous = np.concatenate(([0.0], self._end[a:b - 1])) if b > a else np.zeros(0)
+        return np.maximum(previous, self._end[self._packed[a:b] & _DEP_MASK] + self._comm_s)
 
 
 def identities(stage, mb, kind, num_stages: int, num_microbatches: int) -> np.ndarray:
     """(kind * S + stage) * m + mb as int64: one integer per (stage, mb, kind)."""
     return (kind.astype(np.int64) * num_stages + stage) * num_microbatches + mb
+
+
+# Per task, one int64 holds the index of the task on another slice it waits for (low 32
+# bits) and its cost code (high bits), so a round reads both with one gather.
+_DEP_BITS = 32
+_DEP_MASK = (1 << _DEP_BITS) - 1
 
 
 def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0.0,
@@ -49,42 +63,44 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
     _check_header(schedule, len(tasks))
     placement = np.asarray(schedule.placement, dtype=np.int64)
     N = tasks.num_tasks
+    assert N + 2 < 2 ** _DEP_BITS
     kinds = 3 if schedule.split_backward else 2
     if N != S * m * kinds or not _structure_ok(tasks, placement, S, m, kinds):
         _raise_structure_error(schedule, tasks)   # the slow path names the first bad task
     where = _positions(tasks, S, m)               # identity -> task index
     if where is None:
         _raise_structure_error(schedule, tasks)
-    cross = _cross_dependencies(tasks, where, placement, S, m)
-    del where
     if cost_table is None:
         cost_index, cost_table = np.zeros(N, dtype=np.int8), np.zeros(1)
     cost_table = np.asarray(cost_table, dtype=np.float64)
-    start = np.full(N + 2, np.nan)
-    start[N] = -np.inf            # "no dependency on another slice": met at time -inf
+    packed = _cross_dependencies(tasks, where, placement, S, m)
+    del where
+    for a, b in _chunks(N):
+        packed[a:b] |= cost_index[a:b].astype(np.int64) << _DEP_BITS
+    # end[N] = -inf: "no dependency on another slice", met at once; end[N+1] = NaN: never.
+    end = np.empty(N + 2)
+    end.fill(np.nan)
+    end[N] = -np.inf
     rounds = np.zeros(N, dtype=np.int32) if record_rounds else None
     p = len(tasks)
     pos, stop = tasks.offsets[:-1].copy(), tasks.offsets[1:]
     free, busy = np.zeros(p), np.zeros(p)
     active = np.flatnonzero(pos < stop)
-    last = N - 1
     step = 0
     while active.size:
         everyone = active.size == p      # then whole arrays stand in for active ones
         i = pos if everyone else pos[active]
-        dep = cross[i]
-        dep_start = start[dep]
-        # A sentinel dependency (N, N+1) starts at -inf or never: its cost is moot.
-        ready = dep_start + cost_table[cost_index[np.minimum(dep, last)]]
+        word = packed[i]
+        ready = end[word & _DEP_MASK]
         if comm_s:
             ready += comm_s
-        cost = cost_table[cost_index[i]]
-        waiting = np.isnan(dep_start)
+        cost = cost_table[word >> _DEP_BITS]
+        waiting = np.isnan(ready)
         if everyone and not waiting.any():
             # Every slice runs its next task: the common round, done in place.
-            np.maximum(free, ready, out=ready)
-            start[i] = ready
-            np.add(ready, cost, out=free)
+            np.maximum(free, ready, out=free)
+            free += cost
+            end[i] = free
             busy += cost
             if rounds is not None:
                 rounds[i] = step
@@ -93,12 +109,12 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
             running = active
             if waiting.any():
                 if waiting.all():
-                    raise ScheduleError(_deadlock_message(schedule, tasks, start, pos, active))
+                    raise ScheduleError(_deadlock_message(schedule, tasks, end, pos, active))
                 ok = ~waiting
                 running, i, ready, cost = active[ok], i[ok], ready[ok], cost[ok]
-            begin = np.maximum(free[running], ready)
-            start[i] = begin
-            free[running] = begin + cost
+            finish = np.maximum(free[running], ready) + cost
+            end[i] = finish
+            free[running] = finish
             busy[running] += cost
             if rounds is not None:
                 rounds[i] = step
@@ -106,7 +122,7 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
         step += 1
         if (pos[active] == stop[active]).any():
             active = np.flatnonzero(pos < stop)
-    return Walk(tasks, start[:N], busy, free, rounds)
+    return Walk(tasks, end, packed, float(comm_s), busy, free, rounds)
 
 
 def _check_header(schedule: Schedule, p: int) -> None:
@@ -136,48 +152,50 @@ def _structure_ok(tasks: TaskArrays, placement, S: int, m: int, kinds: int) -> b
         stage, mb, kind = tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b]
         if ((kind < 0) | (kind >= kinds) | (stage < 0) | (stage >= S) | (mb < 0) | (mb >= m)).any():
             return False
-        slice_of = np.searchsorted(tasks.offsets, np.arange(a, b), side="right") - 1
-        if (placement[stage] != slice_of).any():
+    for r in range(len(tasks)):
+        if (placement[tasks.stage[tasks.offsets[r]:tasks.offsets[r + 1]]] != r).any():
             return False
     return True
 
 
 def _positions(tasks: TaskArrays, S: int, m: int):
-    """identity -> task index, or None when some task appears twice (then, the count being
-    right, another is missing)."""
+    """identity -> task index, or None when some identity is not held by any task (the
+    count being right and every identity in range, that is exactly when one appears twice)."""
     N = tasks.num_tasks
     where = np.full(N, -1, dtype=np.int64 if N >= 2**31 else np.int32)
     for a, b in _chunks(N):
         where[identities(tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b], S, m)] = np.arange(a, b)
-    for a, b in _chunks(N):
-        ident = identities(tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b], S, m)
-        if (where[ident] != np.arange(a, b)).any():
-            return None
+    if (where < 0).any():
+        return None
     return where
 
 
 def _cross_dependencies(tasks: TaskArrays, where, placement, S: int, m: int) -> np.ndarray:
-    """Per task, the index of the task on another slice it waits for; N if none; N+1 (never
-    runs) if it waits for a task of its own slice that comes later in the list."""
+    """Per task (int64), the index of the task on another slice it waits for; N if none; N+1
+    (never runs) if it waits for a task of its own slice that comes later in the list."""
     N = tasks.num_tasks
-    out = np.empty(N, dtype=where.dtype)
-    never = N + 1
+    out = np.empty(N, dtype=np.int64)
+    # Tables over (kind, stage) = kind * S + stage: whether the task waits for the
+    # neighbouring stage (F on s-1, B on s+1), how far that task's identity is, and
+    # whether the neighbour sits on the same slice.
+    stage = np.arange(S)
+    has = np.concatenate((stage > 0, stage < S - 1, np.zeros(S, bool)))
+    step = np.concatenate((np.full(S, -m), np.full(S, m), np.zeros(S, np.int64))) * has
+    neighbour = np.concatenate((np.maximum(stage - 1, 0), np.minimum(stage + 1, S - 1), stage))
+    same = has & (placement[neighbour] == np.tile(placement, 3))
     for a, b in _chunks(N):
-        stage, kind = tasks.stage[a:b].astype(np.int64), tasks.kind[a:b]
-        ident = identities(stage, tasks.microbatch[a:b], kind, S, m)
+        ks = tasks.kind[a:b].astype(np.int64) * S + tasks.stage[a:b]
+        ident = ks * m + tasks.microbatch[a:b]
         here = np.arange(a, b)
-        f, bwd = kind == KIND_CODES[FORWARD], kind == KIND_CODES[BACKWARD]
-        # The dependency on the neighbouring stage: F(s-1) for F, B(s+1) for B.
-        has = (f & (stage > 0)) | (bwd & (stage < S - 1))
-        neighbour = np.where(f, stage - 1, stage + 1)
-        dep = np.where(has, where[np.where(has, ident + np.where(f, -m, m), 0)], N)
-        same = has & (placement[np.clip(neighbour, 0, S - 1)] == placement[stage])
-        late = same & (dep > here)
-        dep = np.where(same, N, dep)
-        # The dependency on the own stage (B on F, W on B): always on this slice.
-        own = ~f
-        late |= own & (where[np.where(own, ident - S * m, 0)] > here)
-        out[a:b] = np.where(late, never, dep)
+        dep = where[ident + step[ks]]          # the task itself where there is no neighbour
+        late = same[ks] & (dep > here)
+        dep[~has[ks] | same[ks]] = N
+        # The dependency on the own stage (B on F, W on B), always on this slice; F has none
+        # (its own identity stands in, which is never later than itself).
+        own = ident - np.where(ks >= S, S * m, 0)
+        late |= where[own] > here
+        dep[late] = N + 1
+        out[a:b] = dep
     return out
 
 
@@ -217,7 +235,7 @@ def _original_kind(schedule: Schedule, r: int, i: int) -> str:
     return schedule.slices[r][i][2]
 
 
-def _deadlock_message(schedule: Schedule, tasks: TaskArrays, start, pos, stuck) -> str:
+def _deadlock_message(schedule: Schedule, tasks: TaskArrays, end, pos, stuck) -> str:
     S, m = schedule.num_stages, schedule.num_microbatches
     where = _positions(tasks, S, m)
     parts = []
@@ -227,7 +245,7 @@ def _deadlock_message(schedule: Schedule, tasks: TaskArrays, start, pos, stuck) 
         for dep in dependencies(task, S):
             j = int(where[int(identities(np.array([dep[0]]), np.array([dep[1]]),
                                          np.array([KIND_CODES[dep[2]]]), S, m)[0])])
-            if np.isnan(start[j]):
+            if np.isnan(end[j]):
                 q = schedule.placement[dep[0]]
                 parts.append(f"slice {r} waits at {task}, which needs {Task(*dep)} not yet run "
                              f"(slice {q}, position {j - int(tasks.offsets[q])})")
