@@ -28,10 +28,10 @@ stage's layers, so 2p V-stage activations weigh what p 1F1B ones do):
   schedule          stages  bubble                 peak live on slice 0
   gpipe             p       (p-1)/(m+p-1)          m
   1f1b              p       (p-1)/(m+p-1)          p
-  interleaved-1f1b  v*p     (p-1)/(v*m+p-1)        (v-1)p + 2(p-1) + 1 ... (m a multiple of p)
+  interleaved-1f1b  v*p     (p-1)/(v*m+p-1)        (v+1)p - 1 (m a multiple of p)
   zb-h1             p       (p-1)/(3m+p-1)         p
   zb-v              2p      (p-1)/(6m+p-1)         2p   (m >= 2p-1; = 1F1B's memory)
-  dualpipe-v        2p      (p-1)/(6m+p-1) + ...   2p+1 (see dualpipe_v)
+  dualpipe-v        2p      (p-1)/(6m+p-1)         2p+1 (m >= 2p-1)
 
 (p-1)/(6m+p-1) is a lower bound for any schedule on a V with equal costs: slice p-1 cannot
 start before p-1 forwards have passed, and every slice has 6m units of work.
@@ -323,23 +323,31 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     where they fill the drain. A slice holds at most 2p stage-microbatches (slice 0: 2p-1
     chunk-0 warm-ups plus one chunk-1), i.e. 1F1B's peak memory with half-size stages. With
     F = B = W the makespan is 6m + p - 1: every slice idles only the p-1 units it cannot
-    avoid (bubble (p-1)/(6m+p-1), the V's lower bound; 1F1B's is 3(p-1)/(3m+3(p-1)) for
-    the same total work).
+    avoid (bubble (p-1)/(6m+p-1), the V's lower bound; 1F1B on the same model idles 6(p-1)
+    of these units per slice, bubble (p-1)/(m+p-1)).
 
     The shape needs m >= 2p-1; for fewer microbatches the schedule for 2p-1 is built and
     the missing microbatches' tasks are dropped (still valid, more bubble).
     """
-    p = _check_v("zb-v", num_stages, num_microbatches)
+    def phases(r, p, M, c0, c1, F0, B0, W0, F1, B1, W1):
+        return [([F0], 2 * (p - r) - 1), ([F1, F0], r), ([F1, B1, W1], p - r),
+                ([F0, B0, W0, F1, B1, W1], M - 2 * p + r + 1), ([B0, W0, F1, B1, W1], p - r - 1),
+                ([B0, B1], r), ([B0, W0], p - r), ([W1], r), ([W0], r)]
+    return _v_schedule("zb-v", num_stages, num_microbatches, phases)
+
+
+def _v_schedule(name: str, num_stages: int, num_microbatches: int, phases) -> Schedule:
+    """A V schedule from its per-slice phase table: phases(r, p, M, c0, c1, F0, B0, W0, F1,
+    B1, W1) -> [(pattern, repeats), ...] for slice r of p, built for M >= 2p-1 microbatches,
+    c0 / c1 the slice's stages on the way down / up and F0 ... W1 their (stage, kind) slots."""
+    p = _check_v(name, num_stages, num_microbatches)
     M = max(num_microbatches, 2 * p - 1)
     codes = []
     for r in range(p):
         c0, c1 = r, 2 * p - 1 - r
-        F0, B0, W0, F1, B1, W1 = (c0, _F), (c0, _B), (c0, _W), (c1, _F), (c1, _B), (c1, _W)
-        codes.append(_phases(([F0], 2 * (p - r) - 1), ([F1, F0], r), ([F1, B1, W1], p - r),
-                             ([F0, B0, W0, F1, B1, W1], M - 2 * p + r + 1),
-                             ([B0, W0, F1, B1, W1], p - r - 1),
-                             ([B0, B1], r), ([B0, W0], p - r), ([W1], r), ([W0], r)))
-    return _build("zb-v", num_stages, num_microbatches, 2, True, v_placement(num_stages, p), codes, M)
+        slots = [(c, kind) for c in (c0, c1) for kind in (_F, _B, _W)]
+        codes.append(_phases(*phases(r, p, M, c0, c1, *slots)))
+    return _build(name, num_stages, num_microbatches, 2, True, v_placement(num_stages, p), codes, M)
 
 
 def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
@@ -352,18 +360,13 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     leave their W waiting; p-r-1 times (oldest waiting W, B0 whose W waits); the waiting W
     last. DualPipe runs each F&B pair as one fused program so that one's communication hides
     under the other's compute; mpmd runs the two tasks back to back (no fused program), so
-    the order is DualPipeV's and the overlap is not modelled. With F = B = W the bubble is
-    a few units per slice above ZB-V's (mpmd.simulate gives it), at 2p+1 live
-    stage-microbatches on slice 0 (2(p-1) warm-ups, then a pair).
+    the order is DualPipeV's and the overlap is not modelled. With F = B = W its bubble is
+    ZB-V's, (p-1)/(6m+p-1), at 2p+1 live stage-microbatches per slice (one more than ZB-V:
+    the F of a pair starts before the B of the pair frees its microbatch).
 
     Needs m >= 2p-1 for its shape; fewer microbatches are handled as in zb_v.
     """
-    p = _check_v("dualpipe-v", num_stages, num_microbatches)
-    M = max(num_microbatches, 2 * p - 1)
-    codes = []
-    for r in range(p):
-        c0, c1 = r, 2 * p - 1 - r
-        F0, B0, W0, F1, B1, W1 = (c0, _F), (c0, _B), (c0, _W), (c1, _F), (c1, _B), (c1, _W)
+    def phases(r, p, M, c0, c1, F0, B0, W0, F1, B1, W1):
         # The last r+1 backward pairs switch to deferred W half way (DualPipeV's zero-bubble
         # tail); which chunk defers first depends on r's parity, as in DualPipeV.
         half = (r + 1) // 2
@@ -374,13 +377,11 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
                 [c0] + [c1, c0] * (r - half)
         # The waiting W run oldest first: those of the tail, then those of step 7's B0s.
         queue = deferred + [c0] * (p - r - 1)
-        step7 = [([(queue[i], _W), B0], 1) for i in range(p - r - 1)]
-        codes.append(_phases(([F0], 2 * (p - r - 1)), ([F0, F1], r + 1), ([B1, W1, F1], p - r - 1),
-                             ([F0, B1, W1, F1, B0, W0], M - 2 * p + r + 1),
-                             ([B1, W1, F1, B0, W0], p - r - 1), *tail, *step7,
-                             ([(c, _W) for c in queue[p - r - 1:]], 1)))
-    return _build("dualpipe-v", num_stages, num_microbatches, 2, True, v_placement(num_stages, p),
-                  codes, M)
+        return [([F0], 2 * (p - r - 1)), ([F0, F1], r + 1), ([B1, W1, F1], p - r - 1),
+                ([F0, B1, W1, F1, B0, W0], M - 2 * p + r + 1), ([B1, W1, F1, B0, W0], p - r - 1),
+                *tail, *[([(queue[i], _W), B0], 1) for i in range(p - r - 1)],
+                ([(c, _W) for c in queue[p - r - 1:]], 1)]
+    return _v_schedule("dualpipe-v", num_stages, num_microbatches, phases)
 
 
 SCHEDULES = {

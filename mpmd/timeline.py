@@ -86,6 +86,9 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
     pos, stop = tasks.offsets[:-1].copy(), tasks.offsets[1:]
     free, busy = np.zeros(p), np.zeros(p)
     active = np.flatnonzero(pos < stop)
+    # Rounds until some active slice runs out, if every round ran every slice: the check
+    # for finished slices is needed only then (or after a round where some waited).
+    until_done = int((stop - pos)[active].min()) if active.size else 0
     step = 0
     while active.size:
         everyone = active.size == p      # then whole arrays stand in for active ones
@@ -95,8 +98,7 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
         if comm_s:
             ready += comm_s
         cost = cost_table[word >> _DEP_BITS]
-        waiting = np.isnan(ready)
-        if everyone and not waiting.any():
+        if everyone and not np.isnan(ready.sum()):   # nothing waits (ends are never +inf)
             # Every slice runs its next task: the common round, done in place.
             np.maximum(free, ready, out=free)
             free += cost
@@ -105,8 +107,10 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
             if rounds is not None:
                 rounds[i] = step
             pos += 1
+            until_done -= 1
         else:
             running = active
+            waiting = np.isnan(ready)
             if waiting.any():
                 if waiting.all():
                     raise ScheduleError(_deadlock_message(schedule, tasks, end, pos, active))
@@ -119,9 +123,11 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
             if rounds is not None:
                 rounds[i] = step
             pos[running] += 1
+            until_done = 0
         step += 1
-        if (pos[active] == stop[active]).any():
+        if until_done <= 0:
             active = np.flatnonzero(pos < stop)
+            until_done = int((stop - pos)[active].min()) if active.size else 0
     return Walk(tasks, end, packed, float(comm_s), busy, free, rounds)
 
 
