@@ -11,7 +11,9 @@ numpy included) is its own. Per case it prints the seconds of
   validate  schedules.validate: placement, completeness, deadlock freedom
   simulate  simulate.simulate with F = B = W = 1 (validates again: it walks the schedule)
 
-and the peak memory after them, then lowering: lowering.train_stream builds one slice's
+(wall clock, and in parentheses this process's CPU seconds: on a shared machine the wall
+clock also counts time the process waited for a core) and the peak memory after them, then
+lowering: lowering.train_stream builds one slice's
 instruction stream at a time (the streams are Python objects; never all slices at once).
 By default it lowers 8 slices spread over the pipeline and prints the mean seconds per
 slice, the largest stream, the peak memory after lowering (JAX is imported for it, which
@@ -47,16 +49,17 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
     from mpmd.simulate import simulate
     num_stages = num_slices * virtual_stages
     out = {"name": name, "p": num_slices, "m": num_microbatches}
-    start = time.perf_counter()
+    clocks = lambda: (time.perf_counter(), time.process_time())
+    start = clocks()
     schedule = schedules.make(name, num_stages, num_microbatches, virtual_stages)
-    out["make_s"] = time.perf_counter() - start
-    out["tasks"] = schedule.slices.num_tasks
-    start = time.perf_counter()
+    made = clocks()
     schedules.validate(schedule)
-    out["validate_s"] = time.perf_counter() - start
-    start = time.perf_counter()
+    validated = clocks()
     sim = simulate(schedule)
-    out["simulate_s"] = time.perf_counter() - start
+    simulated = clocks()
+    for phase, (a, b) in (("make", (start, made)), ("validate", (made, validated)), ("simulate", (validated, simulated))):
+        out[f"{phase}_s"], out[f"{phase}_cpu_s"] = b[0] - a[0], b[1] - a[1]
+    out["tasks"] = schedule.slices.num_tasks
     out["bubble"] = sim.bubble_fraction
     out["peak_mb"] = _peak_mb()
     del sim
@@ -96,7 +99,7 @@ def main() -> None:
     p, m = (64, 512) if args.quick else (1024, 8192)
     print(f"p = {p} slices, m = {m} microbatches; seconds and peak resident memory per case "
           f"(a subprocess each)")
-    print(f"{'schedule':>17} {'tasks':>10} {'make':>6} {'valid':>6} {'sim':>6} {'sum':>6} {'peak MB':>8} "
+    print(f"{'schedule':>17} {'tasks':>10} {'make':>13} {'validate':>13} {'simulate':>13} {'sum':>13} {'peak MB':>8} "
           f"| {'lowered':>7} {'s/slice':>7} {'longest':>8} {'all p':>8} {'peak MB':>8} {'bubble':>7}")
     for name, v in CASES:
         cmd = [sys.executable, __file__, "--case", f"{name},{p},{m},{v}"] + (["--all-slices"] if args.all_slices else [])
@@ -106,10 +109,13 @@ def main() -> None:
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
         total = r["make_s"] + r["validate_s"] + r["simulate_s"]
+        total_cpu = r["make_cpu_s"] + r["validate_cpu_s"] + r["simulate_cpu_s"]
+        both = lambda wall, cpu: f"{wall:6.2f} ({cpu:5.2f})"
         measured_all = r["lowered"] == r["p"]
         all_p = r["lower_measured_s"] if measured_all else r["lower_per_slice_s"] * r["p"]
-        print(f"{name:>17} {r['tasks']:>10} {r['make_s']:6.2f} {r['validate_s']:6.2f} {r['simulate_s']:6.2f} "
-              f"{total:6.2f} {r['peak_mb']:8.0f} | {r['lowered']:>7} {r['lower_per_slice_s']:7.3f} "
+        print(f"{name:>17} {r['tasks']:>10} {both(r['make_s'], r['make_cpu_s'])} "
+              f"{both(r['validate_s'], r['validate_cpu_s'])} {both(r['simulate_s'], r['simulate_cpu_s'])} "
+              f"{both(total, total_cpu)} {r['peak_mb']:8.0f} | {r['lowered']:>7} {r['lower_per_slice_s']:7.3f} "
               f"{r['longest_stream']:>8} {all_p:7.1f}{' ' if measured_all else '*'} "
               f"{r['peak_after_lowering_mb']:8.0f} {r['bubble']:7.4f}")
     print("* projected: mean seconds per lowered slice x p (run with --all-slices to measure it)")

@@ -43,9 +43,17 @@ class Walk:
         return np.maximum(previous, self._end[self._packed[a:b] & _DEP_MASK] + self._comm_s)
 
 
+def index_type(num_stages: int, num_microbatches: int):
+    """int32 while every identity (< 3 S m) fits, else int64: half the memory traffic."""
+    return np.int32 if 3 * num_stages * num_microbatches + 2 < 2**31 else np.int64
+
+
 def identities(stage, mb, kind, num_stages: int, num_microbatches: int) -> np.ndarray:
-    """(kind * S + stage) * m + mb as int64: one integer per (stage, mb, kind)."""
-    return (kind.astype(np.int64) * num_stages + stage) * num_microbatches + mb
+    """(kind * S + stage) * m + mb: one integer per (stage, mb, kind), of index_type."""
+    ks = kind.astype(index_type(num_stages, num_microbatches)) * num_stages + stage
+    ks *= num_microbatches
+    ks += mb
+    return ks
 
 
 # Per task, one int64 holds the index of the task on another slice it waits for (low 32
@@ -168,9 +176,10 @@ def _positions(tasks: TaskArrays, S: int, m: int):
     """identity -> task index, or None when some identity is not held by any task (the
     count being right and every identity in range, that is exactly when one appears twice)."""
     N = tasks.num_tasks
-    where = np.full(N, -1, dtype=np.int64 if N >= 2**31 else np.int32)
+    dtype = index_type(S, m)
+    where = np.full(N, -1, dtype=dtype)
     for a, b in _chunks(N):
-        where[identities(tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b], S, m)] = np.arange(a, b)
+        where[identities(tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b], S, m)] = np.arange(a, b, dtype=dtype)
     if (where < 0).any():
         return None
     return where
@@ -184,22 +193,24 @@ def _cross_dependencies(tasks: TaskArrays, where, placement, S: int, m: int) -> 
     # Tables over (kind, stage) = kind * S + stage: whether the task waits for the
     # neighbouring stage (F on s-1, B on s+1), how far that task's identity is, and
     # whether the neighbour sits on the same slice.
+    dtype = index_type(S, m)
     stage = np.arange(S)
     has = np.concatenate((stage > 0, stage < S - 1, np.zeros(S, bool)))
-    step = np.concatenate((np.full(S, -m), np.full(S, m), np.zeros(S, np.int64))) * has
+    step = (np.concatenate((np.full(S, -m), np.full(S, m), np.zeros(S, np.int64))) * has).astype(dtype)
     neighbour = np.concatenate((np.maximum(stage - 1, 0), np.minimum(stage + 1, S - 1), stage))
     same = has & (placement[neighbour] == np.tile(placement, 3))
+    no_cross = ~has | same
+    # Own-stage dependency (B on F, W on B): S*m identities back; F has none, and its own
+    # identity stands in (never later than itself).
+    own_step = np.concatenate((np.zeros(S), np.full(2 * S, S * m))).astype(dtype)
     for a, b in _chunks(N):
-        ks = tasks.kind[a:b].astype(np.int64) * S + tasks.stage[a:b]
+        ks = tasks.kind[a:b].astype(dtype) * S + tasks.stage[a:b]
         ident = ks * m + tasks.microbatch[a:b]
-        here = np.arange(a, b)
+        here = np.arange(a, b, dtype=dtype)
         dep = where[ident + step[ks]]          # the task itself where there is no neighbour
         late = same[ks] & (dep > here)
-        dep[~has[ks] | same[ks]] = N
-        # The dependency on the own stage (B on F, W on B), always on this slice; F has none
-        # (its own identity stands in, which is never later than itself).
-        own = ident - np.where(ks >= S, S * m, 0)
-        late |= where[own] > here
+        dep[no_cross[ks]] = N
+        late |= where[ident - own_step[ks]] > here
         dep[late] = N + 1
         out[a:b] = dep
     return out
