@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes
 from mpmd import names, schedules, sharding, stage_programs
 from mpmd.pipeline import Pipeline, shared_indices, shared_peers
 from mpmd.specs import spec
+from mpmd.task_arrays import KIND_CODES, as_arrays
 
 SCALAR = (Spec((), "float32"),)
 
@@ -179,7 +181,19 @@ def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dic
 def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
                   shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
                   ) -> list[list[Instruction]]:
-    """One training step's instruction stream per slice, before Deletes are inserted.
+    """One training step's instruction stream per slice, before Deletes are inserted: every
+    slice's `train_stream`. For thousands of slices call `train_stream` slice by slice
+    instead, so that only one slice's instructions exist at a time."""
+    schedule = schedule._replace(slices=as_arrays(schedule.slices))   # converted once
+    return [train_stream(schedule, r, transfers, clip, shared, shared_specs)
+            for r in range(schedule.num_slices)]
+
+
+def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
+                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
+                 ) -> list[Instruction]:
+    """Slice r's instruction stream for one training step, before Deletes are inserted,
+    read straight from the schedule's task arrays (no Task objects).
 
     `transfers` gives each receive's specs and each send's pieces (see Transfers; for plans
     without layouts, `Transfers.plain(act_specs)`). The streams name programs but do not
@@ -191,23 +205,23 @@ def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool
     the other holders, and before the update each holder sums every holder's part in stage
     order, so all copies get the same total gradient, bit for bit, and stay identical.
     """
+    tasks = as_arrays(schedule.slices)
+    a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
+    stage, mb, kind = tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b]
     peers = shared_peers(schedule.num_stages, shared)
-    streams = []
-    for r, tasks in enumerate(schedule.slices):
-        out = _TrainStream(schedule, r, transfers, clip, peers, shared_specs or {})
-        for task in tasks:
-            k, j = task.stage, task.microbatch
-            if task.kind == schedules.FORWARD:
-                out.forward(k, j)
-            elif task.kind == schedules.BACKWARD and schedule.split_backward:
-                out.input_grad(k, j)
-            else:   # a full backward (B without split) or a weight gradient (W)
-                out.weight_grad(k, j, input_grad_too=task.kind == schedules.BACKWARD)
-        out.sum_shared()
-        out.receive_norms()
-        out.update()
-        streams.append(out.ops)
-    return streams
+    out = _TrainStream(schedule, r, transfers, clip, peers, shared_specs or {}, stage, kind)
+    forward, backward = KIND_CODES[schedules.FORWARD], KIND_CODES[schedules.BACKWARD]
+    for k, j, code in zip(stage.tolist(), mb.tolist(), kind.tolist()):
+        if code == forward:
+            out.forward(k, j)
+        elif code == backward and schedule.split_backward:
+            out.input_grad(k, j)
+        else:   # a full backward (B without split) or a weight gradient (W)
+            out.weight_grad(k, j, input_grad_too=code == backward)
+    out.sum_shared()
+    out.receive_norms()
+    out.update()
+    return out.ops
 
 
 class _TrainStream:
@@ -215,7 +229,7 @@ class _TrainStream:
     emitted only where producer and consumer sit on different slices."""
 
     def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers,
-                 shared_specs):
+                 shared_specs, stage, kind):
         self.r, self.clip, self.peers, self.shared_specs = r, clip, peers, shared_specs
         self.t = transfers
         self.placement = schedule.placement
@@ -224,9 +238,8 @@ class _TrainStream:
         self.ops: list[Instruction] = []
         self.stages = schedule.stages_on(r)
         # Weight-gradient tasks left per stage; at 0 the stage's gradient is final.
-        last_kind = schedules.WEIGHT if self.split else schedules.BACKWARD
-        tasks = schedule.slices[r]
-        self.remaining = {k: sum(1 for t in tasks if t.stage == k and t.kind == last_kind) for k in self.stages}
+        last = stage[kind == KIND_CODES[schedules.WEIGHT if self.split else schedules.BACKWARD]]
+        self.remaining = {k: int(np.count_nonzero(last == k)) for k in self.stages}
         self.accumulating: set[int] = set()     # stages whose gradient buffer exists
 
     def _elsewhere(self, k: int) -> bool:
@@ -334,17 +347,23 @@ class _TrainStream:
 
 
 def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
-    """Evaluation and prediction plans: F tasks only, each slice in (microbatch, stage) order.
+    """Evaluation and prediction plans, every slice's `forward_only_stream`."""
+    plans = [forward_only_stream(schedule, r, transfers) for r in range(schedule.num_slices)]
+    return [e for e, _ in plans], [p for _, p in plans]
+
+
+def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers):
+    """Slice r's evaluation and prediction streams: F tasks only, in (microbatch, stage) order.
 
     Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice
     can wait on a task that waits on it: deadlock-free for any placement.
     """
     S, placement = schedule.num_stages, schedule.placement
-    evaluate: list[list[Instruction]] = [[] for _ in range(schedule.num_slices)]
-    predict: list[list[Instruction]] = [[] for _ in range(schedule.num_slices)]
+    evaluate: list[Instruction] = []
+    predict: list[Instruction] = []
+    mine = schedule.stages_on(r)
     for j in range(schedule.num_microbatches):
-        for k in range(S):
-            r = placement[k]
+        for k in mine:
             a_in = names.inputs(j) if k == 0 else names.activation(k, j)
             out = names.output(j) if k == S - 1 else names.activation(k + 1, j)
             ops: list[Instruction] = []
@@ -354,11 +373,11 @@ def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
             ops.append(Run(names.program("infer", k), (names.params(k), a_in), (out,), f"F s{k} mb{j}"))
             if k < S - 1 and placement[k + 1] != r:
                 ops.append(Send(out, placement[k + 1], names.act_key(k + 1, j), transfers.act_pieces[k + 1]))
-            evaluate[r] += ops
-            predict[r] += ops
+            evaluate += ops
+            predict += ops
             if k == S - 1:
-                evaluate[r].append(Run(names.program("loss", k), (out, names.targets(j)), (names.loss(j),),
-                                       f"loss mb{j}"))
+                evaluate.append(Run(names.program("loss", k), (out, names.targets(j)), (names.loss(j),),
+                                    f"loss mb{j}"))
     return evaluate, predict
 
 

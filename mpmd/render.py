@@ -4,6 +4,11 @@ Colour says the kind (F blue, B green, W orange); lighter and darker shades alte
 the microbatch number, and the number is written in each box wide enough to hold it (white
 on the dark shade, black on the light one). The legend lists the kinds the schedule has.
 Plain SVG text, standard library only.
+
+A picture shows only so much: past MAX_ROWS slices it draws MAX_ROWS of them, evenly
+spaced (first and last included, each labelled with its real index) and says so in the
+title; past MAX_BOXES tasks in the drawn rows it refuses (ValueError), since boxes would be
+narrower than a pixel. `not_drawable` says why before anyone tries.
 """
 
 from __future__ import annotations
@@ -23,6 +28,26 @@ _ROW_PX, _ROW_GAP_PX, _LEFT_PX, _TOP_PX, _BOTTOM_PX = 28, 6, 70, 44, 40
 _LABEL_MIN_PX = 14  # narrower boxes get no microbatch label
 _TEXT_COLOURS = ("white", "black")  # on the dark / light shade of _COLOURS
 _CHAR_PX = 6  # rough width of one 11 px sans-serif character, for laying out the legend
+MAX_ROWS = 32          # slices drawn at most
+MAX_BOXES = 20_000     # tasks drawn at most: 1200 px over more is under a pixel per 16 tasks
+
+
+def rows_drawn(num_slices: int) -> list[int]:
+    """The slices a picture shows: all of them, or MAX_ROWS evenly spaced ones."""
+    if num_slices <= MAX_ROWS:
+        return list(range(num_slices))
+    step = (num_slices - 1) / (MAX_ROWS - 1)
+    return sorted({round(i * step) for i in range(MAX_ROWS)})
+
+
+def not_drawable(simulation: Simulation) -> str | None:
+    """Why the timeline cannot be drawn (too many tasks in the rows it would show), or None."""
+    rows = rows_drawn(len(simulation.spans))
+    boxes = sum(simulation.spans.num_tasks(r) for r in rows)
+    if boxes > MAX_BOXES:
+        return (f"the {len(rows)} slices it would draw hold {boxes} tasks, more than {MAX_BOXES} "
+                f"boxes can show in {_TIMELINE_PX} px; use fewer microbatches or slices")
+    return None
 
 
 def _tick_step(makespan: float) -> float:
@@ -37,20 +62,27 @@ def _fmt(x: float) -> str:
 
 
 def render_svg(schedule: Schedule, simulation: Simulation, path_or_none=None) -> str:
-    """SVG text of the timeline; also written to `path_or_none` unless it is None."""
+    """SVG text of the timeline; also written to `path_or_none` unless it is None.
+    ValueError (saying why) when the drawn rows hold more than MAX_BOXES tasks."""
+    why = not_drawable(simulation)
+    if why:
+        raise ValueError(f"timeline not drawn: {why}")
     makespan = simulation.makespan if simulation.makespan > 0 else 1.0
     px_per_unit = _TIMELINE_PX / makespan
-    num_rows = len(simulation.spans)
-    rows_px = num_rows * (_ROW_PX + _ROW_GAP_PX)
+    num_slices = len(simulation.spans)
+    rows = rows_drawn(num_slices)
+    rows_px = len(rows) * (_ROW_PX + _ROW_GAP_PX)
     width, height = _LEFT_PX + _TIMELINE_PX + 20, _TOP_PX + rows_px + _BOTTOM_PX
-    title = (f"{schedule.name}: p={num_rows} slices, {schedule.num_stages} stages, "
+    sampled = "" if len(rows) == num_slices else f" ({len(rows)} of them drawn)"
+    title = (f"{schedule.name}: p={num_slices} slices{sampled}, {schedule.num_stages} stages, "
              f"m={schedule.num_microbatches}, makespan={_fmt(simulation.makespan)}, "
              f"bubble={simulation.bubble_fraction:.1%}")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="sans-serif" font-size="11">',
            f'<text x="{_LEFT_PX}" y="20" font-size="14">{escape(title)}</text>']
-    for r, spans in enumerate(simulation.spans):
-        y = _TOP_PX + r * (_ROW_PX + _ROW_GAP_PX)
+    drawn = [(r, simulation.spans[r]) for r in rows]
+    for row, (r, spans) in enumerate(drawn):
+        y = _TOP_PX + row * (_ROW_PX + _ROW_GAP_PX)
         out.append(f'<text x="{_LEFT_PX - 8}" y="{y + _ROW_PX / 2 + 4}" '
                    f'text-anchor="end">slice {r}</text>')
         for task, start, end in spans:
@@ -76,7 +108,7 @@ def render_svg(schedule: Schedule, simulation: Simulation, path_or_none=None) ->
     # Without split_backward a B task is the whole backward; with it, B and W are its halves.
     names = {"F": "forward", "B": "backward (input grad)" if schedule.split_backward else "backward",
              "W": "backward (weight grad)"}
-    kinds = [k for k in names if any(t.kind == k for spans in simulation.spans for t, _, _ in spans)]
+    kinds = [k for k in names if any(t.kind == k for _, spans in drawn for t, _, _ in spans)]
     entries_px = [10 + 4 + _CHAR_PX * len(names[k]) + 16 for k in kinds]  # swatch, gap, text, gap
     x = _LEFT_PX + _TIMELINE_PX - sum(entries_px)
     for kind, entry_px in zip(kinds, entries_px):

@@ -3,15 +3,21 @@
 `main(argv)` takes the arguments after the word `schedule` and returns the exit status:
 0 on success, 2 when the schedule or costs are impossible (message "error: ..." on stderr).
 Malformed command lines exit 2 through argparse, as usual.
+
+Past SUMMARY_SLICES slices the per-slice figures are summarised (min / median / max)
+instead of listed, and the SVG shows what mpmd.render can draw (a sample of the slices; no
+picture at all past its box limit, saying so): `mpmd schedule zb-v --stages 2048
+--microbatches 8192` prints a few lines in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from mpmd import schedules
-from mpmd.render import render_svg
+from mpmd.render import not_drawable, render_svg
 from mpmd.simulate import simulate
 
 
@@ -37,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", type=int, required=True, metavar="P",
                         help="number of pipeline stages (slices times virtual stages)")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M")
-    parser.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                        help="stages per slice (interleaved-1f1b only; default 1)")
+    parser.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                        help="stages per slice: interleaved-1f1b takes V >= 2; default the "
+                             "schedule's own (2 for zb-v and dualpipe-v, else 1)")
     parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W[,BW]",
                         help="time of one forward, input-gradient backward and weight-gradient "
                              "task, and optionally of one full backward (default B+W); default "
@@ -59,20 +66,32 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     output = args.output or f"{args.name}.svg"
-    render_svg(schedule, simulation, output)
+    why_not = not_drawable(simulation)
+    if why_not is None:
+        render_svg(schedule, simulation, output)
     print(f"schedule:          {schedule.name}  (stages={schedule.num_stages}, "
           f"slices={len(schedule.slices)}, microbatches={schedule.num_microbatches}, "
           f"virtual_stages={schedule.virtual_stages})")
     print(f"makespan:          {simulation.makespan:g}")
     print(f"bubble fraction:   {simulation.bubble_fraction:.4f}")
-    print(f"peak live activations per slice: "
-          f"{' '.join(map(str, simulation.peak_live_activations))}")
+    print(f"peak live activations per slice: {_per_slice(simulation.peak_live_activations, '')}")
+    print(f"bubble per slice:  {_per_slice(simulation.bubble_fraction_per_slice, '.4f')}")
     if schedule.split_backward and (args.costs is None or "BW" not in args.costs):
         print("note:              assumes B + W = one full backward; mpmd's W program today "
               "recomputes the forward vjp (B + W ~ 1.5x the full backward on a GPT block), so "
               "pass measured --costs F,B,W,BW (mpmd.stage_costs.measure) for figures of mpmd itself")
-    print(f"wrote {output}")
+    print(f"wrote {output}" if why_not is None else f"svg not written: {why_not}")
     return 0
+
+
+SUMMARY_SLICES = 32   # more slices than this: min / median / max instead of one per slice
+
+
+def _per_slice(values, fmt: str) -> str:
+    if len(values) <= SUMMARY_SLICES:
+        return " ".join(format(v, fmt) for v in values)
+    return (f"min {format(min(values), fmt)}, median {format(statistics.median(values), fmt)}, "
+            f"max {format(max(values), fmt)} over {len(values)} slices")
 
 
 if __name__ == "__main__":

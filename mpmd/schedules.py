@@ -1,30 +1,52 @@
 """Pipeline schedules as data.
 
 A schedule is one ordered task list per slice; a task is (stage, microbatch, kind) with kind
-F (forward), B (backward) or W (weight gradient). Every schedule here is produced by one
-generator, `_slice_tasks`: warm-up forwards, then forward/backward pairs, then the remaining
-backwards, with weight-gradient tasks optionally held back by a fixed lag. The schedules only
-differ in which forwards a slice owns, in what order, how many it runs before its first
-backward, and how long W may lag. Nothing here imports jax: schedules can be printed,
-validated, simulated (mpmd.simulate) and drawn (mpmd.render) without a device.
+F (forward), B (backward) or W (weight gradient). Generators build each slice's list as a
+sequence of (stage, kind) *slots*; a slot's microbatch is how many earlier slots of the same
+stage and kind the slice has (every stage runs its F, its B and its W in microbatch order),
+so the lists are numpy arrays from the start (mpmd.task_arrays) and scale to 1,024 slices x
+8,192 microbatches. `_slice_codes` is the shared shape of the 1F1B family: warm-up
+forwards, then forward/backward pairs, then the remaining backwards, with weight-gradient
+tasks optionally held back by a fixed lag; the V schedules are phase tables. Nothing here
+imports jax: schedules can be printed, validated, simulated (mpmd.simulate) and drawn
+(mpmd.render) without a device.
 
 Placement (which slice holds which stage) is part of the schedule: `Schedule.placement[k]`
 is stage k's slice, produced by the generator and read by everything downstream (lowering,
 simulator, dry run, trainer, checkpoints). One stage per slice is the identity; interleaved
-uses a loop (slice r holds r, r+p, ...); a V (`v_placement`) or a shrunk cluster only
-changes this table.
+uses a loop (slice r holds r, r+p, ...); a V (`v_placement`: ZB-V, DualPipeV) or a shrunk
+cluster only changes this table.
 
 Dependencies (what validity means): F(s, mb) needs F(s-1, mb); B(s, mb) needs F(s, mb) and
 B(s+1, mb) unless s is the last stage; W(s, mb) needs B(s, mb). Each slice runs its list
 strictly in order, one task at a time.
+
+Figures with F = B = W = 1 per stage (mpmd.simulate; p slices, m microbatches; "live" is the
+most (stage, microbatch) activations a slice holds at once, a V stage being half a 1F1B
+stage's layers, so 2p V-stage activations weigh what p 1F1B ones do):
+
+  schedule          stages  bubble                 peak live on slice 0
+  gpipe             p       (p-1)/(m+p-1)          m
+  1f1b              p       (p-1)/(m+p-1)          p
+  interleaved-1f1b  v*p     (p-1)/(v*m+p-1)        (v+1)p - 1 (m a multiple of p)
+  zb-h1             p       (p-1)/(3m+p-1)         p
+  zb-v              2p      (p-1)/(6m+p-1)         2p   (m >= 2p-1; = 1F1B's memory)
+  dualpipe-v        2p      (p-1)/(6m+p-1)         2p+1 (m >= 2p-1)
+
+(p-1)/(6m+p-1) is a lower bound for any schedule on a V with equal costs: slice p-1 cannot
+start before p-1 forwards have passed, and every slice has 6m units of work.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import NamedTuple
 
+import numpy as np
+
+from mpmd.task_arrays import KIND_CODES, TaskArrays, occurrence_rank
+
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+_F, _B, _W = (KIND_CODES[k] for k in (FORWARD, BACKWARD, WEIGHT))
 
 
 class Task(NamedTuple):
@@ -45,7 +67,9 @@ class Schedule(NamedTuple):
     num_microbatches: int
     virtual_stages: int  # stages per slice (the most any slice holds)
     split_backward: bool
-    slices: tuple[tuple[Task, ...], ...]  # one ordered task list per slice
+    # One ordered task list per slice: a TaskArrays from the generators (reads as tuples of
+    # Task, slice by slice), or any sequence of Task tuples built by hand.
+    slices: tuple[tuple[Task, ...], ...]
     placement: tuple[int, ...]  # placement[k]: the slice that holds stage k
 
     @property
@@ -89,38 +113,72 @@ def dependencies(task: Task, num_stages: int) -> tuple[tuple, ...]:
 
 
 # ---------------------------------------------------------------------------------------
-# Generators
+# Generators. A slot is coded stage * 3 + kind code; a slice's list is an int array of them.
 
 
-def _slice_tasks(forwards, backwards, num_warmup, w_lag):
-    """One slice's task list.
+def _slots(stages, kind: int) -> np.ndarray:
+    return np.asarray(stages, dtype=np.int64) * 3 + kind
 
-    forwards / backwards: the slice's (stage, mb) pairs in the order their F / B run.
-    num_warmup: forwards run before the first backward; after them F and B alternate until
-    the forwards run out, then the remaining backwards run.
+
+def _phases(*parts) -> np.ndarray:
+    """One slice's slots from (pattern, repeats) parts: a pattern is a list of (stage, kind)."""
+    pieces = [np.tile(np.array([s * 3 + k for s, k in pattern], dtype=np.int64), n)
+              for pattern, n in parts if n > 0 and pattern]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+
+
+def _slice_codes(forward_stages, backward_stages, num_warmup: int, w_lag) -> np.ndarray:
+    """One slice's slots for the 1F1B family.
+
+    forward_stages / backward_stages: the stage of each forward / backward the slice runs,
+    in run order. num_warmup: forwards run before the first backward; after them F and B
+    alternate until the forwards run out, then the remaining backwards run.
     w_lag: None for a non-split backward (no W tasks). Otherwise the number of W tasks that
     may wait after their B; W runs oldest first and the rest are flushed at the end. A lag
     of 0 is B immediately followed by its W.
     """
-    assert len(forwards) == len(backwards) and 0 <= num_warmup <= len(forwards)
-    tasks = [Task(s, mb, FORWARD) for s, mb in forwards[:num_warmup]]
-    pending_w = deque()
+    forwards, backwards = _slots(forward_stages, _F), _slots(backward_stages, _B)
+    n, w = len(forwards), num_warmup
+    assert len(backwards) == n and 0 <= w <= n
+    # Backward i's unit: [the forward it pairs with] B_i [W of backward i - lag].
+    units = np.full((n, 3), -1, dtype=np.int64)
+    units[:n - w, 0] = forwards[w:]
+    units[:, 1] = backwards
+    parts = [forwards[:w]]
+    if w_lag is not None:
+        weights = backwards + (_W - _B)
+        units[w_lag:, 2] = weights[:max(0, n - w_lag)]
+    units = units.ravel()
+    parts.append(units[units >= 0])
+    if w_lag is not None:
+        parts.append(weights[max(0, n - w_lag):])
+    return np.concatenate(parts)
 
-    def backward(stage, mb):
-        tasks.append(Task(stage, mb, BACKWARD))
-        if w_lag is not None:
-            pending_w.append((stage, mb))
-            if len(pending_w) > w_lag:
-                tasks.append(Task(*pending_w.popleft(), WEIGHT))
 
-    num_steady = len(forwards) - num_warmup
-    for (fs, fmb), (bs, bmb) in zip(forwards[num_warmup:], backwards[:num_steady]):
-        tasks.append(Task(fs, fmb, FORWARD))
-        backward(bs, bmb)
-    for bs, bmb in backwards[num_steady:]:
-        backward(bs, bmb)
-    tasks.extend(Task(s, mb, WEIGHT) for s, mb in pending_w)
-    return tuple(tasks)
+def _build(name, num_stages, num_microbatches, virtual_stages, split_backward, placement,
+           codes_per_slice, generated_microbatches=None) -> Schedule:
+    """The Schedule of per-slice slot arrays. Generators that need a minimum number of
+    microbatches to have their shape (the V schedules) build `generated_microbatches` and
+    drop every task of a microbatch >= num_microbatches: removing whole microbatches keeps
+    every remaining dependency and order, so the result stays deadlock-free."""
+    m = num_microbatches
+    codes_per_slice, ranks = list(codes_per_slice), []
+    for r, codes in enumerate(codes_per_slice):
+        mb = occurrence_rank(codes)
+        if generated_microbatches is not None and generated_microbatches > m:
+            keep = mb < m
+            codes_per_slice[r], mb = codes[keep], mb[keep]
+        ranks.append(mb)
+    lengths = [len(codes) for codes in codes_per_slice]
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    stage, kind = np.empty(offsets[-1], np.int32), np.empty(offsets[-1], np.int8)
+    for r, codes in enumerate(codes_per_slice):
+        a, b = offsets[r], offsets[r + 1]
+        np.floor_divide(codes, 3, out=stage[a:b], casting="unsafe")
+        np.remainder(codes, 3, out=kind[a:b], casting="unsafe")
+        codes_per_slice[r] = None     # free as we go: at 50 M tasks the slots weigh 400 MB
+    arrays = TaskArrays(stage, np.concatenate(ranks), kind, offsets)
+    return Schedule(name, num_stages, m, virtual_stages, split_backward, arrays, tuple(placement))
 
 
 def _check_counts(name, num_stages, num_microbatches, virtual_stages, needs_full_pipeline):
@@ -144,12 +202,9 @@ def _check_counts(name, num_stages, num_microbatches, virtual_stages, needs_full
 def _per_rank(name, num_stages, num_microbatches, warmup, w_lag=None):
     """A one-stage-per-slice schedule; warmup(r, p) and w_lag(r, p) are per-slice knobs."""
     p, m = num_stages, num_microbatches
-    slices = []
-    for r in range(p):
-        pairs = [(r, mb) for mb in range(m)]
-        lag = None if w_lag is None else w_lag(r, p)
-        slices.append(_slice_tasks(pairs, pairs, warmup(r, p), lag))
-    return Schedule(name, p, m, 1, w_lag is not None, tuple(slices), loop_placement(p, p))
+    codes = [_slice_codes(np.full(m, r), np.full(m, r), warmup(r, p),
+                          None if w_lag is None else w_lag(r, p)) for r in range(p)]
+    return _build(name, p, m, 1, w_lag is not None, loop_placement(p, p), codes)
 
 
 def gpipe(num_stages: int, num_microbatches: int, placement=None) -> Schedule:
@@ -162,17 +217,16 @@ def gpipe(num_stages: int, num_microbatches: int, placement=None) -> Schedule:
     the backward phase).
     """
     _check_counts("gpipe", num_stages, num_microbatches, 1, needs_full_pipeline=False)
+    m = num_microbatches
     if placement is None:
-        return _per_rank("gpipe", num_stages, num_microbatches, lambda r, p: num_microbatches)
+        return _per_rank("gpipe", num_stages, m, lambda r, p: m)
     placement = _check_placement("gpipe", num_stages, placement)
-    slices = []
+    codes = []
     for r in range(max(placement) + 1):
         mine = [k for k in range(num_stages) if placement[k] == r]
-        forwards = [(k, mb) for k in mine for mb in range(num_microbatches)]
-        backwards = [(k, mb) for k in reversed(mine) for mb in range(num_microbatches)]
-        slices.append(_slice_tasks(forwards, backwards, len(forwards), None))
-    most = max(placement.count(r) for r in range(len(slices)))
-    return Schedule("gpipe", num_stages, num_microbatches, most, False, tuple(slices), placement)
+        codes.append(_slice_codes(np.repeat(mine, m), np.repeat(mine[::-1], m), len(mine) * m, None))
+    most = max(placement.count(r) for r in range(len(codes)))
+    return _build("gpipe", num_stages, m, most, False, placement, codes)
 
 
 def _check_placement(name: str, num_stages: int, placement) -> tuple[int, ...]:
@@ -239,17 +293,95 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
     if m % p:
         raise ValueError(f"schedule '{name}' needs num_microbatches to be a multiple of the "
                          f"number of pipeline slices ({p}), got {m}")
-    slices = []
+    codes = []
     for r in range(p):
-        forwards, backwards = [], []
-        for first in range(0, m, p):
-            group = range(first, first + p)
-            for chunk in range(v):
-                forwards.extend((chunk * p + r, mb) for mb in group)
-                backwards.extend(((v - 1 - chunk) * p + r, mb) for mb in group)
-        num_warmup = min(2 * (p - 1 - r) + (v - 1) * p, m * v)
-        slices.append(_slice_tasks(forwards, backwards, num_warmup, None))
-    return Schedule(name, num_stages, m, v, False, tuple(slices), loop_placement(num_stages, p))
+        # One group of p microbatches: each of the slice's stages p times, in chunk order.
+        group = np.repeat(np.arange(v) * p + r, p)
+        forwards, backwards = np.tile(group, m // p), np.tile(group[::-1], m // p)
+        codes.append(_slice_codes(forwards, backwards, min(2 * (p - 1 - r) + (v - 1) * p, m * v), None))
+    return _build(name, num_stages, m, v, False, loop_placement(num_stages, p), codes)
+
+
+def _check_v(name: str, num_stages: int, num_microbatches: int) -> int:
+    """The number of slices of a V schedule (two stages each); ValueError otherwise."""
+    p = _check_counts(name, num_stages, num_microbatches, 1, needs_full_pipeline=False)
+    if num_stages % 2:
+        raise ValueError(f"schedule '{name}' puts two stages on each slice (a V), so it needs an "
+                         f"even num_stages, got {num_stages}")
+    return p // 2
+
+
+def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): p = S/2 slices,
+    V placement (slice r holds stages r and 2p-1-r, its "chunk 0" and "chunk 1"), split
+    backward.
+
+    Slice r: 2(p-r)-1 chunk-0 forwards; r pairs (F1, F0); p-r triples (F1, B1, W1) -- the
+    bottom of the V turns round and starts backwards at once; then the steady phase
+    (F0, B0, W0, F1, B1, W1), dropping F0 once chunk 0 has run all m; then cool-down: r pairs
+    (B0, B1) whose W wait, p-r pairs (B0, oldest waiting W0), and the waiting W1 and W0 last,
+    where they fill the drain. A slice holds at most 2p stage-microbatches (slice 0: 2p-1
+    chunk-0 warm-ups plus one chunk-1), i.e. 1F1B's peak memory with half-size stages. With
+    F = B = W the makespan is 6m + p - 1: every slice idles only the p-1 units it cannot
+    avoid (bubble (p-1)/(6m+p-1), the V's lower bound; 1F1B on the same model idles 6(p-1)
+    of these units per slice, bubble (p-1)/(m+p-1)).
+
+    The shape needs m >= 2p-1; for fewer microbatches the schedule for 2p-1 is built and
+    the missing microbatches' tasks are dropped (still valid, more bubble).
+    """
+    def phases(r, p, M, c0, c1, F0, B0, W0, F1, B1, W1):
+        return [([F0], 2 * (p - r) - 1), ([F1, F0], r), ([F1, B1, W1], p - r),
+                ([F0, B0, W0, F1, B1, W1], M - 2 * p + r + 1), ([B0, W0, F1, B1, W1], p - r - 1),
+                ([B0, B1], r), ([B0, W0], p - r), ([W1], r), ([W0], r)]
+    return _v_schedule("zb-v", num_stages, num_microbatches, phases)
+
+
+def _v_schedule(name: str, num_stages: int, num_microbatches: int, phases) -> Schedule:
+    """A V schedule from its per-slice phase table: phases(r, p, M, c0, c1, F0, B0, W0, F1,
+    B1, W1) -> [(pattern, repeats), ...] for slice r of p, built for M >= 2p-1 microbatches,
+    c0 / c1 the slice's stages on the way down / up and F0 ... W1 their (stage, kind) slots."""
+    p = _check_v(name, num_stages, num_microbatches)
+    M = max(num_microbatches, 2 * p - 1)
+    codes = []
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        slots = [(c, kind) for c in (c0, c1) for kind in (_F, _B, _W)]
+        codes.append(_phases(*phases(r, p, M, c0, c1, *slots)))
+    return _build(name, num_stages, num_microbatches, 2, True, v_placement(num_stages, p), codes, M)
+
+
+def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek, the "cut-in-half" DualPipe): p = S/2 slices, V placement,
+    split backward.
+
+    Slice r: 2(p-r-1) chunk-0 forwards; r+1 pairs (F0, F1); p-r-1 times (B1 W1, F1); the
+    main phase of overlapped F&B pairs -- (F0 with B1 W1), (F1 with B0 W0) -- m-2p+r+1
+    times; p-r-1 times (B1 W1, F1 with B0 W0); r+1 pairs (B1, B0) of which the second half
+    leave their W waiting; p-r-1 times (oldest waiting W, B0 whose W waits); the waiting W
+    last. DualPipe runs each F&B pair as one fused program so that one's communication hides
+    under the other's compute; mpmd runs the two tasks back to back (no fused program), so
+    the order is DualPipeV's and the overlap is not modelled. With F = B = W its bubble is
+    ZB-V's, (p-1)/(6m+p-1), at 2p+1 live stage-microbatches per slice (one more than ZB-V:
+    the F of a pair starts before the B of the pair frees its microbatch).
+
+    Needs m >= 2p-1 for its shape; fewer microbatches are handled as in zb_v.
+    """
+    def phases(r, p, M, c0, c1, F0, B0, W0, F1, B1, W1):
+        # The last r+1 backward pairs switch to deferred W half way (DualPipeV's zero-bubble
+        # tail); which chunk defers first depends on r's parity, as in DualPipeV.
+        half = (r + 1) // 2
+        if r % 2:
+            tail, deferred = [([B1, W1, B0, W0], half), ([B1, B0], r + 1 - half)], [c1, c0] * (r + 1 - half)
+        else:
+            tail, deferred = [([B1, W1, B0, W0], half), ([B1, W1, B0], 1), ([B1, B0], r - half)], \
+                [c0] + [c1, c0] * (r - half)
+        # The waiting W run oldest first: those of the tail, then those of step 7's B0s.
+        queue = deferred + [c0] * (p - r - 1)
+        return [([F0], 2 * (p - r - 1)), ([F0, F1], r + 1), ([B1, W1, F1], p - r - 1),
+                ([F0, B1, W1, F1, B0, W0], M - 2 * p + r + 1), ([B1, W1, F1, B0, W0], p - r - 1),
+                *tail, *[([(queue[i], _W), B0], 1) for i in range(p - r - 1)],
+                ([(c, _W) for c in queue[p - r - 1:]], 1)]
+    return _v_schedule("dualpipe-v", num_stages, num_microbatches, phases)
 
 
 SCHEDULES = {
@@ -257,122 +389,53 @@ SCHEDULES = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_one_f_one_b,
     "zb-h1": zb_h1,
+    "zb-v": zb_v,
+    "dualpipe-v": dualpipe_v,
 }
+_V_SCHEDULES = ("zb-v", "dualpipe-v")
 
 
-def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """Build schedule `name`; ValueError (naming what is allowed) for impossible arguments."""
+def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
+    """Build schedule `name`; ValueError (naming what is allowed) for impossible arguments.
+    virtual_stages (stages per slice) defaults to the schedule's own: 1, or 2 for the V
+    schedules; interleaved-1f1b needs it given (>= 2)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; known schedules: "
                          f"{', '.join(sorted(SCHEDULES))}")
     generator = SCHEDULES[name]
     if generator is interleaved_one_f_one_b:
-        return generator(num_stages, num_microbatches, virtual_stages)
-    if virtual_stages != 1:
+        return generator(num_stages, num_microbatches, 1 if virtual_stages is None else virtual_stages)
+    if name in _V_SCHEDULES:
+        if virtual_stages not in (None, 2):
+            raise ValueError(f"schedule '{name}' supports only virtual_stages=2 (it holds two "
+                             f"stages per slice, a V), got {virtual_stages!r}")
+    elif virtual_stages not in (None, 1):
         raise ValueError(f"schedule '{name}' supports only virtual_stages=1, got "
                          f"{virtual_stages!r}; only 'interleaved-1f1b' takes virtual stages")
     return generator(num_stages, num_microbatches)
 
 
 # ---------------------------------------------------------------------------------------
-# Validation
-
-
-def _check_structure(schedule: Schedule) -> None:
-    """Placement and completeness: each (stage, mb, kind) exactly once, on its slice."""
-    S, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
-    if v < 1 or S < 1 or m < 1:
-        raise ScheduleError(f"schedule {schedule.name!r} has num_stages={S}, "
-                            f"num_microbatches={m}, virtual_stages={v}; all must be >= 1")
-    p, placement = len(schedule.slices), tuple(schedule.placement)
-    if len(placement) != S or not all(isinstance(r, int) and 0 <= r < p for r in placement):
-        raise ScheduleError(f"schedule {schedule.name!r} placement {placement!r} must give each of "
-                            f"its {S} stages a slice in [0, {p})")
-    held = [placement.count(r) for r in range(p)]
-    if min(held) == 0 or max(held) != v:
-        raise ScheduleError(f"schedule {schedule.name!r} placement {placement!r} puts {held} stages "
-                            f"on its slices; every slice must hold at least one and the most any "
-                            f"holds must equal virtual_stages={v}")
-    kinds = (FORWARD, BACKWARD, WEIGHT) if schedule.split_backward else (FORWARD, BACKWARD)
-    seen = set()
-    for r, tasks in enumerate(schedule.slices):
-        for i, task in enumerate(tasks):
-            stage, mb, kind = task
-            if (kind in kinds and 0 <= stage < S and 0 <= mb < m and placement[stage] == r
-                    and task not in seen):
-                seen.add(task)
-                continue
-            where = f"{Task(*task)} at slice {r}, position {i}"
-            if kind not in kinds:
-                why = ("W tasks appear only in schedules with split_backward=True"
-                       if kind == WEIGHT else f"kind must be one of {', '.join(kinds)}")
-                raise ScheduleError(f"bad task {where}: {why}")
-            if not (0 <= stage < S and 0 <= mb < m):
-                raise ScheduleError(f"bad task {where}: stage must be in [0, {S}) and mb in "
-                                    f"[0, {m})")
-            if placement[stage] != r:
-                raise ScheduleError(f"wrong slice: {where}; stage {stage} belongs on slice "
-                                    f"{placement[stage]}")
-            raise ScheduleError(f"duplicate task {where}")
-    if len(seen) != S * m * len(kinds):
-        missing = [Task(s, mb, k) for k in kinds for s in range(S) for mb in range(m)
-                   if (s, mb, k) not in seen]
-        shown = ", ".join(map(str, missing[:5]))
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ScheduleError(f"missing tasks: {shown}{more}")
-
-
-def execution_order(schedule: Schedule) -> list[Task]:
-    """Validate `schedule` and return all its tasks in an order that respects every
-    dependency and every slice's own order (a run of the schedule with unbounded speed).
-
-    Event-driven walk, O(total tasks): each slice runs until its next task lacks a
-    dependency, then parks on that one task; finishing a task wakes the slices parked on it.
-    Whatever is still parked when nothing can run is a deadlock.
-    """
-    _check_structure(schedule)
-    S = schedule.num_stages
-    slices = schedule.slices
-    done = set()
-    parked = {}  # missing dependency -> slices waiting for it
-    position = [0] * len(slices)
-    runnable = list(range(len(slices)))
-    order = []
-    while runnable:
-        r = runnable.pop()
-        tasks = slices[r]
-        i = position[r]
-        while i < len(tasks):
-            task = tasks[i]
-            missing = [dep for dep in dependencies(task, S) if dep not in done]
-            if missing:
-                parked.setdefault(missing[0], []).append(r)
-                break
-            done.add(task)
-            order.append(task)
-            runnable.extend(parked.pop(task, ()))
-            i += 1
-        position[r] = i
-    if len(order) != sum(map(len, slices)):
-        raise ScheduleError(_deadlock_message(schedule, position, done))
-    return order
-
-
-def _deadlock_message(schedule, position, done) -> str:
-    S = schedule.num_stages
-    where = {task: i for tasks in schedule.slices for i, task in enumerate(tasks)}
-    parts = []
-    for r, tasks in enumerate(schedule.slices):
-        if position[r] == len(tasks):
-            continue
-        task = tasks[position[r]]
-        blocker = next(d for d in dependencies(task, S) if d not in done)
-        parts.append(f"slice {r} waits at {Task(*task)}, which needs {Task(*blocker)} not yet "
-                     f"run (slice {schedule.placement[blocker[0]]}, position {where[blocker]})")
-    return "deadlock: " + "; ".join(parts)
+# Validation: one vectorised walk (mpmd.timeline) checks placement, completeness and
+# deadlock freedom; it imports this module, hence the imports inside the functions.
 
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError naming the offending task unless `schedule` is complete, places
     every task on its slice and can run to the end without deadlock."""
-    execution_order(schedule)
+    from mpmd import timeline
+    timeline.walk(schedule)
+
+
+def execution_order(schedule: Schedule) -> list[Task]:
+    """Validate `schedule` and return all its tasks in an order that respects every
+    dependency and every slice's own order (a run of the schedule with unbounded speed):
+    by the round of the walk each ran in, then by slice. One Task object per task, so for
+    small schedules; the simulator and lowering read the arrays instead."""
+    from mpmd import timeline
+    from mpmd.task_arrays import KINDS
+    run = timeline.walk(schedule, record_rounds=True)
+    tasks = run.tasks
+    order = np.lexsort((tasks.slice_of_each(), run.rounds))
+    return [Task(s, j, KINDS[k]) for s, j, k in
+            zip(tasks.stage[order].tolist(), tasks.microbatch[order].tolist(), tasks.kind[order].tolist())]

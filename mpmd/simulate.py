@@ -12,14 +12,25 @@ forward, the usual rule of thumb) and no BW, p slices give:
   GPipe, 1F1B:   bubble = (p-1)/(m+p-1)      (any f, b, w: the formula does not depend on them)
   interleaved:   bubble = (p-1)/(v*m+p-1)    (m a multiple of p)
   ZB-H1:         bubble = (p-1)/(3m+p-1)     (a third of 1F1B's idle time, 3(p-1) -> p-1)
+  ZB-V:          bubble = (p-1)/(6m+p-1)     (2p stages; p-1 idle units per slice, the V's minimum)
+(mpmd.schedules' module doc has the table with DualPipeV and peak memory.)
+
+The timeline comes from mpmd.timeline's vectorised walk (also the validator), so a schedule
+of 1,024 slices x 8,192 microbatches simulates in seconds. Costs given as a dict or a
+per-stage list are priced by table look-ups; a callable is called once per task (fine for
+small schedules, slow for tens of millions of tasks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Callable, NamedTuple, Union
 
-from mpmd.schedules import (BACKWARD, FORWARD, WEIGHT, Schedule, Task, dependencies,
-                            execution_order)
+import numpy as np
+
+from mpmd import timeline
+from mpmd.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, Task
+from mpmd.task_arrays import KIND_CODES, KINDS, TaskArrays, as_arrays
 
 FULL_BACKWARD = "BW"   # a cost kind, not a task kind: B of a schedule without split backward
 DEFAULT_COSTS = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
@@ -34,7 +45,9 @@ class Simulation(NamedTuple):
     # Per slice, the most (stage, mb) pairs at once whose F has started and whose last
     # backward task (W if split, else B) has not finished: activations the slice must hold.
     peak_live_activations: tuple[int, ...]
-    spans: tuple[tuple[tuple[Task, float, float], ...], ...]  # per slice: (task, start, end)
+    # Per slice: (task, start, end) in the slice's order. A Spans: each slice's tuple is made
+    # when read, so a simulation of 50 M tasks holds arrays, not 50 M tuples.
+    spans: Sequence[tuple[tuple[Task, float, float], ...]]
 
 
 def cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]:
@@ -79,18 +92,22 @@ def _kind_table(costs, split_backward: bool, what: str) -> dict:
     return table
 
 
-def _peak_live(tasks, split_backward: bool, size: Callable[[int], float] = lambda stage: 1) -> float:
-    # Slices run one task at a time, so the live amount changes only between tasks: +size
-    # when an F starts, -size when the microbatch's last backward task ends. Costs do not matter.
-    last = WEIGHT if split_backward else BACKWARD
-    live = peak = 0
-    for task in tasks:
-        if task.kind == FORWARD:
-            live += size(task.stage)
-            peak = max(peak, live)
-        elif task.kind == last:
-            live -= size(task.stage)
-    return peak
+def _peak_live(tasks: TaskArrays, split_backward: bool, size=None) -> tuple:
+    """Per slice, the most activations held at once. Slices run one task at a time, so the
+    live amount changes only between tasks: +size when an F starts, -size when the
+    microbatch's last backward task ends (W if split, else B). Costs do not matter.
+    size: None (count 1 per stage-microbatch) or a per-stage array (e.g. bytes)."""
+    last = KIND_CODES[WEIGHT if split_backward else BACKWARD]
+    peaks = []
+    for r in range(len(tasks)):
+        a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
+        kind = tasks.kind[a:b]
+        step = (kind == KIND_CODES[FORWARD]).astype(np.int64) - (kind == last)
+        if size is not None:
+            step = step * size[tasks.stage[a:b]]
+        live = np.cumsum(step)
+        peaks.append(max(0, live.max()) if len(live) else 0)
+    return tuple(p.item() if hasattr(p, "item") else p for p in peaks)
 
 
 def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float]) -> tuple[float, ...]:
@@ -101,8 +118,51 @@ def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float]) -> tuple[f
     if len(residual_bytes) != schedule.num_stages:
         raise ValueError(f"residual_bytes has {len(residual_bytes)} entries; the schedule has "
                          f"{schedule.num_stages} stages")
-    return tuple(_peak_live(tasks, schedule.split_backward, residual_bytes.__getitem__)
-                 for tasks in schedule.slices)
+    return _peak_live(as_arrays(schedule.slices), schedule.split_backward,
+                      np.asarray(residual_bytes, dtype=np.float64))
+
+
+def _cost_arrays(costs: Costs, schedule: Schedule, tasks: TaskArrays):
+    """(cost_index per task, cost_table) for mpmd.timeline.walk: task i costs
+    cost_table[cost_index[i]]. A dict prices by kind, a per-stage list by (kind, stage), a
+    callable task by task."""
+    split = schedule.split_backward
+    if costs is None:
+        costs = DEFAULT_COSTS
+    if isinstance(costs, dict):
+        table = _kind_table(costs, split, "costs")
+        return tasks.kind, np.array([table[k] for k in KINDS])
+    if isinstance(costs, (list, tuple)):
+        tables = [_kind_table(c, split, f"costs[{k}]") for k, c in enumerate(costs)]
+        S = schedule.num_stages
+        if len(tables) < S:
+            raise ValueError(f"costs has {len(tables)} per-stage entries; the schedule has {S} stages")
+        flat = np.array([tables[s][k] for k in KINDS for s in range(S)])
+        return tasks.kind.astype(np.int64) * S + tasks.stage, flat
+    cost = cost_function(costs, split)
+    per_task = np.array([cost(task) for tasks_of in tasks for task in tasks_of], dtype=np.float64)
+    return np.arange(len(per_task)), per_task
+
+
+class Spans(Sequence):
+    """Per slice, the (task, start, end) triples of a simulation, built when a slice is read."""
+
+    def __init__(self, run: timeline.Walk):
+        self._run = run
+
+    def __len__(self) -> int:
+        return len(self._run.tasks)
+
+    def num_tasks(self, r: int) -> int:
+        offsets = self._run.tasks.offsets
+        return int(offsets[r + 1] - offsets[r])
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return tuple(self[i] for i in range(*r.indices(len(self))))
+        r = range(len(self))[r]
+        a, b = int(self._run.tasks.offsets[r]), int(self._run.tasks.offsets[r + 1])
+        return tuple(zip(self._run.tasks[r], self._run.starts(a, b).tolist(), self._run.end[a:b].tolist()))
 
 
 def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Simulation:
@@ -114,33 +174,16 @@ def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Si
     """
     if isinstance(comm_s, bool) or not isinstance(comm_s, (int, float)) or not comm_s >= 0:
         raise ValueError(f"comm_s must be a number >= 0 (seconds), got {comm_s!r}")
-    order = execution_order(schedule)
-    cost = cost_function(costs, schedule.split_backward)
-    S, p, placement = schedule.num_stages, len(schedule.slices), schedule.placement
-    end = {}
-    free_at = [0.0] * p
-    busy = [0.0] * p
-    spans = [[] for _ in range(p)]
-    # execution_order puts each task after its dependencies and its slice predecessor, so
-    # one pass computes every start time.
-    for task in order:
-        r = placement[task.stage]
-        start = free_at[r]
-        for dep in dependencies(task, S):
-            ready = end[dep] + (comm_s if placement[dep[0]] != r else 0.0)
-            if ready > start:
-                start = ready
-        duration = cost(task)
-        finish = start + duration
-        end[task] = finish
-        free_at[r] = finish
-        busy[r] += duration
-        spans[r].append((task, start, finish))
-    makespan = max(free_at)
+    tasks = as_arrays(schedule.slices)
+    cost_index, cost_table = _cost_arrays(costs, schedule, tasks)
+    run = timeline.walk(schedule._replace(slices=tasks), cost_index, cost_table, float(comm_s))
+    busy = run.busy.tolist()
+    p = len(busy)
+    makespan = max(run.free.tolist()) if p else 0.0
     if makespan > 0:
         per_slice = tuple(1.0 - b / makespan for b in busy)
         total = 1.0 - sum(busy) / (p * makespan)
     else:  # all costs zero: nothing to wait for
         per_slice, total = (0.0,) * p, 0.0
-    peaks = tuple(_peak_live(tasks, schedule.split_backward) for tasks in schedule.slices)
-    return Simulation(makespan, total, per_slice, peaks, tuple(map(tuple, spans)))
+    peaks = _peak_live(tasks, schedule.split_backward)
+    return Simulation(makespan, total, per_slice, peaks, Spans(run))

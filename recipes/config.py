@@ -99,7 +99,8 @@ class PipelineConfig(_Section):
         "1f1b", description="order of forward/backward tasks on each slice")
     num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
     virtual_stages: int = Field(
-        1, gt=0, description="stages per slice; >= 2 only for interleaved-1f1b")
+        1, gt=0, description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
+                             "(their V), else 1")
 
 
 class ClusterConfig(_Section):

@@ -30,7 +30,7 @@ def test_defaults_are_valid_and_describe_lists_every_key():
         *sections, leaf = key.split(".")
         line = next(line for line in text.splitlines() if line.startswith("  " * len(sections) + leaf + ":"))
         assert "  # " in line and len(line.split("  # ", 1)[1]) > 5, key
-    assert "(one of: gpipe, 1f1b, interleaved-1f1b, zb-h1)" in text
+    assert "(one of: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v, dualpipe-v)" in text
 
 
 def test_overrides_parse_nested_lists_null_bools_and_floats():
@@ -74,7 +74,9 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["model.num_kv_heads=1"], "model.num_kv_heads is only used by model.kind='llama'"),
     (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
     (["train.sample_temperature=-1"], "train.sample_temperature must be >= 0"),
-    (["pipeline.schedule=1F1B"], "'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'"),
+    (["pipeline.schedule=1F1B"], "'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'zb-v' or 'dualpipe-v'"),
+    (["pipeline.schedule=zb-v", "pipeline.num_stages=4"],
+     "pipeline.schedule='zb-v' supports only pipeline.virtual_stages=2 (it holds two stages per slice, a V), got 1"),
     (["train.steps=0"], "train.steps must be > 0, got 0"),
     (["model.seq_len=1"], "model.seq_len must be >= 2, got 1"),
     (["data.eval_fraction=1.0"], "data.eval_fraction must be < 1"),
@@ -157,6 +159,8 @@ def test_valid_static_and_custom_configs_pass():
     assert cfg.cluster.spares == ["c:3", "d:4"] and cfg.cluster.failure_timeout_s == 2.5
     cfg = config.load(None, ["cluster.backend=ray", "cluster.address=auto", "cluster.resources.GPU=1"])
     assert cfg.cluster.address == "auto" and cfg.cluster.resources == {"GPU": 1.0}
+    cfg = config.load(None, ["pipeline.schedule=dualpipe-v", "pipeline.num_stages=4", "pipeline.virtual_stages=2"])
+    assert cfg.num_workers == 2
     cfg = config.load(None, ["model.kind=custom", "model.module=my_pkg.models:build_stages"])
     assert cfg.model.module == "my_pkg.models:build_stages"
 

@@ -200,11 +200,11 @@ def test_split_errors():
 
 # -- training through the Trainer ------------------------------------------------------------
 
-def batches():
-    return [(np.asarray(tokens(BATCH, 2 * i)), np.asarray(tokens(BATCH, 2 * i + 1))) for i in range(STEPS)]
+def batches(batch=BATCH):
+    return [(np.asarray(tokens(batch, 2 * i)), np.asarray(tokens(batch, 2 * i + 1))) for i in range(STEPS)]
 
 
-def plain_training(make_model, optimizer=None, max_grad_norm=None):
+def plain_training(make_model, optimizer=None, max_grad_norm=None, batch=BATCH):
     """(losses, first grads, final params) of the whole model in plain JAX, global leaf order."""
     graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
     leaves, tree = jax.tree.flatten(params)
@@ -214,7 +214,7 @@ def plain_training(make_model, optimizer=None, max_grad_norm=None):
         opt = optax.chain(optax.clip_by_global_norm(max_grad_norm), opt)
     step = jax.jit(jax.value_and_grad(loss))
     state, losses, first = opt.init(leaves), [], None
-    for x, y in batches():
+    for x, y in batches(batch):
         value, grads = step(leaves, x, y)
         first = first or [np.asarray(g) for g in grads]
         updates, state = opt.update(grads, state, leaves)
@@ -224,19 +224,19 @@ def plain_training(make_model, optimizer=None, max_grad_norm=None):
 
 
 def check_trains_like_plain_jax(make_model, schedule="1f1b", cluster=None, max_grad_norm=None,
-                                 optimizer=None):
+                                 optimizer=None, num_microbatches=3, batch=BATCH):
     optimizer = optimizer or optax.adamw(LR)
-    ref_losses, ref_grads, ref_params = plain_training(make_model, optimizer, max_grad_norm)
+    ref_losses, ref_grads, ref_params = plain_training(make_model, optimizer, max_grad_norm, batch)
     stages = mpmd.split(make_model())
     by_stage = lambda per_stage: [np.asarray(l) for leaves in per_stage for l in jax.tree.leaves(leaves)]
     in_stage_order = lambda ref: [ref[i] for s in stages for i in s.param_index]
     pipe = mpmd.Pipeline(stages, models.lm_loss)
-    v = 3 if schedule == "interleaved-1f1b" else 1
-    with mpmd.Trainer(pipe, optimizer=optimizer, schedule=schedule, num_microbatches=3,
+    v = 3 if schedule == "interleaved-1f1b" else 2 if schedule in ("zb-v", "dualpipe-v") else 1
+    with mpmd.Trainer(pipe, optimizer=optimizer, schedule=schedule, num_microbatches=num_microbatches,
                       cluster=cluster or mpmd.InProcessCluster(), virtual_stages=v,
                       max_grad_norm=max_grad_norm) as trainer:
-        assert trainer.num_slices == 3 // v
-        data = batches()
+        assert trainer.num_slices == pipe.num_stages // v
+        data = batches(batch)
         loss, grads = trainer.grads(*data[0])
         assert loss == pytest.approx(ref_losses[0], rel=1e-5)
         reference.assert_leaves_close(by_stage(grads), in_stage_order(ref_grads), rtol=1e-5, what="gradients")
@@ -259,6 +259,19 @@ def test_marked_model_trains_like_plain_jax_1f1b():
 def test_tied_marked_model_trains_like_plain_jax(schedule):
     pipe = check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)), schedule)
     assert [sorted(k for k, _ in g) for g in pipe.shared] == [[0, 2]]
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 4), (4, 8)])
+def test_tied_marked_model_on_a_v_with_clipping(schedule, p, m):
+    # 2p stages (a mark after every block), the tied embedding on stages 0 and 2p-1: both on
+    # slice 0 of the V, so the shared gradient is summed without a transfer. SGD with
+    # momentum and a clip that triggers, so a wrong clip factor or a gradient counted twice
+    # in the norm shows.
+    make = lambda: MarkedGPT(num_blocks=2 * p - 1, boundaries=tuple(range(2 * p - 1)), rngs=nnx.Rngs(0))
+    pipe = check_trains_like_plain_jax(make, schedule, max_grad_norm=0.05, optimizer=optax.sgd(0.1, momentum=0.9),
+                                       num_microbatches=m, batch=8)
+    assert pipe.num_stages == 2 * p and [sorted(k for k, _ in g) for g in pipe.shared] == [[0, 2 * p - 1]]
 
 
 def test_tied_marked_model_global_norm_counts_shared_weight_once():

@@ -20,9 +20,13 @@ def gpt_reference():
 def cases():
     for p in (1, 2, 4):
         for m in (1, 4, 8):
-            for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
-                v = 2 if name == "interleaved-1f1b" else 1
-                if name != "gpipe" and (m < p or m % p and v > 1):
+            for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v"):
+                v = 2 if name in ("interleaved-1f1b", "zb-v", "dualpipe-v") else 1
+                if name != "gpipe" and (m < p or m % p and name == "interleaved-1f1b"):
+                    continue
+                # The full p x m grid of the V schedules (with a tied weight, clipping and
+                # SGD + momentum) is tests/test_marks.py's; here the two corners.
+                if name in ("zb-v", "dualpipe-v") and (p, m) not in ((2, 4), (4, 8)):
                     continue
                 yield pytest.param(name, p, m, v, id=f"{name}-p{p}-m{m}")
 
@@ -72,7 +76,7 @@ def clip_each_stage(max_norm: float, stage_of_layer: list[int]) -> optax.Gradien
                                  labels)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipe-v"])
 def test_global_norm_clipping_matches_optax(name):
     # SGD with momentum, because Adam is nearly invariant to gradient scale and would hide a
     # wrong clip factor.
@@ -86,8 +90,9 @@ def test_global_norm_clipping_matches_optax(name):
     per_stage = reference.train(make_gpt, models.lm_loss, data,
                                 optax.chain(recording_norms(seen_per_stage, stage_of_layer),
                                             clip_each_stage(CLIP, stage_of_layer), sgd))
+    v = 2 if name in ("zb-v", "dualpipe-v") else 1    # a V: the 4 stages on 2 slices
     with mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer=sgd, schedule=name, num_microbatches=4,
-                      max_grad_norm=CLIP) as trainer:
+                      max_grad_norm=CLIP, virtual_stages=v) as trainer:
         norms = [trainer.step(x, y)["grad_norm"] for x, y in data]
         got = reference.stage_leaves(trainer.params())
     # The pipeline reports the global norm (not any one stage's) and updates as optax's global clip.
