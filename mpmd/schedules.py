@@ -395,6 +395,12 @@ SCHEDULES = {
 _V_SCHEDULES = ("zb-v", "dualpipe-v")
 
 
+def default_virtual_stages(name: str) -> int:
+    """Stages per slice schedule `name` takes when none are asked for: 2 for the V
+    schedules (two stages per slice is what they are), else 1."""
+    return 2 if name in _V_SCHEDULES else 1
+
+
 def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """Build schedule `name`; ValueError (naming what is allowed) for impossible arguments.
     virtual_stages (stages per slice) defaults to the schedule's own: 1, or 2 for the V

@@ -347,7 +347,8 @@ def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> sc
         schedules.validate(schedule)
         return schedule
     num_microbatches = 1 if num_microbatches is None else num_microbatches
-    virtual_stages = 1 if virtual_stages is None else virtual_stages
+    if virtual_stages is None:
+        virtual_stages = schedules.default_virtual_stages(schedule) if isinstance(schedule, str) else 1
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     if not isinstance(virtual_stages, int) or virtual_stages < 1 or num_stages % virtual_stages:

@@ -100,7 +100,13 @@ class PipelineConfig(_Section):
     num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
     virtual_stages: int = Field(
         1, gt=0, description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
-                             "(their V), else 1")
+                             "(their V, the default for them), else 1")
+
+    @model_validator(mode="after")
+    def _schedule_default(self):
+        if "virtual_stages" not in self.model_fields_set:     # not given: the schedule's own
+            self.virtual_stages = schedules.default_virtual_stages(self.schedule)
+        return self
 
 
 class ClusterConfig(_Section):

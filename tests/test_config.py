@@ -75,7 +75,7 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
     (["train.sample_temperature=-1"], "train.sample_temperature must be >= 0"),
     (["pipeline.schedule=1F1B"], "'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'zb-v' or 'dualpipe-v'"),
-    (["pipeline.schedule=zb-v", "pipeline.num_stages=4"],
+    (["pipeline.schedule=zb-v", "pipeline.num_stages=4", "pipeline.virtual_stages=1"],
      "pipeline.schedule='zb-v' supports only pipeline.virtual_stages=2 (it holds two stages per slice, a V), got 1"),
     (["train.steps=0"], "train.steps must be > 0, got 0"),
     (["model.seq_len=1"], "model.seq_len must be >= 2, got 1"),
@@ -159,7 +159,7 @@ def test_valid_static_and_custom_configs_pass():
     assert cfg.cluster.spares == ["c:3", "d:4"] and cfg.cluster.failure_timeout_s == 2.5
     cfg = config.load(None, ["cluster.backend=ray", "cluster.address=auto", "cluster.resources.GPU=1"])
     assert cfg.cluster.address == "auto" and cfg.cluster.resources == {"GPU": 1.0}
-    cfg = config.load(None, ["pipeline.schedule=dualpipe-v", "pipeline.num_stages=4", "pipeline.virtual_stages=2"])
+    cfg = config.load(None, ["pipeline.schedule=dualpipe-v", "pipeline.num_stages=4"])   # 2 stages per slice by default
     assert cfg.num_workers == 2
     cfg = config.load(None, ["model.kind=custom", "model.module=my_pkg.models:build_stages"])
     assert cfg.model.module == "my_pkg.models:build_stages"
