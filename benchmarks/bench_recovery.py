@@ -1,12 +1,15 @@
 """Recovery after a lost worker, part by part, and what checkpointing costs a step.
 
-    .venv/bin/python benchmarks/bench_recovery.py [--quick]
+    .venv/bin/python benchmarks/bench_recovery.py [--quick] [--model tiny|small] [--only recovery|cost]
 
-Model: the tiny GPT recipe's (vocab 256, d_model 64, 2 heads, 4 layers, seq 64), 2 stages,
-1F1B, 4 microbatches, batch 16, adamw, LocalCluster(num_workers=2) (real processes, gRPC),
+Model: the tiny GPT recipe's (vocab 256, d_model 64, 2 heads, 4 layers, seq 64, batch 16)
+or with --model small gpt_small's (d_model 256, 4 heads, 8 layers, seq 128, batch 32), 2 stages,
+1F1B, 4 microbatches, adamw, LocalCluster(num_workers=2) (real processes, gRPC),
 checkpoints in a temporary run_dir.
 
-a. Recovery, checkpoint_every=5. Worker 1 gets a signal (by pid) halfway through a step:
+a. Recovery, checkpoint_every=5, with the persistent tier only and with the in-memory tier
+   too (memory_every=1; a row notes it if a recovery restored from another tier). Worker 1
+   gets a signal (by pid) halfway through a step:
    SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: declared
    lost after failure_timeout_s, LocalCluster's default 5 s). Rounds alternate the two
    signals; medians over rounds. The parts, in order:
@@ -16,18 +19,24 @@ a. Recovery, checkpoint_every=5. Worker 1 gets a signal (by pid) halfway through
      setup   connect, Setup, every slice's Connect to the new peer table (and waiting for a
              checkpoint commit in flight, if any)
      ship    the lost slice's programs and plans sent again (compiled later, on first Run)
-     restore every slice restored from the last committed checkpoint
+     restore every slice restored: from the last committed checkpoint, or (memory tier)
+             survivors from their own snapshot and the new worker from its peer's copy
+             (then a fresh snapshot, so the new worker holds its peer's copy again)
      1st     the first step after recovery: the new worker compiles its programs on its
              first Run; "of it compile" = 1st - the median steady step
-   total = detect + spawn + setup + ship + restore + 1st step. Goal: < 10 s for SIGKILL.
+     replay  the other steps computed again: (replayed - 1) x the steady step
+   total = detect + spawn + setup + ship + restore + 1st step + replay. Goal: < 10 s for SIGKILL.
    spawn/setup/ship are timed by a LocalCluster subclass defined here (benchmark only).
-b. Checkpoint cost per step, checkpoint_every=1: no checkpointing vs async saves (arrays
-   copied to host in the step, written in the background) vs synchronous saves (the step
-   waits until the write is committed). Three Trainers side by side, rounds interleaved
+b. Checkpoint cost per step, a save every step: no checkpointing vs the in-memory tier
+   (memory_every=1: each slice's snapshot, and its copy sent to the peer slice, in the step)
+   vs async persistent saves (checkpoint_every=1: every slice snapshots at once, writes in the
+   background; a step waits only when two saves are already in flight) vs synchronous ones
+   (the step waits until the write is committed). Four Trainers side by side, rounds interleaved
    (order rotated each round; an async write still in flight at the end of a round is
    waited for, untimed, so it does not slow the next Trainer's round). Median wall time of
    trainer.step (the save is inside it), its ratio to no checkpointing, and the median
-   snapshot (blocking part) and finalize (write + commit) times from last_save_s.
+   snapshot (blocking part) and finalize (write + commit) times from last_save_s (the
+   memory tier's snapshot from trainer.memory.last_snapshot_s).
 
 Workers inherit this process's stderr; it is sent to a log file (path printed) so Orbax's
 INFO lines do not bury the tables. The load average is printed at the start and end: on a
@@ -59,8 +68,13 @@ import numpy as np  # noqa: E402
 
 from runtime.local import process_alive  # noqa: E402
 
-GPT = dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64)
-BATCH, M, LR, EVERY = 16, 4, 3e-4, 5
+MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
+    "tiny": (dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64), 16),
+    "small": (dict(vocab_size=256, d_model=256, num_heads=4, num_layers=8, seq_len=128), 32),
+}
+GPT, BATCH = MODELS["tiny"]
+M, LR, EVERY = 4, 3e-4, 5
+TIERS = {"persistent": {}, "memory": {"memory_every": 1}}   # the Trainer arguments of each
 GOAL_S = 10.0
 PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
 
@@ -158,39 +172,54 @@ def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
 
 
 def recovery(run_dir: Path, num_rounds: int) -> None:
+    """Per tier (persistent only; plus the in-memory tier every step), the signals' rounds.
+    Each loss comes 2 steps after a persistent commit: the persistent tier replays those 2
+    and the failed step, the memory tier only the failed one. "replay" is those steps' time
+    (replayed x the steady step) and counts in the total."""
     signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
-    cluster = timed_cluster(num_workers=2)
-    trainer = make_trainer(cluster, run_dir=run_dir, checkpoint_every=EVERY, max_restarts=10**6)
     data = batches()
-    results: dict[str, list[dict]] = {name: [] for name in signals}
+    results: dict[tuple, list[dict]] = {}
     steady: list[float] = []
-    try:
-        for x in data[:2]:
-            timed_step(trainer, x)       # compile
-        for _ in range(num_rounds):
-            for name, sig in signals.items():
-                # A committed checkpoint to come back to, then steady steps to size the delay.
-                while trainer.step_count < EVERY or trainer.step_count % EVERY != 2:
-                    timed_step(trainer, data[trainer.step_count % len(data)])
-                recent = [timed_step(trainer, data[j]) for j in range(3)]
-                steady += recent
-                results[name].append(lose_worker(trainer, data, sig, med(recent)))
-                steady.append(timed_step(trainer, data[1]))
-        pids = list(cluster.pids)
-    finally:
-        trainer.close()
+    pids, failure_timeout_s = [], None
+    for tier, kw in TIERS.items():
+        cluster = timed_cluster(num_workers=2)
+        failure_timeout_s = cluster.failure_timeout_s
+        trainer = make_trainer(cluster, run_dir=run_dir / tier, checkpoint_every=EVERY, max_restarts=10**6, **kw)
+        try:
+            for x in data[:2]:
+                timed_step(trainer, x)       # compile
+            for _ in range(num_rounds):
+                for name, sig in signals.items():
+                    # A committed checkpoint 2 steps back, then steady steps to size the delay.
+                    while trainer.step_count < EVERY or trainer.step_count % EVERY != 2:
+                        timed_step(trainer, data[trainer.step_count % len(data)])
+                    trainer.checkpoints.wait()
+                    recent = [timed_step(trainer, data[j]) for j in range(3)]
+                    steady += recent
+                    row = lose_worker(trainer, data, sig, med(recent))
+                    row["replayed"] = trainer.recovery_s["replayed"]
+                    row["tier"] = trainer.recovery_s["tier"]
+                    results.setdefault((tier, name), []).append(row)
+                    steady.append(timed_step(trainer, data[1]))
+            pids += list(cluster.pids)
+        finally:
+            trainer.close()
     steady_s = med(steady)
     print(f"\na. recovery of worker 1 (2 slices, 1f1b, m={M}, batch {BATCH}, checkpoint_every={EVERY}, "
-          f"failure_timeout_s={cluster.failure_timeout_s:g}); medians over {num_rounds} round(s), seconds")
-    print(f"{'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} {'1st step':>9} "
-          f"{'(compile)':>10} {'total':>6}  goal < {GOAL_S:g} s")
-    for name, rows in results.items():
-        m = {p: med([r[p] for r in rows]) for p in PARTS}
-        total = med([sum(r[p] for p in PARTS) for r in rows])
+          f"failure_timeout_s={failure_timeout_s:g}); medians over {num_rounds} round(s), seconds")
+    print(f"{'tier':>10} {'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} "
+          f"{'1st step':>9} {'(compile)':>10} {'replayed':>9} {'replay':>7} {'total':>6}  goal < {GOAL_S:g} s")
+    for (tier, name), rows in results.items():
+        for r in rows:
+            r["replay"] = max(r["replayed"] - 1, 0) * steady_s    # the 1st step is timed already
+        m = {p: med([r[p] for r in rows]) for p in PARTS + ("replay", "replayed")}
+        used = sorted({r["tier"] for r in rows})
+        total = med([sum(r[p] for p in PARTS + ("replay",)) for r in rows])
         verdict = ("met" if total < GOAL_S else "MISSED") if name == "SIGKILL" else \
-            f"(detect bounded by failure_timeout_s {cluster.failure_timeout_s:g} s)"
-        print(f"{name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
-              f"{m['restore']:>8.2f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {total:>6.2f}  {verdict}")
+            f"(detect bounded by failure_timeout_s {failure_timeout_s:g} s)"
+        print(f"{tier:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
+              f"{m['restore']:>8.3f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {m['replayed']:>9.0f} "
+              f"{m['replay']:>7.2f} {total:>6.2f}  {verdict}{'' if used == [tier] else f' restored from {used}'}")
     print(f"steady step {steady_s * 1e3:.0f} ms (median of {len(steady)}); "
           f"worker processes left: {len([p for p in pids if process_alive(p)])}")
 
@@ -198,13 +227,14 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
 # -- b. checkpoint cost per step -------------------------------------------------------------
 def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> None:
     import mpmd
-    variants = {"none": {}, "async": dict(async_checkpoint=True), "sync": dict(async_checkpoint=False)}
+    variants = {"none": {}, "memory": dict(memory_every=1), "async": dict(async_checkpoint=True, checkpoint_every=1),
+                "sync": dict(async_checkpoint=False, checkpoint_every=1)}
     data = batches()
     trainers = {}
     try:
         for name, kw in variants.items():
-            if kw:
-                kw = dict(kw, run_dir=run_dir / name, checkpoint_every=1)
+            if "checkpoint_every" in kw:
+                kw = dict(kw, run_dir=run_dir / name)
             trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), **kw)
             for x in data[:2]:
                 timed_step(trainers[name], x)     # compile (and the first saves)
@@ -218,6 +248,8 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> Non
                 t = trainers[name]
                 for j in range(steps_per_round):
                     step_s[name].append(timed_step(t, data[j % len(data)]))
+                    if t.memory is not None:
+                        saves[name].append({"snapshot_s": t.memory.last_snapshot_s})
                     if t.checkpoints is not None:
                         # One dict per save; an async commit fills in its finalize_s later
                         # (before the next save starts, or at the wait below).
@@ -228,8 +260,10 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> Non
         for t in trainers.values():
             t.close()
     base = med(step_s["none"])
-    print(f"\nb. checkpoint cost per step (checkpoint_every=1); {num_rounds} interleaved round(s) of "
-          f"{steps_per_round} steps per variant")
+    print(f"\nb. checkpoint cost per step, a save every step (memory: memory_every=1, no persistent saves; "
+          f"async/sync: checkpoint_every=1); {num_rounds} interleaved round(s) of {steps_per_round} steps per "
+          f"variant. snapshot: the save's blocking part in the step (all slices at once); finalize: from "
+          f"then until the step's manifest is committed, in the background for async")
     print(f"{'variant':>8} {'step ms':>8} {'x none':>7} {'snapshot ms':>12} {'finalize ms':>12}")
     for name in variants:
         snap = med([s["snapshot_s"] for s in saves[name] if "snapshot_s" in s]) * 1e3
@@ -241,7 +275,11 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not a measurement")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="gpt_tiny's or gpt_small's shape")
+    parser.add_argument("--only", choices=("recovery", "cost"), help="run one part")
     args = parser.parse_args()
+    global GPT, BATCH
+    GPT, BATCH = MODELS[args.model]
     import jax
     from runtime.local import default_compilation_cache
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
@@ -253,8 +291,11 @@ def main() -> None:
               f"of workers {default_compilation_cache() or 'off'}; worker logs: {log_path}", flush=True)
         log = open(log_path, "w")
         os.dup2(log.fileno(), 2)      # workers inherit fd 2
-        recovery(Path(tmp) / "recovery", n["rounds"])
-        checkpoint_cost(Path(tmp) / "cost", n["ck_rounds"], n["ck_steps"])
+        print(f"model: {args.model} {GPT}, batch {BATCH}", flush=True)
+        if args.only in (None, "recovery"):
+            recovery(Path(tmp) / "recovery", n["rounds"])
+        if args.only in (None, "cost"):
+            checkpoint_cost(Path(tmp) / "cost", n["ck_rounds"], n["ck_steps"])
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 

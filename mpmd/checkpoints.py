@@ -2,9 +2,12 @@
 
 Each stage's parameters and optimizer state are saved by the slice that holds them, under
 `<run_dir>/checkpoints/<step>/stage_<k>/`; the step is committed by its manifest once every
-slice has finalized its saves (runtime/checkpoint.py). Saves are asynchronous: a step's
-arrays are copied to host memory when it is saved, written while training goes on, and the
-manifest follows from a background thread. One save is in flight at a time.
+slice has finalized its saves (runtime/checkpoint.py). Saves are asynchronous: every slice
+snapshots a step's arrays at once (host memory; on CPU no copy at all), writes them in its
+own background thread with one long-lived Orbax checkpointer, and the controller's commit
+thread writes the manifests in step order as the slices report their parts finalized. Two
+steps may be in flight; a third save waits for the oldest commit (a full queue blocks, it
+never drops a save).
 
 Restore is all or nothing: every slice reads its part of a step aside (a staged restore)
 and every slice switches to it only once all have read theirs; otherwise the next older
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 import time
 
@@ -38,10 +42,17 @@ class Rewound(Exception):
     and goes on: the steps after `step` are replayed, so each update lands exactly once.
     """
 
-    def __init__(self, step: int, data_state, lost: str):
-        super().__init__(f"recovered from {lost}; resuming after step {step}")
+    def __init__(self, step: int, data_state, lost: str, tier: str = "persistent", replayed: int = 0):
+        super().__init__(f"recovered from {lost}; resuming after step {step} "
+                         f"({TIERS[tier]}, {replayed} step(s) to replay)")
         self.step = step
         self.data_state = data_state
+        self.tier = tier            # "memory", "persistent" or "initial": where the state came from
+        self.replayed = replayed    # steps computed again: the failed one and those after `step`
+
+
+TIERS = {"memory": "from the in-memory snapshot", "persistent": "from the persistent checkpoint",
+         "initial": "from the initial state: nothing was saved yet"}
 
 
 class CheckpointError(RuntimeError):
@@ -66,8 +77,12 @@ class StageCheckpoints:
         self.layouts = dict(layouts or {})
         self.keep = keep
         self.asynchronous = asynchronous
-        self._commit: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(self.num_slices, thread_name_prefix="mpmd-ckpt")
+        self.max_in_flight = 2          # steps saved but not yet committed
+        self._cond = threading.Condition()
+        self._in_flight: deque = deque()   # (step, {slice: directories}, manifest, t), oldest first
+        self._committer: threading.Thread | None = None
+        self._save_pool = ThreadPoolExecutor(self.num_slices, thread_name_prefix="mpmd-save")
+        self._wait_pool = ThreadPoolExecutor(self.num_slices * self.max_in_flight, thread_name_prefix="mpmd-commit")
         self.last_save_s = {}
         self.max_failed_saves = max_failed_saves
         self.failed_saves = 0                        # failed saves in a row
@@ -79,16 +94,20 @@ class StageCheckpoints:
                 for k, r in enumerate(self.placement) if r == slice_index}
 
     def save(self, step: int, data_state, extra: dict, wait: bool = False) -> None:
-        """Snapshot every stage at `step`; commit when all slices finalized their writes.
+        """Snapshot every stage at `step` (all slices at once) and return; the slices write in
+        the background and the step is committed once all of them finalized. At most
+        `max_in_flight` steps are being written: a further save blocks until the oldest is
+        committed (never dropped). Synchronous when `wait` or asynchronous=False.
 
         A save that failed before (found here) or fails now while waited for is retried with
         the state at hand until max_failed_saves retries are spent; then CheckpointError."""
-        self.wait()
         while True:
             self._check_failures()
-            if step in self.store.committed():
-                return   # the same step after a replay: identical state, already committed
-            self._save(step, data_state, extra)
+            if step not in self.store.committed() and step not in self._in_flight_steps():
+                with self._cond:
+                    while len(self._in_flight) >= self.max_in_flight:
+                        self._cond.wait()
+                self._save(step, data_state, extra)
             if self.asynchronous and not wait:   # committed in the background
                 return
             self.wait()
@@ -96,74 +115,102 @@ class StageCheckpoints:
                 return
 
     def failed(self) -> bool:
-        """Whether a save failed and awaits its retry (without waiting for one in flight)."""
-        return self._failure is not None and (self._commit is None or not self._commit.is_alive())
+        """Whether a save failed and awaits its retry (a save still in flight may yet fail)."""
+        return self._failure is not None
 
     def _check_failures(self) -> None:
-        if self._failure is None:
-            return
-        step, why = self._failure
-        if self.failed_saves > self.max_failed_saves:
-            last = self.latest()
-            raise CheckpointError(
-                f"checkpoint of step {step} failed: {why} (after {self.failed_saves - 1} "
-                f"retries, max_failed_saves={self.max_failed_saves}); stopped, the last committed "
-                f"step is {last if last is not None else 'none'}")
+        """Raise CheckpointError once more than max_failed_saves saves after a failed one
+        failed too (saves in a row; one already in flight when a failure is found counts);
+        otherwise let the next save retry."""
+        with self._cond:
+            if self._failure is None:
+                return
+            step, why = self._failure
+            if self.failed_saves > self.max_failed_saves:
+                last = self.latest()
+                raise CheckpointError(
+                    f"checkpoint of step {step} failed: {why} ({self.failed_saves} saves in a row "
+                    f"failed, max_failed_saves={self.max_failed_saves}); stopped, the last committed "
+                    f"step is {last if last is not None else 'none'}")
+            self._failure = None
         log.warning("checkpoint of step %d failed (%s); retrying", step, why)
-        self._failure = None
 
     def _failed(self, step: int, error: BaseException) -> None:
         why = _short(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         self.store.discard(step)
-        self.failed_saves += 1
-        self._failure = (step, why)
+        with self._cond:
+            self.failed_saves += 1
+            self._failure = (step, why)
+
+    def _in_flight_steps(self) -> list[int]:
+        with self._cond:
+            return [item[0] for item in self._in_flight]
 
     def _save(self, step: int, data_state, extra: dict) -> None:
         t0 = time.perf_counter()
-        slices = range(self.num_slices)
         try:
             self.store.prepare(step)
-            # One slice after another: Orbax keeps process-wide state, and two saves started at
-            # once in one process (the in-process cluster) collide on their temporary directories.
-            for r in slices:
-                self.cluster.save(r, self._items(step, r))
-        except WorkerLost:
-            raise
-        except Exception as e:   # the controller or a slice could not write (EROFS, ENOSPC, ...)
-            self._wait_all(slices)
+        except Exception as e:   # the controller cannot write (EROFS, ENOSPC, ...)
             self._failed(step, e)
+            return
+        # Every slice snapshots at once; each returns as soon as its arrays are in host memory.
+        items = {r: self._items(step, r) for r in range(self.num_slices)}
+        futures = {r: self._save_pool.submit(self.cluster.save, r, items[r]) for r in items}
+        errors = {r: f.exception() for r, f in futures.items()}
+        lost = [e for e in errors.values() if isinstance(e, WorkerLost)]
+        if lost:
+            raise lost[0]
+        failed = [e for e in errors.values() if e is not None]
+        started = {r: list(items[r]) for r, e in errors.items() if e is None}
+        if failed:   # a slice could not start (a missing buffer, a directory refused)
+            self._wait_all(started)
+            self._failed(step, failed[0])
             return
         manifest = {"partition": self.partition, "data_state": data_state, **extra}
         self.last_save_s = {"snapshot_s": time.perf_counter() - t0}
+        with self._cond:
+            self._in_flight.append((step, started, manifest, time.perf_counter()))
+            if self._committer is None:
+                self._committer = threading.Thread(target=self._commit_loop, daemon=True, name="mpmd-commit")
+                self._committer.start()
+            self._cond.notify_all()
+        if not self.asynchronous:
+            self.wait()
 
-        def commit():
-            t1 = time.perf_counter()
+    def _commit_loop(self) -> None:
+        """Commit the saved steps in order, each once every slice finalized its parts: the
+        manifests appear in step order, never one whose parts are not all on disk."""
+        while True:
+            with self._cond:
+                while not self._in_flight:
+                    self._cond.wait()
+                step, started, manifest, t1 = self._in_flight[0]
             try:
-                self._wait_all(slices, raise_first=True)
+                self._wait_all(started, raise_first=True)
                 self.store.commit(step, manifest)
             except WorkerLost as e:   # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)
-                return
             except Exception as e:
                 self._failed(step, e)
-                return
-            self.failed_saves = 0
-            try:
-                self.store.prune(self.keep)
-            except OSError as e:
-                log.warning("could not prune old checkpoints: %s", e)
-            self.last_save_s["finalize_s"] = time.perf_counter() - t1
+            else:
+                with self._cond:
+                    self.failed_saves = 0
+                    if self._failure is not None and self._failure[0] < step:
+                        self._failure = None      # a newer step is committed: nothing to retry
+                try:
+                    self.store.prune(self.keep)
+                except OSError as e:
+                    log.warning("could not prune old checkpoints: %s", e)
+                self.last_save_s["finalize_s"] = time.perf_counter() - t1
+            with self._cond:
+                self._in_flight.popleft()
+                self._cond.notify_all()
 
-        if self.asynchronous:
-            self._commit = threading.Thread(target=commit, daemon=True, name=f"mpmd-commit-{step}")
-            self._commit.start()
-        else:
-            commit()
-
-    def _wait_all(self, slices, raise_first: bool = False) -> None:
-        """Until every slice's saves are finalized or failed (finalize concurrently); the first
-        error, if asked, once all are done: a failed step is removed only when nobody writes."""
-        futures = [self._pool.submit(self.cluster.wait_saves, r) for r in slices]
+    def _wait_all(self, started: dict[int, list[str]], raise_first: bool = False) -> None:
+        """Until every slice's saves of these directories are finalized or failed (the slices
+        concurrently); the first error, if asked, once all are done: a failed step is removed
+        only when nobody writes it."""
+        futures = [self._wait_pool.submit(self.cluster.wait_saves, r, dirs) for r, dirs in started.items()]
         errors = [f.exception() for f in futures]
         lost = [e for e in errors if isinstance(e, WorkerLost)]
         first = (lost or [e for e in errors if e is not None] or [None])[0]
@@ -171,10 +218,10 @@ class StageCheckpoints:
             raise first
 
     def wait(self) -> None:
-        """Until the save in flight, if any, is committed (or failed)."""
-        if self._commit is not None:
-            self._commit.join()
-            self._commit = None
+        """Until every save in flight is committed (or failed)."""
+        with self._cond:
+            while self._in_flight:
+                self._cond.wait()
 
     def latest(self) -> int | None:
         steps = self.store.committed()

@@ -13,9 +13,12 @@ Buffers on a slice (k = stage, j = microbatch):
   out/{j}      last stage's output (prediction plans)
   sq{k}        squared norm of stage k's gradients (when clipping)
   sh{k}        stage k's part of the gradients of shared (tied) parameters
+  s{g}/p{k} s{g}/o{k}   in-memory snapshot generation g of p{k}, o{k} (mpmd/snapshots.py)
+  c{g}/p{k} c{g}/o{k}   the copy a slice holds of its peer's snapshot
 Transfer keys name the value, so sender and receiver derive the same key from the plan (the
 executor prefixes the run id): act{k}/{j}, grad{k}/{j}, and sq{k}/to{q}, sh{k}/to{q} for a
-value sent to several slices (a key is consumed by one receive).
+value sent to several slices (a key is consumed by one receive); s{g}/p{k}, s{g}/o{k} a
+snapshot to the peer slice, rp{k}, ro{k} a peer's copy back to a replaced slice.
 Programs: a kind and its stage (fwd3, bwd_w_acc1, update0), plus a shape suffix @{n} when a
 Trainer holds programs for several microbatch shapes at once.
 
@@ -31,9 +34,14 @@ BUFFERS = {
     "params": "p{k}", "opt_state": "o{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
     "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}",
+    # The in-memory checkpoint tier (mpmd/snapshots.py), generation g in {0, 1}: a slice's
+    # own snapshot of p{k}/o{k}, and the copy it holds of its peer's.
+    "snap_params": "s{g}/p{k}", "snap_opt": "s{g}/o{k}", "peer_params": "c{g}/p{k}", "peer_opt": "c{g}/o{k}",
 }
 KEYS = {
     "act": "act{k}/{j}", "grad": "grad{k}/{j}", "sqnorm_to": "sq{k}/to{q}", "shared_to": "sh{k}/to{q}",
+    "snap_params_to": "s{g}/p{k}", "snap_opt_to": "s{g}/o{k}",   # a snapshot to the peer
+    "restore_params": "rp{k}", "restore_opt": "ro{k}",           # a peer's copy back to a new slice
 }
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
@@ -49,10 +57,12 @@ class Name(NamedTuple):
     microbatch: int | None = None
     to: int | None = None          # destination stage of a sqnorm_to / shared_to key
     variant: str = ""              # program shape suffix, e.g. "@1"
+    generation: int | None = None  # in-memory snapshot generation
 
 
 def _compile(templates: dict) -> list[tuple[str, re.Pattern]]:
-    fields = {"{k}": r"(?P<stage>\d+)", "{j}": r"(?P<microbatch>\d+)", "{q}": r"(?P<to>\d+)"}
+    fields = {"{k}": r"(?P<stage>\d+)", "{j}": r"(?P<microbatch>\d+)", "{q}": r"(?P<to>\d+)",
+              "{g}": r"(?P<generation>\d+)"}
     out = []
     for kind, template in templates.items():
         pattern = re.escape(template)
@@ -106,6 +116,31 @@ def output(j: int) -> str: return BUFFERS["output"].format(j=j)
 def activation(k: int, j: int) -> str: return BUFFERS["activation"].format(k=k, j=j)
 def residuals(k: int, j: int) -> str: return BUFFERS["residuals"].format(k=k, j=j)
 def cotangent(k: int, j: int) -> str: return BUFFERS["cotangent"].format(k=k, j=j)
+
+
+def snapshot(g: int, buffer: str) -> str:
+    """Generation g's own snapshot of a state buffer (p{k} or o{k})."""
+    return _state(buffer, "snap", g)
+
+
+def peer_copy(g: int, buffer: str) -> str:
+    """Generation g's copy of a peer slice's state buffer (p{k} or o{k})."""
+    return _state(buffer, "peer", g)
+
+
+def snapshot_key(g: int, buffer: str) -> str:
+    return _state(buffer, "snap", g, KEYS, "_to")
+
+
+def restore_key(buffer: str) -> str:
+    return _state(buffer, "restore", None, KEYS)
+
+
+def _state(buffer: str, kind: str, g, templates=BUFFERS, suffix: str = "") -> str:
+    name = parse_buffer(buffer)
+    assert name.kind in ("params", "opt_state"), buffer
+    part = "params" if name.kind == "params" else "opt"
+    return templates[f"{kind}_{part}{suffix}"].format(g=g, k=name.stage)
 
 
 def act_key(k: int, j: int) -> str: return KEYS["act"].format(k=k, j=j)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 
-from mpmd import lazy, lowering, names, schedules, sharding
+from mpmd import lazy, lowering, names, schedules, sharding, snapshots
 from mpmd.checkpoints import Rewound, StageCheckpoints
 from mpmd.pipeline import Pipeline
 from runtime.cluster import Cluster, ReplaceUnsupported, WorkerLost
@@ -33,7 +33,7 @@ class Trainer:
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
                  keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
                  checkpoint_metadata: dict | None = None, max_failed_saves: int = 1,
-                 mesh=None, rules: dict | None = None):
+                 mesh=None, rules: dict | None = None, memory_every: int = 0):
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
@@ -65,6 +65,9 @@ class Trainer:
             raise ValueError(f"checkpoint_every must be a non-negative integer (0: only when asked), got {checkpoint_every!r}")
         if checkpoint_every and run_dir is None:
             raise ValueError("checkpoint_every needs run_dir: where to write the checkpoints")
+        if not isinstance(memory_every, int) or isinstance(memory_every, bool) or memory_every < 0:
+            raise ValueError(f"memory_every must be a non-negative integer (steps between in-memory "
+                             f"snapshots; 0: none), got {memory_every!r}")
         self.checkpoint_every = checkpoint_every
         self._checkpoint_metadata = dict(checkpoint_metadata or {})   # e.g. a config hash, in every manifest
         self.max_restarts = max_restarts
@@ -72,6 +75,9 @@ class Trainer:
         self.resumed: tuple[int, object] | None = None   # (step, data_state) when resumed from run_dir
         self._opt_ready = False
         self.checkpoints = None
+        self.memory = None           # the in-memory tier (mpmd/snapshots.py), when memory_every
+        self._attempted = 0          # the step being computed (a failure replays from here)
+        self.recovery_s: dict = {}
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
         self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
@@ -84,6 +90,10 @@ class Trainer:
                 self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
                                                     max_failed_saves, self._state_layouts())
             self._materialize()
+            if memory_every:
+                self.memory = snapshots.MemorySnapshots(
+                    self.cluster, self.placement, snapshots.state_specs(pipeline, optimizer, self.layout),
+                    memory_every, self._run_setup)
             if self.checkpoints is not None:
                 restored = self.checkpoints.restore_latest()
                 if restored is not None:
@@ -172,22 +182,35 @@ class Trainer:
         clipping and, with trace=True, "events": per slice, the timed tasks and transfers.
         `data_state` (JSON-able) is saved with the checkpoint this step may trigger.
 
+        With memory_every=k, every k-th step also snapshots every slice's state in host
+        memory, copied to a peer slice (mpmd/snapshots.py); "checkpoint" in the metrics lists
+        the tiers this step saved to ("memory", "persistent").
+
         If a slice is lost during the step (or the step stalls past the cluster's step
-        timeout), the Trainer replaces it, restores the last committed checkpoint and raises
-        `Rewound` (see mpmd/checkpoints.py). A slice that fails at an instruction raises
+        timeout), the Trainer replaces it, restores the newest saved state (the in-memory
+        snapshot when one survives, else the last committed checkpoint) and raises `Rewound`
+        (see mpmd/checkpoints.py), which says which tier it used. A slice that fails at an instruction raises
         runtime.cluster.StepFailed, which is not recovered from: a replay would fail alike.
         A checkpoint that failed to save is retried (waited for) after the next step;
         CheckpointError once its retries are spent.
         """
+        self._attempted = self._step + 1
         results = self._run("train", inputs, targets, trace)
         self._step += 1
         metrics = self._metrics(results, trace)
+        tiers = []
         retry = self.checkpoints is not None and self.checkpoints.failed()
-        if retry or (self.checkpoint_every and self._step % self.checkpoint_every == 0):
-            try:
+        try:
+            if self.memory is not None and self.memory.due(self._step):
+                self.memory.snapshot(self._step, data_state)
+                tiers.append("memory")
+            if retry or (self.checkpoint_every and self._step % self.checkpoint_every == 0):
                 self.save(data_state, wait=retry)
-            except WorkerLost as e:
-                self._recover(e)
+                tiers.append("persistent")
+        except WorkerLost as e:
+            self._recover(e)
+        if tiers:
+            metrics["checkpoint"] = tiers
         return metrics
 
     @property
@@ -206,35 +229,66 @@ class Trainer:
         self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **extra}, wait=wait)
 
     def _recover(self, lost: WorkerLost):
-        """Replace the lost slice, restore every slice from the last committed checkpoint (or
-        the initial state), and tell the caller where to resume by raising Rewound."""
-        self.restarts += 1
-        last = self.checkpoints.latest() if self.checkpoints is not None else None
-        committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
-        if self.restarts > self.max_restarts:
-            raise RuntimeError(f"{lost}; giving up after {self.restarts - 1} recoveries (max_restarts="
-                               f"{self.max_restarts}); {committed}") from lost
+        """Replace the lost slice, restore every slice from the newest state saved (the
+        in-memory tier's snapshot, else the last committed checkpoint, else the initial state),
+        and tell the caller where to resume by raising Rewound. A slice lost while recovering
+        is replaced too (each counts against max_restarts)."""
         t0 = time.perf_counter()
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
-        try:
-            self.cluster.replace(lost.slice_index)
-        except ReplaceUnsupported as e:
-            raise RuntimeError(f"{lost}; cannot replace it: {e}; {committed}") from lost
-        t_replace = time.perf_counter()
-        # Raises CheckpointError when checkpoints exist but none restores: never train on
-        # from a state that is neither a checkpoint nor the initial one.
+        replace_s = 0.0
+        while True:
+            self.restarts += 1
+            last = self.checkpoints.latest() if self.checkpoints is not None else None
+            committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
+            if self.restarts > self.max_restarts:
+                raise RuntimeError(f"{lost}; giving up after {self.restarts - 1} recoveries (max_restarts="
+                                   f"{self.max_restarts}); {committed}") from lost
+            if self.checkpoints is not None:
+                self.checkpoints.wait()
+            t1 = time.perf_counter()
+            try:
+                try:
+                    self.cluster.replace(lost.slice_index)
+                finally:
+                    replace_s += time.perf_counter() - t1
+                    if self.memory is not None:
+                        self.memory.replaced(lost.slice_index)
+                t_restore = time.perf_counter()
+                tier, step, data_state = self._restore_newest()
+                break
+            except ReplaceUnsupported as e:
+                raise RuntimeError(f"{lost}; cannot replace it: {e}; {committed}") from lost
+            except WorkerLost as again:      # another slice went while replacing or restoring
+                lost = again
+        replayed = max(self._attempted, self._step) - step
+        self._step = step
+        self.recovery_s = {"replace_s": replace_s, "restore_s": time.perf_counter() - t_restore,
+                           "total_s": time.perf_counter() - t0, "tier": tier, "replayed": replayed}
+        raise Rewound(step, data_state, str(lost), tier, replayed)
+
+    def _restore_newest(self) -> tuple[str, int, object]:
+        """(tier, step, data_state) after putting every slice back at the newest saved state.
+
+        Raises CheckpointError when checkpoints exist but none restores: never train on from
+        a state that is neither saved nor the initial one."""
+        gen = self.memory.restorable() if self.memory is not None else None
+        last = self.checkpoints.latest() if self.checkpoints is not None else None
+        if gen is not None and (last is None or gen.step >= last):
+            self.memory.restore()
+            return "memory", gen.step, gen.data_state
+        if self.memory is not None:
+            self.memory.forget()
         restored = self.checkpoints.restore_latest() if self.checkpoints is not None else None
         if restored is None:   # nothing committed yet: back to the initial state
             self._materialize()
             for suffix, _ in list(self._compiled.values())[:1]:
                 self._run_setup("init" + suffix)
-            self._step, data_state = 0, None
+            tier, step, data_state = "initial", 0, None
         else:
-            self._step, manifest = restored
-            data_state = manifest.get("data_state")
-        self.recovery_s = {"replace_s": t_replace - t0, "restore_s": time.perf_counter() - t_replace}
-        raise Rewound(self._step, data_state, str(lost))
+            step, manifest = restored
+            tier, data_state = "persistent", manifest.get("data_state")
+        if self.memory is not None and (tier == "persistent" or self._compiled):   # opt state exists
+            self.memory.snapshot(step, data_state)    # the replacement holds a copy again
+        return tier, step, data_state
 
     def grads(self, inputs, targets) -> tuple[float, list]:
         """(loss, per-stage gradient state) of a batch, without updating anything.

@@ -168,10 +168,13 @@ class MeshConfig(SliceShape):
 
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=0, description="save every N steps and at the end; 0 = end only")
+    memory_every: int = Field(
+        0, ge=0, description="also snapshot every N steps in host memory, copied to a peer slice: "
+                             "a lost worker is restored from it and replays at most N steps; 0 = off")
     keep: int = Field(2, gt=0, description="newest committed checkpoints kept on disk")
     max_failed_saves: int = Field(
-        1, ge=0, description="retries of a failed save before training stops at the last "
-                             "committed step")
+        1, ge=0, description="saves that may fail after a failed one (retries, or saves already "
+                             "in flight) before training stops at the last committed step")
 
 
 class LogConfig(_Section):

@@ -311,7 +311,7 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
                                virtual_stages=p.virtual_stages,
                                max_grad_norm=cfg.optimizer.max_grad_norm,
                                run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
-                               keep=cfg.checkpoint.keep,
+                               keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
                                max_failed_saves=cfg.checkpoint.max_failed_saves,
                                checkpoint_metadata=metadata,
                                mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None)
@@ -379,6 +379,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                       "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(step - 1))}
             if "grad_norm" in out:
                 record["grad_norm"] = out["grad_norm"]
+            if "checkpoint" in out:      # the tiers this step was saved to
+                record["checkpoint"] = out["checkpoint"]
             if "events" in out:
                 traces[step] = out["events"]
                 record["bubble"] = run_log.measured_bubble(out["events"])

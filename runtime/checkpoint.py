@@ -36,6 +36,21 @@ MANIFEST = "manifest.json"
 ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"   # what Orbax appends to a directory it is writing
 
 
+# Orbax keeps process-wide state: two saves running at once in one process (slices of the
+# in-process cluster) collide on their temporary directories. Each worker process writes alone.
+_ORBAX = threading.Lock()
+
+
+def host_copy(array: jax.Array) -> jax.Array:
+    """`array` in host memory, fit to outlive the next step: on CPU the array itself (host
+    memory already; arrays are immutable and the runtime never donates them, so an update
+    makes new ones and the snapshot costs no copy), elsewhere a copy to pinned host memory on
+    the same devices."""
+    if all(d.platform == "cpu" for d in array.sharding.device_set):
+        return array
+    return jax.device_put(array, array.sharding.with_memory_kind("pinned_host"))
+
+
 class OutsideRoot(ValueError):
     """A Save or Restore named a directory outside the worker's root; the message names both."""
 
@@ -58,33 +73,86 @@ def confine(items: dict[str, list[str]], root: str) -> dict[str, list[str]]:
 
 
 class SliceCheckpointer:
-    """A slice's side: asynchronous Orbax saves of named buffers, and restores."""
+    """A slice's side: asynchronous Orbax saves of named buffers, and restores.
 
-    def __init__(self):
-        self._pending: list = []          # AsyncCheckpointers with a save in flight
-        self._lock = threading.Lock()
+    A save takes a snapshot (`host_copy`: on CPU the arrays themselves, which are immutable
+    and never donated; elsewhere a copy to host memory) and returns; one long-lived writer
+    thread writes the queued snapshots in order with one long-lived Orbax checkpointer. At
+    most `max_queued` saves wait or are being written: a further save blocks until the oldest
+    is finalized (a full queue never drops a save). Each directory's outcome (finalized, or
+    the error that stopped it) is kept until `wait` reports it.
+    """
+
+    def __init__(self, max_queued: int = 2):
+        self._cond = threading.Condition()
+        self._queue: list[tuple[str, dict]] = []        # (directory, host tree), oldest first
+        self._writing: str | None = None
+        self._done: dict[str, BaseException | None] = {}  # directory -> None (finalized) or error
+        self._max_queued = max_queued
+        self._writer: threading.Thread | None = None
+        self._checkpointer = None
 
     def save(self, items: dict[str, dict[str, tuple]]) -> None:
-        """Start saving {directory: {buffer name: bundle}}; returns once the arrays are copied
-        to host memory (Orbax's blocking part), the writes finish in the background."""
-        import orbax.checkpoint as ocp
+        """Snapshot {directory: {buffer name: bundle}} and queue its write; blocks while the
+        queue is full."""
         for directory, buffers in items.items():
-            ck = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
-            tree = {name: list(bundle) for name, bundle in buffers.items()}
-            ck.save(os.path.abspath(directory), args=ocp.args.StandardSave(tree))
-            with self._lock:
-                self._pending.append((directory, ck))
+            tree = {name: [host_copy(a) for a in bundle] for name, bundle in buffers.items()}
+            with self._cond:
+                while len(self._queue) + (self._writing is not None) >= self._max_queued:
+                    self._cond.wait()
+                self._done.pop(directory, None)
+                self._queue.append((directory, tree))
+                if self._writer is None:
+                    self._writer = threading.Thread(target=self._write_loop, daemon=True, name="mpmd-ckpt-writer")
+                    self._writer.start()
+                self._cond.notify_all()
 
-    def wait(self) -> list[str]:
-        """Block until every save started so far is finalized on disk; the directories."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        done = []
-        for directory, ck in pending:
-            ck.wait_until_finished()
-            ck.close()
-            done.append(directory)
-        return done
+    def _write_loop(self) -> None:
+        import orbax.checkpoint as ocp
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                directory, tree = self._queue.pop(0)
+                self._writing = directory
+            error = None
+            try:
+                with _ORBAX:   # one Orbax write at a time in a process (see _ORBAX)
+                    if self._checkpointer is None:
+                        self._checkpointer = ocp.StandardCheckpointer()
+                    # An AsyncCheckpointer: save returns once the write started, so wait for
+                    # its finalize (the rename that makes the part look complete) here.
+                    self._checkpointer.save(os.path.abspath(directory), tree)
+                    self._checkpointer.wait_until_finished()
+            except BaseException as e:   # ENOSPC, EROFS, ...: reported by wait, not raised here
+                error = e
+            with self._cond:
+                self._writing = None
+                self._done[directory] = error
+                self._cond.notify_all()
+
+    def pending(self) -> list[str]:
+        """Directories queued or being written."""
+        with self._cond:
+            return [d for d, _ in self._queue] + ([self._writing] if self._writing else [])
+
+    def wait(self, directories=None) -> list[str]:
+        """Block until `directories` (default: every save started so far) are finalized on
+        disk; the directories finalized, each reported once. Raises the first write error
+        among them (the others' outcomes are dropped: the caller discards the step)."""
+        with self._cond:
+            wanted = set(directories) if directories is not None else (
+                set(self._done) | {d for d, _ in self._queue} | ({self._writing} if self._writing else set()))
+            unknown = wanted - set(self._done) - {d for d, _ in self._queue} - {self._writing}
+            if unknown:
+                raise ValueError(f"no save of {sorted(unknown)} was started on this slice")
+            while not wanted <= set(self._done):
+                self._cond.wait()
+            outcomes = {d: self._done.pop(d) for d in wanted}
+        errors = [e for e in outcomes.values() if e is not None]
+        if errors:
+            raise errors[0]
+        return sorted(outcomes)
 
     def restore(self, items: dict[str, list[str]], sharding_of) -> dict[str, tuple]:
         """Read {directory: [buffer names]}, array i of buffer `name` laid out as
@@ -96,7 +164,7 @@ class SliceCheckpointer:
             if not os.path.isdir(directory):
                 raise ValueError(f"checkpoint part {directory} does not exist")
             try:
-                with ocp.StandardCheckpointer() as ck:
+                with _ORBAX, ocp.StandardCheckpointer() as ck:
                     path = os.path.abspath(directory)
                     # Restore onto this slice's mesh whatever devices saved it (the saved
                     # sharding names a topology this process may not have).

@@ -238,7 +238,8 @@ class ControlPlane:
 
     def replace(self, slice_index: int) -> None:
         """Put a new worker in place of a lost slice and bring it to where the slice was:
-        same programs and plans; every slice's transfers reconnected. State is not restored."""
+        same programs and plans; every slice's transfers reconnected. State is not restored.
+        WorkerLost if another slice is found gone meanwhile (the new worker is in place)."""
         old = self.clients[slice_index]
         old.close()
         address = self._new_worker(slice_index)
@@ -246,13 +247,21 @@ class ControlPlane:
         c.wait_ready(self._connect_timeout_s)
         self.clients[slice_index] = c
         self._transfer[str(slice_index)] = self._setup(slice_index, c)
-        for other in self.clients:
-            other.call("Connect", {"peers": self._transfer})
         shipped = self._shipped[slice_index]
         if shipped["programs"]:
             self._load(slice_index, shipped["programs"])
         for name, stream in shipped["plans"].items():
             self._install(slice_index, name, stream)
+        # Every other slice learns the new address; one found gone (two lost at once) is
+        # reported after all the others are connected, so replacing it next completes this.
+        gone = []
+        for i in range(len(self.clients)):
+            try:
+                self._call(i, "Connect", {"peers": self._transfer})
+            except WorkerLost as e:
+                gone.append(e)
+        if gone:
+            raise gone[0]
 
     def _new_worker(self, slice_index: int) -> str:
         """The launcher's worker for `slice_index`; an idle spare it hands over stops being idle."""
@@ -300,10 +309,10 @@ class ControlPlane:
     def save(self, slice_index: int, items: dict) -> None:
         self._call(slice_index, "Save", {"items": items})
 
-    def wait_saves(self, slice_index: int) -> list[str]:
+    def wait_saves(self, slice_index: int, directories=None) -> list[str]:
         """Blocks while the slice writes (that may take long) but not past its loss."""
         c = self.clients[slice_index]
-        fut = c.future("WaitSaves")
+        fut = c.future("WaitSaves", {} if directories is None else {"directories": list(directories)})
         while not fut.done():
             time.sleep(0.05)
             lost = self.lost_slice()

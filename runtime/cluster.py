@@ -109,9 +109,10 @@ class Cluster(Protocol):
     def save(self, slice_index: int, items: Mapping[str, Sequence[str]]) -> None:
         """Start an asynchronous save of {directory: [buffer names]} (Orbax, on the slice)."""
 
-    def wait_saves(self, slice_index: int) -> list[str]:
-        """Block until the slice's saves are on disk; the directories finalized. WorkerLost if
-        the slice is lost meanwhile."""
+    def wait_saves(self, slice_index: int, directories: Sequence[str] | None = None) -> list[str]:
+        """Block until the slice's saves of `directories` (default: all it started) are on
+        disk; the directories finalized. Raises the first write error among them; WorkerLost
+        if the slice is lost meanwhile."""
 
     def restore(self, slice_index: int, items: Mapping[str, Sequence[str]], staged: bool = False,
                 layouts: Mapping[str, Sequence] | None = None) -> None:

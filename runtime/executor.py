@@ -27,9 +27,9 @@ import jax
 import numpy as np
 
 from runtime import programs as programs_lib
-from runtime.checkpoint import SliceCheckpointer
+from runtime.checkpoint import SliceCheckpointer, host_copy
 from runtime.cluster import StepFailed
-from runtime.instructions import Delete, Instruction, Recv, Run, Send
+from runtime.instructions import Copy, Delete, Instruction, Recv, Run, Send
 
 if TYPE_CHECKING:
     from runtime.transport import Transport
@@ -122,8 +122,10 @@ class Executor:
             raise ValueError(f"slice {self.slice_index} cannot save missing buffer(s) {missing}")
         self._checkpointer.save({d: {n: self.buffers[n] for n in names} for d, names in items.items()})
 
-    def wait_saves(self) -> list[str]:
-        return self._checkpointer.wait()
+    def wait_saves(self, directories=None) -> list[str]:
+        """Until `directories` (default: every save started) are finalized; raises the first
+        write error among them."""
+        return self._checkpointer.wait(directories)
 
     def restore(self, items: dict[str, list[str]], staged: bool = False, layouts=None) -> None:
         """Replace buffers with a checkpoint's; nothing changes if any part fails to read.
@@ -189,6 +191,13 @@ class Executor:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
                     self.transport.send(prefix + ins.key, buffers[ins.buffer], ins.dst, ins.pieces)
+                elif isinstance(ins, Copy):
+                    try:
+                        arrays = buffers[ins.src]
+                    except KeyError:
+                        raise ValueError(f"copies buffer {ins.src!r}, which does not exist") from None
+                    buffers[ins.dst] = tuple(host_copy(a) if ins.memory == "host" else _on_device(a)
+                                             for a in arrays)
                 else:
                     assert isinstance(ins, Delete)
                     buffers.pop(ins.buffer, None)
@@ -218,6 +227,13 @@ class Executor:
                 continue
 
 
+def _on_device(array: jax.Array) -> jax.Array:
+    """`array` in device memory (from a host snapshot); on CPU the array itself."""
+    kind = array.sharding.memory_kind
+    return array if kind in (None, "device") or all(d.platform == "cpu" for d in array.sharding.device_set) \
+        else jax.device_put(array, array.sharding.with_memory_kind("device"))
+
+
 def _nth(layouts, i: int) -> tuple:
     return tuple(layouts[i]) if layouts is not None and i < len(layouts) else ()
 
@@ -229,4 +245,6 @@ def _describe(ins: Instruction) -> str:
         return f"recv {ins.key!r} from slice {ins.src}"
     if isinstance(ins, Send):
         return f"send {ins.key!r} to slice {ins.dst}"
+    if isinstance(ins, Copy):
+        return f"copy {ins.src!r} to {ins.dst!r} ({ins.memory})"
     return f"delete {ins.buffer!r}"

@@ -121,8 +121,8 @@ class InProcessCluster:
     def save(self, slice_index: int, items: dict) -> None:
         self.executors[slice_index].save(items)
 
-    def wait_saves(self, slice_index: int) -> list[str]:
-        return self.executors[slice_index].wait_saves()
+    def wait_saves(self, slice_index: int, directories=None) -> list[str]:
+        return self.executors[slice_index].wait_saves(directories)
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
         self.executors[slice_index].restore(items, staged, layouts)

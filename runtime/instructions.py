@@ -60,8 +60,18 @@ class Delete(NamedTuple):
     buffer: str
 
 
-Instruction = Union[Run, Send, Recv, Delete]
-KINDS = {"run": Run, "send": Send, "recv": Recv, "delete": Delete}
+class Copy(NamedTuple):
+    """Bind `dst` to the arrays of `src`, in host memory (`memory="host"`: a snapshot that
+    outlives later steps) or on the slice's devices ("device"). On CPU both are the same
+    arrays: they are immutable and never donated, so a snapshot costs no copy there."""
+    src: str
+    dst: str
+    memory: str = "device"
+
+
+MEMORY_KINDS = ("device", "host")
+Instruction = Union[Run, Send, Recv, Delete, Copy]
+KINDS = {"run": Run, "send": Send, "recv": Recv, "delete": Delete, "copy": Copy}
 _NAMES = {cls: name for name, cls in KINDS.items()}
 
 
@@ -70,6 +80,8 @@ def buffers_read(ins: Instruction) -> tuple[str, ...]:
         return ins.inputs
     if isinstance(ins, Send):
         return (ins.buffer,)
+    if isinstance(ins, Copy):
+        return (ins.src,)
     return ()
 
 
@@ -78,6 +90,8 @@ def buffers_written(ins: Instruction) -> tuple[str, ...]:
         return ins.outputs
     if isinstance(ins, Recv):
         return (ins.buffer,)
+    if isinstance(ins, Copy):
+        return (ins.dst,)
     return ()
 
 
@@ -146,6 +160,10 @@ def from_json(item: list) -> Instruction:
         elif cls is Recv:
             specs = tuple(Spec(tuple(map(_int, s[0])), _str(s[1]), *map(layout_from_json, s[2:3])) for s in fields[3])
             ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs, *map(_pieces, fields[4:]))
+        elif cls is Copy:
+            ins = Copy(_str(fields[0]), _str(fields[1]), *map(_str, fields[2:]))
+            if ins.memory not in MEMORY_KINDS:
+                raise ValueError(f"memory must be one of {MEMORY_KINDS}, got {ins.memory!r:.50}")
         else:
             ins = Delete(_str(fields[0]))
     except (TypeError, ValueError) as e:

@@ -11,10 +11,11 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
   Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
-  Save         {items: {directory: [buffer name]}}      (asynchronous Orbax save; every
-               directory must lie below the worker's root, as must Restore's)
-  WaitSaves    -> {finalized: [directory]}              Restore {items: {directory: [name]}, staged,
-                                                                 layouts?: {name: [layout]}}
+  Save         {items: {directory: [buffer name]}}      (a snapshot, written in the background;
+               blocks while two saves are queued; every directory must lie below the
+               worker's root, as must Restore's)
+  WaitSaves    {directories?} -> {finalized: [directory]}  (those, default all started)
+  Restore      {items: {directory: [name]}, staged, layouts?: {name: [layout]}}
   FinishRestore {commit}: bind (or drop) what a staged Restore read
   Heartbeat    -> {pid, step_running, progress: [run id, instructions done, doing] | null}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
@@ -158,7 +159,10 @@ class WorkerService:
         return {}, []
 
     def WaitSaves(self, h, b):
-        return {"finalized": self._exec().wait_saves()}, []
+        directories = None
+        if "directories" in h:
+            directories = list(confine({str(d): [] for d in _list(h, "directories")}, self.root))
+        return {"finalized": self._exec().wait_saves(directories)}, []
 
     def Restore(self, h, b):
         layouts = h.get("layouts", {})

@@ -61,9 +61,9 @@ def data():
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(STEPS)]
 
 
-def make_trainer(cluster, run_dir, spin=None, **kw):
+def make_trainer(cluster, run_dir, spin=None, checkpoint_every=EVERY, **kw):
     return mpmd.Trainer(make_pipe(spin), optax.adamw(1e-3), "gpipe", num_microbatches=4, cluster=cluster,
-                        run_dir=run_dir, checkpoint_every=EVERY, **kw)
+                        run_dir=run_dir, checkpoint_every=checkpoint_every, **kw)
 
 
 def train(trainer, batches, fault=None, traces=None, steps=STEPS):
@@ -111,12 +111,14 @@ def kill_once(at_step, sig, slice_index=1):
     return fault
 
 
-def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, **cluster_kw):
+def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, trainer_kw=None,
+                   **cluster_kw):
     cluster = cluster or mpmd.LocalCluster(**cluster_kw)
-    trainer = make_trainer(cluster, tmp_path, spin)
+    trainer = make_trainer(cluster, tmp_path, spin, **(trainer_kw or {}))
     try:
         result = train(trainer, data(), fault, traces, steps)
         pids = list(cluster.pids)
+        run_with_fault.trainer = trainer     # for the caller's checks of how it recovered
     finally:
         trainer.close()
     assert wait_gone(pids + list(getattr(fault, "fired", []))) == []

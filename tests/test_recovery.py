@@ -78,6 +78,10 @@ def kill_in_phase(at_step, phase, traces, cpu: CpuLog, slice_index=1):
     only place a worker burns that much CPU, however loaded the machine is. `fault.offset_s`
     records the kill's wall-clock offset after the step was sent."""
     def fault(i, trainer):
+        if i == at_step - 1 and trainer.checkpoints is not None:
+            # The traced step before runs with no checkpoint write beside it in the worker
+            # (writes run in the background), as the killed step and its replay do.
+            trainer.checkpoints.wait()
         if i == at_step and not fault.fired:
             lo, hi = phase_cpu(traces[-1], phase, cpu, slice_index)
             fault.threshold_s = (lo + hi) / 2

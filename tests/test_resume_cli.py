@@ -8,6 +8,7 @@ final state and per-step losses of an uninterrupted one (bitwise), and leaves no
 import os
 import re
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def test_controller_sigkilled_then_resumed(reference, tmp_path):
     ctl = controller(run_dir, tag)
     try:
         ctl.wait_for_step(7)
+        # Saves are written in the background: wait for a commit to resume from.
+        deadline = time.monotonic() + 60
+        while not CheckpointStore(run_dir).committed() and time.monotonic() < deadline:
+            time.sleep(0.05)
         workers = ctl.workers()
         assert len(workers) == 2, workers
         os.kill(ctl.proc.pid, signal.SIGKILL)
@@ -131,4 +136,28 @@ def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
     out = run_to_end(run_dir, tag)
     assert f"resumed from {run_dir}/checkpoints/{stopped_at}" in out
     assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_worker_sigkilled_restores_from_the_memory_tier(reference, tmp_path):
+    """`checkpoint.memory_every=1`: a worker SIGKILLed after step 7 comes back from its peer's
+    in-memory copy (the console says so), replays one step, and the run ends bitwise equal to
+    the uninterrupted one; metrics.jsonl marks each step's snapshot tier."""
+    run_dir, tag = tmp_path / "m", uuid.uuid4().hex
+    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "checkpoint.memory_every=1"], {TAG: tag})
+    try:
+        ctl.wait_for_step(7)
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out = ctl.succeed()
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    line = next(l for l in out.splitlines() if "recovered:" in l)
+    assert "from the in-memory snapshot, 1 step(s) to replay" in line, line
+    assert_same_as_reference(run_dir, reference)
+    records = metrics(run_dir)
+    assert all("memory" in r["checkpoint"] for r in records), records[:3]
+    assert [r["step"] for r in records if "persistent" in r["checkpoint"]] == list(range(EVERY, STEPS + 1, EVERY))
     assert wait_gone(tagged(tag)) == []
