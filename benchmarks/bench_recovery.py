@@ -173,8 +173,8 @@ def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
 
 def recovery(run_dir: Path, num_rounds: int) -> None:
     """Per tier (persistent only; plus the in-memory tier every step), the signals' rounds.
-    Each loss comes 2 steps after a persistent commit: the persistent tier replays those 2
-    and the failed step, the memory tier only the failed one. "replay" is those steps' time
+    Each loss comes in the 3rd step after a persistent commit: the persistent tier replays
+    3 steps, the memory tier only the failed one. "replay" is those steps' time
     (replayed x the steady step) and counts in the total."""
     signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
     data = batches()
@@ -190,11 +190,12 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
                 timed_step(trainer, x)       # compile
             for _ in range(num_rounds):
                 for name, sig in signals.items():
-                    # A committed checkpoint 2 steps back, then steady steps to size the delay.
-                    while trainer.step_count < EVERY or trainer.step_count % EVERY != 2:
+                    # A step just committed, then 2 steady steps to size the delay: the loss
+                    # comes in the 3rd step after the commit.
+                    while trainer.step_count < EVERY or trainer.step_count % EVERY != 0:
                         timed_step(trainer, data[trainer.step_count % len(data)])
                     trainer.checkpoints.wait()
-                    recent = [timed_step(trainer, data[j]) for j in range(3)]
+                    recent = [timed_step(trainer, data[j]) for j in range(2)]
                     steady += recent
                     row = lose_worker(trainer, data, sig, med(recent))
                     row["replayed"] = trainer.recovery_s["replayed"]
