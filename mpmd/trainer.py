@@ -459,6 +459,8 @@ class PendingStep:
             raise RuntimeError(f"step {self.number} was discarded: a step before it failed or was rewound "
                                f"(nothing of it was applied); resume where the Rewound said")
         while self._metrics is None:
+            if self not in self._trainer._pending:      # its collection raised (e.g. its save)
+                raise RuntimeError(f"step {self.number} was collected and raised; see that error")
             oldest = self._trainer._pending[0]
             metrics = self._trainer._finish(oldest)
             oldest._metrics = metrics

@@ -16,7 +16,8 @@ One step:
    the walk runs ahead of the device), Send hands the bundle to the transport without
    waiting for the receiver, Delete frees a buffer after its last use;
 4. the fetched buffers come back to the caller as host arrays, with the task timings when
-   tracing.
+   tracing; the turn passes to the next run before the fetch waits for the device, and a
+   queued run's feeds are laid out before its turn, so back-to-back runs leave no gap.
 
 An error while walking the stream is raised as `StepFailed` naming the slice and the
 instruction. `progress` tells the controller's watchdog where the walk stands: (run id,
@@ -121,8 +122,12 @@ class Executor:
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)
         if len(layouts) != len(arrays):
             raise ValueError(f"put {name!r}: {len(arrays)} array(s) but {len(layouts)} layout(s)")
-        self.buffers[name] = tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a,
-                                                  self._sharding(layout)) for a, layout in zip(arrays, layouts))
+        self.buffers[name] = self._placed(arrays, layouts)
+
+    def _placed(self, arrays, layouts=None) -> tuple[jax.Array, ...]:
+        layouts = list(layouts) if layouts is not None else [()] * len(arrays)
+        return tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self._sharding(layout))
+                     for a, layout in zip(arrays, layouts))
 
     def _sharding(self, layout) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*layout))
@@ -199,18 +204,28 @@ class Executor:
         and no other run holds the turn."""
         if plan not in self.plans:
             raise ValueError(f"slice {self.slice_index}: no plan {plan!r}; installed: {sorted(self.plans)}")
+        # Feeds are laid out on the devices before the turn: a run sent ahead has its inputs
+        # in place when the run before it ends.
+        staged = {name: self._placed(list(arrays)) for name, arrays in (feeds or {}).items()}
         self._take_turn(step, after)
         try:
-            return self._walk(plan, step, feeds, fetch, trace)
+            walked = self._walk(plan, step, staged, fetch, trace)
         finally:
             self._end_turn(step)
+        # The turn passes before the fetch waits for this run's last results: a run queued
+        # behind it dispatches its first programs while they are computed.
+        try:
+            fetched = {n: tuple(np.asarray(a) for a in arrays) for n, arrays in walked.fetch.items()}
+        except Exception as e:
+            self._raise(e, step, f"{plan} fetch {list(fetch)}")
+        return StepResult(fetched, walked.events, (time.time_ns() - walked.t0) / 1e9, walked.held.peak,
+                          walked.held.peak_bytes, walked.peak_bytes)
 
-    def _walk(self, plan: str, step: int, feeds, fetch: tuple[str, ...], trace: bool) -> StepResult:
+    def _walk(self, plan: str, step: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
         t0 = time.time_ns()
         stream = self.plans[plan]
         buffers = self.buffers
-        for name, arrays in (feeds or {}).items():
-            self.put(name, arrays)
+        buffers.update(staged)
         held = _Held(self.transport, f"{step}:")
         posts: dict[int, list[Recv]] = {}     # instruction index -> receives posted after it
         for ins in stream:
@@ -255,20 +270,22 @@ class Executor:
                     held.post(later)
                 if trace:
                     peak_bytes = max(peak_bytes, _bound_bytes(buffers) + held.bytes)
-            self.progress = Progress(step, len(stream), "fetch")
             where = f"{plan} fetch {list(fetch)}"
-            fetched = {n: tuple(np.asarray(a) for a in buffers[n]) for n in fetch}
+            # The arrays, not the names: a run after this one may rebind the names.
+            to_fetch = {n: buffers[n] for n in fetch}
         except Aborted:
             raise
         except Exception as e:
-            if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
-                raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
-            raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
+            self._raise(e, step, where)
         finally:
             held.cancel()
             self.progress = Progress(step, len(stream), "idle")
-        return StepResult(fetched, tuple(events), (time.time_ns() - t0) / 1e9, held.peak, held.peak_bytes,
-                          peak_bytes)
+        return _Walked(t0, tuple(events), held, peak_bytes, to_fetch)
+
+    def _raise(self, e: Exception, step: int, where: str):
+        if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
+            raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
+        raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
 
     def _wait(self, fut, ins: Recv, step: int):
         # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
@@ -279,6 +296,15 @@ class Executor:
                 return tuple(fut.result(timeout=0.05))
             except TimeoutError:
                 continue
+
+
+class _Walked(NamedTuple):
+    """A run's walk done, its results maybe still being computed."""
+    t0: int                            # time.time_ns() when the walk began
+    events: tuple[Event, ...]
+    held: _Held
+    peak_bytes: int
+    fetch: dict[str, tuple]            # name -> the arrays to bring back
 
 
 class _Held:
