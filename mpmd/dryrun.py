@@ -5,7 +5,7 @@
     result.step_s, result.simulated_makespan_s      # measured vs predicted, in seconds
 
 The instruction streams are exactly the training streams the Trainer installs
-(`lowering.train_streams` + `with_deletes`); only the programs are synthetic: every program
+(`lowering.train_streams` + `with_deletes` + the receive window); only the programs are synthetic: every program
 name the streams use becomes a "sleep" program (runtime/programs.py) that takes its task's
 declared duration and returns zero bundles of the right shapes, so the sends, receives,
 deletes, transfers (activations and cotangents of `activation_bytes` each) and the control
@@ -35,7 +35,7 @@ from mpmd import lowering, names, schedules
 from mpmd.simulate import FULL_BACKWARD, Simulation, cost_function, simulate
 from runtime import programs
 from runtime.executor import Event
-from runtime.instructions import Instruction, Run, Spec, with_deletes
+from runtime.instructions import Instruction, Run, Spec, with_deletes, with_recv_window
 
 PLAN = "dryrun"
 SCALAR = (Spec((), "float32"),)
@@ -80,7 +80,8 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
               for r in range(P)}
     inputs[placement[-1]] |= {names.targets(j) for j in range(m)}
     persistent = {names.params(k) for k in range(S)} | {names.opt_state(k) for k in range(S)}
-    streams = [with_deletes(s, persistent | inputs[r]) for r, s in enumerate(raw)]
+    windows = lowering.recv_windows(schedule)
+    streams = [with_recv_window(with_deletes(s, persistent | inputs[r]), windows[r]) for r, s in enumerate(raw)]
     specs = [_sleep_programs(s, cost, act) for s in streams]
 
     cluster.start(P)
