@@ -384,6 +384,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 losses = {k: v for k, v in losses.items() if k <= step}
                 _seek(train_loader, e.data_state)
                 metrics_log.truncate_after(step)
+                t_done = time.perf_counter()
                 continue
             now = time.perf_counter()
             wall_s, t_done = now - t_done, now
