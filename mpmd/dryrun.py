@@ -26,6 +26,7 @@ predicts what the runtime actually runs.
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import NamedTuple
 
@@ -54,17 +55,19 @@ class DryRunResult(NamedTuple):
 
 
 def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,
-            trace: bool = True, warmup_steps: int = 1, clip: bool = False) -> DryRunResult:
+            trace: bool = True, warmup_steps: int = 1, clip: bool = False, run_ahead: int = 0) -> DryRunResult:
     """Run `steps` training steps of `schedule` on `cluster` with sleep programs.
 
     `cluster` is any cluster (InProcessCluster, LocalCluster, StaticCluster); it is started
     here with one slice per schedule slice and left open: the caller closes it (a
     LocalCluster can serve several dry runs; an InProcessCluster serves one).
     `warmup_steps` run first and are not reported (the first step opens connections).
-    `clip` adds the global-norm exchange that gradient clipping performs.
+    `clip` adds the global-norm exchange that gradient clipping performs. `run_ahead`: steps
+    launched beyond the oldest in flight (Cluster.launch); a step's time is then the time
+    between its collection and the one before it.
     """
     for name, value, low in (("activation_bytes", activation_bytes, 0), ("steps", steps, 1),
-                             ("warmup_steps", warmup_steps, 0)):
+                             ("warmup_steps", warmup_steps, 0), ("run_ahead", run_ahead, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     schedules.validate(schedule)
@@ -97,14 +100,21 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
             cluster.put(r, name, zero)
 
     step_s, events, walls = [], [], []
-    for step in range(warmup_steps + steps):
-        start = time.perf_counter()
-        results = cluster.run(PLAN, step + 1, {}, {}, trace)
-        elapsed = time.perf_counter() - start
-        if step >= warmup_steps:
-            step_s.append(elapsed)
-            events.append([r.events for r in results])
-            walls.append([r.wall_s for r in results])
+    launched = collections.deque()          # (step, PendingRun), oldest first
+    total = warmup_steps + steps
+    for step in range(total):
+        if not launched:
+            collected_at = time.perf_counter()
+        launched.append((step, cluster.launch(PLAN, step + 1, {}, {}, trace)))
+        while len(launched) > run_ahead or (step == total - 1 and launched):
+            done, run = launched.popleft()
+            results = run.result()
+            now = time.perf_counter()
+            elapsed, collected_at = now - collected_at, now
+            if done >= warmup_steps:
+                step_s.append(elapsed)
+                events.append([r.events for r in results])
+                walls.append([r.wall_s for r in results])
 
     sim = simulate(schedule, _executed(schedule, cost))
     return DryRunResult(step_s, sim.makespan, events, walls, sim, streams)
