@@ -5,7 +5,7 @@
     result.step_s, result.simulated_makespan_s      # measured vs predicted, in seconds
 
 The instruction streams are exactly the training streams the Trainer installs
-(`lowering.train_streams` + `with_deletes`); only the programs are synthetic: every program
+(`lowering.train_streams` + `with_deletes` + the receive window); only the programs are synthetic: every program
 name the streams use becomes a "sleep" program (runtime/programs.py) that takes its task's
 declared duration and returns zero bundles of the right shapes, so the sends, receives,
 deletes, transfers (activations and cotangents of `activation_bytes` each) and the control
@@ -26,6 +26,7 @@ predicts what the runtime actually runs.
 """
 from __future__ import annotations
 
+import collections
 import time
 from typing import NamedTuple
 
@@ -35,7 +36,7 @@ from mpmd import lowering, names, schedules
 from mpmd.simulate import FULL_BACKWARD, Simulation, cost_function, simulate
 from runtime import programs
 from runtime.executor import Event
-from runtime.instructions import Instruction, Run, Spec, with_deletes
+from runtime.instructions import Instruction, Run, Spec, with_deletes, with_recv_window
 
 PLAN = "dryrun"
 SCALAR = (Spec((), "float32"),)
@@ -54,17 +55,19 @@ class DryRunResult(NamedTuple):
 
 
 def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,
-            trace: bool = True, warmup_steps: int = 1, clip: bool = False) -> DryRunResult:
+            trace: bool = True, warmup_steps: int = 1, clip: bool = False, run_ahead: int = 0) -> DryRunResult:
     """Run `steps` training steps of `schedule` on `cluster` with sleep programs.
 
     `cluster` is any cluster (InProcessCluster, LocalCluster, StaticCluster); it is started
     here with one slice per schedule slice and left open: the caller closes it (a
     LocalCluster can serve several dry runs; an InProcessCluster serves one).
     `warmup_steps` run first and are not reported (the first step opens connections).
-    `clip` adds the global-norm exchange that gradient clipping performs.
+    `clip` adds the global-norm exchange that gradient clipping performs. `run_ahead`: steps
+    launched beyond the oldest in flight (Cluster.launch); a step's time is then the time
+    between its collection and the one before it.
     """
     for name, value, low in (("activation_bytes", activation_bytes, 0), ("steps", steps, 1),
-                             ("warmup_steps", warmup_steps, 0)):
+                             ("warmup_steps", warmup_steps, 0), ("run_ahead", run_ahead, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     schedules.validate(schedule)
@@ -80,7 +83,8 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
               for r in range(P)}
     inputs[placement[-1]] |= {names.targets(j) for j in range(m)}
     persistent = {names.params(k) for k in range(S)} | {names.opt_state(k) for k in range(S)}
-    streams = [with_deletes(s, persistent | inputs[r]) for r, s in enumerate(raw)]
+    windows = lowering.recv_windows(schedule)
+    streams = [with_recv_window(with_deletes(s, persistent | inputs[r]), windows[r]) for r, s in enumerate(raw)]
     specs = [_sleep_programs(s, cost, act) for s in streams]
 
     cluster.start(P)
@@ -96,14 +100,21 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
             cluster.put(r, name, zero)
 
     step_s, events, walls = [], [], []
-    for step in range(warmup_steps + steps):
-        start = time.perf_counter()
-        results = cluster.run(PLAN, step + 1, {}, {}, trace)
-        elapsed = time.perf_counter() - start
-        if step >= warmup_steps:
-            step_s.append(elapsed)
-            events.append([r.events for r in results])
-            walls.append([r.wall_s for r in results])
+    launched = collections.deque()          # (step, PendingRun), oldest first
+    total = warmup_steps + steps
+    for step in range(total):
+        if not launched:
+            collected_at = time.perf_counter()
+        launched.append((step, cluster.launch(PLAN, step + 1, {}, {}, trace)))
+        while len(launched) > run_ahead or (step == total - 1 and launched):
+            done, run = launched.popleft()
+            results = run.result()
+            now = time.perf_counter()
+            elapsed, collected_at = now - collected_at, now
+            if done >= warmup_steps:
+                step_s.append(elapsed)
+                events.append([r.events for r in results])
+                walls.append([r.wall_s for r in results])
 
     sim = simulate(schedule, _executed(schedule, cost))
     return DryRunResult(step_s, sim.makespan, events, walls, sim, streams)

@@ -12,8 +12,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes
-from mpmd import names, schedules, sharding, stage_programs
+from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes, with_recv_window
+from mpmd import names, schedules, sharding, simulate, stage_programs
 from mpmd.pipeline import Pipeline, shared_indices, shared_peers
 from mpmd.specs import spec
 from mpmd.task_arrays import KIND_CODES, as_arrays
@@ -90,8 +90,20 @@ class Lowered(NamedTuple):
     loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
 
 
+def recv_windows(schedule: schedules.Schedule, recv_window: int | None = None) -> tuple[int, ...]:
+    """Per slice, how many receives may be outstanding at once (runtime.instructions
+    with_recv_window): `recv_window` for every slice, or by default the slice's peak of live
+    activations in the schedule (mpmd/simulate.py), so a slice never holds more received,
+    not yet used bundles than the activations the schedule itself keeps alive there."""
+    if recv_window is not None:
+        return (recv_window,) * schedule.num_slices
+    return tuple(max(1, n) for n in simulate.simulate(schedule).peak_live_activations)
+
+
 def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm,
-          micro_input_spec, micro_target_spec, layouts: Layout | None = None) -> Lowered:
+          micro_input_spec, micro_target_spec, layouts: Layout | None = None,
+          recv_window: int | None = None) -> Lowered:
+    """`recv_window`: receives outstanding at once per slice (see recv_windows)."""
     S, m, P = pipe.num_stages, schedule.num_microbatches, schedule.num_slices
     placement = schedule.placement
     layouts = layouts or Layout.single(pipe, optimizer, P)
@@ -152,6 +164,10 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     predict = [with_deletes(s, persistent | outputs) for s in predict]
     init = [[Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),), f"init s{k}")
              for k in schedule.stages_on(r)] for r in range(P)]
+    # Last: the window's post marks are instruction indices, Deletes included.
+    windows = recv_windows(schedule, recv_window)
+    train, grads, evaluate, predict = ([with_recv_window(s, windows[r]) for r, s in enumerate(plans)]
+                                       for plans in (train, grads, evaluate, predict))
     return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch)
 
 

@@ -30,7 +30,6 @@ fresh snapshot is taken at once, so the replacement holds its peer's copy again.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, NamedTuple
 
 import jax
@@ -53,16 +52,24 @@ class Generation(NamedTuple):
     missing: frozenset = frozenset()    # slices replaced since: their own copies are gone
 
 
+class Launched(NamedTuple):
+    generation: int
+    step: int
+    data_state: object
+    run: object          # the cluster's PendingRun
+
+
 class MemorySnapshots:
     """The controller's side of the in-memory tier.
 
     `state_specs`: per stage, {buffer: (Spec per array)} of its parameters and optimizer
-    state; `placement`: stage -> slice; `run(plan)`: runs a plan on every slice with a fresh
-    run id (the Trainer's), raising WorkerLost if a slice is gone.
+    state; `placement`: stage -> slice; `launch(plan)`: sends a plan to every slice with a
+    fresh run id (the Trainer's) and returns the cluster's PendingRun, whose result raises
+    WorkerLost if a slice is gone.
     """
 
     def __init__(self, cluster, placement: tuple[int, ...], state_specs: list[dict[str, tuple[Spec, ...]]],
-                 every: int, run: Callable[[str], None]):
+                 every: int, launch: Callable[[str], object]):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"memory_every must be a positive integer (steps between in-memory "
                              f"snapshots), got {every!r}")
@@ -71,9 +78,9 @@ class MemorySnapshots:
         self.num_slices = max(placement) + 1
         self.specs = {b: s for stage in state_specs for b, s in stage.items()}
         self.every = every
-        self._run = run
+        self._launch = launch
         self.generations: list[Generation | None] = [None, None]
-        self.last_snapshot_s = 0.0      # the last snapshot's time in the step loop
+        self.last_snapshot_s = 0.0      # the last snapshot plan's time on its slowest slice
         for r in range(self.num_slices):
             for g in (0, 1):
                 cluster.install_plan(r, snapshot_plan(g), self._snapshot_stream(r, g))
@@ -116,16 +123,25 @@ class MemorySnapshots:
         done = [gen for gen in self.generations if gen is not None]
         return max(done, key=lambda gen: gen.step) if done else None
 
-    def snapshot(self, step: int, data_state) -> None:
-        """Snapshot every slice's state after `step` into the older generation. WorkerLost
-        (from the run) leaves the newer generation as it was."""
+    def launch(self, step: int, data_state) -> "Launched":
+        """Send the snapshot of every slice's state after `step` (to run right behind that
+        step) into the generation that is not the newest complete one; `finish` collects it.
+        The caller keeps at most one snapshot in flight."""
         newest = self.newest()
         g = 0 if newest is None else 1 - self._index(newest)
         self.generations[g] = None                    # being overwritten: not usable meanwhile
-        t0 = time.perf_counter()
-        self._run(snapshot_plan(g))
-        self.last_snapshot_s = time.perf_counter() - t0
-        self.generations[g] = Generation(step, data_state)
+        return Launched(g, step, data_state, self._launch(snapshot_plan(g)))
+
+    def finish(self, launched: "Launched") -> None:
+        """Wait for a launched snapshot; its generation is usable from now on. WorkerLost (from
+        the run) leaves the other generation as it was."""
+        results = launched.run.result()
+        self.last_snapshot_s = max(r.wall_s for r in results)
+        self.generations[launched.generation] = Generation(launched.step, launched.data_state)
+
+    def snapshot(self, step: int, data_state) -> None:
+        """Snapshot now (nothing else in flight), waiting for it."""
+        self.finish(self.launch(step, data_state))
 
     def _index(self, gen: Generation) -> int:
         return next(g for g, held in enumerate(self.generations) if held is gen)
@@ -162,7 +178,7 @@ class MemorySnapshots:
                 stream += [Send(names.peer_copy(g, b), src, names.restore_key(b))
                            for src, b in self._held(r) if src in gen.missing]
             self.cluster.install_plan(r, RESTORE_PLAN, stream)
-        self._run(RESTORE_PLAN)
+        self._launch(RESTORE_PLAN).result()
         self.snapshot(gen.step, gen.data_state)
         return gen
 

@@ -5,10 +5,27 @@
     metrics = trainer.step(inputs, targets)   # {"loss": ...}
     params = trainer.params()                 # per stage nnx.Param state, host arrays
 
+    pending = trainer.submit(inputs, targets) # run-ahead: sent now, runs after the steps
+    metrics = pending.result()                # sent before it; result() waits for it
+
 Parameters and optimizer state are created on their slices and stay there; a step sends
 each slice one message (the plan name, the step number, and the microbatches it needs).
 Programs are compiled for the microbatch shapes seen at the first step (or at construction
 when the pipeline has a sample input) and shipped to the slices once.
+
+Run-ahead dispatch. `submit` sends a step's Run (with its microbatches) and returns a
+PendingStep at once; each slice queues it behind the step it is running, so the gap between
+steps (the controller collecting results, the recipe logging, the next batch's dispatch)
+is hidden. At most `run_ahead` steps are in flight beyond the oldest one: `submit` first
+collects the oldest when there would be more. Everything else that touches the slices
+(save, evaluate, params, ...) first collects every step in flight, so it sees the state
+after the last submitted step. A checkpoint step is never run ahead of: its successor is
+submitted only once the step and its save are done, because the save snapshots the slices'
+state and must not see the next step's update (the alternative, queueing the Save behind
+the Run on each worker, would reorder the checkpoint verbs; this costs one step's overlap
+every checkpoint_every steps). A lost slice discards the steps in flight behind the one
+that failed: none of their updates is kept, none of their metrics is returned, and the
+Rewound raised says where to resume, as without run-ahead.
 """
 from __future__ import annotations
 
@@ -33,11 +50,24 @@ class Trainer:
                  max_grad_norm: float | None = None, run_dir=None, checkpoint_every: int = 0,
                  keep: int = 2, async_checkpoint: bool = True, max_restarts: int = 3,
                  checkpoint_metadata: dict | None = None, max_failed_saves: int = 1,
-                 mesh=None, rules: dict | None = None, memory_every: int = 0):
+                 mesh=None, rules: dict | None = None, memory_every: int = 0, run_ahead: int = 1,
+                 recv_window: int | None = None):
         if not isinstance(pipeline, Pipeline):
             raise ValueError(f"pipeline must be an mpmd.Pipeline, got {type(pipeline).__name__}")
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
             raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+        if not isinstance(run_ahead, int) or isinstance(run_ahead, bool) or run_ahead < 0:
+            raise ValueError(f"run_ahead must be a non-negative integer (steps sent ahead of the one "
+                             f"running; 0: none), got {run_ahead!r}")
+        self.run_ahead = run_ahead
+        if recv_window is not None and (not isinstance(recv_window, int) or isinstance(recv_window, bool)
+                                        or recv_window < 1):
+            raise ValueError(f"recv_window must be a positive integer (receives a slice posts ahead of "
+                             f"use) or None (each slice's peak of live activations in the schedule), "
+                             f"got {recv_window!r}")
+        self.recv_window = recv_window
+        self._pending: list[PendingStep] = []     # submitted, not yet collected; oldest first
+        self._last_collected_at = 0.0             # perf_counter when the last step was collected
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         S = pipeline.num_stages
@@ -93,7 +123,7 @@ class Trainer:
             if memory_every:
                 self.memory = snapshots.MemorySnapshots(
                     self.cluster, self.placement, snapshots.state_specs(pipeline, optimizer, self.layout),
-                    memory_every, self._run_setup)
+                    memory_every, self._launch_setup)
             if self.checkpoints is not None:
                 restored = self.checkpoints.restore_latest()
                 if restored is not None:
@@ -134,8 +164,12 @@ class Trainer:
 
     def _run_setup(self, plan: str) -> None:
         """Run a plan that takes no feeds and returns nothing: it creates state on the slices."""
+        self._launch_setup(plan).result()
+
+    def _launch_setup(self, plan: str):
+        """Send such a plan behind whatever is in flight; the cluster's PendingRun."""
         self._runs += 1
-        self.cluster.run(plan, self._runs, {}, {})
+        return self.cluster.launch(plan, self._runs, {}, {})
 
     # -- compile -------------------------------------------------------------------------
     def _micro_specs(self, inputs, targets):
@@ -161,7 +195,7 @@ class Trainer:
             return suffix
         suffix = names.variant(len(self._compiled))
         low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec,
-                             self.layout)
+                             self.layout, self.recv_window)
         rename = lambda stream: [i._replace(program=i.program + suffix) if isinstance(i, Run) else i for i in stream]
         for r in range(low.num_slices):
             self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
@@ -176,10 +210,13 @@ class Trainer:
 
     # -- public --------------------------------------------------------------------------
     def step(self, inputs, targets, trace: bool = False, data_state=None) -> dict:
-        """One training step on a global batch split along axis 0 into equal microbatches.
+        """One training step on a global batch split along axis 0 into equal microbatches:
+        `submit(...).result()`.
 
         Returns {"step", "loss" (mean over microbatches), "step_s"} plus "grad_norm" when
-        clipping and, with trace=True, "events": per slice, the timed tasks and transfers.
+        clipping and, with trace=True, "events": per slice, the timed tasks and transfers,
+        "held": per slice, (most receives outstanding at once, their most bytes), and
+        "peak_bytes": per slice, the most bytes of its buffers and outstanding receives.
         `data_state` (JSON-able) is saved with the checkpoint this step may trigger.
 
         With memory_every=k, every k-th step also snapshots every slice's state in host
@@ -194,24 +231,90 @@ class Trainer:
         A checkpoint that failed to save is retried (waited for) after the next step;
         CheckpointError once its retries are spent.
         """
-        self._attempted = self._step + 1
-        results = self._run("train", inputs, targets, trace)
-        self._step += 1
-        metrics = self._metrics(results, trace)
-        tiers = []
-        retry = self.checkpoints is not None and self.checkpoints.failed()
+        return self.submit(inputs, targets, trace, data_state).result()
+
+    def submit(self, inputs, targets, trace: bool = False, data_state=None) -> PendingStep:
+        """Send one training step and return at once; `.result()` of the PendingStep gives
+        what `step` returns (and raises what it raises). Steps are collected oldest first;
+        collecting a step collects those before it. Submitting collects the oldest step first
+        when `run_ahead` steps beyond it are in flight already, and every step in flight when
+        the newest is a checkpoint step or a failed save awaits its retry (see the module
+        docstring); a Rewound can therefore come from here too: the batch was not sent."""
+        self._check_open()
+        while len(self._pending) > self.run_ahead:
+            self._pending[0].result()
+        if self._pending and (self._saves_after(self._pending[-1].number) or self._retry_due()):
+            self._collect_all()
+        number = self._step + len(self._pending) + 1
+        launched = self._launch("train", inputs, targets, trace)
+        snapshot = None
+        if self.memory is not None and self.memory.due(number):
+            # Sent right behind its step, so every slice snapshots the state after it before
+            # the next step's update. One snapshot in flight at a time: it overwrites the
+            # generation that is not the newest complete one (mpmd/snapshots.py).
+            while any(p.snapshot is not None for p in self._pending):
+                self._pending[0].result()
+            snapshot = self.memory.launch(number, data_state)
+        pending = PendingStep(self, number, launched, trace, data_state, time.perf_counter(), snapshot)
+        self._pending.append(pending)
+        return pending
+
+    def _saves_after(self, number: int) -> bool:
+        return bool(self.checkpoint_every) and number % self.checkpoint_every == 0
+
+    def _retry_due(self) -> bool:
+        return self.checkpoints is not None and self.checkpoints.failed()
+
+    def _collect_all(self) -> None:
+        """Collect every step in flight: other verbs must see the state after the last one."""
+        if self._pending:
+            self._pending[-1].result()
+
+    def _finish(self, pending: PendingStep) -> dict:
+        """Collect `pending` (the oldest step in flight), count its update, log nothing (the
+        caller does), and start the checkpoint it triggers. Raises Rewound after a lost slice."""
+        assert self._pending and self._pending[0] is pending, "steps are collected oldest first"
+        self._attempted = pending.number
         try:
-            if self.memory is not None and self.memory.due(self._step):
-                self.memory.snapshot(self._step, data_state)
-                tiers.append("memory")
-            if retry or (self.checkpoint_every and self._step % self.checkpoint_every == 0):
-                self.save(data_state, wait=retry)
-                tiers.append("persistent")
+            results = pending.launched.result()
+            if pending.snapshot is not None:
+                self.memory.finish(pending.snapshot)
         except WorkerLost as e:
+            self._discard_pending()
             self._recover(e)
+        except BaseException:
+            self._discard_pending()
+            raise
+        self._pending.pop(0)
+        start = max(pending.submitted_at, self._last_collected_at)
+        self._last_collected_at = time.perf_counter()
+        self._last_step_s = self._last_collected_at - start
+        self._step += 1
+        metrics = self._metrics(results, pending.trace)
+        # A retry is a save of the state at hand: only once no later step is in flight.
+        retry = not self._pending and self._retry_due()
+        tiers = ["memory"] if pending.snapshot is not None else []
+        if retry or self._saves_after(self._step):
+            assert not self._pending, "a checkpoint step is never run ahead of"
+            try:
+                self.save(pending.data_state, wait=retry)
+            except WorkerLost as e:
+                self._recover(e)
+            tiers.append("persistent")
         if tiers:
             metrics["checkpoint"] = tiers
         return metrics
+
+    def _discard_pending(self) -> None:
+        """Forget every step in flight (the cluster aborted them with the failed one)."""
+        for p in self._pending:
+            p.discarded = True
+        self._pending = []
+
+    @property
+    def in_flight(self) -> int:
+        """Steps submitted and not yet collected."""
+        return len(self._pending)
 
     @property
     def step_count(self) -> int:
@@ -226,6 +329,7 @@ class Trainer:
         self._check_open()
         if self.checkpoints is None:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
+        self._collect_all()
         self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **extra}, wait=wait)
 
     def _recover(self, lost: WorkerLost):
@@ -324,6 +428,20 @@ class Trainer:
         return [np.concatenate(parts, axis=0) for parts in zip(*(got[n] for n in outputs))]
 
     def _run(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
+        """Run a plan that is not a training step, after every step in flight."""
+        self._collect_all()
+        launched = self._launch(plan, inputs, targets, trace, feed_targets)
+        t0 = time.perf_counter()
+        try:
+            results = launched.result()
+        except WorkerLost as e:
+            self._recover(e)
+        self._last_step_s = time.perf_counter() - t0
+        return results
+
+    def _launch(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
+        """Compile if needed and send `plan` with the batch's microbatches; the cluster's
+        PendingRun."""
         self._check_open()
         in_spec, tgt_spec = self._micro_specs(inputs, targets)
         suffix = self._compile(in_spec, tgt_spec)
@@ -334,15 +452,9 @@ class Trainer:
             feeds[first][names.inputs(j)] = jax.tree.leaves(mb)
         for j, mb in enumerate(_split(targets, m) if feed_targets else ()):
             feeds[last][names.targets(j)] = jax.tree.leaves(mb)
-        t0 = time.perf_counter()
         self._runs += 1
         fetch = {"train": self._lowered.fetch, "predict": {}}.get(plan, self._lowered.loss_fetch)
-        try:
-            results = self.cluster.run(plan + suffix, self._runs, feeds, fetch, trace)
-        except WorkerLost as e:
-            self._recover(e)
-        self._last_step_s = time.perf_counter() - t0
-        return results
+        return self.cluster.launch(plan + suffix, self._runs, feeds, fetch, trace)
 
     def _metrics(self, results, trace: bool) -> dict:
         m, last = self.num_microbatches, self.placement[-1]
@@ -354,11 +466,14 @@ class Trainer:
             metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
         if trace:
             metrics["events"] = [r.events for r in results]
+            metrics["held"] = [(r.peak_held, r.peak_held_bytes) for r in results]
+            metrics["peak_bytes"] = [r.peak_bytes for r in results]
         return metrics
 
     def params(self) -> list:
         """Per stage, its nnx.Param state with host (numpy) arrays, fetched from its slice."""
         self._check_open()
+        self._collect_all()
         out = []
         for k, fn in enumerate(self.pipeline.fns):
             leaves = self.cluster.get(self.placement[k], [names.params(k)])[names.params(k)]
@@ -370,6 +485,10 @@ class Trainer:
         next Trainer (its state is dropped when that Trainer starts it). A checkpoint still
         being written is committed first."""
         if not self._closed:
+            try:
+                self._collect_all()    # a step sent is a step done: its update and checkpoint land
+            except Exception:          # closing after a failure: nothing left to collect
+                self._discard_pending()
             self._closed = True
             if self.checkpoints is not None:
                 self.checkpoints.wait()
@@ -385,6 +504,35 @@ class Trainer:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this Trainer is closed")
+
+
+class PendingStep:
+    """A training step sent to the slices (Trainer.submit) and not yet collected."""
+
+    def __init__(self, trainer: Trainer, number: int, launched, trace: bool, data_state, submitted_at: float,
+                 snapshot=None):
+        self.number = number          # the step count once its update has landed
+        self.launched = launched      # the cluster's PendingRun
+        self.snapshot = snapshot      # the in-memory snapshot sent right behind it, if due
+        self.trace = trace
+        self.data_state = data_state
+        self.submitted_at = submitted_at
+        self.discarded = False        # an earlier step's failure dropped it
+        self._trainer = trainer
+        self._metrics: dict | None = None
+
+    def result(self) -> dict:
+        """The step's metrics (Trainer.step's); collects the steps before it first."""
+        if self.discarded:
+            raise RuntimeError(f"step {self.number} was discarded: a step before it failed or was rewound "
+                               f"(nothing of it was applied); resume where the Rewound said")
+        while self._metrics is None:
+            if self not in self._trainer._pending:      # its collection raised (e.g. its save)
+                raise RuntimeError(f"step {self.number} was collected and raised; see that error")
+            oldest = self._trainer._pending[0]
+            metrics = self._trainer._finish(oldest)
+            oldest._metrics = metrics
+        return self._metrics
 
 
 def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> schedules.Schedule:

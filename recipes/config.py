@@ -79,6 +79,9 @@ class TrainConfig(_Section):
     sample_temperature: float = Field(
         0.8, ge=0, description="divides the logits before sampling; 0 = greedy (argmax)")
     sample_top_k: int = Field(40, ge=0, description="sample among the k likeliest tokens; 0 = all")
+    run_ahead: int = Field(
+        1, ge=0, description="steps sent to the slices ahead of the one running (each queues "
+                             "behind it, hiding the gap between steps); 0 = one step at a time")
 
 
 class OptimizerConfig(_Section):

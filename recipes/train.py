@@ -19,6 +19,7 @@ Any other error is a bug and stays itself.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import os
@@ -313,7 +314,7 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
                                run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
                                keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
                                max_failed_saves=cfg.checkpoint.max_failed_saves,
-                               checkpoint_metadata=metadata,
+                               checkpoint_metadata=metadata, run_ahead=cfg.train.run_ahead,
                                mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
@@ -354,45 +355,58 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
     eval_loss = None
     stop = _StopRequest()
+    # Steps sent to the slices and not yet logged, oldest first: up to train.run_ahead are
+    # sent beyond the oldest (Trainer.submit), so a slice starts the next step as soon as it
+    # is done with the current one; a step's metrics are logged only once it is collected.
+    pending: collections.deque = collections.deque()
     try:
-        step = start_step
-        while step < t.steps and not stop.requested:
-            step += 1
-            t0 = time.perf_counter()
-            inputs, targets = train_loader.next()
+        step = done = start_step      # the last step sent, the last one collected and logged
+        t_done = time.perf_counter()
+        while (step < t.steps and not stop.requested) or pending:
             try:
-                out = trainer.step(inputs, targets, trace=step in cfg.log.trace_steps,
-                                   data_state=train_loader.state())
-                eval_now = _should_eval(cfg, step)
-                step_eval = evaluate(trainer, eval_loader, t.eval_batches) if eval_now else None
+                # Never send past a step that evaluates: its eval must see the state after it.
+                if (step < t.steps and not stop.requested and len(pending) <= trainer.run_ahead
+                        and not (pending and _should_eval(cfg, pending[-1][0]))):
+                    step += 1
+                    inputs, targets = train_loader.next()
+                    pending.append((step, trainer.submit(inputs, targets, trace=step in cfg.log.trace_steps,
+                                                         data_state=train_loader.state())))
+                    continue
+                done, sent = pending.popleft()
+                out = sent.result()
+                step_eval = evaluate(trainer, eval_loader, t.eval_batches) if _should_eval(cfg, done) else None
             except mpmd.Rewound as e:
-                # A slice was lost and replaced; every slice is back at step e.step.
+                # A slice was lost and replaced; every slice is back at step e.step, and the
+                # steps in flight were discarded with nothing of them applied or logged.
                 progress.message(f"recovered: {e}")
-                step = e.step
+                step = done = e.step
+                pending.clear()
                 losses = {k: v for k, v in losses.items() if k <= step}
                 _seek(train_loader, e.data_state)
                 metrics_log.truncate_after(step)
+                t_done = time.perf_counter()
                 continue
-            wall_s = time.perf_counter() - t0
+            now = time.perf_counter()
+            wall_s, t_done = now - t_done, now
             # optax evaluates the schedule at the count of updates already applied.
             record = {"loss": out["loss"], "step_s": out["step_s"],
-                      "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(step - 1))}
+                      "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(done - 1))}
             if "grad_norm" in out:
                 record["grad_norm"] = out["grad_norm"]
             if "checkpoint" in out:      # the tiers this step was saved to
                 record["checkpoint"] = out["checkpoint"]
             if "events" in out:
-                traces[step] = out["events"]
+                traces[done] = out["events"]
                 record["bubble"] = run_log.measured_bubble(out["events"])
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
-            losses[step] = out["loss"]
-            metrics_log.write(step, record)
+            losses[done] = out["loss"]
+            metrics_log.write(done, record)
             if board is not None:
-                board.write(step, record)
-                if step % cfg.log.every == 0:
+                board.write(done, record)
+                if done % cfg.log.every == 0:
                     board.flush()
-            progress.update(step, record)
+            progress.update(done, record)
         # The final state is always committed: at the end, and when stopped by a signal.
         trainer.save(data_state=train_loader.state(), wait=True)
         if stop.requested:

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from runtime import instructions, mesh, wire
-from runtime.cluster import Launcher, ReplaceUnsupported, StepFailed, WorkerLost
+from runtime.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, StepFailed, WorkerLost
 from runtime.executor import Aborted, Event, Progress, StepResult
 from runtime.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
 from runtime.worker import read_token_file
@@ -151,6 +151,8 @@ class ControlPlane:
         self._transfer_secret = ""                 # per session, made by start()
         self._meshes: list[dict] | None = None     # per slice: its mesh shape (None: data = its devices)
         self._pool: ThreadPoolExecutor | None = None
+        self._in_flight = InFlight()               # runs launched, not yet collected
+        self._collected_at = 0.0                   # monotonic time the last run was collected
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -175,6 +177,7 @@ class ControlPlane:
         self._transfer_secret = secrets.token_bytes(32).hex()
         if self.clients:
             self._detach()
+        self._in_flight = InFlight()
         self.clients = [self._client(a) for a in addresses[:num_slices]]
         self._others = [self._client(a) for a in addresses[num_slices:]]
         self._shipped = [{"programs": {}, "plans": {}} for _ in range(num_slices)]
@@ -337,14 +340,37 @@ class ControlPlane:
 
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
-        t0 = time.monotonic()
-        timeout_s = self.step_timeout()
+        return self.launch(plan, step, feeds, fetch, trace).result()
+
+    def launch(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+               trace: bool = False) -> PendingRun:
+        """Send run `step` to every slice (its feeds with it) and return; see Cluster.launch."""
+        after = self._in_flight.after()
         futs = []
         for i, c in enumerate(self.clients):
             b = wire.Builder()
-            header = {"plan": plan, "step": step, "fetch": list(fetch.get(i, ())), "trace": trace,
+            header = {"plan": plan, "step": step, "after": after, "fetch": list(fetch.get(i, ())), "trace": trace,
                       "feeds": {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}}
             futs.append(c.future("Run", header, b.blobs))
+        run = self._in_flight.add(PendingRun(step, self._collect))
+        run.futs, run.sent_at = futs, time.monotonic()
+        return run
+
+    def _collect(self, run: PendingRun) -> list[StepResult]:
+        self._in_flight.collecting(run)
+        try:
+            return self._wait_run(run)
+        finally:
+            self._collected_at = time.monotonic()
+            if self._in_flight.runs and self._in_flight.runs[0] is run:
+                self._in_flight.done(run)
+
+    def _wait_run(self, run: PendingRun) -> list[StepResult]:
+        # A run sent ahead starts on the slices once the one before it is done: its clock
+        # (watchdog, step times) starts when that one was collected, or when it was sent.
+        step, futs = run.step, run.futs
+        t0 = max(run.sent_at, self._collected_at)
+        timeout_s = self.step_timeout()
         # Wake on every completion (a sleep-poll here cost ~5 ms per step), and at least every
         # 50 ms to look for a silent slice or a stalled step. `failed` keeps the order in
         # which slices failed: the first is the root cause, later ones may be its echoes.
@@ -369,11 +395,15 @@ class ControlPlane:
         if lost is None and stalled is None and not failed:
             self._step_times.append(time.monotonic() - t0)
             return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
+        # Every run in flight goes: this one, and those sent ahead of it (never run, or
+        # aborted where they started). Aborting the newest id aborts every earlier one.
+        later = [r.futs for r in self._in_flight.runs if r is not run]
+        newest = self._in_flight.drop_all(f"run {step} before it failed")
         if lost is None and stalled is not None:
             # The stalled slice is alive (it answers heartbeats): abort it too, wait not for it.
-            self._abort_all(step, futs, stalled[0], abort_lost=True)
+            self._abort_all(newest, [futs] + later, stalled[0], abort_lost=True)
             raise WorkerLost(stalled[0], self.clients[stalled[0]].address, stalled[1])
-        self._abort_all(step, futs, lost[0] if lost else None)
+        self._abort_all(newest, [futs] + later, lost[0] if lost else None)
         # A survivor's error may be only the echo of a peer's death (its transfer broke):
         # ask everyone before blaming the slice that reported first.
         lost = lost or self._probe()
@@ -435,10 +465,12 @@ class ControlPlane:
     def _step_result(self, c: WorkerClient, fut) -> StepResult:
         h, blobs = c.result("Run", fut)
         fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["fetched"].items()}
-        return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"])
+        return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"], h.get("peak_held", 0),
+                          h.get("peak_held_bytes", 0), h.get("peak_bytes", 0))
 
-    def _abort_all(self, step: int, futs=(), lost: int | None = None, abort_lost: bool = False) -> None:
-        """Abort run `step` everywhere. The lost slice, if known, is not waited for: it is hung
+    def _abort_all(self, step: int, runs=(), lost: int | None = None, abort_lost: bool = False) -> None:
+        """Abort run `step` (and every earlier one) everywhere; `runs`: the per-slice Run
+        futures of each run in flight. The lost slice, if known, is not waited for: it is hung
         or gone, and its Run is simply cancelled (it is sent the Abort too if `abort_lost`)."""
         live = [i for i in range(len(self.clients)) if i != lost or abort_lost]
         aborts = [(self.clients[i], self.clients[i].future("Abort", {"step": step}, timeout_s=2.0)) for i in live]
@@ -449,10 +481,11 @@ class ControlPlane:
                 pass
         # Survivors answer ABORTED promptly once aborted.
         deadline = time.monotonic() + 2.0
-        for i, f in enumerate(futs):
-            while i != lost and not f.done() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            f.cancel()
+        for futs in runs:
+            for i, f in enumerate(futs):
+                while i != lost and not f.done() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                f.cancel()
 
     # -- shutdown ----------------------------------------------------------------------------
     def _detach(self) -> None:

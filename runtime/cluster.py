@@ -65,6 +65,58 @@ class ReplaceUnsupported(RuntimeError):
     a StaticCluster with no spare address left). The message says why."""
 
 
+class Discarded(RuntimeError):
+    """A run sent ahead was dropped, unrun or aborted, because a run before it failed; the
+    error of that earlier run says what happened."""
+
+
+class PendingRun:
+    """A run sent to every slice and not yet collected (Cluster.launch). `result()` waits
+    for it and gives what Cluster.run gives; runs are collected oldest first."""
+
+    def __init__(self, step: int, collect):
+        self.step = step
+        self._collect = collect
+        self.discarded: str | None = None      # why, once an earlier run's failure dropped it
+
+    def result(self) -> list[StepResult]:
+        if self.discarded is not None:
+            raise Discarded(f"run {self.step} was discarded: {self.discarded}")
+        return self._collect(self)
+
+
+class InFlight:
+    """The runs a cluster has launched and not yet collected, oldest first. Each new run is
+    sent naming the newest of them (`after`): a slice runs it only once that one finished
+    there, so runs sent ahead queue on the slices in the order they were sent."""
+
+    def __init__(self):
+        self.runs: list[PendingRun] = []
+
+    def after(self) -> int:
+        """The run id a run launched now must follow on every slice (-1: none in flight)."""
+        return self.runs[-1].step if self.runs else -1
+
+    def add(self, run: PendingRun) -> PendingRun:
+        self.runs.append(run)
+        return run
+
+    def collecting(self, run: PendingRun) -> None:
+        assert self.runs and self.runs[0] is run, f"run {run.step} collected out of order"
+
+    def done(self, run: PendingRun) -> None:
+        self.runs.remove(run)
+
+    def drop_all(self, why: str) -> int:
+        """Forget every run in flight, marking those not being collected as discarded; returns
+        the newest run id, the one to abort up to (an abort covers every earlier id)."""
+        newest = max((r.step for r in self.runs), default=-1)
+        for r in self.runs[1:]:
+            r.discarded = why
+        self.runs = []
+        return newest
+
+
 @runtime_checkable
 class Cluster(Protocol):
     """What the Trainer may call. Every verb but `start`, `run` and `close` addresses one
@@ -104,7 +156,16 @@ class Cluster(Protocol):
         """Run plan `plan` on every slice at once, as run id `step` (ids must never repeat:
         transfer keys are prefixed with it). `feeds[slice]` are buffers to put first,
         `fetch[slice]` the buffers to bring back. One StepResult per slice, in slice order.
-        An error on any slice aborts the step everywhere; WorkerLost if a slice is gone."""
+        An error on any slice aborts the step everywhere; WorkerLost if a slice is gone.
+        The same as `launch(...).result()`."""
+
+    def launch(self, plan: str, step: int, feeds: Mapping[int, Mapping[str, Sequence]],
+               fetch: Mapping[int, Sequence[str]], trace: bool = False) -> PendingRun:
+        """Send run `step` and return at once (run-ahead dispatch): each slice runs it after
+        the runs launched before it. Collect results oldest first with `.result()`, which
+        raises what `run` raises; a failure there aborts and discards every later run in
+        flight too (their `.result()` raises Discarded). Other verbs do not wait for runs in
+        flight: collect them first."""
 
     def save(self, slice_index: int, items: Mapping[str, Sequence[str]]) -> None:
         """Start an asynchronous save of {directory: [buffer names]} (Orbax, on the slice)."""

@@ -5,13 +5,19 @@ process (one executor behind the gRPC service). It owns its slice's buffers, inc
 persistent ones (parameters, optimizer state), which never leave the slice unless fetched.
 
 One step:
-1. every Recv of the stream is posted at once, so each transfer runs while earlier
-   instructions compute;
-2. the stream is walked in order; Run dispatches a program (JAX dispatch is asynchronous, so
+1. the step waits for its turn: runs execute one at a time, in the order the controller
+   sent them (a Run may name the run it follows, `after`, so the controller can send step
+   N+1 while step N runs: run-ahead dispatch);
+2. each Recv is posted at its `post_after` mark (at the step's start unless the plan bounds
+   its receive window: runtime/instructions.py with_recv_window), so each transfer runs
+   while earlier instructions compute, and no more receives are outstanding (posted, not
+   yet reached by the walk) than the window allows;
+3. the stream is walked in order; Run dispatches a program (JAX dispatch is asynchronous, so
    the walk runs ahead of the device), Send hands the bundle to the transport without
    waiting for the receiver, Delete frees a buffer after its last use;
-3. the fetched buffers come back to the caller as host arrays, with the task timings when
-   tracing.
+4. the fetched buffers come back to the caller as host arrays, with the task timings when
+   tracing; the turn passes to the next run before the fetch waits for the device, and a
+   queued run's feeds are laid out before its turn, so back-to-back runs leave no gap.
 
 An error while walking the stream is raised as `StepFailed` naming the slice and the
 instruction. `progress` tells the controller's watchdog where the walk stands: (run id,
@@ -20,6 +26,8 @@ written per instruction.
 """
 from __future__ import annotations
 
+import math
+import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -27,6 +35,7 @@ import jax
 import numpy as np
 
 from runtime import programs as programs_lib
+from runtime import wire
 from runtime.checkpoint import SliceCheckpointer, host_copy
 from runtime.cluster import StepFailed
 from runtime.instructions import Copy, Delete, Instruction, Recv, Run, Send
@@ -48,6 +57,14 @@ class StepResult(NamedTuple):
     fetched: dict[str, tuple[np.ndarray, ...]]
     events: tuple[Event, ...]
     wall_s: float    # time from the step's start to its last fetched array being ready
+    # The most receives outstanding at once (posted, their Recv not yet walked) and the most
+    # bytes they held at once: what the receive window bounds.
+    peak_held: int = 0
+    peak_held_bytes: int = 0
+    # Traced runs only: the most bytes of the slice's buffers plus its outstanding receives
+    # at once, looked at between instructions (what the slice's memory for data peaks at,
+    # XLA's temporaries and sends not yet pulled aside).
+    peak_bytes: int = 0
 
 
 class Aborted(RuntimeError):
@@ -73,6 +90,10 @@ class Executor:
         self.plans: dict[str, tuple[Instruction, ...]] = {}
         self.buffers: dict[str, tuple[jax.Array, ...]] = {}
         self._aborted_upto = -1      # runs with an id <= this are aborted (even if not started yet)
+        # Runs take turns: one at a time, each after the run it names (run-ahead dispatch).
+        self._turn = threading.Condition()
+        self._finished_upto = -1     # the newest run id that finished here (or was given up)
+        self.busy = False            # a run holds the turn
         self._checkpointer = SliceCheckpointer()
         self._staged: dict[str, tuple] = {}     # a restore read but not yet bound (finish_restore)
         self.progress = Progress(-1, 0, "idle")
@@ -89,6 +110,9 @@ class Executor:
                                  f"{ins.program!r}; loaded: {sorted(self.programs)[:20]}")
             if isinstance(ins, Recv):
                 programs_lib.check_specs(ins.specs, f"plan {name!r} instruction {i} (recv {ins.key!r})")
+                if not -1 <= ins.post_after < i:
+                    raise ValueError(f"plan {name!r} instruction {i} (recv {ins.key!r}) is posted after "
+                                     f"instruction {ins.post_after}; allowed: -1 (at the start) to {i - 1}")
         self.plans[name] = tuple(stream)
 
     def put(self, name: str, arrays, layouts=None) -> None:
@@ -98,8 +122,12 @@ class Executor:
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)
         if len(layouts) != len(arrays):
             raise ValueError(f"put {name!r}: {len(arrays)} array(s) but {len(layouts)} layout(s)")
-        self.buffers[name] = tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a,
-                                                  self._sharding(layout)) for a, layout in zip(arrays, layouts))
+        self.buffers[name] = self._placed(arrays, layouts)
+
+    def _placed(self, arrays, layouts=None) -> tuple[jax.Array, ...]:
+        layouts = list(layouts) if layouts is not None else [()] * len(arrays)
+        return tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self._sharding(layout))
+                     for a, layout in zip(arrays, layouts))
 
     def _sharding(self, layout) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*layout))
@@ -148,24 +176,70 @@ class Executor:
 
     def abort(self, step: int) -> None:
         """Make run `step` (and any earlier one) raise `Aborted` at its next wait, whether it is
-        running now or its Run message has not arrived yet."""
-        self._aborted_upto = max(self._aborted_upto, step)
+        running now, waiting for its turn, or its Run message has not arrived yet."""
+        with self._turn:
+            self._aborted_upto = max(self._aborted_upto, step)
+            self._turn.notify_all()
+
+    def _take_turn(self, step: int, after: int) -> None:
+        """Wait until no run holds the turn and run `after` has finished here, then take it.
+        A run sent ahead (run-ahead dispatch) queues here behind the one running."""
+        with self._turn:
+            while self.busy or self._finished_upto < after:
+                if self._aborted_upto >= step:
+                    raise Aborted(f"slice {self.slice_index}: run {step} aborted before it started")
+                self._turn.wait(0.05)
+            if self._aborted_upto >= step:      # e.g. the step after one that failed
+                raise Aborted(f"slice {self.slice_index}: run {step} aborted before it started")
+            self.busy = True
+
+    def _end_turn(self, step: int) -> None:
+        with self._turn:
+            self.busy = False
+            self._finished_upto = max(self._finished_upto, step)
+            self._turn.notify_all()
 
     # -- one step --------------------------------------------------------------------
     def run(self, plan: str, step: int, feeds: dict[str, tuple] | None = None,
-            fetch: tuple[str, ...] = (), trace: bool = False) -> StepResult:
+            fetch: tuple[str, ...] = (), trace: bool = False, after: int = -1) -> StepResult:
+        """Run plan `plan` as run id `step`, once run `after` (-1: none) has finished here
+        and no other run holds the turn."""
         if plan not in self.plans:
             raise ValueError(f"slice {self.slice_index}: no plan {plan!r}; installed: {sorted(self.plans)}")
+        # Feeds are laid out on the devices before the turn: a run sent ahead has its inputs
+        # in place when the run before it ends.
+        staged = {name: self._placed(list(arrays)) for name, arrays in (feeds or {}).items()}
+        self._take_turn(step, after)
+        try:
+            walked = self._walk(plan, step, staged, fetch, trace)
+        finally:
+            self._end_turn(step)
+        # The turn passes before the fetch waits for this run's last results: a run queued
+        # behind it dispatches its first programs while they are computed.
+        try:
+            fetched = {n: tuple(np.asarray(a) for a in arrays) for n, arrays in walked.fetch.items()}
+        except Exception as e:
+            self._raise(e, step, f"{plan} fetch {list(fetch)}")
+        return StepResult(fetched, walked.events, (time.time_ns() - walked.t0) / 1e9, walked.held.peak,
+                          walked.held.peak_bytes, walked.peak_bytes)
+
+    def _walk(self, plan: str, step: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
         t0 = time.time_ns()
         stream = self.plans[plan]
         buffers = self.buffers
-        for name, arrays in (feeds or {}).items():
-            self.put(name, arrays)
-        prefix = f"{step}:"
-        pending = {ins.buffer: self.transport.recv(prefix + ins.key, ins.src, ins.specs, ins.pieces)
-                   for ins in stream if isinstance(ins, Recv)}
+        buffers.update(staged)
+        held = _Held(self.transport, f"{step}:")
+        posts: dict[int, list[Recv]] = {}     # instruction index -> receives posted after it
+        for ins in stream:
+            if isinstance(ins, Recv):
+                if ins.post_after < 0:
+                    held.post(ins)
+                else:
+                    posts.setdefault(ins.post_after, []).append(ins)
+        prefix = held.prefix
         events: list[Event] = []
         where = "start"
+        peak_bytes = _bound_bytes(buffers) + held.bytes if trace else 0
         try:
             for i, ins in enumerate(stream):
                 where = f"{plan}[{i}] {_describe(ins)}"
@@ -186,7 +260,7 @@ class Executor:
                 elif isinstance(ins, Recv):
                     self.progress = Progress(step, i, "recv")
                     start = time.time_ns() if trace else 0
-                    buffers[ins.buffer] = self._wait(pending.pop(ins.buffer), ins, step)
+                    buffers[ins.buffer] = self._wait(held.take(ins), ins, step)
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
@@ -201,20 +275,26 @@ class Executor:
                 else:
                     assert isinstance(ins, Delete)
                     buffers.pop(ins.buffer, None)
-            self.progress = Progress(step, len(stream), "fetch")
+                for later in posts.pop(i, ()):
+                    held.post(later)
+                if trace:
+                    peak_bytes = max(peak_bytes, _bound_bytes(buffers) + held.bytes)
             where = f"{plan} fetch {list(fetch)}"
-            fetched = {n: tuple(np.asarray(a) for a in buffers[n]) for n in fetch}
+            # The arrays, not the names: a run after this one may rebind the names.
+            to_fetch = {n: buffers[n] for n in fetch}
         except Aborted:
             raise
         except Exception as e:
-            if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
-                raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
-            raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
+            self._raise(e, step, where)
         finally:
-            for fut in pending.values():
-                fut.cancel()
+            held.cancel()
             self.progress = Progress(step, len(stream), "idle")
-        return StepResult(fetched, tuple(events), (time.time_ns() - t0) / 1e9)
+        return _Walked(t0, tuple(events), held, peak_bytes, to_fetch)
+
+    def _raise(self, e: Exception, step: int, where: str):
+        if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
+            raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
+        raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
 
     def _wait(self, fut, ins: Recv, step: int):
         # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
@@ -232,6 +312,48 @@ def _on_device(array: jax.Array) -> jax.Array:
     kind = array.sharding.memory_kind
     return array if kind in (None, "device") or all(d.platform == "cpu" for d in array.sharding.device_set) \
         else jax.device_put(array, array.sharding.with_memory_kind("device"))
+
+
+class _Walked(NamedTuple):
+    """A run's walk done, its results maybe still being computed."""
+    t0: int                            # time.time_ns() when the walk began
+    events: tuple[Event, ...]
+    held: _Held
+    peak_bytes: int
+    fetch: dict[str, tuple]            # name -> the arrays to bring back
+
+
+class _Held:
+    """A step's receives that are posted and not yet reached by the walk: the memory a slice
+    holds for data it has not used yet. Tracks the peak count and bytes (what the receive
+    window bounds)."""
+
+    def __init__(self, transport: Transport, prefix: str):
+        self.transport, self.prefix = transport, prefix
+        self.futures: dict[str, object] = {}
+        self.bytes = self.peak = self.peak_bytes = 0
+
+    def post(self, ins: Recv) -> None:
+        self.futures[ins.buffer] = self.transport.recv(self.prefix + ins.key, ins.src, ins.specs, ins.pieces)
+        self.bytes += _nbytes(ins.specs)
+        self.peak = max(self.peak, len(self.futures))
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def take(self, ins: Recv):
+        self.bytes -= _nbytes(ins.specs)
+        return self.futures.pop(ins.buffer)
+
+    def cancel(self) -> None:
+        for fut in self.futures.values():
+            fut.cancel()
+
+
+def _bound_bytes(buffers: dict) -> int:
+    return sum(a.nbytes for bundle in buffers.values() for a in bundle)
+
+
+def _nbytes(specs) -> int:
+    return sum(math.prod(s.shape) * wire.numpy_dtype(s.dtype).itemsize for s in specs)
 
 
 def _nth(layouts, i: int) -> tuple:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from runtime import mesh, reshard
-from runtime.cluster import ReplaceUnsupported
+from runtime.cluster import InFlight, PendingRun, ReplaceUnsupported
 from runtime.executor import Aborted, Executor, StepResult
 
 
@@ -90,6 +90,7 @@ class InProcessCluster:
         self.executors: list[Executor] = []
         self._pool: ThreadPoolExecutor | None = None
         self._hub = _Hub()
+        self._in_flight = InFlight()
 
     @property
     def num_slices(self) -> int:
@@ -101,7 +102,7 @@ class InProcessCluster:
             raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
         bound = meshes_for(list(meshes) if meshes is not None else [(1, 1, 1)] * num_slices, self._devices)
         self.executors = [Executor(i, m, MemoryTransport(self._hub, m)) for i, m in enumerate(bound)]
-        self._pool = ThreadPoolExecutor(num_slices, thread_name_prefix="mpmd-slice")
+        self._pool = ThreadPoolExecutor(2 * num_slices, thread_name_prefix="mpmd-slice")
 
     def load_programs(self, slice_index: int, specs) -> None:
         self.executors[slice_index].load_programs(specs)
@@ -132,10 +133,28 @@ class InProcessCluster:
 
     def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
-        futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace)
-                   for i, ex in enumerate(self.executors)]
-        return gather(futures, on_error=lambda: [ex.abort(step) for ex in self.executors],
-                      cleanup=self._hub.clear)
+        return self.launch(plan, step, feeds, fetch, trace).result()
+
+    def launch(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+               trace: bool = False) -> PendingRun:
+        # The pool runs tasks in submission order, so every task of a run has a thread before
+        # any task of a later one: a task waiting for its turn never starves the one it waits for.
+        after = self._in_flight.after()
+        run = PendingRun(step, self._collect)
+        run.futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace, after)
+                       for i, ex in enumerate(self.executors)]
+        return self._in_flight.add(run)
+
+    def _collect(self, run: PendingRun) -> list[StepResult]:
+        self._in_flight.collecting(run)
+
+        def abort():
+            newest = self._in_flight.drop_all(f"run {run.step} before it failed")
+            for ex in self.executors:
+                ex.abort(newest)
+        results = gather(run.futures, on_error=abort, cleanup=self._hub.clear)
+        self._in_flight.done(run)
+        return results
 
     def replace(self, slice_index: int) -> None:
         """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is

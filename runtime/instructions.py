@@ -44,15 +44,17 @@ class Send(NamedTuple):
 class Recv(NamedTuple):
     """Bind `buffer` to what slice `src` sends under `key`.
 
-    Receives are posted ahead of need (when the step starts), so the transfer runs while
-    the slice computes earlier instructions; the instruction itself only marks where the
-    stream first needs the data.
+    Receives are posted ahead of need, so the transfer runs while the slice computes earlier
+    instructions; the instruction itself only marks where the stream first needs the data.
+    `post_after`: the index of the instruction after which the receive is posted (-1: when
+    the step starts); `with_recv_window` sets it to bound the receives outstanding at once.
     """
     buffer: str
     src: int
     key: str
     specs: tuple[Spec, ...]
     pieces: tuple[int, ...] = ()
+    post_after: int = -1
 
 
 class Delete(NamedTuple):
@@ -116,6 +118,22 @@ def with_deletes(stream: list[Instruction], keep: set[str] | frozenset[str]) -> 
     return out
 
 
+def with_recv_window(stream: list[Instruction], window: int) -> list[Instruction]:
+    """`stream` with each receive posted only once the one `window` receives before it has
+    been walked: at most `window` receives are outstanding (posted, not yet reached), so the
+    memory a slice holds for received data it has not used is bounded by `window` bundles,
+    while each transfer still overlaps the instructions between its post and its use.
+    Apply last: the marks are instruction indices."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"the receive window must be a positive integer (receives outstanding at once), "
+                         f"got {window!r}")
+    at = [i for i, ins in enumerate(stream) if isinstance(ins, Recv)]
+    out = list(stream)
+    for n, i in enumerate(at):
+        out[i] = stream[i]._replace(post_after=at[n - window] if n >= window else -1)
+    return out
+
+
 def to_json(ins: Instruction) -> list:
     """[kind, field, ...] with tuples as lists: a stable, language-neutral wire form."""
     fields = list(ins)
@@ -149,7 +167,7 @@ def from_json(item: list) -> Instruction:
         raise ValueError(f"instruction must be [kind, ...] with kind in {sorted(KINDS)}, got {item!r:.200}")
     cls = KINDS[item[0]]
     fields = item[1:]
-    if len(fields) not in (len(cls._fields) - len(cls._field_defaults), len(cls._fields)):
+    if not len(cls._fields) - len(cls._field_defaults) <= len(fields) <= len(cls._fields):
         raise ValueError(f"{item[0]} takes fields {cls._fields}, got {len(fields)} values")
     try:
         if cls is Run:
@@ -159,7 +177,8 @@ def from_json(item: list) -> Instruction:
             ins = Send(_str(fields[0]), _int(fields[1]), _str(fields[2]), *map(_pieces, fields[3:]))
         elif cls is Recv:
             specs = tuple(Spec(tuple(map(_int, s[0])), _str(s[1]), *map(layout_from_json, s[2:3])) for s in fields[3])
-            ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs, *map(_pieces, fields[4:]))
+            ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs, *map(_pieces, fields[4:5]),
+                       *map(_int, fields[5:6]))
         elif cls is Copy:
             ins = Copy(_str(fields[0]), _str(fields[1]), *map(_str, fields[2:]))
             if ins.memory not in MEMORY_KINDS:

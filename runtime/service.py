@@ -10,7 +10,9 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   InstallPlan  {name, stream: [instruction as runtime.instructions.to_json]}
   Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
-  Run          {plan, step, feeds: {name: [blob]}, fetch: [name], trace} -> {fetched, events, wall_s}
+  Run          {plan, step, after?, feeds: {name: [blob]}, fetch: [name], trace}
+                                -> {fetched, events, wall_s, peak_held, peak_held_bytes, peak_bytes}
+               (runs one at a time; a Run waits for run `after` to finish here: run-ahead)
   Save         {items: {directory: [buffer name]}}      (a snapshot, written in the background;
                blocks while two saves are queued; every directory must lie below the
                worker's root, as must Restore's)
@@ -79,7 +81,6 @@ class WorkerService:
         self.transport = None
         self.last_contact = time.monotonic()
         self.attached = False          # a controller has called Setup
-        self._running = threading.Lock()
 
     # -- handlers: (header, blobs) -> (header, blobs) ------------------------------------
     def Hello(self, h, b):
@@ -147,12 +148,15 @@ class WorkerService:
         if not isinstance(feeds, dict):
             raise ValueError("Run 'feeds' must be {buffer name: [blob, ...]}")
         feeds = {str(n): [wire.blob(b, r) for r in refs] for n, refs in feeds.items()}
-        with self._running:
-            result = self._exec().run(_str(h, "plan"), _int(h, "step"), feeds,
-                                      tuple(str(n) for n in h.get("fetch", [])), bool(h.get("trace", False)))
+        after = _int(h, "after") if "after" in h else -1
+        # The executor takes turns: a Run sent ahead waits there behind the one running.
+        result = self._exec().run(_str(h, "plan"), _int(h, "step"), feeds,
+                                  tuple(str(n) for n in h.get("fetch", [])), bool(h.get("trace", False)), after)
         out = wire.Builder()
         fetched = {n: [out.add(a) for a in arrays] for n, arrays in result.fetched.items()}
-        return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s}, out.blobs
+        return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s,
+                "peak_held": result.peak_held, "peak_held_bytes": result.peak_held_bytes,
+                "peak_bytes": result.peak_bytes}, out.blobs
 
     def Save(self, h, b):
         self._exec().save(confine(_items(h), self.root))
@@ -178,7 +182,8 @@ class WorkerService:
 
     def Heartbeat(self, h, b):
         progress = list(self.executor.progress) if self.executor is not None else None
-        return {"pid": os.getpid(), "step_running": self._running.locked(), "progress": progress}, []
+        running = self.executor is not None and self.executor.busy
+        return {"pid": os.getpid(), "step_running": running, "progress": progress}, []
 
     def Abort(self, h, b):
         """Stop a running step and drop this slice's pending transfers (peers waiting on them

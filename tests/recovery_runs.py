@@ -1,6 +1,7 @@
 """Runs of a small pipeline with and without injected faults, shared by the fault tests
 (tests/test_recovery.py, tests/test_control_faults.py); the uninterrupted runs are fixtures
 in conftest.py."""
+import collections
 import functools
 import os
 import time
@@ -66,28 +67,36 @@ def make_trainer(cluster, run_dir, spin=None, checkpoint_every=EVERY, **kw):
                         run_dir=run_dir, checkpoint_every=checkpoint_every, **kw)
 
 
-def train(trainer, batches, fault=None, traces=None, steps=STEPS):
+def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
     """Train to `steps`, replaying after a recovery; `fault(i, trainer)` runs before batch i
-    is stepped. With a `traces` list, every completed step is traced and appended to it as
-    (i, start_ns, slice 1's worker pid, per-slice events), start_ns taken just before the
-    step is sent.
+    is sent. `ahead`: how many steps are sent (Trainer.submit) before the oldest one's result
+    is collected (0: one step at a time, as Trainer.step). With a `traces` list, every
+    completed step is traced and appended to it as (i, start_ns, slice 1's worker pid,
+    per-slice events), start_ns taken just before the step is sent.
     Returns ({step: loss}, final params, number of rewinds)."""
     losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
-    while i < steps:
-        if fault is not None:
-            fault(i, trainer)
-        start_ns = time.time_ns()
+    pending = collections.deque()      # (batch index, start_ns, PendingStep), oldest first
+    while i < steps or pending:
         try:
-            out = trainer.step(batches[i], batches[i], data_state={"i": i + 1}, trace=traces is not None)
+            if i < steps and len(pending) <= ahead:
+                if fault is not None:
+                    fault(i, trainer)
+                start_ns = time.time_ns()
+                pending.append((i, start_ns, trainer.submit(batches[i], batches[i], data_state={"i": i + 1},
+                                                            trace=traces is not None)))
+                i += 1
+                continue
+            batch, start_ns, step = pending.popleft()
+            out = step.result()
         except mpmd.Rewound as e:
             rewinds += 1
             i = e.data_state["i"] if e.data_state else 0
             losses = {s: l for s, l in losses.items() if s <= e.step}
+            pending.clear()            # discarded with the failed step: nothing of them landed
             continue
         if traces is not None:
-            traces.append((i, start_ns, trainer.cluster.pids[1], out["events"]))
+            traces.append((batch, start_ns, trainer.cluster.pids[1], out["events"]))
         losses[out["step"]] = out["loss"]
-        i += 1
     return losses, reference.stage_leaves(trainer.params()), rewinds
 
 
@@ -111,12 +120,12 @@ def kill_once(at_step, sig, slice_index=1):
     return fault
 
 
-def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, trainer_kw=None,
+def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, ahead=0, trainer_kw=None,
                    **cluster_kw):
     cluster = cluster or mpmd.LocalCluster(**cluster_kw)
     trainer = make_trainer(cluster, tmp_path, spin, **(trainer_kw or {}))
     try:
-        result = train(trainer, data(), fault, traces, steps)
+        result = train(trainer, data(), fault, traces, steps, ahead)
         pids = list(cluster.pids)
         run_with_fault.trainer = trainer     # for the caller's checks of how it recovered
     finally:

@@ -53,12 +53,14 @@ def check(schedule, result) -> None:
             assert all(a.end_ns <= b.start_ns for a, b in zip(events, events[1:]))
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_dry_run_in_process_matches_simulation(name):
+@pytest.mark.parametrize("name,run_ahead", [("1f1b", 0), ("zb-h1", 0), ("1f1b", 1)])
+def test_dry_run_in_process_matches_simulation(name, run_ahead):
+    """Also with each step launched while the one before runs: every step still runs its
+    tasks in order, one at a time per slice, and takes its simulated time."""
     schedule = schedules.make(name, P, M)
     cluster = mpmd.InProcessCluster()
     try:
-        result = dry_run(schedule, COSTS, ACTIVATION_BYTES, cluster, steps=3)
+        result = dry_run(schedule, COSTS, ACTIVATION_BYTES, cluster, steps=3, run_ahead=run_ahead)
     finally:
         cluster.close()
     assert len(result.step_s) == 3 and len(result.events) == 3

@@ -9,17 +9,20 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from runtime import checkpoint
 from runtime.checkpoint import CheckpointStore, SliceCheckpointer
 from tests.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
 
 
-def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, tmp_path):
+@pytest.mark.parametrize("ahead", [0, 1], ids=["in-step", "run-ahead"])
+def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, tmp_path, ahead):
     """Snapshots every step, persistent saves every 50 (none in 8 steps): slice 1's worker is
-    killed before batch 5; slice 0 binds its own snapshot of step 5, the replacement receives
-    slice 1's state from slice 0's copy, and only batch 5 is computed again."""
-    losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL),
+    killed before batch 5 is sent; slice 0 binds its own newest snapshot, the replacement
+    receives slice 1's state from slice 0's copy, and only the failed step is computed
+    again. With run-ahead each snapshot is sent right behind its step, before the next."""
+    losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL), ahead=ahead,
                                              trainer_kw={"memory_every": 1, "checkpoint_every": 50})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
