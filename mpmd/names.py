@@ -10,6 +10,7 @@ Buffers on a slice (k = stage, j = microbatch):
   x/{j}        microbatch input (first stage's slice)         t/{j} targets (last stage's slice)
   a{k}/{j}     activation entering stage k                    r{k}/{j} stage k's residuals
   d{k}/{j}     cotangent of stage k's output                  loss/{j} last stage's loss
+  kept{k}/{j}  what stage k's input-gradient program (B) leaves for its weight gradient (W)
   out/{j}      last stage's output (prediction plans)
   sq{k}        squared norm of stage k's gradients (when clipping)
   sh{k}        stage k's part of the gradients of shared (tied) parameters
@@ -30,7 +31,7 @@ from typing import NamedTuple
 BUFFERS = {
     "params": "p{k}", "opt_state": "o{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
-    "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}",
+    "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
 }
 KEYS = {
     "act": "act{k}/{j}", "grad": "grad{k}/{j}", "sqnorm_to": "sq{k}/to{q}", "shared_to": "sh{k}/to{q}",
@@ -106,6 +107,7 @@ def output(j: int) -> str: return BUFFERS["output"].format(j=j)
 def activation(k: int, j: int) -> str: return BUFFERS["activation"].format(k=k, j=j)
 def residuals(k: int, j: int) -> str: return BUFFERS["residuals"].format(k=k, j=j)
 def cotangent(k: int, j: int) -> str: return BUFFERS["cotangent"].format(k=k, j=j)
+def kept(k: int, j: int) -> str: return BUFFERS["kept"].format(k=k, j=j)
 
 
 def act_key(k: int, j: int) -> str: return KEYS["act"].format(k=k, j=j)
