@@ -23,6 +23,15 @@ def sgd():
 
 # -- cost: B + W = one backward ------------------------------------------------------------
 
+LLAMA = dict(vocab_size=32, d_model=16, num_heads=4, num_blocks=2, seq_len=8, num_kv_heads=2)
+
+
+def _llama(**kw):
+    a = LLAMA
+    return models.Llama(a["vocab_size"], a["d_model"], a["num_heads"], a["num_blocks"], a["seq_len"],
+                        num_kv_heads=a["num_kv_heads"], rngs=nnx.Rngs(0), **kw)
+
+
 def _gpt():
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(64, 32, 2, 4, 16, rngs=nnx.Rngs(0)), num_stages=3), models.lm_loss)
     tokens = jax.ShapeDtypeStruct((2, 16), np.int32)
@@ -34,7 +43,14 @@ def _mlp():
     return pipe, jax.ShapeDtypeStruct((4, 8), np.float32), jax.ShapeDtypeStruct((4, 4), np.float32)
 
 
-@pytest.mark.parametrize("make", [_gpt, _mlp], ids=["gpt", "mlp"])
+def _remat_llama():
+    # remat's recomputation must run once (in B), not again in W
+    pipe = mpmd.Pipeline(mpmd.split(_llama(remat="block"), 2), models.lm_loss)
+    tokens = jax.ShapeDtypeStruct((2, LLAMA["seq_len"]), np.int32)
+    return pipe, tokens, tokens
+
+
+@pytest.mark.parametrize("make", [_gpt, _mlp, _remat_llama], ids=["gpt", "mlp", "llama-remat"])
 def test_b_plus_w_costs_one_full_backward(make):
     pipe, x, y = make()
     flops = stage_costs.measure(pipe, x, y, flops_only=True)
@@ -139,15 +155,6 @@ def test_zb_h1_with_clipping_equals_unpipelined_under_sgd_momentum():
     np.testing.assert_allclose([m["loss"] for m in metrics], want[0], rtol=1e-5)
     assert all(m["grad_norm"] > CLIP for m in metrics), "clipping must trigger at every step"
     reference.assert_leaves_close(params, want[2], 1e-5)
-
-
-LLAMA = dict(vocab_size=32, d_model=16, num_heads=4, num_blocks=2, seq_len=8, num_kv_heads=2)
-
-
-def _llama(**kw):
-    a = LLAMA
-    return models.Llama(a["vocab_size"], a["d_model"], a["num_heads"], a["num_blocks"], a["seq_len"],
-                        num_kv_heads=a["num_kv_heads"], rngs=nnx.Rngs(0), **kw)
 
 
 @pytest.mark.parametrize("remat", ["block", "dots_saveable"])
