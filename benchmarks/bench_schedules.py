@@ -248,6 +248,7 @@ def flops() -> None:
     """Per stage of the benchmark's GPT split in NUM_SLICES: F, B, W, BW MFLOP (one microbatch)."""
     import jax
     import numpy as np
+    import optax
     from flax import nnx
 
     import models
@@ -256,11 +257,14 @@ def flops() -> None:
 
     tokens = jax.ShapeDtypeStruct((BATCH // M, GPT["seq_len"]), np.int32)
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), NUM_SLICES), models.lm_loss)
-    print(f"GPT {GPT}, microbatch {tokens.shape}, {NUM_SLICES} stages; XLA cost analysis, MFLOP")
-    print(f"{'stage':>5} {'F':>9} {'B':>9} {'W':>9} {'BW':>9} {'(B+W)/BW':>9}")
+    print(f"GPT {GPT}, microbatch {tokens.shape}, {NUM_SLICES} stages; XLA cost analysis, MFLOP; "
+          f"bytes per microbatch held for the backward: residuals (F until W) and kept (B until W)")
+    print(f"{'stage':>5} {'F':>9} {'B':>9} {'W':>9} {'BW':>9} {'(B+W)/BW':>9} {'resid MiB':>10} {'kept MiB':>9}")
+    memory = stage_costs.memory(pipe, optax.adamw(LR), tokens, tokens)
     for k, c in enumerate(stage_costs.measure(pipe, tokens, tokens, flops_only=True)):
         print(f"{k:>5} " + " ".join(f"{c[kind] / 1e6:>9.1f}" for kind in ("F", "B", "W", "BW"))
-              + f" {(c['B'] + c['W']) / c['BW']:>9.3f}")
+              + f" {(c['B'] + c['W']) / c['BW']:>9.3f} {memory[k]['residuals'] / 2**20:>10.2f}"
+              + f" {memory[k]['kept'] / 2**20:>9.2f}")
 
 
 if __name__ == "__main__":
