@@ -12,21 +12,22 @@ processes, each pinned to one core with one XLA thread, real transfers. Baseline
 model's whole-batch adamw step, jitted, in a subprocess pinned to one core with XLA's
 intra-op threads off.
 
-Rounds are interleaved: each round times `steps` steps of the baseline and then of every
-schedule (the order rotates per round), so load drift hits all alike; a round's step time
-is its wall time / steps, and figures are medians over rounds. A step returns once its loss
-is on the host, while its backward and update may still run (asynchronous dispatch, in the
-workers as in jax.jit): so each runner's round starts with one untimed step and times the
-`steps` after it, from return to return. In steady state the first step's unfinished tail
-inside the window equals the last one's outside it, and no runner's tail is billed to the
-next runner.
+Rounds are interleaved: each round times the baseline and then every schedule (the order
+rotates per round), so load drift hits all alike; figures are medians over rounds. A step
+returns once its loss is on the host, while its backward and update may still run
+(asynchronous dispatch, in the workers as in jax.jit), so a round times only finished work:
+a pipelined round is `steps` steps and one traced step (a traced step blocks on every
+task, so when it returns every slice is done), step time = wall time / (steps + 1); the
+baseline's round is `steps` steps and a wait for its parameters, wall time / steps. Every
+round starts with nothing of any runner in flight.
 
-Simulated: after the rounds, traced steps of each schedule give every task's duration
-(the median over microbatches and traced steps of each stage's F, B, W programs, or of its
-full backward where the schedule does not split it); mpmd.simulate runs the schedule with
-those costs (comm_s = 0), and each slice's measured update time is added after its last
-task. measured / simulated near 1 means the runtime runs the schedule as the simulator
-predicts; the excess is dispatch, transfers and waits the simulator does not charge.
+Simulated: each round's traced step gives every task's duration under that round's load:
+per stage and kind, the median over microbatches and rounds of its F, B and W programs (or
+of its full backward, priced as B with W = 0, where the schedule does not split it; the
+first stage's B runs no program: 0). mpmd.simulate runs the schedule with those costs
+(comm_s = 0), and each slice's measured update time is added after its last task.
+measured / simulated near 1 means the runtime runs the schedule as the simulator predicts;
+the excess is dispatch, transfers and waits the simulator does not charge.
 
 On this 2-core machine the controller, the two workers and any other load share the cores:
 the load average is printed at the start and the end; compare runs made at low load.
@@ -113,12 +114,11 @@ def _baseline_main() -> None:
     batches, i = make_batches(4), 0
     print(json.dumps({"cpus": sorted(os.sched_getaffinity(0))}), flush=True)
     for line in sys.stdin:
-        n, loss = int(line), None
-        for done in range(n + 1):             # one untimed step first, as every runner's round
-            if done == 1:
-                start = time.perf_counter()
+        n, loss, start = int(line), None, time.perf_counter()
+        for _ in range(n):
             *state, loss = step(*state, *batches[i % len(batches)])
             loss, i = float(loss), i + 1       # the host read a pipelined step's loss fetch also does
+        jax.block_until_ready(state)           # the last update is part of the round
         print(json.dumps({"step_s": (time.perf_counter() - start) / n, "loss": loss}), flush=True)
 
 
@@ -180,13 +180,12 @@ def main(quick: bool) -> None:
     import models
     import mpmd
 
-    num_warmup, num_rounds, num_steps, num_traced = (1, 2, 1, 2) if quick else (1, 5, 3, 3)
+    num_warmup, num_rounds, num_steps = (1, 2, 1) if quick else (1, 5, 3)
     start = time.perf_counter()
     print(f"bench_schedules{' --quick' if quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
           f"load average at start {os.getloadavg()[0]:.2f}")
     print(f"GPT {GPT}, batch {BATCH}, m={M}, adamw, {NUM_SLICES} LocalCluster workers; "
-          f"{num_rounds} rounds x (1 untimed + {num_steps} timed steps) after {num_warmup} warm-up, "
-          f"{num_traced} traced")
+          f"{num_rounds} rounds of {num_steps} steps (+ 1 traced, pipelined) after {num_warmup} warm-up")
     found = two_slice_schedules(M)
     batches = make_batches(num_warmup + num_steps)
     baseline = Baseline()
@@ -198,15 +197,17 @@ def main(quick: bool) -> None:
             trainers[schedule.name] = mpmd.Trainer(pipe, optax.adamw(LR), schedule=schedule,
                                                    cluster=mpmd.LocalCluster(num_workers=NUM_SLICES))
         runners = {"unpipelined": baseline.steps}
+        traced: dict = {name: [] for name in trainers}
         for name, trainer in trainers.items():
-            def run(n, trainer=trainer):
-                trainer.step(*batches[0])            # untimed: its tail runs inside the window
+            def run(n, trainer=trainer, traced=traced[name]):
                 begin = time.perf_counter()
                 for x, y in batches[num_warmup:num_warmup + n]:
                     trainer.step(x, y)
-                return (time.perf_counter() - begin) / n
+                traced.append(trainer.step(*batches[0], trace=True))
+                return (time.perf_counter() - begin) / (n + 1)
             for x, y in batches[:num_warmup]:
                 trainer.step(x, y)
+            trainer.step(*batches[0], trace=True)       # compiles the traced path; ends idle
             runners[name] = run
         baseline.steps(num_warmup)                   # compiles
         per_step: dict = {name: [] for name in runners}
@@ -216,10 +217,7 @@ def main(quick: bool) -> None:
                 per_step[name].append(runners[name](num_steps))
         simulated = {}
         for schedule in found:
-            trainer = trainers[schedule.name]
-            # The first traced step also waits for the previous step's tail: dropped.
-            traced = [trainer.step(*batches[-1], trace=True) for _ in range(num_traced + 1)][1:]
-            costs, updates = task_costs(schedule, traced)
+            costs, updates = task_costs(schedule, traced[schedule.name])
             simulated[schedule.name] = (simulated_step_s(schedule, costs, updates), costs)
     finally:
         for trainer in trainers.values():
@@ -230,17 +228,20 @@ def main(quick: bool) -> None:
     ref = statistics.median(per_step["1f1b"]) if "1f1b" in per_step else None
     print(f"\nunpipelined, 1 core {baseline.cpus}, 1 thread: {base:.3f} s/step (median of {num_rounds} rounds)")
     print(f"{'schedule':>17} {'stages':>6} {'step s':>7} {'sim s':>7} {'meas/sim':>9} {'vs 1f1b':>8} "
-          f"{'speedup':>8}   measured costs per stage, ms: F/B/W")
+          f"{'sim vs 1f1b':>12} {'speedup':>8}   measured costs per stage, ms: F/B/W")
+    ref_sim = simulated["1f1b"][0] if "1f1b" in simulated else None
     for schedule in found:
         name = schedule.name
         step = statistics.median(per_step[name])
         sim, costs = simulated[name]
         vs = f"{step / ref:>8.3f}" if ref else f"{'-':>8}"
+        vs_sim = f"{sim / ref_sim:>12.3f}" if ref_sim else f"{'-':>12}"
         shown = "  ".join("/".join(f"{c[k] * 1e3:.0f}" for k in ("F", "B", "W")) for c in costs)
-        print(f"{name:>17} {schedule.num_stages:>6} {step:>7.3f} {sim:>7.3f} {step / sim:>9.3f} {vs} "
+        print(f"{name:>17} {schedule.num_stages:>6} {step:>7.3f} {sim:>7.3f} {step / sim:>9.3f} {vs} {vs_sim} "
               f"{base / step:>7.2f}x   {shown}")
-    print("(vs 1f1b: step / 1f1b's step, < 1 is faster; speedup: unpipelined step / pipelined step; "
-          "goals: every meas/sim <= 1.05, zero-bubble schedules >= 5% faster than 1f1b where sim predicts it)")
+    print("(vs 1f1b: step / 1f1b's step, < 1 is faster; sim vs 1f1b: the same for the simulated steps; "
+          "speedup: unpipelined step / pipelined step.\n goals: every meas/sim <= 1.05; zero-bubble "
+          "schedules >= 5% faster than 1f1b where sim vs 1f1b predicts it)")
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 
