@@ -9,7 +9,8 @@ The instruction streams are exactly the training streams the Trainer installs
 name the streams use becomes a "sleep" program (runtime/programs.py) that takes its task's
 declared duration and returns zero bundles of the right shapes, so the sends, receives,
 deletes, transfers (activations and cotangents of `activation_bytes` each) and the control
-plane are all real. A sleep costs wall time but no CPU, so on a machine with few cores the
+plane are all real. Buffers that never leave a slice (residuals, what B keeps for W) are
+scalar stand-ins, created and freed where the training streams create and free them. A sleep costs wall time but no CPU, so on a machine with few cores the
 measured step time over the simulated makespan is a property of the runtime (dispatch,
 transfers, waits), not of the cores.
 

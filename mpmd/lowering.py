@@ -292,16 +292,20 @@ class _TrainStream:
                                  self.t.ct_pieces[k - 1]))
 
     def input_grad(self, k: int, j: int) -> None:
-        """Zero-bubble B: the input gradient only (none for the first stage: its input is data)."""
+        """Zero-bubble B: the input gradient, and what W needs of B's work, kept until W
+        (none for the first stage: its input is data)."""
         base = self._backward_inputs(k, j, receive=True)
         if k > 0:
-            self.ops.append(Run(names.program("bwd_in", k), base, (names.cotangent(k - 1, j),), f"B s{k} mb{j}"))
+            self.ops.append(Run(names.program("bwd_in", k), base, (names.cotangent(k - 1, j), names.kept(k, j)),
+                                f"B s{k} mb{j}"))
             self._send_input_grad(k, j)
 
     def weight_grad(self, k: int, j: int, input_grad_too: bool) -> None:
         """Accumulate stage k's weight gradient for microbatch j (W), or with input_grad_too
         the full backward (B of a schedule without split backward)."""
         base = self._backward_inputs(k, j, receive=input_grad_too)
+        if self.split and k > 0:
+            base += (names.kept(k, j),)
         g = names.grads(k)
         acc = (g,) if k in self.accumulating else ()
         kind = ("bwd_w_" if self.split else "bwd_") + ("acc" if acc else "first")

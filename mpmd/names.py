@@ -10,6 +10,7 @@ Buffers on a slice (k = stage, j = microbatch):
   x/{j}        microbatch input (first stage's slice)         t/{j} targets (last stage's slice)
   a{k}/{j}     activation entering stage k                    r{k}/{j} stage k's residuals
   d{k}/{j}     cotangent of stage k's output                  loss/{j} last stage's loss
+  kept{k}/{j}  what stage k's input-gradient program (B) leaves for its weight gradient (W)
   out/{j}      last stage's output (prediction plans)
   sq{k}        squared norm of stage k's gradients (when clipping)
   sh{k}        stage k's part of the gradients of shared (tied) parameters
@@ -33,7 +34,7 @@ from typing import NamedTuple
 BUFFERS = {
     "params": "p{k}", "opt_state": "o{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
-    "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}",
+    "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
     # The in-memory checkpoint tier (mpmd/snapshots.py), generation g in {0, 1}: a slice's
     # own snapshot of p{k}/o{k}, and the copy it holds of its peer's.
     "snap_params": "s{g}/p{k}", "snap_opt": "s{g}/o{k}", "peer_params": "c{g}/p{k}", "peer_opt": "c{g}/o{k}",
@@ -116,6 +117,7 @@ def output(j: int) -> str: return BUFFERS["output"].format(j=j)
 def activation(k: int, j: int) -> str: return BUFFERS["activation"].format(k=k, j=j)
 def residuals(k: int, j: int) -> str: return BUFFERS["residuals"].format(k=k, j=j)
 def cotangent(k: int, j: int) -> str: return BUFFERS["cotangent"].format(k=k, j=j)
+def kept(k: int, j: int) -> str: return BUFFERS["kept"].format(k=k, j=j)
 
 
 def snapshot(g: int, buffer: str) -> str:

@@ -49,8 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W[,BW]",
                         help="time of one forward, input-gradient backward and weight-gradient "
                              "task, and optionally of one full backward (default B+W); default "
-                             "1,1,1. mpmd's W program today recomputes the vjp, so its real "
-                             "costs have B+W > BW: measure them with mpmd.stage_costs.measure")
+                             "1,1,1. Measure a pipeline's own with mpmd.stage_costs.measure")
     parser.add_argument("-o", "--output", metavar="OUT.svg",
                         help="write the timeline as SVG here (default NAME.svg)")
     return parser
@@ -77,9 +76,8 @@ def main(argv=None) -> int:
     print(f"peak live activations per slice: {_per_slice(simulation.peak_live_activations, '')}")
     print(f"bubble per slice:  {_per_slice(simulation.bubble_fraction_per_slice, '.4f')}")
     if schedule.split_backward and (args.costs is None or "BW" not in args.costs):
-        print("note:              assumes B + W = one full backward; mpmd's W program today "
-              "recomputes the forward vjp (B + W ~ 1.5x the full backward on a GPT block), so "
-              "pass measured --costs F,B,W,BW (mpmd.stage_costs.measure) for figures of mpmd itself")
+        print("note:              assumes B + W = one full backward; pass measured --costs "
+              "F,B,W,BW (mpmd.stage_costs.measure) for figures of a pipeline of mpmd itself")
     print(f"wrote {output}" if why_not is None else f"svg not written: {why_not}")
     return 0
 

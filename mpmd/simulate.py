@@ -4,10 +4,11 @@ Cost convention. `costs` gives the time of one F, one B (input gradient only) an
 (weight gradient) of a stage: a dict {"F": f, "B": b, "W": w} for every stage, or a callable
 cost(task) -> float (called with kind "F", "B" or "W"), or a list of such dicts, one per
 stage. A schedule with split_backward=False runs the whole backward as one B task, which
-costs b + w unless a dict also gives "BW", the full backward's own cost. B + W = BW is what zero-bubble schedules assume; mpmd's
-W program today recomputes the whole vjp (measured with XLA cost analysis on a 2-block GPT
-stage: BW 952, B 514, W 952 MFLOP), so ZB-H1 figures are honest only with measured costs:
-`mpmd.stage_costs.measure` gives them for a pipeline. With F = B = W = 1 (a full backward twice a
+costs b + w unless a dict also gives "BW", the full backward's own cost. B + W = BW is what
+zero-bubble schedules assume, and mpmd's B and W programs split one backward without
+recomputing (XLA cost analysis on a GPT stage of 2 blocks, d_model 128: BW 476, B 257,
+W 219 MFLOP, where W alone once cost 476); `mpmd.stage_costs.measure` gives a pipeline's
+own F, B, W and BW. With F = B = W = 1 (a full backward twice a
 forward, the usual rule of thumb) and no BW, p slices give:
   GPipe, 1F1B:   bubble = (p-1)/(m+p-1)      (any f, b, w: the formula does not depend on them)
   interleaved:   bubble = (p-1)/(v*m+p-1)    (m a multiple of p)
@@ -92,34 +93,42 @@ def _kind_table(costs, split_backward: bool, what: str) -> dict:
     return table
 
 
-def _peak_live(tasks: TaskArrays, split_backward: bool, size=None) -> tuple:
+def _peak_live(tasks: TaskArrays, split_backward: bool, size=None, kept=None) -> tuple:
     """Per slice, the most activations held at once. Slices run one task at a time, so the
     live amount changes only between tasks: +size when an F starts, -size when the
-    microbatch's last backward task ends (W if split, else B). Costs do not matter.
-    size: None (count 1 per stage-microbatch) or a per-stage array (e.g. bytes)."""
+    microbatch's last backward task ends (W if split, else B); with split backward also
+    +kept when B runs (what it leaves for W) and -kept when W ends. No task both grows and
+    shrinks the amount, so the peak is the running sum's. Costs do not matter.
+    size, kept: None (size: count 1 per stage-microbatch; kept: nothing) or per-stage arrays
+    (e.g. bytes)."""
     last = KIND_CODES[WEIGHT if split_backward else BACKWARD]
     peaks = []
     for r in range(len(tasks)):
         a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
-        kind = tasks.kind[a:b]
-        step = (kind == KIND_CODES[FORWARD]).astype(np.int64) - (kind == last)
-        if size is not None:
-            step = step * size[tasks.stage[a:b]]
+        kind, stage = tasks.kind[a:b], tasks.stage[a:b]
+        held = np.ones(b - a, dtype=np.int64) if size is None else size[stage]
+        step = (kind == KIND_CODES[FORWARD]) * held - (kind == last) * held
+        if split_backward and kept is not None:
+            step = step + ((kind == KIND_CODES[BACKWARD]).astype(np.int64) - (kind == last)) * kept[stage]
         live = np.cumsum(step)
         peaks.append(max(0, live.max()) if len(live) else 0)
     return tuple(p.item() if hasattr(p, "item") else p for p in peaks)
 
 
-def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float]) -> tuple[float, ...]:
+def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float],
+                     kept_bytes: list[float] | None = None) -> tuple[float, ...]:
     """Per slice, the most bytes of saved activations held at once, given the bytes stage k's
     forward keeps for its backward per microbatch (`residual_bytes[k]`, e.g. from
     mpmd.stage_costs.memory): peak_live_activations weighted by stage. Rematerialisation
-    shrinks residual_bytes and so this figure."""
-    if len(residual_bytes) != schedule.num_stages:
-        raise ValueError(f"residual_bytes has {len(residual_bytes)} entries; the schedule has "
-                         f"{schedule.num_stages} stages")
+    shrinks residual_bytes and so this figure. `kept_bytes[k]`: what stage k's B leaves for
+    its W per microbatch, held from B until W (split-backward schedules only)."""
+    for what, given in (("residual_bytes", residual_bytes), ("kept_bytes", kept_bytes)):
+        if given is not None and len(given) != schedule.num_stages:
+            raise ValueError(f"{what} has {len(given)} entries; the schedule has "
+                             f"{schedule.num_stages} stages")
     return _peak_live(as_arrays(schedule.slices), schedule.split_backward,
-                      np.asarray(residual_bytes, dtype=np.float64))
+                      np.asarray(residual_bytes, dtype=np.float64),
+                      None if kept_bytes is None else np.asarray(kept_bytes, dtype=np.float64))
 
 
 def _cost_arrays(costs: Costs, schedule: Schedule, tasks: TaskArrays):

@@ -12,15 +12,16 @@ mpmd/marks.py (reporting the cost of a marked cut) use these.
     simulate(schedules.make("zb-h1", 4, 8), costs)     # priced by what the programs do
 
 Each stage's forward (F), input gradient (B), weight gradient (W) and full backward (BW)
-program is exported exactly as the Trainer ships it and priced in the same unit. Simulating
-with these instead of the F = B = W rule of thumb shows what a zero-bubble schedule really
-costs: until W stops recomputing the forward vjp, B + W exceeds BW, and ZB-H1 does more
-backward work than 1F1B (see mpmd/simulate.py).
+program is exported exactly as the Trainer ships it and priced in the same unit. B and W
+are the two halves of one backward (mpmd/backward_split.py: W reuses what B computed), so
+B + W = BW up to XLA's fusion choices (GPT d_model 128, last stage of 2 with 2 blocks, 4 x 64
+tokens: BW 476, B 257, W 219 MFLOP; before the split W rebuilt the vjp and cost 476). `flops_only=True` prices FLOPs alone.
 
 `memory` gives what each stage holds, in bytes, from shapes alone (an mpmd.abstract model
-is never allocated): parameters, accumulated gradients, optimizer state, and the residuals
-its forward saves per microbatch (what rematerialisation shrinks). `slice_memory` adds them
-up per slice under a schedule, with the schedule's peak of microbatches in flight.
+is never allocated): parameters, accumulated gradients, optimizer state, the residuals its
+forward saves per microbatch (what rematerialisation shrinks) and what its B keeps for its
+W in a split-backward schedule. `slice_memory` adds them up per slice under a schedule, with
+the schedule's peak of microbatches in flight.
 """
 from __future__ import annotations
 
@@ -59,20 +60,22 @@ def fn_costs(fns, sample_input) -> list[float]:
     return costs
 
 
-def _cost(lowered) -> float:
-    """flops + bytes accessed / 4 of a lowered computation, from XLA's cost analysis."""
+def _cost(lowered, flops_only: bool = False) -> float:
+    """flops + bytes accessed / 4 of a lowered computation (or flops alone), from XLA's cost
+    analysis."""
     analysis = lowered.cost_analysis() or {}
     if isinstance(analysis, list):  # older jax returned one dict per computation
         analysis = analysis[0] if analysis else {}
     # A pure gather (the embedding) reports ~0 flops; count its output bytes so it is not free.
-    return float(analysis.get("flops", 0.0)) + float(analysis.get("bytes accessed", 0.0)) / 4
+    traffic = 0.0 if flops_only else float(analysis.get("bytes accessed", 0.0)) / 4
+    return float(analysis.get("flops", 0.0)) + traffic
 
 
-def program_cost(program: ProgramSpec) -> float:
+def program_cost(program: ProgramSpec, flops_only: bool = False) -> float:
     """The cost of an exported program (a ProgramSpec as shipped to a slice)."""
     exported = jax.export.deserialize(bytearray(program.data))
     args, _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
-    return _cost(jax.jit(exported.call).lower(*args))
+    return _cost(jax.jit(exported.call).lower(*args), flops_only)
 
 
 def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec):
@@ -87,7 +90,7 @@ def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec):
         yield k, fn, shapes, k == 0, last
 
 
-def measure(pipe: Pipeline, micro_input_spec, micro_target_spec) -> list[dict]:
+def measure(pipe: Pipeline, micro_input_spec, micro_target_spec, flops_only: bool = False) -> list[dict]:
     """Per stage {"F", "B", "W", "BW"}: the cost of its programs for one microbatch of these
     shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
     out = []
@@ -96,7 +99,7 @@ def measure(pipe: Pipeline, micro_input_spec, micro_target_spec) -> list[dict]:
         for split in (True, False):
             built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn,
                                               num_microbatches=1, split_backward=split))
-        cost = lambda kind: program_cost(built[names.program(kind, k)])
+        cost = lambda kind: program_cost(built[names.program(kind, k)], flops_only)
         out.append({"F": cost("fwd"), "B": 0.0 if first else cost("bwd_in"), "W": cost("bwd_w_first"),
                     FULL_BACKWARD: cost("bwd_first")})
     return out
@@ -109,21 +112,24 @@ def _nbytes(specs) -> int:
 def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec) -> list[dict]:
     """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
     "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
-    the vjp residuals minus the stage's own parameters)}. Traced only: nothing is allocated."""
+    the vjp residuals minus the stage's own parameters), "kept" (what one microbatch's B
+    keeps for its W when the backward is split)}. Traced only: nothing is allocated."""
     out = []
     for k, fn, shapes, first, last in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
-        residuals = stage_programs.residual_specs(fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn)
+        stage = dict(fn=fn, shapes=shapes, first=first, last=last, loss_fn=pipe.loss_fn)
         opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(shapes.params)))
         out.append({"params": _nbytes(shapes.params), "grads": _nbytes(shapes.params), "optimizer": _nbytes(opt),
-                    "residuals": _nbytes(residuals)})
+                    "residuals": _nbytes(stage_programs.residual_specs(**stage)),
+                    "kept": _nbytes(stage_programs.kept_specs(**stage))})
     return out
 
 
 def slice_memory(schedule, per_stage: list[dict]) -> list[dict]:
     """Per slice of `schedule`, bytes: its stages' params, grads and optimizer state, and
-    "activations": the most residual bytes it holds at once (mpmd.simulate.peak_saved_bytes),
-    "total" their sum. Not counted: activations and cotangents in transit, XLA's temporaries."""
-    saved = peak_saved_bytes(schedule, [m["residuals"] for m in per_stage])
+    "activations": the most residual bytes (and, split backward, bytes B keeps for W) it holds
+    at once (mpmd.simulate.peak_saved_bytes), "total" their sum. Not counted: activations and
+    cotangents in transit, XLA's temporaries."""
+    saved = peak_saved_bytes(schedule, [m["residuals"] for m in per_stage], [m["kept"] for m in per_stage])
     out = []
     for r in range(len(schedule.slices)):
         mine = schedule.stages_on(r)

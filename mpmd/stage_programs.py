@@ -8,8 +8,12 @@ microbatch in flight).
 
 Backward comes in three forms:
 - "full"  (GPipe, 1F1B): input gradient and weight gradient together;
-- "input" (zero-bubble B): input gradient only; XLA drops the weight-gradient math;
-- "weight" (zero-bubble W): weight gradient only; XLA drops the input-gradient math.
+- "input" (zero-bubble B): the input gradient, plus "kept": the values it computed on the
+  way that the weight gradient also needs (the cotangent at each weight's use);
+- "weight" (zero-bubble W): the weight gradient from the residuals, the cotangent and B's
+  kept values, doing only the work B did not (mpmd/backward_split.py cuts the backward's
+  jaxpr), so B + W costs one full backward. The first stage has no B (its input is data):
+  its W is the whole weight-gradient computation.
 Weight gradients are accumulated into the stage's gradient bundle; the first microbatch
 to arrive creates it ("first"), so no zero-fill program is needed.
 
@@ -19,7 +23,7 @@ mean over the batch for equal microbatches; hence the last stage's cotangent is 
 Layouts. Every spec handed in carries its sharding on the slice's AbstractMesh (see
 mpmd/sharding.py); each program returns its outputs in the layouts of what they are:
 gradients like their parameters, input gradients like the stage's input, scalars
-replicated. Residuals are left to XLA: they never leave the slice.
+replicated. Residuals and kept values are left to XLA: they never leave the slice.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from runtime import programs
-from mpmd import names
+from mpmd import backward_split, names
 from mpmd.pipeline import StageFn, shared_indices, shared_peers
 
 
@@ -102,73 +106,101 @@ def _forward_args(shapes: StageShapes, last: bool) -> tuple:
     return (shapes.params, _bundle(shapes.x), *((_bundle(shapes.targets),) if last else ()))
 
 
+def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
+              num_microbatches: int):
+    """(forward, residual specs, cotangents): cotangents(params, res, g) -> (param grads, input
+    grad or None) rebuilds the vjp from the forward's residuals, so nothing is recomputed."""
+    y_tree = jax.tree.structure(shapes.y)
+    forward, layout = _forward(fn, shapes, first, last, loss_fn)
+    res_specs = _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
+
+    def cotangents(params, res, gb):
+        leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
+        vjp = jax.tree.unflatten(layout["vjp_tree"], leaves)
+        # The loss's cotangent is 1/m: the pipelined loss is the mean of m microbatch losses.
+        ct = (jnp.asarray(1.0 / num_microbatches, shapes.y.dtype) if last
+              else jax.tree.unflatten(y_tree, list(gb)))
+        dp, *dx = vjp(ct)
+        return dp, (None if first else dx[0])
+    return forward, res_specs, cotangents
+
+
+def _split(cotangents, param_specs: tuple, res_specs: tuple, g_args: tuple) -> backward_split.Split:
+    """The backward cut into B (input gradient + what W needs of its work) and W."""
+    n_p, n_r = len(param_specs), len(res_specs)
+
+    def flat(*a):
+        dp, dx = cotangents(a[:n_p], a[n_p:n_p + n_r], a[n_p + n_r:])
+        return tuple(dp) + _bundle(dx)
+    return backward_split.split(flat, (*param_specs, *res_specs, *_bundle(g_args)), n_p)
+
+
+def _g_args(shapes: StageShapes, last: bool) -> tuple:
+    """The backward's cotangent argument: none for the last stage (its loss's is 1/m)."""
+    return () if last else (_bundle(shapes.y),)
+
+
 def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
                    loss_fn: Callable | None) -> tuple:
     """ShapeDtypeStructs of what stage k's forward stores for its backward, per microbatch
     (its vjp residuals minus its own parameters): the saved activations that
     rematerialisation trades for recomputation. Traced only: nothing is allocated."""
-    forward, _ = _forward(fn, shapes, first, last, loss_fn)
-    return _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
+    return _backward(fn, shapes, first, last, loss_fn, 1)[1]
+
+
+def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+               loss_fn: Callable | None) -> tuple:
+    """ShapeDtypeStructs of what stage k's B keeps for its W per microbatch in a split-backward
+    schedule (mpmd/backward_split.py): held from B until W runs, on top of the residuals.
+    Empty for the first stage, whose B does nothing. Traced only."""
+    if first:
+        return ()
+    _, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, 1)
+    return _split(cotangents, shapes.params, res_specs, _g_args(shapes, last)).kept
 
 
 def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
           loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> dict:
     """Export forward and backward programs for stage k, named by mpmd/names.py."""
-    y_tree = jax.tree.structure(shapes.y)
-    forward, layout = _forward(fn, shapes, first, last, loss_fn)
+    forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
     fwd_args = _forward_args(shapes, last)
     p_out, x_out, y_out = _layouts(shapes.params), _layouts(shapes.x), _layouts(shapes.y)
     specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None))}
-    _, res_specs = jax.eval_shape(forward, *fwd_args)
-    res_specs = _unplaced(res_specs)
+    g_args = _g_args(shapes, last)
 
-    def rebuild(params, res):
-        leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
-        return jax.tree.unflatten(layout["vjp_tree"], leaves)
-
-    def cotangents(params, res, gb):
-        vjp = rebuild(tuple(params), tuple(res))
-        if last:
-            loss_spec = shapes.y
-            ct = jnp.asarray(1.0 / num_microbatches, loss_spec.dtype)
-        else:
-            ct = jax.tree.unflatten(y_tree, list(gb))
-        grads = vjp(ct)
-        dp = grads[0]
-        dx = None if first else grads[1]
-        return dp, dx
-
-    g_args = () if last else (_bundle(shapes.y),)
-
-    def input_grad(params, res, *g):
-        _, dx = cotangents(params, res, g[0] if g else ())
-        return (_bundle(dx),)
-
-    def weight_grad(params, res, *rest):
-        g, acc = (rest[0], rest[1:]) if not last else ((), rest)
-        dp, _ = cotangents(params, res, g)
-        if acc:
-            dp = tuple(a + d for a, d in zip(acc[0], dp))
-        return (tuple(dp),)
+    def accumulated(dp, acc):
+        return tuple(a + d for a, d in zip(acc[0], dp)) if acc else tuple(dp)
 
     def full_grad(params, res, *rest):
         g, acc = (rest[0], rest[1:]) if not last else ((), rest)
         dp, dx = cotangents(params, res, g)
-        if acc:
-            dp = tuple(a + d for a, d in zip(acc[0], dp))
-        return ((_bundle(dx),) if not first else ()) + (tuple(dp),)
+        return ((_bundle(dx),) if not first else ()) + (accumulated(dp, acc),)
 
     base = (shapes.params, res_specs, *g_args)
     acc = (shapes.params,)
     full_out = ((x_out,) if not first else ()) + (p_out,)
-    if split_backward:
-        if not first:
-            specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base, out_shardings=(x_out,))
-        specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base, out_shardings=(p_out,))
-        specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *acc, out_shardings=(p_out,))
-    else:
+    if not split_backward:
         specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base, out_shardings=full_out)
         specs[names.program("bwd_acc", k)] = programs.exported(full_grad, *base, *acc, out_shardings=full_out)
+        return specs
+
+    parts = _split(cotangents, shapes.params, res_specs, g_args)
+    kept = (parts.kept,) if not first else ()     # the first stage has no B: W does it all
+
+    def input_grad(params, res, *g):
+        out = parts.input_grad(*params, *res, *(g[0] if g else ()))
+        return out[:parts.num_input_grads], out[parts.num_input_grads:]
+
+    def weight_grad(params, res, *rest):
+        g, rest = (rest[0], rest[1:]) if not last else ((), rest)
+        mine, acc = (rest[0], rest[1:]) if not first else ((), rest)
+        return (accumulated(parts.weight_grad(*params, *res, *g, *mine), acc),)
+
+    if not first:
+        specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base, out_shardings=(x_out, None))
+    specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base, *kept, out_shardings=(p_out,))
+    specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *kept, *acc,
+                                                             out_shardings=(p_out,))
     return specs
 
 
