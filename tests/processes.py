@@ -47,6 +47,7 @@ class Controller:
         full_env = dict(os.environ)   # carries conftest's XLA_FLAGS and JAX compilation cache settings
         full_env["JAX_PLATFORMS"] = "cpu"
         full_env.update(env or {})
+        self.run_dir = run_dir
         self.stderr_path = run_dir.parent / f"{run_dir.name}.stderr"
         with open(self.stderr_path, "a") as stderr:
             self.proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "train", *args, f"run_dir={run_dir}"],
@@ -70,6 +71,16 @@ class Controller:
             m = re.match(r"step (\d+)/", line)
             if m and int(m.group(1)) >= step:
                 return
+
+    def wait_for_commit(self, timeout_s: float = 60.0) -> int:
+        """Until a checkpoint is committed in the run directory (saves are written in the
+        background: a step's progress line comes before its commit); the newest step."""
+        from runtime.checkpoint import CheckpointStore
+        deadline = time.monotonic() + timeout_s
+        while not (committed := CheckpointStore(self.run_dir).committed()):
+            assert time.monotonic() < deadline, f"no checkpoint committed in {self.run_dir} within {timeout_s} s"
+            time.sleep(0.05)
+        return committed[-1]
 
     def finish(self, timeout_s: float = 120.0) -> tuple[int, str]:
         """(exit status, whole stdout); the controller is killed if it outlives `timeout_s`."""

@@ -8,7 +8,6 @@ final state and per-step losses of an uninterrupted one (bitwise), and leaves no
 import os
 import re
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -90,10 +89,7 @@ def test_controller_sigkilled_then_resumed(reference, tmp_path):
     ctl = controller(run_dir, tag)
     try:
         ctl.wait_for_step(7)
-        # Saves are written in the background: wait for a commit to resume from.
-        deadline = time.monotonic() + 60
-        while not CheckpointStore(run_dir).committed() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        ctl.wait_for_commit()     # a checkpoint to resume from (saves commit in the background)
         workers = ctl.workers()
         assert len(workers) == 2, workers
         os.kill(ctl.proc.pid, signal.SIGKILL)
