@@ -35,6 +35,7 @@ from typing import Callable, NamedTuple
 import jax
 
 from mpmd import names
+from runtime import wire
 from runtime.instructions import Copy, Recv, Send, Spec
 
 log = logging.getLogger("mpmd")
@@ -101,7 +102,7 @@ class MemorySnapshots:
     def host_bytes(self, r: int) -> int:
         """Host memory slice r spends on this tier at most: two generations of its own state
         and of the copy it holds (see the module docstring for CPU)."""
-        size = lambda b: sum(_nbytes(s) for s in self.specs[b])
+        size = lambda b: wire.nbytes(self.specs[b])
         return 2 * (sum(size(b) for b in self._state(r)) + sum(size(b) for _, b in self._held(r)))
 
     def _snapshot_stream(self, r: int, g: int) -> list:
@@ -195,9 +196,3 @@ def state_specs(pipeline, optimizer, layout) -> list[dict[str, tuple[Spec, ...]]
         out.append({names.params(k): spec(params, layout.params[k]), names.opt_state(k): spec(opt, layout.opt[k])})
     return out
 
-
-def _nbytes(spec: Spec) -> int:
-    n = jax.numpy.dtype(spec.dtype).itemsize
-    for d in spec.shape:
-        n *= d
-    return n

@@ -26,7 +26,6 @@ written per instruction.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
@@ -335,12 +334,12 @@ class _Held:
 
     def post(self, ins: Recv) -> None:
         self.futures[ins.buffer] = self.transport.recv(self.prefix + ins.key, ins.src, ins.specs, ins.pieces)
-        self.bytes += _nbytes(ins.specs)
+        self.bytes += wire.nbytes(ins.specs)
         self.peak = max(self.peak, len(self.futures))
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def take(self, ins: Recv):
-        self.bytes -= _nbytes(ins.specs)
+        self.bytes -= wire.nbytes(ins.specs)
         return self.futures.pop(ins.buffer)
 
     def cancel(self) -> None:
@@ -350,10 +349,6 @@ class _Held:
 
 def _bound_bytes(buffers: dict) -> int:
     return sum(a.nbytes for bundle in buffers.values() for a in bundle)
-
-
-def _nbytes(specs) -> int:
-    return sum(math.prod(s.shape) * wire.numpy_dtype(s.dtype).itemsize for s in specs)
 
 
 def _nth(layouts, i: int) -> tuple:

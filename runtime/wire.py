@@ -17,6 +17,7 @@ ValueError naming what is wrong, so a malformed message gets an error reply.
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import numpy as np
@@ -94,6 +95,12 @@ def numpy_dtype(name: str) -> np.dtype:
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def nbytes(specs) -> int:
+    """Bytes of the arrays `specs` describe (anything with .shape and a dtype name, e.g.
+    runtime.instructions.Spec)."""
+    return sum(math.prod(s.shape) * numpy_dtype(s.dtype).itemsize for s in specs)
 
 
 class Builder:
