@@ -210,11 +210,18 @@ class Encoded(Sequence):
     # -- the wire ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """Magic, header length, JSON header (the templates), then the columns as int32 rows."""
-        header = json.dumps({"templates": [to_json(t) for t in self.templates], "rows": len(self.op),
-                             "keep": None if self.keep is None else list(self.keep), "window": self.window},
-                            separators=(",", ":")).encode()
-        body = np.stack(self.columns()).astype("<i4").tobytes()
+        rest = json.dumps({"rows": len(self.op), "keep": None if self.keep is None else list(self.keep),
+                           "window": self.window}, separators=(",", ":"))
+        header = ('{"templates":[' + ",".join(map(_template_json, self.templates)) + "]," + rest[1:]).encode()
+        body = b"".join(c.astype("<i4", copy=False).tobytes() for c in self.columns())
         return _MAGIC + len(header).to_bytes(8, "little") + header + body
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _template_json(template: Instruction) -> str:
+    """A template's JSON, once per template (an update's names every stage's norm: the same
+    long template for every slice)."""
+    return json.dumps(to_json(template), separators=(",", ":"))
 
 
 def from_bytes(data: bytes) -> Encoded:
