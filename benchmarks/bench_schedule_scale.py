@@ -1,6 +1,6 @@
 """Schedules at scale: generation, validation, simulation and lowering to instruction streams.
 
-    .venv/bin/python benchmarks/bench_schedule_scale.py [--quick] [--all-slices]
+    .venv/bin/python benchmarks/bench_schedule_scale.py [--quick]
 
 For 1F1B, interleaved 1F1B (v = 2), ZB-H1 and ZB-V at p = 1,024 slices and m = 8,192
 microbatches (--quick: p = 64, m = 512), each case in its own subprocess so that its peak
@@ -10,16 +10,20 @@ numpy included) is its own. Per case it prints the seconds of
   make      schedules.make: the task arrays
   validate  schedules.validate: placement, completeness, deadlock freedom
   simulate  simulate.simulate with F = B = W = 1 (validates again: it walks the schedule)
+  lower     the controller's lowering of the training plan for EVERY slice, one after the
+            other: lowering.train_stream (encoded rows, runtime/streams.py), finished with
+            Deletes and the receive window left to the worker (Encoded.finishing), and
+            to_bytes, the payload InstallPlan ships; only one slice's arrays live at a time
+  finish    what each worker then does for its own slice before expanding: from_bytes
+            (checks) and the Deletes + receive marks (Encoded.final), for every slice,
+            one after the other (on a cluster each worker does only its own, in parallel);
+            shown as the total, and the mean and largest per slice
 
 (wall clock, and in parentheses this process's CPU seconds: on a shared machine the wall
-clock also counts time the process waited for a core) and the peak memory after them, then
-lowering: lowering.train_stream builds one slice's
-instruction stream at a time (the streams are Python objects; never all slices at once).
-By default it lowers 8 slices spread over the pipeline and prints the mean seconds per
-slice, the largest stream, the peak memory after lowering (JAX is imported for it, which
-alone adds ~100-200 MB) and "all p" = mean x p: a projection for lowering every slice one
-after the other, marked as such. --all-slices lowers every slice instead (minutes at full
-size). Goal (issue 16): make + validate + simulate + lowering under 10 s and 2 GB per case.
+clock also counts time the process waited for a core) and the peak memory after each, then
+the largest payload, the longest finished stream, and the seconds one worker takes to
+expand that stream into instruction records (runtime/executor.py installs those).
+Goal (issue 16): each of make, validate, simulate and lower under 10 s and 2 GB per case.
 """
 from __future__ import annotations
 
@@ -35,90 +39,108 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
-LOWERED_SLICES = 8
 
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
 
 
-def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: int,
-             all_slices: bool) -> dict:
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: int) -> dict:
     """One case, in this process; returns its figures."""
     from mpmd import schedules
     from mpmd.simulate import simulate
     num_stages = num_slices * virtual_stages
     out = {"name": name, "p": num_slices, "m": num_microbatches}
-    clocks = lambda: (time.perf_counter(), time.process_time())
-    start = clocks()
+    marks = [_clocks()]
+
+    def phase(label: str) -> None:
+        marks.append(_clocks())
+        (w0, c0), (w1, c1) = marks[-2:]
+        out[f"{label}_s"], out[f"{label}_cpu_s"], out[f"{label}_mb"] = w1 - w0, c1 - c0, _peak_mb()
+
     schedule = schedules.make(name, num_stages, num_microbatches, virtual_stages)
-    made = clocks()
+    phase("make")
     schedules.validate(schedule)
-    validated = clocks()
+    phase("validate")
     sim = simulate(schedule)
-    simulated = clocks()
-    for phase, (a, b) in (("make", (start, made)), ("validate", (made, validated)), ("simulate", (validated, simulated))):
-        out[f"{phase}_s"], out[f"{phase}_cpu_s"] = b[0] - a[0], b[1] - a[1]
+    phase("simulate")
     out["tasks"] = schedule.slices.num_tasks
     out["bubble"] = sim.bubble_fraction
-    out["peak_mb"] = _peak_mb()
+    windows = [max(1, n) for n in sim.peak_live_activations]     # lowering.recv_windows' default
     del sim
 
-    from mpmd import lowering
+    # The training plan as Trainer lowers it (clipping on), every slice: rows, then bytes.
+    # Imported only now: mpmd.lowering imports JAX (~150 MB resident), which the phases
+    # above do not need.
+    from mpmd import lowering, names
+    from runtime import streams
     from runtime.instructions import Spec
     plain = lowering.Transfers.plain([(Spec((4,), "float32"),)] * (num_stages + 1))
-    if all_slices or num_slices <= LOWERED_SLICES:
-        chosen = range(num_slices)
-    else:
-        chosen = sorted({round(i * (num_slices - 1) / (LOWERED_SLICES - 1)) for i in range(LOWERED_SLICES)})
-    longest, seconds = 0, 0.0
-    for r in chosen:
-        start = time.perf_counter()
-        stream = lowering.train_stream(schedule, r, plain, clip=True)
-        seconds += time.perf_counter() - start
-        longest = max(longest, len(stream))
-        del stream
-    out["lowered"] = len(chosen)
-    out["lower_per_slice_s"] = seconds / len(chosen)
-    out["lower_measured_s"] = seconds
+    last = schedule.placement[-1]
+    kept = {names.params("{k}"), names.opt_state("{k}")}
+    # One slice at a time (a payload is ~24 bytes a row; all of them at once would not fit):
+    # the controller's part and the worker's part timed apart.
+    lower, finish = [0.0, 0.0], [0.0, 0.0]
+    sizes, per_slice, longest, longest_at = [], [], 0, 0
+    for r in range(num_slices):
+        t0 = _clocks()
+        keep = kept | ({names.loss("{j}")} if r == last else set()) | ({names.sqnorm("{k}")} if r == 0 else set())
+        payload = lowering.train_stream(schedule, r, plain, clip=True).finishing(keep, windows[r]).to_bytes()
+        t1 = _clocks()
+        n = len(streams.from_bytes(payload).final().op)
+        t2 = _clocks()
+        for acc, (a, b) in ((lower, (t0, t1)), (finish, (t1, t2))):
+            acc[0] += b[0] - a[0]
+            acc[1] += b[1] - a[1]
+        sizes.append(len(payload))
+        per_slice.append(t2[1] - t1[1])
+        longest, longest_at = max((longest, longest_at), (n, r))
+        del payload
+    for label, (wall, cpu) in (("lower", lower), ("finish", finish)):
+        out[f"{label}_s"], out[f"{label}_cpu_s"], out[f"{label}_mb"] = wall, cpu, _peak_mb()
+    out["payload_mb"], out["largest_payload_mb"] = sum(sizes) / 2**20, max(sizes) / 2**20
+    out["finish_mean_s"], out["finish_max_s"] = sum(per_slice) / len(per_slice), max(per_slice)
     out["longest_stream"] = longest
-    out["peak_after_lowering_mb"] = _peak_mb()
+    start = time.perf_counter()
+    keep = kept | ({names.loss("{j}")} if longest_at == last else set()) | ({names.sqnorm("{k}")} if longest_at == 0 else set())
+    lowering.train_stream(schedule, longest_at, plain, clip=True).finishing(keep, windows[longest_at]).expand()
+    out["expand_s"] = time.perf_counter() - start
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="p = 64, m = 512")
-    parser.add_argument("--all-slices", action="store_true", help="lower every slice (slow at full size)")
     parser.add_argument("--case", help=argparse.SUPPRESS)   # name,p,m,v: run one case here
     args = parser.parse_args()
     if args.case:
         name, p, m, v = args.case.split(",")
-        print(json.dumps(run_case(name, int(p), int(m), int(v), args.all_slices)))
+        print(json.dumps(run_case(name, int(p), int(m), int(v))))
         return
     p, m = (64, 512) if args.quick else (1024, 8192)
-    print(f"p = {p} slices, m = {m} microbatches; seconds and peak resident memory per case "
-          f"(a subprocess each)")
-    print(f"{'schedule':>17} {'tasks':>10} {'make':>13} {'validate':>13} {'simulate':>13} {'sum':>13} {'peak MB':>8} "
-          f"| {'lowered':>7} {'s/slice':>7} {'longest':>8} {'all p':>8} {'peak MB':>8} {'bubble':>7}")
+    print(f"p = {p} slices, m = {m} microbatches; per phase: wall seconds (CPU seconds) and the "
+          f"process's peak resident MB after it (a subprocess per case)")
+    phases = ("make", "validate", "simulate", "lower", "finish")
+    print(f"{'schedule':>17} {'tasks':>10} " + " ".join(f"{x:>20}" for x in phases)
+          + f" {'finish/slice':>13} {'payload MB':>11} {'longest':>8} {'expand':>7} {'bubble':>7}")
     for name, v in CASES:
-        cmd = [sys.executable, __file__, "--case", f"{name},{p},{m},{v}"] + (["--all-slices"] if args.all_slices else [])
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        done = subprocess.run([sys.executable, __file__, "--case", f"{name},{p},{m},{v}"],
+                              capture_output=True, text=True, cwd=REPO)
         if done.returncode:
             print(f"{name:>17} failed:\n{done.stderr[-2000:]}")
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        total = r["make_s"] + r["validate_s"] + r["simulate_s"]
-        total_cpu = r["make_cpu_s"] + r["validate_cpu_s"] + r["simulate_cpu_s"]
-        both = lambda wall, cpu: f"{wall:6.2f} ({cpu:5.2f})"
-        measured_all = r["lowered"] == r["p"]
-        all_p = r["lower_measured_s"] if measured_all else r["lower_per_slice_s"] * r["p"]
-        print(f"{name:>17} {r['tasks']:>10} {both(r['make_s'], r['make_cpu_s'])} "
-              f"{both(r['validate_s'], r['validate_cpu_s'])} {both(r['simulate_s'], r['simulate_cpu_s'])} "
-              f"{both(total, total_cpu)} {r['peak_mb']:8.0f} | {r['lowered']:>7} {r['lower_per_slice_s']:7.3f} "
-              f"{r['longest_stream']:>8} {all_p:7.1f}{' ' if measured_all else '*'} "
-              f"{r['peak_after_lowering_mb']:8.0f} {r['bubble']:7.4f}")
-    print("* projected: mean seconds per lowered slice x p (run with --all-slices to measure it)")
+        cell = lambda x: f"{r[x + '_s']:6.2f} ({r[x + '_cpu_s']:5.2f}) {r[x + '_mb']:5.0f}"
+        print(f"{name:>17} {r['tasks']:>10} " + " ".join(f"{cell(x):>20}" for x in phases)
+              + f" {r['finish_mean_s'] * 1e3:5.1f}/{r['finish_max_s'] * 1e3:5.1f}ms"
+              f" {r['payload_mb']:6.0f}/{r['largest_payload_mb']:4.1f} {r['longest_stream']:>8} "
+              f"{r['expand_s']:6.2f}s {r['bubble']:7.4f}")
+    print("finish/slice: mean/largest CPU ms per slice; payload MB: all slices / the largest; longest: "
+          "instructions of the longest finished stream; expand: seconds to turn it into records")
 
 
 if __name__ == "__main__":

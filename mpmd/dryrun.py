@@ -5,7 +5,7 @@
     result.step_s, result.simulated_makespan_s      # measured vs predicted, in seconds
 
 The instruction streams are exactly the training streams the Trainer installs
-(`lowering.train_streams` + `with_deletes` + the receive window); only the programs are synthetic: every program
+(`lowering.train_streams`, finished with Deletes and the receive window); only the programs are synthetic: every program
 name the streams use becomes a "sleep" program (runtime/programs.py) that takes its task's
 declared duration and returns zero bundles of the right shapes, so the sends, receives,
 deletes, transfers (activations and cotangents of `activation_bytes` each) and the control
@@ -37,7 +37,7 @@ from mpmd import lowering, names, schedules
 from mpmd.simulate import FULL_BACKWARD, Simulation, cost_function, simulate
 from runtime import programs
 from runtime.executor import Event
-from runtime.instructions import Instruction, Run, Spec, with_deletes, with_recv_window
+from runtime.instructions import Instruction, Run, Spec
 
 PLAN = "dryrun"
 SCALAR = (Spec((), "float32"),)
@@ -52,7 +52,7 @@ class DryRunResult(NamedTuple):
     events: list[list[tuple[Event, ...]]]  # [step][slice]: traced tasks (empty if trace=False)
     slice_wall_s: list[list[float]]      # [step][slice]: each worker's own wall time of the step
     simulation: Simulation               # the full simulated timeline
-    streams: list[list[Instruction]]     # the installed instruction stream of each slice
+    streams: list                        # the installed stream of each slice (runtime/streams.py Encoded)
 
 
 def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,
@@ -83,9 +83,11 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
     inputs = {r: {names.inputs(j) for j in range(m)} if r == placement[0] else set()
               for r in range(P)}
     inputs[placement[-1]] |= {names.targets(j) for j in range(m)}
-    persistent = {names.params(k) for k in range(S)} | {names.opt_state(k) for k in range(S)}
+    # Kept (name templates, runtime/streams.py): state and the inputs, put once for every step.
+    K, J = "{k}", "{j}"
+    kept = {names.params(K), names.opt_state(K), names.inputs(J), names.targets(J)}
     windows = lowering.recv_windows(schedule)
-    streams = [with_recv_window(with_deletes(s, persistent | inputs[r]), windows[r]) for r, s in enumerate(raw)]
+    streams = [s.finishing(kept, windows[r]) for r, s in enumerate(raw)]
     specs = [_sleep_programs(s, cost, act) for s in streams]
 
     cluster.start(P)

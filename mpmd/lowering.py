@@ -7,12 +7,14 @@ gradient, shared-weight exchange, clipping norm, update), so each part reads on 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from runtime.instructions import Instruction, Recv, Run, Send, Spec, with_deletes, with_recv_window
+from runtime.instructions import Instruction, Recv, Run, Send, Spec
+from runtime.streams import Encoded
 from mpmd import names, schedules, sharding, simulate, stage_programs
 from mpmd.pipeline import Pipeline, shared_indices, shared_peers
 from mpmd.specs import spec
@@ -81,17 +83,18 @@ def _placed(tree, mesh):
 class Lowered(NamedTuple):
     num_slices: int
     programs: list[dict]                   # per slice: name -> ProgramSpec
-    train: list[list[Instruction]]         # per slice: the training step
-    grads: list[list[Instruction]]         # per slice: forward + backward only, gradients kept
-    eval: list[list[Instruction]]          # per slice: forward only, loss per microbatch
-    predict: list[list[Instruction]]       # per slice: forward only, last stage's output kept
-    init: list[list[Instruction]]          # per slice: optimizer-state creation
+    # Plans, one encoded stream per slice (runtime/streams.py; each reads as its instructions):
+    train: list[Encoded]                   # the training step
+    grads: list[Encoded]                   # forward + backward only, gradients kept
+    eval: list[Encoded]                    # forward only, loss per microbatch
+    predict: list[Encoded]                 # forward only, last stage's output kept
+    init: list[Encoded]                    # optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
     loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
 
 
 def recv_windows(schedule: schedules.Schedule, recv_window: int | None = None) -> tuple[int, ...]:
-    """Per slice, how many receives may be outstanding at once (runtime.instructions
+    """Per slice, how many receives may be outstanding at once (runtime.streams
     with_recv_window): `recv_window` for every slice, or by default the slice's peak of live
     activations in the schedule (mpmd/simulate.py), so a slice never holds more received,
     not yet used bundles than the activations the schedule itself keeps alive there."""
@@ -153,21 +156,23 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     loss_fetch = dict(fetch)
     if clip:   # every slice receives every stage's squared norm; slice 0 reports them
         fetch[0] = fetch.get(0, ()) + tuple(names.sqnorm(k) for k in range(S))
-    persistent = {names.params(k) for k in range(S)} | {names.opt_state(k) for k in range(S)}
+    # What outlives a plan, as name templates (runtime/streams.py with_deletes): every
+    # stage's state, and what the controller fetches (every loss, every squared norm).
+    K, J = "{k}", "{j}"
+    persistent = {names.params(K), names.opt_state(K)}
+    kept = {r: persistent | ({names.loss(J)} if r == placement[-1] else set())
+            | ({names.sqnorm(K)} if clip and r == 0 else set()) for r in range(P)}
     # The gradient plan is the training plan minus the optimizer: same programs, no update.
-    no_update = [[i for i in s if not _is_update(i)] for s in train]
-    all_grads = {names.grads(k) for k in range(S)}
-    grads = [with_deletes(s, persistent | all_grads | set(fetch.get(r, ()))) for r, s in enumerate(no_update)]
-    train = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(train)]
-    outputs = {names.output(j) for j in range(m)}
-    evaluate = [with_deletes(s, persistent | set(fetch.get(r, ()))) for r, s in enumerate(evaluate)]
-    predict = [with_deletes(s, persistent | outputs) for s in predict]
-    init = [[Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),), f"init s{k}")
-             for k in schedule.stages_on(r)] for r in range(P)]
-    # Last: the window's post marks are instruction indices, Deletes included.
+    no_update = [s.select(~s.template_mask(_is_update)) for s in train]
+    # Deletes and receive marks are left to each worker, for its own slice (runtime/streams.py
+    # Encoded.finishing): the window's marks are row indices, Deletes included.
     windows = recv_windows(schedule, recv_window)
-    train, grads, evaluate, predict = ([with_recv_window(s, windows[r]) for r, s in enumerate(plans)]
-                                       for plans in (train, grads, evaluate, predict))
+    grads = [s.finishing(kept[r] | {names.grads(K)}, windows[r]) for r, s in enumerate(no_update)]
+    train = [s.finishing(kept[r], windows[r]) for r, s in enumerate(train)]
+    evaluate = [s.finishing(kept[r], windows[r]) for r, s in enumerate(evaluate)]
+    predict = [s.finishing(persistent | {names.output(J)}, windows[r]) for r, s in enumerate(predict)]
+    init = [Encoded.from_instructions([Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),),
+                                           f"init s{k}") for k in schedule.stages_on(r)]) for r in range(P)]
     return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch)
 
 
@@ -196,20 +201,68 @@ def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dic
 
 def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
                   shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
-                  ) -> list[list[Instruction]]:
+                  ) -> list[Encoded]:
     """One training step's instruction stream per slice, before Deletes are inserted: every
-    slice's `train_stream`. For thousands of slices call `train_stream` slice by slice
-    instead, so that only one slice's instructions exist at a time."""
+    slice's `train_stream`."""
     schedule = schedule._replace(slices=as_arrays(schedule.slices))   # converted once
     return [train_stream(schedule, r, transfers, clip, shared, shared_specs)
             for r in range(schedule.num_slices)]
 
 
+# Template fields (runtime/streams.py): k the task's stage, j its microbatch, q the other
+# stage a row names (k + 1 for what F sends, k - 1 for what B sends) or a destination.
+K, J, Q = "{k}", "{j}", "{q}"
+
+
+class _Rows:
+    """One slice's templates (deduplicated) and rows as (template id, k, q, peer) tuples or
+    blocks of arrays; every name comes from mpmd/names.py with fields for k, j, q."""
+
+    def __init__(self):
+        self.ids: dict = {}
+
+    def __call__(self, template, k: int, q: int = 0, peer: int = 0) -> tuple[int, int, int, int]:
+        return self.ids.setdefault(template, len(self.ids)), k, max(q, 0), peer
+
+    @staticmethod
+    def block(rows, j=0) -> tuple[np.ndarray, ...]:
+        """(op, k, j, q, peer) arrays of `rows` (each (id, k, q, peer)), microbatch j."""
+        a = np.array(rows, dtype=np.int32).reshape(-1, 4).T
+        return a[0], a[1], np.full(len(rows), j, np.int32), a[2], a[3]
+
+    def encoded(self, blocks) -> Encoded:
+        cols = [np.concatenate([b[c] for b in blocks]) if blocks else np.zeros(0, np.int32) for c in range(5)]
+        return Encoded(list(self.ids), *cols, np.full(len(cols[0]), -1, np.int32))
+
+
+def _tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The rows of a sequence of tasks: task t emits `patterns[rows_of[t]]`, rows of fixed
+    (op, k, q, peer) (a list of tuples or a block of arrays), its microbatch j[t] filled in.
+    Gathered from a (pattern, position) table, so the cost is a few passes over the rows."""
+    width = max([len(p[0]) if isinstance(p, tuple) else len(p) for p in patterns] + [1])
+    table = np.zeros((4, len(patterns), width), np.int32)
+    lengths = np.zeros(len(patterns), np.int64)
+    for c, p in enumerate(patterns):
+        if isinstance(p, tuple):      # a block: (op, k, j, q, peer)
+            cols = np.stack([p[0], p[1], p[3], p[4]]) if len(p[0]) else np.zeros((4, 0), np.int32)
+        else:
+            cols = np.array(p, dtype=np.int32).reshape(-1, 4).T
+        table[:, c, :cols.shape[1]] = cols
+        lengths[c] = cols.shape[1]
+    per_task = lengths[rows_of]
+    starts = np.cumsum(per_task) - per_task
+    # Per row: its place in the table, pattern * width + position in the pattern.
+    at = np.repeat(rows_of * width - starts, per_task) + np.arange(int(per_task.sum()))
+    op, k, q, peer = (np.take(table[i].ravel(), at) for i in range(4))
+    return op, k, np.repeat(j.astype(np.int32), per_task), q, peer
+
+
 def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
-                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
-                 ) -> list[Instruction]:
+                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None) -> Encoded:
     """Slice r's instruction stream for one training step, before Deletes are inserted,
-    read straight from the schedule's task arrays (no Task objects).
+    encoded (runtime/streams.py) and computed from the schedule's task arrays with numpy:
+    each kind of task on each of the slice's stages emits a fixed pattern of rows, its
+    microbatch filled in.
 
     `transfers` gives each receive's specs and each send's pieces (see Transfers; for plans
     without layouts, `Transfers.plain(act_specs)`). The streams name programs but do not
@@ -224,146 +277,190 @@ def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, cli
     tasks = as_arrays(schedule.slices)
     a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
     stage, mb, kind = tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b]
-    peers = shared_peers(schedule.num_stages, shared)
-    out = _TrainStream(schedule, r, transfers, clip, peers, shared_specs or {}, stage, kind)
-    forward, backward = KIND_CODES[schedules.FORWARD], KIND_CODES[schedules.BACKWARD]
-    for k, j, code in zip(stage.tolist(), mb.tolist(), kind.tolist()):
-        if code == forward:
-            out.forward(k, j)
-        elif code == backward and schedule.split_backward:
-            out.input_grad(k, j)
-        else:   # a full backward (B without split) or a weight gradient (W)
-            out.weight_grad(k, j, input_grad_too=code == backward)
-    out.sum_shared()
-    out.receive_norms()
-    out.update()
-    return out.ops
+    out = _TrainRows(schedule, r, transfers, clip, _peers(schedule.num_stages, tuple(map(tuple, shared))),
+                     shared_specs or {})
+    mine = out.stages
+    local = np.full(schedule.num_stages, 0, np.int64)
+    local[list(mine)] = np.arange(len(mine))
+    # The first and the last gradient task of each stage: the first starts the gradient
+    # buffer, after the last it is final.
+    grad = kind == KIND_CODES[schedules.WEIGHT if schedule.split_backward else schedules.BACKWARD]
+    first = np.zeros(len(stage), np.int64)
+    patterns = [out.task(code, k, bool(f)) for code in range(len(KIND_CODES)) for k in mine for f in (0, 1)]
+    rows_of = (kind.astype(np.int64) * len(mine) + local[stage]) * 2
+    finals = []       # (after which task, pattern): what follows a stage's last gradient task
+    for k in mine:
+        at = np.flatnonzero(grad & (stage == k))
+        if len(at):
+            first[at[0]] = 1
+            finals.append((int(at[-1]) + 1, len(patterns)))
+            patterns.append(out.gradient_final(k))
+    rows_of += first
+    if finals:        # each as a task of its own, right after the last gradient task
+        where, which = zip(*finals)
+        rows_of, mb = np.insert(rows_of, where, which), np.insert(mb, where, 0)
+    return out.rows.encoded([_tiled(patterns, rows_of, mb)] + out.tail())
 
 
-class _TrainStream:
-    """Emits one slice's training stream. Buffers are named by mpmd/names.py; a transfer is
-    emitted only where producer and consumer sit on different slices."""
+class _TrainRows:
+    """The row patterns of one slice's training stream: one method per part of the step
+    (forward, input gradient, weight gradient, shared-weight exchange, clipping norm,
+    update). A transfer is emitted only where producer and consumer sit on different slices."""
 
-    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers,
-                 shared_specs, stage, kind):
+    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers, shared_specs):
         self.r, self.clip, self.peers, self.shared_specs = r, clip, peers, shared_specs
         self.t = transfers
         self.placement = schedule.placement
         self.num_stages, self.num_slices = schedule.num_stages, schedule.num_slices
         self.split = schedule.split_backward
-        self.ops: list[Instruction] = []
         self.stages = schedule.stages_on(r)
-        # Weight-gradient tasks left per stage; at 0 the stage's gradient is final.
-        last = stage[kind == KIND_CODES[schedules.WEIGHT if self.split else schedules.BACKWARD]]
-        self.remaining = {k: int(np.count_nonzero(last == k)) for k in self.stages}
-        self.accumulating: set[int] = set()     # stages whose gradient buffer exists
+        self.rows = _Rows()
 
     def _elsewhere(self, k: int) -> bool:
         return self.placement[k] != self.r
 
+    def task(self, code: int, k: int, first: bool) -> list:
+        """The rows of one task of kind `code` on stage k (`first`: the stage's first gradient task)."""
+        if code == KIND_CODES[schedules.FORWARD]:
+            return self.forward(k)
+        if code == KIND_CODES[schedules.BACKWARD] and self.split:
+            return self.input_grad(k)
+        # a full backward (B without split) or a weight gradient (W)
+        return self.weight_grad(k, code == KIND_CODES[schedules.BACKWARD], first)
+
     # -- forward --------------------------------------------------------------------------
-    def forward(self, k: int, j: int) -> None:
+    def forward(self, k: int) -> list:
+        row, t, pl = self.rows, self.t, self.placement
         first, last = k == 0, k == self.num_stages - 1
-        a_in = names.inputs(j) if first else names.activation(k, j)
+        a_in = names.inputs(J) if first else names.activation(K, J)
+        rows = []
         if not first and self._elsewhere(k - 1):
-            self.ops.append(Recv(a_in, self.placement[k - 1], names.act_key(k, j), self.t.acts_in[k],
-                                 self.t.act_pieces[k]))
-        out = names.loss(j) if last else names.activation(k + 1, j)
-        targets = (names.targets(j),) if last else ()
-        self.ops.append(Run(names.program("fwd", k), (names.params(k), a_in) + targets,
-                            (out, names.residuals(k, j)), f"F s{k} mb{j}"))
+            rows.append(row(Recv(a_in, 0, names.act_key(K, J), t.acts_in[k], t.act_pieces[k]), k, 0, pl[k - 1]))
+        out = names.loss(J) if last else names.activation(Q, J)
+        targets = (names.targets(J),) if last else ()
+        rows.append(row(Run(names.program("fwd", K), (names.params(K), a_in) + targets,
+                            (out, names.residuals(K, J)), f"F s{K} mb{J}"), k, k + 1))
         if not last and self._elsewhere(k + 1):
-            self.ops.append(Send(out, self.placement[k + 1], names.act_key(k + 1, j), self.t.act_pieces[k + 1]))
+            rows.append(row(Send(out, 0, names.act_key(Q, J), t.act_pieces[k + 1]), k, k + 1, pl[k + 1]))
+        return rows
 
     # -- backward -------------------------------------------------------------------------
-    def _backward_inputs(self, k: int, j: int, receive: bool) -> tuple[str, ...]:
+    def _backward_inputs(self, k: int, receive: bool, rows: list) -> tuple[str, ...]:
         """(params, residuals[, cotangent of the output]); receives the cotangent once, at
         the task that first needs it (B, not W)."""
         if k == self.num_stages - 1:    # the loss: its cotangent is the constant 1/m
-            return names.params(k), names.residuals(k, j)
-        d = names.cotangent(k, j)
+            return names.params(K), names.residuals(K, J)
+        d = names.cotangent(K, J)
         if receive and self._elsewhere(k + 1):
-            self.ops.append(Recv(d, self.placement[k + 1], names.grad_key(k, j), self.t.cts_in[k], self.t.ct_pieces[k]))
-        return names.params(k), names.residuals(k, j), d
+            rows.append(self.rows(Recv(d, 0, names.grad_key(K, J), self.t.cts_in[k], self.t.ct_pieces[k]),
+                                  k, 0, self.placement[k + 1]))
+        return names.params(K), names.residuals(K, J), d
 
-    def _send_input_grad(self, k: int, j: int) -> None:
+    def _send_input_grad(self, k: int, rows: list) -> None:
         if k > 0 and self._elsewhere(k - 1):
-            self.ops.append(Send(names.cotangent(k - 1, j), self.placement[k - 1], names.grad_key(k - 1, j),
-                                 self.t.ct_pieces[k - 1]))
+            rows.append(self.rows(Send(names.cotangent(Q, J), 0, names.grad_key(Q, J), self.t.ct_pieces[k - 1]),
+                                  k, k - 1, self.placement[k - 1]))
 
-    def input_grad(self, k: int, j: int) -> None:
+    def input_grad(self, k: int) -> list:
         """Zero-bubble B: the input gradient, and what W needs of B's work, kept until W
         (none for the first stage: its input is data)."""
-        base = self._backward_inputs(k, j, receive=True)
+        rows = []
+        base = self._backward_inputs(k, True, rows)
         if k > 0:
-            self.ops.append(Run(names.program("bwd_in", k), base, (names.cotangent(k - 1, j), names.kept(k, j)),
-                                f"B s{k} mb{j}"))
-            self._send_input_grad(k, j)
+            rows.append(self.rows(Run(names.program("bwd_in", K), base, (names.cotangent(Q, J), names.kept(K, J)),
+                                      f"B s{K} mb{J}"), k, k - 1))
+            self._send_input_grad(k, rows)
+        return rows
 
-    def weight_grad(self, k: int, j: int, input_grad_too: bool) -> None:
-        """Accumulate stage k's weight gradient for microbatch j (W), or with input_grad_too
+    def weight_grad(self, k: int, input_grad_too: bool, first: bool) -> list:
+        """Accumulate stage k's weight gradient for a microbatch (W), or with input_grad_too
         the full backward (B of a schedule without split backward)."""
-        base = self._backward_inputs(k, j, receive=input_grad_too)
+        rows = []
+        base = self._backward_inputs(k, input_grad_too, rows)
         if self.split and k > 0:
-            base += (names.kept(k, j),)
-        g = names.grads(k)
-        acc = (g,) if k in self.accumulating else ()
-        kind = ("bwd_w_" if self.split else "bwd_") + ("acc" if acc else "first")
-        dx = (names.cotangent(k - 1, j),) if input_grad_too and k > 0 else ()
-        label = f"{'B' if input_grad_too else 'W'} s{k} mb{j}"
-        self.ops.append(Run(names.program(kind, k), base + acc, dx + (g,), label))
-        self.accumulating.add(k)
+            base += (names.kept(K, J),)
+        g = names.grads(K)
+        acc = () if first else (g,)
+        kind = ("bwd_w_" if self.split else "bwd_") + ("first" if first else "acc")
+        dx = (names.cotangent(Q, J),) if input_grad_too and k > 0 else ()
+        label = f"{'B' if input_grad_too else 'W'} s{K} mb{J}"
+        rows.append(self.rows(Run(names.program(kind, K), base + acc, dx + (g,), label), k, k - 1))
         if input_grad_too:
-            self._send_input_grad(k, j)
-        self.remaining[k] -= 1
-        if self.remaining[k] == 0:
-            self._gradient_final(k)
+            self._send_input_grad(k, rows)
+        return rows
 
-    def _gradient_final(self, k: int) -> None:
+    def gradient_final(self, k: int) -> tuple[np.ndarray, ...]:
+        """The rows after stage k's last gradient task."""
         if self.peers[k]:
             # Offer the shared part to the other holders; the norm waits for their parts.
-            self.ops.append(Run(names.program("shared_out", k), (names.grads(k),), (names.shared(k),),
-                                f"shared out s{k}"))
-            self.ops.extend(Send(names.shared(k), self.placement[q], names.shared_key(k, q),
-                                 self.shared_specs[(k, q)][1])
-                            for q in self.peers[k] if self._elsewhere(q))
-        elif self.clip:
+            rows = [self.rows(Run(names.program("shared_out", K), (names.grads(K),), (names.shared(K),),
+                                  f"shared out s{K}"), k)]
+            rows += [self.rows(Send(names.shared(K), 0, names.shared_key(K, Q), self.shared_specs[(k, q)][1]),
+                               k, q, self.placement[q]) for q in self.peers[k] if self._elsewhere(q)]
+            return _Rows.block(rows)
+        if self.clip:
             # Final, and nothing to add to it: start the norm exchange now so it overlaps
             # with the slice's remaining tasks.
-            self._send_norm(k)
+            return self._send_norm(k)
+        return _Rows.block([])
 
     # -- after the last task ------------------------------------------------------------------
-    def sum_shared(self) -> None:
+    def tail(self) -> list[tuple[np.ndarray, ...]]:
+        return self.sum_shared() + self.receive_norms() + [self.update()]
+
+    def sum_shared(self) -> list[tuple[np.ndarray, ...]]:
         """Each holder of a shared parameter sums every holder's part, in stage order."""
+        blocks = []
         for k in self.stages:
             if not self.peers[k]:
                 continue
-            for q in self.peers[k]:
-                if self._elsewhere(q):   # a local peer's part is its own buffer: no transfer
-                    self.ops.append(Recv(names.shared(q), self.placement[q], names.shared_key(q, k),
-                                         *self.shared_specs[(q, k)]))
+            rows = [self.rows(Recv(names.shared(Q), 0, names.shared_key(Q, K), *self.shared_specs[(q, k)]),
+                              k, q, self.placement[q])
+                    for q in self.peers[k] if self._elsewhere(q)]   # a local peer's part is its own buffer
             parts = tuple(names.shared(q) for q in sorted(self.peers[k] + [k]))
-            self.ops.append(Run(names.program("shared_in", k), (names.grads(k),) + parts, (names.grads(k),),
-                                f"shared sum s{k}"))
+            rows.append(self.rows(Run(names.program("shared_in", K), (names.grads(K),) + parts, (names.grads(K),),
+                                      f"shared sum s{K}"), k))
+            blocks.append(_Rows.block(rows))
             if self.clip:
-                self._send_norm(k)
+                blocks.append(self._send_norm(k))
+        return blocks
 
-    def _send_norm(self, k: int) -> None:
+    def _send_norm(self, k: int) -> tuple[np.ndarray, ...]:
         """Stage k's squared gradient norm, to every other slice (each computes the global norm)."""
-        sq = names.sqnorm(k)
-        self.ops.append(Run(names.program("sqnorm", k), (names.grads(k),), (sq,), f"norm s{k}"))
-        self.ops.extend(Send(sq, q, names.sqnorm_key(k, q)) for q in range(self.num_slices) if q != self.r)
+        run = self.rows(Run(names.program("sqnorm", K), (names.grads(K),), (names.sqnorm(K),), f"norm s{K}"), k)
+        send = self.rows(Send(names.sqnorm(K), 0, names.sqnorm_key(K, Q)), k)[0]
+        others = np.delete(np.arange(self.num_slices, dtype=np.int32), self.r)
+        n = len(others) + 1
+        return (np.concatenate(([run[0]], np.full(n - 1, send))), np.full(n, k, np.int32), np.zeros(n, np.int32),
+                np.concatenate(([0], others)), np.concatenate(([0], others)))
 
-    def receive_norms(self) -> None:
-        if self.clip:
-            self.ops.extend(Recv(names.sqnorm(k), self.placement[k], names.sqnorm_key(k, self.r), SCALAR)
-                            for k in range(self.num_stages) if self._elsewhere(k))
+    def receive_norms(self) -> list[tuple[np.ndarray, ...]]:
+        if not self.clip:
+            return []
+        placement = np.asarray(self.placement, dtype=np.int32)
+        ks = np.flatnonzero(placement != self.r).astype(np.int32)
+        op = self.rows(Recv(names.sqnorm(K), 0, names.sqnorm_key(K, Q), SCALAR), 0)[0]
+        n = len(ks)
+        return [(np.full(n, op, np.int32), ks, np.zeros(n, np.int32), np.full(n, self.r, np.int32), placement[ks])]
 
-    def update(self) -> None:
-        sq = tuple(names.sqnorm(i) for i in range(self.num_stages)) if self.clip else ()
-        for k in self.stages:
-            state = (names.params(k), names.opt_state(k))
-            self.ops.append(Run(names.program("update", k), state + (names.grads(k),) + sq, state, f"U s{k}"))
+    def update(self) -> tuple[np.ndarray, ...]:
+        sq = _sqnorms(self.num_stages) if self.clip else ()
+        state = (names.params(K), names.opt_state(K))
+        return _Rows.block([self.rows(Run(names.program("update", K), state + (names.grads(K),) + sq, state,
+                                          f"U s{K}"), k) for k in self.stages])
+
+
+@functools.lru_cache(maxsize=4)
+def _peers(num_stages: int, shared: tuple) -> list[list[int]]:
+    """pipeline.shared_peers, once per pipeline rather than once per slice."""
+    return shared_peers(num_stages, shared)
+
+
+@functools.lru_cache(maxsize=4)
+def _sqnorms(num_stages: int) -> tuple[str, ...]:
+    """Every stage's squared-norm buffer, the update's inputs when clipping (one tuple for
+    all slices)."""
+    return tuple(names.sqnorm(i) for i in range(num_stages))
 
 
 def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
@@ -372,33 +469,33 @@ def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
     return [e for e, _ in plans], [p for _, p in plans]
 
 
-def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers):
+def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers) -> tuple[Encoded, Encoded]:
     """Slice r's evaluation and prediction streams: F tasks only, in (microbatch, stage) order.
 
     Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice
-    can wait on a task that waits on it: deadlock-free for any placement.
+    can wait on a task that waits on it: deadlock-free for any placement. The rows of one
+    microbatch are the same for every microbatch, so they are tiled m times.
     """
-    S, placement = schedule.num_stages, schedule.placement
-    evaluate: list[Instruction] = []
-    predict: list[Instruction] = []
-    mine = schedule.stages_on(r)
-    for j in range(schedule.num_microbatches):
-        for k in mine:
-            a_in = names.inputs(j) if k == 0 else names.activation(k, j)
-            out = names.output(j) if k == S - 1 else names.activation(k + 1, j)
-            ops: list[Instruction] = []
-            if k > 0 and placement[k - 1] != r:
-                ops.append(Recv(a_in, placement[k - 1], names.act_key(k, j), transfers.acts_in[k],
-                                transfers.act_pieces[k]))
-            ops.append(Run(names.program("infer", k), (names.params(k), a_in), (out,), f"F s{k} mb{j}"))
-            if k < S - 1 and placement[k + 1] != r:
-                ops.append(Send(out, placement[k + 1], names.act_key(k + 1, j), transfers.act_pieces[k + 1]))
-            evaluate += ops
-            predict += ops
-            if k == S - 1:
-                evaluate.append(Run(names.program("loss", k), (out, names.targets(j)), (names.loss(j),),
-                                    f"loss mb{j}"))
-    return evaluate, predict
+    S, placement, m = schedule.num_stages, schedule.placement, schedule.num_microbatches
+    row = _Rows()
+    evaluate, predict = [], []
+    for k in schedule.stages_on(r):
+        a_in = names.inputs(J) if k == 0 else names.activation(K, J)
+        out = names.output(J) if k == S - 1 else names.activation(Q, J)
+        rows = []
+        if k > 0 and placement[k - 1] != r:
+            rows.append(row(Recv(a_in, 0, names.act_key(K, J), transfers.acts_in[k], transfers.act_pieces[k]),
+                            k, 0, placement[k - 1]))
+        rows.append(row(Run(names.program("infer", K), (names.params(K), a_in), (out,), f"F s{K} mb{J}"), k, k + 1))
+        if k < S - 1 and placement[k + 1] != r:
+            rows.append(row(Send(out, 0, names.act_key(Q, J), transfers.act_pieces[k + 1]), k, k + 1, placement[k + 1]))
+        evaluate += rows
+        predict += rows
+        if k == S - 1:
+            evaluate.append(row(Run(names.program("loss", K), (out, names.targets(J)), (names.loss(J),),
+                                    f"loss mb{J}"), k))
+    every = np.arange(m, dtype=np.int32)
+    return tuple(row.encoded([_tiled([pattern], np.zeros(m, np.int64), every)]) for pattern in (evaluate, predict))
 
 
 def _is_update(ins: Instruction) -> bool:

@@ -196,7 +196,8 @@ class Trainer:
         suffix = names.variant(len(self._compiled))
         low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec,
                              self.layout, self.recv_window)
-        rename = lambda stream: [i._replace(program=i.program + suffix) if isinstance(i, Run) else i for i in stream]
+        rename = lambda stream: stream.with_templates(
+            lambda t: t._replace(program=t.program + suffix) if isinstance(t, Run) else t)
         for r in range(low.num_slices):
             self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
             for plan in ("train", "grads", "eval", "predict", "init"):

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from runtime import instructions, mesh, wire
+from runtime import instructions, mesh, streams, wire
 from runtime.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, StepFailed, WorkerLost
 from runtime.executor import Aborted, Event, Progress, StepResult
 from runtime.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
@@ -289,11 +289,15 @@ class ControlPlane:
         self._call(slice_index, "LoadPrograms", {"programs": progs}, b.blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
-        self._shipped[slice_index]["plans"][name] = list(stream)
+        self._shipped[slice_index]["plans"][name] = stream if isinstance(stream, streams.Encoded) else list(stream)
         self._install(slice_index, name, stream)
 
     def _install(self, slice_index: int, name: str, stream) -> None:
-        self._call(slice_index, "InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
+        if isinstance(stream, streams.Encoded):     # compact bytes; the worker expands them
+            b = wire.Builder()
+            self._call(slice_index, "InstallPlan", {"name": name, "encoded": b.add(stream.to_bytes())}, b.blobs)
+        else:
+            self._call(slice_index, "InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
 
     def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
         b = wire.Builder()

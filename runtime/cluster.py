@@ -139,7 +139,9 @@ class Cluster(Protocol):
         """Load (deserialize and compile) programs by name; a name loaded again is replaced."""
 
     def install_plan(self, slice_index: int, name: str, stream: Sequence[Instruction]) -> None:
-        """Install one instruction stream under `name`; ValueError if it runs a program not loaded."""
+        """Install one instruction stream under `name`, a list of instructions or an encoded
+        stream (runtime/streams.py: it travels as compact bytes and the worker finishes and
+        expands it); ValueError if it runs a program not loaded."""
 
     def put(self, slice_index: int, name: str, arrays: Sequence, layouts: Sequence | None = None) -> None:
         """Store host arrays as buffer `name` on the slice's mesh, each laid out as its entry

@@ -9,7 +9,7 @@ One step:
    sent them (a Run may name the run it follows, `after`, so the controller can send step
    N+1 while step N runs: run-ahead dispatch);
 2. each Recv is posted at its `post_after` mark (at the step's start unless the plan bounds
-   its receive window: runtime/instructions.py with_recv_window), so each transfer runs
+   its receive window: runtime/streams.py with_recv_window), so each transfer runs
    while earlier instructions compute, and no more receives are outstanding (posted, not
    yet reached by the walk) than the window allows;
 3. the stream is walked in order; Run dispatches a program (JAX dispatch is asynchronous, so
@@ -38,6 +38,7 @@ from runtime import wire
 from runtime.checkpoint import SliceCheckpointer, host_copy
 from runtime.cluster import StepFailed
 from runtime.instructions import Copy, Delete, Instruction, Recv, Run, Send
+from runtime.streams import Encoded
 
 if TYPE_CHECKING:
     from runtime.transport import Transport
@@ -102,7 +103,11 @@ class Executor:
         for name, spec in specs.items():
             self.programs[name] = programs_lib.load(spec, self.mesh)
 
-    def install_plan(self, name: str, stream: list[Instruction]) -> None:
+    def install_plan(self, name: str, stream) -> int:
+        """Install a list of instructions or an encoded stream (runtime/streams.py, finished
+        and expanded here); returns the number of instructions."""
+        if isinstance(stream, Encoded):
+            stream = stream.expand()
         for i, ins in enumerate(stream):
             if isinstance(ins, Run) and ins.program not in self.programs:
                 raise ValueError(f"plan {name!r} instruction {i} runs unknown program "
@@ -113,6 +118,7 @@ class Executor:
                     raise ValueError(f"plan {name!r} instruction {i} (recv {ins.key!r}) is posted after "
                                      f"instruction {ins.post_after}; allowed: -1 (at the start) to {i - 1}")
         self.plans[name] = tuple(stream)
+        return len(stream)
 
     def put(self, name: str, arrays, layouts=None) -> None:
         """Bind `name` to `arrays`, each laid out as its entry of `layouts` (a PartitionSpec

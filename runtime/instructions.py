@@ -6,7 +6,9 @@ slices, and frees them. Every buffer is a *bundle*: a tuple of arrays (a flatten
 so a program's inputs and outputs are bundles too.
 
 Records are NamedTuples of str/int/tuples so a plan can be printed, diffed, validated and
-sent over the wire as JSON (see `to_json` / `from_json`); nothing here is pickled.
+sent over the wire as JSON (see `to_json` / `from_json`); nothing here is pickled. Long
+plans are built, post-processed (Deletes, receive window) and shipped as arrays of
+integers over templates of these records: runtime/streams.py.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ class Recv(NamedTuple):
     Receives are posted ahead of need, so the transfer runs while the slice computes earlier
     instructions; the instruction itself only marks where the stream first needs the data.
     `post_after`: the index of the instruction after which the receive is posted (-1: when
-    the step starts); `with_recv_window` sets it to bound the receives outstanding at once.
+    the step starts); runtime/streams.py `with_recv_window` sets it to bound the receives
+    outstanding at once.
     """
     buffer: str
     src: int
@@ -95,43 +98,6 @@ def buffers_written(ins: Instruction) -> tuple[str, ...]:
     if isinstance(ins, Copy):
         return (ins.dst,)
     return ()
-
-
-def with_deletes(stream: list[Instruction], keep: set[str] | frozenset[str]) -> list[Instruction]:
-    """Insert a Delete after the last read of every buffer not in `keep`.
-
-    `keep` names the buffers that outlive the step (parameters, optimizer state) or that the
-    controller fetches when the step ends. A buffer written and never read is freed at once.
-    """
-    last_use: dict[str, int] = {}
-    for i, ins in enumerate(stream):
-        for name in buffers_written(ins) + buffers_read(ins):
-            last_use[name] = i
-    frees: dict[int, list[str]] = {}
-    for name, i in last_use.items():
-        if name not in keep:
-            frees.setdefault(i, []).append(name)
-    out: list[Instruction] = []
-    for i, ins in enumerate(stream):
-        out.append(ins)
-        out.extend(Delete(name) for name in sorted(frees.get(i, ())))
-    return out
-
-
-def with_recv_window(stream: list[Instruction], window: int) -> list[Instruction]:
-    """`stream` with each receive posted only once the one `window` receives before it has
-    been walked: at most `window` receives are outstanding (posted, not yet reached), so the
-    memory a slice holds for received data it has not used is bounded by `window` bundles,
-    while each transfer still overlaps the instructions between its post and its use.
-    Apply last: the marks are instruction indices."""
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"the receive window must be a positive integer (receives outstanding at once), "
-                         f"got {window!r}")
-    at = [i for i, ins in enumerate(stream) if isinstance(ins, Recv)]
-    out = list(stream)
-    for n, i in enumerate(at):
-        out[i] = stream[i]._replace(post_after=at[n - window] if n >= window else -1)
-    return out
 
 
 def to_json(ins: Instruction) -> list:

@@ -8,6 +8,8 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Connect      {peers: {slice: transfer_address}}
   LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
   InstallPlan  {name, stream: [instruction as runtime.instructions.to_json]}
+               or {name, encoded: blob}  (runtime/streams.py Encoded.to_bytes: rows of integers
+               over instruction templates; the worker checks, finishes and expands it)
   Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
   Run          {plan, step, after?, feeds: {name: [blob]}, fetch: [name], trace}
@@ -46,7 +48,7 @@ import traceback
 import grpc
 import jax
 
-from runtime import instructions, mesh, programs, wire
+from runtime import instructions, mesh, programs, streams, wire
 from runtime.checkpoint import confine
 from runtime.cluster import StepFailed
 from runtime.executor import Aborted, Executor
@@ -125,9 +127,11 @@ class WorkerService:
         return {"loaded": len(specs)}, []
 
     def InstallPlan(self, h, b):
-        stream = [instructions.from_json(i) for i in _list(h, "stream")]
-        self._exec().install_plan(_str(h, "name"), stream)
-        return {"instructions": len(stream)}, []
+        if "encoded" in h:
+            stream = streams.from_bytes(wire.blob(b, h["encoded"], bytes))
+        else:
+            stream = [instructions.from_json(i) for i in _list(h, "stream")]
+        return {"instructions": self._exec().install_plan(_str(h, "name"), stream)}, []
 
     def Put(self, h, b):
         layouts = [instructions.layout_from_json(l) for l in _list(h, "layouts")] if "layouts" in h else None

@@ -11,7 +11,7 @@ import pytest
 import models
 import mpmd
 from mpmd import lowering, schedules, simulate
-from runtime import instructions
+from runtime import instructions, streams
 from runtime.instructions import Delete, Recv, Run, Send, Spec
 from tests import reference
 from tests.reference import BATCH, batches, make_gpt
@@ -75,15 +75,15 @@ def test_with_recv_window_marks_and_wire_form():
     stream = [Recv(f"a{j}", 0, f"act/{j}", act) if j % 2 == 0 else Run("f", (f"a{j - 1}",), (f"y{j}",))
               for j in range(12)] + [Send("y1", 0, "out"), Delete("y1")]
     for window in (1, 2, 3, 100):
-        marked = instructions.with_recv_window(stream, window)
+        marked = list(streams.with_recv_window(stream, window))
         assert outstanding(marked) == min(window, 6)
         assert [instructions.from_json(instructions.to_json(i)) for i in marked] == marked
     # The first receive posted at the start; with window 2, the third after the first is walked.
-    marked = instructions.with_recv_window(stream, 2)
+    marked = list(streams.with_recv_window(stream, 2))
     assert [i.post_after for i in marked if isinstance(i, Recv)][:3] == [-1, -1, 0]
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="receive window must be a positive integer"):
-            instructions.with_recv_window(stream, bad)
+            streams.with_recv_window(stream, bad)
 
 
 def test_a_receive_posted_after_its_use_is_refused():

@@ -17,6 +17,7 @@ import pytest
 import models
 import mpmd
 from runtime.client import WorkerError
+from runtime.cluster import StepFailed
 from runtime.transport import key_to_uuid
 from tests.reference import BATCH, D, SEQ, batches, make_gpt, train_pipeline
 
@@ -190,3 +191,28 @@ def test_setup_needs_a_session_secret_and_never_echoes_it(rooted_worker):
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'transfer_secret' must be" in str(e.value)
         assert secret is None or str(secret) not in str(e.value)
     cluster.get(0, ["w"])            # the session it was set up with is untouched
+
+
+def test_an_encoded_plan_is_checked_by_the_worker_before_anything_is_installed(rooted_worker):
+    from runtime import streams, wire
+    from runtime.instructions import Copy, Delete
+    cluster, _, _ = rooted_worker
+    # A plan over templates with fields, shipped as bytes: the worker expands it and runs it.
+    plan = streams.Encoded([Copy("w", "c{k}/{j}"), Delete("c{k}/{j}")], [0, 0, 1], [3, 4, 4], [1, 1, 1],
+                           [0] * 3, [0] * 3, [-1] * 3)
+    cluster.install_plan(0, "copies", plan)
+    cluster.run("copies", 1, {}, {0: ("c3/1",)})
+    np.testing.assert_array_equal(cluster.get(0, ["c3/1"])["c3/1"][0], np.arange(6, dtype=np.float32))
+    with pytest.raises(WorkerError, match="no buffer"):
+        cluster.get(0, ["c4/1"])                      # copied, then deleted by the plan
+    # Malformed bytes are refused as a bad request, naming what is wrong; nothing installed.
+    bad = plan.with_templates(lambda t: t._replace(dst="c{k.__class__}") if isinstance(t, Copy) else t)
+    for payload, match in ((b"MPMDSTR1" + bytes(4), "must start with the magic"),
+                           (bad.to_bytes(), r"names field \{k.__class__\}"),
+                           (plan.to_bytes()[:-3], "bytes of columns")):
+        b = wire.Builder()
+        with pytest.raises(WorkerError, match=match) as e:
+            cluster.clients[0].call("InstallPlan", {"name": "bad", "encoded": b.add(payload)}, b.blobs)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(StepFailed, match=r"no plan 'bad'; installed: \['copies'\]"):
+        cluster.run("bad", 2, {}, {})
