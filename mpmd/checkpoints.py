@@ -305,6 +305,13 @@ class StageCheckpoints:
                                   f"from step 0 over them: remove them or use another run_dir")
         return None
 
+    def check_newest(self) -> None:
+        """ValueError if the newest committed step does not fit this run (see _check): found
+        before any worker starts. Restore checks every step it tries again."""
+        steps = self.store.committed()
+        if steps:
+            self._check(steps[-1], self.store.manifest(steps[-1]))
+
     def _check(self, step: int, manifest: dict) -> None:
         """ValueError unless `manifest` holds this run's math: the same leaves (names, shapes,
         dtypes: model and optimizer state) and partition. The layout may differ, except for
@@ -386,6 +393,26 @@ class StageCheckpoints:
         for r in slices:
             self.cluster.finish_restore(r, commit=True)
         return None
+
+
+def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
+    """(step, {leaf name: host array}) of committed `step` (default the newest), read here,
+    in this process, from every slice's directory: for looking at a checkpoint (tests, tools),
+    never on the training path."""
+    import jax
+    import numpy as np
+    from runtime.checkpoint import SliceCheckpointer
+    store = CheckpointStore(os.path.abspath(run_dir))
+    step = store.committed()[-1] if step is None else step
+    manifest = store.manifest(step)
+    if manifest is None or manifest.get("format") != FORMAT:
+        raise ValueError(f"step {step} in {store.root} is not a committed checkpoint of format {FORMAT}")
+    items: dict[str, dict] = {}
+    for name, leaf in manifest["leaves"].items():
+        items.setdefault(str(store.step_dir(step) / leaf["part"]), {})[name] = [(name, 0)]
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = SliceCheckpointer().restore(items, lambda name, i: here)
+    return step, {name: np.asarray(arrays[0]) for name, arrays in got.items()}
 
 
 def layout_change(manifest: dict, layout: dict) -> str | None:

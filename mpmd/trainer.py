@@ -114,21 +114,22 @@ class Trainer:
         self.memory = None           # the in-memory tier (mpmd/snapshots.py), when memory_every
         self._attempted = 0          # the step being computed (a failure replays from here)
         self.recovery_s: dict = {}
+        if run_dir is not None:
+            # What a restored run must match beyond its leaves (the math), and how this one is
+            # laid out (free to differ from the checkpoint's).
+            partition = {"num_microbatches": num_microbatches, "max_grad_norm": max_grad_norm}
+            layout = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
+                      "virtual_stages": self.schedule.virtual_stages, "placement": list(self.placement),
+                      "mesh": [sharding.describe(m) for m in meshes]}
+            self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
+                                                max_failed_saves, self._state_layouts(),
+                                                leaf_paths.state_names(pipeline, optimizer), layout)
+            self.checkpoints.check_newest()   # a resume that changes the math fails before any worker starts
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
         self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
                            meshes=meshes)
         try:
-            if run_dir is not None:
-                # What a restored run must match beyond its leaves (the math), and how this one is
-                # laid out (free to differ from the checkpoint's).
-                partition = {"num_microbatches": num_microbatches, "max_grad_norm": max_grad_norm}
-                layout = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
-                          "virtual_stages": self.schedule.virtual_stages, "placement": list(self.placement),
-                          "mesh": [sharding.describe(m) for m in meshes]}
-                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
-                                                    max_failed_saves, self._state_layouts(),
-                                                    leaf_paths.state_names(pipeline, optimizer), layout)
             self._materialize()
             if memory_every:
                 self.memory = snapshots.MemorySnapshots(
@@ -477,9 +478,10 @@ class Trainer:
         """A resumed run trains on the global batch its checkpoint was trained on (another
         batch changes the math); noted for the next checkpoint."""
         if self._resumed_batch is not None and batch != self._resumed_batch:
-            raise ValueError(f"the global batch (per input and target leaf: [shape, dtype]) is {batch}, but "
-                             f"the checkpoint this run resumed from (step {self.resumed[0]}) was trained on "
-                             f"{self._resumed_batch}: resume with the same global batch")
+            show = lambda b: ", ".join(f"{'x'.join(map(str, shape))} {dtype}" for shape, dtype in b)
+            raise ValueError(f"the global batch is {show(batch)} (per input and target leaf), but the "
+                             f"checkpoint this run resumed from (step {self.resumed[0]}) was trained on "
+                             f"{show(self._resumed_batch)}: resume with the same global batch")
         self._batch = batch
 
     def _metrics(self, results, trace: bool) -> dict:
