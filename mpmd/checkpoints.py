@@ -99,6 +99,7 @@ class StageCheckpoints:
         self.partition = partition          # what a restored run must match (the math)
         self.names = names
         self.layout = dict(layout or {})
+        self._owner = self._owners()        # leaf name -> (buffer, index, stage) that saves it
         # {buffer: layout per array} on its slice's mesh: a restore lays the saved arrays out
         # so, whatever mesh saved them (Orbax reads each device's part).
         self.layouts = dict(layouts or {})
@@ -127,14 +128,14 @@ class StageCheckpoints:
     def _items(self, step: int, slice_index: int) -> dict[str, dict[str, tuple[str, int]]]:
         """{this slice's directory: {leaf name: (buffer, index)}} of the leaves it saves."""
         d = self.store.step_dir(step) / names.slice_dir(slice_index)
-        mine = {name: (b, i) for name, (b, i, k) in self._owners().items() if self.placement[k] == slice_index}
+        mine = {name: (b, i) for name, (b, i, k) in self._owner.items() if self.placement[k] == slice_index}
         return {str(d): mine} if mine else {}
 
     def _leaf_table(self) -> dict[str, dict]:
         """The manifest's record of every leaf: shape, dtype, and the directory holding it."""
         return {name: {"shape": list(self.names.specs[name][0]), "dtype": self.names.specs[name][1],
                        "part": names.slice_dir(self.placement[k])}
-                for name, (_, _, k) in sorted(self._owners().items())}
+                for name, (_, _, k) in sorted(self._owner.items())}
 
     def save(self, step: int, data_state, extra: dict, wait: bool = False) -> None:
         """Snapshot every stage at `step` (all slices at once) and return; the slices write in
@@ -318,13 +319,17 @@ class StageCheckpoints:
         a checkpoint from before leaves were keyed, which fits only the layout that saved it."""
         where = f"checkpoint step {step} in {self.store.root}"
         if "format" not in manifest:
-            if manifest.get("partition") != self._legacy_partition():
+            saved, now = manifest.get("partition") or {}, self._legacy_partition()
+            if saved == now:
+                return
+            if any(saved.get(k) != now[k] for k in now if k != "params"):
                 raise ValueError(f"{where} was saved before checkpoints were keyed by parameter path: it "
                                  f"holds each stage's leaves by position, so it restores only onto the layout "
-                                 f"that saved it ({manifest.get('partition')}); this run is "
-                                 f"{self._legacy_partition()}. Resume once with that layout (its next "
+                                 f"that saved it ({describe_layout(saved)}); this run is "
+                                 f"{describe_layout(self.layout)}. Resume once with that layout (its next "
                                  f"checkpoint is keyed by path and restores onto any layout), or use another run_dir")
-            return
+            raise ValueError(f"{where} (saved before checkpoints were keyed by parameter path) holds other "
+                             f"parameter shapes than this run's: resume with the same model, or use another run_dir")
         if manifest["format"] != FORMAT:
             raise ValueError(f"{where} has checkpoint format {manifest['format']!r}; this mpmd reads format {FORMAT}")
         changed = [f"{k}: {manifest['partition'].get(k, '(unset)')!r} -> {self.partition.get(k, '(unset)')!r}"

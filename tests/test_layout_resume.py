@@ -174,3 +174,40 @@ def test_stages_without_model_paths_refuse_another_stage_count(cluster):
     with pytest.raises(ValueError, match=r"saved with 2 stages, this run has 3: stages given as plain nnx.Modules"):
         mpmd.Trainer(pipe([0, 2, 4, 6]), optax.sgd(0.1), "1f1b", num_microbatches=4, cluster=c,
                      run_dir=str(root / "modules"))
+
+
+def test_a_checkpoint_from_before_keyed_leaves_restores_only_on_its_layout(cluster):
+    """Step 2 written as mpmd wrote checkpoints before leaves were keyed (each stage's bundles
+    p<k>, o<k> by position in `stage_<k>/`, the layout as the manifest's partition): it
+    restores on that layout and training continues bitwise as without the stop; any other
+    layout is refused, saying why."""
+    c, root = cluster
+    run_dir = root / "old-format"
+    trainer = make_trainer(c, run_dir, "2x1f1b")
+    trainer.checkpoint_every = 0
+    try:
+        run(trainer, range(2))
+        saved = by_path(trainer)
+        store = trainer.checkpoints.store
+        step_dir = store.prepare(2)
+        for k, r in enumerate(trainer.placement):
+            c.save(r, {str(step_dir / f"stage_{k}"): [f"p{k}", f"o{k}"]})
+        for r in range(trainer.num_slices):
+            c.wait_saves(r)
+        old = {"num_stages": 2, "num_slices": 2, "schedule": "1f1b", "virtual_stages": 1,
+               "params": [[list(l.shape) for l in fn.param_leaves] for fn in trainer.pipeline.fns]}
+        store.commit(2, {"partition": old, "data_state": {"i": 2}})
+        want = run(trainer, range(2, 4))
+    finally:
+        trainer.close(close_cluster=False)
+    with pytest.raises(ValueError, match=r"saved before checkpoints were keyed by parameter path.*restores only "
+                                         r"onto the layout that saved it"):
+        make_trainer(c, run_dir, "4x1f1b")
+    trainer = make_trainer(c, run_dir, "2x1f1b")
+    try:
+        assert trainer.resumed == (2, {"i": 2}) and trainer.layout_change is None
+        restored = by_path(trainer)
+        assert all(np.array_equal(restored[p], saved[p]) for p in saved)
+        assert run(trainer, range(2, 4)) == want
+    finally:
+        trainer.close(close_cluster=False)
