@@ -384,17 +384,21 @@ class StageCheckpoints:
     def _restore_all(self, step: int, manifest: dict) -> str | None:
         """Stage `step` on every slice, then switch every slice to it; or switch none and say why."""
         slices = range(self.num_slices)
-        try:
-            for r in slices:
-                layouts = {n: self.layouts[n] for k, s in enumerate(self.placement) if s == r
-                           for n in (names.params(k), names.opt_state(k)) if n in self.layouts}
-                self.cluster.restore(r, self._restore_items(step, manifest, r), staged=True, layouts=layouts)
-        except WorkerLost:
-            raise            # the slice is gone, not the checkpoint
-        except Exception as e:
+
+        def read(r: int) -> None:
+            layouts = {n: self.layouts[n] for k, s in enumerate(self.placement) if s == r
+                       for n in (names.params(k), names.opt_state(k)) if n in self.layouts}
+            self.cluster.restore(r, self._restore_items(step, manifest, r), staged=True, layouts=layouts)
+        # Every slice reads its leaves at once (each from the directories that hold them).
+        errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]
+        lost = [e for e in errors if isinstance(e, WorkerLost)]
+        if lost:
+            raise lost[0]    # the slice is gone, not the checkpoint
+        failed = [e for e in errors if e is not None]
+        if failed:
             for r in slices:
                 self.cluster.finish_restore(r, commit=False)
-            return str(e)
+            return str(failed[0])
         for r in slices:
             self.cluster.finish_restore(r, commit=True)
         return None
