@@ -1,8 +1,20 @@
-"""Per-stage checkpoints of a pipeline and recovery after a lost slice.
+"""Checkpoints of a pipeline's state, keyed by parameter path, and recovery after a lost slice.
 
-Each stage's parameters and optimizer state are saved by the slice that holds them, under
-`<run_dir>/checkpoints/<step>/stage_<k>/`; the step is committed by its manifest once every
-slice has finalized its saves (runtime/checkpoint.py). Saves are asynchronous: every slice
+Every parameter and optimizer-state leaf is saved under its name (mpmd/leaf_paths.py:
+`params/blocks.3.mlp.up.kernel`, `opt/0.mu/blocks.3.mlp.up.kernel`, `opt/0.count`), once
+(a tied weight held by two stages is saved by the first), by the slice that holds it, into
+that slice's own Orbax directory `<run_dir>/checkpoints/<step>/slice_<r>/`. The step is
+committed by its manifest once every slice has finalized its saves (runtime/checkpoint.py);
+the manifest records, per leaf, its shape, dtype and directory, plus the data position, the
+step, what the math depends on (`partition`: microbatch count, clipping) and the layout
+that saved it. Restore reads, on each slice of the new layout, just the leaves its stages
+need from wherever they were saved (an Orbax partial restore), so a step restores onto any
+layout: another number of stages, slices or virtual stages, another schedule or mesh. What
+changes the math (the model's leaves, the optimizer's state, the partition) is refused.
+
+A checkpoint from before leaves were keyed (a manifest without `format`, parts `stage_<k>`
+holding bundles by position) restores only onto the very layout that saved it, and is
+refused with a message saying so onto any other. Saves are asynchronous: every slice
 snapshots a step's arrays at once (host memory; on CPU no copy at all), writes them in its
 own background thread with one long-lived Orbax checkpointer, and the controller's commit
 thread writes the manifests in step order as the slices report their parts finalized. Two
@@ -29,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 
 from mpmd import names
+from mpmd.leaf_paths import StateNames
 from runtime.checkpoint import CheckpointStore
 from runtime.cluster import WorkerLost
 
@@ -59,9 +72,21 @@ class CheckpointError(RuntimeError):
     """The run's checkpoints cannot be used: no committed step restores, or saves keep failing."""
 
 
+FORMAT = 2   # manifests of leaves keyed by path; older ones have no "format"
+# What a stage layout may change on resume (recorded in the manifest, logged when it changes).
+LAYOUT_KEYS = ("num_stages", "num_slices", "schedule", "virtual_stages", "placement", "mesh")
+
+
 class StageCheckpoints:
+    """Saves and restores a pipeline's state; `names` (leaf_paths.StateNames) says what each
+    stage's leaves are, `placement` (stage -> slice) where they live now, `partition` what a
+    restored run must match, `layout` (LAYOUT_KEYS) how it is laid out (free to differ from
+    the checkpoint's). Built with another placement it restores the same steps onto it."""
+
     def __init__(self, run_dir, cluster, placement: tuple[int, ...], partition: dict, keep: int,
-                 asynchronous: bool, max_failed_saves: int = 1, layouts: dict | None = None):
+                 asynchronous: bool, max_failed_saves: int = 1, layouts: dict | None = None,
+                 names: StateNames | None = None, layout: dict | None = None):
+        assert names is not None and len(names.params) == len(placement), "names: one entry per stage"
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer (committed checkpoints to keep), got {keep!r}")
         if not isinstance(max_failed_saves, int) or max_failed_saves < 0:
@@ -71,7 +96,10 @@ class StageCheckpoints:
         self.cluster = cluster
         self.placement = placement          # stage -> slice: which slice saves which stage
         self.num_slices = max(placement) + 1
-        self.partition = partition          # what a restored run must match: stages, placement
+        self.partition = partition          # what a restored run must match (the math)
+        self.names = names
+        self.layout = dict(layout or {})
+        self._owner = self._owners()        # leaf name -> (buffer, index, stage) that saves it
         # {buffer: layout per array} on its slice's mesh: a restore lays the saved arrays out
         # so, whatever mesh saved them (Orbax reads each device's part).
         self.layouts = dict(layouts or {})
@@ -88,10 +116,26 @@ class StageCheckpoints:
         self.failed_saves = 0                        # failed saves in a row
         self._failure: tuple[int, str] | None = None  # (step, why) of a failed save not yet retried
 
-    def _items(self, step: int, slice_index: int) -> dict[str, list[str]]:
-        d = self.store.step_dir(step)
-        return {str(d / names.stage_dir(k)): [names.params(k), names.opt_state(k)]
-                for k, r in enumerate(self.placement) if r == slice_index}
+    def _owners(self) -> dict[str, tuple[str, int, int]]:
+        """{leaf name: (buffer, index, stage)} of the first stage holding each leaf: who saves it."""
+        out = {}
+        for k in range(len(self.placement)):
+            for buffer, leaves in ((names.params(k), self.names.params[k]), (names.opt_state(k), self.names.opt[k])):
+                for i, name in enumerate(leaves):
+                    out.setdefault(name, (buffer, i, k))
+        return out
+
+    def _items(self, step: int, slice_index: int) -> dict[str, dict[str, tuple[str, int]]]:
+        """{this slice's directory: {leaf name: (buffer, index)}} of the leaves it saves."""
+        d = self.store.step_dir(step) / names.slice_dir(slice_index)
+        mine = {name: (b, i) for name, (b, i, k) in self._owner.items() if self.placement[k] == slice_index}
+        return {str(d): mine} if mine else {}
+
+    def _leaf_table(self) -> dict[str, dict]:
+        """The manifest's record of every leaf: shape, dtype, and the directory holding it."""
+        return {name: {"shape": list(self.names.specs[name][0]), "dtype": self.names.specs[name][1],
+                       "part": names.slice_dir(self.placement[k])}
+                for name, (_, _, k) in sorted(self._owner.items())}
 
     def save(self, step: int, data_state, extra: dict, wait: bool = False) -> None:
         """Snapshot every stage at `step` (all slices at once) and return; the slices write in
@@ -166,7 +210,8 @@ class StageCheckpoints:
             self._wait_all(started)
             self._failed(step, failed[0])
             return
-        manifest = {"partition": self.partition, "data_state": data_state, **extra}
+        manifest = {"format": FORMAT, "partition": self.partition, "layout": self.layout,
+                    "leaves": self._leaf_table(), "scoped": self.names.scoped, "data_state": data_state, **extra}
         self.last_save_s = {"snapshot_s": time.perf_counter() - t0}
         with self._cond:
             self._in_flight.append((step, started, manifest, time.perf_counter()))
@@ -241,10 +286,8 @@ class StageCheckpoints:
             log.warning("skipping checkpoint step %d: %s", step, why)
         for step in reversed(self.store.committed()):
             manifest = self.store.manifest(step)
-            if manifest.get("partition") != self.partition:
-                raise ValueError(f"checkpoint step {step} in {self.store.root} was saved by a different "
-                                 f"pipeline: {manifest.get('partition')}, this one is {self.partition}")
-            why = self._restore_all(step)
+            self._check(step, manifest)
+            why = self._restore_all(step, manifest)
             if why is None:
                 for bad, bad_why in failed.items():
                     self.store.quarantine(bad, bad_why)
@@ -263,23 +306,146 @@ class StageCheckpoints:
                                   f"from step 0 over them: remove them or use another run_dir")
         return None
 
-    def _restore_all(self, step: int) -> str | None:
+    def check_newest(self) -> None:
+        """ValueError if the newest committed step does not fit this run (see _check): found
+        before any worker starts. Restore checks every step it tries again."""
+        steps = self.store.committed()
+        if steps:
+            self._check(steps[-1], self.store.manifest(steps[-1]))
+
+    def _check(self, step: int, manifest: dict) -> None:
+        """ValueError unless `manifest` holds this run's math: the same leaves (names, shapes,
+        dtypes: model and optimizer state) and partition. The layout may differ, except for
+        a checkpoint from before leaves were keyed, which fits only the layout that saved it."""
+        where = f"checkpoint step {step} in {self.store.root}"
+        if "format" not in manifest:
+            saved, now = manifest.get("partition") or {}, self._legacy_partition()
+            if saved == now:
+                return
+            if any(saved.get(k) != now[k] for k in now if k != "params"):
+                raise ValueError(f"{where} was saved before checkpoints were keyed by parameter path: it "
+                                 f"holds each stage's leaves by position, so it restores only onto the layout "
+                                 f"that saved it ({describe_layout(saved)}); this run is "
+                                 f"{describe_layout(self.layout)}. Resume once with that layout (its next "
+                                 f"checkpoint is keyed by path and restores onto any layout), or use another run_dir")
+            raise ValueError(f"{where} (saved before checkpoints were keyed by parameter path) holds other "
+                             f"parameter shapes than this run's: resume with the same model, or use another run_dir")
+        if manifest["format"] != FORMAT:
+            raise ValueError(f"{where} has checkpoint format {manifest['format']!r}; this mpmd reads format {FORMAT}")
+        changed = [f"{k}: {manifest['partition'].get(k, '(unset)')!r} -> {self.partition.get(k, '(unset)')!r}"
+                   for k in sorted(set(manifest["partition"]) | set(self.partition))
+                   if manifest["partition"].get(k, "(unset)") != self.partition.get(k, "(unset)")]
+        if changed:
+            raise ValueError(f"{where} was trained with other settings that change the math "
+                             f"({'; '.join(changed)}); resume with the same values or use another run_dir "
+                             f"(the layout may change: {', '.join(LAYOUT_KEYS)})")
+        saved = manifest["leaves"]
+        saved_stages = manifest.get("layout", {}).get("num_stages")
+        if (self.names.scoped or manifest.get("scoped")) and saved_stages != len(self.placement):
+            raise ValueError(f"{where} was saved with {saved_stages} stages, this run has {len(self.placement)}: "
+                             f"stages given as plain nnx.Modules name their leaves within their stage "
+                             f"(params/stage1/...), so their checkpoints restore only onto the same stages. "
+                             f"Cut the model with mpmd.split (leaves named by model path) to change the "
+                             f"stage count, or resume with {saved_stages} stages")
+        now = self.names.specs
+        problems = [f"missing from the checkpoint: {_few(sorted(set(now) - set(saved)))}" if set(now) - set(saved) else "",
+                    f"in the checkpoint but not in this run: {_few(sorted(set(saved) - set(now)))}"
+                    if set(saved) - set(now) else "",
+                    _few([f"{n} saved {tuple(saved[n]['shape'])} {saved[n]['dtype']}, now {tuple(now[n][0])} {now[n][1]}"
+                          for n in sorted(set(now) & set(saved))
+                          if (list(now[n][0]), now[n][1]) != (saved[n]["shape"], saved[n]["dtype"])])]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError(f"{where} holds another model or optimizer state than this run "
+                             f"({'; '.join(problems)}): resume with the same model and optimizer, or use "
+                             f"another run_dir")
+
+    def _legacy_partition(self) -> dict:
+        """What a checkpoint from before leaves were keyed recorded as its partition."""
+        return {**{k: self.layout.get(k) for k in ("num_stages", "num_slices", "schedule", "virtual_stages")},
+                "params": [[list(self.names.specs[n][0]) for n in stage] for stage in self.names.params]}
+
+    def _restore_items(self, step: int, manifest: dict, slice_index: int) -> dict:
+        """What slice `slice_index` reads: {directory: {leaf name: [(buffer, index), ...]}},
+        every leaf its stages hold, from the directory that saved it; for a checkpoint from
+        before leaves were keyed, its stages' whole bundles {stage directory: [buffers]}."""
+        d = self.store.step_dir(step)
+        stages = [k for k, r in enumerate(self.placement) if r == slice_index]
+        if "format" not in manifest:
+            return {str(d / names.stage_dir(k)): [names.params(k), names.opt_state(k)] for k in stages}
+        out: dict[str, dict[str, list]] = {}
+        for k in stages:
+            for buffer, leaves in ((names.params(k), self.names.params[k]), (names.opt_state(k), self.names.opt[k])):
+                for i, name in enumerate(leaves):
+                    part = str(d / manifest["leaves"][name]["part"])
+                    out.setdefault(part, {}).setdefault(name, []).append((buffer, i))
+        return out
+
+    def _restore_all(self, step: int, manifest: dict) -> str | None:
         """Stage `step` on every slice, then switch every slice to it; or switch none and say why."""
         slices = range(self.num_slices)
-        try:
-            for r in slices:
-                items = self._items(step, r)
-                layouts = {n: self.layouts[n] for ns in items.values() for n in ns if n in self.layouts}
-                self.cluster.restore(r, items, staged=True, layouts=layouts)
-        except WorkerLost:
-            raise            # the slice is gone, not the checkpoint
-        except Exception as e:
+
+        def read(r: int) -> None:
+            layouts = {n: self.layouts[n] for k, s in enumerate(self.placement) if s == r
+                       for n in (names.params(k), names.opt_state(k)) if n in self.layouts}
+            self.cluster.restore(r, self._restore_items(step, manifest, r), staged=True, layouts=layouts)
+        # Every slice reads its leaves at once (each from the directories that hold them).
+        errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]
+        lost = [e for e in errors if isinstance(e, WorkerLost)]
+        if lost:
+            raise lost[0]    # the slice is gone, not the checkpoint
+        failed = [e for e in errors if e is not None]
+        if failed:
             for r in slices:
                 self.cluster.finish_restore(r, commit=False)
-            return str(e)
+            return str(failed[0])
         for r in slices:
             self.cluster.finish_restore(r, commit=True)
         return None
+
+
+def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
+    """(step, {leaf name: host array}) of committed `step` (default the newest), read here,
+    in this process, from every slice's directory: for looking at a checkpoint (tests, tools),
+    never on the training path."""
+    import jax
+    import numpy as np
+    from runtime.checkpoint import SliceCheckpointer
+    store = CheckpointStore(os.path.abspath(run_dir))
+    step = store.committed()[-1] if step is None else step
+    manifest = store.manifest(step)
+    if manifest is None or manifest.get("format") != FORMAT:
+        raise ValueError(f"step {step} in {store.root} is not a committed checkpoint of format {FORMAT}")
+    items: dict[str, dict] = {}
+    for name, leaf in manifest["leaves"].items():
+        items.setdefault(str(store.step_dir(step) / leaf["part"]), {})[name] = [(name, 0)]
+    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = SliceCheckpointer().restore(items, lambda name, i: here)
+    return step, {name: np.asarray(arrays[0]) for name, arrays in got.items()}
+
+
+def layout_change(manifest: dict, layout: dict) -> str | None:
+    """'from -> to' when `manifest` was saved on another layout than `layout`, else None."""
+    saved = manifest.get("layout")
+    if saved is None and "format" not in manifest:
+        saved = manifest.get("partition", {})
+    if saved is None or all(saved.get(k) == layout.get(k) for k in LAYOUT_KEYS if k in saved):
+        return None
+    return f"{describe_layout(saved)} -> {describe_layout(layout)}"
+
+
+def describe_layout(layout: dict) -> str:
+    """'2 stages on 2 slices, 1f1b, 1 virtual stage per slice, mesh data=1 x fsdp=1 x tensor=1'."""
+    parts = [f"{layout.get('num_stages')} stages on {layout.get('num_slices')} slices",
+             str(layout.get("schedule")), f"{layout.get('virtual_stages')} virtual stage(s) per slice"]
+    meshes = layout.get("mesh")
+    if meshes:
+        parts.append("mesh " + (meshes[0] if len(set(meshes)) == 1 else " | ".join(meshes)))
+    return ", ".join(parts)
+
+
+def _few(items: list[str], limit: int = 4) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def _short(why: str, limit: int = 400) -> str:

@@ -39,6 +39,7 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
+from mpmd.leaf_paths import path_string
 from mpmd.pipeline import StageFn, logical_axes
 from mpmd.specs import describe, spec
 from mpmd.stage_costs import Stages, fn_costs
@@ -85,6 +86,7 @@ def split_marked(model, sample_input) -> MarkedSplit:
                 jax.tree.structure(tuple(prog.param_index)), tuple(prog.param_index),
                 tuple(marked.axes[i] for i in prog.param_index))
         for k, prog in enumerate(first))
+    stages.param_paths = [tuple(marked.paths[i] for i in prog.param_index) for prog in first]
     stages.costs, stages.cost_unit = fn_costs(stages, marked.sample), "flops"
     return stages
 
@@ -107,6 +109,7 @@ class _Marked:
         self.name = type(model).__name__
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.leaves, self.param_tree = jax.tree.flatten(params)
+        self.paths = [path_string(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         self.axes = logical_axes(params)
         if any(isinstance(l, jax.ShapeDtypeStruct) for l in self.leaves):
             raise ValueError("mpmd.split by stage marks does not support mpmd.abstract models yet: "

@@ -48,7 +48,8 @@ KEYS = {
 # read as "bwd_w" + something.
 PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
             "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss")
-STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step
+STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
+SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
 
 
 class Name(NamedTuple):
@@ -163,3 +164,7 @@ def variant(n: int) -> str:
 
 def stage_dir(k: int) -> str:
     return STAGE_DIR.format(k=k)
+
+
+def slice_dir(r: int) -> str:
+    return SLICE_DIR.format(r=r)

@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 from flax import nnx
 
+from mpmd.leaf_paths import stage_param_paths
 from mpmd.specs import describe as _describe, spec as _spec
 
 
@@ -59,9 +60,14 @@ class Pipeline:
 
     `sample_input` (optional, one microbatch or batch of inputs) lets shape mismatches between
     stages be reported here instead of at the first step.
+
+    `param_paths`: per stage, each parameter leaf's path in the model, which checkpoints are
+    keyed by (mpmd/leaf_paths.py); taken from what mpmd.split returned, else each stage's own
+    paths under `stage<k>/` (`scoped_paths`: such a checkpoint fits only the same stages).
     """
 
     def __init__(self, stages, loss_fn: Callable, sample_input=None):
+        model_paths = getattr(stages, "param_paths", None)   # mpmd.split's Stages carry them
         stages = list(stages)
         if not stages:
             raise ValueError("Pipeline needs at least one stage, got an empty list")
@@ -75,6 +81,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.fns = [s if isinstance(s, StageFn) else stage_fn(s) for s in stages]
         self.shared = shared_params(self.fns)
+        self.param_paths, self.scoped_paths = stage_param_paths(self.fns, model_paths)
         if sample_input is not None:
             self.activation_specs(jax.tree.map(_spec, sample_input))
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from mpmd import marks
+from mpmd import leaf_paths, marks
 from mpmd.stage_costs import Stages, layer_costs
 
 
@@ -59,9 +59,27 @@ def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
     costs, unit = layer_costs(layers, sample_input)
     bounds = balanced_boundaries(costs, num_stages)
     stages = Stages(nnx.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:]))
+    stages.param_paths = layer_param_paths(model, layers, bounds)
     stages.costs = [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
     stages.cost_unit = unit
     return stages
+
+
+def layer_param_paths(model, layers, bounds) -> list[tuple[str, ...]]:
+    """Per stage (an nnx.Sequential of layers[a:b]), each parameter leaf's path in the model:
+    `blocks.3.mlp.up.kernel`, the same whichever stage holds block 3 (a layer not found as a
+    module of the model is `layers.<its index in model.layers()>`)."""
+    where = {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Module) and path}
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        paths = []
+        for keypath, _ in jax.tree_util.tree_flatten_with_path(nnx.state(nnx.Sequential(*layers[a:b]), nnx.Param))[0]:
+            j = a + int(leaf_paths.path_string(keypath[1:2]))    # keypath: ("layers", j, ...)
+            prefix = where.get(id(layers[j]), f"layers.{j}")
+            paths.append(".".join(p for p in (prefix, leaf_paths.path_string(keypath[2:])) if p))
+        out.append(tuple(paths))
+    return out
 
 
 def balanced_boundaries(costs, num_stages: int) -> list[int]:

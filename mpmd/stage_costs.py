@@ -38,9 +38,11 @@ from runtime.programs import ProgramSpec
 
 class Stages(list):
     """The stages in order (nnx.Modules, or StageFn records for a marked model); `.costs`
-    holds each stage's predicted cost and `.cost_unit` says in what ("flops" or "params")."""
+    holds each stage's predicted cost and `.cost_unit` says in what ("flops" or "params");
+    `.param_paths` (mpmd/leaf_paths.py), per stage, each parameter leaf's path in the model."""
     costs: list[float]
     cost_unit: str
+    param_paths: list[tuple[str, ...]]
 
 
 def layer_costs(layers, sample_input) -> tuple[list[float], str]:

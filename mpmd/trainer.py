@@ -29,6 +29,7 @@ Rewound raised says where to resume, as without run-ahead.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -36,11 +37,13 @@ import jax
 import numpy as np
 import optax
 
-from mpmd import lazy, lowering, names, schedules, sharding, snapshots
-from mpmd.checkpoints import Rewound, StageCheckpoints
+from mpmd import lazy, leaf_paths, lowering, names, schedules, sharding, snapshots
+from mpmd.checkpoints import Rewound, StageCheckpoints, layout_change
 from mpmd.pipeline import Pipeline
 from runtime.cluster import Cluster, ReplaceUnsupported, WorkerLost
 from runtime.instructions import Run
+
+log = logging.getLogger("mpmd")
 
 
 class Trainer:
@@ -103,22 +106,30 @@ class Trainer:
         self.max_restarts = max_restarts
         self.restarts = 0
         self.resumed: tuple[int, object] | None = None   # (step, data_state) when resumed from run_dir
+        self.layout_change: str | None = None   # "from -> to" when resumed onto another layout
+        self._resumed_batch = None    # the global batch's leaves as the resumed checkpoint saw them
+        self._batch = None            # [[shape, dtype] of each input and target leaf] of the last train step
         self._opt_ready = False
         self.checkpoints = None
         self.memory = None           # the in-memory tier (mpmd/snapshots.py), when memory_every
         self._attempted = 0          # the step being computed (a failure replays from here)
         self.recovery_s: dict = {}
+        if run_dir is not None:
+            # What a restored run must match beyond its leaves (the math), and how this one is
+            # laid out (free to differ from the checkpoint's).
+            partition = {"num_microbatches": num_microbatches, "max_grad_norm": max_grad_norm}
+            layout = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
+                      "virtual_stages": self.schedule.virtual_stages, "placement": list(self.placement),
+                      "mesh": [sharding.describe(m) for m in meshes]}
+            self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
+                                                max_failed_saves, self._state_layouts(),
+                                                leaf_paths.state_names(pipeline, optimizer), layout)
+            self.checkpoints.check_newest()   # a resume that changes the math fails before any worker starts
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
         self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
                            meshes=meshes)
         try:
-            if run_dir is not None:
-                partition = {"num_stages": S, "num_slices": self.num_slices, "schedule": self.schedule.name,
-                             "virtual_stages": self.schedule.virtual_stages,
-                             "params": [[list(l.shape) for l in fn.param_leaves] for fn in pipeline.fns]}
-                self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
-                                                    max_failed_saves, self._state_layouts())
             self._materialize()
             if memory_every:
                 self.memory = snapshots.MemorySnapshots(
@@ -130,6 +141,10 @@ class Trainer:
                     self._step, manifest = restored
                     self._opt_ready = True
                     self.resumed = (self._step, manifest.get("data_state"))
+                    self._resumed_batch = manifest.get("batch")
+                    self.layout_change = layout_change(manifest, self.checkpoints.layout)
+                    if self.layout_change:
+                        log.info("layout changed: %s", self.layout_change)
         except BaseException:
             self.cluster.close()
             raise
@@ -331,7 +346,8 @@ class Trainer:
         if self.checkpoints is None:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
         self._collect_all()
-        self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **extra}, wait=wait)
+        batch = {"batch": self._batch} if self._batch is not None else {}
+        self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **batch, **extra}, wait=wait)
 
     def _recover(self, lost: WorkerLost):
         """Replace the lost slice, restore every slice from the newest state saved (the
@@ -445,6 +461,8 @@ class Trainer:
         PendingRun."""
         self._check_open()
         in_spec, tgt_spec = self._micro_specs(inputs, targets)
+        if plan == "train":
+            self._check_batch([[list(np.shape(l)), np.result_type(l).name] for l in jax.tree.leaves((inputs, targets))])
         suffix = self._compile(in_spec, tgt_spec)
         m = self.num_microbatches
         first, last = self.placement[0], self.placement[-1]
@@ -456,6 +474,16 @@ class Trainer:
         self._runs += 1
         fetch = {"train": self._lowered.fetch, "predict": {}}.get(plan, self._lowered.loss_fetch)
         return self.cluster.launch(plan + suffix, self._runs, feeds, fetch, trace)
+
+    def _check_batch(self, batch: list) -> None:
+        """A resumed run trains on the global batch its checkpoint was trained on (another
+        batch changes the math); noted for the next checkpoint."""
+        if self._resumed_batch is not None and batch != self._resumed_batch:
+            show = lambda b: ", ".join(f"{'x'.join(map(str, shape))} {dtype}" for shape, dtype in b)
+            raise ValueError(f"the global batch is {show(batch)} (per input and target leaf), but the "
+                             f"checkpoint this run resumed from (step {self.resumed[0]}) was trained on "
+                             f"{show(self._resumed_batch)}: resume with the same global batch")
+        self._batch = batch
 
     def _metrics(self, results, trace: bool) -> dict:
         m, last = self.num_microbatches, self.placement[-1]

@@ -90,7 +90,7 @@ def _cut_tied(model: models.Llama, num_stages: int, sample_input) -> list:
     costs, _ = layer_costs(model.all_layers(), sample_input)
     bounds = balanced_boundaries(costs, num_stages)
     model.cut_after([b - 1 for b in bounds[1:-1]], mpmd.stage_boundary)
-    return list(mpmd.split(model, num_stages, sample_input))
+    return mpmd.split(model, num_stages, sample_input)   # Stages: they name each leaf by model path
 
 
 def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple[list, Callable]:
@@ -118,8 +118,8 @@ def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple
         loss_fn = models.mse_loss if m.kind == "mlp" else models.lm_loss
     if callable(getattr(built, "layers", None)):
         with _config_problem(f"pipeline.num_stages={num_stages}"):
-            return list(mpmd.split(built, num_stages, sample_input)), loss_fn
-    stages = list(built)
+            return mpmd.split(built, num_stages, sample_input), loss_fn   # Stages: leaves named by model path
+    stages = built if isinstance(built, list) else list(built)   # mpmd.split's Stages keep their paths
     if len(stages) != num_stages:
         raise ConfigError(f"model.module={m.module!r} returned {len(stages)} stages but "
                           f"pipeline.num_stages={num_stages}; set pipeline.num_stages="
@@ -351,6 +351,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                                 start_step)
     if start_step:
         progress.message(f"resumed from {run_dir}/checkpoints/{start_step}")
+    if trainer.layout_change:
+        progress.message(f"layout changed: {trainer.layout_change}")
     traces: dict[int, list] = {}
     losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
     eval_loss = None

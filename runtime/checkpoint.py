@@ -92,11 +92,12 @@ class SliceCheckpointer:
         self._writer: threading.Thread | None = None
         self._checkpointer = None
 
-    def save(self, items: dict[str, dict[str, tuple]]) -> None:
-        """Snapshot {directory: {buffer name: bundle}} and queue its write; blocks while the
-        queue is full."""
-        for directory, buffers in items.items():
-            tree = {name: [host_copy(a) for a in bundle] for name, bundle in buffers.items()}
+    def save(self, items: dict[str, dict]) -> None:
+        """Snapshot {directory: {key: array, or a bundle (list of arrays)}} and queue its
+        write; blocks while the queue is full."""
+        for directory, entries in items.items():
+            tree = {key: [host_copy(a) for a in v] if isinstance(v, (list, tuple)) else host_copy(v)
+                    for key, v in entries.items()}
             with self._cond:
                 while len(self._queue) + (self._writing is not None) >= self._max_queued:
                     self._cond.wait()
@@ -154,33 +155,79 @@ class SliceCheckpointer:
             raise errors[0]
         return sorted(outcomes)
 
-    def restore(self, items: dict[str, list[str]], sharding_of) -> dict[str, tuple]:
-        """Read {directory: [buffer names]}, array i of buffer `name` laid out as
+    def restore(self, items: dict, sharding_of) -> dict[str, tuple]:
+        """Read buffers from Orbax directories, array i of buffer `name` laid out as
         `sharding_of(name, i)` (Orbax reads only the shards each device needs, whatever mesh
-        saved them); raises ValueError naming a missing or unreadable part."""
-        import orbax.checkpoint as ocp
-        out = {}
-        for directory, names in items.items():
-            if not os.path.isdir(directory):
-                raise ValueError(f"checkpoint part {directory} does not exist")
-            try:
-                with _ORBAX, ocp.StandardCheckpointer() as ck:
-                    path = os.path.abspath(directory)
-                    # Restore onto this slice's mesh whatever devices saved it (the saved
-                    # sharding names a topology this process may not have).
-                    meta = ck.metadata(path).item_metadata
-                    meta = getattr(meta, "tree", meta)
-                    target = {name: [jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding_of(name, i))
-                                     for i, m in enumerate(leaves)] for name, leaves in meta.items()}
-                    tree = ck.restore(path, target)
-            except Exception as e:   # Orbax/tensorstore raise assorted errors on damaged files
-                raise ValueError(f"checkpoint part {directory} is unreadable: {type(e).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
-            for name in names:
-                if name not in tree:
-                    raise ValueError(f"checkpoint part {directory} has no buffer {name!r}; has {sorted(tree)}")
-                out[name] = tuple(tree[name])
+        saved them). Each directory's entry is either [buffer name] (whole bundles saved under
+        those names) or {key: [[buffer, index], ...]}: the leaf saved under `key` becomes
+        array `index` of each listed buffer, and only those keys are read (a partial
+        restore). Raises ValueError naming a missing or unreadable part, or a buffer whose
+        arrays are not all given."""
+        out: dict[str, tuple] = {}
+        keyed: dict[str, dict[int, jax.Array]] = {}
+        for directory, wanted in items.items():
+            if isinstance(wanted, dict):
+                for key, array in self._read(directory, wanted, sharding_of).items():
+                    for buffer, index in wanted[key]:
+                        keyed.setdefault(buffer, {})[index] = _laid_out(array, sharding_of(buffer, index))
+            else:
+                tree = self._read(directory, None, sharding_of)
+                for name in wanted:
+                    if name not in tree:
+                        raise ValueError(f"checkpoint part {directory} has no buffer {name!r}; has {sorted(tree)}")
+                    out[name] = tuple(tree[name])
+        for buffer, arrays in keyed.items():
+            if sorted(arrays) != list(range(len(arrays))) or buffer in out:
+                raise ValueError(f"restore of buffer {buffer!r} names arrays {sorted(arrays)}: each of "
+                                 f"0..n-1 exactly once, from one kind of entry")
+            out[buffer] = tuple(arrays[i] for i in range(len(arrays)))
         return out
+
+    def _read(self, directory: str, keys, sharding_of) -> dict:
+        """The saved tree of `directory`: all of it (keys None; bundles laid out by name), or
+        only `keys` ({key: [[buffer, index], ...]}), each laid out as its first target."""
+        import orbax.checkpoint as ocp
+        if not os.path.isdir(directory):
+            raise ValueError(f"checkpoint part {directory} does not exist")
+        path = os.path.abspath(directory)
+        with _ORBAX, ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ck:
+            try:
+                # Restore onto this slice's mesh whatever devices saved it (the saved
+                # sharding names a topology this process may not have).
+                meta = ck.metadata(path).item_metadata
+                meta = getattr(meta, "tree", meta)
+            except Exception as e:   # Orbax/tensorstore raise assorted errors on damaged files
+                raise _unreadable(directory, e) from None
+            if keys is None:
+                target = {name: [_spec(m, sharding_of(name, i)) for i, m in enumerate(leaves)]
+                          for name, leaves in meta.items()}
+            else:
+                missing = sorted(set(keys) - set(meta))
+                if missing:
+                    raise ValueError(f"checkpoint part {directory} has no leaf {missing[0]!r} "
+                                     f"({len(missing)} missing)")
+                target = {key: _spec(meta[key], sharding_of(*targets[0])) for key, targets in keys.items()}
+            try:
+                return ck.restore(path, args=ocp.args.PyTreeRestore(
+                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                    partial_restore=keys is not None))
+            except Exception as e:
+                raise _unreadable(directory, e) from None
+
+
+def _unreadable(directory: str, e: Exception) -> ValueError:
+    return ValueError(f"checkpoint part {directory} is unreadable: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}")
+
+
+def _spec(meta, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=sharding)
+
+
+def _laid_out(array: jax.Array, sharding) -> jax.Array:
+    """`array` with `sharding` (a leaf read once for several buffers of one slice, e.g. a tied
+    weight held by two of its stages, is moved only where their layouts differ)."""
+    return array if array.sharding == sharding else jax.device_put(array, sharding)
 
 
 class CheckpointStore:

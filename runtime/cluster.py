@@ -169,17 +169,20 @@ class Cluster(Protocol):
         flight too (their `.result()` raises Discarded). Other verbs do not wait for runs in
         flight: collect them first."""
 
-    def save(self, slice_index: int, items: Mapping[str, Sequence[str]]) -> None:
-        """Start an asynchronous save of {directory: [buffer names]} (Orbax, on the slice)."""
+    def save(self, slice_index: int, items: Mapping) -> None:
+        """Start an asynchronous save (Orbax, on the slice) of {directory: [buffer names]}
+        (whole bundles) or {directory: {key: [buffer, index]}} (single arrays under keys)."""
 
     def wait_saves(self, slice_index: int, directories: Sequence[str] | None = None) -> list[str]:
         """Block until the slice's saves of `directories` (default: all it started) are on
         disk; the directories finalized. Raises the first write error among them; WorkerLost
         if the slice is lost meanwhile."""
 
-    def restore(self, slice_index: int, items: Mapping[str, Sequence[str]], staged: bool = False,
+    def restore(self, slice_index: int, items: Mapping, staged: bool = False,
                 layouts: Mapping[str, Sequence] | None = None) -> None:
-        """Replace buffers with those saved under {directory: [buffer names]}; all or nothing.
+        """Replace buffers with those saved under {directory: [buffer names]}, or built from
+        the keys of {directory: {key: [[buffer, index], ...]}} (only those keys are read);
+        all or nothing.
         staged=True only reads them, held aside until finish_restore. `layouts`: {buffer:
         [layout per array]} on this slice's mesh, whatever mesh saved them (default replicated)."""
 

@@ -148,20 +148,34 @@ class Executor:
             self.buffers.pop(n, None)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, items: dict[str, list[str]]) -> None:
-        """Start an asynchronous save of {directory: [buffer names]}."""
-        missing = [n for names in items.values() for n in names if n not in self.buffers]
-        if missing:
-            raise ValueError(f"slice {self.slice_index} cannot save missing buffer(s) {missing}")
-        self._checkpointer.save({d: {n: self.buffers[n] for n in names} for d, names in items.items()})
+    def save(self, items: dict) -> None:
+        """Start an asynchronous save of {directory: [buffer names]} (whole bundles, under
+        their names) or {directory: {key: [buffer, index]}} (array `index` of `buffer` under
+        `key`: leaves addressed by what they are, whichever buffer holds them)."""
+        trees = {}
+        for directory, entries in items.items():
+            wanted = {b for b, _ in entries.values()} if isinstance(entries, dict) else set(entries)
+            missing = sorted(wanted - set(self.buffers))
+            if missing:
+                raise ValueError(f"slice {self.slice_index} cannot save missing buffer(s) {missing}")
+            if isinstance(entries, dict):
+                bad = [k for k, (b, i) in entries.items() if not 0 <= i < len(self.buffers[b])]
+                if bad:
+                    raise ValueError(f"slice {self.slice_index} cannot save {bad[0]!r}: its buffer has no such array")
+                trees[directory] = {key: self.buffers[b][i] for key, (b, i) in entries.items()}
+            else:
+                trees[directory] = {n: self.buffers[n] for n in entries}
+        self._checkpointer.save(trees)
 
     def wait_saves(self, directories=None) -> list[str]:
         """Until `directories` (default: every save started) are finalized; raises the first
         write error among them."""
         return self._checkpointer.wait(directories)
 
-    def restore(self, items: dict[str, list[str]], staged: bool = False, layouts=None) -> None:
-        """Replace buffers with a checkpoint's; nothing changes if any part fails to read.
+    def restore(self, items: dict, staged: bool = False, layouts=None) -> None:
+        """Replace buffers with a checkpoint's ({directory: [buffer names]} or {directory:
+        {key: [[buffer, index], ...]}}, see SliceCheckpointer.restore); nothing changes if any
+        part fails to read.
         With staged=True the arrays are held aside (replacing any staged before) until
         finish_restore: the controller binds them only once every slice has read its part.
         `layouts` ({buffer: [layout per array]}; default replicated) lays each array out on

@@ -15,11 +15,13 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Run          {plan, step, after?, feeds: {name: [blob]}, fetch: [name], trace}
                                 -> {fetched, events, wall_s, peak_held, peak_held_bytes, peak_bytes}
                (runs one at a time; a Run waits for run `after` to finish here: run-ahead)
-  Save         {items: {directory: [buffer name]}}      (a snapshot, written in the background;
+  Save         {items: {directory: [buffer name] | {key: [buffer, index]}}}  (a snapshot,
+               written in the background;
                blocks while two saves are queued; every directory must lie below the
                worker's root, as must Restore's)
   WaitSaves    {directories?} -> {finalized: [directory]}  (those, default all started)
-  Restore      {items: {directory: [name]}, staged, layouts?: {name: [layout]}}
+  Restore      {items: {directory: [name] | {key: [[buffer, index], ...]}}, staged,
+               layouts?: {name: [layout]}}  (a keyed entry reads only those keys)
   FinishRestore {commit}: bind (or drop) what a staged Restore read
   Heartbeat    -> {pid, step_running, progress: [run id, instructions done, doing] | null}
   Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
@@ -275,11 +277,33 @@ class _Handler(grpc.GenericRpcHandler):
         return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-def _items(h: dict) -> dict[str, list[str]]:
+def _items(h: dict) -> dict:
+    """{directory: [buffer name]} or {directory: {key: [buffer, index]}} (Save) or {directory:
+    {key: [[buffer, index], ...]}} (Restore), checked and typed."""
     items = h.get("items")
-    if not isinstance(items, dict) or not all(isinstance(v, list) for v in items.values()):
-        raise ValueError("'items' must be {directory: [buffer name, ...]}")
-    return {str(d): [str(n) for n in names] for d, names in items.items()}
+    if not isinstance(items, dict):
+        raise ValueError("'items' must be {directory: [buffer name, ...] or {key: [buffer, index]}}")
+    out = {}
+    for d, entries in items.items():
+        if isinstance(entries, list):
+            out[str(d)] = [str(n) for n in entries]
+        elif isinstance(entries, dict):
+            out[str(d)] = {str(k): _targets(v) for k, v in entries.items()}
+        else:
+            raise ValueError(f"'items' entry of {str(d)!r} must be a list of buffer names or "
+                             f"{{key: [buffer, index]}}, got {type(entries).__name__}")
+    return out
+
+
+def _targets(v):
+    """[buffer, index] (a Save's key) or [[buffer, index], ...] (a Restore's)."""
+    pair = lambda p: (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                      and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] >= 0)
+    if pair(v):
+        return (v[0], v[1])
+    if isinstance(v, list) and v and all(pair(p) for p in v):
+        return [(p[0], p[1]) for p in v]
+    raise ValueError(f"a keyed checkpoint entry must be [buffer, index] or [[buffer, index], ...], got {v!r:.80}")
 
 
 def _int(h: dict, key: str) -> int:

@@ -60,9 +60,9 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run_dir, tmp_path / "run"))
 
 
-def damage_data(step_dir: Path, stage: int) -> None:
-    """Truncate every array file of one stage's Orbax checkpoint."""
-    files = [f for f in (step_dir / f"stage_{stage}").rglob("*") if f.is_file() and f.stat().st_size > 0
+def damage_data(step_dir: Path, slice_index: int) -> None:
+    """Truncate every array file of one slice's Orbax checkpoint."""
+    files = [f for f in (step_dir / f"slice_{slice_index}").rglob("*") if f.is_file() and f.stat().st_size > 0
              and "d" in f.parts[-2:-1]]
     assert files
     for f in files:
@@ -73,7 +73,7 @@ def test_every_checkpoint_damaged_refuses_and_changes_nothing(six_steps, tmp_pat
     run_dir = copy_of(six_steps, tmp_path)
     ck = run_dir / "checkpoints"
     damage_data(ck / "6", 0)
-    shutil.rmtree(ck / "4" / "stage_1")
+    shutil.rmtree(ck / "4" / "slice_1")
     (ck / "2" / "manifest.json").write_bytes(b"\x1f\x8b\x08\x00\xff\xfe garbage")
     before = {p: p.read_bytes() for p in (run_dir / "metrics.jsonl", run_dir / "config.yaml")}
     rc, out, err = cli(run_dir, "train.steps=8")
@@ -81,7 +81,7 @@ def test_every_checkpoint_damaged_refuses_and_changes_nothing(six_steps, tmp_pat
     line = error_line(err)
     for step in (6, 4, 2):
         assert f"step {step}: " in line, line
-    assert "manifest.json" in line and "stage_1" in line
+    assert "manifest.json" in line and "slice_1" in line
     assert {p: p.read_bytes() for p in before} == before, "metrics.jsonl or config.yaml changed"
     assert sorted(p.name for p in ck.iterdir()) == ["2", "4", "6"], "nothing moved or deleted"
     assert "step 1/" not in out, "trained from step 0"
@@ -103,7 +103,7 @@ def test_restore_is_all_or_nothing(tmp_path):
             params[trainer.step_count] = trainer.params()
         trainer.checkpoint_every = 0     # no more saves: the steps below only change state
         ck = tmp_path / "checkpoints"
-        shutil.rmtree(ck / "6" / "stage_1")
+        shutil.rmtree(ck / "6" / "slice_1")
         damage_data(ck / "4", 1)
         assert trainer.checkpoints.restore_latest()[0] == 2
         assert same(trainer.params(), params[2])
@@ -112,8 +112,8 @@ def test_restore_is_all_or_nothing(tmp_path):
         trainer.step(batches[2], batches[2])
         live = trainer.params()
         assert not same(live[:1], params[2][:1])
-        shutil.rmtree(ck / "2" / "stage_1")
-        with pytest.raises(CheckpointError, match=r"step 2: checkpoint part .*stage_1 does not exist"):
+        shutil.rmtree(ck / "2" / "slice_1")
+        with pytest.raises(CheckpointError, match=r"step 2: checkpoint part .*slice_1 does not exist"):
             trainer.checkpoints.restore_latest()
         assert same(trainer.params(), live), "a slice switched to a step the other could not read"
         assert sorted(p.name for p in ck.iterdir()) == ["2", "4.damaged-0", "6.damaged-0"]

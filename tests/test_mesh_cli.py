@@ -63,7 +63,7 @@ def saved_layout(run_dir: Path) -> tuple[set, set]:
     store = CheckpointStore(run_dir)
     step_dir = store.step_dir(store.committed()[-1])
     shapes, split = set(), set()
-    for part in sorted(step_dir.glob("stage_*")):
+    for part in sorted(step_dir.glob("slice_*")):
         with ocp.StandardCheckpointer() as ck:
             meta = ck.metadata(part.resolve()).item_metadata
         for leaf in jax.tree.leaves(getattr(meta, "tree", meta)):

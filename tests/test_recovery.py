@@ -162,11 +162,11 @@ def test_newest_checkpoint_damaged_falls_back(uninterrupted, tmp_path, caplog):
             train(trainer, data(), fault=_stop_after(6))
     ck = tmp_path / "checkpoints"
     assert sorted(int(p.name) for p in ck.iterdir()) == [2, 4, 6]
-    # Truncate every data file of step 6's stage 0.
-    for f in (ck / "6" / "stage_0").rglob("*"):
+    # Truncate every data file of step 6's slice 0.
+    for f in (ck / "6" / "slice_0").rglob("*"):
         if f.is_file() and f.stat().st_size > 0 and "d" in f.parts[-2:-1]:
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    shutil.rmtree(ck / "4" / "stage_1")
+    shutil.rmtree(ck / "4" / "slice_1")
     with caplog.at_level("WARNING", logger="mpmd"):
         trainer = make_trainer(mpmd.LocalCluster(), tmp_path)
         try:

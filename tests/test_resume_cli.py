@@ -7,16 +7,17 @@ final state and per-step losses of an uninterrupted one (bitwise), and leaves no
 """
 import os
 import re
+import shutil
 import signal
 import uuid
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
+from mpmd.checkpoints import read_leaves
 from recipes import run_log
-from runtime.checkpoint import CheckpointStore, SliceCheckpointer
+from runtime.checkpoint import CheckpointStore
 from tests.processes import Controller, alive, wait_gone
 
 STEPS, EVERY = 12, 3
@@ -49,13 +50,9 @@ def run_to_end(run_dir: Path, tag: str) -> str:
 
 
 def final_state(run_dir: Path) -> tuple[int, dict]:
-    """(newest committed step, {stage_k/name: host arrays}) read straight from the checkpoint."""
-    store = CheckpointStore(run_dir)
-    step = store.committed()[-1]
-    items = {str(store.step_dir(step) / f"stage_{k}"): [f"p{k}", f"o{k}"] for k in range(2)}
-    replicated = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    arrays = SliceCheckpointer().restore(items, lambda name, i: replicated)
-    return step, {name: [np.asarray(a) for a in bundle] for name, bundle in arrays.items()}
+    """(newest committed step, {leaf name: [host array]}) read straight from the checkpoint."""
+    step, leaves = read_leaves(run_dir)
+    return step, {name: [array] for name, array in leaves.items()}
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -64,16 +61,16 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run: (final state, per-step metrics)."""
+    """The uninterrupted run: (final state, per-step metrics, its run_dir)."""
     run_dir = tmp_path_factory.mktemp("resume") / "a"
     tag = uuid.uuid4().hex
     run_to_end(run_dir, tag)
     assert wait_gone(tagged(tag)) == []
-    return final_state(run_dir), metrics(run_dir)
+    return final_state(run_dir), metrics(run_dir), run_dir
 
 
 def assert_same_as_reference(run_dir: Path, reference):
-    (want_step, want), want_metrics = reference
+    (want_step, want), want_metrics, _ = reference
     got_step, got = final_state(run_dir)
     assert got_step == want_step == STEPS
     assert got.keys() == want.keys()
@@ -132,6 +129,26 @@ def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
     out = run_to_end(run_dir, tag)
     assert f"resumed from {run_dir}/checkpoints/{stopped_at}" in out
     assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_resumes_on_another_stage_count(reference, tmp_path):
+    """The uninterrupted 2-stage run's step-9 checkpoint resumed with `pipeline.num_stages=4
+    cluster.num_workers=4`: the console names the layout change, and the losses after it
+    equal the 2-stage run's to relative 1e-6, each step logged once."""
+    run_dir, tag = tmp_path / "l", uuid.uuid4().hex
+    shutil.copytree(reference[2], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / str(STEPS))
+    assert CheckpointStore(run_dir).committed()[-1] == STEPS - EVERY
+    out = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "pipeline.num_stages=4",
+                               "cluster.num_workers=4"], {TAG: tag}).succeed()
+    assert f"resumed from {run_dir}/checkpoints/{STEPS - EVERY}" in out
+    line = next(l for l in out.splitlines() if "layout changed:" in l)
+    assert "2 stages on 2 slices, 1f1b" in line and "-> 4 stages on 4 slices, 1f1b" in line, line
+    got, want = metrics(run_dir), reference[1]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step exactly once"
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
+    assert read_leaves(run_dir)[1].keys() == reference[0][1].keys(), "the same leaves, by path"
     assert wait_gone(tagged(tag)) == []
 
 
