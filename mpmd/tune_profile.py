@@ -38,6 +38,7 @@ from mpmd.pipeline import Pipeline
 from mpmd.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, Task
 from mpmd.simulate import simulate
 from mpmd.specs import spec
+from runtime.wire import nbytes
 
 UPDATE = "U"
 _LABEL = re.compile(r"([FBWU]) s(\d+)(?: mb(\d+))?$")      # mpmd/lowering.py's Run labels
@@ -126,10 +127,6 @@ def task_gaps(events_per_step) -> list[float]:
     return gaps
 
 
-def _nbytes(tree) -> int:
-    return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize for l in jax.tree.leaves(tree)))
-
-
 def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, microbatch_sizes,
             num_microbatches: int = 2, steps: int = 2, transfer_sizes=(2**14, 2**18, 2**21),
             max_grad_norm=None, log=print) -> Profile:
@@ -169,7 +166,7 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
             opt = np.array([u["optimizer"] for u in per_unit], float)
             resid[i] = [u["residuals"] for u in per_unit]
             kept[i] = [u["kept"] for u in per_unit]
-            bound[i] = [_nbytes(a) for a in pipe.activation_specs(mx)]
+            bound[i] = [nbytes(jax.tree.leaves(a)) for a in pipe.activation_specs(mx)]
             trainer.step(x, y)                       # compiles this size's programs
             traced = []
             for _ in range(steps):
