@@ -123,10 +123,11 @@ def microbatch_counts_for(batch_size: int, microbatch_counts=None) -> list[int]:
 
 def run_candidate(candidate: Candidate, units, loss_fn, optimizer, inputs, targets, cluster, steps: int,
                   max_grad_norm=None, log=print) -> Confirmed:
-    """Train `candidate` for one warm-up step (it compiles), `steps` steps and one traced step
-    on `cluster`; the step time is the wall time of the last steps + 1 over their number (a
-    step returns once its loss is back, its update may still run: the traced step waits for
-    every task), the peak the workers' largest count of bytes held in the traced step."""
+    """Train `candidate` for one warm-up step (it compiles), `steps` timed steps and one traced
+    step on `cluster`. The step time is the median of the timed steps' (a step returns once
+    its loss is back while its update may still run, so each waits for the one before: in a
+    row, each takes one step's time; the median shrugs off a burst of other load), the peak
+    the workers' largest count of bytes held in the traced step."""
     from mpmd.pipeline import Pipeline
     from mpmd.trainer import Trainer
     pipe = Pipeline(cut(units, candidate.cuts), loss_fn)
@@ -134,14 +135,16 @@ def run_candidate(candidate: Candidate, units, loss_fn, optimizer, inputs, targe
                       virtual_stages=candidate.virtual_stages, cluster=cluster, max_grad_norm=max_grad_norm)
     try:
         trainer.step(inputs, targets)
-        begin = time.perf_counter()
+        times = []
         for _ in range(steps):
+            begin = time.perf_counter()
             trainer.step(inputs, targets)
+            times.append(time.perf_counter() - begin)
         traced = trainer.step(inputs, targets, trace=True)
-        step_s = (time.perf_counter() - begin) / (steps + 1)
     finally:
         trainer.close(close_cluster=False)
     peak = int(max(traced["peak_bytes"]))
+    step_s = float(np.median(times))
     log(f"confirmed {candidate.label}: predicted {candidate.predicted_step_s * 1e3:.1f} ms, "
         f"measured {step_s * 1e3:.1f} ms")
     return Confirmed(candidate, step_s, peak)

@@ -13,8 +13,9 @@ the gap between consecutive tasks on a slice (the executor's own walk: deletes, 
 dispatch) and the rest of a step (the controller's dispatch and collection).
 
 How. The units become the stages of one pipeline, placed in contiguous blocks over the
-cluster's slices, run by a split-backward GPipe order (all forwards, then B and W per stage
-from the last) for a few traced steps per microbatch size: every task's duration is read
+cluster's slices, run by a split-backward GPipe order (all forwards, then the B and W of
+each microbatch; microbatch-major, so the slices overlap as in a real pipeline and each
+task is timed while the others compute) for a few traced steps per microbatch size: every task's duration is read
 from the trace (median over microbatches and steps). The first unit's B runs no program
 (its input is data), so its W is its whole backward, as for any first stage. Bytes come
 from shapes (mpmd.stage_costs.memory). The transfer model is fit by least squares to the
@@ -36,7 +37,7 @@ import numpy as np
 from mpmd import schedules
 from mpmd.pipeline import Pipeline
 from mpmd.schedules import BACKWARD, FORWARD, WEIGHT, Schedule, Task
-from mpmd.simulate import simulate
+from mpmd.simulate import step_s
 from mpmd.specs import spec
 from runtime.wire import nbytes
 
@@ -81,7 +82,9 @@ class Profile(NamedTuple):
 
 def profile_schedule(num_units: int, num_slices: int, num_microbatches: int) -> Schedule:
     """Split-backward GPipe over `num_units` stages in contiguous blocks on `num_slices`
-    slices: each slice runs all its forwards, then per stage (last first) its B and W."""
+    slices: each slice runs all its forwards, microbatch by microbatch, then B and W of each
+    microbatch (its stages last first). Microbatch-major, so the slices overlap as they do
+    in a real pipeline (a slice's tasks are timed while the others compute too)."""
     if not 1 <= num_slices <= num_units:
         raise ValueError(f"profiling {num_units} units needs 1..{num_units} slices, got {num_slices}")
     bounds = np.linspace(0, num_units, num_slices + 1).round().astype(int)
@@ -90,8 +93,8 @@ def profile_schedule(num_units: int, num_slices: int, num_microbatches: int) -> 
     slices = []
     for r in range(num_slices):
         mine = range(bounds[r], bounds[r + 1])
-        tasks = [Task(k, j, FORWARD) for k in mine for j in range(m)]
-        tasks += [Task(k, j, kind) for k in reversed(mine) for j in range(m) for kind in (BACKWARD, WEIGHT)]
+        tasks = [Task(k, j, FORWARD) for j in range(m) for k in mine]
+        tasks += [Task(k, j, kind) for j in range(m) for k in reversed(mine) for kind in (BACKWARD, WEIGHT)]
         slices.append(tuple(tasks))
     return Schedule("profile", num_units, m, max(np.diff(bounds)).item(), True, tuple(slices), placement)
 
@@ -128,12 +131,12 @@ def task_gaps(events_per_step) -> list[float]:
 
 
 def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, microbatch_sizes,
-            num_microbatches: int = 2, steps: int = 2, transfer_sizes=(2**14, 2**18, 2**21),
+            num_microbatches: int = 4, steps: int = 2, transfer_sizes=(2**14, 2**18, 2**21),
             max_grad_norm=None, log=print) -> Profile:
     """Measure `units` (nnx.Modules in order; the pipeline's loss after the last) on
     `num_slices` slices of `cluster` (started here, left open for the caller).
 
-    inputs/targets: at least max(microbatch_sizes) * num_microbatches rows of real data.
+    inputs/targets: a batch of real data (its rows are repeated where a size needs more).
     Each size runs `num_microbatches` per step for one warm-up and `steps` traced steps.
     """
     from mpmd.stage_costs import memory
@@ -141,10 +144,6 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
 
     units = list(units)
     sizes = tuple(sorted(set(int(s) for s in microbatch_sizes)))
-    need = sizes[-1] * num_microbatches
-    if len(inputs) < need:
-        raise ValueError(f"profiling microbatches of up to {sizes[-1]} rows x {num_microbatches} "
-                         f"needs a batch of >= {need} rows, got {len(inputs)}")
     num_slices = min(num_slices, len(units))
     pipe = Pipeline(units, loss_fn)
     schedule = profile_schedule(len(units), num_slices, num_microbatches)
@@ -159,7 +158,7 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     try:
         for i, size in enumerate(sizes):
             t0 = time.perf_counter()
-            x, y = inputs[:size * num_microbatches], targets[:size * num_microbatches]
+            x, y = _rows(inputs, size * num_microbatches), _rows(targets, size * num_microbatches)
             mx, my = jax.tree.map(spec, x[:size]), jax.tree.map(spec, y[:size])
             per_unit = memory(pipe, optimizer, mx, my)
             params = np.array([u["params"] for u in per_unit], float)
@@ -192,12 +191,15 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
                    statistics.median(gaps), statistics.median(overheads), names)
 
 
+def _rows(batch, n: int):
+    """The first n rows of `batch` (a pytree of arrays), going round again if it has fewer."""
+    return jax.tree.map(lambda a: np.take(np.asarray(a), np.arange(n) % len(a), axis=0), batch)
+
+
 def _profile_step_s(schedule: Schedule, f, b, w, u, gap: float) -> float:
     costs = [{FORWARD: f[k] + gap, BACKWARD: (b[k] + gap) if k else 0.0, WEIGHT: w[k] + gap}
              for k in range(schedule.num_stages)]
-    sim = simulate(schedule, costs)
-    updates = [sum(u[k] for k in schedule.stages_on(r)) for r in range(schedule.num_slices)]
-    return max((row[-1][2] if row else 0.0) + x for row, x in zip(sim.spans, updates))
+    return step_s(schedule, costs, [sum(u[k] for k in schedule.stages_on(r)) for r in range(schedule.num_slices)])
 
 
 def measure_transfer(cluster, sizes_bytes, num_microbatches: int = 4, steps: int = 3) -> tuple[float, float]:

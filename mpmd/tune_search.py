@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from mpmd import schedules
 from mpmd.schedules import BACKWARD, FORWARD, WEIGHT
-from mpmd.simulate import FULL_BACKWARD, peak_saved_bytes, simulate
+from mpmd.simulate import FULL_BACKWARD, peak_saved_bytes, step_s
 from mpmd.split import balanced_boundaries
 from mpmd.tune_profile import Profile
 
@@ -134,11 +134,6 @@ def _price(profile: Profile, name: str, v: int, m: int, num_slices: int, batch_s
     return _Priced(schedule, costs, updates, comm_s, bounds, peak, max(busy) + profile.step_overhead_s)
 
 
-def _simulated_step_s(priced: _Priced, overhead_s: float) -> float:
-    sim = simulate(priced.schedule, priced.costs, priced.comm_s)
-    return max((row[-1][2] if row else 0.0) + u for row, u in zip(sim.spans, priced.updates)) + overhead_s
-
-
 def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: float = float("inf"),
            microbatch_counts=None, schedule_names=None, max_virtual_stages: int = 4,
            keep: int | None = 10) -> tuple[list[Candidate], list[Candidate]]:
@@ -161,7 +156,7 @@ def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: flo
     for p in priced:
         if keep is not None and len(ranked) >= keep and p.lower_bound_s > ranked[keep - 1].predicted_step_s:
             break      # every later candidate's bound is higher still
-        ranked.append(_candidate(p, _simulated_step_s(p, profile.step_overhead_s)))
+        ranked.append(_candidate(p, step_s(p.schedule, p.costs, p.updates, p.comm_s) + profile.step_overhead_s))
         ranked.sort(key=lambda c: c.predicted_step_s)
     return (ranked if keep is None else ranked[:keep]), excluded
 
