@@ -8,15 +8,21 @@ cut from) and per microbatch size: the measured seconds of its forward (F), inpu
 (B) and weight gradient (W) and of its optimizer update (U), and the bytes of its
 parameters, optimizer state, residuals (what F saves for the backward), kept bytes (what B
 keeps for W) and of the activation entering it. Plus the transfer model between two slices,
-seconds = latency_s + bytes / bytes_per_s, and two overheads the simulator does not charge:
-the gap between consecutive tasks on a slice (the executor's own walk: deletes, sends,
-dispatch) and the rest of a step (the controller's dispatch and collection).
+seconds = latency_s + bytes / bytes_per_s, and what a slice spends around each program
+that the simulator does not charge (the executor's own walk: sends, receives, deletes,
+dispatch): the gap between consecutive programs, plus the rest of the measured profiling
+step beyond the simulated one spread over its tasks (so a candidate of fewer, larger
+stages pays less of it).
 
 How. The units become the stages of one pipeline, placed in contiguous blocks over the
 cluster's slices, run by a split-backward GPipe order (all forwards, then the B and W of
 each microbatch; microbatch-major, so the slices overlap as in a real pipeline and each
-task is timed while the others compute) for a few traced steps per microbatch size: every task's duration is read
-from the trace (median over microbatches and steps). The first unit's B runs no program
+task is timed while the others compute) for a few traced steps per microbatch size: every
+task's duration is read from the trace (median over microbatches and steps), after a traced
+warm-up step (the first traced step compiles; a median of two steps, one of them compiling,
+once priced a block three times too high). The step itself is timed untraced, as training
+runs it (tracing counts every slice's bytes after each instruction, which costs time).
+The first unit's B runs no program
 (its input is data), so its W is its whole backward, as for any first stage. Bytes come
 from shapes (mpmd.stage_costs.memory). The transfer model is fit by least squares to the
 gaps between a forward on one slice and its consumer's forward on the next, in dry runs
@@ -62,8 +68,8 @@ class Profile(NamedTuple):
     boundary_bytes: np.ndarray
     latency_s: float = 0.0                # transfer between two slices: latency_s + bytes / bytes_per_s
     bytes_per_s: float = float("inf")
-    task_gap_s: float = 0.0               # per task: a slice's time between consecutive programs
-    step_overhead_s: float = 0.0          # per step: what remains of a measured step
+    task_gap_s: float = 0.0               # per task: what a slice spends around a program's run
+    step_overhead_s: float = 0.0          # per step: a fixed cost (a declared profile's; measured: 0)
     unit_names: tuple[str, ...] = ()
 
     @property
@@ -137,7 +143,8 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     `num_slices` slices of `cluster` (started here, left open for the caller).
 
     inputs/targets: a batch of real data (its rows are repeated where a size needs more).
-    Each size runs `num_microbatches` per step for one warm-up and `steps` traced steps.
+    Each size runs `num_microbatches` per step: two warm-up steps (one traced), `steps`
+    traced steps (task durations and gaps) and `steps` + 1 timed untraced steps.
     """
     from mpmd.stage_costs import memory
     from mpmd.trainer import Trainer
@@ -153,7 +160,7 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     resid, kept = np.zeros(shape), np.zeros(shape)
     bound = np.zeros((len(sizes), U + 1))
     params = opt = None
-    gaps, overheads = [], []
+    gaps = []
     trainer = Trainer(pipe, optimizer, schedule=schedule, cluster=cluster, max_grad_norm=max_grad_norm)
     try:
         for i, size in enumerate(sizes):
@@ -166,21 +173,29 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
             resid[i] = [u["residuals"] for u in per_unit]
             kept[i] = [u["kept"] for u in per_unit]
             bound[i] = [nbytes(jax.tree.leaves(a)) for a in pipe.activation_specs(mx)]
-            trainer.step(x, y)                       # compiles this size's programs
-            traced = []
-            for _ in range(steps):
+            # Compiles this size's programs; the first traced step compiles more of its own
+            # (bench_schedules warms up the same way), so neither is timed.
+            trainer.step(x, y)
+            trainer.step(x, y, trace=True)
+            traced = [trainer.step(x, y, trace=True)["events"] for _ in range(steps)]
+            # Steps are timed untraced, as they run in training (a traced step also counts
+            # the bytes a slice holds after every instruction, which costs time).
+            untraced = []
+            for _ in range(steps + 1):
                 begin = time.perf_counter()
-                out = trainer.step(x, y, trace=True)
-                traced.append((time.perf_counter() - begin, out["events"]))
-            durations = task_durations([events for _, events in traced])
+                trainer.step(x, y)
+                untraced.append(time.perf_counter() - begin)
+            durations = task_durations(traced)
             med = lambda kind, k: statistics.median(durations[kind, k]) if (kind, k) in durations else 0.0
             for k in range(U):
                 fwd[i, k], bin_[i, k], bw[i, k], upd[i, k] = (med(kind, k) for kind in (FORWARD, BACKWARD, WEIGHT, UPDATE))
-            gap = statistics.median(task_gaps([events for _, events in traced]) or [0.0])
-            gaps.append(gap)
-            # What the simulator with these costs and gaps leaves out of the measured step.
+            gap = statistics.median(task_gaps(traced) or [0.0])
+            # What the simulator with these costs and gaps leaves out of the measured step
+            # (sends, receives, deletes, dispatch) grows with the tasks a slice walks: charged
+            # per task, spread over the busiest slice's tasks.
             predicted = _profile_step_s(schedule, fwd[i], bin_[i], bw[i], upd[i], gap)
-            overheads.append(max(0.0, statistics.median(s for s, _ in traced) - predicted))
+            rest = max(0.0, statistics.median(untraced) - predicted)
+            gaps.append(gap + rest / max(len(tasks) for tasks in schedule.slices))
             log(f"profiled microbatch size {size}: F+B+W {1e3 * (fwd[i] + bin_[i] + bw[i]).sum():.1f} ms "
                 f"over {U} units ({time.perf_counter() - t0:.1f} s)")
     finally:
@@ -188,7 +203,7 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     latency, bandwidth = (0.0, float("inf")) if num_slices < 2 else measure_transfer(cluster, transfer_sizes)
     names = tuple(type(u).__name__ for u in units)
     return Profile(sizes, fwd, bin_, bw, upd, params, opt, resid, kept, bound, latency, bandwidth,
-                   statistics.median(gaps), statistics.median(overheads), names)
+                   statistics.median(gaps), 0.0, names)
 
 
 def _rows(batch, n: int):
