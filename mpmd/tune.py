@@ -101,10 +101,11 @@ def tune(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, m
     search_s = time.perf_counter() - t0
     log(f"searched {len(ranked)} ranked + {len(excluded)} over the memory cap in {search_s:.2f} s")
     if not ranked:
-        raise tune_search.NoCandidateFits(f"no candidate fits memory_gb={memory_gb:.3g}: the smallest predicted peak is "
-                         f"{min(max(c.peak_bytes) for c in excluded) / 2**30:.3f} GiB per slice")
-    confirmed = [run_candidate(c, units, loss_fn, optimizer, inputs, targets, cluster, confirm_steps, max_grad_norm, log)
-                 for c in ranked[:confirm]]
+        smallest = min(max(c.peak_bytes) for c in excluded) / 2**30
+        raise tune_search.NoCandidateFits(f"no candidate fits memory_gb={memory_gb:.3g}: the smallest "
+                                          f"predicted peak is {smallest:.3f} GiB per slice")
+    confirmed = [run_candidate(c, units, loss_fn, optimizer, inputs, targets, cluster, confirm_steps,
+                               max_grad_norm, log) for c in ranked[:confirm]]
     return TuneResult(ranked, excluded, confirmed, profile, search_s)
 
 
