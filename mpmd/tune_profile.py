@@ -22,11 +22,12 @@ task's duration is read from the trace (median over microbatches and steps), aft
 warm-up step (the first traced step compiles; a median of two steps, one of them compiling,
 once priced a block three times too high). The step itself is timed untraced, as training
 runs it (tracing counts every slice's bytes after each instruction, which costs time).
-The first unit's B runs no program
-(its input is data), so its W is its whole backward, as for any first stage. Bytes come
-from shapes (mpmd.stage_costs.memory). The transfer model is fit by least squares to the
-gaps between a forward on one slice and its consumer's forward on the next, in dry runs
-(mpmd/dryrun.py: zero-second programs, real transfers) of a few activation sizes.
+The first unit's B runs no program (its input is data), so its W is its whole backward, as
+for any first stage. Bytes come from shapes (mpmd.stage_costs.memory). With three or more
+sizes, each unit's times are replaced by a robust line in the size (`affine_in_size`). The
+transfer model is fit by least squares to the gaps between a forward on one slice and its
+consumer's forward on the next, in dry runs (mpmd/dryrun.py: zero-second programs, real
+transfers) of a few activation sizes.
 
 A Profile is plain arrays: tests build one from declared costs, without any compute.
 """
@@ -200,10 +201,27 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
                 f"over {U} units ({time.perf_counter() - t0:.1f} s)")
     finally:
         trainer.close(close_cluster=False)
+    fwd, bin_, bw, upd = (affine_in_size(sizes, t) for t in (fwd, bin_, bw, upd))
     latency, bandwidth = (0.0, float("inf")) if num_slices < 2 else measure_transfer(cluster, transfer_sizes)
     names = tuple(type(u).__name__ for u in units)
     return Profile(sizes, fwd, bin_, bw, upd, params, opt, resid, kept, bound, latency, bandwidth,
                    statistics.median(gaps), 0.0, names)
+
+
+def affine_in_size(sizes, seconds: np.ndarray) -> np.ndarray:
+    """`seconds` [size, unit] replaced by a + b * size per unit, with the robust Theil-Sen
+    line (b the median of the slopes between every two sizes, a the median intercept), when
+    at least three sizes were measured. A program's time is affine in its rows (the matmuls
+    grow with them; launching it and what depends on the parameters alone do not), and on a
+    shared machine one size's measurement can catch a burst of other load: the line through
+    the others sets it right. Negative values are clipped to 0."""
+    x = np.asarray(sizes, float)
+    if len(x) < 3:
+        return seconds
+    i, j = np.triu_indices(len(x), 1)
+    slope = np.median((seconds[j] - seconds[i]) / (x[j] - x[i])[:, None], axis=0)
+    intercept = np.median(seconds - x[:, None] * slope, axis=0)
+    return np.maximum(0.0, intercept + x[:, None] * slope)
 
 
 def _rows(batch, n: int):

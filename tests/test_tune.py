@@ -158,3 +158,14 @@ def test_tune_writes_a_config_that_trains(tmp_path):
     proc = mpmd_train(output, "train.steps=2", "train.eval_every=0", "train.sample_tokens=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in run_log.read(run_dir)] == [1, 2]
+
+
+def test_profiled_times_follow_a_robust_line_in_the_size():
+    from mpmd.tune_profile import affine_in_size
+    sizes = (2, 4, 8, 16)
+    seconds = np.array([[1.0, 0.0], [1.5, 1.0], [2.5, 3.0], [4.5, 7.0]])     # 0.5 + 0.25 x, and 0.5 x - 1
+    assert np.allclose(affine_in_size(sizes, seconds), seconds)
+    spiked = seconds.copy()
+    spiked[1] *= 3                                  # one size measured under a burst of other load
+    assert np.allclose(affine_in_size(sizes, spiked)[:, 0], [1.0, 1.5, 2.5, 4.5])
+    assert np.array_equal(affine_in_size(sizes[:2], spiked[:2]), spiked[:2])    # two sizes: as measured
