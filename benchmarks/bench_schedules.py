@@ -48,7 +48,6 @@ if "--baseline" not in sys.argv:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -151,25 +150,12 @@ def task_costs(schedule, traced_steps: list) -> tuple[list[dict], list[float]]:
     """(per-stage {"F", "B", "W"} seconds, per-slice update seconds) from traced steps: the
     median duration of each stage's programs of each kind. A full backward (no split) is
     priced as B with W = 0; the first stage's B of a split backward runs no program: 0."""
-    durations: dict = {}
-    for metrics in traced_steps:
-        for r, events in enumerate(metrics["events"]):
-            for e in events:
-                task = re.match(r"([FBWU]) s(\d+)\b", e.name)     # "F s3 mb1", "U s0" (lowering's labels)
-                if e.kind == "run" and task:
-                    durations.setdefault((task[1], int(task[2]), r), []).append((e.end_ns - e.start_ns) / 1e9)
+    from mpmd.tune_profile import task_durations
+    durations = task_durations(metrics["events"] for metrics in traced_steps)
     median = lambda key: statistics.median(durations[key]) if key in durations else 0.0
-    where = schedule.placement
-    costs = [{kind: median((kind, k, where[k])) for kind in ("F", "B", "W")} for k in range(schedule.num_stages)]
-    updates = [sum(median(("U", k, r)) for k in schedule.stages_on(r)) for r in range(schedule.num_slices)]
+    costs = [{kind: median((kind, k)) for kind in ("F", "B", "W")} for k in range(schedule.num_stages)]
+    updates = [sum(median(("U", k)) for k in schedule.stages_on(r)) for r in range(schedule.num_slices)]
     return costs, updates
-
-
-def simulated_step_s(schedule, costs, updates) -> float:
-    """The simulator's makespan with these costs, each slice's updates after its last task."""
-    from mpmd.simulate import simulate
-    sim = simulate(schedule, costs)
-    return max((row[-1][2] if row else 0.0) + u for row, u in zip(sim.spans, updates))
 
 
 def main(quick: bool) -> None:
@@ -179,6 +165,7 @@ def main(quick: bool) -> None:
 
     import models
     import mpmd
+    from mpmd.simulate import step_s
 
     num_warmup, num_rounds, num_steps = (1, 2, 1) if quick else (1, 5, 3)
     start = time.perf_counter()
@@ -218,7 +205,7 @@ def main(quick: bool) -> None:
         simulated = {}
         for schedule in found:
             costs, updates = task_costs(schedule, traced[schedule.name])
-            simulated[schedule.name] = (simulated_step_s(schedule, costs, updates), costs)
+            simulated[schedule.name] = (step_s(schedule, costs, updates), costs)
     finally:
         for trainer in trainers.values():
             trainer.close()

@@ -17,6 +17,7 @@ _WHERE = {
     "Trainer": "mpmd.trainer",
     "split": "mpmd.split",
     "stage_boundary": "mpmd.marks",
+    "tune": "mpmd.tune",
     "InProcessCluster": "runtime.inprocess",
     "LocalCluster": "runtime.local",
     "RayCluster": "runtime.ray_cluster",
@@ -25,7 +26,7 @@ _WHERE = {
     "WorkerLost": "runtime.cluster",
 }
 
-__all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
+__all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
            "Rewound", "WorkerLost"]
 
 

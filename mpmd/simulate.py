@@ -196,3 +196,11 @@ def simulate(schedule: Schedule, costs: Costs = None, comm_s: float = 0.0) -> Si
         per_slice, total = (0.0,) * p, 0.0
     peaks = _peak_live(tasks, schedule.split_backward)
     return Simulation(makespan, total, per_slice, peaks, Spans(run))
+
+
+def step_s(schedule: Schedule, costs: Costs, updates: Sequence[float], comm_s: float = 0.0) -> float:
+    """A training step's time: each slice's last task's end in the simulated timeline plus
+    that slice's optimizer updates (`updates[r]`, seconds; they run after its last backward),
+    the latest of them."""
+    sim = simulate(schedule, costs, comm_s)
+    return max((row[-1][2] if row else 0.0) + u for row, u in zip(sim.spans, updates))

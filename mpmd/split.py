@@ -16,7 +16,7 @@ from mpmd import leaf_paths, marks
 from mpmd.stage_costs import Stages, layer_costs
 
 
-def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
+def split(model, num_stages: int | None = None, sample_input=None, cuts=None) -> Stages:
     """Cut `model` into pipeline stages.
 
     num_stages=None: at the model's `mpmd.stage_boundary` marks (len(marks) + 1 stages of
@@ -26,6 +26,8 @@ def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
     first stage holds the first layer, the last stage the last).
     `sample_input` (one microbatch; defaults to `model.sample_input()` where the model has one)
     is what a marked model is traced with, and enables FLOP-based balancing of layers.
+    `cuts` (unmarked models): the layer indices where stages 1.. begin, instead of balancing
+    (what mpmd.tune chooses from measured costs); len(cuts) == num_stages - 1.
     """
     name = type(model).__name__
     if sample_input is None and callable(getattr(model, "sample_input", None)):
@@ -56,12 +58,19 @@ def split(model, num_stages: int | None = None, sample_input=None) -> Stages:
     if num_stages > len(layers):
         raise ValueError(f"cannot split {name} into {num_stages} stages: it has only "
                          f"{len(layers)} layers; allowed num_stages: 1..{len(layers)}")
-    costs, unit = layer_costs(layers, sample_input)
-    bounds = balanced_boundaries(costs, num_stages)
-    stages = Stages(nnx.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:]))
+    if cuts is not None:
+        if len(cuts) != num_stages - 1:
+            raise ValueError(f"cuts {list(cuts)!r} make {len(cuts) + 1} stages, but num_stages={num_stages}; "
+                             f"give num_stages - 1 = {num_stages - 1} cut points")
+        stages = cut(layers, cuts)
+        bounds = [0, *cuts, len(layers)]
+    else:
+        costs, unit = layer_costs(layers, sample_input)
+        bounds = balanced_boundaries(costs, num_stages)
+        stages = cut(layers, bounds[1:-1])
+        stages.costs = [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
+        stages.cost_unit = unit
     stages.param_paths = layer_param_paths(model, layers, bounds)
-    stages.costs = [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
-    stages.cost_unit = unit
     return stages
 
 
@@ -80,6 +89,21 @@ def layer_param_paths(model, layers, bounds) -> list[tuple[str, ...]]:
             paths.append(".".join(p for p in (prefix, leaf_paths.path_string(keypath[2:])) if p))
         out.append(tuple(paths))
     return out
+
+
+def cut(units, cuts) -> Stages:
+    """Consecutive runs of `units` (nnx.Modules: layers, or a user's own stages) as stages:
+    stage k is units[cuts[k-1]:cuts[k]], one nnx.Sequential. `.costs` counts units."""
+    units = list(units)
+    cuts = list(cuts)
+    if (not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
+            or cuts != sorted(set(cuts)) or (cuts and not 0 < cuts[0] <= cuts[-1] < len(units))):
+        raise ValueError(f"cuts must be increasing integers in 1..{len(units) - 1} (the unit where "
+                         f"each stage after the first begins; {len(units)} units), got {cuts!r}")
+    bounds = [0, *cuts, len(units)]
+    stages = Stages(nnx.Sequential(*units[a:b]) for a, b in zip(bounds, bounds[1:]))
+    stages.costs, stages.cost_unit = [float(b - a) for a, b in zip(bounds, bounds[1:])], "units"
+    return stages
 
 
 def balanced_boundaries(costs, num_stages: int) -> list[int]:

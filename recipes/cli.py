@@ -1,10 +1,11 @@
-"""The `mpmd` command: `mpmd train`, `mpmd worker`, `mpmd schedule`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd worker`, `mpmd schedule`. Logic lives in modules."""
 from __future__ import annotations
 
 import sys
 
 COMMANDS = {
     "train": ("recipes.train_cli", "train a model from a YAML config and key=value overrides"),
+    "tune": ("recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
     "schedule": ("mpmd.schedule_cli", "simulate a pipeline schedule and draw its timeline"),
     "worker": ("runtime.worker", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }

@@ -105,6 +105,11 @@ class PipelineConfig(_Section):
         1, gt=0, description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
                              "(their V, the default for them), else 1")
 
+    cuts: list[int] | None = Field(
+        None, description="the layer (or, for a custom model's list of stages, the stage) where each "
+                          "pipeline stage after the first begins, increasing; null = cut where the "
+                          "stages' estimated costs balance (`mpmd tune` writes measured ones)")
+
     @model_validator(mode="after")
     def _schedule_default(self):
         if "virtual_stages" not in self.model_fields_set:     # not given: the schedule's own
@@ -137,6 +142,22 @@ class ClusterConfig(_Section):
     step_timeout_s: float | None = Field(
         None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
                                 "null = max(60 s, 20 x the median recent step time)")
+
+
+class TuneConfig(_Section):
+    """What `mpmd tune` searches and how it confirms (recipes/tune_cli.py); `mpmd train`
+    ignores this section."""
+    memory_gb: float | None = Field(
+        None, gt=0, description="per-slice memory cap in GiB the predicted peak must fit; null = the "
+                                "device's memory (on CPU: this host's memory / workers)")
+    confirm: int = Field(3, ge=0, description="best predicted candidates run for real; 0 = none")
+    confirm_steps: int = Field(3, gt=0, description="timed steps per confirmed candidate (after one warm-up)")
+    microbatch_counts: list[typing.Annotated[int, Field(gt=0)]] | None = Field(
+        None, description="microbatch counts to consider, each dividing train.batch_size; null = every divisor")
+    schedule_names: list[Literal[tuple(schedules.SCHEDULES)]] | None = Field(
+        None, description="schedules to consider; null = all")
+    max_virtual_stages: int = Field(4, gt=0, description="most stages per slice interleaved-1f1b may take")
+    output: str = Field("tuned.yaml", description="where the winner's config is written")
 
 
 # mpmd.sharding.AXES, in its order; repeated because that module imports JAX, and a config is
@@ -208,6 +229,7 @@ class Config(_Section):
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
+    tune: TuneConfig = TuneConfig()
 
     @property
     def num_workers(self) -> int:
@@ -302,6 +324,19 @@ def _cross_field_problems(c: Config) -> list[str]:
     problem = _schedule_problem(p)
     if problem:
         out.append(problem)
+    if p.cuts is not None and (len(p.cuts) != p.num_stages - 1 or p.cuts != sorted(set(p.cuts))
+                               or (p.cuts and p.cuts[0] < 1)):
+        out.append(f"pipeline.cuts={p.cuts} must be {p.num_stages - 1} increasing layer indices >= 1 "
+                   f"(one per stage after the first, pipeline.num_stages={p.num_stages}), or null")
+    tb = c.tune
+    if tb.microbatch_counts is not None:
+        bad = [m for m in tb.microbatch_counts if t.batch_size % m]
+        if bad or not tb.microbatch_counts:
+            out.append(f"tune.microbatch_counts={tb.microbatch_counts} must be a non-empty list of divisors "
+                       f"of train.batch_size={t.batch_size} "
+                       f"({[m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0]}), or null")
+    if tb.schedule_names is not None and not tb.schedule_names:
+        out.append(f"tune.schedule_names must name at least one of {list(schedules.SCHEDULES)}, or be null (all)")
     num_slices = max(1, p.num_stages // p.virtual_stages)
     if m.kind in ("gpt", "llama"):
         if m.d_model % m.num_heads:
@@ -556,6 +591,11 @@ def load(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Confi
     Values are parsed as YAML: `train.steps=5`, `optimizer.max_grad_norm=null`,
     `log.trace_steps=[1,2]`, `log.tensorboard=false`, `optimizer.lr=1e-3`.
     """
+    return validate(values_of(path, overrides))
+
+
+def values_of(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> dict:
+    """The nested dict of overrides `load` validates: the YAML file's, then the key=values."""
     values = _read_yaml(path) if path is not None else {}
     for override in overrides:
         key, sep, text = override.partition("=")
@@ -569,7 +609,7 @@ def load(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Confi
             raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML "
                               f"(quote strings that contain ':' or brackets)") from None
         _set(values, key, value)
-    return validate(values)
+    return values
 
 
 def dump(config: Config, path: str | Path) -> Path:

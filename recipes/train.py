@@ -42,7 +42,7 @@ from recipes import console, data, run_log
 from mpmd import lowering, schedules, sharding
 from mpmd.checkpoints import CheckpointError  # noqa: F401  (raised through run())
 from mpmd.sharding import LayoutError
-from mpmd.split import balanced_boundaries
+from mpmd.split import balanced_boundaries, cut
 from mpmd.stage_costs import layer_costs
 from recipes.config import Config, ConfigError
 from runtime.checkpoint import CheckpointStore
@@ -98,33 +98,58 @@ def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple
     `abstract` (built-in kinds): shapes only (mpmd.abstract), each stage initialised on its slice.
 
     `sample_input` (one microbatch of inputs) lets mpmd.split balance stages by FLOPs rather
-    than by parameter count. A Llama with tied embeddings is cut at stage marks instead
-    (`_cut_tied`). A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
+    than by parameter count; pipeline.cuts, where given, says where to cut instead. A Llama
+    with tied embeddings is cut at stage marks (`_cut_tied`). A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
     returns `(stages, loss_fn)`, `(model, loss_fn)` or a bare model, where a model exposes
     `.layers()` and is split like the built-in ones; a bare model's loss is the data's
     natural one (next-token cross-entropy on tokens, mean squared error on regression).
     """
-    m, num_stages = cfg.model, cfg.pipeline.num_stages
-    if m.kind == "custom":
-        built = _custom_builder(m.module)(cfg)
-    else:
+    m, num_stages, cuts = cfg.model, cfg.pipeline.num_stages, cfg.pipeline.cuts
+    if m.kind == "llama" and m.tie_embeddings:
+        if cuts is not None:
+            raise ConfigError("pipeline.cuts cannot cut a llama with model.tie_embeddings=true (it is cut at "
+                              "stage marks placed by cost); set pipeline.cuts=null")
         built = mpmd.abstract(model_factory(cfg)) if abstract else model_factory(cfg)()
-        if m.kind == "llama" and m.tie_embeddings:
-            return _cut_tied(built, num_stages, sample_input), models.lm_loss
-    loss_fn = None
-    if isinstance(built, tuple) and len(built) == 2 and callable(built[1]):
-        built, loss_fn = built
-    if loss_fn is None:
-        loss_fn = models.mse_loss if m.kind == "mlp" else models.lm_loss
+        return _cut_tied(built, num_stages, sample_input), models.lm_loss
+    built, loss_fn = _built(cfg, abstract)
     if callable(getattr(built, "layers", None)):
-        with _config_problem(f"pipeline.num_stages={num_stages}"):
-            return mpmd.split(built, num_stages, sample_input), loss_fn   # Stages: leaves named by model path
+        with _config_problem(f"pipeline.num_stages={num_stages}" if cuts is None else f"pipeline.cuts={cuts}"):
+            return mpmd.split(built, num_stages, sample_input, cuts=cuts), loss_fn   # Stages: leaves named by model path
     stages = built if isinstance(built, list) else list(built)   # mpmd.split's Stages keep their paths
+    if cuts is not None:      # a run of the builder's stages per pipeline stage
+        with _config_problem(f"pipeline.cuts={cuts}"):
+            return cut(stages, cuts), loss_fn
     if len(stages) != num_stages:
         raise ConfigError(f"model.module={m.module!r} returned {len(stages)} stages but "
                           f"pipeline.num_stages={num_stages}; set pipeline.num_stages="
                           f"{len(stages)} or return a model with .layers() to be split")
     return stages, loss_fn
+
+
+def model_units(cfg: Config) -> tuple[list, Callable]:
+    """(units, loss_fn): the pieces `mpmd tune` cuts stages from: the model's layers(), or a
+    custom builder's own list of stages."""
+    m = cfg.model
+    if m.kind == "llama" and m.tie_embeddings:
+        raise ConfigError("mpmd tune cannot cut a llama with model.tie_embeddings=true (its stages are "
+                          "cut at marks); tune with model.tie_embeddings=false")
+    built, loss_fn = _built(cfg, abstract=False)
+    return (list(built.layers()) if callable(getattr(built, "layers", None)) else list(built)), loss_fn
+
+
+def _built(cfg: Config, abstract: bool):
+    """(model or list of stages, loss_fn) as model.kind (or the custom builder) gives them."""
+    m = cfg.model
+    if m.kind == "custom":
+        built = _custom_builder(m.module)(cfg)
+    else:
+        built = mpmd.abstract(model_factory(cfg)) if abstract else model_factory(cfg)()
+    loss_fn = None
+    if isinstance(built, tuple) and len(built) == 2 and callable(built[1]):
+        built, loss_fn = built
+    if loss_fn is None:
+        loss_fn = models.mse_loss if m.kind == "mlp" else models.lm_loss
+    return built, loss_fn
 
 
 def _custom_builder(spec: str):

@@ -30,10 +30,15 @@ def wait_gone(pids, timeout_s=10.0) -> list[int]:
 
 def mpmd_train(*args, timeout=120):
     """`python -m recipes.cli train ARGS` on the CPU with 4 host devices; the CompletedProcess."""
+    return mpmd_command("train", *args, timeout=timeout)
+
+
+def mpmd_command(command: str, *args, timeout=120):
+    """`python -m recipes.cli COMMAND ARGS` on the CPU with 4 host devices; the CompletedProcess."""
     env = dict(os.environ)  # carries conftest's JAX compilation cache settings
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "recipes.cli", "train", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "recipes.cli", command, *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -32,7 +32,7 @@ def test_schedule_command_does_not_import_jax(tmp_path):
 
 @pytest.mark.parametrize("name, module", [
     ("abstract", "mpmd.lazy"), ("Pipeline", "mpmd.pipeline"), ("Trainer", "mpmd.trainer"),
-    ("split", "mpmd.split"), ("stage_boundary", "mpmd.marks"), ("Rewound", "mpmd.checkpoints"),
+    ("split", "mpmd.split"), ("stage_boundary", "mpmd.marks"), ("tune", "mpmd.tune"), ("Rewound", "mpmd.checkpoints"),
     ("InProcessCluster", "runtime.inprocess"), ("LocalCluster", "runtime.local"),
     ("RayCluster", "runtime.ray_cluster"), ("StaticCluster", "runtime.client"), ("WorkerLost", "runtime.cluster")])
 def test_public_names_resolve_lazily(name, module):
@@ -42,7 +42,7 @@ def test_public_names_resolve_lazily(name, module):
 
 
 def test_public_names_are_exactly_all():
-    assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "split", "stage_boundary",
+    assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "tune",
                                            "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
                                            "Rewound", "WorkerLost"])
 
