@@ -190,6 +190,17 @@ class Cluster(Protocol):
         the old one had and every slice's transfers reconnected. Buffers are NOT restored:
         the caller restores state from a checkpoint. ReplaceUnsupported if impossible."""
 
+    def remove(self, slice_index: int, meshes: Sequence | None = None) -> None:
+        """Go on without lost slice `slice_index` (no replacement for it): slices after it
+        move down one index, and every remaining slice starts afresh, as after `start`, with
+        `meshes` (one per remaining slice; None: as before): no programs, plans or buffers,
+        the caller re-ships and restores. The workers of the survivors stay the same."""
+
+    def add(self, meshes: Sequence | None = None) -> None:
+        """Undo a `remove` once capacity is back: a new worker becomes the last slice, and
+        every slice starts afresh as after `start` (`meshes` one per slice). ReplaceUnsupported
+        (nothing changed) if no worker can be had now, or nothing was removed."""
+
     def close(self) -> None:
         """Stop the workers this cluster started (or shut down/reset those it attached to)."""
 
