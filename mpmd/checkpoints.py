@@ -88,6 +88,17 @@ class StageCheckpoints:
         self.failed_saves = 0                        # failed saves in a row
         self._failure: tuple[int, str] | None = None  # (step, why) of a failed save not yet retried
 
+    def relayout(self, placement: tuple[int, ...], layouts: dict) -> None:
+        """The stages moved (a run on fewer or more slices, same stages): from now on slice
+        placement[k] saves and restores stage k, laid out as `layouts` says. Each stage's
+        bundle stays in its own directory, so any committed step restores onto the new
+        placement; `partition` (what a restored run must match) stays the configured
+        layout's. Call with no save in flight (wait()); the thread pools keep the size they
+        were made with (the configured slices: a run never grows past them)."""
+        assert not self._in_flight, "relayout with a save in flight"
+        self.placement, self.num_slices = tuple(placement), max(placement) + 1
+        self.layouts = dict(layouts)
+
     def _items(self, step: int, slice_index: int) -> dict[str, list[str]]:
         d = self.store.step_dir(step)
         return {str(d / names.stage_dir(k)): [names.params(k), names.opt_state(k)]
@@ -166,7 +177,10 @@ class StageCheckpoints:
             self._wait_all(started)
             self._failed(step, failed[0])
             return
-        manifest = {"partition": self.partition, "data_state": data_state, **extra}
+        # "placement": which slice saved each stage (informational: a run on fewer slices
+        # saves the same per-stage bundles, and any placement restores them).
+        manifest = {"partition": self.partition, "data_state": data_state, "placement": list(self.placement),
+                    **extra}
         self.last_save_s = {"snapshot_s": time.perf_counter() - t0}
         with self._cond:
             self._in_flight.append((step, started, manifest, time.perf_counter()))
