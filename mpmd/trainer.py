@@ -476,18 +476,22 @@ class Trainer:
                 "slowdown": elastic.predicted_slowdown(chosen, self.configured[0], costs)}
 
     def _grow_back(self, data_state) -> None:
-        """At a checkpoint boundary of a run on fewer slices than configured: once that
-        checkpoint is committed and a worker can be had again, move back to the configured
-        layout and restore the checkpoint (no step is lost). Nothing happens when no worker
-        comes (ReplaceUnsupported: tried again at the next boundary)."""
+        """At a checkpoint boundary of a run on fewer slices than configured: if a worker can
+        be had again, let that checkpoint commit, move back to the configured layout and
+        restore it (no step is lost). Nothing happens when no worker comes (ReplaceUnsupported)
+        or the checkpoint did not commit: tried again at the next boundary. The commit is
+        waited for only once a worker is at hand, so a run without capacity never waits."""
         assert not self._pending, "a checkpoint step is never run ahead of"
-        self.checkpoints.wait()
-        if self.checkpoints.latest() != self._step:       # not committed: grow at the next one
-            return
         t0 = time.perf_counter()
         schedule, meshes = self.configured
+
+        def committed():     # before any slice is reset: their saves in flight must land
+            self.checkpoints.wait()
+            if self.checkpoints.latest() != self._step:
+                raise ReplaceUnsupported(f"the checkpoint of step {self._step} did not commit; "
+                                         f"growing back at the next one")
         try:
-            self._relayout(schedule, meshes, self.cluster.add)
+            self._relayout(schedule, meshes, lambda ms: self.cluster.add(ms, before_reset=committed))
             step, manifest = self.checkpoints.restore_latest()
         except ReplaceUnsupported as e:
             log.info("still on %d slice(s): %s", self.num_slices, e)

@@ -213,7 +213,7 @@ class ControlPlane:
         self._in_flight = InFlight()
         self._set_up_all()
 
-    def add(self, meshes=None) -> None:
+    def add(self, meshes=None, before_reset=None) -> None:
         """A new worker as the last slice, in a slot a lost worker left (the launcher's
         `replace` of that slot), then every slice starts afresh (see Cluster.add).
         ReplaceUnsupported when the launcher has none; then nothing changed."""
@@ -223,9 +223,14 @@ class ControlPlane:
         c = self._client(self._new_worker(slot))
         try:
             c.wait_ready(self._connect_timeout_s)
+            if before_reset is not None:
+                before_reset()
         except WorkerError as e:
             c.close()
             raise ReplaceUnsupported(f"the new worker for slot {slot} did not answer: {e}") from None
+        except BaseException:
+            c.close()
+            raise
         self._free_slots.pop(0)
         self.clients.append(c)
         self._slots.append(slot)

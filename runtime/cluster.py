@@ -26,7 +26,7 @@ StaticCluster whose spares ran out).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -196,10 +196,13 @@ class Cluster(Protocol):
         `meshes` (one per remaining slice; None: as before): no programs, plans or buffers,
         the caller re-ships and restores. The workers of the survivors stay the same."""
 
-    def add(self, meshes: Sequence | None = None) -> None:
+    def add(self, meshes: Sequence | None = None, before_reset: Callable[[], None] | None = None) -> None:
         """Undo a `remove` once capacity is back: a new worker becomes the last slice, and
         every slice starts afresh as after `start` (`meshes` one per slice). ReplaceUnsupported
-        (nothing changed) if no worker can be had now, or nothing was removed."""
+        (nothing changed) if no worker can be had now, or nothing was removed.
+        `before_reset` is called once the new worker answers and before any slice is reset
+        (the Trainer lets its saves in flight commit there); what it raises propagates, and
+        the new worker is left out (its slot stays free)."""
 
     def close(self) -> None:
         """Stop the workers this cluster started (or shut down/reset those it attached to)."""

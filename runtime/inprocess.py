@@ -171,9 +171,11 @@ class InProcessCluster:
         self._resize(len(self.executors) - 1, meshes)
         self._removed += 1
 
-    def add(self, meshes=None) -> None:
+    def add(self, meshes=None, before_reset=None) -> None:
         if not self._removed:
             raise ReplaceUnsupported("no slice of this InProcessCluster was removed: there is none to add back")
+        if before_reset is not None:
+            before_reset()
         self._resize(len(self.executors) + 1, meshes)
         self._removed -= 1
 
