@@ -126,7 +126,10 @@ class Trainer:
         self.layout_changes: list[dict] = []      # one record per move, oldest first
         self._estimates = None                    # (stage costs, per-stage bytes) for elastic
         self._train_specs = None                  # a training microbatch's (input, target) specs
-        self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered)
+        self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered), shipped to the slices
+        # (schedule, placement, meshes, microbatch shapes) -> Lowered: a layout moved back to (a grow back, the
+        # same shrink again) ships its programs again without lowering and exporting them anew.
+        self._lowerings: dict = {}
         self._lowered = None
         self._step = 0
         self._runs = 0      # every cluster run gets a fresh id: transfer keys must never repeat
@@ -239,8 +242,12 @@ class Trainer:
             suffix, self._lowered = self._compiled[key]
             return suffix
         suffix = names.variant(len(self._compiled))
-        low = lowering.lower(self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec,
-                             self.layout, self.recv_window)
+        layout_key = (self.schedule.name, self.placement, tuple(self.layout.meshes), key)
+        low = self._lowerings.get(layout_key)
+        if low is None:
+            low = self._lowerings[layout_key] = lowering.lower(
+                self.pipeline, self.schedule, self.optimizer, self.max_grad_norm, in_spec, tgt_spec, self.layout,
+                self.recv_window)
         rename = lambda stream: [i._replace(program=i.program + suffix) if isinstance(i, Run) else i for i in stream]
         for r in range(low.num_slices):
             self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
