@@ -156,6 +156,7 @@ class Trainer:
         self._replay_until = 0          # steps up to this one are replays of lost work
         self._narrow_s = 0.0            # time run on fewer slices than configured, finished spans
         self._narrow_since: float | None = None
+        self._grown = False             # the next step is the first after a grow back
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
         self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
@@ -298,7 +299,11 @@ class Trainer:
         if self._pending and (self._saves_after(self._pending[-1].number) or self._retry_due()):
             self._collect_all()
         number = self._step + len(self._pending) + 1
-        launched = self._launch("train", inputs, targets, trace)
+        try:
+            launched = self._launch("train", inputs, targets, trace)
+        except WorkerLost as e:      # shipping programs (the first step of a layout) found a slice gone
+            self._discard_pending()
+            self._recover(e, time.perf_counter())
         snapshot = None
         if self.memory is not None and self.memory.due(number):
             # Sent right behind its step, so every slice snapshots the state after it before
@@ -344,6 +349,9 @@ class Trainer:
         self._step += 1
         if self._step <= self._replay_until:
             self._lost["replayed_s"] += self._last_step_s
+        elif self._grown:     # it compiled the programs on every slice: part of the move
+            self._lost["relayout_s"] += self._last_step_s
+        self._grown = False
         metrics = self._metrics(results, pending.trace)
         # A retry is a save of the state at hand: only once no later step is in flight.
         retry = not self._pending and self._retry_due()
@@ -513,6 +521,7 @@ class Trainer:
         if self.memory is not None:
             self.memory.snapshot(step, data_state)
         self._lost["relayout_s"] += time.perf_counter() - t0
+        self._grown = True
         self._layout_event("capacity back", 1.0)
 
     def _relayout(self, schedule: schedules.Schedule, meshes, resize) -> None:
@@ -567,7 +576,9 @@ class Trainer:
         """Time lost to failures and run at reduced width, so far, in seconds: "failures";
         "aborted_s" (the failed attempts, from their start until the loss was declared:
         detection included); "replace_s" (getting replacements, or waiting for one in vain);
-        "relayout_s" (choosing and setting up a layout on fewer or more slices); "restore_s";
+        "relayout_s" (choosing and setting up a layout on fewer or more slices, and after a
+        grow back the first step, which compiles the programs on every slice: one step's
+        useful work is counted in it); "restore_s";
         "replayed_s" and "replayed_steps" (recomputing the steps the restore rewound);
         "lost_s" (their sum); "reduced_width_s" (time on fewer slices than configured);
         "layout_changes"."""
@@ -641,9 +652,10 @@ class Trainer:
     def _run(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
         """Run a plan that is not a training step, after every step in flight."""
         self._collect_all()
-        launched = self._launch(plan, inputs, targets, trace, feed_targets)
         t0 = time.perf_counter()
         try:
+            launched = self._launch(plan, inputs, targets, trace, feed_targets)
+            t0 = time.perf_counter()
             results = launched.result()
         except WorkerLost as e:
             self._recover(e, t0)
