@@ -103,6 +103,15 @@ def med(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def workers_log_to(tmp: str, name: str) -> Path:
+    """Send this process's stderr (fd 2, which the workers inherit: Orbax's INFO lines) to
+    <name>_<pid>.log beside the directory `tmp`, so they do not bury the tables; its path."""
+    path = Path(tmp).parent / f"{name}_{os.getpid()}.log"
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 2)
+    return path
+
+
 # -- a. recovery -----------------------------------------------------------------------------
 def timed_cluster(**kw):
     """A LocalCluster whose replace() records how long its parts took (in .parts)."""
@@ -286,12 +295,10 @@ def main() -> None:
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:
-        log_path = Path(tmp).parent / f"bench_recovery_{os.getpid()}.log"
         print(f"bench_recovery{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
               f"load average at start {os.getloadavg()[0]:.2f}; compilation cache "
-              f"of workers {default_compilation_cache() or 'off'}; worker logs: {log_path}", flush=True)
-        log = open(log_path, "w")
-        os.dup2(log.fileno(), 2)      # workers inherit fd 2
+              f"of workers {default_compilation_cache() or 'off'}; worker logs: "
+              f"{workers_log_to(tmp, 'bench_recovery')}", flush=True)
         print(f"model: {args.model} {GPT}, batch {BATCH}", flush=True)
         if args.only in (None, "recovery"):
             recovery(Path(tmp) / "recovery", n["rounds"])

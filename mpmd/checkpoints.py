@@ -137,6 +137,17 @@ class StageCheckpoints:
                        "part": names.slice_dir(self.placement[k])}
                 for name, (_, _, k) in sorted(self._owner.items())}
 
+    def relayout(self, placement: tuple[int, ...], layouts: dict, layout: dict) -> None:
+        """The stages moved (a run on fewer or more slices, same stages): from now on slice
+        placement[k] saves stage k's leaves and restores what its stages need, laid out as
+        `layouts` says; `layout` is recorded in the manifests from now on. Leaves are keyed by
+        path, so any committed step restores onto the new placement; `partition` (the math)
+        stays. Call with no save in flight (wait()); the thread pools keep the size they were
+        made with (the configured slices: a run never grows past them)."""
+        assert not self._in_flight, "relayout with a save in flight"
+        self.placement, self.num_slices = tuple(placement), max(placement) + 1
+        self.layouts, self.layout = dict(layouts), dict(layout)
+
     def save(self, step: int, data_state, extra: dict, wait: bool = False) -> None:
         """Snapshot every stage at `step` (all slices at once) and return; the slices write in
         the background and the step is committed once all of them finalized. At most

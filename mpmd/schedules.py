@@ -244,15 +244,38 @@ def _check_placement(name: str, num_stages: int, placement) -> tuple[int, ...]:
     return placement
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int, placement=None) -> Schedule:
     """Non-interleaved 1F1B (PipeDream-flush).
 
     Slice r runs p-1-r warm-up forwards, then alternates F and B, then drains the remaining
     backwards. At most p-r microbatches are alive on slice r (p on slice 0), and the bubble
     is the same as GPipe's: (p-1)/(m+p-1).
+
+    `placement` (default one stage per slice) may give each slice a contiguous block of
+    stages, blocks in slice order (e.g. (0, 1, 1, 2): 4 stages on 3 slices, as a shrunk
+    cluster runs them). The slice then runs its block like the one-stage slices it stands
+    for, in whole microbatches: a microbatch's forwards ascend the block, its backwards
+    descend it, and slice r warms up with p-1-r microbatches' forwards. This is 1F1B over
+    the blocks taken as stages, so it is deadlock-free for the same reason; slice r holds
+    at most (p-r) x (its block's size) stage activations.
     """
-    _check_counts("1f1b", num_stages, num_microbatches, 1, needs_full_pipeline=True)
-    return _per_rank("1f1b", num_stages, num_microbatches, lambda r, p: p - 1 - r)
+    if placement is None:
+        _check_counts("1f1b", num_stages, num_microbatches, 1, needs_full_pipeline=True)
+        return _per_rank("1f1b", num_stages, num_microbatches, lambda r, p: p - 1 - r)
+    _check_counts("1f1b", num_stages, num_microbatches, 1, needs_full_pipeline=False)
+    placement = _check_placement("1f1b", num_stages, placement)
+    if list(placement) != sorted(placement):
+        raise ValueError(f"schedule '1f1b' needs a placement of contiguous blocks in slice order "
+                         f"(non-decreasing, e.g. (0, 1, 1, 2)), got {placement!r}")
+    m, p, codes = num_microbatches, max(placement) + 1, []
+    for r in range(p):
+        mine = [k for k in range(num_stages) if placement[k] == r]
+        forwards, backwards = _slots(mine, _F), _slots(mine[::-1], _B)
+        warmup = min(p - 1 - r, m)
+        steady = [forwards, backwards] * (m - warmup) + [backwards] * warmup
+        codes.append(np.concatenate([forwards] * warmup + steady))
+    most = max(placement.count(r) for r in range(len(codes)))
+    return _build("1f1b", num_stages, m, most, False, placement, codes)
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:

@@ -142,6 +142,19 @@ class ClusterConfig(_Section):
     step_timeout_s: float | None = Field(
         None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
                                 "null = max(60 s, 20 x the median recent step time)")
+    on_loss: Literal["replace", "shrink", "auto"] = Field(
+        "auto", description="a lost worker: replace = a new one or stop; shrink = go on with the same stages "
+                            "on the survivors, back to all slices at a checkpoint once workers can start "
+                            "again; auto = replace if one comes within replace_timeout_s, else shrink")
+    replace_timeout_s: float = Field(
+        60.0, ge=0, allow_inf_nan=False,
+        description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
+    max_workers: int | None = Field(
+        None, gt=0, description="local: the most worker processes started over the run, replacements "
+                                "included; null = no limit (a lost worker is always replaced)")
+    slice_memory_bytes: int | None = Field(
+        None, gt=0, description="bytes a layout on fewer slices may hold on one slice (parameters, "
+                                "gradients, optimizer state, saved activations); null = not checked")
 
 
 class TuneConfig(_Section):
@@ -423,6 +436,13 @@ def _cross_field_problems(c: Config) -> list[str]:
     for name, amount in cl.resources.items():
         if amount < 0:
             out.append(f"cluster.resources.{name}={amount:g} must be >= 0")
+    if cl.max_workers is not None:
+        if cl.backend != "local":
+            out.append(f"cluster.max_workers is only used by cluster.backend='local', got backend '{cl.backend}'"
+                       + ("; a static cluster's replacements are cluster.spares" if cl.backend == "static" else ""))
+        elif cl.max_workers < num_slices:
+            out.append(f"cluster.max_workers={cl.max_workers} must be at least the {num_slices} worker(s) the "
+                       f"slices need (or null)")
     if cl.backend == "inprocess" and cl.failure_timeout_s is not None:
         out.append("cluster.failure_timeout_s is not used by cluster.backend='inprocess' (its slices are "
                    "threads of this process, never lost): set it to null")

@@ -209,6 +209,7 @@ def build_cluster(cfg: Config):
                   threads_per_worker=c.threads_per_worker, **timeouts)
         if c.backend == "ray":
             return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None)
+        kw["max_workers"] = c.max_workers
         # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log; their records at
         # the console level come back one line each (recipes/console.py).
         return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"),
@@ -340,7 +341,9 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
                                keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
                                max_failed_saves=cfg.checkpoint.max_failed_saves,
                                checkpoint_metadata=metadata, run_ahead=cfg.train.run_ahead,
-                               mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None)
+                               mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None,
+                               on_loss=cfg.cluster.on_loss, replace_timeout_s=cfg.cluster.replace_timeout_s,
+                               slice_memory_bytes=cfg.cluster.slice_memory_bytes)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
@@ -386,6 +389,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     # sent beyond the oldest (Trainer.submit), so a slice starts the next step as soon as it
     # is done with the current one; a step's metrics are logged only once it is collected.
     pending: collections.deque = collections.deque()
+    logged_changes = 0     # trainer.layout_changes already in a metrics record
     try:
         step = done = start_step      # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
@@ -427,6 +431,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 record["bubble"] = run_log.measured_bubble(out["events"])
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
+            record.update(_elastic_record(trainer, logged_changes))
+            logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
             metrics_log.write(done, record)
             if board is not None:
@@ -451,10 +457,34 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             board.close()
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
-               "steps": len(losses), "run_dir": str(run_dir)}
+               "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput()}
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
           f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}")
+    print(goodput_line(summary["goodput"]))
     return summary
+
+
+def _elastic_record(trainer: mpmd.Trainer, logged_changes: int) -> dict:
+    """What a step's metrics record says about failures: the layout changes since the last
+    record ("layout_changes") and, once anything was lost, the run's goodput so far
+    ("goodput", cumulative: the last record has the totals)."""
+    out = {}
+    if len(trainer.layout_changes) > logged_changes:
+        out["layout_changes"] = trainer.layout_changes[logged_changes:]
+    goodput = trainer.goodput()
+    if goodput["failures"] or goodput["layout_changes"]:
+        out["goodput"] = goodput
+    return out
+
+
+def goodput_line(g: dict) -> str:
+    """The summary's line on time lost to failures and run at reduced width."""
+    if not g["failures"] and not g["layout_changes"]:
+        return "goodput: no worker lost"
+    return (f"goodput: {g['failures']} worker(s) lost, {g['lost_s']:.1f} s lost (aborted steps and detection "
+            f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
+            f"restore {g['restore_s']:.1f} s, {g['replayed_steps']} replayed step(s) {g['replayed_s']:.1f} s); "
+            f"{g['reduced_width_s']:.1f} s on fewer slices, {g['layout_changes']} layout change(s)")
 
 
 def _seek(loader: data.Loader, data_state) -> None:

@@ -145,6 +145,8 @@ class ControlPlane:
         self._transfer_host = transfer_host
         self.rpc_counts: collections.Counter = collections.Counter()
         self.clients: list[WorkerClient] = []      # one per slice
+        self._slots: list[int] = []                # per slice: the launcher's slot its worker is in
+        self._free_slots: list[int] = []           # slots whose worker was lost and left out (remove)
         self._others: list[WorkerClient] = []      # idle workers: heartbeats keep their lease
         self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
         self._transfer: dict[str, str] = {}
@@ -180,19 +182,62 @@ class ControlPlane:
         self._in_flight = InFlight()
         self.clients = [self._client(a) for a in addresses[:num_slices]]
         self._others = [self._client(a) for a in addresses[num_slices:]]
-        self._shipped = [{"programs": {}, "plans": {}} for _ in range(num_slices)]
+        self._slots, self._free_slots = list(range(num_slices)), []
         self._pool = ThreadPoolExecutor(max(2 * num_slices, 2), thread_name_prefix="mpmd-ctl")
         try:
             list(self._pool.map(lambda c: c.wait_ready(self._connect_timeout_s), self.clients))
-            self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
-            for c in self.clients:
-                c.call("Connect", {"peers": self._transfer})
+            self._set_up_all()
         except BaseException:
             self.close()
             raise
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="mpmd-heartbeat")
         self._heartbeat.start()
+
+    def _set_up_all(self) -> None:
+        """Give every slice a fresh executor and transfer server under its index and connect
+        them all: nothing shipped or stored before survives."""
+        self._shipped = [{"programs": {}, "plans": {}} for _ in self.clients]
+        self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
+        for i in range(len(self.clients)):
+            self._call(i, "Connect", {"peers": self._transfer})
+
+    def remove(self, slice_index: int, meshes=None) -> None:
+        """Leave lost slice `slice_index` out: the slices after it move down one index, and
+        every remaining slice starts afresh (see Cluster.remove). Its launcher slot is kept
+        free for `add`. WorkerLost if another slice is found gone meanwhile."""
+        self.clients.pop(slice_index).close()
+        self._free_slots.append(self._slots.pop(slice_index))
+        if meshes is not None:
+            self._meshes = [dict(zip(mesh.AXES, mesh.shape_of(m))) for m in meshes]
+        self._in_flight = InFlight()
+        self._set_up_all()
+
+    def add(self, meshes=None, before_reset=None) -> None:
+        """A new worker as the last slice, in a slot a lost worker left (the launcher's
+        `replace` of that slot), then every slice starts afresh (see Cluster.add).
+        ReplaceUnsupported when the launcher has none; then nothing changed."""
+        if not self._free_slots:
+            raise ReplaceUnsupported(f"every slot of this cluster already serves a slice ({len(self.clients)})")
+        slot = self._free_slots[0]
+        c = self._client(self._new_worker(slot))
+        try:
+            c.wait_ready(self._connect_timeout_s)
+            if before_reset is not None:
+                before_reset()
+        except WorkerError as e:
+            c.close()
+            raise ReplaceUnsupported(f"the new worker for slot {slot} did not answer: {e}") from None
+        except BaseException:
+            c.close()
+            raise
+        self._free_slots.pop(0)
+        self.clients.append(c)
+        self._slots.append(slot)
+        if meshes is not None:
+            self._meshes = [dict(zip(mesh.AXES, mesh.shape_of(m))) for m in meshes]
+        self._in_flight = InFlight()
+        self._set_up_all()
 
     def _client(self, address: str) -> WorkerClient:
         return WorkerClient(address, self._token, self.rpc_counts)
@@ -243,9 +288,8 @@ class ControlPlane:
         """Put a new worker in place of a lost slice and bring it to where the slice was:
         same programs and plans; every slice's transfers reconnected. State is not restored.
         WorkerLost if another slice is found gone meanwhile (the new worker is in place)."""
-        old = self.clients[slice_index]
-        old.close()
-        address = self._new_worker(slice_index)
+        address = self._new_worker(self._slots[slice_index])   # ReplaceUnsupported: nothing changed
+        self.clients[slice_index].close()
         c = self._client(address)
         c.wait_ready(self._connect_timeout_s)
         self.clients[slice_index] = c
@@ -266,9 +310,9 @@ class ControlPlane:
         if gone:
             raise gone[0]
 
-    def _new_worker(self, slice_index: int) -> str:
-        """The launcher's worker for `slice_index`; an idle spare it hands over stops being idle."""
-        address = self.launcher.replace(slice_index)
+    def _new_worker(self, slot: int) -> str:
+        """The launcher's new worker for `slot`; an idle spare it hands over stops being idle."""
+        address = self.launcher.replace(slot)
         self._others = [o for o in self._others if o.address != address]
         return address
 

@@ -26,7 +26,7 @@ StaticCluster whose spares ran out).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -194,6 +194,20 @@ class Cluster(Protocol):
         """Put a new worker in place of lost slice `slice_index`, with the programs and plans
         the old one had and every slice's transfers reconnected. Buffers are NOT restored:
         the caller restores state from a checkpoint. ReplaceUnsupported if impossible."""
+
+    def remove(self, slice_index: int, meshes: Sequence | None = None) -> None:
+        """Go on without lost slice `slice_index` (no replacement for it): slices after it
+        move down one index, and every remaining slice starts afresh, as after `start`, with
+        `meshes` (one per remaining slice; None: as before): no programs, plans or buffers,
+        the caller re-ships and restores. The workers of the survivors stay the same."""
+
+    def add(self, meshes: Sequence | None = None, before_reset: Callable[[], None] | None = None) -> None:
+        """Undo a `remove` once capacity is back: a new worker becomes the last slice, and
+        every slice starts afresh as after `start` (`meshes` one per slice). ReplaceUnsupported
+        (nothing changed) if no worker can be had now, or nothing was removed.
+        `before_reset` is called once the new worker answers and before any slice is reset
+        (the Trainer lets its saves in flight commit there); what it raises propagates, and
+        the new worker is left out (its slot stays free)."""
 
     def close(self) -> None:
         """Stop the workers this cluster started (or shut down/reset those it attached to)."""

@@ -91,6 +91,7 @@ class InProcessCluster:
         self._pool: ThreadPoolExecutor | None = None
         self._hub = _Hub()
         self._in_flight = InFlight()
+        self._removed = 0       # slices removed and not added back
 
     @property
     def num_slices(self) -> int:
@@ -100,7 +101,8 @@ class InProcessCluster:
         # root is not enforced: in-process slices are this process, with its own rights.
         if self.executors:
             raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
-        bound = meshes_for(list(meshes) if meshes is not None else [(1, 1, 1)] * num_slices, self._devices)
+        self._shapes = list(meshes) if meshes is not None else [(1, 1, 1)] * num_slices
+        bound = meshes_for(self._shapes, self._devices)
         self.executors = [Executor(i, m, MemoryTransport(self._hub, m)) for i, m in enumerate(bound)]
         self._pool = ThreadPoolExecutor(2 * num_slices, thread_name_prefix="mpmd-slice")
 
@@ -162,6 +164,25 @@ class InProcessCluster:
         raise ReplaceUnsupported(f"slice {slice_index} runs inside this process (InProcessCluster); "
                                  f"an in-process slice cannot be replaced: use LocalCluster, "
                                  f"StaticCluster or RayCluster for recovery from lost workers")
+
+    def remove(self, slice_index: int, meshes=None) -> None:
+        """Every remaining slice gets a fresh executor (see Cluster.remove). In-process slices
+        are never lost, so only a caller that asks for fewer slices gets here."""
+        self._resize(len(self.executors) - 1, meshes)
+        self._removed += 1
+
+    def add(self, meshes=None, before_reset=None) -> None:
+        if not self._removed:
+            raise ReplaceUnsupported("no slice of this InProcessCluster was removed: there is none to add back")
+        if before_reset is not None:
+            before_reset()
+        self._resize(len(self.executors) + 1, meshes)
+        self._removed -= 1
+
+    def _resize(self, num_slices: int, meshes) -> None:
+        meshes = list(meshes) if meshes is not None else [self._shapes[0]] * num_slices
+        self.close()
+        self.start(num_slices, meshes=meshes)
 
     def close(self) -> None:
         if self._pool is not None:

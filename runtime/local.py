@@ -31,6 +31,7 @@ import threading
 import time
 
 from runtime.client import ControlPlane, new_token
+from runtime.cluster import ReplaceUnsupported
 from runtime.worker import LOG_LEVELS, READY, RELAY, cores_for
 
 START_TIMEOUT_S = 60.0
@@ -46,6 +47,15 @@ def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> No
                          f"got {devices_per_worker!r}")
     if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
         raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
+
+
+def check_max_workers(max_workers):
+    """max_workers: None (no limit) or a positive integer."""
+    if max_workers is not None and (not isinstance(max_workers, int) or isinstance(max_workers, bool)
+                                    or max_workers < 1):
+        raise ValueError(f"max_workers must be a positive integer (the most worker processes started over "
+                         f"the cluster's life, replacements included) or None (no limit), got {max_workers!r}")
+    return max_workers
 
 
 def num_workers_for(num_workers: int | None, num_slices: int, backend: str) -> int:
@@ -124,8 +134,10 @@ class LocalLauncher:
     def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None, log_level: str = "warning"):
+                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        self.max_workers = check_max_workers(max_workers)
+        self.started = 0              # processes started so far, replacements included
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.log_level = log_level
@@ -156,6 +168,9 @@ class LocalLauncher:
         root = worker_root(self.root, root, self._running_root if self.procs else None, "LocalCluster")
         if self.procs:       # already running: the control plane reuses them from a clean state
             return list(self.addresses)
+        if self.max_workers is not None and n > self.max_workers:
+            raise ValueError(f"{n} worker(s) needed for {num_slices} slice(s), but LocalCluster has "
+                             f"max_workers={self.max_workers}")
         self._check_gpus(n)
         self._running_root = root
         try:
@@ -167,11 +182,15 @@ class LocalLauncher:
 
     def replace(self, slot: int) -> str:
         """Make sure the slot's old process is gone (SIGKILL by its pid: it may be hung or
-        stopped), then start a new one in its place."""
+        stopped), then start a new one in its place; ReplaceUnsupported once max_workers
+        processes were started (raise max_workers to let one start again)."""
         old = self.procs[slot]
         if old.poll() is None:
             old.kill()
         old.wait()
+        if self.max_workers is not None and self.started >= self.max_workers:
+            raise ReplaceUnsupported(f"LocalCluster started max_workers={self.max_workers} worker process(es) "
+                                     f"already; none may replace slot {slot}'s")
         self.addresses[slot] = address = self._spawn(slot)
         return address
 
@@ -213,6 +232,7 @@ class LocalLauncher:
         finally:
             if stderr is not None:
                 stderr.close()          # the child has its own copy
+        self.started += 1
         if i < len(self.procs):
             self.procs[i] = proc
         else:
@@ -295,20 +315,25 @@ class LocalCluster(ControlPlane):
     log_level: with a log_dir, the workers' records at this level and up ("debug", "info",
         "warning", "error") are also logged here, one line each, by the logger mpmd.workers;
         at "debug" the workers log debug records too.
+    max_workers: the most worker processes started over the cluster's life, replacements
+        included (None: no limit). Once spent, a lost worker is not replaced (replace raises
+        ReplaceUnsupported): a run then shrinks or stops (Trainer on_loss). Raising
+        `max_workers` later is capacity coming back: the next replacement (or a shrunk run's
+        grow back) may start a process again.
     """
 
     def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
                  step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None, log_level: str = "warning"):
+                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
         launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache,
-                                 log_dir, root, gpus, log_level)
+                                 log_dir, root, gpus, log_level, max_workers)
         super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     @property
@@ -322,6 +347,14 @@ class LocalCluster(ControlPlane):
     @property
     def devices_per_worker(self) -> int:
         return self.launcher.devices_per_worker
+
+    @property
+    def max_workers(self) -> int | None:
+        return self.launcher.max_workers
+
+    @max_workers.setter
+    def max_workers(self, value: int | None) -> None:
+        self.launcher.max_workers = check_max_workers(value)
 
 
 def default_compilation_cache() -> str:

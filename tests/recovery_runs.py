@@ -20,10 +20,10 @@ from tests.processes import wait_gone
 STEPS, EVERY = 8, 2
 
 
-def make_pipe(spin=None):
-    """The GPT in two stages; with spin=(forward_iters, backward_iters), stage 1 starts with a
-    `Spin` of those counts."""
-    stages = mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2)
+def make_pipe(spin=None, num_stages=2):
+    """The GPT in two stages (or `num_stages`: 4 is embedding, block, block, head); with
+    spin=(forward_iters, backward_iters), stage 1 starts with a `Spin` of those counts."""
+    stages = mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=num_stages)
     if spin is not None:
         stages[1] = nnx.Sequential(Spin(*spin), *stages[1].layers)
     return mpmd.Pipeline(stages, models.lm_loss)
@@ -62,9 +62,9 @@ def data():
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(STEPS)]
 
 
-def make_trainer(cluster, run_dir, spin=None, checkpoint_every=EVERY, **kw):
-    return mpmd.Trainer(make_pipe(spin), optax.adamw(1e-3), "gpipe", num_microbatches=4, cluster=cluster,
-                        run_dir=run_dir, checkpoint_every=checkpoint_every, **kw)
+def make_trainer(cluster, run_dir, spin=None, checkpoint_every=EVERY, num_stages=2, schedule="gpipe", **kw):
+    return mpmd.Trainer(make_pipe(spin, num_stages), optax.adamw(1e-3), schedule, num_microbatches=4,
+                        cluster=cluster, run_dir=run_dir, checkpoint_every=checkpoint_every, **kw)
 
 
 def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):

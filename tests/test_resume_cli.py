@@ -152,25 +152,52 @@ def test_resumes_on_another_stage_count(reference, tmp_path):
     assert wait_gone(tagged(tag)) == []
 
 
+def kill_worker_after_step(run_dir: Path, tag: str, overrides: list[str], step: int) -> str:
+    """Run gpt_tiny with `overrides`, SIGKILL worker 1 once step `step` is printed, and return
+    the stdout of the run finishing."""
+    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, *overrides], {TAG: tag})
+    try:
+        ctl.wait_for_step(step)
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        return ctl.succeed()
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+
+
 def test_worker_sigkilled_restores_from_the_memory_tier(reference, tmp_path):
     """`checkpoint.memory_every=1`: a worker SIGKILLed after step 7 comes back from its peer's
     in-memory copy (the console says so), replays one step, and the run ends bitwise equal to
     the uninterrupted one; metrics.jsonl marks each step's snapshot tier."""
     run_dir, tag = tmp_path / "m", uuid.uuid4().hex
-    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "checkpoint.memory_every=1"], {TAG: tag})
-    try:
-        ctl.wait_for_step(7)
-        workers = ctl.workers()
-        assert len(workers) == 2, workers
-        os.kill(workers[1], signal.SIGKILL)
-        out = ctl.succeed()
-    finally:
-        if ctl.proc.poll() is None:
-            ctl.proc.kill()
+    out = kill_worker_after_step(run_dir, tag, ["checkpoint.memory_every=1"], 7)
     line = next(l for l in out.splitlines() if "recovered:" in l)
     assert "from the in-memory snapshot, 1 step(s) to replay" in line, line
     assert_same_as_reference(run_dir, reference)
     records = metrics(run_dir)
     assert all("memory" in r["checkpoint"] for r in records), records[:3]
     assert [r["step"] for r in records if "persistent" in r["checkpoint"]] == list(range(EVERY, STEPS + 1, EVERY))
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_worker_lost_without_replacement_goes_on_and_reports_goodput(reference, tmp_path):
+    """cluster.max_workers=2 leaves no replacement: a worker SIGKILLed after step 7 is not
+    replaced (on_loss=auto, replace_timeout_s=0), the run goes on with both stages on the
+    surviving slice from the last commit (step 3 or 6; the initial state if both were still
+    being written) and ends with the uninterrupted run's final state and losses;
+    metrics.jsonl records the layout change and the goodput figures (time lost, time at
+    reduced width), and the summary prints them."""
+    run_dir, tag = tmp_path / "s", uuid.uuid4().hex
+    out = kill_worker_after_step(run_dir, tag, ["cluster.max_workers=2", "cluster.replace_timeout_s=0"], 7)
+    print(out)        # shown if an assertion below fails
+    assert_same_as_reference(run_dir, reference)
+    records = metrics(run_dir)
+    (change,) = [c for r in records for c in r.get("layout_changes", [])]
+    assert change["num_slices"] == 1 and change["placement"] == [0, 0] and change["step"] in (0, 3, 6), change
+    goodput = records[-1]["goodput"]
+    assert goodput["failures"] == 1 and goodput["layout_changes"] == 1, goodput
+    assert goodput["reduced_width_s"] > 0 and goodput["lost_s"] >= goodput["restore_s"] > 0, goodput
+    assert re.search(r"goodput: 1 worker\(s\) lost, [\d.]+ s lost .* s on fewer slices, 1 layout change", out), out
     assert wait_gone(tagged(tag)) == []

@@ -1,0 +1,139 @@
+"""Goodput under repeated worker loss: replace, shrink (with capacity coming back) and shrink
+without capacity, against a fault-free run, measured side by side in one run.
+
+    .venv/bin/python benchmarks/bench_elastic.py [--steps 60] [--kill-every 20] [--model tiny|small]
+
+Model: gpt_tiny's shape (vocab 256, d_model 64, 2 heads, 4 layers, seq 64, batch 16; --model
+small: gpt_small's) in 4 stages on LocalCluster(num_workers=4) (real processes, gRPC, Orbax),
+1F1B, 4 microbatches, adamw, a persistent checkpoint every 5 steps. A worker other than
+slice 0's is SIGKILLed (by pid) just before every `--kill-every`-th step. Policies:
+  fault-free   no kill
+  replace      on_loss=replace: a new worker each time (the same 4-slice layout restores)
+  shrink       on_loss=shrink, unlimited workers: on at once on 3 slices, back to 4 at the
+               next checkpoint boundary
+  no-capacity  on_loss=auto, replace_timeout_s=0, max_workers=4: no worker ever comes, so
+               each loss leaves one slice fewer until the end
+Goodput = steps / wall time, relative to the fault-free run's. The lost time comes from
+trainer.goodput() (aborted: the failed attempts until the loss was declared; replace;
+relayout, with the first step after a grow back; restore; replayed steps) plus the time run
+on fewer slices. "restore" per
+recovery, same layout (replace) against a layout change (shrink), is printed too. Each
+policy runs `--rounds` times in rotation; medians. On a 2-core machine other processes
+inflate every figure, and 4 workers on 2 cores make a narrower layout look cheaper than on
+real parallel hardware (the simulator's predicted slowdown is printed for comparison).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_recovery import MODELS, workers_log_to  # noqa: E402  (gpt_tiny's and gpt_small's shapes)
+from runtime.local import process_alive  # noqa: E402
+
+STAGES, M, EVERY = 4, 4, 5
+POLICIES = {   # name -> (Trainer arguments, LocalCluster arguments, kills?)
+    "fault-free": ({}, {}, False),
+    "replace": ({"on_loss": "replace"}, {}, True),
+    "shrink": ({"on_loss": "shrink"}, {}, True),
+    "no-capacity": ({"on_loss": "auto", "replace_timeout_s": 0}, {"max_workers": STAGES}, True),
+}
+LOST = ("aborted_s", "replace_s", "relayout_s", "restore_s", "replayed_s")
+
+
+def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_every: int) -> dict:
+    import models
+    import mpmd
+    import optax
+    from flax import nnx
+    trainer_kw, cluster_kw, kills = POLICIES[policy]
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, gpt["vocab_size"], (batch, gpt["seq_len"])).astype(np.int32) for _ in range(steps)]
+    pipe = mpmd.Pipeline(mpmd.split(models.GPT(**gpt, rngs=nnx.Rngs(0)), num_stages=STAGES), models.lm_loss)
+    cluster = mpmd.LocalCluster(num_workers=STAGES, **cluster_kw)
+    trainer = mpmd.Trainer(pipe, optax.adamw(3e-4), "1f1b", num_microbatches=M, cluster=cluster, run_dir=run_dir,
+                           checkpoint_every=EVERY, **trainer_kw)
+    restores, slowdowns, killed = [], [], set()
+    try:
+        trainer.step(data[0], data[0])       # compiled before the clock starts, as a warm run
+        i, t0 = 1, time.perf_counter()
+        while i < steps:
+            if kills and i > 0 and i % kill_every == 0 and i not in killed:
+                killed.add(i)
+                trainer.checkpoints.wait()
+                alive = [p for p in cluster.pids[1:] if process_alive(p)]
+                if alive and trainer.num_slices > 1:
+                    os.kill(alive[0], signal.SIGKILL)
+            try:
+                trainer.step(data[i], data[i], data_state={"i": i + 1})
+                i += 1
+            except mpmd.Rewound as e:
+                restores.append(trainer.recovery_s["restore_s"])
+                if trainer.recovery_s["layout"] is not None:
+                    slowdowns.append(trainer.recovery_s["layout"]["predicted_slowdown"])
+                i = e.data_state["i"] if e.data_state else 0
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "steps": steps - 1, **trainer.goodput(), "restores": restores,
+                "slowdowns": slowdowns, "final_slices": trainer.num_slices}
+    finally:
+        trainer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--kill-every", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    args = parser.parse_args()
+    if args.steps < 2 or args.kill_every < 1 or args.rounds < 1:
+        parser.error("--steps must be >= 2, --kill-every and --rounds >= 1")
+    gpt, batch = MODELS[args.model]
+    results: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp:
+        print(f"bench_elastic: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}; "
+              f"model {args.model} {gpt}, batch {batch}, {STAGES} stages, {args.steps} steps, a kill every "
+              f"{args.kill_every}, checkpoint every {EVERY}; worker logs: {workers_log_to(tmp, 'bench_elastic')}",
+              flush=True)
+        names = list(POLICIES)
+        for r in range(args.rounds):
+            for policy in names[r % len(names):] + names[:r % len(names)]:
+                results[policy].append(run(policy, Path(tmp) / f"{policy}_{r}", gpt, batch, args.steps,
+                                           args.kill_every))
+    med = lambda policy, key: statistics.median(x[key] for x in results[policy])
+    base = med("fault-free", "steps") / med("fault-free", "wall_s")
+    print(f"\n{'policy':<12} {'wall s':>7} {'goodput':>8} {'lost s':>7} " + " ".join(f"{k[:-2]:>9}" for k in LOST)
+          + f" {'narrow s':>8} {'failures':>8} {'layouts':>7} {'slices at end':>13}")
+    for policy in POLICIES:
+        goodput = med(policy, "steps") / med(policy, "wall_s") / base
+        print(f"{policy:<12} {med(policy, 'wall_s'):7.1f} {goodput:8.2f} {med(policy, 'lost_s'):7.2f} "
+              + " ".join(f"{med(policy, k):9.2f}" for k in LOST)
+              + f" {med(policy, 'reduced_width_s'):8.1f} {med(policy, 'failures'):8.0f}"
+              f" {med(policy, 'layout_changes'):7.0f} {med(policy, 'final_slices'):13.0f}")
+    for policy in ("replace", "shrink", "no-capacity"):
+        restores = [s for x in results[policy] for s in x["restores"]]
+        slowdowns = [s for x in results[policy] for s in x["slowdowns"]]
+        if restores:
+            print(f"{policy}: restore per recovery median {statistics.median(restores):.3f} s over "
+                  f"{len(restores)}" + (f"; predicted slowdowns of the layouts moved to: "
+                                        f"{', '.join(f'x{s:.2f}' for s in slowdowns)}" if slowdowns else ""))
+    print(f"load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
