@@ -115,6 +115,9 @@ class StageCheckpoints:
         self.max_failed_saves = max_failed_saves
         self.failed_saves = 0                        # failed saves in a row
         self._failure: tuple[int, str] | None = None  # (step, why) of a failed save not yet retried
+        # step -> WorkerLost of a step whose commit a lost slice prevented: a save waited for
+        # raises it (its state went with the slice: the caller recovers and saves again).
+        self._lost_commits: dict[int, BaseException] = {}
 
     def _owners(self) -> dict[str, tuple[str, int, int]]:
         """{leaf name: (buffer, index, stage)} of the first stage holding each leaf: who saves it."""
@@ -166,6 +169,10 @@ class StageCheckpoints:
             if self.asynchronous and not wait:   # committed in the background
                 return
             self.wait()
+            with self._cond:
+                lost = self._lost_commits.pop(step, None)
+            if lost is not None:
+                raise lost
             if self._failure is None:
                 return
 
@@ -246,11 +253,14 @@ class StageCheckpoints:
                 self.store.commit(step, manifest)
             except WorkerLost as e:   # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)
+                with self._cond:
+                    self._lost_commits[step] = e
             except Exception as e:
                 self._failed(step, e)
             else:
                 with self._cond:
                     self.failed_saves = 0
+                    self._lost_commits = {s: e for s, e in self._lost_commits.items() if s > step}
                     if self._failure is not None and self._failure[0] < step:
                         self._failure = None      # a newer step is committed: nothing to retry
                 try:

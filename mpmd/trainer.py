@@ -369,10 +369,7 @@ class Trainer:
         tiers = ["memory"] if pending.snapshot is not None else []
         if retry or self._saves_after(self._step):
             assert not self._pending, "a checkpoint step is never run ahead of"
-            try:
-                self.save(pending.data_state, wait=retry)
-            except WorkerLost as e:
-                self._recover(e, time.perf_counter())
+            self.save(pending.data_state, wait=retry)
             tiers.append("persistent")
             if self.num_slices < self.configured[0].num_slices:
                 self._grow_back(pending.data_state)
@@ -400,13 +397,17 @@ class Trainer:
         """Checkpoint the state after the current step, with `data_state` (JSON-able: where the
         data loader stands) in the manifest. Asynchronous unless `wait` or the Trainer's
         async_checkpoint=False; a waited-for save that fails is retried, then raises
-        CheckpointError."""
+        CheckpointError. A slice lost while saving (or, waited for, before the step committed)
+        is recovered as in `step`: Rewound says where to resume; save again after replaying."""
         self._check_open()
         if self.checkpoints is None:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
         self._collect_all()
         batch = {"batch": self._batch} if self._batch is not None else {}
-        self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **batch, **extra}, wait=wait)
+        try:
+            self.checkpoints.save(self._step, data_state, {**self._checkpoint_metadata, **batch, **extra}, wait=wait)
+        except WorkerLost as e:
+            self._recover(e, time.perf_counter())
 
     def _recover(self, lost: WorkerLost, failed_since: float):
         """Replace the lost slice, or go on without it (on_loss), restore every slice from the

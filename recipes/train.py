@@ -393,7 +393,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     try:
         step = done = start_step      # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
-        while (step < t.steps and not stop.requested) or pending:
+        while True:
             try:
                 # Never send past a step that evaluates: its eval must see the state after it.
                 if (step < t.steps and not stop.requested and len(pending) <= trainer.run_ahead
@@ -403,12 +403,18 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                     pending.append((step, trainer.submit(inputs, targets, trace=step in cfg.log.trace_steps,
                                                          data_state=train_loader.state())))
                     continue
+                if not pending:
+                    # The final state is always committed: at the end, and when stopped by a
+                    # signal. A slice lost before it committed rewinds like one lost in a step.
+                    trainer.save(data_state=train_loader.state(), wait=True)
+                    break
                 done, sent = pending.popleft()
                 out = sent.result()
                 step_eval = evaluate(trainer, eval_loader, t.eval_batches) if _should_eval(cfg, done) else None
             except mpmd.Rewound as e:
-                # A slice was lost and replaced; every slice is back at step e.step, and the
-                # steps in flight were discarded with nothing of them applied or logged.
+                # A slice was lost (and replaced, or left out); every slice is back at step
+                # e.step, and the steps in flight were discarded with nothing of them applied
+                # or logged.
                 progress.message(f"recovered: {e}")
                 step = done = e.step
                 pending.clear()
@@ -440,8 +446,6 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 if done % cfg.log.every == 0:
                     board.flush()
             progress.update(done, record)
-        # The final state is always committed: at the end, and when stopped by a signal.
-        trainer.save(data_state=train_loader.state(), wait=True)
         if stop.requested:
             progress.message(f"stopped by {stop.requested} after step {step}; checkpoint committed, "
                              f"resume with the same command")

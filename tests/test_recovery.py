@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mpmd
+from tests import reference
 from tests.processes import wait_gone
 from tests.recovery_runs import (EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once,
                                  make_trainer, run_with_fault, train)
@@ -142,6 +143,44 @@ def test_worker_sigkilled_during_async_save(uninterrupted, tmp_path):
     fault.fired = []
     losses, params, rewinds = run_with_fault(tmp_path, fault)
     assert rewinds == 1
+    assert_same_run((losses, params), uninterrupted)
+
+
+def test_worker_lost_before_a_waited_save_commits(uninterrupted, tmp_path):
+    """A save waited for (the run's final one) whose step a lost slice keeps from committing
+    (slice 1 SIGKILLed after its Save returned, before its parts were finalized) never returns
+    as if saved: it raises Rewound to the last commit; replaying and saving again commits the
+    final step, with the uninterrupted run's losses and parameters."""
+    batches = data()
+    cluster = mpmd.LocalCluster()
+    trainer = make_trainer(cluster, tmp_path, checkpoint_every=3)     # commits steps 3 and 6, not 8
+    wait_saves = cluster.wait_saves
+
+    def killing_wait_saves(r, directories):
+        if not killed:
+            killed.append(cluster.pids[1])
+            os.kill(killed[0], signal.SIGKILL)
+        return wait_saves(r, directories)
+    killed = []
+    try:
+        losses = {}
+        for i in range(STEPS):
+            losses[i + 1] = trainer.step(batches[i], batches[i], data_state={"i": i + 1})["loss"]
+        trainer.checkpoints.wait()         # step 6 committed: only the final save meets the fault
+        cluster.wait_saves = killing_wait_saves
+        with pytest.raises(mpmd.Rewound) as rewound:
+            trainer.save(data_state={"i": STEPS}, wait=True)
+        del cluster.wait_saves
+        assert killed and rewound.value.step == 6 and rewound.value.data_state == {"i": 6}
+        assert trainer.checkpoints.latest() == 6, "step 8 was not committed"
+        for i in range(6, STEPS):
+            losses[i + 1] = trainer.step(batches[i], batches[i], data_state={"i": i + 1})["loss"]
+        trainer.save(data_state={"i": STEPS}, wait=True)
+        assert trainer.checkpoints.latest() == STEPS
+        params, pids = reference.stage_leaves(trainer.params()), list(cluster.pids)
+    finally:
+        trainer.close()
+    assert wait_gone(pids + killed) == []
     assert_same_run((losses, params), uninterrupted)
 
 
