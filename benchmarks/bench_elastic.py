@@ -25,10 +25,10 @@ real parallel hardware (the simulator's predicted slowdown is printed for compar
 from __future__ import annotations
 
 import os
-import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
+import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
+
+cpu_setup.before_jax()
 
 import argparse  # noqa: E402
 import signal  # noqa: E402
@@ -36,10 +36,6 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 

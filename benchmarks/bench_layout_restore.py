@@ -19,19 +19,15 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-                           " --xla_cpu_multi_thread_eigen=false").strip()
+import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
+
+cpu_setup.before_jax(devices=4)
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 

@@ -45,12 +45,11 @@ INFO lines do not bury the tables. The load average is printed at the start and 
 from __future__ import annotations
 
 import os
-import sys
 
 # Before jax is imported: one host device per slice in this process, and no Eigen threads.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-                           " --xla_cpu_multi_thread_eigen=false").strip()
+import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
+
+cpu_setup.before_jax(devices=2)
 
 import argparse  # noqa: E402
 import signal  # noqa: E402
@@ -59,10 +58,6 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 

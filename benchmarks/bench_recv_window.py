@@ -20,17 +20,12 @@ own). Per slice:
 from __future__ import annotations
 
 import os
-import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_cpu_multi_thread_eigen=false").strip()
+import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
 
-from pathlib import Path  # noqa: E402
+cpu_setup.before_jax(devices=8)
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+
 
 GPT = dict(vocab_size=256, d_model=256, num_heads=4, num_layers=6, seq_len=64)
 BATCH = 32

@@ -31,22 +31,17 @@ b. The same steps as sleep programs (mpmd/dryrun.py: real plans, transfers, cont
 from __future__ import annotations
 
 import os
-import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-                           " --xla_cpu_multi_thread_eigen=false").strip()
+import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
+
+REPO = cpu_setup.before_jax(devices=2)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 ROUND_STEPS = 20
 DEPTHS = (0, 1)
