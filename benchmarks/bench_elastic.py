@@ -63,7 +63,7 @@ def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_ever
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**gpt, rngs=nnx.Rngs(0)), num_stages=STAGES), models.lm_loss)
     cluster = mpmd.LocalCluster(num_workers=STAGES, **cluster_kw)
     trainer = mpmd.Trainer(pipe, optax.adamw(3e-4), "1f1b", num_microbatches=M, cluster=cluster, run_dir=run_dir,
-                           checkpoint_every=EVERY, **trainer_kw)
+                           checkpoint_every=EVERY, max_restarts=steps // kill_every + 1, **trainer_kw)
     restores, slowdowns, killed = [], [], set()
     try:
         trainer.step(data[0], data[0])       # compiled before the clock starts, as a warm run

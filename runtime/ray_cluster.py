@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 
 from runtime.client import ControlPlane, new_token
+from runtime.cluster import ReplaceUnsupported
 from runtime.local import check_worker_args, num_workers_for, worker_root
 
 START_TIMEOUT_S = 120.0
@@ -154,9 +155,16 @@ class RayLauncher:
         state) and start a fresh one in its place."""
         ray = _import_ray()
         ray.kill(self.actors[slot], no_restart=True)
-        self.actors[slot] = self._new_actor(ray, slot)
-        ((address, pid),) = self._wait_ready(ray, [self.actors[slot]])
-        self.addresses[slot], self.pids[slot] = address, pid
+        actor = self._new_actor(ray, slot)
+        try:
+            ((address, pid),) = self._wait_ready(ray, [actor])
+        except RuntimeError as e:
+            # Ray cannot place (or start) one now: no capacity, which the Trainer answers by
+            # going on without the slice (cluster.on_loss) rather than by stopping. The actor
+            # asked for must not start later and serve nobody.
+            ray.kill(actor, no_restart=True)
+            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}") from None
+        self.actors[slot], self.addresses[slot], self.pids[slot] = actor, address, pid
         return address
 
     def stop(self) -> None:
