@@ -109,5 +109,8 @@ class Controller:
         so not its process group: its children)."""
         pids = []
         for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            pids += [int(p) for p in (task / "children").read_text().split()]
+            try:
+                pids += [int(p) for p in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):   # a thread that ended since the listing
+                continue
         return pids
