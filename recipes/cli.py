@@ -1,4 +1,4 @@
-"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd worker`, `mpmd schedule`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd worker`, `mpmd schedule`, `mpmd cluster`. Logic lives in modules."""
 from __future__ import annotations
 
 import sys
@@ -7,6 +7,7 @@ COMMANDS = {
     "train": ("recipes.train_cli", "train a model from a YAML config and key=value overrides"),
     "tune": ("recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
     "schedule": ("mpmd.schedule_cli", "simulate a pipeline schedule and draw its timeline"),
+    "cluster": ("recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
     "worker": ("runtime.worker", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }
 

@@ -118,8 +118,9 @@ class PipelineConfig(_Section):
 
 
 class ClusterConfig(_Section):
-    backend: Literal["inprocess", "local", "static", "ray"] = Field(
-        "local", description="inprocess = threads; local = processes here; static = by address")
+    backend: Literal["inprocess", "local", "static", "ray", "shared"] = Field(
+        "local", description="inprocess = threads; local = processes here; static = by address; "
+                             "shared = slices leased from a persistent cluster (`mpmd cluster up`)")
     num_workers: int | None = Field(
         None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
     addresses: list[str] = Field([], description="static: one 'host:port' per worker")
@@ -128,7 +129,18 @@ class ClusterConfig(_Section):
                         "(without spares a static run cannot recover)")
     address: str | None = Field(
         None, description="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379', 'ray://head:10001'); "
-                          "null = $RAY_ADDRESS, else a new Ray instance on this machine")
+                          "null = $RAY_ADDRESS, else a new Ray instance on this machine. shared: the "
+                          "manager's 'host:port' (with token_file holding the submit token)")
+    file: str | None = Field(
+        None, description="shared: the cluster file `mpmd cluster up` wrote (manager address and submit "
+                          "token); null = ./mpmd-cluster.json unless cluster.address is given")
+    share: bool = Field(
+        False, description="shared: time-share workers with other sharing jobs (each job's results stay "
+                           "its own); false = wait for workers nobody else uses")
+    lease_s: float = Field(
+        10.0, gt=2, le=3600, allow_inf_nan=False,
+        description="shared: a job silent this long (its controller died) loses its lease: its sessions "
+                    "and buffers are freed and its workers go back to the pool")
     resources: dict[str, float] = Field(
         {}, description="ray: resources each worker reserves, e.g. {CPU: 1, GPU: 1}; "
                         "CPU defaults to threads_per_worker")
@@ -136,7 +148,8 @@ class ClusterConfig(_Section):
         None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
                                 "and replaced; null = the cluster's default (5 s)")
     token_file: str | None = Field(
-        None, description="file holding the cluster secret; static needs one, others generate it")
+        None, description="file holding the cluster secret; static needs one, others generate it; "
+                          "shared with cluster.address: the submit token")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
     step_timeout_s: float | None = Field(
@@ -426,7 +439,8 @@ def _cross_field_problems(c: Config) -> list[str]:
     if twice:
         out.append(f"cluster.addresses and cluster.spares list {', '.join(twice)} more than once: "
                    f"each worker serves one slice or waits as one spare")
-    if cl.backend != "ray":
+    out += _shared_problems(cl)
+    if cl.backend not in ("ray", "shared"):
         if cl.address is not None:
             out.append(f"cluster.address (the Ray cluster to join) is only used by cluster.backend='ray', "
                        f"got backend '{cl.backend}'"
@@ -447,6 +461,34 @@ def _cross_field_problems(c: Config) -> list[str]:
         out.append("cluster.failure_timeout_s is not used by cluster.backend='inprocess' (its slices are "
                    "threads of this process, never lost): set it to null")
     return out + _mesh_problems(c, num_slices)
+
+
+def _shared_problems(cl: ClusterConfig) -> list[str]:
+    """The cluster.* keys of backend 'shared', and those only it uses."""
+    out = []
+    if cl.backend != "shared":
+        for key, value, default in (("file", cl.file, None), ("share", cl.share, False),
+                                    ("lease_s", cl.lease_s, 10.0)):
+            if value != default:
+                out.append(f"cluster.{key} is only used by cluster.backend='shared', got backend '{cl.backend}'")
+        return out
+    if cl.file is not None and cl.address is not None:
+        out.append("cluster.backend='shared' takes cluster.file (the cluster file) or cluster.address "
+                   "(the manager's 'host:port', with cluster.token_file), not both")
+    if cl.address is not None:
+        match = _ADDRESS.match(cl.address)
+        if not match or not 0 < int(match.group(1)) < 65536:
+            out.append(f"cluster.address {cl.address!r} must be the manager's 'host:port' with port 1..65535")
+        if not cl.token_file:
+            out.append("cluster.backend='shared' with cluster.address needs cluster.token_file (a file holding "
+                       "the cluster's submit token; or give cluster.file instead)")
+    elif cl.token_file:
+        out.append("cluster.token_file with cluster.backend='shared' is the submit token for cluster.address; "
+                   "without cluster.address the cluster file holds it: drop cluster.token_file")
+    if cl.num_workers is not None:
+        out.append("cluster.num_workers is not used by cluster.backend='shared' (the cluster's workers are "
+                   "`mpmd cluster up --workers N`): set it to null")
+    return out
 
 
 def _mesh_problems(c: Config, num_slices: int) -> list[str]:

@@ -48,6 +48,7 @@ from recipes.config import Config, ConfigError
 from runtime.checkpoint import CheckpointStore
 from runtime.inprocess import meshes_for
 from runtime.ray_cluster import RayMissingError
+from runtime.shared import JobRefused
 
 
 @contextlib.contextmanager
@@ -203,6 +204,8 @@ def build_cluster(cfg: Config):
         # failure_timeout_s: null leaves the cluster's own default.
         timeouts = dict(step_timeout_s=c.step_timeout_s, **(
             {"failure_timeout_s": c.failure_timeout_s} if c.failure_timeout_s is not None else {}))
+        if c.backend == "shared":
+            return shared_cluster(cfg, timeouts)
         if c.backend == "static":      # the spares follow the slices' addresses (StaticLauncher)
             return mpmd.StaticCluster(c.addresses + c.spares, token_file=c.token_file, **timeouts)
         kw = dict(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
@@ -214,6 +217,24 @@ def build_cluster(cfg: Config):
         # the console level come back one line each (recipes/console.py).
         return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"),
                                  log_level=console.level(cfg.log.level))
+
+
+def shared_cluster(cfg: Config, timeouts: dict):
+    """A job on the shared cluster of cluster.file (or cluster.address + token_file), named
+    after its run_dir; its place in the queue is printed on stderr while it waits."""
+    from runtime.shared import DEFAULT_CLUSTER_FILE, SharedCluster
+    from runtime.worker import read_token_file
+    c = cfg.cluster
+    if c.address is not None:
+        where = dict(address=c.address, submit_token=read_token_file(
+            c.token_file, False, "cluster.token_file", "chmod 600"))
+    else:
+        where = dict(cluster_file=c.file or DEFAULT_CLUSTER_FILE)
+
+    def on_wait(position: int) -> None:
+        print(f"waiting for the shared cluster: position {position} in its queue", file=sys.stderr, flush=True)
+    return SharedCluster(**where, name=Path(cfg.run_dir).name, share=c.share, lease_s=c.lease_s,
+                         on_wait=on_wait, **timeouts)
 
 
 # -- pieces of the loop --------------------------------------------------------------------
@@ -333,17 +354,18 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
-        trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
-                               num_microbatches=p.num_microbatches, cluster=cluster,
-                               virtual_stages=p.virtual_stages,
-                               max_grad_norm=cfg.optimizer.max_grad_norm,
-                               run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
-                               keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
-                               max_failed_saves=cfg.checkpoint.max_failed_saves,
-                               checkpoint_metadata=metadata, run_ahead=cfg.train.run_ahead,
-                               mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None,
-                               on_loss=cfg.cluster.on_loss, replace_timeout_s=cfg.cluster.replace_timeout_s,
-                               slice_memory_bytes=cfg.cluster.slice_memory_bytes)
+        with _config_problem("cluster.backend='shared'", (JobRefused,)):    # the manager said no
+            trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
+                                   num_microbatches=p.num_microbatches, cluster=cluster,
+                                   virtual_stages=p.virtual_stages,
+                                   max_grad_norm=cfg.optimizer.max_grad_norm,
+                                   run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
+                                   keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
+                                   max_failed_saves=cfg.checkpoint.max_failed_saves,
+                                   checkpoint_metadata=metadata, run_ahead=cfg.train.run_ahead,
+                                   mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None,
+                                   on_loss=cfg.cluster.on_loss, replace_timeout_s=cfg.cluster.replace_timeout_s,
+                                   slice_memory_bytes=cfg.cluster.slice_memory_bytes)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()

@@ -66,8 +66,9 @@ class WorkerError(RuntimeError):
 
 
 class WorkerClient:
-    def __init__(self, address: str, token: str, rpc_counts: collections.Counter):
+    def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
         self.address = address
+        self._service = service          # the gRPC service called: a worker's, or a shared cluster's manager
         self._metadata = ((TOKEN_KEY, token),)
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._counts = rpc_counts
@@ -87,7 +88,7 @@ class WorkerClient:
         """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
         stub = self._stubs.get(method)
         if stub is None:
-            stub = self._stubs[method] = self._channel.unary_unary(f"/{SERVICE}/{method}")
+            stub = self._stubs[method] = self._channel.unary_unary(f"/{self._service}/{method}")
         self._counts[method] += 1
         try:
             return stub.future(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)

@@ -127,6 +127,19 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def worker_env(compilation_cache_dir: str) -> dict:
+    """The environment of a worker process started here: this one's, with this checkout first
+    on PYTHONPATH (`python -m runtime.worker` must import the same code) and JAX's persistent
+    compilation cache at `compilation_cache_dir` ("" leaves it off)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if compilation_cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return env
+
+
 class LocalLauncher:
     """Starts worker processes on this machine (`python -m runtime.worker`), one per slot,
     each given `token` on its stdin. See LocalCluster for the arguments."""
@@ -209,12 +222,7 @@ class LocalLauncher:
         if self.log_dir is not None:    # a log file to fill, and the console's share relayed
             cmd += ["--log-level", "debug" if self.log_level == "debug" else "info",
                     "--relay-level", self.log_level]
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        if self.compilation_cache_dir:
-            env["JAX_COMPILATION_CACHE_DIR"] = self.compilation_cache_dir
-            env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env = worker_env(self.compilation_cache_dir)
         if self.gpus:         # the slot's own GPUs: a replacement gets the ones it replaces
             d = self.devices_per_worker
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[i * d:(i + 1) * d])
