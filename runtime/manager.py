@@ -105,7 +105,7 @@ class Manager:
         self.stopping = threading.Event()
 
     # -- the table ---------------------------------------------------------------------------
-    def submit(self, name: str, slices: int, share: bool, root: str, lease_s: float) -> Job:
+    def submit(self, name: str, slices: int, share: bool, root: str, lease_s: float, devices=None) -> Job:
         if not isinstance(slices, int) or isinstance(slices, bool) or not 1 <= slices <= len(self.pool.workers):
             raise ValueError(f"'slices' must be an integer 1..{len(self.pool.workers)} (the cluster's workers), "
                              f"got {slices!r}")
@@ -118,6 +118,11 @@ class Manager:
                              f"and restore only there; put the run_dir below it")
         if not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S:
             raise ValueError(f"'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}], got {lease_s!r}")
+        d = self.pool.devices_per_worker
+        if devices is not None and devices != [d]:
+            raise ValueError(f"the job's slices have {devices} device(s) each (cluster.devices_per_worker, "
+                             f"mesh.*), and this cluster's workers have {d} each: give the job "
+                             f"cluster.devices_per_worker={d}")
         stem = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:48] or "job"
         with self._lock:
             job = Job(credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), str(name)[:200], slices,
@@ -278,10 +283,13 @@ class Manager:
         def loop():
             next_probe = 0.0
             while not self.stopping.wait(0.25):
-                self.expire()
-                if time.monotonic() >= next_probe:
-                    self.probe()
-                    next_probe = time.monotonic() + HEALTH_S
+                try:
+                    self.expire()
+                    if time.monotonic() >= next_probe:
+                        self.probe()
+                        next_probe = time.monotonic() + HEALTH_S
+                except Exception:      # e.g. a worker that would not restart: try again next round
+                    log.exception("manager round failed")
         threading.Thread(target=loop, daemon=True, name="mpmd-manager").start()
 
     # -- status and persistence --------------------------------------------------------------
@@ -366,7 +374,7 @@ class Manager:
     def handle(self, method: str, who: str, h: dict) -> dict:
         if method == "Submit":
             job = self.submit(h.get("name", "job"), h.get("slices"), h.get("share", False), h.get("root"),
-                              h.get("lease_s", self.lease_s))
+                              h.get("lease_s", self.lease_s), h.get("devices"))
             return {"job": job.id, "credential": credentials.job_credential(self._cluster_token, job.id),
                     "position": self.position(job), "workers": self.addresses(job) if job.state == "leased" else []}
         if method == "Status":

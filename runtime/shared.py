@@ -15,12 +15,14 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 import threading
 import time
 
 import grpc
 
+from runtime import mesh
 from runtime.client import ControlPlane, WorkerClient, WorkerError
 from runtime.cluster import ReplaceUnsupported
 
@@ -73,6 +75,7 @@ class SharedLauncher:
                                                              "its queue", position))
         self.wait_timeout_s = wait_timeout_s
         self.addresses: list[str] = []
+        self.devices: list[int] | None = None    # devices of each slice's mesh (None: all of a worker's)
         self.job: str | None = None
         self.credential: str | None = None
         self.wait_s = 0.0                        # time spent in the queue
@@ -91,7 +94,8 @@ class SharedLauncher:
         submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE)
         try:
             h = submit.call("Submit", {"name": self.name, "slices": num_slices, "share": self.share,
-                                       "root": root, "lease_s": self.lease_s}, timeout_s=30.0)[0]
+                                       "root": root, "lease_s": self.lease_s, "devices": self.devices},
+                            timeout_s=30.0)[0]
         except WorkerError as e:
             raise JobRefused(f"the shared cluster's manager at {self.address_of_manager} refused the job: "
                              f"{e}") from None
@@ -175,6 +179,8 @@ class SharedCluster(ControlPlane):
         super().__init__(launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
+        if meshes is not None:     # the manager refuses slices its workers' devices cannot hold
+            self.launcher.devices = sorted({math.prod(mesh.shape_of(m)) for m in meshes})
         try:
             self.launcher.start(num_slices, root=root)
             self._token = self.launcher.credential
