@@ -137,10 +137,11 @@ class ClusterConfig(_Section):
     share: bool = Field(
         False, description="shared: time-share workers with other sharing jobs (each job's results stay "
                            "its own); false = wait for workers nobody else uses")
-    lease_s: float = Field(
-        10.0, gt=2, le=3600, allow_inf_nan=False,
+    lease_s: float | None = Field(
+        None, gt=2, le=3600, allow_inf_nan=False,
         description="shared: a job silent this long (its controller died) loses its lease: its sessions "
-                    "and buffers are freed and its workers go back to the pool")
+                    "and buffers are freed and its workers go back to the pool; null = the cluster's "
+                    "(`mpmd cluster up --lease-s`, default 10 s)")
     resources: dict[str, float] = Field(
         {}, description="ray: resources each worker reserves, e.g. {CPU: 1, GPU: 1}; "
                         "CPU defaults to threads_per_worker")
@@ -468,7 +469,7 @@ def _shared_problems(cl: ClusterConfig) -> list[str]:
     out = []
     if cl.backend != "shared":
         for key, value, default in (("file", cl.file, None), ("share", cl.share, False),
-                                    ("lease_s", cl.lease_s, 10.0)):
+                                    ("lease_s", cl.lease_s, None)):
             if value != default:
                 out.append(f"cluster.{key} is only used by cluster.backend='shared', got backend '{cl.backend}'")
         return out

@@ -59,18 +59,20 @@ def read_cluster_file(path: str) -> dict:
 class SharedLauncher:
     """address: the manager's host:port; submit_token: the cluster's submit token; name: the
     job's name (shown in `mpmd cluster status`); share: time-share workers with other sharing
-    jobs; lease_s: silence after which the manager ends the lease."""
+    jobs; lease_s: silence after which the manager ends the lease (None: the cluster's
+    default); on_wait(position): called while queued, whenever the position changes."""
 
     def __init__(self, address: str, submit_token: str, name: str = "job", share: bool = False,
-                 lease_s: float = 10.0, on_wait=None, wait_timeout_s: float | None = None):
+                 lease_s: float | None = None, on_wait=None, wait_timeout_s: float | None = None):
         if not isinstance(address, str) or not address.rpartition(":")[2].isdigit():
             raise ValueError(f"address must be the manager's 'host:port', got {address!r}")
-        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not lease_s > 2 * RENEW_S:
+        if lease_s is not None and (not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool)
+                                    or not lease_s > 2 * RENEW_S):
             raise ValueError(f"lease_s must be a number of seconds > {2 * RENEW_S:g} (the job renews every "
-                             f"{RENEW_S:g} s), got {lease_s!r}")
+                             f"{RENEW_S:g} s), or None (the cluster's), got {lease_s!r}")
         self.address_of_manager = address
         self._submit_token = submit_token
-        self.name, self.share, self.lease_s = name, bool(share), float(lease_s)
+        self.name, self.share, self.lease_s = name, bool(share), lease_s
         self.on_wait = on_wait or (lambda position: log.info("waiting for the shared cluster: position %d in "
                                                              "its queue", position))
         self.wait_timeout_s = wait_timeout_s
@@ -93,9 +95,10 @@ class SharedLauncher:
         root = os.path.realpath(root or os.getcwd())
         submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE)
         try:
-            h = submit.call("Submit", {"name": self.name, "slices": num_slices, "share": self.share,
-                                       "root": root, "lease_s": self.lease_s, "devices": self.devices},
-                            timeout_s=30.0)[0]
+            ask = {"name": self.name, "slices": num_slices, "share": self.share, "root": root, "devices": self.devices}
+            if self.lease_s is not None:
+                ask["lease_s"] = self.lease_s
+            h = submit.call("Submit", ask, timeout_s=30.0)[0]
         except WorkerError as e:
             raise JobRefused(f"the shared cluster's manager at {self.address_of_manager} refused the job: "
                              f"{e}") from None
@@ -165,7 +168,7 @@ class SharedCluster(ControlPlane):
     arguments; `cluster_file` instead of `address` + `submit_token` reads both from it)."""
 
     def __init__(self, address: str | None = None, submit_token: str | None = None, cluster_file: str | None = None,
-                 name: str = "job", share: bool = False, lease_s: float = 10.0, on_wait=None,
+                 name: str = "job", share: bool = False, lease_s: float | None = None, on_wait=None,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None):
         if cluster_file is not None:
             if address is not None or submit_token is not None:
