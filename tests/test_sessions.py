@@ -4,10 +4,6 @@ memory; compiled programs shared between jobs. Two real shared worker processes,
 real Orbax on disk; jobs drive them through the ordinary control plane (StaticCluster) with
 their credential as the token.
 """
-import collections
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,85 +13,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mpmd
 from runtime import instructions, programs, wire
-from runtime.client import WorkerClient, WorkerError
+from runtime.client import WorkerError
+from runtime.compile_cache import CompileCache
 from runtime.credentials import check_job_id, job_credential, job_of
 from runtime.instructions import Recv, Run, Send, Spec
-from tests.processes import ROOT, wait_gone
+from tests.processes import SharedWorkers, wait_gone
 
 B, D = 8, 16
 LEASE_S = 1.5            # the lapse test's session lease
 
 
-class Shared:
-    """Two `mpmd worker --shared` processes, their cluster token, root and log files."""
-
-    def __init__(self, base):
-        self.token = "t" * 8 + os.urandom(16).hex()
-        self.root = base / "root"
-        self.root.mkdir()
-        token_file = base / "token"
-        token_file.write_text(self.token + "\n")
-        token_file.chmod(0o600)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-        self.logs = [base / f"worker_{i}.log" for i in range(2)]
-        self.procs = [subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--shared", "--listen",
-                                        "127.0.0.1:0", "--token-file", str(token_file), "--root", str(self.root),
-                                        "--lease-s", "30"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                       stderr=open(log, "w"), text=True) for log in self.logs]
-        self.addresses = []
-        for p in self.procs:
-            line = p.stdout.readline()
-            assert line.startswith("MPMD_WORKER_READY"), line
-            self.addresses.append(line.split()[1])
-
-    def client(self, i: int, credential: str | None = None) -> WorkerClient:
-        return WorkerClient(self.addresses[i], credential or self.token, collections.Counter())
-
-    def admin(self, i: int, method: str, header=None) -> dict:
-        c = self.client(i)
-        try:
-            return c.call(method, header)[0]
-        finally:
-            c.close()
-
-    def open(self, job: str, lease_s: float = 30.0) -> None:
-        for i in range(2):
-            self.admin(i, "OpenSession", {"job": job, "root": str(self.root / job), "lease_s": lease_s})
-
-    def job(self, name: str) -> mpmd.StaticCluster:
-        """Job `name`'s control plane on both workers (sessions opened as the manager would)."""
-        self.open(name)
-        cluster = mpmd.StaticCluster(self.addresses, token=job_credential(self.token, name))
-        cluster.start(2)
-        return cluster
-
-    def logged(self, i: int, text: str, timeout_s: float = 5.0) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if text in self.logs[i].read_text():
-                return True
-            time.sleep(0.05)
-        return False
-
-
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    s = Shared(tmp_path_factory.mktemp("shared"))
-    yield s
-    pids = [p.pid for p in s.procs]
-    for i in range(2):
-        try:
-            s.admin(i, "Shutdown")
-        except WorkerError:
-            pass
-    for p in s.procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    assert wait_gone(pids) == []
+    # No JAX compilation cache on disk: a miss of the worker's own cache compiles for real.
+    with SharedWorkers(tmp_path_factory.mktemp("shared"), 2, disk_cache=False) as s:
+        yield s
+    assert wait_gone([p.pid for p in s.procs]) == []
+
+
+def started(shared, job: str):
+    """Job `job`'s control plane on both workers, started (Setup, Connect) as a Trainer would."""
+    cluster = shared.job(job)
+    cluster.start(2)
+    return cluster
 
 
 def refusal(fn) -> tuple:
@@ -141,12 +82,12 @@ def train(cluster) -> list[np.ndarray]:
 
 
 def test_two_sessions_at_once_get_bitwise_what_one_alone_gets(shared):
-    alone = shared.job("alone")
+    alone = started(shared, "alone")
     try:
         expected = train(alone)
     finally:
         alone.close()
-    jobs = {name: shared.job(name) for name in ("a", "b")}
+    jobs = {name: started(shared, name) for name in ("a", "b")}
     got, errors = {}, []
 
     def run(name):
@@ -175,10 +116,10 @@ def test_two_sessions_at_once_get_bitwise_what_one_alone_gets(shared):
 
 
 def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
-    a, b = shared.job("iso-a"), shared.job("iso-b")
+    a, b = started(shared, "iso-a"), started(shared, "iso-b")
     try:
         b.put(0, "secret", [np.arange(4, dtype=np.float32)])
-        a_raw = shared.client(0, job_credential(shared.token, "iso-a"))
+        a_raw = shared.client(0, shared.credential("iso-a"))
         # A names B's buffer: its own session has none; its Put and Delete land in its own.
         code, message = refusal(lambda: a_raw.call("Get", {"names": ["secret"]}))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "no buffer" in message
@@ -205,10 +146,20 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
         code, _ = refusal(lambda: shared.client(0).call("Get", {"names": ["secret"]}))
         assert code == grpc.StatusCode.PERMISSION_DENIED and shared.logged(0, "refused Get from the manager ")
         # A job without a session here, however valid its credential.
-        stranger = shared.client(0, job_credential(shared.token, "iso-c"))
+        stranger = shared.client(0, shared.credential("iso-c"))
         code, message = refusal(lambda: stranger.call("Get", {"names": ["secret"]}))
         assert code == grpc.StatusCode.PERMISSION_DENIED and "no session for job iso-c on this worker" in message
         assert shared.logged(0, "refused Get from job iso-c ")
+        # The manager closing A's session aborts A's run in flight, and only A's.
+        naps = {"nap": programs.sleep(0.5, ((Spec((4,), "float32"),),))}
+        a.load_programs(0, naps)
+        a.install_plan(0, "naps", [Run("nap", (), ("out",))] * 4)
+        running = a_raw.future("Run", {"plan": "naps", "step": 1})
+        time.sleep(0.2)
+        assert shared.admin(0, "CloseSession", {"job": "iso-a"}) == {"freed": True}
+        with pytest.raises(grpc.RpcError) as e:
+            running.result(timeout=1.5)                         # not the 2 s the plan would take
+        assert e.value.code() == grpc.StatusCode.ABORTED
         # B is untouched by all of it.
         np.testing.assert_array_equal(b.get(0, ["secret"])["secret"][0], np.arange(4))
         assert b.run("nap", 8, {}, {1: ["out"]})[1].fetched["out"][0].shape == (4,)
@@ -220,7 +171,7 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
 def test_a_forged_credential_is_refused_before_anything(shared):
     shared.open("forge-b")
     other_key = job_credential("x" * 32, "forge-b")                        # made with the wrong key
-    a_mac = job_credential(shared.token, "forge-a").rpartition(".")[2]
+    a_mac = shared.credential("forge-a").rpartition(".")[2]
     borrowed = f"job.forge-b.{a_mac}"                                      # B's name, A's MAC
     for credential in (other_key, borrowed, "job.forge-b", shared.token[:-1] + "0"):
         code, _ = refusal(lambda: shared.client(0, credential).call("Heartbeat"))
@@ -275,7 +226,7 @@ def test_open_session_refuses_what_would_break_confinement(shared, tmp_path):
 
 
 def test_save_and_restore_stay_inside_the_sessions_root(shared, tmp_path):
-    a, b = shared.job("root-a"), shared.job("root-b")
+    a, b = started(shared, "root-a"), started(shared, "root-b")
     try:
         a.put(0, "w", [np.arange(6, dtype=np.float32)])
         b.put(0, "w", [np.ones(6, np.float32)])
@@ -305,7 +256,7 @@ def test_save_and_restore_stay_inside_the_sessions_root(shared, tmp_path):
 def test_a_silent_sessions_memory_is_freed_within_its_lease(shared):
     before = shared.admin(1, "Sessions")["live_bytes"]
     shared.admin(1, "OpenSession", {"job": "quiet", "root": str(shared.root / "quiet"), "lease_s": LEASE_S})
-    job = shared.client(1, job_credential(shared.token, "quiet"))
+    job = shared.client(1, shared.credential("quiet"))
     job.call("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1", "transfer_secret": "ab" * 16})
     big = np.ones((1024, 1024), np.float32)                    # 4 MiB
     for n in range(4):
@@ -324,7 +275,7 @@ def test_a_silent_sessions_memory_is_freed_within_its_lease(shared):
           f"{after['live_bytes']} after its lease lapsed")
     assert abs(after["live_bytes"] - before) <= 0.1 * before, (before, after["live_bytes"])
     assert shared.logged(1, "job quiet silent for")
-    code, message = refusal(lambda: shared.client(1, job_credential(shared.token, "quiet")).call("Heartbeat"))
+    code, message = refusal(lambda: shared.client(1, shared.credential("quiet")).call("Heartbeat"))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "no session for job quiet" in message
     assert shared.procs[1].poll() is None, "a job's silence must not stop a shared worker"
 
@@ -342,7 +293,7 @@ def test_a_second_job_loading_the_same_programs_hits_the_cache(shared):
     timings, results = [], []
     for job in ("cache-1", "cache-2"):
         shared.open(job)
-        client = shared.client(0, job_credential(shared.token, job))
+        client = shared.client(0, shared.credential(job))
         try:
             client.call("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1", "transfer_secret": "cd" * 16})
             stats = shared.admin(0, "Sessions")["cache"]
@@ -371,3 +322,19 @@ def test_a_second_job_loading_the_same_programs_hits_the_cache(shared):
           f"{timings[0][0] * 1e3:.1f} + {timings[0][1] * 1e3:.0f} ms, second job (cache hit) "
           f"{timings[1][0] * 1e3:.1f} + {timings[1][1] * 1e3:.0f} ms; first Run ratio "
           f"{timings[0][1] / timings[1][1]:.1f}x")
+
+
+def test_the_compile_cache_evicts_least_recently_used_under_its_bound():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    specs = [programs.exported(lambda b, k=k: ((b[0] * k,),), (X_SPEC,)) for k in (2.0, 3.0, 4.0)]
+    cache = CompileCache(limit_bytes=len(specs[0].data) + len(specs[1].data) + 8)    # room for two
+    first = cache.load(specs[0], mesh)
+    cache.load(specs[1], mesh)
+    assert cache.load(specs[0], mesh) is first                  # a hit; specs[1] is now the oldest
+    cache.load(specs[2], mesh)                                  # evicts specs[1]
+    assert cache.stats() == {"programs": 2, "bytes": len(specs[0].data) + len(specs[2].data),
+                             "limit_bytes": cache.limit_bytes, "hits": 1, "misses": 3, "evictions": 1}
+    assert cache.load(specs[0], mesh) is first and cache.load(specs[1], mesh) is not first
+    assert (cache.hits, cache.misses) == (2, 4)
+    with pytest.raises(ValueError, match="compile cache's limit"):
+        CompileCache(limit_bytes=-1)
