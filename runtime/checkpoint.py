@@ -55,7 +55,10 @@ class OutsideRoot(ValueError):
     """A Save or Restore named a directory outside the worker's root; the message names both."""
 
 
-def confine(items: dict[str, list[str]], root: str) -> dict[str, list[str]]:
+WORKER_ROOT = "this worker's root"
+
+
+def confine(items: dict[str, list[str]], root: str, whose: str = WORKER_ROOT) -> dict[str, list[str]]:
     """`items` ({directory: [buffer names]}) with every directory resolved to its real path;
     OutsideRoot if any is not strictly below `root` (itself resolved), or its Orbax temporary
     directory is not (a symlink planted there)."""
@@ -65,9 +68,11 @@ def confine(items: dict[str, list[str]], root: str) -> dict[str, list[str]]:
         real = os.path.realpath(directory)
         for path in (real, os.path.realpath(real + ORBAX_TMP_SUFFIX)):
             if path == real_root or os.path.commonpath([path, real_root]) != real_root:
-                raise OutsideRoot(f"checkpoint directory {directory!r} (really {path}) is outside this "
-                                  f"worker's root {real_root}: a worker saves and restores only below the "
-                                  f"root it was started with (mpmd worker --root DIR)")
+                why = ("a worker saves and restores only below the root it was started with "
+                       "(mpmd worker --root DIR)" if whose == WORKER_ROOT else
+                       "a job's session saves and restores only below the root its OpenSession gave")
+                raise OutsideRoot(f"checkpoint directory {directory!r} (really {path}) is outside "
+                                  f"{whose} {real_root}: {why}")
         out[real] = names
     return out
 
@@ -91,6 +96,7 @@ class SliceCheckpointer:
         self._max_queued = max_queued
         self._writer: threading.Thread | None = None
         self._checkpointer = None
+        self._closed = False
 
     def save(self, items: dict[str, dict]) -> None:
         """Snapshot {directory: {key: array, or a bundle (list of arrays)}} and queue its
@@ -112,8 +118,11 @@ class SliceCheckpointer:
         import orbax.checkpoint as ocp
         while True:
             with self._cond:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._cond.wait()
+                if not self._queue:          # closed, and every queued save written
+                    self._writer = None
+                    return
                 directory, tree = self._queue.pop(0)
                 self._writing = directory
             error = None
@@ -131,6 +140,13 @@ class SliceCheckpointer:
                 self._writing = None
                 self._done[directory] = error
                 self._cond.notify_all()
+
+    def close(self) -> None:
+        """Let the writer thread end once the saves queued so far are written (a closed
+        session's worker thread does not linger)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
     def pending(self) -> list[str]:
         """Directories queued or being written."""

@@ -82,8 +82,12 @@ class Progress(NamedTuple):
 class Executor:
     """One slice: `mesh` is its devices (runtime/mesh.py); every buffer is laid out on it."""
 
-    def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, transport: Transport):
+    def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, transport: Transport,
+                 load=programs_lib.load):
+        """load(spec, mesh) -> program: programs_lib.load, or a worker's CompileCache.load
+        (runtime/compile_cache.py), which shares loaded programs between sessions."""
         self.slice_index = slice_index
+        self._load = load
         self.mesh = mesh
         self.transport = transport
         self.programs: dict[str, programs_lib.Program] = {}
@@ -101,7 +105,7 @@ class Executor:
     # -- state -----------------------------------------------------------------------
     def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
         for name, spec in specs.items():
-            self.programs[name] = programs_lib.load(spec, self.mesh)
+            self.programs[name] = self._load(spec, self.mesh)
 
     def install_plan(self, name: str, stream) -> int:
         """Install a list of instructions or an encoded stream (runtime/streams.py, finished
@@ -200,6 +204,15 @@ class Executor:
             self._aborted_upto = max(self._aborted_upto, step)
             self._turn.notify_all()
 
+    def close(self) -> None:
+        """Drop everything this slice holds (its session is closed): every run, running or
+        queued or yet to arrive, is aborted; buffers, staged restores, plans and programs are
+        let go (the arrays are freed once a run still walking has stopped, at its next
+        instruction); saves already queued are still written."""
+        self.abort(2**62)
+        self.buffers, self._staged, self.plans, self.programs = {}, {}, {}, {}
+        self._checkpointer.close()
+
     def _take_turn(self, step: int, after: int) -> None:
         """Wait until no run holds the turn and run `after` has finished here, then take it.
         A run sent ahead (run-ahead dispatch) queues here behind the one running."""
@@ -262,6 +275,8 @@ class Executor:
         try:
             for i, ins in enumerate(stream):
                 where = f"{plan}[{i}] {_describe(ins)}"
+                if self._aborted_upto >= step:      # a plan without receives stops here too
+                    raise Aborted(f"slice {self.slice_index}: step aborted at {where}")
                 if isinstance(ins, Run):
                     self.progress = Progress(step, i, "run")
                     try:

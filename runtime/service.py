@@ -31,6 +31,21 @@ Every call must carry the cluster token in metadata `mpmd-token`; a call without
 with a wrong one, is refused (UNAUTHENTICATED) and logged, from its metadata alone, before
 its body is read: the refusing handler takes the request as a stream it never reads, so a
 400 MB body sent without the token costs the worker at most gRPC's flow-control window.
+
+A shared worker (`mpmd worker --shared`) serves several jobs, each in its own session
+(runtime/sessions.py). The cluster token is then the manager's admin credential, and each
+job calls with its own credential (runtime/credentials.py), also in `mpmd-token`:
+  OpenSession  {job, root, lease_s?} -> {}   (admin; the same job again renews it)
+  CloseSession {job} -> {freed}              (admin; aborts its runs, frees what it holds)
+  Sessions     -> {pid, devices, live_bytes, sessions: [{job, root, buffers, bytes, plans,
+                  idle_s}], cache: {programs, bytes, limit_bytes, hits, misses, evictions}}
+                                             (admin; a plain worker answers it too)
+  Hello        any valid credential;  Shutdown  admin: stop the worker, job: close its session
+  every other RPC above: a job credential, acting on that job's session only.
+A job credential calling an admin RPC, the admin token calling a job's RPC, and a job
+without a session here are refused (PERMISSION_DENIED) from the metadata, before the body
+is read; every refusal is logged with the job, the RPC and why. Compiled programs are
+shared by all sessions (runtime/compile_cache.py), on plain workers too.
 A malformed body gets INVALID_ARGUMENT naming what is wrong; the worker keeps serving. A
 Run that fails at an instruction answers INVALID_ARGUMENT (a bad plan) or INTERNAL (a
 program that raised) with trailing metadata naming the slice and the instruction, which
@@ -38,23 +53,24 @@ the controller raises as runtime.cluster.StepFailed.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
 import struct
 import threading
-import time
 import traceback
 
 import grpc
 import jax
 
 from runtime import instructions, mesh, programs, streams, wire
-from runtime.checkpoint import confine
+from runtime.checkpoint import WORKER_ROOT, OutsideRoot, confine
 from runtime.cluster import StepFailed
+from runtime.compile_cache import CompileCache
+from runtime.credentials import is_cluster_token, job_of
 from runtime.executor import Aborted, Executor
 from runtime.instructions import Spec
+from runtime.sessions import Session, SessionTable, live_bytes
 
 SERVICE = "mpmd.Worker"
 TOKEN_KEY = "mpmd-token"
@@ -73,24 +89,55 @@ _BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, Ove
 log = logging.getLogger("mpmd.worker")
 
 
-class WorkerService:
-    """root: the only directory tree Save and Restore may touch (default: the current directory)."""
+ADMIN_METHODS = ("OpenSession", "CloseSession", "Sessions")
+JOB_METHODS = ("Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete", "Run", "Save",
+               "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
+METHODS = ("Hello",) + JOB_METHODS + ADMIN_METHODS
+ADMIN = "admin"          # the caller holding the cluster token
 
-    def __init__(self, token: str, on_shutdown, root: str | None = None):
-        self._token = token.encode()
+
+class WorkerService:
+    """root: the only directory tree Save and Restore may touch (default: the current
+    directory); a shared worker's sessions each get a directory below it.
+    shared: serve several jobs, one session each (see the module docstring); otherwise one
+    controller, whose session is made by Setup. lease_s: a shared worker's default lease of
+    a session (a plain worker's lease is watched by runtime/worker.py). cache: the compiled
+    programs kept across sessions (default: a CompileCache of the default size)."""
+
+    def __init__(self, token: str, on_shutdown, root: str | None = None, shared: bool = False,
+                 lease_s: float = 15.0, cache: CompileCache | None = None):
+        self._token = token
         self.root = os.path.realpath(root if root is not None else os.getcwd())
         self._on_shutdown = on_shutdown
         self.device = jax.devices()[0]
-        self.executor: Executor | None = None
-        self.transport = None
-        self.last_contact = time.monotonic()
-        self.attached = False          # a controller has called Setup
+        self.shared = shared
+        self.cache = cache if cache is not None else CompileCache()
+        self.sessions = SessionTable(self.root, lease_s)
+        self._solo = Session(None, self.root, lease_s)     # a plain worker's only session
 
-    # -- handlers: (header, blobs) -> (header, blobs) ------------------------------------
-    def Hello(self, h, b):
+    # A plain worker's session, as runtime/worker.py and runtime/ray_cluster.py see it.
+    @property
+    def executor(self) -> Executor | None:
+        return self._solo.executor
+
+    @property
+    def transport(self):
+        return self._solo.transport
+
+    @property
+    def attached(self) -> bool:
+        """A controller has called Setup."""
+        return self._solo.executor is not None
+
+    @property
+    def last_contact(self) -> float:
+        return self._solo.last_contact
+
+    # -- handlers: (session, header, blobs) -> (header, blobs) -----------------------------
+    def Hello(self, s, h, b):
         return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform}, []
 
-    def Setup(self, h, b):
+    def Setup(self, s: Session, h, b):
         from runtime.transport import TransferTransport, check_secret
         index = _int(h, "slice_index")
         try:     # checked before the session is touched; never echoed
@@ -99,14 +146,13 @@ class WorkerService:
             raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
         shape = mesh.shape_of(h.get("mesh") or {"data": len(jax.devices())})
         slice_mesh = mesh.bind(shape, jax.devices())
-        if self.transport is not None:
-            self.transport.close()
-        self.transport = TransferTransport(index, slice_mesh, listen_host=_str(h, "transfer_host"), secret=secret)
-        self.executor = Executor(index, slice_mesh, self.transport)
-        self.attached = True
-        return {"transfer_address": self.transport.address}, []
+        if s.transport is not None:     # its port and table go before the new server starts
+            s.transport.close()
+        transport = TransferTransport(index, slice_mesh, listen_host=_str(h, "transfer_host"), secret=secret)
+        s.attach(Executor(index, slice_mesh, transport, load=self.cache.load), transport)
+        return {"transfer_address": transport.address}, []
 
-    def Connect(self, h, b):
+    def Connect(self, s, h, b):
         peers = h.get("peers")
         if not isinstance(peers, dict) or not all(isinstance(v, str) and v.rpartition(":")[2].isdigit()
                                                   for v in peers.values()):
@@ -114,167 +160,255 @@ class WorkerService:
                              f"got {peers!r:.200}")
         peers = {int(k): v for k, v in peers.items()}
         try:
-            self._exec().transport.connect_peers(peers)
+            _exec(s).transport.connect_peers(peers)
         except RuntimeError as e:      # XLA's own refusal of an address
             raise ValueError(f"cannot connect to peers {peers}: {e}") from None
         return {}, []
 
-    def LoadPrograms(self, h, b):
+    def LoadPrograms(self, s, h, b):
         specs = {}
         for p in _list(h, "programs"):
-            outputs = tuple(tuple(Spec(tuple(s), d) for s, d in bundle) for bundle in p.get("outputs", []))
+            outputs = tuple(tuple(Spec(tuple(x), d) for x, d in bundle) for bundle in p.get("outputs", []))
             data = wire.blob(b, p["data"], bytes) if "data" in p else b""
             specs[_str(p, "name")] = programs.ProgramSpec(_str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs)
-        self._exec().load_programs(specs)
+        _exec(s).load_programs(specs)
         return {"loaded": len(specs)}, []
 
-    def InstallPlan(self, h, b):
+    def InstallPlan(self, s, h, b):
         if "encoded" in h:
             stream = streams.from_bytes(wire.blob(b, h["encoded"], bytes))
         else:
             stream = [instructions.from_json(i) for i in _list(h, "stream")]
-        return {"instructions": self._exec().install_plan(_str(h, "name"), stream)}, []
+        return {"instructions": _exec(s).install_plan(_str(h, "name"), stream)}, []
 
-    def Put(self, h, b):
+    def Put(self, s, h, b):
         layouts = [instructions.layout_from_json(l) for l in _list(h, "layouts")] if "layouts" in h else None
-        self._exec().put(_str(h, "name"), [wire.blob(b, r) for r in _list(h, "arrays")], layouts)
+        _exec(s).put(_str(h, "name"), [wire.blob(b, r) for r in _list(h, "arrays")], layouts)
         return {}, []
 
-    def Get(self, h, b):
-        got = self._exec().get([str(n) for n in _list(h, "names")])
+    def Get(self, s, h, b):
+        got = _exec(s).get([str(n) for n in _list(h, "names")])
         out = wire.Builder()
         return {"arrays": {n: [out.add(a) for a in arrays] for n, arrays in got.items()}}, out.blobs
 
-    def Delete(self, h, b):
-        self._exec().delete([str(n) for n in _list(h, "names")])
+    def Delete(self, s, h, b):
+        _exec(s).delete([str(n) for n in _list(h, "names")])
         return {}, []
 
-    def Run(self, h, b):
+    def Run(self, s, h, b):
         feeds = h.get("feeds", {})
         if not isinstance(feeds, dict):
             raise ValueError("Run 'feeds' must be {buffer name: [blob, ...]}")
         feeds = {str(n): [wire.blob(b, r) for r in refs] for n, refs in feeds.items()}
         after = _int(h, "after") if "after" in h else -1
         # The executor takes turns: a Run sent ahead waits there behind the one running.
-        result = self._exec().run(_str(h, "plan"), _int(h, "step"), feeds,
-                                  tuple(str(n) for n in h.get("fetch", [])), bool(h.get("trace", False)), after)
+        result = _exec(s).run(_str(h, "plan"), _int(h, "step"), feeds,
+                              tuple(str(n) for n in h.get("fetch", [])), bool(h.get("trace", False)), after)
         out = wire.Builder()
         fetched = {n: [out.add(a) for a in arrays] for n, arrays in result.fetched.items()}
         return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s,
                 "peak_held": result.peak_held, "peak_held_bytes": result.peak_held_bytes,
                 "peak_bytes": result.peak_bytes}, out.blobs
 
-    def Save(self, h, b):
-        self._exec().save(confine(_items(h), self.root))
+    def Save(self, s, h, b):
+        _exec(s).save(self._confine(s, _items(h)))
         return {}, []
 
-    def WaitSaves(self, h, b):
+    def WaitSaves(self, s, h, b):
         directories = None
         if "directories" in h:
-            directories = list(confine({str(d): [] for d in _list(h, "directories")}, self.root))
-        return {"finalized": self._exec().wait_saves(directories)}, []
+            directories = list(self._confine(s, {str(d): [] for d in _list(h, "directories")}))
+        return {"finalized": _exec(s).wait_saves(directories)}, []
 
-    def Restore(self, h, b):
+    def Restore(self, s, h, b):
         layouts = h.get("layouts", {})
         if not isinstance(layouts, dict) or not all(isinstance(v, list) for v in layouts.values()):
             raise ValueError("Restore 'layouts' must be {buffer name: [layout, ...]}")
         layouts = {str(n): [instructions.layout_from_json(l) for l in ls] for n, ls in layouts.items()}
-        self._exec().restore(confine(_items(h), self.root), staged=bool(h.get("staged", False)), layouts=layouts)
+        _exec(s).restore(self._confine(s, _items(h)), staged=bool(h.get("staged", False)), layouts=layouts)
         return {}, []
 
-    def FinishRestore(self, h, b):
-        self._exec().finish_restore(bool(h.get("commit", False)))
+    def FinishRestore(self, s, h, b):
+        _exec(s).finish_restore(bool(h.get("commit", False)))
         return {}, []
 
-    def Heartbeat(self, h, b):
-        progress = list(self.executor.progress) if self.executor is not None else None
-        running = self.executor is not None and self.executor.busy
+    def Heartbeat(self, s, h, b):
+        executor = s.executor
+        progress = list(executor.progress) if executor is not None else None
+        running = executor is not None and executor.busy
         return {"pid": os.getpid(), "step_running": running, "progress": progress}, []
 
-    def Abort(self, h, b):
+    def Abort(self, s, h, b):
         """Stop a running step and drop this slice's pending transfers (peers waiting on them
-        fail instead of hanging; nothing of the aborted step can pair with a later one)."""
-        if self.executor is not None:
-            self.executor.abort(_int(h, "step"))
-            self.transport.reset()
+        fail instead of hanging; nothing of the aborted step can pair with a later one). On a
+        shared worker both are the caller's session's only."""
+        executor, transport = s.executor, s.transport
+        if executor is not None:
+            executor.abort(_int(h, "step"))
+            transport.reset()
         return {}, []
 
-    def Shutdown(self, h, b):
+    def Shutdown(self, s, h, b):
+        if s is not None and self.shared:      # a job leaving: its session only
+            self.sessions.close(s.job)
+            log.info("job %s shut its session down", s.job)
+            return {}, []
         threading.Thread(target=self._on_shutdown, args=("controller asked",), daemon=True).start()
         return {}, []
 
+    def OpenSession(self, s, h, b):
+        self._need_shared("OpenSession")
+        session = self.sessions.open(h.get("job"), h.get("root"), h.get("lease_s"))
+        log.info("session of job %s open: root %s, lease %g s", session.job, session.root, session.lease_s)
+        return {}, []
+
+    def CloseSession(self, s, h, b):
+        self._need_shared("CloseSession")
+        job = _str(h, "job")
+        freed = self.sessions.close(job)
+        log.info("session of job %s closed by the manager%s", job, "" if freed else " (it had none)")
+        return {"freed": freed}, []
+
+    def Sessions(self, s, h, b):
+        sessions = self.sessions.all() if self.shared else [self._solo] if self.attached else []
+        return {"pid": os.getpid(), "devices": len(jax.devices()), "live_bytes": live_bytes(),
+                "sessions": [x.describe() for x in sessions], "cache": self.cache.stats()}, []
+
     def reset(self) -> None:
-        """Drop the slice (buffers, programs, transfer server) and wait for a controller."""
-        if self.transport is not None:
-            self.transport.close()
-        self.executor, self.transport, self.attached = None, None, False
+        """A plain worker: drop the slice (buffers, programs, transfer server) and wait for a
+        controller."""
+        self._solo.close()
+        self._solo = Session(None, self.root, self._solo.lease_s)
+
+    def close(self) -> None:
+        """Close every session (the worker is stopping)."""
+        for session in self.sessions.all() + [self._solo]:
+            session.close()
+
+    def lapse(self) -> list[tuple[str, float]]:
+        """A shared worker: close the sessions whose job has been silent past its lease."""
+        gone = self.sessions.lapsed()
+        for job, silent_s in gone:
+            log.warning("job %s silent for %.1f s, past its lease: session closed", job, silent_s)
+        return gone
 
     # -- plumbing --------------------------------------------------------------------------
-    def _exec(self) -> Executor:
-        if self.executor is None:
-            raise ValueError("worker is not set up: call Setup first")
-        return self.executor
+    def _need_shared(self, name: str) -> None:
+        if not self.shared:
+            raise ValueError(f"{name} needs a shared worker (mpmd worker --shared); this one serves one controller")
+
+    def _confine(self, s: Session, items: dict) -> dict:
+        return confine(items, s.root, f"job {s.job}'s root" if s.job is not None else WORKER_ROOT)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return _Handler(self)
 
-    def authorized(self, metadata) -> bool:
-        token = dict(metadata or ()).get(TOKEN_KEY, "")
-        return isinstance(token, str) and hmac.compare_digest(token.encode(), self._token)
+    def caller(self, metadata):
+        """ADMIN for the cluster token, a job id for a valid job credential (shared worker
+        only), None for anything else."""
+        credential = dict(metadata or ()).get(TOKEN_KEY, "")
+        if is_cluster_token(credential, self._token):
+            return ADMIN
+        return job_of(credential, self._token) if self.shared else None
 
-    def wrap(self, name: str):
+    def route(self, name: str, caller) -> tuple[Session | None, str | None]:
+        """(the session a call acts on, None) or (None, why it is refused)."""
+        if name == "Hello":
+            return None, None
+        if name in ADMIN_METHODS:
+            return None, (None if caller == ADMIN else
+                          f"{name} is the cluster manager's (the cluster token), not a job's")
+        if not self.shared:
+            return self._solo, None
+        if caller == ADMIN:
+            return None, (None if name == "Shutdown" else
+                          f"{name} acts on a job's session: call it with that job's credential")
+        session = self.sessions.get(caller)
+        if session is None:
+            return None, f"no session for job {caller} on this worker"
+        return session, None
+
+    def wrap(self, name: str, session: Session | None, caller):
         method = getattr(self, name)
+        # Whom a log line names: a shared worker's caller; a plain worker has only one.
+        who = f" (job {caller})" if caller not in (None, ADMIN) else " (the manager)" if self.shared else ""
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
-            self.last_contact = time.monotonic()
+            if session is not None:
+                session.touch()
             try:
                 header, blobs = wire.decode(request)
-                reply, out = method(header, blobs)
+                reply, out = method(session, header, blobs)
                 return wire.encode(reply, out)
             except Aborted as e:
                 context.abort(grpc.StatusCode.ABORTED, f"{name}: {e}")
             except StepFailed as e:
                 bad_plan = isinstance(e.__cause__, _BAD_REQUEST)
-                (log.warning if bad_plan else log.error)("%s failed: %s\n%s", name, e,
+                (log.warning if bad_plan else log.error)("%s failed%s: %s\n%s", name, who, e,
                                                          "" if bad_plan else traceback.format_exc())
                 context.set_trailing_metadata(((FAILED_SLICE_KEY, str(e.slice_index)),
                                                (FAILED_AT_KEY, e.instruction.encode())))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad_plan else grpc.StatusCode.INTERNAL,
                               e.message)
+            except OutsideRoot as e:
+                log.warning("refused %s from %s: %s", name, _caller_name(caller if self.shared else None,
+                                                                       context.peer()), e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
             except _BAD_REQUEST as e:
-                log.warning("bad %s request: %s", name, e)
+                log.warning("bad %s request%s: %s", name, who, e)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
             except Exception as e:
-                log.error("%s failed:\n%s", name, traceback.format_exc())
+                log.error("%s failed%s:\n%s", name, who, traceback.format_exc())
                 context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
         return call
 
 
+def _exec(s: Session) -> Executor:
+    executor = s.executor
+    if executor is None:
+        raise ValueError("worker is not set up: call Setup first" if not s.closed else
+                         f"the session of {s.name} was closed")
+    return executor
+
+
 class _Handler(grpc.GenericRpcHandler):
     """Routes a call by its method name and metadata, before gRPC reads its body. A call
-    without the token gets a handler that takes the request as a stream and never reads it:
-    the refusal costs a few bytes whatever the body's size (the wire format of a unary and a
-    streaming request is the same)."""
-
-    METHODS = ("Hello", "Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete",
-               "Run", "Save", "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
+    without a valid credential, or one its credential may not make, gets a handler that
+    takes the request as a stream and never reads it: the refusal costs a few bytes whatever
+    the body's size (the wire format of a unary and a streaming request is the same)."""
 
     def __init__(self, service: WorkerService):
         self._service = service
-        self._handlers = {f"/{SERVICE}/{n}": grpc.unary_unary_rpc_method_handler(service.wrap(n))
-                          for n in self.METHODS}
+        self._methods = {f"/{SERVICE}/{n}": n for n in METHODS}
 
     def service(self, details: grpc.HandlerCallDetails):
-        handler = self._handlers.get(details.method)
-        if handler is None or self._service.authorized(details.invocation_metadata):
-            return handler
-        token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
-        name = details.method.rpartition("/")[2]
+        name = self._methods.get(details.method)
+        if name is None:
+            return None
+        caller = self._service.caller(details.invocation_metadata)
+        if caller is None:
+            token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
+            return _refusal(name, None, f"{'wrong' if token else 'missing'} token", grpc.StatusCode.UNAUTHENTICATED,
+                            f"missing or wrong {TOKEN_KEY}")
+        session, why = self._service.route(name, caller)
+        if why is not None:
+            return _refusal(name, caller, why, grpc.StatusCode.PERMISSION_DENIED)
+        return grpc.unary_unary_rpc_method_handler(self._service.wrap(name, session, caller))
 
-        def refuse(_unread_requests, context: grpc.ServicerContext):
-            log.warning("refused %s from %s: %s token", name, context.peer(), "wrong" if token else "missing")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_KEY}")
-        return grpc.stream_unary_rpc_method_handler(refuse)
+
+def _refusal(name: str, caller, why: str, code: grpc.StatusCode, told: str | None = None):
+    """A handler that refuses `name` without reading its body, and logs who and why (a
+    caller without a valid credential is named by its address only). `told`: what the
+    caller is told, if not `why`."""
+    def refuse(_unread_requests, context: grpc.ServicerContext):
+        log.warning("refused %s from %s: %s", name, _caller_name(caller, context.peer()), why)
+        context.abort(code, f"{name}: {told or why}")
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def _caller_name(caller, peer: str) -> str:
+    """A refused caller as a log line names it: by credential and address, or by address."""
+    return f"the manager ({peer})" if caller == ADMIN else f"job {caller} ({peer})" if caller else peer
 
 
 def _items(h: dict) -> dict:

@@ -174,9 +174,13 @@ class TransferTransport:
         wait on this slice. Pulls this slice posted to others fail when *they* reset. Before a
         step is replayed with the same keys every slice must reset: ids are one-shot, so a
         leftover send or pull of the aborted attempt would otherwise pair with the replay's."""
-        self._server._reset_rendevous_table()
+        if self._server is not None:     # closed: nothing left to reset
+            self._server._reset_rendevous_table()
 
     def close(self) -> None:
+        """Idempotent: a session's Setup and its close may both close the old transport."""
+        if self._server is None:
+            return
         self.reset()
         self._waiters.close()
         self._connections.clear()

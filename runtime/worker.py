@@ -14,6 +14,13 @@ its controller is gone:
 - started by hand: once a controller has attached (Setup), a silence longer than `--lease-s`
   (the controller heartbeats every second or so) means it is gone; the worker exits, or with
   `--persist` drops its state and waits for the next controller.
+- shared (`--shared`, started by a cluster manager, runtime/manager.py): it serves several
+  jobs at once, one session each (runtime/sessions.py), and never exits because a job went
+  away: a job silent for its session's lease (`--lease-s` unless OpenSession names one)
+  loses that session only. It exits on the manager's Shutdown or a signal.
+
+Compiled programs are kept across sessions and Setups, up to `--compile-cache-mb` of
+serialized programs (runtime/compile_cache.py).
 
 Logs. Everything the worker logs (its own records, Orbax's, JAX's, Python warnings) goes to
 stderr at `--log-level` (LocalCluster points stderr at <run_dir>/logs/worker_<slot>.log). With
@@ -35,6 +42,8 @@ import stat
 import sys
 import threading
 import time
+
+from runtime.compile_cache import DEFAULT_LIMIT_MB
 
 READY = "MPMD_WORKER_READY"
 RELAY = "MPMD_LOG"            # a log record relayed on stdout: "MPMD_LOG <levelno> <text>"
@@ -71,9 +80,22 @@ def parse_args(argv):
                         f"'{RELAY} <levelno> <text>', for the controller that started this worker")
     p.add_argument("--persist", action="store_true",
                    help="when the controller's lease lapses, reset and wait for another instead of exiting")
+    p.add_argument("--shared", action="store_true",
+                   help="serve several jobs of a shared cluster, one session each (opened by the cluster "
+                        "manager with the cluster token; each job calls with its own credential); a job's "
+                        "silence closes its session only")
+    p.add_argument("--compile-cache-mb", type=float, default=DEFAULT_LIMIT_MB,
+                   help=f"keep loaded programs, across sessions, up to this many MB of serialized programs "
+                        f"(least recently used out first; default {DEFAULT_LIMIT_MB})")
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error(f"--devices must be a positive integer, got {args.devices}")
+    if not 0 < args.lease_s < float("inf"):
+        p.error(f"--lease-s must be a positive number of seconds, got {args.lease_s}")
+    if not 0 <= args.compile_cache_mb < float("inf"):
+        p.error(f"--compile-cache-mb must be a number of MB >= 0 (0: keep none), got {args.compile_cache_mb}")
+    if args.shared and args.persist:
+        p.error("--persist is for a worker serving one controller; a --shared worker always outlives its jobs")
     return args
 
 
@@ -185,6 +207,7 @@ def main(argv=None) -> int:
     token = read_token(args)
     configure_process(args.devices, args.cpus)
 
+    from runtime.compile_cache import CompileCache
     from runtime.service import WorkerService
 
     done = threading.Event()
@@ -199,9 +222,10 @@ def main(argv=None) -> int:
             reason.append(why)
             done.set()
 
-    service = WorkerService(token, stop, root=args.root)
+    service = WorkerService(token, stop, root=args.root, shared=args.shared, lease_s=args.lease_s,
+                            cache=CompileCache(int(args.compile_cache_mb * 2**20)))
     try:
-        server, address = serve(service, args.listen)
+        server, address = serve(service, args.listen, SHARED_RPC_THREADS if args.shared else RPC_THREADS)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -211,9 +235,12 @@ def main(argv=None) -> int:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")),
                          daemon=True).start()
     print(f"{READY} {address}", flush=True)
-    logging.info("serving slice on %s; checkpoints confined to %s", address, service.root)
+    logging.info("serving %s on %s; checkpoints confined to %s", "a shared cluster's jobs" if args.shared
+                 else "slice", address, service.root)
     while not done.wait(0.5):
-        if service.attached and time.monotonic() - service.last_contact > args.lease_s:
+        if args.shared:
+            service.lapse()
+        elif service.attached and time.monotonic() - service.last_contact > args.lease_s:
             if args.persist:
                 logging.warning("controller silent for %.0f s: resetting, waiting for the next", args.lease_s)
                 service.reset()
@@ -221,24 +248,29 @@ def main(argv=None) -> int:
                 stop(f"controller silent for {args.lease_s:.0f} s")
     logging.info("shutting down: %s", reason[0] if reason else "")
     server.stop(grace=1.0).wait(2.0)
-    if service.transport is not None:
-        service.transport.close()
+    service.close()
     # Daemon threads may still hold XLA resources; leave without running their teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def serve(service, listen: str):
+# RPC threads. Several: Heartbeat and Abort must be served while a Run is executing (and a
+# run-ahead Run waits in its thread behind it). A shared worker serves several jobs, each
+# with its own Runs in flight, plus the manager.
+RPC_THREADS, SHARED_RPC_THREADS = 8, 32
+
+
+def serve(service, listen: str, threads: int = RPC_THREADS):
     """Serve `service` (a runtime.service.WorkerService) over gRPC on listen (HOST:PORT, port 0
-    = any free one); returns (started server, "host:port"). Raises OSError if it cannot bind.
-    Shared by this process's main and the Ray actor of runtime/ray_cluster.py."""
+    = any free one) with `threads` RPC threads; returns (started server, "host:port"). Raises
+    OSError if it cannot bind. Shared by this process's main and the Ray actor of
+    runtime/ray_cluster.py."""
     import grpc
     from concurrent import futures
     from runtime.service import SERVER_OPTIONS
 
-    # Several threads: Heartbeat and Abort must be served while a Run is executing.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mpmd-rpc"),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mpmd-rpc"),
                          options=SERVER_OPTIONS)
     server.add_generic_rpc_handlers((service.handler(),))
     host = listen.rpartition(":")[0]

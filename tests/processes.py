@@ -1,5 +1,6 @@
-"""Helpers for tests that start real processes: worker liveness and the `mpmd train` command
-(run to the end, or in the background as a Controller)."""
+"""Helpers for tests that start real processes: worker liveness, the `mpmd train` command
+(run to the end, or in the background as a Controller), and shared workers
+(`mpmd worker --shared`) driven as a cluster manager would."""
 from __future__ import annotations
 
 import os
@@ -114,3 +115,98 @@ class Controller:
             except (FileNotFoundError, ProcessLookupError):   # a thread that ended since the listing
                 continue
         return pids
+
+
+class SharedWorkers:
+    """`num` `mpmd worker --shared` processes under `base` (token file, root, worker_<i>.log),
+    reached as the cluster manager reaches them (the cluster token) or as a job does (its
+    credential). disk_cache=False starts them without JAX's compilation cache on disk, so a
+    miss of their own compile cache really compiles; `cpus[i]` pins worker i. A context
+    manager: on exit the manager's Shutdown stops them (killed if they linger)."""
+
+    def __init__(self, base: Path, num: int, disk_cache: bool = True, cpus=None, lease_s: float = 30.0):
+        import secrets
+        self.token = secrets.token_hex(16)
+        self.root = base / "root"
+        self.root.mkdir()
+        token_file = base / "token"
+        token_file.write_text(self.token + "\n")
+        token_file.chmod(0o600)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+        if not disk_cache:
+            env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        self.logs = [base / f"worker_{i}.log" for i in range(num)]
+        self.procs = []
+        for i, log in enumerate(self.logs):
+            pin = ["--cpus", str(cpus[i])] if cpus else []
+            with open(log, "w") as stderr:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "recipes.cli", "worker", "--shared", "--listen", "127.0.0.1:0",
+                     "--token-file", str(token_file), "--root", str(self.root), "--lease-s", str(lease_s), *pin],
+                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
+        self.addresses = []
+        for p in self.procs:
+            line = p.stdout.readline()
+            if not line.startswith("MPMD_WORKER_READY"):
+                self.close()
+                raise RuntimeError(f"a shared worker did not start: {line!r}; see {self.logs}")
+            self.addresses.append(line.split()[1])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def client(self, i: int, credential: str | None = None):
+        import collections
+        from runtime.client import WorkerClient
+        return WorkerClient(self.addresses[i], credential or self.token, collections.Counter())
+
+    def admin(self, i: int, method: str, header=None) -> dict:
+        """The reply header of the admin RPC `method` to worker i."""
+        c = self.client(i)
+        try:
+            return c.call(method, header)[0]
+        finally:
+            c.close()
+
+    def open(self, job: str, lease_s: float = 30.0) -> None:
+        """Open job's session on every worker, its root <root>/<job>."""
+        for i in range(len(self.addresses)):
+            self.admin(i, "OpenSession", {"job": job, "root": str(self.root / job), "lease_s": lease_s})
+
+    def credential(self, job: str) -> str:
+        from runtime.credentials import job_credential
+        return job_credential(self.token, job)
+
+    def job(self, name: str):
+        """Job `name`'s control plane over every worker (its sessions opened as the manager
+        would), not started yet."""
+        import mpmd
+        self.open(name)
+        return mpmd.StaticCluster(self.addresses, token=self.credential(name))
+
+    def logged(self, i: int, text: str, timeout_s: float = 5.0) -> bool:
+        """Whether worker i's log holds `text` (within `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if text in self.logs[i].read_text():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        from runtime.client import WorkerError
+        for i, p in enumerate(self.procs):
+            if p.poll() is None and i < len(self.addresses):
+                try:
+                    self.admin(i, "Shutdown")
+                except WorkerError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
