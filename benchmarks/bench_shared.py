@@ -13,7 +13,8 @@ a. Job start: from launching `mpmd train` to its first step's line, for the same
    from an earlier job). Rounds alternate the two (order swapped each round) so load on the
    machine hits both alike; medians are reported, and their ratio. Both include the
    controller's own start (Python, JAX, building and lowering the model): that part is the
-   same for both.
+   same for both. For the shared jobs it also prints Submit -> first step (the manager's
+   record of the Submit against the first step's line): what the cluster itself costs.
 b. Throughput: steps per second of one sharing job alone on the cluster, and of two sharing
    jobs at once (cluster.share=true: both on the same two workers, steps interleaved),
    counted over the window in which both were training. Ratio = two together / one alone
@@ -61,6 +62,7 @@ class Job:
                                           f"run_dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                                          stderr=err, text=True)
         self.steps: dict[int, float] = {}
+        self.wall: dict[int, float] = {}      # the same, wall-clock (to set against the manager's times)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -69,6 +71,7 @@ class Job:
             m = re.match(r"step (\d+)/", line)
             if m:
                 self.steps.setdefault(int(m.group(1)), time.monotonic())
+                self.wall.setdefault(int(m.group(1)), time.time())
 
     def wait(self) -> "Job":
         self.proc.wait(timeout=600)
@@ -106,16 +109,23 @@ def main() -> None:
         cold = Job(tmp / "cold", "train.steps=3", *shared).wait()      # fills the workers' program cache
         print(f"shared cluster, first job (programs compiled): start {cold.start_s:.2f} s")
         starts = {"local": [], "shared": []}
+        submitted = []                # shared: Submit -> first step, from the manager's record
         for r in range(args.rounds):
             order = ("local", "shared") if r % 2 == 0 else ("shared", "local")
             for kind in order:
                 extra = shared if kind == "shared" else ["cluster.backend=local"]
                 job = Job(tmp / f"start_{kind}_{r}", "train.steps=3", *extra).wait()
                 starts[kind].append(job.start_s)
+                if kind == "shared":
+                    jobs = json.loads(mpmd("cluster", "status", "--file", cluster_file, "--json").stdout)["jobs"]
+                    sub = [j["submitted"] for j in jobs if j["name"] == f"start_shared_{r}"][0]
+                    submitted.append(job.wall[1] - sub)
         med = {k: statistics.median(v) for k, v in starts.items()}
         print(f"a. job start (launch -> first step), median of {args.rounds}: own workers {med['local']:.2f} s "
               f"{[round(x, 2) for x in starts['local']]}, warm shared cluster {med['shared']:.2f} s "
-              f"{[round(x, 2) for x in starts['shared']]}; ratio own / shared = {med['local'] / med['shared']:.2f}")
+              f"{[round(x, 2) for x in starts['shared']]}; ratio own / shared = {med['local'] / med['shared']:.2f}; "
+              f"on the shared cluster, Submit -> first step {statistics.median(submitted):.2f} s (median; the rest "
+              f"is the controller's own start, the same for both)")
         alone = Job(tmp / "alone", f"train.steps={args.steps}", *shared).wait()
         one = overlap_rate([alone])
         pair = [Job(tmp / f"pair_{i}", f"train.steps={args.steps}", f"seed={i}", *shared) for i in range(2)]
