@@ -93,7 +93,7 @@ class Manager:
     def __init__(self, pool: WorkerPool, cluster_token: str, submit_token: str, journal: str,
                  lease_s: float = 10.0):
         self.pool = pool
-        self._cluster_token, self._submit_token = cluster_token, submit_token
+        self.cluster_token, self._submit_token = cluster_token, submit_token
         self._journal = journal
         self.lease_s = lease_s
         self.jobs: dict[str, Job] = {}
@@ -211,7 +211,7 @@ class Manager:
         if c is None or c.address != address:
             if c is not None:
                 c.close()
-            c = self._clients[slot] = WorkerClient(address, self._cluster_token, self._counts)
+            c = self._clients[slot] = WorkerClient(address, self.cluster_token, self._counts)
         return c
 
     def _open_session(self, slot: int, job: Job) -> None:
@@ -363,19 +363,19 @@ class Manager:
         """Who `token` is for a method of `kind`: "admin", "submit", a job id; None: refused."""
         if not isinstance(token, str):
             return None
-        if hmac.compare_digest(token.encode(), self._cluster_token.encode()):
+        if hmac.compare_digest(token.encode(), self.cluster_token.encode()):
             return "admin"
         if kind == "submit" and hmac.compare_digest(token.encode(), self._submit_token.encode()):
             return "submit"
         if kind == "job":
-            return credentials.job_of(token, self._cluster_token)
+            return credentials.job_of(token, self.cluster_token)
         return None
 
     def handle(self, method: str, who: str, h: dict) -> dict:
         if method == "Submit":
             job = self.submit(h.get("name", "job"), h.get("slices"), h.get("share", False), h.get("root"),
                               h.get("lease_s", self.lease_s), h.get("devices"))
-            return {"job": job.id, "credential": credentials.job_credential(self._cluster_token, job.id),
+            return {"job": job.id, "credential": credentials.job_credential(self.cluster_token, job.id),
                     "position": self.position(job), "workers": self.addresses(job) if job.state == "leased" else []}
         if method == "Status":
             return self.status()
@@ -422,7 +422,12 @@ class _Handler(grpc.GenericRpcHandler):
         token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
         who = self._m.principal(METHODS[name], token)
         if who is None:
+            job = credentials.job_of(token, self._m.cluster_token) if isinstance(token, str) else None
+
             def refuse(_unread, context):
+                if job is not None:      # a real job credential, on a verb that is not a job's
+                    log.warning("refused %s from %s: job %s's credential may not call it", name, context.peer(), job)
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: a job's credential may not call it")
                 log.warning("refused %s from %s: %s credential", name, context.peer(), "wrong" if token else "no")
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_KEY} for {name}")
             return grpc.stream_unary_rpc_method_handler(refuse)

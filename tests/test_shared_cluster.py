@@ -7,9 +7,11 @@ a queued job starts before the one ahead of it ends; a SIGKILLed job's sessions 
 stay on the workers or its workers never come back to the pool; a repeated job compiles
 again; `down` leaves a process; bad input is accepted.
 """
+import collections
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -18,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from recipes import config, run_log
-from runtime.shared import JobRefused, SharedLauncher
+from runtime.client import WorkerClient, WorkerError
+from runtime.credentials import job_credential
+from runtime.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
 from tests.processes import ROOT, Controller, alive, wait_gone
 
 LEASE_S = 4.0
@@ -185,6 +189,24 @@ def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
     with pytest.raises(JobRefused, match="give the job cluster.devices_per_worker=1"):
         two_device_slices.start(1, str(shared.tmp))
     assert not [j for j in shared.status()["jobs"] if j["state"] in ("queued", "leased")]
+
+
+def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(shared):
+    """The cluster file (0600) holds the submit token, not the cluster token; a job's
+    credential may not stop the cluster nor touch another job."""
+    assert stat.S_IMODE(os.stat(shared.file).st_mode) == 0o600
+    cluster_token = (shared.tmp / "cl" / "cluster.token").read_text().strip()
+    assert cluster_token not in shared.file.read_text()
+    saved = json.loads(shared.file.read_text())
+    mine = WorkerClient(saved["manager"], job_credential(cluster_token, "mine-1"), collections.Counter(),
+                        MANAGER_SERVICE)
+    try:
+        for method, header in (("Down", {}), ("Release", {"job": "theirs-1"}), ("Submit", {"slices": 1})):
+            with pytest.raises(WorkerError, match="PERMISSION_DENIED"):
+                mine.call(method, header)
+    finally:
+        mine.close()
+    assert all(alive(p) for p in shared.pids())
 
 
 def test_down_leaves_no_process(shared):
