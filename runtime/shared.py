@@ -134,11 +134,19 @@ class SharedLauncher:
         return list(self.addresses)
 
     def _renew(self) -> None:
+        failing_since = None          # one warning per outage, not one a second
         while not self._stop.wait(RENEW_S):
             try:
                 self._manager.call("Renew", {"job": self.job}, timeout_s=RENEW_S * 2)
             except WorkerError as e:
-                log.warning("job %s: renewing the lease failed: %s", self.job, e)
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("job %s: renewing the lease failed (%s); trying again every %g s", self.job, e,
+                                RENEW_S)
+                continue
+            if failing_since is not None:
+                log.warning("job %s: lease renewed again after %.1f s", self.job, time.monotonic() - failing_since)
+                failing_since = None
 
     def replace(self, slot: int) -> str:
         try:
