@@ -157,6 +157,58 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     assert jobs["y"]["leased_at"] >= jobs["x"]["ended_at"]
 
 
+def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_jobs(shared):
+    """Leases asked of the real manager directly (no controllers; each lease opens the job's
+    session on its workers). e1 takes one worker exclusively; s1 (sharing, 2 slices) waits for
+    it; s2 (sharing, 1 slice), which would fit on the free worker, waits behind s1: nobody
+    jumps the queue. e1's release starts s1 on both workers and s2 beside it on one. Once s1
+    goes, e2 (exclusive) takes the worker s2 does not use; e3 (exclusive) and then s3
+    (sharing, which s2's worker would take) wait in that order."""
+    saved = json.loads(shared.file.read_text())
+    clients = []
+
+    def call(token, method, header):
+        c = WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
+        clients.append(c)
+        return c.call(method, header)[0]
+
+    def submit(name, slices, share):
+        h = call(saved["submit_token"], "Submit", {"name": name, "slices": slices, "share": share,
+                                                   "root": str(shared.tmp / name)})
+        return {"job": h["job"], "credential": h["credential"], "position": h["position"]}
+
+    def wait(job):
+        return call(job["credential"], "Wait", {"job": job["job"]})
+
+    def release(job):
+        call(job["credential"], "Release", {"job": job["job"]})
+
+    def sessions():
+        return [sorted(x["job"] for x in w["sessions"]) for w in shared.status()["workers"]]
+    try:
+        e1 = submit("e1", 1, False)
+        s1, s2 = submit("s1", 2, True), submit("s2", 1, True)
+        assert (e1["position"], s1["position"], s2["position"]) == (0, 1, 2)
+        release(e1)
+        assert wait(s1)["position"] == 0 and len(wait(s2)["workers"]) == 1
+        assert sorted(j for w in sessions() for j in w) == sorted([s1["job"], s1["job"], s2["job"]])
+        release(s1)
+        e2 = submit("e2", 1, False)
+        assert e2["position"] == 0 and wait(e2)["workers"] != wait(s2)["workers"]
+        e3, s3 = submit("e3", 1, False), submit("s3", 1, True)
+        assert (e3["position"], s3["position"]) == (1, 2)
+        release(s2)
+        assert wait(e3)["position"] == 0 and wait(s3)["position"] == 1
+        release(e2)
+        assert wait(s3)["position"] == 0
+        for job in (e3, s3):
+            release(job)
+        assert shared.wait_for(lambda s: not any(w["sessions"] for w in s["workers"]))
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
     def problems(*overrides):
         with pytest.raises(config.ConfigError) as e:
