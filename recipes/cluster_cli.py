@@ -1,6 +1,7 @@
 """`mpmd cluster up|status|down`: a persistent cluster that several jobs share.
 
-  mpmd cluster up --workers N [--devices-per-worker D] [--backend local] [--listen HOST:PORT]
+  mpmd cluster up --workers N [--devices-per-worker D] [--backend local|ray] [--ray-address A]
+                  [--listen HOST:PORT]
                   [--dir DIR] [--file F] [--root R] [--lease-s S] [--compile-cache-mb M] [--rejoin]
   mpmd cluster status [--file F] [--json]
   mpmd cluster down [--file F]
@@ -29,7 +30,7 @@ import time
 from runtime.local import process_alive
 from runtime.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "ray")
 UP_TIMEOUT_S = 120.0
 LISTEN_DEFAULT = "127.0.0.1:0"
 
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, help="worker processes (one slice each); not with --rejoin")
     up.add_argument("--devices-per-worker", type=int, default=1, help="devices of each worker's mesh")
     up.add_argument("--backend", default="local", help=f"where workers run: {', '.join(BACKENDS)}")
+    up.add_argument("--ray-address", default=None,
+                    help="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379'; default: a new one on this machine)")
     up.add_argument("--listen", default=LISTEN_DEFAULT,
                     help="the manager's HOST:PORT (default loopback, any port; with --rejoin: the one it had)")
     up.add_argument("--dir", default=".mpmd-cluster", help="the cluster's directory: tokens, logs, job table")
@@ -58,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
 def check_up(args) -> None:
     """ValueError naming the argument that is wrong and what is allowed."""
     if args.backend not in BACKENDS:
-        raise ValueError(f"--backend {args.backend!r} is not available; allowed: {', '.join(BACKENDS)} "
-                         f"(a Ray-backed shared cluster is not built yet)")
+        raise ValueError(f"--backend {args.backend!r} is not available; allowed: {', '.join(BACKENDS)}")
+    if args.ray_address is not None and args.backend != "ray":
+        raise ValueError(f"--ray-address is only used by --backend ray, got --backend {args.backend}")
     if args.rejoin:
         if args.workers is not None:
             raise ValueError("--rejoin takes the workers of the cluster file; do not give --workers")
@@ -86,6 +90,9 @@ def up(args) -> int:
         if process_alive(int(saved.get("manager_pid", 0)) or -1):
             raise ValueError(f"the manager of {cluster_file} (pid {saved['manager_pid']}) is running: nothing to rejoin")
         directory = saved["dir"]
+        if saved.get("backend") == "ray":
+            raise ValueError(f"{cluster_file} is a Ray-backed cluster: its worker actors ended with their manager; "
+                             f"`mpmd cluster down --file {args.file}` and make it again")
         if args.listen == LISTEN_DEFAULT:      # where the jobs look for it
             args.listen = saved["manager"]
     elif os.path.exists(cluster_file):
@@ -106,7 +113,9 @@ def up(args) -> int:
         cmd.append("--rejoin")
     else:
         cmd += ["--workers", str(args.workers), "--devices-per-worker", str(args.devices_per_worker),
-                "--root", os.path.realpath(args.root or os.getcwd())]
+                "--root", os.path.realpath(args.root or os.getcwd()), "--backend", args.backend]
+        if args.ray_address is not None:
+            cmd += ["--ray-address", args.ray_address]
     if args.compile_cache_mb is not None:
         cmd += ["--compile-cache-mb", str(args.compile_cache_mb)]
     env = dict(os.environ)

@@ -55,7 +55,7 @@ import grpc
 from runtime import credentials, wire
 from runtime.client import WorkerClient, WorkerError
 from runtime.service import TOKEN_KEY
-from runtime.worker_pool import WorkerPool
+from runtime.worker_pool import RayWorkerPool, WorkerPool
 
 SERVICE = "mpmd.Manager"
 HEALTH_S = 1.0            # workers are probed (Sessions) this often
@@ -355,7 +355,7 @@ class Manager:
         write_private(self.cluster_file, json.dumps({
             "manager": self.address, "manager_pid": os.getpid(), "submit_token": self._submit_token,
             "root": self.pool.root, "dir": self.pool.directory,
-            "devices_per_worker": self.pool.devices_per_worker,
+            "devices_per_worker": self.pool.devices_per_worker, "backend": self.pool.backend,
             "workers": [{"address": w.address, "pid": w.pid} for w in self.pool.workers]}, indent=1))
 
     # -- the gRPC service --------------------------------------------------------------------
@@ -469,6 +469,8 @@ def main(argv=None) -> int:
     p.add_argument("--lease-s", type=float, default=10.0)
     p.add_argument("--compile-cache-mb", type=int, default=None)
     p.add_argument("--rejoin", action="store_true", help="take over the workers of the cluster file")
+    p.add_argument("--backend", default="local", choices=("local", "ray"), help="where the workers run")
+    p.add_argument("--ray-address", default=None, help="ray: the Ray cluster to join (default: a new local one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s manager[%(process)d] %(levelname)s %(message)s")
     from runtime.local import default_compilation_cache
@@ -483,6 +485,10 @@ def main(argv=None) -> int:
         pool = WorkerPool(args.dir, token_file, saved["root"], saved.get("devices_per_worker", 1),
                           compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
         pool.rejoin(saved["workers"])
+    elif args.backend == "ray":
+        pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
+                             args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
+        pool.start(args.workers)
     else:
         pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
                           compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())

@@ -27,6 +27,8 @@ through the actor's runtime_env rather than from inside it.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from runtime.client import ControlPlane, new_token
 from runtime.cluster import ReplaceUnsupported
@@ -53,10 +55,11 @@ def _import_ray():
 class _SliceActor:
     """The body of one worker actor (wrapped with ray.remote at start time)."""
 
-    def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str):
+    def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str,
+                 shared: dict | None = None):
         import ray
         from runtime.service import WorkerService
-        from runtime.worker import cores_for, serve
+        from runtime.worker import RPC_THREADS, SHARED_RPC_THREADS, cores_for, serve
 
         # Pinned like a local worker, so both compute the same bits (see cores_for).
         os.sched_setaffinity(0, cores_for(slot, threads))
@@ -66,8 +69,24 @@ class _SliceActor:
             os.chdir(workdir)
         if host == NODE_IP:
             host = ray.util.get_node_ip_address()
-        self.service = WorkerService(token, self._stop, root=root)
-        self.server, self.address = serve(self.service, f"[{host}]:0" if ":" in host else f"{host}:0")
+        listen = f"[{host}]:0" if ":" in host else f"{host}:0"
+        self.shared = shared is not None
+        if not self.shared:
+            self.service = WorkerService(token, self._stop, root=root)
+            self.server, self.address = serve(self.service, listen, RPC_THREADS)
+            return
+        # A shared cluster's worker (runtime/manager.py), as `mpmd worker --shared`: several
+        # jobs' sessions, compiled programs kept across them, a silent job's session closed.
+        from runtime.compile_cache import CompileCache
+        self.service = WorkerService(token, self._stop, root=root, shared=True, lease_s=shared["lease_s"],
+                                     cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)))
+        self.server, self.address = serve(self.service, listen, SHARED_RPC_THREADS)
+        threading.Thread(target=self._lapse, daemon=True, name="mpmd-lapse").start()
+
+    def _lapse(self) -> None:
+        while True:
+            time.sleep(0.5)
+            self.service.lapse()
 
     def ready(self) -> tuple[str, int]:
         """(gRPC address, pid), once the server is up."""
@@ -76,19 +95,22 @@ class _SliceActor:
     def _stop(self, why: str) -> None:
         # Shutdown RPC: stop serving; the controller kills the actor right after.
         self.server.stop(grace=1.0)
-        if self.service.transport is not None:
+        if self.shared:
+            self.service.close()
+        elif self.service.transport is not None:
             self.service.transport.close()
 
 
 class RayLauncher:
     """Starts worker actors on a Ray cluster (joining or starting Ray as RayCluster describes),
     one per slot, each given `token` as a constructor argument. See RayCluster for the
-    arguments."""
+    arguments; `shared` ({lease_s, compile_cache_mb}) makes them a shared cluster's workers,
+    as `mpmd worker --shared` (runtime/worker_pool.py RayWorkerPool)."""
 
     def __init__(self, token: str, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
-                 gpus: bool = False):
+                 gpus: bool = False, shared: dict | None = None):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         resources = dict(resources_per_worker or {})
@@ -104,6 +126,7 @@ class RayLauncher:
             raise ValueError(f"gpus=True reserves devices_per_worker={devices_per_worker} GPU(s) per actor, but "
                              f"resources_per_worker asks for GPU={resources['GPU']}: drop one of the two")
         self._token = token
+        self.shared = shared          # {lease_s, compile_cache_mb}: a shared cluster's workers
         self.num_workers = num_workers
         self.resources_per_worker = resources
         self.ray_address = address
@@ -203,7 +226,7 @@ class RayLauncher:
         env["env_vars"] = env_vars
         cls = ray.remote(**self._actor_options(), max_restarts=0, runtime_env=env)(_SliceActor)
         return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker,
-                          self._running_root)
+                          self._running_root, self.shared)
 
     def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
         from ray.exceptions import GetTimeoutError, RayActorError

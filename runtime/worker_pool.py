@@ -25,17 +25,22 @@ class PoolWorker:
     slot: int
     address: str
     pid: int
-    proc: subprocess.Popen | None = None     # None: started by an earlier manager (rejoined)
+    proc: subprocess.Popen | None = None     # None: started by an earlier manager (rejoined), or a Ray actor
+    local: bool = True                       # its pid is a process of this machine
 
     def alive(self) -> bool:
+        """False once it is known to be gone; a worker on another machine counts as alive
+        (the manager's health probe decides for it)."""
         if self.proc is not None:
             return self.proc.poll() is None
-        return process_alive(self.pid)
+        return process_alive(self.pid) if self.local else True
 
 
 class WorkerPool:
     """directory: the cluster's directory (token file, logs/). token_file: the cluster
     token's 0600 file. root: the workers' --root (every job's run_dir must lie below it)."""
+
+    backend = "local"
 
     def __init__(self, directory: str, token_file: str, root: str, devices_per_worker: int = 1,
                  host: str = "127.0.0.1", compile_cache_mb: int | None = None, compilation_cache_dir: str = ""):
@@ -135,3 +140,43 @@ def _kill(pid: int, proc: subprocess.Popen | None) -> None:
         deadline = time.monotonic() + 5.0
         while process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+class RayWorkerPool:
+    """The same pool, its workers Ray actors (`mpmd cluster up --backend ray`), started,
+    restarted and stopped by a RayLauncher (runtime/ray_cluster.py) that the manager's process
+    drives. The actors belong to the manager's Ray driver: they end with it, so a Ray-backed
+    cluster cannot be rejoined after its manager died (make it again)."""
+
+    backend = "ray"
+
+    def __init__(self, directory: str, token: str, root: str, devices_per_worker: int = 1,
+                 ray_address: str | None = None, compile_cache_mb: float | None = None, lease_s: float = 10.0):
+        from runtime.compile_cache import DEFAULT_LIMIT_MB
+        from runtime.ray_cluster import RayLauncher
+        self.directory, self.root, self.devices_per_worker = directory, root, devices_per_worker
+        shared = {"lease_s": lease_s, "compile_cache_mb": DEFAULT_LIMIT_MB if compile_cache_mb is None
+                  else compile_cache_mb}
+        self.launcher = RayLauncher(token, None, None, ray_address, devices_per_worker, root=root, shared=shared)
+        self.workers: list[PoolWorker] = []
+        self.started = 0
+
+    def start(self, num_workers: int) -> None:
+        addresses = self.launcher.start(num_workers, root=self.root)
+        self.started += num_workers
+        self.workers = [self._worker(slot, a) for slot, a in enumerate(addresses)]
+
+    def restart(self, slot: int) -> PoolWorker:
+        address = self.launcher.replace(slot)
+        self.started += 1
+        self.workers[slot] = self._worker(slot, address)
+        return self.workers[slot]
+
+    def stop(self, timeout_s: float = 10.0) -> list[int]:
+        pids = [w.pid for w in self.workers]
+        self.launcher.stop()
+        return pids
+
+    def _worker(self, slot: int, address: str) -> PoolWorker:
+        return PoolWorker(slot, address, self.launcher.pids[slot],
+                          local=address.rpartition(":")[0].strip("[]") in ("127.0.0.1", "::1", "localhost"))

@@ -29,6 +29,20 @@ def wait_gone(pids, timeout_s=10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def processes_tagged(name: str, value: str) -> list[int]:
+    """Live processes whose environment holds name=value (inherited by everything a test's
+    process starts, whoever their parent is now)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"{name}={value}".encode() in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
+                    found.append(int(d.name))
+            except (OSError, ProcessLookupError):
+                pass     # gone, or not ours
+    return found
+
+
 def mpmd_train(*args, timeout=120):
     """`python -m recipes.cli train ARGS` on the CPU with 4 host devices; the CompletedProcess."""
     return mpmd_command("train", *args, timeout=timeout)

@@ -18,7 +18,7 @@ import pytest
 from mpmd.checkpoints import read_leaves
 from recipes import run_log
 from runtime.checkpoint import CheckpointStore
-from tests.processes import Controller, alive, wait_gone
+from tests.processes import Controller, processes_tagged, wait_gone
 
 STEPS, EVERY = 12, 3
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
@@ -34,15 +34,7 @@ def controller(run_dir: Path, tag: str) -> Controller:
 
 def tagged(tag: str) -> list[int]:
     """Live processes started under `tag`, whoever their parent is now."""
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if f"{TAG}={tag}".encode() in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
-                    found.append(int(d.name))
-            except (OSError, ProcessLookupError):
-                pass     # gone, or not ours
-    return found
+    return processes_tagged(TAG, tag)
 
 
 def run_to_end(run_dir: Path, tag: str) -> str:

@@ -23,7 +23,7 @@ from recipes import config, run_log
 from runtime.client import WorkerClient, WorkerError
 from runtime.credentials import job_credential
 from runtime.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
-from tests.processes import ROOT, Controller, alive, wait_gone
+from tests.processes import ROOT, Controller, alive, processes_tagged, wait_gone
 
 LEASE_S = 5.0    # short, for a fast cleanup check; long enough for a loaded machine
 JOB = ["configs/gpt_tiny.yaml", "model.d_model=32", "model.num_layers=2", "model.seq_len=16", "train.batch_size=8",
@@ -32,8 +32,11 @@ JOB = ["configs/gpt_tiny.yaml", "model.d_model=32", "model.num_layers=2", "model
        "cluster.backend=shared", f"cluster.lease_s={LEASE_S}"]
 
 
-def cluster(*args, timeout=120):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+TAG = "MPMD_TEST_SHARED_CLUSTER"    # marks every process a cluster starts (inherited env)
+
+
+def cluster(*args, timeout=120, tag="module"):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **{TAG: tag})
     return subprocess.run([sys.executable, "-m", "recipes.cli", "cluster", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -54,21 +57,36 @@ class Shared:
         return [saved["manager_pid"]] + [w["pid"] for w in saved["workers"]]
 
     def status(self) -> dict:
-        out = cluster("status", "--file", self.file, "--json")
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
+        return status_of(self.file)
 
     def job(self, name: str, *overrides, share=True) -> Controller:
         return Controller(self.tmp / name, [*JOB, f"cluster.file={self.file}", f"cluster.share={share}", *overrides])
 
     def wait_for(self, what, timeout_s=30.0):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            status = self.status()
-            if what(status):
-                return status
-            time.sleep(0.2)
-        raise AssertionError(f"not within {timeout_s} s: {json.dumps(status, indent=1)}")
+        return wait_for(self.file, what, timeout_s)
+
+
+def status_of(file: Path) -> dict:
+    out = cluster("status", "--file", file, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(file: Path, what, timeout_s=30.0) -> dict:
+    """The first status for which what(status) holds (the workers' part is as of the
+    manager's last health probe, every second)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = status_of(file)
+        if what(status):
+            return status
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout_s} s: {json.dumps(status, indent=1)}")
+
+
+def sessions(status: dict) -> list[list[str]]:
+    """Per worker, the jobs it holds a session of."""
+    return [sorted(x["job"] for x in w["sessions"]) for w in status["workers"]]
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +201,13 @@ def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_
     def release(job):
         call(job["credential"], "Release", {"job": job["job"]})
 
-    def sessions():
-        return [sorted(x["job"] for x in w["sessions"]) for w in shared.status()["workers"]]
     try:
         e1 = submit("e1", 1, False)
         s1, s2 = submit("s1", 2, True), submit("s2", 1, True)
         assert (e1["position"], s1["position"], s2["position"]) == (0, 1, 2)
         release(e1)
         assert wait(s1)["position"] == 0 and len(wait(s2)["workers"]) == 1
-        assert sorted(j for w in sessions() for j in w) == sorted([s1["job"], s1["job"], s2["job"]])
+        shared.wait_for(lambda s: sorted(j for w in sessions(s) for j in w) == sorted([s1["job"], s1["job"], s2["job"]]))
         release(s1)
         e2 = submit("e2", 1, False)
         assert e2["position"] == 0 and wait(e2)["workers"] != wait(s2)["workers"]
@@ -263,8 +279,34 @@ def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(
 
 def test_down_leaves_no_process(shared):
     pids = shared.pids()
-    assert all(alive(p) for p in pids)
+    assert all(alive(p) for p in pids) and set(pids) <= set(processes_tagged(TAG, "module"))
     out = cluster("down", "--file", shared.file)
     assert out.returncode == 0, out.stderr
     assert wait_gone(pids, 5.0) == []
+    assert wait_gone(processes_tagged(TAG, "module"), 5.0) == []
     assert not shared.file.exists()
+
+
+def test_a_ray_backed_cluster_leases_its_actors_and_down_leaves_no_process(tmp_path):
+    """`--backend ray`: the workers are Ray actors of a Ray instance the manager starts. A
+    job's lease opens its session on them and its release closes it; `down` stops the
+    actors, Ray's own processes and the manager."""
+    pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
+    file = tmp_path / "ray.json"
+    up = cluster("up", "--backend", "ray", "--workers", 2, "--dir", tmp_path / "cl", "--file", file, "--root",
+                 tmp_path, tag="ray")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        saved = json.loads(file.read_text())
+        assert saved["backend"] == "ray" and len(saved["workers"]) == 2
+        job = SharedLauncher(saved["manager"], saved["submit_token"], name="on-ray")
+        addresses = job.start(2, str(tmp_path / "run"))
+        assert sorted(addresses) == sorted(w["address"] for w in saved["workers"])
+        wait_for(file, lambda s: sessions(s) == [[job.job]] * 2)
+        job.stop()
+        status = wait_for(file, lambda s: sessions(s) == [[], []])
+        assert all(w["cache"] is not None and w["live_bytes"] is not None for w in status["workers"])
+    finally:
+        out = cluster("down", "--file", file, tag="ray")
+    assert out.returncode == 0, out.stderr
+    assert wait_gone(processes_tagged(TAG, "ray"), 10.0) == []
