@@ -62,6 +62,7 @@ HEALTH_S = 1.0            # workers are probed (Sessions) this often
 UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
 RPC_TIMEOUT_S = 5.0
 MAX_LEASE_S = 3600.0
+KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
 # Who may call what: "submit" (submit or cluster token), "job" (a job credential, on that job
 # only), "admin" (the cluster token).
 METHODS = {"Submit": "submit", "Status": "submit", "Wait": "job", "Renew": "job", "Release": "job",
@@ -159,6 +160,9 @@ class Manager:
                 self._close_session(slot, job.id)
             job.state, job.ended_at = state, time.time()
             log.info("job %s %s (%s)", job.id, state, job.name)
+            ended = [j for j in self.jobs.values() if j.state in ("released", "expired")]
+            for old in ended[:-KEEP_ENDED]:      # a long-lived cluster's table stays small
+                del self.jobs[old.id]
             self._place()
             self._save()
 

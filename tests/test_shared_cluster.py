@@ -3,9 +3,12 @@
 with cluster.backend=shared as real subprocesses (tests/processes.Controller).
 
 What would break if the feature broke: sharing jobs' losses differ from the same job alone;
-a queued job starts before the one ahead of it ends; a SIGKILLed job's sessions and memory
-stay on the workers or its workers never come back to the pool; a repeated job compiles
-again; `down` leaves a process; bad input is accepted.
+a queued job starts before the one ahead of it ends, or loses its place when the manager is
+restarted; a SIGKILLed job's sessions and memory stay on the workers or its workers never
+come back to the pool; a repeated job compiles again; a lost worker is not replaced; a job
+jumps the queue or shares a worker with an exclusive job; a job's credential stops the
+cluster; `down` leaves a process; bad input is accepted. Last, a cluster of its own on Ray
+(`--backend ray`), when Ray is installed.
 """
 import collections
 import json
