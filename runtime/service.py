@@ -38,8 +38,11 @@ job calls with its own credential (runtime/credentials.py), also in `mpmd-token`
   OpenSession  {job, root, lease_s?} -> {}   (admin; the same job again renews it)
   CloseSession {job} -> {freed}              (admin; aborts its runs, frees what it holds)
   Sessions     -> {pid, devices, live_bytes, sessions: [{job, root, buffers, bytes, plans,
-                  idle_s}], cache: {programs, bytes, limit_bytes, hits, misses, evictions}}
-                                             (admin; a plain worker answers it too)
+                  idle_s, lease_s}], cache: {programs, bytes, limit_bytes, hits, misses,
+                  evictions}}                (admin; a plain worker answers it too)
+  (root: an absolute directory strictly below the worker's --root, overlapping no other
+  job's; that job's Save and Restore directories must lie below it. live_bytes: every live
+  JAX array of the process, all sessions together.)
   Hello        any valid credential;  Shutdown  admin: stop the worker, job: close its session
   every other RPC above: a job credential, acting on that job's session only.
 A job credential calling an admin RPC, the admin token calling a job's RPC, and a job
