@@ -96,7 +96,15 @@ ADMIN_METHODS = ("OpenSession", "CloseSession", "Sessions")
 JOB_METHODS = ("Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete", "Run", "Save",
                "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
 METHODS = ("Hello",) + JOB_METHODS + ADMIN_METHODS
-ADMIN = "admin"          # the caller holding the cluster token
+class _Admin:
+    """The caller holding the cluster token: a sentinel no job id can equal (a job may well
+    be called "admin")."""
+
+    def __repr__(self) -> str:
+        return "the manager"
+
+
+ADMIN = _Admin()
 
 
 class WorkerService:
@@ -138,7 +146,8 @@ class WorkerService:
 
     # -- handlers: (session, header, blobs) -> (header, blobs) -----------------------------
     def Hello(self, s, h, b):
-        return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform}, []
+        return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform,
+                "shared": self.shared}, []
 
     def Setup(self, s: Session, h, b):
         from runtime.transport import TransferTransport, check_secret
@@ -319,11 +328,11 @@ class WorkerService:
         if name == "Hello":
             return None, None
         if name in ADMIN_METHODS:
-            return None, (None if caller == ADMIN else
+            return None, (None if caller is ADMIN else
                           f"{name} is the cluster manager's (the cluster token), not a job's")
         if not self.shared:
             return self._solo, None
-        if caller == ADMIN:
+        if caller is ADMIN:
             return None, (None if name == "Shutdown" else
                           f"{name} acts on a job's session: call it with that job's credential")
         session = self.sessions.get(caller)
@@ -334,7 +343,7 @@ class WorkerService:
     def wrap(self, name: str, session: Session | None, caller):
         method = getattr(self, name)
         # Whom a log line names: a shared worker's caller; a plain worker has only one.
-        who = f" (job {caller})" if caller not in (None, ADMIN) else " (the manager)" if self.shared else ""
+        who = f" (job {caller})" if caller is not None and caller is not ADMIN else " (the manager)" if self.shared else ""
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
             if session is not None:
@@ -411,7 +420,7 @@ def _refusal(name: str, caller, why: str, code: grpc.StatusCode, told: str | Non
 
 def _caller_name(caller, peer: str) -> str:
     """A refused caller as a log line names it: by credential and address, or by address."""
-    return f"the manager ({peer})" if caller == ADMIN else f"job {caller} ({peer})" if caller else peer
+    return f"the manager ({peer})" if caller is ADMIN else f"job {caller} ({peer})" if caller else peer
 
 
 def _items(h: dict) -> dict:

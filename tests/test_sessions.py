@@ -178,6 +178,9 @@ def test_a_forged_credential_is_refused_before_anything(shared):
         assert code == grpc.StatusCode.UNAUTHENTICATED, credential
     code, _ = refusal(lambda: _no_token_call(shared))
     assert code == grpc.StatusCode.UNAUTHENTICATED
+    # A valid credential of a job named like the manager's role is still a job's.
+    code, _ = refusal(lambda: shared.client(0, shared.credential("admin")).call("Sessions"))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
     assert shared.logged(0, "refused Heartbeat from ") and "wrong token" in shared.logs[0].read_text()
     shared.admin(0, "CloseSession", {"job": "forge-b"})
     shared.admin(1, "CloseSession", {"job": "forge-b"})
