@@ -70,10 +70,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="steps per job in part b (default 30)")
     args = ap.parse_args()
     from runtime.client import WorkerError
-    from tests.processes import SharedWorkers
+    from tests.processes import StandaloneWorkers
 
     print(f"load average at start: {os.getloadavg()}")
-    with tempfile.TemporaryDirectory() as tmp, SharedWorkers(Path(tmp), 2, disk_cache=False, cpus=[0, 1]) as workers:
+    with tempfile.TemporaryDirectory() as tmp, StandaloneWorkers(Path(tmp), 2, disk_cache=False, cpus=[0, 1]) as workers:
         starts = {job: first_step_s(workers, job, tmp) for job in ("fresh", "repeat-1", "repeat-2")}
         caches = [workers.admin(i, "Sessions")["cache"] for i in range(2)]
         print("\na. job start (nothing -> first step done), gpt_tiny, 2 shared workers")
