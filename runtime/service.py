@@ -1,7 +1,7 @@
 """The worker's gRPC service: one Executor behind the control plane.
 
 Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire.py):
-  Hello        -> {pid, devices, platform}
+  Hello        -> {pid, devices, platform, shared}
   Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids),
                 mesh: {data, fsdp, tensor} (the slice's mesh over all of this worker's devices)}
                                                         -> {transfer_address}
