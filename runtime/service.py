@@ -1,7 +1,7 @@
 """The worker's gRPC service: one Executor behind the control plane.
 
 Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire.py):
-  Hello        -> {pid, devices, platform}
+  Hello        -> {pid, devices, platform, shared}
   Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids),
                 mesh: {data, fsdp, tensor} (the slice's mesh over all of this worker's devices)}
                                                         -> {transfer_address}
@@ -38,8 +38,11 @@ job calls with its own credential (runtime/credentials.py), also in `mpmd-token`
   OpenSession  {job, root, lease_s?} -> {}   (admin; the same job again renews it)
   CloseSession {job} -> {freed}              (admin; aborts its runs, frees what it holds)
   Sessions     -> {pid, devices, live_bytes, sessions: [{job, root, buffers, bytes, plans,
-                  idle_s}], cache: {programs, bytes, limit_bytes, hits, misses, evictions}}
-                                             (admin; a plain worker answers it too)
+                  idle_s, lease_s}], cache: {programs, bytes, limit_bytes, hits, misses,
+                  evictions}}                (admin; a plain worker answers it too)
+  (root: an absolute directory strictly below the worker's --root, overlapping no other
+  job's; that job's Save and Restore directories must lie below it. live_bytes: every live
+  JAX array of the process, all sessions together.)
   Hello        any valid credential;  Shutdown  admin: stop the worker, job: close its session
   every other RPC above: a job credential, acting on that job's session only.
 A job credential calling an admin RPC, the admin token calling a job's RPC, and a job
@@ -93,7 +96,15 @@ ADMIN_METHODS = ("OpenSession", "CloseSession", "Sessions")
 JOB_METHODS = ("Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete", "Run", "Save",
                "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
 METHODS = ("Hello",) + JOB_METHODS + ADMIN_METHODS
-ADMIN = "admin"          # the caller holding the cluster token
+class _Admin:
+    """The caller holding the cluster token: a sentinel no job id can equal (a job may well
+    be called "admin")."""
+
+    def __repr__(self) -> str:
+        return "the manager"
+
+
+ADMIN = _Admin()
 
 
 class WorkerService:
@@ -135,7 +146,8 @@ class WorkerService:
 
     # -- handlers: (session, header, blobs) -> (header, blobs) -----------------------------
     def Hello(self, s, h, b):
-        return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform}, []
+        return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform,
+                "shared": self.shared}, []
 
     def Setup(self, s: Session, h, b):
         from runtime.transport import TransferTransport, check_secret
@@ -316,11 +328,11 @@ class WorkerService:
         if name == "Hello":
             return None, None
         if name in ADMIN_METHODS:
-            return None, (None if caller == ADMIN else
+            return None, (None if caller is ADMIN else
                           f"{name} is the cluster manager's (the cluster token), not a job's")
         if not self.shared:
             return self._solo, None
-        if caller == ADMIN:
+        if caller is ADMIN:
             return None, (None if name == "Shutdown" else
                           f"{name} acts on a job's session: call it with that job's credential")
         session = self.sessions.get(caller)
@@ -331,7 +343,7 @@ class WorkerService:
     def wrap(self, name: str, session: Session | None, caller):
         method = getattr(self, name)
         # Whom a log line names: a shared worker's caller; a plain worker has only one.
-        who = f" (job {caller})" if caller not in (None, ADMIN) else " (the manager)" if self.shared else ""
+        who = f" (job {caller})" if caller is not None and caller is not ADMIN else " (the manager)" if self.shared else ""
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
             if session is not None:
@@ -408,7 +420,7 @@ def _refusal(name: str, caller, why: str, code: grpc.StatusCode, told: str | Non
 
 def _caller_name(caller, peer: str) -> str:
     """A refused caller as a log line names it: by credential and address, or by address."""
-    return f"the manager ({peer})" if caller == ADMIN else f"job {caller} ({peer})" if caller else peer
+    return f"the manager ({peer})" if caller is ADMIN else f"job {caller} ({peer})" if caller else peer
 
 
 def _items(h: dict) -> dict:

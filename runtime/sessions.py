@@ -68,12 +68,13 @@ class Session:
         return old[0] is not None
 
     def describe(self) -> dict:
-        """{job, root, buffers, bytes, plans, idle_s} (an entry of the Sessions RPC)."""
+        """{job, root, buffers, bytes, plans, idle_s, lease_s} (an entry of the Sessions RPC)."""
         ex = self.executor
         buffers = dict(ex.buffers) if ex is not None else {}
         return {"job": self.job, "root": self.root, "buffers": len(buffers),
                 "bytes": sum(a.nbytes for bundle in buffers.values() for a in bundle),
-                "plans": len(ex.plans) if ex is not None else 0, "idle_s": round(self.idle_s(), 3)}
+                "plans": len(ex.plans) if ex is not None else 0, "idle_s": round(self.idle_s(), 3),
+                "lease_s": self.lease_s}
 
 
 def _drop(executor, transport) -> None:

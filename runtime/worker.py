@@ -72,7 +72,9 @@ def parse_args(argv):
                         "GPUs in CUDA_VISIBLE_DEVICES (LocalCluster gives each worker its own)")
     p.add_argument("--cpus", default="", help="comma-separated cores to pin to (default: no pinning)")
     p.add_argument("--lease-s", type=float, default=15.0,
-                   help="exit after this long without a word from an attached controller")
+                   help="exit after this long without a word from an attached controller (with "
+                        "--shared: close a job's session after this long without a word from the job, "
+                        "unless its OpenSession names another lease)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="the least level logged to stderr, from every logger (default info)")
     p.add_argument("--relay-level", default=None, choices=LOG_LEVELS,

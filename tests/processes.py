@@ -1,6 +1,6 @@
 """Helpers for tests that start real processes: worker liveness, the `mpmd train` command
-(run to the end, or in the background as a Controller), and shared workers
-(`mpmd worker --shared`) driven as a cluster manager would."""
+(run to the end, or in the background as a Controller), and `mpmd worker` processes started
+by hand (shared ones driven as a cluster manager would)."""
 from __future__ import annotations
 
 import os
@@ -131,14 +131,16 @@ class Controller:
         return pids
 
 
-class SharedWorkers:
-    """`num` `mpmd worker --shared` processes under `base` (token file, root, worker_<i>.log),
-    reached as the cluster manager reaches them (the cluster token) or as a job does (its
-    credential). disk_cache=False starts them without JAX's compilation cache on disk, so a
-    miss of their own compile cache really compiles; `cpus[i]` pins worker i. A context
-    manager: on exit the manager's Shutdown stops them (killed if they linger)."""
+class StandaloneWorkers:
+    """`num` `mpmd worker --shared` processes (plain `mpmd worker` ones if not `shared`) under
+    `base` (token file, root, worker_<i>.log), reached as the cluster manager reaches them
+    (the cluster token) or as a job does (its credential). disk_cache=False starts them
+    without JAX's compilation cache on disk, so a miss of their own compile cache really
+    compiles; `cpus[i]` pins worker i. A context manager: on exit a Shutdown with the cluster
+    token stops them (killed if they linger)."""
 
-    def __init__(self, base: Path, num: int, disk_cache: bool = True, cpus=None, lease_s: float = 30.0):
+    def __init__(self, base: Path, num: int, shared: bool = True, disk_cache: bool = True, cpus=None,
+                 lease_s: float = 30.0):
         import secrets
         self.token = secrets.token_hex(16)
         self.root = base / "root"
@@ -155,15 +157,16 @@ class SharedWorkers:
             pin = ["--cpus", str(cpus[i])] if cpus else []
             with open(log, "w") as stderr:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "recipes.cli", "worker", "--shared", "--listen", "127.0.0.1:0",
-                     "--token-file", str(token_file), "--root", str(self.root), "--lease-s", str(lease_s), *pin],
+                    [sys.executable, "-m", "recipes.cli", "worker", *(["--shared"] if shared else []), "--listen",
+                     "127.0.0.1:0", "--token-file", str(token_file), "--root", str(self.root), "--lease-s",
+                     str(lease_s), *pin],
                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
         self.addresses = []
         for p in self.procs:
             line = p.stdout.readline()
             if not line.startswith("MPMD_WORKER_READY"):
                 self.close()
-                raise RuntimeError(f"a shared worker did not start: {line!r}; see {self.logs}")
+                raise RuntimeError(f"a worker did not start: {line!r}; see {self.logs}")
             self.addresses.append(line.split()[1])
 
     def __enter__(self):

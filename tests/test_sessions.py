@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mpmd
 from runtime import instructions, programs, wire
 from runtime.client import WorkerError
 from runtime.compile_cache import CompileCache
 from runtime.credentials import check_job_id, job_credential, job_of
 from runtime.instructions import Recv, Run, Send, Spec
-from tests.processes import SharedWorkers, wait_gone
+from tests.processes import StandaloneWorkers, wait_gone
 
 B, D = 8, 16
 LEASE_S = 1.5            # the lapse test's session lease
@@ -27,7 +28,7 @@ LEASE_S = 1.5            # the lapse test's session lease
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     # No JAX compilation cache on disk: a miss of the worker's own cache compiles for real.
-    with SharedWorkers(tmp_path_factory.mktemp("shared"), 2, disk_cache=False) as s:
+    with StandaloneWorkers(tmp_path_factory.mktemp("shared"), 2, disk_cache=False) as s:
         yield s
     assert wait_gone([p.pid for p in s.procs]) == []
 
@@ -173,11 +174,15 @@ def test_a_forged_credential_is_refused_before_anything(shared):
     other_key = job_credential("x" * 32, "forge-b")                        # made with the wrong key
     a_mac = shared.credential("forge-a").rpartition(".")[2]
     borrowed = f"job.forge-b.{a_mac}"                                      # B's name, A's MAC
-    for credential in (other_key, borrowed, "job.forge-b", shared.token[:-1] + "0"):
+    near_token = shared.token[:-1] + ("1" if shared.token.endswith("0") else "0")     # one character off
+    for credential in (other_key, borrowed, "job.forge-b", near_token):
         code, _ = refusal(lambda: shared.client(0, credential).call("Heartbeat"))
         assert code == grpc.StatusCode.UNAUTHENTICATED, credential
     code, _ = refusal(lambda: _no_token_call(shared))
     assert code == grpc.StatusCode.UNAUTHENTICATED
+    # A valid credential of a job named like the manager's role is still a job's.
+    code, _ = refusal(lambda: shared.client(0, shared.credential("admin")).call("Sessions"))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
     assert shared.logged(0, "refused Heartbeat from ") and "wrong token" in shared.logs[0].read_text()
     shared.admin(0, "CloseSession", {"job": "forge-b"})
     shared.admin(1, "CloseSession", {"job": "forge-b"})
@@ -338,3 +343,26 @@ def test_the_compile_cache_evicts_least_recently_used_under_its_bound():
     assert (cache.hits, cache.misses) == (2, 4)
     with pytest.raises(ValueError, match="compile cache's limit"):
         CompileCache(limit_bytes=-1)
+
+
+def test_a_plain_worker_keeps_compiled_programs_across_setups(tmp_path):
+    # The cache serves a worker of one controller too: a re-Setup (a restart, a recovery)
+    # gets its programs back without compiling them again.
+    spec = {"deep": programs.exported(deep, (W_SPEC,), (X_SPEC,))}
+    with StandaloneWorkers(tmp_path, 1, shared=False, disk_cache=False) as plain:
+        cluster = mpmd.StaticCluster(plain.addresses, token=plain.token)
+        try:
+            for _ in range(2):
+                cluster.start(1)                     # a fresh executor: nothing shipped survives
+                cluster.load_programs(0, spec)
+                cluster.install_plan(0, "p", [Run("deep", ("w", "x"), ("y",))])
+                cluster.put(0, "w", [W0])
+                cluster.run("p", 0, {0: {"x": [XS[0]]}}, {0: ["y"]})
+            stats = plain.admin(0, "Sessions")
+            # OpenSession is a shared worker's; a plain one says so.
+            code, message = refusal(lambda: plain.admin(0, "OpenSession", {"job": "x", "root": str(plain.root / "x")}))
+        finally:
+            cluster.close()
+        assert [s["job"] for s in stats["sessions"]] == [None]
+        assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 1), stats["cache"]
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs a shared worker" in message
