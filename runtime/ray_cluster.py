@@ -272,3 +272,7 @@ class RayCluster(ControlPlane):
     @property
     def devices_per_worker(self) -> int:
         return self.launcher.devices_per_worker
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.launcher.devices_per_worker     # one actor per slice

@@ -1,0 +1,96 @@
+"""A slice is a gang of worker processes (runtime/gang.py): 2 slices x 2 processes x 1 device.
+
+Equivalence with plain unpipelined JAX training (SGD with momentum, float32, clipping on,
+relative 1e-5, 3 steps) with the slice's mesh on `data` and on `tensor`; and the same run
+on "2 processes x 1 device" and "1 process x 2 devices" per slice gives bitwise equal losses
+(a reduction over two devices adds the same two numbers in either case).
+"""
+import os
+import signal
+
+import pytest
+
+import models
+import mpmd
+from tests import recovery_runs, reference
+from tests.processes import wait_gone
+from tests.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
+
+
+@pytest.fixture(scope="module")
+def unpipelined():
+    return reference.train(make_gpt, models.lm_loss, data(), sgd(), max_grad_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def gang_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("gang")
+
+
+@pytest.fixture(scope="module")
+def gang(gang_root):
+    cluster = mpmd.LocalCluster(num_workers=2, devices_per_worker=1, processes_per_slice=2, root=str(gang_root))
+    yield cluster
+    pids = cluster.pids
+    cluster.close()
+    assert wait_gone(pids) == []
+
+
+@pytest.fixture(scope="module")
+def gang_data2(gang):
+    return run(gang, {"data": 2}, "1f1b", close=False)
+
+
+def test_gang_data2_matches_unpipelined(gang, gang_data2, unpipelined):
+    assert len(gang.pids) == 4 and gang.devices_per_slice == 2
+    assert_matches(gang_data2, unpipelined)
+
+
+def test_gang_tensor2_matches_unpipelined(gang, unpipelined):
+    assert_matches(run(gang, {"tensor": 2}, "1f1b", close=False), unpipelined)
+
+
+def test_two_processes_of_one_device_equal_one_process_of_two_bitwise(gang_data2):
+    one_process = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
+    losses = run(one_process, {"data": 2}, "1f1b")[0]
+    assert losses == gang_data2[0]
+
+
+def test_a_gang_that_cannot_form_in_time_is_named_and_stopped():
+    cluster = mpmd.LocalCluster(num_workers=1, processes_per_slice=2, start_timeout_s=0.05)
+    with pytest.raises(RuntimeError, match=r"slice 0's gang of 2 processes did not form within "
+                                           r"start_timeout_s=0.05 s: process 0 \(pid \d+\) not ready, "
+                                           r"process 1 \(pid \d+\) not ready"):
+        cluster.start(1)
+    assert cluster.pids == [] or wait_gone(cluster.pids) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_processes_per_slice_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="processes_per_slice must be a positive integer"):
+        mpmd.LocalCluster(processes_per_slice=bad)
+
+
+def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, gang_root, tmp_path):
+    """SIGKILL one process of slice 1 mid-run: its whole gang is torn down and replaced, every
+    slice restores the last commit (saved by every process of every gang), and the run ends
+    as an uninterrupted one does, bitwise; slice 0 keeps its processes."""
+    with recovery_runs.make_trainer(mpmd.InProcessCluster(), tmp_path / "ref", mesh={"data": 2}) as trainer:
+        want = recovery_runs.train(trainer, recovery_runs.data())[:2]
+    old_gang, other = gang.gang_pids(1), gang.gang_pids(0)
+
+    def kill_process_1_of_slice_1(i, trainer):
+        if i == 3 and not killed:
+            killed.append(old_gang[1])
+            os.kill(old_gang[1], signal.SIGKILL)
+    killed = []
+    trainer = recovery_runs.make_trainer(gang, gang_root / "run", mesh={"data": 2})
+    try:
+        losses, params, rewinds = recovery_runs.train(trainer, recovery_runs.data(), kill_process_1_of_slice_1)
+    finally:
+        trainer.close(close_cluster=False)
+    assert killed and rewinds == 1
+    assert wait_gone(old_gang) == [], "a process of the lost gang is still running"
+    assert set(gang.gang_pids(1)).isdisjoint(old_gang) and len(gang.gang_pids(1)) == 2
+    assert gang.gang_pids(0) == other, "the surviving slice's processes were replaced"
+    recovery_runs.assert_same_run((losses, params), want)
