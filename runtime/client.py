@@ -605,7 +605,8 @@ class StaticCluster(ControlPlane):
     (DIR must hold the run_dir of any Trainer that checkpoints on them).
 
     A slice served by a gang of processes (runtime/gang.py) is a list of its processes'
-    addresses, process 0 first (or cut from a flat list by `processes_per_slice`); each
+    addresses, process 0 first (or cut from a flat list by `processes_per_slice`; None: 1
+    for a flat list, the lists' own length otherwise); each
     process was started with `mpmd worker ... --coordinator HOST0:PORT --num-processes k
     --process-id j`, HOST0:PORT a free port on process 0's host.
     The first `num_slices` addresses serve slices; the others are spares that replace a
@@ -616,7 +617,7 @@ class StaticCluster(ControlPlane):
     def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
                  connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
                  transfer_host: str | None = None, step_timeout_s: float | None = None,
-                 allow_insecure_token_file: bool = False, processes_per_slice: int = 1):
+                 allow_insecure_token_file: bool = False, processes_per_slice: int | None = None):
         addresses = group_addresses(addresses, processes_per_slice)
         if token is None:
             if token_file is None:

@@ -133,7 +133,8 @@ class Executor:
 
     def _placed(self, arrays, layouts=None) -> tuple[jax.Array, ...]:
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)
-        return tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self._sharding(layout))
+        return tuple(jax.device_put(a, self._sharding(layout)) if isinstance(a, jax.Array)
+                     else reshard.place(a, self._sharding(layout))
                      for a, layout in zip(arrays, layouts))
 
     def _sharding(self, layout) -> jax.sharding.NamedSharding:

@@ -175,12 +175,14 @@ class Agreement:
                 self._client.key_value_delete(key)
 
 
-def group_addresses(addresses, processes_per_slice: int = 1) -> list:
+def group_addresses(addresses, processes_per_slice: int | None = None) -> list:
     """Per slot, the address of its worker ("host:port") or of each process of its gang (a
-    tuple, process 0 first), from a flat list cut into runs of `processes_per_slice` or a list
-    of lists (one per slot, all of one length). ValueError naming what is wrong."""
-    if not isinstance(processes_per_slice, int) or isinstance(processes_per_slice, bool) or processes_per_slice < 1:
-        raise ValueError(f"processes_per_slice must be a positive integer, got {processes_per_slice!r}")
+    tuple, process 0 first), from a flat list cut into runs of `processes_per_slice` (None:
+    1) or a list of lists (one per slot, all of that length; None: any one length).
+    ValueError naming what is wrong."""
+    if processes_per_slice is not None and (not isinstance(processes_per_slice, int)
+                                            or isinstance(processes_per_slice, bool) or processes_per_slice < 1):
+        raise ValueError(f"processes_per_slice must be a positive integer or None, got {processes_per_slice!r}")
     addresses = list(addresses) if isinstance(addresses, (list, tuple)) else addresses
     is_address = lambda a: isinstance(a, str) and a.rpartition(":")[2].isdigit() and a.rpartition(":")[0] != ""
     if not isinstance(addresses, list) or not addresses:
@@ -194,11 +196,12 @@ def group_addresses(addresses, processes_per_slice: int = 1) -> list:
         if len(sizes) > 1:
             raise ValueError(f"every slice's gang must have the same number of processes; the address lists "
                              f"have {', '.join(map(str, sizes))}")
-        if processes_per_slice not in (1, sizes[0]):
+        if processes_per_slice not in (None, sizes[0]):
             raise ValueError(f"processes_per_slice={processes_per_slice} but each address list names "
                              f"{sizes[0]} process(es)")
         groups = [tuple(a) for a in addresses]
     else:
+        processes_per_slice = processes_per_slice or 1
         if len(addresses) % processes_per_slice:
             raise ValueError(f"{len(addresses)} address(es) cannot be cut into gangs of processes_per_slice="
                              f"{processes_per_slice}: give a multiple of it (process 0 of each gang first)")

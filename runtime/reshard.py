@@ -144,6 +144,17 @@ def _device_of_row(a: jax.Array, row: int) -> jax.Device:
 # crosses between slices once, from the process that holds it to one that needs it.
 
 
+def place(host_array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array laid out as `sharding`. Across a gang's processes (each given the same
+    whole array) each process places only its own shards: jax.device_put would first check
+    that every process passed the same value, a cross-process exchange that, run from an RPC
+    thread while a step runs, pairs up with another thread's and fails or hangs."""
+    a = np.asarray(host_array)
+    if sharding.is_fully_addressable:
+        return jax.device_put(a, sharding)
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+
 def owner(i: int, n: int, num_processes: int) -> int:
     """The sending process that offers piece i of n."""
     return i * num_processes // max(n, 1)
@@ -204,7 +215,7 @@ def assemble_gang(landed: dict[int, jax.Array], shape, dtype, layout: tuple, mes
     shape = tuple(shape)
     target = NamedSharding(mesh, PartitionSpec(*layout))
     if not int(np.prod(shape, dtype=np.int64)):
-        return jax.device_put(np.zeros(shape, dtype), target)
+        return place(np.zeros(shape, dtype), target)
     lands = landing(shape, layout, mesh, n)
     rows = shape[0] // n if n > 1 else None
     where = target.devices_indices_map(shape)

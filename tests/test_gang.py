@@ -6,14 +6,18 @@ on "2 processes x 1 device" and "1 process x 2 devices" per slice gives bitwise 
 (a reduction over two devices adds the same two numbers in either case).
 """
 import os
+import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
 import models
 import mpmd
 from tests import recovery_runs, reference
-from tests.processes import wait_gone
+from runtime.local import free_port
+from tests.processes import ROOT, wait_gone
 from tests.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
 
 
@@ -94,3 +98,77 @@ def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, g
     assert set(gang.gang_pids(1)).isdisjoint(old_gang) and len(gang.gang_pids(1)) == 2
     assert gang.gang_pids(0) == other, "the surviving slice's processes were replaced"
     recovery_runs.assert_same_run((losses, params), want)
+
+
+def test_static_gangs_of_mpmd_worker_processes(gang_data2, tmp_path):
+    """Gangs started by hand as on two hosts per slice (`mpmd worker ... --coordinator
+    --num-processes 2 --process-id j`), given to StaticCluster as one flat list cut by
+    processes_per_slice: the same losses, bitwise, as the local gangs."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token-0123456789abcdef\n")
+    os.chmod(token_file, 0o600)
+    procs = []
+    try:
+        for _ in range(2):           # two slices, each a gang with its own coordinator
+            coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
+            procs += [subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
+                                        "--token-file", str(token_file), "--root", str(tmp_path),
+                                        "--coordinator", coordinator, "--num-processes", "2",
+                                        "--process-id", str(j)],
+                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                      for j in range(2)]
+        lines = [p.stdout.readline() for p in procs]      # ready once its whole gang has joined
+        assert all(line.startswith("MPMD_WORKER_READY") for line in lines), lines
+        cluster = mpmd.StaticCluster([line.split()[1] for line in lines], token_file=str(token_file),
+                                     processes_per_slice=2)
+        assert run(cluster, {"data": 2}, "1f1b", steps=2)[0] == gang_data2[0][:2]
+        for p in procs:   # closing the cluster shuts every process of every gang down
+            assert p.wait(timeout=10) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("addresses,k,error", [
+    ([["a:1", "b:2"], ["c:3"]], None, "the address lists have 1, 2"),
+    (["a:1", "b:2", "c:3"], 2, "3 address(es) cannot be cut into gangs of processes_per_slice=2"),
+    ([["a:1", "b:2"], ["c:3", "a:1"]], 2, "list a:1 more than once"),
+    ([["a:1", "b:2"], "c:3"], None, "mixes single addresses and lists"),
+    ([["a:1", "b"]], 2, "address 'b' must be 'host:port'"),
+    ([["a:1", "b:2"]], 3, "processes_per_slice=3 but each address list names 2"),
+])
+def test_static_gang_addresses_are_checked(addresses, k, error):
+    with pytest.raises(ValueError, match=re.escape(error)):
+        mpmd.StaticCluster(addresses, token="t" * 32, processes_per_slice=k)
+
+
+STATIC = ["cluster.backend=static", "cluster.token_file=/secure/token"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3"]'],
+     "cluster.addresses: 3 address(es) cannot be cut into gangs of processes_per_slice=2"),
+    (['cluster.addresses=[["a:1","b:2"],["c:3"]]'], "cluster.addresses: every slice's gang must have the same"),
+    (['cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'], "processes_per_slice=1 but each address list names 2"),
+    (["cluster.processes_per_slice=2", 'cluster.addresses=[["a:1","b:2"]]'], "needs cluster.addresses with one gang (the 'host:port' of each "
+                                           "of its processes) per slice (2), got 1"),
+    (["cluster.backend=ray", "cluster.processes_per_slice=2"],
+     "cluster.processes_per_slice=2 is supported by cluster.backend 'local' and 'static'"),
+    (["cluster.processes_per_slice=2", "mesh.data=4"],
+     "but a slice has 2 (cluster.devices_per_worker=1 x cluster.processes_per_slice=2)"),
+])
+def test_gang_config_errors_name_the_key(overrides, message):
+    from recipes import config
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config.load(None, (STATIC if "cluster.backend=ray" not in overrides else []) + overrides)
+
+
+def test_gang_configs_that_are_accepted():
+    from recipes import config
+    grouped = config.load(None, STATIC + ["cluster.processes_per_slice=2",
+                                          'cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'])
+    flat = config.load(None, STATIC + ["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3","d:4"]'])
+    assert len(grouped.cluster.addresses) == 2 and len(flat.cluster.addresses) == 4
+    assert config.load(None, ["cluster.processes_per_slice=2"]).slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1}] * 2
