@@ -142,7 +142,7 @@ class ClusterConfig(_Section):
         None, description="file holding the cluster secret; static needs one, others generate it")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     processes_per_slice: int = Field(
-        1, gt=0, description="local, static: worker processes (one per host) that together own one slice's "
+        1, gt=0, description="local, static, ray: worker processes (one per host) that together own one slice's "
                              "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice")
     start_timeout_s: float = Field(
         60.0, gt=0, allow_inf_nan=False,
@@ -467,9 +467,9 @@ def _cross_field_problems(c: Config) -> list[str]:
         elif cl.max_workers < num_slices:
             out.append(f"cluster.max_workers={cl.max_workers} must be at least the {num_slices} worker(s) the "
                        f"slices need (or null)")
-    if cl.processes_per_slice > 1 and cl.backend not in ("local", "static"):
-        out.append(f"cluster.processes_per_slice={cl.processes_per_slice} is supported by cluster.backend "
-                   f"'local' and 'static' (not yet by '{cl.backend}'), got backend '{cl.backend}' (use 1)")
+    if cl.processes_per_slice > 1 and cl.backend == "inprocess":
+        out.append(f"cluster.processes_per_slice={cl.processes_per_slice} needs worker processes: "
+                   f"cluster.backend 'local', 'static' or 'ray', got 'inprocess' (use 1)")
     if cl.backend == "inprocess" and cl.failure_timeout_s is not None:
         out.append("cluster.failure_timeout_s is not used by cluster.backend='inprocess' (its slices are "
                    "threads of this process, never lost): set it to null")

@@ -209,7 +209,8 @@ def build_cluster(cfg: Config):
         kw = dict(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
                   threads_per_worker=c.threads_per_worker, **timeouts)
         if c.backend == "ray":
-            return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None)
+            return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None,
+                                   processes_per_slice=c.processes_per_slice)
         kw.update(max_workers=c.max_workers, processes_per_slice=c.processes_per_slice,
                   start_timeout_s=c.start_timeout_s)
         # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log; their records at

@@ -17,6 +17,7 @@ see runtime/executor.py), except Setup, whose transfer addresses are one per pro
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 log = logging.getLogger("mpmd.gang")
@@ -75,12 +76,14 @@ class GangFuture:
 
     def add_done_callback(self, fn) -> None:
         # Called once: when the last member is done, or at the first failure.
-        fired = []
+        fired, lock = [], threading.Lock()
 
         def member_done(_f):
-            if not fired and self.done():
+            with lock:
+                if fired or not self.done():
+                    return
                 fired.append(True)
-                fn(self)
+            fn(self)
         for f in self.futures:
             f.add_done_callback(member_done)
 

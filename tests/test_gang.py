@@ -75,28 +75,37 @@ def test_processes_per_slice_must_be_a_positive_integer(bad):
         mpmd.LocalCluster(processes_per_slice=bad)
 
 
+STEPS = 5     # a checkpoint every 2 steps; killed before step 4 is sent: back to step 2's commit
+
+
 def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, gang_root, tmp_path):
     """SIGKILL one process of slice 1 mid-run: its whole gang is torn down and replaced, every
     slice restores the last commit (saved by every process of every gang), and the run ends
     as an uninterrupted one does, bitwise; slice 0 keeps its processes."""
-    with recovery_runs.make_trainer(mpmd.InProcessCluster(), tmp_path / "ref", mesh={"data": 2}) as trainer:
-        want = recovery_runs.train(trainer, recovery_runs.data())[:2]
-    old_gang, other = gang.gang_pids(1), gang.gang_pids(0)
+    lose_one_process_of_slice_1(gang, gang_root / "run", tmp_path / "ref")
+
+
+def lose_one_process_of_slice_1(cluster, run_dir, ref_dir):
+    """The run above on `cluster` (2 slices, gangs of 2), checked; shared with Ray's gangs."""
+    with recovery_runs.make_trainer(mpmd.InProcessCluster(), ref_dir, mesh={"data": 2}) as trainer:
+        want = recovery_runs.train(trainer, recovery_runs.data(), steps=STEPS)[:2]
+    old_gang, other = cluster.gang_pids(1), cluster.gang_pids(0)
 
     def kill_process_1_of_slice_1(i, trainer):
         if i == 3 and not killed:
             killed.append(old_gang[1])
             os.kill(old_gang[1], signal.SIGKILL)
     killed = []
-    trainer = recovery_runs.make_trainer(gang, gang_root / "run", mesh={"data": 2})
+    trainer = recovery_runs.make_trainer(cluster, run_dir, mesh={"data": 2})
     try:
-        losses, params, rewinds = recovery_runs.train(trainer, recovery_runs.data(), kill_process_1_of_slice_1)
+        losses, params, rewinds = recovery_runs.train(trainer, recovery_runs.data(), kill_process_1_of_slice_1,
+                                                      steps=STEPS)
     finally:
         trainer.close(close_cluster=False)
     assert killed and rewinds == 1
     assert wait_gone(old_gang) == [], "a process of the lost gang is still running"
-    assert set(gang.gang_pids(1)).isdisjoint(old_gang) and len(gang.gang_pids(1)) == 2
-    assert gang.gang_pids(0) == other, "the surviving slice's processes were replaced"
+    assert set(cluster.gang_pids(1)).isdisjoint(old_gang) and len(cluster.gang_pids(1)) == 2
+    assert cluster.gang_pids(0) == other, "the surviving slice's processes were replaced"
     recovery_runs.assert_same_run((losses, params), want)
 
 
@@ -154,15 +163,15 @@ STATIC = ["cluster.backend=static", "cluster.token_file=/secure/token"]
     (['cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'], "processes_per_slice=1 but each address list names 2"),
     (["cluster.processes_per_slice=2", 'cluster.addresses=[["a:1","b:2"]]'], "needs cluster.addresses with one gang (the 'host:port' of each "
                                            "of its processes) per slice (2), got 1"),
-    (["cluster.backend=ray", "cluster.processes_per_slice=2"],
-     "cluster.processes_per_slice=2 is supported by cluster.backend 'local' and 'static'"),
+    (["cluster.backend=inprocess", "cluster.processes_per_slice=2"],
+     "cluster.processes_per_slice=2 needs worker processes: cluster.backend 'local', 'static' or 'ray'"),
     (["cluster.processes_per_slice=2", "mesh.data=4"],
      "but a slice has 2 (cluster.devices_per_worker=1 x cluster.processes_per_slice=2)"),
 ])
 def test_gang_config_errors_name_the_key(overrides, message):
     from recipes import config
     with pytest.raises(ValueError, match=re.escape(message)):
-        config.load(None, (STATIC if "cluster.backend=ray" not in overrides else []) + overrides)
+        config.load(None, (STATIC if "cluster.backend=inprocess" not in overrides else []) + overrides)
 
 
 def test_gang_configs_that_are_accepted():
