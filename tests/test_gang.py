@@ -42,12 +42,18 @@ def gang(gang_root):
 
 @pytest.fixture(scope="module")
 def gang_data2(gang):
-    return run(gang, {"data": 2}, "1f1b", close=False)
+    """(losses, grads, params) of the data=2 run, and the RPCs it took (gang is fresh here)."""
+    got = run(gang, {"data": 2}, "1f1b", close=False)
+    return got, rpcs(gang)
+
+
+def rpcs(cluster) -> dict:
+    return {k: n for k, n in cluster.rpc_counts.items() if k not in ("Heartbeat", "Shutdown")}
 
 
 def test_gang_data2_matches_unpipelined(gang, gang_data2, unpipelined):
     assert len(gang.pids) == 4 and gang.devices_per_slice == 2
-    assert_matches(gang_data2, unpipelined)
+    assert_matches(gang_data2[0], unpipelined)
 
 
 def test_gang_tensor2_matches_unpipelined(gang, unpipelined):
@@ -55,9 +61,12 @@ def test_gang_tensor2_matches_unpipelined(gang, unpipelined):
 
 
 def test_two_processes_of_one_device_equal_one_process_of_two_bitwise(gang_data2):
+    """Also: the gangs took exactly twice the messages of one process per slice, verb by verb
+    (one Run per process per step, nothing per microbatch)."""
     one_process = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
     losses = run(one_process, {"data": 2}, "1f1b")[0]
-    assert losses == gang_data2[0]
+    assert losses == gang_data2[0][0]
+    assert gang_data2[1] == {k: 2 * n for k, n in rpcs(one_process).items()}
 
 
 def test_a_gang_that_cannot_form_in_time_is_named_and_stopped():
@@ -130,7 +139,7 @@ def test_static_gangs_of_mpmd_worker_processes(gang_data2, tmp_path):
         assert all(line.startswith("MPMD_WORKER_READY") for line in lines), lines
         cluster = mpmd.StaticCluster([line.split()[1] for line in lines], token_file=str(token_file),
                                      processes_per_slice=2)
-        assert run(cluster, {"data": 2}, "1f1b", steps=2)[0] == gang_data2[0][:2]
+        assert run(cluster, {"data": 2}, "1f1b", steps=2)[0] == gang_data2[0][0][:2]
         for p in procs:   # closing the cluster shuts every process of every gang down
             assert p.wait(timeout=10) == 0
     finally:
