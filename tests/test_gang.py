@@ -73,9 +73,11 @@ def test_a_gang_that_cannot_form_in_time_is_named_and_stopped():
     cluster = mpmd.LocalCluster(num_workers=1, processes_per_slice=2, start_timeout_s=0.05)
     with pytest.raises(RuntimeError, match=r"slice 0's gang of 2 processes did not form within "
                                            r"start_timeout_s=0.05 s: process 0 \(pid \d+\) not ready, "
-                                           r"process 1 \(pid \d+\) not ready"):
+                                           r"process 1 \(pid \d+\) not ready") as error:
         cluster.start(1)
-    assert cluster.pids == [] or wait_gone(cluster.pids) == []
+    named = [int(p) for p in re.findall(r"pid (\d+)", str(error.value))]
+    assert len(named) == 2 and wait_gone(named) == [], "a process of the gang that did not form is left"
+    assert cluster.pids == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
