@@ -12,7 +12,8 @@ control plane. Every verb goes to all k at once (the same plan, the same Run mes
 Run per process per step) and succeeds only when all k answer; the first that fails is the
 slice's failure, so losing one process is losing the slice. What a verb returns comes from
 process 0 (losses and fetched buffers are replicated, or gathered inside the gang first;
-see runtime/executor.py), except Setup, whose transfer addresses are one per process.
+see runtime/executor.py). Setup is the control plane's own per process (each has its own
+transfer address), through `members`.
 """
 from __future__ import annotations
 
@@ -104,7 +105,6 @@ class GangClient:
     def last_ok(self) -> float:
         return min(m.last_ok for m in self.members)     # the gang is as alive as its quietest
 
-
     def wait_ready(self, timeout_s: float) -> None:
         for m in self.members:
             m.wait_ready(timeout_s)
@@ -126,11 +126,6 @@ class GangClient:
 
     def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
         return self.result(method, self.future(method, header, blobs, timeout_s))
-
-    def call_each(self, method: str, header: dict | None = None) -> list:
-        """Every process's reply, in process order (Setup: one transfer address each)."""
-        futs = [m.future(method, header) for m in self.members]
-        return [m.result(method, f) for m, f in zip(self.members, futs)]
 
     def close(self) -> None:
         for m in self.members:
