@@ -153,7 +153,7 @@ class Executor:
         process 0 whose copy the controller reads, can turn it into host memory."""
         if a.is_fully_addressable or a.sharding.is_fully_replicated:
             return a
-        return reshard.replicated(self.mesh)(a)
+        return reshard.collective(reshard.replicated(self.mesh), a)
 
     def delete(self, names) -> None:
         for n in names:
@@ -293,6 +293,12 @@ class Executor:
                     assert len(outs) == len(ins.outputs), (ins, len(outs))
                     for name, bundle in zip(ins.outputs, outs):
                         buffers[name] = tuple(bundle)
+                    if self.agreement is not None:
+                        # A gang's programs hold collectives, which must meet in the same order
+                        # on every process; XLA:CPU may run programs dispatched back to back at
+                        # once (a program whose inputs are ready overtakes one still running),
+                        # so each runs alone, in stream order (reshard.collective likewise).
+                        jax.block_until_ready(outs)
                     if trace:
                         jax.block_until_ready(outs)
                         events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))

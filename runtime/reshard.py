@@ -171,7 +171,7 @@ def owned_pieces(a: jax.Array, n: int, mesh: jax.sharding.Mesh) -> dict[int, jax
     rank, k = jax.process_index(), jax.process_count()
     if n <= 1 or a.ndim == 0:
         if not a.sharding.is_fully_replicated:
-            a = replicated(mesh)(a)
+            a = collective(replicated(mesh), a)
         return {0: a.addressable_shards[0].data} if owner(0, 1, k) == rank else {}
     rows = a.shape[0] // n
     held = {}       # (piece, process) -> a device of that process whose shard is that piece
@@ -181,7 +181,7 @@ def owned_pieces(a: jax.Array, n: int, mesh: jax.sharding.Mesh) -> dict[int, jax
     if all((i, owner(i, n, k)) in held for i in range(n)):
         by_device = {s.device: s.data for s in a.addressable_shards}
         return {i: by_device[held[(i, rank)]] for i in range(n) if owner(i, n, k) == rank}
-    whole = replicated(mesh)(a).addressable_shards[0].data
+    whole = collective(replicated(mesh), a).addressable_shards[0].data
     return {i: whole[i * rows:(i + 1) * rows] for i in range(n) if owner(i, n, k) == rank}
 
 
@@ -241,7 +241,7 @@ def assemble_gang(landed: dict[int, jax.Array], shape, dtype, layout: tuple, mes
             block += [jax.device_put(np.zeros(piece_shape, dtype), d)] * (depth - len(block))
             local.append(jnp.stack(block))
     stacked = jax.make_array_from_single_device_arrays((len(flat) * depth,) + piece_shape, stacked_sharding, local)
-    return _gather_program(slots, n, target)(stacked)
+    return collective(_gather_program(slots, n, target), stacked)
 
 
 _PROGRAMS: dict = {}
@@ -255,6 +255,15 @@ def _gather_program(slots: tuple[int, ...], n: int, target: NamedSharding):
             return stacked[slots[0]] if n <= 1 else jnp.concatenate([stacked[s] for s in slots], axis=0)
         _PROGRAMS[key] = jax.jit(put_together, out_shardings=target)
     return _PROGRAMS[key]
+
+
+def collective(program, *args):
+    """Run one of the runtime's own collective programs over a gang and wait for it. The
+    processes of a gang must meet in their collectives in the same order, and XLA:CPU may run
+    programs dispatched back to back at the same time (two of these, one per array, paired
+    with each other's halves across two processes: gloo's "collective mismatch", seen with
+    the in-memory snapshot tier); waiting keeps them one at a time."""
+    return jax.block_until_ready(program(*args))
 
 
 def replicated(mesh: jax.sharding.Mesh):

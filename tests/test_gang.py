@@ -93,12 +93,19 @@ def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, g
     """SIGKILL one process of slice 1 mid-run: its whole gang is torn down and replaced, every
     slice restores the last commit (saved by every process of every gang), and the run ends
     as an uninterrupted one does, bitwise; slice 0 keeps its processes."""
-    lose_one_process_of_slice_1(gang, gang_root / "run", tmp_path / "ref")
+    assert lose_one_process_of_slice_1(gang, gang_root / "run", tmp_path / "ref") == "persistent"
 
 
-def lose_one_process_of_slice_1(cluster, run_dir, ref_dir):
-    """The run above on `cluster` (2 slices, gangs of 2), checked; shared with Ray's gangs."""
-    with recovery_runs.make_trainer(mpmd.InProcessCluster(), ref_dir, mesh={"data": 2}) as trainer:
+def test_a_replaced_gang_comes_back_from_the_in_memory_tier(gang, gang_root, tmp_path):
+    """The same with checkpoint snapshots in memory every step (mpmd/snapshots.py): the new
+    gang gets its state from its peer slice's copy, sent gang to gang."""
+    assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", tmp_path / "ref", memory_every=1) == "memory"
+
+
+def lose_one_process_of_slice_1(cluster, run_dir, ref_dir, **trainer_kw) -> str:
+    """The run above on `cluster` (2 slices, gangs of 2), checked; the tier it recovered
+    from. Shared with Ray's gangs."""
+    with recovery_runs.make_trainer(mpmd.InProcessCluster(), ref_dir, mesh={"data": 2}, **trainer_kw) as trainer:
         want = recovery_runs.train(trainer, recovery_runs.data(), steps=STEPS)[:2]
     old_gang, other = cluster.gang_pids(1), cluster.gang_pids(0)
 
@@ -107,7 +114,7 @@ def lose_one_process_of_slice_1(cluster, run_dir, ref_dir):
             killed.append(old_gang[1])
             os.kill(old_gang[1], signal.SIGKILL)
     killed = []
-    trainer = recovery_runs.make_trainer(cluster, run_dir, mesh={"data": 2})
+    trainer = recovery_runs.make_trainer(cluster, run_dir, mesh={"data": 2}, **trainer_kw)
     try:
         losses, params, rewinds = recovery_runs.train(trainer, recovery_runs.data(), kill_process_1_of_slice_1,
                                                       steps=STEPS)
@@ -118,6 +125,7 @@ def lose_one_process_of_slice_1(cluster, run_dir, ref_dir):
     assert set(cluster.gang_pids(1)).isdisjoint(old_gang) and len(cluster.gang_pids(1)) == 2
     assert cluster.gang_pids(0) == other, "the surviving slice's processes were replaced"
     recovery_runs.assert_same_run((losses, params), want)
+    return trainer.recovery_s["tier"]
 
 
 def test_static_gangs_of_mpmd_worker_processes(gang_data2, tmp_path):
