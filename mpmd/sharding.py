@@ -108,8 +108,9 @@ def slice_meshes(mesh, num_slices: int, devices_per_slice: int | None = None) ->
     if devices_per_slice is not None:
         for r, m in enumerate(meshes):
             if m.size != devices_per_slice:
-                raise LayoutError(f"slice {r}: mesh {describe(m)} is {m.size} device(s) but each worker has "
-                                 f"{devices_per_slice} (devices_per_worker): the axes' product must equal it")
+                raise LayoutError(f"slice {r}: mesh {describe(m)} is {m.size} device(s) but each slice has "
+                                 f"{devices_per_slice} (devices_per_worker x processes_per_slice): the axes' "
+                                 f"product must equal it")
     return meshes
 
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mpmd import schedules
+from runtime import gang
 
 
 class ConfigError(ValueError):
@@ -123,10 +124,12 @@ class ClusterConfig(_Section):
                              "shared = slices leased from a persistent cluster (`mpmd cluster up`)")
     num_workers: int | None = Field(
         None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
-    addresses: list[str] = Field([], description="static: one 'host:port' per worker")
-    spares: list[str] = Field(
-        [], description="static: extra 'host:port' workers, each replacing one lost worker "
-                        "(without spares a static run cannot recover)")
+    addresses: list[str | list[str]] = Field(
+        [], description="static: one 'host:port' per worker; with gangs, one list per slice of its processes' "
+                        "'host:port' (process 0 first), or a flat list cut by processes_per_slice")
+    spares: list[str | list[str]] = Field(
+        [], description="static: extra 'host:port' workers (or gangs, as addresses), each replacing one lost "
+                        "worker (without spares a static run cannot recover)")
     address: str | None = Field(
         None, description="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379', 'ray://head:10001'); "
                           "null = $RAY_ADDRESS, else a new Ray instance on this machine. shared: the "
@@ -152,6 +155,12 @@ class ClusterConfig(_Section):
         None, description="file holding the cluster secret; static needs one, others generate it; "
                           "shared with cluster.address: the submit token")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
+    processes_per_slice: int = Field(
+        1, gt=0, description="local, static, ray: worker processes (one per host) that together own one slice's "
+                             "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice")
+    start_timeout_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False,
+        description="local: how long a worker, or every process of a slice's gang, may take to start")
     threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
     step_timeout_s: float | None = Field(
         None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
@@ -266,7 +275,7 @@ class Config(_Section):
     def slice_shapes(self) -> list[dict[str, int]]:
         """{data, fsdp, tensor} of each slice's mesh, one per slice (mesh.stages, else mesh)."""
         shapes = self.mesh.stages if self.mesh.stages is not None else [self.mesh] * self.num_workers
-        return [s.resolved(self.cluster.devices_per_worker) for s in shapes]
+        return [s.resolved(self.cluster.devices_per_worker * self.cluster.processes_per_slice) for s in shapes]
 
     @property
     def num_devices(self) -> int:
@@ -417,10 +426,24 @@ def _cross_field_problems(c: Config) -> list[str]:
     if cl.num_workers is not None and cl.num_workers != num_slices:
         out.append(f"cluster.num_workers={cl.num_workers} must equal pipeline.num_stages // "
                    f"pipeline.virtual_stages = {num_slices} (or be null)")
+    # Gangs (runtime/gang.py): addresses grouped per slice, as lists or cut by processes_per_slice.
+    ganged = cl.processes_per_slice > 1 or any(isinstance(a, list) for a in cl.addresses + cl.spares)
+    num_slots = len(cl.addresses)
+    if ganged:
+        for key in ("addresses", "spares"):
+            try:
+                slots = gang.group_addresses(getattr(cl, key), cl.processes_per_slice) if getattr(cl, key) else []
+            except ValueError as e:
+                out.append(f"cluster.{key}: {e}")
+                slots = None
+            if key == "addresses":
+                num_slots = len(slots) if slots is not None else num_slices
     if cl.backend == "static":
-        if len(cl.addresses) != num_slices:
-            out.append(f"cluster.backend='static' needs cluster.addresses with one 'host:port' "
-                       f"per worker ({num_slices}), got {len(cl.addresses)}")
+        if num_slots != num_slices:
+            out.append(f"cluster.backend='static' needs cluster.addresses with one 'host:port' per worker "
+                       f"({num_slices}), got {num_slots}" if not ganged else
+                       f"cluster.backend='static' needs cluster.addresses with one gang (the 'host:port' of each "
+                       f"of its processes) per slice ({num_slices}), got {num_slots}")
         if not cl.token_file:
             out.append("cluster.backend='static' needs cluster.token_file (the secret the "
                        "workers were started with)")
@@ -431,12 +454,13 @@ def _cross_field_problems(c: Config) -> list[str]:
                            f"'{cl.backend}'" + ("" if key == "addresses" else
                                                 " (a local or ray cluster starts its own replacements)"))
     for key in ("addresses", "spares"):
-        for address in getattr(cl, key):
+        for address in [a for g in getattr(cl, key) for a in (g if isinstance(g, list) else [g])]:
             match = _ADDRESS.match(address)
             if not match or not 0 < int(match.group(1)) < 65536:
                 out.append(f"cluster.{key} entry {address!r} must be 'host:port' "
                            f"with port 1..65535")
-    twice = sorted({a for a in cl.addresses + cl.spares if (cl.addresses + cl.spares).count(a) > 1})
+    flat = [a for g in cl.addresses + cl.spares for a in (g if isinstance(g, list) else [g])]
+    twice = sorted({a for a in flat if flat.count(a) > 1})
     if twice:
         out.append(f"cluster.addresses and cluster.spares list {', '.join(twice)} more than once: "
                    f"each worker serves one slice or waits as one spare")
@@ -458,6 +482,9 @@ def _cross_field_problems(c: Config) -> list[str]:
         elif cl.max_workers < num_slices:
             out.append(f"cluster.max_workers={cl.max_workers} must be at least the {num_slices} worker(s) the "
                        f"slices need (or null)")
+    if cl.processes_per_slice > 1 and cl.backend == "inprocess":
+        out.append(f"cluster.processes_per_slice={cl.processes_per_slice} needs worker processes: "
+                   f"cluster.backend 'local', 'static' or 'ray', got 'inprocess' (use 1)")
     if cl.backend == "inprocess" and cl.failure_timeout_s is not None:
         out.append("cluster.failure_timeout_s is not used by cluster.backend='inprocess' (its slices are "
                    "threads of this process, never lost): set it to null")
@@ -495,7 +522,7 @@ def _shared_problems(cl: ClusterConfig) -> list[str]:
 def _mesh_problems(c: Config, num_slices: int) -> list[str]:
     """mesh.* against the slices and cluster.devices_per_worker (mpmd.sharding.slice_meshes
     and check_rules decide the same again in the Trainer; here they cannot: they import JAX)."""
-    mesh, devices = c.mesh, c.cluster.devices_per_worker
+    mesh, devices = c.mesh, c.cluster.devices_per_worker * c.cluster.processes_per_slice
     out = []
     if mesh.stages is not None and len(mesh.stages) != num_slices:
         out.append(f"mesh.stages lists {len(mesh.stages)} slice shape(s) but there are {num_slices} slices "
@@ -508,7 +535,10 @@ def _mesh_problems(c: Config, num_slices: int) -> list[str]:
             product = axes["data"] * axes["fsdp"] * axes["tensor"]
             if product != devices:
                 out.append(f"{where}: {' x '.join(f'{a}={n}' for a, n in axes.items())} = {product} devices, "
-                           f"but cluster.devices_per_worker={devices}: the axes' product must equal it")
+                           + (f"but cluster.devices_per_worker={devices}" if c.cluster.processes_per_slice == 1 else
+                              f"but a slice has {devices} (cluster.devices_per_worker="
+                              f"{c.cluster.devices_per_worker} x cluster.processes_per_slice="
+                              f"{c.cluster.processes_per_slice})") + ": the axes' product must equal it")
     for name, target in mesh.rules.items():
         targets = [] if target is None else [target] if isinstance(target, str) else target
         if not isinstance(targets, list) or not all(t in MESH_AXES for t in targets):

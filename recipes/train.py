@@ -207,12 +207,15 @@ def build_cluster(cfg: Config):
         if c.backend == "shared":
             return shared_cluster(cfg, timeouts)
         if c.backend == "static":      # the spares follow the slices' addresses (StaticLauncher)
-            return mpmd.StaticCluster(c.addresses + c.spares, token_file=c.token_file, **timeouts)
+            return mpmd.StaticCluster(c.addresses + c.spares, token_file=c.token_file,
+                                      processes_per_slice=c.processes_per_slice, **timeouts)
         kw = dict(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
                   threads_per_worker=c.threads_per_worker, **timeouts)
         if c.backend == "ray":
-            return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None)
-        kw["max_workers"] = c.max_workers
+            return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None,
+                                   processes_per_slice=c.processes_per_slice)
+        kw.update(max_workers=c.max_workers, processes_per_slice=c.processes_per_slice,
+                  start_timeout_s=c.start_timeout_s)
         # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log; their records at
         # the console level come back one line each (recipes/console.py).
         return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"),

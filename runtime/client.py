@@ -41,6 +41,7 @@ import grpc
 from runtime import instructions, mesh, streams, wire
 from runtime.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, StepFailed, WorkerLost
 from runtime.executor import Aborted, Event, Progress, StepResult
+from runtime.gang import GangClient, group_addresses
 from runtime.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
 from runtime.worker import read_token_file
 
@@ -150,7 +151,7 @@ class ControlPlane:
         self._free_slots: list[int] = []           # slots whose worker was lost and left out (remove)
         self._others: list[WorkerClient] = []      # idle workers: heartbeats keep their lease
         self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
-        self._transfer: dict[str, str] = {}
+        self._transfer: dict[str, str | list[str]] = {}   # slice -> transfer address(es), one per process
         self._transfer_secret = ""                 # per session, made by start()
         self._meshes: list[dict] | None = None     # per slice: its mesh shape (None: data = its devices)
         self._pool: ThreadPoolExecutor | None = None
@@ -240,14 +241,25 @@ class ControlPlane:
         self._in_flight = InFlight()
         self._set_up_all()
 
-    def _client(self, address: str) -> WorkerClient:
+    def _client(self, address) -> WorkerClient | GangClient:
+        """A client for a slice's worker ("host:port"), or for its gang (one address per
+        process: runtime/gang.py)."""
+        if isinstance(address, (list, tuple)):
+            return GangClient([WorkerClient(a, self._token, self.rpc_counts) for a in address])
         return WorkerClient(address, self._token, self.rpc_counts)
 
-    def _setup(self, i: int, c: WorkerClient) -> str:
-        host = self._transfer_host or c.address.rpartition(":")[0].strip("[]")
-        setup = {"slice_index": i, "transfer_host": host, "transfer_secret": self._transfer_secret,
-                 "mesh": self._meshes[i] if self._meshes is not None else None}
-        return c.call("Setup", setup)[0]["transfer_address"]
+    def _setup(self, i: int, c: WorkerClient | GangClient) -> str | list[str]:
+        """Set slice i up on its worker, or on every process of its gang (each listening for
+        transfers on its own host); its transfer address, or one per process."""
+        members = c.members if isinstance(c, GangClient) else [c]
+        futs = []
+        for m in members:
+            host = self._transfer_host or m.address.rpartition(":")[0].strip("[]")
+            setup = {"slice_index": i, "transfer_host": host, "transfer_secret": self._transfer_secret,
+                     "mesh": self._meshes[i] if self._meshes is not None else None}
+            futs.append((m, m.future("Setup", setup)))
+        addresses = [m.result("Setup", f)[0]["transfer_address"] for m, f in futs]
+        return addresses[0] if not isinstance(c, GangClient) else addresses
 
     def _beat(self) -> None:
         # Keeps the workers' lease alive and feeds failure detection (WorkerClient.last_ok).
@@ -593,6 +605,11 @@ class StaticCluster(ControlPlane):
     """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F --root DIR`
     (DIR must hold the run_dir of any Trainer that checkpoints on them).
 
+    A slice served by a gang of processes (runtime/gang.py) is a list of its processes'
+    addresses, process 0 first (or cut from a flat list by `processes_per_slice`; None: 1
+    for a flat list, the lists' own length otherwise); each
+    process was started with `mpmd worker ... --coordinator HOST0:PORT --num-processes k
+    --process-id j`, HOST0:PORT a free port on process 0's host.
     The first `num_slices` addresses serve slices; the others are spares that replace a
     lost slice. A token file that its group or others may read is refused unless
     `allow_insecure_token_file` (see read_token_file).
@@ -601,10 +618,8 @@ class StaticCluster(ControlPlane):
     def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
                  connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
                  transfer_host: str | None = None, step_timeout_s: float | None = None,
-                 allow_insecure_token_file: bool = False):
-        addresses = list(addresses)
-        if not addresses or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses):
-            raise ValueError(f"addresses must be a non-empty list of 'host:port' strings, got {addresses!r}")
+                 allow_insecure_token_file: bool = False, processes_per_slice: int | None = None):
+        addresses = group_addresses(addresses, processes_per_slice)
         if token is None:
             if token_file is None:
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")

@@ -216,10 +216,11 @@ class Cluster(Protocol):
 @runtime_checkable
 class Launcher(Protocol):
     """Starts and stops the worker processes a control plane talks to. Addresses are gRPC
-    `host:port` strings of workers that hold the control plane's token."""
+    `host:port` strings of workers that hold the control plane's token; a slot served by a
+    gang (runtime/gang.py) has a tuple of them, one per process, process 0 first."""
 
-    addresses: list[str]
-    """Every worker this launcher knows, by slot (spares included)."""
+    addresses: list
+    """Every worker (or gang) this launcher knows, by slot (spares included)."""
 
     def start(self, num_slices: int, root: str | None = None) -> list[str]:
         """Make sure at least `num_slices` workers are up and return all their addresses: the

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from runtime import programs as programs_lib
-from runtime import wire
+from runtime import reshard, wire
 from runtime.checkpoint import SliceCheckpointer, host_copy
 from runtime.cluster import StepFailed
 from runtime.instructions import Copy, Delete, Instruction, Recv, Run, Send
@@ -83,13 +83,16 @@ class Executor:
     """One slice: `mesh` is its devices (runtime/mesh.py); every buffer is laid out on it."""
 
     def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, transport: Transport,
-                 load=programs_lib.load):
+                 load=programs_lib.load, agreement=None):
         """load(spec, mesh) -> program: programs_lib.load, or a worker's CompileCache.load
-        (runtime/compile_cache.py), which shares loaded programs between sessions."""
+        (runtime/compile_cache.py), which shares loaded programs between sessions.
+        agreement: a gang's (runtime/gang.Agreement), None for a slice of one process."""
         self.slice_index = slice_index
         self._load = load
         self.mesh = mesh
         self.transport = transport
+        # A gang's (runtime/gang.Agreement): its processes stop a run together or not at all.
+        self.agreement = agreement
         self.programs: dict[str, programs_lib.Program] = {}
         self.plans: dict[str, tuple[Instruction, ...]] = {}
         self.buffers: dict[str, tuple[jax.Array, ...]] = {}
@@ -135,7 +138,8 @@ class Executor:
 
     def _placed(self, arrays, layouts=None) -> tuple[jax.Array, ...]:
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)
-        return tuple(jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, self._sharding(layout))
+        return tuple(jax.device_put(a, self._sharding(layout)) if isinstance(a, jax.Array)
+                     else reshard.place(a, self._sharding(layout))
                      for a, layout in zip(arrays, layouts))
 
     def _sharding(self, layout) -> jax.sharding.NamedSharding:
@@ -145,7 +149,16 @@ class Executor:
         missing = [n for n in names if n not in self.buffers]
         if missing:
             raise KeyError(f"slice {self.slice_index} has no buffer(s) {missing}")
-        return {n: tuple(np.asarray(a) for a in self.buffers[n]) for n in names}
+        return {n: tuple(np.asarray(self._host_readable(a)) for a in self.buffers[n]) for n in names}
+
+    def _host_readable(self, a: jax.Array) -> jax.Array:
+        """`a`, or in a gang (a slice over several processes) a replicated copy when this
+        process holds only part of it: a collective every process of the gang runs at the
+        same point (a Get goes to all of them; a fetch is walked by all), so that each, and
+        process 0 whose copy the controller reads, can turn it into host memory."""
+        if a.is_fully_addressable or a.sharding.is_fully_replicated:
+            return a
+        return reshard.collective(reshard.replicated(self.mesh), a)
 
     def delete(self, names) -> None:
         for n in names:
@@ -241,7 +254,15 @@ class Executor:
         # Feeds are laid out on the devices before the turn: a run sent ahead has its inputs
         # in place when the run before it ends.
         staged = {name: self._placed(list(arrays)) for name, arrays in (feeds or {}).items()}
-        self._take_turn(step, after)
+        try:
+            self._take_turn(step, after)
+        except Aborted:
+            if self.agreement is not None:
+                self.agreement.decide(step, "start", False)
+            raise
+        if self.agreement is not None and not self.agreement.decide(step, "start", self._aborted_upto < step):
+            self._end_turn(step)
+            raise Aborted(f"slice {self.slice_index}: run {step} aborted by another process of the gang before it started")
         try:
             walked = self._walk(plan, step, staged, fetch, trace)
         finally:
@@ -288,13 +309,19 @@ class Executor:
                     assert len(outs) == len(ins.outputs), (ins, len(outs))
                     for name, bundle in zip(ins.outputs, outs):
                         buffers[name] = tuple(bundle)
+                    if self.agreement is not None:
+                        # A gang's programs hold collectives, which must meet in the same order
+                        # on every process; XLA:CPU may run programs dispatched back to back at
+                        # once (a program whose inputs are ready overtakes one still running),
+                        # so each runs alone, in stream order (reshard.collective likewise).
+                        jax.block_until_ready(outs)
                     if trace:
                         jax.block_until_ready(outs)
                         events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))
                 elif isinstance(ins, Recv):
                     self.progress = Progress(step, i, "recv")
                     start = time.time_ns() if trace else 0
-                    buffers[ins.buffer] = self._wait(held.take(ins), ins, step)
+                    buffers[ins.buffer] = self._wait(held.take(ins), ins, step, i)
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
@@ -315,7 +342,7 @@ class Executor:
                     peak_bytes = max(peak_bytes, _bound_bytes(buffers) + held.bytes)
             where = f"{plan} fetch {list(fetch)}"
             # The arrays, not the names: a run after this one may rebind the names.
-            to_fetch = {n: buffers[n] for n in fetch}
+            to_fetch = {n: tuple(map(self._host_readable, buffers[n])) for n in fetch}
         except Aborted:
             raise
         except Exception as e:
@@ -330,15 +357,25 @@ class Executor:
             raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
         raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
 
-    def _wait(self, fut, ins: Recv, step: int):
+    def _wait(self, fut, ins: Recv, step: int, index: int):
         # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
-        while True:
-            if self._aborted_upto >= step:
-                raise Aborted(f"slice {self.slice_index}: step aborted while waiting for {ins.key!r}")
-            try:
-                return tuple(fut.result(timeout=0.05))
-            except TimeoutError:
-                continue
+        try:
+            while True:
+                if self._aborted_upto >= step:
+                    raise Aborted(f"slice {self.slice_index}: step aborted while waiting for {ins.key!r}")
+                try:
+                    got = fut.result(timeout=0.05)
+                    break
+                except TimeoutError:
+                    continue
+        except BaseException:
+            if self.agreement is not None:        # the gang's other processes stop here too
+                self.agreement.decide(step, str(index), False)
+            raise
+        if self.agreement is not None and not self.agreement.decide(step, str(index), True):
+            raise Aborted(f"slice {self.slice_index}: step aborted by another process of the gang at {ins.key!r}")
+        # A gang's receive lands pieces only; they are put together here, in stream order.
+        return got() if isinstance(got, reshard.Deferred) else tuple(got)
 
 
 def _on_device(array: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""LocalCluster: the controller starts one worker process per slice on this machine.
+"""LocalCluster: the controller starts one worker process per slice on this machine (or a
+gang of `processes_per_slice` processes per slice, runtime/gang.py).
 
 LocalLauncher starts and stops the processes; LocalCluster is the control plane over it.
 
@@ -114,6 +115,24 @@ def check_gpus(gpus) -> list[str]:
     return ids
 
 
+def check_processes_per_slice(k) -> int:
+    """processes_per_slice: a positive integer (1: a slice is one process)."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"processes_per_slice must be a positive integer (the processes, one per host, that "
+                         f"together own a slice's mesh; 1: one process per slice), got {k!r}")
+    return k
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now, for a gang's coordinator (the OS picks it; the gang binds it
+    moments later)."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
     try:
@@ -147,8 +166,13 @@ class LocalLauncher:
     def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None):
+                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None,
+                 processes_per_slice: int = 1, start_timeout_s: float = START_TIMEOUT_S):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        self.processes_per_slice = check_processes_per_slice(processes_per_slice)
+        if not isinstance(start_timeout_s, (int, float)) or isinstance(start_timeout_s, bool) or not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be a positive number of seconds, got {start_timeout_s!r}")
+        self.start_timeout_s = float(start_timeout_s)
         self.max_workers = check_max_workers(max_workers)
         self.started = 0              # processes started so far, replacements included
         if log_level not in LOG_LEVELS:
@@ -166,11 +190,17 @@ class LocalLauncher:
         self.pin = pin
         self.host = host
         self.compilation_cache_dir = compilation_cache_dir
-        self.addresses: list[str] = []
-        self.procs: list[subprocess.Popen] = []
+        # Per slot: its address ("host:port"), or one per process of its gang (a tuple).
+        self.addresses: list[str | tuple[str, ...]] = []
+        self.gangs: list[list[subprocess.Popen]] = []   # per slot: its processes, process 0 first
         self._readers: list[threading.Thread] = []     # one per process started: its stdout
         if num_workers is not None:
             self._check_gpus(num_workers)
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """Every process, slot by slot (slot s's process j at s * processes_per_slice + j)."""
+        return [p for gang in self.gangs for p in gang]
 
     @property
     def pids(self) -> list[int]:
@@ -178,11 +208,12 @@ class LocalLauncher:
 
     def start(self, num_slices: int, root: str | None = None) -> list[str]:
         n = num_workers_for(self.num_workers, num_slices, "LocalCluster")
-        root = worker_root(self.root, root, self._running_root if self.procs else None, "LocalCluster")
-        if self.procs:       # already running: the control plane reuses them from a clean state
+        root = worker_root(self.root, root, self._running_root if self.gangs else None, "LocalCluster")
+        if self.gangs:       # already running: the control plane reuses them from a clean state
             return list(self.addresses)
-        if self.max_workers is not None and n > self.max_workers:
-            raise ValueError(f"{n} worker(s) needed for {num_slices} slice(s), but LocalCluster has "
+        if self.max_workers is not None and n * self.processes_per_slice > self.max_workers:
+            raise ValueError(f"{n * self.processes_per_slice} worker process(es) needed for {num_slices} slice(s) "
+                             f"of {self.processes_per_slice} process(es), but LocalCluster has "
                              f"max_workers={self.max_workers}")
         self._check_gpus(n)
         self._running_root = root
@@ -193,39 +224,80 @@ class LocalLauncher:
             raise
         return list(self.addresses)
 
-    def replace(self, slot: int) -> str:
-        """Make sure the slot's old process is gone (SIGKILL by its pid: it may be hung or
-        stopped), then start a new one in its place; ReplaceUnsupported once max_workers
-        processes were started (raise max_workers to let one start again)."""
-        old = self.procs[slot]
-        if old.poll() is None:
-            old.kill()
-        old.wait()
-        if self.max_workers is not None and self.started >= self.max_workers:
+    def replace(self, slot: int) -> str | tuple[str, ...]:
+        """Make sure every process of the slot's old gang is gone (SIGKILL by its pid: it may
+        be hung or stopped, and a gang is lost as a whole), then start a new gang in its
+        place; ReplaceUnsupported once max_workers processes were started (raise max_workers
+        to let one start again)."""
+        for old in self.gangs[slot]:
+            if old.poll() is None:
+                old.kill()
+            old.wait()
+        if self.max_workers is not None and self.started + self.processes_per_slice > self.max_workers:
             raise ReplaceUnsupported(f"LocalCluster started max_workers={self.max_workers} worker process(es) "
                                      f"already; none may replace slot {slot}'s")
         self.addresses[slot] = address = self._spawn(slot)
         return address
 
     def _check_gpus(self, num_workers: int) -> None:
-        need = num_workers * self.devices_per_worker
+        need = num_workers * self.processes_per_slice * self.devices_per_worker
         if self.gpus and need > len(self.gpus):
             raise ValueError(f"{num_workers} worker(s) x devices_per_worker={self.devices_per_worker} need {need} "
                              f"GPUs, and {len(self.gpus)} are at hand ({','.join(self.gpus)}): two workers never "
                              f"share a GPU; use fewer devices per worker, or gpus=[] to run on CPU")
 
-    def _spawn(self, i: int) -> str:
+    def _spawn(self, slot: int) -> str | tuple[str, ...]:
+        """Start slot `slot`'s process, or its gang of processes_per_slice processes sharing a
+        coordinator on a port picked here; its address once every process reported ready
+        (a gang reports ready once all its processes joined). A gang that does not form within
+        start_timeout_s is stopped whole and named, with the processes that never got ready."""
+        k = self.processes_per_slice
+        gang_args = ([] if k == 1 else
+                     ["--coordinator", f"{self.host}:{free_port(self.host)}", "--num-processes", str(k),
+                      "--gang-timeout-s", str(self.start_timeout_s)])
+        started = [self._start_process(slot, j, gang_args + (["--process-id", str(j)] if k > 1 else []))
+                   for j in range(k)]
+        procs = [p for p, _, _ in started]
+        if slot < len(self.gangs):
+            self.gangs[slot] = procs
+        else:
+            self.gangs.append(procs)
+        deadline = time.monotonic() + self.start_timeout_s
+        for _, ready, _ in started:
+            ready.wait(max(0.0, deadline - time.monotonic()))
+        missing = [(j, p, "exited before it was ready" if p.poll() is not None else "not ready")
+                   for j, (p, _, lines) in enumerate(started) if not lines]
+        if missing:
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait()
+            where = f"; see {self._log_file(slot, missing[0][0])}" if self.log_dir is not None else ""
+            if k == 1:
+                _, p, why = missing[0]
+                raise RuntimeError(f"worker {slot} (pid {p.pid}) failed to start within start_timeout_s="
+                                   f"{self.start_timeout_s:g} s: {why}{where}")
+            raise RuntimeError(f"slice {slot}'s gang of {k} processes did not form within start_timeout_s="
+                               f"{self.start_timeout_s:g} s: " + ", ".join(
+                                   f"process {j} (pid {p.pid}) {why}" for j, p, why in missing)
+                               + f" (processes of a gang wait for each other){where}")
+        addresses = tuple(lines[0].split()[1] for _, _, lines in started)
+        return addresses[0] if k == 1 else addresses
+
+    def _start_process(self, slot: int, j: int, extra: list[str]):
+        """Start process j of slot `slot`; (process, its ready event, its READY line once read)."""
+        index = slot * self.processes_per_slice + j    # the process's place among all, for cores and GPUs
         cmd = [sys.executable, "-m", "runtime.worker", "--listen", f"{self.host}:0", "--token-stdin",
-               "--devices", str(self.devices_per_worker), "--root", self._running_root]
+               "--devices", str(self.devices_per_worker), "--root", self._running_root] + extra
         if self.pin:
-            cmd += ["--cpus", ",".join(map(str, cores_for(i, self.threads_per_worker)))]
+            cmd += ["--cpus", ",".join(map(str, cores_for(index, self.threads_per_worker)))]
         if self.log_dir is not None:    # a log file to fill, and the console's share relayed
             cmd += ["--log-level", "debug" if self.log_level == "debug" else "info",
                     "--relay-level", self.log_level]
         env = worker_env(self.compilation_cache_dir)
         if self.gpus:         # the slot's own GPUs: a replacement gets the ones it replaces
             d = self.devices_per_worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[i * d:(i + 1) * d])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[index * d:(index + 1) * d])
         elif self.cpu_only:
             env["JAX_PLATFORMS"] = "cpu"
         # A session of its own: a Ctrl-C at the terminal reaches the controller only, which
@@ -233,7 +305,7 @@ class LocalLauncher:
         stderr = None
         if self.log_dir is not None:    # appended to: a replacement continues its slot's log
             os.makedirs(self.log_dir, exist_ok=True)
-            stderr = open(os.path.join(self.log_dir, f"worker_{i}.log"), "a")
+            stderr = open(self._log_file(slot, j), "a")
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
                                     env=env, text=True, bufsize=1, start_new_session=True)
@@ -241,30 +313,21 @@ class LocalLauncher:
             if stderr is not None:
                 stderr.close()          # the child has its own copy
         self.started += 1
-        if i < len(self.procs):
-            self.procs[i] = proc
-        else:
-            self.procs.append(proc)
         proc.stdin.write(self._token + "\n")
         proc.stdin.flush()
         # Read stdout to its end, so a chatty worker never blocks on a full pipe: first its
         # READY line, then the records it relays.
         ready = threading.Event()
         lines: list[str] = []
-        reader = threading.Thread(target=self._read_stdout, args=(proc, i, ready, lines), daemon=True,
-                                  name=f"mpmd-worker-{i}-stdout")
+        reader = threading.Thread(target=self._read_stdout, args=(proc, slot, ready, lines), daemon=True,
+                                  name=f"mpmd-worker-{slot}.{j}-stdout")
         reader.start()
         self._readers.append(reader)
-        if not ready.wait(START_TIMEOUT_S):
-            proc.kill()
-            raise RuntimeError(f"worker {i} (pid {proc.pid}) did not report ready within {START_TIMEOUT_S:g} s")
-        if not lines:
-            where = f"; see {self._log_file(i)}" if self.log_dir is not None else ""
-            raise RuntimeError(f"worker {i} (pid {proc.pid}) failed to start: it exited before it was ready{where}")
-        return lines[0].split()[1]
+        return proc, ready, lines
 
-    def _log_file(self, slot: int) -> str:
-        return os.path.join(self.log_dir, f"worker_{slot}.log")
+    def _log_file(self, slot: int, process: int = 0) -> str:
+        name = f"worker_{slot}.log" if self.processes_per_slice == 1 else f"worker_{slot}.{process}.log"
+        return os.path.join(self.log_dir, name)
 
     def _read_stdout(self, proc: subprocess.Popen, slot: int, ready: threading.Event, lines: list) -> None:
         """Until the worker's stdout ends: its READY line into `lines` (then `ready` is set; also
@@ -281,7 +344,7 @@ class LocalLauncher:
         ready.set()
 
     def stop(self) -> None:
-        procs, self.procs = self.procs, []
+        procs, self.gangs = self.procs, []
         deadline = time.monotonic() + 5.0
         for p in procs:
             try:
@@ -323,6 +386,11 @@ class LocalCluster(ControlPlane):
     log_level: with a log_dir, the workers' records at this level and up ("debug", "info",
         "warning", "error") are also logged here, one line each, by the logger mpmd.workers;
         at "debug" the workers log debug records too.
+    processes_per_slice: k > 1 makes each slice a gang of k processes (standing in for k
+        hosts), each with devices_per_worker devices, that together own the slice's mesh of
+        k x devices_per_worker devices (runtime/gang.py); a lost process is a lost slice, and
+        its whole gang is replaced.
+    start_timeout_s: how long a worker, or every process of a gang, may take to get ready.
     max_workers: the most worker processes started over the cluster's life, replacements
         included (None: no limit). Once spent, a lost worker is not replaced (replace raises
         ReplaceUnsupported): a run then shrinks or stops (Trainer on_loss). Raising
@@ -334,14 +402,15 @@ class LocalCluster(ControlPlane):
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
                  step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None):
+                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None,
+                 processes_per_slice: int = 1, start_timeout_s: float = START_TIMEOUT_S):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
         launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache,
-                                 log_dir, root, gpus, log_level, max_workers)
+                                 log_dir, root, gpus, log_level, max_workers, processes_per_slice, start_timeout_s)
         super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     @property
@@ -355,6 +424,19 @@ class LocalCluster(ControlPlane):
     @property
     def devices_per_worker(self) -> int:
         return self.launcher.devices_per_worker
+
+    @property
+    def processes_per_slice(self) -> int:
+        return self.launcher.processes_per_slice
+
+    @property
+    def devices_per_slice(self) -> int:
+        """The devices of one slice's mesh: every process of its gang's."""
+        return self.launcher.devices_per_worker * self.launcher.processes_per_slice
+
+    def gang_pids(self, slot: int) -> list[int]:
+        """The pids of slot `slot`'s processes (its gang), process 0 first."""
+        return [p.pid for p in self.launcher.gangs[slot]]
 
     @property
     def max_workers(self) -> int | None:

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 import jax
 import numpy as np
 
-from runtime import wire
+from runtime import reshard, wire
 from runtime.instructions import Spec
 
 
@@ -89,7 +89,7 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
             check_specs(bundle, "sleep program output")
         # Outputs are made once: a synthetic program's outputs carry no information.
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        outs = tuple(tuple(jax.device_put(np.zeros(s.shape, wire.numpy_dtype(s.dtype)), replicated) for s in bundle)
+        outs = tuple(tuple(reshard.place(np.zeros(s.shape, wire.numpy_dtype(s.dtype)), replicated) for s in bundle)
                      for bundle in spec.outputs)
 
         def run(*_bundles):

@@ -32,7 +32,7 @@ import time
 
 from runtime.client import ControlPlane, new_token
 from runtime.cluster import ReplaceUnsupported
-from runtime.local import check_worker_args, num_workers_for, worker_root
+from runtime.local import check_processes_per_slice, check_worker_args, num_workers_for, worker_root
 
 START_TIMEOUT_S = 120.0
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -53,13 +53,15 @@ def _import_ray():
 
 
 class _SliceActor:
-    """The body of one worker actor (wrapped with ray.remote at start time)."""
+    """The body of one worker actor (wrapped with ray.remote at start time). A process of a
+    gang (`gang`: its slot's index among all processes, for pinning) serves only once the
+    launcher has given it its gang's coordinator (`join`): JAX's distributed group must be
+    formed before anything makes JAX's backend."""
 
     def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str,
-                 shared: dict | None = None):
+                 shared: dict | None = None, gang: bool = False):
         import ray
-        from runtime.service import WorkerService
-        from runtime.worker import RPC_THREADS, SHARED_RPC_THREADS, cores_for, serve
+        from runtime.worker import cores_for
 
         # Pinned like a local worker, so both compute the same bits (see cores_for).
         os.sched_setaffinity(0, cores_for(slot, threads))
@@ -69,16 +71,38 @@ class _SliceActor:
             os.chdir(workdir)
         if host == NODE_IP:
             host = ray.util.get_node_ip_address()
-        listen = f"[{host}]:0" if ":" in host else f"{host}:0"
+        self._token, self._host, self._root = token, host, root
         self.shared = shared is not None
+        self._shared = shared
+        if not gang:
+            self._serve()
+
+    def coordinator(self) -> str:
+        """HOST:PORT for the gang's coordinator on this actor's node (its process 0's)."""
+        from runtime.local import free_port
+        return f"{self._host}:{free_port(self._host)}"
+
+    def join(self, coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> tuple[str, int]:
+        """Join the gang's JAX distributed group (returns once all have joined), then serve."""
+        from runtime.gang import join
+        join(coordinator, num_processes, process_id, timeout_s)
+        self._serve()
+        return self.ready()
+
+    def _serve(self) -> None:
+        from runtime.service import WorkerService
+        from runtime.worker import RPC_THREADS, SHARED_RPC_THREADS, serve
+        host = self._host
+        listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         if not self.shared:
-            self.service = WorkerService(token, self._stop, root=root)
+            self.service = WorkerService(self._token, self._stop, root=self._root)
             self.server, self.address = serve(self.service, listen, RPC_THREADS)
             return
         # A shared cluster's worker (runtime/manager.py), as `mpmd worker --shared`: several
         # jobs' sessions, compiled programs kept across them, a silent job's session closed.
         from runtime.compile_cache import CompileCache
-        self.service = WorkerService(token, self._stop, root=root, shared=True, lease_s=shared["lease_s"],
+        shared = self._shared
+        self.service = WorkerService(self._token, self._stop, root=self._root, shared=True, lease_s=shared["lease_s"],
                                      cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)))
         self.server, self.address = serve(self.service, listen, SHARED_RPC_THREADS)
         threading.Thread(target=self._lapse, daemon=True, name="mpmd-lapse").start()
@@ -110,9 +134,11 @@ class RayLauncher:
     def __init__(self, token: str, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
-                 gpus: bool = False, shared: dict | None = None):
+                 gpus: bool = False, shared: dict | None = None, processes_per_slice: int = 1):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        self.processes_per_slice = check_processes_per_slice(processes_per_slice)
+        self.placement_groups: list = []    # per slot of a gang: its placement group
         resources = dict(resources_per_worker or {})
         for k, v in resources.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -137,8 +163,8 @@ class RayLauncher:
         self.runtime_env = dict(runtime_env or {})
         self.root = root              # the cluster's root=; the actors' is fixed when they start
         self._running_root: str | None = None
-        self.addresses: list[str] = []
-        self.actors: list = []          # Ray actor handles, one per address
+        self.addresses: list = []       # per slot: "host:port", or one per process of its gang
+        self.actors: list = []          # Ray actor handles, slot by slot (a gang's k in a row)
         self.pids: list[int] = []
         self._listen_host: str | None = None
         self._started_ray = False
@@ -164,6 +190,10 @@ class RayLauncher:
                 ray.init(address=address, **kwargs)
                 self._started_ray = True
             self._listen_host = self._pick_host(ray)
+            if self.processes_per_slice > 1:
+                for slot in range(n):
+                    self._start_gang(ray, slot)
+                return list(self.addresses)
             self.actors = [self._new_actor(ray, i) for i in range(n)]
             ready = self._wait_ready(ray, self.actors)
             self.addresses = [a for a, _ in ready]
@@ -177,6 +207,8 @@ class RayLauncher:
         """Kill the slot's actor (dead, hung or cut off: it must not come back and act on stale
         state) and start a fresh one in its place."""
         ray = _import_ray()
+        if self.processes_per_slice > 1:
+            return self._replace_gang(ray, slot)
         ray.kill(self.actors[slot], no_restart=True)
         actor = self._new_actor(ray, slot)
         try:
@@ -193,6 +225,7 @@ class RayLauncher:
     def stop(self) -> None:
         """Kill the actors; disconnect from Ray only if start() called ray.init."""
         actors, self.actors, self.pids = self.actors, [], []
+        groups, self.placement_groups = self.placement_groups, []
         if not actors and not self._started_ray:
             return
         ray = _import_ray()
@@ -200,6 +233,11 @@ class RayLauncher:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:       # already gone, or Ray itself is shutting down
+                pass
+        for g in groups:
+            try:
+                ray.util.remove_placement_group(g)
+            except Exception:       # Ray itself is shutting down
                 pass
         if self._started_ray:
             self._started_ray = False
@@ -217,16 +255,78 @@ class RayLauncher:
         opts["resources"] = res
         return opts
 
-    def _new_actor(self, ray, slot: int):
+    # -- gangs: one placement group per slice -------------------------------------------------
+    def _start_gang(self, ray, slot: int) -> None:
+        """Reserve slot `slot`'s k bundles at once (a placement group: the gang starts whole or
+        not at all), start an actor in each, and have them form their JAX group around a
+        coordinator port that process 0 picks on its own node."""
+        k = self.processes_per_slice
+        opts = self._actor_options()
+        bundle = {"CPU": opts["num_cpus"], **({"GPU": opts["num_gpus"]} if opts["num_gpus"] else {}),
+                  **({"memory": opts["memory"]} if "memory" in opts else {}), **opts["resources"]}
+        # One host per process where the cluster has enough nodes (a slice spans hosts), else
+        # packed onto the nodes there are (one machine standing in for k hosts).
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        group = ray.util.placement_group([bundle] * k, strategy="STRICT_SPREAD" if len(nodes) >= k else "PACK")
+        try:
+            ray.get(group.ready(), timeout=START_TIMEOUT_S)
+        except Exception:
+            ray.util.remove_placement_group(group)
+            raise RuntimeError(f"Ray could not reserve slice {slot}'s gang of {k} bundles {bundle} within "
+                               f"{START_TIMEOUT_S:g} s; the cluster has {ray.available_resources()} available") from None
+        actors = [self._new_actor(ray, slot * k + j, gang=(group, j)) for j in range(k)]
+        try:
+            coordinator = ray.get(actors[0].coordinator.remote(), timeout=START_TIMEOUT_S)
+            ready = ray.get([a.join.remote(coordinator, k, j, START_TIMEOUT_S) for j, a in enumerate(actors)],
+                            timeout=START_TIMEOUT_S + 10)
+        except Exception as e:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            ray.util.remove_placement_group(group)
+            raise RuntimeError(f"slice {slot}'s gang of {k} Ray actors did not form: {e}") from None
+        if slot < len(self.placement_groups):
+            self.placement_groups[slot] = group
+            self.actors[slot * k:(slot + 1) * k] = actors
+            self.pids[slot * k:(slot + 1) * k] = [p for _, p in ready]
+            self.addresses[slot] = tuple(a for a, _ in ready)
+        else:
+            self.placement_groups.append(group)
+            self.actors += actors
+            self.pids += [p for _, p in ready]
+            self.addresses.append(tuple(a for a, _ in ready))
+
+    def _replace_gang(self, ray, slot: int) -> tuple[str, ...]:
+        """Kill every actor of the slot's gang and remove its placement group, then reserve and
+        start a new gang; ReplaceUnsupported if Ray cannot place one now."""
+        k = self.processes_per_slice
+        for a in self.actors[slot * k:(slot + 1) * k]:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:       # already gone
+                pass
+        ray.util.remove_placement_group(self.placement_groups[slot])
+        try:
+            self._start_gang(ray, slot)
+        except RuntimeError as e:
+            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}") from None
+        return self.addresses[slot]
+
+    def _new_actor(self, ray, slot: int, gang=None):
+        """An actor for process `slot` (its index among all); `gang`: (placement group, bundle)."""
         from runtime.worker import xla_flags
         env = dict(self.runtime_env)
         env_vars = dict(env.get("env_vars") or {})
         env_vars["XLA_FLAGS"] = xla_flags(self.devices_per_worker,
                                           env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         env["env_vars"] = env_vars
-        cls = ray.remote(**self._actor_options(), max_restarts=0, runtime_env=env)(_SliceActor)
+        options = dict(self._actor_options(), max_restarts=0, runtime_env=env)
+        if gang is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=gang[0], placement_group_bundle_index=gang[1])
+        cls = ray.remote(**options)(_SliceActor)
         return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker,
-                          self._running_root, self.shared)
+                          self._running_root, self.shared, gang is not None)
 
     def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -269,6 +369,10 @@ class RayCluster(ControlPlane):
         for LocalCluster (a path on the nodes' shared filesystem).
     step_timeout_s: a step without progress this long is aborted (see ControlPlane).
 
+    processes_per_slice: k > 1 makes each slice a gang of k actors (runtime/gang.py) in a
+        placement group of its own: k bundles, STRICT_SPREAD over nodes when the cluster has
+        k or more (one host per process), else PACK; a lost actor loses its slice, whose
+        group is removed (its actors killed) and reserved again for a new gang.
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
     the Trainer calls when it recovers); spare workers are not needed.
     """
@@ -277,10 +381,10 @@ class RayCluster(ControlPlane):
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
-                 root: str | None = None, gpus: bool = False):
+                 root: str | None = None, gpus: bool = False, processes_per_slice: int = 1):
         token = new_token()
         launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
-                               threads_per_worker, host, runtime_env, root, gpus)
+                               threads_per_worker, host, runtime_env, root, gpus, processes_per_slice)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
                          step_timeout_s=step_timeout_s)
 
@@ -295,3 +399,16 @@ class RayCluster(ControlPlane):
     @property
     def devices_per_worker(self) -> int:
         return self.launcher.devices_per_worker
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.launcher.devices_per_worker * self.launcher.processes_per_slice
+
+    @property
+    def placement_groups(self) -> list:
+        """Per slot of a gang, its Ray placement group (replaced with the gang)."""
+        return self.launcher.placement_groups
+
+    def gang_pids(self, slot: int) -> list[int]:
+        k = self.launcher.processes_per_slice
+        return self.launcher.pids[slot * k:(slot + 1) * k]

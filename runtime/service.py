@@ -5,7 +5,7 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids),
                 mesh: {data, fsdp, tensor} (the slice's mesh over all of this worker's devices)}
                                                         -> {transfer_address}
-  Connect      {peers: {slice: transfer_address}}
+  Connect      {peers: {slice: transfer_address, or [one per process] for a gang}}
   LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
   InstallPlan  {name, stream: [instruction as runtime.instructions.to_json]}
                or {name, encoded: blob}  (runtime/streams.py Encoded.to_bytes: rows of integers
@@ -161,15 +161,21 @@ class WorkerService:
         if s.transport is not None:     # its port and table go before the new server starts
             s.transport.close()
         transport = TransferTransport(index, slice_mesh, listen_host=_str(h, "transfer_host"), secret=secret)
-        s.attach(Executor(index, slice_mesh, transport, load=self.cache.load), transport)
+        agreement = None
+        if jax.process_count() > 1:     # a gang (runtime/gang.py): one namespace per session and slice
+            from runtime.gang import Agreement
+            from runtime.transport import key_to_uuid
+            agreement = Agreement(f"mpmd/{key_to_uuid(f'gang{index}', secret):016x}")
+        s.attach(Executor(index, slice_mesh, transport, load=self.cache.load, agreement=agreement), transport)
         return {"transfer_address": transport.address}, []
 
     def Connect(self, s, h, b):
         peers = h.get("peers")
-        if not isinstance(peers, dict) or not all(isinstance(v, str) and v.rpartition(":")[2].isdigit()
+        address = lambda v: isinstance(v, str) and v.rpartition(":")[2].isdigit()
+        if not isinstance(peers, dict) or not all(address(v) or (isinstance(v, list) and v and all(map(address, v)))
                                                   for v in peers.values()):
-            raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address}}, "
-                             f"got {peers!r:.200}")
+            raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address, or a list "
+                             f"of them (a gang: one per process)}}, got {peers!r:.200}")
         peers = {int(k): v for k, v in peers.items()}
         try:
             _exec(s).transport.connect_peers(peers)

@@ -26,6 +26,9 @@ Facts about the API (jaxlib 0.10.2, checked by tests/test_transport.py and by ha
   receiver makes them.
 - A pull fails (instead of hanging) when the peer's process dies (the socket closes) or when
   the peer resets its table (`reset`).
+- In a gang (a slice over several processes, runtime/gang.py), each process runs its own
+  server; a transfer between gangs moves each piece under an id of its own (the key, the
+  array and the piece), offered by the piece's owner and pulled by the process it lands on.
 - A server cannot restrict who connects: `start_transfer_server` takes addresses to bind,
   no allowlist, no credential and no TLS; `connect` takes an address only. Bytes cross the
   wire in the clear.
@@ -108,6 +111,10 @@ def _sharding(mesh: jax.sharding.Mesh, layout: tuple) -> jax.sharding.NamedShard
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*layout))
 
 
+def _piece_shape(shape, n: int) -> tuple:
+    return (shape[0] // n,) + tuple(shape[1:]) if n > 1 else tuple(shape)
+
+
 def _host_port(host: str) -> str:
     return f"[{host}]:0" if ":" in host else f"{host}:0"   # IPv6 literals need brackets
 
@@ -128,19 +135,34 @@ class TransferTransport:
             mesh.devices.flat[0].client, _host_port(listen_host), [_host_port(listen_host)] * NUM_BULK_SOCKETS,
             transfer_size=CHUNK_BYTES)
         self.address: str = self._server.address()
-        self._connections: dict[int, transfer.TransferConnection] = {}
+        self._connections: dict[int, list[transfer.TransferConnection]] = {}   # one per process of the peer
         self._waiters = _Waiters(f"mpmd-recv-s{slice_index}")
 
-    def connect_peers(self, addresses: dict[int, str]) -> None:
-        """Connect to the slices this one receives from (slice index -> `address`).
-        Connecting is lazy and retried by the API, so peers may still be starting."""
+    def connect_peers(self, addresses: dict[int, str | list[str]]) -> None:
+        """Connect to the slices this one receives from (slice index -> `address`, or one
+        per process for a gang). Connecting is lazy and retried by the API, so peers may still
+        be starting."""
         for index, address in addresses.items():
-            self._connections[index] = self._server.connect(address)
+            listed = [address] if isinstance(address, str) else list(address)
+            self._connections[index] = [self._server.connect(a) for a in listed]
+
+    def _gang(self, peer: int) -> bool:
+        """Whether a transfer with `peer` involves a gang on either end: then pieces travel
+        one by one, each between the process that owns it and the one it lands on
+        (runtime/reshard.py), under ids of their own; else as one bundle, as always."""
+        return jax.process_count() > 1 or len(self._connections.get(peer, ())) > 1
 
     def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int, pieces: tuple[int, ...] = ()) -> None:
-        # dst_slice is not needed: the receiver pulls by key. Arrays still being computed are
-        # fine; the server serves them once they are ready.
-        offered = [p for a, n in zip(arrays, _counts(pieces, len(arrays))) if a.size for p in reshard.cut(a, n)]
+        # The receiver pulls by key. Arrays still being computed are fine; the server serves
+        # them once they are ready.
+        counts = _counts(pieces, len(arrays))
+        if self._gang(dst_slice):
+            for j, (a, n) in enumerate(zip(arrays, counts)):
+                if a.size:
+                    for i, piece in reshard.owned_pieces(a, n, self._mesh).items():
+                        self._server.await_pull(key_to_uuid(f"{key}#{j}.{i}", self._secret), [piece])
+            return
+        offered = [p for a, n in zip(arrays, counts) if a.size for p in reshard.cut(a, n)]
         if offered:
             self._server.await_pull(key_to_uuid(key, self._secret), offered)
 
@@ -149,15 +171,17 @@ class TransferTransport:
             raise ValueError(f"slice {self.slice_index} cannot receive {key!r} from slice "
                              f"{src_slice}: not connected; connected: {sorted(self._connections)}")
         counts = _counts(pieces, len(specs))
+        if self._gang(src_slice):
+            return self._recv_gang(key, src_slice, specs, counts)
         wanted = []        # one single-device spec per piece, on a device that needs its rows
         for s, n in zip(specs, counts):
             if math.prod(s.shape):
-                part = (s.shape[0] // n,) + tuple(s.shape[1:]) if n > 1 else tuple(s.shape)
-                wanted += [jax.ShapeDtypeStruct(part, s.dtype, sharding=jax.sharding.SingleDeviceSharding(d))
+                wanted += [jax.ShapeDtypeStruct(_piece_shape(s.shape, n), s.dtype,
+                                                sharding=jax.sharding.SingleDeviceSharding(d))
                            for d in reshard.landing(s.shape, s.layout, self._mesh, n)]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
-        pulled = self._connections[src_slice].pull(key_to_uuid(key, self._secret), wanted) if wanted else []
+        pulled = self._connections[src_slice][0].pull(key_to_uuid(key, self._secret), wanted) if wanted else []
         mesh = self._mesh
 
         def assemble(landed) -> tuple:
@@ -168,6 +192,24 @@ class TransferTransport:
                          else jax.device_put(jnp.zeros(s.shape, s.dtype), _sharding(mesh, s.layout))
                          for s, n in zip(specs, counts))
         return self._waiters.submit(tuple(pulled), assemble)
+
+    def _recv_gang(self, key: str, src_slice: int, specs: tuple, counts: tuple[int, ...]) -> concurrent.futures.Future:
+        """Pull the pieces that land on this process, each from the process of the sending
+        gang that owns it; the future's result is a reshard.Deferred that the executor calls
+        when its walk reaches the Recv (putting the pieces together may be a collective)."""
+        senders = self._connections[src_slice]
+        pulled, parts = [], []
+        for j, (s, n) in enumerate(zip(specs, counts)):
+            here = reshard.wanted_here(s.shape, s.layout, self._mesh, n) if math.prod(s.shape) else []
+            got = [self._connections[src_slice][reshard.owner(i, n, len(senders))].pull(
+                       key_to_uuid(f"{key}#{j}.{i}", self._secret),
+                       [jax.ShapeDtypeStruct(_piece_shape(s.shape, n), s.dtype,
+                                             sharding=jax.sharding.SingleDeviceSharding(d))])[0]
+                   for i, d in here]
+            pulled += got
+            parts.append(({i: a for (i, _), a in zip(here, got)}, (s, n)))
+        mesh = self._mesh
+        return self._waiters.submit(tuple(pulled), lambda _ready: reshard.Deferred(parts, mesh))
 
     def reset(self) -> None:
         """Abort support: drop this slice's sends not yet pulled and fail the peers' pulls that

@@ -89,6 +89,14 @@ def parse_args(argv):
     p.add_argument("--compile-cache-mb", type=float, default=DEFAULT_LIMIT_MB,
                    help=f"keep loaded programs, across sessions, up to this many MB of serialized programs "
                         f"(least recently used out first; default {DEFAULT_LIMIT_MB})")
+    gang = p.add_argument_group("gang", "one process of a slice that spans several processes (hosts): the "
+                                        "slice's processes form one JAX distributed group before serving")
+    gang.add_argument("--coordinator", default="",
+                      help="HOST:PORT of the slice's JAX coordinator (process 0 of the gang serves it)")
+    gang.add_argument("--num-processes", type=int, default=1, help="processes in this slice's gang (default 1)")
+    gang.add_argument("--process-id", type=int, default=0, help="this process's index in its gang, 0-based")
+    gang.add_argument("--gang-timeout-s", type=float, default=60.0,
+                      help="how long to wait for every process of the gang to join")
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error(f"--devices must be a positive integer, got {args.devices}")
@@ -98,6 +106,13 @@ def parse_args(argv):
         p.error(f"--compile-cache-mb must be a number of MB >= 0 (0: keep none), got {args.compile_cache_mb}")
     if args.shared and args.persist:
         p.error("--persist is for a worker serving one controller; a --shared worker always outlives its jobs")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        p.error(f"--process-id must be in 0..--num-processes-1 and --num-processes >= 1, got "
+                f"{args.process_id} of {args.num_processes}")
+    if args.num_processes > 1 and not args.coordinator:
+        p.error("a gang (--num-processes > 1) needs --coordinator HOST:PORT")
+    if args.num_processes > 1 and args.shared:
+        p.error("a --shared worker serves a slice of one process; gangs (--num-processes > 1) are not shared")
     return args
 
 
@@ -208,6 +223,9 @@ def main(argv=None) -> int:
     configure_logging(args.log_level, args.relay_level)
     token = read_token(args)
     configure_process(args.devices, args.cpus)
+    if args.num_processes > 1:
+        from runtime.gang import join
+        join(args.coordinator, args.num_processes, args.process_id, args.gang_timeout_s)
 
     from runtime.compile_cache import CompileCache
     from runtime.service import WorkerService
