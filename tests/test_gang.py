@@ -111,6 +111,7 @@ def lose_one_process_of_slice_1(cluster, run_dir, ref_dir, **trainer_kw) -> str:
 
     def kill_process_1_of_slice_1(i, trainer):
         if i == 3 and not killed:
+            trainer.checkpoints.wait()     # step 2 committed (saves are written in the background)
             killed.append(old_gang[1])
             os.kill(old_gang[1], signal.SIGKILL)
     killed = []
