@@ -27,19 +27,12 @@ every checkpoint_every steps). A lost slice discards the steps in flight behind 
 that failed: none of their updates is kept, none of their metrics is returned, and the
 Rewound raised says where to resume, as without run-ahead.
 
-A lost slice (on_loss). "replace" puts a new worker in its place (waiting up to
-replace_timeout_s; none: RuntimeError naming the slice and the last commit); "shrink" goes on
-without it: the same stages and microbatches on the survivors, in the layout mpmd/elastic.py
-prices fastest among those that fit slice_memory_bytes, restored from the last commit;
-"auto" (default) replaces if a worker comes in time, else shrinks. A shrunk run asks for a
-worker again at each checkpoint boundary and, once one comes, moves back to the configured
-layout from that checkpoint. Each move is logged in one line and kept in `layout_changes`;
-`goodput()` adds up the time lost to failures and the time run at reduced width.
+A lost slice (on_loss: replace it, go on with fewer slices, grow back) is the business of
+the Trainer's Relayout (mpmd/relayout.py): the moves between layouts and the goodput books.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 
@@ -47,18 +40,13 @@ import jax
 import numpy as np
 import optax
 
-from mpmd import elastic, lazy, leaf_paths, lowering, names, schedules, sharding, snapshots, stage_costs
+from mpmd import lazy, leaf_paths, lowering, names, relayout, schedules, sharding, snapshots
 from mpmd.checkpoints import Rewound, StageCheckpoints, layout_change
 from mpmd.pipeline import Pipeline
-from runtime.cluster import Cluster, ReplaceUnsupported, WorkerLost
+from runtime.cluster import Cluster, WorkerLost
 from runtime.instructions import Run
 
 log = logging.getLogger("mpmd")
-
-# What the Trainer does when a slice is lost (on_loss): "replace" it (or stop), "shrink" onto
-# the survivors, or "auto": a replacement if one comes within replace_timeout_s, else shrink.
-ON_LOSS = ("replace", "shrink", "auto")
-REPLACE_POLL_S = 1.0     # how often a replacement is asked for again within replace_timeout_s
 
 
 class Trainer:
@@ -85,20 +73,7 @@ class Trainer:
                              f"use) or None (each slice's peak of live activations in the schedule), "
                              f"got {recv_window!r}")
         self.recv_window = recv_window
-        if on_loss not in ON_LOSS:
-            raise ValueError(f"on_loss must be one of {', '.join(map(repr, ON_LOSS))} (what to do when a slice "
-                             f"is lost: replace it, continue on the survivors, or replace if a worker "
-                             f"comes within replace_timeout_s and else continue on the survivors), got {on_loss!r}")
-        if (not isinstance(replace_timeout_s, (int, float)) or isinstance(replace_timeout_s, bool)
-                or not 0 <= replace_timeout_s < math.inf):
-            raise ValueError(f"replace_timeout_s must be a finite number of seconds >= 0 (how long a "
-                             f"replacement is waited for; 0: one try), got {replace_timeout_s!r}")
-        if slice_memory_bytes is not None and (not isinstance(slice_memory_bytes, int)
-                                               or isinstance(slice_memory_bytes, bool) or slice_memory_bytes < 1):
-            raise ValueError(f"slice_memory_bytes must be a positive integer (the bytes a layout on fewer "
-                             f"slices may use on one slice) or None (not checked), got {slice_memory_bytes!r}")
-        self.on_loss, self.replace_timeout_s = on_loss, float(replace_timeout_s)
-        self.slice_memory_bytes = slice_memory_bytes
+        relayout.check_args(on_loss, replace_timeout_s, slice_memory_bytes)
         self._pending: list[PendingStep] = []     # submitted, not yet collected; oldest first
         self._last_collected_at = 0.0             # perf_counter when the last step was collected
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -122,9 +97,8 @@ class Trainer:
         self.layout = lowering.layout(pipeline, optimizer, meshes, self.placement, self._rules)
         # The layout asked for; a lost slice without replacement moves the run onto fewer
         # slices (mpmd/elastic.py) and a checkpoint boundary moves it back once it can.
-        self.configured = (self.schedule, meshes)
-        self.layout_changes: list[dict] = []      # one record per move, oldest first
-        self._estimates = None                    # (stage costs, per-stage bytes) for elastic
+        self.relayout = relayout.Relayout(self, on_loss, replace_timeout_s, slice_memory_bytes,
+                                          (self.schedule, meshes))
         self._train_specs = None                  # a training microbatch's (input, target) specs
         self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered), shipped to the slices
         # (schedule, placement, meshes, microbatch shapes) -> Lowered: a layout moved back to (a grow back, the
@@ -161,14 +135,8 @@ class Trainer:
             self.checkpoints = StageCheckpoints(run_dir, self.cluster, self.placement, partition, keep, async_checkpoint,
                                                 max_failed_saves, self._state_layouts(),
                                                 leaf_paths.state_names(pipeline, optimizer),
-                                                _layout_record(self.schedule, meshes))
+                                                relayout.layout_record(self.schedule, meshes))
             self.checkpoints.check_newest()   # a resume that changes the math fails before any worker starts
-        self._lost = {"failures": 0, "aborted_s": 0.0, "replace_s": 0.0, "relayout_s": 0.0, "restore_s": 0.0,
-                      "replayed_s": 0.0, "replayed_steps": 0}
-        self._replay_until = 0          # steps up to this one are replays of lost work
-        self._narrow_s = 0.0            # time run on fewer slices than configured, finished spans
-        self._narrow_since: float | None = None
-        self._grown = False             # the next step is the first after a grow back
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
         self.cluster.start(self.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
@@ -358,11 +326,7 @@ class Trainer:
         self._last_collected_at = time.perf_counter()
         self._last_step_s = self._last_collected_at - start
         self._step += 1
-        if self._step <= self._replay_until:
-            self._lost["replayed_s"] += self._last_step_s
-        elif self._grown:     # it compiled the programs on every slice: part of the move
-            self._lost["relayout_s"] += self._last_step_s
-        self._grown = False
+        self.relayout.collected(self._step, self._last_step_s)
         metrics = self._metrics(results, pending.trace)
         # A retry is a save of the state at hand: only once no later step is in flight.
         retry = not self._pending and self._retry_due()
@@ -371,8 +335,8 @@ class Trainer:
             assert not self._pending, "a checkpoint step is never run ahead of"
             self.save(pending.data_state, wait=retry)
             tiers.append("persistent")
-            if self.num_slices < self.configured[0].num_slices:
-                self._grow_back(pending.data_state)
+            if self.relayout.narrow:
+                self.relayout.grow_back(pending.data_state)
         if tiers:
             metrics["checkpoint"] = tiers
         return metrics
@@ -416,8 +380,7 @@ class Trainer:
         slice lost while recovering is handled alike (each counts against max_restarts).
         `failed_since`: when the attempt that failed started (perf_counter)."""
         t0 = time.perf_counter()
-        self._lost["failures"] += 1
-        self._lost["aborted_s"] += t0 - failed_since
+        self.relayout.failed(t0 - failed_since)
         replace_s = relayout_s = 0.0
         moved = []        # the layouts moved to (a slice may go while moving)
         while True:
@@ -432,13 +395,13 @@ class Trainer:
             try:
                 t1 = time.perf_counter()
                 try:
-                    replaced = self._replace(lost, committed)
+                    replaced = self.relayout.replace(lost, committed)
                 finally:
                     replace_s += time.perf_counter() - t1
                 if not replaced:
                     t1 = time.perf_counter()
                     try:
-                        moved.append(self._shrink(lost, committed))
+                        moved.append(self.relayout.shrink(lost, committed))
                     finally:
                         relayout_s += time.perf_counter() - t1
                 t_restore = time.perf_counter()
@@ -447,160 +410,24 @@ class Trainer:
             except WorkerLost as again:      # another slice went while replacing or restoring
                 lost = again
         replayed = max(self._attempted, self._step) - step
-        self._replay_until = max(self._replay_until, self._attempted, self._step)
+        self.relayout.replays(max(self._attempted, self._step))
         self._step = step
-        moved = [self._layout_event(m["why"], m["slowdown"]) for m in moved]   # now that `step` is known
+        moved = [self.relayout.event(m["why"], m["slowdown"]) for m in moved]   # now that `step` is known
         restore_s = time.perf_counter() - t_restore
-        for key, value in (("replace_s", replace_s), ("relayout_s", relayout_s), ("restore_s", restore_s)):
-            self._lost[key] += value
-        self._lost["replayed_steps"] += replayed
+        self.relayout.recovered(replace_s, relayout_s, restore_s, replayed)
         self.recovery_s = {"replace_s": replace_s, "relayout_s": relayout_s, "restore_s": restore_s,
                            "total_s": time.perf_counter() - t0, "tier": tier, "replayed": replayed,
                            "layout": moved[-1] if moved else None}
         raise Rewound(step, data_state, str(lost), tier, replayed)
 
-    def _replace(self, lost: WorkerLost, committed: str) -> bool:
-        """Put a new worker in the lost slice's place if on_loss allows and one comes within
-        replace_timeout_s; False when the run is to go on without it instead. With
-        on_loss='replace' and no worker, RuntimeError naming the slice and the last commit."""
-        if self.on_loss == "shrink":
-            return False
-        deadline = time.monotonic() + self.replace_timeout_s
-        while True:
-            try:
-                self.cluster.replace(lost.slice_index)
-                return True
-            except ReplaceUnsupported as e:
-                why = e
-            finally:
-                if self.memory is not None:
-                    self.memory.replaced(lost.slice_index)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(REPLACE_POLL_S, left))
-        if self.on_loss == "replace":
-            raise RuntimeError(f"{lost}; cannot replace it (on_loss='replace', waited replace_timeout_s="
-                               f"{self.replace_timeout_s:g}): {why}; {committed}") from lost
-        log.warning("slice %d not replaced: %s", lost.slice_index, why)
-        return False
-
-    def _shrink(self, lost: WorkerLost, committed: str) -> dict:
-        """Go on without the lost slice: the same stages on the survivors, in the layout the
-        simulator predicts fastest among those that fit slice_memory_bytes (mpmd/elastic.py).
-        RuntimeError, with the state committed, when none fits or no slice is left."""
-        n = self.num_slices - 1
-        if n < 1:
-            raise RuntimeError(f"{lost}; not replaced and no other slice to continue on; {committed}") from lost
-        costs, per_stage = self._stage_estimates()
-        try:
-            chosen = elastic.choose(self.pipeline.num_stages, self.num_microbatches, n, costs, per_stage,
-                                    self.slice_memory_bytes)
-        except elastic.NoFit as e:
-            raise RuntimeError(f"{lost}; not replaced, and {e}; stopped, {committed}") from lost
-        meshes = [m for r, m in enumerate(self.layout.meshes) if r != lost.slice_index]
-        self._relayout(chosen.schedule, meshes, lambda ms: self.cluster.remove(lost.slice_index, ms))
-        return {"why": f"slice {lost.slice_index} lost, not replaced",
-                "slowdown": elastic.predicted_slowdown(chosen, self.configured[0], costs)}
-
-    def _grow_back(self, data_state) -> None:
-        """At a checkpoint boundary of a run on fewer slices than configured: if a worker can
-        be had again, let that checkpoint commit, move back to the configured layout and
-        restore it (no step is lost). Nothing happens when no worker comes (ReplaceUnsupported)
-        or the checkpoint did not commit: tried again at the next boundary. The commit is
-        waited for only once a worker is at hand, so a run without capacity never waits."""
-        assert not self._pending, "a checkpoint step is never run ahead of"
-        t0 = time.perf_counter()
-        schedule, meshes = self.configured
-
-        def committed():     # before any slice is reset: their saves in flight must land
-            self.checkpoints.wait()
-            if self.checkpoints.latest() != self._step:
-                raise ReplaceUnsupported(f"the checkpoint of step {self._step} did not commit; "
-                                         f"growing back at the next one")
-        try:
-            self._relayout(schedule, meshes, lambda ms: self.cluster.add(ms, before_reset=committed))
-            step, manifest = self.checkpoints.restore_latest()
-        except ReplaceUnsupported as e:
-            log.info("still on %d slice(s): %s", self.num_slices, e)
-            return
-        except WorkerLost as e:
-            self._recover(e, t0)
-        self._opt_ready = True
-        if step != self._step:      # the newest commit did not restore: an older one did
-            self._replay_until = max(self._replay_until, self._step)
-            self._step = step
-            raise Rewound(step, manifest.get("data_state"), "grow back", "persistent", self._replay_until - step)
-        if self.memory is not None:
-            self.memory.snapshot(step, data_state)
-        self._lost["relayout_s"] += time.perf_counter() - t0
-        self._grown = True
-        self._layout_event("capacity back", 1.0)
-
-    def _relayout(self, schedule: schedules.Schedule, meshes, resize) -> None:
-        """Move to `schedule` (the same stages and microbatches) on slices of `meshes`:
-        `resize(meshes)` changes the cluster (every slice starts afresh), then what was
-        shipped is forgotten; the caller restores the state. ReplaceUnsupported from resize
-        changes nothing."""
-        layout = lowering.layout(self.pipeline, self.optimizer, meshes, schedule.placement, self._rules)
-        try:
-            resize(meshes)
-        finally:
-            if self.cluster.num_slices == schedule.num_slices:    # resized, even if a slice went right after
-                self.schedule, self.placement, self.num_slices = schedule, schedule.placement, schedule.num_slices
-                self.layout = layout
-                self._compiled, self._lowered, self._opt_ready = {}, None, False
-                now, narrow = time.perf_counter(), schedule.num_slices < self.configured[0].num_slices
-                if narrow and self._narrow_since is None:
-                    self._narrow_since = now
-                elif not narrow and self._narrow_since is not None:
-                    self._narrow_s += now - self._narrow_since
-                    self._narrow_since = None
-                if self.checkpoints is not None:
-                    self.checkpoints.relayout(self.placement, self._state_layouts(), _layout_record(schedule, meshes))
-                if self.memory is not None:     # a new ring over the slices at hand
-                    self.memory = snapshots.MemorySnapshots(
-                        self.cluster, self.placement, snapshots.state_specs(self.pipeline, self.optimizer, layout),
-                        self.memory.every, self._launch_setup)
-
-    def _layout_event(self, why: str, slowdown: float) -> dict:
-        """Record and log (one line) the layout the run just moved to."""
-        event = {"step": self._step, "num_slices": self.num_slices, "schedule": self.schedule.name,
-                 "placement": list(self.placement), "predicted_slowdown": round(slowdown, 4), "why": why}
-        self.layout_changes.append(event)
-        log.warning("layout after step %d: %s (%s); predicted step time x%.2f of the configured %d slice(s)",
-                    self._step, elastic.describe(self.schedule), why, slowdown, self.configured[0].num_slices)
-        return event
-
-    def _stage_estimates(self) -> tuple[list[float], list[dict] | None]:
-        """(each stage's forward cost, per-stage bytes or None) for pricing layouts: XLA's
-        cost analysis of a training microbatch (unit costs before any step was compiled);
-        bytes only when slice_memory_bytes asks for them."""
-        if self._estimates is None:
-            if self._train_specs is None:
-                self._estimates = ([1.0] * self.pipeline.num_stages, None)
-            else:
-                per_stage = (stage_costs.memory(self.pipeline, self.optimizer, *self._train_specs)
-                             if self.slice_memory_bytes is not None else None)
-                self._estimates = (stage_costs.fn_costs(self.pipeline.fns, self._train_specs[0]), per_stage)
-        return self._estimates
+    @property
+    def layout_changes(self) -> list[dict]:
+        """One record per move between layouts (mpmd/relayout.py), oldest first."""
+        return self.relayout.changes
 
     def goodput(self) -> dict:
-        """Time lost to failures and run at reduced width, so far, in seconds: "failures";
-        "aborted_s" (the failed attempts, from their start until the loss was declared:
-        detection included); "replace_s" (getting replacements, or waiting for one in vain);
-        "relayout_s" (choosing and setting up a layout on fewer or more slices, and after a
-        grow back the first step, which compiles the programs on every slice: one step's
-        useful work is counted in it); "restore_s";
-        "replayed_s" and "replayed_steps" (recomputing the steps the restore rewound);
-        "lost_s" (their sum); "reduced_width_s" (time on fewer slices than configured);
-        "layout_changes"."""
-        out = dict(self._lost)
-        out["lost_s"] = sum(out[k] for k in ("aborted_s", "replace_s", "relayout_s", "restore_s", "replayed_s"))
-        narrow = self._narrow_s + (time.perf_counter() - self._narrow_since if self._narrow_since is not None else 0.0)
-        out["reduced_width_s"] = narrow
-        out["layout_changes"] = len(self.layout_changes)
-        return out
+        """Time lost to failures and run at reduced width, so far (Relayout.goodput)."""
+        return self.relayout.goodput()
 
     def _restore_newest(self) -> tuple[str, int, object]:
         """(tier, step, data_state) after putting every slice back at the newest saved state.
@@ -783,14 +610,6 @@ class PendingStep:
             metrics = self._trainer._finish(oldest)
             oldest._metrics = metrics
         return self._metrics
-
-
-def _layout_record(schedule: schedules.Schedule, meshes) -> dict:
-    """How a run is laid out (checkpoints.LAYOUT_KEYS), as its checkpoints record it: free to
-    differ on resume, and logged when it does."""
-    return {"num_stages": schedule.num_stages, "num_slices": schedule.num_slices, "schedule": schedule.name,
-            "virtual_stages": schedule.virtual_stages, "placement": list(schedule.placement),
-            "mesh": [sharding.describe(m) for m in meshes]}
 
 
 def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> schedules.Schedule:

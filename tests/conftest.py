@@ -12,10 +12,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 # -- the uninterrupted runs every fault test compares against (tests/recovery_runs.py) ----
+# Session-scoped: five modules compare against the same run, which is deterministic (the
+# in-process runtime, a fixed seed and data), so computing it once loses nothing.
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     from runtime.inprocess import InProcessCluster  # after the XLA flags above
     from tests import recovery_runs
@@ -24,7 +26,7 @@ def uninterrupted(tmp_path_factory):
     return losses, params
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted_spin(tmp_path_factory):
     """phase -> the uninterrupted run of the pipeline spinning in that phase (computed once)."""
     from runtime.inprocess import InProcessCluster  # after the XLA flags above
@@ -41,3 +43,42 @@ def uninterrupted_spin(tmp_path_factory):
     return get
 
 
+
+
+# -- worker processes the fault tests share (tests/recovery_runs.py) ------------------------
+@pytest.fixture(scope="session")
+def _shared_workers(tmp_path_factory):
+    """[the LocalCluster of two workers the fault tests share], confined to the session's
+    temporary directory (every test's tmp_path lies under it). Starting two workers per test
+    cost seconds each; a test kills one, the cluster replaces it, and the next Trainer starts
+    the survivor and the replacement afresh (Cluster.start: nothing shipped survives). At the
+    end no worker it started may be left."""
+    import mpmd
+    from tests.processes import wait_gone
+    holder = [mpmd.LocalCluster(num_workers=2, root=str(tmp_path_factory.getbasetemp()))]
+    yield holder
+    pids = list(holder[0].pids)
+    holder[0].close()
+    assert wait_gone(pids) == [], "workers outlived their cluster"
+
+
+@pytest.fixture
+def workers(_shared_workers):
+    """The shared LocalCluster, every worker alive and with its default timeouts; started
+    anew (the old one closed) if a failed test left a worker dead or stopped."""
+    import mpmd
+    from tests.processes import alive, wait_gone
+    cluster = _shared_workers[0]
+    if not all(alive(p) and _running(p) for p in cluster.pids):
+        pids = list(cluster.pids)
+        cluster.close()
+        assert wait_gone(pids) == [], "workers outlived their cluster"
+        cluster = _shared_workers[0] = mpmd.LocalCluster(num_workers=2, root=cluster.launcher.root)
+    yield cluster
+    cluster.failure_timeout_s, cluster.step_timeout_s = 5.0, None      # LocalCluster's defaults
+
+
+def _running(pid: int) -> bool:
+    """Not stopped (SIGSTOP): state T in /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t")

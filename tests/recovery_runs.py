@@ -15,7 +15,7 @@ from flax import nnx
 import models
 import mpmd
 from tests import reference
-from tests.processes import wait_gone
+from tests.processes import alive, wait_gone
 
 STEPS, EVERY = 8, 2
 
@@ -122,13 +122,20 @@ def kill_once(at_step, sig, slice_index=1):
 
 def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, ahead=0, trainer_kw=None,
                    **cluster_kw):
-    cluster = cluster or mpmd.LocalCluster(**cluster_kw)
+    """train() a Trainer of make_trainer with `fault` on `cluster`, a shared one (the
+    `workers` fixture) that stays up: every worker the fault killed must be gone and every
+    slice served by a live worker. Without one, on a LocalCluster(**cluster_kw) of its own,
+    closed with the Trainer: then no worker may be left."""
+    own = cluster is None
+    cluster = mpmd.LocalCluster(**cluster_kw) if own else cluster
     trainer = make_trainer(cluster, tmp_path, spin, **(trainer_kw or {}))
     try:
         result = train(trainer, data(), fault, traces, steps, ahead)
         pids = list(cluster.pids)
         run_with_fault.trainer = trainer     # for the caller's checks of how it recovered
     finally:
-        trainer.close()
-    assert wait_gone(pids + list(getattr(fault, "fired", []))) == []
+        trainer.close(close_cluster=own)
+    fired = list(getattr(fault, "fired", []))
+    assert wait_gone(pids + fired if own else fired) == []
+    assert own or all(alive(p) for p in cluster.pids), "a slice of the shared cluster has no live worker"
     return result

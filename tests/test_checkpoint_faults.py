@@ -134,26 +134,22 @@ def same(a, b) -> bool:
     return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
 
 
-@pytest.mark.parametrize("damage", ["data", "manifest"])
-def test_damaged_step_is_moved_aside_resaved_and_not_pruned(six_steps, tmp_path, damage):
-    """Row 2 and, with damage='manifest' (binary garbage), row 4: a warning names the step
-    (and the file), the older step is resumed, the damaged one is set aside, so the step is
-    saved again and pruning counts only good steps."""
+def test_damaged_steps_are_moved_aside_resaved_and_not_pruned(six_steps, tmp_path):
+    """Rows 2 and 4 in one run: step 6's data truncated and step 4's manifest binary garbage.
+    A warning names each step (and the unreadable file), step 2 is resumed, both damaged
+    steps are set aside, so each is saved again and pruning counts only good steps."""
     run_dir = copy_of(six_steps, tmp_path)
     ck = run_dir / "checkpoints"
-    if damage == "data":
-        damage_data(ck / "6", 1)
-    else:
-        (ck / "6" / "manifest.json").write_bytes(bytes(range(0x80, 0x100)) * 4)
+    damage_data(ck / "6", 1)
+    (ck / "4" / "manifest.json").write_bytes(bytes(range(0x80, 0x100)) * 4)
     rc, out, err = cli(run_dir, "train.steps=10", "checkpoint.keep=2")
     assert rc == 0, err[-3000:]
-    assert f"resumed from {run_dir}/checkpoints/4" in out
-    assert "skipping checkpoint step 6" in err
-    if damage == "manifest":
-        assert f"{ck}/6/manifest.json is unreadable" in err
-    assert sorted(p.name for p in ck.iterdir()) == ["10", "6.damaged-0", "8"]
+    assert f"resumed from {run_dir}/checkpoints/2" in out
+    assert "skipping checkpoint step 6" in err and "skipping checkpoint step 4" in err
+    assert f"{ck}/4/manifest.json is unreadable" in err
+    assert sorted(p.name for p in ck.iterdir()) == ["10", "4.damaged-0", "6.damaged-0", "8"]
     assert [r["step"] for r in run_log.read(run_dir)] == list(range(1, 11))
-    assert "done: 6 steps" in out
+    assert "done: 8 steps" in out
 
 
 def test_resume_with_changed_math_is_refused_unless_allowed(six_steps, tmp_path):

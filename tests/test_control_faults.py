@@ -189,9 +189,9 @@ def wedge_once(at_step: int, slice_index: int = 1):
     return fault
 
 
-def test_watchdog_recovery_ends_like_an_uninterrupted_run(tmp_path, uninterrupted):
+def test_watchdog_recovery_ends_like_an_uninterrupted_run(tmp_path, uninterrupted, workers):
     t0 = time.monotonic()
-    losses, params, rewinds = run_with_fault(tmp_path, wedge_once(3))
+    losses, params, rewinds = run_with_fault(tmp_path, wedge_once(3), cluster=workers)
     assert rewinds == 1
     assert_same_run((losses, params), uninterrupted)
     assert time.monotonic() - t0 < 120

@@ -17,12 +17,12 @@ from tests.recovery_runs import EVERY, assert_same_run, kill_once, run_with_faul
 
 
 @pytest.mark.parametrize("ahead", [0, 1], ids=["in-step", "run-ahead"])
-def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, tmp_path, ahead):
+def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, workers, tmp_path, ahead):
     """Snapshots every step, persistent saves every 50 (none in 8 steps): slice 1's worker is
     killed before batch 5 is sent; slice 0 binds its own newest snapshot, the replacement
     receives slice 1's state from slice 0's copy, and only the failed step is computed
     again. With run-ahead each snapshot is sent right behind its step, before the next."""
-    losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL), ahead=ahead,
+    losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL), ahead=ahead, cluster=workers,
                                              trainer_kw={"memory_every": 1, "checkpoint_every": 50})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
@@ -31,10 +31,10 @@ def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, 
     assert_same_run((losses, params), uninterrupted)
 
 
-def test_first_slice_restored_from_its_peer_every_other_step(uninterrupted, tmp_path):
+def test_first_slice_restored_from_its_peer_every_other_step(uninterrupted, workers, tmp_path):
     """Slice 0 (the first stage) killed before batch 5 with a snapshot every 2 steps: its
     state comes from the copy slice 1 holds of step 4, and two steps are replayed."""
-    losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL, slice_index=0),
+    losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL, slice_index=0), cluster=workers,
                                              trainer_kw={"memory_every": 2, "checkpoint_every": 50})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
@@ -42,7 +42,7 @@ def test_first_slice_restored_from_its_peer_every_other_step(uninterrupted, tmp_
     assert_same_run((losses, params), uninterrupted)
 
 
-def test_slice_and_its_peer_lost_fall_back_to_the_persistent_tier(uninterrupted, tmp_path):
+def test_slice_and_its_peer_lost_fall_back_to_the_persistent_tier(uninterrupted, workers, tmp_path):
     """Both workers killed at once after step 5: no copy of either slice's snapshot
     survives, so the run restores the last committed checkpoint (step 4) and replays."""
     def fault(i, trainer):
@@ -52,7 +52,7 @@ def test_slice_and_its_peer_lost_fall_back_to_the_persistent_tier(uninterrupted,
             for pid in fault.fired:
                 os.kill(pid, signal.SIGKILL)
     fault.fired = []
-    losses, params, rewinds = run_with_fault(tmp_path, fault, trainer_kw={"memory_every": 1})
+    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers, trainer_kw={"memory_every": 1})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
     assert recovery["tier"] == "persistent" and recovery["replayed"] == 6 - 2 * EVERY, recovery

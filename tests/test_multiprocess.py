@@ -35,7 +35,15 @@ def cluster():
     assert wait_gone(pids) == [], "workers outlived their cluster"
 
 
-CASES = [(name, p) for p in (2, 4) for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")]
+# Four slices: every schedule's transfers (to the next slice and back, interleaved's wrap
+# from the last slice to the first, zb-h1's deferred W) cross processes. The same schedules
+# on two slices are pinned to the unpipelined model in-process (tests/test_pipeline_equivalence.py,
+# <name>-p2-m*) and run on two worker processes bitwise like in-process elsewhere: gpipe by
+# the fault tests' uninterrupted runs, 1f1b by test_static_cluster_with_mpmd_worker_processes
+# and test_user_stages_same_as_inprocess, zb-h1 by tests/test_mesh_slices.py (worker
+# processes); interleaved on two worker processes by tests/test_layout_resume.py (4xinterleaved:
+# 4 stages on 2 slices, against the 4x1f1b run to 1e-6 and its own uninterrupted run bitwise).
+CASES = [(name, 4) for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")]
 
 
 @pytest.mark.parametrize("name,p", CASES, ids=[f"{n}-p{p}" for n, p in CASES])

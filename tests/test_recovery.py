@@ -15,7 +15,7 @@ import pytest
 
 import mpmd
 from tests import reference
-from tests.processes import wait_gone
+from tests.processes import alive, wait_gone
 from tests.recovery_runs import (EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once,
                                  make_trainer, run_with_fault, train)
 
@@ -102,7 +102,7 @@ def kill_in_phase(at_step, phase, traces, cpu: CpuLog, slice_index=1):
 
 
 @pytest.mark.parametrize("phase", ["F", "B"], ids=["forward", "backward"])
-def test_worker_sigkilled_mid_step(uninterrupted_spin, tmp_path, phase):
+def test_worker_sigkilled_mid_step(uninterrupted_spin, workers, tmp_path, phase):
     """SIGKILL the last stage's worker inside its forward (or backward) phase of step 4.
 
     Under GPipe a slice runs all its forwards, then all its backwards; `Spin` makes the phase
@@ -111,11 +111,10 @@ def test_worker_sigkilled_mid_step(uninterrupted_spin, tmp_path, phase):
     middle of that phase; afterwards the test checks from the traces of both the step before
     and the same step replayed after recovery that this CPU mark lies well inside the phase."""
     at_step, traces = SPIN_STEPS - 1, []
-    cluster = mpmd.LocalCluster()
-    cpu = CpuLog(cluster, 1)
+    cpu = CpuLog(workers, 1)
     try:
         fault = kill_in_phase(at_step, phase, traces, cpu)
-        losses, params, rewinds = run_with_fault(tmp_path, fault, SPIN[phase], traces, cluster, SPIN_STEPS)
+        losses, params, rewinds = run_with_fault(tmp_path, fault, SPIN[phase], traces, workers, SPIN_STEPS)
     finally:
         cpu.close()
     assert rewinds == 1
@@ -134,25 +133,25 @@ def test_worker_sigkilled_mid_step(uninterrupted_spin, tmp_path, phase):
     assert_same_run((losses, params), uninterrupted_spin(phase))
 
 
-def test_worker_sigkilled_during_async_save(uninterrupted, tmp_path):
+def test_worker_sigkilled_during_async_save(uninterrupted, workers, tmp_path):
     def fault(i, trainer):
         # Batch i == EVERY * 2 comes right after the save of step 4 was started.
         if i == 2 * EVERY and not fault.fired:
             fault.fired.append(trainer.cluster.pids[0])
             os.kill(fault.fired[0], signal.SIGKILL)
     fault.fired = []
-    losses, params, rewinds = run_with_fault(tmp_path, fault)
+    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
     assert rewinds == 1
     assert_same_run((losses, params), uninterrupted)
 
 
-def test_worker_lost_before_a_waited_save_commits(uninterrupted, tmp_path):
+def test_worker_lost_before_a_waited_save_commits(uninterrupted, workers, tmp_path):
     """A save waited for (the run's final one) whose step a lost slice keeps from committing
     (slice 1 SIGKILLed after its Save returned, before its parts were finalized) never returns
     as if saved: it raises Rewound to the last commit; replaying and saving again commits the
     final step, with the uninterrupted run's losses and parameters."""
     batches = data()
-    cluster = mpmd.LocalCluster()
+    cluster = workers
     trainer = make_trainer(cluster, tmp_path, checkpoint_every=3)     # commits steps 3 and 6, not 8
     wait_saves = cluster.wait_saves
 
@@ -177,23 +176,25 @@ def test_worker_lost_before_a_waited_save_commits(uninterrupted, tmp_path):
             losses[i + 1] = trainer.step(batches[i], batches[i], data_state={"i": i + 1})["loss"]
         trainer.save(data_state={"i": STEPS}, wait=True)
         assert trainer.checkpoints.latest() == STEPS
-        params, pids = reference.stage_leaves(trainer.params()), list(cluster.pids)
+        params = reference.stage_leaves(trainer.params())
     finally:
-        trainer.close()
-    assert wait_gone(pids + killed) == []
+        cluster.__dict__.pop("wait_saves", None)
+        trainer.close(close_cluster=False)
+    assert killed and wait_gone(killed) == [] and all(alive(p) for p in cluster.pids)
     assert_same_run((losses, params), uninterrupted)
 
 
-def test_worker_sigstopped_is_declared_lost(uninterrupted, tmp_path):
+def test_worker_sigstopped_is_declared_lost(uninterrupted, workers, tmp_path):
     fault = kill_once(3, signal.SIGSTOP)
+    workers.failure_timeout_s = 2.0        # the fixture puts the default back
     t0 = time.monotonic()
-    losses, params, rewinds = run_with_fault(tmp_path, fault, failure_timeout_s=2.0)
+    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
     assert rewinds == 1
     assert time.monotonic() - t0 < 60
     assert_same_run((losses, params), uninterrupted)
 
 
-def test_newest_checkpoint_damaged_falls_back(uninterrupted, tmp_path, caplog):
+def test_newest_checkpoint_damaged_falls_back(uninterrupted, workers, tmp_path, caplog):
     """Resume with the newest step truncated, then with a stage directory deleted: each time
     the previous committed step is used, with a warning naming the damaged one."""
     with make_trainer(mpmd.InProcessCluster(), tmp_path, keep=3) as trainer:
@@ -207,12 +208,12 @@ def test_newest_checkpoint_damaged_falls_back(uninterrupted, tmp_path, caplog):
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     shutil.rmtree(ck / "4" / "slice_1")
     with caplog.at_level("WARNING", logger="mpmd"):
-        trainer = make_trainer(mpmd.LocalCluster(), tmp_path)
+        trainer = make_trainer(workers, tmp_path)
         try:
             assert trainer.resumed[0] == 2
             losses, params, _ = train(trainer, data())
         finally:
-            trainer.close()
+            trainer.close(close_cluster=False)
     assert "skipping checkpoint step 6" in caplog.text and "skipping checkpoint step 4" in caplog.text
     assert [s for s in losses] == list(range(3, STEPS + 1))
     assert losses == {s: l for s, l in uninterrupted[0].items() if s > 2}

@@ -73,32 +73,12 @@ def assert_same_as_reference(run_dir: Path, reference):
     assert [r["loss"] for r in got_metrics] == [r["loss"] for r in want_metrics]
 
 
-def test_controller_sigkilled_then_resumed(reference, tmp_path):
-    run_dir, tag = tmp_path / "b", uuid.uuid4().hex
-    ctl = controller(run_dir, tag)
-    try:
-        ctl.wait_for_step(7)
-        ctl.wait_for_commit()     # a checkpoint to resume from (saves commit in the background)
-        workers = ctl.workers()
-        assert len(workers) == 2, workers
-        os.kill(ctl.proc.pid, signal.SIGKILL)
-    finally:
-        if ctl.proc.poll() is None:
-            ctl.proc.kill()
-    rc, _ = ctl.finish()
-    assert rc == -signal.SIGKILL
-    # A worker learns of its controller's death from its stdin pipe closing.
-    assert wait_gone(workers, timeout_s=5.0) == [], "workers outlived their SIGKILLed controller"
-    killed_at = CheckpointStore(run_dir).committed()[-1]
-    assert killed_at < STEPS, "the run finished before it was killed: nothing was resumed"
-
-    out = run_to_end(run_dir, tag)
-    assert f"resumed from {run_dir}/checkpoints/" in out
-    assert_same_as_reference(run_dir, reference)
-    assert wait_gone(tagged(tag)) == []
-
-
-def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
+def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(reference, tmp_path):
+    """One run stopped twice: SIGTERMed after step 5, the controller commits a final
+    checkpoint (off the checkpoint.every grid or not) and exits 0; the same command resumes
+    from it. That resumed run SIGKILLed two steps later takes its workers with it; the same
+    command resumes again and finishes with the uninterrupted run's final state and per-step
+    losses (bitwise), each step logged once. No process is left at any point."""
     run_dir, tag = tmp_path / "c", uuid.uuid4().hex
     ctl = controller(run_dir, tag)
     try:
@@ -118,8 +98,26 @@ def test_controller_sigterm_commits_then_resumes(reference, tmp_path):
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, stopped_at + 1))
     assert wait_gone(tagged(tag)) == []
 
-    out = run_to_end(run_dir, tag)
+    ctl = controller(run_dir, tag)
+    try:
+        ctl.wait_for_step(stopped_at + 2)
+        ctl.wait_for_commit()     # a checkpoint to resume from (saves commit in the background)
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(ctl.proc.pid, signal.SIGKILL)
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    rc, out = ctl.finish()
+    assert rc == -signal.SIGKILL
     assert f"resumed from {run_dir}/checkpoints/{stopped_at}" in out
+    # A worker learns of its controller's death from its stdin pipe closing.
+    assert wait_gone(workers, timeout_s=5.0) == [], "workers outlived their SIGKILLed controller"
+    killed_at = CheckpointStore(run_dir).committed()[-1]
+    assert killed_at < STEPS, "the run finished before it was killed: nothing was resumed"
+
+    out = run_to_end(run_dir, tag)
+    assert f"resumed from {run_dir}/checkpoints/{killed_at}" in out
     assert_same_as_reference(run_dir, reference)
     assert wait_gone(tagged(tag)) == []
 

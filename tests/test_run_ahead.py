@@ -51,11 +51,19 @@ def restored_at(run_dir, step: int):
         return reference.stage_leaves(trainer.params())
 
 
-def test_run_ahead_is_bitwise_the_synchronous_run(tmp_path):
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory):
+    """(train_ahead(0) in-process, its run_dir): both tests below compare against it."""
+    run_dir = tmp_path_factory.mktemp("ahead") / "0"
+    return train_ahead(0, run_dir), run_dir
+
+
+def test_run_ahead_is_bitwise_the_synchronous_run(synchronous, tmp_path):
     """Depth 0, 1 and 2: the same losses, parameters and checkpoints, bit for bit, and the
     same as the unpipelined model (within float rounding); the deeper runs really had that
     many steps in flight."""
-    runs = {ahead: train_ahead(ahead, tmp_path / str(ahead)) for ahead in (0, 1, 2)}
+    runs = {0: synchronous[0], **{ahead: train_ahead(ahead, tmp_path / str(ahead)) for ahead in (1, 2)}}
+    run_dirs = {0: synchronous[1], 1: tmp_path / "1", 2: tmp_path / "2"}
     assert [runs[a][2] for a in (0, 1, 2)] == [1, 2, 3]
     for ahead in (1, 2):
         reference.assert_same(runs[0][:2], runs[ahead][:2])
@@ -63,26 +71,26 @@ def test_run_ahead_is_bitwise_the_synchronous_run(tmp_path):
     np.testing.assert_allclose(runs[0][0], ref_losses, rtol=1e-5)
     reference.assert_leaves_close(runs[0][1], ref_params, rtol=1e-5)
     # Step 3's checkpoint holds the state after step 3 only, whatever was sent after it.
-    at2 = {ahead: restored_at(tmp_path / str(ahead), EVERY) for ahead in (0, 1, 2)}
+    at2 = {ahead: restored_at(run_dirs[ahead], EVERY) for ahead in (0, 1, 2)}
     for ahead in (1, 2):
         assert all(np.array_equal(a, b) for a, b in zip(at2[0], at2[ahead]))
     assert not all(np.array_equal(a, b) for a, b in zip(at2[0], runs[0][1]))
 
 
-def test_run_ahead_over_local_workers_is_bitwise_in_process(tmp_path):
+def test_run_ahead_over_local_workers_is_bitwise_in_process(synchronous, tmp_path):
     """The worker processes queue a Run sent ahead behind the running one, in order."""
     ahead = train_ahead(1, tmp_path / "local", mpmd.LocalCluster())
     assert ahead[2] == 2
-    reference.assert_same(train_ahead(0, tmp_path / "inprocess")[:2], ahead[:2])
+    reference.assert_same(synchronous[0][:2], ahead[:2])
 
 
-def test_worker_sigkilled_with_a_step_queued(uninterrupted, tmp_path):
+def test_worker_sigkilled_with_a_step_queued(uninterrupted, workers, tmp_path):
     """SIGKILL slice 1's worker while one step runs and the next is queued behind it: the
     queued step is discarded (aborted on the survivor, nothing of it applied or counted),
     the run rewinds to the last checkpoint and ends bitwise equal to the uninterrupted,
     synchronous run."""
     fault = kill_once(3, signal.SIGKILL)
-    losses, params, rewinds = run_with_fault(tmp_path, fault, ahead=1)
+    losses, params, rewinds = run_with_fault(tmp_path, fault, ahead=1, cluster=workers)
     assert fault.fired and rewinds == 1
     assert_same_run((losses, params), uninterrupted)
 
