@@ -384,7 +384,8 @@ class RayCluster(ControlPlane):
                  root: str | None = None, gpus: bool = False, processes_per_slice: int = 1):
         token = new_token()
         launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
-                               threads_per_worker, host, runtime_env, root, gpus, processes_per_slice)
+                               threads_per_worker, host, runtime_env, root, gpus,
+                               processes_per_slice=processes_per_slice)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
                          step_timeout_s=step_timeout_s)
 
