@@ -43,7 +43,10 @@ def cluster():
 # and test_user_stages_same_as_inprocess, zb-h1 by tests/test_mesh_slices.py (worker
 # processes); interleaved on two worker processes by tests/test_layout_resume.py (4xinterleaved:
 # 4 stages on 2 slices, against the 4x1f1b run to 1e-6 and its own uninterrupted run bitwise).
-CASES = [(name, 4) for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")]
+# GPipe on four is left out: its transfers are 1f1b's (each activation to the next slice, each
+# gradient back) in another order, an order tests/test_schedules.py validates and
+# tests/test_pipeline_equivalence.py (gpipe-p4-*) runs against the unpipelined model.
+CASES = [(name, 4) for name in ("1f1b", "zb-h1", "interleaved-1f1b")]
 
 
 @pytest.mark.parametrize("name,p", CASES, ids=[f"{n}-p{p}" for n, p in CASES])
