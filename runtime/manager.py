@@ -54,7 +54,7 @@ import grpc
 
 from runtime import credentials, wire
 from runtime.client import WorkerClient, WorkerError
-from runtime.service import TOKEN_KEY
+from runtime.service import ADMIN, TOKEN_KEY
 from runtime.worker_pool import RayWorkerPool, WorkerPool
 
 SERVICE = "mpmd.Manager"
@@ -68,6 +68,17 @@ KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newes
 METHODS = {"Submit": "submit", "Status": "submit", "Wait": "job", "Renew": "job", "Release": "job",
            "Replace": "job", "Down": "admin"}
 log = logging.getLogger("mpmd.manager")
+
+
+class _Submitter:
+    """The caller holding the submit token (the cluster token's is runtime.service.ADMIN): a
+    sentinel no job id can equal."""
+
+    def __repr__(self) -> str:
+        return "a submitter"
+
+
+SUBMIT = _Submitter()
 
 
 class UnknownJob(LookupError):
@@ -364,18 +375,19 @@ class Manager:
 
     # -- the gRPC service --------------------------------------------------------------------
     def principal(self, kind: str, token) -> str | None:
-        """Who `token` is for a method of `kind`: "admin", "submit", a job id; None: refused."""
+        """Who `token` is for a method of `kind`: ADMIN (the cluster token), SUBMIT, a job id;
+        None: refused. ADMIN and SUBMIT are objects, not strings, so no job id can equal them."""
         if not isinstance(token, str):
             return None
         if hmac.compare_digest(token.encode(), self.cluster_token.encode()):
-            return "admin"
+            return ADMIN
         if kind == "submit" and hmac.compare_digest(token.encode(), self._submit_token.encode()):
-            return "submit"
+            return SUBMIT
         if kind == "job":
             return credentials.job_of(token, self.cluster_token)
         return None
 
-    def handle(self, method: str, who: str, h: dict) -> dict:
+    def handle(self, method: str, who, h: dict) -> dict:
         if method == "Submit":
             job = self.submit(h.get("name", "job"), h.get("slices"), h.get("share", False), h.get("root"),
                               h.get("lease_s", self.lease_s), h.get("devices"))
@@ -387,7 +399,7 @@ class Manager:
             threading.Thread(target=self.down, daemon=True).start()
             return {}
         job_id = h.get("job")
-        if who != "admin" and job_id != who:
+        if who is not ADMIN and job_id != who:
             raise PermissionError(f"{method}: this credential is job {who}'s, not {job_id!r}'s")
         job = self.seen(job_id)
         if method == "Wait":
