@@ -514,7 +514,7 @@ def main(argv=None) -> int:
     if args.rejoin:
         manager.rebuild()
     try:
-        manager.server, manager.address = serve(_Wrapped(manager), args.listen)
+        manager.server, manager.address = serve(_Handler(manager), args.listen)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         pool.stop()
@@ -525,16 +525,6 @@ def main(argv=None) -> int:
     manager.server.wait_for_termination()
     log.info("down")
     return 0
-
-
-class _Wrapped:
-    """What runtime.worker.serve needs: an object with .handler()."""
-
-    def __init__(self, manager: Manager):
-        self._m = manager
-
-    def handler(self) -> grpc.GenericRpcHandler:
-        return _Handler(self._m)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ class _SliceActor:
         listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         if not self.shared:
             self.service = WorkerService(self._token, self._stop, root=self._root)
-            self.server, self.address = serve(self.service, listen, RPC_THREADS)
+            self.server, self.address = serve(self.service.handler(), listen, RPC_THREADS)
             return
         # A shared cluster's worker (runtime/manager.py), as `mpmd worker --shared`: several
         # jobs' sessions, compiled programs kept across them, a silent job's session closed.
@@ -104,7 +104,7 @@ class _SliceActor:
         shared = self._shared
         self.service = WorkerService(self._token, self._stop, root=self._root, shared=True, lease_s=shared["lease_s"],
                                      cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)))
-        self.server, self.address = serve(self.service, listen, SHARED_RPC_THREADS)
+        self.server, self.address = serve(self.service.handler(), listen, SHARED_RPC_THREADS)
         threading.Thread(target=self._lapse, daemon=True, name="mpmd-lapse").start()
 
     def _lapse(self) -> None:

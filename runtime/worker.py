@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     service = WorkerService(token, stop, root=args.root, shared=args.shared, lease_s=args.lease_s,
                             cache=CompileCache(int(args.compile_cache_mb * 2**20)))
     try:
-        server, address = serve(service, args.listen, SHARED_RPC_THREADS if args.shared else RPC_THREADS)
+        server, address = serve(service.handler(), args.listen, SHARED_RPC_THREADS if args.shared else RPC_THREADS)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -281,18 +281,18 @@ def main(argv=None) -> int:
 RPC_THREADS, SHARED_RPC_THREADS = 8, 32
 
 
-def serve(service, listen: str, threads: int = RPC_THREADS):
-    """Serve `service` (a runtime.service.WorkerService) over gRPC on listen (HOST:PORT, port 0
-    = any free one) with `threads` RPC threads; returns (started server, "host:port"). Raises
-    OSError if it cannot bind. Shared by this process's main and the Ray actor of
-    runtime/ray_cluster.py."""
+def serve(handler, listen: str, threads: int = RPC_THREADS):
+    """Serve `handler` (a grpc.GenericRpcHandler: a WorkerService's .handler(), or the cluster
+    manager's) over gRPC on listen (HOST:PORT, port 0 = any free one) with `threads` RPC
+    threads; returns (started server, "host:port"). Raises OSError if it cannot bind. Shared
+    by this process's main, the Ray actor of runtime/ray_cluster.py and runtime/manager.py."""
     import grpc
     from concurrent import futures
     from runtime.service import SERVER_OPTIONS
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mpmd-rpc"),
                          options=SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((service.handler(),))
+    server.add_generic_rpc_handlers((handler,))
     host = listen.rpartition(":")[0]
     try:
         bound = server.add_insecure_port(listen)
