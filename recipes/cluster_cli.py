@@ -196,6 +196,7 @@ def describe(reply: dict) -> str:
 def down(args) -> int:
     from runtime.client import WorkerError
     from runtime.worker import read_token_file
+    from runtime.worker_pool import kill_process
     saved = read_cluster_file(args.file)
     token = read_token_file(os.path.join(saved["dir"], "cluster.token"), False, "cluster token file", "(none)")
     pids = [saved["manager_pid"]] + [w["pid"] for w in saved["workers"]]
@@ -210,8 +211,7 @@ def down(args) -> int:
     while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.1)
     for p in pids:        # by pid only: these are the cluster file's processes
-        if process_alive(p):
-            os.kill(p, 9)
+        kill_process(p)
     left = [p for p in pids if process_alive(p)]
     if left:
         print(f"error: processes {left} are still running", file=sys.stderr)

@@ -59,7 +59,7 @@ class WorkerPool:
             self.workers = [PoolWorker(slot, self._wait_ready(slot, p), p.pid, p) for slot, p in enumerate(procs)]
         except BaseException:
             for p in procs:
-                _kill(p.pid, p)
+                kill_process(p.pid, p)
             raise
 
     def rejoin(self, entries: list[dict]) -> None:
@@ -69,12 +69,12 @@ class WorkerPool:
     def restart(self, slot: int) -> PoolWorker:
         """Make sure the slot's process is gone (SIGKILL by pid: it may be hung), start a new one."""
         old = self.workers[slot]
-        _kill(old.pid, old.proc)
+        kill_process(old.pid, old.proc)
         p = self._spawn(slot)
         try:
             self.workers[slot] = PoolWorker(slot, self._wait_ready(slot, p), p.pid, p)
         except BaseException:
-            _kill(p.pid, p)
+            kill_process(p.pid, p)
             raise
         return self.workers[slot]
 
@@ -90,7 +90,7 @@ class WorkerPool:
         while any(w.alive() for w in self.workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         for w in self.workers:
-            _kill(w.pid, w.proc)
+            kill_process(w.pid, w.proc)
         return [w.pid for w in self.workers]
 
     def log_file(self, slot: int) -> str:
@@ -126,8 +126,9 @@ class WorkerPool:
                            f"see {self.log_file(slot)}")
 
 
-def _kill(pid: int, proc: subprocess.Popen | None) -> None:
-    """SIGKILL `pid` if it still runs, and reap it when it is our child."""
+def kill_process(pid: int, proc: subprocess.Popen | None = None) -> None:
+    """SIGKILL `pid` if it still runs, and reap it when it is our child (else wait, up to 5 s,
+    until it is gone)."""
     if proc is not None:
         if proc.poll() is None:
             proc.kill()
