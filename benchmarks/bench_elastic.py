@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_recovery import MODELS, workers_log_to  # noqa: E402  (gpt_tiny's and gpt_small's shapes)
-from runtime.local import process_alive  # noqa: E402
+from mpmd.runtime.launchers.local import process_alive  # noqa: E402
 
 STAGES, M, EVERY = 4, 4, 5
 POLICIES = {   # name -> (Trainer arguments, LocalCluster arguments, kills?)
@@ -53,7 +53,7 @@ LOST = ("aborted_s", "replace_s", "relayout_s", "restore_s", "replayed_s")
 
 
 def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_every: int) -> dict:
-    import models
+    from mpmd import models
     import mpmd
     import optax
     from flax import nnx

@@ -1,4 +1,4 @@
-"""A slice as a gang of processes (runtime/gang.py): what it costs per step, and how long a
+"""A slice as a gang of processes (runtime/worker/gang.py): what it costs per step, and how long a
 lost gang takes to replace.
 
     .venv/bin/python benchmarks/bench_gang.py [--steps 6] [--rounds 2]
@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import models  # noqa: E402
+from mpmd import models  # noqa: E402
 import mpmd  # noqa: E402
 
 

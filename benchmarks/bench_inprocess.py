@@ -33,10 +33,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import models  # noqa: E402
+from mpmd import models  # noqa: E402
 import mpmd  # noqa: E402
-from mpmd import schedules  # noqa: E402
-from mpmd.simulate import simulate  # noqa: E402
+from mpmd.schedules import core as schedules  # noqa: E402
+from mpmd.schedules.simulate import simulate  # noqa: E402
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH = 256, 256, 4, 4, 128, 16
 LR = 3e-4

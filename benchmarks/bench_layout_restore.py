@@ -40,7 +40,7 @@ LAYOUTS = {"same (2 stages, 1f1b)": (2, "1f1b", 1), "4 stages on 4 slices": (4, 
 
 
 def make_trainer(cluster, run_dir, gpt, layout):
-    import models
+    from mpmd import models
     import mpmd
     import optax
     from flax import nnx

@@ -33,7 +33,7 @@ Every ratio is measured in this one run on this machine.
      ref D=1 -> D=1: the plain one-device transport (no resharding), on 1-device workers
    GB/s = payload bytes / median one-way time; "x a" = GB/s over case a's. The "local"
    columns time the same resharding inside this process, no wire, between two 2-device
-   meshes (runtime/reshard.py): cut on the sender (free where the pieces are its shards, a
+   meshes (runtime/wire/reshard.py): cut on the sender (free where the pieces are its shards, a
    gather where they are not) and assemble on the receiver (slices, copies, concatenations
    after the pieces have landed): what resharding costs beyond moving the bytes.
 
@@ -74,7 +74,7 @@ def make_trainer(cluster, mesh):
     import optax
     from flax import nnx
 
-    import models
+    from mpmd import models
     import mpmd
     model = models.GPT(**GPT_SIZES, rngs=nnx.Rngs(0))
     pipe = mpmd.Pipeline(mpmd.split(model, 2), models.lm_loss)
@@ -159,8 +159,8 @@ def produce_program(sizes: tuple[int, int, int], layout: tuple):
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-    from runtime import programs
-    from runtime.mesh import AXES
+    from mpmd.runtime.worker import programs
+    from mpmd.runtime.worker.mesh import AXES
 
     def produce():
         return ((jax.lax.broadcasted_iota(jnp.float32, ACT_SHAPE, 0),),)
@@ -193,7 +193,7 @@ def one_way_s(cluster, case, num_reps: int, num_warmup: int = 3) -> list[float]:
     untimed transfers (the first one checked: the array arrives whole and in order)."""
     import numpy as np
 
-    from runtime.instructions import Delete, Recv, Run, Send, Spec
+    from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
 
     _, src, src_layout, dst, dst_layout, pieces, _ = case
     axes = ("data", "fsdp", "tensor")
@@ -226,7 +226,8 @@ def local_reshard_s(case, num_reps: int) -> tuple[float, float]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from runtime import mesh, reshard
+    from mpmd.runtime.worker import mesh
+    from mpmd.runtime.wire import reshard
 
     _, src, src_layout, dst, dst_layout, pieces, _ = case
     devices = jax.devices()

@@ -11,9 +11,9 @@ own). Per slice:
   bound     the window w (the schedule's peak live activations on that slice) and w x the
             largest bundle received there: what held must stay within;
   measured  the executor's peak of its buffers' bytes plus its outstanding receives, looked
-            at between instructions (runtime/executor.py StepResult.peak_bytes; XLA's
+            at between instructions (runtime/worker/executor.py StepResult.peak_bytes; XLA's
             temporaries and sends not yet pulled are not in it);
-  predicted mpmd.stage_costs.slice_memory: params + grads + optimizer state + the peak of
+  predicted mpmd.stages.costs.slice_memory: params + grads + optimizer state + the peak of
             saved residuals from the simulator (which counts nothing in transit);
   ratio     measured / predicted.
 """
@@ -34,7 +34,7 @@ UNBOUNDED = 10**6
 
 
 def pipeline(num_stages: int):
-    import models
+    from mpmd import models
     import mpmd
     from flax import nnx
     return mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), num_stages=num_stages), models.lm_loss)
@@ -59,7 +59,9 @@ def main() -> None:
     import numpy as np
     import optax
 
-    from mpmd import lowering, schedules, stage_costs
+    from mpmd.lowering import core as lowering
+    from mpmd.schedules import core as schedules
+    from mpmd.stages import costs as stage_costs
     print(f"load average at start: {os.getloadavg()}")
     for name, p, m in CASES:
         v = 2 if name.startswith("interleaved") else 1

@@ -21,7 +21,7 @@ worker is pinned to one core and the controller's own work (collecting replies, 
 the next step) runs on those same cores, so at depth 1 it competes with the workers'
 compute instead of filling their gap. Part b separates the two:
 
-b. The same steps as sleep programs (mpmd/dryrun.py: real plans, transfers, control plane;
+b. The same steps as sleep programs (mpmd/lowering/dryrun.py: real plans, transfers, control plane;
    each task sleeps its duration, using no CPU): per stage, the median F and full-backward
    times measured in traced gpt_tiny steps of part a, the activation's bytes, same
    schedule; rounds alternate depth 0 and 1 the same way. This is the runtime's gap
@@ -50,8 +50,9 @@ DEPTHS = (0, 1)
 def build(backend: str, run_dir: str):
     """The Trainer and training loader `mpmd train configs/gpt_tiny.yaml` would build."""
     import mpmd
-    from recipes import config, data
-    from recipes import train as recipe
+    from mpmd.recipes import config
+    from mpmd.recipes import data
+    from mpmd.recipes import train as recipe
 
     cfg = config.load(REPO / "configs/gpt_tiny.yaml", [f"cluster.backend={backend}", f"run_dir={run_dir}",
                                                        "checkpoint.every=0"])
@@ -149,7 +150,7 @@ def main() -> None:
 
 def dry_run_times(schedule, costs, act_bytes: int, rounds: int) -> dict[int, list[float]]:
     import mpmd
-    from mpmd.dryrun import dry_run
+    from mpmd.lowering.dryrun import dry_run
     cluster = mpmd.LocalCluster(num_workers=schedule.num_slices)
     try:
         return alternate(rounds, lambda depth: statistics.median(

@@ -4,7 +4,7 @@ transfers with compute, and end-to-end GPT training against one core.
     .venv/bin/python benchmarks/bench_runtime.py [--quick]
 
 Every ratio is measured in this one run on this machine. Stage costs are declared "sleep"
-programs (mpmd/dryrun.py) wherever the question is about the runtime, not the cores: a
+programs (mpmd/lowering/dryrun.py) wherever the question is about the runtime, not the cores: a
 sleep takes wall time and no CPU, so two cores do not distort it.
 
 a. Scheduling fidelity. p = 4 slices, m = 8, F 20 ms, B 40 ms, W 20 ms (B + W as one task
@@ -80,7 +80,7 @@ GPT_BATCH, GPT_M, LR = 32, 8, 3e-4
 
 
 def fidelity_cases():
-    from mpmd import schedules
+    from mpmd.schedules import core as schedules
     p, m, c = FIDELITY_P, FIDELITY_M, FIDELITY_COSTS
     half = {k: v / 2 for k, v in c.items()}
     return [(schedules.make("gpipe", p, m), c), (schedules.make("1f1b", p, m), c),
@@ -138,8 +138,8 @@ def goal(ok: bool) -> str:
 # -- a. scheduling fidelity -------------------------------------------------------------------
 def fidelity(local, num_steps: int) -> None:
     import mpmd
-    from mpmd.dryrun import dry_run, executed_costs
-    from mpmd.simulate import simulate
+    from mpmd.lowering.dryrun import dry_run, executed_costs
+    from mpmd.schedules.simulate import simulate
 
     print(f"\na. scheduling fidelity: p={FIDELITY_P} slices, m={FIDELITY_M}, F/B/W = "
           f"{'/'.join(f'{v / MS:g}' for v in FIDELITY_COSTS.values())} ms, activations "
@@ -168,8 +168,8 @@ def fidelity(local, num_steps: int) -> None:
 # -- b. per-instruction overhead and dispatch ------------------------------------------------
 def overhead(local, num_steps: int, num_microbatches: int) -> None:
     import mpmd
-    from mpmd import schedules
-    from mpmd.dryrun import dry_run
+    from mpmd.schedules import core as schedules
+    from mpmd.lowering.dryrun import dry_run
 
     zero = {"F": 0.0, "B": 0.0, "W": 0.0}
     print(f"\nb. worker overhead per instruction: zero-duration programs, 1f1b, m={num_microbatches}, "
@@ -215,8 +215,8 @@ def overhead(local, num_steps: int, num_microbatches: int) -> None:
 def transfer_s(cluster, num_bytes: int, num_reps: int) -> float:
     """One-way transfer time of `num_bytes` slice 0 -> slice 1 on the runtime: half of a
     ping-pong's round trip, both ends timed on slice 0's clock (median of num_reps)."""
-    from runtime import programs
-    from runtime.instructions import Delete, Recv, Run, Send, Spec
+    from mpmd.runtime.worker import programs
+    from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
 
     spec = (Spec((num_bytes // 4,), "float32"),)
     cluster.start(2)
@@ -236,9 +236,9 @@ def transfer_s(cluster, num_bytes: int, num_reps: int) -> float:
 
 
 def overlap(local, num_steps: int) -> None:
-    from mpmd import schedules
-    from mpmd.dryrun import dry_run
-    from mpmd.simulate import simulate
+    from mpmd.schedules import core as schedules
+    from mpmd.lowering.dryrun import dry_run
+    from mpmd.schedules.simulate import simulate
 
     probe = 8 * 2**20
     probe_s = transfer_s(local, probe, 3)
@@ -296,7 +296,7 @@ def baseline(num_warmup: int, num_steps: int) -> None:
     import optax
     from flax import nnx
 
-    import models
+    from mpmd import models
 
     graphdef, params0, rest = nnx.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), nnx.Param, ...)
     optimizer = optax.adamw(LR)
@@ -355,7 +355,7 @@ def end_to_end(num_warmup: int, num_steps: int, baseline_after: bool = True) -> 
     import optax
     from flax import nnx
 
-    import models
+    from mpmd import models
     import mpmd
 
     # The baseline runs before and (unless quick) after the pipelined runs, and the two are

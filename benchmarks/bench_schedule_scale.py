@@ -11,7 +11,7 @@ numpy included) is its own. Per case it prints the seconds of
   validate  schedules.validate: placement, completeness, deadlock freedom
   simulate  simulate.simulate with F = B = W = 1 (validates again: it walks the schedule)
   lower     the controller's lowering of the training plan for EVERY slice, one after the
-            other: lowering.train_stream (encoded rows, runtime/streams.py), finished with
+            other: lowering.train_stream (encoded rows, runtime/worker/streams.py), finished with
             Deletes and the receive window left to the worker (Encoded.finishing), and
             to_bytes, the payload InstallPlan ships; only one slice's arrays live at a time
   finish    what each worker then does for its own slice before expanding: from_bytes
@@ -22,7 +22,7 @@ numpy included) is its own. Per case it prints the seconds of
 (wall clock, and in parentheses this process's CPU seconds: on a shared machine the wall
 clock also counts time the process waited for a core) and the peak memory after each, then
 the largest payload, the longest finished stream, and the seconds one worker takes to
-expand that stream into instruction records (runtime/executor.py installs those).
+expand that stream into instruction records (runtime/worker/executor.py installs those).
 Goal (issue 16): each of make, validate, simulate and lower under 10 s and 2 GB per case.
 """
 from __future__ import annotations
@@ -51,8 +51,8 @@ def _clocks() -> tuple[float, float]:
 
 def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: int) -> dict:
     """One case, in this process; returns its figures."""
-    from mpmd import schedules
-    from mpmd.simulate import simulate
+    from mpmd.schedules import core as schedules
+    from mpmd.schedules.simulate import simulate
     num_stages = num_slices * virtual_stages
     out = {"name": name, "p": num_slices, "m": num_microbatches}
     marks = [_clocks()]
@@ -74,11 +74,12 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
     del sim
 
     # The training plan as Trainer lowers it (clipping on), every slice: rows, then bytes.
-    # Imported only now: mpmd.lowering imports JAX (~150 MB resident), which the phases
+    # Imported only now: mpmd.lowering.core imports JAX (~150 MB resident), which the phases
     # above do not need.
-    from mpmd import lowering, names
-    from runtime import streams
-    from runtime.instructions import Spec
+    from mpmd.lowering import core as lowering
+    from mpmd.stages import names
+    from mpmd.runtime.worker import streams
+    from mpmd.runtime.worker.instructions import Spec
     plain = lowering.Transfers.plain([(Spec((4,), "float32"),)] * (num_stages + 1))
     last = schedule.placement[-1]
     kept = {names.params("{k}"), names.opt_state("{k}")}

@@ -24,7 +24,7 @@ round starts with nothing of any runner in flight.
 Simulated: each round's traced step gives every task's duration under that round's load:
 per stage and kind, the median over microbatches and rounds of its F, B and W programs (or
 of its full backward, priced as B with W = 0, where the schedule does not split it; the
-first stage's B runs no program: 0). mpmd.simulate runs the schedule with those costs
+first stage's B runs no program: 0). mpmd.schedules.simulate runs the schedule with those costs
 (comm_s = 0), and each slice's measured update time is added after its last task.
 measured / simulated near 1 means the runtime runs the schedule as the simulator predicts;
 the excess is dispatch, transfers and waits the simulator does not charge.
@@ -34,7 +34,7 @@ the load average is printed at the start and the end; compare runs made at low l
 
 --flops prints each stage's forward, input-gradient (B), weight-gradient (W) and full
 backward (BW) FLOPs by XLA's cost analysis for the 2-stage split (B + W = BW: W does not
-recompute the vjp; mpmd/backward_split.py).
+recompute the vjp; mpmd/stages/backward_split.py).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def two_slice_schedules(num_microbatches: int) -> list:
     """Every registered schedule that runs on NUM_SLICES slices: first as two stages per
     slice with virtual_stages = 2, else one stage per slice, else two stages per slice with
     the generator's own placement (a V). Registry order."""
-    from mpmd import schedules
+    from mpmd.schedules import core as schedules
     out = []
     for name in schedules.SCHEDULES:
         for num_stages, v in ((2 * NUM_SLICES, 2), (NUM_SLICES, 1), (2 * NUM_SLICES, 1)):
@@ -98,7 +98,7 @@ def _baseline_main() -> None:
     import optax
     from flax import nnx
 
-    import models
+    from mpmd import models
 
     graphdef, params, rest = nnx.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), nnx.Param, ...)
     optimizer = optax.adamw(LR)
@@ -150,7 +150,7 @@ def task_costs(schedule, traced_steps: list) -> tuple[list[dict], list[float]]:
     """(per-stage {"F", "B", "W"} seconds, per-slice update seconds) from traced steps: the
     median duration of each stage's programs of each kind. A full backward (no split) is
     priced as B with W = 0; the first stage's B of a split backward runs no program: 0."""
-    from mpmd.tune_profile import task_durations
+    from mpmd.tuner.profile import task_durations
     durations = task_durations(metrics["events"] for metrics in traced_steps)
     median = lambda key: statistics.median(durations[key]) if key in durations else 0.0
     costs = [{kind: median((kind, k)) for kind in ("F", "B", "W")} for k in range(schedule.num_stages)]
@@ -163,9 +163,9 @@ def main(quick: bool) -> None:
     import optax
     from flax import nnx
 
-    import models
+    from mpmd import models
     import mpmd
-    from mpmd.simulate import step_s
+    from mpmd.schedules.simulate import step_s
 
     num_warmup, num_rounds, num_steps = (1, 2, 1) if quick else (1, 5, 3)
     start = time.perf_counter()
@@ -239,9 +239,9 @@ def flops() -> None:
     import optax
     from flax import nnx
 
-    import models
+    from mpmd import models
     import mpmd
-    from mpmd import stage_costs
+    from mpmd.stages import costs as stage_costs
 
     tokens = jax.ShapeDtypeStruct((BATCH // M, GPT["seq_len"]), np.int32)
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), NUM_SLICES), models.lm_loss)

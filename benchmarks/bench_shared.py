@@ -45,7 +45,7 @@ CONFIG = ["configs/gpt_tiny.yaml", "train.eval_every=0", "train.sample_tokens=0"
 
 
 def mpmd(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recipes.cli", *map(str, args)], cwd=REPO, env=_env(),
+    return subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", *map(str, args)], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -62,7 +62,7 @@ class Job:
         self.t0 = time.monotonic()
         self.stderr = run_dir.parent / f"{run_dir.name}.stderr"
         with open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "train", *CONFIG, *overrides,
+            self.proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "train", *CONFIG, *overrides,
                                           f"run_dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                                          stderr=err, text=True)
         self.steps: dict[int, float] = {}

@@ -35,8 +35,9 @@ from pathlib import Path  # noqa: E402
 def build(workers, job: str, run_dir: str):
     """Job `job`'s Trainer (gpt_tiny, as `mpmd train` builds it) on the shared workers, and its loader."""
     import mpmd
-    from recipes import config, data
-    from recipes import train as recipe
+    from mpmd.recipes import config
+    from mpmd.recipes import data
+    from mpmd.recipes import train as recipe
 
     cfg = config.load(REPO / "configs/gpt_tiny.yaml", [f"run_dir={run_dir}", "checkpoint.every=0"])
     loader, _ = data.make_loaders(cfg)
@@ -69,8 +70,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30, help="steps per job in part b (default 30)")
     args = ap.parse_args()
-    from runtime.client import WorkerError
-    from tests.processes import StandaloneWorkers
+    from mpmd.runtime.control.client import WorkerError
+    from tests.support.processes import StandaloneWorkers
 
     print(f"load average at start: {os.getloadavg()}")
     with tempfile.TemporaryDirectory() as tmp, StandaloneWorkers(Path(tmp), 2, disk_cache=False, cpus=[0, 1]) as workers:

@@ -29,9 +29,9 @@ NUM_RUNS = {1: 50, 64: 10}
 
 def worker(slice_index: int) -> None:
     import jax
-    from runtime.instructions import Spec
-    from runtime.mesh import bind
-    from runtime.transport import TransferTransport
+    from mpmd.runtime.worker.instructions import Spec
+    from mpmd.runtime.worker.mesh import bind
+    from mpmd.runtime.wire.transport import TransferTransport
 
     peer = 1 - slice_index
     device = jax.devices()[0]

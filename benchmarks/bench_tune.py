@@ -47,11 +47,11 @@ def build(name: str):
     """(layers, default pipeline (schedule, num_stages per worker, v, m))."""
     from flax import nnx
 
-    import models
+    from mpmd import models
     if name == "gpt_small":
         model = models.GPT(256, 256, 4, 8, SEQ, 4, rngs=nnx.Rngs(0))
         return model.layers(), ("interleaved-1f1b", 2, 2, 8)
-    from recipes.examples.unbalanced import Unbalanced
+    from mpmd.recipes.examples.unbalanced import Unbalanced
     return Unbalanced(256, 128, 512, 6, nnx.Rngs(0)).layers(), ("1f1b", 1, 1, 4)
 
 
@@ -59,12 +59,12 @@ def main(quick: bool, num_workers: int, names: list[str]) -> None:
     import numpy as np
     import optax
 
-    import models
+    from mpmd import models
     import mpmd
-    from mpmd.split import balanced_boundaries
-    from mpmd.stage_costs import layer_costs
-    from mpmd.tune import mean_abs_error, run_candidate
-    from mpmd.tune_search import Candidate, search
+    from mpmd.stages.split import balanced_boundaries
+    from mpmd.stages.costs import layer_costs
+    from mpmd.tuner.core import mean_abs_error, run_candidate
+    from mpmd.tuner.search import Candidate, search
 
     start = time.perf_counter()
     print(f"bench_tune{' --quick' if quick else ''}: {os.cpu_count()} cores, {num_workers} workers, "

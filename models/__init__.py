@@ -4,9 +4,9 @@ Each model exposes `layers()` (its own submodules, in order) and a `__call__` th
 them in that order. This package knows nothing about pipelines.
 """
 
-from models.gpt import GPT, Block, CausalSelfAttention, Embed, FeedForward, Head, lm_loss
-from models.llama import Llama
-from models.mlp import MLP, Hidden, mse_loss
+from mpmd.models.gpt import GPT, Block, CausalSelfAttention, Embed, FeedForward, Head, lm_loss
+from mpmd.models.llama import Llama
+from mpmd.models.mlp import MLP, Hidden, mse_loss
 
 __all__ = [
     "GPT", "Embed", "Block", "CausalSelfAttention", "FeedForward", "Head", "lm_loss",

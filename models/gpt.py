@@ -19,7 +19,7 @@ _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
 
 def axes(init, *names: str | None):
     """`init` annotated with the logical axis names of the array it makes (one per dim), which
-    mpmd.sharding's rules map onto a slice's mesh. Metadata only: the values are unchanged,
+    mpmd.stages.sharding's rules map onto a slice's mesh. Metadata only: the values are unchanged,
     and nothing is sharded when the module is built (eager_sharding=False)."""
     return nnx.with_partitioning(init, names, eager_sharding=False)
 
@@ -148,7 +148,7 @@ class GPT(nnx.Module):
     this model's split: `.layers()` cuts it into nnx.Module stages, which share no
     parameters. A model cut at `mpmd.stage_boundary` marks may tie them: the weight becomes
     a parameter of both stages and its gradients are summed (Pipeline.shared), as the tied
-    model in tests/marked_models.py does.
+    model in tests/support/marked_models.py does.
     """
 
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int,

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import _EMBED_INIT, _linear, _require_positive, axes
+from mpmd.models.gpt import _EMBED_INIT, _linear, _require_positive, axes
 
 DTYPES = ("float32", "bfloat16")
 # What a block's vjp keeps under each `remat` (None: no jax.checkpoint at all).

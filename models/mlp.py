@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import _linear, _require_positive
+from mpmd.models.gpt import _linear, _require_positive
 
 
 class Hidden(nnx.Module):

@@ -7,23 +7,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 
 # public name -> the module that defines it
 _WHERE = {
-    "abstract": "mpmd.lazy",
-    "Pipeline": "mpmd.pipeline",
-    "Trainer": "mpmd.trainer",
-    "split": "mpmd.split",
-    "stage_boundary": "mpmd.marks",
-    "tune": "mpmd.tune",
-    "InProcessCluster": "runtime.inprocess",
-    "LocalCluster": "runtime.local",
-    "RayCluster": "runtime.ray_cluster",
-    "StaticCluster": "runtime.client",
-    "Rewound": "mpmd.checkpoints",
-    "WorkerLost": "runtime.cluster",
+    "abstract": "mpmd.stages.abstract",
+    "Pipeline": "mpmd.stages.pipeline",
+    "Trainer": "mpmd.train.trainer",
+    "split": "mpmd.stages.split",
+    "stage_boundary": "mpmd.stages.marks",
+    "tune": "mpmd.tuner.core",
+    "InProcessCluster": "mpmd.runtime.control.inprocess",
+    "LocalCluster": "mpmd.runtime.launchers.local",
+    "RayCluster": "mpmd.runtime.launchers.ray",
+    "StaticCluster": "mpmd.runtime.control.client",
+    "Rewound": "mpmd.train.checkpoints",
+    "WorkerLost": "mpmd.runtime.control.cluster",
 }
 
 __all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
@@ -43,17 +41,3 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """Loading a submodule sets the package attribute of its name (the import system does so
-    for every submodule): importing `mpmd.split` would make `mpmd.split` that module. The
-    public `mpmd.split` is the function, as when this package imported it eagerly."""
-
-    def __setattr__(self, name, value):
-        if name in _WHERE and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

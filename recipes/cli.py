@@ -4,11 +4,11 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "train": ("recipes.train_cli", "train a model from a YAML config and key=value overrides"),
-    "tune": ("recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
-    "schedule": ("mpmd.schedule_cli", "simulate a pipeline schedule and draw its timeline"),
-    "cluster": ("recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
-    "worker": ("runtime.worker", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
+    "train": ("mpmd.recipes.train_cli", "train a model from a YAML config and key=value overrides"),
+    "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
+    "schedule": ("mpmd.schedules.cli", "simulate a pipeline schedule and draw its timeline"),
+    "cluster": ("mpmd.recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
+    "worker": ("mpmd.runtime.worker.main", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }
 
 

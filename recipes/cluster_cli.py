@@ -8,7 +8,7 @@
 
 `up` writes two secrets into DIR (default .mpmd-cluster), each 0600: the cluster token (the
 manager's and workers' own) and the submit token (what users hold); it starts the manager
-(runtime/manager.py) as a detached process, which starts and owns the N workers and writes
+(runtime/manager/core.py) as a detached process, which starts and owns the N workers and writes
 the cluster file F (default ./mpmd-cluster.json, 0600: the manager's address, the submit
 token, the workers' addresses and pids, the root); `up` prints the address and returns,
 and the cluster lives on. With --rejoin it starts a manager again over the workers of an
@@ -27,8 +27,8 @@ import subprocess
 import sys
 import time
 
-from runtime.local import process_alive
-from runtime.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
+from mpmd.runtime.launchers.local import process_alive
+from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
 
 BACKENDS = ("local", "ray")
 UP_TIMEOUT_S = 120.0
@@ -107,7 +107,7 @@ def up(args) -> int:
         for name in ("cluster.token", "submit.token"):
             _write_secret(os.path.join(directory, name), secrets.token_hex(16))
     started_at = os.path.getmtime(cluster_file) if os.path.exists(cluster_file) else None
-    cmd = [sys.executable, "-m", "runtime.manager", "--dir", directory, "--file", cluster_file,
+    cmd = [sys.executable, "-m", "mpmd.runtime.manager.core", "--dir", directory, "--file", cluster_file,
            "--listen", args.listen, "--lease-s", str(args.lease_s)]
     if args.rejoin:
         cmd.append("--rejoin")
@@ -154,13 +154,13 @@ def _write_secret(path: str, value: str) -> None:
 
 
 def _manager(saved: dict, token: str):
-    from runtime.client import WorkerClient
+    from mpmd.runtime.control.client import WorkerClient
     import collections
     return WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
 
 
 def status(args) -> int:
-    from runtime.client import WorkerError
+    from mpmd.runtime.control.client import WorkerError
     saved = read_cluster_file(args.file)
     client = _manager(saved, saved["submit_token"])
     try:
@@ -194,9 +194,9 @@ def describe(reply: dict) -> str:
 
 
 def down(args) -> int:
-    from runtime.client import WorkerError
-    from runtime.worker import read_token_file
-    from runtime.worker_pool import kill_process
+    from mpmd.runtime.control.client import WorkerError
+    from mpmd.runtime.worker.main import read_token_file
+    from mpmd.runtime.manager.worker_pool import kill_process
     saved = read_cluster_file(args.file)
     token = read_token_file(os.path.join(saved["dir"], "cluster.token"), False, "cluster token file", "(none)")
     pids = [saved["manager_pid"]] + [w["pid"] for w in saved["workers"]]

@@ -18,8 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mpmd import schedules
-from runtime import gang
+from mpmd.schedules import core as schedules
+from mpmd.runtime.worker import gang
 
 
 class ConfigError(ValueError):
@@ -196,13 +196,13 @@ class TuneConfig(_Section):
     output: str = Field("tuned.yaml", description="where the winner's config is written")
 
 
-# mpmd.sharding.AXES, in its order; repeated because that module imports JAX, and a config is
+# mpmd.stages.sharding.AXES, in its order; repeated because that module imports JAX, and a config is
 # checked before JAX is imported (tests/test_config.py keeps the two equal).
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
 class SliceShape(_Section):
-    """One slice's mesh: data x fsdp x tensor devices (mpmd.sharding.SliceMesh)."""
+    """One slice's mesh: data x fsdp x tensor devices (mpmd.stages.sharding.SliceMesh)."""
     data: int | None = Field(
         None, gt=0, description="ways a microbatch is split (data parallel); null = the devices "
                                 "fsdp x tensor leave: max(1, cluster.devices_per_worker // (fsdp x tensor))")
@@ -223,7 +223,7 @@ class MeshConfig(SliceShape):
                           "for that slice; null = every slice alike")
     rules: dict[str, Any] = Field(
         {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
-                        "overrides mpmd.sharding.RULES")
+                        "overrides mpmd.stages.sharding.RULES")
 
 
 class CheckpointConfig(_Section):
@@ -426,7 +426,7 @@ def _cross_field_problems(c: Config) -> list[str]:
     if cl.num_workers is not None and cl.num_workers != num_slices:
         out.append(f"cluster.num_workers={cl.num_workers} must equal pipeline.num_stages // "
                    f"pipeline.virtual_stages = {num_slices} (or be null)")
-    # Gangs (runtime/gang.py): addresses grouped per slice, as lists or cut by processes_per_slice.
+    # Gangs (runtime/worker/gang.py): addresses grouped per slice, as lists or cut by processes_per_slice.
     ganged = cl.processes_per_slice > 1 or any(isinstance(a, list) for a in cl.addresses + cl.spares)
     num_slots = len(cl.addresses)
     if ganged:
@@ -520,7 +520,7 @@ def _shared_problems(cl: ClusterConfig) -> list[str]:
 
 
 def _mesh_problems(c: Config, num_slices: int) -> list[str]:
-    """mesh.* against the slices and cluster.devices_per_worker (mpmd.sharding.slice_meshes
+    """mesh.* against the slices and cluster.devices_per_worker (mpmd.stages.sharding.slice_meshes
     and check_rules decide the same again in the Trainer; here they cannot: they import JAX)."""
     mesh, devices = c.mesh, c.cluster.devices_per_worker * c.cluster.processes_per_slice
     out = []

@@ -6,11 +6,11 @@ set (`MPMD_LOG=debug` brings everything back). Everything else is written to fil
 <run_dir>/logs/:
 - worker_<slot>.log: a local worker's stderr, i.e. all its logging (Orbax's, JAX's, absl's,
   at info and up, debug under debug) and its tracebacks. Its records at the console level come
-  back through runtime/local.py as "worker 1 WARNING <message> (see <run_dir>/logs/worker_1.log)".
+  back through runtime/launchers/local.py as "worker 1 WARNING <message> (see <run_dir>/logs/worker_1.log)".
 - controller.log: this process's records at info and up (its own Orbax, absl and JAX logging,
   mpmd's warnings, the workers' relayed lines), while `train.run` runs.
 JAX's backend start-up notes (a GPU or TPU that it could use but has no plugin for) reach the
-console only at info and below (runtime.worker.STARTUP_LOGGERS).
+console only at info and below (mpmd.runtime.worker.main.STARTUP_LOGGERS).
 
 Not covered: what C++ code (XLA, gRPC) writes straight to this process's stderr, and the
 workers of a static or ray cluster, whose output is where their starter put it.
@@ -22,11 +22,11 @@ import os
 import sys
 from pathlib import Path
 
-from recipes.config import ConfigError
-from runtime.worker import LOG_LEVELS, on_console
+from mpmd.recipes.config import ConfigError
+from mpmd.runtime.worker.main import LOG_LEVELS, on_console
 
 ENV = "MPMD_LOG"
-WORKERS = "mpmd.workers"       # the logger runtime/local.py reports worker records through
+WORKERS = "mpmd.workers"       # the logger runtime/launchers/local.py reports worker records through
 CONTROLLER_LOG = "controller.log"
 
 
@@ -42,7 +42,7 @@ def level(configured: str) -> str:
 
 class _Console(logging.Handler):
     """Records at its level and up on stderr without breaking a progress bar: a worker's as the
-    one line runtime/local.py made of it, any other as 'LEVEL logger: message'."""
+    one line runtime/launchers/local.py made of it, any other as 'LEVEL logger: message'."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if not on_console(record, self.level):

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from recipes.config import Config, ConfigError, DataConfig
+from mpmd.recipes.config import Config, ConfigError, DataConfig
 
 # Directory names under the stdlib that are not "the standard library's own code".
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

@@ -7,10 +7,10 @@ The model is built abstract (mpmd.abstract: shapes, no arrays; a tied Llama, cut
 is built for real), split and laid out as `mpmd train` would; then
 - the parameter count;
 - per slice, bytes of parameters, accumulated gradients, optimizer state and saved
-  activations at the schedule's peak (mpmd.stage_costs.slice_memory: the residuals each
+  activations at the schedule's peak (mpmd.stages.costs.slice_memory: the residuals each
   stage's forward keeps per microbatch, so `model.remat` shows here);
 - the simulator's predicted step: each stage's programs are exported as the Trainer ships
-  them and priced by XLA's cost analysis (mpmd.stage_costs.measure; remat's recomputation
+  them and priced by XLA's cost analysis (mpmd.stages.costs.measure; remat's recomputation
   shows in the backward costs), the schedule is simulated with those costs, and the critical
   path is converted to seconds at an assumed sustained rate per slice (`tflops`).
 """
@@ -19,12 +19,14 @@ from __future__ import annotations
 import numpy as np
 
 import mpmd
-from mpmd import dryrun, schedules, stage_costs
-from mpmd.simulate import simulate
-from mpmd.specs import spec
-from recipes import data
-from recipes.config import Config
-from recipes.train import build_model, build_optimizer, check_layout
+from mpmd.lowering import dryrun
+from mpmd.schedules import core as schedules
+from mpmd.stages import costs as stage_costs
+from mpmd.schedules.simulate import simulate
+from mpmd.stages.specs import spec
+from mpmd.recipes import data
+from mpmd.recipes.config import Config
+from mpmd.recipes.train import build_model, build_optimizer, check_layout
 
 
 def dry_run(cfg: Config, tflops: float = 400.0) -> dict:

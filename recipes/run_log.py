@@ -20,7 +20,7 @@ from typing import Iterable, Mapping, Sequence, TextIO
 
 # The events this module draws and measures are the executor's (name, kind, start_ns, end_ns);
 # any 4-tuple in that order works.
-from runtime.executor import Event  # noqa: F401  (re-exported for callers that build events)
+from mpmd.runtime.worker.executor import Event  # noqa: F401  (re-exported for callers that build events)
 
 METRICS_FILE = "metrics.jsonl"
 

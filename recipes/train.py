@@ -4,7 +4,7 @@
     summary = train.run(cfg)   # {"first_loss", "last_loss", "eval_loss", "steps", "run_dir"}
 
 The recipe only combines library parts (models/, mpmd.Pipeline / split / Trainer, a cluster,
-recipes.data, recipes.run_log); each piece is one small function below. A run leaves in
+mpmd.recipes.data, mpmd.recipes.run_log); each piece is one small function below. A run leaves in
 <run_dir>: config.yaml (resolved, written before the first step), metrics.jsonl, tb/,
 trace.json (the steps in log.trace_steps), logs/ (recipes/console.py) and, for a GPT or Llama
 on text, sample.txt.
@@ -35,20 +35,24 @@ import numpy as np
 import optax
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from recipes import config as config_lib
-from recipes import console, data, run_log
-from mpmd import lowering, schedules, sharding
-from mpmd.checkpoints import CheckpointError  # noqa: F401  (raised through run())
-from mpmd.sharding import LayoutError
-from mpmd.split import balanced_boundaries, cut
-from mpmd.stage_costs import layer_costs
-from recipes.config import Config, ConfigError
-from runtime.checkpoint import CheckpointStore
-from runtime.inprocess import meshes_for
-from runtime.ray_cluster import RayMissingError
-from runtime.shared import JobRefused
+from mpmd.recipes import config as config_lib
+from mpmd.recipes import console
+from mpmd.recipes import data
+from mpmd.recipes import run_log
+from mpmd.lowering import core as lowering
+from mpmd.schedules import core as schedules
+from mpmd.stages import sharding
+from mpmd.train.checkpoints import CheckpointError  # noqa: F401  (raised through run())
+from mpmd.stages.sharding import LayoutError
+from mpmd.stages.split import balanced_boundaries, cut
+from mpmd.stages.costs import layer_costs
+from mpmd.recipes.config import Config, ConfigError
+from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.control.inprocess import meshes_for
+from mpmd.runtime.launchers.ray import RayMissingError
+from mpmd.runtime.launchers.shared import JobRefused
 
 
 @contextlib.contextmanager
@@ -225,8 +229,8 @@ def build_cluster(cfg: Config):
 def shared_cluster(cfg: Config, timeouts: dict):
     """A job on the shared cluster of cluster.file (or cluster.address + token_file), named
     after its run_dir; its place in the queue is printed on stderr while it waits."""
-    from runtime.shared import DEFAULT_CLUSTER_FILE, SharedCluster
-    from runtime.worker import read_token_file
+    from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, SharedCluster
+    from mpmd.runtime.worker.main import read_token_file
     c = cfg.cluster
     if c.address is not None:
         where = dict(address=c.address, submit_token=read_token_file(

@@ -14,7 +14,8 @@ import argparse
 import os
 import sys
 
-from recipes import config, console
+from mpmd.recipes import config
+from mpmd.recipes import console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from recipes import plan  # imports JAX
+        from mpmd.recipes import plan  # imports JAX
         try:
             print(plan.describe(plan.dry_run(cfg, args.tflops)))
         except config.ConfigError as e:
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         return 0
     if cfg.cluster.backend == "inprocess":
         _ensure_host_devices(cfg.num_devices)
-    from recipes import train  # imports JAX: only once the config is known to be good
+    from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     try:
         train.run(cfg, allow_config_change=args.allow_config_change)
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)

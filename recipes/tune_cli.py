@@ -19,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from recipes import config, console
+from mpmd.recipes import config
+from mpmd.recipes import console
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,8 +69,8 @@ def main(argv=None) -> int:
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from mpmd.tune_search import NoCandidateFits
-    from recipes import train  # imports JAX: only once the config is known to be good
+    from mpmd.tuner.search import NoCandidateFits
+    from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     try:
         result = run(cfg, train)
     except config.ConfigError as e:
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
 def run(cfg: config.Config, train):
     """Profile, search and confirm cfg's model on cfg's cluster (mpmd.tune)."""
     import mpmd
-    from recipes import data
+    from mpmd.recipes import data
     t = cfg.tune
     num_slices = cfg.num_workers
     loader, _ = data.make_loaders(cfg)

@@ -11,7 +11,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
-# -- the uninterrupted runs every fault test compares against (tests/recovery_runs.py) ----
+# -- the uninterrupted runs every fault test compares against (tests/support/recovery_runs.py) ----
 # Session-scoped: five modules compare against the same run, which is deterministic (the
 # in-process runtime, a fixed seed and data), so computing it once loses nothing.
 import pytest  # noqa: E402
@@ -19,8 +19,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    from runtime.inprocess import InProcessCluster  # after the XLA flags above
-    from tests import recovery_runs
+    from mpmd.runtime.control.inprocess import InProcessCluster  # after the XLA flags above
+    from tests.support import recovery_runs
     with recovery_runs.make_trainer(InProcessCluster(), tmp_path_factory.mktemp("ref")) as trainer:
         losses, params, _ = recovery_runs.train(trainer, recovery_runs.data())
     return losses, params
@@ -29,8 +29,8 @@ def uninterrupted(tmp_path_factory):
 @pytest.fixture(scope="session")
 def uninterrupted_spin(tmp_path_factory):
     """phase -> the uninterrupted run of the pipeline spinning in that phase (computed once)."""
-    from runtime.inprocess import InProcessCluster  # after the XLA flags above
-    from tests import recovery_runs
+    from mpmd.runtime.control.inprocess import InProcessCluster  # after the XLA flags above
+    from tests.support import recovery_runs
     runs = {}
 
     def get(phase):
@@ -45,7 +45,7 @@ def uninterrupted_spin(tmp_path_factory):
 
 
 
-# -- worker processes the fault tests share (tests/recovery_runs.py) ------------------------
+# -- worker processes the fault tests share (tests/support/recovery_runs.py) ------------------------
 @pytest.fixture(scope="session")
 def _shared_workers(tmp_path_factory):
     """[the LocalCluster of two workers the fault tests share], confined to the session's
@@ -54,7 +54,7 @@ def _shared_workers(tmp_path_factory):
     the survivor and the replacement afresh (Cluster.start: nothing shipped survives). At the
     end no worker it started may be left."""
     import mpmd
-    from tests.processes import wait_gone
+    from tests.support.processes import wait_gone
     holder = [mpmd.LocalCluster(num_workers=2, root=str(tmp_path_factory.getbasetemp()))]
     yield holder
     pids = list(holder[0].pids)
@@ -67,7 +67,7 @@ def workers(_shared_workers):
     """The shared LocalCluster, every worker alive and with its default timeouts; started
     anew (the old one closed) if a failed test left a worker dead or stopped."""
     import mpmd
-    from tests.processes import alive, wait_gone
+    from tests.support.processes import alive, wait_gone
     cluster = _shared_workers[0]
     if not all(alive(p) and _running(p) for p in cluster.pids):
         pids = list(cluster.pids)

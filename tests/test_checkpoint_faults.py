@@ -1,6 +1,6 @@
 """Damaged checkpoints, changed configs, bad run directories and full or read-only disks.
 
-Most runs are the real CLI (`python -m recipes.cli train`) as a subprocess with the
+Most runs are the real CLI (`python -m mpmd.recipes.cli train`) as a subprocess with the
 in-process backend: the faults here are files, not processes. Disks are real: a tmpfs
 mounted small fills up for real, and one remounted read-only refuses writes with EROFS
 (these need root, as the test machine's user is; they skip otherwise).
@@ -19,11 +19,11 @@ import optax
 import pytest
 
 import mpmd
-from mpmd.checkpoints import CheckpointError
-from recipes import run_log
-from runtime.checkpoint import CheckpointStore
-from tests import reference
-from tests.processes import ROOT, mpmd_train, wait_gone
+from mpmd.train.checkpoints import CheckpointError
+from mpmd.recipes import run_log
+from mpmd.runtime.worker.checkpoint import CheckpointStore
+from tests.support import reference
+from tests.support.processes import ROOT, mpmd_train, wait_gone
 
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
              "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=2", "checkpoint.keep=3",
@@ -125,7 +125,7 @@ def test_restore_is_all_or_nothing(tmp_path):
 
 
 def mpmd_loss():
-    import models
+    from mpmd import models
     return models.lm_loss
 
 
@@ -248,7 +248,7 @@ def test_summary_counts_distinct_steps_after_a_recovery(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = [a for a in OVERRIDES if not a.startswith("cluster.")] + [
         "train.steps=10", "cluster.backend=local", f"run_dir={tmp_path / 'rec'}"]
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "train", "configs/gpt_tiny.yaml", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "train", "configs/gpt_tiny.yaml", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         out = []

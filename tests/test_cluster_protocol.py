@@ -1,4 +1,4 @@
-"""The cluster contract of runtime/cluster.py: every backend is a `Cluster`, every launcher a
+"""The cluster contract of runtime/control/cluster.py: every backend is a `Cluster`, every launcher a
 `Launcher`, and replacement either brings up a new worker or says, with ReplaceUnsupported,
 that it cannot.
 """
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import mpmd
-from runtime.client import StaticLauncher, new_token
-from runtime.cluster import Cluster, Launcher, ReplaceUnsupported, WorkerLost
-from runtime.local import LocalLauncher
-from tests.processes import alive, wait_gone
+from mpmd.runtime.control.client import StaticLauncher, new_token
+from mpmd.runtime.control.cluster import Cluster, Launcher, ReplaceUnsupported, WorkerLost
+from mpmd.runtime.launchers.local import LocalLauncher
+from tests.support.processes import alive, wait_gone
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 
@@ -34,14 +34,14 @@ def test_every_backend_is_a_cluster(cluster):
 def test_every_launcher_is_a_launcher():
     launchers = [StaticLauncher(["127.0.0.1:1"]), LocalLauncher(new_token())]
     if HAVE_RAY:
-        from runtime.ray_cluster import RayLauncher
+        from mpmd.runtime.launchers.ray import RayLauncher
         launchers.append(RayLauncher(new_token()))
     for launcher in launchers:
         assert isinstance(launcher, Launcher), type(launcher).__name__
 
 
 def test_worker_lost_is_still_importable_from_client():
-    from runtime import client
+    from mpmd.runtime.control import client
     assert client.WorkerLost is WorkerLost is mpmd.WorkerLost
 
 

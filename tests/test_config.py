@@ -1,12 +1,12 @@
-"""recipes.config: defaults, overrides, every kind of bad config and its message, dump/load."""
+"""mpmd.recipes.config: defaults, overrides, every kind of bad config and its message, dump/load."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from recipes import config
-from recipes.config import Config, ConfigError
+from mpmd.recipes import config
+from mpmd.recipes.config import Config, ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -180,7 +180,7 @@ def test_mesh_defaults_to_data_over_every_device_and_stages_give_unlike_slices()
 
 
 def test_mesh_axes_are_mpmd_sharding_axes():
-    from mpmd import sharding
+    from mpmd.stages import sharding
     assert config.MESH_AXES == sharding.AXES == tuple(config.SliceShape.model_fields)
     cfg = config.load(None, ["cluster.devices_per_worker=4", "mesh.stages=[{fsdp: 2, tensor: 2}, {}]",
                              "mesh.rules.embed=tensor"])

@@ -7,10 +7,11 @@ import re
 import grpc
 import pytest
 
-from recipes import config, console
-from runtime.client import WorkerClient, WorkerError
-from runtime.worker import on_console
-from tests.processes import TINY_GPT, Controller
+from mpmd.recipes import config
+from mpmd.recipes import console
+from mpmd.runtime.control.client import WorkerClient, WorkerError
+from mpmd.runtime.worker.main import on_console
+from tests.support.processes import TINY_GPT, Controller
 
 ARGS = ["configs/gpt_tiny.yaml", "train.steps=20", *TINY_GPT, "log.every=5", "cluster.backend=local",
         "train.sample_tokens=4", "log.tensorboard=false", "checkpoint.every=10"]

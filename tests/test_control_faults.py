@@ -17,13 +17,14 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from runtime import programs, wire
-from runtime.cluster import StepFailed, WorkerLost
-from runtime.instructions import Recv, Run, Send, Spec
-from tests.processes import ROOT, mpmd_train, wait_gone
-from tests.recovery_runs import assert_same_run, run_with_fault
+from mpmd.runtime.worker import programs
+from mpmd.runtime.wire import format as wire
+from mpmd.runtime.control.cluster import StepFailed, WorkerLost
+from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
+from tests.support.processes import ROOT, mpmd_train, wait_gone
+from tests.support.recovery_runs import assert_same_run, run_with_fault
 
 F32_4 = (Spec((4,), "float32"),)
 run_ids = itertools.count(10_000)     # run ids never repeat on a cluster
@@ -158,7 +159,7 @@ def test_a_slow_step_that_progresses_is_not_aborted(cluster):
 
 
 def test_derived_step_timeout():
-    from runtime.client import FIRST_STEP_TIMEOUT_S, ControlPlane
+    from mpmd.runtime.control.client import FIRST_STEP_TIMEOUT_S, ControlPlane
     plane = ControlPlane(launcher=None, token="t" * 32)
     assert plane.step_timeout() == FIRST_STEP_TIMEOUT_S
     plane._step_times.extend([0.1, 0.2, 10.0])
@@ -244,7 +245,7 @@ def test_a_second_worker_on_a_used_port_is_refused(cluster, tmp_path):
     token_file.write_text("t" * 32 + "\n")
     token_file.chmod(0o600)
     address = cluster.addresses[0]
-    proc = subprocess.run([sys.executable, "-m", "recipes.cli", "worker", "--listen", address,
+    proc = subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", address,
                            "--token-file", str(token_file)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "MPMD_WORKER_READY" not in proc.stdout
     assert f"cannot listen on '{address}': the address is in use" in proc.stderr
@@ -254,7 +255,7 @@ def test_token_files_others_may_read_are_refused(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("t" * 32 + "\n")
     token_file.chmod(0o644)
-    cmd = [sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0", "--token-file", str(token_file)]
+    cmd = [sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0", "--token-file", str(token_file)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "has mode 0644" in proc.stderr and "chmod 600" in proc.stderr
     with pytest.raises(ValueError, match=r"token_file .* has mode 0644.*allow_insecure_token_file=True"):

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from mpmd import schedules
-from mpmd.stage_costs import measure
-from mpmd.schedule_cli import main
-from mpmd.simulate import simulate
+from mpmd.schedules import core as schedules
+from mpmd.stages.costs import measure
+from mpmd.schedules.cli import main
+from mpmd.schedules.simulate import simulate
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""recipes.data (corpora, resumable loaders) and recipes.run_log (metrics, progress, traces)."""
+"""mpmd.recipes.data (corpora, resumable loaders) and mpmd.recipes.run_log (metrics, progress, traces)."""
 
 import io
 import json
@@ -6,8 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from recipes import config, data, run_log
-from recipes.run_log import Event
+from mpmd.recipes import config
+from mpmd.recipes import data
+from mpmd.recipes import run_log
+from mpmd.recipes.run_log import Event
 
 
 @pytest.fixture(scope="module")

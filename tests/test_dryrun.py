@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 import mpmd
-from mpmd import schedules
-from mpmd.dryrun import dry_run
-from runtime.instructions import Recv, Spec
+from mpmd.schedules import core as schedules
+from mpmd.lowering.dryrun import dry_run
+from mpmd.runtime.worker.instructions import Recv, Spec
 
 COSTS = {"F": 0.005, "B": 0.010, "W": 0.005}       # seconds
 ACTIVATION_BYTES = 16 * 2**10

@@ -16,11 +16,13 @@ import optax
 import pytest
 
 import mpmd
-from mpmd import elastic, schedules, stage_costs
-from mpmd.simulate import simulate
-from runtime.inprocess import InProcessCluster
-from tests.processes import wait_gone
-from tests.recovery_runs import EVERY, data, make_pipe, make_trainer, run_with_fault, train
+from mpmd.train import elastic
+from mpmd.schedules import core as schedules
+from mpmd.stages import costs as stage_costs
+from mpmd.schedules.simulate import simulate
+from mpmd.runtime.control.inprocess import InProcessCluster
+from tests.support.processes import wait_gone
+from tests.support.recovery_runs import EVERY, data, make_pipe, make_trainer, run_with_fault, train
 
 FOUR = dict(num_stages=4, schedule="1f1b")
 
@@ -190,7 +192,7 @@ def test_balanced_cut_minimises_the_costliest_block():
 def test_inprocess_cluster_remove_and_add_renumber_fresh_slices():
     """The Cluster verbs a shrink and a grow back use, on threads: slices after the removed
     one move down, every slice starts afresh, and add undoes a remove only."""
-    from runtime.cluster import ReplaceUnsupported
+    from mpmd.runtime.control.cluster import ReplaceUnsupported
     cluster = InProcessCluster()
     cluster.start(3)
     try:

@@ -4,9 +4,9 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from tests.user_stages import HeadStage, UserModel, WidenStage
+from tests.support.user_stages import HeadStage, UserModel, WidenStage
 
 
 def gpt(layers=2):

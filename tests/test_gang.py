@@ -1,4 +1,4 @@
-"""A slice is a gang of worker processes (runtime/gang.py): 2 slices x 2 processes x 1 device.
+"""A slice is a gang of worker processes (runtime/worker/gang.py): 2 slices x 2 processes x 1 device.
 
 Equivalence with plain unpipelined JAX training (SGD with momentum, float32, clipping on,
 relative 1e-5, 3 steps) with the slice's mesh on `data` and on `tensor`; and the same run
@@ -13,11 +13,12 @@ import sys
 
 import pytest
 
-import models
+from mpmd import models
 import mpmd
-from tests import recovery_runs, reference
-from runtime.local import free_port
-from tests.processes import ROOT, wait_gone
+from tests.support import recovery_runs
+from tests.support import reference
+from mpmd.runtime.launchers.local import free_port
+from tests.support.processes import ROOT, wait_gone
 from tests.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
 
 
@@ -97,7 +98,7 @@ def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, g
 
 
 def test_a_replaced_gang_comes_back_from_the_in_memory_tier(gang, gang_root, tmp_path):
-    """The same with checkpoint snapshots in memory every step (mpmd/snapshots.py): the new
+    """The same with checkpoint snapshots in memory every step (mpmd/train/snapshots.py): the new
     gang gets its state from its peer slice's copy, sent gang to gang."""
     assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", tmp_path / "ref", memory_every=1) == "memory"
 
@@ -140,7 +141,7 @@ def test_static_gangs_of_mpmd_worker_processes(gang_data2, tmp_path):
     try:
         for _ in range(2):           # two slices, each a gang with its own coordinator
             coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-            procs += [subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
+            procs += [subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
                                         "--token-file", str(token_file), "--root", str(tmp_path),
                                         "--coordinator", coordinator, "--num-processes", "2",
                                         "--process-id", str(j)],
@@ -189,13 +190,13 @@ STATIC = ["cluster.backend=static", "cluster.token_file=/secure/token"]
      "but a slice has 2 (cluster.devices_per_worker=1 x cluster.processes_per_slice=2)"),
 ])
 def test_gang_config_errors_name_the_key(overrides, message):
-    from recipes import config
+    from mpmd.recipes import config
     with pytest.raises(ValueError, match=re.escape(message)):
         config.load(None, (STATIC if "cluster.backend=inprocess" not in overrides else []) + overrides)
 
 
 def test_gang_configs_that_are_accepted():
-    from recipes import config
+    from mpmd.recipes import config
     grouped = config.load(None, STATIC + ["cluster.processes_per_slice=2",
                                           'cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'])
     flat = config.load(None, STATIC + ["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3","d:4"]'])

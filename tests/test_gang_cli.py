@@ -7,8 +7,8 @@ import os
 import signal
 import uuid
 
-from runtime.checkpoint import CheckpointStore
-from tests.processes import Controller, wait_gone
+from mpmd.runtime.worker.checkpoint import CheckpointStore
+from tests.support.processes import Controller, wait_gone
 from tests.test_resume_cli import TAG, final_state, metrics, tagged
 
 STEPS, EVERY = 6, 2

@@ -16,13 +16,13 @@ def run_python(*args):
 
 
 def test_schedule_modules_do_not_import_jax():
-    proc = run_python("-c", "import sys, mpmd.schedules, mpmd.simulate, mpmd.render, mpmd.schedule_cli; "
+    proc = run_python("-c", "import sys, mpmd.schedules, mpmd.schedules.simulate, mpmd.schedules.render, mpmd.schedules.cli; "
                             "assert 'jax' not in sys.modules, 'jax was imported'")
     assert proc.returncode == 0, proc.stderr
 
 
 def test_schedule_command_does_not_import_jax(tmp_path):
-    code = ("import sys; from recipes import cli; "
+    code = ("import sys; from mpmd.recipes import cli; "
             f"rc = cli.main(['schedule', '1f1b', '--stages', '4', '--microbatches', '8', '-o', {str(tmp_path / 'a.svg')!r}]); "
             "assert rc == 0, rc; assert 'jax' not in sys.modules, 'jax was imported'")
     proc = run_python("-c", code)
@@ -31,10 +31,10 @@ def test_schedule_command_does_not_import_jax(tmp_path):
 
 
 @pytest.mark.parametrize("name, module", [
-    ("abstract", "mpmd.lazy"), ("Pipeline", "mpmd.pipeline"), ("Trainer", "mpmd.trainer"),
-    ("split", "mpmd.split"), ("stage_boundary", "mpmd.marks"), ("tune", "mpmd.tune"), ("Rewound", "mpmd.checkpoints"),
-    ("InProcessCluster", "runtime.inprocess"), ("LocalCluster", "runtime.local"),
-    ("RayCluster", "runtime.ray_cluster"), ("StaticCluster", "runtime.client"), ("WorkerLost", "runtime.cluster")])
+    ("abstract", "mpmd.stages.abstract"), ("Pipeline", "mpmd.stages.pipeline"), ("Trainer", "mpmd.train.trainer"),
+    ("split", "mpmd.stages.split"), ("stage_boundary", "mpmd.stages.marks"), ("tune", "mpmd.tuner.core"), ("Rewound", "mpmd.train.checkpoints"),
+    ("InProcessCluster", "mpmd.runtime.control.inprocess"), ("LocalCluster", "mpmd.runtime.launchers.local"),
+    ("RayCluster", "mpmd.runtime.launchers.ray"), ("StaticCluster", "mpmd.runtime.control.client"), ("WorkerLost", "mpmd.runtime.control.cluster")])
 def test_public_names_resolve_lazily(name, module):
     value = getattr(mpmd, name)
     assert value is getattr(sys.modules[module], name)
@@ -62,13 +62,33 @@ def test_submodules_are_attributes_on_first_use():
 
 def test_split_stays_the_function_after_importing_the_submodule():
     # Importing the submodule mpmd.split must not replace the public function mpmd.split.
-    proc = run_python("-c", "import mpmd.split, mpmd; from mpmd.split import balanced_boundaries; "
+    proc = run_python("-c", "import mpmd.stages.split, mpmd; from mpmd.stages.split import balanced_boundaries; "
                             "import inspect; assert inspect.isfunction(mpmd.split), mpmd.split")
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("first, second", [("mpmd.split", "mpmd.marks"), ("mpmd.marks", "mpmd.split")])
+@pytest.mark.parametrize("first, second", [("mpmd.stages.split", "mpmd.stages.marks"), ("mpmd.stages.marks", "mpmd.stages.split")])
 def test_marks_and_split_import_in_either_order(first, second):
     proc = run_python("-c", f"import {first}, {second}; import mpmd; "
                             "assert callable(mpmd.split) and callable(mpmd.stage_boundary)")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_every_package_folder_is_installed_under_mpmd():
+    # pyproject lists the packages by hand (runtime/, models/ and recipes/ install as
+    # mpmd.runtime, mpmd.models, mpmd.recipes): a new folder left off the list would be
+    # missing from a wheel, though an editable install still finds it.
+    import tomllib
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    where = {"mpmd": "mpmd", **{name: folder for name, folder in config["package-dir"].items()}}
+    found = set()
+    for name, folder in where.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((name, *rel)))
+    assert found == listed, f"installed packages {sorted(listed)} differ from the folders {sorted(found)}"
+    for top in ("runtime", "models", "recipes"):
+        proc = run_python("-c", f"import importlib.util, sys; sys.path.remove(''); "
+                                f"assert importlib.util.find_spec({top!r}) is None, 'a top-level {top} is installed'")
+        assert proc.returncode == 0, proc.stderr

@@ -20,10 +20,10 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from tests import recovery_runs
-from tests.marked_models import MarkedGPT
+from tests.support import recovery_runs
+from tests.support.marked_models import MarkedGPT
 
 LAYOUTS = {"2x1f1b": (2, "1f1b", 1), "4x1f1b": (4, "1f1b", 1), "2xzbh1": (2, "zb-h1", 1),
            "4xinterleaved": (4, "interleaved-1f1b", 2)}

@@ -3,7 +3,7 @@ schedule, on a tensor-parallel mesh, with tied embeddings cut at marks), remater
 keeps gradients and cuts saved activations, seeded sampling, and the 1B dry run.
 
 Every pipelined run is compared with plain unpipelined JAX training of the same model in the
-same precision (tests/reference.py), with SGD + momentum: Adam's update is nearly invariant
+same precision (tests/support/reference.py), with SGD + momentum: Adam's update is nearly invariant
 to gradient scale and would hide a wrong gradient.
 """
 import jax
@@ -14,14 +14,17 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import models
+from mpmd import models
 import mpmd
-from mpmd import sharding, stage_costs
-from recipes import config, plan, train_cli
-from recipes.train import next_token
-from runtime.instructions import Recv
-from tests import reference
-from tests.processes import ROOT
+from mpmd.stages import sharding
+from mpmd.stages import costs as stage_costs
+from mpmd.recipes import config
+from mpmd.recipes import plan
+from mpmd.recipes import train_cli
+from mpmd.recipes.train import next_token
+from mpmd.runtime.worker.instructions import Recv
+from tests.support import reference
+from tests.support.processes import ROOT
 
 # vocabulary, width, query heads, key/value heads, blocks, sequence length: 4 layers, so 4 stages fit
 VOCAB, D, HEADS, KV_HEADS, BLOCKS, SEQ = 32, 16, 4, 2, 2, 8
@@ -128,7 +131,7 @@ def test_bfloat16_pipeline_matches_unpipelined_bfloat16(unpipelined, name, stage
 
 
 def test_tensor_parallel_mesh_lays_out_heads_and_matches(unpipelined):
-    """Heads, MLP width and vocabulary split over tensor=2 (mpmd.sharding.RULES); key/value
+    """Heads, MLP width and vocabulary split over tensor=2 (mpmd.stages.sharding.RULES); key/value
     projections (kv) replicated. Shardings change only the order of float sums: 1e-5."""
     losses, grads, params, trainer = run(make_llama(), "1f1b", 2, mesh={"tensor": 2})
     want = unpipelined["float32"]

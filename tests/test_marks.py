@@ -9,10 +9,10 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from tests import reference
-from tests.marked_models import MarkedGPT, MarkedUNet
+from tests.support import reference
+from tests.support.marked_models import MarkedGPT, MarkedUNet
 
 LR, STEPS, BATCH = 1e-3, 3, 6
 

@@ -1,4 +1,4 @@
-"""The in-memory checkpoint tier (mpmd/snapshots.py) on real worker processes: a SIGKILLed
+"""The in-memory checkpoint tier (mpmd/train/snapshots.py) on real worker processes: a SIGKILLed
 worker's slice comes back from its peer's copy of the newest snapshot and the run ends
 bitwise equal to the uninterrupted one; a slice lost with its peer falls back to the
 persistent tier; a full save queue blocks instead of dropping a save."""
@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from runtime import checkpoint
-from runtime.checkpoint import CheckpointStore, SliceCheckpointer
-from tests.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
+from mpmd.runtime.worker import checkpoint
+from mpmd.runtime.worker.checkpoint import CheckpointStore, SliceCheckpointer
+from tests.support.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
 
 
 @pytest.mark.parametrize("ahead", [0, 1], ids=["in-step", "run-ahead"])

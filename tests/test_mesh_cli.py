@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from recipes import run_log
-from runtime.checkpoint import CheckpointStore
-from tests.processes import Controller, alive, mpmd_train, wait_gone
+from mpmd.recipes import run_log
+from mpmd.runtime.worker.checkpoint import CheckpointStore
+from tests.support.processes import Controller, alive, mpmd_train, wait_gone
 
 # The run a worker is killed in, after step KILL_AFTER: by then the save of step EVERY, which
 # the save of step 2 x EVERY waits for, is committed.

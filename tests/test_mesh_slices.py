@@ -13,14 +13,15 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import models
+from mpmd import models
 import mpmd
-from mpmd import names, sharding
-from runtime import reshard
-from runtime.mesh import bind
-from tests import reference
-from tests.marked_models import MarkedGPT
-from tests.user_stages import UserModel, token_batches
+from mpmd.stages import names
+from mpmd.stages import sharding
+from mpmd.runtime.wire import reshard
+from mpmd.runtime.worker.mesh import bind
+from tests.support import reference
+from tests.support.marked_models import MarkedGPT
+from tests.support.user_stages import UserModel, token_batches
 
 M, RTOL = 4, 1e-5
 make_gpt = reference.make_gpt     # 32-token vocabulary, width 16, 6 blocks, 8 positions

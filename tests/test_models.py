@@ -7,7 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
-from models import GPT, MLP, lm_loss, mse_loss
+from mpmd.models import GPT, MLP, lm_loss, mse_loss
 
 VOCAB, D_MODEL, NUM_HEADS, NUM_LAYERS, SEQ_LEN, BATCH = 32, 16, 2, 2, 8, 4
 

@@ -15,12 +15,12 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from tests import reference
-from tests.processes import alive, wait_gone
-from tests.reference import assert_same, batches, make_gpt, train_pipeline as train
-from tests.user_stages import UserModel, token_batches
+from tests.support import reference
+from tests.support.processes import alive, wait_gone
+from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train
+from tests.support.user_stages import UserModel, token_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def test_unreachable_worker_fails_fast_naming_it():
 
 def start_worker(token_file, *extra):
     os.chmod(token_file, 0o600)       # a token file others may read is refused
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
                              "--token-file", str(token_file), *extra],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
@@ -138,7 +138,7 @@ def raw_call(address, method, body: bytes, token=None):
 
 def test_token_is_required_and_bad_messages_get_errors(static_workers):
     import grpc
-    from runtime import wire
+    from mpmd.runtime.wire import format as wire
     token_file, addrs, procs = static_workers
     token = token_file.read_text().strip()
     addr = addrs[0]

@@ -1,8 +1,10 @@
-"""One name for each buffer, transfer key and program: built and parsed in mpmd/names.py."""
+"""One name for each buffer, transfer key and program: built and parsed in mpmd/stages/names.py."""
 import pytest
 
-from mpmd import lowering, names, schedules
-from runtime.instructions import Recv, Run, Send, Spec
+from mpmd.lowering import core as lowering
+from mpmd.stages import names
+from mpmd.schedules import core as schedules
+from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 
 
 @pytest.mark.parametrize("make,parsed", [

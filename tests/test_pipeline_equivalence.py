@@ -4,10 +4,10 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from mpmd import models
 import mpmd
-from tests import reference
-from tests.reference import batches, make_gpt
+from tests.support import reference
+from tests.support.reference import batches, make_gpt
 
 LR = 3e-4   # Adam turns relative gradient rounding into relative update error (~ LR per step); keep steps small
 

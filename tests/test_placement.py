@@ -4,13 +4,14 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from mpmd import lowering, schedules
-from mpmd.schedules import ScheduleError
-from mpmd.simulate import simulate
-from runtime.instructions import Recv, Send, Spec
-from tests import reference
+from mpmd.lowering import core as lowering
+from mpmd.schedules import core as schedules
+from mpmd.schedules.core import ScheduleError
+from mpmd.schedules.simulate import simulate
+from mpmd.runtime.worker.instructions import Recv, Send, Spec
+from tests.support import reference
 
 VOCAB, D, HEADS, BLOCKS, SEQ, BATCH, M = 32, 16, 2, 2, 8, 8, 4
 

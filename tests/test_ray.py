@@ -13,11 +13,11 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
 
-import models  # noqa: E402
+from mpmd import models  # noqa: E402
 import mpmd  # noqa: E402
-from tests import reference  # noqa: E402
-from tests.processes import TINY_GPT, alive, mpmd_train, wait_gone  # noqa: E402
-from tests.reference import assert_same, batches, make_gpt, train_pipeline as train  # noqa: E402
+from tests.support import reference  # noqa: E402
+from tests.support.processes import TINY_GPT, alive, mpmd_train, wait_gone  # noqa: E402
+from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train  # noqa: E402
 
 
 def make_pipeline():
@@ -106,7 +106,8 @@ def test_killed_actors_are_detected_and_replaced(cluster, inprocess):
 
 
 def test_without_ray_says_how_to_install(monkeypatch):
-    from recipes import config, train as recipe
+    from mpmd.recipes import config
+    from mpmd.recipes import train as recipe
     cfg = config.load(None, ["cluster.backend=ray"])
     assert isinstance(recipe.build_cluster(cfg), mpmd.RayCluster)   # the recipe's arguments fit
     monkeypatch.setitem(sys.modules, "ray", None)                    # `import ray` now fails
@@ -114,7 +115,7 @@ def test_without_ray_says_how_to_install(monkeypatch):
         mpmd.RayCluster(num_workers=2)
     # An ImportError only (not a ValueError posing as a bad value): callers that want a
     # friendly message catch RayMissingError by name.
-    from runtime.ray_cluster import RayMissingError
+    from mpmd.runtime.launchers.ray import RayMissingError
     assert not issubclass(RayMissingError, ValueError)
     # The recipe reports it as a bad choice of cluster.backend, naming the install command.
     with pytest.raises(config.ConfigError, match=r"cluster\.backend='ray'.*RayCluster needs Ray.*"

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 
 import mpmd
-from tests import reference
-from tests.processes import alive, wait_gone
-from tests.recovery_runs import (EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once,
-                                 make_trainer, run_with_fault, train)
+from tests.support import reference
+from tests.support.processes import alive, wait_gone
+from tests.support.recovery_runs import EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once, make_trainer, run_with_fault, train
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds process `pid` has used, all threads (fields 14, 15 of /proc/pid/stat)."""

@@ -8,13 +8,16 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from mpmd import models
 import mpmd
-from mpmd import lowering, schedules, simulate
-from runtime import instructions, streams
-from runtime.instructions import Delete, Recv, Run, Send, Spec
-from tests import reference
-from tests.reference import BATCH, batches, make_gpt
+from mpmd.lowering import core as lowering
+from mpmd.schedules import core as schedules
+from mpmd.schedules import simulate
+from mpmd.runtime.worker import instructions
+from mpmd.runtime.worker import streams
+from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
+from tests.support import reference
+from tests.support.reference import BATCH, batches, make_gpt
 
 UNBOUNDED = 10**6     # every receive posted when the step starts (the runtime before the window)
 
@@ -87,8 +90,8 @@ def test_with_recv_window_marks_and_wire_form():
 
 
 def test_a_receive_posted_after_its_use_is_refused():
-    from runtime.executor import Executor
-    from runtime.inprocess import MemoryTransport, _Hub, meshes_for
+    from mpmd.runtime.worker.executor import Executor
+    from mpmd.runtime.control.inprocess import MemoryTransport, _Hub, meshes_for
     mesh = meshes_for([(1, 1, 1)])[0]
     ex = Executor(0, mesh, MemoryTransport(_Hub(), mesh))
     with pytest.raises(ValueError, match=r"instruction 0 \(recv 'k'\) is posted after instruction 0"):

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpmd.checkpoints import read_leaves
-from recipes import run_log
-from runtime.checkpoint import CheckpointStore
-from tests.processes import Controller, processes_tagged, wait_gone
+from mpmd.train.checkpoints import read_leaves
+from mpmd.recipes import run_log
+from mpmd.runtime.worker.checkpoint import CheckpointStore
+from tests.support.processes import Controller, processes_tagged, wait_gone
 
 STEPS, EVERY = 12, 3
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",

@@ -7,14 +7,15 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from mpmd import models
 import mpmd
-from recipes import config, run_log
-from recipes import train as train_recipe
-from tests import reference
-from tests.processes import TINY_GPT
-from tests.recovery_runs import assert_same_run, kill_once, run_with_fault
-from tests.reference import batches, make_gpt
+from mpmd.recipes import config
+from mpmd.recipes import run_log
+from mpmd.recipes import train as train_recipe
+from tests.support import reference
+from tests.support.processes import TINY_GPT
+from tests.support.recovery_runs import assert_same_run, kill_once, run_with_fault
+from tests.support.reference import batches, make_gpt
 
 EVERY = 3     # checkpoint cadence: step 3's save must not see step 4's update
 

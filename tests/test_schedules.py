@@ -5,10 +5,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from mpmd import schedules
-from mpmd.schedule_cli import main
-from mpmd.schedules import Schedule, ScheduleError, Task
-from mpmd.simulate import simulate
+from mpmd.schedules import core as schedules
+from mpmd.schedules.cli import main
+from mpmd.schedules.core import Schedule, ScheduleError, Task
+from mpmd.schedules.simulate import simulate
 
 UNIT = {"F": 1, "B": 1, "W": 1}
 
@@ -259,7 +259,7 @@ def test_cli_reports_make_errors(tmp_path, capsys):
 
 def _per_task_costs(costs):
     # The per-task price the reference simulation uses: a full backward is B + W when the
-    # schedule does not split it (as mpmd.simulate prices it).
+    # schedule does not split it (as mpmd.schedules.simulate prices it).
     return lambda split: (lambda task: costs[task.stage][task.kind] +
                           (costs[task.stage]["W"] if task.kind == "B" and not split else 0.0))
 
@@ -272,7 +272,7 @@ def test_array_walk_equals_per_task_definition(name, p, m, v):
     # vectorised walk must give the per-task simulation's timeline bit for bit.
     import random
 
-    from tests import schedule_reference
+    from tests.support import schedule_reference
     schedule = schedules.make(name, p * v, m, v)
     rng = random.Random(p * m)
     costs = [{"F": rng.uniform(0.5, 1.5), "B": rng.uniform(0.5, 2), "W": rng.uniform(0, 1)}
@@ -289,7 +289,7 @@ def test_array_walk_equals_per_task_definition(name, p, m, v):
 
 def test_array_walk_finds_what_the_per_task_walk_finds():
     # Swapping two tasks of a valid schedule: both walks agree on valid or deadlocked.
-    from tests import schedule_reference
+    from tests.support import schedule_reference
     base = schedules.make("zb-v", 6, 5)
     verdicts = set()
     for r in range(base.num_slices):

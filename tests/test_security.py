@@ -14,12 +14,12 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from mpmd import models
 import mpmd
-from runtime.client import WorkerError
-from runtime.cluster import StepFailed
-from runtime.transport import key_to_uuid
-from tests.reference import BATCH, D, SEQ, batches, make_gpt, train_pipeline
+from mpmd.runtime.control.client import WorkerError
+from mpmd.runtime.control.cluster import StepFailed
+from mpmd.runtime.wire.transport import key_to_uuid
+from tests.support.reference import BATCH, D, SEQ, batches, make_gpt, train_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 M = 4                      # microbatches
@@ -109,7 +109,7 @@ def rooted_worker(tmp_path_factory):
     token_file = base / "token"
     token_file.write_text("confine-token-0123456789abcdef\n")
     token_file.chmod(0o600)      # workers refuse a token file others may read
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
                              "--token-file", str(token_file), "--root", str(root)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     cluster = None
@@ -194,8 +194,9 @@ def test_setup_needs_a_session_secret_and_never_echoes_it(rooted_worker):
 
 
 def test_an_encoded_plan_is_checked_by_the_worker_before_anything_is_installed(rooted_worker):
-    from runtime import streams, wire
-    from runtime.instructions import Copy, Delete
+    from mpmd.runtime.worker import streams
+    from mpmd.runtime.wire import format as wire
+    from mpmd.runtime.worker.instructions import Copy, Delete
     cluster, _, _ = rooted_worker
     # A plan over templates with fields, shipped as bytes: the worker expands it and runs it.
     plan = streams.Encoded([Copy("w", "c{k}/{j}"), Delete("c{k}/{j}")], [0, 0, 1], [3, 4, 4], [1, 1, 1],

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 import mpmd
-from runtime import instructions, programs, wire
-from runtime.client import WorkerError
-from runtime.compile_cache import CompileCache
-from runtime.credentials import check_job_id, job_credential, job_of
-from runtime.instructions import Recv, Run, Send, Spec
-from tests.processes import StandaloneWorkers, wait_gone
+from mpmd.runtime.worker import instructions
+from mpmd.runtime.worker import programs
+from mpmd.runtime.wire import format as wire
+from mpmd.runtime.control.client import WorkerError
+from mpmd.runtime.worker.compile_cache import CompileCache
+from mpmd.runtime.wire.credentials import check_job_id, job_credential, job_of
+from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
+from tests.support.processes import StandaloneWorkers, wait_gone
 
 B, D = 8, 16
 LEASE_S = 1.5            # the lapse test's session lease

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from recipes import config, run_log
-from runtime.client import WorkerClient, WorkerError
-from runtime.credentials import job_credential
-from runtime.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
-from tests.processes import ROOT, Controller, alive, processes_tagged, wait_gone
+from mpmd.recipes import config
+from mpmd.recipes import run_log
+from mpmd.runtime.control.client import WorkerClient, WorkerError
+from mpmd.runtime.wire.credentials import job_credential
+from mpmd.runtime.launchers.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
+from tests.support.processes import ROOT, Controller, alive, processes_tagged, wait_gone
 
 LEASE_S = 5.0    # short, for a fast cleanup check; long enough for a loaded machine
 JOB = ["configs/gpt_tiny.yaml", "model.d_model=32", "model.num_layers=2", "model.seq_len=16", "train.batch_size=8",
@@ -40,7 +41,7 @@ TAG = "MPMD_TEST_SHARED_CLUSTER"    # marks every process a cluster starts (inhe
 
 def cluster(*args, timeout=120, tag="module"):
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{TAG: tag})
-    return subprocess.run([sys.executable, "-m", "recipes.cli", "cluster", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", "cluster", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

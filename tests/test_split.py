@@ -4,9 +4,9 @@ import itertools
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from mpmd.split import balanced_boundaries
+from mpmd.stages.split import balanced_boundaries
 
 
 def brute_force_best(costs, num_stages):

@@ -9,11 +9,12 @@ import sys
 import pytest
 
 import mpmd
-from recipes import config, train as recipe
-from runtime.cluster import ReplaceUnsupported
-from runtime.worker import READY, cores_for
-from tests.processes import ROOT, wait_gone
-from tests.recovery_runs import assert_same_run, data, make_trainer, train
+from mpmd.recipes import config
+from mpmd.recipes import train as recipe
+from mpmd.runtime.control.cluster import ReplaceUnsupported
+from mpmd.runtime.worker.main import READY, cores_for
+from tests.support.processes import ROOT, wait_gone
+from tests.support.recovery_runs import assert_same_run, data, make_trainer, train
 
 TOKEN = "static-spares-token-0123456789abcdef"
 
@@ -29,7 +30,7 @@ def static_workers(tmp_path):
         for i in range(3):
             with open(tmp_path / f"worker_{i}.log", "w") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "recipes.cli", "worker", "--listen", "127.0.0.1:0",
+                    [sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
                      "--token-file", str(token_file), "--root", str(tmp_path),
                      "--cpus", ",".join(map(str, cores_for(i, 1)))],
                     cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True))

@@ -1,5 +1,5 @@
-"""Encoded instruction streams (runtime/streams.py) and the array lowering (mpmd/lowering.py):
-the same instructions as the object lowering they replaced (tests/lowering_reference.py),
+"""Encoded instruction streams (runtime/worker/streams.py) and the array lowering (mpmd/lowering/core.py):
+the same instructions as the object lowering they replaced (tests/support/lowering_reference.py),
 for every schedule, and a wire form that a worker checks before it expands anything."""
 import itertools
 import json
@@ -7,10 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from mpmd import lowering, names, schedules
-from runtime import streams
-from runtime.instructions import Delete, Recv, Run, Send, Spec
-from tests import lowering_reference as reference
+from mpmd.lowering import core as lowering
+from mpmd.stages import names
+from mpmd.schedules import core as schedules
+from mpmd.runtime.worker import streams
+from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
+from tests.support import lowering_reference as reference
 
 ACT = (Spec((2, 3), "float32", ("data",)),)
 

@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from recipes import config, run_log
-from tests.processes import ROOT, TINY_GPT, mpmd_train
+from mpmd.recipes import config
+from mpmd.recipes import run_log
+from tests.support.processes import ROOT, TINY_GPT, mpmd_train
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,8 @@ def test_mlp_config_trains(tmp_path):
 
 
 def test_a_bug_while_building_is_an_error_not_a_config_error(monkeypatch, tmp_path):
-    from recipes import train, train_cli
+    from mpmd.recipes import train
+    from mpmd.recipes import train_cli
 
     def broken_optimizer(cfg):
         raise ValueError("a bug in the recipe")
@@ -120,7 +122,7 @@ def test_a_bug_while_building_is_an_error_not_a_config_error(monkeypatch, tmp_pa
 
 
 def test_missing_ray_is_a_one_line_error_naming_the_install(monkeypatch, capsys, tmp_path):
-    from recipes import train_cli
+    from mpmd.recipes import train_cli
     monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` now fails
     run_dir = tmp_path / "ray"
     status = train_cli.main([str(ROOT / "configs/mlp.yaml"), "cluster.backend=ray", f"run_dir={run_dir}"])
@@ -134,7 +136,7 @@ def test_missing_ray_is_a_one_line_error_naming_the_install(monkeypatch, capsys,
 def test_too_few_devices_for_inprocess_is_a_config_error():
     import jax
 
-    from recipes import train
+    from mpmd.recipes import train
     n = len(jax.devices()) + 1
     cfg = config.load(None, ["cluster.backend=inprocess", f"model.num_layers={n}", f"pipeline.num_stages={n}",
                              f"pipeline.num_microbatches={n}", f"train.batch_size={n}"])

@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = r"""
 import hashlib, json, sys
 import jax, numpy as np
-from runtime.instructions import Spec
-from runtime.mesh import bind
-from runtime.transport import TransferTransport
+from mpmd.runtime.worker.instructions import Spec
+from mpmd.runtime.worker.mesh import bind
+from mpmd.runtime.wire.transport import TransferTransport
 
 def payload(seed):
     rng = np.random.default_rng(seed)

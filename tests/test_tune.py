@@ -5,13 +5,13 @@ import pytest
 import yaml
 
 import mpmd
-from mpmd import schedules
-from mpmd.simulate import simulate
-from mpmd.split import balanced_boundaries
-from mpmd.tune_profile import Profile
-from mpmd.tune_search import search, space
-from recipes import run_log
-from tests.processes import TINY_GPT, mpmd_command, mpmd_train
+from mpmd.schedules import core as schedules
+from mpmd.schedules.simulate import simulate
+from mpmd.stages.split import balanced_boundaries
+from mpmd.tuner.profile import Profile
+from mpmd.tuner.search import search, space
+from mpmd.recipes import run_log
+from tests.support.processes import TINY_GPT, mpmd_command, mpmd_train
 
 MiB = 2 ** 20
 
@@ -91,7 +91,7 @@ def test_memory_cap_excludes_by_hand_computed_peak():
     assert [c.schedule for c in ranked] == ["1f1b"]
     ranked, excluded = search(profile, memory_bytes=24 * MiB - 1, **kw)
     assert ranked == [] and len(excluded) == 2
-    with pytest.raises(mpmd.tune_search.NoCandidateFits, match="no candidate fits memory_gb=0.001.*0.023 GiB"):
+    with pytest.raises(mpmd.tuner.search.NoCandidateFits, match="no candidate fits memory_gb=0.001.*0.023 GiB"):
         mpmd.tune([object()] * 4, None, None, np.zeros((16, 1)), None, None, 2, memory_gb=1e-3, confirm=0,
                   microbatch_counts=[4], schedule_names=["1f1b"], profile=profile, log=lambda _: None)
 
@@ -113,7 +113,7 @@ def test_bad_tune_arguments_are_value_errors(kw, match):
 
 def test_split_at_given_cuts():
     from flax import nnx
-    import models
+    from mpmd import models
     model = models.GPT(256, 16, 2, 4, 8, rngs=nnx.Rngs(0))       # 6 layers: embed, 4 blocks, head
     stages = mpmd.split(model, 3, cuts=[1, 4])
     assert [len(s.layers) for s in stages] == [1, 3, 2]
@@ -161,7 +161,7 @@ def test_tune_writes_a_config_that_trains(tmp_path):
 
 
 def test_profiled_times_follow_a_robust_line_in_the_size():
-    from mpmd.tune_profile import affine_in_size
+    from mpmd.tuner.profile import affine_in_size
     sizes = (2, 4, 8, 16)
     seconds = np.array([[1.0, 0.0], [1.5, 1.0], [2.5, 3.0], [4.5, 7.0]])     # 0.5 + 0.25 x, and 0.5 x - 1
     assert np.allclose(affine_in_size(sizes, seconds), seconds)

@@ -5,10 +5,10 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from tests import reference
-from tests.user_stages import UserModel, token_batches
+from tests.support import reference
+from tests.support.user_stages import UserModel, token_batches
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1", "gpipe"])

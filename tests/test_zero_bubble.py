@@ -1,4 +1,4 @@
-"""Zero-bubble B and W split one backward without recomputation (mpmd/backward_split.py):
+"""Zero-bubble B and W split one backward without recomputation (mpmd/stages/backward_split.py):
 B + W costs one full backward by XLA's cost analysis, B's kept values live from B to W and
 are counted, and split-backward training equals unpipelined training under SGD + momentum
 (Adam would hide a wrong gradient scale) with clipping, remat and tied weights."""
@@ -9,12 +9,15 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from mpmd import models
 import mpmd
-from mpmd import backward_split, names, schedules, stage_costs
-from mpmd.simulate import peak_saved_bytes
-from runtime.instructions import Delete, Run
-from tests import reference
+from mpmd.stages import backward_split
+from mpmd.stages import names
+from mpmd.schedules import core as schedules
+from mpmd.stages import costs as stage_costs
+from mpmd.schedules.simulate import peak_saved_bytes
+from mpmd.runtime.worker.instructions import Delete, Run
+from tests.support import reference
 
 
 def sgd():

@@ -1,1 +1,1 @@
-"""Small examples of what a config can point at (model.module = "recipes.examples.x:fn")."""
+"""Small examples of what a config can point at (model.module = "mpmd.recipes.examples.x:fn")."""

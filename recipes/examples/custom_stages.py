@@ -2,7 +2,7 @@
 
     model:
       kind: custom
-      module: recipes.examples.custom_stages:build
+      module: mpmd.recipes.examples.custom_stages:build
 
 `build(cfg)` returns `(stages, loss_fn)`: one nnx.Module per pipeline stage, in order, and
 the loss on the last stage's output. mpmd never looks inside a stage; it only needs each to
@@ -13,7 +13,7 @@ Here: a byte embedding, two residual MLP blocks and an LM head, i.e. a position-
 import jax
 from flax import nnx
 
-import models
+from mpmd import models
 
 
 class Embed(nnx.Module):

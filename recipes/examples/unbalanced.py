@@ -4,7 +4,7 @@ poor split and the tuner's measured costs matter.
 
     model:
       kind: custom
-      module: recipes.examples.unbalanced:build
+      module: mpmd.recipes.examples.unbalanced:build
 
 `build(cfg)` returns `(model, loss_fn)`; the model exposes `.layers()`, so mpmd.split (and
 pipeline.cuts) cut it like a GPT: [HeavyEmbed, model.num_layers x ResidualMLP, HeavyHead].
@@ -12,8 +12,8 @@ Position-wise (no attention), like recipes/examples/custom_stages.py, whose piec
 """
 from flax import nnx
 
-import models
-from recipes.examples.custom_stages import Embed, Head, ResidualMLP
+from mpmd import models
+from mpmd.recipes.examples.custom_stages import Embed, Head, ResidualMLP
 
 
 class HeavyEmbed(nnx.Module):

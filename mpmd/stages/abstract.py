@@ -1,0 +1,76 @@
+"""Abstract models: build nothing on the controller, materialise each stage on its slice.
+
+    model = mpmd.abstract(lambda: GPT(..., rngs=nnx.Rngs(0)))    # shapes only, no arrays
+    stages = mpmd.split(model, num_stages=4)                     # works on the abstract model
+
+The Trainer then ships each slice an init program: the user's own factory traced with
+`jax.export`, of which XLA keeps only the part that initialises that slice's stage. The
+seeded initialisers run on the slice, so a model larger than the controller's memory never
+exists there. Values equal an eager `factory()` up to float32 rounding (XLA may fuse the
+initialiser's arithmetic differently from op-by-op execution).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+from flax import nnx
+
+from mpmd.runtime.worker import programs
+
+
+class _Origin(NamedTuple):
+    factory: Callable
+    root: nnx.Module          # keeps the abstract model (and so the ids below) alive
+    path: tuple
+
+
+_ORIGINS: dict[int, _Origin] = {}
+
+
+def abstract(factory: Callable[[], nnx.Module]) -> nnx.Module:
+    """`nnx.eval_shape(factory)`, remembering how to build each submodule for real."""
+    if not callable(factory):
+        raise ValueError(f"mpmd.abstract needs a zero-argument function that builds the model, got {factory!r}")
+    root = nnx.eval_shape(factory)
+    if not isinstance(root, nnx.Module):
+        raise ValueError(f"mpmd.abstract: the factory must return an nnx.Module, got {type(root).__name__}")
+    for path, node in nnx.iter_graph(root):
+        if isinstance(node, nnx.Module):
+            _ORIGINS[id(node)] = _Origin(factory, root, tuple(path))
+    return root
+
+
+def is_abstract(leaves) -> bool:
+    return any(isinstance(l, jax.ShapeDtypeStruct) for l in leaves)
+
+
+def init_program(stage: nnx.Module, param_tree, shardings=None) -> programs.ProgramSpec:
+    """A program with no inputs whose one output bundle is the stage's parameter leaves,
+    each made directly in its sharding (`shardings`, one per leaf; None: one device)."""
+    parts = _parts(stage)
+    factory = _ORIGINS[id(parts[0])].factory if parts else None
+    if parts is None or any(_ORIGINS[id(p)].factory is not factory for p in parts):
+        raise ValueError(f"stage {type(stage).__name__} has abstract parameters but was not built by "
+                         f"mpmd.abstract(factory) (alone or as an mpmd.split of one); cannot initialise it")
+    paths = [_ORIGINS[id(p)].path for p in parts]
+    sequential = parts != [stage]
+
+    def init():
+        model = factory()
+        nodes = {tuple(p): n for p, n in nnx.iter_graph(model)}
+        built = nnx.Sequential(*[nodes[p] for p in paths]) if sequential else nodes[paths[0]]
+        state = nnx.state(built, nnx.Param)
+        assert jax.tree.structure(state) == param_tree, "abstract and concrete stage differ in structure"
+        return (tuple(jax.tree.leaves(state)),)
+    return programs.exported(init, out_shardings=(tuple(shardings),) if shardings is not None else None)
+
+
+def _parts(stage: nnx.Module):
+    """The registered modules a stage consists of: itself, or the layers of a split's Sequential."""
+    if id(stage) in _ORIGINS:
+        return [stage]
+    layers = getattr(stage, "layers", None) if isinstance(stage, nnx.Sequential) else None
+    if layers and all(id(l) in _ORIGINS for l in layers):
+        return list(layers)
+    return None

@@ -1,0 +1,170 @@
+"""Every name the pipeline gives a buffer, a transfer or a program, built and parsed here.
+
+The runtime knows buffers, transfer keys and programs only by name; the lowering decides
+those names and the trainer, checkpoints and dry run read them back. One template per kind
+of name, so a new field (a job session, a replica or shard index) is added in one place
+and every constructor and parser follows.
+
+Buffers on a slice (k = stage, j = microbatch):
+  p{k} o{k}    parameters and optimizer state (persistent)   g{k}  accumulated gradients
+  x/{j}        microbatch input (first stage's slice)         t/{j} targets (last stage's slice)
+  a{k}/{j}     activation entering stage k                    r{k}/{j} stage k's residuals
+  d{k}/{j}     cotangent of stage k's output                  loss/{j} last stage's loss
+  kept{k}/{j}  what stage k's input-gradient program (B) leaves for its weight gradient (W)
+  out/{j}      last stage's output (prediction plans)
+  sq{k}        squared norm of stage k's gradients (when clipping)
+  sh{k}        stage k's part of the gradients of shared (tied) parameters
+  s{g}/p{k} s{g}/o{k}   in-memory snapshot generation g of p{k}, o{k} (mpmd/train/snapshots.py)
+  c{g}/p{k} c{g}/o{k}   the copy a slice holds of its peer's snapshot
+Transfer keys name the value, so sender and receiver derive the same key from the plan (the
+executor prefixes the run id): act{k}/{j}, grad{k}/{j}, and sq{k}/to{q}, sh{k}/to{q} for a
+value sent to several slices (a key is consumed by one receive); s{g}/p{k}, s{g}/o{k} a
+snapshot to the peer slice, rp{k}, ro{k} a peer's copy back to a replaced slice.
+Programs: a kind and its stage (fwd3, bwd_w_acc1, update0), plus a shape suffix @{n} when a
+Trainer holds programs for several microbatch shapes at once.
+
+Nothing here imports JAX.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+# kind -> template; fields: {k} stage, {j} microbatch, {q} destination stage.
+BUFFERS = {
+    "params": "p{k}", "opt_state": "o{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
+    "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
+    "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
+    # The in-memory checkpoint tier (mpmd/train/snapshots.py), generation g in {0, 1}: a slice's
+    # own snapshot of p{k}/o{k}, and the copy it holds of its peer's.
+    "snap_params": "s{g}/p{k}", "snap_opt": "s{g}/o{k}", "peer_params": "c{g}/p{k}", "peer_opt": "c{g}/o{k}",
+}
+KEYS = {
+    "act": "act{k}/{j}", "grad": "grad{k}/{j}", "sqnorm_to": "sq{k}/to{q}", "shared_to": "sh{k}/to{q}",
+    "snap_params_to": "s{g}/p{k}", "snap_opt_to": "s{g}/o{k}",   # a snapshot to the peer
+    "restore_params": "rp{k}", "restore_opt": "ro{k}",           # a peer's copy back to a new slice
+}
+# Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
+# read as "bwd_w" + something.
+PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
+            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss")
+STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
+SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
+
+
+class Name(NamedTuple):
+    """A parsed name: its kind and the fields its template has (None where it has none)."""
+    kind: str
+    stage: int | None = None
+    microbatch: int | None = None
+    to: int | None = None          # destination stage of a sqnorm_to / shared_to key
+    variant: str = ""              # program shape suffix, e.g. "@1"
+    generation: int | None = None  # in-memory snapshot generation
+
+
+def _compile(templates: dict) -> list[tuple[str, re.Pattern]]:
+    fields = {"{k}": r"(?P<stage>\d+)", "{j}": r"(?P<microbatch>\d+)", "{q}": r"(?P<to>\d+)",
+              "{g}": r"(?P<generation>\d+)"}
+    out = []
+    for kind, template in templates.items():
+        pattern = re.escape(template)
+        for field, group in fields.items():
+            pattern = pattern.replace(re.escape(field), group)
+        out.append((kind, re.compile(pattern + r"\Z")))
+    return out
+
+
+_BUFFER_RE = _compile(BUFFERS)
+_KEY_RE = _compile(KEYS)
+_PROGRAM_RE = re.compile(r"(?P<kind>" + "|".join(sorted(PROGRAMS, key=len, reverse=True))
+                         + r")(?P<stage>\d+)(?P<variant>@\d+)?\Z")
+
+
+def _parse(patterns, text: str, what: str) -> Name:
+    for kind, pattern in patterns:
+        match = pattern.match(text)
+        if match:
+            fields = {f: int(v) for f, v in match.groupdict().items() if v is not None}
+            return Name(kind, **fields)
+    raise ValueError(f"{text!r} is not a pipeline {what} name")
+
+
+def parse_buffer(name: str) -> Name:
+    """Name of buffer `name`; ValueError if the lowering never makes such a name."""
+    return _parse(_BUFFER_RE, name, "buffer")
+
+
+def parse_key(key: str) -> Name:
+    return _parse(_KEY_RE, key, "transfer key")
+
+
+def parse_program(name: str) -> Name:
+    match = _PROGRAM_RE.match(name)
+    if not match:
+        raise ValueError(f"{name!r} is not a pipeline program name")
+    return Name(match["kind"], stage=int(match["stage"]), variant=match["variant"] or "")
+
+
+# -- constructors: one per template, so call sites read as what they name ------------------
+def params(k: int) -> str: return BUFFERS["params"].format(k=k)
+def opt_state(k: int) -> str: return BUFFERS["opt_state"].format(k=k)
+def grads(k: int) -> str: return BUFFERS["grads"].format(k=k)
+def sqnorm(k: int) -> str: return BUFFERS["sqnorm"].format(k=k)
+def shared(k: int) -> str: return BUFFERS["shared"].format(k=k)
+def inputs(j: int) -> str: return BUFFERS["input"].format(j=j)
+def targets(j: int) -> str: return BUFFERS["target"].format(j=j)
+def loss(j: int) -> str: return BUFFERS["loss"].format(j=j)
+def output(j: int) -> str: return BUFFERS["output"].format(j=j)
+def activation(k: int, j: int) -> str: return BUFFERS["activation"].format(k=k, j=j)
+def residuals(k: int, j: int) -> str: return BUFFERS["residuals"].format(k=k, j=j)
+def cotangent(k: int, j: int) -> str: return BUFFERS["cotangent"].format(k=k, j=j)
+def kept(k: int, j: int) -> str: return BUFFERS["kept"].format(k=k, j=j)
+
+
+def snapshot(g: int, buffer: str) -> str:
+    """Generation g's own snapshot of a state buffer (p{k} or o{k})."""
+    return _state(buffer, "snap", g)
+
+
+def peer_copy(g: int, buffer: str) -> str:
+    """Generation g's copy of a peer slice's state buffer (p{k} or o{k})."""
+    return _state(buffer, "peer", g)
+
+
+def snapshot_key(g: int, buffer: str) -> str:
+    return _state(buffer, "snap", g, KEYS, "_to")
+
+
+def restore_key(buffer: str) -> str:
+    return _state(buffer, "restore", None, KEYS)
+
+
+def _state(buffer: str, kind: str, g, templates=BUFFERS, suffix: str = "") -> str:
+    name = parse_buffer(buffer)
+    assert name.kind in ("params", "opt_state"), buffer
+    part = "params" if name.kind == "params" else "opt"
+    return templates[f"{kind}_{part}{suffix}"].format(g=g, k=name.stage)
+
+
+def act_key(k: int, j: int) -> str: return KEYS["act"].format(k=k, j=j)
+def grad_key(k: int, j: int) -> str: return KEYS["grad"].format(k=k, j=j)
+def sqnorm_key(k: int, q: int) -> str: return KEYS["sqnorm_to"].format(k=k, q=q)
+def shared_key(k: int, q: int) -> str: return KEYS["shared_to"].format(k=k, q=q)
+
+
+def program(kind: str, k: int, variant: str = "") -> str:
+    assert kind in PROGRAMS, kind
+    return f"{kind}{k}{variant}"
+
+
+def variant(n: int) -> str:
+    """Suffix of the n-th set of programs and plans compiled for one microbatch shape."""
+    return f"@{n}"
+
+
+def stage_dir(k: int) -> str:
+    return STAGE_DIR.format(k=k)
+
+
+def slice_dir(r: int) -> str:
+    return SLICE_DIR.format(r=r)

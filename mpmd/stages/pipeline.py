@@ -1,0 +1,136 @@
+"""A pipeline: ordered stages (nnx.Modules, or the StageFn records mpmd.split cuts from a
+model with stage marks) and a loss on the last stage's output.
+
+Each stage becomes a pure function of (flat parameter leaves, input pytree) so it can be
+traced into programs; the module's non-parameter variables are baked in as constants
+(stages must not mutate state in their forward pass: no dropout RNG streams, no batch
+statistics).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+from flax import nnx
+
+from mpmd.stages.leaf_paths import stage_param_paths
+from mpmd.stages.specs import describe as _describe, spec as _spec
+
+
+class StageFn(NamedTuple):
+    """One stage as a pure function and its initial parameters."""
+    apply: Callable[[tuple, Any], Any]       # (param leaves, input pytree) -> output pytree
+    param_leaves: tuple                      # initial values (arrays or ShapeDtypeStructs)
+    param_tree: Any                          # treedef of the stage's nnx.Param state
+    # For stages cut from one model at its marks: the model's global leaf index of each of
+    # param_leaves. A weight used by several stages (tied embedding) has the same index in each.
+    param_index: tuple | None = None
+    # Per leaf, its logical axis names (Flax metadata `out_sharding`, e.g. ("embed", "mlp")),
+    # or None where unannotated: what mpmd.stages.sharding's rules lay out on a slice's mesh.
+    param_axes: tuple | None = None
+
+
+def stage_fn(module: nnx.Module) -> StageFn:
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(params)
+
+    def apply(leaves, x):
+        return nnx.merge(graphdef, jax.tree.unflatten(tree, list(leaves)), rest)(x)
+    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params))
+
+
+def logical_axes(params) -> tuple:
+    """The logical axis names of each leaf of an nnx.Param state (None: unannotated), in
+    jax.tree.leaves order."""
+    variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    out = []
+    for v in variables:
+        names = v.get_metadata().get("out_sharding") if isinstance(v, nnx.Variable) else None
+        out.append(tuple(names) if names else None)
+    return tuple(out)
+
+
+class Pipeline:
+    """`stages[i]` consumes `stages[i-1]`'s output; `loss_fn(last_output, targets)` returns the
+    scalar mean over a microbatch.
+
+    `shared` lists the parameters held by more than one stage (from StageFn.param_index): each
+    group is the (stage, local leaf index) copies of one weight, whose gradients must be summed
+    so the copies stay equal. Module stages share nothing.
+
+    `sample_input` (optional, one microbatch or batch of inputs) lets shape mismatches between
+    stages be reported here instead of at the first step.
+
+    `param_paths`: per stage, each parameter leaf's path in the model, which checkpoints are
+    keyed by (mpmd/stages/leaf_paths.py); taken from what mpmd.split returned, else each stage's own
+    paths under `stage<k>/` (`scoped_paths`: such a checkpoint fits only the same stages).
+    """
+
+    def __init__(self, stages, loss_fn: Callable, sample_input=None):
+        model_paths = getattr(stages, "param_paths", None)   # mpmd.split's Stages carry them
+        stages = list(stages)
+        if not stages:
+            raise ValueError("Pipeline needs at least one stage, got an empty list")
+        for i, s in enumerate(stages):
+            if not isinstance(s, (nnx.Module, StageFn)):
+                raise ValueError(f"stage {i} must be an nnx.Module, got {type(s).__name__} "
+                                 f"(or a StageFn, as mpmd.split returns for a model with stage marks)")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(last_stage_output, targets), got {loss_fn!r}")
+        self.stages = stages
+        self.loss_fn = loss_fn
+        self.fns = [s if isinstance(s, StageFn) else stage_fn(s) for s in stages]
+        self.shared = shared_params(self.fns)
+        self.param_paths, self.scoped_paths = stage_param_paths(self.fns, model_paths)
+        if sample_input is not None:
+            self.activation_specs(jax.tree.map(_spec, sample_input))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def activation_specs(self, input_spec) -> list:
+        """Abstract input of every stage plus the last output: specs[i] enters stage i.
+
+        Raises ValueError naming the stage whose input does not fit.
+        """
+        specs = [input_spec]
+        for i, fn in enumerate(self.fns):
+            param_specs = tuple(jax.tree.map(_spec, fn.param_leaves))
+            try:
+                out = jax.eval_shape(fn.apply, param_specs, specs[-1])
+            except Exception as e:  # shape errors surface as TypeError/ValueError from inside Flax
+                got = _describe(specs[-1])
+                where = "the pipeline input" if i == 0 else f"stage {i - 1}'s output"
+                raise ValueError(f"stage {i} ({type(self.stages[i]).__name__}) cannot take {where} "
+                                 f"{got}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+            specs.append(out)
+        return specs
+
+
+def shared_params(fns) -> list[list[tuple[int, int]]]:
+    """Groups of (stage, local leaf index) that are one global parameter, by global index."""
+    where: dict[int, list[tuple[int, int]]] = {}
+    for k, fn in enumerate(fns):
+        for j, g in enumerate(fn.param_index or ()):
+            where.setdefault(g, []).append((k, j))
+    return [where[g] for g in sorted(where) if len(where[g]) > 1]
+
+
+def shared_indices(S: int, shared) -> list[list[int]]:
+    """Per stage, its local leaf indices that belong to a shared group, ascending."""
+    idx: list[set[int]] = [set() for _ in range(S)]
+    for group in shared:
+        for k, i in group:
+            idx[k].add(i)
+    return [sorted(x) for x in idx]
+
+
+def shared_peers(S: int, shared) -> list[list[int]]:
+    """Per stage, the other stages it shares a parameter with, ascending."""
+    peers: list[set[int]] = [set() for _ in range(S)]
+    for group in shared:
+        stages = {k for k, _ in group}
+        for k in stages:
+            peers[k] |= stages - {k}
+    return [sorted(x) for x in peers]

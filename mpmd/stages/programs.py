@@ -1,0 +1,314 @@
+"""The programs one stage runs, traced on the controller and exported with `jax.export`.
+
+Forward returns the activation and the vjp residuals; the backward programs rebuild the vjp
+from those residuals, so nothing is recomputed. Residuals that are the stage's own
+parameters are not stored per microbatch: the backward programs take the parameter bundle
+and put them back in place (a stage would otherwise keep one copy of its weights per
+microbatch in flight).
+
+Backward comes in three forms:
+- "full"  (GPipe, 1F1B): input gradient and weight gradient together;
+- "input" (zero-bubble B): the input gradient, plus "kept": the values it computed on the
+  way that the weight gradient also needs (the cotangent at each weight's use);
+- "weight" (zero-bubble W): the weight gradient from the residuals, the cotangent and B's
+  kept values, doing only the work B did not (mpmd/stages/backward_split.py cuts the backward's
+  jaxpr), so B + W costs one full backward. The first stage has no B (its input is data):
+  its W is the whole weight-gradient computation.
+Weight gradients are accumulated into the stage's gradient bundle; the first microbatch
+to arrive creates it ("first"), so no zero-fill program is needed.
+
+The pipelined loss is the mean of the m microbatch losses, equal to the unpipelined
+mean over the batch for equal microbatches; hence the last stage's cotangent is 1/m.
+
+Layouts. Every spec handed in carries its sharding on the slice's AbstractMesh (see
+mpmd/stages/sharding.py); each program returns its outputs in the layouts of what they are:
+gradients like their parameters, input gradients like the stage's input, scalars
+replicated. Residuals and kept values are left to XLA: they never leave the slice.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpmd.runtime.worker import programs
+from mpmd.stages import backward_split
+from mpmd.stages import names
+from mpmd.stages.pipeline import StageFn, shared_indices, shared_peers
+
+
+class StageShapes(NamedTuple):
+    params: tuple                  # ShapeDtypeStructs of the parameter leaves
+    x: Any                         # pytree of ShapeDtypeStructs entering the stage (one microbatch)
+    y: Any                         # pytree leaving it (or the loss, for the last stage)
+    targets: Any                   # the targets pytree, last stage only (else None)
+
+
+def _bundle(tree) -> tuple:
+    return tuple(jax.tree.leaves(tree))
+
+
+def _layouts(tree) -> tuple:
+    """The shardings of a pytree of specs, as a bundle (what out_shardings takes)."""
+    return tuple(s.sharding for s in jax.tree.leaves(tree))
+
+
+def _replicated(specs) -> jax.sharding.NamedSharding:
+    """Replicated on the mesh the given specs lie on (for scalars)."""
+    mesh = next(s.sharding.mesh for s in jax.tree.leaves(specs) if s.sharding is not None)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _unplaced(tree):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tree)
+
+
+def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None):
+    """(forward, layout): forward(params, xb[, tb]) -> (output bundle, stored residuals), and
+    the dict it fills when traced with how to rebuild the vjp from params and residuals."""
+    x_tree = jax.tree.structure(shapes.x)
+    t_tree = jax.tree.structure(shapes.targets) if last else None
+
+    def objective(p, x, t):
+        out = fn.apply(p, x)
+        return loss_fn(out, t) if last else out
+
+    def vjp_of(p, x, t):
+        # The first stage's input is data (often integer tokens): no gradient flows into it.
+        if first:
+            return jax.vjp(lambda p: objective(p, x, t), p)
+        return jax.vjp(lambda p, x: objective(p, x, t), p, x)
+
+    layout: dict[str, Any] = {}
+
+    def forward(params, xb, *tb):
+        p = tuple(params)
+        x = jax.tree.unflatten(x_tree, list(xb))
+        t = jax.tree.unflatten(t_tree, list(tb[0])) if last else None
+        out, vjp = vjp_of(p, x, t)
+        leaves, vjp_tree = jax.tree.flatten(vjp)
+        where = {id(a): i for i, a in enumerate(p)}
+        # slot j of the residual list: ("p", i) = parameter i, ("r", n) = stored residual n
+        slots, stored = [], []
+        for leaf in leaves:
+            if id(leaf) in where:
+                slots.append(("p", where[id(leaf)]))
+            else:
+                slots.append(("r", len(stored)))
+                stored.append(leaf)
+        layout.update(vjp_tree=vjp_tree, slots=slots)
+        return _bundle(out), tuple(stored)
+    return forward, layout
+
+
+def _forward_args(shapes: StageShapes, last: bool) -> tuple:
+    return (shapes.params, _bundle(shapes.x), *((_bundle(shapes.targets),) if last else ()))
+
+
+def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
+              num_microbatches: int):
+    """(forward, residual specs, cotangents): cotangents(params, res, g) -> (param grads, input
+    grad or None) rebuilds the vjp from the forward's residuals, so nothing is recomputed."""
+    y_tree = jax.tree.structure(shapes.y)
+    forward, layout = _forward(fn, shapes, first, last, loss_fn)
+    res_specs = _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
+
+    def cotangents(params, res, gb):
+        leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
+        vjp = jax.tree.unflatten(layout["vjp_tree"], leaves)
+        # The loss's cotangent is 1/m: the pipelined loss is the mean of m microbatch losses.
+        ct = (jnp.asarray(1.0 / num_microbatches, shapes.y.dtype) if last
+              else jax.tree.unflatten(y_tree, list(gb)))
+        dp, *dx = vjp(ct)
+        return dp, (None if first else dx[0])
+    return forward, res_specs, cotangents
+
+
+def _split(cotangents, param_specs: tuple, res_specs: tuple, g_args: tuple) -> backward_split.Split:
+    """The backward cut into B (input gradient + what W needs of its work) and W."""
+    n_p, n_r = len(param_specs), len(res_specs)
+
+    def flat(*a):
+        dp, dx = cotangents(a[:n_p], a[n_p:n_p + n_r], a[n_p + n_r:])
+        return tuple(dp) + _bundle(dx)
+    return backward_split.split(flat, (*param_specs, *res_specs, *_bundle(g_args)), n_p)
+
+
+def _g_args(shapes: StageShapes, last: bool) -> tuple:
+    """The backward's cotangent argument: none for the last stage (its loss's is 1/m)."""
+    return () if last else (_bundle(shapes.y),)
+
+
+def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+                   loss_fn: Callable | None) -> tuple:
+    """ShapeDtypeStructs of what stage k's forward stores for its backward, per microbatch
+    (its vjp residuals minus its own parameters): the saved activations that
+    rematerialisation trades for recomputation. Traced only: nothing is allocated."""
+    return _backward(fn, shapes, first, last, loss_fn, 1)[1]
+
+
+def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+               loss_fn: Callable | None) -> tuple:
+    """ShapeDtypeStructs of what stage k's B keeps for its W per microbatch in a split-backward
+    schedule (mpmd/stages/backward_split.py): held from B until W runs, on top of the residuals.
+    Empty for the first stage, whose B does nothing. Traced only."""
+    if first:
+        return ()
+    _, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, 1)
+    return _split(cotangents, shapes.params, res_specs, _g_args(shapes, last)).kept
+
+
+def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
+          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> dict:
+    """Export forward and backward programs for stage k, named by mpmd/stages/names.py."""
+    forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
+    fwd_args = _forward_args(shapes, last)
+    p_out, x_out, y_out = _layouts(shapes.params), _layouts(shapes.x), _layouts(shapes.y)
+    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None))}
+    g_args = _g_args(shapes, last)
+
+    def accumulated(dp, acc):
+        return tuple(a + d for a, d in zip(acc[0], dp)) if acc else tuple(dp)
+
+    def full_grad(params, res, *rest):
+        g, acc = (rest[0], rest[1:]) if not last else ((), rest)
+        dp, dx = cotangents(params, res, g)
+        return ((_bundle(dx),) if not first else ()) + (accumulated(dp, acc),)
+
+    base = (shapes.params, res_specs, *g_args)
+    acc = (shapes.params,)
+    full_out = ((x_out,) if not first else ()) + (p_out,)
+    if not split_backward:
+        specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base, out_shardings=full_out)
+        specs[names.program("bwd_acc", k)] = programs.exported(full_grad, *base, *acc, out_shardings=full_out)
+        return specs
+
+    parts = _split(cotangents, shapes.params, res_specs, g_args)
+    kept = (parts.kept,) if not first else ()     # the first stage has no B: W does it all
+
+    def input_grad(params, res, *g):
+        out = parts.input_grad(*params, *res, *(g[0] if g else ()))
+        return out[:parts.num_input_grads], out[parts.num_input_grads:]
+
+    def weight_grad(params, res, *rest):
+        g, rest = (rest[0], rest[1:]) if not last else ((), rest)
+        mine, acc = (rest[0], rest[1:]) if not first else ((), rest)
+        return (accumulated(parts.weight_grad(*params, *res, *g, *mine), acc),)
+
+    if not first:
+        specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base, out_shardings=(x_out, None))
+    specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base, *kept, out_shardings=(p_out,))
+    specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *kept, *acc,
+                                                             out_shardings=(p_out,))
+    return specs
+
+
+def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable,
+                       y_specs=None) -> dict:
+    """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage.
+    `y_specs`: the stage output's specs with their layouts (for the last stage, the model's
+    output, which shapes.y, the loss, does not describe)."""
+    x_tree = jax.tree.structure(shapes.x)
+
+    def infer(params, xb):
+        return (_bundle(fn.apply(tuple(params), jax.tree.unflatten(x_tree, list(xb)))),)
+
+    # The output keeps the stage input's batch layout; a last stage's output (logits) is laid
+    # out like an activation of its shape would be.
+    y_out = _layouts(y_specs) if y_specs is not None else None
+    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x),
+                                                          out_shardings=(y_out,))}
+    if last:
+        y_tree = jax.eval_shape(lambda p, x: fn.apply(p, x), shapes.params, shapes.x)
+        y_def, t_def = jax.tree.structure(y_tree), jax.tree.structure(shapes.targets)
+
+        def loss(yb, tb):
+            return ((loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb))),),)
+        specs[names.program("loss", k)] = programs.exported(loss, tuple(_bundle(y_specs)), _bundle(shapes.targets),
+                                                            out_shardings=((_replicated((shapes.params, shapes.x)),),))
+    return specs
+
+
+def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
+    """shared_out{k}: the stage's shared leaves' gradients (its "part"); shared_in{k}: for each
+    shared leaf, every holder's gradient summed in stage order (the same sum, bit for bit, on
+    every holder), written back into the stage's gradient. `param_specs` is per stage."""
+    S = len(param_specs)
+    idx = shared_indices(S, shared)
+    holders = sorted(shared_peers(S, shared)[k] + [k])
+    pos = {s: {i: n for n, i in enumerate(idx[s])} for s in holders}
+    terms = {i: sorted((s, pos[s][j]) for s, j in group)       # local leaf -> holders' terms
+             for group in shared for t, i in group if t == k}
+
+    def shared_out(grads):
+        return (tuple(grads[i] for i in idx[k]),)
+
+    def shared_in(grads, *parts):
+        part_of = dict(zip(holders, parts))
+        out = list(grads)
+        for i, ts in terms.items():
+            total = part_of[ts[0][0]][ts[0][1]]
+            for s, n in ts[1:]:
+                total = total + part_of[s][n]
+            out[i] = total
+        return (tuple(out),)
+
+    # Another holder's part arrives in whatever layout its receive chose (lowering lays it
+    # out like the local copy of the weight): its specs leave the layout open.
+    parts = [tuple(param_specs[k][i] for i in idx[k]) if s == k else
+             _unplaced(tuple(param_specs[s][i] for i in idx[s])) for s in holders]
+    mine = tuple(param_specs[k][i].sharding for i in idx[k])
+    return {names.program("shared_out", k): programs.exported(shared_out, param_specs[k], out_shardings=(mine,)),
+            names.program("shared_in", k): programs.exported(shared_in, param_specs[k], *parts,
+                                                             out_shardings=(_layouts(param_specs[k]),))}
+
+
+def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
+                    num_stages: int, max_grad_norm: float | None, not_counted=(), opt_layouts=None) -> dict:
+    """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}.
+
+    `opt_layouts`: the shardings of the optimizer-state leaves (mpmd.stages.sharding.optimizer_layouts).
+    Clipping follows optax.clip_by_global_norm over ALL stages' gradients: every slice gets
+    every stage's squared norm and sums them in stage order, so each stage scales by the same
+    global factor (clipping each stage by its own norm would change the update direction).
+    `not_counted`: leaves whose gradient another stage already counts (shared parameters).
+    """
+    tree = fn.param_tree
+
+    def opt_init(params):
+        return (tuple(jax.tree.leaves(optimizer.init(jax.tree.unflatten(tree, list(params))))),)
+
+    (opt_specs,) = jax.eval_shape(opt_init, param_specs)
+    opt_tree = jax.tree.structure(optimizer.init(jax.tree.unflatten(tree, list(param_specs))))
+
+    def update(params, opt, grads, *sqnorms):
+        p = jax.tree.unflatten(tree, list(params))
+        g = jax.tree.unflatten(tree, list(grads))
+        if max_grad_norm is not None:
+            g_norm = jnp.sqrt(sum(s[0] for s in sqnorms))
+            trigger = g_norm < max_grad_norm
+            g = jax.tree.map(lambda t: jnp.where(trigger, t, (t / g_norm.astype(t.dtype)) * max_grad_norm), g)
+        updates, opt_state = optimizer.update(g, jax.tree.unflatten(opt_tree, list(opt)), p)
+        p = optax.apply_updates(p, updates)
+        return tuple(jax.tree.leaves(p)), tuple(jax.tree.leaves(opt_state))
+
+    # A shared parameter's gradient lives on each holder; the global norm counts it once.
+    counted = [i for i in range(len(param_specs)) if i not in set(not_counted)]
+
+    def sqnorm(grads):
+        return ((sum((jnp.sum(jnp.square(grads[i])) for i in counted), jnp.float32(0)),),)
+
+    p_out = _layouts(param_specs)
+    o_out = tuple(opt_layouts) if opt_layouts is not None else tuple(None for _ in jax.tree.leaves(opt_specs))
+    opt_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=o) for s, o in zip(opt_specs, o_out))
+    replicated = _replicated(param_specs) if param_specs else None
+    scalar = (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),)
+    specs = {names.program("opt_init", k): programs.exported(opt_init, param_specs, out_shardings=(o_out,)),
+             names.program("update", k): programs.exported(update, param_specs, opt_specs, param_specs,
+                                              *([scalar] * num_stages if max_grad_norm is not None else []),
+                                              out_shardings=(p_out, o_out))}
+    if max_grad_norm is not None:
+        specs[names.program("sqnorm", k)] = programs.exported(sqnorm, param_specs, out_shardings=((replicated,),))
+    return specs

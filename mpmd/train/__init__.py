@@ -1,0 +1,1 @@
+"""Training: the Trainer and its parts (dispatch, checkpoints over both tiers, recovery and relayout, elastic layouts)."""

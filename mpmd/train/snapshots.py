@@ -1,0 +1,198 @@
+"""The in-memory checkpoint tier: every k steps each slice snapshots its state in host
+memory and sends a copy to a peer slice; a lost slice is restored from its peer's copy.
+
+Like Orbax's multi-tier ("emergency") checkpointing, which MaxText uses on Pathways: cheap
+in-memory snapshots every few steps, replicated across slices, persistent saves rarely
+(mpmd/train/checkpoints.py). A snapshot is one plan run on every slice:
+
+    slice r:  Copy p{k} -> s{g}/p{k} (host)      for its stages k (and o{k} alike)
+              Send p{k} to slice peer(r)           the peer keeps it as c{g}/p{k}
+              Recv c{g}/p{k'} from each slice whose peer r is, Copy to host
+
+`peer(r) = (r + 1) % P`: a ring, so each slice holds one other slice's state and the loss
+of any one slice loses no snapshot. On CPU the own snapshot costs no copy (arrays are
+immutable and never donated: the next update makes new ones); the peer copy costs one
+transfer of the slice's state over the data plane, authenticated like activations (the
+keys are hashed with the session's secret).
+
+Two generations (g = 0, 1) alternate: a snapshot overwrites the older one, so while it runs
+(or if it fails half done, a slice lost mid-way) the newer one is intact on every slice. A
+generation is usable once its plan returned on every slice. Host memory per slice is then
+2 x (own state + the peer's state) at most: on CPU the newest own snapshot is the live
+state itself, so the extra is 1 x own + 2 x peer's.
+
+Recovery. A replaced slice has lost both its snapshots and the copies it held. Generation g
+restores iff no replaced slice's peer was replaced too: survivors bind their own snapshot,
+each replaced slice receives its state from its peer. Otherwise (a slice and its peer lost
+at once, or one slice only) recovery falls back to the persistent tier. After a restore a
+fresh snapshot is taken at once, so the replacement holds its peer's copy again.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, NamedTuple
+
+import jax
+
+from mpmd.stages import names
+from mpmd.runtime.wire import format as wire
+from mpmd.runtime.worker.instructions import Copy, Recv, Send, Spec
+
+log = logging.getLogger("mpmd")
+
+RESTORE_PLAN = "restore_memory"
+
+
+def snapshot_plan(g: int) -> str:
+    return f"snapshot{g}"
+
+
+class Generation(NamedTuple):
+    step: int
+    data_state: object
+    missing: frozenset = frozenset()    # slices replaced since: their own copies are gone
+
+
+class Launched(NamedTuple):
+    generation: int
+    step: int
+    data_state: object
+    run: object          # the cluster's PendingRun
+
+
+class MemorySnapshots:
+    """The controller's side of the in-memory tier.
+
+    `state_specs`: per stage, {buffer: (Spec per array)} of its parameters and optimizer
+    state; `placement`: stage -> slice; `launch(plan)`: sends a plan to every slice with a
+    fresh run id (the Trainer's) and returns the cluster's PendingRun, whose result raises
+    WorkerLost if a slice is gone.
+    """
+
+    def __init__(self, cluster, placement: tuple[int, ...], state_specs: list[dict[str, tuple[Spec, ...]]],
+                 every: int, launch: Callable[[str], object]):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"memory_every must be a positive integer (steps between in-memory "
+                             f"snapshots), got {every!r}")
+        self.cluster = cluster
+        self.placement = placement
+        self.num_slices = max(placement) + 1
+        self.specs = {b: s for stage in state_specs for b, s in stage.items()}
+        self.every = every
+        self._launch = launch
+        self.generations: list[Generation | None] = [None, None]
+        self.last_snapshot_s = 0.0      # the last snapshot plan's time on its slowest slice
+        for r in range(self.num_slices):
+            for g in (0, 1):
+                cluster.install_plan(r, snapshot_plan(g), self._snapshot_stream(r, g))
+        log.info("in-memory checkpoints every %d step(s); host memory per slice at most: %s", every,
+                 ", ".join(f"slice {r} {self.host_bytes(r) / 2**20:.1f} MiB" for r in range(self.num_slices)))
+
+    def peer(self, r: int) -> int | None:
+        """The slice that holds slice r's copy (None with one slice: no copy)."""
+        return (r + 1) % self.num_slices if self.num_slices > 1 else None
+
+    def _state(self, r: int) -> list[str]:
+        return [b for k, s in enumerate(self.placement) if s == r for b in (names.params(k), names.opt_state(k))]
+
+    def _held(self, r: int) -> list[tuple[int, str]]:
+        """(source slice, buffer) of the copies slice r holds."""
+        return [(src, b) for src in range(self.num_slices) if self.peer(src) == r for b in self._state(src)]
+
+    def host_bytes(self, r: int) -> int:
+        """Host memory slice r spends on this tier at most: two generations of its own state
+        and of the copy it holds (see the module docstring for CPU)."""
+        size = lambda b: wire.nbytes(self.specs[b])
+        return 2 * (sum(size(b) for b in self._state(r)) + sum(size(b) for _, b in self._held(r)))
+
+    def _snapshot_stream(self, r: int, g: int) -> list:
+        stream = []
+        for b in self._state(r):
+            stream.append(Copy(b, names.snapshot(g, b), "host"))
+            if self.peer(r) is not None:
+                stream.append(Send(b, self.peer(r), names.snapshot_key(g, b)))
+        for src, b in self._held(r):
+            copy = names.peer_copy(g, b)
+            stream += [Recv(copy, src, names.snapshot_key(g, b), self.specs[b]), Copy(copy, copy, "host")]
+        return stream
+
+    # -- the step loop ---------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def newest(self) -> Generation | None:
+        done = [gen for gen in self.generations if gen is not None]
+        return max(done, key=lambda gen: gen.step) if done else None
+
+    def launch(self, step: int, data_state) -> "Launched":
+        """Send the snapshot of every slice's state after `step` (to run right behind that
+        step) into the generation that is not the newest complete one; `finish` collects it.
+        The caller keeps at most one snapshot in flight."""
+        newest = self.newest()
+        g = 0 if newest is None else 1 - self._index(newest)
+        self.generations[g] = None                    # being overwritten: not usable meanwhile
+        return Launched(g, step, data_state, self._launch(snapshot_plan(g)))
+
+    def finish(self, launched: "Launched") -> None:
+        """Wait for a launched snapshot; its generation is usable from now on. WorkerLost (from
+        the run) leaves the other generation as it was."""
+        results = launched.run.result()
+        self.last_snapshot_s = max(r.wall_s for r in results)
+        self.generations[launched.generation] = Generation(launched.step, launched.data_state)
+
+    def snapshot(self, step: int, data_state) -> None:
+        """Snapshot now (nothing else in flight), waiting for it."""
+        self.finish(self.launch(step, data_state))
+
+    def _index(self, gen: Generation) -> int:
+        return next(g for g, held in enumerate(self.generations) if held is gen)
+
+    def forget(self) -> None:
+        """Drop both generations (the slices were restored from elsewhere)."""
+        self.generations = [None, None]
+
+    # -- recovery ----------------------------------------------------------------------
+    def replaced(self, r: int) -> None:
+        """Slice r was replaced: its snapshots and the copies it held are gone."""
+        self.generations = [None if gen is None else gen._replace(missing=gen.missing | {r})
+                            for gen in self.generations]
+
+    def restorable(self) -> Generation | None:
+        """The newest generation every slice's state can be rebuilt from, or None."""
+        ok = [gen for gen in self.generations if gen is not None and all(
+            self.peer(r) is not None and self.peer(r) not in gen.missing for r in gen.missing)]
+        return max(ok, key=lambda gen: gen.step) if ok else None
+
+    def restore(self) -> Generation:
+        """Put every slice back at the newest restorable generation (survivors from their own
+        snapshot, replaced slices from their peer's copy), then snapshot again so the
+        replacements hold copies once more. WorkerLost if another slice is lost meanwhile."""
+        gen = self.restorable()
+        assert gen is not None, "restore() without a restorable generation"
+        g = self._index(gen)
+        for r in range(self.num_slices):
+            stream = []
+            if r in gen.missing:
+                stream += [Recv(b, self.peer(r), names.restore_key(b), self.specs[b]) for b in self._state(r)]
+            else:
+                stream += [Copy(names.snapshot(g, b), b, "device") for b in self._state(r)]
+                stream += [Send(names.peer_copy(g, b), src, names.restore_key(b))
+                           for src, b in self._held(r) if src in gen.missing]
+            self.cluster.install_plan(r, RESTORE_PLAN, stream)
+        self._launch(RESTORE_PLAN).result()
+        self.snapshot(gen.step, gen.data_state)
+        return gen
+
+
+def state_specs(pipeline, optimizer, layout) -> list[dict[str, tuple[Spec, ...]]]:
+    """Per stage, {p{k}: specs, o{k}: specs} of its parameters and optimizer state as laid
+    out on its slice (mpmd.lowering.core.Layout)."""
+    out = []
+    for k, fn in enumerate(pipeline.fns):
+        params = [jax.ShapeDtypeStruct(tuple(l.shape), l.dtype) for l in fn.param_leaves]
+        opt = jax.eval_shape(lambda p: jax.tree.leaves(optimizer.init(jax.tree.unflatten(fn.param_tree, p))), params)
+        spec = lambda leaves, layouts: tuple(Spec(tuple(l.shape), str(jax.numpy.dtype(l.dtype)), tuple(p))
+                                             for l, p in zip(leaves, layouts))
+        out.append({names.params(k): spec(params, layout.params[k]), names.opt_state(k): spec(opt, layout.opt[k])})
+    return out
+

@@ -1,0 +1,1 @@
+"""The tuner: profile stage costs, search splits, schedules and microbatch counts, confirm the pick by measurement."""

@@ -1,0 +1,209 @@
+"""InProcessCluster: every slice is an executor on its own thread and its own JAX devices
+(a mesh of this process's devices: slice 0 the first D_0, slice 1 the next D_1, ...).
+
+Transfers between slices are in-memory hand-offs, cut and put together by runtime/wire/reshard.py
+exactly as between processes (only the wire is missing).
+It runs exactly the programs and instruction streams the multi-process clusters run, so the
+two are pinned to identical results by the tests.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+from mpmd.runtime.worker import mesh
+from mpmd.runtime.wire import reshard
+from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported
+from mpmd.runtime.worker.executor import Aborted, Executor, StepResult
+
+
+class _Hub:
+    """Rendezvous of sends and receives by key; whichever side comes first creates the slot."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slots: dict[str, Future] = {}
+
+    def slot(self, key: str) -> Future:
+        with self._lock:
+            fut = self._slots.get(key)
+            if fut is None:
+                fut = self._slots[key] = Future()
+            return fut
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._slots.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._slots.clear()
+
+
+class MemoryTransport:
+    def __init__(self, hub: _Hub, slice_mesh: jax.sharding.Mesh):
+        self._hub = hub
+        self._mesh = slice_mesh
+
+    def send(self, key: str, arrays, dst_slice: int, pieces: tuple[int, ...] = ()) -> None:
+        counts = pieces or (1,) * len(arrays)
+        self._hub.slot(key).set_result(tuple(reshard.cut(a, n) for a, n in zip(arrays, counts)))
+
+    def recv(self, key: str, src_slice: int, specs, pieces: tuple[int, ...] = ()) -> Future:
+        out: Future = Future()
+        slice_mesh = self._mesh
+
+        def land(src: Future):
+            self._hub.drop(key)
+            if src.cancelled():
+                out.cancel()
+            elif not out.cancelled():
+                # Asynchronous: the copies wait for the producer on the device.
+                out.set_result(tuple(reshard.assemble(parts, s.shape, s.layout, slice_mesh)
+                                     for parts, s in zip(src.result(), specs)))
+        self._hub.slot(key).add_done_callback(land)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def meshes_for(shapes, devices=None) -> list[jax.sharding.Mesh]:
+    """Each slice's mesh shape bound to its own run of this process's devices."""
+    devices = list(devices) if devices is not None else jax.devices()
+    try:
+        return mesh.bind_all(shapes, devices)
+    except ValueError as e:
+        need = sum(int(np.prod(mesh.shape_of(s))) for s in shapes)
+        raise ValueError(f"InProcessCluster: {e}. On CPU, get more by setting "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts.") from None
+
+
+class InProcessCluster:
+    """All slices in this process (the Cluster protocol of runtime/control/cluster.py). `devices`
+    defaults to jax.devices()."""
+
+    def __init__(self, devices=None):
+        self._devices = devices
+        self.executors: list[Executor] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._hub = _Hub()
+        self._in_flight = InFlight()
+        self._removed = 0       # slices removed and not added back
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.executors)
+
+    def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
+        # root is not enforced: in-process slices are this process, with its own rights.
+        if self.executors:
+            raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
+        self._shapes = list(meshes) if meshes is not None else [(1, 1, 1)] * num_slices
+        bound = meshes_for(self._shapes, self._devices)
+        self.executors = [Executor(i, m, MemoryTransport(self._hub, m)) for i, m in enumerate(bound)]
+        self._pool = ThreadPoolExecutor(2 * num_slices, thread_name_prefix="mpmd-slice")
+
+    def load_programs(self, slice_index: int, specs) -> None:
+        self.executors[slice_index].load_programs(specs)
+
+    def install_plan(self, slice_index: int, name: str, stream) -> None:
+        self.executors[slice_index].install_plan(name, stream)
+
+    def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
+        self.executors[slice_index].put(name, arrays, layouts)
+
+    def get(self, slice_index: int, names) -> dict:
+        return self.executors[slice_index].get(names)
+
+    def delete(self, slice_index: int, names) -> None:
+        self.executors[slice_index].delete(names)
+
+    def save(self, slice_index: int, items: dict) -> None:
+        self.executors[slice_index].save(items)
+
+    def wait_saves(self, slice_index: int, directories=None) -> list[str]:
+        return self.executors[slice_index].wait_saves(directories)
+
+    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
+        self.executors[slice_index].restore(items, staged, layouts)
+
+    def finish_restore(self, slice_index: int, commit: bool) -> None:
+        self.executors[slice_index].finish_restore(commit)
+
+    def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+            trace: bool = False) -> list[StepResult]:
+        return self.launch(plan, step, feeds, fetch, trace).result()
+
+    def launch(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+               trace: bool = False) -> PendingRun:
+        # The pool runs tasks in submission order, so every task of a run has a thread before
+        # any task of a later one: a task waiting for its turn never starves the one it waits for.
+        after = self._in_flight.after()
+        run = PendingRun(step, self._collect)
+        run.futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace, after)
+                       for i, ex in enumerate(self.executors)]
+        return self._in_flight.add(run)
+
+    def _collect(self, run: PendingRun) -> list[StepResult]:
+        self._in_flight.collecting(run)
+
+        def abort():
+            newest = self._in_flight.drop_all(f"run {run.step} before it failed")
+            for ex in self.executors:
+                ex.abort(newest)
+        results = gather(run.futures, on_error=abort, cleanup=self._hub.clear)
+        self._in_flight.done(run)
+        return results
+
+    def replace(self, slice_index: int) -> None:
+        """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is
+        never lost on its own (nothing raises WorkerLost) and there is nothing to replace it with."""
+        raise ReplaceUnsupported(f"slice {slice_index} runs inside this process (InProcessCluster); "
+                                 f"an in-process slice cannot be replaced: use LocalCluster, "
+                                 f"StaticCluster or RayCluster for recovery from lost workers")
+
+    def remove(self, slice_index: int, meshes=None) -> None:
+        """Every remaining slice gets a fresh executor (see Cluster.remove). In-process slices
+        are never lost, so only a caller that asks for fewer slices gets here."""
+        self._resize(len(self.executors) - 1, meshes)
+        self._removed += 1
+
+    def add(self, meshes=None, before_reset=None) -> None:
+        if not self._removed:
+            raise ReplaceUnsupported("no slice of this InProcessCluster was removed: there is none to add back")
+        if before_reset is not None:
+            before_reset()
+        self._resize(len(self.executors) + 1, meshes)
+        self._removed -= 1
+
+    def _resize(self, num_slices: int, meshes) -> None:
+        meshes = list(meshes) if meshes is not None else [self._shapes[0]] * num_slices
+        self.close()
+        self.start(num_slices, meshes=meshes)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.executors = []
+
+
+def gather(futures: list[Future], on_error, cleanup=lambda: None) -> list:
+    """Results of per-slice futures in order. On the first failure, abort the rest (they may
+    be waiting for data the failed slice will never send), wait for them, and re-raise the
+    root cause rather than the aborts it triggered."""
+    from concurrent.futures import FIRST_EXCEPTION, wait
+
+    done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+    if all(f.exception() is None for f in done) and len(done) == len(futures):
+        return [f.result() for f in futures]
+    on_error()
+    wait(futures)
+    cleanup()
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    root = [e for e in errors if not isinstance(e, Aborted)]
+    raise (root or errors)[0]

@@ -1,0 +1,205 @@
+"""A job on a shared cluster (`mpmd cluster up`, runtime/manager/core.py): SharedCluster is the
+one control plane (runtime/control/client.py) over SharedLauncher, which leases the workers.
+
+SharedLauncher.start submits the job (submit token), waits in the manager's FIFO queue
+(`on_wait(position)` is called each time the position changes), and returns the leased
+workers' addresses; the control plane then talks to them with the job's credential, which
+the manager issued: the workers let it act only on this job's session. A background thread
+renews the lease every RENEW_S; a manager that does not answer for a while is only logged
+(the workers keep the job's sessions while the job heartbeats them, and a restarted manager
+keeps the lease). `replace(slot)` asks the manager for a worker in place of a lost one;
+`stop` releases the lease. A job that dies without releasing loses its lease after lease_s.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import os
+import threading
+import time
+
+import grpc
+
+from mpmd.runtime.worker import mesh
+from mpmd.runtime.control.client import ControlPlane, WorkerClient, WorkerError
+from mpmd.runtime.control.cluster import ReplaceUnsupported
+
+MANAGER_SERVICE = "mpmd.Manager"         # runtime/manager/core.py's SERVICE (not imported: it pulls the pool in)
+DEFAULT_CLUSTER_FILE = "mpmd-cluster.json"
+RENEW_S = 1.0
+MANAGER_AWAY_S = 60.0      # a queued job waits this long for a manager that does not answer
+_MANAGER_AWAY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+WAIT_POLL_S = 0.25
+log = logging.getLogger("mpmd.shared")
+
+
+class JobRefused(ValueError):
+    """The manager refused the job (too many slices, a run_dir outside the cluster's root, a
+    wrong submit token, no manager there); the message says why."""
+
+
+def read_cluster_file(path: str) -> dict:
+    """The cluster file `mpmd cluster up` wrote; ValueError saying what is wrong with it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"cluster file {path!r} not found: start a cluster with `mpmd cluster up` (it writes "
+                         f"{DEFAULT_CLUSTER_FILE}), or give cluster.file / cluster.address") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read cluster file {path!r}: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("manager"), str) or not data.get("submit_token"):
+        raise ValueError(f"cluster file {path!r} lacks 'manager' and 'submit_token': not written by "
+                         f"`mpmd cluster up`?")
+    return data
+
+
+class SharedLauncher:
+    """address: the manager's host:port; submit_token: the cluster's submit token; name: the
+    job's name (shown in `mpmd cluster status`); share: time-share workers with other sharing
+    jobs; lease_s: silence after which the manager ends the lease (None: the cluster's
+    default); on_wait(position): called while queued, whenever the position changes."""
+
+    def __init__(self, address: str, submit_token: str, name: str = "job", share: bool = False,
+                 lease_s: float | None = None, on_wait=None, wait_timeout_s: float | None = None):
+        if not isinstance(address, str) or not address.rpartition(":")[2].isdigit():
+            raise ValueError(f"address must be the manager's 'host:port', got {address!r}")
+        if lease_s is not None and (not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool)
+                                    or not lease_s > 2 * RENEW_S):
+            raise ValueError(f"lease_s must be a number of seconds > {2 * RENEW_S:g} (the job renews every "
+                             f"{RENEW_S:g} s), or None (the cluster's), got {lease_s!r}")
+        self.address_of_manager = address
+        self._submit_token = submit_token
+        self.name, self.share, self.lease_s = name, bool(share), lease_s
+        self.on_wait = on_wait or (lambda position: log.info("waiting for the shared cluster: position %d in "
+                                                             "its queue", position))
+        self.wait_timeout_s = wait_timeout_s
+        self.addresses: list[str] = []
+        self.devices: list[int] | None = None    # devices of each slice's mesh (None: all of a worker's)
+        self.job: str | None = None
+        self.credential: str | None = None
+        self.wait_s = 0.0                        # time spent in the queue
+        self._counts: collections.Counter = collections.Counter()
+        self._manager: WorkerClient | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def start(self, num_slices: int, root: str | None = None) -> list[str]:
+        if self.job is not None:
+            if len(self.addresses) != num_slices:
+                raise JobRefused(f"this job leased {len(self.addresses)} slice(s), not {num_slices}: a shared "
+                                 f"cluster's job keeps the slices it was given")
+            return list(self.addresses)
+        root = os.path.realpath(root or os.getcwd())
+        submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE)
+        try:
+            ask = {"name": self.name, "slices": num_slices, "share": self.share, "root": root, "devices": self.devices}
+            if self.lease_s is not None:
+                ask["lease_s"] = self.lease_s
+            h = submit.call("Submit", ask, timeout_s=30.0)[0]
+        except WorkerError as e:
+            raise JobRefused(f"the shared cluster's manager at {self.address_of_manager} refused the job: "
+                             f"{e}") from None
+        finally:
+            submit.close()
+        self.job, self.credential = h["job"], h["credential"]
+        self._manager = WorkerClient(self.address_of_manager, self.credential, self._counts, MANAGER_SERVICE)
+        t0, position, workers = time.monotonic(), h["position"], h.get("workers", [])
+        shown = None
+        while position:
+            if position != shown:
+                self.on_wait(position)
+                shown = position
+            if self.wait_timeout_s is not None and time.monotonic() - t0 > self.wait_timeout_s:
+                self.stop()
+                raise JobRefused(f"job {self.job} still at position {position} after {self.wait_timeout_s:g} s")
+            time.sleep(WAIT_POLL_S)
+            try:
+                reply = self._manager.call("Wait", {"job": self.job}, timeout_s=10.0)[0]
+            except WorkerError as e:
+                if e.code in _MANAGER_AWAY and time.monotonic() - self._manager.last_ok < MANAGER_AWAY_S:
+                    continue           # a manager restarting keeps the queue (runtime/manager/core.py)
+                self.stop()
+                raise JobRefused(f"job {self.job} lost its place in the queue: {e}") from None
+            position, workers = reply["position"], reply.get("workers", [])
+        self.wait_s = time.monotonic() - t0
+        self.addresses = list(workers)
+        log.info("job %s leased %d worker(s) after %.1f s in the queue: %s", self.job, len(workers),
+                 self.wait_s, ", ".join(workers))
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, daemon=True, name="mpmd-lease")
+        self._renewer.start()
+        return list(self.addresses)
+
+    def _renew(self) -> None:
+        failing_since = None          # one warning per outage, not one a second
+        while not self._stop.wait(RENEW_S):
+            try:
+                self._manager.call("Renew", {"job": self.job}, timeout_s=RENEW_S * 2)
+            except WorkerError as e:
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning("job %s: renewing the lease failed (%s); trying again every %g s", self.job, e,
+                                RENEW_S)
+                continue
+            if failing_since is not None:
+                log.warning("job %s: lease renewed again after %.1f s", self.job, time.monotonic() - failing_since)
+                failing_since = None
+
+    def replace(self, slot: int) -> str:
+        try:
+            address = self._manager.call("Replace", {"job": self.job, "slot": slot}, timeout_s=120.0)[0]["address"]
+        except WorkerError as e:
+            raise ReplaceUnsupported(f"the shared cluster gave no worker for slot {slot}: {e}") from None
+        self.addresses[slot] = address
+        return address
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+            self._renewer = None
+        if self._manager is not None:
+            try:
+                self._manager.call("Release", {"job": self.job}, timeout_s=10.0)
+            except WorkerError as e:      # it expires after lease_s anyway
+                log.warning("job %s: releasing the lease failed: %s", self.job, e)
+            self._manager.close()
+            self._manager = None
+        self.job, self.credential, self.addresses = None, None, []
+
+
+class SharedCluster(ControlPlane):
+    """A job's cluster on a shared cluster's leased workers (see SharedLauncher for the
+    arguments; `cluster_file` instead of `address` + `submit_token` reads both from it)."""
+
+    def __init__(self, address: str | None = None, submit_token: str | None = None, cluster_file: str | None = None,
+                 name: str = "job", share: bool = False, lease_s: float | None = None, on_wait=None,
+                 failure_timeout_s: float = 5.0, step_timeout_s: float | None = None):
+        if cluster_file is not None:
+            if address is not None or submit_token is not None:
+                raise ValueError("give cluster_file, or address and submit_token, not both")
+            data = read_cluster_file(cluster_file)
+            address, submit_token = data["manager"], data["submit_token"]
+        if address is None or not submit_token:
+            raise ValueError("SharedCluster needs the manager's address and the submit token (or cluster_file)")
+        launcher = SharedLauncher(address, submit_token, name, share, lease_s, on_wait)
+        # The token is the job's credential, known once the manager accepted the job.
+        super().__init__(launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
+
+    def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
+        if meshes is not None:     # the manager refuses slices its workers' devices cannot hold
+            self.launcher.devices = sorted({math.prod(mesh.shape_of(m)) for m in meshes})
+        try:
+            self.launcher.start(num_slices, root=root)
+            self._token = self.launcher.credential
+            super().start(num_slices, root, meshes)
+        except BaseException:
+            self.launcher.stop()
+            raise
+
+    @property
+    def job(self) -> str | None:
+        return self.launcher.job

@@ -1,0 +1,532 @@
+"""The shared cluster's manager: `python -m mpmd.runtime.manager.core` (started by `mpmd cluster up`).
+
+It owns a pool of long-lived `mpmd worker --shared` processes (runtime/manager/worker_pool.py) and
+leases them to jobs. A slice is one worker; a job asks for `slices` of them.
+
+Service `mpmd.Manager` (unary, bodies in runtime/wire/format.py's frame format, credentials in the
+`mpmd-token` metadata checked before the body is read, as on the workers):
+  Submit  {name, slices, share, root, lease_s?} -> {job, credential, position}   submit token
+  Wait    {job} -> {position, workers: [address] once leased}                    job credential
+  Renew   {job} -> {}                                                            job credential
+  Release {job} -> {}                                                            job credential
+  Replace {job, slot} -> {address}                                               job credential
+  Status  -> {workers, jobs, leases}                                             submit token
+  Down    -> {}                                                                  cluster token
+The submit token is what users of the cluster hold (it is in the cluster file); the cluster
+token stays with the manager and the workers (a 0600 file in the cluster's directory): a
+user who can submit cannot make another job's credential (runtime/wire/credentials.py) nor call a
+worker's admin RPCs. A job's credential acts only on that job here.
+
+Leases. Placement is gang allocation in strict FIFO order: the job at the head of the queue
+gets all its slices at once or waits, and no job behind it starts first (position 1 = next).
+A job that does not share gets workers nobody holds; a sharing job (`share`) gets those no
+exclusive job holds, least shared first, so two sharing jobs time-share workers (their steps
+interleave there; each job's results are its own). Leasing a worker opens the job's session
+there (OpenSession); a job that Releases, or stops calling Wait/Renew for its lease_s (its
+controller died), has its sessions closed (CloseSession) and its workers freed. The workers
+close a silent job's session on their own too.
+
+Failures. A worker found dead (its pid gone, or no answer to a health probe for
+UNREACHABLE_S) is killed by pid and restarted in its slot, with a new address; a job that
+lost it calls Replace {slot} and gets the restarted worker, with its session opened there.
+The job table is written to <dir>/jobs.json on every change; a manager started again with
+--rejoin (same cluster file) takes the workers over, reads the table, and keeps every job
+whose sessions the workers still hold (their Sessions reply), so running jobs keep their
+leases (a job's credential derives from the cluster token, so it stays valid); a job the
+workers no longer know is dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from mpmd.runtime.wire import credentials
+from mpmd.runtime.wire import format as wire
+from mpmd.runtime.control.client import WorkerClient, WorkerError
+from mpmd.runtime.worker.service import ADMIN, TOKEN_KEY
+from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
+
+SERVICE = "mpmd.Manager"
+HEALTH_S = 1.0            # workers are probed (Sessions) this often
+UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
+RPC_TIMEOUT_S = 5.0
+MAX_LEASE_S = 3600.0
+KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
+# Who may call what: "submit" (submit or cluster token), "job" (a job credential, on that job
+# only), "admin" (the cluster token).
+METHODS = {"Submit": "submit", "Status": "submit", "Wait": "job", "Renew": "job", "Release": "job",
+           "Replace": "job", "Down": "admin"}
+log = logging.getLogger("mpmd.manager")
+
+
+class _Submitter:
+    """The caller holding the submit token (the cluster token's is mpmd.runtime.worker.service.ADMIN): a
+    sentinel no job id can equal."""
+
+    def __repr__(self) -> str:
+        return "a submitter"
+
+
+SUBMIT = _Submitter()
+
+
+class UnknownJob(LookupError):
+    """A job id the manager does not hold (its lease ended, or it never existed)."""
+
+
+@dataclass
+class Job:
+    id: str
+    name: str
+    slices: int
+    share: bool
+    root: str
+    lease_s: float
+    state: str = "queued"                     # queued | leased | released | expired
+    workers: list = field(default_factory=list)   # per slot: the pool slot of its worker
+    submitted: float = field(default_factory=time.time)      # wall-clock times, for Status
+    leased_at: float | None = None
+    ended_at: float | None = None
+    last_seen: float = field(default_factory=time.monotonic, repr=False)
+
+
+class Manager:
+    def __init__(self, pool: WorkerPool, cluster_token: str, submit_token: str, journal: str,
+                 lease_s: float = 10.0):
+        self.pool = pool
+        self.cluster_token, self._submit_token = cluster_token, submit_token
+        self._journal = journal
+        self.lease_s = lease_s
+        self.jobs: dict[str, Job] = {}
+        self.queue: list[str] = []                # job ids, FIFO
+        self.health: dict[int, dict] = {}         # per slot: last Sessions reply, health, since
+        self._lock = threading.RLock()
+        self._clients: dict[int, WorkerClient] = {}
+        self._counts: collections.Counter = collections.Counter()
+        self.stopping = threading.Event()
+
+    # -- the table ---------------------------------------------------------------------------
+    def submit(self, name: str, slices: int, share: bool, root: str, lease_s: float, devices=None) -> Job:
+        if not isinstance(slices, int) or isinstance(slices, bool) or not 1 <= slices <= len(self.pool.workers):
+            raise ValueError(f"'slices' must be an integer 1..{len(self.pool.workers)} (the cluster's workers), "
+                             f"got {slices!r}")
+        if not isinstance(root, str) or not os.path.isabs(root):
+            raise ValueError(f"'root' must be an absolute directory below the cluster root {self.pool.root}, "
+                             f"got {root!r:.200}")
+        real = os.path.realpath(root)
+        if os.path.commonpath([real, self.pool.root]) != self.pool.root:
+            raise ValueError(f"'root' {root} is not below the cluster root {self.pool.root}: the workers save "
+                             f"and restore only there; put the run_dir below it")
+        if not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S:
+            raise ValueError(f"'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}], got {lease_s!r}")
+        d = self.pool.devices_per_worker
+        if devices is not None and devices != [d]:
+            raise ValueError(f"the job's slices have {devices} device(s) each (cluster.devices_per_worker, "
+                             f"mesh.*), and this cluster's workers have {d} each: give the job "
+                             f"cluster.devices_per_worker={d}")
+        stem = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:48] or "job"
+        with self._lock:
+            job = Job(credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), str(name)[:200], slices,
+                      bool(share), real, float(lease_s))
+            self.jobs[job.id] = job
+            self.queue.append(job.id)
+            self._place()
+            self._save()
+            return job
+
+    def position(self, job: Job) -> int:
+        """0 once leased; else 1 + the jobs ahead of it in the queue."""
+        return 0 if job.state == "leased" else self.queue.index(job.id) + 1
+
+    def seen(self, job_id: str) -> Job:
+        """The live job `job_id`, marked as heard from now."""
+        with self._lock:
+            job = self.jobs.get(job_id)
+            if job is None or job.state not in ("queued", "leased"):
+                why = f"its lease ended ({job.state})" if job is not None else "no such job on this cluster"
+                raise UnknownJob(f"job {job_id}: {why}")
+            job.last_seen = time.monotonic()
+            return job
+
+    def addresses(self, job: Job) -> list[str]:
+        return [self.pool.workers[s].address for s in job.workers]
+
+    def end(self, job: Job, state: str) -> None:
+        """Release or expire `job`: close its sessions, free its workers, start who waits."""
+        with self._lock:
+            if job.state == "queued":
+                self.queue.remove(job.id)
+            for slot in job.workers:
+                self._close_session(slot, job.id)
+            job.state, job.ended_at = state, time.time()
+            log.info("job %s %s (%s)", job.id, state, job.name)
+            ended = [j for j in self.jobs.values() if j.state in ("released", "expired")]
+            for old in ended[:-KEEP_ENDED]:      # a long-lived cluster's table stays small
+                del self.jobs[old.id]
+            self._place()
+            self._save()
+
+    def replace(self, job: Job, slot: int) -> str:
+        """The worker for slot `slot` of `job`, whose worker it lost: the same pool slot's
+        worker, restarted first if it is dead or does not answer, with the job's session."""
+        if not isinstance(slot, int) or not 0 <= slot < len(job.workers):
+            raise ValueError(f"'slot' must be 0..{len(job.workers) - 1} (the job's slices), got {slot!r}")
+        with self._lock:
+            p = job.workers[slot]
+            w = self.pool.workers[p]
+            if not w.alive() or not self._answers(p):
+                self._restart(p, "a job lost it")
+            self._open_session(p, job)
+            self._save()
+            return self.pool.workers[p].address
+
+    def _place(self) -> None:
+        """Lease workers to the queue's head while it fits (strict FIFO: no one jumps it)."""
+        while self.queue:
+            job = self.jobs[self.queue[0]]
+            slots = self._fit(job)
+            if slots is None:
+                return
+            self.queue.pop(0)
+            job.workers, job.state, job.leased_at = slots, "leased", time.time()
+            job.last_seen = time.monotonic()
+            for s in slots:
+                self._open_session(s, job)
+            log.info("job %s leased workers %s (%s)", job.id, slots, job.name)
+
+    def _fit(self, job: Job) -> list[int] | None:
+        holders = collections.defaultdict(list)         # slot -> jobs holding it
+        for other in self.jobs.values():
+            if other.state == "leased":
+                for s in other.workers:
+                    holders[s].append(other)
+        up = [w.slot for w in self.pool.workers if self.health.get(w.slot, {}).get("health", "ok") == "ok"]
+        if job.share:
+            free = [s for s in up if all(o.share for o in holders[s])]
+            free.sort(key=lambda s: (len(holders[s]), s))
+        else:
+            free = [s for s in up if not holders[s]]
+        return free[:job.slices] if len(free) >= job.slices else None
+
+    # -- workers -----------------------------------------------------------------------------
+    def _client(self, slot: int) -> WorkerClient:
+        address = self.pool.workers[slot].address
+        c = self._clients.get(slot)
+        if c is None or c.address != address:
+            if c is not None:
+                c.close()
+            c = self._clients[slot] = WorkerClient(address, self.cluster_token, self._counts)
+        return c
+
+    def _open_session(self, slot: int, job: Job) -> None:
+        try:
+            self._client(slot).call("OpenSession", {"job": job.id, "root": job.root, "lease_s": job.lease_s},
+                                    timeout_s=RPC_TIMEOUT_S)
+        except WorkerError as e:   # the job finds the worker gone and asks for Replace
+            log.warning("cannot open job %s's session on worker %d: %s", job.id, slot, e)
+
+    def _close_session(self, slot: int, job_id: str) -> None:
+        try:
+            self._client(slot).call("CloseSession", {"job": job_id}, timeout_s=RPC_TIMEOUT_S)
+        except WorkerError as e:   # a worker that is gone holds no session
+            log.warning("cannot close job %s's session on worker %d: %s", job_id, slot, e)
+
+    def _answers(self, slot: int) -> bool:
+        try:
+            self._client(slot).call("Hello", timeout_s=2.0)
+            return True
+        except WorkerError:
+            return False
+
+    def _restart(self, slot: int, why: str) -> None:
+        old = self.pool.workers[slot]
+        log.warning("worker %d (pid %d, %s) %s: restarting it", slot, old.pid, old.address, why)
+        w = self.pool.restart(slot)
+        self.health[slot] = {"health": "ok", "since": time.monotonic()}
+        # Jobs could not renew while this lock was held: that silence is not theirs.
+        now = time.monotonic()
+        for job in self.jobs.values():
+            job.last_seen = max(job.last_seen, now)
+        log.warning("worker %d restarted: pid %d at %s", slot, w.pid, w.address)
+        self.write_cluster_file()
+
+    def probe(self) -> None:
+        """One health round: every worker's Sessions; a dead or long-silent one is restarted."""
+        replies = {}
+        for w in list(self.pool.workers):
+            try:
+                replies[w.slot] = self._client(w.slot).call("Sessions", timeout_s=2.0)[0]
+            except WorkerError as e:
+                replies[w.slot] = e
+        with self._lock:
+            now = time.monotonic()
+            for w in list(self.pool.workers):
+                reply = replies.get(w.slot)
+                last = self.health.get(w.slot, {})
+                if isinstance(reply, dict):
+                    self.health[w.slot] = {"health": "ok", "since": now, "info": reply}
+                elif not w.alive():
+                    self._restart(w.slot, "died")
+                elif now - last.get("since", now) > UNREACHABLE_S:
+                    self._restart(w.slot, f"did not answer for {UNREACHABLE_S:g} s")
+                else:
+                    self.health[w.slot] = {**last, "health": "unreachable", "since": last.get("since", now)}
+            self._place()
+
+    def expire(self) -> None:
+        """End every job silent for longer than its lease_s."""
+        with self._lock:
+            now = time.monotonic()
+            for job in list(self.jobs.values()):
+                if job.state in ("queued", "leased") and now - job.last_seen > job.lease_s:
+                    log.warning("job %s silent for %.1f s (lease_s=%g): its lease ends", job.id,
+                                now - job.last_seen, job.lease_s)
+                    self.end(job, "expired")
+
+    def run_background(self) -> None:
+        def loop():
+            next_probe = 0.0
+            while not self.stopping.wait(0.25):
+                try:
+                    self.expire()
+                    if time.monotonic() >= next_probe:
+                        self.probe()
+                        next_probe = time.monotonic() + HEALTH_S
+                except Exception:      # e.g. a worker that would not restart: try again next round
+                    log.exception("manager round failed")
+        threading.Thread(target=loop, daemon=True, name="mpmd-manager").start()
+
+    # -- status and persistence --------------------------------------------------------------
+    def status(self) -> dict:
+        with self._lock:
+            workers = []
+            for w in self.pool.workers:
+                h = self.health.get(w.slot, {})
+                info = h.get("info") or {}
+                workers.append({"slot": w.slot, "address": w.address, "pid": w.pid, "health": h.get("health", "ok"),
+                                "live_bytes": info.get("live_bytes"), "cache": info.get("cache"),
+                                "sessions": info.get("sessions", [])})
+            jobs = [{"job": j.id, "name": j.name, "state": j.state, "slices": j.slices, "share": j.share,
+                     "position": self.position(j) if j.state in ("queued", "leased") else None,
+                     "workers": j.workers if j.state == "leased" else [], "submitted": j.submitted,
+                     "leased_at": j.leased_at, "ended_at": j.ended_at}
+                    for j in self.jobs.values()]
+            leases = {j.id: self.addresses(j) for j in self.jobs.values() if j.state == "leased"}
+            return {"workers": workers, "jobs": jobs, "leases": leases, "workers_started": self.pool.started}
+
+    def _save(self) -> None:
+        live = [asdict(j) for j in self.jobs.values() if j.state in ("queued", "leased")]
+        order = {jid: i for i, jid in enumerate(self.queue)}
+        live.sort(key=lambda j: order.get(j["id"], -1))
+        for j in live:
+            j.pop("last_seen")
+        write_private(self._journal, json.dumps({"jobs": live}, indent=1))
+
+    def rebuild(self) -> None:
+        """After a restart: the journal's jobs, kept where the workers still hold their sessions."""
+        try:
+            with open(self._journal) as f:
+                saved = json.load(f)["jobs"]
+        except (OSError, ValueError, KeyError):
+            saved = []
+        held = collections.defaultdict(set)        # job id -> slots holding its session
+        for w in self.pool.workers:
+            try:
+                for s in self._client(w.slot).call("Sessions", timeout_s=RPC_TIMEOUT_S)[0].get("sessions", []):
+                    held[s["job"]].add(w.slot)
+            except WorkerError as e:
+                log.warning("worker %d did not answer while rebuilding: %s", w.slot, e)
+        with self._lock:
+            for j in saved:
+                job = Job(**j)
+                if job.state == "leased" and not held.get(job.id):
+                    log.warning("job %s: no worker holds its sessions any more; dropped", job.id)
+                    continue
+                self.jobs[job.id] = job
+                if job.state == "queued":
+                    self.queue.append(job.id)
+            for job_id, slots in held.items():
+                if job_id not in self.jobs:      # leased after the last journal write
+                    log.warning("job %s: found on workers %s but not in the journal; kept, as sharing",
+                                job_id, sorted(slots))
+                    self.jobs[job_id] = Job(job_id, job_id, len(slots), True, self.pool.root, self.lease_s,
+                                            "leased", sorted(slots))
+            log.info("rebuilt: %d job(s) leased, %d queued", sum(j.state == "leased" for j in self.jobs.values()),
+                     len(self.queue))
+            self._save()
+
+    def write_cluster_file(self) -> None:
+        write_private(self.cluster_file, json.dumps({
+            "manager": self.address, "manager_pid": os.getpid(), "submit_token": self._submit_token,
+            "root": self.pool.root, "dir": self.pool.directory,
+            "devices_per_worker": self.pool.devices_per_worker, "backend": self.pool.backend,
+            "workers": [{"address": w.address, "pid": w.pid} for w in self.pool.workers]}, indent=1))
+
+    # -- the gRPC service --------------------------------------------------------------------
+    def principal(self, kind: str, token) -> str | None:
+        """Who `token` is for a method of `kind`: ADMIN (the cluster token), SUBMIT, a job id;
+        None: refused. ADMIN and SUBMIT are objects, not strings, so no job id can equal them."""
+        if not isinstance(token, str):
+            return None
+        if hmac.compare_digest(token.encode(), self.cluster_token.encode()):
+            return ADMIN
+        if kind == "submit" and hmac.compare_digest(token.encode(), self._submit_token.encode()):
+            return SUBMIT
+        if kind == "job":
+            return credentials.job_of(token, self.cluster_token)
+        return None
+
+    def handle(self, method: str, who, h: dict) -> dict:
+        if method == "Submit":
+            job = self.submit(h.get("name", "job"), h.get("slices"), h.get("share", False), h.get("root"),
+                              h.get("lease_s", self.lease_s), h.get("devices"))
+            return {"job": job.id, "credential": credentials.job_credential(self.cluster_token, job.id),
+                    "position": self.position(job), "workers": self.addresses(job) if job.state == "leased" else []}
+        if method == "Status":
+            return self.status()
+        if method == "Down":
+            threading.Thread(target=self.down, daemon=True).start()
+            return {}
+        job_id = h.get("job")
+        if who is not ADMIN and job_id != who:
+            raise PermissionError(f"{method}: this credential is job {who}'s, not {job_id!r}'s")
+        job = self.seen(job_id)
+        if method == "Wait":
+            with self._lock:
+                return {"position": self.position(job),
+                        "workers": self.addresses(job) if job.state == "leased" else []}
+        if method == "Renew":
+            return {}
+        if method == "Release":
+            self.end(job, "released")
+            return {}
+        assert method == "Replace", method
+        return {"address": self.replace(job, h.get("slot"))}
+
+    def down(self) -> None:
+        """Stop every worker (by pid), then this process."""
+        log.warning("cluster going down")
+        self.stopping.set()
+        with self._lock:
+            stopped = self.pool.stop()
+        log.warning("stopped workers %s", stopped)
+        self.server.stop(grace=0.5)
+
+
+class _Handler(grpc.GenericRpcHandler):
+    """Routes by method and metadata before the body is read: a call without an acceptable
+    credential gets a handler that never reads its request stream."""
+
+    def __init__(self, manager: Manager):
+        self._m = manager
+
+    def service(self, details: grpc.HandlerCallDetails):
+        name = details.method.rpartition("/")[2]
+        if details.method != f"/{SERVICE}/{name}" or name not in METHODS:
+            return None
+        token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
+        who = self._m.principal(METHODS[name], token)
+        if who is None:
+            job = credentials.job_of(token, self._m.cluster_token) if isinstance(token, str) else None
+
+            def refuse(_unread, context):
+                if job is not None:      # a real job credential, on a verb that is not a job's
+                    log.warning("refused %s from %s: job %s's credential may not call it", name, context.peer(), job)
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: a job's credential may not call it")
+                log.warning("refused %s from %s: %s credential", name, context.peer(), "wrong" if token else "no")
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_KEY} for {name}")
+            return grpc.stream_unary_rpc_method_handler(refuse)
+
+        def call(request: bytes, context: grpc.ServicerContext) -> bytes:
+            try:
+                return wire.encode(self._m.handle(name, who, wire.decode(request)[0]), [])
+            except UnknownJob as e:
+                context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            except PermissionError as e:
+                log.warning("refused %s from %s: %s", name, context.peer(), e)
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            except (ValueError, TypeError) as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}")
+            except Exception as e:
+                log.exception("%s failed", name)
+                context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+        return grpc.unary_unary_rpc_method_handler(call)
+
+
+def write_private(path: str, text: str) -> None:
+    """Write `path` (mode 0600) atomically: readers see the old file or the new one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mpmd.runtime.manager.core", description="A shared cluster's manager "
+                                "(started by `mpmd cluster up`).")
+    p.add_argument("--dir", required=True, help="the cluster's directory (tokens, logs, job table)")
+    p.add_argument("--file", required=True, help="the cluster file to write")
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--devices-per-worker", type=int, default=1)
+    p.add_argument("--root", default=None)
+    p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--compile-cache-mb", type=int, default=None)
+    p.add_argument("--rejoin", action="store_true", help="take over the workers of the cluster file")
+    p.add_argument("--backend", default="local", choices=("local", "ray"), help="where the workers run")
+    p.add_argument("--ray-address", default=None, help="ray: the Ray cluster to join (default: a new local one)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s manager[%(process)d] %(levelname)s %(message)s")
+    from mpmd.runtime.launchers.local import default_compilation_cache
+    from mpmd.runtime.worker.main import read_token_file, serve
+
+    token_file = os.path.join(args.dir, "cluster.token")
+    cluster_token = read_token_file(token_file, False, "cluster token file", "(none)")
+    submit_token = read_token_file(os.path.join(args.dir, "submit.token"), False, "submit token file", "(none)")
+    if args.rejoin:
+        with open(args.file) as f:
+            saved = json.load(f)
+        pool = WorkerPool(args.dir, token_file, saved["root"], saved.get("devices_per_worker", 1),
+                          compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+        pool.rejoin(saved["workers"])
+    elif args.backend == "ray":
+        pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
+                             args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
+        pool.start(args.workers)
+    else:
+        pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
+                          compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+        pool.start(args.workers)
+    manager = Manager(pool, cluster_token, submit_token, os.path.join(args.dir, "jobs.json"), args.lease_s)
+    manager.cluster_file = args.file
+    if args.rejoin:
+        manager.rebuild()
+    try:
+        manager.server, manager.address = serve(_Handler(manager), args.listen)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        pool.stop()
+        return 2
+    manager.write_cluster_file()
+    manager.run_background()
+    log.info("serving on %s with %d worker(s); root %s", manager.address, len(pool.workers), pool.root)
+    manager.server.wait_for_termination()
+    log.info("down")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""A worker process: the gRPC service, the executor of instruction streams, programs, sessions, checkpoints."""

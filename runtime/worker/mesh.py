@@ -1,0 +1,45 @@
+"""A slice's devices as a mesh with the three named axes every stage program is exported for
+(the frontend's mpmd/stages/sharding.py decides the shapes and the layouts; the runtime only binds a
+shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t}."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+
+AXES = ("data", "fsdp", "tensor")
+
+
+def shape_of(shape) -> tuple[int, ...]:
+    """(data, fsdp, tensor) from a mapping (missing axes: 1) or a sequence of three sizes;
+    ValueError naming what is wrong."""
+    if isinstance(shape, Mapping):
+        unknown = sorted(set(shape) - set(AXES))
+        if unknown:
+            raise ValueError(f"unknown mesh axis {unknown[0]!r}; allowed: {', '.join(AXES)}")
+        sizes = tuple(shape.get(a, 1) for a in AXES)
+    else:
+        sizes = tuple(shape)
+    if len(sizes) != len(AXES) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise ValueError(f"a mesh shape is a positive size for each of {', '.join(AXES)}, got {shape!r:.100}")
+    return sizes
+
+
+def bind(shape, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """The mesh of `shape` over exactly these devices, in order."""
+    sizes = shape_of(shape)
+    if len(devices) != int(np.prod(sizes)):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} device(s), "
+                         f"this slice has {len(devices)}")
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
+
+
+def bind_all(shapes, devices: Sequence[jax.Device]) -> list[jax.sharding.Mesh]:
+    """Each shape bound to its own run of `devices` (slice 0 the first ones, and so on)."""
+    sizes = [int(np.prod(shape_of(s))) for s in shapes]
+    if len(devices) < sum(sizes):
+        raise ValueError(f"{len(shapes)} slice(s) of {sizes} device(s) need {sum(sizes)} device(s), "
+                         f"{len(devices)} available")
+    starts = np.cumsum([0] + sizes)
+    return [bind(s, devices[a:b]) for s, a, b in zip(shapes, starts[:-1], starts[1:])]

@@ -1,0 +1,483 @@
+"""The worker's gRPC service: one Executor behind the control plane.
+
+Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire/format.py):
+  Hello        -> {pid, devices, platform, shared}
+  Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids),
+                mesh: {data, fsdp, tensor} (the slice's mesh over all of this worker's devices)}
+                                                        -> {transfer_address}
+  Connect      {peers: {slice: transfer_address, or [one per process] for a gang}}
+  LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
+  InstallPlan  {name, stream: [instruction as mpmd.runtime.worker.instructions.to_json]}
+               or {name, encoded: blob}  (runtime/worker/streams.py Encoded.to_bytes: rows of integers
+               over instruction templates; the worker checks, finishes and expands it)
+  Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
+  Delete       {names}
+  Run          {plan, step, after?, feeds: {name: [blob]}, fetch: [name], trace}
+                                -> {fetched, events, wall_s, peak_held, peak_held_bytes, peak_bytes}
+               (runs one at a time; a Run waits for run `after` to finish here: run-ahead)
+  Save         {items: {directory: [buffer name] | {key: [buffer, index]}}}  (a snapshot,
+               written in the background;
+               blocks while two saves are queued; every directory must lie below the
+               worker's root, as must Restore's)
+  WaitSaves    {directories?} -> {finalized: [directory]}  (those, default all started)
+  Restore      {items: {directory: [name] | {key: [[buffer, index], ...]}}, staged,
+               layouts?: {name: [layout]}}  (a keyed entry reads only those keys)
+  FinishRestore {commit}: bind (or drop) what a staged Restore read
+  Heartbeat    -> {pid, step_running, progress: [run id, instructions done, doing] | null}
+  Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
+  Shutdown
+A layout is a PartitionSpec over the mesh axes as JSON (runtime/worker/instructions.py layout_to_json).
+Every call must carry the cluster token in metadata `mpmd-token`; a call without it, or
+with a wrong one, is refused (UNAUTHENTICATED) and logged, from its metadata alone, before
+its body is read: the refusing handler takes the request as a stream it never reads, so a
+400 MB body sent without the token costs the worker at most gRPC's flow-control window.
+
+A shared worker (`mpmd worker --shared`) serves several jobs, each in its own session
+(runtime/worker/sessions.py). The cluster token is then the manager's admin credential, and each
+job calls with its own credential (runtime/wire/credentials.py), also in `mpmd-token`:
+  OpenSession  {job, root, lease_s?} -> {}   (admin; the same job again renews it)
+  CloseSession {job} -> {freed}              (admin; aborts its runs, frees what it holds)
+  Sessions     -> {pid, devices, live_bytes, sessions: [{job, root, buffers, bytes, plans,
+                  idle_s, lease_s}], cache: {programs, bytes, limit_bytes, hits, misses,
+                  evictions}}                (admin; a plain worker answers it too)
+  (root: an absolute directory strictly below the worker's --root, overlapping no other
+  job's; that job's Save and Restore directories must lie below it. live_bytes: every live
+  JAX array of the process, all sessions together.)
+  Hello        any valid credential;  Shutdown  admin: stop the worker, job: close its session
+  every other RPC above: a job credential, acting on that job's session only.
+A job credential calling an admin RPC, the admin token calling a job's RPC, and a job
+without a session here are refused (PERMISSION_DENIED) from the metadata, before the body
+is read; every refusal is logged with the job, the RPC and why. Compiled programs are
+shared by all sessions (runtime/worker/compile_cache.py), on plain workers too.
+A malformed body gets INVALID_ARGUMENT naming what is wrong; the worker keeps serving. A
+Run that fails at an instruction answers INVALID_ARGUMENT (a bad plan) or INTERNAL (a
+program that raised) with trailing metadata naming the slice and the instruction, which
+the controller raises as mpmd.runtime.control.cluster.StepFailed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import traceback
+
+import grpc
+import jax
+
+from mpmd.runtime.worker import instructions
+from mpmd.runtime.worker import mesh
+from mpmd.runtime.worker import programs
+from mpmd.runtime.worker import streams
+from mpmd.runtime.wire import format as wire
+from mpmd.runtime.worker.checkpoint import WORKER_ROOT, OutsideRoot, confine
+from mpmd.runtime.control.cluster import StepFailed
+from mpmd.runtime.worker.compile_cache import CompileCache
+from mpmd.runtime.wire.credentials import is_cluster_token, job_of
+from mpmd.runtime.worker.executor import Aborted, Executor
+from mpmd.runtime.worker.instructions import Spec
+from mpmd.runtime.worker.sessions import Session, SessionTable, live_bytes
+
+SERVICE = "mpmd.Worker"
+TOKEN_KEY = "mpmd-token"
+# Shipped programs and activations can be large; gRPC's 4 MB default would refuse them.
+GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
+# The server's own: a port another process listens on is refused, not shared (with
+# SO_REUSEPORT two workers on one port would both serve and split the requests), and one
+# connection may not open more than MAX_STREAMS calls at once (the controller needs a few).
+MAX_STREAMS = 64
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS)]
+# Trailing metadata of a failed Run: which slice and instruction (UTF-8; "-bin": any bytes).
+FAILED_SLICE_KEY, FAILED_AT_KEY = "mpmd-failed-slice", "mpmd-failed-at-bin"
+# Errors that mean "this request is malformed" whichever handler raised them.
+_BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, struct.error,
+                json.JSONDecodeError)
+log = logging.getLogger("mpmd.worker")
+
+
+ADMIN_METHODS = ("OpenSession", "CloseSession", "Sessions")
+JOB_METHODS = ("Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete", "Run", "Save",
+               "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
+METHODS = ("Hello",) + JOB_METHODS + ADMIN_METHODS
+class _Admin:
+    """The caller holding the cluster token: a sentinel no job id can equal (a job may well
+    be called "admin")."""
+
+    def __repr__(self) -> str:
+        return "the manager"
+
+
+ADMIN = _Admin()
+
+
+class WorkerService:
+    """root: the only directory tree Save and Restore may touch (default: the current
+    directory); a shared worker's sessions each get a directory below it.
+    shared: serve several jobs, one session each (see the module docstring); otherwise one
+    controller, whose session is made by Setup. lease_s: a shared worker's default lease of
+    a session (a plain worker's lease is watched by runtime/worker/main.py). cache: the compiled
+    programs kept across sessions (default: a CompileCache of the default size)."""
+
+    def __init__(self, token: str, on_shutdown, root: str | None = None, shared: bool = False,
+                 lease_s: float = 15.0, cache: CompileCache | None = None):
+        self._token = token
+        self.root = os.path.realpath(root if root is not None else os.getcwd())
+        self._on_shutdown = on_shutdown
+        self.device = jax.devices()[0]
+        self.shared = shared
+        self.cache = cache if cache is not None else CompileCache()
+        self.sessions = SessionTable(self.root, lease_s)
+        self._solo = Session(None, self.root, lease_s)     # a plain worker's only session
+
+    # A plain worker's session, as runtime/worker/main.py and runtime/launchers/ray.py see it.
+    @property
+    def executor(self) -> Executor | None:
+        return self._solo.executor
+
+    @property
+    def transport(self):
+        return self._solo.transport
+
+    @property
+    def attached(self) -> bool:
+        """A controller has called Setup."""
+        return self._solo.executor is not None
+
+    @property
+    def last_contact(self) -> float:
+        return self._solo.last_contact
+
+    # -- handlers: (session, header, blobs) -> (header, blobs) -----------------------------
+    def Hello(self, s, h, b):
+        return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform,
+                "shared": self.shared}, []
+
+    def Setup(self, s: Session, h, b):
+        from mpmd.runtime.wire.transport import TransferTransport, check_secret
+        index = _int(h, "slice_index")
+        try:     # checked before the session is touched; never echoed
+            secret = check_secret(bytes.fromhex(_str(h, "transfer_secret")))
+        except ValueError:
+            raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
+        shape = mesh.shape_of(h.get("mesh") or {"data": len(jax.devices())})
+        slice_mesh = mesh.bind(shape, jax.devices())
+        if s.transport is not None:     # its port and table go before the new server starts
+            s.transport.close()
+        transport = TransferTransport(index, slice_mesh, listen_host=_str(h, "transfer_host"), secret=secret)
+        agreement = None
+        if jax.process_count() > 1:     # a gang (runtime/worker/gang.py): one namespace per session and slice
+            from mpmd.runtime.worker.gang import Agreement
+            from mpmd.runtime.wire.transport import key_to_uuid
+            agreement = Agreement(f"mpmd/{key_to_uuid(f'gang{index}', secret):016x}")
+        s.attach(Executor(index, slice_mesh, transport, load=self.cache.load, agreement=agreement), transport)
+        return {"transfer_address": transport.address}, []
+
+    def Connect(self, s, h, b):
+        peers = h.get("peers")
+        address = lambda v: isinstance(v, str) and v.rpartition(":")[2].isdigit()
+        if not isinstance(peers, dict) or not all(address(v) or (isinstance(v, list) and v and all(map(address, v)))
+                                                  for v in peers.values()):
+            raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address, or a list "
+                             f"of them (a gang: one per process)}}, got {peers!r:.200}")
+        peers = {int(k): v for k, v in peers.items()}
+        try:
+            _exec(s).transport.connect_peers(peers)
+        except RuntimeError as e:      # XLA's own refusal of an address
+            raise ValueError(f"cannot connect to peers {peers}: {e}") from None
+        return {}, []
+
+    def LoadPrograms(self, s, h, b):
+        specs = {}
+        for p in _list(h, "programs"):
+            outputs = tuple(tuple(Spec(tuple(x), d) for x, d in bundle) for bundle in p.get("outputs", []))
+            data = wire.blob(b, p["data"], bytes) if "data" in p else b""
+            specs[_str(p, "name")] = programs.ProgramSpec(_str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs)
+        _exec(s).load_programs(specs)
+        return {"loaded": len(specs)}, []
+
+    def InstallPlan(self, s, h, b):
+        if "encoded" in h:
+            stream = streams.from_bytes(wire.blob(b, h["encoded"], bytes))
+        else:
+            stream = [instructions.from_json(i) for i in _list(h, "stream")]
+        return {"instructions": _exec(s).install_plan(_str(h, "name"), stream)}, []
+
+    def Put(self, s, h, b):
+        layouts = [instructions.layout_from_json(l) for l in _list(h, "layouts")] if "layouts" in h else None
+        _exec(s).put(_str(h, "name"), [wire.blob(b, r) for r in _list(h, "arrays")], layouts)
+        return {}, []
+
+    def Get(self, s, h, b):
+        got = _exec(s).get([str(n) for n in _list(h, "names")])
+        out = wire.Builder()
+        return {"arrays": {n: [out.add(a) for a in arrays] for n, arrays in got.items()}}, out.blobs
+
+    def Delete(self, s, h, b):
+        _exec(s).delete([str(n) for n in _list(h, "names")])
+        return {}, []
+
+    def Run(self, s, h, b):
+        feeds = h.get("feeds", {})
+        if not isinstance(feeds, dict):
+            raise ValueError("Run 'feeds' must be {buffer name: [blob, ...]}")
+        feeds = {str(n): [wire.blob(b, r) for r in refs] for n, refs in feeds.items()}
+        after = _int(h, "after") if "after" in h else -1
+        # The executor takes turns: a Run sent ahead waits there behind the one running.
+        result = _exec(s).run(_str(h, "plan"), _int(h, "step"), feeds,
+                              tuple(str(n) for n in h.get("fetch", [])), bool(h.get("trace", False)), after)
+        out = wire.Builder()
+        fetched = {n: [out.add(a) for a in arrays] for n, arrays in result.fetched.items()}
+        return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s,
+                "peak_held": result.peak_held, "peak_held_bytes": result.peak_held_bytes,
+                "peak_bytes": result.peak_bytes}, out.blobs
+
+    def Save(self, s, h, b):
+        _exec(s).save(self._confine(s, _items(h)))
+        return {}, []
+
+    def WaitSaves(self, s, h, b):
+        directories = None
+        if "directories" in h:
+            directories = list(self._confine(s, {str(d): [] for d in _list(h, "directories")}))
+        return {"finalized": _exec(s).wait_saves(directories)}, []
+
+    def Restore(self, s, h, b):
+        layouts = h.get("layouts", {})
+        if not isinstance(layouts, dict) or not all(isinstance(v, list) for v in layouts.values()):
+            raise ValueError("Restore 'layouts' must be {buffer name: [layout, ...]}")
+        layouts = {str(n): [instructions.layout_from_json(l) for l in ls] for n, ls in layouts.items()}
+        _exec(s).restore(self._confine(s, _items(h)), staged=bool(h.get("staged", False)), layouts=layouts)
+        return {}, []
+
+    def FinishRestore(self, s, h, b):
+        _exec(s).finish_restore(bool(h.get("commit", False)))
+        return {}, []
+
+    def Heartbeat(self, s, h, b):
+        executor = s.executor
+        progress = list(executor.progress) if executor is not None else None
+        running = executor is not None and executor.busy
+        return {"pid": os.getpid(), "step_running": running, "progress": progress}, []
+
+    def Abort(self, s, h, b):
+        """Stop a running step and drop this slice's pending transfers (peers waiting on them
+        fail instead of hanging; nothing of the aborted step can pair with a later one). On a
+        shared worker both are the caller's session's only."""
+        executor, transport = s.executor, s.transport
+        if executor is not None:
+            executor.abort(_int(h, "step"))
+            transport.reset()
+        return {}, []
+
+    def Shutdown(self, s, h, b):
+        if s is not None and self.shared:      # a job leaving: its session only
+            self.sessions.close(s.job)
+            log.info("job %s shut its session down", s.job)
+            return {}, []
+        threading.Thread(target=self._on_shutdown, args=("controller asked",), daemon=True).start()
+        return {}, []
+
+    def OpenSession(self, s, h, b):
+        self._need_shared("OpenSession")
+        session = self.sessions.open(h.get("job"), h.get("root"), h.get("lease_s"))
+        log.info("session of job %s open: root %s, lease %g s", session.job, session.root, session.lease_s)
+        return {}, []
+
+    def CloseSession(self, s, h, b):
+        self._need_shared("CloseSession")
+        job = _str(h, "job")
+        freed = self.sessions.close(job)
+        log.info("session of job %s closed by the manager%s", job, "" if freed else " (it had none)")
+        return {"freed": freed}, []
+
+    def Sessions(self, s, h, b):
+        sessions = self.sessions.all() if self.shared else [self._solo] if self.attached else []
+        return {"pid": os.getpid(), "devices": len(jax.devices()), "live_bytes": live_bytes(),
+                "sessions": [x.describe() for x in sessions], "cache": self.cache.stats()}, []
+
+    def reset(self) -> None:
+        """A plain worker: drop the slice (buffers, programs, transfer server) and wait for a
+        controller."""
+        self._solo.close()
+        self._solo = Session(None, self.root, self._solo.lease_s)
+
+    def close(self) -> None:
+        """Close every session (the worker is stopping)."""
+        for session in self.sessions.all() + [self._solo]:
+            session.close()
+
+    def lapse(self) -> list[tuple[str, float]]:
+        """A shared worker: close the sessions whose job has been silent past its lease."""
+        gone = self.sessions.lapsed()
+        for job, silent_s in gone:
+            log.warning("job %s silent for %.1f s, past its lease: session closed", job, silent_s)
+        return gone
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _need_shared(self, name: str) -> None:
+        if not self.shared:
+            raise ValueError(f"{name} needs a shared worker (mpmd worker --shared); this one serves one controller")
+
+    def _confine(self, s: Session, items: dict) -> dict:
+        return confine(items, s.root, f"job {s.job}'s root" if s.job is not None else WORKER_ROOT)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return _Handler(self)
+
+    def caller(self, metadata):
+        """ADMIN for the cluster token, a job id for a valid job credential (shared worker
+        only), None for anything else."""
+        credential = dict(metadata or ()).get(TOKEN_KEY, "")
+        if is_cluster_token(credential, self._token):
+            return ADMIN
+        return job_of(credential, self._token) if self.shared else None
+
+    def route(self, name: str, caller) -> tuple[Session | None, str | None]:
+        """(the session a call acts on, None) or (None, why it is refused)."""
+        if name == "Hello":
+            return None, None
+        if name in ADMIN_METHODS:
+            return None, (None if caller is ADMIN else
+                          f"{name} is the cluster manager's (the cluster token), not a job's")
+        if not self.shared:
+            return self._solo, None
+        if caller is ADMIN:
+            return None, (None if name == "Shutdown" else
+                          f"{name} acts on a job's session: call it with that job's credential")
+        session = self.sessions.get(caller)
+        if session is None:
+            return None, f"no session for job {caller} on this worker"
+        return session, None
+
+    def wrap(self, name: str, session: Session | None, caller):
+        method = getattr(self, name)
+        # Whom a log line names: a shared worker's caller; a plain worker has only one.
+        who = f" (job {caller})" if caller is not None and caller is not ADMIN else " (the manager)" if self.shared else ""
+
+        def call(request: bytes, context: grpc.ServicerContext) -> bytes:
+            if session is not None:
+                session.touch()
+            try:
+                header, blobs = wire.decode(request)
+                reply, out = method(session, header, blobs)
+                return wire.encode(reply, out)
+            except Aborted as e:
+                context.abort(grpc.StatusCode.ABORTED, f"{name}: {e}")
+            except StepFailed as e:
+                bad_plan = isinstance(e.__cause__, _BAD_REQUEST)
+                (log.warning if bad_plan else log.error)("%s failed%s: %s\n%s", name, who, e,
+                                                         "" if bad_plan else traceback.format_exc())
+                context.set_trailing_metadata(((FAILED_SLICE_KEY, str(e.slice_index)),
+                                               (FAILED_AT_KEY, e.instruction.encode())))
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad_plan else grpc.StatusCode.INTERNAL,
+                              e.message)
+            except OutsideRoot as e:
+                log.warning("refused %s from %s: %s", name, _caller_name(caller if self.shared else None,
+                                                                       context.peer()), e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
+            except _BAD_REQUEST as e:
+                log.warning("bad %s request%s: %s", name, who, e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
+            except Exception as e:
+                log.error("%s failed%s:\n%s", name, who, traceback.format_exc())
+                context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+        return call
+
+
+def _exec(s: Session) -> Executor:
+    executor = s.executor
+    if executor is None:
+        raise ValueError("worker is not set up: call Setup first" if not s.closed else
+                         f"the session of {s.name} was closed")
+    return executor
+
+
+class _Handler(grpc.GenericRpcHandler):
+    """Routes a call by its method name and metadata, before gRPC reads its body. A call
+    without a valid credential, or one its credential may not make, gets a handler that
+    takes the request as a stream and never reads it: the refusal costs a few bytes whatever
+    the body's size (the wire format of a unary and a streaming request is the same)."""
+
+    def __init__(self, service: WorkerService):
+        self._service = service
+        self._methods = {f"/{SERVICE}/{n}": n for n in METHODS}
+
+    def service(self, details: grpc.HandlerCallDetails):
+        name = self._methods.get(details.method)
+        if name is None:
+            return None
+        caller = self._service.caller(details.invocation_metadata)
+        if caller is None:
+            token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
+            return _refusal(name, None, f"{'wrong' if token else 'missing'} token", grpc.StatusCode.UNAUTHENTICATED,
+                            f"missing or wrong {TOKEN_KEY}")
+        session, why = self._service.route(name, caller)
+        if why is not None:
+            return _refusal(name, caller, why, grpc.StatusCode.PERMISSION_DENIED)
+        return grpc.unary_unary_rpc_method_handler(self._service.wrap(name, session, caller))
+
+
+def _refusal(name: str, caller, why: str, code: grpc.StatusCode, told: str | None = None):
+    """A handler that refuses `name` without reading its body, and logs who and why (a
+    caller without a valid credential is named by its address only). `told`: what the
+    caller is told, if not `why`."""
+    def refuse(_unread_requests, context: grpc.ServicerContext):
+        log.warning("refused %s from %s: %s", name, _caller_name(caller, context.peer()), why)
+        context.abort(code, f"{name}: {told or why}")
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def _caller_name(caller, peer: str) -> str:
+    """A refused caller as a log line names it: by credential and address, or by address."""
+    return f"the manager ({peer})" if caller is ADMIN else f"job {caller} ({peer})" if caller else peer
+
+
+def _items(h: dict) -> dict:
+    """{directory: [buffer name]} or {directory: {key: [buffer, index]}} (Save) or {directory:
+    {key: [[buffer, index], ...]}} (Restore), checked and typed."""
+    items = h.get("items")
+    if not isinstance(items, dict):
+        raise ValueError("'items' must be {directory: [buffer name, ...] or {key: [buffer, index]}}")
+    out = {}
+    for d, entries in items.items():
+        if isinstance(entries, list):
+            out[str(d)] = [str(n) for n in entries]
+        elif isinstance(entries, dict):
+            out[str(d)] = {str(k): _targets(v) for k, v in entries.items()}
+        else:
+            raise ValueError(f"'items' entry of {str(d)!r} must be a list of buffer names or "
+                             f"{{key: [buffer, index]}}, got {type(entries).__name__}")
+    return out
+
+
+def _targets(v):
+    """[buffer, index] (a Save's key) or [[buffer, index], ...] (a Restore's)."""
+    pair = lambda p: (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                      and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] >= 0)
+    if pair(v):
+        return (v[0], v[1])
+    if isinstance(v, list) and v and all(pair(p) for p in v):
+        return [(p[0], p[1]) for p in v]
+    raise ValueError(f"a keyed checkpoint entry must be [buffer, index] or [[buffer, index], ...], got {v!r:.80}")
+
+
+def _int(h: dict, key: str) -> int:
+    v = h.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"'{key}' must be an integer, got {v!r:.50}")
+    return v
+
+
+def _str(h: dict, key: str) -> str:
+    v = h.get(key)
+    if not isinstance(v, str):
+        raise ValueError(f"'{key}' must be a string, got {v!r:.50}")
+    return v
+
+
+def _list(h: dict, key: str) -> list:
+    v = h.get(key)
+    if not isinstance(v, list):
+        raise ValueError(f"'{key}' must be a list, got {type(v).__name__}")
+    return v

@@ -1,0 +1,1 @@
+"""Helpers the tests share: reference models and runs, process helpers, recovery scenarios."""
