@@ -95,7 +95,7 @@ def test_layers_are_the_model_causal_grouped_and_float32_out():
 
 
 # float32 under GPipe here and under 1F1B with tensor=2 below: every schedule runs this Llama
-# in bfloat16 (the next test), and in float32 the GPT (tests/test_pipeline_equivalence.py,
+# in bfloat16 (the next test), and in float32 the GPT (tests/train/test_pipeline_equivalence.py,
 # 1f1b, zb-h1 and interleaved-1f1b at p=2 and p=4).
 @pytest.mark.parametrize("name,stages,v", [("gpipe", 2, None)])
 def test_float32_pipeline_matches_unpipelined(unpipelined, name, stages, v):

@@ -8,7 +8,7 @@ import yaml
 from mpmd.recipes import config
 from mpmd.recipes.config import Config, ConfigError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _leaf_keys(values: dict, prefix: str = "") -> list[str]:

@@ -9,7 +9,7 @@ import uuid
 
 from mpmd.runtime.worker.checkpoint import CheckpointStore
 from tests.support.processes import Controller, wait_gone
-from tests.test_resume_cli import TAG, final_state, metrics, tagged
+from tests.recipes.test_resume_cli import TAG, final_state, metrics, tagged
 
 STEPS, EVERY = 6, 2
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",

@@ -119,7 +119,7 @@ def test_integer_activation_ends_the_step_with_step_failed(cluster):
 def test_mpmd_train_with_a_failing_model_exits_naming_the_slice(tmp_path):
     run_dir = tmp_path / "fails"
     t0 = time.monotonic()
-    proc = mpmd_train("configs/custom_stages.yaml", "model.module=tests.test_control_faults:build_int_activation",
+    proc = mpmd_train("configs/custom_stages.yaml", "model.module=tests.runtime.test_control_faults:build_int_activation",
                       "pipeline.num_stages=2", "cluster.backend=local", "model.d_model=16", "train.batch_size=8",
                       "data.max_bytes=300000", "log.tensorboard=false", f"run_dir={run_dir}", timeout=120)
     assert proc.returncode != 0

@@ -19,7 +19,7 @@ from tests.support import recovery_runs
 from tests.support import reference
 from mpmd.runtime.launchers.local import free_port
 from tests.support.processes import ROOT, wait_gone
-from tests.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
+from tests.runtime.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
 
 
 @pytest.fixture(scope="module")

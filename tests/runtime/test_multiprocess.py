@@ -22,7 +22,7 @@ from tests.support.processes import alive, wait_gone
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train
 from tests.support.user_stages import UserModel, token_batches
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +37,15 @@ def cluster():
 
 # Four slices: every schedule's transfers (to the next slice and back, interleaved's wrap
 # from the last slice to the first, zb-h1's deferred W) cross processes. The same schedules
-# on two slices are pinned to the unpipelined model in-process (tests/test_pipeline_equivalence.py,
+# on two slices are pinned to the unpipelined model in-process (tests/train/test_pipeline_equivalence.py,
 # <name>-p2-m*) and run on two worker processes bitwise like in-process elsewhere: gpipe by
 # the fault tests' uninterrupted runs, 1f1b by test_static_cluster_with_mpmd_worker_processes
-# and test_user_stages_same_as_inprocess, zb-h1 by tests/test_mesh_slices.py (worker
-# processes); interleaved on two worker processes by tests/test_layout_resume.py (4xinterleaved:
+# and test_user_stages_same_as_inprocess, zb-h1 by tests/runtime/test_mesh_slices.py (worker
+# processes); interleaved on two worker processes by tests/train/test_layout_resume.py (4xinterleaved:
 # 4 stages on 2 slices, against the 4x1f1b run to 1e-6 and its own uninterrupted run bitwise).
 # GPipe on four is left out: its transfers are 1f1b's (each activation to the next slice, each
-# gradient back) in another order, an order tests/test_schedules.py validates and
-# tests/test_pipeline_equivalence.py (gpipe-p4-*) runs against the unpipelined model.
+# gradient back) in another order, an order tests/schedules/test_schedules.py validates and
+# tests/train/test_pipeline_equivalence.py (gpipe-p4-*) runs against the unpipelined model.
 CASES = [(name, 4) for name in ("1f1b", "zb-h1", "interleaved-1f1b")]
 
 

@@ -1,6 +1,6 @@
 """A shared cluster (`mpmd cluster up`), end to end through the real CLI: one manager and two
 `mpmd worker --shared` processes, reused by every test of this module, and `mpmd train` jobs
-with cluster.backend=shared as real subprocesses (tests/processes.Controller).
+with cluster.backend=shared as real subprocesses (tests/support/processes.Controller).
 
 What would break if the feature broke: sharing jobs' losses differ from the same job alone;
 a queued job starts before the one ahead of it ends, or loses its place when the manager is

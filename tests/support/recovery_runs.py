@@ -1,5 +1,5 @@
 """Runs of a small pipeline with and without injected faults, shared by the fault tests
-(tests/test_recovery.py, tests/test_control_faults.py); the uninterrupted runs are fixtures
+(tests/train/test_recovery.py, tests/runtime/test_control_faults.py); the uninterrupted runs are fixtures
 in conftest.py."""
 import collections
 import functools

@@ -25,12 +25,12 @@ def cases():
                 if name != "gpipe" and (m < p or m % p and name == "interleaved-1f1b"):
                     continue
                 # The V schedules with a tied weight, clipping and SGD + momentum, also at
-                # m < 2p, are tests/test_marks.py's; here the two corners.
+                # m < 2p, are tests/stages/test_marks.py's; here the two corners.
                 if name in ("zb-v", "dualpipe-v") and (p, m) not in ((2, 4), (4, 8)):
                     continue
                 # One slice: every schedule is one stage (two for interleaved) run on the slice
                 # that takes both inputs and targets; 1F1B and interleaved at m=4 run that end
-                # to end. The other p=1 lists are validated by tests/test_schedules.py
+                # to end. The other p=1 lists are validated by tests/schedules/test_schedules.py
                 # (test_every_schedule_validates[<name>-1-<m>-<v>]), and what m=1 and m=8
                 # change at run time is run by the p=2 and p=4 cases here.
                 if p == 1 and (name not in ("1f1b", "interleaved-1f1b") or m != 4):
