@@ -74,6 +74,15 @@ def test_a_worker_warning_is_one_console_line_naming_slice_and_log(quiet_run):
     assert lines[0] in (run_dir / "logs" / "controller.log").read_text()
 
 
+def test_controller_log_holds_the_progress_with_times(quiet_run):
+    run_dir, out, _ = quiet_run
+    log = (run_dir / "logs" / "controller.log").read_text()
+    shown = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(shown) == 4, out                        # log.every=5 of 20 steps
+    for line in shown:
+        assert re.search(rf"^\S+ \S+ INFO mpmd.progress: {re.escape(line)}$", log, re.M), log
+
+
 def test_mpmd_log_debug_brings_it_all_back(tmp_path):
     run_dir = tmp_path / "debug"
     ctl = Controller(run_dir, [*ARGS, "train.steps=2", "train.sample_tokens=0", "checkpoint.every=0"],

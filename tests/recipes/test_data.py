@@ -2,6 +2,7 @@
 
 import io
 import json
+import types
 
 import numpy as np
 import pytest
@@ -182,6 +183,20 @@ def test_progress_lines_mode_logs_every_n_steps():
         bar.update(step, {"loss": 1.0})
     bar.close()
     assert "5/5" in bar_out.getvalue() and "loss=1.00" in bar_out.getvalue()
+
+
+def test_progress_lines_give_an_eta_without_the_first_step(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(run_log, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    out = io.StringIO()
+    progress = run_log.Progress(total_steps=100, tokens_per_step=10, mode="lines", every=10, stream=out)
+    for step in range(1, 101):
+        clock[0] = 30.0 + 2.0 * (step - 1)    # step 1 (compiling) took 30 s, every other 2 s
+        progress.update(step, {"loss": 1.0})
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 10/100 loss 1.00 tok/s ") and lines[0].endswith(" eta 3m00s")  # 90 x 2 s
+    assert lines[8].endswith(" eta 20s") and lines[-1] == "step 100/100 loss 1.00 tok/s 5.00"
+    assert [run_log._duration(s) for s in (0.4, 59.6, 3599, 7620)] == ["0s", "1m00s", "59m59s", "2h07m"]
 
 
 def test_trace_has_every_slice_and_loads_as_json(tmp_path):
