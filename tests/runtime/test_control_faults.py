@@ -7,7 +7,6 @@ import itertools
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import jax
@@ -24,7 +23,7 @@ from mpmd.runtime.wire import format as wire
 from mpmd.runtime.control.cluster import StepFailed, WorkerLost
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 from tests.support.processes import ROOT, mpmd_train, wait_gone
-from tests.support.recovery_runs import assert_same_run, run_with_fault
+from tests.support.recovery_runs import assert_same_run, run_with_fault, train
 
 F32_4 = (Spec((4,), "float32"),)
 run_ids = itertools.count(10_000)     # run ids never repeat on a cluster
@@ -67,10 +66,10 @@ def test_failing_program_aborts_the_step_everywhere_naming_slice_and_instruction
     # would wait forever.
     plan = ship(cluster, {0: [Run("double", ("x",), ("y",), label="double x"), Send("y", 1, "y")],
                           1: [Recv("y", 0, "y", F32_4)]}, {"double": double_spec()})
-    t0 = time.monotonic()
+    # Left waiting, slice 1 would end the step through the watchdog (the fixture's
+    # step_timeout_s=60) as WorkerLost, not as slice 0's StepFailed.
     with pytest.raises(StepFailed, match=r"slice 0 failed at plan\d+\[0\] run 'double x'.*mismatch") as e:
         cluster.run(plan, next(run_ids), {0: {"x": [np.zeros(3, np.float32)]}}, {})
-    assert time.monotonic() - t0 < 10
     assert e.value.slice_index == 0 and "double x" in e.value.instruction
     run_ok(cluster)       # slice 1 was aborted, not left waiting: the next step runs
 
@@ -107,10 +106,9 @@ def test_integer_activation_ends_the_step_with_step_failed(cluster):
     x = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
     trainer = mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=2, cluster=cluster)
     try:
-        t0 = time.monotonic()
+        # A step left hanging would end through the watchdog as a lost worker, recovered from.
         with pytest.raises(StepFailed, match=r"slice 1 failed at train\S*\[\d+\] send 'grad0/0' to slice 0"):
             trainer.step(x, x)
-        assert time.monotonic() - t0 < 10
         assert trainer.restarts == 0, "a deterministic failure must not be recovered from as a lost worker"
     finally:
         trainer.close(close_cluster=False)
@@ -118,12 +116,10 @@ def test_integer_activation_ends_the_step_with_step_failed(cluster):
 
 def test_mpmd_train_with_a_failing_model_exits_naming_the_slice(tmp_path):
     run_dir = tmp_path / "fails"
-    t0 = time.monotonic()
     proc = mpmd_train("configs/custom_stages.yaml", "model.module=tests.runtime.test_control_faults:build_int_activation",
                       "pipeline.num_stages=2", "cluster.backend=local", "model.d_model=16", "train.batch_size=8",
                       "data.max_bytes=300000", "log.tensorboard=false", f"run_dir={run_dir}", timeout=120)
-    assert proc.returncode != 0
-    assert time.monotonic() - t0 < 120
+    assert proc.returncode != 0          # within mpmd_train's timeout: it did not hang
     assert "slice 1 failed at" in proc.stderr, proc.stderr[-3000:]
     # The worker's own account is in its log file, not on the console.
     assert "Run failed: slice 1 failed at" in (run_dir / "logs" / "worker_1.log").read_text()
@@ -137,11 +133,10 @@ def test_hung_receive_is_aborted_by_the_watchdog_as_a_lost_worker(cluster):
                 {"nap": programs.sleep(0.0)})
     cluster.step_timeout_s = 2.0
     try:
-        t0 = time.monotonic()
+        # The message's "2.x s" is the watchdog's own measure of the time without progress.
         with pytest.raises(WorkerLost, match=r"slice 1 .* lost: step \d+ made no progress for 2\.\d s "
                                              r"\(step_timeout_s=2\); unfinished slices: 1 at instruction 0 \(recv\)"):
             cluster.run(plan, next(run_ids), {}, {})
-        assert time.monotonic() - t0 < 6
     finally:
         cluster.step_timeout_s = 60.0
     run_ok(cluster)        # the watchdog aborted slice 1's step: it serves the next one
@@ -191,11 +186,10 @@ def wedge_once(at_step: int, slice_index: int = 1):
 
 
 def test_watchdog_recovery_ends_like_an_uninterrupted_run(tmp_path, uninterrupted, workers):
-    t0 = time.monotonic()
     losses, params, rewinds = run_with_fault(tmp_path, wedge_once(3), cluster=workers)
     assert rewinds == 1
+    assert "made no progress" in train.rewound[0] and "(step_timeout_s=3)" in train.rewound[0], train.rewound
     assert_same_run((losses, params), uninterrupted)
-    assert time.monotonic() - t0 < 120
 
 
 # -- nobody without the token gets anything, cheaply ---------------------------------------

@@ -1,6 +1,5 @@
 """Schedules as data: generators, validator, simulator, SVG renderer and CLI."""
 
-import time
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -228,10 +227,10 @@ def test_gpipe_accepts_fewer_microbatches_than_slices():
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
-def test_large_schedule_is_fast(name):
-    start = time.perf_counter()
+def test_large_schedule_validates_and_simulates(name):
+    # How fast (seconds at p=1,024 x m=8,192) is benchmarks/bench_schedule_scale.py's to
+    # measure: a time bound here would fail on a loaded machine, not on a slow schedule.
     sim = simulate(schedules.make(name, 64, 512))  # simulate() validates first
-    assert time.perf_counter() - start < 2.0
     assert len(sim.spans) == 64
 
 
