@@ -67,6 +67,7 @@ def test_dry_run_in_process_matches_simulation(name, run_ahead):
     check(schedule, result)
 
 
+@pytest.mark.slow
 def test_dry_run_on_worker_processes():
     cluster = mpmd.LocalCluster(num_workers=2)
     try:

@@ -13,6 +13,8 @@ from mpmd.runtime.control.client import WorkerClient, WorkerError
 from mpmd.runtime.worker.main import on_console
 from tests.support.processes import TINY_GPT, Controller
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 ARGS = ["configs/gpt_tiny.yaml", "train.steps=20", *TINY_GPT, "log.every=5", "cluster.backend=local",
         "train.sample_tokens=4", "log.tensorboard=false", "checkpoint.every=10"]
 # JAX_PLATFORMS unset (as a user has it): JAX tries its other backends and says so at start-up.

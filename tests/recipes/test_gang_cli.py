@@ -7,9 +7,13 @@ import os
 import signal
 import uuid
 
+import pytest
+
 from mpmd.runtime.worker.checkpoint import CheckpointStore
 from tests.support.processes import Controller, wait_gone
 from tests.recipes.test_resume_cli import TAG, final_state, metrics, tagged
+
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
 
 STEPS, EVERY = 6, 2
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",

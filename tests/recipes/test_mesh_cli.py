@@ -22,6 +22,8 @@ from mpmd.recipes import run_log
 from mpmd.runtime.worker.checkpoint import CheckpointStore
 from tests.support.processes import Controller, alive, mpmd_train, wait_gone
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 # The run a worker is killed in, after step KILL_AFTER: by then the save of step EVERY, which
 # the save of step 2 x EVERY waits for, is committed.
 STEPS, EVERY, KILL_AFTER = 12, 3, 7

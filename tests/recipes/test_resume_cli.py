@@ -20,6 +20,8 @@ from mpmd.recipes import run_log
 from mpmd.runtime.worker.checkpoint import CheckpointStore
 from tests.support.processes import Controller, processes_tagged, wait_gone
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 STEPS, EVERY = 12, 3
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
              f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",

@@ -8,6 +8,8 @@ from mpmd.recipes import config
 from mpmd.recipes import run_log
 from tests.support.processes import ROOT, TINY_GPT, mpmd_train
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):

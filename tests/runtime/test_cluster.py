@@ -65,6 +65,7 @@ def test_static_launcher_hands_out_each_spare_once():
         StaticLauncher(["127.0.0.1:1", "127.0.0.1:2"]).start(3)
 
 
+@pytest.mark.slow
 def test_local_replace_starts_a_new_live_worker():
     cluster = mpmd.LocalCluster(num_workers=2)
     cluster.start(2)

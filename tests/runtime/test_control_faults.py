@@ -25,6 +25,8 @@ from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 from tests.support.processes import ROOT, mpmd_train, wait_gone
 from tests.support.recovery_runs import assert_same_run, run_with_fault, train
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 F32_4 = (Spec((4,), "float32"),)
 run_ids = itertools.count(10_000)     # run ids never repeat on a cluster
 

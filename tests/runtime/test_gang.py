@@ -21,6 +21,8 @@ from mpmd.runtime.launchers.local import free_port
 from tests.support.processes import ROOT, wait_gone
 from tests.runtime.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def unpipelined():

@@ -10,6 +10,8 @@ import mpmd  # noqa: E402
 from tests.support.processes import wait_gone  # noqa: E402
 from tests.runtime.test_gang import lose_one_process_of_slice_1  # noqa: E402
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 
 def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path):
     assert not ray.is_initialized()

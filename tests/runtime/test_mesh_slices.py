@@ -149,6 +149,7 @@ def local2x2():
     cluster.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,schedule", [({"data": 2}, "1f1b"), ([{"tensor": 2}, {"fsdp": 2}], "zb-h1")],
                          ids=["data2-1f1b", "tensor2|fsdp2-zbh1"])
 def test_mesh_slices_on_worker_processes_equal_in_process(local2x2, unpipelined, mesh, schedule):

@@ -19,6 +19,8 @@ from tests.support import reference  # noqa: E402
 from tests.support.processes import TINY_GPT, alive, mpmd_train, wait_gone  # noqa: E402
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train  # noqa: E402
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 
 def make_pipeline():
     return mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)

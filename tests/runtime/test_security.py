@@ -21,6 +21,8 @@ from mpmd.runtime.control.cluster import StepFailed
 from mpmd.runtime.wire.transport import key_to_uuid
 from tests.support.reference import BATCH, D, SEQ, batches, make_gpt, train_pipeline
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 ROOT = Path(__file__).resolve().parents[2]
 M = 4                      # microbatches
 STEPS_TIMEOUT_S = 120      # the 3 steps take ~5 s; a stolen activation stalls them for good

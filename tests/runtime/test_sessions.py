@@ -23,6 +23,8 @@ from mpmd.runtime.wire.credentials import check_job_id, job_credential, job_of
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 from tests.support.processes import StandaloneWorkers, wait_gone
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 B, D = 8, 16
 LEASE_S = 1.5            # the lapse test's session lease
 

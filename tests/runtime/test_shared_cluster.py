@@ -29,6 +29,8 @@ from mpmd.runtime.wire.credentials import job_credential
 from mpmd.runtime.launchers.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
 from tests.support.processes import ROOT, Controller, alive, processes_tagged, wait_gone
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 LEASE_S = 5.0    # short, for a fast cleanup check; long enough for a loaded machine
 JOB = ["configs/gpt_tiny.yaml", "model.d_model=32", "model.num_layers=2", "model.seq_len=16", "train.batch_size=8",
        "train.steps=4", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0", "log.progress=lines",

@@ -16,6 +16,8 @@ from mpmd.runtime.worker.main import READY, cores_for
 from tests.support.processes import ROOT, wait_gone
 from tests.support.recovery_runs import assert_same_run, data, make_trainer, train
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 TOKEN = "static-spares-token-0123456789abcdef"
 
 

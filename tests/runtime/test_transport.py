@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 
 WORKER = r"""

@@ -282,5 +282,6 @@ def test_tied_marked_model_global_norm_counts_shared_weight_once():
                                 optimizer=optax.sgd(0.1))
 
 
+@pytest.mark.slow
 def test_tied_marked_model_on_local_cluster():
     check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)), "zb-h1", cluster=mpmd.LocalCluster())

@@ -25,6 +25,8 @@ from mpmd.runtime.worker.checkpoint import CheckpointStore
 from tests.support import reference
 from tests.support.processes import ROOT, mpmd_train, wait_gone
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
              "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=2", "checkpoint.keep=3",
              "log.progress=lines", "log.every=1", "log.trace_steps=[]", "log.tensorboard=false",

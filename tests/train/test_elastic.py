@@ -68,6 +68,7 @@ class Faults:
             trainer.cluster.max_workers += 1
 
 
+@pytest.mark.slow
 def test_lost_worker_without_replacement_shrinks_then_grows_back(uninterrupted4, tmp_path):
     """on_loss=auto with no worker to be had (max_workers spent): slice 1 of 4 is SIGKILLed
     before step 4, the run restores step 2 onto 3 slices (survivors keep their processes)
@@ -87,6 +88,7 @@ def test_lost_worker_without_replacement_shrinks_then_grows_back(uninterrupted4,
     assert goodput["reduced_width_s"] > 0 and goodput["lost_s"] > 0
 
 
+@pytest.mark.slow
 def test_shrink_finishes_on_the_survivors(uninterrupted4, tmp_path):
     """on_loss=shrink, no capacity ever, the in-memory tier on: the run restores the
     persistent checkpoint onto 3 slices, rebuilds the in-memory ring over them and ends
@@ -111,6 +113,7 @@ def _budget_of_two_slices() -> int:
     return max(s["total"] for s in stage_costs.slice_memory(schedules.one_f_one_b(2, 4), per_stage))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_loss", ["replace", "shrink"])
 def test_no_replacement_and_no_fit_stop_naming_slice_and_commit(on_loss, tmp_path):
     """on_loss=replace without a worker to be had, and on_loss=shrink where the survivors'

@@ -25,6 +25,8 @@ import mpmd
 from tests.support import recovery_runs
 from tests.support.marked_models import MarkedGPT
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 LAYOUTS = {"2x1f1b": (2, "1f1b", 1), "4x1f1b": (4, "1f1b", 1), "2xzbh1": (2, "zb-h1", 1),
            "4xinterleaved": (4, "interleaved-1f1b", 2)}
 

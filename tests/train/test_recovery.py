@@ -18,6 +18,8 @@ from tests.support import reference
 from tests.support.processes import alive, wait_gone
 from tests.support.recovery_runs import EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once, make_trainer, run_with_fault, train
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds process `pid` has used, all threads (fields 14, 15 of /proc/pid/stat)."""
     with open(f"/proc/{pid}/stat") as f:

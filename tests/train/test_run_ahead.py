@@ -78,6 +78,7 @@ def test_run_ahead_is_bitwise_the_synchronous_run(synchronous, tmp_path):
     assert not all(np.array_equal(a, b) for a, b in zip(at2[0], runs[0][1]))
 
 
+@pytest.mark.slow
 def test_run_ahead_over_local_workers_is_bitwise_in_process(synchronous, tmp_path):
     """The worker processes queue a Run sent ahead behind the running one, in order."""
     ahead = train_ahead(1, tmp_path / "local", mpmd.LocalCluster())
@@ -85,6 +86,7 @@ def test_run_ahead_over_local_workers_is_bitwise_in_process(synchronous, tmp_pat
     reference.assert_same(synchronous[0][:2], ahead[:2])
 
 
+@pytest.mark.slow
 def test_worker_sigkilled_with_a_step_queued(uninterrupted, workers, tmp_path):
     """SIGKILL slice 1's worker while one step runs and the next is queued behind it: the
     queued step is discarded (aborted on the survivor, nothing of it applied or counted),

@@ -15,6 +15,8 @@ from mpmd.runtime.worker import checkpoint
 from mpmd.runtime.worker.checkpoint import CheckpointStore, SliceCheckpointer
 from tests.support.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
 
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
 
 @pytest.mark.parametrize("ahead", [0, 1], ids=["in-step", "run-ahead"])
 def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, workers, tmp_path, ahead):

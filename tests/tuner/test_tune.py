@@ -138,6 +138,7 @@ def test_bad_tune_config_exits_2_and_writes_nothing(tmp_path, override, match):
     assert not output.exists()
 
 
+@pytest.mark.slow
 def test_tune_writes_a_config_that_trains(tmp_path):
     run_dir, output = tmp_path / "run", tmp_path / "tuned.yaml"
     output_taken = tmp_path / "taken.yaml"
