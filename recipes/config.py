@@ -197,7 +197,7 @@ class TuneConfig(_Section):
 
 
 # mpmd.stages.sharding.AXES, in its order; repeated because that module imports JAX, and a config is
-# checked before JAX is imported (tests/test_config.py keeps the two equal).
+# checked before JAX is imported (tests/recipes/test_config.py keeps the two equal).
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
