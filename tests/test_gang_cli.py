@@ -7,7 +7,7 @@ import os
 import signal
 import uuid
 
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, wait_gone
 from tests.test_resume_cli import TAG, final_state, metrics, tagged
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mpmd.runtime.worker import checkpoint
-from mpmd.runtime.worker.checkpoint import CheckpointStore, SliceCheckpointer
+from mpmd.runtime.worker.slice_store import CheckpointStore, SliceCheckpointer
 from tests.support.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
 
 

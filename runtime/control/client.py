@@ -4,7 +4,9 @@ StaticCluster.
 ControlPlane is the one implementation of the Cluster protocol (runtime/control/cluster.py) over
 gRPC workers; a Launcher only starts and stops the workers it talks to. StaticCluster
 composes it with StaticLauncher (addresses of workers started elsewhere), LocalCluster with
-LocalLauncher (runtime/launchers/local.py), RayCluster with RayLauncher (runtime/launchers/ray.py).
+LocalLauncher (runtime/launchers/local.py), RayCluster with RayLauncher (runtime/launchers/ray.py),
+SharedCluster with SharedLauncher (runtime/launchers/shared.py: workers leased from a shared
+cluster's manager).
 `run` sends each worker ONE Run RPC per step, all in parallel, carrying the feeds that
 slice needs; activations then flow slice to slice over the data plane, never through here.
 
@@ -24,7 +26,8 @@ merely waiting for a peer, so the Trainer replaces it, restores and replays.
 
 Replacement. The control plane remembers what it shipped to each slice (programs, plans),
 so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
-(StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher). State
+(StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher), a worker the
+shared cluster's manager leases in the lost one's place (SharedLauncher). State
 (parameters) is not replayed: the caller restores it from a checkpoint.
 """
 from __future__ import annotations
@@ -43,7 +46,7 @@ from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, StepFailed, WorkerLost
-from mpmd.runtime.worker.executor import Aborted, Event, Progress, StepResult
+from mpmd.runtime.wire.results import Aborted, Event, Progress, StepResult
 from mpmd.runtime.worker.gang import GangClient, group_addresses
 from mpmd.runtime.worker.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
 from mpmd.runtime.worker.main import read_token_file
@@ -133,7 +136,7 @@ class ControlPlane:
         None: max(60 s, 20 x the median time of the recent steps), 300 s before any completed.
     """
 
-    def __init__(self, launcher: Launcher, token: str, connect_timeout_s: float = 10.0,
+    def __init__(self, launcher: Launcher, token: str, *, connect_timeout_s: float = 10.0,
                  failure_timeout_s: float = 5.0, transfer_host: str | None = None,
                  step_timeout_s: float | None = None):
         if not failure_timeout_s > 0:
@@ -349,11 +352,11 @@ class ControlPlane:
         self._call(slice_index, "LoadPrograms", {"programs": progs}, b.blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
-        self._shipped[slice_index]["plans"][name] = stream if isinstance(stream, streams.Encoded) else list(stream)
+        self._shipped[slice_index]["plans"][name] = stream if isinstance(stream, streams.PackedStream) else list(stream)
         self._install(slice_index, name, stream)
 
     def _install(self, slice_index: int, name: str, stream) -> None:
-        if isinstance(stream, streams.Encoded):     # compact bytes; the worker expands them
+        if isinstance(stream, streams.PackedStream):     # compact bytes; the worker expands them
             b = wire.Builder()
             self._call(slice_index, "InstallPlan", {"name": name, "encoded": b.add(stream.to_bytes())}, b.blobs)
         else:
@@ -618,7 +621,7 @@ class StaticCluster(ControlPlane):
     `allow_insecure_token_file` (see read_token_file).
     """
 
-    def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
+    def __init__(self, addresses, *, token_file: str | None = None, token: str | None = None,
                  connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
                  transfer_host: str | None = None, step_timeout_s: float | None = None,
                  allow_insecure_token_file: bool = False, processes_per_slice: int | None = None):
@@ -628,8 +631,8 @@ class StaticCluster(ControlPlane):
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
             token = read_token_file(token_file, allow_insecure_token_file, "token_file",
                                     "allow_insecure_token_file=True")
-        super().__init__(StaticLauncher(addresses), token, connect_timeout_s, failure_timeout_s, transfer_host,
-                         step_timeout_s)
+        super().__init__(StaticLauncher(addresses), token, connect_timeout_s=connect_timeout_s,
+                         failure_timeout_s=failure_timeout_s, transfer_host=transfer_host, step_timeout_s=step_timeout_s)
 
 
 def new_token() -> str:

@@ -3,13 +3,14 @@ launcher must do for the one gRPC control plane.
 
 Two protocols:
 - `Cluster`: the verbs the Trainer calls. InProcessCluster (threads, runtime/control/inprocess.py)
-  and the control plane behind StaticCluster, LocalCluster and RayCluster
+  and the control plane behind StaticCluster, LocalCluster, RayCluster and SharedCluster
   (runtime/control/client.py) implement them.
 - `Launcher`: the three verbs that start and stop workers (start -> addresses, replace one
   -> its address, stop). The control plane (runtime/control/client.py) owns everything else:
   clients, heartbeats, run/abort/probe, and what was shipped to each slice so a replacement
   can be brought up to date. Launchers: StaticLauncher (runtime/control/client.py), LocalLauncher
-  (runtime/launchers/local.py), RayLauncher (runtime/launchers/ray.py).
+  (runtime/launchers/local.py), RayLauncher (runtime/launchers/ray.py), SharedLauncher
+  (runtime/launchers/shared.py: workers leased from a shared cluster's manager).
 
 Slices are numbered 0..num_slices-1. Errors: a slice that is gone (process died, hung past
 the failure timeout, unreachable) surfaces as `WorkerLost` from `run`, `wait_saves` and the
@@ -18,7 +19,8 @@ plan that reads a missing buffer) aborts the step everywhere and surfaces as `St
 naming the slice and the instruction: it would fail again, so it is not recovered from. A
 step that makes no progress for the cluster's step timeout is aborted by a watchdog and
 reported as `WorkerLost` for one of the slices that did not finish. Any other error a worker
-reports on a per-slice verb is re-raised as what it is. A cluster that cannot put a new worker in a lost slice's place
+reports on a per-slice verb is re-raised as what it is.
+A cluster that cannot put a new worker in a lost slice's place
 raises `ReplaceUnsupported` from `replace`: the Trainer catches that one type and gives up
 with the last committed checkpoint in its message (no `hasattr` probing, no capability
 flag: whether a replacement exists is only known when one is asked for, e.g. a
@@ -28,10 +30,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
+from mpmd.runtime.wire.results import StepFailed, StepResult  # noqa: F401  (StepFailed: what `run` raises)
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from mpmd.runtime.worker.executor import StepResult
     from mpmd.runtime.worker.instructions import Instruction
     from mpmd.runtime.worker.programs import ProgramSpec
 
@@ -43,21 +46,6 @@ class WorkerLost(RuntimeError):
         super().__init__(f"slice {slice_index} (worker {address}) lost: {why}")
         self.slice_index = slice_index
         self.address = address
-
-
-class StepFailed(RuntimeError):
-    """Slice `slice_index` raised while running `instruction` of a step (e.g. "train[12] F2/3",
-    "fetch loss/0"); the step was aborted everywhere. Deterministic: replaying it would fail
-    the same way, so the Trainer does not recover from it."""
-
-    def __init__(self, slice_index: int, instruction: str, message: str):
-        super().__init__(f"slice {slice_index} failed at {instruction}: {message}")
-        self.slice_index = slice_index
-        self.instruction = instruction
-        self.message = message
-
-    def __reduce__(self):
-        return StepFailed, (self.slice_index, self.instruction, self.message)
 
 
 class ReplaceUnsupported(RuntimeError):
@@ -227,7 +215,7 @@ class Launcher(Protocol):
         first `num_slices` serve slices, the rest are idle spares. ValueError (before starting
         anything) if it cannot have that many. Called again on a started launcher, it
         returns the running workers. On failure it stops what it started, then raises.
-        `root` as in Cluster.start (see mpmd.runtime.launchers.local.worker_root)."""
+        `root` as in Cluster.start (see mpmd.runtime.launchers.workers.worker_root)."""
 
     def replace(self, slot: int) -> str:
         """The address of a worker to take over slot `slot`, whose worker was lost (the old

@@ -17,7 +17,8 @@ import numpy as np
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported
-from mpmd.runtime.worker.executor import Aborted, Executor, StepResult
+from mpmd.runtime.wire.results import Aborted, StepResult
+from mpmd.runtime.worker.executor import Executor
 
 
 class _Hub:

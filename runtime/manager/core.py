@@ -490,7 +490,7 @@ def main(argv=None) -> int:
     p.add_argument("--ray-address", default=None, help="ray: the Ray cluster to join (default: a new local one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s manager[%(process)d] %(levelname)s %(message)s")
-    from mpmd.runtime.launchers.local import default_compilation_cache
+    from mpmd.runtime.launchers.workers import default_compilation_cache
     from mpmd.runtime.worker.main import read_token_file, serve
 
     token_file = os.path.join(args.dir, "cluster.token")

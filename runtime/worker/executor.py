@@ -36,48 +36,13 @@ import numpy as np
 from mpmd.runtime.worker import programs as programs_lib
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.worker.checkpoint import SliceCheckpointer, host_copy
-from mpmd.runtime.control.cluster import StepFailed
+from mpmd.runtime.wire.results import Aborted, Event, Progress, StepFailed, StepResult
+from mpmd.runtime.worker.slice_store import SliceCheckpointer, host_copy
 from mpmd.runtime.worker.instructions import Copy, Delete, Instruction, Recv, Run, Send
-from mpmd.runtime.worker.streams import Encoded
+from mpmd.runtime.worker.streams import PackedStream
 
 if TYPE_CHECKING:
     from mpmd.runtime.wire.transport import Transport
-
-
-class Event(NamedTuple):
-    """One traced interval on a slice; times are wall-clock ns (comparable across processes).
-    The one definition: the dry run, the control plane and the run log all use this one."""
-    name: str        # a Run's label, "recv <key>" or "send <key>"
-    kind: str        # "run" | "recv" | "send"
-    start_ns: int
-    end_ns: int
-
-
-class StepResult(NamedTuple):
-    fetched: dict[str, tuple[np.ndarray, ...]]
-    events: tuple[Event, ...]
-    wall_s: float    # time from the step's start to its last fetched array being ready
-    # The most receives outstanding at once (posted, their Recv not yet walked) and the most
-    # bytes they held at once: what the receive window bounds.
-    peak_held: int = 0
-    peak_held_bytes: int = 0
-    # Traced runs only: the most bytes of the slice's buffers plus its outstanding receives
-    # at once, looked at between instructions (what the slice's memory for data peaks at,
-    # XLA's temporaries and sends not yet pulled aside).
-    peak_bytes: int = 0
-
-
-class Aborted(RuntimeError):
-    """The step was aborted (a peer slice was lost); the slice's buffers are undefined."""
-
-
-class Progress(NamedTuple):
-    """Where a slice's walk stands, for the watchdog: run id, instructions done in it, and
-    what it does now ("idle", "run" a program, "recv" waiting for a peer, "fetch")."""
-    run: int
-    done: int
-    doing: str
 
 
 class Executor:
@@ -114,7 +79,7 @@ class Executor:
     def install_plan(self, name: str, stream) -> int:
         """Install a list of instructions or an encoded stream (runtime/worker/streams.py, finished
         and expanded here); returns the number of instructions."""
-        if isinstance(stream, Encoded):
+        if isinstance(stream, PackedStream):
             stream = stream.expand()
         for i, ins in enumerate(stream):
             if isinstance(ins, Run) and ins.program not in self.programs:

@@ -8,7 +8,7 @@ Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wir
   Connect      {peers: {slice: transfer_address, or [one per process] for a gang}}
   LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
   InstallPlan  {name, stream: [instruction as mpmd.runtime.worker.instructions.to_json]}
-               or {name, encoded: blob}  (runtime/worker/streams.py Encoded.to_bytes: rows of integers
+               or {name, encoded: blob}  (runtime/worker/streams.py PackedStream.to_bytes: rows of integers
                over instruction templates; the worker checks, finishes and expands it)
   Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
   Delete       {names}
@@ -71,11 +71,11 @@ from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import programs
 from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.worker.checkpoint import WORKER_ROOT, OutsideRoot, confine
-from mpmd.runtime.control.cluster import StepFailed
+from mpmd.runtime.worker.slice_store import WORKER_ROOT, OutsideRoot, confine
+from mpmd.runtime.wire.results import Aborted, StepFailed
 from mpmd.runtime.worker.compile_cache import CompileCache
 from mpmd.runtime.wire.credentials import is_cluster_token, job_of
-from mpmd.runtime.worker.executor import Aborted, Executor
+from mpmd.runtime.worker.executor import Executor
 from mpmd.runtime.worker.instructions import Spec
 from mpmd.runtime.worker.sessions import Session, SessionTable, live_bytes
 
