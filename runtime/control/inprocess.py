@@ -9,6 +9,7 @@ two are pinned to identical results by the tests.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -99,6 +100,11 @@ class InProcessCluster:
     def num_slices(self) -> int:
         return len(self.executors)
 
+    @property
+    def devices_per_slice(self) -> None:
+        """None: each slice takes the mesh `start` gives it, from this process's devices."""
+        return None
+
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         # root is not enforced: in-process slices are this process, with its own rights.
         if self.executors:
@@ -135,25 +141,24 @@ class InProcessCluster:
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self.executors[slice_index].finish_restore(commit)
 
-    def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+    def run(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
-        return self.launch(plan, step, feeds, fetch, trace).result()
+        return self.launch(plan, run, feeds, fetch, trace).result()
 
-    def launch(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+    def launch(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
                trace: bool = False) -> PendingRun:
         # The pool runs tasks in submission order, so every task of a run has a thread before
         # any task of a later one: a task waiting for its turn never starves the one it waits for.
         after = self._in_flight.after()
-        run = PendingRun(step, self._collect)
-        run.futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace, after)
-                       for i, ex in enumerate(self.executors)]
-        return self._in_flight.add(run)
+        futures = [self._pool.submit(ex.run, plan, run, feeds.get(i), fetch.get(i, ()), trace, after)
+                   for i, ex in enumerate(self.executors)]
+        return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
 
     def _collect(self, run: PendingRun) -> list[StepResult]:
         self._in_flight.collecting(run)
 
         def abort():
-            newest = self._in_flight.drop_all(f"run {run.step} before it failed")
+            newest = self._in_flight.drop_all(f"run {run.run} before it failed")
             for ex in self.executors:
                 ex.abort(newest)
         results = gather(run.futures, on_error=abort, cleanup=self._hub.clear)
