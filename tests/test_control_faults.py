@@ -311,14 +311,14 @@ def test_malformed_requests_get_invalid_argument(cluster, method, header, blobs)
 
 
 @pytest.mark.parametrize("method,header,says", [
-    ("Run", {"plan": "p"}, "Run request is missing field 'run' (an int)"),
-    ("Run", {"plan": "p", "run": "7"}, "Run request field 'run' must be an int, got str '7'"),
-    ("Run", {"plan": "p", "run": True}, "Run request field 'run' must be an int, got bool"),
+    ("Run", {"plan": "p"}, "Run request field 'run' must be an integer; it is missing"),
+    ("Run", {"plan": "p", "run": "7"}, "Run request field 'run' must be an integer, got str"),
+    ("Run", {"plan": "p", "run": True}, "Run request field 'run' must be an integer, got bool"),
     ("Run", {"plan": "p", "step": 1}, "Run request has no field 'step'"),     # the old name of the run id
-    ("Abort", {}, "Abort request is missing field 'run'"),
-    ("Put", {"name": 3, "arrays": []}, "Put request field 'name' must be a string, got int 3"),
+    ("Abort", {}, "Abort request field 'run' must be"),
+    ("Put", {"name": 3, "arrays": []}, "Put request field 'name' must be a string, got int"),
     ("FinishRestore", {"commit": "yes"}, "FinishRestore request field 'commit' must be a bool"),
-    ("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1"}, "Setup request is missing field 'transfer_secret'"),
+    ("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1"}, "Setup request field 'transfer_secret' must be"),
 ])
 def test_a_request_that_does_not_match_its_verb_is_refused_naming_verb_and_field(cluster, method, header, says):
     # Checked by the one table of verbs (runtime/wire/verbs.py) before any handler runs:

@@ -43,9 +43,9 @@ def test_a_request_round_trips_through_its_header():
 
 
 @pytest.mark.parametrize("verb,header,says", [
-    ("Run", {"plan": "p"}, "Run request is missing field 'run' (an int)"),
-    ("Run", {"plan": "p", "run": 1.5}, "Run request field 'run' must be an int, got float 1.5"),
-    ("Run", {"plan": "p", "run": False}, "Run request field 'run' must be an int, got bool False"),
+    ("Run", {"plan": "p"}, "Run request field 'run' must be an integer; it is missing"),
+    ("Run", {"plan": "p", "run": 1.5}, "Run request field 'run' must be an integer, got float"),
+    ("Run", {"plan": "p", "run": False}, "Run request field 'run' must be an integer, got bool"),
     ("Run", {"plan": "p", "run": 1, "fetch": "loss"}, "Run request field 'fetch' must be a list, got str"),
     ("Run", {"plan": "p", "run": 1, "stepp": 1}, "Run request has no field 'stepp'; its fields are plan, run,"),
     ("WaitSaves", {"directories": "d"}, "WaitSaves request field 'directories' must be a list or null"),
@@ -59,7 +59,7 @@ def test_the_table_refuses_a_header_that_does_not_match_the_verb(verb, header, s
 
 
 def test_a_reply_is_checked_too():
-    with pytest.raises(ValueError, match="Setup reply is missing field 'transfer_address'"):
+    with pytest.raises(ValueError, match="Setup reply field 'transfer_address' must be a string; it is missing"):
         verbs.decode_reply("Setup", {})
     assert verbs.decode_reply("Heartbeat", {"pid": 1, "running": False}).progress is None
 

@@ -6,7 +6,8 @@ the JSON header of a frame (runtime/wire/format.py); the worker's service
 handler runs, and the same in reverse for the reply. A verb added or changed is one entry
 here, and a request that does not match its record is refused here, for every verb alike:
 a missing field, a field of the wrong type or a field the verb does not have is a
-ValueError naming the verb and the field, which the service answers INVALID_ARGUMENT.
+ValueError naming the verb, the field and the type it must have (never the value sent: a
+field may hold a secret), which the service answers INVALID_ARGUMENT.
 
 Field types are shallow JSON types: str, int (not bool), float (an int too), bool, list,
 dict, `X | None` (may be absent). A blob (array or raw bytes) is referenced in a field as
@@ -258,12 +259,12 @@ def _decode(record: type, header: dict, what: str):
     for name, (kinds, optional, required) in fields.items():
         if name not in header:
             if required:
-                raise ValueError(f"{what} is missing field {name!r} ({_describe(kinds, optional)})")
+                raise ValueError(f"{what} field {name!r} must be {_describe(kinds, optional)}; it is missing")
             continue
         value = header[name]
         if not (value is None and optional) and not _is(value, kinds):
-            raise ValueError(f"{what} field {name!r} must be {_describe(kinds, optional)}, "
-                             f"got {type(value).__name__} {value!r:.60}")
+            # The type, never the value: a field may hold a secret (Setup's transfer_secret).
+            raise ValueError(f"{what} field {name!r} must be {_describe(kinds, optional)}, got {type(value).__name__}")
         values[name] = value
     return record(**values)
 
@@ -277,7 +278,7 @@ def _is(value, kinds: tuple[type, ...]) -> bool:
 
 
 def _describe(kinds: tuple[type, ...], optional: bool) -> str:
-    names = {bool: "a bool", int: "an int", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    names = {bool: "a bool", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
     return " or ".join(names[k] for k in kinds) + (" or null" if optional else "")
 
 

@@ -176,11 +176,11 @@ class Executor:
         if commit:
             self.buffers.update(staged)
 
-    def abort(self, step: int) -> None:
-        """Make run `step` (and any earlier one) raise `Aborted` at its next wait, whether it is
+    def abort(self, run: int) -> None:
+        """Make run `run` (and any earlier one) raise `Aborted` at its next wait, whether it is
         running now, waiting for its turn, or its Run message has not arrived yet."""
         with self._turn:
-            self._aborted_upto = max(self._aborted_upto, step)
+            self._aborted_upto = max(self._aborted_upto, run)
             self._turn.notify_all()
 
     def close(self) -> None:
@@ -192,28 +192,28 @@ class Executor:
         self.buffers, self._staged, self.plans, self.programs = {}, {}, {}, {}
         self._checkpointer.close()
 
-    def _take_turn(self, step: int, after: int) -> None:
+    def _take_turn(self, run: int, after: int) -> None:
         """Wait until no run holds the turn and run `after` has finished here, then take it.
         A run sent ahead (run-ahead dispatch) queues here behind the one running."""
         with self._turn:
             while self.busy or self._finished_upto < after:
-                if self._aborted_upto >= step:
-                    raise Aborted(f"slice {self.slice_index}: run {step} aborted before it started")
+                if self._aborted_upto >= run:
+                    raise Aborted(f"slice {self.slice_index}: run {run} aborted before it started")
                 self._turn.wait(0.05)
-            if self._aborted_upto >= step:      # e.g. the step after one that failed
-                raise Aborted(f"slice {self.slice_index}: run {step} aborted before it started")
+            if self._aborted_upto >= run:      # e.g. the run after one that failed
+                raise Aborted(f"slice {self.slice_index}: run {run} aborted before it started")
             self.busy = True
 
-    def _end_turn(self, step: int) -> None:
+    def _end_turn(self, run: int) -> None:
         with self._turn:
             self.busy = False
-            self._finished_upto = max(self._finished_upto, step)
+            self._finished_upto = max(self._finished_upto, run)
             self._turn.notify_all()
 
-    # -- one step --------------------------------------------------------------------
-    def run(self, plan: str, step: int, feeds: dict[str, tuple] | None = None,
+    # -- one run --------------------------------------------------------------------
+    def run(self, plan: str, run: int, feeds: dict[str, tuple] | None = None,
             fetch: tuple[str, ...] = (), trace: bool = False, after: int = -1) -> StepResult:
-        """Run plan `plan` as run id `step`, once run `after` (-1: none) has finished here
+        """Run plan `plan` as run id `run`, once run `after` (-1: none) has finished here
         and no other run holds the turn."""
         if plan not in self.plans:
             raise ValueError(f"slice {self.slice_index}: no plan {plan!r}; installed: {sorted(self.plans)}")
@@ -221,33 +221,33 @@ class Executor:
         # in place when the run before it ends.
         staged = {name: self._placed(list(arrays)) for name, arrays in (feeds or {}).items()}
         try:
-            self._take_turn(step, after)
+            self._take_turn(run, after)
         except Aborted:
             if self.agreement is not None:
-                self.agreement.decide(step, "start", False)
+                self.agreement.decide(run, "start", False)
             raise
-        if self.agreement is not None and not self.agreement.decide(step, "start", self._aborted_upto < step):
-            self._end_turn(step)
-            raise Aborted(f"slice {self.slice_index}: run {step} aborted by another process of the gang before it started")
+        if self.agreement is not None and not self.agreement.decide(run, "start", self._aborted_upto < run):
+            self._end_turn(run)
+            raise Aborted(f"slice {self.slice_index}: run {run} aborted by another process of the gang before it started")
         try:
-            walked = self._walk(plan, step, staged, fetch, trace)
+            walked = self._walk(plan, run, staged, fetch, trace)
         finally:
-            self._end_turn(step)
+            self._end_turn(run)
         # The turn passes before the fetch waits for this run's last results: a run queued
         # behind it dispatches its first programs while they are computed.
         try:
             fetched = {n: tuple(np.asarray(a) for a in arrays) for n, arrays in walked.fetch.items()}
         except Exception as e:
-            self._raise(e, step, f"{plan} fetch {list(fetch)}")
+            self._raise(e, run, f"{plan} fetch {list(fetch)}")
         return StepResult(fetched, walked.events, (time.time_ns() - walked.t0) / 1e9, walked.held.peak,
                           walked.held.peak_bytes, walked.peak_bytes)
 
-    def _walk(self, plan: str, step: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
+    def _walk(self, plan: str, run: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
         t0 = time.time_ns()
         stream = self.plans[plan]
         buffers = self.buffers
         buffers.update(staged)
-        held = _Held(self.transport, f"{step}:")
+        held = _Held(self.transport, f"{run}:")
         posts: dict[int, list[Recv]] = {}     # instruction index -> receives posted after it
         for ins in stream:
             if isinstance(ins, Recv):
@@ -262,10 +262,10 @@ class Executor:
         try:
             for i, ins in enumerate(stream):
                 where = f"{plan}[{i}] {_describe(ins)}"
-                if self._aborted_upto >= step:      # a plan without receives stops here too
-                    raise Aborted(f"slice {self.slice_index}: step aborted at {where}")
+                if self._aborted_upto >= run:      # a plan without receives stops here too
+                    raise Aborted(f"slice {self.slice_index}: run aborted at {where}")
                 if isinstance(ins, Run):
-                    self.progress = Progress(step, i, "run")
+                    self.progress = Progress(run, i, "run")
                     try:
                         args = [buffers[n] for n in ins.inputs]
                     except KeyError as e:
@@ -285,9 +285,9 @@ class Executor:
                         jax.block_until_ready(outs)
                         events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))
                 elif isinstance(ins, Recv):
-                    self.progress = Progress(step, i, "recv")
+                    self.progress = Progress(run, i, "recv")
                     start = time.time_ns() if trace else 0
-                    buffers[ins.buffer] = self._wait(held.take(ins), ins, step, i)
+                    buffers[ins.buffer] = self._wait(held.take(ins), ins, run, i)
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
@@ -312,23 +312,23 @@ class Executor:
         except Aborted:
             raise
         except Exception as e:
-            self._raise(e, step, where)
+            self._raise(e, run, where)
         finally:
             held.cancel()
-            self.progress = Progress(step, len(stream), "idle")
+            self.progress = Progress(run, len(stream), "idle")
         return _Walked(t0, tuple(events), held, peak_bytes, to_fetch)
 
-    def _raise(self, e: Exception, step: int, where: str):
-        if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
-            raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
+    def _raise(self, e: Exception, run: int, where: str):
+        if self._aborted_upto >= run:      # the echo of an abort (a peer's reset transfer)
+            raise Aborted(f"slice {self.slice_index}: run aborted at {where}") from None
         raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
 
-    def _wait(self, fut, ins: Recv, step: int, index: int):
-        # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
+    def _wait(self, fut, ins: Recv, run: int, index: int):
+        # Poll so an abort (a peer lost mid-run) interrupts a receive that will never land.
         try:
             while True:
-                if self._aborted_upto >= step:
-                    raise Aborted(f"slice {self.slice_index}: step aborted while waiting for {ins.key!r}")
+                if self._aborted_upto >= run:
+                    raise Aborted(f"slice {self.slice_index}: run aborted while waiting for {ins.key!r}")
                 try:
                     got = fut.result(timeout=0.05)
                     break
@@ -336,10 +336,10 @@ class Executor:
                     continue
         except BaseException:
             if self.agreement is not None:        # the gang's other processes stop here too
-                self.agreement.decide(step, str(index), False)
+                self.agreement.decide(run, str(index), False)
             raise
-        if self.agreement is not None and not self.agreement.decide(step, str(index), True):
-            raise Aborted(f"slice {self.slice_index}: step aborted by another process of the gang at {ins.key!r}")
+        if self.agreement is not None and not self.agreement.decide(run, str(index), True):
+            raise Aborted(f"slice {self.slice_index}: run aborted by another process of the gang at {ins.key!r}")
         # A gang's receive lands pieces only; they are put together here, in stream order.
         return got() if isinstance(got, reshard.Deferred) else tuple(got)
 
