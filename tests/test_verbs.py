@@ -63,3 +63,18 @@ def test_a_reply_is_checked_too():
         verbs.decode_reply("Setup", {})
     assert verbs.decode_reply("Heartbeat", {"pid": 1, "running": False}).progress is None
 
+
+
+def test_a_record_is_checked_before_it_is_sent_and_in_process_too():
+    import mpmd
+    with pytest.raises(ValueError, match="Run record field 'run' must be an integer, got str"):
+        verbs.encode(verbs.Run("train", "12"))
+    cluster = mpmd.InProcessCluster()
+    cluster.start(1)
+    try:
+        with pytest.raises(ValueError, match="Run record field 'trace' must be a bool, got str"):
+            cluster.launch("train", 1, {}, {}, trace="yes")
+        with pytest.raises(ValueError, match="Run record field 'run' must be an integer, got float"):
+            cluster.run("train", 1.0, {}, {})
+    finally:
+        cluster.close()

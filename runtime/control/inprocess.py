@@ -17,6 +17,7 @@ import numpy as np
 
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.wire import reshard
+from mpmd.runtime.wire import verbs
 from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported
 from mpmd.runtime.wire.results import Aborted, StepResult
 from mpmd.runtime.worker.executor import Executor
@@ -150,8 +151,12 @@ class InProcessCluster:
         # The pool runs tasks in submission order, so every task of a run has a thread before
         # any task of a later one: a task waiting for its turn never starves the one it waits for.
         after = self._in_flight.after()
-        futures = [self._pool.submit(ex.run, plan, run, feeds.get(i), fetch.get(i, ()), trace, after)
-                   for i, ex in enumerate(self.executors)]
+        # The same Run record a worker's service takes (runtime/wire/verbs.py), arrays in place
+        # of blob references: a request the table refuses is refused here too.
+        requests = [verbs.check(verbs.Run(plan, run, after, dict(feeds.get(i) or {}), list(fetch.get(i, ())), trace))
+                    for i in range(len(self.executors))]
+        futures = [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
+                   for ex, r in zip(self.executors, requests)]
         return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
 
     def _collect(self, run: PendingRun) -> list[StepResult]:

@@ -232,7 +232,21 @@ def verb_of(request) -> str:
 
 
 def encode(record) -> dict:
-    """A request or reply record as the JSON header of its frame; None fields are left out."""
+    """A request or reply record as the JSON header of its frame; None fields are left out.
+    The record is checked first (see check): a bad one is refused before it is sent."""
+    return _header(check(record))
+
+
+def check(record):
+    """`record` itself if each field has its declared type, else ValueError naming the
+    record and the field. The in-process cluster checks its runs with it, as the control
+    plane's encode and the worker's decode_request do, so a bad request is refused the same
+    way with or without a wire between."""
+    _decode(type(record), _header(record), f"{type(record).__name__} record")
+    return record
+
+
+def _header(record) -> dict:
     return {f.name: v for f in dataclasses.fields(record) if (v := getattr(record, f.name)) is not None}
 
 
