@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_recovery import MODELS, workers_log_to  # noqa: E402  (gpt_tiny's and gpt_small's shapes)
-from mpmd.runtime.launchers.local import process_alive  # noqa: E402
+from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
 
 STAGES, M, EVERY = 4, 4, 5
 POLICIES = {   # name -> (Trainer arguments, LocalCluster arguments, kills?)

@@ -61,7 +61,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from mpmd.runtime.launchers.local import process_alive  # noqa: E402
+from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
 
 MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
     "tiny": (dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64), 16),
@@ -286,7 +286,7 @@ def main() -> None:
     global GPT, BATCH
     GPT, BATCH = MODELS[args.model]
     import jax
-    from mpmd.runtime.launchers.local import default_compilation_cache
+    from mpmd.runtime.launchers.workers import default_compilation_cache
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from mpmd.runtime.launchers.local import process_alive
+from mpmd.runtime.launchers.workers import process_alive
 from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
 
 BACKENDS = ("local", "ray")

@@ -49,7 +49,7 @@ from mpmd.stages.sharding import LayoutError
 from mpmd.stages.split import balanced_boundaries, cut
 from mpmd.stages.costs import layer_costs
 from mpmd.recipes.config import Config, ConfigError
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from mpmd.runtime.control.inprocess import meshes_for
 from mpmd.runtime.launchers.ray import RayMissingError
 from mpmd.runtime.launchers.shared import JobRefused

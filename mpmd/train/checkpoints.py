@@ -4,7 +4,7 @@ Every parameter and optimizer-state leaf is saved under its name (mpmd/stages/le
 `params/blocks.3.mlp.up.kernel`, `opt/0.mu/blocks.3.mlp.up.kernel`, `opt/0.count`), once
 (a tied weight held by two stages is saved by the first), by the slice that holds it, into
 that slice's own Orbax directory `<run_dir>/checkpoints/<step>/slice_<r>/`. The step is
-committed by its manifest once every slice has finalized its saves (runtime/worker/checkpoint.py);
+committed by its manifest once every slice has finalized its saves (runtime/worker/slice_store.py);
 the manifest records, per leaf, its shape, dtype and directory, plus the data position, the
 step, what the math depends on (`partition`: microbatch count, clipping) and the layout
 that saved it. Restore reads, on each slice of the new layout, just the leaves its stages
@@ -42,7 +42,7 @@ import time
 
 from mpmd.stages import names
 from mpmd.stages.leaf_paths import StateNames
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from mpmd.runtime.control.cluster import WorkerLost
 
 log = logging.getLogger("mpmd")
@@ -431,7 +431,7 @@ def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
     never on the training path."""
     import jax
     import numpy as np
-    from mpmd.runtime.worker.checkpoint import SliceCheckpointer
+    from mpmd.runtime.worker.slice_store import SliceCheckpointer
     store = CheckpointStore(os.path.abspath(run_dir))
     step = store.committed()[-1] if step is None else step
     manifest = store.manifest(step)

@@ -99,7 +99,7 @@ class Trainer:
         self.num_slices = self.schedule.num_slices
         self.placement = self.schedule.placement     # stage -> slice
         # Each slice's mesh and every stage's layouts, checked before any worker starts.
-        meshes = sharding.slice_meshes(mesh, self.num_slices, getattr(cluster, "devices_per_slice", None))
+        meshes = sharding.slice_meshes(mesh, self.num_slices, cluster.devices_per_slice)
         self._rules = sharding.check_rules(rules)
         self.layout = lowering.layout(pipeline, optimizer, meshes, self.placement, self._rules)
         # The layout asked for; a lost slice without replacement moves the run onto fewer

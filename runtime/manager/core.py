@@ -54,7 +54,8 @@ import grpc
 
 from mpmd.runtime.wire import credentials
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.control.client import WorkerClient, WorkerError
+from mpmd.runtime.wire import verbs
+from mpmd.runtime.control.client import WorkerClient, WorkerError, call
 from mpmd.runtime.worker.service import ADMIN, TOKEN_KEY
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
 
@@ -232,20 +233,19 @@ class Manager:
 
     def _open_session(self, slot: int, job: Job) -> None:
         try:
-            self._client(slot).call("OpenSession", {"job": job.id, "root": job.root, "lease_s": job.lease_s},
-                                    timeout_s=RPC_TIMEOUT_S)
+            call(self._client(slot), verbs.OpenSession(job.id, job.root, job.lease_s), timeout_s=RPC_TIMEOUT_S)
         except WorkerError as e:   # the job finds the worker gone and asks for Replace
             log.warning("cannot open job %s's session on worker %d: %s", job.id, slot, e)
 
     def _close_session(self, slot: int, job_id: str) -> None:
         try:
-            self._client(slot).call("CloseSession", {"job": job_id}, timeout_s=RPC_TIMEOUT_S)
+            call(self._client(slot), verbs.CloseSession(job_id), timeout_s=RPC_TIMEOUT_S)
         except WorkerError as e:   # a worker that is gone holds no session
             log.warning("cannot close job %s's session on worker %d: %s", job_id, slot, e)
 
     def _answers(self, slot: int) -> bool:
         try:
-            self._client(slot).call("Hello", timeout_s=2.0)
+            call(self._client(slot), verbs.Empty(), timeout_s=2.0, verb="Hello")
             return True
         except WorkerError:
             return False
@@ -267,7 +267,7 @@ class Manager:
         replies = {}
         for w in list(self.pool.workers):
             try:
-                replies[w.slot] = self._client(w.slot).call("Sessions", timeout_s=2.0)[0]
+                replies[w.slot] = verbs.encode(call(self._client(w.slot), verbs.Empty(), timeout_s=2.0, verb="Sessions")[0])
             except WorkerError as e:
                 replies[w.slot] = e
         with self._lock:
@@ -344,7 +344,8 @@ class Manager:
         held = collections.defaultdict(set)        # job id -> slots holding its session
         for w in self.pool.workers:
             try:
-                for s in self._client(w.slot).call("Sessions", timeout_s=RPC_TIMEOUT_S)[0].get("sessions", []):
+                sessions = call(self._client(w.slot), verbs.Empty(), timeout_s=RPC_TIMEOUT_S, verb="Sessions")[0].sessions
+                for s in sessions:
                     held[s["job"]].add(w.slot)
             except WorkerError as e:
                 log.warning("worker %d did not answer while rebuilding: %s", w.slot, e)
@@ -490,7 +491,7 @@ def main(argv=None) -> int:
     p.add_argument("--ray-address", default=None, help="ray: the Ray cluster to join (default: a new local one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s manager[%(process)d] %(levelname)s %(message)s")
-    from mpmd.runtime.launchers.local import default_compilation_cache
+    from mpmd.runtime.launchers.workers import default_compilation_cache
     from mpmd.runtime.worker.main import read_token_file, serve
 
     token_file = os.path.join(args.dir, "cluster.token")

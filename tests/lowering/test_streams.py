@@ -1,4 +1,4 @@
-"""Encoded instruction streams (runtime/worker/streams.py) and the array lowering (mpmd/lowering/core.py):
+"""PackedStream instruction streams (runtime/worker/streams.py) and the array lowering (mpmd/lowering/core.py):
 the same instructions as the object lowering they replaced (tests/support/lowering_reference.py),
 for every schedule, and a wire form that a worker checks before it expands anything."""
 import itertools
@@ -66,7 +66,7 @@ def test_encoded_lowering_equals_the_object_lowering(name, p, m, v):
 def test_deletes_know_a_buffer_by_its_numbers_whatever_names_it():
     # Written through field q, read through k, and once as a written-out name: one buffer.
     t = [Run("f{k}", ("x/{j}",), ("a{q}/{j}",)), Run("g{k}", ("a{k}/{j}",), ("y{k}",)), Run("h", ("a1/0", "y1"), ())]
-    enc = streams.Encoded(t, [0, 1, 0, 1, 2], [0, 1, 0, 1, 0], [0, 0, 1, 1, 0], [1, 0, 1, 0, 0],
+    enc = streams.PackedStream(t, [0, 1, 0, 1, 2], [0, 1, 0, 1, 0], [0, 0, 1, 1, 0], [1, 0, 1, 0, 0],
                           [0] * 5, [-1] * 5)
     done = list(streams.with_deletes(enc, {"y{k}"}))
     assert done == [Run("f0", ("x/0",), ("a1/0",)), Delete("x/0"), Run("g1", ("a1/0",), ("y1",)),
@@ -89,7 +89,7 @@ def test_an_encoded_plan_reads_as_instructions_and_renames():
 
 
 def _payload(templates, rows, columns=None) -> bytes:
-    return streams.Encoded(templates, *(columns or [[0] * rows] * 4 + [[1] * rows, [-1] * rows])).to_bytes()
+    return streams.PackedStream(templates, *(columns or [[0] * rows] * 4 + [[1] * rows, [-1] * rows])).to_bytes()
 
 
 def _raw(header: dict, rows: int = 0) -> bytes:

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, wait_gone
 from tests.recipes.test_resume_cli import TAG, final_state, metrics, tagged
 

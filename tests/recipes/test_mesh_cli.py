@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from mpmd.recipes import run_log
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, alive, mpmd_train, wait_gone
 
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)

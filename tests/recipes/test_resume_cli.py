@@ -17,7 +17,7 @@ import pytest
 
 from mpmd.train.checkpoints import read_leaves
 from mpmd.recipes import run_log
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, processes_tagged, wait_gone
 
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)

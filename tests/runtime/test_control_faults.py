@@ -136,7 +136,7 @@ def test_hung_receive_is_aborted_by_the_watchdog_as_a_lost_worker(cluster):
     cluster.step_timeout_s = 2.0
     try:
         # The message's "2.x s" is the watchdog's own measure of the time without progress.
-        with pytest.raises(WorkerLost, match=r"slice 1 .* lost: step \d+ made no progress for 2\.\d s "
+        with pytest.raises(WorkerLost, match=r"slice 1 .* lost: run \d+ made no progress for 2\.\d s "
                                              r"\(step_timeout_s=2\); unfinished slices: 1 at instruction 0 \(recv\)"):
             cluster.run(plan, next(run_ids), {}, {})
     finally:
@@ -287,14 +287,14 @@ def test_a_program_calling_a_host_callback_target_is_refused_at_load(cluster):
     ("Put", {"name": "b", "arrays": [{"$blob": 0}]}, [b"raw bytes, not an array"]),
     ("Put", {"name": "b", "arrays": "x"}, []),
     ("Get", {"names": ["no such buffer"]}, []),
-    ("Run", {"plan": "no such plan", "step": 1}, []),
-    ("Run", {"plan": "p", "step": 1, "feeds": {"x": 3}}, []),
+    ("Run", {"plan": "no such plan", "run": 1}, []),
+    ("Run", {"plan": "p", "run": 1, "feeds": {"x": 3}}, []),
     ("Connect", {"peers": {"zero": 5}}, []),
     ("Connect", {"peers": {"0": "not an address"}}, []),       # was INTERNAL
     # An overflowing shape made XLA abort the whole worker process.
     ("LoadPrograms", {"programs": [{"name": "s", "kind": "sleep", "outputs": [[[[2**40, 2**40], "float32"]]]}]}, []),
     ("InstallPlan", {"name": "p", "stream": [["recv", "b", 0, "k", [[[2**40, 2**40], "float32"]]]]}, []),
-    ("Abort", {"step": "now"}, []),
+    ("Abort", {"run": "now"}, []),
     ("LoadPrograms", {"programs": [{"name": "s", "kind": "sleep", "duration_s": "long"}]}, []),
     ("LoadPrograms", {"programs": [{"name": "s", "kind": "sleep", "outputs": [[[[2], "float99"]]]}]}, []),
 ])
@@ -304,3 +304,23 @@ def test_malformed_requests_get_invalid_argument(cluster, method, header, blobs)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     header, _ = wire.decode(raw_call(cluster.addresses[1], "Hello", wire.encode({}, []), cluster._token))
     assert header["pid"] == cluster.pids[1]       # still serving
+
+
+@pytest.mark.parametrize("method,header,says", [
+    ("Run", {"plan": "p"}, "Run request field 'run' must be an integer; it is missing"),
+    ("Run", {"plan": "p", "run": "7"}, "Run request field 'run' must be an integer, got str"),
+    ("Run", {"plan": "p", "run": True}, "Run request field 'run' must be an integer, got bool"),
+    ("Run", {"plan": "p", "step": 1}, "Run request has no field 'step'"),     # the old name of the run id
+    ("Abort", {}, "Abort request field 'run' must be"),
+    ("Put", {"name": 3, "arrays": []}, "Put request field 'name' must be a string, got int"),
+    ("FinishRestore", {"commit": "yes"}, "FinishRestore request field 'commit' must be a bool"),
+    ("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1"}, "Setup request field 'transfer_secret' must be"),
+])
+def test_a_request_that_does_not_match_its_verb_is_refused_naming_verb_and_field(cluster, method, header, says):
+    # Checked by the one table of verbs (runtime/wire/verbs.py) before any handler runs:
+    # a real worker answers INVALID_ARGUMENT, its slice's state untouched, and serves on.
+    with pytest.raises(grpc.RpcError) as e:
+        raw_call(cluster.addresses[1], method, wire.encode(header, []), cluster._token)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert says in e.value.details()
+    run_ok(cluster)

@@ -17,7 +17,7 @@ from mpmd import models
 import mpmd
 from tests.support import recovery_runs
 from tests.support import reference
-from mpmd.runtime.launchers.local import free_port
+from mpmd.runtime.launchers.workers import free_port
 from tests.support.processes import ROOT, wait_gone
 from tests.runtime.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
 

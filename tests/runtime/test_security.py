@@ -201,7 +201,7 @@ def test_an_encoded_plan_is_checked_by_the_worker_before_anything_is_installed(r
     from mpmd.runtime.worker.instructions import Copy, Delete
     cluster, _, _ = rooted_worker
     # A plan over templates with fields, shipped as bytes: the worker expands it and runs it.
-    plan = streams.Encoded([Copy("w", "c{k}/{j}"), Delete("c{k}/{j}")], [0, 0, 1], [3, 4, 4], [1, 1, 1],
+    plan = streams.PackedStream([Copy("w", "c{k}/{j}"), Delete("c{k}/{j}")], [0, 0, 1], [3, 4, 4], [1, 1, 1],
                            [0] * 3, [0] * 3, [-1] * 3)
     cluster.install_plan(0, "copies", plan)
     cluster.run("copies", 1, {}, {0: ("c3/1",)})

@@ -136,11 +136,11 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
         for i in range(2):
             b.load_programs(i, sleep)
             b.install_plan(i, "nap", [Run("nap", (), ("out",))])
-        code, message = refusal(lambda: a_raw.call("Run", {"plan": "nap", "step": 7}))
+        code, message = refusal(lambda: a_raw.call("Run", {"plan": "nap", "run": 7}))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "no plan 'nap'" in message
         pending = b.launch("nap", 7, {}, {0: ["out"]})
         time.sleep(0.3)
-        a_raw.call("Abort", {"step": 10**9})
+        a_raw.call("Abort", {"run": 10**9})
         assert pending.result()[0].fetched["out"][0].shape == (4,)
         # Admin RPCs need the cluster token; the cluster token does not act on a job's session.
         for method, header in (("Sessions", {}), ("OpenSession", {"job": "iso-a", "root": str(shared.root / "x")}),
@@ -159,7 +159,7 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
         naps = {"nap": programs.sleep(0.5, ((Spec((4,), "float32"),),))}
         a.load_programs(0, naps)
         a.install_plan(0, "naps", [Run("nap", (), ("out",))] * 4)
-        running = a_raw.future("Run", {"plan": "naps", "step": 1})
+        running = a_raw.future("Run", {"plan": "naps", "run": 1})
         time.sleep(0.2)
         assert shared.admin(0, "CloseSession", {"job": "iso-a"}) == {"freed": True}
         with pytest.raises(grpc.RpcError) as e:
@@ -313,7 +313,7 @@ def test_a_second_job_loading_the_same_programs_hits_the_cache(shared):
             client.call("InstallPlan", {"name": "p", "stream": [instructions.to_json(Run("deep", ("w", "x"), ("y",)))]})
             client.call("Put", {"name": "w", "arrays": [{"$blob": 0}]}, [W0])
             t2 = time.perf_counter()
-            h, blobs = client.call("Run", {"plan": "p", "step": 0, "feeds": {"x": [{"$blob": 0}]}, "fetch": ["y"]},
+            h, blobs = client.call("Run", {"plan": "p", "run": 0, "feeds": {"x": [{"$blob": 0}]}, "fetch": ["y"]},
                                    [XS[0]])
             t3 = time.perf_counter()
             results.append(wire.blob(blobs, h["fetched"]["y"][0]))

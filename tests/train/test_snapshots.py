@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from mpmd.runtime.worker import checkpoint
-from mpmd.runtime.worker.checkpoint import CheckpointStore, SliceCheckpointer
+from mpmd.runtime.worker import slice_store
+from mpmd.runtime.worker.slice_store import CheckpointStore, SliceCheckpointer
 from tests.support.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
 
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
@@ -67,7 +67,7 @@ def test_full_save_queue_blocks_and_drops_nothing(tmp_path):
     ck = SliceCheckpointer(max_queued=2)
     bundle = (jax.numpy.arange(6.0),)
     dirs = [str(tmp_path / f"step{i}") for i in range(3)]
-    with checkpoint._ORBAX:
+    with slice_store._ORBAX:
         ck.save({dirs[0]: {"p0": bundle}})
         ck.save({dirs[1]: {"p0": bundle}})
         third = threading.Thread(target=ck.save, args=({dirs[2]: {"p0": bundle}},))

@@ -1,4 +1,6 @@
-"""Checkpoints: each slice saves its own buffers with Orbax; the controller commits.
+"""Each slice's Orbax store of its own buffers (SliceCheckpointer), and the directory layout the
+controller commits them under (CheckpointStore). The Trainer's side, which tiers and commits
+checkpoints, is mpmd/train/checkpoints.py.
 
 Layout under the run directory:
     checkpoints/<step>/<part>/        one Orbax checkpoint per part (the frontend uses one per
