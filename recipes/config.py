@@ -7,6 +7,7 @@ Every check a user's config can fail runs in `load`, before any worker starts, a
 `ConfigError` naming the key and what is allowed.
 """
 
+import copy
 import difflib
 import hashlib
 import json
@@ -35,7 +36,8 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """model.*: the keys every family takes; each family's section (its ModelSpec's, in
     recipes/families/) adds its own, and model.kind picks the section."""
-    kind: str = Field("gpt", description="which model to build", json_schema_extra={"one_of": "model"})
+    kind: str = Field("gpt", description="which model to build (each family's own keys: its section in "
+                                         "recipes/families/)", json_schema_extra={"one_of": "model"})
 
 
 class DataConfig(_Section):
@@ -105,7 +107,8 @@ class ClusterSection(_Section):
     """cluster.*: the keys every backend takes; each backend's section (its BackendSpec's, in
     recipes/backends/) adds its own, and cluster.backend picks the section."""
     backend: str = Field(
-        "local", description="inprocess = threads; local = processes here; static = by address; "
+        "local", description="where the slices run (each backend's own keys: its section in recipes/backends/): "
+                             "inprocess = threads; local = processes here; static = by address; "
                              "shared = slices leased from a persistent cluster (`mpmd cluster up`)",
         json_schema_extra={"one_of": "cluster"})
     num_workers: int | None = Field(
@@ -386,9 +389,17 @@ def _flatten(values: dict, prefix: str) -> dict[str, Any]:
 
 
 def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """'key: saved -> now' for every math key whose value differs."""
+    """'key: saved -> now' for every math key whose value differs. A model key only one side
+    has, at the default of a family that has it, is no change (a manifest from before the
+    model section was per family records every family's keys)."""
+    def same(k):
+        if k in saved and k in now:
+            return saved[k] == now[k]
+        section, _, name = k.partition(".")
+        one = saved if k in saved else now
+        return section in _VARIANTS and "." not in name and _default_elsewhere(section, name, one[k])
     return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
-            for k in sorted(set(saved) | set(now)) if saved.get(k, "(unset)") != now.get(k, "(unset)")]
+            for k in sorted(set(saved) | set(now)) if not same(k)]
 
 
 def _schedule_problem(p: PipelineConfig) -> str | None:
@@ -510,16 +521,28 @@ def _leaf_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def _default_elsewhere(section: str, name: str, value) -> bool:
+    """Whether `value` of key section.name is the default of a variant that has the key: such a
+    key says nothing the variant without it does not mean (a resolved config from before the
+    sections were per kind lists every family's keys at their defaults)."""
+    specs = _VARIANTS[section][2]()
+    return any(name in spec.section.model_fields and spec.section.model_fields[name].default == value
+               for spec in specs.values())
+
+
 def _not_taken(section: str, chosen: type[BaseModel], values: dict) -> list[str]:
     """'model.num_kv_heads is only used by model.kind='llama', got kind 'gpt'' for each key of
-    values that the chosen family's (backend's) section lacks and another one has."""
+    values that the chosen family's (backend's) section lacks and another one has, unless the
+    value is that one's default (then the key is dropped from values)."""
     key, _, specs = _VARIANTS[section]
     out = []
-    for name in values:
+    for name in list(values):
         if name in chosen.model_fields:
             continue
         users = [n for n, spec in specs().items() if name in spec.section.model_fields]
-        if users:
+        if users and _default_elsewhere(section, name, values[name]):
+            del values[name]
+        elif users:
             out.append(f"{section}.{name} is only used by {section}.{key}={registry.one_of(users)}, "
                        f"got {key} '{chosen.model_fields[key].default}'")
     return out
@@ -607,6 +630,7 @@ def _describe_error(error: dict) -> str:
 def validate(values: dict) -> Config:
     """A nested dict of overrides -> Config, or ConfigError listing every problem. The
     modules under `imports` are imported first: they may register what the rest names."""
+    values = copy.deepcopy(values)     # _check_keys drops keys it ignores
     imports = values.get("imports", [])
     if isinstance(imports, list) and all(isinstance(name, str) and _MODULE.match(name) for name in imports):
         for i, name in enumerate(imports):

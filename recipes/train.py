@@ -227,6 +227,8 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
         return now
     changes = config_lib.math_changes(saved.get("math", {}), now["math"])
+    if not changes:       # the same values, hashed as an older schema listed them
+        return {**now, "math_hash_before": saved["math_hash"]}
     if not allow_config_change:
         raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained with other values "
                           f"of keys that change training ({'; '.join(changes)}): resume with "
@@ -284,7 +286,8 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
-        with _config_problem("cluster.backend='shared'", (JobRefused,)):    # the manager said no
+        # A shared cluster's manager may refuse the job (JobRefused).
+        with _config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
             # The lead's merge passes the records themselves (checkpoint=..., recovery=...), once
             # mpmd.Trainer takes them; until then their fields go in as its flat keywords.
             ckpt, recovery = trainer_options(cfg, metadata)

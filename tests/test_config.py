@@ -253,3 +253,22 @@ def test_every_shipped_yaml_loads_and_holds_only_overrides(path):
 def test_shipped_configs_exist():
     assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"gpt_tiny.yaml", "gpt_small.yaml",
                                                          "mlp.yaml", "llama_tiny.yaml", "llama_1b.yaml"}
+
+
+def test_a_flat_resolved_config_from_before_per_kind_sections_still_loads_and_resumes(tmp_path):
+    """Before model.* and cluster.* were per family and backend, a resolved config (and every
+    manifest's math) listed every family's keys; at their defaults they mean nothing else."""
+    old = Config().model_dump(mode="json")
+    old["model"].update(num_kv_heads=None, mlp_dim=None, tie_embeddings=False, dtype="float32", remat="none",
+                        in_features=16, hidden_features=64, out_features=4, module=None)
+    old["cluster"].update(addresses=[], spares=[], address=None, file=None, share=False, lease_s=None,
+                          resources={})
+    path = tmp_path / "config.yaml"
+    path.write_text("# resolved mpmd config\n" + yaml.safe_dump(old))
+    assert config.load(path, []) == Config()
+    math = {f"model.{k}": v for k, v in old["model"].items()}
+    assert config.math_changes({**Config().math(), **math}, Config().math()) == []
+    assert config.math_changes({**Config().math(), "model.num_kv_heads": 2}, Config().math()) == \
+        ["model.num_kv_heads: 2 -> '(unset)'"]
+    with pytest.raises(ConfigError, match="model.dtype is only used by model.kind='llama' or 'custom'"):
+        config.load(path, ["model.dtype=bfloat16"])
