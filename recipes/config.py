@@ -113,17 +113,10 @@ class ClusterSection(_Section):
         json_schema_extra={"one_of": "cluster"})
     num_workers: int | None = Field(
         None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
-    token_file: str | None = Field(
-        None, description="file holding the cluster secret; static needs one, others generate it; "
-                          "shared with cluster.address: the submit token")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     processes_per_slice: int = Field(
         1, gt=0, description="local, static, ray: worker processes (one per host) that together own one slice's "
                              "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice")
-    start_timeout_s: float = Field(
-        60.0, gt=0, allow_inf_nan=False,
-        description="local: how long a worker, or every process of a slice's gang, may take to start")
-    threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
     step_timeout_s: float | None = Field(
         None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
                                 "null = max(60 s, 20 x the median recent step time)")
@@ -153,6 +146,9 @@ class ClusterSection(_Section):
 
 class WorkerSection(ClusterSection):
     """cluster.*: what the backends whose slices are worker processes add."""
+    token_file: str | None = Field(
+        None, description="file holding the cluster secret; static needs one, others generate it; "
+                          "shared with cluster.address: the submit token")
     failure_timeout_s: float | None = Field(
         None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
                                 "and replaced; null = the cluster's default (5 s)")
@@ -751,6 +747,9 @@ def describe(model: type[BaseModel] = Config, indent: str = "", base: type[BaseM
         for other in sections[1:]:
             key = _VARIANTS[name][0]
             added = [(k, f) for k, f in other.model_fields.items() if k not in sections[0].model_fields]
-            lines.append(f"{indent}  # {key}: {other.model_fields[key].default}" + (" adds:" if added else ""))
+            lacks = [k for k in sections[0].model_fields if k not in other.model_fields]
+            lines.append(f"{indent}  # {key}: {other.model_fields[key].default}"
+                         + (f" takes none of {', '.join(lacks)}" if lacks else "")
+                         + (("," if lacks else "") + " adds:" if added else ""))
             lines += [f"{indent}  #   " + _describe_field(k, f, "") for k, f in added]
     return "\n".join(lines)

@@ -115,6 +115,11 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
      "cluster.failure_timeout_s is only used by cluster.backend='local', 'static', 'ray' or 'shared', "
      "got backend 'inprocess'"),
     (["log.level=quiet"], "log.level must be one of"),
+    (["checkpoint.keep=0"], "checkpoint.keep must be a positive integer"),           # mpmd.Checkpointing's rule
+    (["checkpoint.memory_every=-1"], "checkpoint.memory_every must be a non-negative integer"),
+    (["cluster.on_loss=never"], "cluster.on_loss must be one of 'replace', 'shrink', 'auto'"),   # mpmd.Recovery's
+    (["cluster.replace_timeout_s=-1"], "cluster.replace_timeout_s must be a finite number of seconds >= 0"),
+    (["cluster.slice_memory_bytes=0"], "cluster.slice_memory_bytes must be a positive integer"),
     (["data.source=files"], "data.paths must be non-empty when data.source='files'"),
     (["model.kind=mlp"], "data.source must be 'synthetic', got 'stdlib'"),
     (["model.kind=custom"], "model.kind='custom' needs model.module='package.module:function'"),

@@ -10,8 +10,16 @@ from mpmd.recipes.config import Config, WorkerSection
 from mpmd.recipes.registry import BackendSpec, register_backend_spec
 
 
-class LocalSection(WorkerSection):
+class ProcessesSection(WorkerSection):
+    """What the backends that start worker processes themselves add (local here, ray)."""
+    threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
+
+
+class LocalSection(ProcessesSection):
     backend: Literal["local"] = Field("local", description="where the slices run")
+    start_timeout_s: float = Field(
+        60.0, gt=0, allow_inf_nan=False,
+        description="how long a worker, or every process of a slice's gang, may take to start")
     max_workers: int | None = Field(
         None, gt=0, description="the most worker processes started over the run, replacements "
                                 "included; null = no limit (a lost worker is always replaced)")

@@ -6,11 +6,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from mpmd.recipes.config import Config, WorkerSection
+from mpmd.recipes.backends.local import ProcessesSection
+from mpmd.recipes.config import Config
 from mpmd.recipes.registry import BackendSpec, register_backend_spec
 
 
-class RaySection(WorkerSection):
+class RaySection(ProcessesSection):
     backend: Literal["ray"] = Field("ray", description="where the slices run")
     address: str | None = Field(
         None, description="the Ray cluster to join ('auto', 'HEAD_IP:6379', 'ray://head:10001'); "
