@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable, NamedTuple
 
 import grpc
 
@@ -475,6 +476,35 @@ def write_private(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+class PoolBackend(NamedTuple):
+    """Where a shared cluster's workers run (`mpmd cluster up --backend NAME`): start(args,
+    token_file, cluster_token) -> the started pool; rejoins: a manager started again
+    (--rejoin) takes over its workers; options: the `mpmd cluster up` options only it reads."""
+    start: Callable[[argparse.Namespace, str, str], object]
+    rejoins: bool
+    options: tuple[str, ...] = ()
+
+
+def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
+    from mpmd.runtime.launchers.local import default_compilation_cache
+    pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
+                      compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+    pool.start(args.workers)
+    return pool
+
+
+def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
+    # Its actors belong to the manager's Ray driver and end with it: nothing to rejoin.
+    pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
+                         args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
+    pool.start(args.workers)
+    return pool
+
+
+POOLS = {"local": PoolBackend(_local_pool, rejoins=True),
+         "ray": PoolBackend(_ray_pool, rejoins=False, options=("ray_address",))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpmd.runtime.manager.core", description="A shared cluster's manager "
                                 "(started by `mpmd cluster up`).")
@@ -487,7 +517,7 @@ def main(argv=None) -> int:
     p.add_argument("--lease-s", type=float, default=10.0)
     p.add_argument("--compile-cache-mb", type=int, default=None)
     p.add_argument("--rejoin", action="store_true", help="take over the workers of the cluster file")
-    p.add_argument("--backend", default="local", choices=("local", "ray"), help="where the workers run")
+    p.add_argument("--backend", default="local", choices=tuple(POOLS), help="where the workers run")
     p.add_argument("--ray-address", default=None, help="ray: the Ray cluster to join (default: a new local one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s manager[%(process)d] %(levelname)s %(message)s")
@@ -503,14 +533,8 @@ def main(argv=None) -> int:
         pool = WorkerPool(args.dir, token_file, saved["root"], saved.get("devices_per_worker", 1),
                           compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
         pool.rejoin(saved["workers"])
-    elif args.backend == "ray":
-        pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
-                             args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
-        pool.start(args.workers)
     else:
-        pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
-                          compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
-        pool.start(args.workers)
+        pool = POOLS[args.backend].start(args, token_file, cluster_token)
     manager = Manager(pool, cluster_token, submit_token, os.path.join(args.dir, "jobs.json"), args.lease_s)
     manager.cluster_file = args.file
     if args.rejoin:

@@ -69,8 +69,8 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["model.kind=llama", "model.num_heads=4", "model.num_kv_heads=3"],
      "model.num_kv_heads=3 must divide model.num_heads=4"),
     (["model.kind=llama", "model.d_model=66"], "model.d_model / model.num_heads = 33 must be even"),
-    (["model.dtype=bfloat16"], "model.dtype='bfloat16' is only implemented by model.kind='llama'"),
-    (["model.remat=block"], "model.remat='block' is only implemented by model.kind='llama'"),
+    (["model.dtype=bfloat16"], "model.dtype is only used by model.kind='llama' or 'custom', got kind 'gpt'"),
+    (["model.remat=block"], "model.remat is only used by model.kind='llama' or 'custom', got kind 'gpt'"),
     (["model.num_kv_heads=1"], "model.num_kv_heads is only used by model.kind='llama'"),
     (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
     (["train.sample_temperature=-1"], "train.sample_temperature must be >= 0"),
@@ -107,13 +107,19 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
      "cluster.addresses and cluster.spares list b:2 more than once"),
     (["cluster.backend=static", "cluster.addresses=[a:1, b:2]", "cluster.spares=[c]", "cluster.token_file=t"],
      "cluster.spares entry 'c' must be 'host:port'"),
-    (["cluster.address=auto"], "cluster.address (the Ray cluster to join) is only used by cluster.backend='ray'"),
+    (["cluster.address=auto"], "cluster.address is only used by cluster.backend='ray' or 'shared', got backend 'local'"),
     (["cluster.resources={GPU: 1}", "cluster.backend=static"], "cluster.resources is only used by cluster.backend='ray'"),
     (["cluster.resources={CPU: -1}", "cluster.backend=ray"], "cluster.resources.CPU=-1 must be >= 0"),
     (["cluster.failure_timeout_s=0"], "cluster.failure_timeout_s must be > 0"),
     (["cluster.failure_timeout_s=3", "cluster.backend=inprocess"],
-     "cluster.failure_timeout_s is not used by cluster.backend='inprocess'"),
+     "cluster.failure_timeout_s is only used by cluster.backend='local', 'static', 'ray' or 'shared', "
+     "got backend 'inprocess'"),
     (["log.level=quiet"], "log.level must be one of"),
+    (["checkpoint.keep=0"], "checkpoint.keep must be a positive integer"),           # mpmd.Checkpointing's rule
+    (["checkpoint.memory_every=-1"], "checkpoint.memory_every must be a non-negative integer"),
+    (["cluster.on_loss=never"], "cluster.on_loss must be one of 'replace', 'shrink', 'auto'"),   # mpmd.Recovery's
+    (["cluster.replace_timeout_s=-1"], "cluster.replace_timeout_s must be a finite number of seconds >= 0"),
+    (["cluster.slice_memory_bytes=0"], "cluster.slice_memory_bytes must be a positive integer"),
     (["data.source=files"], "data.paths must be non-empty when data.source='files'"),
     (["model.kind=mlp"], "data.source must be 'synthetic', got 'stdlib'"),
     (["model.kind=custom"], "model.kind='custom' needs model.module='package.module:function'"),
@@ -237,7 +243,10 @@ def test_hash_is_stable_short_and_sensitive():
 def test_every_shipped_yaml_loads_and_holds_only_overrides(path):
     cfg = config.load(path, [])
     assert path.read_text().startswith("#")  # says what it is
+    # The defaults of the file's own model family and backend (their sections differ by kind).
     defaults = Config().model_dump()
+    defaults["model"] = {**type(cfg.model)().model_dump(), "kind": defaults["model"]["kind"]}
+    defaults["cluster"] = {**type(cfg.cluster)().model_dump(), "backend": defaults["cluster"]["backend"]}
     for key in _leaf_keys(yaml.safe_load(path.read_text())):
         *sections, leaf = key.split(".")
         default, value = defaults, cfg.model_dump()
@@ -249,3 +258,22 @@ def test_every_shipped_yaml_loads_and_holds_only_overrides(path):
 def test_shipped_configs_exist():
     assert {p.name for p in CONFIGS.glob("*.yaml")} >= {"gpt_tiny.yaml", "gpt_small.yaml",
                                                          "mlp.yaml", "llama_tiny.yaml", "llama_1b.yaml"}
+
+
+def test_a_flat_resolved_config_from_before_per_kind_sections_still_loads_and_resumes(tmp_path):
+    """Before model.* and cluster.* were per family and backend, a resolved config (and every
+    manifest's math) listed every family's keys; at their defaults they mean nothing else."""
+    old = Config().model_dump(mode="json")
+    old["model"].update(num_kv_heads=None, mlp_dim=None, tie_embeddings=False, dtype="float32", remat="none",
+                        in_features=16, hidden_features=64, out_features=4, module=None)
+    old["cluster"].update(addresses=[], spares=[], address=None, file=None, share=False, lease_s=None,
+                          resources={})
+    path = tmp_path / "config.yaml"
+    path.write_text("# resolved mpmd config\n" + yaml.safe_dump(old))
+    assert config.load(path, []) == Config()
+    math = {f"model.{k}": v for k, v in old["model"].items()}
+    assert config.math_changes({**Config().math(), **math}, Config().math()) == []
+    assert config.math_changes({**Config().math(), "model.num_kv_heads": 2}, Config().math()) == \
+        ["model.num_kv_heads: 2 -> '(unset)'"]
+    with pytest.raises(ConfigError, match="model.dtype is only used by model.kind='llama' or 'custom'"):
+        config.load(path, ["model.dtype=bfloat16"])

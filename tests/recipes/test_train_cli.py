@@ -144,3 +144,15 @@ def test_too_few_devices_for_inprocess_is_a_config_error():
                              f"pipeline.num_microbatches={n}", f"train.batch_size={n}"])
     with pytest.raises(config.ConfigError, match=rf"cluster.backend='inprocess': .*device_count={n}"):
         train.build_cluster(cfg)
+
+
+def test_a_rerun_with_fewer_steps_than_the_run_holds_says_why_it_trains_none(gpt_run, tmp_path):
+    import shutil
+    run_dir = tmp_path / "run"
+    shutil.copytree(gpt_run[0], run_dir)       # the fixture's run stays as its tests read it
+    proc = mpmd_train("configs/gpt_tiny.yaml", "cluster.backend=inprocess", "train.steps=4",
+                      "train.sample_tokens=0", f"run_dir={run_dir}", *TINY_GPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to train: the run is at step 6 and train.steps=4" in proc.stdout + proc.stderr
+    assert "done: 0 steps" in proc.stdout
+    assert [r["step"] for r in run_log.read(run_dir)] == [1, 2, 3, 4, 5, 6]   # nothing dropped

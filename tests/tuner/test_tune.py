@@ -129,7 +129,7 @@ def test_split_at_given_cuts():
     ("tune.microbatch_counts=[3]", "tune.microbatch_counts=[3] must be a non-empty list of divisors of train.batch_size=8"),
     ("tune.schedule_names=[1f2b]", "tune.schedule_names[0] must be one of"),
     ("pipeline.cuts=[2,1]", "pipeline.cuts=[2, 1] must be 1 increasing layer indices"),
-    ("cluster.backend=inprocess", "cluster.backend must be 'local', 'static' or 'ray'"),
+    ("cluster.backend=inprocess", "cluster.backend must be 'local', 'static', 'ray' or 'shared'"),
 ])
 def test_bad_tune_config_exits_2_and_writes_nothing(tmp_path, override, match):
     output = tmp_path / "tuned.yaml"
