@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mpmd.runtime.launchers.local import process_alive as alive
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]     # the repository (this file is tests/support/processes.py)
 # Small enough that a run is mostly process start-up; data.max_bytes keeps corpus reading short.
 TINY_GPT = ["model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.seq_len=16",
             "train.batch_size=8", "train.eval_batches=2", "data.max_bytes=300000",
