@@ -366,13 +366,15 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
                                    num_microbatches=p.num_microbatches, cluster=cluster,
                                    virtual_stages=p.virtual_stages,
                                    max_grad_norm=cfg.optimizer.max_grad_norm,
-                                   run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
-                                   keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
-                                   max_failed_saves=cfg.checkpoint.max_failed_saves,
-                                   checkpoint_metadata=metadata, run_ahead=cfg.train.run_ahead,
+                                   run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
                                    mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None,
-                                   on_loss=cfg.cluster.on_loss, replace_timeout_s=cfg.cluster.replace_timeout_s,
-                                   slice_memory_bytes=cfg.cluster.slice_memory_bytes)
+                                   checkpoint=mpmd.Checkpointing(
+                                       every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                                       memory_every=cfg.checkpoint.memory_every,
+                                       max_failed_saves=cfg.checkpoint.max_failed_saves, metadata=metadata),
+                                   recovery=mpmd.Recovery(
+                                       on_loss=cfg.cluster.on_loss, replace_timeout_s=cfg.cluster.replace_timeout_s,
+                                       slice_memory_bytes=cfg.cluster.slice_memory_bytes))
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
