@@ -113,8 +113,7 @@ class Checkpointer:
     def save(self, step: int, data_state, extra: dict, wait: bool) -> None:
         """A persistent checkpoint of the state after `step` (StageCheckpoints.save), with the
         metadata and the global batch in its manifest. WorkerLost if a slice is lost."""
-        if self.persistent is None:
-            raise ValueError("this Trainer has no run_dir to save checkpoints in")
+        assert self.persistent is not None, "a save without a run_dir (the Trainer refuses it)"
         batch = {"batch": self._batch} if self._batch is not None else {}
         self.persistent.save(step, data_state, {**self.metadata, **batch, **extra}, wait=wait)
 

@@ -42,6 +42,14 @@ from mpmd.train.programs import Programs
 
 
 class Trainer:
+    """Trains `pipeline` with `optimizer` under `schedule` (a name, with num_microbatches and
+    virtual_stages, or a Schedule given as data) on `cluster` (default: in-process slices).
+    `max_grad_norm`: global-norm clipping; `run_dir`: where checkpoints are written and a
+    run resumes from; `mesh`, `rules`: each slice's mesh and the logical-axis rules
+    (mpmd/stages/sharding.py); `run_ahead`: steps sent beyond the oldest in flight;
+    `recv_window`: receives a slice posts ahead of use; `checkpoint`, `recovery`: the
+    option records (mpmd/train/options.py), their defaults when None."""
+
     def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation,
                  schedule: str | schedules.Schedule = "1f1b", num_microbatches: int | None = None,
                  cluster: Cluster | None = None, virtual_stages: int | None = None,
@@ -133,6 +141,8 @@ class Trainer:
         committed) is recovered as in `step`: Rewound says where to resume; save again after
         replaying."""
         self._check_open()
+        if self.checkpoints is None:
+            raise ValueError("this Trainer has no run_dir to save checkpoints in")
         self.dispatcher.collect_all()
         try:
             self.checkpointer.save(self.step_count, data_state, extra, wait=wait)
