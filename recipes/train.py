@@ -288,20 +288,14 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     try:
         # A shared cluster's manager may refuse the job (JobRefused).
         with _config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
-            # The lead's merge passes the records themselves (checkpoint=..., recovery=...), once
-            # mpmd.Trainer takes them; until then their fields go in as its flat keywords.
             ckpt, recovery = trainer_options(cfg, metadata)
             trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
                                    num_microbatches=p.num_microbatches, cluster=cluster,
                                    virtual_stages=p.virtual_stages,
                                    max_grad_norm=cfg.optimizer.max_grad_norm,
-                                   run_dir=cfg.run_dir, checkpoint_every=ckpt.every, keep=ckpt.keep,
-                                   async_checkpoint=ckpt.asynchronous, memory_every=ckpt.memory_every,
-                                   max_failed_saves=ckpt.max_failed_saves, checkpoint_metadata=ckpt.metadata,
-                                   run_ahead=cfg.train.run_ahead, mesh=cfg.slice_shapes(), rules=layout_rules(cfg),
-                                   on_loss=recovery.on_loss, replace_timeout_s=recovery.replace_timeout_s,
-                                   max_restarts=recovery.max_restarts,
-                                   slice_memory_bytes=recovery.slice_memory_bytes)
+                                   run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
+                                   mesh=cfg.slice_shapes(), rules=layout_rules(cfg),
+                                   checkpoint=ckpt, recovery=recovery)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()

@@ -121,7 +121,7 @@ def test_bfloat16_pipeline_matches_unpipelined_bfloat16(unpipelined, name, stage
     losses, grads, params, trainer = run(make_llama("bfloat16"), name, stages, v)
     b16, f32 = unpipelined["bfloat16"], unpipelined["float32"]
     # what crosses between slices really is bfloat16
-    recvs = [i for stream in trainer._lowered.train for i in stream if isinstance(i, Recv)]
+    recvs = [i for stream in trainer.lowered.train for i in stream if isinstance(i, Recv)]
     assert recvs and all(s.dtype == "bfloat16" for i in recvs for s in i.specs)
     np.testing.assert_allclose(losses, b16[0], rtol=3e-4)
     assert global_rel(grads, b16[1]) < 0.05

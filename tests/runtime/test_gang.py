@@ -102,7 +102,8 @@ def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, g
 def test_a_replaced_gang_comes_back_from_the_in_memory_tier(gang, gang_root, tmp_path):
     """The same with checkpoint snapshots in memory every step (mpmd/train/snapshots.py): the new
     gang gets its state from its peer slice's copy, sent gang to gang."""
-    assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", tmp_path / "ref", memory_every=1) == "memory"
+    assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", tmp_path / "ref",
+                                      checkpoint=mpmd.Checkpointing(every=recovery_runs.EVERY, memory_every=1)) == "memory"
 
 
 def lose_one_process_of_slice_1(cluster, run_dir, ref_dir, **trainer_kw) -> str:

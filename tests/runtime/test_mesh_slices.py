@@ -90,7 +90,7 @@ def test_layouts_follow_the_rules():
         assert s1.buffers[names.opt_state(1)][paths1.index("layers/0/mlp/up/kernel")].sharding.spec == P("fsdp", None)
         # the activation (4 rows a microbatch) crossing data=1 -> data x fsdp = 4 is split
         # along the batch on arrival
-        recv = next(i for i in trainer._lowered.train[1] if type(i).__name__ == "Recv")
+        recv = next(i for i in trainer.lowered.train[1] if type(i).__name__ == "Recv")
         assert recv.specs[0].layout == (("data", "fsdp"),) and recv.pieces == (1,)
 
 
@@ -168,8 +168,8 @@ def test_checkpoint_saved_on_one_mesh_resumes_on_another(tmp_path):
 
     def trainer(mesh):
         pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
-        return mpmd.Trainer(pipe, sgd(), num_microbatches=M, mesh=mesh, run_dir=tmp_path, async_checkpoint=False,
-                            cluster=mpmd.InProcessCluster())
+        return mpmd.Trainer(pipe, sgd(), num_microbatches=M, mesh=mesh, run_dir=tmp_path,
+                            checkpoint=mpmd.Checkpointing(asynchronous=False), cluster=mpmd.InProcessCluster())
 
     with trainer({"tensor": 2}) as t:
         t.step(*batches[0])

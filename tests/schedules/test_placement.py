@@ -54,7 +54,7 @@ def test_gpipe_on_a_v_runs_and_matches_unpipelined():
         losses = [trainer.step(x, y)["loss"] for x, y in data]
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         reference.assert_leaves_close(reference.stage_leaves(trainer.params()), ref_params, rtol=1e-5)
-        low = trainer._lowered
+        low = trainer.lowered
     # The turn of the V is local: stage 1 -> 2 needs no transfer, 0 -> 1 and 2 -> 3 do.
     keys = {i.key.split("/")[0] for stream in low.train for i in stream if isinstance(i, (Send, Recv))}
     assert {"act1", "act3", "grad0", "grad2"} <= keys and not {"act2", "grad1"} & keys

@@ -150,7 +150,7 @@ def test_zb_h1_with_clipping_equals_unpipelined_under_sgd_momentum():
     with mpmd.Trainer(pipe, sgd(), schedule="zb-h1", num_microbatches=4, max_grad_norm=CLIP,
                       cluster=mpmd.InProcessCluster()) as trainer:
         loss, grads = trainer.grads(*data[0])
-        _check_kept_lifetimes(trainer._lowered, 3)
+        _check_kept_lifetimes(trainer.lowered, 3)
         metrics = [trainer.step(x, y) for x, y in data]
         params = reference.stage_leaves(trainer.params())
     assert loss == pytest.approx(want[0][0], rel=1e-5)

@@ -62,9 +62,12 @@ def data():
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(STEPS)]
 
 
-def make_trainer(cluster, run_dir, spin=None, checkpoint_every=EVERY, num_stages=2, schedule="gpipe", **kw):
+def make_trainer(cluster, run_dir, spin=None, checkpoint=None, num_stages=2, schedule="gpipe", **kw):
+    """The Trainer of make_pipe(spin, num_stages); `checkpoint` (an mpmd.Checkpointing)
+    defaults to a checkpoint every EVERY steps."""
     return mpmd.Trainer(make_pipe(spin, num_stages), optax.adamw(1e-3), schedule, num_microbatches=4,
-                        cluster=cluster, run_dir=run_dir, checkpoint_every=checkpoint_every, **kw)
+                        cluster=cluster, run_dir=run_dir,
+                        checkpoint=checkpoint if checkpoint is not None else mpmd.Checkpointing(every=EVERY), **kw)
 
 
 def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):

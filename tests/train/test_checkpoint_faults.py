@@ -96,8 +96,8 @@ def test_restore_is_all_or_nothing(tmp_path):
     batches = [rng.integers(0, reference.VOCAB, (8, reference.SEQ)).astype(np.int32) for _ in range(8)]
     pipe = mpmd.Pipeline(mpmd.split(reference.make_gpt(), num_stages=2), mpmd_loss())
     trainer = mpmd.Trainer(pipe, optax.adamw(1e-3), "gpipe", num_microbatches=4,
-                           cluster=mpmd.InProcessCluster(), run_dir=tmp_path, checkpoint_every=2, keep=3,
-                           async_checkpoint=False)
+                           cluster=mpmd.InProcessCluster(), run_dir=tmp_path,
+                           checkpoint=mpmd.Checkpointing(every=2, keep=3, asynchronous=False))
     with trainer:
         params = {}
         for i in range(6):

@@ -76,7 +76,7 @@ def test_lost_worker_without_replacement_shrinks_then_grows_back(uninterrupted4,
     4 slices again. Losses and final parameters equal the uninterrupted 4-slice run's."""
     faults = Faults(kill_at=3, capacity_at=5)
     got = run_with_fault(tmp_path, faults, max_workers=4,
-                         trainer_kw=dict(**FOUR, on_loss="auto", replace_timeout_s=0))
+                         trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="auto", replace_timeout_s=0)))
     trainer = run_with_fault.trainer
     assert_close_run(got, uninterrupted4)
     changes = [(c["step"], c["num_slices"]) for c in trainer.layout_changes]
@@ -94,7 +94,8 @@ def test_shrink_finishes_on_the_survivors(uninterrupted4, tmp_path):
     persistent checkpoint onto 3 slices, rebuilds the in-memory ring over them and ends
     there, with the same losses."""
     faults = Faults(kill_at=5)
-    got = run_with_fault(tmp_path, faults, max_workers=4, trainer_kw=dict(**FOUR, on_loss="shrink", memory_every=1))
+    got = run_with_fault(tmp_path, faults, max_workers=4, trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="shrink"),
+                                                                            checkpoint=mpmd.Checkpointing(every=EVERY, memory_every=1)))
     trainer = run_with_fault.trainer
     assert_close_run(got, uninterrupted4)
     assert faults.slices_seen[-1] == 3 and trainer.num_slices == 3
@@ -121,7 +122,8 @@ def test_no_replacement_and_no_fit_stop_naming_slice_and_commit(on_loss, tmp_pat
     committed step; no process is left."""
     extra = {"slice_memory_bytes": _budget_of_two_slices()} if on_loss == "shrink" else {}
     cluster = mpmd.LocalCluster(max_workers=2)
-    trainer = make_trainer(cluster, tmp_path, schedule="1f1b", on_loss=on_loss, replace_timeout_s=0, **extra)
+    trainer = make_trainer(cluster, tmp_path, schedule="1f1b",
+                           recovery=mpmd.Recovery(on_loss=on_loss, replace_timeout_s=0, **extra))
     faults = Faults(kill_at=3)
     try:
         with pytest.raises(RuntimeError) as e:
@@ -142,7 +144,7 @@ def test_bad_elastic_arguments_are_value_errors():
                      (dict(replace_timeout_s=math.inf), "replace_timeout_s must be"),
                      (dict(slice_memory_bytes=0), "slice_memory_bytes must be")):
         with pytest.raises(ValueError, match=what):
-            mpmd.Trainer(pipe, optax.sgd(0.1), num_microbatches=2, **kw)
+            mpmd.Recovery(**kw)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_workers must be"):
             mpmd.LocalCluster(max_workers=bad)

@@ -45,7 +45,7 @@ def make_trainer(cluster, run_dir, layout, model=None, optimizer=None, num_micro
     stages = mpmd.split(model) if isinstance(model, MarkedGPT) else mpmd.split(model, num_stages=num_stages)
     return mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer or optax.sgd(0.1, momentum=0.9), schedule,
                         num_microbatches=num_microbatches, virtual_stages=virtual, cluster=cluster,
-                        run_dir=str(run_dir), checkpoint_every=2, keep=2)
+                        run_dir=str(run_dir), checkpoint=mpmd.Checkpointing(every=2, keep=2))
 
 
 def by_path(trainer) -> dict:
@@ -167,7 +167,7 @@ def test_stages_without_model_paths_refuse_another_stage_count(cluster):
     layers = models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)).layers()
     pipe = lambda cuts: mpmd.Pipeline([nnx.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:])], models.lm_loss)
     trainer = mpmd.Trainer(pipe([0, 3, 6]), optax.sgd(0.1), "1f1b", num_microbatches=4, cluster=c,
-                           run_dir=str(root / "modules"), checkpoint_every=1)
+                           run_dir=str(root / "modules"), checkpoint=mpmd.Checkpointing(every=1))
     try:
         assert trainer.pipeline.scoped_paths
         run(trainer, range(1))

@@ -150,7 +150,7 @@ def test_worker_lost_before_a_waited_save_commits(uninterrupted, workers, tmp_pa
     final step, with the uninterrupted run's losses and parameters."""
     batches = data()
     cluster = workers
-    trainer = make_trainer(cluster, tmp_path, checkpoint_every=3)     # commits steps 3 and 6, not 8
+    trainer = make_trainer(cluster, tmp_path, checkpoint=mpmd.Checkpointing(every=3))     # commits steps 3 and 6, not 8
     wait_saves = cluster.wait_saves
 
     def killing_wait_saves(r, directories):
@@ -195,7 +195,7 @@ def test_worker_sigstopped_is_declared_lost(uninterrupted, workers, tmp_path):
 def test_newest_checkpoint_damaged_falls_back(uninterrupted, workers, tmp_path, caplog):
     """Resume with the newest step truncated, then with a stage directory deleted: each time
     the previous committed step is used, with a warning naming the damaged one."""
-    with make_trainer(mpmd.InProcessCluster(), tmp_path, keep=3) as trainer:
+    with make_trainer(mpmd.InProcessCluster(), tmp_path, checkpoint=mpmd.Checkpointing(every=EVERY, keep=3)) as trainer:
         with pytest.raises(_Stop):
             train(trainer, data(), fault=_stop_after(6))
     ck = tmp_path / "checkpoints"
@@ -231,7 +231,7 @@ class _Stop(Exception):
 
 def test_gives_up_after_max_restarts(tmp_path):
     cluster = mpmd.LocalCluster()
-    trainer = make_trainer(cluster, tmp_path, max_restarts=0)
+    trainer = make_trainer(cluster, tmp_path, recovery=mpmd.Recovery(max_restarts=0))
     try:
         batches = data()
         trainer.step(batches[0], batches[0])

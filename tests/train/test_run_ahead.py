@@ -26,7 +26,7 @@ def train_ahead(ahead: int, run_dir, cluster=None):
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     with mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4,
                       cluster=cluster or mpmd.InProcessCluster(), run_ahead=ahead, run_dir=run_dir,
-                      checkpoint_every=EVERY, keep=5) as trainer:
+                      checkpoint=mpmd.Checkpointing(every=EVERY, keep=5)) as trainer:
         pending, losses, most = collections.deque(), [], 0
         for x, y in batches() * 2:
             pending.append(trainer.submit(x, y))

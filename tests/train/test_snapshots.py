@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import mpmd
 from mpmd.runtime.worker import slice_store
 from mpmd.runtime.worker.slice_store import CheckpointStore, SliceCheckpointer
 from tests.support.recovery_runs import EVERY, assert_same_run, kill_once, run_with_fault
@@ -25,7 +26,7 @@ def test_killed_worker_restores_from_memory_and_replays_one_step(uninterrupted, 
     receives slice 1's state from slice 0's copy, and only the failed step is computed
     again. With run-ahead each snapshot is sent right behind its step, before the next."""
     losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL), ahead=ahead, cluster=workers,
-                                             trainer_kw={"memory_every": 1, "checkpoint_every": 50})
+                                             trainer_kw={"checkpoint": mpmd.Checkpointing(every=50, memory_every=1)})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
     assert recovery["tier"] == "memory" and recovery["replayed"] == 1, recovery
@@ -37,7 +38,7 @@ def test_first_slice_restored_from_its_peer_every_other_step(uninterrupted, work
     """Slice 0 (the first stage) killed before batch 5 with a snapshot every 2 steps: its
     state comes from the copy slice 1 holds of step 4, and two steps are replayed."""
     losses, params, rewinds = run_with_fault(tmp_path, kill_once(5, signal.SIGKILL, slice_index=0), cluster=workers,
-                                             trainer_kw={"memory_every": 2, "checkpoint_every": 50})
+                                             trainer_kw={"checkpoint": mpmd.Checkpointing(every=50, memory_every=2)})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
     assert recovery["tier"] == "memory" and recovery["replayed"] == 2, recovery
@@ -54,7 +55,8 @@ def test_slice_and_its_peer_lost_fall_back_to_the_persistent_tier(uninterrupted,
             for pid in fault.fired:
                 os.kill(pid, signal.SIGKILL)
     fault.fired = []
-    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers, trainer_kw={"memory_every": 1})
+    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers,
+                                             trainer_kw={"checkpoint": mpmd.Checkpointing(every=EVERY, memory_every=1)})
     recovery = run_with_fault.trainer.recovery_s
     assert rewinds == 1
     assert recovery["tier"] == "persistent" and recovery["replayed"] == 6 - 2 * EVERY, recovery
