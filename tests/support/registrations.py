@@ -1,6 +1,6 @@
 """A model family, a cluster backend and a schedule registered from outside mpmd, the way a
 user's module does it; a config loads this module with `imports: [tests.support.registrations]`
-(tests/test_registries.py). Nothing in mpmd names them: if a registry stops being the one place
+(tests/recipes/test_registries.py). Nothing in mpmd names them: if a registry stops being the one place
 the recipe, the config or the tuner asks, a run naming them fails."""
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The table of RPC verbs (runtime/wire/verbs.py): what the worker's service serves and what
 the control plane sends are the table's records, and a header that does not match its verb's
 record is refused by the table, naming the verb and the field. Over real gRPC to a real
-worker: tests/test_control_faults.py."""
+worker: tests/runtime/test_control_faults.py."""
 import dataclasses
 import typing
 

@@ -10,7 +10,7 @@ import pytest
 import mpmd
 from tests.support.recovery_runs import make_pipe
 
-TRAIN = Path(__file__).resolve().parent.parent / "mpmd" / "train"
+TRAIN = Path(__file__).resolve().parents[2] / "mpmd" / "train"
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}    # public, despite the underscore
 
 
