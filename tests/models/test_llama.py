@@ -26,6 +26,9 @@ from mpmd.runtime.worker.instructions import Recv
 from tests.support import reference
 from tests.support.processes import ROOT
 
+# Many training runs against the unpipelined model, each seconds: outside the fast loop.
+pytestmark = pytest.mark.slow
+
 # vocabulary, width, query heads, key/value heads, blocks, sequence length: 4 layers, so 4 stages fit
 VOCAB, D, HEADS, KV_HEADS, BLOCKS, SEQ = 32, 16, 4, 2, 2, 8
 M = 4

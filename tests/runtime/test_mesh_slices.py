@@ -23,6 +23,9 @@ from tests.support import reference
 from tests.support.marked_models import MarkedGPT
 from tests.support.user_stages import UserModel, token_batches
 
+# Many training runs against the unpipelined model, each seconds: outside the fast loop.
+pytestmark = pytest.mark.slow
+
 M, RTOL = 4, 1e-5
 make_gpt = reference.make_gpt     # 32-token vocabulary, width 16, 6 blocks, 8 positions
 
@@ -149,7 +152,6 @@ def local2x2():
     cluster.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh,schedule", [({"data": 2}, "1f1b"), ([{"tensor": 2}, {"fsdp": 2}], "zb-h1")],
                          ids=["data2-1f1b", "tensor2|fsdp2-zbh1"])
 def test_mesh_slices_on_worker_processes_equal_in_process(local2x2, unpipelined, mesh, schedule):

@@ -19,6 +19,9 @@ from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
 from tests.support import reference
 from tests.support.reference import BATCH, batches, make_gpt
 
+# Many training runs against the unpipelined model, each seconds: outside the fast loop.
+pytestmark = pytest.mark.slow
+
 UNBOUNDED = 10**6     # every receive posted when the step starts (the runtime before the window)
 
 

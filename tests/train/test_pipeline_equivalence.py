@@ -9,6 +9,9 @@ import mpmd
 from tests.support import reference
 from tests.support.reference import batches, make_gpt
 
+# Many training runs against the unpipelined model, each seconds: outside the fast loop.
+pytestmark = pytest.mark.slow
+
 LR = 3e-4   # Adam turns relative gradient rounding into relative update error (~ LR per step); keep steps small
 
 
