@@ -1,4 +1,4 @@
-"""The report page: one self-contained HTML file (inline CSS and SVG, no script, no network).
+"""The report page: one self-contained HTML file (inline CSS and SVG, no network).
 
     path = write("runs/gpt_tiny")              # runs/gpt_tiny/report.html
     text = render(mpmd.report.load("runs/gpt_tiny", step=3))
@@ -8,6 +8,11 @@ against step and wall time, learning rate, grad norm, tokens/s, step time) with 
 recoveries and relayouts marked; the traced step's measured timeline above the simulated one
 on one time axis (mpmd.schedules.render draws both) with makespans, bubbles and the runs that
 depart most; goodput; memory per slice; config, layout, versions, checkpoints and logs.
+
+Every figure sits in an element with a data-region name; one small inline script writes, once
+the page has loaded, each region's box in page pixels to <html data-regions="{...}"> (what a
+headless browser's test reads to look at those pixels of its screenshot). The page shows the
+same without it.
 """
 from __future__ import annotations
 
@@ -74,6 +79,17 @@ def _table(header: list[str], rows: list[list], numeric=(), row_class=None) -> s
 
 
 # -- sections ------------------------------------------------------------------------------
+# After load: {region: [left, top, width, height]} in page pixels, on <html data-regions>.
+_SCRIPT = """addEventListener('load', () => { const out = {};
+for (const e of document.querySelectorAll('[data-region]')) { const b = e.getBoundingClientRect();
+  out[e.dataset.region] = [b.left + scrollX, b.top + scrollY, b.width, b.height]; }
+document.documentElement.dataset.regions = JSON.stringify(out); });"""
+
+
+def _region(name: str, content: str, cls: str = "") -> str:
+    return f"<div data-region='{name}'{f' class={chr(39)}{cls}{chr(39)}' if cls else ''}>{content}</div>"
+
+
 def _header(r: Report) -> str:
     last = r.metrics[-1]["step"]
     status = (f'<span class="badge done">finished</span>' if r.finished else
@@ -106,7 +122,8 @@ def _training(r: Report) -> str:
                  if isinstance(m.get(key), (int, float)) and (x == "step" or t is not None)]
         return Series(name, colour, [a for a, _ in pairs], [b for _, b in pairs])
 
-    charts_html = [
+    charts_html = [_region(name, chart) for name, chart in zip(
+        ("loss", "loss-time", "lr", "grad-norm", "tokens-per-s", "step-time"), [
         charts.line_chart("loss", [series("loss", "loss", _BLUE), series("eval_loss", "eval loss", _ORANGE)],
                           "step", by_step),
         charts.line_chart("loss against wall time", [series("loss", "loss", _BLUE, "time"),
@@ -116,7 +133,7 @@ def _training(r: Report) -> str:
         charts.line_chart("gradient norm (before clipping)", [series("grad_norm", "grad norm", _PURPLE)], "step", by_step),
         charts.line_chart("tokens/s", [series("tokens_per_s", "tokens/s", _RED)], "step", by_step),
         charts.line_chart("step time (s)", [series("step_s", "step_s", _GREY)], "step", by_step),
-    ]
+    ])]
     t = r.step_time
     figures = [_figure(fmt(r.metrics[-1]["loss"]), f"loss at step {r.metrics[-1]['step']}")]
     evals = r.series("eval_loss")
@@ -198,7 +215,7 @@ def _pipeline(r: Report) -> str:
     others = ", ".join(str(s) for s in r.traced_steps if s != c.step)
     return (f"<section id='pipeline'><h2>Pipeline: step {c.step} measured against the simulator</h2>"
             f"<div class='figures'>{figures}</div>"
-            f"<div class='timeline'>{timeline_svg(c)}</div>"
+            f"{_region('timeline', timeline_svg(c), 'timeline')}"
             f"<p class='note'>Both timelines start at the step's first run. The simulator prices each stage's "
             f"F, B and W at their mean measured time in this step and each cross-slice transfer at the latency "
             f"above; the norm and update run after each slice's last task at their measured times. Bubble = "
@@ -232,7 +249,8 @@ def _goodput(r: Report) -> str:
         timeline = render.draw_rows(rows, r.wall_s - start, "when the time was lost (each box ends at the record "
                                     "of the step that saw it)", axis_label="s")
     return (f"<section id='goodput'><h2>Goodput</h2><div class='figures'>{''.join(figures)}</div>"
-            f"{charts.bar_chart('time per cause', bars, _seconds)}<div class='timeline'>{timeline}</div>"
+            f"{_region('goodput-bars', charts.bar_chart('time per cause', bars, _seconds))}"
+            f"{_region('goodput-timeline', timeline, 'timeline') if timeline else ''}"
             f"<p class='note'>Detection is the aborted attempt up to the loss being declared; replay the steps "
             f"trained again after the restore; narrower layout the time run on fewer slices than configured "
             f"(not lost, but slower).</p></section>")
@@ -254,7 +272,7 @@ def _memory(r: Report) -> str:
     table = _table(["slice", "params", "grads", "optimizer", "activations (peak)", "predicted total", "measured peak"],
                    rows, numeric={1, 2, 3, 4, 5, 6})
     return (f"<section id='memory'><h2>Memory per slice</h2>{legend}"
-            f"{charts.bar_chart('predicted (dry run, from shapes) and measured', bars, _bytes, width=760)}{table}"
+            f"{_region('memory', charts.bar_chart('predicted (dry run, from shapes) and measured', bars, _bytes, width=760))}{table}"
             f"<p class='note'>Predicted: mpmd.stages.costs.slice_memory, as <code>mpmd train --dry-run</code> prints it "
             f"(not counted: activations in transit, XLA temporaries). Measured: the most bytes of the slice's buffers "
             f"and outstanding receives at once in a traced step, as the executor counts them; JAX reports no device "
@@ -298,7 +316,7 @@ def render_page(r: Report) -> str:
     """The whole page for a Report."""
     body = "".join([_training(r), _pipeline(r), _goodput(r), _memory(r), _config(r)])
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>mpmd report: {escape(r.run_dir)}</title>"
-            f"<style>{_CSS}</style></head><body>{_header(r)}<main>{body}</main></body></html>\n")
+            f"<style>{_CSS}</style></head><body>{_header(r)}<main>{body}</main><script>{_SCRIPT}</script></body></html>\n")
 
 
 def write(run_dir: str | Path, output: str | Path | None = None, step: int | None = None) -> Path:
