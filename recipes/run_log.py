@@ -224,5 +224,8 @@ def write_trace(path: str | Path, events_per_step: Mapping[int, Sequence[Iterabl
                  for pid in range(num_slices) for kind, tid in kinds.items()]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": metadata + trace, "displayTimeUnit": "ms"}))
+    # Temp file + os.replace: a report read while the run goes on sees the old trace or the new.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"traceEvents": metadata + trace, "displayTimeUnit": "ms"}))
+    os.replace(tmp, path)
     return path

@@ -268,7 +268,10 @@ def load(run_dir: str | Path, step: int | None = None) -> Report:
         note = "config.yaml is missing: the schedule of the traced step is not known"
     else:
         shown = step if step is not None else traced[-1]
-        comparison = pipeline.compare(shown, traces[shown], schedule_at(config, metrics, shown))
+        try:
+            comparison = pipeline.compare(shown, traces[shown], schedule_at(config, metrics, shown))
+        except ValueError as e:     # a trace the schedule does not explain: say why, show the rest
+            note = f"step {shown} not compared with the simulator: {e}"
     goodput, events = _goodput(metrics, _elapsed(metrics))
     checkpoints, layout = _checkpoints(run_dir)
     total = config.get("train", {}).get("steps")
