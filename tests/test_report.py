@@ -1,7 +1,7 @@
 """`mpmd report` and mpmd.report.load on a real run: 2 local worker processes, worker 1
-SIGKILLed once (replaced; the run recovers), a report taken while the run is going and the
-one `mpmd train` writes at its end, checked against the run's own files and in a real
-browser (Debian's chromium, headless)."""
+SIGKILLed once (replaced; the run recovers), then the same command with two more steps
+(a resume), a report taken while the run is going and the one `mpmd train` writes at its
+end, checked against the run's own files and in a real browser (Debian's chromium, headless)."""
 import json
 import shutil
 import signal
@@ -20,7 +20,7 @@ from mpmd.schedules import core as schedules
 from mpmd.schedules.simulate import simulate
 from tests.support.processes import Controller, mpmd_command, processes_tagged, wait_gone
 
-STEPS, TRACED, KILL_AFTER = 10, [2, 3], 6
+STEPS, TRACED, KILL_AFTER, MORE = 10, [2, 3], 6, 2
 OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
              f"train.steps={STEPS}", "train.eval_every=5", "train.eval_batches=2", "train.sample_tokens=0",
              "checkpoint.every=3", "log.progress=lines", "log.every=1", f"log.trace_steps={TRACED}",
@@ -36,7 +36,7 @@ class Run:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """gpt_tiny on 2 workers: a report read after step 4 (in progress), worker 1 SIGKILLed after
-    step KILL_AFTER, then the run finished."""
+    step KILL_AFTER, the run finished, then resumed for MORE steps."""
     base = tmp_path_factory.mktemp("report")
     run_dir, tag = base / "run", uuid.uuid4().hex
     ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES], {TAG: tag})
@@ -48,6 +48,8 @@ def run(tmp_path_factory):
         workers = ctl.workers()
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
+        ctl.succeed()
+        ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, f"train.steps={STEPS + MORE}"], {TAG: tag})
         stdout = ctl.succeed()
     finally:
         if ctl.proc.poll() is None:
@@ -64,10 +66,10 @@ def _trace_events(run_dir: Path, step: int) -> list[dict]:
 def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     r = mpmd.report.load(run.run_dir)
     records = run_log.read(run.run_dir)
-    assert r.finished and r.total_steps == STEPS
-    assert [m["step"] for m in r.metrics] == list(range(1, STEPS + 1))
+    assert r.finished and r.total_steps == STEPS + MORE
+    assert [m["step"] for m in r.metrics] == list(range(1, STEPS + MORE + 1))
     assert r.series("loss") == ([m["step"] for m in records], [m["loss"] for m in records])
-    assert r.series("eval_loss")[0] == [5, 10]
+    assert r.series("eval_loss")[0] == [5, 10, STEPS + MORE]
     # The summary line names the page mpmd train wrote.
     assert f"report {run.run_dir}/report.html" in run.stdout and (run.run_dir / "report.html").exists()
 
@@ -89,11 +91,12 @@ def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     assert c.simulated_makespan_s >= sim.makespan and c.makespan_ratio == c.measured_makespan_s / c.simulated_makespan_s
     assert c.departures and all(d.name in {s.name for s in c.measured[d.slice]} for d in c.departures)
 
-    # One recovery, marked before the first step trained again; goodput as the last record says.
+    # One recovery, marked before the first step trained again, and the resume; goodput as the
+    # run's last record of it says (the resumed run lost nothing).
     (marked,) = [m for m in records if "recovered" in m]
-    assert [(m.step, m.kind) for m in r.marks] == [(marked["step"], "recovery")]
-    assert marked["step"] <= KILL_AFTER + 1
-    assert r.goodput == records[-1]["goodput"] and r.goodput["failures"] == 1
+    assert [(m.step, m.kind) for m in r.marks] == [(marked["step"], "recovery"), (STEPS + 1, "resume")]
+    assert marked["step"] <= KILL_AFTER + 1 and f"checkpoint of step {STEPS}" in r.marks[1].text
+    assert r.goodput == [m for m in records if "goodput" in m][-1]["goodput"] and r.goodput["failures"] == 1
     for key, cause in CAUSES.items():
         assert sum(e.seconds for e in r.goodput_events if e.cause == cause) == pytest.approx(r.goodput[key])
 
@@ -108,7 +111,7 @@ def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     assert r.config_file == "configs/gpt_tiny.yaml" and r.overrides[:len(OVERRIDES)] == OVERRIDES
     src = r.config_sources
     assert (src["train.steps"], src["train.sample_prompt"], src["model.kind"]) == ("command line", "file", "default")
-    assert r.layout["placement"] == [0, 1] and r.checkpoints[-1] == STEPS
+    assert r.layout["placement"] == [0, 1] and r.checkpoints[-1] == STEPS + MORE
     assert {"jax", "mpmd", "flax"} <= set(r.versions)
     assert {l.name for l in r.logs} >= {"worker_0.log", "worker_1.log", "controller.log"}
 
@@ -116,7 +119,8 @@ def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     for region in ("loss", "loss-time", "lr", "grad-norm", "tokens-per-s", "step-time", "timeline",
                    "goodput-bars", "goodput-timeline", "memory"):
         assert f"data-region='{region}'" in page, region
-    assert f"{c.makespan_ratio:.2f}×" in page and f"{c.measured_bubble:.1%}" in page and "recovered:" in page
+    assert f"{c.makespan_ratio:.2f}×" in page and f"{c.measured_bubble:.1%}" in page
+    assert "recovered:" in page and "resumed from the checkpoint of step" in page
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mpmd.report.html import REPORT_FILE, render_page
+from mpmd.report.html import REPORT_FILE, write
 from mpmd.report.load import load
 
 
@@ -34,9 +34,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    path = args.output or f"{args.run_dir.rstrip('/')}/{REPORT_FILE}"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(render_page(report))
+    path = write(args.run_dir, args.output, report=report)
     c = report.pipeline
     if c is not None:
         print(f"step {c.step} ({c.schedule.name}, {c.schedule.num_slices} slices, m={c.schedule.num_microbatches}): "

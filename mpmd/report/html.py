@@ -87,7 +87,8 @@ document.documentElement.dataset.regions = JSON.stringify(out); });"""
 
 
 def _region(name: str, content: str, cls: str = "") -> str:
-    return f"<div data-region='{name}'{f' class={chr(39)}{cls}{chr(39)}' if cls else ''}>{content}</div>"
+    cls_attr = f" class='{cls}'" if cls else ""
+    return f"<div data-region='{name}'{cls_attr}>{content}</div>"
 
 
 def _header(r: Report) -> str:
@@ -206,8 +207,9 @@ def _pipeline(r: Report) -> str:
         _figure(f"{c.simulated_bubble:.1%}", "bubble simulated"),
         _figure(_seconds(c.comm_s), "transfer latency (median wait after the producer)"),
     ])
-    costs = _table(["stage", "F", "B", "W"], [[k, *(_seconds(cost[x]) for x in "FBW")] for k, cost in enumerate(c.costs)],
-                   numeric={1, 2, 3})
+    ran = {(s.task.stage, s.task.kind) for spans in c.measured for s in spans if s.task is not None}
+    costs = _table(["stage", "F", "B", "W"], [[k, *(_seconds(cost[x]) if (k, x) in ran else "— (no run)" for x in "FBW")]
+                                              for k, cost in enumerate(c.costs)], numeric={1, 2, 3})
     departures = _table(
         ["slice", "run", "measured start", "measured", "simulated start", "simulated", "delay it adds"],
         [[d.slice, d.name, _seconds(d.measured_start_s), _seconds(d.measured_s), _seconds(d.simulated_start_s),
@@ -319,11 +321,13 @@ def render_page(r: Report) -> str:
             f"<style>{_CSS}</style></head><body>{_header(r)}<main>{body}</main><script>{_SCRIPT}</script></body></html>\n")
 
 
-def write(run_dir: str | Path, output: str | Path | None = None, step: int | None = None) -> Path:
+def write(run_dir: str | Path, output: str | Path | None = None, step: int | None = None,
+          report: Report | None = None) -> Path:
     """Writes the report of `run_dir` to `output` (default <run_dir>/report.html) and returns its
-    path; `step`: the traced step to compare (default the most recent)."""
+    path; `step`: the traced step to compare (default the most recent); `report`: one already
+    loaded from run_dir (else it is loaded here)."""
     path = Path(output) if output is not None else Path(run_dir) / REPORT_FILE
-    text = render_page(load(run_dir, step))
+    text = render_page(report if report is not None else load(run_dir, step))
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)

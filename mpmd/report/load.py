@@ -151,9 +151,15 @@ def _step_times(metrics: list[dict]) -> StepTimes:
 
 
 def _goodput(metrics: list[dict], elapsed: list) -> tuple[dict | None, list[GoodputEvent]]:
-    last, events = None, []
+    """(the run's goodput totals, what each record added per cause). A record's goodput is
+    cumulative over its controller's life; a resume starts a new life from zero, so the totals
+    add up the last record of each life."""
+    lives, current, events = [], None, []
     before = dict.fromkeys(CAUSES, 0.0)
     for r, t in zip(metrics, elapsed):
+        if "resumed_from" in r:
+            lives.append(current)
+            current, before = None, dict.fromkeys(CAUSES, 0.0)
         g = r.get("goodput")
         if g is None:
             continue
@@ -162,8 +168,11 @@ def _goodput(metrics: list[dict], elapsed: list) -> tuple[dict | None, list[Good
             if added > 0:
                 events.append(GoodputEvent(r["step"], t, cause, added))
             before[key] = g.get(key, 0.0)
-        last = g
-    return last, events
+        current = g
+    lives = [g for g in lives + [current] if g is not None]
+    if not lives:
+        return None, events
+    return {key: sum(g.get(key, 0) for g in lives) for key in lives[-1]}, events
 
 
 def _wall_s(metrics: list[dict]) -> float | None:
