@@ -40,10 +40,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_recovery import MODELS, workers_log_to  # noqa: E402  (gpt_tiny's and gpt_small's shapes)
-from mpmd.runtime.launchers.local import process_alive  # noqa: E402
+from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
 
 STAGES, M, EVERY = 4, 4, 5
-POLICIES = {   # name -> (Trainer arguments, LocalCluster arguments, kills?)
+POLICIES = {   # name -> (mpmd.Recovery arguments, LocalCluster arguments, kills?)
     "fault-free": ({}, {}, False),
     "replace": ({"on_loss": "replace"}, {}, True),
     "shrink": ({"on_loss": "shrink"}, {}, True),
@@ -57,13 +57,14 @@ def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_ever
     import mpmd
     import optax
     from flax import nnx
-    trainer_kw, cluster_kw, kills = POLICIES[policy]
+    recovery_kw, cluster_kw, kills = POLICIES[policy]
     rng = np.random.default_rng(0)
     data = [rng.integers(0, gpt["vocab_size"], (batch, gpt["seq_len"])).astype(np.int32) for _ in range(steps)]
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**gpt, rngs=nnx.Rngs(0)), num_stages=STAGES), models.lm_loss)
     cluster = mpmd.LocalCluster(num_workers=STAGES, **cluster_kw)
     trainer = mpmd.Trainer(pipe, optax.adamw(3e-4), "1f1b", num_microbatches=M, cluster=cluster, run_dir=run_dir,
-                           checkpoint_every=EVERY, max_restarts=steps // kill_every + 1, **trainer_kw)
+                           checkpoint=mpmd.Checkpointing(every=EVERY),
+                           recovery=mpmd.Recovery(max_restarts=steps // kill_every + 1, **recovery_kw))
     restores, slowdowns, killed = [], [], set()
     try:
         trainer.step(data[0], data[0])       # compiled before the clock starts, as a warm run

@@ -52,9 +52,9 @@ def batches(n: int):
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(n)]
 
 
-def make_trainer(cluster, run_dir=None, checkpoint_every=None):
+def make_trainer(cluster, run_dir=None, checkpoint_every=0):
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
-    kw = dict(run_dir=run_dir, checkpoint_every=checkpoint_every) if run_dir else {}
+    kw = dict(run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=checkpoint_every)) if run_dir else {}
     return mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4, mesh={"data": 2},
                         cluster=cluster, **kw)
 

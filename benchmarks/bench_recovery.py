@@ -61,7 +61,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from mpmd.runtime.launchers.local import process_alive  # noqa: E402
+from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
 
 MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
     "tiny": (dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64), 16),
@@ -69,7 +69,7 @@ MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
 }
 GPT, BATCH = MODELS["tiny"]
 M, LR, EVERY = 4, 3e-4, 5
-TIERS = {"persistent": {}, "memory": {"memory_every": 1}}   # the Trainer arguments of each
+TIERS = {"persistent": {}, "memory": {"memory_every": 1}}   # the mpmd.Checkpointing arguments of each
 GOAL_S = 10.0
 PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
 
@@ -180,6 +180,7 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
     Each loss comes in the 3rd step after a persistent commit: the persistent tier replays
     3 steps, the memory tier only the failed one. "replay" is those steps' time
     (replayed x the steady step) and counts in the total."""
+    import mpmd
     signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
     data = batches()
     results: dict[tuple, list[dict]] = {}
@@ -188,7 +189,8 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
     for tier, kw in TIERS.items():
         cluster = timed_cluster(num_workers=2)
         failure_timeout_s = cluster.failure_timeout_s
-        trainer = make_trainer(cluster, run_dir=run_dir / tier, checkpoint_every=EVERY, max_restarts=10**6, **kw)
+        trainer = make_trainer(cluster, run_dir=run_dir / tier, checkpoint=mpmd.Checkpointing(every=EVERY, **kw),
+                               recovery=mpmd.Recovery(max_restarts=10**6))
         try:
             for x in data[:2]:
                 timed_step(trainer, x)       # compile
@@ -232,15 +234,15 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
 # -- b. checkpoint cost per step -------------------------------------------------------------
 def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> None:
     import mpmd
-    variants = {"none": {}, "memory": dict(memory_every=1), "async": dict(async_checkpoint=True, checkpoint_every=1),
-                "sync": dict(async_checkpoint=False, checkpoint_every=1)}
+    variants = {"none": {}, "memory": dict(memory_every=1), "async": dict(asynchronous=True, every=1),
+                "sync": dict(asynchronous=False, every=1)}      # mpmd.Checkpointing arguments
     data = batches()
     trainers = {}
     try:
         for name, kw in variants.items():
-            if "checkpoint_every" in kw:
-                kw = dict(kw, run_dir=run_dir / name)
-            trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), **kw)
+            where = {"run_dir": run_dir / name} if "every" in kw else {}
+            trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), checkpoint=mpmd.Checkpointing(**kw),
+                                          **where)
             for x in data[:2]:
                 timed_step(trainers[name], x)     # compile (and the first saves)
             if trainers[name].checkpoints is not None:
@@ -286,7 +288,7 @@ def main() -> None:
     global GPT, BATCH
     GPT, BATCH = MODELS[args.model]
     import jax
-    from mpmd.runtime.launchers.local import default_compilation_cache
+    from mpmd.runtime.launchers.workers import default_compilation_cache
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:

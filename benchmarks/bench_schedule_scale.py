@@ -12,10 +12,10 @@ numpy included) is its own. Per case it prints the seconds of
   simulate  simulate.simulate with F = B = W = 1 (validates again: it walks the schedule)
   lower     the controller's lowering of the training plan for EVERY slice, one after the
             other: lowering.train_stream (encoded rows, runtime/worker/streams.py), finished with
-            Deletes and the receive window left to the worker (Encoded.finishing), and
+            Deletes and the receive window left to the worker (PackedStream.finishing), and
             to_bytes, the payload InstallPlan ships; only one slice's arrays live at a time
   finish    what each worker then does for its own slice before expanding: from_bytes
-            (checks) and the Deletes + receive marks (Encoded.final), for every slice,
+            (checks) and the Deletes + receive marks (PackedStream.final), for every slice,
             one after the other (on a cluster each worker does only its own, in parallel);
             shown as the total, and the mean and largest per slice
 

@@ -13,6 +13,8 @@ _WHERE = {
     "abstract": "mpmd.stages.abstract",
     "Pipeline": "mpmd.stages.pipeline",
     "Trainer": "mpmd.train.trainer",
+    "Checkpointing": "mpmd.train.options",
+    "Recovery": "mpmd.train.options",
     "split": "mpmd.stages.split",
     "stage_boundary": "mpmd.stages.marks",
     "tune": "mpmd.tuner.core",
@@ -24,7 +26,7 @@ _WHERE = {
     "WorkerLost": "mpmd.runtime.control.cluster",
 }
 
-__all__ = ["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
+__all__ = ["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split", "stage_boundary", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
            "Rewound", "WorkerLost"]
 
 

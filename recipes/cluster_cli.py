@@ -27,10 +27,12 @@ import subprocess
 import sys
 import time
 
-from mpmd.runtime.launchers.local import process_alive
+from mpmd.runtime.launchers.workers import process_alive
 from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
+from mpmd.runtime.manager.core import POOLS
 
-BACKENDS = ("local", "ray")
+# Where a shared cluster's workers may run: the manager's table of worker pools.
+BACKENDS = tuple(POOLS)
 UP_TIMEOUT_S = 120.0
 LISTEN_DEFAULT = "127.0.0.1:0"
 
@@ -62,8 +64,11 @@ def check_up(args) -> None:
     """ValueError naming the argument that is wrong and what is allowed."""
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend {args.backend!r} is not available; allowed: {', '.join(BACKENDS)}")
-    if args.ray_address is not None and args.backend != "ray":
-        raise ValueError(f"--ray-address is only used by --backend ray, got --backend {args.backend}")
+    for option in sorted({o for pool in POOLS.values() for o in pool.options} - set(POOLS[args.backend].options)):
+        if getattr(args, option) is not None:
+            users = " or ".join(name for name, pool in POOLS.items() if option in pool.options)
+            raise ValueError(f"--{option.replace('_', '-')} is only used by --backend {users}, "
+                             f"got --backend {args.backend}")
     if args.rejoin:
         if args.workers is not None:
             raise ValueError("--rejoin takes the workers of the cluster file; do not give --workers")
@@ -90,8 +95,9 @@ def up(args) -> int:
         if process_alive(int(saved.get("manager_pid", 0)) or -1):
             raise ValueError(f"the manager of {cluster_file} (pid {saved['manager_pid']}) is running: nothing to rejoin")
         directory = saved["dir"]
-        if saved.get("backend") == "ray":
-            raise ValueError(f"{cluster_file} is a Ray-backed cluster: its worker actors ended with their manager; "
+        backend = saved.get("backend", "local")
+        if backend in POOLS and not POOLS[backend].rejoins:
+            raise ValueError(f"{cluster_file} is a {backend}-backed cluster: its workers ended with their manager; "
                              f"`mpmd cluster down --file {args.file}` and make it again")
         if args.listen == LISTEN_DEFAULT:      # where the jobs look for it
             args.listen = saved["manager"]

@@ -7,6 +7,7 @@ Every check a user's config can fail runs in `load`, before any worker starts, a
 `ConfigError` naming the key and what is allowed.
 """
 
+import copy
 import difflib
 import hashlib
 import json
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from mpmd.recipes import registry
+from mpmd.stages.mesh_axes import AXES, rule_problem
 from mpmd.schedules import core as schedules
-from mpmd.runtime.worker import gang
 
 
 class ConfigError(ValueError):
@@ -31,34 +33,11 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class ModelConfig(_Section):
-    kind: Literal["gpt", "llama", "mlp", "custom"] = Field("gpt", description="which model to build")
-    vocab_size: int = Field(256, gt=0, description="gpt/llama token vocabulary; 256 = one token per byte")
-    d_model: int = Field(64, gt=0, description="gpt/llama residual stream width")
-    num_heads: int = Field(2, gt=0, description="gpt/llama attention heads; must divide d_model")
-    num_layers: int = Field(4, gt=0, description="transformer blocks (gpt/llama) or hidden layers (mlp)")
-    seq_len: int = Field(64, ge=2, description="gpt/llama context length in tokens")
-    mlp_ratio: int = Field(4, gt=0, description="gpt feed-forward width as a multiple of d_model")
-    num_kv_heads: int | None = Field(
-        None, gt=0, description="llama key/value heads (grouped-query attention), dividing num_heads; "
-                                "null = num_heads")
-    mlp_dim: int | None = Field(
-        None, gt=0, description="llama SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64")
-    tie_embeddings: bool = Field(
-        False, description="llama: the LM head is the token embedding transposed (the model is then cut "
-                           "at stage marks, and the embedding's gradients are summed across the two stages)")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="llama compute and activation dtype (also what crosses slices); parameters, "
-                               "gradients, optimizer state and the loss stay float32")
-    remat: Literal["none", "block", "dots_saveable"] = Field(
-        "none", description="llama rematerialisation of each block in the backward: none = keep every "
-                            "residual; block = keep only block inputs; dots_saveable = also keep projection "
-                            "outputs (recompute attention, norms, activations)")
-    in_features: int = Field(16, gt=0, description="mlp input width")
-    hidden_features: int = Field(64, gt=0, description="mlp hidden width")
-    out_features: int = Field(4, gt=0, description="mlp output width")
-    module: str | None = Field(
-        None, description="custom: 'package.module:function' that builds a list of nnx stages")
+class ModelSection(_Section):
+    """model.*: the keys every family takes; each family's section (its ModelSpec's, in
+    recipes/families/) adds its own, and model.kind picks the section."""
+    kind: str = Field("gpt", description="which model to build (each family's own keys: its section in "
+                                         "recipes/families/)", json_schema_extra={"one_of": "model"})
 
 
 class DataConfig(_Section):
@@ -99,8 +78,9 @@ class OptimizerConfig(_Section):
 
 class PipelineConfig(_Section):
     num_stages: int = Field(2, gt=0, description="pipeline stages the model is split into")
-    schedule: Literal[tuple(schedules.SCHEDULES)] = Field(
-        "1f1b", description="order of forward/backward tasks on each slice")
+    schedule: str = Field(
+        "1f1b", description="order of forward/backward tasks on each slice",
+        json_schema_extra={"one_of": "schedule"})
     num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
     virtual_stages: int = Field(
         1, gt=0, description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
@@ -111,6 +91,11 @@ class PipelineConfig(_Section):
                           "pipeline stage after the first begins, increasing; null = cut where the "
                           "stages' estimated costs balance (`mpmd tune` writes measured ones)")
 
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, name: str) -> str:
+        return _known("pipeline.schedule", name, schedules.SCHEDULES)
+
     @model_validator(mode="after")
     def _schedule_default(self):
         if "virtual_stages" not in self.model_fields_set:     # not given: the schedule's own
@@ -118,66 +103,63 @@ class PipelineConfig(_Section):
         return self
 
 
-class ClusterConfig(_Section):
-    backend: Literal["inprocess", "local", "static", "ray", "shared"] = Field(
-        "local", description="inprocess = threads; local = processes here; static = by address; "
-                             "shared = slices leased from a persistent cluster (`mpmd cluster up`)")
+class ClusterSection(_Section):
+    """cluster.*: the keys every backend takes; each backend's section (its BackendSpec's, in
+    recipes/backends/) adds its own, and cluster.backend picks the section."""
+    backend: str = Field(
+        "local", description="where the slices run (each backend's own keys: its section in recipes/backends/): "
+                             "inprocess = threads; local = processes here; static = by address; "
+                             "shared = slices leased from a persistent cluster (`mpmd cluster up`)",
+        json_schema_extra={"one_of": "cluster"})
     num_workers: int | None = Field(
         None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
-    addresses: list[str | list[str]] = Field(
-        [], description="static: one 'host:port' per worker; with gangs, one list per slice of its processes' "
-                        "'host:port' (process 0 first), or a flat list cut by processes_per_slice")
-    spares: list[str | list[str]] = Field(
-        [], description="static: extra 'host:port' workers (or gangs, as addresses), each replacing one lost "
-                        "worker (without spares a static run cannot recover)")
-    address: str | None = Field(
-        None, description="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379', 'ray://head:10001'); "
-                          "null = $RAY_ADDRESS, else a new Ray instance on this machine. shared: the "
-                          "manager's 'host:port' (with token_file holding the submit token)")
-    file: str | None = Field(
-        None, description="shared: the cluster file `mpmd cluster up` wrote (manager address and submit "
-                          "token); null = ./mpmd-cluster.json unless cluster.address is given")
-    share: bool = Field(
-        False, description="shared: time-share workers with other sharing jobs (each job's results stay "
-                           "its own); false = wait for workers nobody else uses")
-    lease_s: float | None = Field(
-        None, gt=2, le=3600, allow_inf_nan=False,
-        description="shared: a job silent this long (its controller died) loses its lease: its sessions "
-                    "and buffers are freed and its workers go back to the pool; null = the cluster's "
-                    "(`mpmd cluster up --lease-s`, default 10 s)")
-    resources: dict[str, float] = Field(
-        {}, description="ray: resources each worker reserves, e.g. {CPU: 1, GPU: 1}; "
-                        "CPU defaults to threads_per_worker")
-    failure_timeout_s: float | None = Field(
-        None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
-                                "and replaced; null = the cluster's default (5 s)")
-    token_file: str | None = Field(
-        None, description="file holding the cluster secret; static needs one, others generate it; "
-                          "shared with cluster.address: the submit token")
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     processes_per_slice: int = Field(
         1, gt=0, description="local, static, ray: worker processes (one per host) that together own one slice's "
                              "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice")
-    start_timeout_s: float = Field(
-        60.0, gt=0, allow_inf_nan=False,
-        description="local: how long a worker, or every process of a slice's gang, may take to start")
-    threads_per_worker: int = Field(1, gt=0, description="XLA/BLAS threads per worker process")
     step_timeout_s: float | None = Field(
         None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
                                 "null = max(60 s, 20 x the median recent step time)")
-    on_loss: Literal["replace", "shrink", "auto"] = Field(
+    # Their rules are mpmd.Recovery's (mpmd/train/options.py), checked by building one.
+    on_loss: str = Field(
         "auto", description="a lost worker: replace = a new one or stop; shrink = go on with the same stages "
                             "on the survivors, back to all slices at a checkpoint once workers can start "
-                            "again; auto = replace if one comes within replace_timeout_s, else shrink")
+                            "again; auto = replace if one comes within replace_timeout_s, else shrink",
+        json_schema_extra={"one_of": "on_loss"})
     replace_timeout_s: float = Field(
-        60.0, ge=0, allow_inf_nan=False,
-        description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
-    max_workers: int | None = Field(
-        None, gt=0, description="local: the most worker processes started over the run, replacements "
-                                "included; null = no limit (a lost worker is always replaced)")
+        60.0, description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
     slice_memory_bytes: int | None = Field(
-        None, gt=0, description="bytes a layout on fewer slices may hold on one slice (parameters, "
-                                "gradients, optimizer state, saved activations); null = not checked")
+        None, description="bytes a layout on fewer slices may hold on one slice (parameters, "
+                          "gradients, optimizer state, saved activations); null = not checked")
+
+    def recovery(self):
+        """The Trainer's mpmd.Recovery record of these keys."""
+        from mpmd.train.options import Recovery
+        return Recovery(on_loss=self.on_loss, replace_timeout_s=self.replace_timeout_s,
+                        slice_memory_bytes=self.slice_memory_bytes)
+
+    @model_validator(mode="after")
+    def _recovery_rules(self):
+        _record_rules("cluster", self.recovery)
+        return self
+
+
+class WorkerSection(ClusterSection):
+    """cluster.*: what the backends whose slices are worker processes add."""
+    token_file: str | None = Field(
+        None, description="file holding the cluster secret; static needs one, others generate it; "
+                          "shared with cluster.address: the submit token")
+    failure_timeout_s: float | None = Field(
+        None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
+                                "and replaced; null = the cluster's default (5 s)")
+
+
+def address_problem(where: str, address: str, whose: str = "") -> str | None:
+    """None for a 'host:port' with port 1..65535, else the sentence saying so."""
+    match = _ADDRESS.match(address)
+    if match and 0 < int(match.group(1)) < 65536:
+        return None
+    return f"{where} {address!r} must be {whose}'host:port' with port 1..65535"
 
 
 class TuneConfig(_Section):
@@ -190,15 +172,22 @@ class TuneConfig(_Section):
     confirm_steps: int = Field(3, gt=0, description="timed steps per confirmed candidate (after one warm-up)")
     microbatch_counts: list[typing.Annotated[int, Field(gt=0)]] | None = Field(
         None, description="microbatch counts to consider, each dividing train.batch_size; null = every divisor")
-    schedule_names: list[Literal[tuple(schedules.SCHEDULES)]] | None = Field(
-        None, description="schedules to consider; null = all")
+    schedule_names: list[str] | None = Field(
+        None, description="schedules to consider; null = all", json_schema_extra={"one_of": "schedule"})
     max_virtual_stages: int = Field(4, gt=0, description="most stages per slice interleaved-1f1b may take")
     output: str = Field("tuned.yaml", description="where the winner's config is written")
 
+    @field_validator("schedule_names")
+    @classmethod
+    def _known_schedules(cls, names):
+        for i, name in enumerate(names or []):
+            _known(f"tune.schedule_names[{i}]", name, schedules.SCHEDULES)
+        return names
 
-# mpmd.stages.sharding.AXES, in its order; repeated because that module imports JAX, and a config is
-# checked before JAX is imported (tests/test_config.py keeps the two equal).
-MESH_AXES = ("data", "fsdp", "tensor")
+
+# The mesh axes of every slice, in order: defined once, in the runtime (which imports JAX only to
+# bind a mesh to devices), so a config is checked against them before JAX is imported.
+MESH_AXES = AXES
 
 
 class SliceShape(_Section):
@@ -227,14 +216,26 @@ class MeshConfig(SliceShape):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(50, ge=0, description="save every N steps and at the end; 0 = end only")
+    """Their rules are mpmd.Checkpointing's (mpmd/train/options.py), checked by building one."""
+    every: int = Field(50, description="save every N steps and at the end; 0 = end only")
     memory_every: int = Field(
-        0, ge=0, description="also snapshot every N steps in host memory, copied to a peer slice: "
-                             "a lost worker is restored from it and replays at most N steps; 0 = off")
-    keep: int = Field(2, gt=0, description="newest committed checkpoints kept on disk")
+        0, description="also snapshot every N steps in host memory, copied to a peer slice: "
+                       "a lost worker is restored from it and replays at most N steps; 0 = off")
+    keep: int = Field(2, description="newest committed checkpoints kept on disk")
     max_failed_saves: int = Field(
-        1, ge=0, description="saves that may fail after a failed one (retries, or saves already "
-                             "in flight) before training stops at the last committed step")
+        1, description="saves that may fail after a failed one (retries, or saves already "
+                       "in flight) before training stops at the last committed step")
+
+    def record(self, metadata: dict | None = None):
+        """The Trainer's mpmd.Checkpointing record of these keys, with `metadata` in every manifest."""
+        from mpmd.train.options import Checkpointing
+        return Checkpointing(every=self.every, keep=self.keep, max_failed_saves=self.max_failed_saves,
+                             memory_every=self.memory_every, metadata=dict(metadata or {}))
+
+    @model_validator(mode="after")
+    def _checkpointing_rules(self):
+        _record_rules("checkpoint", self.record)
+        return self
 
 
 class LogConfig(_Section):
@@ -250,22 +251,74 @@ class LogConfig(_Section):
 
 
 _ADDRESS = re.compile(r"^[^\s:]+:(\d{1,5})$")
-_MODULE_FN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# The sections picked by a key inside them: section -> (that key, the registry of its variants).
+_VARIANTS = {"model": ("kind", ModelSection, registry.model_specs),
+             "cluster": ("backend", ClusterSection, registry.backend_specs)}
+
+
+def _variant(section: str, values) -> type[BaseModel]:
+    """The section class for the values given (a dict, or a section already built): the
+    registered spec's of its kind (model) or backend (cluster); ValueError naming those known."""
+    key, base, specs = _VARIANTS[section]
+    if isinstance(values, BaseModel):
+        return type(values)
+    name = values.get(key, base.model_fields[key].default) if isinstance(values, dict) else None
+    known = specs()
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"{section}.{key} must be one of {registry.one_of(known)}, got {name!r}")
+    return known[name].section
+
+
+def _known(key: str, name, names) -> str:
+    if name not in names:
+        raise ValueError(f"{key} must be one of {registry.one_of(names)}, got {name!r}")
+    return name
+
+
+def _record_rules(section: str, make) -> None:
+    """Builds the Trainer's option record of a section (its __post_init__ holds the rules);
+    its ValueError, naming the field, becomes one naming the key."""
+    try:
+        make()
+    except ValueError as e:
+        raise ValueError(f"{section}.{e}") from None
 
 
 class Config(_Section):
+    imports: list[str] = Field(
+        [], description="modules imported before the rest of the config is checked, e.g. [my_pkg.my_family]: "
+                        "a module that registers a model family (mpmd.recipes.registry.register_model_spec), "
+                        "a cluster backend (register_backend_spec) or a schedule (mpmd.schedules."
+                        "register_schedule) makes its name valid for model.kind, cluster.backend or "
+                        "pipeline.schedule; the working directory is on the import path")
     run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
     seed: int = Field(0, description="seeds parameter init and data order")
-    model: ModelConfig = ModelConfig()
+    # model and cluster: the section of the registered family or backend their kind/backend names.
+    model: SerializeAsAny[ModelSection] = Field(default_factory=lambda: _variant("model", {})())
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     pipeline: PipelineConfig = PipelineConfig()
-    cluster: ClusterConfig = ClusterConfig()
+    cluster: SerializeAsAny[ClusterSection] = Field(default_factory=lambda: _variant("cluster", {})())
     mesh: MeshConfig = MeshConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
+
+    @field_validator("model", "cluster", mode="before")
+    @classmethod
+    def _registered_section(cls, values, info):
+        section = _variant(info.field_name, values)
+        return values if isinstance(values, section) else section.model_validate(values)
+
+    @field_validator("imports")
+    @classmethod
+    def _module_names(cls, names):
+        for i, name in enumerate(names):
+            if not _MODULE.match(name):
+                raise ValueError(f"imports[{i}]={name!r} must be a module name, e.g. my_pkg.my_family")
+        return names
 
     @property
     def num_workers(self) -> int:
@@ -332,9 +385,17 @@ def _flatten(values: dict, prefix: str) -> dict[str, Any]:
 
 
 def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """'key: saved -> now' for every math key whose value differs."""
+    """'key: saved -> now' for every math key whose value differs. A model key only one side
+    has, at the default of a family that has it, is no change (a manifest from before the
+    model section was per family records every family's keys)."""
+    def same(k):
+        if k in saved and k in now:
+            return saved[k] == now[k]
+        section, _, name = k.partition(".")
+        one = saved if k in saved else now
+        return section in _VARIANTS and "." not in name and _default_elsewhere(section, name, one[k])
     return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
-            for k in sorted(set(saved) | set(now)) if saved.get(k, "(unset)") != now.get(k, "(unset)")]
+            for k in sorted(set(saved) | set(now)) if not same(k)]
 
 
 def _schedule_problem(p: PipelineConfig) -> str | None:
@@ -351,8 +412,11 @@ def _schedule_problem(p: PipelineConfig) -> str | None:
 
 
 def _cross_field_problems(c: Config) -> list[str]:
-    """Every cross-field inconsistency, each a full sentence; empty when the config is sound."""
-    m, p, t, d, cl = c.model, c.pipeline, c.train, c.data, c.cluster
+    """Every cross-section inconsistency, each a full sentence; empty when the config is sound.
+    A key a family or backend does not take is not here: its section has no such key
+    (`_check_keys` says which kinds or backends take it); what a family or backend needs of
+    the other sections is its spec's `problems`."""
+    p, t, d, tb = c.pipeline, c.train, c.data, c.tune
     out = []
     if t.batch_size % p.num_microbatches:
         out.append(f"train.batch_size={t.batch_size} must be divisible by "
@@ -364,7 +428,6 @@ def _cross_field_problems(c: Config) -> list[str]:
                                or (p.cuts and p.cuts[0] < 1)):
         out.append(f"pipeline.cuts={p.cuts} must be {p.num_stages - 1} increasing layer indices >= 1 "
                    f"(one per stage after the first, pipeline.num_stages={p.num_stages}), or null")
-    tb = c.tune
     if tb.microbatch_counts is not None:
         bad = [m for m in tb.microbatch_counts if t.batch_size % m]
         if bad or not tb.microbatch_counts:
@@ -373,48 +436,7 @@ def _cross_field_problems(c: Config) -> list[str]:
                        f"({[m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0]}), or null")
     if tb.schedule_names is not None and not tb.schedule_names:
         out.append(f"tune.schedule_names must name at least one of {list(schedules.SCHEDULES)}, or be null (all)")
-    num_slices = max(1, p.num_stages // p.virtual_stages)
-    if m.kind in ("gpt", "llama"):
-        if m.d_model % m.num_heads:
-            out.append(f"model.d_model={m.d_model} must be divisible by "
-                       f"model.num_heads={m.num_heads}")
-        if p.num_stages > m.num_layers + 2:
-            out.append(f"pipeline.num_stages={p.num_stages} is more than the {m.kind}'s "
-                       f"{m.num_layers + 2} layers (embed + {m.num_layers} blocks + head)")
-    if m.kind == "llama":
-        if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
-            out.append(f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
-                       f"(rotary embeddings rotate pairs of dimensions)")
-        if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
-            out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
-    else:
-        for key, value, default in (("num_kv_heads", m.num_kv_heads, None), ("mlp_dim", m.mlp_dim, None),
-                                    ("tie_embeddings", m.tie_embeddings, False)):
-            if value != default:
-                out.append(f"model.{key} is only used by model.kind='llama', got kind '{m.kind}'")
-        # A custom builder gets the config and may honour dtype and remat itself.
-        for key, value, default in (("dtype", m.dtype, "float32"), ("remat", m.remat, "none")):
-            if value != default and m.kind != "custom":
-                out.append(f"model.{key}={value!r} is only implemented by model.kind='llama' (or a custom "
-                           f"model that reads it), got kind '{m.kind}'")
-    if m.kind == "mlp":
-        if p.num_stages > m.num_layers + 1:
-            out.append(f"pipeline.num_stages={p.num_stages} is more than the mlp's "
-                       f"{m.num_layers + 1} layers ({m.num_layers} hidden + output)")
-        if d.source != "synthetic":
-            out.append(f"model.kind='mlp' regresses synthetic data: data.source must be "
-                       f"'synthetic', got '{d.source}'")
-        if t.sample_tokens:
-            out.append(f"model.kind='mlp' cannot sample text: train.sample_tokens must be 0, "
-                       f"got {t.sample_tokens}")
-    if m.kind == "custom" and not (m.module and _MODULE_FN.match(m.module)):
-        out.append(f"model.kind='custom' needs model.module='package.module:function', "
-                   f"got {m.module!r}")
-    if m.kind != "custom" and m.module is not None:
-        out.append(f"model.module is only used by model.kind='custom', got kind '{m.kind}'")
-    if d.source in ("stdlib", "files") and m.kind != "mlp" and m.vocab_size < 256:
-        out.append(f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must "
-                   f"be >= 256, got {m.vocab_size}")
+    out += registry.get_model_spec(c.model.kind).problems(c)
     if (d.source == "files") != bool(d.paths):
         out.append("data.paths must be non-empty when data.source='files' and empty otherwise, "
                    f"got source '{d.source}' with {len(d.paths)} paths")
@@ -423,112 +445,25 @@ def _cross_field_problems(c: Config) -> list[str]:
     if c.optimizer.name != "adamw" and c.optimizer.weight_decay:
         out.append(f"optimizer.weight_decay={c.optimizer.weight_decay} only applies to 'adamw'; "
                    f"set it to 0 for '{c.optimizer.name}'")
-    if cl.num_workers is not None and cl.num_workers != num_slices:
-        out.append(f"cluster.num_workers={cl.num_workers} must equal pipeline.num_stages // "
+    num_slices = max(1, p.num_stages // p.virtual_stages)
+    if c.cluster.num_workers is not None and c.cluster.num_workers != num_slices:
+        out.append(f"cluster.num_workers={c.cluster.num_workers} must equal pipeline.num_stages // "
                    f"pipeline.virtual_stages = {num_slices} (or be null)")
-    # Gangs (runtime/worker/gang.py): addresses grouped per slice, as lists or cut by processes_per_slice.
-    ganged = cl.processes_per_slice > 1 or any(isinstance(a, list) for a in cl.addresses + cl.spares)
-    num_slots = len(cl.addresses)
-    if ganged:
-        for key in ("addresses", "spares"):
-            try:
-                slots = gang.group_addresses(getattr(cl, key), cl.processes_per_slice) if getattr(cl, key) else []
-            except ValueError as e:
-                out.append(f"cluster.{key}: {e}")
-                slots = None
-            if key == "addresses":
-                num_slots = len(slots) if slots is not None else num_slices
-    if cl.backend == "static":
-        if num_slots != num_slices:
-            out.append(f"cluster.backend='static' needs cluster.addresses with one 'host:port' per worker "
-                       f"({num_slices}), got {num_slots}" if not ganged else
-                       f"cluster.backend='static' needs cluster.addresses with one gang (the 'host:port' of each "
-                       f"of its processes) per slice ({num_slices}), got {num_slots}")
-        if not cl.token_file:
-            out.append("cluster.backend='static' needs cluster.token_file (the secret the "
-                       "workers were started with)")
-    else:
-        for key in ("addresses", "spares"):
-            if getattr(cl, key):
-                out.append(f"cluster.{key} is only used by cluster.backend='static', got backend "
-                           f"'{cl.backend}'" + ("" if key == "addresses" else
-                                                " (a local or ray cluster starts its own replacements)"))
-    for key in ("addresses", "spares"):
-        for address in [a for g in getattr(cl, key) for a in (g if isinstance(g, list) else [g])]:
-            match = _ADDRESS.match(address)
-            if not match or not 0 < int(match.group(1)) < 65536:
-                out.append(f"cluster.{key} entry {address!r} must be 'host:port' "
-                           f"with port 1..65535")
-    flat = [a for g in cl.addresses + cl.spares for a in (g if isinstance(g, list) else [g])]
-    twice = sorted({a for a in flat if flat.count(a) > 1})
-    if twice:
-        out.append(f"cluster.addresses and cluster.spares list {', '.join(twice)} more than once: "
-                   f"each worker serves one slice or waits as one spare")
-    out += _shared_problems(cl)
-    if cl.backend not in ("ray", "shared"):
-        if cl.address is not None:
-            out.append(f"cluster.address (the Ray cluster to join) is only used by cluster.backend='ray', "
-                       f"got backend '{cl.backend}'"
-                       + ("; a static cluster's workers are cluster.addresses" if cl.backend == "static" else ""))
-        if cl.resources:
-            out.append(f"cluster.resources is only used by cluster.backend='ray', got backend '{cl.backend}'")
-    for name, amount in cl.resources.items():
-        if amount < 0:
-            out.append(f"cluster.resources.{name}={amount:g} must be >= 0")
-    if cl.max_workers is not None:
-        if cl.backend != "local":
-            out.append(f"cluster.max_workers is only used by cluster.backend='local', got backend '{cl.backend}'"
-                       + ("; a static cluster's replacements are cluster.spares" if cl.backend == "static" else ""))
-        elif cl.max_workers < num_slices:
-            out.append(f"cluster.max_workers={cl.max_workers} must be at least the {num_slices} worker(s) the "
-                       f"slices need (or null)")
-    if cl.processes_per_slice > 1 and cl.backend == "inprocess":
-        out.append(f"cluster.processes_per_slice={cl.processes_per_slice} needs worker processes: "
-                   f"cluster.backend 'local', 'static' or 'ray', got 'inprocess' (use 1)")
-    if cl.backend == "inprocess" and cl.failure_timeout_s is not None:
-        out.append("cluster.failure_timeout_s is not used by cluster.backend='inprocess' (its slices are "
-                   "threads of this process, never lost): set it to null")
+    out += registry.get_backend_spec(c.cluster.backend).problems(c)
     return out + _mesh_problems(c, num_slices)
 
 
-def _shared_problems(cl: ClusterConfig) -> list[str]:
-    """The cluster.* keys of backend 'shared', and those only it uses."""
-    out = []
-    if cl.backend != "shared":
-        for key, value, default in (("file", cl.file, None), ("share", cl.share, False),
-                                    ("lease_s", cl.lease_s, None)):
-            if value != default:
-                out.append(f"cluster.{key} is only used by cluster.backend='shared', got backend '{cl.backend}'")
-        return out
-    if cl.file is not None and cl.address is not None:
-        out.append("cluster.backend='shared' takes cluster.file (the cluster file) or cluster.address "
-                   "(the manager's 'host:port', with cluster.token_file), not both")
-    if cl.address is not None:
-        match = _ADDRESS.match(cl.address)
-        if not match or not 0 < int(match.group(1)) < 65536:
-            out.append(f"cluster.address {cl.address!r} must be the manager's 'host:port' with port 1..65535")
-        if not cl.token_file:
-            out.append("cluster.backend='shared' with cluster.address needs cluster.token_file (a file holding "
-                       "the cluster's submit token; or give cluster.file instead)")
-    elif cl.token_file:
-        out.append("cluster.token_file with cluster.backend='shared' is the submit token for cluster.address; "
-                   "without cluster.address the cluster file holds it: drop cluster.token_file")
-    if cl.num_workers is not None:
-        out.append("cluster.num_workers is not used by cluster.backend='shared' (the cluster's workers are "
-                   "`mpmd cluster up --workers N`): set it to null")
-    return out
-
-
 def _mesh_problems(c: Config, num_slices: int) -> list[str]:
-    """mesh.* against the slices and cluster.devices_per_worker (mpmd.stages.sharding.slice_meshes
-    and check_rules decide the same again in the Trainer; here they cannot: they import JAX)."""
+    """mesh.* against the slices and cluster.devices_per_worker (the rules by mpmd.stages.mesh_axes,
+    as mpmd.stages.sharding.check_rules does; the devices again by sharding.slice_meshes in the
+    Trainer, which imports JAX)."""
     mesh, devices = c.mesh, c.cluster.devices_per_worker * c.cluster.processes_per_slice
     out = []
     if mesh.stages is not None and len(mesh.stages) != num_slices:
         out.append(f"mesh.stages lists {len(mesh.stages)} slice shape(s) but there are {num_slices} slices "
                    f"(pipeline.num_stages // pipeline.virtual_stages): give one per slice, or none")
     # A worker owns devices_per_worker devices; an in-process slice takes as many as its mesh.
-    elif c.cluster.backend != "inprocess":
+    elif not registry.get_backend_spec(c.cluster.backend).in_process_devices:
         named = [(f"mesh.stages[{r}]", s) for r, s in enumerate(mesh.stages)] if mesh.stages else [("mesh", mesh)]
         for where, shape in named:
             axes = shape.resolved(devices)
@@ -539,11 +474,7 @@ def _mesh_problems(c: Config, num_slices: int) -> list[str]:
                               f"but a slice has {devices} (cluster.devices_per_worker="
                               f"{c.cluster.devices_per_worker} x cluster.processes_per_slice="
                               f"{c.cluster.processes_per_slice})") + ": the axes' product must equal it")
-    for name, target in mesh.rules.items():
-        targets = [] if target is None else [target] if isinstance(target, str) else target
-        if not isinstance(targets, list) or not all(t in MESH_AXES for t in targets):
-            out.append(f"mesh.rules.{name}={target!r}: a rule maps a logical axis name to a mesh axis "
-                       f"({', '.join(MESH_AXES)}), a list of them, or null (replicated)")
+    out += [p for name, target in mesh.rules.items() if (p := rule_problem(name, target, f"mesh.rules.{name}"))]
     return out
 
 
@@ -561,19 +492,56 @@ def _parse_value(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
+def _sections(model: type[BaseModel], name: str) -> list[type[BaseModel]]:
+    """The section classes field `name` of `model` may hold: every registered variant of model
+    and cluster (the default one first), one class for another section, none for a value."""
+    if model is Config and name in _VARIANTS:
+        default = _variant(name, {})
+        return [default] + [spec.section for spec in _VARIANTS[name][2]().values() if spec.section is not default]
+    annotation = model.model_fields[name].annotation
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
 def _leaf_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema, sections included: ['run_dir', 'model', 'model.kind', ..];
-    the keys of a list of sections' entries as 'mesh.stages[].data'."""
+    """Every dotted key of the schema, sections included: ['run_dir', 'model', 'model.kind', ..]
+    (every family's and backend's); the keys of a list of sections' entries as 'mesh.stages[].data'."""
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            keys += _leaf_keys(field.annotation, f"{prefix}{name}.")
+        for section in _sections(model, name):
+            keys += [k for k in _leaf_keys(section, f"{prefix}{name}.") if k not in keys]
         for arg in typing.get_args(field.annotation):      # list[Section] | None
             entry = (typing.get_args(arg) or (None,))[0] if typing.get_origin(arg) is list else None
             if isinstance(entry, type) and issubclass(entry, BaseModel):
                 keys += _leaf_keys(entry, f"{prefix}{name}[].")
     return keys
+
+
+def _default_elsewhere(section: str, name: str, value) -> bool:
+    """Whether `value` of key section.name is the default of a variant that has the key: such a
+    key says nothing the variant without it does not mean (a resolved config from before the
+    sections were per kind lists every family's keys at their defaults)."""
+    specs = _VARIANTS[section][2]()
+    return any(name in spec.section.model_fields and spec.section.model_fields[name].default == value
+               for spec in specs.values())
+
+
+def _not_taken(section: str, chosen: type[BaseModel], values: dict) -> list[str]:
+    """'model.num_kv_heads is only used by model.kind='llama', got kind 'gpt'' for each key of
+    values that the chosen family's (backend's) section lacks and another one has, unless the
+    value is that one's default (then the key is dropped from values)."""
+    key, _, specs = _VARIANTS[section]
+    out = []
+    for name in list(values):
+        if name in chosen.model_fields:
+            continue
+        users = [n for n, spec in specs().items() if name in spec.section.model_fields]
+        if users and _default_elsewhere(section, name, values[name]):
+            del values[name]
+        elif users:
+            out.append(f"{section}.{name} is only used by {section}.{key}={registry.one_of(users)}, "
+                       f"got {key} '{chosen.model_fields[key].default}'")
+    return out
 
 
 def _unknown_key(key: str) -> ConfigError:
@@ -585,20 +553,31 @@ def _unknown_key(key: str) -> ConfigError:
 
 
 def _check_keys(values: dict, model: type[BaseModel] = Config, prefix: str = "") -> None:
-    """Rejects unknown keys anywhere in values, before pydantic, so the suggestion is ours."""
+    """Rejects unknown keys anywhere in values, before pydantic, so the suggestion is ours; and
+    the keys of model.* (cluster.*) that model.kind's family (cluster.backend's) does not take,
+    naming those that do."""
     for key, value in values.items():
         field = model.model_fields.get(key) if isinstance(key, str) else None
         if field is None:
             raise _unknown_key(f"{prefix}{key}")
-        section = field.annotation
-        if not (isinstance(section, type) and issubclass(section, BaseModel)):
-            if isinstance(value, dict) and typing.get_origin(section) is not dict:
+        sections = _sections(model, key)
+        if not sections:
+            if isinstance(value, dict) and typing.get_origin(field.annotation) is not dict:
                 raise ConfigError(f"'{prefix}{key}' is a value, not a section: cannot set "
                                   f"'{prefix}{key}.{next(iter(value), '')}'")
             continue
         if not isinstance(value, dict):
             raise ConfigError(f"'{prefix}{key}' is a section, not a value: set its keys, "
-                              f"e.g. {prefix}{key}.{next(iter(section.model_fields))}=...")
+                              f"e.g. {prefix}{key}.{next(iter(sections[0].model_fields))}=...")
+        section = sections[0]
+        if model is Config and key in _VARIANTS:
+            try:
+                section = _variant(key, value)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            problems = _not_taken(key, section, value)
+            if problems:
+                raise ConfigError("\n".join(problems))
         _check_keys(value, section, f"{prefix}{key}.")
 
 
@@ -645,7 +624,13 @@ def _describe_error(error: dict) -> str:
 
 
 def validate(values: dict) -> Config:
-    """A nested dict of overrides -> Config, or ConfigError listing every problem."""
+    """A nested dict of overrides -> Config, or ConfigError listing every problem. The
+    modules under `imports` are imported first: they may register what the rest names."""
+    values = copy.deepcopy(values)     # _check_keys drops keys it ignores
+    imports = values.get("imports", [])
+    if isinstance(imports, list) and all(isinstance(name, str) and _MODULE.match(name) for name in imports):
+        for i, name in enumerate(imports):
+            registry.import_module(name, f"imports[{i}]")
     _check_keys(values)
     try:
         return Config.model_validate(values)
@@ -674,7 +659,7 @@ def _read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file '{path}' must hold a mapping of keys to values, "
                           f"got a {type(values).__name__}")
     # A section with all its keys commented out parses as null: treat it as empty.
-    return {k: ({} if v is None and k in Config.model_fields and k not in ("run_dir", "seed")
+    return {k: ({} if v is None and k in Config.model_fields and k not in ("imports", "run_dir", "seed")
                 else v) for k, v in values.items()}
 
 
@@ -714,21 +699,57 @@ def dump(config: Config, path: str | Path) -> Path:
     return path
 
 
-def _allowed(annotation: Any) -> str:
-    if typing.get_origin(annotation) is Literal:
-        return " (one of: " + ", ".join(typing.get_args(annotation)) + ")"
-    return ""
+def _choices(field) -> list[str] | None:
+    """The values a str key may take when a registry or an option record holds them."""
+    source = (field.json_schema_extra or {}).get("one_of") if isinstance(field.json_schema_extra, dict) else None
+    if source == "model":
+        return list(registry.model_specs())
+    if source == "cluster":
+        return list(registry.backend_specs())
+    if source == "schedule":
+        return list(schedules.SCHEDULES)
+    if source == "on_loss":
+        from mpmd.train.options import ON_LOSS
+        return list(ON_LOSS)
+    if typing.get_origin(field.annotation) is Literal:
+        return list(typing.get_args(field.annotation))
+    return None
 
 
-def describe(model: type[BaseModel] = Config, indent: str = "") -> str:
-    """Every key with its default and description, as YAML (the defaults file nobody edits)."""
+def _allowed(field) -> str:
+    choices = _choices(field)
+    return " (one of: " + ", ".join(choices) + ")" if choices else ""
+
+
+def _describe_field(name: str, field, indent: str) -> str:
+    value = yaml.safe_dump(field.default, default_flow_style=True).strip()
+    value = value.removesuffix("\n...").removesuffix("...").strip()
+    return f"{indent}{name}: {value}  # {field.description}{_allowed(field)}"
+
+
+def describe(model: type[BaseModel] = Config, indent: str = "", base: type[BaseModel] | None = None) -> str:
+    """Every key with its default and description, as YAML (the defaults file nobody edits);
+    model.* and cluster.* as the default family and backend take them, and as comments what
+    each other registered one adds."""
     lines = []
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            lines.append(f"{indent}{name}:")
-            lines.append(describe(field.annotation, indent + "  "))
+        sections = _sections(model, name)
+        if not sections:
+            # A variant's kind (backend) is described as its base section's: every registered one.
+            choice = base.model_fields[name] if base is not None and name in base.model_fields else None
+            if choice is not None and _choices(choice):
+                field = field.merge_field_infos(field, description=choice.description,
+                                                json_schema_extra=choice.json_schema_extra)
+            lines.append(_describe_field(name, field, indent))
             continue
-        value = yaml.safe_dump(field.default, default_flow_style=True).strip()
-        value = value.removesuffix("\n...").removesuffix("...").strip()
-        lines.append(f"{indent}{name}: {value}  # {field.description}{_allowed(field.annotation)}")
+        lines.append(f"{indent}{name}:")
+        lines.append(describe(sections[0], indent + "  ", _VARIANTS[name][1] if model is Config and name in _VARIANTS else None))
+        for other in sections[1:]:
+            key = _VARIANTS[name][0]
+            added = [(k, f) for k, f in other.model_fields.items() if k not in sections[0].model_fields]
+            lacks = [k for k in sections[0].model_fields if k not in other.model_fields]
+            lines.append(f"{indent}  # {key}: {other.model_fields[key].default}"
+                         + (f" takes none of {', '.join(lacks)}" if lacks else "")
+                         + (("," if lacks else "") + " adds:" if added else ""))
+            lines += [f"{indent}  #   " + _describe_field(k, f, "") for k, f in added]
     return "\n".join(lines)

@@ -7,8 +7,9 @@ set (`MPMD_LOG=debug` brings everything back). Everything else is written to fil
 - worker_<slot>.log: a local worker's stderr, i.e. all its logging (Orbax's, JAX's, absl's,
   at info and up, debug under debug) and its tracebacks. Its records at the console level come
   back through runtime/launchers/local.py as "worker 1 WARNING <message> (see <run_dir>/logs/worker_1.log)".
-- controller.log: this process's records at info and up (its own Orbax, absl and JAX logging,
-  mpmd's warnings, the workers' relayed lines), while `train.run` runs.
+- controller.log: this process's records at info and up while `train.run` runs: the progress
+  lines and messages (resumed, recovered, layout changed, stopped) with their times, mpmd's
+  warnings, the workers' relayed lines, and its own Orbax, absl and JAX logging.
 JAX's backend start-up notes (a GPU or TPU that it could use but has no plugin for) reach the
 console only at info and below (mpmd.runtime.worker.main.STARTUP_LOGGERS).
 
@@ -28,6 +29,7 @@ from mpmd.runtime.worker.main import LOG_LEVELS, on_console
 ENV = "MPMD_LOG"
 WORKERS = "mpmd.workers"       # the logger runtime/launchers/local.py reports worker records through
 CONTROLLER_LOG = "controller.log"
+PROGRESS = "mpmd.progress"     # the logger recipes/run_log.py's Progress logs its lines to (shown on stdout)
 
 
 def level(configured: str) -> str:
@@ -42,10 +44,11 @@ def level(configured: str) -> str:
 
 class _Console(logging.Handler):
     """Records at its level and up on stderr without breaking a progress bar: a worker's as the
-    one line runtime/launchers/local.py made of it, any other as 'LEVEL logger: message'."""
+    one line runtime/launchers/local.py made of it, any other as 'LEVEL logger: message'; the
+    progress records not at all (Progress prints them itself)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not on_console(record, self.level):
+        if record.name == PROGRESS or not on_console(record, self.level):
             return
         try:
             tqdm_write(record.getMessage() if record.name == WORKERS else self.format(record))

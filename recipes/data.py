@@ -194,17 +194,29 @@ class Loader:
 
 
 def make_sources(cfg: Config) -> tuple[Source, Source]:
-    """(train, eval) sources for a config: bytes for stdlib/files, synthetic otherwise."""
+    """(train, eval) sources for a config: what model.kind's family trains on (its spec's
+    sources: token_sources or regression_sources below, or its own)."""
+    from mpmd.recipes import registry
+    return registry.get_model_spec(cfg.model.kind).sources(cfg)
+
+
+def token_sources(cfg: Config) -> tuple[Source, Source]:
+    """Byte tokens of the stdlib or of data.paths, or synthetic tokens of model.vocab_size;
+    windows of model.seq_len."""
     m = cfg.model
-    if cfg.data.source == "synthetic" and m.kind == "mlp":
-        return (SyntheticRegression(m.in_features, m.out_features, _TRAIN),
-                SyntheticRegression(m.in_features, m.out_features, _EVAL))
     if cfg.data.source == "synthetic":
         return (SyntheticTokens(m.vocab_size, m.seq_len, _TRAIN),
                 SyntheticTokens(m.vocab_size, m.seq_len, _EVAL))
     corpus = ByteCorpus(corpus_files(cfg.data), m.seq_len, cfg.data.eval_fraction,
                         cfg.data.max_bytes)
     return corpus.train, corpus.eval
+
+
+def regression_sources(cfg: Config) -> tuple[Source, Source]:
+    """The synthetic regression task from model.in_features to model.out_features."""
+    m = cfg.model
+    return (SyntheticRegression(m.in_features, m.out_features, _TRAIN),
+            SyntheticRegression(m.in_features, m.out_features, _EVAL))
 
 
 def make_loaders(cfg: Config) -> tuple[Loader, Loader]:

@@ -3,8 +3,8 @@
     summary = plan.dry_run(config.load("configs/llama_1b.yaml"))
     print(plan.describe(summary))
 
-The model is built abstract (mpmd.abstract: shapes, no arrays; a tied Llama, cut at marks,
-is built for real), split and laid out as `mpmd train` would; then
+The model is built abstract where its family can be (mpmd.abstract: shapes, no arrays; a
+tied Llama, cut at marks, is built for real), split and laid out as `mpmd train` would; then
 - the parameter count;
 - per slice, bytes of parameters, accumulated gradients, optimizer state and saved
   activations at the schedule's peak (mpmd.stages.costs.slice_memory: the residuals each
@@ -39,9 +39,8 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     inputs, targets = train_loader.batch_at(0)
     micro = len(inputs) // p.num_microbatches
     in_spec, tgt_spec = spec(inputs[:micro]), spec(targets[:micro])
-    # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
-    tied = cfg.model.kind == "llama" and cfg.model.tie_embeddings
-    stages, loss_fn = build_model(cfg, inputs[:micro], abstract=not tied)
+    # Abstract where the family can be (its spec says; a tied Llama is built for real).
+    stages, loss_fn = build_model(cfg, inputs[:micro], abstract=True)
     pipeline = mpmd.Pipeline(stages, loss_fn)
     optimizer = build_optimizer(cfg)
     check_layout(cfg, pipeline, optimizer)
@@ -55,7 +54,8 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
                      for i, leaf in enumerate(fn.param_leaves) if (k, i) not in shared)
     return {"num_params": num_params, "num_stages": pipeline.num_stages, "schedule": schedule.name,
             "num_microbatches": p.num_microbatches, "microbatch": list(in_spec.shape),
-            "dtype": cfg.model.dtype, "remat": cfg.model.remat,
+            # A family without these keys computes in float32 and keeps every residual.
+            "dtype": getattr(cfg.model, "dtype", "float32"), "remat": getattr(cfg.model, "remat", "none"),
             "stages": per_stage, "slices": stage_costs.slice_memory(schedule, per_stage),
             "step_flops": simulation.makespan, "bubble": simulation.bubble_fraction,
             "tflops": tflops, "step_s": simulation.makespan / (tflops * 1e12)}

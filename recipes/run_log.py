@@ -11,6 +11,7 @@ back to the old length, a rewrite goes to a temporary file that is removed.
 
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -23,8 +24,12 @@ from typing import Iterable, Mapping, Sequence, TextIO
 from mpmd.runtime.worker.executor import Event  # noqa: F401  (re-exported for callers that build events)
 # One definition of a measured bubble: the report computes it from trace.json the same way.
 from mpmd.report.trace import measured_bubble  # noqa: F401
+from mpmd.recipes.console import PROGRESS
 
 METRICS_FILE = "metrics.jsonl"
+# The progress lines and messages also go to this logger at info: <run_dir>/logs/controller.log
+# then tells the run's story with timestamps (the console shows them once, from here).
+_log = logging.getLogger(PROGRESS)
 
 
 def _plain(value):
@@ -131,11 +136,24 @@ def _fmt(value) -> str:
         else f"{value:.2f}"
 
 
+def _duration(seconds: float) -> str:
+    """45s, 3m05s, 2h07m."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class Progress:
-    """A tqdm bar (loss, tok/s, ETA) on a terminal, else one line every `every` steps.
+    """A tqdm bar (loss, tok/s, ETA) on a terminal, else one line every `every` steps (loss,
+    tok/s, ETA too: a log file or a pipe should say when the run ends as well).
 
     `update(step, metrics)` takes the step just completed (1-based) and that step's metrics;
-    tok/s is measured here from tokens_per_step and the wall time between updates.
+    tok/s is measured here from tokens_per_step and the wall time between updates. The ETA of
+    the lines is the steps left at the mean rate since the first update: the first step
+    (compiling every program) is left out, as it would make the rest look slower.
     """
 
     def __init__(self, total_steps: int, tokens_per_step: int, mode: str = "auto",
@@ -149,6 +167,8 @@ class Progress:
         self.tokens_per_step = tokens_per_step
         self._last_step, self._last_time = start_step, time.perf_counter()
         self._latest: dict[str, float] = {}  # last seen value of each metric (eval is rarer)
+        self._first: tuple[int, float] | None = None   # (step, time) of the first update, for the ETA
+        self._eta_s: float | None = None
         self._bar = None
         if mode == "bar":
             from tqdm import tqdm
@@ -164,28 +184,41 @@ class Progress:
         self._latest.update({k: v for k, v in metrics.items() if k != "step"})
         if elapsed > 0 and done > 0:
             self._latest["tok/s"] = self.tokens_per_step * done / elapsed
+        if self._first is None:
+            self._first = step, now
+        elif step > self._first[0] and now > self._first[1]:
+            self._eta_s = (self.total - step) * (now - self._first[1]) / (step - self._first[0])
+        logged = step % self.every == 0 or step == self.total
         if self._bar is not None:
             shown = {k: _fmt(self._latest[k]) for k in ("loss", "eval_loss", "tok/s")
                      if k in self._latest}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(done)
-        elif step % self.every == 0 or step == self.total:
+        elif logged:
             self.stream.write(self.line(step) + "\n")
             self.stream.flush()
         else:
             return  # lines mode between log steps: keep measuring over the whole interval
+        if logged:
+            _log.info("%s", self.line(step))
         self._last_step, self._last_time = step, now
 
     def line(self, step: int) -> str:
-        """'step 10/200 loss 3.21 eval_loss 3.30 tok/s 1234 bubble 0.21'."""
+        """'step 10/200 loss 3.21 eval_loss 3.30 tok/s 1234 eta 2m05s bubble 0.21' (no ETA
+        before two updates, nor on the last step)."""
         parts = [f"step {step}/{self.total}"]
-        for key in ("loss", "eval_loss", "tok/s", "bubble"):
+        for key in ("loss", "eval_loss", "tok/s"):
             if key in self._latest:
                 parts.append(f"{key} {_fmt(self._latest[key])}")
+        if step < self.total and self._eta_s is not None:
+            parts.append(f"eta {_duration(self._eta_s)}")
+        if "bubble" in self._latest:
+            parts.append(f"bubble {_fmt(self._latest['bubble'])}")
         return " ".join(parts)
 
     def message(self, text: str) -> None:
-        """Prints text without breaking the bar."""
+        """Prints text without breaking the bar (and logs it)."""
+        _log.info("%s", text)
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
         else:

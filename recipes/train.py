@@ -21,25 +21,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import os
-import sys
 import signal
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-import jax
 import numpy as np
 import optax
-from flax import nnx
 
-from mpmd import models
 import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
+from mpmd.recipes import registry
 from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
@@ -47,11 +43,10 @@ from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
 from mpmd.train.checkpoints import CheckpointError  # noqa: F401  (raised through run())
 from mpmd.stages.sharding import LayoutError
-from mpmd.stages.split import balanced_boundaries, cut
-from mpmd.stages.costs import layer_costs
+from mpmd.stages.split import cut
 from mpmd.recipes.config import Config, ConfigError
-from mpmd.runtime.worker.checkpoint import CheckpointStore
-from mpmd.runtime.control.inprocess import meshes_for
+from mpmd.train.options import Checkpointing, Recovery
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from mpmd.runtime.launchers.ray import RayMissingError
 from mpmd.runtime.launchers.shared import JobRefused
 
@@ -69,109 +64,59 @@ def _config_problem(key: str, errors: tuple[type[Exception], ...] = (ValueError,
 
 
 # -- build ---------------------------------------------------------------------------------
-def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
-    """A function building model.kind's (gpt, llama or mlp) model, seeded by cfg.seed."""
-    m = cfg.model
-    if m.kind == "gpt":
-        return lambda: models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                                  m.mlp_ratio, rngs=nnx.Rngs(cfg.seed))
-    if m.kind == "llama":
-        return lambda: models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                                    num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim,
-                                    tie_embeddings=m.tie_embeddings, dtype=m.dtype, remat=m.remat,
-                                    rngs=nnx.Rngs(cfg.seed))
-    assert m.kind == "mlp", m.kind
-    return lambda: models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features,
-                              rngs=nnx.Rngs(cfg.seed))
-
-
-def _cut_tied(model: models.Llama, num_stages: int, sample_input) -> list:
-    """A tied Llama cut at marks after the layers that balance the stages' FLOPs (layers()
-    cannot cut it: see models/llama.py); one stage needs no cut."""
-    if num_stages == 1:
-        return [model]
-    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model))):
-        raise ConfigError("model.tie_embeddings=true cuts the model at stage marks, which needs the model "
-                          "built (mpmd cannot yet cut an abstract model at marks)")
-    costs, _ = layer_costs(model.all_layers(), sample_input)
-    bounds = balanced_boundaries(costs, num_stages)
-    model.cut_after([b - 1 for b in bounds[1:-1]], mpmd.stage_boundary)
-    return mpmd.split(model, num_stages, sample_input)   # Stages: they name each leaf by model path
-
-
 def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple[list, Callable]:
-    """(stages, loss_fn): the model cut into cfg.pipeline.num_stages nnx.Module stages;
-    `abstract` (built-in kinds): shapes only (mpmd.abstract), each stage initialised on its slice.
+    """(stages, loss_fn): model.kind's family (its ModelSpec, mpmd.recipes.registry) built
+    and cut into cfg.pipeline.num_stages nnx.Module stages; `abstract` (where the family
+    can): shapes only (mpmd.abstract), each stage initialised on its slice.
 
     `sample_input` (one microbatch of inputs) lets mpmd.split balance stages by FLOPs rather
-    than by parameter count; pipeline.cuts, where given, says where to cut instead. A Llama
-    with tied embeddings is cut at stage marks (`_cut_tied`). A custom `model.module = "pkg.mod:fn"` is called as fn(cfg) and
-    returns `(stages, loss_fn)`, `(model, loss_fn)` or a bare model, where a model exposes
-    `.layers()` and is split like the built-in ones; a bare model's loss is the data's
-    natural one (next-token cross-entropy on tokens, mean squared error on regression).
+    than by parameter count; pipeline.cuts, where given, says where to cut instead. A family
+    may cut its model itself (a tied Llama, at stage marks). What the family builds is a
+    model exposing `.layers()`, split like the built-in ones, or a list of stages, either
+    alone or paired with its loss as (built, loss_fn); alone, its loss is the spec's.
     """
-    m, num_stages, cuts = cfg.model, cfg.pipeline.num_stages, cfg.pipeline.cuts
-    if m.kind == "llama" and m.tie_embeddings:
-        if cuts is not None:
-            raise ConfigError("pipeline.cuts cannot cut a llama with model.tie_embeddings=true (it is cut at "
-                              "stage marks placed by cost); set pipeline.cuts=null")
-        built = mpmd.abstract(model_factory(cfg)) if abstract else model_factory(cfg)()
-        return _cut_tied(built, num_stages, sample_input), models.lm_loss
+    spec = registry.get_model_spec(cfg.model.kind)
     built, loss_fn = _built(cfg, abstract)
+    stages = spec.split(cfg, built, sample_input)
+    return (stages if stages is not None else split_stages(cfg, built, sample_input)), loss_fn
+
+
+def split_stages(cfg: Config, built, sample_input) -> list:
+    """The usual split: a model with .layers() by mpmd.split (at pipeline.cuts, else balanced
+    by cost), a list of stages as it is (or runs of it at pipeline.cuts)."""
+    num_stages, cuts = cfg.pipeline.num_stages, cfg.pipeline.cuts
     if callable(getattr(built, "layers", None)):
         with _config_problem(f"pipeline.num_stages={num_stages}" if cuts is None else f"pipeline.cuts={cuts}"):
-            return mpmd.split(built, num_stages, sample_input, cuts=cuts), loss_fn   # Stages: leaves named by model path
+            return mpmd.split(built, num_stages, sample_input, cuts=cuts)   # Stages: leaves named by model path
     stages = built if isinstance(built, list) else list(built)   # mpmd.split's Stages keep their paths
     if cuts is not None:      # a run of the builder's stages per pipeline stage
         with _config_problem(f"pipeline.cuts={cuts}"):
-            return cut(stages, cuts), loss_fn
+            return cut(stages, cuts)
     if len(stages) != num_stages:
-        raise ConfigError(f"model.module={m.module!r} returned {len(stages)} stages but "
-                          f"pipeline.num_stages={num_stages}; set pipeline.num_stages="
-                          f"{len(stages)} or return a model with .layers() to be split")
-    return stages, loss_fn
+        raise ConfigError(f"model.kind={cfg.model.kind!r} built {len(stages)} stages but "
+                          f"pipeline.num_stages={num_stages}; set pipeline.num_stages={len(stages)}")
+    return stages
 
 
 def model_units(cfg: Config) -> tuple[list, Callable]:
     """(units, loss_fn): the pieces `mpmd tune` cuts stages from: the model's layers(), or a
-    custom builder's own list of stages."""
-    m = cfg.model
-    if m.kind == "llama" and m.tie_embeddings:
-        raise ConfigError("mpmd tune cannot cut a llama with model.tie_embeddings=true (its stages are "
-                          "cut at marks); tune with model.tie_embeddings=false")
+    builder's own list of stages (unless the family says otherwise)."""
+    spec = registry.get_model_spec(cfg.model.kind)
     built, loss_fn = _built(cfg, abstract=False)
-    return (list(built.layers()) if callable(getattr(built, "layers", None)) else list(built)), loss_fn
+    units = spec.units(cfg, built)
+    if units is None:
+        units = list(built.layers()) if callable(getattr(built, "layers", None)) else list(built)
+    return units, loss_fn
 
 
 def _built(cfg: Config, abstract: bool):
-    """(model or list of stages, loss_fn) as model.kind (or the custom builder) gives them."""
-    m = cfg.model
-    if m.kind == "custom":
-        built = _custom_builder(m.module)(cfg)
-    else:
-        built = mpmd.abstract(model_factory(cfg)) if abstract else model_factory(cfg)()
+    """(model or list of stages, loss_fn) as model.kind's spec builds them."""
+    spec = registry.get_model_spec(cfg.model.kind)
+    built = spec.build(cfg, abstract and spec.can_be_abstract(cfg))
     loss_fn = None
     if isinstance(built, tuple) and len(built) == 2 and callable(built[1]):
         built, loss_fn = built
-    if loss_fn is None:
-        loss_fn = models.mse_loss if m.kind == "mlp" else models.lm_loss
-    return built, loss_fn
-
-
-def _custom_builder(spec: str):
-    module_name, fn_name = spec.split(":")  # the config schema already checked the shape
-    # The `mpmd` console script, unlike `python -m`, does not put the working directory on
-    # sys.path; a user's own module next to their config should import either way.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"model.module={spec!r}: cannot import {module_name!r}: {e}") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ConfigError(f"model.module={spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
+    return built, (loss_fn if loss_fn is not None else spec.loss(cfg))
 
 
 def learning_rate(cfg: Config) -> optax.Schedule:
@@ -198,51 +143,23 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def build_cluster(cfg: Config):
-    """The cluster object for cluster.backend; workers start when the Trainer starts it."""
+    """The cluster object of cluster.backend's spec; workers start when the Trainer starts it."""
     c = cfg.cluster
     # Ray is optional: without it RayCluster raises RayMissingError (an ImportError), which
     # says how to install it.
     with _config_problem(f"cluster.backend='{c.backend}'", (ValueError, RayMissingError)):
-        if c.backend == "inprocess":
-            meshes_for(cfg.slice_shapes())  # each slice's devices, else say how to get more
-            return mpmd.InProcessCluster()
-        # failure_timeout_s: null leaves the cluster's own default.
+        # failure_timeout_s: null (or a backend without it) leaves the cluster's own default.
+        failure_timeout_s = getattr(c, "failure_timeout_s", None)
         timeouts = dict(step_timeout_s=c.step_timeout_s, **(
-            {"failure_timeout_s": c.failure_timeout_s} if c.failure_timeout_s is not None else {}))
-        if c.backend == "shared":
-            return shared_cluster(cfg, timeouts)
-        if c.backend == "static":      # the spares follow the slices' addresses (StaticLauncher)
-            return mpmd.StaticCluster(c.addresses + c.spares, token_file=c.token_file,
-                                      processes_per_slice=c.processes_per_slice, **timeouts)
-        kw = dict(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
-                  threads_per_worker=c.threads_per_worker, **timeouts)
-        if c.backend == "ray":
-            return mpmd.RayCluster(**kw, address=c.address, resources_per_worker=c.resources or None,
-                                   processes_per_slice=c.processes_per_slice)
-        kw.update(max_workers=c.max_workers, processes_per_slice=c.processes_per_slice,
-                  start_timeout_s=c.start_timeout_s)
-        # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log; their records at
-        # the console level come back one line each (recipes/console.py).
-        return mpmd.LocalCluster(**kw, log_dir=str(Path(cfg.run_dir) / "logs"),
-                                 log_level=console.level(cfg.log.level))
+            {"failure_timeout_s": failure_timeout_s} if failure_timeout_s is not None else {}))
+        return registry.get_backend_spec(c.backend).build(cfg, timeouts)
 
 
-def shared_cluster(cfg: Config, timeouts: dict):
-    """A job on the shared cluster of cluster.file (or cluster.address + token_file), named
-    after its run_dir; its place in the queue is printed on stderr while it waits."""
-    from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, SharedCluster
-    from mpmd.runtime.worker.main import read_token_file
-    c = cfg.cluster
-    if c.address is not None:
-        where = dict(address=c.address, submit_token=read_token_file(
-            c.token_file, False, "cluster.token_file", "chmod 600"))
-    else:
-        where = dict(cluster_file=c.file or DEFAULT_CLUSTER_FILE)
-
-    def on_wait(position: int) -> None:
-        print(f"waiting for the shared cluster: position {position} in its queue", file=sys.stderr, flush=True)
-    return SharedCluster(**where, name=Path(cfg.run_dir).name, share=c.share, lease_s=c.lease_s,
-                         on_wait=on_wait, **timeouts)
+def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recovery]:
+    """The Trainer's option records of the checkpoint section (with `metadata` in every
+    manifest) and of the cluster section's recovery keys; the config checked both rules
+    already, by building them."""
+    return cfg.checkpoint.record(metadata), cfg.cluster.recovery()
 
 
 # -- pieces of the loop --------------------------------------------------------------------
@@ -311,6 +228,8 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
         return now
     changes = config_lib.math_changes(saved.get("math", {}), now["math"])
+    if not changes:       # the same values, hashed as an older schema listed them
+        return {**now, "math_hash_before": saved["math_hash"]}
     if not allow_config_change:
         raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained with other values "
                           f"of keys that change training ({'; '.join(changes)}): resume with "
@@ -342,7 +261,13 @@ def check_layout(cfg: Config, pipeline, optimizer) -> None:
     with _config_problem("mesh", (LayoutError,)):
         placement = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages).placement
         meshes = sharding.slice_meshes(cfg.slice_shapes(), max(placement) + 1)
-        lowering.layout(pipeline, optimizer, meshes, placement, sharding.check_rules(cfg.mesh.rules))
+        lowering.layout(pipeline, optimizer, meshes, placement, sharding.check_rules(layout_rules(cfg) or {}))
+
+
+def layout_rules(cfg: Config) -> dict | None:
+    """The logical-axis rules beyond mpmd's own: the family's, then mesh.rules over them;
+    None when neither has any."""
+    return {**registry.get_model_spec(cfg.model.kind).rules, **cfg.mesh.rules} or None
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -363,18 +288,16 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
-        with _config_problem("cluster.backend='shared'", (JobRefused,)):    # the manager said no
+        # A shared cluster's manager may refuse the job (JobRefused).
+        with _config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
+            ckpt, recovery = trainer_options(cfg, metadata)
             trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
                                    num_microbatches=p.num_microbatches, cluster=cluster,
                                    virtual_stages=p.virtual_stages,
                                    max_grad_norm=cfg.optimizer.max_grad_norm,
-                                   run_dir=cfg.run_dir, checkpoint_every=cfg.checkpoint.every,
-                                   keep=cfg.checkpoint.keep, memory_every=cfg.checkpoint.memory_every,
-                                   max_failed_saves=cfg.checkpoint.max_failed_saves,
-                                   checkpoint_metadata=metadata, run_ahead=cfg.train.run_ahead,
-                                   mesh=cfg.slice_shapes(), rules=cfg.mesh.rules or None,
-                                   on_loss=cfg.cluster.on_loss, replace_timeout_s=cfg.cluster.replace_timeout_s,
-                                   slice_memory_bytes=cfg.cluster.slice_memory_bytes)
+                                   run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
+                                   mesh=cfg.slice_shapes(), rules=layout_rules(cfg),
+                                   checkpoint=ckpt, recovery=recovery)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
@@ -396,8 +319,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
           eval_loader: data.Loader, run_dir: Path) -> dict:
     t = cfg.train
     lr = learning_rate(cfg)
-    # Tokens for sequence models; examples (one "token" each) for the MLP regressor.
-    tokens_per_step = t.batch_size * (1 if cfg.model.kind == "mlp" else cfg.model.seq_len)
+    # Tokens for sequence models; examples (one "token" each) for a regressor.
+    tokens_per_step = t.batch_size * registry.get_model_spec(cfg.model.kind).tokens_per_example(cfg)
     # A run directory with a committed checkpoint resumes from it (the Trainer restored every
     # slice when it started): the data order continues from the saved position, and metric
     # lines of steps after it belong to work that is about to be redone.
@@ -414,6 +337,9 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     marks = {"resumed_from": start_step} if start_step else {}
     if start_step:
         progress.message(f"resumed from {run_dir}/checkpoints/{start_step}")
+    if start_step >= t.steps:
+        progress.message(f"nothing to train: the run is at step {start_step} and train.steps={t.steps}; "
+                         f"raise train.steps to train further")
     if trainer.layout_change:
         progress.message(f"layout changed: {trainer.layout_change}")
     traces: dict[int, list] = {}
@@ -562,9 +488,10 @@ def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress
     t = cfg.train
     if not t.sample_tokens:
         return None
-    if cfg.model.kind not in ("gpt", "llama") or cfg.data.source == "synthetic":
+    if not registry.get_model_spec(cfg.model.kind).samples_text or cfg.data.source == "synthetic":
         # Only a language model trained on bytes has logits that decode to text.
-        progress.message(f"sample skipped: needs model.kind='gpt' or 'llama' on text data "
+        texts = [name for name, spec in registry.model_specs().items() if spec.samples_text]
+        progress.message(f"sample skipped: needs model.kind={registry.one_of(texts)} on text data "
                          f"(got '{cfg.model.kind}' on '{cfg.data.source}')")
         return None
     text = sample(trainer, cfg, t.sample_prompt, t.sample_tokens)

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    if cfg.cluster.backend == "inprocess":
+    from mpmd.recipes import registry
+    if registry.get_backend_spec(cfg.cluster.backend).in_process_devices:
         _ensure_host_devices(cfg.num_devices)
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     try:

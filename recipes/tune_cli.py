@@ -21,6 +21,7 @@ import yaml
 
 from mpmd.recipes import config
 from mpmd.recipes import console
+from mpmd.recipes import registry
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,9 +64,10 @@ def main(argv=None) -> int:
         if output.exists():
             raise config.ConfigError(f"tune.output={cfg.tune.output!r} exists; move it away or set "
                                      f"tune.output to a new file (a tuned config is never overwritten)")
-        if cfg.cluster.backend == "inprocess":
-            raise config.ConfigError("mpmd tune measures on worker processes: cluster.backend must be "
-                                     "'local', 'static' or 'ray', got 'inprocess'")
+        if not registry.get_backend_spec(cfg.cluster.backend).worker_processes:
+            workers = [name for name, spec in registry.backend_specs().items() if spec.worker_processes]
+            raise config.ConfigError(f"mpmd tune measures on worker processes: cluster.backend must be "
+                                     f"{registry.one_of(workers)}, got '{cfg.cluster.backend}'")
     except config.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

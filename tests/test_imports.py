@@ -32,6 +32,7 @@ def test_schedule_command_does_not_import_jax(tmp_path):
 
 @pytest.mark.parametrize("name, module", [
     ("abstract", "mpmd.stages.abstract"), ("Pipeline", "mpmd.stages.pipeline"), ("Trainer", "mpmd.train.trainer"),
+    ("Checkpointing", "mpmd.train.options"), ("Recovery", "mpmd.train.options"),
     ("split", "mpmd.stages.split"), ("stage_boundary", "mpmd.stages.marks"), ("tune", "mpmd.tuner.core"), ("Rewound", "mpmd.train.checkpoints"),
     ("InProcessCluster", "mpmd.runtime.control.inprocess"), ("LocalCluster", "mpmd.runtime.launchers.local"),
     ("RayCluster", "mpmd.runtime.launchers.ray"), ("StaticCluster", "mpmd.runtime.control.client"), ("WorkerLost", "mpmd.runtime.control.cluster")])
@@ -42,7 +43,8 @@ def test_public_names_resolve_lazily(name, module):
 
 
 def test_public_names_are_exactly_all():
-    assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "split", "stage_boundary", "tune",
+    assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split",
+                                           "stage_boundary", "tune",
                                            "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
                                            "Rewound", "WorkerLost"])
 

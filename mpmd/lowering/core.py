@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from mpmd.runtime.worker.instructions import Instruction, Recv, Run, Send, Spec
-from mpmd.runtime.worker.streams import Encoded
+from mpmd.runtime.worker.streams import PackedStream
 from mpmd.stages import names
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
@@ -88,11 +88,11 @@ class Lowered(NamedTuple):
     num_slices: int
     programs: list[dict]                   # per slice: name -> ProgramSpec
     # Plans, one encoded stream per slice (runtime/worker/streams.py; each reads as its instructions):
-    train: list[Encoded]                   # the training step
-    grads: list[Encoded]                   # forward + backward only, gradients kept
-    eval: list[Encoded]                    # forward only, loss per microbatch
-    predict: list[Encoded]                 # forward only, last stage's output kept
-    init: list[Encoded]                    # optimizer-state creation
+    train: list[PackedStream]                   # the training step
+    grads: list[PackedStream]                   # forward + backward only, gradients kept
+    eval: list[PackedStream]                    # forward only, loss per microbatch
+    predict: list[PackedStream]                 # forward only, last stage's output kept
+    init: list[PackedStream]                    # optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
     loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
 
@@ -169,13 +169,13 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     # The gradient plan is the training plan minus the optimizer: same programs, no update.
     no_update = [s.select(~s.template_mask(_is_update)) for s in train]
     # Deletes and receive marks are left to each worker, for its own slice (runtime/worker/streams.py
-    # Encoded.finishing): the window's marks are row indices, Deletes included.
+    # PackedStream.finishing): the window's marks are row indices, Deletes included.
     windows = recv_windows(schedule, recv_window)
     grads = [s.finishing(kept[r] | {names.grads(K)}, windows[r]) for r, s in enumerate(no_update)]
     train = [s.finishing(kept[r], windows[r]) for r, s in enumerate(train)]
     evaluate = [s.finishing(kept[r], windows[r]) for r, s in enumerate(evaluate)]
     predict = [s.finishing(persistent | {names.output(J)}, windows[r]) for r, s in enumerate(predict)]
-    init = [Encoded.from_instructions([Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),),
+    init = [PackedStream.from_instructions([Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),),
                                            f"init s{k}") for k in schedule.stages_on(r)]) for r in range(P)]
     return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch)
 
@@ -205,7 +205,7 @@ def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dic
 
 def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
                   shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
-                  ) -> list[Encoded]:
+                  ) -> list[PackedStream]:
     """One training step's instruction stream per slice, before Deletes are inserted: every
     slice's `train_stream`."""
     schedule = schedule._replace(slices=as_arrays(schedule.slices))   # converted once
@@ -234,9 +234,9 @@ class _Rows:
         a = np.array(rows, dtype=np.int32).reshape(-1, 4).T
         return a[0], a[1], np.full(len(rows), j, np.int32), a[2], a[3]
 
-    def encoded(self, blocks) -> Encoded:
+    def encoded(self, blocks) -> PackedStream:
         cols = [np.concatenate([b[c] for b in blocks]) if blocks else np.zeros(0, np.int32) for c in range(5)]
-        return Encoded(list(self.ids), *cols, np.full(len(cols[0]), -1, np.int32))
+        return PackedStream(list(self.ids), *cols, np.full(len(cols[0]), -1, np.int32))
 
 
 def _tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -262,7 +262,7 @@ def _tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarr
 
 
 def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
-                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None) -> Encoded:
+                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None) -> PackedStream:
     """Slice r's instruction stream for one training step, before Deletes are inserted,
     encoded (runtime/worker/streams.py) and computed from the schedule's task arrays with numpy:
     each kind of task on each of the slice's stages emits a fixed pattern of rows, its
@@ -473,7 +473,7 @@ def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
     return [e for e, _ in plans], [p for _, p in plans]
 
 
-def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers) -> tuple[Encoded, Encoded]:
+def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers) -> tuple[PackedStream, PackedStream]:
     """Slice r's evaluation and prediction streams: F tasks only, in (microbatch, stage) order.
 
     Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice

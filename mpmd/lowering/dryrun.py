@@ -38,7 +38,7 @@ from mpmd.stages import names
 from mpmd.schedules import core as schedules
 from mpmd.schedules.simulate import FULL_BACKWARD, Simulation, cost_function, simulate
 from mpmd.runtime.worker import programs
-from mpmd.runtime.worker.executor import Event
+from mpmd.runtime.wire.results import Event
 from mpmd.runtime.worker.instructions import Instruction, Run, Spec
 
 PLAN = "dryrun"
@@ -54,7 +54,7 @@ class DryRunResult(NamedTuple):
     events: list[list[tuple[Event, ...]]]  # [step][slice]: traced tasks (empty if trace=False)
     slice_wall_s: list[list[float]]      # [step][slice]: each worker's own wall time of the step
     simulation: Simulation               # the full simulated timeline
-    streams: list                        # the installed stream of each slice (runtime/worker/streams.py Encoded)
+    streams: list                        # the installed stream of each slice (runtime/worker/streams.py PackedStream)
 
 
 def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,

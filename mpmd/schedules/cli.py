@@ -34,6 +34,11 @@ def _parse_costs(text: str) -> dict:
     return dict(zip(("F", "B", "W", "BW"), values))
 
 
+def _range(spec) -> str:
+    least, most = spec.virtual_stages
+    return f">= {least}" if most is None else str(least) if least == most else f"{least}..{most}"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd schedule",
@@ -44,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="number of pipeline stages (slices times virtual stages)")
     parser.add_argument("--microbatches", type=int, required=True, metavar="M")
     parser.add_argument("--virtual-stages", type=int, default=None, metavar="V",
-                        help="stages per slice: interleaved-1f1b takes V >= 2; default the "
-                             "schedule's own (2 for zb-v and dualpipe-v, else 1)")
+                        help="stages per slice, in the schedule's range (" + "; ".join(
+                            f"{n}: {_range(s)}" for n, s in schedules.SCHEDULES.items() if s.virtual_stages != (1, 1))
+                        + "; others 1); default the schedule's own")
     parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W[,BW]",
                         help="time of one forward, input-gradient backward and weight-gradient "
                              "task, and optionally of one full backward (default B+W); default "

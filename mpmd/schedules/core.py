@@ -39,7 +39,7 @@ start before p-1 forwards have passed, and every slice has 6m units of work.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -407,41 +407,93 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     return _v_schedule("dualpipe-v", num_stages, num_microbatches, phases)
 
 
-SCHEDULES = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_one_f_one_b,
-    "zb-h1": zb_h1,
-    "zb-v": zb_v,
-    "dualpipe-v": dualpipe_v,
-}
-_V_SCHEDULES = ("zb-v", "dualpipe-v")
+class ScheduleSpec(NamedTuple):
+    """A schedule and its traits: everything the config, the tuner and `make` ask about it, so
+    adding a schedule is one `register_schedule(ScheduleSpec(...))` beside its generator.
+
+    build(num_stages, num_microbatches, virtual_stages) -> Schedule; it checks the microbatch
+    rules itself (raising ValueError that names the argument). virtual_stages: (least, most)
+    stages per slice it takes, most None = no bound; default_virtual_stages: what `make` and the
+    config use when none are given. placement: "loop" (slice r holds r, r+p, ...) or "v"
+    (down the slices and back up). split_backward: B is the input gradient only and W tasks
+    exist."""
+    name: str
+    build: Callable[[int, int, int], Schedule]
+    virtual_stages: tuple[int, int | None] = (1, 1)
+    default_virtual_stages: int = 1
+    placement: str = "loop"
+    split_backward: bool = False
+
+
+# name -> ScheduleSpec, in registration order (the order the config and `mpmd tune` list them).
+SCHEDULES: dict[str, ScheduleSpec] = {}
+
+
+def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
+    """Adds a schedule to every place that lists schedules (make, the config's
+    pipeline.schedule and tune.schedule_names, the tuner's search); ValueError if its name is
+    taken or its traits do not hold together."""
+    if not isinstance(spec, ScheduleSpec):
+        raise ValueError(f"register_schedule takes a ScheduleSpec, got {type(spec).__name__}")
+    if spec.name in SCHEDULES:
+        raise ValueError(f"schedule {spec.name!r} is already registered")
+    least, most = spec.virtual_stages
+    if not (1 <= least and (most is None or least <= most) and spec.placement in ("loop", "v")
+            and (spec.default_virtual_stages == 1 or least <= spec.default_virtual_stages)):
+        raise ValueError(f"schedule {spec.name!r}: virtual_stages={spec.virtual_stages} must be (least >= 1, "
+                         f"most >= least or None), default_virtual_stages within it (or 1: must be given) "
+                         f"and placement 'loop' or 'v', got {spec}")
+    SCHEDULES[spec.name] = spec
+    return spec
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The registered spec of schedule `name`; ValueError listing the known ones."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(sorted(SCHEDULES))}")
+    return SCHEDULES[name]
+
+
+def _one_stage(generator):
+    return lambda num_stages, num_microbatches, virtual_stages: generator(num_stages, num_microbatches)
+
+
+register_schedule(ScheduleSpec("gpipe", _one_stage(gpipe)))
+register_schedule(ScheduleSpec("1f1b", _one_stage(one_f_one_b)))
+# Default 1: interleaved-1f1b's stages per slice must be given (its generator says so).
+register_schedule(ScheduleSpec("interleaved-1f1b", interleaved_one_f_one_b, virtual_stages=(2, None)))
+register_schedule(ScheduleSpec("zb-h1", _one_stage(zb_h1), split_backward=True))
+register_schedule(ScheduleSpec("zb-v", _one_stage(zb_v), (2, 2), 2, "v", True))
+register_schedule(ScheduleSpec("dualpipe-v", _one_stage(dualpipe_v), (2, 2), 2, "v", True))
 
 
 def default_virtual_stages(name: str) -> int:
-    """Stages per slice schedule `name` takes when none are asked for: 2 for the V
-    schedules (two stages per slice is what they are), else 1."""
-    return 2 if name in _V_SCHEDULES else 1
+    """Stages per slice schedule `name` takes when none are asked for (its spec's; 1 for a
+    name that is not registered, which `make` then refuses)."""
+    return SCHEDULES[name].default_virtual_stages if name in SCHEDULES else 1
 
 
 def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int | None = None) -> Schedule:
     """Build schedule `name`; ValueError (naming what is allowed) for impossible arguments.
-    virtual_stages (stages per slice) defaults to the schedule's own: 1, or 2 for the V
-    schedules; interleaved-1f1b needs it given (>= 2)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; known schedules: "
-                         f"{', '.join(sorted(SCHEDULES))}")
-    generator = SCHEDULES[name]
-    if generator is interleaved_one_f_one_b:
-        return generator(num_stages, num_microbatches, 1 if virtual_stages is None else virtual_stages)
-    if name in _V_SCHEDULES:
-        if virtual_stages not in (None, 2):
-            raise ValueError(f"schedule '{name}' supports only virtual_stages=2 (it holds two "
-                             f"stages per slice, a V), got {virtual_stages!r}")
-    elif virtual_stages not in (None, 1):
-        raise ValueError(f"schedule '{name}' supports only virtual_stages=1, got "
-                         f"{virtual_stages!r}; only 'interleaved-1f1b' takes virtual stages")
-    return generator(num_stages, num_microbatches)
+    virtual_stages (stages per slice) defaults to the schedule's own (its spec's
+    default_virtual_stages: 1, or 2 for the V schedules); interleaved-1f1b needs it given (>= 2)."""
+    spec = schedule_spec(name)
+    v = spec.default_virtual_stages if virtual_stages is None else virtual_stages
+    least, most = spec.virtual_stages
+    if least == most and v != least:
+        shape = " (it holds two stages per slice, a V)" if spec.placement == "v" else ""
+        others = [n for n, s in SCHEDULES.items() if s.virtual_stages[0] != s.virtual_stages[1]]
+        hint = (f"; only {' and '.join(repr(n) for n in others)} take{'s' * (len(others) == 1)} virtual stages"
+                if least == 1 and others else "")
+        raise ValueError(f"schedule '{name}' supports only virtual_stages={least}{shape}, got {virtual_stages!r}{hint}")
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1 and (v < least or (most is not None and v > most)):
+        allowed = f">= {least}" if most is None else f"in {least}..{most}"
+        raise ValueError(f"schedule '{name}' needs virtual_stages {allowed} (stages per slice), got {v}")
+    schedule = spec.build(num_stages, num_microbatches, v)
+    place = v_placement if spec.placement == "v" else loop_placement
+    assert (schedule.name == name and schedule.split_backward == spec.split_backward
+            and schedule.placement == place(num_stages, schedule.num_slices)), (spec, schedule.name)
+    return schedule
 
 
 # ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from mpmd.stages.specs import spec
 from mpmd.runtime.worker.mesh import AXES, shape_of
+from mpmd.stages.mesh_axes import rule_problem
 
 BATCH = ("data", "fsdp")          # the mesh axes a microbatch is split over
 
@@ -153,10 +154,9 @@ def check_rules(rules: Mapping[str, Any]) -> dict:
     """RULES updated by `rules`; ValueError naming an entry that is not a mesh axis or None."""
     merged = dict(RULES)
     for logical, target in (rules or {}).items():
-        targets = () if target is None else (target,) if isinstance(target, str) else target
-        if not isinstance(logical, str) or not all(t in AXES for t in targets):
-            raise LayoutError(f"rules[{logical!r}] = {target!r}: a rule maps a logical axis name to a mesh "
-                             f"axis ({', '.join(AXES)}), a list of them, or None (replicated)")
+        problem = rule_problem(logical, target, f"rules[{logical!r}]")
+        if problem:
+            raise LayoutError(problem.replace("or null (replicated)", "or None (replicated)"))
         merged[logical] = target
     return merged
 

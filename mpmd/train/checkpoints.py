@@ -4,7 +4,7 @@ Every parameter and optimizer-state leaf is saved under its name (mpmd/stages/le
 `params/blocks.3.mlp.up.kernel`, `opt/0.mu/blocks.3.mlp.up.kernel`, `opt/0.count`), once
 (a tied weight held by two stages is saved by the first), by the slice that holds it, into
 that slice's own Orbax directory `<run_dir>/checkpoints/<step>/slice_<r>/`. The step is
-committed by its manifest once every slice has finalized its saves (runtime/worker/checkpoint.py);
+committed by its manifest once every slice has finalized its saves (runtime/worker/slice_store.py);
 the manifest records, per leaf, its shape, dtype and directory, plus the data position, the
 step, what the math depends on (`partition`: microbatch count, clipping) and the layout
 that saved it. Restore reads, on each slice of the new layout, just the leaves its stages
@@ -42,22 +42,25 @@ import time
 
 from mpmd.stages import names
 from mpmd.stages.leaf_paths import StateNames
-from mpmd.runtime.worker.checkpoint import CheckpointStore
+from mpmd.train.options import Checkpointing
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from mpmd.runtime.control.cluster import WorkerLost
 
 log = logging.getLogger("mpmd")
 
 
 class Rewound(Exception):
-    """A slice was lost and replaced; every slice now holds the state after step `step`.
+    """Every slice was put back at the state after step `step`: a slice was lost (and
+    replaced, or the run went on without it on the survivors), or a move back onto more
+    slices restored an older checkpoint than the one it was waiting for.
 
     The caller rewinds its data to `data_state` (what it passed when that step was saved)
     and goes on: the steps after `step` are replayed, so each update lands exactly once.
+    `why`: what happened, e.g. "recovered from slice 1 (worker ...) lost: ...; replaced".
     """
 
-    def __init__(self, step: int, data_state, lost: str, tier: str = "persistent", replayed: int = 0):
-        super().__init__(f"recovered from {lost}; resuming after step {step} "
-                         f"({TIERS[tier]}, {replayed} step(s) to replay)")
+    def __init__(self, step: int, data_state, why: str, tier: str = "persistent", replayed: int = 0):
+        super().__init__(f"{why}; resuming after step {step} ({TIERS[tier]}, {replayed} step(s) to replay)")
         self.step = step
         self.data_state = data_state
         self.tier = tier            # "memory", "persistent" or "initial": where the state came from
@@ -81,17 +84,13 @@ class StageCheckpoints:
     """Saves and restores a pipeline's state; `names` (leaf_paths.StateNames) says what each
     stage's leaves are, `placement` (stage -> slice) where they live now, `partition` what a
     restored run must match, `layout` (LAYOUT_KEYS) how it is laid out (free to differ from
-    the checkpoint's). Built with another placement it restores the same steps onto it."""
+    the checkpoint's), `options` how many steps to keep, whether saves are asynchronous and
+    how many may fail in a row. Built with another placement it restores the same steps onto
+    it."""
 
-    def __init__(self, run_dir, cluster, placement: tuple[int, ...], partition: dict, keep: int,
-                 asynchronous: bool, max_failed_saves: int = 1, layouts: dict | None = None,
-                 names: StateNames | None = None, layout: dict | None = None):
+    def __init__(self, run_dir, cluster, placement: tuple[int, ...], partition: dict, options: Checkpointing,
+                 layouts: dict | None = None, names: StateNames | None = None, layout: dict | None = None):
         assert names is not None and len(names.params) == len(placement), "names: one entry per stage"
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be a positive integer (committed checkpoints to keep), got {keep!r}")
-        if not isinstance(max_failed_saves, int) or max_failed_saves < 0:
-            raise ValueError(f"max_failed_saves must be a non-negative integer (retries of a failed "
-                             f"save), got {max_failed_saves!r}")
         self.store = CheckpointStore(os.path.abspath(run_dir))   # workers may not share our cwd
         self.cluster = cluster
         self.placement = placement          # stage -> slice: which slice saves which stage
@@ -103,8 +102,8 @@ class StageCheckpoints:
         # {buffer: layout per array} on its slice's mesh: a restore lays the saved arrays out
         # so, whatever mesh saved them (Orbax reads each device's part).
         self.layouts = dict(layouts or {})
-        self.keep = keep
-        self.asynchronous = asynchronous
+        self.keep = options.keep
+        self.asynchronous = options.asynchronous
         self.max_in_flight = 2          # steps saved but not yet committed
         self._cond = threading.Condition()
         self._in_flight: deque = deque()   # (step, {slice: directories}, manifest, t), oldest first
@@ -112,7 +111,7 @@ class StageCheckpoints:
         self._save_pool = ThreadPoolExecutor(self.num_slices, thread_name_prefix="mpmd-save")
         self._wait_pool = ThreadPoolExecutor(self.num_slices * self.max_in_flight, thread_name_prefix="mpmd-commit")
         self.last_save_s = {}
-        self.max_failed_saves = max_failed_saves
+        self.max_failed_saves = options.max_failed_saves
         self.failed_saves = 0                        # failed saves in a row
         self._failure: tuple[int, str] | None = None  # (step, why) of a failed save not yet retried
         # step -> WorkerLost of a step whose commit a lost slice prevented: a save waited for
@@ -431,7 +430,7 @@ def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
     never on the training path."""
     import jax
     import numpy as np
-    from mpmd.runtime.worker.checkpoint import SliceCheckpointer
+    from mpmd.runtime.worker.slice_store import SliceCheckpointer
     store = CheckpointStore(os.path.abspath(run_dir))
     step = store.committed()[-1] if step is None else step
     manifest = store.manifest(step)

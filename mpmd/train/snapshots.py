@@ -71,9 +71,7 @@ class MemorySnapshots:
 
     def __init__(self, cluster, placement: tuple[int, ...], state_specs: list[dict[str, tuple[Spec, ...]]],
                  every: int, launch: Callable[[str], object]):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"memory_every must be a positive integer (steps between in-memory "
-                             f"snapshots), got {every!r}")
+        assert every >= 1, "steps between snapshots: checked by options.Checkpointing"
         self.cluster = cluster
         self.placement = placement
         self.num_slices = max(placement) + 1

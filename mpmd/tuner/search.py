@@ -76,18 +76,16 @@ def space(profile: Profile, num_slices: int, batch_size: int, microbatch_counts=
           max_virtual_stages: int = 4):
     """(schedule name, virtual_stages, num_microbatches) of every combination to try: every
     schedule, microbatch counts dividing the batch whose size was profiled, and as many
-    stages per slice (interleaved: 2..max_virtual_stages; V schedules: 2; others: 1) as the
-    units allow."""
+    stages per slice (each schedule's spec range, an open one up to max_virtual_stages:
+    interleaved 2..max_virtual_stages, V schedules 2, others 1) as the units allow."""
     names = list(schedules.SCHEDULES) if schedule_names is None else list(schedule_names)
     counts = ([m for m in range(1, batch_size + 1) if batch_size % m == 0]
               if microbatch_counts is None else list(microbatch_counts))
     counts = [m for m in counts if batch_size // m in profile.microbatch_sizes]
     out = []
     for name in names:
-        if name == "interleaved-1f1b":
-            vs = range(2, max_virtual_stages + 1)
-        else:
-            vs = [schedules.default_virtual_stages(name)]
+        least, most = schedules.schedule_spec(name).virtual_stages
+        vs = range(least, (max_virtual_stages if most is None else most) + 1)
         for v in vs:
             if v * num_slices > profile.num_units:
                 continue

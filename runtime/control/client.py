@@ -4,7 +4,9 @@ StaticCluster.
 ControlPlane is the one implementation of the Cluster protocol (runtime/control/cluster.py) over
 gRPC workers; a Launcher only starts and stops the workers it talks to. StaticCluster
 composes it with StaticLauncher (addresses of workers started elsewhere), LocalCluster with
-LocalLauncher (runtime/launchers/local.py), RayCluster with RayLauncher (runtime/launchers/ray.py).
+LocalLauncher (runtime/launchers/local.py), RayCluster with RayLauncher (runtime/launchers/ray.py),
+SharedCluster with SharedLauncher (runtime/launchers/shared.py: workers leased from a shared
+cluster's manager).
 `run` sends each worker ONE Run RPC per step, all in parallel, carrying the feeds that
 slice needs; activations then flow slice to slice over the data plane, never through here.
 
@@ -24,7 +26,8 @@ merely waiting for a peer, so the Trainer replaces it, restores and replays.
 
 Replacement. The control plane remembers what it shipped to each slice (programs, plans),
 so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
-(StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher). State
+(StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher), a worker the
+shared cluster's manager leases in the lost one's place (SharedLauncher). State
 (parameters) is not replayed: the caller restores it from a checkpoint.
 """
 from __future__ import annotations
@@ -42,8 +45,9 @@ from mpmd.runtime.worker import instructions
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import format as wire
+from mpmd.runtime.wire import verbs
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, StepFailed, WorkerLost
-from mpmd.runtime.worker.executor import Aborted, Event, Progress, StepResult
+from mpmd.runtime.wire.results import Aborted, Event, Progress, StepResult
 from mpmd.runtime.worker.gang import GangClient, group_addresses
 from mpmd.runtime.worker.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
 from mpmd.runtime.worker.main import read_token_file
@@ -112,8 +116,28 @@ class WorkerClient:
     def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
         return self.result(method, self.future(method, header, blobs, timeout_s))
 
+
     def close(self) -> None:
         self._channel.close()
+
+def send(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
+    """Start the RPC of a request record (runtime/wire/verbs.py); `verb` names a verb whose
+    request is Empty (several verbs'). `.result()` as in receive."""
+    verb = verb or verbs.verb_of(request)
+    return client.future(verb, verbs.encode(request), blobs, timeout_s)
+
+
+def receive(client: WorkerClient | GangClient, verb: str, fut):
+    """(the reply record of `verb`, its blobs) once the RPC `send` started is answered."""
+    header, blobs = client.result(verb, fut)
+    return verbs.decode_reply(verb, header), blobs
+
+
+def call(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
+    """send, then receive: (reply record, blobs)."""
+    verb = verb or verbs.verb_of(request)
+    return receive(client, verb, send(client, request, blobs, timeout_s, verb))
+
 
 
 def _arrays_out(b: wire.Builder, arrays) -> list:
@@ -133,7 +157,7 @@ class ControlPlane:
         None: max(60 s, 20 x the median time of the recent steps), 300 s before any completed.
     """
 
-    def __init__(self, launcher: Launcher, token: str, connect_timeout_s: float = 10.0,
+    def __init__(self, launcher: Launcher, token: str, *, connect_timeout_s: float = 10.0,
                  failure_timeout_s: float = 5.0, transfer_host: str | None = None,
                  step_timeout_s: float | None = None):
         if not failure_timeout_s > 0:
@@ -171,6 +195,12 @@ class ControlPlane:
     def num_slices(self) -> int:
         return len(self.clients)
 
+    @property
+    def devices_per_slice(self) -> int | None:
+        """None: workers started elsewhere (StaticCluster, SharedCluster) each refuse a mesh
+        their devices do not fit; a launcher that starts its own knows (LocalCluster, RayCluster)."""
+        return None
+
     # -- membership --------------------------------------------------------------------------
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         """Attach to the launcher's first `num_slices` workers and give each a fresh slice (new
@@ -205,7 +235,7 @@ class ControlPlane:
         self._shipped = [{"programs": {}, "plans": {}} for _ in self.clients]
         self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
         for i in range(len(self.clients)):
-            self._call(i, "Connect", {"peers": self._transfer})
+            self._call(i, verbs.Connect(self._transfer))
 
     def remove(self, slice_index: int, meshes=None) -> None:
         """Leave lost slice `slice_index` out: the slices after it move down one index, and
@@ -258,10 +288,9 @@ class ControlPlane:
         futs = []
         for m in members:
             host = self._transfer_host or m.address.rpartition(":")[0].strip("[]")
-            setup = {"slice_index": i, "transfer_host": host, "transfer_secret": self._transfer_secret,
-                     "mesh": self._meshes[i] if self._meshes is not None else None}
-            futs.append((m, m.future("Setup", setup)))
-        addresses = [m.result("Setup", f)[0]["transfer_address"] for m, f in futs]
+            setup = verbs.Setup(i, host, self._transfer_secret, self._meshes[i] if self._meshes is not None else None)
+            futs.append((m, send(m, setup)))
+        addresses = [receive(m, "Setup", f)[0].transfer_address for m, f in futs]
         return addresses[0] if not isinstance(c, GangClient) else addresses
 
     def _beat(self) -> None:
@@ -271,12 +300,12 @@ class ControlPlane:
             futs = []
             for c in list(self.clients) + list(self._others):
                 try:
-                    futs.append((c, c.future("Heartbeat", timeout_s=HEARTBEAT_S * 2)))
+                    futs.append((c, send(c, verbs.Empty(), timeout_s=HEARTBEAT_S * 2, verb="Heartbeat")))
                 except WorkerError:
                     pass             # replaced while we looked
             for c, f in futs:
                 try:
-                    progress = c.result("Heartbeat", f)[0].get("progress")
+                    progress = receive(c, "Heartbeat", f)[0].progress
                 except (WorkerError, Aborted):
                     continue
                 if isinstance(progress, list) and len(progress) == 3:
@@ -320,7 +349,7 @@ class ControlPlane:
         gone = []
         for i in range(len(self.clients)):
             try:
-                self._call(i, "Connect", {"peers": self._transfer})
+                self._call(i, verbs.Connect(self._transfer))
             except WorkerLost as e:
                 gone.append(e)
         if gone:
@@ -346,40 +375,39 @@ class ControlPlane:
             if s.data:
                 entry["data"] = b.add(s.data)
             progs.append(entry)
-        self._call(slice_index, "LoadPrograms", {"programs": progs}, b.blobs)
+        self._call(slice_index, verbs.LoadPrograms(progs), b.blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
-        self._shipped[slice_index]["plans"][name] = stream if isinstance(stream, streams.Encoded) else list(stream)
+        self._shipped[slice_index]["plans"][name] = stream if isinstance(stream, streams.PackedStream) else list(stream)
         self._install(slice_index, name, stream)
 
     def _install(self, slice_index: int, name: str, stream) -> None:
-        if isinstance(stream, streams.Encoded):     # compact bytes; the worker expands them
+        if isinstance(stream, streams.PackedStream):     # compact bytes; the worker expands them
             b = wire.Builder()
-            self._call(slice_index, "InstallPlan", {"name": name, "encoded": b.add(stream.to_bytes())}, b.blobs)
+            self._call(slice_index, verbs.InstallPlan(name, encoded=b.add(stream.to_bytes())), b.blobs)
         else:
-            self._call(slice_index, "InstallPlan", {"name": name, "stream": [instructions.to_json(i) for i in stream]})
+            self._call(slice_index, verbs.InstallPlan(name, stream=[instructions.to_json(i) for i in stream]))
 
     def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
         b = wire.Builder()
-        header = {"name": name, "arrays": _arrays_out(b, arrays)}
-        if layouts is not None:
-            header["layouts"] = [instructions.layout_to_json(tuple(l)) for l in layouts]
-        self._call(slice_index, "Put", header, b.blobs)
+        refs = _arrays_out(b, arrays)
+        laid = [instructions.layout_to_json(tuple(l)) for l in layouts] if layouts is not None else None
+        self._call(slice_index, verbs.Put(name, refs, laid), b.blobs)
 
     def get(self, slice_index: int, names) -> dict:
-        h, blobs = self._call(slice_index, "Get", {"names": list(names)})
-        return {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["arrays"].items()}
+        reply, blobs = self._call(slice_index, verbs.Get(list(names)))
+        return {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in reply.arrays.items()}
 
     def delete(self, slice_index: int, names) -> None:
-        self._call(slice_index, "Delete", {"names": list(names)})
+        self._call(slice_index, verbs.Delete(list(names)))
 
     def save(self, slice_index: int, items: dict) -> None:
-        self._call(slice_index, "Save", {"items": items})
+        self._call(slice_index, verbs.Save(items))
 
     def wait_saves(self, slice_index: int, directories=None) -> list[str]:
         """Blocks while the slice writes (that may take long) but not past its loss."""
         c = self.clients[slice_index]
-        fut = c.future("WaitSaves", {} if directories is None else {"directories": list(directories)})
+        fut = send(c, verbs.WaitSaves(None if directories is None else list(directories)))
         while not fut.done():
             time.sleep(0.05)
             lost = self.lost_slice()
@@ -387,38 +415,33 @@ class ControlPlane:
                 fut.cancel()
                 raise WorkerLost(slice_index, c.address, lost[1])
         try:
-            return c.result("WaitSaves", fut)[0]["finalized"]
+            return receive(c, "WaitSaves", fut)[0].finalized
         except WorkerError as e:      # the worker died while writing: its slice is lost,
             if e.code in _GONE:       # not its checkpoint (as _call reports every other verb)
                 raise WorkerLost(slice_index, e.address, str(e)) from None
             raise
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
-        header = {"items": items, "staged": staged}
-        if layouts:
-            header["layouts"] = {n: [instructions.layout_to_json(tuple(l)) for l in ls] for n, ls in layouts.items()}
-        self._call(slice_index, "Restore", header)
+        laid = {n: [instructions.layout_to_json(tuple(l)) for l in ls] for n, ls in layouts.items()} if layouts else None
+        self._call(slice_index, verbs.Restore(items, staged, laid))
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
-        self._call(slice_index, "FinishRestore", {"commit": commit})
+        self._call(slice_index, verbs.FinishRestore(commit))
 
-    def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+    def run(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
-        return self.launch(plan, step, feeds, fetch, trace).result()
+        return self.launch(plan, run, feeds, fetch, trace).result()
 
-    def launch(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+    def launch(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
                trace: bool = False) -> PendingRun:
-        """Send run `step` to every slice (its feeds with it) and return; see Cluster.launch."""
+        """Send run `run` to every slice (its feeds with it) and return; see Cluster.launch."""
         after = self._in_flight.after()
         futs = []
         for i, c in enumerate(self.clients):
             b = wire.Builder()
-            header = {"plan": plan, "step": step, "after": after, "fetch": list(fetch.get(i, ())), "trace": trace,
-                      "feeds": {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}}
-            futs.append(c.future("Run", header, b.blobs))
-        run = self._in_flight.add(PendingRun(step, self._collect))
-        run.futs, run.sent_at = futs, time.monotonic()
-        return run
+            fed = {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}
+            futs.append(send(c, verbs.Run(plan, run, after, fed, list(fetch.get(i, ())), trace), b.blobs))
+        return self._in_flight.add(PendingRun(run, self._collect, futs, time.monotonic()))
 
     def _collect(self, run: PendingRun) -> list[StepResult]:
         self._in_flight.collecting(run)
@@ -432,7 +455,7 @@ class ControlPlane:
     def _wait_run(self, run: PendingRun) -> list[StepResult]:
         # A run sent ahead starts on the slices once the one before it is done: its clock
         # (watchdog, step times) starts when that one was collected, or when it was sent.
-        step, futs = run.step, run.futs
+        run_id, futs = run.run, run.futures
         t0 = max(run.sent_at, self._collected_at)
         timeout_s = self.step_timeout()
         # Wake on every completion (a sleep-poll here cost ~5 ms per step), and at least every
@@ -454,15 +477,15 @@ class ControlPlane:
             changed.wait(0.05)
             changed.clear()
             lost = self.lost_slice() or self._gone(futs)
-            stalled = self._stalled(step, futs, max(last_done[0], t0), timeout_s)
+            stalled = self._stalled(run_id, futs, max(last_done[0], t0), timeout_s)
         lost = lost or self.lost_slice() or self._gone(futs)
         if lost is None and stalled is None and not failed:
             self._step_times.append(time.monotonic() - t0)
             return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
         # Every run in flight goes: this one, and those sent ahead of it (never run, or
         # aborted where they started). Aborting the newest id aborts every earlier one.
-        later = [r.futs for r in self._in_flight.runs if r is not run]
-        newest = self._in_flight.drop_all(f"run {step} before it failed")
+        later = [r.futures for r in self._in_flight.runs if r is not run]
+        newest = self._in_flight.drop_all(f"run {run_id} before it failed")
         if lost is None and stalled is not None:
             # The stalled slice is alive (it answers heartbeats): abort it too, wait not for it.
             self._abort_all(newest, [futs] + later, stalled[0], abort_lost=True)
@@ -478,20 +501,20 @@ class ControlPlane:
         root = [i for i in order if futs[i].exception().code() != grpc.StatusCode.ABORTED] or order
         raise self._step_failed(root[0], futs[root[0]].exception())
 
-    def _stalled(self, step: int, futs, last_done: float, timeout_s: float) -> tuple[int, str] | None:
-        """(slice, why) to blame if no slice has finished or advanced in run `step` for
+    def _stalled(self, run: int, futs, last_done: float, timeout_s: float) -> tuple[int, str] | None:
+        """(slice, why) to blame if no slice has finished or advanced in run `run` for
         timeout_s; the blamed one is unfinished and, if any is, not waiting for a peer."""
         now = time.monotonic()
-        moved = [c.progress_at for c in self.clients if c.progress is not None and c.progress.run == step]
+        moved = [c.progress_at for c in self.clients if c.progress is not None and c.progress.run == run]
         if now - max([last_done] + moved) <= timeout_s:
             return None
         unfinished = [i for i, f in enumerate(futs) if not f.done()]
         where = {i: self.clients[i].progress for i in unfinished}
-        busy = [i for i in unfinished if where[i] is None or where[i].run != step or where[i].doing != "recv"]
+        busy = [i for i in unfinished if where[i] is None or where[i].run != run or where[i].doing != "recv"]
         blame = (busy or unfinished)[0]
-        at = {i: (f"instruction {p.done} ({p.doing})" if p is not None and p.run == step else "not started")
+        at = {i: (f"instruction {p.done} ({p.doing})" if p is not None and p.run == run else "not started")
               for i, p in where.items()}
-        return blame, (f"step {step} made no progress for {now - max([last_done] + moved):.1f} s "
+        return blame, (f"run {run} made no progress for {now - max([last_done] + moved):.1f} s "
                        f"(step_timeout_s={timeout_s:g}); unfinished slices: "
                        + ", ".join(f"{i} at {a}" for i, a in at.items()))
 
@@ -512,35 +535,38 @@ class ControlPlane:
         return None
 
     def _probe(self) -> tuple[int, str] | None:
-        futs = [c.future("Heartbeat", timeout_s=min(2.0, self.failure_timeout_s)) for c in self.clients]
+        futs = [send(c, verbs.Empty(), timeout_s=min(2.0, self.failure_timeout_s), verb="Heartbeat")
+                for c in self.clients]
         for f in futs:
             f.exception()          # wait
         return self._gone(futs)
 
-    def _call(self, slice_index: int, method: str, header=None, blobs=()):
-        """An RPC to a slice; a worker that is not there anymore is reported as WorkerLost."""
+    def _call(self, slice_index: int, request, blobs=()):
+        """The RPC of a request record to a slice: (reply record, blobs); a worker that is not
+        there anymore is reported as WorkerLost."""
+        c = self.clients[slice_index]
         try:
-            return self.clients[slice_index].call(method, header, blobs)
+            return call(c, request, blobs)
         except WorkerError as e:
             if e.code in _GONE:
                 raise WorkerLost(slice_index, e.address, str(e)) from None
             raise
 
     def _step_result(self, c: WorkerClient, fut) -> StepResult:
-        h, blobs = c.result("Run", fut)
-        fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in h["fetched"].items()}
-        return StepResult(fetched, tuple(Event(*e) for e in h["events"]), h["wall_s"], h.get("peak_held", 0),
-                          h.get("peak_held_bytes", 0), h.get("peak_bytes", 0))
+        reply, blobs = receive(c, "Run", fut)
+        fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in reply.fetched.items()}
+        return StepResult(fetched, tuple(Event(*e) for e in reply.events), reply.wall_s, reply.peak_held,
+                          reply.peak_held_bytes, reply.peak_bytes)
 
-    def _abort_all(self, step: int, runs=(), lost: int | None = None, abort_lost: bool = False) -> None:
-        """Abort run `step` (and every earlier one) everywhere; `runs`: the per-slice Run
+    def _abort_all(self, run: int, runs=(), lost: int | None = None, abort_lost: bool = False) -> None:
+        """Abort run `run` (and every earlier one) everywhere; `runs`: the per-slice Run
         futures of each run in flight. The lost slice, if known, is not waited for: it is hung
         or gone, and its Run is simply cancelled (it is sent the Abort too if `abort_lost`)."""
         live = [i for i in range(len(self.clients)) if i != lost or abort_lost]
-        aborts = [(self.clients[i], self.clients[i].future("Abort", {"step": step}, timeout_s=2.0)) for i in live]
+        aborts = [(self.clients[i], send(self.clients[i], verbs.Abort(run), timeout_s=2.0)) for i in live]
         for c, f in aborts:
             try:
-                c.result("Abort", f)
+                receive(c, "Abort", f)
             except (WorkerError, Aborted):
                 pass
         # Survivors answer ABORTED promptly once aborted.
@@ -567,10 +593,10 @@ class ControlPlane:
     def close(self) -> None:
         """Shut the workers down (a worker started with --persist resets instead), then let the
         launcher stop what it started."""
-        futs = [(c, c.future("Shutdown", timeout_s=2.0)) for c in self.clients + self._others]
+        futs = [(c, send(c, verbs.Empty(), timeout_s=2.0, verb="Shutdown")) for c in self.clients + self._others]
         for c, f in futs:
             try:
-                c.result("Shutdown", f)
+                receive(c, "Shutdown", f)
             except (WorkerError, Aborted):
                 pass
         self._detach()
@@ -618,7 +644,7 @@ class StaticCluster(ControlPlane):
     `allow_insecure_token_file` (see read_token_file).
     """
 
-    def __init__(self, addresses, token_file: str | None = None, token: str | None = None,
+    def __init__(self, addresses, *, token_file: str | None = None, token: str | None = None,
                  connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
                  transfer_host: str | None = None, step_timeout_s: float | None = None,
                  allow_insecure_token_file: bool = False, processes_per_slice: int | None = None):
@@ -628,8 +654,8 @@ class StaticCluster(ControlPlane):
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
             token = read_token_file(token_file, allow_insecure_token_file, "token_file",
                                     "allow_insecure_token_file=True")
-        super().__init__(StaticLauncher(addresses), token, connect_timeout_s, failure_timeout_s, transfer_host,
-                         step_timeout_s)
+        super().__init__(StaticLauncher(addresses), token, connect_timeout_s=connect_timeout_s,
+                         failure_timeout_s=failure_timeout_s, transfer_host=transfer_host, step_timeout_s=step_timeout_s)
 
 
 def new_token() -> str:

@@ -3,22 +3,24 @@ launcher must do for the one gRPC control plane.
 
 Two protocols:
 - `Cluster`: the verbs the Trainer calls. InProcessCluster (threads, runtime/control/inprocess.py)
-  and the control plane behind StaticCluster, LocalCluster and RayCluster
+  and the control plane behind StaticCluster, LocalCluster, RayCluster and SharedCluster
   (runtime/control/client.py) implement them.
 - `Launcher`: the three verbs that start and stop workers (start -> addresses, replace one
   -> its address, stop). The control plane (runtime/control/client.py) owns everything else:
   clients, heartbeats, run/abort/probe, and what was shipped to each slice so a replacement
   can be brought up to date. Launchers: StaticLauncher (runtime/control/client.py), LocalLauncher
-  (runtime/launchers/local.py), RayLauncher (runtime/launchers/ray.py).
+  (runtime/launchers/local.py), RayLauncher (runtime/launchers/ray.py), SharedLauncher
+  (runtime/launchers/shared.py: workers leased from a shared cluster's manager).
 
 Slices are numbered 0..num_slices-1. Errors: a slice that is gone (process died, hung past
 the failure timeout, unreachable) surfaces as `WorkerLost` from `run`, `wait_saves` and the
 per-slice verbs; an error raised while a slice walks its stream (a program that fails, a
-plan that reads a missing buffer) aborts the step everywhere and surfaces as `StepFailed`
+plan that reads a missing buffer) aborts the run everywhere and surfaces as `StepFailed`
 naming the slice and the instruction: it would fail again, so it is not recovered from. A
-step that makes no progress for the cluster's step timeout is aborted by a watchdog and
+run that makes no progress for the cluster's step timeout is aborted by a watchdog and
 reported as `WorkerLost` for one of the slices that did not finish. Any other error a worker
-reports on a per-slice verb is re-raised as what it is. A cluster that cannot put a new worker in a lost slice's place
+reports on a per-slice verb is re-raised as what it is.
+A cluster that cannot put a new worker in a lost slice's place
 raises `ReplaceUnsupported` from `replace`: the Trainer catches that one type and gives up
 with the last committed checkpoint in its message (no `hasattr` probing, no capability
 flag: whether a replacement exists is only known when one is asked for, e.g. a
@@ -28,36 +30,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
+from mpmd.runtime.wire.results import StepFailed, StepResult  # noqa: F401  (StepFailed: what `run` raises)
+
 if TYPE_CHECKING:
     import numpy as np
 
-    from mpmd.runtime.worker.executor import StepResult
     from mpmd.runtime.worker.instructions import Instruction
     from mpmd.runtime.worker.programs import ProgramSpec
 
 
 class WorkerLost(RuntimeError):
-    """Slice `slice_index` is gone (died, hung or unreachable); the step was aborted everywhere."""
+    """Slice `slice_index` is gone (died, hung or unreachable); the run was aborted everywhere."""
 
     def __init__(self, slice_index: int, address: str, why: str):
         super().__init__(f"slice {slice_index} (worker {address}) lost: {why}")
         self.slice_index = slice_index
         self.address = address
-
-
-class StepFailed(RuntimeError):
-    """Slice `slice_index` raised while running `instruction` of a step (e.g. "train[12] F2/3",
-    "fetch loss/0"); the step was aborted everywhere. Deterministic: replaying it would fail
-    the same way, so the Trainer does not recover from it."""
-
-    def __init__(self, slice_index: int, instruction: str, message: str):
-        super().__init__(f"slice {slice_index} failed at {instruction}: {message}")
-        self.slice_index = slice_index
-        self.instruction = instruction
-        self.message = message
-
-    def __reduce__(self):
-        return StepFailed, (self.slice_index, self.instruction, self.message)
 
 
 class ReplaceUnsupported(RuntimeError):
@@ -72,16 +60,24 @@ class Discarded(RuntimeError):
 
 class PendingRun:
     """A run sent to every slice and not yet collected (Cluster.launch). `result()` waits
-    for it and gives what Cluster.run gives; runs are collected oldest first."""
+    for it and gives what Cluster.run gives; runs are collected oldest first.
 
-    def __init__(self, step: int, collect):
-        self.step = step
+    run: its run id. futures: per slice, in slice order, what the cluster waits on: the
+    gRPC future of the slice's Run RPC (ControlPlane) or the concurrent.futures.Future of
+    its executor's run (InProcessCluster); both have done(), cancel() and exception().
+    sent_at: time.monotonic() when it was sent (the control plane's watchdog starts there)."""
+
+    def __init__(self, run: int, collect: Callable[[PendingRun], list[StepResult]], futures: Sequence,
+                 sent_at: float):
+        self.run = run
+        self.futures = list(futures)
+        self.sent_at = sent_at
         self._collect = collect
         self.discarded: str | None = None      # why, once an earlier run's failure dropped it
 
     def result(self) -> list[StepResult]:
         if self.discarded is not None:
-            raise Discarded(f"run {self.step} was discarded: {self.discarded}")
+            raise Discarded(f"run {self.run} was discarded: {self.discarded}")
         return self._collect(self)
 
 
@@ -95,14 +91,14 @@ class InFlight:
 
     def after(self) -> int:
         """The run id a run launched now must follow on every slice (-1: none in flight)."""
-        return self.runs[-1].step if self.runs else -1
+        return self.runs[-1].run if self.runs else -1
 
     def add(self, run: PendingRun) -> PendingRun:
         self.runs.append(run)
         return run
 
     def collecting(self, run: PendingRun) -> None:
-        assert self.runs and self.runs[0] is run, f"run {run.step} collected out of order"
+        assert self.runs and self.runs[0] is run, f"run {run.run} collected out of order"
 
     def done(self, run: PendingRun) -> None:
         self.runs.remove(run)
@@ -110,7 +106,7 @@ class InFlight:
     def drop_all(self, why: str) -> int:
         """Forget every run in flight, marking those not being collected as discarded; returns
         the newest run id, the one to abort up to (an abort covers every earlier id)."""
-        newest = max((r.step for r in self.runs), default=-1)
+        newest = max((r.run for r in self.runs), default=-1)
         for r in self.runs[1:]:
             r.discarded = why
         self.runs = []
@@ -125,6 +121,14 @@ class Cluster(Protocol):
     @property
     def num_slices(self) -> int:
         """Slices attached by the last `start` (0 before it and after `close`)."""
+
+    @property
+    def devices_per_slice(self) -> int | None:
+        """The devices of one slice's mesh when the cluster fixes it before `start` (Local,
+        Ray: devices_per_worker x processes_per_slice), so a mesh that does not fit is refused
+        before any worker starts; None when each slice takes the mesh `start` gives it
+        (InProcess: a run of this process's devices) or it is known only to workers started
+        elsewhere (Static, Shared: a worker refuses a mesh its devices do not fit)."""
 
     def start(self, num_slices: int, root: str | None = None, meshes: Sequence | None = None) -> None:
         """Give every slice 0..num_slices-1 a fresh executor. ValueError if the cluster has
@@ -153,17 +157,17 @@ class Cluster(Protocol):
     def delete(self, slice_index: int, names: Iterable[str]) -> None:
         """Free buffers; names that do not exist are ignored."""
 
-    def run(self, plan: str, step: int, feeds: Mapping[int, Mapping[str, Sequence]],
+    def run(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
             fetch: Mapping[int, Sequence[str]], trace: bool = False) -> list[StepResult]:
-        """Run plan `plan` on every slice at once, as run id `step` (ids must never repeat:
+        """Run plan `plan` on every slice at once, as run id `run` (ids must never repeat:
         transfer keys are prefixed with it). `feeds[slice]` are buffers to put first,
         `fetch[slice]` the buffers to bring back. One StepResult per slice, in slice order.
-        An error on any slice aborts the step everywhere; WorkerLost if a slice is gone.
+        An error on any slice aborts the run everywhere; WorkerLost if a slice is gone.
         The same as `launch(...).result()`."""
 
-    def launch(self, plan: str, step: int, feeds: Mapping[int, Mapping[str, Sequence]],
+    def launch(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
                fetch: Mapping[int, Sequence[str]], trace: bool = False) -> PendingRun:
-        """Send run `step` and return at once (run-ahead dispatch): each slice runs it after
+        """Send run `run` and return at once (run-ahead dispatch): each slice runs it after
         the runs launched before it. Collect results oldest first with `.result()`, which
         raises what `run` raises; a failure there aborts and discards every later run in
         flight too (their `.result()` raises Discarded). Other verbs do not wait for runs in
@@ -227,7 +231,7 @@ class Launcher(Protocol):
         first `num_slices` serve slices, the rest are idle spares. ValueError (before starting
         anything) if it cannot have that many. Called again on a started launcher, it
         returns the running workers. On failure it stops what it started, then raises.
-        `root` as in Cluster.start (see mpmd.runtime.launchers.local.worker_root)."""
+        `root` as in Cluster.start (see mpmd.runtime.launchers.workers.worker_root)."""
 
     def replace(self, slot: int) -> str:
         """The address of a worker to take over slot `slot`, whose worker was lost (the old

@@ -9,6 +9,7 @@ two are pinned to identical results by the tests.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -16,8 +17,10 @@ import numpy as np
 
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.wire import reshard
+from mpmd.runtime.wire import verbs
 from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported
-from mpmd.runtime.worker.executor import Aborted, Executor, StepResult
+from mpmd.runtime.wire.results import Aborted, StepResult
+from mpmd.runtime.worker.executor import Executor
 
 
 class _Hub:
@@ -98,6 +101,11 @@ class InProcessCluster:
     def num_slices(self) -> int:
         return len(self.executors)
 
+    @property
+    def devices_per_slice(self) -> None:
+        """None: each slice takes the mesh `start` gives it, from this process's devices."""
+        return None
+
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         # root is not enforced: in-process slices are this process, with its own rights.
         if self.executors:
@@ -134,25 +142,28 @@ class InProcessCluster:
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self.executors[slice_index].finish_restore(commit)
 
-    def run(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+    def run(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
             trace: bool = False) -> list[StepResult]:
-        return self.launch(plan, step, feeds, fetch, trace).result()
+        return self.launch(plan, run, feeds, fetch, trace).result()
 
-    def launch(self, plan: str, step: int, feeds: dict[int, dict], fetch: dict[int, tuple],
+    def launch(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
                trace: bool = False) -> PendingRun:
         # The pool runs tasks in submission order, so every task of a run has a thread before
         # any task of a later one: a task waiting for its turn never starves the one it waits for.
         after = self._in_flight.after()
-        run = PendingRun(step, self._collect)
-        run.futures = [self._pool.submit(ex.run, plan, step, feeds.get(i), fetch.get(i, ()), trace, after)
-                       for i, ex in enumerate(self.executors)]
-        return self._in_flight.add(run)
+        # The same Run record a worker's service takes (runtime/wire/verbs.py), arrays in place
+        # of blob references: a request the table refuses is refused here too.
+        requests = [verbs.check(verbs.Run(plan, run, after, dict(feeds.get(i) or {}), list(fetch.get(i, ())), trace))
+                    for i in range(len(self.executors))]
+        futures = [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
+                   for ex, r in zip(self.executors, requests)]
+        return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
 
     def _collect(self, run: PendingRun) -> list[StepResult]:
         self._in_flight.collecting(run)
 
         def abort():
-            newest = self._in_flight.drop_all(f"run {run.step} before it failed")
+            newest = self._in_flight.drop_all(f"run {run.run} before it failed")
             for ex in self.executors:
                 ex.abort(newest)
         results = gather(run.futures, on_error=abort, cleanup=self._hub.clear)

@@ -22,148 +22,27 @@ is logged here through the logger `mpmd.workers` as "worker <slot> WARNING <mess
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import re
 import subprocess
-import sys
 import threading
 import time
 
 from mpmd.runtime.control.client import ControlPlane, new_token
 from mpmd.runtime.control.cluster import ReplaceUnsupported
+from mpmd.runtime.launchers.workers import (START_TIMEOUT_S, check_gpus, check_max_workers, check_processes_per_slice,
+                                            check_worker_args, default_compilation_cache, free_port, num_workers_for, visible_gpus,
+                                            worker_command, worker_env, worker_root)
 from mpmd.runtime.worker.main import LOG_LEVELS, READY, RELAY, cores_for
 
-START_TIMEOUT_S = 60.0
 log = logging.getLogger("mpmd.workers")
-
-
-def check_worker_args(num_workers, devices_per_worker, threads_per_worker) -> None:
-    """What every launcher that starts its own workers accepts (LocalCluster, RayCluster)."""
-    if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
-        raise ValueError(f"num_workers must be a positive integer or None (one per slice), got {num_workers!r}")
-    if not isinstance(devices_per_worker, int) or isinstance(devices_per_worker, bool) or devices_per_worker < 1:
-        raise ValueError(f"devices_per_worker must be a positive integer (the devices of one slice's mesh), "
-                         f"got {devices_per_worker!r}")
-    if not isinstance(threads_per_worker, int) or threads_per_worker < 1:
-        raise ValueError(f"threads_per_worker must be a positive integer, got {threads_per_worker!r}")
-
-
-def check_max_workers(max_workers):
-    """max_workers: None (no limit) or a positive integer."""
-    if max_workers is not None and (not isinstance(max_workers, int) or isinstance(max_workers, bool)
-                                    or max_workers < 1):
-        raise ValueError(f"max_workers must be a positive integer (the most worker processes started over "
-                         f"the cluster's life, replacements included) or None (no limit), got {max_workers!r}")
-    return max_workers
-
-
-def num_workers_for(num_workers: int | None, num_slices: int, backend: str) -> int:
-    """How many workers a launcher that starts its own starts for `num_slices` slices."""
-    n = num_workers if num_workers is not None else num_slices
-    if n < num_slices:
-        raise ValueError(f"{num_slices} slices need at least {num_slices} workers, {backend} has num_workers={n}")
-    return n
-
-
-def worker_root(configured: str | None, asked: str | None, running: str | None, backend: str) -> str:
-    """The root a launcher's workers are confined to (`mpmd worker --root`): the root they
-    already run with, else the cluster's `root=`, else the run directory a start `asked` for,
-    else this process's cwd (what relative run_dirs mean). A root is fixed when the workers
-    start, so a start that asks for a directory outside it is refused (ValueError), never
-    widened."""
-    root = os.path.realpath(running or configured or asked or os.getcwd())
-    if asked is not None:
-        real = os.path.realpath(asked)
-        if os.path.commonpath([real, root]) != root:
-            raise ValueError(f"{backend}'s workers are confined to {root}, which does not hold {asked}: "
-                             f"make a new cluster for that run_dir, or give {backend}(root=...) a "
-                             f"directory that holds every run_dir it will serve")
-    return root
-
-
-def visible_gpus() -> list[str]:
-    """The ids of the GPUs this machine's workers may use, found without importing JAX (in
-    the controller it would take GPU memory): $CUDA_VISIBLE_DEVICES when set, else one per
-    /dev/nvidia<N>. None at all when $JAX_PLATFORMS leaves CUDA out or JAX's CUDA plugin
-    (`pip install -e '.[cuda]'`) is not installed: the workers would run on CPU anyway."""
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
-        return []
-    if not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
-        return []
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        return [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
-    try:
-        names = os.listdir("/dev")
-    except OSError:
-        return []
-    return sorted((n[len("nvidia"):] for n in names if re.fullmatch(r"nvidia\d+", n)), key=int)
-
-
-def check_gpus(gpus) -> list[str]:
-    """An explicit `gpus=` (a list of GPU ids; [] = CPU) as the strings CUDA_VISIBLE_DEVICES takes."""
-    if not isinstance(gpus, (list, tuple)) or not all(
-            (isinstance(g, int) and not isinstance(g, bool) and g >= 0) or (isinstance(g, str) and g.strip())
-            for g in gpus):
-        raise ValueError(f"gpus must be None (find them), a list of GPU ids (ints >= 0 or CUDA ids), or [] "
-                         f"(CPU), got {gpus!r}")
-    ids = [str(g).strip() for g in gpus]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"gpus lists a GPU twice ({gpus!r}): two workers never share a GPU")
-    return ids
-
-
-def check_processes_per_slice(k) -> int:
-    """processes_per_slice: a positive integer (1: a slice is one process)."""
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"processes_per_slice must be a positive integer (the processes, one per host, that "
-                         f"together own a slice's mesh; 1: one process per slice), got {k!r}")
-    return k
-
-
-def free_port(host: str) -> int:
-    """A port free on `host` now, for a gang's coordinator (the OS picks it; the gang binds it
-    moments later)."""
-    import socket
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host.strip("[]"), 0))
-        return s.getsockname()[1]
-
-
-def process_alive(pid: int) -> bool:
-    """Whether `pid` is a live process; a zombie (exited, not yet reaped) counts as gone."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def worker_env(compilation_cache_dir: str) -> dict:
-    """The environment of a worker process started here: this one's, with this checkout first
-    on PYTHONPATH (`python -m mpmd.runtime.worker.main` must import the same code) and JAX's persistent
-    compilation cache at `compilation_cache_dir` ("" leaves it off)."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    if compilation_cache_dir:
-        env["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    return env
 
 
 class LocalLauncher:
     """Starts worker processes on this machine (`python -m mpmd.runtime.worker.main`), one per slot,
     each given `token` on its stdin. See LocalCluster for the arguments."""
 
-    def __init__(self, token: str, num_workers: int | None = None, devices_per_worker: int = 1,
+    def __init__(self, token: str, *, num_workers: int | None = None, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None,
                  gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None,
@@ -287,13 +166,11 @@ class LocalLauncher:
     def _start_process(self, slot: int, j: int, extra: list[str]):
         """Start process j of slot `slot`; (process, its ready event, its READY line once read)."""
         index = slot * self.processes_per_slice + j    # the process's place among all, for cores and GPUs
-        cmd = [sys.executable, "-m", "mpmd.runtime.worker.main", "--listen", f"{self.host}:0", "--token-stdin",
-               "--devices", str(self.devices_per_worker), "--root", self._running_root] + extra
-        if self.pin:
-            cmd += ["--cpus", ",".join(map(str, cores_for(index, self.threads_per_worker)))]
-        if self.log_dir is not None:    # a log file to fill, and the console's share relayed
-            cmd += ["--log-level", "debug" if self.log_level == "debug" else "info",
-                    "--relay-level", self.log_level]
+        relayed = self.log_dir is not None     # a log file to fill, and the console's share relayed
+        cmd = worker_command(f"{self.host}:0", self._running_root, self.devices_per_worker, token_stdin=True,
+                             cpus=cores_for(index, self.threads_per_worker) if self.pin else None,
+                             log_level=("debug" if self.log_level == "debug" else "info") if relayed else None,
+                             relay_level=self.log_level if relayed else None) + extra
         env = worker_env(self.compilation_cache_dir)
         if self.gpus:         # the slot's own GPUs: a replacement gets the ones it replaces
             d = self.devices_per_worker
@@ -398,7 +275,7 @@ class LocalCluster(ControlPlane):
         grow back) may start a process again.
     """
 
-    def __init__(self, num_workers: int | None = None, devices_per_worker: int = 1,
+    def __init__(self, num_workers: int | None = None, *, devices_per_worker: int = 1,
                  threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
                  step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
@@ -409,8 +286,11 @@ class LocalCluster(ControlPlane):
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
-        launcher = LocalLauncher(token, num_workers, devices_per_worker, threads_per_worker, pin, host, cache,
-                                 log_dir, root, gpus, log_level, max_workers, processes_per_slice, start_timeout_s)
+        launcher = LocalLauncher(token, num_workers=num_workers, devices_per_worker=devices_per_worker,
+                                 threads_per_worker=threads_per_worker, pin=pin, host=host,
+                                 compilation_cache_dir=cache, log_dir=log_dir, root=root, gpus=gpus,
+                                 log_level=log_level, max_workers=max_workers,
+                                 processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s)
         super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 
     @property
@@ -445,12 +325,3 @@ class LocalCluster(ControlPlane):
     @max_workers.setter
     def max_workers(self, value: int | None) -> None:
         self.launcher.max_workers = check_max_workers(value)
-
-
-def default_compilation_cache() -> str:
-    """$JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/mpmd/jax (~/.cache/mpmd/jax)."""
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return os.environ["JAX_COMPILATION_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mpmd", "jax")
-

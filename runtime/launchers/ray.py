@@ -32,7 +32,7 @@ import time
 
 from mpmd.runtime.control.client import ControlPlane, new_token
 from mpmd.runtime.control.cluster import ReplaceUnsupported
-from mpmd.runtime.launchers.local import check_processes_per_slice, check_worker_args, num_workers_for, worker_root
+from mpmd.runtime.launchers.workers import check_processes_per_slice, check_worker_args, num_workers_for, worker_root
 
 START_TIMEOUT_S = 120.0
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -79,7 +79,7 @@ class _SliceActor:
 
     def coordinator(self) -> str:
         """HOST:PORT for the gang's coordinator on this actor's node (its process 0's)."""
-        from mpmd.runtime.launchers.local import free_port
+        from mpmd.runtime.launchers.workers import free_port
         return f"{self._host}:{free_port(self._host)}"
 
     def join(self, coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> tuple[str, int]:
@@ -131,7 +131,7 @@ class RayLauncher:
     arguments; `shared` ({lease_s, compile_cache_mb}) makes them a shared cluster's workers,
     as `mpmd worker --shared` (runtime/manager/worker_pool.py RayWorkerPool)."""
 
-    def __init__(self, token: str, num_workers: int | None = None, resources_per_worker: dict | None = None,
+    def __init__(self, token: str, *, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
                  gpus: bool = False, shared: dict | None = None, processes_per_slice: int = 1):
@@ -377,15 +377,16 @@ class RayCluster(ControlPlane):
     the Trainer calls when it recovers); spare workers are not needed.
     """
 
-    def __init__(self, num_workers: int | None = None, resources_per_worker: dict | None = None,
+    def __init__(self, num_workers: int | None = None, *, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
                  root: str | None = None, gpus: bool = False, processes_per_slice: int = 1):
         token = new_token()
-        launcher = RayLauncher(token, num_workers, resources_per_worker, address, devices_per_worker,
-                               threads_per_worker, host, runtime_env, root, gpus,
-                               processes_per_slice=processes_per_slice)
+        launcher = RayLauncher(token, num_workers=num_workers, resources_per_worker=resources_per_worker,
+                               address=address, devices_per_worker=devices_per_worker,
+                               threads_per_worker=threads_per_worker, host=host, runtime_env=runtime_env, root=root,
+                               gpus=gpus, processes_per_slice=processes_per_slice)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
                          step_timeout_s=step_timeout_s)
 

@@ -62,7 +62,7 @@ class SharedLauncher:
     jobs; lease_s: silence after which the manager ends the lease (None: the cluster's
     default); on_wait(position): called while queued, whenever the position changes."""
 
-    def __init__(self, address: str, submit_token: str, name: str = "job", share: bool = False,
+    def __init__(self, address: str, submit_token: str, *, name: str = "job", share: bool = False,
                  lease_s: float | None = None, on_wait=None, wait_timeout_s: float | None = None):
         if not isinstance(address, str) or not address.rpartition(":")[2].isdigit():
             raise ValueError(f"address must be the manager's 'host:port', got {address!r}")
@@ -175,7 +175,7 @@ class SharedCluster(ControlPlane):
     """A job's cluster on a shared cluster's leased workers (see SharedLauncher for the
     arguments; `cluster_file` instead of `address` + `submit_token` reads both from it)."""
 
-    def __init__(self, address: str | None = None, submit_token: str | None = None, cluster_file: str | None = None,
+    def __init__(self, address: str | None = None, submit_token: str | None = None, *, cluster_file: str | None = None,
                  name: str = "job", share: bool = False, lease_s: float | None = None, on_wait=None,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None):
         if cluster_file is not None:
@@ -185,7 +185,7 @@ class SharedCluster(ControlPlane):
             address, submit_token = data["manager"], data["submit_token"]
         if address is None or not submit_token:
             raise ValueError("SharedCluster needs the manager's address and the submit token (or cluster_file)")
-        launcher = SharedLauncher(address, submit_token, name, share, lease_s, on_wait)
+        launcher = SharedLauncher(address, submit_token, name=name, share=share, lease_s=lease_s, on_wait=on_wait)
         # The token is the job's credential, known once the manager accepted the job.
         super().__init__(launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 

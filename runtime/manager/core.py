@@ -49,12 +49,14 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable, NamedTuple
 
 import grpc
 
 from mpmd.runtime.wire import credentials
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.control.client import WorkerClient, WorkerError
+from mpmd.runtime.wire import verbs
+from mpmd.runtime.control.client import WorkerClient, WorkerError, call
 from mpmd.runtime.worker.service import ADMIN, TOKEN_KEY
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
 
@@ -232,20 +234,19 @@ class Manager:
 
     def _open_session(self, slot: int, job: Job) -> None:
         try:
-            self._client(slot).call("OpenSession", {"job": job.id, "root": job.root, "lease_s": job.lease_s},
-                                    timeout_s=RPC_TIMEOUT_S)
+            call(self._client(slot), verbs.OpenSession(job.id, job.root, job.lease_s), timeout_s=RPC_TIMEOUT_S)
         except WorkerError as e:   # the job finds the worker gone and asks for Replace
             log.warning("cannot open job %s's session on worker %d: %s", job.id, slot, e)
 
     def _close_session(self, slot: int, job_id: str) -> None:
         try:
-            self._client(slot).call("CloseSession", {"job": job_id}, timeout_s=RPC_TIMEOUT_S)
+            call(self._client(slot), verbs.CloseSession(job_id), timeout_s=RPC_TIMEOUT_S)
         except WorkerError as e:   # a worker that is gone holds no session
             log.warning("cannot close job %s's session on worker %d: %s", job_id, slot, e)
 
     def _answers(self, slot: int) -> bool:
         try:
-            self._client(slot).call("Hello", timeout_s=2.0)
+            call(self._client(slot), verbs.Empty(), timeout_s=2.0, verb="Hello")
             return True
         except WorkerError:
             return False
@@ -267,7 +268,7 @@ class Manager:
         replies = {}
         for w in list(self.pool.workers):
             try:
-                replies[w.slot] = self._client(w.slot).call("Sessions", timeout_s=2.0)[0]
+                replies[w.slot] = verbs.encode(call(self._client(w.slot), verbs.Empty(), timeout_s=2.0, verb="Sessions")[0])
             except WorkerError as e:
                 replies[w.slot] = e
         with self._lock:
@@ -344,7 +345,8 @@ class Manager:
         held = collections.defaultdict(set)        # job id -> slots holding its session
         for w in self.pool.workers:
             try:
-                for s in self._client(w.slot).call("Sessions", timeout_s=RPC_TIMEOUT_S)[0].get("sessions", []):
+                sessions = call(self._client(w.slot), verbs.Empty(), timeout_s=RPC_TIMEOUT_S, verb="Sessions")[0].sessions
+                for s in sessions:
                     held[s["job"]].add(w.slot)
             except WorkerError as e:
                 log.warning("worker %d did not answer while rebuilding: %s", w.slot, e)
@@ -474,6 +476,35 @@ def write_private(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+class PoolBackend(NamedTuple):
+    """Where a shared cluster's workers run (`mpmd cluster up --backend NAME`): start(args,
+    token_file, cluster_token) -> the started pool; rejoins: a manager started again
+    (--rejoin) takes over its workers; options: the `mpmd cluster up` options only it reads."""
+    start: Callable[[argparse.Namespace, str, str], object]
+    rejoins: bool
+    options: tuple[str, ...] = ()
+
+
+def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
+    from mpmd.runtime.launchers.local import default_compilation_cache
+    pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
+                      compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+    pool.start(args.workers)
+    return pool
+
+
+def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
+    # Its actors belong to the manager's Ray driver and end with it: nothing to rejoin.
+    pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
+                         args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
+    pool.start(args.workers)
+    return pool
+
+
+POOLS = {"local": PoolBackend(_local_pool, rejoins=True),
+         "ray": PoolBackend(_ray_pool, rejoins=False, options=("ray_address",))}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpmd.runtime.manager.core", description="A shared cluster's manager "
                                 "(started by `mpmd cluster up`).")
@@ -486,11 +517,11 @@ def main(argv=None) -> int:
     p.add_argument("--lease-s", type=float, default=10.0)
     p.add_argument("--compile-cache-mb", type=int, default=None)
     p.add_argument("--rejoin", action="store_true", help="take over the workers of the cluster file")
-    p.add_argument("--backend", default="local", choices=("local", "ray"), help="where the workers run")
+    p.add_argument("--backend", default="local", choices=tuple(POOLS), help="where the workers run")
     p.add_argument("--ray-address", default=None, help="ray: the Ray cluster to join (default: a new local one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s manager[%(process)d] %(levelname)s %(message)s")
-    from mpmd.runtime.launchers.local import default_compilation_cache
+    from mpmd.runtime.launchers.workers import default_compilation_cache
     from mpmd.runtime.worker.main import read_token_file, serve
 
     token_file = os.path.join(args.dir, "cluster.token")
@@ -502,14 +533,8 @@ def main(argv=None) -> int:
         pool = WorkerPool(args.dir, token_file, saved["root"], saved.get("devices_per_worker", 1),
                           compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
         pool.rejoin(saved["workers"])
-    elif args.backend == "ray":
-        pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
-                             args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
-        pool.start(args.workers)
     else:
-        pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
-                          compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
-        pool.start(args.workers)
+        pool = POOLS[args.backend].start(args, token_file, cluster_token)
     manager = Manager(pool, cluster_token, submit_token, os.path.join(args.dir, "jobs.json"), args.lease_s)
     manager.cluster_file = args.file
     if args.rejoin:

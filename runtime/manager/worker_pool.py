@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
-from mpmd.runtime.launchers.local import START_TIMEOUT_S, process_alive, worker_env
+from mpmd.runtime.launchers.workers import START_TIMEOUT_S, process_alive, worker_command, worker_env
 from mpmd.runtime.worker.main import READY, cores_for
 
 
@@ -100,11 +99,9 @@ class WorkerPool:
         return os.path.join(self.directory, "logs", f"worker_{slot}.out")
 
     def _spawn(self, slot: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "mpmd.runtime.worker.main", "--shared", "--token-file", self.token_file,
-               "--listen", f"{self.host}:0", "--root", self.root, "--devices", str(self.devices_per_worker),
-               "--cpus", ",".join(map(str, cores_for(slot, 1))), "--log-level", "info"]
-        if self.compile_cache_mb is not None:
-            cmd += ["--compile-cache-mb", str(self.compile_cache_mb)]
+        cmd = worker_command(f"{self.host}:0", self.root, self.devices_per_worker, token_file=self.token_file,
+                             shared=True, cpus=cores_for(slot, 1), log_level="info",
+                             compile_cache_mb=self.compile_cache_mb)
         self.started += 1
         with open(self._ready_file(slot), "w") as out, open(self.log_file(slot), "a") as err:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -158,7 +155,8 @@ class RayWorkerPool:
         self.directory, self.root, self.devices_per_worker = directory, root, devices_per_worker
         shared = {"lease_s": lease_s, "compile_cache_mb": DEFAULT_LIMIT_MB if compile_cache_mb is None
                   else compile_cache_mb}
-        self.launcher = RayLauncher(token, None, None, ray_address, devices_per_worker, root=root, shared=shared)
+        self.launcher = RayLauncher(token, address=ray_address, devices_per_worker=devices_per_worker, root=root,
+                                   shared=shared)
         self.workers: list[PoolWorker] = []
         self.started = 0
 

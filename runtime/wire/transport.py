@@ -12,7 +12,7 @@ controller and its workers hold (the controller makes one per session and sends 
 Setup). Without the secret an id is a uniform 64-bit guess; a stranger's pull waits in the
 table for an id no one will ever offer, takes nothing, and delays no one.
 
-Facts about the API (jaxlib 0.10.2, checked by tests/test_transport.py and by hand):
+Facts about the API (jaxlib 0.10.2, checked by tests/runtime/test_transport.py and by hand):
 - `await_pull` never blocks, not even on arrays still being computed; the server holds a
   reference until the data has been pulled.
 - `pull` never blocks either: it posts the request and returns arrays that become ready when

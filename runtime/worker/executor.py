@@ -36,48 +36,13 @@ import numpy as np
 from mpmd.runtime.worker import programs as programs_lib
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.worker.checkpoint import SliceCheckpointer, host_copy
-from mpmd.runtime.control.cluster import StepFailed
+from mpmd.runtime.wire.results import Aborted, Event, Progress, StepFailed, StepResult
+from mpmd.runtime.worker.slice_store import SliceCheckpointer, host_copy
 from mpmd.runtime.worker.instructions import Copy, Delete, Instruction, Recv, Run, Send
-from mpmd.runtime.worker.streams import Encoded
+from mpmd.runtime.worker.streams import PackedStream
 
 if TYPE_CHECKING:
     from mpmd.runtime.wire.transport import Transport
-
-
-class Event(NamedTuple):
-    """One traced interval on a slice; times are wall-clock ns (comparable across processes).
-    The one definition: the dry run, the control plane and the run log all use this one."""
-    name: str        # a Run's label, "recv <key>" or "send <key>"
-    kind: str        # "run" | "recv" | "send"
-    start_ns: int
-    end_ns: int
-
-
-class StepResult(NamedTuple):
-    fetched: dict[str, tuple[np.ndarray, ...]]
-    events: tuple[Event, ...]
-    wall_s: float    # time from the step's start to its last fetched array being ready
-    # The most receives outstanding at once (posted, their Recv not yet walked) and the most
-    # bytes they held at once: what the receive window bounds.
-    peak_held: int = 0
-    peak_held_bytes: int = 0
-    # Traced runs only: the most bytes of the slice's buffers plus its outstanding receives
-    # at once, looked at between instructions (what the slice's memory for data peaks at,
-    # XLA's temporaries and sends not yet pulled aside).
-    peak_bytes: int = 0
-
-
-class Aborted(RuntimeError):
-    """The step was aborted (a peer slice was lost); the slice's buffers are undefined."""
-
-
-class Progress(NamedTuple):
-    """Where a slice's walk stands, for the watchdog: run id, instructions done in it, and
-    what it does now ("idle", "run" a program, "recv" waiting for a peer, "fetch")."""
-    run: int
-    done: int
-    doing: str
 
 
 class Executor:
@@ -114,7 +79,7 @@ class Executor:
     def install_plan(self, name: str, stream) -> int:
         """Install a list of instructions or an encoded stream (runtime/worker/streams.py, finished
         and expanded here); returns the number of instructions."""
-        if isinstance(stream, Encoded):
+        if isinstance(stream, PackedStream):
             stream = stream.expand()
         for i, ins in enumerate(stream):
             if isinstance(ins, Run) and ins.program not in self.programs:
@@ -211,11 +176,11 @@ class Executor:
         if commit:
             self.buffers.update(staged)
 
-    def abort(self, step: int) -> None:
-        """Make run `step` (and any earlier one) raise `Aborted` at its next wait, whether it is
+    def abort(self, run: int) -> None:
+        """Make run `run` (and any earlier one) raise `Aborted` at its next wait, whether it is
         running now, waiting for its turn, or its Run message has not arrived yet."""
         with self._turn:
-            self._aborted_upto = max(self._aborted_upto, step)
+            self._aborted_upto = max(self._aborted_upto, run)
             self._turn.notify_all()
 
     def close(self) -> None:
@@ -227,28 +192,28 @@ class Executor:
         self.buffers, self._staged, self.plans, self.programs = {}, {}, {}, {}
         self._checkpointer.close()
 
-    def _take_turn(self, step: int, after: int) -> None:
+    def _take_turn(self, run: int, after: int) -> None:
         """Wait until no run holds the turn and run `after` has finished here, then take it.
         A run sent ahead (run-ahead dispatch) queues here behind the one running."""
         with self._turn:
             while self.busy or self._finished_upto < after:
-                if self._aborted_upto >= step:
-                    raise Aborted(f"slice {self.slice_index}: run {step} aborted before it started")
+                if self._aborted_upto >= run:
+                    raise Aborted(f"slice {self.slice_index}: run {run} aborted before it started")
                 self._turn.wait(0.05)
-            if self._aborted_upto >= step:      # e.g. the step after one that failed
-                raise Aborted(f"slice {self.slice_index}: run {step} aborted before it started")
+            if self._aborted_upto >= run:      # e.g. the run after one that failed
+                raise Aborted(f"slice {self.slice_index}: run {run} aborted before it started")
             self.busy = True
 
-    def _end_turn(self, step: int) -> None:
+    def _end_turn(self, run: int) -> None:
         with self._turn:
             self.busy = False
-            self._finished_upto = max(self._finished_upto, step)
+            self._finished_upto = max(self._finished_upto, run)
             self._turn.notify_all()
 
-    # -- one step --------------------------------------------------------------------
-    def run(self, plan: str, step: int, feeds: dict[str, tuple] | None = None,
+    # -- one run --------------------------------------------------------------------
+    def run(self, plan: str, run: int, feeds: dict[str, tuple] | None = None,
             fetch: tuple[str, ...] = (), trace: bool = False, after: int = -1) -> StepResult:
-        """Run plan `plan` as run id `step`, once run `after` (-1: none) has finished here
+        """Run plan `plan` as run id `run`, once run `after` (-1: none) has finished here
         and no other run holds the turn."""
         if plan not in self.plans:
             raise ValueError(f"slice {self.slice_index}: no plan {plan!r}; installed: {sorted(self.plans)}")
@@ -256,33 +221,33 @@ class Executor:
         # in place when the run before it ends.
         staged = {name: self._placed(list(arrays)) for name, arrays in (feeds or {}).items()}
         try:
-            self._take_turn(step, after)
+            self._take_turn(run, after)
         except Aborted:
             if self.agreement is not None:
-                self.agreement.decide(step, "start", False)
+                self.agreement.decide(run, "start", False)
             raise
-        if self.agreement is not None and not self.agreement.decide(step, "start", self._aborted_upto < step):
-            self._end_turn(step)
-            raise Aborted(f"slice {self.slice_index}: run {step} aborted by another process of the gang before it started")
+        if self.agreement is not None and not self.agreement.decide(run, "start", self._aborted_upto < run):
+            self._end_turn(run)
+            raise Aborted(f"slice {self.slice_index}: run {run} aborted by another process of the gang before it started")
         try:
-            walked = self._walk(plan, step, staged, fetch, trace)
+            walked = self._walk(plan, run, staged, fetch, trace)
         finally:
-            self._end_turn(step)
+            self._end_turn(run)
         # The turn passes before the fetch waits for this run's last results: a run queued
         # behind it dispatches its first programs while they are computed.
         try:
             fetched = {n: tuple(np.asarray(a) for a in arrays) for n, arrays in walked.fetch.items()}
         except Exception as e:
-            self._raise(e, step, f"{plan} fetch {list(fetch)}")
+            self._raise(e, run, f"{plan} fetch {list(fetch)}")
         return StepResult(fetched, walked.events, (time.time_ns() - walked.t0) / 1e9, walked.held.peak,
                           walked.held.peak_bytes, walked.peak_bytes)
 
-    def _walk(self, plan: str, step: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
+    def _walk(self, plan: str, run: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
         t0 = time.time_ns()
         stream = self.plans[plan]
         buffers = self.buffers
         buffers.update(staged)
-        held = _Held(self.transport, f"{step}:")
+        held = _Held(self.transport, f"{run}:")
         posts: dict[int, list[Recv]] = {}     # instruction index -> receives posted after it
         for ins in stream:
             if isinstance(ins, Recv):
@@ -297,10 +262,10 @@ class Executor:
         try:
             for i, ins in enumerate(stream):
                 where = f"{plan}[{i}] {_describe(ins)}"
-                if self._aborted_upto >= step:      # a plan without receives stops here too
-                    raise Aborted(f"slice {self.slice_index}: step aborted at {where}")
+                if self._aborted_upto >= run:      # a plan without receives stops here too
+                    raise Aborted(f"slice {self.slice_index}: run aborted at {where}")
                 if isinstance(ins, Run):
-                    self.progress = Progress(step, i, "run")
+                    self.progress = Progress(run, i, "run")
                     try:
                         args = [buffers[n] for n in ins.inputs]
                     except KeyError as e:
@@ -320,9 +285,9 @@ class Executor:
                         jax.block_until_ready(outs)
                         events.append(Event(ins.label or ins.program, "run", start, time.time_ns()))
                 elif isinstance(ins, Recv):
-                    self.progress = Progress(step, i, "recv")
+                    self.progress = Progress(run, i, "recv")
                     start = time.time_ns() if trace else 0
-                    buffers[ins.buffer] = self._wait(held.take(ins), ins, step, i)
+                    buffers[ins.buffer] = self._wait(held.take(ins), ins, run, i)
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
@@ -347,23 +312,23 @@ class Executor:
         except Aborted:
             raise
         except Exception as e:
-            self._raise(e, step, where)
+            self._raise(e, run, where)
         finally:
             held.cancel()
-            self.progress = Progress(step, len(stream), "idle")
+            self.progress = Progress(run, len(stream), "idle")
         return _Walked(t0, tuple(events), held, peak_bytes, to_fetch)
 
-    def _raise(self, e: Exception, step: int, where: str):
-        if self._aborted_upto >= step:      # the echo of an abort (a peer's reset transfer)
-            raise Aborted(f"slice {self.slice_index}: step aborted at {where}") from None
+    def _raise(self, e: Exception, run: int, where: str):
+        if self._aborted_upto >= run:      # the echo of an abort (a peer's reset transfer)
+            raise Aborted(f"slice {self.slice_index}: run aborted at {where}") from None
         raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
 
-    def _wait(self, fut, ins: Recv, step: int, index: int):
-        # Poll so an abort (a peer lost mid-step) interrupts a receive that will never land.
+    def _wait(self, fut, ins: Recv, run: int, index: int):
+        # Poll so an abort (a peer lost mid-run) interrupts a receive that will never land.
         try:
             while True:
-                if self._aborted_upto >= step:
-                    raise Aborted(f"slice {self.slice_index}: step aborted while waiting for {ins.key!r}")
+                if self._aborted_upto >= run:
+                    raise Aborted(f"slice {self.slice_index}: run aborted while waiting for {ins.key!r}")
                 try:
                     got = fut.result(timeout=0.05)
                     break
@@ -371,10 +336,10 @@ class Executor:
                     continue
         except BaseException:
             if self.agreement is not None:        # the gang's other processes stop here too
-                self.agreement.decide(step, str(index), False)
+                self.agreement.decide(run, str(index), False)
             raise
-        if self.agreement is not None and not self.agreement.decide(step, str(index), True):
-            raise Aborted(f"slice {self.slice_index}: step aborted by another process of the gang at {ins.key!r}")
+        if self.agreement is not None and not self.agreement.decide(run, str(index), True):
+            raise Aborted(f"slice {self.slice_index}: run aborted by another process of the gang at {ins.key!r}")
         # A gang's receive lands pieces only; they are put together here, in stream order.
         return got() if isinstance(got, reshard.Deferred) else tuple(got)
 

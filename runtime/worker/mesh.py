@@ -3,10 +3,12 @@
 shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t}."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -28,6 +30,7 @@ def shape_of(shape) -> tuple[int, ...]:
 
 def bind(shape, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
     """The mesh of `shape` over exactly these devices, in order."""
+    import jax     # here, not above: the config checks a mesh against AXES before JAX is imported
     sizes = shape_of(shape)
     if len(devices) != int(np.prod(sizes)):
         raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} device(s), "

@@ -1,32 +1,25 @@
 """The worker's gRPC service: one Executor behind the control plane.
 
-Methods (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire/format.py):
-  Hello        -> {pid, devices, platform, shared}
-  Setup        {slice_index, transfer_host, transfer_secret (hex: keys the transfer ids),
-                mesh: {data, fsdp, tensor} (the slice's mesh over all of this worker's devices)}
-                                                        -> {transfer_address}
-  Connect      {peers: {slice: transfer_address, or [one per process] for a gang}}
-  LoadPrograms {programs: [{name, kind, data, duration_s, outputs}]}
-  InstallPlan  {name, stream: [instruction as mpmd.runtime.worker.instructions.to_json]}
-               or {name, encoded: blob}  (runtime/worker/streams.py Encoded.to_bytes: rows of integers
-               over instruction templates; the worker checks, finishes and expands it)
-  Put          {name, arrays: [blob], layouts?: [layout]}  Get {names} -> {arrays: {name: [blob]}}
-  Delete       {names}
-  Run          {plan, step, after?, feeds: {name: [blob]}, fetch: [name], trace}
-                                -> {fetched, events, wall_s, peak_held, peak_held_bytes, peak_bytes}
-               (runs one at a time; a Run waits for run `after` to finish here: run-ahead)
-  Save         {items: {directory: [buffer name] | {key: [buffer, index]}}}  (a snapshot,
-               written in the background;
-               blocks while two saves are queued; every directory must lie below the
-               worker's root, as must Restore's)
-  WaitSaves    {directories?} -> {finalized: [directory]}  (those, default all started)
-  Restore      {items: {directory: [name] | {key: [[buffer, index], ...]}}, staged,
-               layouts?: {name: [layout]}}  (a keyed entry reads only those keys)
-  FinishRestore {commit}: bind (or drop) what a staged Restore read
-  Heartbeat    -> {pid, step_running, progress: [run id, instructions done, doing] | null}
-  Abort        {step}: run `step` (running or not yet arrived) raises at its next wait
+Verbs (service `mpmd.Worker`, unary, bodies in the frame format of runtime/wire/format.py):
+the table in runtime/wire/verbs.py, each verb's request and reply a typed record, checked
+there before a handler here runs. What they do:
+  Hello        the worker's pid, devices, platform, whether it is shared
+  Setup        a fresh executor and transfer server for slice `slice_index` -> its transfer address
+  Connect      the transfer address of every slice
+  LoadPrograms deserialize and compile programs; InstallPlan: one instruction stream, as
+               instructions or a PackedStream's bytes (runtime/worker/streams.py: rows of
+               integers over instruction templates; the worker checks, finishes and expands it)
+  Put, Get, Delete  buffers
+  Run          plan `plan` as run id `run`, after run `after` has finished here (run-ahead);
+               feeds first, fetched buffers, events and peaks back
+  Save         a snapshot, written in the background (blocks while two saves are queued);
+               every directory must lie below the worker's root, as must Restore's
+  WaitSaves    -> the directories finalized (those asked, default all started)
+  Restore      {directory: [name] | {key: [[buffer, index], ...]}} (a keyed entry reads only
+               those keys), staged or bound at once; FinishRestore: bind (or drop) a staged one
+  Heartbeat    -> pid, whether a run holds the executor, progress: [run id, instructions done, doing]
+  Abort        run `run` and every earlier one (running or not yet arrived) raise at their next wait
   Shutdown
-A layout is a PartitionSpec over the mesh axes as JSON (runtime/worker/instructions.py layout_to_json).
 Every call must carry the cluster token in metadata `mpmd-token`; a call without it, or
 with a wrong one, is refused (UNAUTHENTICATED) and logged, from its metadata alone, before
 its body is read: the refusing handler takes the request as a stream it never reads, so a
@@ -71,11 +64,12 @@ from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import programs
 from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.worker.checkpoint import WORKER_ROOT, OutsideRoot, confine
-from mpmd.runtime.control.cluster import StepFailed
+from mpmd.runtime.wire import verbs
+from mpmd.runtime.worker.slice_store import WORKER_ROOT, OutsideRoot, confine
+from mpmd.runtime.wire.results import Aborted, StepFailed
 from mpmd.runtime.worker.compile_cache import CompileCache
 from mpmd.runtime.wire.credentials import is_cluster_token, job_of
-from mpmd.runtime.worker.executor import Aborted, Executor
+from mpmd.runtime.worker.executor import Executor
 from mpmd.runtime.worker.instructions import Spec
 from mpmd.runtime.worker.sessions import Session, SessionTable, live_bytes
 
@@ -96,10 +90,8 @@ _BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, Ove
 log = logging.getLogger("mpmd.worker")
 
 
-ADMIN_METHODS = ("OpenSession", "CloseSession", "Sessions")
-JOB_METHODS = ("Setup", "Connect", "LoadPrograms", "InstallPlan", "Put", "Get", "Delete", "Run", "Save",
-               "WaitSaves", "Restore", "FinishRestore", "Heartbeat", "Abort", "Shutdown")
-METHODS = ("Hello",) + JOB_METHODS + ADMIN_METHODS
+ADMIN_METHODS = tuple(v.name for v in verbs.VERBS.values() if v.caller == "admin")
+METHODS = tuple(verbs.VERBS)
 class _Admin:
     """The caller holding the cluster token: a sentinel no job id can equal (a job may well
     be called "admin")."""
@@ -148,36 +140,34 @@ class WorkerService:
     def last_contact(self) -> float:
         return self._solo.last_contact
 
-    # -- handlers: (session, header, blobs) -> (header, blobs) -----------------------------
-    def Hello(self, s, h, b):
-        return {"pid": os.getpid(), "devices": len(jax.devices()), "platform": self.device.platform,
-                "shared": self.shared}, []
+    # -- handlers: (session, request record, blobs) -> (reply record, blobs) -------------------
+    # Each request was checked against its verb's record (runtime/wire/verbs.py) first.
+    def Hello(self, s, r: verbs.Empty, b):
+        return verbs.HelloReply(os.getpid(), len(jax.devices()), self.device.platform, self.shared), []
 
-    def Setup(self, s: Session, h, b):
+    def Setup(self, s: Session, r: verbs.Setup, b):
         from mpmd.runtime.wire.transport import TransferTransport, check_secret
-        index = _int(h, "slice_index")
         try:     # checked before the session is touched; never echoed
-            secret = check_secret(bytes.fromhex(_str(h, "transfer_secret")))
+            secret = check_secret(bytes.fromhex(r.transfer_secret))
         except ValueError:
             raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
-        shape = mesh.shape_of(h.get("mesh") or {"data": len(jax.devices())})
+        shape = mesh.shape_of(r.mesh or {"data": len(jax.devices())})
         slice_mesh = mesh.bind(shape, jax.devices())
         if s.transport is not None:     # its port and table go before the new server starts
             s.transport.close()
-        transport = TransferTransport(index, slice_mesh, listen_host=_str(h, "transfer_host"), secret=secret)
+        transport = TransferTransport(r.slice_index, slice_mesh, listen_host=r.transfer_host, secret=secret)
         agreement = None
         if jax.process_count() > 1:     # a gang (runtime/worker/gang.py): one namespace per session and slice
             from mpmd.runtime.worker.gang import Agreement
             from mpmd.runtime.wire.transport import key_to_uuid
-            agreement = Agreement(f"mpmd/{key_to_uuid(f'gang{index}', secret):016x}")
-        s.attach(Executor(index, slice_mesh, transport, load=self.cache.load, agreement=agreement), transport)
-        return {"transfer_address": transport.address}, []
+            agreement = Agreement(f"mpmd/{key_to_uuid(f'gang{r.slice_index}', secret):016x}")
+        s.attach(Executor(r.slice_index, slice_mesh, transport, load=self.cache.load, agreement=agreement), transport)
+        return verbs.SetupReply(transport.address), []
 
-    def Connect(self, s, h, b):
-        peers = h.get("peers")
+    def Connect(self, s, r: verbs.Connect, b):
+        peers = r.peers
         address = lambda v: isinstance(v, str) and v.rpartition(":")[2].isdigit()
-        if not isinstance(peers, dict) or not all(address(v) or (isinstance(v, list) and v and all(map(address, v)))
-                                                  for v in peers.values()):
+        if not all(address(v) or (isinstance(v, list) and v and all(map(address, v))) for v in peers.values()):
             raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address, or a list "
                              f"of them (a gang: one per process)}}, got {peers!r:.200}")
         peers = {int(k): v for k, v in peers.items()}
@@ -185,116 +175,115 @@ class WorkerService:
             _exec(s).transport.connect_peers(peers)
         except RuntimeError as e:      # XLA's own refusal of an address
             raise ValueError(f"cannot connect to peers {peers}: {e}") from None
-        return {}, []
+        return verbs.Empty(), []
 
-    def LoadPrograms(self, s, h, b):
+    def LoadPrograms(self, s, r: verbs.LoadPrograms, b):
         specs = {}
-        for p in _list(h, "programs"):
+        for p in r.programs:
+            if not isinstance(p, dict):
+                raise ValueError(f"LoadPrograms 'programs' entries must be objects, got {p!r:.50}")
             outputs = tuple(tuple(Spec(tuple(x), d) for x, d in bundle) for bundle in p.get("outputs", []))
             data = wire.blob(b, p["data"], bytes) if "data" in p else b""
             specs[_str(p, "name")] = programs.ProgramSpec(_str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs)
         _exec(s).load_programs(specs)
-        return {"loaded": len(specs)}, []
+        return verbs.LoadProgramsReply(len(specs)), []
 
-    def InstallPlan(self, s, h, b):
-        if "encoded" in h:
-            stream = streams.from_bytes(wire.blob(b, h["encoded"], bytes))
+    def InstallPlan(self, s, r: verbs.InstallPlan, b):
+        if (r.encoded is None) == (r.stream is None):
+            raise ValueError("InstallPlan needs exactly one of 'stream' (instructions) and 'encoded' (a blob)")
+        if r.encoded is not None:
+            stream = streams.from_bytes(wire.blob(b, r.encoded, bytes))
         else:
-            stream = [instructions.from_json(i) for i in _list(h, "stream")]
-        return {"instructions": _exec(s).install_plan(_str(h, "name"), stream)}, []
+            stream = [instructions.from_json(i) for i in r.stream]
+        return verbs.InstallPlanReply(_exec(s).install_plan(r.name, stream)), []
 
-    def Put(self, s, h, b):
-        layouts = [instructions.layout_from_json(l) for l in _list(h, "layouts")] if "layouts" in h else None
-        _exec(s).put(_str(h, "name"), [wire.blob(b, r) for r in _list(h, "arrays")], layouts)
-        return {}, []
+    def Put(self, s, r: verbs.Put, b):
+        layouts = [instructions.layout_from_json(l) for l in r.layouts] if r.layouts is not None else None
+        _exec(s).put(r.name, [wire.blob(b, ref) for ref in r.arrays], layouts)
+        return verbs.Empty(), []
 
-    def Get(self, s, h, b):
-        got = _exec(s).get([str(n) for n in _list(h, "names")])
+    def Get(self, s, r: verbs.Get, b):
+        got = _exec(s).get([str(n) for n in r.names])
         out = wire.Builder()
-        return {"arrays": {n: [out.add(a) for a in arrays] for n, arrays in got.items()}}, out.blobs
+        return verbs.GetReply({n: [out.add(a) for a in arrays] for n, arrays in got.items()}), out.blobs
 
-    def Delete(self, s, h, b):
-        _exec(s).delete([str(n) for n in _list(h, "names")])
-        return {}, []
+    def Delete(self, s, r: verbs.Delete, b):
+        _exec(s).delete([str(n) for n in r.names])
+        return verbs.Empty(), []
 
-    def Run(self, s, h, b):
-        feeds = h.get("feeds", {})
-        if not isinstance(feeds, dict):
+    def Run(self, s, r: verbs.Run, b):
+        if not all(isinstance(refs, list) for refs in r.feeds.values()):
             raise ValueError("Run 'feeds' must be {buffer name: [blob, ...]}")
-        feeds = {str(n): [wire.blob(b, r) for r in refs] for n, refs in feeds.items()}
-        after = _int(h, "after") if "after" in h else -1
+        feeds = {str(n): [wire.blob(b, ref) for ref in refs] for n, refs in r.feeds.items()}
         # The executor takes turns: a Run sent ahead waits there behind the one running.
-        result = _exec(s).run(_str(h, "plan"), _int(h, "step"), feeds,
-                              tuple(str(n) for n in h.get("fetch", [])), bool(h.get("trace", False)), after)
+        result = _exec(s).run(r.plan, r.run, feeds, tuple(str(n) for n in r.fetch), r.trace, r.after)
         out = wire.Builder()
         fetched = {n: [out.add(a) for a in arrays] for n, arrays in result.fetched.items()}
-        return {"fetched": fetched, "events": [list(e) for e in result.events], "wall_s": result.wall_s,
-                "peak_held": result.peak_held, "peak_held_bytes": result.peak_held_bytes,
-                "peak_bytes": result.peak_bytes}, out.blobs
+        return verbs.RunReply(fetched, [list(e) for e in result.events], result.wall_s, result.peak_held,
+                              result.peak_held_bytes, result.peak_bytes), out.blobs
 
-    def Save(self, s, h, b):
-        _exec(s).save(self._confine(s, _items(h)))
-        return {}, []
+    def Save(self, s, r: verbs.Save, b):
+        _exec(s).save(self._confine(s, _items(r.items)))
+        return verbs.Empty(), []
 
-    def WaitSaves(self, s, h, b):
+    def WaitSaves(self, s, r: verbs.WaitSaves, b):
         directories = None
-        if "directories" in h:
-            directories = list(self._confine(s, {str(d): [] for d in _list(h, "directories")}))
-        return {"finalized": _exec(s).wait_saves(directories)}, []
+        if r.directories is not None:
+            directories = list(self._confine(s, {str(d): [] for d in r.directories}))
+        return verbs.WaitSavesReply(_exec(s).wait_saves(directories)), []
 
-    def Restore(self, s, h, b):
-        layouts = h.get("layouts", {})
-        if not isinstance(layouts, dict) or not all(isinstance(v, list) for v in layouts.values()):
+    def Restore(self, s, r: verbs.Restore, b):
+        layouts = r.layouts or {}
+        if not all(isinstance(v, list) for v in layouts.values()):
             raise ValueError("Restore 'layouts' must be {buffer name: [layout, ...]}")
         layouts = {str(n): [instructions.layout_from_json(l) for l in ls] for n, ls in layouts.items()}
-        _exec(s).restore(self._confine(s, _items(h)), staged=bool(h.get("staged", False)), layouts=layouts)
-        return {}, []
+        _exec(s).restore(self._confine(s, _items(r.items)), staged=r.staged, layouts=layouts)
+        return verbs.Empty(), []
 
-    def FinishRestore(self, s, h, b):
-        _exec(s).finish_restore(bool(h.get("commit", False)))
-        return {}, []
+    def FinishRestore(self, s, r: verbs.FinishRestore, b):
+        _exec(s).finish_restore(r.commit)
+        return verbs.Empty(), []
 
-    def Heartbeat(self, s, h, b):
+    def Heartbeat(self, s, r: verbs.Empty, b):
         executor = s.executor
         progress = list(executor.progress) if executor is not None else None
         running = executor is not None and executor.busy
-        return {"pid": os.getpid(), "step_running": running, "progress": progress}, []
+        return verbs.HeartbeatReply(os.getpid(), running, progress), []
 
-    def Abort(self, s, h, b):
-        """Stop a running step and drop this slice's pending transfers (peers waiting on them
-        fail instead of hanging; nothing of the aborted step can pair with a later one). On a
+    def Abort(self, s, r: verbs.Abort, b):
+        """Stop a running run and drop this slice's pending transfers (peers waiting on them
+        fail instead of hanging; nothing of the aborted run can pair with a later one). On a
         shared worker both are the caller's session's only."""
         executor, transport = s.executor, s.transport
         if executor is not None:
-            executor.abort(_int(h, "step"))
+            executor.abort(r.run)
             transport.reset()
-        return {}, []
+        return verbs.Empty(), []
 
-    def Shutdown(self, s, h, b):
+    def Shutdown(self, s, r: verbs.Empty, b):
         if s is not None and self.shared:      # a job leaving: its session only
             self.sessions.close(s.job)
             log.info("job %s shut its session down", s.job)
-            return {}, []
+            return verbs.Empty(), []
         threading.Thread(target=self._on_shutdown, args=("controller asked",), daemon=True).start()
-        return {}, []
+        return verbs.Empty(), []
 
-    def OpenSession(self, s, h, b):
+    def OpenSession(self, s, r: verbs.OpenSession, b):
         self._need_shared("OpenSession")
-        session = self.sessions.open(h.get("job"), h.get("root"), h.get("lease_s"))
+        session = self.sessions.open(r.job, r.root, r.lease_s)
         log.info("session of job %s open: root %s, lease %g s", session.job, session.root, session.lease_s)
-        return {}, []
+        return verbs.Empty(), []
 
-    def CloseSession(self, s, h, b):
+    def CloseSession(self, s, r: verbs.CloseSession, b):
         self._need_shared("CloseSession")
-        job = _str(h, "job")
-        freed = self.sessions.close(job)
-        log.info("session of job %s closed by the manager%s", job, "" if freed else " (it had none)")
-        return {"freed": freed}, []
+        freed = self.sessions.close(r.job)
+        log.info("session of job %s closed by the manager%s", r.job, "" if freed else " (it had none)")
+        return verbs.CloseSessionReply(freed), []
 
-    def Sessions(self, s, h, b):
+    def Sessions(self, s, r: verbs.Empty, b):
         sessions = self.sessions.all() if self.shared else [self._solo] if self.attached else []
-        return {"pid": os.getpid(), "devices": len(jax.devices()), "live_bytes": live_bytes(),
-                "sessions": [x.describe() for x in sessions], "cache": self.cache.stats()}, []
+        return verbs.SessionsReply(os.getpid(), len(jax.devices()), live_bytes(),
+                                   [x.describe() for x in sessions], self.cache.stats()), []
 
     def reset(self) -> None:
         """A plain worker: drop the slice (buffers, programs, transfer server) and wait for a
@@ -335,7 +324,7 @@ class WorkerService:
 
     def route(self, name: str, caller) -> tuple[Session | None, str | None]:
         """(the session a call acts on, None) or (None, why it is refused)."""
-        if name == "Hello":
+        if verbs.VERBS[name].caller == "any":       # Hello
             return None, None
         if name in ADMIN_METHODS:
             return None, (None if caller is ADMIN else
@@ -360,8 +349,8 @@ class WorkerService:
                 session.touch()
             try:
                 header, blobs = wire.decode(request)
-                reply, out = method(session, header, blobs)
-                return wire.encode(reply, out)
+                reply, out = method(session, verbs.decode_request(name, header), blobs)
+                return wire.encode(verbs.encode(reply), out)
             except Aborted as e:
                 context.abort(grpc.StatusCode.ABORTED, f"{name}: {e}")
             except StepFailed as e:
@@ -433,12 +422,9 @@ def _caller_name(caller, peer: str) -> str:
     return f"the manager ({peer})" if caller is ADMIN else f"job {caller} ({peer})" if caller else peer
 
 
-def _items(h: dict) -> dict:
+def _items(items: dict) -> dict:
     """{directory: [buffer name]} or {directory: {key: [buffer, index]}} (Save) or {directory:
     {key: [[buffer, index], ...]}} (Restore), checked and typed."""
-    items = h.get("items")
-    if not isinstance(items, dict):
-        raise ValueError("'items' must be {directory: [buffer name, ...] or {key: [buffer, index]}}")
     out = {}
     for d, entries in items.items():
         if isinstance(entries, list):
@@ -462,22 +448,8 @@ def _targets(v):
     raise ValueError(f"a keyed checkpoint entry must be [buffer, index] or [[buffer, index], ...], got {v!r:.80}")
 
 
-def _int(h: dict, key: str) -> int:
-    v = h.get(key)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"'{key}' must be an integer, got {v!r:.50}")
-    return v
-
-
 def _str(h: dict, key: str) -> str:
     v = h.get(key)
     if not isinstance(v, str):
         raise ValueError(f"'{key}' must be a string, got {v!r:.50}")
-    return v
-
-
-def _list(h: dict, key: str) -> list:
-    v = h.get(key)
-    if not isinstance(v, list):
-        raise ValueError(f"'{key}' must be a list, got {type(v).__name__}")
     return v

@@ -3,7 +3,7 @@ instruction, so a plan of 100,000s of instructions per slice costs ~24 bytes an
 instruction, is built and post-processed with numpy, and travels as compact bytes.
 
 A *template* is an instruction (runtime/worker/instructions.py) whose strings may name the integer
-fields {k}, {j} and {q}. Row i of an `Encoded` stream is template `op[i]` with those fields
+fields {k}, {j} and {q}. Row i of a `PackedStream` is template `op[i]` with those fields
 set to `k[i]`, `j[i]`, `q[i]`, `peer[i]` as a Send's dst or a Recv's src, and `post[i]` as a
 Recv's post_after. What the fields mean is the producer's business (mpmd/ uses stage,
 microbatch and a second stage or slice); the runtime only formats them.
@@ -13,7 +13,7 @@ them as still to do (`finishing(keep, window)`): the controller then ships only 
 it computed and each worker derives its own Deletes and receive marks, the same way, for
 its slice alone. A worker receives the bytes (`to_bytes`), checks them (`from_bytes`:
 ValueError naming what is malformed) and expands them into instruction records once, when
-the plan is installed. An `Encoded` also reads as the sequence of its final instructions
+the plan is installed. A `PackedStream` also reads as the sequence of its final instructions
 (len, indexing, iterating, ==), expanded on demand.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _maker(t: Instruction):
     return lambda v, peer, post: Delete(buf(v))
 
 
-class Encoded(Sequence):
+class PackedStream(Sequence):
     """One stream: `templates` and int32 columns op, k, j, q, peer, post (one entry per
     row), and what is still to do to its rows: Deletes for every buffer not in `keep`
     (None: none to add) and receive marks for `window` (None: leave them)."""
@@ -100,17 +100,17 @@ class Encoded(Sequence):
         self.window = _check_window(window) if window is not None else None
         self._final = None
 
-    def finishing(self, keep, window: int | None = None) -> "Encoded":
+    def finishing(self, keep, window: int | None = None) -> "PackedStream":
         """These rows, with `with_deletes(keep)` then `with_recv_window(window)` left to
         whoever reads the instructions (a worker, for its own slice)."""
-        return Encoded(self.templates, *self.columns(), keep=keep, window=window)
+        return PackedStream(self.templates, *self.columns(), keep=keep, window=window)
 
-    def final(self) -> "Encoded":
+    def final(self) -> "PackedStream":
         """The stream with what is still to do done (itself if nothing is)."""
         if self.keep is None and self.window is None:
             return self
         if self._final is None:
-            done = Encoded(self.templates, *self.columns())
+            done = PackedStream(self.templates, *self.columns())
             if self.keep is not None:
                 done = with_deletes(done, self.keep)
             if self.window is not None:
@@ -119,7 +119,7 @@ class Encoded(Sequence):
         return self._final
 
     @staticmethod
-    def from_instructions(stream) -> "Encoded":
+    def from_instructions(stream) -> "PackedStream":
         """Any instruction list, one template per distinct instruction (strings escaped)."""
         esc = lambda s: s.replace("{", "{{").replace("}", "}}")
         ids: dict = {}
@@ -140,7 +140,7 @@ class Encoded(Sequence):
             rows.append((ids.setdefault(t, len(ids)), peer, post))
         cols = np.array(rows, dtype=np.int32).reshape(-1, 3).T
         zero = np.zeros(len(rows), np.int32)
-        return Encoded(list(ids), cols[0], zero, zero, zero, cols[1], cols[2])
+        return PackedStream(list(ids), cols[0], zero, zero, zero, cols[1], cols[2])
 
     # -- reading as instructions -------------------------------------------------------------
     def expand(self, rows=None) -> list[Instruction]:
@@ -167,26 +167,26 @@ class Encoded(Sequence):
         return iter(self.expand())
 
     def __eq__(self, other) -> bool:
-        if isinstance(other, (Encoded, list, tuple)):
+        if isinstance(other, (PackedStream, list, tuple)):
             return len(self) == len(other) and self.expand() == list(other)
         return NotImplemented
 
     __hash__ = None
 
     def __repr__(self) -> str:
-        return f"Encoded({len(self.op)} rows, {len(self.templates)} templates, keep={self.keep}, window={self.window})"
+        return f"PackedStream({len(self.op)} rows, {len(self.templates)} templates, keep={self.keep}, window={self.window})"
 
     # -- whole-stream edits ------------------------------------------------------------------
-    def with_templates(self, fn) -> "Encoded":
+    def with_templates(self, fn) -> "PackedStream":
         """The same rows over templates `fn(template)` (e.g. programs renamed), still to be
         finished the same way."""
-        return Encoded([fn(t) for t in self.templates], *self.columns(), keep=self.keep, window=self.window)
+        return PackedStream([fn(t) for t in self.templates], *self.columns(), keep=self.keep, window=self.window)
 
-    def select(self, rows: np.ndarray) -> "Encoded":
+    def select(self, rows: np.ndarray) -> "PackedStream":
         """The rows a boolean mask or index array picks, in order (of a stream with nothing
         still to do: row indices would change under it)."""
         assert self.keep is None and self.window is None, "select before finishing"
-        return Encoded(self.templates, *(c[rows] for c in self.columns()))
+        return PackedStream(self.templates, *(c[rows] for c in self.columns()))
 
     def template_mask(self, predicate) -> np.ndarray:
         """Per row: whether `predicate(instruction)` holds for an instruction its template makes
@@ -194,17 +194,6 @@ class Encoded(Sequence):
         hit = np.array([bool(predicate(_maker(t)(dict.fromkeys(FIELDS, 0), 0, -1))) for t in self.templates]
                        + [False], dtype=bool)
         return hit[self.op]
-
-    @staticmethod
-    def concat(parts: list["Encoded"]) -> "Encoded":
-        """Streams one after another (templates merged; post marks are not shifted, so apply
-        with_recv_window afterwards)."""
-        ids: dict = {}
-        remaps = [np.array([ids.setdefault(t, len(ids)) for t in p.templates] + [0], dtype=np.int32)
-                  for p in parts]
-        cols = [np.concatenate([p.columns()[c] if c else remap[p.op] for p, remap in zip(parts, remaps)])
-                if parts else np.zeros(0, np.int32) for c in range(len(COLUMNS))]
-        return Encoded(list(ids), *cols)
 
     # -- the wire ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -223,8 +212,8 @@ def _template_json(template: Instruction) -> str:
     return json.dumps(to_json(template), separators=(",", ":"))
 
 
-def from_bytes(data: bytes) -> Encoded:
-    """Inverse of `Encoded.to_bytes`, checked: ValueError naming what is malformed."""
+def from_bytes(data: bytes) -> PackedStream:
+    """Inverse of `PackedStream.to_bytes`, checked: ValueError naming what is malformed."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or bytes(data[:8]) != _MAGIC or len(data) < 16:
         raise ValueError("an encoded instruction stream must start with the magic "
                          f"{_MAGIC!r} and a header length")
@@ -277,7 +266,7 @@ def from_bytes(data: bytes) -> Encoded:
         if np.any(bad):
             raise ValueError(f"encoded stream row {int(np.argmax(bad))}: a receive posted after row "
                              f"{int(post[np.argmax(bad)])}; allowed: -1 (at the start) to the row before it")
-    return Encoded(templates, op, k, j, q, peer, post, keep=keep, window=window)
+    return PackedStream(templates, op, k, j, q, peer, post, keep=keep, window=window)
 
 
 def _check_window(window) -> int:
@@ -287,12 +276,12 @@ def _check_window(window) -> int:
     return window
 
 
-def as_encoded(stream) -> Encoded:
-    return stream if isinstance(stream, Encoded) else Encoded.from_instructions(stream)
+def as_packed(stream) -> PackedStream:
+    return stream if isinstance(stream, PackedStream) else PackedStream.from_instructions(stream)
 
 
 # -- post-processing, on the arrays ----------------------------------------------------------
-def with_deletes(stream, keep) -> Encoded:
+def with_deletes(stream, keep) -> PackedStream:
     """`stream` with a Delete after the last read or write of every buffer not in `keep`
     (a buffer written and never read is freed at once).
 
@@ -304,7 +293,7 @@ def with_deletes(stream, keep) -> Encoded:
     (mpmd/stages/names.py's names keep to that). The Deletes after one instruction come in the
     order of its outputs, then its inputs.
     """
-    enc = as_encoded(stream).final()
+    enc = as_packed(stream).final()
     n = len(enc.op)
     slots = [buffers_written(t) + buffers_read(t) for t in enc.templates]
     width = max([len(x) for x in slots] + [1])
@@ -379,7 +368,7 @@ def with_deletes(stream, keep) -> Encoded:
     for c, column in enumerate(cols):
         out[c][old] = column
         out[c][at] = delete_op[pair] if c == 0 else column[after] if c < 4 else 0 if c == 4 else -1
-    return Encoded(list(ids), *out)
+    return PackedStream(list(ids), *out)
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -452,18 +441,18 @@ def _dense_key(values: np.ndarray):
     return key, size, encode
 
 
-def with_recv_window(stream, window: int) -> Encoded:
+def with_recv_window(stream, window: int) -> PackedStream:
     """`stream` with each receive posted only once the one `window` receives before it has
     been walked: at most `window` receives are outstanding (posted, not yet reached), so the
     memory a slice holds for received data it has not used is bounded by `window` bundles,
     while each transfer still overlaps the instructions between its post and its use.
     Apply last: the marks are row indices."""
     _check_window(window)
-    enc = as_encoded(stream).final()
+    enc = as_packed(stream).final()
     recv = np.array([isinstance(t, Recv) for t in enc.templates] + [False], dtype=bool)
     at = np.flatnonzero(recv[enc.op])
     post = enc.post.copy()
     post[at[:window]] = -1
     if len(at) > window:
         post[at[window:]] = at[:len(at) - window]
-    return Encoded(enc.templates, enc.op, enc.k, enc.j, enc.q, enc.peer, post)
+    return PackedStream(enc.templates, enc.op, enc.k, enc.j, enc.q, enc.peer, post)

@@ -1,7 +1,7 @@
 """The lowering as it was before streams became arrays: one Python object per
 instruction, emitted task by task, and Deletes and receive marks inserted on instruction
 lists. mpmd.lowering.core and mpmd.runtime.worker.streams must give the same instructions
-(tests/test_streams.py compares them); nothing outside the tests uses this."""
+(tests/lowering/test_streams.py compares them); nothing outside the tests uses this."""
 from __future__ import annotations
 
 import numpy as np

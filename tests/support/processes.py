@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from mpmd.runtime.launchers.local import process_alive as alive
+from mpmd.runtime.launchers.workers import process_alive as alive
 
 ROOT = Path(__file__).resolve().parents[2]     # the repository (this file is tests/support/processes.py)
 # Small enough that a run is mostly process start-up; data.max_bytes keeps corpus reading short.
@@ -95,7 +95,7 @@ class Controller:
     def wait_for_commit(self, timeout_s: float = 60.0) -> int:
         """Until a checkpoint is committed in the run directory (saves are written in the
         background: a step's progress line comes before its commit); the newest step."""
-        from mpmd.runtime.worker.checkpoint import CheckpointStore
+        from mpmd.runtime.worker.slice_store import CheckpointStore
         deadline = time.monotonic() + timeout_s
         while not (committed := CheckpointStore(self.run_dir).committed()):
             assert time.monotonic() < deadline, f"no checkpoint committed in {self.run_dir} within {timeout_s} s"

@@ -1,5 +1,5 @@
 """Runs of a small pipeline with and without injected faults, shared by the fault tests
-(tests/test_recovery.py, tests/test_control_faults.py); the uninterrupted runs are fixtures
+(tests/train/test_recovery.py, tests/runtime/test_control_faults.py); the uninterrupted runs are fixtures
 in conftest.py."""
 import collections
 import functools
@@ -62,9 +62,12 @@ def data():
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(STEPS)]
 
 
-def make_trainer(cluster, run_dir, spin=None, checkpoint_every=EVERY, num_stages=2, schedule="gpipe", **kw):
+def make_trainer(cluster, run_dir, spin=None, checkpoint=None, num_stages=2, schedule="gpipe", **kw):
+    """The Trainer of make_pipe(spin, num_stages); `checkpoint` (an mpmd.Checkpointing)
+    defaults to a checkpoint every EVERY steps."""
     return mpmd.Trainer(make_pipe(spin, num_stages), optax.adamw(1e-3), schedule, num_microbatches=4,
-                        cluster=cluster, run_dir=run_dir, checkpoint_every=checkpoint_every, **kw)
+                        cluster=cluster, run_dir=run_dir,
+                        checkpoint=checkpoint if checkpoint is not None else mpmd.Checkpointing(every=EVERY), **kw)
 
 
 def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
@@ -73,7 +76,9 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
     is collected (0: one step at a time, as Trainer.step). With a `traces` list, every
     completed step is traced and appended to it as (i, start_ns, slice 1's worker pid,
     per-slice events), start_ns taken just before the step is sent.
-    Returns ({step: loss}, final params, number of rewinds)."""
+    Returns ({step: loss}, final params, number of rewinds); `train.rewound` then holds each
+    rewind's message (it names what was lost and why)."""
+    train.rewound = []
     losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
     pending = collections.deque()      # (batch index, start_ns, PendingStep), oldest first
     while i < steps or pending:
@@ -90,6 +95,7 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
             out = step.result()
         except mpmd.Rewound as e:
             rewinds += 1
+            train.rewound.append(str(e))
             i = e.data_state["i"] if e.data_state else 0
             losses = {s: l for s, l in losses.items() if s <= e.step}
             pending.clear()            # discarded with the failed step: nothing of them landed

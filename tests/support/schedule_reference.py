@@ -1,6 +1,6 @@
 """The straightforward per-task definitions of validity and of the simulated timeline: one
 Python object per task, an event-driven walk, one pass of start times. mpmd.schedules.timeline's
-vectorised walk must give the same answers (tests/test_schedules.py compares them)."""
+vectorised walk must give the same answers (tests/schedules/test_schedules.py compares them)."""
 
 from mpmd.schedules.core import ScheduleError, Task, dependencies
 

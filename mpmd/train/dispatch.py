@@ -1,0 +1,248 @@
+"""The Trainer's step dispatcher: steps sent to the slices and collected, run ahead.
+
+`submit` sends a step's Run (with its microbatches) and returns a PendingStep at once; each
+slice queues it behind the step it is running, so the gap between steps (the controller
+collecting results, the recipe logging, the next batch's dispatch) is hidden. At most
+`run_ahead` steps are in flight beyond the oldest one: `submit` first collects the oldest
+when there would be more. Everything else that touches the slices (save, evaluate, params,
+...) first collects every step in flight, so it sees the state after the last submitted
+step. A checkpoint step is never run ahead of: its successor is submitted only once the step
+and its save are done, because the save snapshots the slices' state and must not see the
+next step's update (the alternative, queueing the Save behind the Run on each worker, would
+reorder the checkpoint verbs; this costs one step's overlap every `Checkpointing.every`
+steps). An in-memory snapshot is sent right behind its step, one in flight at a time.
+
+A lost slice discards the steps in flight behind the one that failed: none of their updates
+is kept, none of their metrics is returned; the Trainer's `on_lost` (its recovery) raises
+the Rewound that says where to resume. Steps are counted here: `step_count` is the updates
+applied so far, `rewind` puts it back after a restore.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, NoReturn
+
+import jax
+import numpy as np
+
+from mpmd.runtime.control.cluster import WorkerLost
+from mpmd.stages import names
+
+
+class Dispatcher:
+    """Steps of `programs` (mpmd/train/programs.py) on its slices; `checkpointer` says which
+    steps save (mpmd/train/checkpointer.py). Hooks: `on_lost(lost, failed_since)` recovers
+    after a lost slice and raises Rewound (`failed_since`: perf_counter when the failed
+    attempt started); `on_collected(step_s, data_state, save, retry)` runs after every
+    collected step, `save` when it is a checkpoint step (`retry`: a failed save's retry, to
+    be waited for)."""
+
+    def __init__(self, programs, checkpointer, num_microbatches: int, num_stages: int, max_grad_norm,
+                 run_ahead: int, on_lost: Callable[[WorkerLost, float], NoReturn],
+                 on_collected: Callable[[float, object, bool, bool], None]):
+        self._programs, self._checkpointer = programs, checkpointer
+        self.num_microbatches, self._num_stages, self._max_grad_norm = num_microbatches, num_stages, max_grad_norm
+        self.run_ahead = run_ahead
+        self._on_lost, self._on_collected = on_lost, on_collected
+        self._pending: list[PendingStep] = []     # submitted, not yet collected; oldest first
+        self._last_collected_at = 0.0             # perf_counter when the last step was collected
+        self._last_step_s = 0.0
+        self._step = 0
+        self._attempted = 0          # the step being computed (a failure replays from here)
+
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far (restored ones included)."""
+        return self._step
+
+    @property
+    def attempted(self) -> int:
+        """The newest step computed or being computed: a restore replays up to it."""
+        return max(self._attempted, self._step)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps submitted and not yet collected."""
+        return len(self._pending)
+
+    def rewind(self, step: int) -> None:
+        """Every slice holds the state after `step` now (restored)."""
+        assert not self._pending, "rewound with steps in flight"
+        self._step = step
+
+    # -- training steps ----------------------------------------------------------------------
+    def submit(self, inputs, targets, trace: bool, data_state) -> PendingStep:
+        """Send one training step and return at once (see the module docstring)."""
+        while len(self._pending) > self.run_ahead:
+            self._pending[0].result()
+        if self._pending and (self._checkpointer.due(self._pending[-1].number) or self._checkpointer.retry_due()):
+            self.collect_all()
+        number = self._step + len(self._pending) + 1
+        try:
+            launched = self._launch("train", inputs, targets, trace)
+        except WorkerLost as e:      # shipping programs (the first step of a layout) found a slice gone
+            self._discard()
+            self._on_lost(e, time.perf_counter())
+        snapshot = None
+        if self._checkpointer.memory_due(number):
+            # Sent right behind its step, so every slice snapshots the state after it before
+            # the next step's update. One snapshot in flight at a time: it overwrites the
+            # generation that is not the newest complete one (mpmd/train/snapshots.py).
+            while any(p.snapshot is not None for p in self._pending):
+                self._pending[0].result()
+            snapshot = self._checkpointer.launch_snapshot(number, data_state)
+        pending = PendingStep(self, number, launched, trace, data_state, time.perf_counter(), snapshot)
+        self._pending.append(pending)
+        return pending
+
+    def result_of(self, pending: PendingStep) -> dict:
+        """`pending`'s metrics, collecting the steps before it first."""
+        if pending.discarded:
+            raise RuntimeError(f"step {pending.number} was discarded: a step before it failed or was rewound "
+                               f"(nothing of it was applied); resume where the Rewound said")
+        while pending.metrics is None:
+            if pending not in self._pending:      # its collection raised (e.g. its save)
+                raise RuntimeError(f"step {pending.number} was collected and raised; see that error")
+            oldest = self._pending[0]
+            oldest.metrics = self._finish(oldest)
+        return pending.metrics
+
+    def collect_all(self) -> None:
+        """Collect every step in flight: other verbs must see the state after the last one."""
+        if self._pending:
+            self._pending[-1].result()
+
+    def discard(self) -> None:
+        """Forget every step in flight (closing after a failure: nothing is left to collect)."""
+        self._discard()
+
+    def _finish(self, pending: PendingStep) -> dict:
+        """Collect `pending` (the oldest step in flight), count its update and run the
+        on_collected hook (the checkpoint it triggers). Rewound after a lost slice."""
+        assert self._pending and self._pending[0] is pending, "steps are collected oldest first"
+        self._attempted = pending.number
+        try:
+            results = pending.launched.result()
+            if pending.snapshot is not None:
+                self._checkpointer.finish_snapshot(pending.snapshot)
+        except WorkerLost as e:
+            self._discard()
+            self._on_lost(e, max(pending.submitted_at, self._last_collected_at))
+        except BaseException:
+            self._discard()
+            raise
+        self._pending.pop(0)
+        start = max(pending.submitted_at, self._last_collected_at)
+        self._last_collected_at = time.perf_counter()
+        self._last_step_s = self._last_collected_at - start
+        self._step += 1
+        metrics = self.metrics(results, pending.trace)
+        # A retry is a save of the state at hand: only once no later step is in flight.
+        retry = not self._pending and self._checkpointer.retry_due()
+        save = retry or self._checkpointer.due(self._step)
+        assert not (save and self._pending), "a checkpoint step is never run ahead of"
+        self._on_collected(self._last_step_s, pending.data_state, save, retry)
+        tiers = (["memory"] if pending.snapshot is not None else []) + (["persistent"] if save else [])
+        if tiers:
+            metrics["checkpoint"] = tiers
+        return metrics
+
+    def _discard(self) -> None:
+        """Forget every step in flight (the cluster aborted them with the failed one)."""
+        for p in self._pending:
+            p.discarded = True
+        self._pending = []
+
+    # -- other plans -----------------------------------------------------------------------
+    def run(self, plan: str, inputs, targets, trace: bool = False, feed_targets: bool = True) -> list:
+        """Run a plan that is not a training step ("grads", "eval", "predict"), after every
+        step in flight; the per-slice results."""
+        self.collect_all()
+        t0 = time.perf_counter()
+        try:
+            launched = self._launch(plan, inputs, targets, trace, feed_targets)
+            t0 = time.perf_counter()
+            results = launched.result()
+        except WorkerLost as e:
+            self._on_lost(e, t0)
+        self._last_step_s = time.perf_counter() - t0
+        return results
+
+    def _launch(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
+        """Compile if needed and send `plan` with the batch's microbatches; the cluster's
+        PendingRun."""
+        m = self.num_microbatches
+        in_spec, tgt_spec = micro_specs(inputs, targets, m)
+        if plan == "train":
+            self._checkpointer.check_batch([[list(np.shape(l)), np.result_type(l).name]
+                                            for l in jax.tree.leaves((inputs, targets))])
+        suffix = self._programs.compile(in_spec, tgt_spec, training=plan == "train")
+        placement = self._programs.placement
+        first, last = placement[0], placement[-1]
+        feeds: dict[int, dict] = {first: {}, last: {}} if first != last else {first: {}}
+        for j, mb in enumerate(split(inputs, m)):
+            feeds[first][names.inputs(j)] = jax.tree.leaves(mb)
+        for j, mb in enumerate(split(targets, m) if feed_targets else ()):
+            feeds[last][names.targets(j)] = jax.tree.leaves(mb)
+        lowered = self._programs.lowered
+        fetch = {"train": lowered.fetch, "predict": {}}.get(plan, lowered.loss_fetch)
+        return self._programs.launch(plan + suffix, feeds, fetch, trace)
+
+    def metrics(self, results, trace: bool) -> dict:
+        """{"step", "loss" (mean over microbatches), "step_s"}, "grad_norm" when clipping, and
+        with `trace` the events and peaks of every slice (Trainer.step)."""
+        m, last = self.num_microbatches, self._programs.placement[-1]
+        losses = [results[last].fetched[names.loss(j)][0] for j in range(m)]
+        metrics = {"step": self._step, "loss": float(np.mean(np.asarray(losses, np.float64))),
+                   "step_s": self._last_step_s}
+        if self._max_grad_norm is not None and names.sqnorm(0) in results[0].fetched:
+            sq = [results[0].fetched[names.sqnorm(k)][0] for k in range(self._num_stages)]
+            metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
+        if trace:
+            metrics["events"] = [r.events for r in results]
+            metrics["held"] = [(r.peak_held, r.peak_held_bytes) for r in results]
+            metrics["peak_bytes"] = [r.peak_bytes for r in results]
+        return metrics
+
+
+class PendingStep:
+    """A training step sent to the slices (Trainer.submit) and not yet collected."""
+
+    def __init__(self, dispatcher: Dispatcher, number: int, launched, trace: bool, data_state,
+                 submitted_at: float, snapshot=None):
+        self.number = number          # the step count once its update has landed
+        self.launched = launched      # the cluster's PendingRun
+        self.snapshot = snapshot      # the in-memory snapshot sent right behind it, if due
+        self.trace = trace
+        self.data_state = data_state
+        self.submitted_at = submitted_at
+        self.discarded = False        # an earlier step's failure dropped it
+        self.metrics: dict | None = None    # set by the dispatcher once collected
+        self._dispatcher = dispatcher
+
+    def result(self) -> dict:
+        """The step's metrics (Trainer.step's); collects the steps before it first."""
+        return self._dispatcher.result_of(self)
+
+
+def micro_specs(inputs, targets, num_microbatches: int):
+    """(input, target) specs of one microbatch of a global batch; ValueError when the leaves
+    do not share a batch axis that num_microbatches divides."""
+    m = num_microbatches
+    sizes = {np.shape(l)[0] if np.ndim(l) else None for l in jax.tree.leaves((inputs, targets))}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"inputs and targets must share a leading batch axis, got batch sizes {sorted(map(str, sizes))}")
+    (batch,) = sizes
+    if batch % m:
+        ok = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(f"batch size {batch} is not divisible by num_microbatches={m}; "
+                         f"allowed num_microbatches for this batch: {ok}")
+    micro = lambda x: jax.ShapeDtypeStruct((batch // m,) + np.shape(x)[1:], np.result_type(x))
+    return jax.tree.map(micro, inputs), jax.tree.map(micro, targets)
+
+
+def split(tree, m: int) -> list:
+    """`tree` cut into m equal microbatches along axis 0."""
+    leaves, treedef = jax.tree.flatten(tree)
+    parts = [np.split(np.asarray(l), m, axis=0) for l in leaves]
+    return [jax.tree.unflatten(treedef, [p[j] for p in parts]) for j in range(m)]

@@ -1,0 +1,161 @@
+"""The Trainer's programs on the slices: the layout in force, what was lowered and shipped
+for it, and the runs that use them.
+
+The layout in force is a schedule (stages -> slices, the order of tasks) and each slice's
+mesh with every stage's state laid out on it (mpmd.lowering.core.Layout). Programs are
+compiled once per microbatch shape (the training batch, a sampling batch, ...):
+`compile(in_spec, tgt_spec)` lowers the pipeline for those shapes, ships each slice its
+programs and plans under a suffix naming the shape (names.variant), so several shapes live
+side by side on the slices, and the first compile creates the optimizer state there. A move
+to another layout (mpmd/train/relayout.py) forgets what was shipped, since every slice
+starts afresh; lowerings are kept by (schedule, placement, meshes, shapes), so a layout moved
+back to ships its programs again without lowering and exporting them anew.
+
+Every cluster run gets a fresh id from `launch` (transfer keys must never repeat): the
+training steps, the setup plans and the in-memory snapshots all go through it.
+"""
+from __future__ import annotations
+
+import jax
+
+from mpmd.lowering import core as lowering
+from mpmd.runtime.worker.instructions import Run
+from mpmd.schedules import core as schedules
+from mpmd.stages import abstract, names
+
+PLANS = ("train", "grads", "eval", "predict", "init")    # installed per microbatch shape
+
+
+class Programs:
+    """What the slices of `cluster` hold for `pipeline` under the layout in force; `rules`:
+    the checked logical-axis rules (mpmd/stages/sharding.py)."""
+
+    def __init__(self, pipeline, optimizer, max_grad_norm, recv_window: int | None, cluster, rules: dict,
+                 schedule: schedules.Schedule, meshes):
+        self.pipeline, self.optimizer, self.cluster = pipeline, optimizer, cluster
+        self._max_grad_norm, self._recv_window, self._rules = max_grad_norm, recv_window, rules
+        self._schedule = schedule
+        self._layout = self.layout_for(schedule, meshes)
+        self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered), shipped to the slices
+        self._lowerings: dict = {}    # (schedule, placement, meshes, microbatch shapes) -> Lowered
+        self._lowered = None          # the Lowered of the shapes compiled last
+        self._train_specs = None      # a training microbatch's (input, target) specs
+        self._opt_ready = False       # the slices hold optimizer state
+        self._runs = 0
+
+    # -- the layout in force ---------------------------------------------------------------
+    @property
+    def schedule(self) -> schedules.Schedule:
+        return self._schedule
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """stage -> slice"""
+        return self._schedule.placement
+
+    @property
+    def num_slices(self) -> int:
+        return self._schedule.num_slices
+
+    @property
+    def layout(self) -> lowering.Layout:
+        return self._layout
+
+    def layout_for(self, schedule: schedules.Schedule, meshes) -> lowering.Layout:
+        """Every stage's state laid out on `meshes` under `schedule`'s placement; ValueError
+        naming a parameter a mesh axis does not divide."""
+        return lowering.layout(self.pipeline, self.optimizer, meshes, schedule.placement, self._rules)
+
+    def move_to(self, schedule: schedules.Schedule, layout: lowering.Layout) -> None:
+        """The cluster was resized to `schedule`'s slices, each started afresh: nothing shipped
+        is there any more, nor any state (the caller restores it)."""
+        self._schedule, self._layout = schedule, layout
+        self._compiled, self._lowered, self._opt_ready = {}, None, False
+
+    # -- what the slices hold ----------------------------------------------------------------
+    @property
+    def lowered(self) -> lowering.Lowered | None:
+        """The programs and plans of the microbatch shapes compiled last."""
+        return self._lowered
+
+    @property
+    def train_specs(self) -> tuple | None:
+        """A training microbatch's (input, target) specs, once a training step was compiled."""
+        return self._train_specs
+
+    @property
+    def opt_state_ready(self) -> bool:
+        """Whether the slices hold optimizer state (created by the first compile, or restored)."""
+        return self._opt_ready
+
+    def state_restored(self) -> None:
+        """Every slice's parameters and optimizer state were restored from a checkpoint."""
+        self._opt_ready = True
+
+    def launch(self, plan: str, feeds: dict | None = None, fetch: dict | None = None, trace: bool = False):
+        """Send `plan` to every slice behind whatever is in flight, with a fresh run id; the
+        cluster's PendingRun."""
+        self._runs += 1
+        return self.cluster.launch(plan, self._runs, feeds or {}, fetch or {}, trace)
+
+    def run_setup(self, plan: str) -> None:
+        """Run a plan that takes no feeds and returns nothing: it creates state on the slices."""
+        self.launch(plan).result()
+
+    def materialize(self) -> None:
+        """Put each stage's initial parameters on its slice, laid out on its mesh: the
+        module's own values, shipped once, or for an abstract model (mpmd.abstract) created
+        there, already sharded, by its seeded init."""
+        plans: dict[int, list] = {}
+        for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
+            r = self.placement[k]
+            if abstract.is_abstract(fn.param_leaves):
+                init = names.program("init_params", k)
+                mesh = self._layout.meshes[r].abstract()
+                shardings = [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]]
+                self.cluster.load_programs(r, {init: abstract.init_program(stage, fn.param_tree, shardings)})
+                plans.setdefault(r, []).append(Run(init, (), (names.params(k),), f"init params s{k}"))
+            else:
+                self.cluster.put(r, names.params(k), fn.param_leaves, [tuple(p) for p in self._layout.params[k]])
+        if plans:
+            for r in range(self.num_slices):
+                self.cluster.install_plan(r, "init_params", plans.get(r, []))
+            self.run_setup("init_params")
+
+    def reset_state(self) -> None:
+        """Back to the initial state: the initial parameters again, and fresh optimizer state
+        if programs were compiled (else the next compile creates it)."""
+        self.materialize()
+        for suffix, _ in list(self._compiled.values())[:1]:
+            self.run_setup("init" + suffix)
+        self._opt_ready = bool(self._compiled)
+
+    def compile(self, in_spec, tgt_spec, training: bool) -> str:
+        """Lower and ship the programs for these microbatch shapes once; returns the suffix
+        naming that shape's programs and plans. `training`: these are a training step's
+        shapes (kept for pricing layouts, mpmd/train/relayout.py)."""
+        key = (jax.tree.structure((in_spec, tgt_spec)), tuple(jax.tree.leaves((in_spec, tgt_spec))))
+        if key in self._compiled:
+            suffix, self._lowered = self._compiled[key]
+        else:
+            suffix = names.variant(len(self._compiled))
+            layout_key = (self._schedule.name, self.placement, tuple(self._layout.meshes), key)
+            low = self._lowerings.get(layout_key)
+            if low is None:
+                low = self._lowerings[layout_key] = lowering.lower(
+                    self.pipeline, self._schedule, self.optimizer, self._max_grad_norm, in_spec, tgt_spec,
+                    self._layout, self._recv_window)
+            rename = lambda stream: stream.with_templates(
+                lambda t: t._replace(program=t.program + suffix) if isinstance(t, Run) else t)
+            for r in range(low.num_slices):
+                self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
+                for plan in PLANS:
+                    self.cluster.install_plan(r, plan + suffix, rename(getattr(low, plan)[r]))
+            if not self._opt_ready:   # first compile: create optimizer state on each slice
+                self.run_setup("init" + suffix)
+                self._opt_ready = True
+            self._compiled[key] = (suffix, low)
+            self._lowered = low
+        if training:
+            self._train_specs = (in_spec, tgt_spec)
+        return suffix

@@ -1,0 +1,76 @@
+"""model.kind='gpt': the GPT decoder LM (models/gpt.py) on byte tokens; also the decoder
+section and checks that llama (and a custom model's tokens) share."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mpmd.recipes.config import Config, ModelSection
+from mpmd.recipes.registry import ModelSpec, register_model_spec
+
+
+class DecoderSection(ModelSection):
+    """What every decoder LM here takes."""
+    vocab_size: int = Field(256, gt=0, description="token vocabulary; 256 = one token per byte")
+    d_model: int = Field(64, gt=0, description="residual stream width")
+    num_heads: int = Field(2, gt=0, description="attention heads; must divide d_model")
+    num_layers: int = Field(4, gt=0, description="transformer blocks")
+    seq_len: int = Field(64, ge=2, description="context length in tokens")
+
+
+class GPTSection(DecoderSection):
+    kind: Literal["gpt"] = Field("gpt", description="which model to build")
+    mlp_ratio: int = Field(4, gt=0, description="feed-forward width as a multiple of d_model")
+
+
+def byte_vocab_problems(cfg: Config) -> list[str]:
+    """A model reading the byte corpus needs a token for each of 256 byte values."""
+    d, m = cfg.data, cfg.model
+    if d.source in ("stdlib", "files") and m.vocab_size < 256:
+        return [f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must "
+                f"be >= 256, got {m.vocab_size}"]
+    return []
+
+
+def decoder_problems(cfg: Config) -> list[str]:
+    m, p = cfg.model, cfg.pipeline
+    out = []
+    if m.d_model % m.num_heads:
+        out.append(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}")
+    if p.num_stages > m.num_layers + 2:
+        out.append(f"pipeline.num_stages={p.num_stages} is more than the {m.kind}'s "
+                   f"{m.num_layers + 2} layers (embed + {m.num_layers} blocks + head)")
+    return out + byte_vocab_problems(cfg)
+
+
+def token_sources(cfg: Config):
+    from mpmd.recipes import data
+    return data.token_sources(cfg)
+
+
+def lm_loss(cfg: Config):
+    from mpmd import models
+    return models.lm_loss
+
+
+def seq_len(cfg: Config) -> int:
+    return cfg.model.seq_len
+
+
+def _build(cfg: Config, abstract: bool):
+    from flax import nnx
+
+    import mpmd
+    from mpmd import models
+    m = cfg.model
+
+    def make():
+        return models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len, m.mlp_ratio,
+                          rngs=nnx.Rngs(cfg.seed))
+    return mpmd.abstract(make) if abstract else make()
+
+
+SPEC = register_model_spec(ModelSpec(
+    "gpt", GPTSection, build=_build, loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
+    samples_text=True, problems=decoder_problems))

@@ -1,0 +1,100 @@
+"""model.kind='llama': the Llama decoder LM (models/llama.py): grouped-query attention,
+SwiGLU, rotary embeddings, optional tied embeddings (cut at stage marks), bf16, remat."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from mpmd.recipes.config import Config, ConfigError, ModelSection
+from mpmd.recipes.families.gpt import DecoderSection, decoder_problems, lm_loss, seq_len, token_sources
+from mpmd.recipes.registry import ModelSpec, register_model_spec
+
+
+class ComputeSection(ModelSection):
+    """How a model computes (a custom builder may read these too)."""
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute and activation dtype (also what crosses slices); parameters, "
+                               "gradients, optimizer state and the loss stay float32")
+    remat: Literal["none", "block", "dots_saveable"] = Field(
+        "none", description="rematerialisation of each block in the backward: none = keep every "
+                            "residual; block = keep only block inputs; dots_saveable = also keep projection "
+                            "outputs (recompute attention, norms, activations)")
+
+
+class LlamaSection(DecoderSection, ComputeSection):
+    kind: Literal["llama"] = Field("llama", description="which model to build")
+    num_kv_heads: int | None = Field(
+        None, gt=0, description="key/value heads (grouped-query attention), dividing num_heads; "
+                                "null = num_heads")
+    mlp_dim: int | None = Field(
+        None, gt=0, description="SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64")
+    tie_embeddings: bool = Field(
+        False, description="the LM head is the token embedding transposed (the model is then cut "
+                           "at stage marks, and the embedding's gradients are summed across the two stages)")
+
+
+def _problems(cfg: Config) -> list[str]:
+    m = cfg.model
+    out = decoder_problems(cfg)
+    if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
+        out.append(f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
+                   f"(rotary embeddings rotate pairs of dimensions)")
+    if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
+        out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
+    return out
+
+
+def _build(cfg: Config, abstract: bool):
+    from flax import nnx
+
+    import mpmd
+    from mpmd import models
+    m = cfg.model
+
+    def make():
+        return models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
+                            num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings,
+                            dtype=m.dtype, remat=m.remat, rngs=nnx.Rngs(cfg.seed))
+    return mpmd.abstract(make) if abstract else make()
+
+
+def _split(cfg: Config, model, sample_input):
+    """A tied Llama cut at marks after the layers that balance the stages' FLOPs (layers()
+    cannot cut it: see models/llama.py); one stage needs no cut. None: the usual split."""
+    if not cfg.model.tie_embeddings:
+        return None
+    import jax
+    from flax import nnx
+
+    import mpmd
+    from mpmd.stages.costs import layer_costs
+    from mpmd.stages.split import balanced_boundaries
+    num_stages = cfg.pipeline.num_stages
+    if cfg.pipeline.cuts is not None:
+        raise ConfigError("pipeline.cuts cannot cut a llama with model.tie_embeddings=true (it is cut at "
+                          "stage marks placed by cost); set pipeline.cuts=null")
+    if num_stages == 1:
+        return [model]
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model))):
+        raise ConfigError("model.tie_embeddings=true cuts the model at stage marks, which needs the model "
+                          "built (mpmd cannot yet cut an abstract model at marks)")
+    costs, _ = layer_costs(model.all_layers(), sample_input)
+    bounds = balanced_boundaries(costs, num_stages)
+    model.cut_after([b - 1 for b in bounds[1:-1]], mpmd.stage_boundary)
+    return mpmd.split(model, num_stages, sample_input)   # Stages: they name each leaf by model path
+
+
+def _units(cfg: Config, model):
+    if cfg.model.tie_embeddings:
+        raise ConfigError("mpmd tune cannot cut a llama with model.tie_embeddings=true (its stages are "
+                          "cut at marks); tune with model.tie_embeddings=false")
+    return None
+
+
+SPEC = register_model_spec(ModelSpec(
+    "llama", LlamaSection, build=_build, loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
+    split=_split, units=_units,
+    # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
+    can_be_abstract=lambda cfg: not cfg.model.tie_embeddings,
+    samples_text=True, problems=_problems))

@@ -1,0 +1,195 @@
+"""`mpmd train` stopped and run again with the same command, end to end through the real CLI.
+
+The controller is a real subprocess with real worker processes (cluster.backend=local). A
+SIGKILLed controller takes its workers with it, and a SIGTERMed one commits a final
+checkpoint and exits 0; either way the same command then finishes the run with exactly the
+final state and per-step losses of an uninterrupted one (bitwise), and leaves no process.
+"""
+import os
+import re
+import shutil
+import signal
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpmd.train.checkpoints import read_leaves
+from mpmd.recipes import run_log
+from mpmd.runtime.worker.slice_store import CheckpointStore
+from tests.support.processes import Controller, processes_tagged, wait_gone
+
+pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+
+STEPS, EVERY = 12, 3
+OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
+             f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",
+             f"checkpoint.every={EVERY}", "log.progress=lines", "log.every=1", "log.trace_steps=[]",
+             "log.tensorboard=false", "data.max_bytes=300000"]
+TAG = "MPMD_TEST_RESUME_CLI"   # marks every process a test starts, workers included (inherited env)
+
+
+def controller(run_dir: Path, tag: str) -> Controller:
+    return Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES], {TAG: tag})
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes started under `tag`, whoever their parent is now."""
+    return processes_tagged(TAG, tag)
+
+
+def run_to_end(run_dir: Path, tag: str) -> str:
+    return controller(run_dir, tag).succeed()
+
+
+def final_state(run_dir: Path) -> tuple[int, dict]:
+    """(newest committed step, {leaf name: [host array]}) read straight from the checkpoint."""
+    step, leaves = read_leaves(run_dir)
+    return step, {name: [array] for name, array in leaves.items()}
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return run_log.read(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: (final state, per-step metrics, its run_dir)."""
+    run_dir = tmp_path_factory.mktemp("resume") / "a"
+    tag = uuid.uuid4().hex
+    run_to_end(run_dir, tag)
+    assert wait_gone(tagged(tag)) == []
+    return final_state(run_dir), metrics(run_dir), run_dir
+
+
+def assert_same_as_reference(run_dir: Path, reference):
+    (want_step, want), want_metrics, _ = reference
+    got_step, got = final_state(run_dir)
+    assert got_step == want_step == STEPS
+    assert got.keys() == want.keys()
+    for name in want:
+        assert all(np.array_equal(a, b) for a, b in zip(got[name], want[name])), f"{name} differs"
+    got_metrics = metrics(run_dir)
+    assert [r["step"] for r in got_metrics] == list(range(1, STEPS + 1)), "each step exactly once"
+    assert [r["loss"] for r in got_metrics] == [r["loss"] for r in want_metrics]
+
+
+def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(reference, tmp_path):
+    """One run stopped twice: SIGTERMed after step 5, the controller commits a final
+    checkpoint (off the checkpoint.every grid or not) and exits 0; the same command resumes
+    from it. That resumed run SIGKILLed two steps later takes its workers with it; the same
+    command resumes again and finishes with the uninterrupted run's final state and per-step
+    losses (bitwise), each step logged once. No process is left at any point."""
+    run_dir, tag = tmp_path / "c", uuid.uuid4().hex
+    ctl = controller(run_dir, tag)
+    try:
+        ctl.wait_for_step(5)
+        os.kill(ctl.proc.pid, signal.SIGTERM)
+        rc, out = ctl.finish()
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    assert rc == 0, out
+    m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint committed", out)
+    assert m, out
+    stopped_at = int(m.group(1))
+    assert 5 <= stopped_at < STEPS
+    # The final checkpoint holds the step it stopped at, off the checkpoint.every grid or not.
+    assert CheckpointStore(run_dir).committed()[-1] == stopped_at
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, stopped_at + 1))
+    assert wait_gone(tagged(tag)) == []
+
+    ctl = controller(run_dir, tag)
+    try:
+        ctl.wait_for_step(stopped_at + 2)
+        ctl.wait_for_commit()     # a checkpoint to resume from (saves commit in the background)
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(ctl.proc.pid, signal.SIGKILL)
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    rc, out = ctl.finish()
+    assert rc == -signal.SIGKILL
+    assert f"resumed from {run_dir}/checkpoints/{stopped_at}" in out
+    # A worker learns of its controller's death from its stdin pipe closing.
+    assert wait_gone(workers, timeout_s=5.0) == [], "workers outlived their SIGKILLed controller"
+    killed_at = CheckpointStore(run_dir).committed()[-1]
+    assert killed_at < STEPS, "the run finished before it was killed: nothing was resumed"
+
+    out = run_to_end(run_dir, tag)
+    assert f"resumed from {run_dir}/checkpoints/{killed_at}" in out
+    assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_resumes_on_another_stage_count(reference, tmp_path):
+    """The uninterrupted 2-stage run's step-9 checkpoint resumed with `pipeline.num_stages=4
+    cluster.num_workers=4`: the console names the layout change, and the losses after it
+    equal the 2-stage run's to relative 1e-6, each step logged once."""
+    run_dir, tag = tmp_path / "l", uuid.uuid4().hex
+    shutil.copytree(reference[2], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / str(STEPS))
+    assert CheckpointStore(run_dir).committed()[-1] == STEPS - EVERY
+    out = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "pipeline.num_stages=4",
+                               "cluster.num_workers=4"], {TAG: tag}).succeed()
+    assert f"resumed from {run_dir}/checkpoints/{STEPS - EVERY}" in out
+    line = next(l for l in out.splitlines() if "layout changed:" in l)
+    assert "2 stages on 2 slices, 1f1b" in line and "-> 4 stages on 4 slices, 1f1b" in line, line
+    got, want = metrics(run_dir), reference[1]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step exactly once"
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
+    assert read_leaves(run_dir)[1].keys() == reference[0][1].keys(), "the same leaves, by path"
+    assert wait_gone(tagged(tag)) == []
+
+
+def kill_worker_after_step(run_dir: Path, tag: str, overrides: list[str], step: int) -> str:
+    """Run gpt_tiny with `overrides`, SIGKILL worker 1 once step `step` is printed, and return
+    the stdout of the run finishing."""
+    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, *overrides], {TAG: tag})
+    try:
+        ctl.wait_for_step(step)
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        return ctl.succeed()
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+
+
+def test_worker_sigkilled_restores_from_the_memory_tier(reference, tmp_path):
+    """`checkpoint.memory_every=1`: a worker SIGKILLed after step 7 comes back from its peer's
+    in-memory copy (the console says so), replays one step, and the run ends bitwise equal to
+    the uninterrupted one; metrics.jsonl marks each step's snapshot tier."""
+    run_dir, tag = tmp_path / "m", uuid.uuid4().hex
+    out = kill_worker_after_step(run_dir, tag, ["checkpoint.memory_every=1"], 7)
+    line = next(l for l in out.splitlines() if "recovered:" in l)
+    assert "from the in-memory snapshot, 1 step(s) to replay" in line, line
+    assert_same_as_reference(run_dir, reference)
+    records = metrics(run_dir)
+    assert all("memory" in r["checkpoint"] for r in records), records[:3]
+    assert [r["step"] for r in records if "persistent" in r["checkpoint"]] == list(range(EVERY, STEPS + 1, EVERY))
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_worker_lost_without_replacement_goes_on_and_reports_goodput(reference, tmp_path):
+    """cluster.max_workers=2 leaves no replacement: a worker SIGKILLed after step 7 is not
+    replaced (on_loss=auto, replace_timeout_s=0), the run goes on with both stages on the
+    surviving slice from the last commit (step 3 or 6; the initial state if both were still
+    being written) and ends with the uninterrupted run's final state and losses;
+    metrics.jsonl records the layout change and the goodput figures (time lost, time at
+    reduced width), and the summary prints them."""
+    run_dir, tag = tmp_path / "s", uuid.uuid4().hex
+    out = kill_worker_after_step(run_dir, tag, ["cluster.max_workers=2", "cluster.replace_timeout_s=0"], 7)
+    print(out)        # shown if an assertion below fails
+    assert_same_as_reference(run_dir, reference)
+    records = metrics(run_dir)
+    (change,) = [c for r in records for c in r.get("layout_changes", [])]
+    assert change["num_slices"] == 1 and change["placement"] == [0, 0] and change["step"] in (0, 3, 6), change
+    goodput = records[-1]["goodput"]
+    assert goodput["failures"] == 1 and goodput["layout_changes"] == 1, goodput
+    assert goodput["reduced_width_s"] > 0 and goodput["lost_s"] >= goodput["restore_s"] > 0, goodput
+    assert re.search(r"goodput: 1 worker\(s\) lost, [\d.]+ s lost .* s on fewer slices, 1 layout change", out), out
+    assert wait_gone(tagged(tag)) == []
