@@ -22,6 +22,8 @@ from typing import Iterable, Mapping, Sequence, TextIO
 # The events this module draws and measures are the executor's (name, kind, start_ns, end_ns);
 # any 4-tuple in that order works.
 from mpmd.runtime.worker.executor import Event  # noqa: F401  (re-exported for callers that build events)
+# One definition of a measured bubble: the report computes it from trace.json the same way.
+from mpmd.report.trace import measured_bubble  # noqa: F401
 from mpmd.recipes.console import PROGRESS
 
 METRICS_FILE = "metrics.jsonl"
@@ -255,32 +257,8 @@ def write_trace(path: str | Path, events_per_step: Mapping[int, Sequence[Iterabl
                  for pid in range(num_slices) for kind, tid in kinds.items()]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": metadata + trace, "displayTimeUnit": "ms"}))
+    # Temp file + os.replace: a report read while the run goes on sees the old trace or the new.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"traceEvents": metadata + trace, "displayTimeUnit": "ms"}))
+    os.replace(tmp, path)
     return path
-
-
-def measured_bubble(events_per_slice: Sequence[Iterable], kinds: Sequence[str] = ("run",)) -> float:
-    """1 - busy / (num_slices * span), over events whose kind is in kinds.
-
-    busy sums, per slice, the union of its intervals (so overlapping events are not counted
-    twice); span = latest end - earliest start over all slices. A slice with no such events
-    counts as idle for the whole span.
-    """
-    intervals = [sorted((e[2], e[3]) for e in events if e[1] in kinds)
-                 for events in events_per_slice]
-    flat = [iv for slice_ivs in intervals for iv in slice_ivs]
-    if not flat:
-        raise ValueError(f"no events of kinds {tuple(kinds)} to measure a bubble from")
-    span = max(end for _, end in flat) - min(start for start, _ in flat)
-    if span <= 0:
-        return 0.0
-    busy = 0
-    for slice_ivs in intervals:
-        covered_to = None
-        for start, end in slice_ivs:
-            if covered_to is not None and start < covered_to:
-                start = covered_to  # skip the part already counted
-            if end > start:
-                busy += end - start
-            covered_to = end if covered_to is None else max(covered_to, end)
-    return 1 - busy / (len(intervals) * span)

@@ -38,6 +38,7 @@ from mpmd.recipes import data
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
+from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
 from mpmd.train.checkpoints import CheckpointError  # noqa: F401  (raised through run())
@@ -270,8 +271,9 @@ def layout_rules(cfg: Config) -> dict | None:
 
 
 # -- the run -------------------------------------------------------------------------------
-def run(cfg: Config, allow_config_change: bool = False) -> dict:
-    """Trains cfg.train.steps steps; returns a summary of the run."""
+def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None, list[str]] = (None, [])) -> dict:
+    """Trains cfg.train.steps steps; returns a summary of the run. `source`: the config file and
+    key=value overrides cfg was loaded from, recorded for the report (mpmd.report.record)."""
     p = cfg.pipeline
     # Everything that can reject the config runs before a worker starts, and all but the
     # run directory's own check before a run directory exists.
@@ -303,6 +305,8 @@ def run(cfg: Config, allow_config_change: bool = False) -> dict:
     try:
         run_dir = Path(cfg.run_dir)
         config_lib.dump(cfg, run_dir / "config.yaml")
+        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule, sample_input,
+                                     train_loader.batch_at(0)[1][:len(sample_input)], *source)
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     finally:
         try:
@@ -329,6 +333,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     board = run_log.TensorBoard(run_dir) if cfg.log.tensorboard else None
     progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
                                 start_step)
+    # What happened before the next record's step, for the report (mpmd.report.load's marks).
+    marks = {"resumed_from": start_step} if start_step else {}
     if start_step:
         progress.message(f"resumed from {run_dir}/checkpoints/{start_step}")
     if start_step >= t.steps:
@@ -371,6 +377,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 # e.step, and the steps in flight were discarded with nothing of them applied
                 # or logged.
                 progress.message(f"recovered: {e}")
+                marks["recovered"] = str(e)
                 step = done = e.step
                 pending.clear()
                 losses = {k: v for k, v in losses.items() if k <= step}
@@ -390,12 +397,17 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             if "events" in out:
                 traces[done] = out["events"]
                 record["bubble"] = run_log.measured_bubble(out["events"])
+                # Written at once, so a report of the run in progress shows the step.
+                run_log.write_trace(run_dir / "trace.json", traces)
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
-            metrics_log.write(done, record)
+            # Not TensorBoard scalars: when it was logged, what happened before, peak bytes per slice.
+            metrics_log.write(done, {**record, "time": time.time(), **marks,
+                                     **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
+            marks = {}
             if board is not None:
                 board.write(done, record)
                 if done % cfg.log.every == 0:
@@ -404,8 +416,6 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
         if stop.requested:
             progress.message(f"stopped by {stop.requested} after step {step}; checkpoint committed, "
                              f"resume with the same command")
-        if traces:
-            run_log.write_trace(run_dir / "trace.json", traces)
         text = _final_sample(cfg, trainer, progress) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
@@ -417,8 +427,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
                "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput()}
+    summary["report"] = str(report_html.write(run_dir))
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
-          f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}")
+          f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}, "
+          f"report {summary['report']}")
     print(goodput_line(summary["goodput"]))
     return summary
 

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         _ensure_host_devices(cfg.num_devices)
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     try:
-        train.run(cfg, allow_config_change=args.allow_config_change)
+        train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ narrower than a pixel. `not_drawable` says why before anyone tries.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 from xml.sax.saxutils import escape
 
 from mpmd.schedules.core import Schedule
@@ -61,63 +63,112 @@ def _fmt(x: float) -> str:
     return f"{x:.6g}"
 
 
+class Box(NamedTuple):
+    """One interval on a row: [start, end) in the axis' unit, filled with `colour`; `text`
+    is written inside when the box is wide enough, in `text_colour`; `tooltip` on hover."""
+    start: float
+    end: float
+    colour: str
+    text: str = ""
+    text_colour: str = "black"
+    tooltip: str = ""
+
+
+class Row(NamedTuple):
+    """A labelled row of boxes; `height_px` (thin rows for transfers); `heading` is written
+    above the row (a group of rows: "measured", "simulated")."""
+    label: str
+    boxes: Sequence[Box]
+    height_px: int = _ROW_PX
+    heading: str = ""
+
+
+def task_box(task, start: float, end: float) -> Box:
+    """A schedule task's box: its kind's colour, the shade and text by microbatch parity."""
+    parity = task.microbatch % 2
+    return Box(start, end, _COLOURS[task.kind][parity], str(task.microbatch), _TEXT_COLOURS[parity],
+               f"{task} [{_fmt(start)}, {_fmt(end)})")
+
+
+def task_names(split_backward: bool) -> dict:
+    """Legend names of the task kinds: without split_backward a B task is the whole backward;
+    with it, B and W are its halves."""
+    return {"F": "forward", "B": "backward (input grad)" if split_backward else "backward",
+            "W": "backward (weight grad)"}
+
+
+def kind_colour(kind: str) -> str:
+    """The dark shade of a task kind, as its legend swatch shows it."""
+    return _COLOURS[kind][0]
+
+
+def draw_rows(rows: Sequence[Row], span: float, title: str, legend: Sequence[tuple[str, str]] = (),
+              axis_label: str = "time", tick_format=None) -> str:
+    """SVG text of rows of boxes on one time axis from 0 to `span` (the same scale for every
+    row, so rows of two timelines compare box by box); `legend`: (colour, name) pairs;
+    `tick_format(value) -> str` labels the axis ticks."""
+    span = span if span > 0 else 1.0
+    tick_format = tick_format or _fmt
+    px_per_unit = _TIMELINE_PX / span
+    headings_px = sum(18 for row in rows if row.heading)
+    rows_px = sum(row.height_px + _ROW_GAP_PX for row in rows) + headings_px
+    width, height = _LEFT_PX + _TIMELINE_PX + 20, _TOP_PX + rows_px + _BOTTOM_PX
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<text x="{_LEFT_PX}" y="20" font-size="14">{escape(title)}</text>']
+    y = _TOP_PX
+    for row in rows:
+        if row.heading:
+            out.append(f'<text x="{_LEFT_PX}" y="{y + 12}" font-weight="bold">{escape(row.heading)}</text>')
+            y += 18
+        out.append(f'<text x="{_LEFT_PX - 8}" y="{y + row.height_px / 2 + 4}" '
+                   f'text-anchor="end">{escape(row.label)}</text>')
+        for box in row.boxes:
+            x, w = _LEFT_PX + box.start * px_per_unit, (box.end - box.start) * px_per_unit
+            tip = f'<title>{escape(box.tooltip)}</title>' if box.tooltip else ""
+            out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row.height_px}" '
+                       f'fill="{box.colour}" stroke="white" stroke-width="0.5">{tip}</rect>')
+            if box.text and w >= _LABEL_MIN_PX and row.height_px >= _LABEL_MIN_PX:
+                out.append(f'<text x="{x + w / 2:.2f}" y="{y + row.height_px / 2 + 4}" '
+                           f'text-anchor="middle" fill="{box.text_colour}">{escape(box.text)}</text>')
+        y += row.height_px + _ROW_GAP_PX
+    axis_y = _TOP_PX + rows_px
+    out.append(f'<line x1="{_LEFT_PX}" y1="{axis_y}" x2="{_LEFT_PX + _TIMELINE_PX}" '
+               f'y2="{axis_y}" stroke="black"/>')
+    out.append(f'<text x="{_LEFT_PX - 8}" y="{axis_y + 18}" text-anchor="end">{escape(axis_label)}</text>')
+    step = _tick_step(span)
+    for k in range(int(span / step + 1e-9) + 1):
+        x = _LEFT_PX + k * step * px_per_unit
+        out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
+                   f'stroke="black"/><text x="{x:.2f}" y="{axis_y + 18}" '
+                   f'text-anchor="middle">{tick_format(k * step)}</text>')
+    entries_px = [10 + 4 + _CHAR_PX * len(name) + 16 for _, name in legend]  # swatch, gap, text, gap
+    x = _LEFT_PX + _TIMELINE_PX - sum(entries_px)
+    for (colour, name), entry_px in zip(legend, entries_px):
+        out.append(f'<rect x="{x}" y="{height - 14}" width="10" height="10" '
+                   f'fill="{colour}"/><text x="{x + 14}" y="{height - 5}">'
+                   f'{escape(name)}</text>')
+        x += entry_px
+    out.append("</svg>\n")
+    return "\n".join(out)
+
+
 def render_svg(schedule: Schedule, simulation: Simulation, path_or_none=None) -> str:
     """SVG text of the timeline; also written to `path_or_none` unless it is None.
     ValueError (saying why) when the drawn rows hold more than MAX_BOXES tasks."""
     why = not_drawable(simulation)
     if why:
         raise ValueError(f"timeline not drawn: {why}")
-    makespan = simulation.makespan if simulation.makespan > 0 else 1.0
-    px_per_unit = _TIMELINE_PX / makespan
     num_slices = len(simulation.spans)
     rows = rows_drawn(num_slices)
-    rows_px = len(rows) * (_ROW_PX + _ROW_GAP_PX)
-    width, height = _LEFT_PX + _TIMELINE_PX + 20, _TOP_PX + rows_px + _BOTTOM_PX
     sampled = "" if len(rows) == num_slices else f" ({len(rows)} of them drawn)"
     title = (f"{schedule.name}: p={num_slices} slices{sampled}, {schedule.num_stages} stages, "
              f"m={schedule.num_microbatches}, makespan={_fmt(simulation.makespan)}, "
              f"bubble={simulation.bubble_fraction:.1%}")
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="sans-serif" font-size="11">',
-           f'<text x="{_LEFT_PX}" y="20" font-size="14">{escape(title)}</text>']
-    drawn = [(r, simulation.spans[r]) for r in rows]
-    for row, (r, spans) in enumerate(drawn):
-        y = _TOP_PX + row * (_ROW_PX + _ROW_GAP_PX)
-        out.append(f'<text x="{_LEFT_PX - 8}" y="{y + _ROW_PX / 2 + 4}" '
-                   f'text-anchor="end">slice {r}</text>')
-        for task, start, end in spans:
-            x, w = _LEFT_PX + start * px_per_unit, (end - start) * px_per_unit
-            colour = _COLOURS[task.kind][task.microbatch % 2]
-            out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{_ROW_PX}" '
-                       f'fill="{colour}" stroke="white" stroke-width="0.5">'
-                       f'<title>{escape(str(task))} [{_fmt(start)}, {_fmt(end)})</title></rect>')
-            if w >= _LABEL_MIN_PX:
-                out.append(f'<text x="{x + w / 2:.2f}" y="{y + _ROW_PX / 2 + 4}" '
-                           f'text-anchor="middle" fill="{_TEXT_COLOURS[task.microbatch % 2]}">'
-                           f'{task.microbatch}</text>')
-    axis_y = _TOP_PX + rows_px
-    out.append(f'<line x1="{_LEFT_PX}" y1="{axis_y}" x2="{_LEFT_PX + _TIMELINE_PX}" '
-               f'y2="{axis_y}" stroke="black"/>')
-    out.append(f'<text x="{_LEFT_PX - 8}" y="{axis_y + 18}" text-anchor="end">time</text>')
-    step = _tick_step(makespan)
-    for k in range(int(makespan / step + 1e-9) + 1):
-        x = _LEFT_PX + k * step * px_per_unit
-        out.append(f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
-                   f'stroke="black"/><text x="{x:.2f}" y="{axis_y + 18}" '
-                   f'text-anchor="middle">{_fmt(k * step)}</text>')
-    # Without split_backward a B task is the whole backward; with it, B and W are its halves.
-    names = {"F": "forward", "B": "backward (input grad)" if schedule.split_backward else "backward",
-             "W": "backward (weight grad)"}
-    kinds = [k for k in names if any(t.kind == k for _, spans in drawn for t, _, _ in spans)]
-    entries_px = [10 + 4 + _CHAR_PX * len(names[k]) + 16 for k in kinds]  # swatch, gap, text, gap
-    x = _LEFT_PX + _TIMELINE_PX - sum(entries_px)
-    for kind, entry_px in zip(kinds, entries_px):
-        out.append(f'<rect x="{x}" y="{height - 14}" width="10" height="10" '
-                   f'fill="{_COLOURS[kind][0]}"/><text x="{x + 14}" y="{height - 5}">'
-                   f'{names[kind]}</text>')
-        x += entry_px
-    out.append("</svg>\n")
-    svg = "\n".join(out)
+    drawn = [Row(f"slice {r}", [task_box(*span) for span in simulation.spans[r]]) for r in rows]
+    names = task_names(schedule.split_backward)
+    kinds = [k for k in names if any(t.kind == k for r in rows for t, _, _ in simulation.spans[r])]
+    svg = draw_rows(drawn, simulation.makespan, title, [(kind_colour(k), names[k]) for k in kinds])
     if path_or_none is not None:
         with open(path_or_none, "w", encoding="utf-8") as f:
             f.write(svg)
