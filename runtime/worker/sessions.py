@@ -159,5 +159,10 @@ class SessionTable:
 
 
 def live_bytes() -> int:
-    """Bytes of every live JAX array in this process (all sessions, the cache's constants)."""
+    """Bytes of every live JAX array in this process (all sessions, the cache's constants).
+
+    Collected first: an aborted run can leave its arrays in a reference cycle (an exception's
+    traceback holding its frames), which an idle worker, allocating nothing, would otherwise
+    count for as long as it stays idle."""
+    gc.collect()
     return sum(a.nbytes for a in jax.live_arrays())
