@@ -17,6 +17,8 @@ _WHERE = {
     "Recovery": "mpmd.train.options",
     "split": "mpmd.stages.split",
     "stage_boundary": "mpmd.stages.marks",
+    "add_loss": "mpmd.stages.losses",
+    "collect_losses": "mpmd.stages.losses",
     "tune": "mpmd.tuner.core",
     "InProcessCluster": "mpmd.runtime.control.inprocess",
     "LocalCluster": "mpmd.runtime.launchers.local",
@@ -26,7 +28,7 @@ _WHERE = {
     "WorkerLost": "mpmd.runtime.control.cluster",
 }
 
-__all__ = ["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split", "stage_boundary", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
+__all__ = ["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split", "stage_boundary", "add_loss", "collect_losses", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
            "Rewound", "WorkerLost"]
 
 

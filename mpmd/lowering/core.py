@@ -15,6 +15,7 @@ import numpy as np
 
 from mpmd.runtime.worker.instructions import Instruction, Recv, Run, Send, Spec
 from mpmd.runtime.worker.streams import PackedStream
+from mpmd.stages import batch as batches
 from mpmd.stages import names
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
@@ -84,6 +85,28 @@ def _placed(tree, mesh):
     return jax.tree.map(lambda l: sharding.with_layout(l, sharding.batch_layout(l.shape, mesh), mesh), tree)
 
 
+class StageIO(NamedTuple):
+    """What a stage's programs take and give beyond activations (mpmd/stages/batch.py): per
+    stage whether it is fed side inputs and whether it adds auxiliary losses, and whether the
+    loss is weighted (the last slice first sums the step's weights). The defaults: none."""
+    side: tuple = ()
+    aux: tuple = ()
+    weighted: bool = False
+
+    def takes_side(self, k: int) -> bool:
+        return bool(self.side) and self.side[k]
+
+    def adds_aux(self, k: int) -> bool:
+        return bool(self.aux) and self.aux[k]
+
+
+def _differentiable(specs: tuple, pieces: tuple) -> tuple[tuple, tuple]:
+    """The leaves of a cotangent transfer: only floating-point leaves carry one back."""
+    keep = [stage_programs.differentiable(s) for s in specs]
+    return (tuple(s for s, k in zip(specs, keep) if k),
+            tuple(p for p, k in zip(pieces, keep) if k) if pieces else pieces)
+
+
 class Lowered(NamedTuple):
     num_slices: int
     programs: list[dict]                   # per slice: name -> ProgramSpec
@@ -95,6 +118,7 @@ class Lowered(NamedTuple):
     init: list[PackedStream]                    # optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
     loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
+    io: StageIO = StageIO()                 # side inputs, auxiliary losses, weighted loss
 
 
 def recv_windows(schedule: schedules.Schedule, recv_window: int | None = None) -> tuple[int, ...]:
@@ -109,33 +133,43 @@ def recv_windows(schedule: schedules.Schedule, recv_window: int | None = None) -
 
 def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm,
           micro_input_spec, micro_target_spec, layouts: Layout | None = None,
-          recv_window: int | None = None) -> Lowered:
-    """`recv_window`: receives outstanding at once per slice (see recv_windows)."""
+          recv_window: int | None = None, feeds: batches.BatchPlan | None = None) -> Lowered:
+    """`recv_window`: receives outstanding at once per slice (see recv_windows). `feeds`: how
+    a batch dict's microbatch reaches the stages (mpmd/stages/batch.py); by default the
+    shorthand's, inputs and targets of these specs."""
     S, m, P = pipe.num_stages, schedule.num_microbatches, schedule.num_slices
     placement = schedule.placement
     layouts = layouts or Layout.single(pipe, optimizer, P)
     mesh_of = [layouts.meshes[placement[k]] for k in range(S)]     # stage -> its slice's mesh
-    acts = pipe.activation_specs(micro_input_spec)          # acts[k] enters stage k
-    loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
-    if jax.numpy.shape(loss_spec) != ():
-        raise ValueError(f"loss_fn must return a scalar (the mean over the microbatch), got shape {loss_spec.shape}")
+    feeds = feeds or batches.plan(pipe, {batches.INPUTS: micro_input_spec, batches.TARGETS: micro_target_spec},
+                                  pair=True)
+    acts = pipe.activation_specs(feeds.inputs, feeds.side)          # acts[k] enters stage k
+    loss_spec = jax.eval_shape(feeds.loss_fn, acts[-1], feeds.targets)
+    loss_spec = loss_spec[0] if feeds.weighted else loss_spec
     clip = max_grad_norm is not None
     shared = pipe.shared
     param_specs = [tuple(sharding.with_layout(spec(a), lay, mesh_of[k])
                          for a, lay in zip(fn.param_leaves, layouts.params[k])) for k, fn in enumerate(pipe.fns)]
 
     progs: list[dict] = [{} for _ in range(P)]
+    aux = []
     for k, fn in enumerate(pipe.fns):
         last, mesh = k == S - 1, mesh_of[k]
         scalar = sharding.with_layout(loss_spec, jax.sharding.PartitionSpec(), mesh)
+        side = _placed(feeds.side[k], mesh) if feeds.side[k] else None
+        aux.append(stage_programs.adds_losses(fn, param_specs[k], acts[k], feeds.side[k]))
         shapes = stage_programs.StageShapes(param_specs[k], _placed(acts[k], mesh),
                                             scalar if last else _placed(acts[k + 1], mesh),
-                                            _placed(micro_target_spec, mesh) if last else None)
+                                            _placed(feeds.targets, mesh) if last else None, side,
+                                            weighted=last and feeds.weighted, aux=aux[-1])
         here = progs[placement[k]]
-        here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=pipe.loss_fn,
+        here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=feeds.loss_fn,
                                          num_microbatches=m, split_backward=schedule.split_backward))
-        here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=pipe.loss_fn,
+        here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=feeds.loss_fn,
                                                       y_specs=_placed(acts[k + 1], mesh)))
+        if last and feeds.weighted:
+            here.update(stage_programs.build_weight(k, shapes, loss_fn=feeds.loss_fn, num_microbatches=m,
+                                                    y_specs=_placed(acts[k + 1], mesh)))
         # A shared leaf's gradient is counted in the global norm by its first holder only.
         not_counted = [i for g in shared for s, i in g if s == k and s != min(t for t, _ in g)]
         here.update(stage_programs.build_optimizer(k, fn, param_specs[k], optimizer, S, max_grad_norm,
@@ -147,16 +181,20 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
         if idx[k]:
             progs[placement[k]].update(stage_programs.build_shared(k, param_specs, shared))
     shared_specs = _shared_transfers(shared, idx, param_specs, layouts, mesh_of)
+    cts = [_differentiable(_laid_out(acts[k + 1], mesh_of[k]),
+                           _pieces(acts[k + 1], mesh_of[k + 1]) if k + 1 < S else ()) for k in range(S)]
     transfers = Transfers([_laid_out(a, mesh_of[k]) if k < S else () for k, a in enumerate(acts)],
                           [_pieces(a, mesh_of[k - 1]) if 0 < k else ()
                            for k, a in enumerate(acts)],
-                          [_laid_out(acts[k + 1], mesh_of[k]) for k in range(S)],
-                          [_pieces(acts[k + 1], mesh_of[k + 1]) if k + 1 < S else ()
-                           for k in range(S)])
-    train = train_streams(schedule, transfers, clip, shared, shared_specs)
-    evaluate, predict = _forward_only(schedule, transfers)
+                          [c[0] for c in cts], [c[1] for c in cts])
+    io = StageIO(tuple(s is not None for s in feeds.side), tuple(aux), feeds.weighted)
+    train = train_streams(schedule, transfers, clip, shared, shared_specs, io)
+    evaluate, predict = _forward_only(schedule, transfers, io)
 
-    fetch = {placement[-1]: tuple(names.loss(j) for j in range(m))}
+    fetch = {placement[-1]: tuple(names.loss(j) for j in range(m)) + ((names.weight_sum(),) if io.weighted else ())}
+    for k in range(S):
+        if io.adds_aux(k):
+            fetch[placement[k]] = fetch.get(placement[k], ()) + tuple(names.aux(k, j) for j in range(m))
     loss_fetch = dict(fetch)
     if clip:   # every slice receives every stage's squared norm; slice 0 reports them
         fetch[0] = fetch.get(0, ()) + tuple(names.sqnorm(k) for k in range(S))
@@ -164,7 +202,8 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     # stage's state, and what the controller fetches (every loss, every squared norm).
     K, J = "{k}", "{j}"
     persistent = {names.params(K), names.opt_state(K)}
-    kept = {r: persistent | ({names.loss(J)} if r == placement[-1] else set())
+    reported = ({names.aux(K, J)} if any(io.aux) else set())
+    kept = {r: persistent | reported | ({names.loss(J), names.weight_sum()} if r == placement[-1] else set())
             | ({names.sqnorm(K)} if clip and r == 0 else set()) for r in range(P)}
     # The gradient plan is the training plan minus the optimizer: same programs, no update.
     no_update = [s.select(~s.template_mask(_is_update)) for s in train]
@@ -177,7 +216,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     predict = [s.finishing(persistent | {names.output(J)}, windows[r]) for r, s in enumerate(predict)]
     init = [PackedStream.from_instructions([Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),),
                                            f"init s{k}") for k in schedule.stages_on(r)]) for r in range(P)]
-    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch)
+    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch, io)
 
 
 def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dict:
@@ -204,12 +243,12 @@ def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dic
 
 
 def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
-                  shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None
-                  ) -> list[PackedStream]:
+                  shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
+                  io: StageIO = StageIO()) -> list[PackedStream]:
     """One training step's instruction stream per slice, before Deletes are inserted: every
     slice's `train_stream`."""
     schedule = schedule._replace(slices=as_arrays(schedule.slices))   # converted once
-    return [train_stream(schedule, r, transfers, clip, shared, shared_specs)
+    return [train_stream(schedule, r, transfers, clip, shared, shared_specs, io)
             for r in range(schedule.num_slices)]
 
 
@@ -262,7 +301,8 @@ def _tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarr
 
 
 def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
-                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None) -> PackedStream:
+                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
+                 io: StageIO = StageIO()) -> PackedStream:
     """Slice r's instruction stream for one training step, before Deletes are inserted,
     encoded (runtime/worker/streams.py) and computed from the schedule's task arrays with numpy:
     each kind of task on each of the slice's stages emits a fixed pattern of rows, its
@@ -282,7 +322,7 @@ def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, cli
     a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
     stage, mb, kind = tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b]
     out = _TrainRows(schedule, r, transfers, clip, _peers(schedule.num_stages, tuple(map(tuple, shared))),
-                     shared_specs or {})
+                     shared_specs or {}, io)
     mine = out.stages
     local = np.full(schedule.num_stages, 0, np.int64)
     local[list(mine)] = np.arange(len(mine))
@@ -303,7 +343,7 @@ def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, cli
     if finals:        # each as a task of its own, right after the last gradient task
         where, which = zip(*finals)
         rows_of, mb = np.insert(rows_of, where, which), np.insert(mb, where, 0)
-    return out.rows.encoded([_tiled(patterns, rows_of, mb)] + out.tail())
+    return out.rows.encoded(out.head() + [_tiled(patterns, rows_of, mb)] + out.tail())
 
 
 class _TrainRows:
@@ -311,8 +351,10 @@ class _TrainRows:
     (forward, input gradient, weight gradient, shared-weight exchange, clipping norm,
     update). A transfer is emitted only where producer and consumer sit on different slices."""
 
-    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers, shared_specs):
-        self.r, self.clip, self.peers, self.shared_specs = r, clip, peers, shared_specs
+    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers, shared_specs,
+                 io: StageIO = StageIO()):
+        self.r, self.clip, self.peers, self.shared_specs, self.io = r, clip, peers, shared_specs, io
+        self.num_microbatches = schedule.num_microbatches
         self.t = transfers
         self.placement = schedule.placement
         self.num_stages, self.num_slices = schedule.num_stages, schedule.num_slices
@@ -332,6 +374,17 @@ class _TrainRows:
         # a full backward (B without split) or a weight gradient (W)
         return self.weight_grad(k, code == KIND_CODES[schedules.BACKWARD], first)
 
+    # -- before the first task ----------------------------------------------------------------
+    def head(self) -> list[tuple[np.ndarray, ...]]:
+        """A weighted loss: the last stage's slice sums the step's weights first (they read
+        the batch only), so every backward can be seeded with 1/total."""
+        last = self.num_stages - 1
+        if not self.io.weighted or self._elsewhere(last):
+            return []
+        targets = tuple(names.targets(j) for j in range(self.num_microbatches))
+        return [_Rows.block([self.rows(Run(names.program("weight", K), targets, (names.weight_sum(),),
+                                           f"weight s{K}"), last)])]
+
     # -- forward --------------------------------------------------------------------------
     def forward(self, k: int) -> list:
         row, t, pl = self.rows, self.t, self.placement
@@ -341,9 +394,10 @@ class _TrainRows:
         if not first and self._elsewhere(k - 1):
             rows.append(row(Recv(a_in, 0, names.act_key(K, J), t.acts_in[k], t.act_pieces[k]), k, 0, pl[k - 1]))
         out = names.loss(J) if last else names.activation(Q, J)
-        targets = (names.targets(J),) if last else ()
-        rows.append(row(Run(names.program("fwd", K), (names.params(K), a_in) + targets,
-                            (out, names.residuals(K, J)), f"F s{K} mb{J}"), k, k + 1))
+        fed = ((names.side(K, J),) if self.io.takes_side(k) else ()) + ((names.targets(J),) if last else ())
+        aux = (names.aux(K, J),) if self.io.adds_aux(k) else ()
+        rows.append(row(Run(names.program("fwd", K), (names.params(K), a_in) + fed,
+                            (out, names.residuals(K, J)) + aux, f"F s{K} mb{J}"), k, k + 1))
         if not last and self._elsewhere(k + 1):
             rows.append(row(Send(out, 0, names.act_key(Q, J), t.act_pieces[k + 1]), k, k + 1, pl[k + 1]))
         return rows
@@ -352,8 +406,8 @@ class _TrainRows:
     def _backward_inputs(self, k: int, receive: bool, rows: list) -> tuple[str, ...]:
         """(params, residuals[, cotangent of the output]); receives the cotangent once, at
         the task that first needs it (B, not W)."""
-        if k == self.num_stages - 1:    # the loss: its cotangent is the constant 1/m
-            return names.params(K), names.residuals(K, J)
+        if k == self.num_stages - 1:    # the loss: its cotangent is 1/m, or 1/total weight
+            return (names.params(K), names.residuals(K, J)) + ((names.weight_sum(),) if self.io.weighted else ())
         d = names.cotangent(K, J)
         if receive and self._elsewhere(k + 1):
             rows.append(self.rows(Recv(d, 0, names.grad_key(K, J), self.t.cts_in[k], self.t.ct_pieces[k]),
@@ -467,13 +521,14 @@ def _sqnorms(num_stages: int) -> tuple[str, ...]:
     return tuple(names.sqnorm(i) for i in range(num_stages))
 
 
-def _forward_only(schedule: schedules.Schedule, transfers: Transfers):
+def _forward_only(schedule: schedules.Schedule, transfers: Transfers, io: StageIO = StageIO()):
     """Evaluation and prediction plans, every slice's `forward_only_stream`."""
-    plans = [forward_only_stream(schedule, r, transfers) for r in range(schedule.num_slices)]
+    plans = [forward_only_stream(schedule, r, transfers, io) for r in range(schedule.num_slices)]
     return [e for e, _ in plans], [p for _, p in plans]
 
 
-def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers) -> tuple[PackedStream, PackedStream]:
+def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfers,
+                        io: StageIO = StageIO()) -> tuple[PackedStream, PackedStream]:
     """Slice r's evaluation and prediction streams: F tasks only, in (microbatch, stage) order.
 
     Every dependency F(k-1, j) -> F(k, j) goes forward in that one global order, so no slice
@@ -490,7 +545,9 @@ def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfe
         if k > 0 and placement[k - 1] != r:
             rows.append(row(Recv(a_in, 0, names.act_key(K, J), transfers.acts_in[k], transfers.act_pieces[k]),
                             k, 0, placement[k - 1]))
-        rows.append(row(Run(names.program("infer", K), (names.params(K), a_in), (out,), f"F s{K} mb{J}"), k, k + 1))
+        side = (names.side(K, J),) if io.takes_side(k) else ()
+        rows.append(row(Run(names.program("infer", K), (names.params(K), a_in) + side, (out,), f"F s{K} mb{J}"),
+                        k, k + 1))
         if k < S - 1 and placement[k + 1] != r:
             rows.append(row(Send(out, 0, names.act_key(Q, J), transfers.act_pieces[k + 1]), k, k + 1, placement[k + 1]))
         evaluate += rows
@@ -499,7 +556,13 @@ def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfe
             evaluate.append(row(Run(names.program("loss", K), (out, names.targets(J)), (names.loss(J),),
                                     f"loss mb{J}"), k))
     every = np.arange(m, dtype=np.int32)
-    return tuple(row.encoded([_tiled([pattern], np.zeros(m, np.int64), every)]) for pattern in (evaluate, predict))
+    head = []
+    if io.weighted and placement[-1] == r:      # the step's total weight, before any loss
+        targets = tuple(names.targets(j) for j in range(m))
+        head = [_Rows.block([row(Run(names.program("weight", K), targets, (names.weight_sum(),), f"weight s{K}"),
+                                 S - 1)])]
+    return (row.encoded(head + [_tiled([evaluate], np.zeros(m, np.int64), every)]),
+            row.encoded([_tiled([predict], np.zeros(m, np.int64), every)]))
 
 
 def _is_update(ins: Instruction) -> bool:

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from mpmd.stages import batch as batches
 from mpmd.stages import names
 from mpmd.stages import programs as stage_programs
 from mpmd.stages.pipeline import Pipeline, stage_fn
@@ -52,14 +53,17 @@ def layer_costs(layers, sample_input) -> tuple[list[float], str]:
     return fn_costs([stage_fn(l) for l in layers], sample_input), "flops"
 
 
-def fn_costs(fns, sample_input) -> list[float]:
-    """Forward FLOPs (plus output bytes / 4) of each StageFn in turn, fed by the previous one."""
+def fn_costs(fns, sample_input, side=None) -> list[float]:
+    """Forward FLOPs (plus output bytes / 4) of each StageFn in turn, fed by the previous one;
+    `side`: per stage, {batch key: spec} of its side inputs (None: none)."""
     x = jax.tree.map(spec, sample_input)
     costs = []
-    for fn in fns:
+    for k, fn in enumerate(fns):
         p = tuple(jax.tree.map(spec, fn.param_leaves))
-        costs.append(_cost(jax.jit(fn.apply).lower(p, x)))
-        x = jax.eval_shape(fn.apply, p, x)
+        s = (side[k] if side else None) or {}
+        apply = lambda p, x, s, fn=fn: fn.apply(p, x, **s)
+        costs.append(_cost(jax.jit(apply).lower(p, x, s)))
+        x = jax.eval_shape(apply, p, x, s)
     return costs
 
 
@@ -81,26 +85,33 @@ def program_cost(program: ProgramSpec, flops_only: bool = False) -> float:
     return _cost(jax.jit(exported.call).lower(*args), flops_only)
 
 
-def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec):
-    """(k, fn, StageShapes, first, last) of every stage, for one microbatch of these shapes."""
-    acts = pipe.activation_specs(micro_input_spec)
-    loss_spec = jax.eval_shape(pipe.loss_fn, acts[-1], micro_target_spec)
+def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec, feeds=None):
+    """(k, fn, StageShapes, first, last, loss) of every stage, for one microbatch of these
+    shapes; `feeds`: a batch dict's BatchPlan (mpmd/stages/batch.py), else the shorthand's."""
+    feeds = feeds or batches.plan(pipe, {batches.INPUTS: micro_input_spec, batches.TARGETS: micro_target_spec},
+                                  pair=True)
+    acts = pipe.activation_specs(feeds.inputs, feeds.side)
+    loss_spec = jax.eval_shape(feeds.loss_fn, acts[-1], feeds.targets)
+    loss_spec = loss_spec[0] if feeds.weighted else loss_spec
     S = pipe.num_stages
     for k, fn in enumerate(pipe.fns):
         last = k == S - 1
-        shapes = stage_programs.StageShapes(tuple(jax.tree.map(spec, fn.param_leaves)), acts[k],
-                                            loss_spec if last else acts[k + 1], micro_target_spec if last else None)
-        yield k, fn, shapes, k == 0, last
+        params = tuple(jax.tree.map(spec, fn.param_leaves))
+        aux = stage_programs.adds_losses(fn, params, acts[k], feeds.side[k])
+        shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
+                                            feeds.targets if last else None, feeds.side[k],
+                                            weighted=last and feeds.weighted, aux=aux)
+        yield k, fn, shapes, k == 0, last, feeds.loss_fn
 
 
 def measure(pipe: Pipeline, micro_input_spec, micro_target_spec, flops_only: bool = False) -> list[dict]:
     """Per stage {"F", "B", "W", "BW"}: the cost of its programs for one microbatch of these
     shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
     out = []
-    for k, fn, shapes, first, last in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
+    for k, fn, shapes, first, last, loss in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
         built = {}
         for split in (True, False):
-            built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=pipe.loss_fn,
+            built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=loss,
                                               num_microbatches=1, split_backward=split))
         cost = lambda kind: program_cost(built[names.program(kind, k)], flops_only)
         out.append({"F": cost("fwd"), "B": 0.0 if first else cost("bwd_in"), "W": cost("bwd_w_first"),
@@ -112,14 +123,14 @@ def _nbytes(specs) -> int:
     return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize for l in jax.tree.leaves(specs)))
 
 
-def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec) -> list[dict]:
+def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds=None) -> list[dict]:
     """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
     "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
     the vjp residuals minus the stage's own parameters), "kept" (what one microbatch's B
     keeps for its W when the backward is split)}. Traced only: nothing is allocated."""
     out = []
-    for k, fn, shapes, first, last in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
-        stage = dict(fn=fn, shapes=shapes, first=first, last=last, loss_fn=pipe.loss_fn)
+    for k, fn, shapes, first, last, loss in _stage_shapes(pipe, micro_input_spec, micro_target_spec, feeds):
+        stage = dict(fn=fn, shapes=shapes, first=first, last=last, loss_fn=loss)
         opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(shapes.params)))
         out.append({"params": _nbytes(shapes.params), "grads": _nbytes(shapes.params), "optimizer": _nbytes(opt),
                     "residuals": _nbytes(stage_programs.residual_specs(**stage)),

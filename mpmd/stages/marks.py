@@ -39,6 +39,7 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
+from mpmd.stages import losses
 from mpmd.stages.leaf_paths import path_string
 from mpmd.stages.pipeline import StageFn, logical_axes
 from mpmd.stages.specs import describe, spec
@@ -123,7 +124,16 @@ class _Marked:
     def _trace(self, x_spec):
         def forward(params, x):
             return nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, params), self.rest)(x)
-        closed, out = jax.make_jaxpr(forward, return_shape=True)(self.param_specs, x_spec)
+        with losses.refusing_losses():
+            try:
+                closed, out = jax.make_jaxpr(forward, return_shape=True)(self.param_specs, x_spec)
+            except Exception as e:
+                if type(e).__name__ == "TraceContextError":
+                    raise ValueError(f"{self.name} changes a variable that is not a parameter in its forward "
+                                     f"(an nnx.Rngs stream, as nnx.Dropout draws from, or nnx.BatchStat running "
+                                     f"statistics): a model cut at stage marks cannot carry stage state yet; run "
+                                     f"such layers deterministically or leave them out") from None
+                raise
         jaxpr, consts = _inline_marked_calls(closed.jaxpr, closed.consts)
         return _dead_code_removed(jaxpr), consts, jax.tree.structure(out)
 

@@ -12,6 +12,9 @@ Buffers on a slice (k = stage, j = microbatch):
   d{k}/{j}     cotangent of stage k's output                  loss/{j} last stage's loss
   kept{k}/{j}  what stage k's input-gradient program (B) leaves for its weight gradient (W)
   out/{j}      last stage's output (prediction plans)
+  in{k}/{j}    stage k's side inputs: the batch keys its __call__ takes by keyword
+  aux{k}/{j}   the auxiliary losses stage k added (mpmd.add_loss), summed
+  wsum         a weighted loss's total weight over the step's microbatches (last stage's slice)
   sq{k}        squared norm of stage k's gradients (when clipping)
   sh{k}        stage k's part of the gradients of shared (tied) parameters
   s{g}/p{k} s{g}/o{k}   in-memory snapshot generation g of p{k}, o{k} (mpmd/train/snapshots.py)
@@ -34,6 +37,7 @@ from typing import NamedTuple
 BUFFERS = {
     "params": "p{k}", "opt_state": "o{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
+    "side": "in{k}/{j}", "aux": "aux{k}/{j}", "weight_sum": "wsum",
     "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
     # The in-memory checkpoint tier (mpmd/train/snapshots.py), generation g in {0, 1}: a slice's
     # own snapshot of p{k}/o{k}, and the copy it holds of its peer's.
@@ -47,7 +51,7 @@ KEYS = {
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
 PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
-            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss")
+            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight")
 STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
 SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
 
@@ -119,6 +123,9 @@ def activation(k: int, j: int) -> str: return BUFFERS["activation"].format(k=k, 
 def residuals(k: int, j: int) -> str: return BUFFERS["residuals"].format(k=k, j=j)
 def cotangent(k: int, j: int) -> str: return BUFFERS["cotangent"].format(k=k, j=j)
 def kept(k: int, j: int) -> str: return BUFFERS["kept"].format(k=k, j=j)
+def side(k: int, j: int) -> str: return BUFFERS["side"].format(k=k, j=j)
+def aux(k: int, j: int) -> str: return BUFFERS["aux"].format(k=k, j=j)
+def weight_sum() -> str: return BUFFERS["weight_sum"]
 
 
 def snapshot(g: int, buffer: str) -> str:

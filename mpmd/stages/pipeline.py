@@ -1,17 +1,23 @@
 """A pipeline: ordered stages (nnx.Modules, or the StageFn records mpmd.split cuts from a
 model with stage marks) and a loss on the last stage's output.
 
-Each stage becomes a pure function of (flat parameter leaves, input pytree) so it can be
-traced into programs; the module's non-parameter variables are baked in as constants
-(stages must not mutate state in their forward pass: no dropout RNG streams, no batch
-statistics).
+Each stage becomes a pure function of (flat parameter leaves, input pytree, side inputs) so
+it can be traced into programs; the module's non-parameter variables are baked in as
+constants (stages must not mutate state in their forward pass: no dropout RNG streams, no
+batch statistics).
+
+Side inputs: a keyword-only parameter of a stage's `__call__` (`def __call__(self, x, *,
+positions)`) names a key of the batch; that key's microbatch is fed to the stage's slice
+directly (mpmd/stages/batch.py), never through the stages before it.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
 from flax import nnx
+from jax.extend.core import jaxprs_in_params
 
 from mpmd.stages.leaf_paths import stage_param_paths
 from mpmd.stages.specs import describe as _describe, spec as _spec
@@ -28,15 +34,29 @@ class StageFn(NamedTuple):
     # Per leaf, its logical axis names (Flax metadata `out_sharding`, e.g. ("embed", "mlp")),
     # or None where unannotated: what mpmd.stages.sharding's rules lay out on a slice's mesh.
     param_axes: tuple | None = None
+    # The keyword-only parameters its apply takes, as (name, required): batch keys fed to this
+    # stage as side inputs (`apply(leaves, x, **side)`); a parameter with a default that no
+    # batch key names keeps its default.
+    keywords: tuple = ()
 
 
 def stage_fn(module: nnx.Module) -> StageFn:
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     leaves, tree = jax.tree.flatten(params)
 
-    def apply(leaves, x):
-        return nnx.merge(graphdef, jax.tree.unflatten(tree, list(leaves)), rest)(x)
-    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params))
+    def apply(leaves, x, **side):
+        return nnx.merge(graphdef, jax.tree.unflatten(tree, list(leaves)), rest)(x, **side)
+    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module))
+
+
+def keywords_of(module) -> tuple:
+    """(name, required) of the keyword-only parameters of `module.__call__`."""
+    try:
+        signature = inspect.signature(type(module).__call__)
+    except (TypeError, ValueError):
+        return ()
+    return tuple((p.name, p.default is inspect.Parameter.empty) for p in signature.parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def logical_axes(params) -> tuple:
@@ -82,30 +102,63 @@ class Pipeline:
         self.fns = [s if isinstance(s, StageFn) else stage_fn(s) for s in stages]
         self.shared = shared_params(self.fns)
         self.param_paths, self.scoped_paths = stage_param_paths(self.fns, model_paths)
-        if sample_input is not None:
+        # With side inputs a stage cannot be traced before a batch gives their shapes.
+        if sample_input is not None and not any(required for fn in self.fns for _, required in fn.keywords):
             self.activation_specs(jax.tree.map(_spec, sample_input))
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def activation_specs(self, input_spec) -> list:
+    def activation_specs(self, input_spec, side_specs=None) -> list:
         """Abstract input of every stage plus the last output: specs[i] enters stage i.
+        `side_specs`: per stage, {batch key: spec} of its side inputs (None: none).
 
         Raises ValueError naming the stage whose input does not fit.
         """
         specs = [input_spec]
         for i, fn in enumerate(self.fns):
             param_specs = tuple(jax.tree.map(_spec, fn.param_leaves))
+            side = (side_specs[i] if side_specs else None) or {}
+            name = type(self.stages[i]).__name__
             try:
-                out = jax.eval_shape(fn.apply, param_specs, specs[-1])
+                closed, out = jax.make_jaxpr(lambda p, x, s: fn.apply(p, x, **s), return_shape=True)(
+                    param_specs, specs[-1], side)
             except Exception as e:  # shape errors surface as TypeError/ValueError from inside Flax
+                if type(e).__name__ == "TraceContextError":
+                    raise ValueError(f"stage {i} ({name}) changes a variable that is not a parameter in its "
+                                     f"forward (an nnx.Rngs stream, as nnx.Dropout draws from, or nnx.BatchStat "
+                                     f"running statistics): stage state is not carried through a pipeline yet; "
+                                     f"run such layers deterministically (nnx.Dropout(deterministic=True), "
+                                     f"nnx.BatchNorm(use_running_average=True)) or leave them out") from None
                 got = _describe(specs[-1])
                 where = "the pipeline input" if i == 0 else f"stage {i - 1}'s output"
-                raise ValueError(f"stage {i} ({type(self.stages[i]).__name__}) cannot take {where} "
+                raise ValueError(f"stage {i} ({name}) cannot take {where} "
                                  f"{got}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+            callback = host_callback(closed.jaxpr)
+            if callback is not None:
+                raise ValueError(f"stage {i} ({name}) calls the host ({callback}: jax.debug.print, "
+                                 f"jax.debug.callback, jax.pure_callback or io_callback): a stage's programs "
+                                 f"are exported to its workers, which cannot call back into this process. "
+                                 f"Remove the callback from the stage (return a value from the stage to "
+                                 f"inspect it)")
             specs.append(out)
         return specs
+
+
+_CALLBACKS = ("debug_callback", "debug_print", "pure_callback", "io_callback", "callback")
+
+
+def host_callback(jaxpr) -> str | None:
+    """The name of the first host-callback primitive in `jaxpr` (nested jaxprs included)."""
+    for e in jaxpr.eqns:
+        if e.primitive.name in _CALLBACKS:
+            return e.primitive.name
+        for sub in jaxprs_in_params(e.params):
+            found = host_callback(sub)
+            if found is not None:
+                return found
+    return None
 
 
 def shared_params(fns) -> list[list[tuple[int, int]]]:

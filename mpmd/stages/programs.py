@@ -18,7 +18,12 @@ Weight gradients are accumulated into the stage's gradient bundle; the first mic
 to arrive creates it ("first"), so no zero-fill program is needed.
 
 The pipelined loss is the mean of the m microbatch losses, equal to the unpipelined
-mean over the batch for equal microbatches; hence the last stage's cotangent is 1/m.
+mean over the batch for equal microbatches; hence the last stage's cotangent is 1/m. A
+weighted loss (`loss_fn` returns (loss_sum, weight)) is sum(loss_sum) / sum(weight) over the
+step: its total weight is computed first from the batch (weight{k}) and the last stage's
+cotangent is 1/total. Auxiliary losses a stage adds (mpmd.add_loss) are a second output of
+its forward, with cotangent 1/m. Only floating-point values crossing a cut carry cotangents
+back: integer and boolean leaves go forward only.
 
 Layouts. Every spec handed in carries its sharding on the slice's AbstractMesh (see
 mpmd/stages/sharding.py); each program returns its outputs in the layouts of what they are:
@@ -31,10 +36,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpmd.runtime.worker import programs
-from mpmd.stages import backward_split
+from mpmd.stages import backward_split, losses
 from mpmd.stages import names
 from mpmd.stages.pipeline import StageFn, shared_indices, shared_peers
 
@@ -43,7 +49,10 @@ class StageShapes(NamedTuple):
     params: tuple                  # ShapeDtypeStructs of the parameter leaves
     x: Any                         # pytree of ShapeDtypeStructs entering the stage (one microbatch)
     y: Any                         # pytree leaving it (or the loss, for the last stage)
-    targets: Any                   # the targets pytree, last stage only (else None)
+    targets: Any                   # what the loss reads of the batch, last stage only (else None)
+    side: Any = None               # {batch key: spec} of the stage's side inputs (None: none)
+    weighted: bool = False         # last stage: the loss returns (loss_sum, weight)
+    aux: bool = False              # the stage adds auxiliary losses (mpmd.add_loss)
 
 
 def _bundle(tree) -> tuple:
@@ -65,29 +74,65 @@ def _unplaced(tree):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), tree)
 
 
+def differentiable(leaf) -> bool:
+    """Whether a value crossing a cut carries a cotangent back: floating point only. Integer
+    and boolean leaves (positions, masks, token ids) go forward as values and nothing returns."""
+    return jnp.issubdtype(leaf.dtype, jnp.inexact)
+
+
+def _diff_only(leaves) -> tuple:
+    return tuple(l for l in leaves if differentiable(l))
+
+
+def call_stage(fn: StageFn, p, x, side):
+    """(output, the sum of the auxiliary losses it added or None): the stage applied."""
+    with losses.collect_losses() as added:
+        out = fn.apply(p, x, **side) if side else fn.apply(p, x)
+    return out, losses.total(added)
+
+
+def adds_losses(fn: StageFn, params, x, side) -> bool:
+    """Whether the stage calls mpmd.add_loss (traced only)."""
+    found = []
+
+    def probe(p, x, s):
+        out, aux = call_stage(fn, p, x, s)
+        found.append(aux is not None)
+        return out
+    jax.eval_shape(probe, _unplaced(params), _unplaced(x), _unplaced(side or {}))
+    return found[0]
+
+
 def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None):
-    """(forward, layout): forward(params, xb[, tb]) -> (output bundle, stored residuals), and
-    the dict it fills when traced with how to rebuild the vjp from params and residuals."""
+    """(forward, layout): forward(params, xb[, sb][, tb]) -> (output bundle, stored residuals
+    [, aux loss]), and the dict it fills when traced with how to rebuild the vjp from params
+    and residuals. What is differentiated is the stage's output (the loss, or a weighted
+    loss's sum, on the last stage), paired with its auxiliary losses' sum when it adds some."""
     x_tree = jax.tree.structure(shapes.x)
+    s_tree = jax.tree.structure(shapes.side) if shapes.side else None
     t_tree = jax.tree.structure(shapes.targets) if last else None
 
-    def objective(p, x, t):
-        out = fn.apply(p, x)
-        return loss_fn(out, t) if last else out
+    def objective(p, x, s, t):
+        out, aux = call_stage(fn, p, x, s)
+        if last:
+            out = loss_fn(out, t)
+            out = out[0] if shapes.weighted else out
+        return (out, aux) if shapes.aux else out
 
-    def vjp_of(p, x, t):
+    def vjp_of(p, x, s, t):
         # The first stage's input is data (often integer tokens): no gradient flows into it.
         if first:
-            return jax.vjp(lambda p: objective(p, x, t), p)
-        return jax.vjp(lambda p, x: objective(p, x, t), p, x)
+            return jax.vjp(lambda p: objective(p, x, s, t), p)
+        return jax.vjp(lambda p, x: objective(p, x, s, t), p, x)
 
     layout: dict[str, Any] = {}
 
-    def forward(params, xb, *tb):
+    def forward(params, xb, *rest):
         p = tuple(params)
         x = jax.tree.unflatten(x_tree, list(xb))
-        t = jax.tree.unflatten(t_tree, list(tb[0])) if last else None
-        out, vjp = vjp_of(p, x, t)
+        s = jax.tree.unflatten(s_tree, list(rest[0])) if s_tree is not None else {}
+        t = jax.tree.unflatten(t_tree, list(rest[-1])) if last else None
+        out, vjp = vjp_of(p, x, s, t)
         leaves, vjp_tree = jax.tree.flatten(vjp)
         where = {id(a): i for i, a in enumerate(p)}
         # slot j of the residual list: ("p", i) = parameter i, ("r", n) = stored residual n
@@ -99,30 +144,47 @@ def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
                 slots.append(("r", len(stored)))
                 stored.append(leaf)
         layout.update(vjp_tree=vjp_tree, slots=slots)
+        if shapes.aux:
+            out, aux = out
+            return _bundle(out), tuple(stored), (aux,)
         return _bundle(out), tuple(stored)
     return forward, layout
 
 
 def _forward_args(shapes: StageShapes, last: bool) -> tuple:
-    return (shapes.params, _bundle(shapes.x), *((_bundle(shapes.targets),) if last else ()))
+    return (shapes.params, _bundle(shapes.x), *((_bundle(shapes.side),) if shapes.side else ()),
+            *((_bundle(shapes.targets),) if last else ()))
 
 
 def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
               num_microbatches: int):
     """(forward, residual specs, cotangents): cotangents(params, res, g) -> (param grads, input
-    grad or None) rebuilds the vjp from the forward's residuals, so nothing is recomputed."""
-    y_tree = jax.tree.structure(shapes.y)
+    grad bundle or None) rebuilds the vjp from the forward's residuals, so nothing is
+    recomputed. `g` is the output's cotangent bundle (its differentiable leaves); on the last
+    stage, a weighted loss's total weight (else nothing)."""
+    y_leaves, y_tree = jax.tree.flatten(shapes.y)
     forward, layout = _forward(fn, shapes, first, last, loss_fn)
     res_specs = _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
+    x_diff = [differentiable(l) for l in jax.tree.leaves(shapes.x)]
 
     def cotangents(params, res, gb):
         leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
         vjp = jax.tree.unflatten(layout["vjp_tree"], leaves)
-        # The loss's cotangent is 1/m: the pipelined loss is the mean of m microbatch losses.
-        ct = (jnp.asarray(1.0 / num_microbatches, shapes.y.dtype) if last
-              else jax.tree.unflatten(y_tree, list(gb)))
+        if last:
+            # A mean loss's cotangent is 1/m (the pipelined loss is the mean of m microbatch
+            # losses); a weighted loss's sum's is 1/(total weight of the step).
+            ct = ((1.0 / gb[0]).astype(shapes.y.dtype) if shapes.weighted
+                  else jnp.asarray(1.0 / num_microbatches, shapes.y.dtype))
+        else:
+            given = iter(gb)
+            ct = jax.tree.unflatten(y_tree, [next(given) if differentiable(l)
+                                             else np.zeros(l.shape, jax.dtypes.float0) for l in y_leaves])
+        if shapes.aux:     # each microbatch's auxiliary losses weigh 1/m in the objective
+            ct = (ct, jnp.asarray(1.0 / num_microbatches, jnp.float32))
         dp, *dx = vjp(ct)
-        return dp, (None if first else dx[0])
+        if first:
+            return dp, None
+        return dp, tuple(d for d, keep in zip(jax.tree.leaves(dx[0]), x_diff) if keep)
     return forward, res_specs, cotangents
 
 
@@ -132,13 +194,21 @@ def _split(cotangents, param_specs: tuple, res_specs: tuple, g_args: tuple) -> b
 
     def flat(*a):
         dp, dx = cotangents(a[:n_p], a[n_p:n_p + n_r], a[n_p + n_r:])
-        return tuple(dp) + _bundle(dx)
+        return tuple(dp) + (dx or ())
     return backward_split.split(flat, (*param_specs, *res_specs, *_bundle(g_args)), n_p)
 
 
 def _g_args(shapes: StageShapes, last: bool) -> tuple:
-    """The backward's cotangent argument: none for the last stage (its loss's is 1/m)."""
-    return () if last else (_bundle(shapes.y),)
+    """The backward's cotangent argument: the output's differentiable leaves; for the last
+    stage none (a mean loss's cotangent is 1/m), or a weighted loss's total weight."""
+    if last:
+        return ((_scalar_like(shapes.y),),) if shapes.weighted else ()
+    return (_diff_only(jax.tree.leaves(shapes.y)),)
+
+
+def _scalar_like(spec) -> jax.ShapeDtypeStruct:
+    """A float32 scalar replicated where `spec` lies."""
+    return jax.ShapeDtypeStruct((), jnp.float32, sharding=getattr(spec, "sharding", None))
 
 
 def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
@@ -165,17 +235,20 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     """Export forward and backward programs for stage k, named by mpmd/stages/names.py."""
     forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
     fwd_args = _forward_args(shapes, last)
-    p_out, x_out, y_out = _layouts(shapes.params), _layouts(shapes.x), _layouts(shapes.y)
-    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None))}
+    p_out, y_out = _layouts(shapes.params), _layouts(shapes.y)
+    x_out = tuple(l.sharding for l in jax.tree.leaves(shapes.x) if differentiable(l))
+    aux_out = ((_replicated((shapes.params, shapes.x)),),) if shapes.aux else ()
+    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None, *aux_out))}
     g_args = _g_args(shapes, last)
 
     def accumulated(dp, acc):
         return tuple(a + d for a, d in zip(acc[0], dp)) if acc else tuple(dp)
 
     def full_grad(params, res, *rest):
-        g, acc = (rest[0], rest[1:]) if not last else ((), rest)
+        n = len(g_args)
+        g, acc = (rest[0] if n else ()), rest[n:]
         dp, dx = cotangents(params, res, g)
-        return ((_bundle(dx),) if not first else ()) + (accumulated(dp, acc),)
+        return ((dx,) if not first else ()) + (accumulated(dp, acc),)
 
     base = (shapes.params, res_specs, *g_args)
     acc = (shapes.params,)
@@ -193,7 +266,8 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
         return out[:parts.num_input_grads], out[parts.num_input_grads:]
 
     def weight_grad(params, res, *rest):
-        g, rest = (rest[0], rest[1:]) if not last else ((), rest)
+        n = len(g_args)
+        g, rest = (rest[0] if n else ()), rest[n:]
         mine, acc = (rest[0], rest[1:]) if not first else ((), rest)
         return (accumulated(parts.weight_grad(*params, *res, *g, *mine), acc),)
 
@@ -207,28 +281,51 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
 
 def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable,
                        y_specs=None) -> dict:
-    """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage.
+    """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage
+    (a weighted loss's sum). Auxiliary losses are not part of an evaluation's loss.
     `y_specs`: the stage output's specs with their layouts (for the last stage, the model's
     output, which shapes.y, the loss, does not describe)."""
     x_tree = jax.tree.structure(shapes.x)
+    s_tree = jax.tree.structure(shapes.side) if shapes.side else None
 
-    def infer(params, xb):
-        return (_bundle(fn.apply(tuple(params), jax.tree.unflatten(x_tree, list(xb)))),)
+    def infer(params, xb, *sb):
+        s = jax.tree.unflatten(s_tree, list(sb[0])) if sb else {}
+        return (_bundle(call_stage(fn, tuple(params), jax.tree.unflatten(x_tree, list(xb)), s)[0]),)
 
     # The output keeps the stage input's batch layout; a last stage's output (logits) is laid
     # out like an activation of its shape would be.
     y_out = _layouts(y_specs) if y_specs is not None else None
-    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x),
+    side_args = (_bundle(shapes.side),) if shapes.side else ()
+    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x), *side_args,
                                                           out_shardings=(y_out,))}
     if last:
-        y_tree = jax.eval_shape(lambda p, x: fn.apply(p, x), shapes.params, shapes.x)
-        y_def, t_def = jax.tree.structure(y_tree), jax.tree.structure(shapes.targets)
+        y_def, t_def = jax.tree.structure(y_specs), jax.tree.structure(shapes.targets)
 
         def loss(yb, tb):
-            return ((loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb))),),)
+            value = loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb)))
+            return ((value[0] if shapes.weighted else value,),)
         specs[names.program("loss", k)] = programs.exported(loss, tuple(_bundle(y_specs)), _bundle(shapes.targets),
                                                             out_shardings=((_replicated((shapes.params, shapes.x)),),))
     return specs
+
+
+def build_weight(k: int, shapes: StageShapes, *, loss_fn: Callable, num_microbatches: int, y_specs) -> dict:
+    """weight{k} (last stage, weighted loss): the step's total weight, the sum over its m
+    microbatches in order of the weight the loss returns. The weight reads the batch only (see
+    mpmd/stages/batch.py), so it is known before any forward runs and every backward can be
+    seeded with 1/total."""
+    y_def, t_def = jax.tree.structure(y_specs), jax.tree.structure(shapes.targets)
+    y_zero = [jnp.zeros(l.shape, l.dtype) for l in jax.tree.leaves(y_specs)]
+
+    def weight(*tbs):
+        total = jnp.float32(0)
+        for tb in tbs:
+            w = loss_fn(jax.tree.unflatten(y_def, y_zero), jax.tree.unflatten(t_def, list(tb)))[1]
+            total = total + jnp.asarray(w, jnp.float32)
+        return ((total,),)
+    args = [_bundle(shapes.targets)] * num_microbatches
+    return {names.program("weight", k): programs.exported(weight, *args, out_shardings=(
+        (_replicated((shapes.params, shapes.x)),),))}
 
 
 def build_shared(k: int, param_specs: list[tuple], shared) -> dict:

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from mpmd.runtime.control.cluster import WorkerLost
+from mpmd.stages import batch as batches
 from mpmd.stages import names
 
 
@@ -71,7 +72,7 @@ class Dispatcher:
         self._step = step
 
     # -- training steps ----------------------------------------------------------------------
-    def submit(self, inputs, targets, trace: bool, data_state) -> PendingStep:
+    def submit(self, batch: dict, pair: bool, trace: bool, data_state) -> PendingStep:
         """Send one training step and return at once (see the module docstring)."""
         while len(self._pending) > self.run_ahead:
             self._pending[0].result()
@@ -79,7 +80,7 @@ class Dispatcher:
             self.collect_all()
         number = self._step + len(self._pending) + 1
         try:
-            launched = self._launch("train", inputs, targets, trace)
+            launched = self._launch("train", batch, pair, trace)
         except WorkerLost as e:      # shipping programs (the first step of a layout) found a slice gone
             self._discard()
             self._on_lost(e, time.perf_counter())
@@ -154,13 +155,13 @@ class Dispatcher:
         self._pending = []
 
     # -- other plans -----------------------------------------------------------------------
-    def run(self, plan: str, inputs, targets, trace: bool = False, feed_targets: bool = True) -> list:
+    def run(self, plan: str, batch: dict, pair: bool, trace: bool = False, feed_targets: bool = True) -> list:
         """Run a plan that is not a training step ("grads", "eval", "predict"), after every
         step in flight; the per-slice results."""
         self.collect_all()
         t0 = time.perf_counter()
         try:
-            launched = self._launch(plan, inputs, targets, trace, feed_targets)
+            launched = self._launch(plan, batch, pair, trace, feed_targets)
             t0 = time.perf_counter()
             results = launched.result()
         except WorkerLost as e:
@@ -168,33 +169,46 @@ class Dispatcher:
         self._last_step_s = time.perf_counter() - t0
         return results
 
-    def _launch(self, plan: str, inputs, targets, trace: bool, feed_targets: bool = True):
-        """Compile if needed and send `plan` with the batch's microbatches; the cluster's
-        PendingRun."""
+    def _launch(self, plan: str, batch: dict, pair: bool, trace: bool, feed_targets: bool = True):
+        """Compile if needed and send `plan` with the batch's microbatches, each key to the
+        slices that read it (mpmd/stages/batch.py); the cluster's PendingRun."""
         m = self.num_microbatches
-        in_spec, tgt_spec = micro_specs(inputs, targets, m)
+        specs = batches.micro_specs(batch, m)
         if plan == "train":
             self._checkpointer.check_batch([[list(np.shape(l)), np.result_type(l).name]
-                                            for l in jax.tree.leaves((inputs, targets))])
-        suffix = self._programs.compile(in_spec, tgt_spec, training=plan == "train")
+                                            for l in jax.tree.leaves(batch)])
+        suffix, feeds_plan = self._programs.compile(specs, pair, training=plan == "train")
         placement = self._programs.placement
-        first, last = placement[0], placement[-1]
-        feeds: dict[int, dict] = {first: {}, last: {}} if first != last else {first: {}}
-        for j, mb in enumerate(split(inputs, m)):
-            feeds[first][names.inputs(j)] = jax.tree.leaves(mb)
-        for j, mb in enumerate(split(targets, m) if feed_targets else ()):
-            feeds[last][names.targets(j)] = jax.tree.leaves(mb)
+        feeds: dict[int, dict] = {r: {} for r in dict.fromkeys(placement)}
+        micro = split(batch, m)
+        for j, mb in enumerate(micro):
+            feeds[placement[0]][names.inputs(j)] = jax.tree.leaves(mb[batches.INPUTS])
+            for k, keys in enumerate(feeds_plan.side_keys):
+                if keys:
+                    feeds[placement[k]][names.side(k, j)] = jax.tree.leaves({key: mb[key] for key in keys})
+            if feed_targets:
+                told = mb[batches.TARGETS] if pair else {key: mb[key] for key in feeds_plan.loss_keys}
+                feeds[placement[-1]][names.targets(j)] = jax.tree.leaves(told)
         lowered = self._programs.lowered
         fetch = {"train": lowered.fetch, "predict": {}}.get(plan, lowered.loss_fetch)
         return self._programs.launch(plan + suffix, feeds, fetch, trace)
 
     def metrics(self, results, trace: bool) -> dict:
-        """{"step", "loss" (mean over microbatches), "step_s"}, "grad_norm" when clipping, and
-        with `trace` the events and peaks of every slice (Trainer.step)."""
-        m, last = self.num_microbatches, self._programs.placement[-1]
-        losses = [results[last].fetched[names.loss(j)][0] for j in range(m)]
-        metrics = {"step": self._step, "loss": float(np.mean(np.asarray(losses, np.float64))),
-                   "step_s": self._last_step_s}
+        """{"step", "loss", "step_s"}, "aux_loss" when stages add auxiliary losses (included in
+        "loss"), "grad_norm" when clipping, and with `trace` the events and peaks of every
+        slice (Trainer.step). The loss is the mean over microbatches, or a weighted loss's
+        sum(loss_sum) / sum(weight) over the step."""
+        m, placement = self.num_microbatches, self._programs.placement
+        io = self._programs.lowered.io
+        fetched = results[placement[-1]].fetched
+        losses = np.asarray([fetched[names.loss(j)][0] for j in range(m)], np.float64)
+        loss = float(np.sum(losses) / float(fetched[names.weight_sum()][0])) if io.weighted else float(np.mean(losses))
+        metrics = {"step": self._step, "loss": loss, "step_s": self._last_step_s}
+        if any(io.aux):
+            aux = sum(float(np.sum(np.asarray([results[placement[k]].fetched[names.aux(k, j)][0] for j in range(m)],
+                                              np.float64)))
+                      for k in range(self._num_stages) if io.adds_aux(k)) / m
+            metrics["aux_loss"], metrics["loss"] = aux, loss + aux
         if self._max_grad_norm is not None and names.sqnorm(0) in results[0].fetched:
             sq = [results[0].fetched[names.sqnorm(k)][0] for k in range(self._num_stages)]
             metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
@@ -223,22 +237,6 @@ class PendingStep:
     def result(self) -> dict:
         """The step's metrics (Trainer.step's); collects the steps before it first."""
         return self._dispatcher.result_of(self)
-
-
-def micro_specs(inputs, targets, num_microbatches: int):
-    """(input, target) specs of one microbatch of a global batch; ValueError when the leaves
-    do not share a batch axis that num_microbatches divides."""
-    m = num_microbatches
-    sizes = {np.shape(l)[0] if np.ndim(l) else None for l in jax.tree.leaves((inputs, targets))}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(f"inputs and targets must share a leading batch axis, got batch sizes {sorted(map(str, sizes))}")
-    (batch,) = sizes
-    if batch % m:
-        ok = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise ValueError(f"batch size {batch} is not divisible by num_microbatches={m}; "
-                         f"allowed num_microbatches for this batch: {ok}")
-    micro = lambda x: jax.ShapeDtypeStruct((batch // m,) + np.shape(x)[1:], np.result_type(x))
-    return jax.tree.map(micro, inputs), jax.tree.map(micro, targets)
 
 
 def split(tree, m: int) -> list:

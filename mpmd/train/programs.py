@@ -4,7 +4,7 @@ for it, and the runs that use them.
 The layout in force is a schedule (stages -> slices, the order of tasks) and each slice's
 mesh with every stage's state laid out on it (mpmd.lowering.core.Layout). Programs are
 compiled once per microbatch shape (the training batch, a sampling batch, ...):
-`compile(in_spec, tgt_spec)` lowers the pipeline for those shapes, ships each slice its
+`compile(specs, pair)` lowers the pipeline for those shapes, ships each slice its
 programs and plans under a suffix naming the shape (names.variant), so several shapes live
 side by side on the slices, and the first compile creates the optimizer state there. A move
 to another layout (mpmd/train/relayout.py) forgets what was shipped, since every slice
@@ -22,6 +22,7 @@ from mpmd.lowering import core as lowering
 from mpmd.runtime.worker.instructions import Run
 from mpmd.schedules import core as schedules
 from mpmd.stages import abstract, names
+from mpmd.stages import batch as batches
 
 PLANS = ("train", "grads", "eval", "predict", "init")    # installed per microbatch shape
 
@@ -39,7 +40,7 @@ class Programs:
         self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered), shipped to the slices
         self._lowerings: dict = {}    # (schedule, placement, meshes, microbatch shapes) -> Lowered
         self._lowered = None          # the Lowered of the shapes compiled last
-        self._train_specs = None      # a training microbatch's (input, target) specs
+        self._train_specs = None      # a training microbatch's BatchPlan (mpmd/stages/batch.py)
         self._opt_ready = False       # the slices hold optimizer state
         self._runs = 0
 
@@ -79,8 +80,9 @@ class Programs:
         return self._lowered
 
     @property
-    def train_specs(self) -> tuple | None:
-        """A training microbatch's (input, target) specs, once a training step was compiled."""
+    def train_specs(self):
+        """A training microbatch's BatchPlan (its specs and where they go), once a training
+        step was compiled."""
         return self._train_specs
 
     @property
@@ -130,21 +132,23 @@ class Programs:
             self.run_setup("init" + suffix)
         self._opt_ready = bool(self._compiled)
 
-    def compile(self, in_spec, tgt_spec, training: bool) -> str:
-        """Lower and ship the programs for these microbatch shapes once; returns the suffix
-        naming that shape's programs and plans. `training`: these are a training step's
-        shapes (kept for pricing layouts, mpmd/train/relayout.py)."""
-        key = (jax.tree.structure((in_spec, tgt_spec)), tuple(jax.tree.leaves((in_spec, tgt_spec))))
+    def compile(self, specs: dict, pair: bool, training: bool) -> tuple[str, batches.BatchPlan]:
+        """Lower and ship the programs for one microbatch of these shapes ({batch key: specs},
+        mpmd/stages/batch.py; `pair`: given as inputs and targets) once; returns the suffix
+        naming that shape's programs and plans, and where the batch's keys go. `training`:
+        these are a training step's shapes (kept for pricing layouts, mpmd/train/relayout.py)."""
+        key = (pair, jax.tree.structure(specs), tuple(jax.tree.leaves(specs)))
         if key in self._compiled:
-            suffix, self._lowered = self._compiled[key]
+            suffix, self._lowered, feeds = self._compiled[key]
         else:
             suffix = names.variant(len(self._compiled))
+            feeds = batches.plan(self.pipeline, specs, pair)
             layout_key = (self._schedule.name, self.placement, tuple(self._layout.meshes), key)
             low = self._lowerings.get(layout_key)
             if low is None:
                 low = self._lowerings[layout_key] = lowering.lower(
-                    self.pipeline, self._schedule, self.optimizer, self._max_grad_norm, in_spec, tgt_spec,
-                    self._layout, self._recv_window)
+                    self.pipeline, self._schedule, self.optimizer, self._max_grad_norm, feeds.inputs, feeds.targets,
+                    self._layout, self._recv_window, feeds=feeds)
             rename = lambda stream: stream.with_templates(
                 lambda t: t._replace(program=t.program + suffix) if isinstance(t, Run) else t)
             for r in range(low.num_slices):
@@ -154,8 +158,8 @@ class Programs:
             if not self._opt_ready:   # first compile: create optimizer state on each slice
                 self.run_setup("init" + suffix)
                 self._opt_ready = True
-            self._compiled[key] = (suffix, low)
+            self._compiled[key] = (suffix, low, feeds)
             self._lowered = low
         if training:
-            self._train_specs = (in_spec, tgt_spec)
-        return suffix
+            self._train_specs = feeds
+        return suffix, feeds

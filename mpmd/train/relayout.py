@@ -281,11 +281,11 @@ class RecoveryPolicy:
         cost analysis of a training microbatch (unit costs before any step was compiled);
         bytes only when slice_memory_bytes asks for them."""
         if self._estimates is None:
-            p, specs = self._programs, self._programs.train_specs
-            if specs is None:
+            p, feeds = self._programs, self._programs.train_specs
+            if feeds is None:
                 self._estimates = ([1.0] * p.pipeline.num_stages, None)
             else:
-                per_stage = (stage_costs.memory(p.pipeline, p.optimizer, *specs)
+                per_stage = (stage_costs.memory(p.pipeline, p.optimizer, feeds.inputs, feeds.targets, feeds)
                              if self.options.slice_memory_bytes is not None else None)
-                self._estimates = (stage_costs.fn_costs(p.pipeline.fns, specs[0]), per_stage)
+                self._estimates = (stage_costs.fn_costs(p.pipeline.fns, feeds.inputs, feeds.side), per_stage)
         return self._estimates

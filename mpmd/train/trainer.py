@@ -32,6 +32,7 @@ import optax
 
 from mpmd.runtime.control.cluster import Cluster, WorkerLost
 from mpmd.schedules import core as schedules
+from mpmd.stages import batch as batches
 from mpmd.stages import names, sharding
 from mpmd.stages.pipeline import Pipeline
 from mpmd.train import relayout
@@ -97,12 +98,20 @@ class Trainer:
             raise
 
     # -- training --------------------------------------------------------------------------
-    def step(self, inputs, targets, trace: bool = False, data_state=None) -> dict:
+    def step(self, batch, targets=None, trace: bool = False, data_state=None) -> dict:
         """One training step on a global batch split along axis 0 into equal microbatches:
         `submit(...).result()`.
 
-        Returns {"step", "loss" (mean over microbatches), "step_s"} plus "grad_norm" when
-        clipping and, with trace=True, "events": per slice, the timed tasks and transfers,
+        `batch` is a dict of arrays with the global batch on axis 0: "inputs" enters the first
+        stage, a key named by a keyword-only parameter of a stage's __call__ is fed to that
+        stage, and `loss_fn(outputs, batch)` reads the rest (mpmd/stages/batch.py).
+        `step(inputs, targets)` is shorthand for {"inputs": inputs, "targets": targets} with
+        `loss_fn(outputs, targets)`.
+
+        Returns {"step", "loss", "step_s"}: the loss is the mean over microbatches of a scalar
+        loss, or sum(loss_sum) / sum(weight) over the step of a loss returning (loss_sum,
+        weight), plus the auxiliary losses stages add ("aux_loss", mpmd.add_loss); "grad_norm"
+        when clipping and, with trace=True, "events": per slice, the timed tasks and transfers,
         "held": per slice, (most receives outstanding at once, their most bytes), and
         "peak_bytes": per slice, the most bytes of its buffers and outstanding receives.
         `data_state` (JSON-able) is saved with the checkpoint this step may trigger.
@@ -120,9 +129,9 @@ class Trainer:
         fail alike. A checkpoint that failed to save is retried (waited for) after the next
         step; CheckpointError once its retries are spent.
         """
-        return self.submit(inputs, targets, trace, data_state).result()
+        return self.submit(batch, targets, trace, data_state).result()
 
-    def submit(self, inputs, targets, trace: bool = False, data_state=None) -> PendingStep:
+    def submit(self, batch, targets=None, trace: bool = False, data_state=None) -> PendingStep:
         """Send one training step and return at once; `.result()` of the PendingStep gives
         what `step` returns (and raises what it raises). Steps are collected oldest first;
         collecting a step collects those before it. Submitting collects the oldest step first
@@ -131,7 +140,7 @@ class Trainer:
         (mpmd/train/dispatch.py); a Rewound can therefore come from here too: the batch was
         not sent."""
         self._check_open()
-        return self.dispatcher.submit(inputs, targets, trace, data_state)
+        return self.dispatcher.submit(*batches.as_batch(batch, targets, what="submit"), trace, data_state)
 
     def save(self, data_state=None, wait: bool = False, **extra) -> None:
         """Checkpoint the state after the current step, with `data_state` (JSON-able: where the
@@ -163,30 +172,38 @@ class Trainer:
         self.recovery.recover(lost, failed_since)
 
     # -- other plans -------------------------------------------------------------------------
-    def grads(self, inputs, targets) -> tuple[float, list]:
-        """(loss, per-stage gradient state) of a batch, without updating anything.
+    def grads(self, batch, targets=None) -> tuple[float, list]:
+        """(loss, per-stage gradient state) of a batch (as `step` takes it), without updating
+        anything.
 
-        The gradient is that of the mean loss over the whole batch, as jax.grad of the
+        The gradient is that of the step's objective over the whole batch, as jax.grad of the
         unpipelined model gives it; for checking a pipeline against plain JAX.
         """
         self._check_open()
-        loss = self.dispatcher.metrics(self.dispatcher.run("grads", inputs, targets), False)["loss"]
+        results = self.dispatcher.run("grads", *batches.as_batch(batch, targets, what="grads"))
+        loss = self.dispatcher.metrics(results, False)["loss"]
         return loss, self._fetch_per_stage(names.grads)
 
-    def evaluate(self, inputs, targets) -> float:
-        """Mean loss of a batch through a forward-only plan: no backward, no update."""
+    def evaluate(self, batch, targets=None) -> float:
+        """The loss of a batch (as `step` takes it, without auxiliary losses) through a
+        forward-only plan: no backward, no update."""
         self._check_open()
-        return self.dispatcher.metrics(self.dispatcher.run("eval", inputs, targets), False)["loss"]
+        results = self.dispatcher.run("eval", *batches.as_batch(batch, targets, what="evaluate"))
+        return self.dispatcher.metrics(results, False)["loss"]
 
-    def predict(self, inputs, targets_like=None):
+    def predict(self, batch, targets_like=None):
         """The last stage's output for a batch (forward only), concatenated over microbatches.
 
-        `targets_like` gives the targets' shape when the plan is first compiled (defaults to
-        the inputs' own shape and dtype); predictions do not read targets.
+        `batch`: the inputs, or a batch dict as `step` takes it (what the loss reads gives
+        shapes only: it is not sent). `targets_like` gives the targets' shape for inputs
+        given alone (defaults to the inputs' own shape and dtype).
         """
         self._check_open()
-        targets = inputs if targets_like is None else targets_like
-        self.dispatcher.run("predict", inputs, targets, feed_targets=False)
+        if isinstance(batch, dict) and batches.INPUTS in batch:
+            fed = batches.as_batch(batch, what="predict")
+        else:
+            fed = batches.as_batch(batch, batch if targets_like is None else targets_like, what="predict")
+        self.dispatcher.run("predict", *fed, feed_targets=False)
         last = self.placement[-1]
         outputs = [names.output(j) for j in range(self.num_microbatches)]
         got = self.cluster.get(last, outputs)
@@ -314,8 +331,3 @@ def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> sc
     schedules.validate(built)
     return built
 
-
-def _split(tree, m: int) -> list:
-    leaves, treedef = jax.tree.flatten(tree)
-    parts = [np.split(np.asarray(l), m, axis=0) for l in leaves]
-    return [jax.tree.unflatten(treedef, [p[j] for p in parts]) for j in range(m)]

@@ -48,11 +48,17 @@ def train(make_model, loss_fn, batches, optimizer, max_grad_norm=None):
 
     if max_grad_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(max_grad_norm), optimizer)
+    return descend(loss_of, params, batches, optimizer)
+
+
+def descend(objective, params, batches, optimizer):
+    """(losses, first-step grads, final params) of `optimizer` stepping on
+    jax.value_and_grad(objective)(params, *batch) for each batch (a tuple of arguments)."""
     state = optimizer.init(params)
-    step = jax.jit(jax.value_and_grad(loss_of))
+    step = jax.jit(jax.value_and_grad(objective))
     losses, first_grads = [], None
-    for x, y in batches:
-        loss, grads = step(params, x, y)
+    for batch in batches:
+        loss, grads = step(params, *batch)
         if first_grads is None:
             first_grads = [np.asarray(l) for l in jax.tree.leaves(grads)]
         updates, state = optimizer.update(grads, state, params)

@@ -1,0 +1,153 @@
+"""Workloads that are not mpmd's own models, as a new user writes them, and the unpipelined
+JAX reference each must equal: a token-masked loss over microbatches holding very different
+numbers of real tokens, a side input (positions) that only a middle stage reads, integer and
+boolean values crossing cuts, an auxiliary loss added inside a stage."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import mpmd
+from mpmd.stages.pipeline import keywords_of
+from tests.support import reference as reference_training
+
+D, T, BATCH, STEPS = 6, 5, 16, 3
+
+
+class Dense(nnx.Module):
+    """A plain stage: tanh(x W + b)."""
+
+    def __init__(self, seed: int):
+        self.l = nnx.Linear(D, D, rngs=nnx.Rngs(seed))
+
+    def __call__(self, x):
+        return jnp.tanh(self.l(x))
+
+
+class Carry(nnx.Module):
+    """Returns (h, keep, positions): a bool mask and int32 positions cross the cut after it."""
+
+    def __init__(self, seed: int):
+        self.l = nnx.Linear(D, D, rngs=nnx.Rngs(seed))
+
+    def __call__(self, x):
+        keep = x[..., 0] > -0.5                                   # bool [b, T], from the data
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32)[::-1], x.shape[:2])
+        return jnp.tanh(self.l(x)), keep, positions
+
+
+class UsesCarried(nnx.Module):
+    """Takes (h, keep, positions) from the stage before: uses both, and adds an auxiliary loss."""
+
+    def __init__(self, seed: int):
+        self.l = nnx.Linear(D, D, rngs=nnx.Rngs(seed))
+        self.table = nnx.Param(jax.random.normal(jax.random.key(seed), (T, D)) * 0.1)
+
+    def __call__(self, carried):
+        h, keep, positions = carried
+        h = jnp.where(keep[..., None], h, 0.5 * h) + self.table[...][positions]
+        mpmd.add_loss(0.05 * jnp.mean(jnp.square(h)))
+        return jnp.tanh(self.l(h))
+
+
+class Positional(nnx.Module):
+    """A middle stage that reads the batch's `positions` as a side input."""
+
+    def __init__(self, seed: int):
+        self.l = nnx.Linear(D, D, rngs=nnx.Rngs(seed))
+        self.table = nnx.Param(jax.random.normal(jax.random.key(seed + 100), (T, D)) * 0.1)
+
+    def __call__(self, x, *, positions):
+        return jnp.tanh(self.l(x + self.table[...][positions]))
+
+
+def masked_loss(out, batch):
+    """(sum over real tokens of the squared error, count of real tokens)."""
+    per_token = jnp.sum(jnp.square(out - batch["targets"]), axis=-1)
+    mask = batch["mask"].astype(jnp.float32)
+    return jnp.sum(per_token * mask), jnp.sum(mask)
+
+
+def mean_loss(out, batch):
+    return jnp.mean(jnp.square(out - batch["targets"]))
+
+
+def masked_stages():
+    return [Dense(0), Dense(1), Dense(2), Dense(3)]
+
+
+def mixed_stages():
+    """Side input into stage 2, bool and int values across the cut 0 -> 1, an auxiliary loss
+    on stage 1."""
+    return [Carry(0), UsesCarried(1), Positional(2), Dense(3)]
+
+
+def batches(steps: int = STEPS, m: int = 4, seed: int = 0) -> list[dict]:
+    """Batches whose microbatches (of m) hold very different numbers of real tokens: the
+    fraction of real tokens falls from ~all in the first microbatch to ~none in the last (and
+    the last always keeps one), different per step."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        keep = rng.random((BATCH, T)) < (np.linspace(1.0, 0.0, BATCH) ** 3)[:, None]
+        keep[-1, 0] = True
+        positions = np.stack([rng.permutation(T) for _ in range(BATCH)]).astype(np.int32)
+        out.append({"inputs": rng.normal(size=(BATCH, T, D)).astype(np.float32),
+                    "targets": rng.normal(size=(BATCH, T, D)).astype(np.float32),
+                    "mask": keep, "positions": positions})
+    return out
+
+
+def sgd():
+    return optax.sgd(0.1, momentum=0.9)
+
+
+def reference(make_stages, loss_fn, data, m: int, steps: int = STEPS):
+    """(losses, first-step gradients, final parameters) of the stages trained unpipelined in
+    plain JAX: the objective is the weighted mean over the whole batch of a (loss_sum, weight)
+    loss (one batched call) or the mean of a scalar loss, plus each stage's auxiliary losses
+    averaged over the m microbatches (collected per microbatch, in order)."""
+    stages = make_stages()
+    graphs = [nnx.split(s, nnx.Param, ...) for s in stages]
+    params = [p for _, p, _ in graphs]
+    words = [[k for k, _ in keywords_of(s)] for s in stages]
+
+    def forward(params, batch):
+        h = batch["inputs"]
+        with mpmd.collect_losses() as aux:
+            for (g, _, rest), p, kws in zip(graphs, params, words):
+                h = nnx.merge(g, p, rest)(h, **{k: batch[k] for k in kws})
+        return h, aux
+
+    def objective(params, batch):
+        out, _ = forward(params, batch)
+        value = loss_fn(out, batch)
+        main = value[0] / value[1] if isinstance(value, tuple) else value
+        aux = 0.0
+        for j in range(m):     # auxiliary losses: per microbatch, averaged
+            mb = jax.tree.map(lambda a: jnp.split(a, m)[j], batch)
+            _, terms = forward(params, mb)
+            aux = aux + sum(terms) / m if terms else aux
+        return main + aux
+
+    return reference_training.descend(objective, params, [(b,) for b in data[:steps]], sgd())
+
+
+def pipelined(make_stages, loss_fn, data, m: int, schedule: str, cluster=None, steps: int = STEPS,
+              virtual_stages=None, mesh=None, close: bool = True):
+    """(losses, first-step gradients, final parameters, last metrics) of the same stages
+    pipelined (one stage per slice, or virtual_stages per slice)."""
+    pipe = mpmd.Pipeline(make_stages(), loss_fn)
+    trainer = mpmd.Trainer(pipe, sgd(), schedule=schedule, num_microbatches=m, virtual_stages=virtual_stages,
+                           mesh=mesh, cluster=cluster or mpmd.InProcessCluster())
+    try:
+        _, grads = trainer.grads(data[0])
+        metrics = [trainer.step(batch) for batch in data[:steps]]
+        params = trainer.params()
+    finally:
+        trainer.close(close_cluster=close)
+    leaves = lambda per_stage: [np.asarray(l) for s in per_stage for l in jax.tree.leaves(s)]
+    return [r["loss"] for r in metrics], leaves(grads), leaves(params), metrics[-1]
