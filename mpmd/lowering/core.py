@@ -92,12 +92,16 @@ class StageIO(NamedTuple):
     side: tuple = ()
     aux: tuple = ()
     weighted: bool = False
+    state: tuple = ()              # per stage: whether it carries stage state (st{k})
 
     def takes_side(self, k: int) -> bool:
         return bool(self.side) and self.side[k]
 
     def adds_aux(self, k: int) -> bool:
         return bool(self.aux) and self.aux[k]
+
+    def carries_state(self, k: int) -> bool:
+        return bool(self.state) and self.state[k]
 
 
 def _differentiable(specs: tuple, pieces: tuple) -> tuple[tuple, tuple]:
@@ -158,10 +162,12 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
         scalar = sharding.with_layout(loss_spec, jax.sharding.PartitionSpec(), mesh)
         side = _placed(feeds.side[k], mesh) if feeds.side[k] else None
         aux.append(stage_programs.adds_losses(fn, param_specs[k], acts[k], feeds.side[k]))
+        state = (tuple(sharding.with_layout(spec(l), jax.sharding.PartitionSpec(), mesh) for l in fn.state.leaves)
+                 if fn.state is not None else None)
         shapes = stage_programs.StageShapes(param_specs[k], _placed(acts[k], mesh),
                                             scalar if last else _placed(acts[k + 1], mesh),
                                             _placed(feeds.targets, mesh) if last else None, side,
-                                            weighted=last and feeds.weighted, aux=aux[-1])
+                                            weighted=last and feeds.weighted, aux=aux[-1], state=state)
         here = progs[placement[k]]
         here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=feeds.loss_fn,
                                          num_microbatches=m, split_backward=schedule.split_backward))
@@ -187,7 +193,8 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                           [_pieces(a, mesh_of[k - 1]) if 0 < k else ()
                            for k, a in enumerate(acts)],
                           [c[0] for c in cts], [c[1] for c in cts])
-    io = StageIO(tuple(s is not None for s in feeds.side), tuple(aux), feeds.weighted)
+    io = StageIO(tuple(s is not None for s in feeds.side), tuple(aux), feeds.weighted,
+                 tuple(fn.state is not None for fn in pipe.fns))
     train = train_streams(schedule, transfers, clip, shared, shared_specs, io)
     evaluate, predict = _forward_only(schedule, transfers, io)
 
@@ -201,7 +208,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     # What outlives a plan, as name templates (runtime/worker/streams.py with_deletes): every
     # stage's state, and what the controller fetches (every loss, every squared norm).
     K, J = "{k}", "{j}"
-    persistent = {names.params(K), names.opt_state(K)}
+    persistent = {names.params(K), names.opt_state(K)} | ({names.stage_state(K)} if any(io.state) else set())
     reported = ({names.aux(K, J)} if any(io.aux) else set())
     kept = {r: persistent | reported | ({names.loss(J), names.weight_sum()} if r == placement[-1] else set())
             | ({names.sqnorm(K)} if clip and r == 0 else set()) for r in range(P)}
@@ -396,8 +403,10 @@ class _TrainRows:
         out = names.loss(J) if last else names.activation(Q, J)
         fed = ((names.side(K, J),) if self.io.takes_side(k) else ()) + ((names.targets(J),) if last else ())
         aux = (names.aux(K, J),) if self.io.adds_aux(k) else ()
-        rows.append(row(Run(names.program("fwd", K), (names.params(K), a_in) + fed,
-                            (out, names.residuals(K, J)) + aux, f"F s{K} mb{J}"), k, k + 1))
+        # Stage state is read and written by each forward in turn, microbatch 0..m-1.
+        state = (names.stage_state(K),) if self.io.carries_state(k) else ()
+        rows.append(row(Run(names.program("fwd", K), (names.params(K),) + state + (a_in,) + fed,
+                            (out, names.residuals(K, J)) + state + aux, f"F s{K} mb{J}"), k, k + 1))
         if not last and self._elsewhere(k + 1):
             rows.append(row(Send(out, 0, names.act_key(Q, J), t.act_pieces[k + 1]), k, k + 1, pl[k + 1]))
         return rows
@@ -546,8 +555,9 @@ def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfe
             rows.append(row(Recv(a_in, 0, names.act_key(K, J), transfers.acts_in[k], transfers.act_pieces[k]),
                             k, 0, placement[k - 1]))
         side = (names.side(K, J),) if io.takes_side(k) else ()
-        rows.append(row(Run(names.program("infer", K), (names.params(K), a_in) + side, (out,), f"F s{K} mb{J}"),
-                        k, k + 1))
+        state = (names.stage_state(K),) if io.carries_state(k) else ()
+        rows.append(row(Run(names.program("infer", K), (names.params(K),) + state + (a_in,) + side, (out,),
+                            f"F s{K} mb{J}"), k, k + 1))
         if k < S - 1 and placement[k + 1] != r:
             rows.append(row(Send(out, 0, names.act_key(Q, J), transfers.act_pieces[k + 1]), k, k + 1, placement[k + 1]))
         evaluate += rows

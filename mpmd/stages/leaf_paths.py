@@ -6,6 +6,8 @@ any layout (another stage count, schedule, slice count, mesh):
   opt/<optax path>/<path>          optimizer state mirroring a parameter, e.g.
                                    opt/0.mu/blocks.3.mlp.up.kernel (adamw's first moment)
   opt/<optax path>                 optimizer state of no parameter, e.g. opt/0.count
+  state/<path>                     stage state (mpmd.stages.pipeline.StageState), e.g.
+                                   state/blocks.3.drop.rngs.count, state/blocks.3.norm.mean
 A weight held by several stages (a tied embedding) has one path, so it is stored once; so is
 a non-parameter optimizer leaf (`count`), which every stage's optimizer advances alike (each
 stage runs the same optax transformation once per step).
@@ -23,6 +25,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from mpmd.stages import names
 from mpmd.stages.specs import spec
 
 
@@ -31,6 +34,15 @@ class StateNames(NamedTuple):
     opt: list[tuple[str, ...]]      # per stage, the name of each of its optimizer-state leaves
     scoped: bool                    # names carry their stage: they fit only the same stages
     specs: dict                     # name -> (shape, dtype name) of every leaf
+    state: tuple = ()               # per stage, the name of each of its stage-state leaves
+
+    def buffers(self, k: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(buffer, its leaves' names) of what stage k saves: parameters, optimizer state and,
+        when it has any, stage state."""
+        out = ((names.params(k), self.params[k]), (names.opt_state(k), self.opt[k]))
+        if self.state and self.state[k]:
+            out += ((names.stage_state(k), self.state[k]),)
+        return out
 
 
 def path_string(keypath) -> str:
@@ -65,17 +77,41 @@ def stage_param_paths(fns, model_paths) -> tuple[list[tuple[str, ...]], bool]:
 
 
 def state_names(pipeline, optimizer) -> StateNames:
-    """The checkpoint name, shape and dtype of every parameter and optimizer-state leaf of
-    every stage."""
-    params, opt, specs = [], [], {}
-    for fn, paths in zip(pipeline.fns, pipeline.param_paths):
+    """The checkpoint name, shape and dtype of every parameter, optimizer-state and
+    stage-state leaf of every stage."""
+    params, opt, state, specs = [], [], [], {}
+    for k, (fn, paths) in enumerate(zip(pipeline.fns, pipeline.param_paths)):
         params.append(tuple(f"params/{p}" for p in paths))
         opt.append(optimizer_names(optimizer, fn, paths))
+        state.append(tuple(f"state/{p}" for p in state_paths(fn, paths, k, pipeline.scoped_paths)))
         tree = jax.tree.unflatten(fn.param_tree, [spec(l) for l in fn.param_leaves])
-        for name, leaf in zip(params[-1] + opt[-1], [spec(l) for l in fn.param_leaves]
-                              + jax.tree.leaves(jax.eval_shape(optimizer.init, tree))):
+        kept = fn.state.leaves if fn.state is not None else ()
+        for name, leaf in zip(params[-1] + opt[-1] + state[-1], [spec(l) for l in fn.param_leaves]
+                              + jax.tree.leaves(jax.eval_shape(optimizer.init, tree)) + [spec(l) for l in kept]):
             specs[name] = (tuple(leaf.shape), np.dtype(leaf.dtype).name)
-    return StateNames(params, opt, pipeline.scoped_paths, specs)
+    return StateNames(params, opt, pipeline.scoped_paths, specs, tuple(state))
+
+
+def state_paths(fn, paths: tuple[str, ...], k: int, scoped: bool) -> tuple[str, ...]:
+    """Each of a stage's state leaves' path in the model: its path within the stage with the
+    stage's own prefix of that layer (`layers.0`) replaced by the layer's place in the model
+    (`blocks.3`), as its parameters' paths say; `stage<k>/...` where they cannot say."""
+    if fn.state is None:
+        return ()
+    prefixes = {}          # a layer's prefix within the stage -> its prefix in the model
+    if not scoped:
+        for local, model in zip(local_paths(fn), paths):
+            a, b = local.split("."), model.split(".")
+            n = 0
+            while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+                n += 1
+            prefixes[".".join(a[:len(a) - n])] = ".".join(b[:len(b) - n])
+    out = []
+    for path in fn.state.paths:
+        best = max((p for p in prefixes if p and path.startswith(p + ".")), key=len, default=None)
+        out.append(prefixes[best] + path[len(best):] if best is not None and prefixes[best]
+                   else f"stage{k}/{path}")
+    return tuple(out)
 
 
 def optimizer_names(optimizer, fn, paths: tuple[str, ...]) -> tuple[str, ...]:

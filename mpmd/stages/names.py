@@ -7,6 +7,7 @@ and every constructor and parser follows.
 
 Buffers on a slice (k = stage, j = microbatch):
   p{k} o{k}    parameters and optimizer state (persistent)   g{k}  accumulated gradients
+  st{k}        stage k's state: what its forward changes that is not a parameter (persistent)
   x/{j}        microbatch input (first stage's slice)         t/{j} targets (last stage's slice)
   a{k}/{j}     activation entering stage k                    r{k}/{j} stage k's residuals
   d{k}/{j}     cotangent of stage k's output                  loss/{j} last stage's loss
@@ -17,12 +18,13 @@ Buffers on a slice (k = stage, j = microbatch):
   wsum         a weighted loss's total weight over the step's microbatches (last stage's slice)
   sq{k}        squared norm of stage k's gradients (when clipping)
   sh{k}        stage k's part of the gradients of shared (tied) parameters
-  s{g}/p{k} s{g}/o{k}   in-memory snapshot generation g of p{k}, o{k} (mpmd/train/snapshots.py)
-  c{g}/p{k} c{g}/o{k}   the copy a slice holds of its peer's snapshot
+  s{g}/p{k} s{g}/o{k} s{g}/st{k}   in-memory snapshot generation g of p{k}, o{k}, st{k}
+                                  (mpmd/train/snapshots.py)
+  c{g}/p{k} c{g}/o{k} c{g}/st{k}   the copy a slice holds of its peer's snapshot
 Transfer keys name the value, so sender and receiver derive the same key from the plan (the
 executor prefixes the run id): act{k}/{j}, grad{k}/{j}, and sq{k}/to{q}, sh{k}/to{q} for a
 value sent to several slices (a key is consumed by one receive); s{g}/p{k}, s{g}/o{k} a
-snapshot to the peer slice, rp{k}, ro{k} a peer's copy back to a replaced slice.
+snapshot to the peer slice, rp{k}, ro{k}, rs{k} a peer's copy back to a replaced slice.
 Programs: a kind and its stage (fwd3, bwd_w_acc1, update0), plus a shape suffix @{n} when a
 Trainer holds programs for several microbatch shapes at once.
 
@@ -35,18 +37,19 @@ from typing import NamedTuple
 
 # kind -> template; fields: {k} stage, {j} microbatch, {q} destination stage.
 BUFFERS = {
-    "params": "p{k}", "opt_state": "o{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
+    "params": "p{k}", "opt_state": "o{k}", "stage_state": "st{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
     "side": "in{k}/{j}", "aux": "aux{k}/{j}", "weight_sum": "wsum",
     "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
     # The in-memory checkpoint tier (mpmd/train/snapshots.py), generation g in {0, 1}: a slice's
     # own snapshot of p{k}/o{k}, and the copy it holds of its peer's.
     "snap_params": "s{g}/p{k}", "snap_opt": "s{g}/o{k}", "peer_params": "c{g}/p{k}", "peer_opt": "c{g}/o{k}",
+    "snap_state": "s{g}/st{k}", "peer_state": "c{g}/st{k}",
 }
 KEYS = {
     "act": "act{k}/{j}", "grad": "grad{k}/{j}", "sqnorm_to": "sq{k}/to{q}", "shared_to": "sh{k}/to{q}",
-    "snap_params_to": "s{g}/p{k}", "snap_opt_to": "s{g}/o{k}",   # a snapshot to the peer
-    "restore_params": "rp{k}", "restore_opt": "ro{k}",           # a peer's copy back to a new slice
+    "snap_params_to": "s{g}/p{k}", "snap_opt_to": "s{g}/o{k}", "snap_state_to": "s{g}/st{k}",  # to the peer
+    "restore_params": "rp{k}", "restore_opt": "ro{k}", "restore_state": "rs{k}",  # a peer's copy back
 }
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
@@ -112,6 +115,7 @@ def parse_program(name: str) -> Name:
 # -- constructors: one per template, so call sites read as what they name ------------------
 def params(k: int) -> str: return BUFFERS["params"].format(k=k)
 def opt_state(k: int) -> str: return BUFFERS["opt_state"].format(k=k)
+def stage_state(k: int) -> str: return BUFFERS["stage_state"].format(k=k)
 def grads(k: int) -> str: return BUFFERS["grads"].format(k=k)
 def sqnorm(k: int) -> str: return BUFFERS["sqnorm"].format(k=k)
 def shared(k: int) -> str: return BUFFERS["shared"].format(k=k)
@@ -148,8 +152,7 @@ def restore_key(buffer: str) -> str:
 
 def _state(buffer: str, kind: str, g, templates=BUFFERS, suffix: str = "") -> str:
     name = parse_buffer(buffer)
-    assert name.kind in ("params", "opt_state"), buffer
-    part = "params" if name.kind == "params" else "opt"
+    part = {"params": "params", "opt_state": "opt", "stage_state": "state"}[name.kind]
     return templates[f"{kind}_{part}{suffix}"].format(g=g, k=name.stage)
 
 

@@ -2,9 +2,9 @@
 model with stage marks) and a loss on the last stage's output.
 
 Each stage becomes a pure function of (flat parameter leaves, input pytree, side inputs) so
-it can be traced into programs; the module's non-parameter variables are baked in as
-constants (stages must not mutate state in their forward pass: no dropout RNG streams, no
-batch statistics).
+it can be traced into programs. What its forward changes that is not a parameter (RNG
+stream counts, batch statistics) is its state (StageState): an input and an output of its
+forward program, kept on its slice.
 
 Side inputs: a keyword-only parameter of a stage's `__call__` (`def __call__(self, x, *,
 positions)`) names a key of the batch; that key's microbatch is fed to the stage's slice
@@ -19,8 +19,20 @@ import jax
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
-from mpmd.stages.leaf_paths import stage_param_paths
+from mpmd.stages.leaf_paths import path_string, stage_param_paths
 from mpmd.stages.specs import describe as _describe, spec as _spec
+
+
+class StageState(NamedTuple):
+    """What a stage changes in its forward that is not a parameter: an nnx.Rngs stream's
+    count (nnx.Dropout draws from it), nnx.BatchStat running statistics, any other non-Param
+    nnx.Variable. Carried as an input and an output of the stage's forward program and kept on
+    its slice like its parameters; a stream's key (a typed PRNG key, which no forward changes)
+    stays a constant of the programs."""
+    leaves: tuple                 # initial values of the carried leaves
+    paths: tuple                  # each leaf's path within the stage (`drop.rngs.count`)
+    step: Callable                # (param leaves, state leaves, x, **side) -> (output, new state leaves)
+    evaluate: Callable            # (param leaves, state leaves, x, **side) -> output, in eval mode
 
 
 class StageFn(NamedTuple):
@@ -38,15 +50,55 @@ class StageFn(NamedTuple):
     # stage as side inputs (`apply(leaves, x, **side)`); a parameter with a default that no
     # batch key names keeps its default.
     keywords: tuple = ()
+    # Its non-parameter variables, when it has any (None: none); `apply` then runs it from
+    # their initial values and keeps nothing (shape inference, costs).
+    state: StageState | None = None
+
+
+class MutatesParam(ValueError):
+    """A stage assigned to one of its nnx.Param variables in its forward."""
 
 
 def stage_fn(module: nnx.Module) -> StageFn:
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     leaves, tree = jax.tree.flatten(params)
+    with_paths, rest_tree = jax.tree_util.tree_flatten_with_path(rest)
+    rest_leaves = [l for _, l in with_paths]
+    carried = [i for i, l in enumerate(rest_leaves) if not jax.dtypes.issubdtype(jax.numpy.result_type(l),
+                                                                                 jax.dtypes.prng_key)]
 
-    def apply(leaves, x, **side):
-        return nnx.merge(graphdef, jax.tree.unflatten(tree, list(leaves)), rest)(x, **side)
-    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module))
+    def merged(graph, p, s):
+        # Fresh Variables around the given values, made inside the caller's trace: a forward
+        # may then change them (nnx refuses to change Variables of another trace level).
+        r = list(rest_leaves)
+        for i, v in zip(carried, s):
+            r[i] = v
+        return nnx.merge(graph, jax.tree.unflatten(tree, list(p)), jax.tree.unflatten(rest_tree, r))
+
+    def step(p, s, x, **side):
+        m = merged(graphdef, p, s)
+        out = m(x, **side)
+        _, new_params, new_rest = nnx.split(m, nnx.Param, ...)
+        if any(a is not b for a, b in zip(jax.tree.leaves(new_params), p)):
+            raise MutatesParam("it assigns to an nnx.Param in its forward; parameters change only by the "
+                               "optimizer's update: keep what the forward changes in another nnx.Variable "
+                               "(e.g. nnx.BatchStat), which the pipeline carries as stage state")
+        new = jax.tree.leaves(new_rest)
+        return out, tuple(new[i] for i in carried)
+
+    def apply(p, x, **side):
+        return step(p, [rest_leaves[i] for i in carried], x, **side)[0]
+
+    state = None
+    if carried:
+        evaluating = nnx.clone(module)
+        evaluating.eval()              # no dropout, running statistics
+        eval_graph = nnx.split(evaluating, nnx.Param, ...)[0]
+        state = StageState(tuple(rest_leaves[i] for i in carried),
+                           tuple(path_string(with_paths[i][0]) for i in carried), step,
+                           lambda p, s, x, **side: merged(eval_graph, p, s)(x, **side))
+    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module),
+                   state=state)
 
 
 def keywords_of(module) -> tuple:
@@ -124,13 +176,9 @@ class Pipeline:
             try:
                 closed, out = jax.make_jaxpr(lambda p, x, s: fn.apply(p, x, **s), return_shape=True)(
                     param_specs, specs[-1], side)
+            except MutatesParam as e:
+                raise ValueError(f"stage {i} ({name}): {e}") from None
             except Exception as e:  # shape errors surface as TypeError/ValueError from inside Flax
-                if type(e).__name__ == "TraceContextError":
-                    raise ValueError(f"stage {i} ({name}) changes a variable that is not a parameter in its "
-                                     f"forward (an nnx.Rngs stream, as nnx.Dropout draws from, or nnx.BatchStat "
-                                     f"running statistics): stage state is not carried through a pipeline yet; "
-                                     f"run such layers deterministically (nnx.Dropout(deterministic=True), "
-                                     f"nnx.BatchNorm(use_running_average=True)) or leave them out") from None
                 got = _describe(specs[-1])
                 where = "the pipeline input" if i == 0 else f"stage {i - 1}'s output"
                 raise ValueError(f"stage {i} ({name}) cannot take {where} "

@@ -42,6 +42,7 @@ import optax
 from mpmd.runtime.worker import programs
 from mpmd.stages import backward_split, losses
 from mpmd.stages import names
+from mpmd.stages.specs import spec
 from mpmd.stages.pipeline import StageFn, shared_indices, shared_peers
 
 
@@ -53,6 +54,7 @@ class StageShapes(NamedTuple):
     side: Any = None               # {batch key: spec} of the stage's side inputs (None: none)
     weighted: bool = False         # last stage: the loss returns (loss_sum, weight)
     aux: bool = False              # the stage adds auxiliary losses (mpmd.add_loss)
+    state: tuple | None = None     # specs of its carried state leaves (StageState), or None
 
 
 def _bundle(tree) -> tuple:
@@ -84,22 +86,27 @@ def _diff_only(leaves) -> tuple:
     return tuple(l for l in leaves if differentiable(l))
 
 
-def call_stage(fn: StageFn, p, x, side):
-    """(output, the sum of the auxiliary losses it added or None): the stage applied."""
+def call_stage(fn: StageFn, p, x, side, state=None):
+    """(output, the sum of the auxiliary losses it added or None, its new state leaves): the
+    stage applied, from `state` when it has state (else its state is ())."""
     with losses.collect_losses() as added:
-        out = fn.apply(p, x, **side) if side else fn.apply(p, x)
-    return out, losses.total(added)
+        if fn.state is not None:
+            out, new = fn.state.step(p, state, x, **side)
+        else:
+            out, new = (fn.apply(p, x, **side) if side else fn.apply(p, x)), ()
+    return out, losses.total(added), new
 
 
 def adds_losses(fn: StageFn, params, x, side) -> bool:
     """Whether the stage calls mpmd.add_loss (traced only)."""
     found = []
+    state = jax.tree.map(spec, fn.state.leaves) if fn.state is not None else None
 
-    def probe(p, x, s):
-        out, aux = call_stage(fn, p, x, s)
+    def probe(p, x, s, st):
+        out, aux, _ = call_stage(fn, p, x, s, st)
         found.append(aux is not None)
         return out
-    jax.eval_shape(probe, _unplaced(params), _unplaced(x), _unplaced(side or {}))
+    jax.eval_shape(probe, _unplaced(params), _unplaced(x), _unplaced(side or {}), state)
     return found[0]
 
 
@@ -112,27 +119,30 @@ def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
     s_tree = jax.tree.structure(shapes.side) if shapes.side else None
     t_tree = jax.tree.structure(shapes.targets) if last else None
 
-    def objective(p, x, s, t):
-        out, aux = call_stage(fn, p, x, s)
+    def objective(p, x, s, t, st):
+        out, aux, new_state = call_stage(fn, p, x, s, st)
         if last:
             out = loss_fn(out, t)
             out = out[0] if shapes.weighted else out
-        return (out, aux) if shapes.aux else out
+        return ((out, aux) if shapes.aux else out), new_state
 
-    def vjp_of(p, x, s, t):
+    def vjp_of(p, x, s, t, st):
         # The first stage's input is data (often integer tokens): no gradient flows into it.
+        # The stage's new state is a result, not differentiated.
         if first:
-            return jax.vjp(lambda p: objective(p, x, s, t), p)
-        return jax.vjp(lambda p, x: objective(p, x, s, t), p, x)
+            return jax.vjp(lambda p: objective(p, x, s, t, st), p, has_aux=True)
+        return jax.vjp(lambda p, x: objective(p, x, s, t, st), p, x, has_aux=True)
 
     layout: dict[str, Any] = {}
 
-    def forward(params, xb, *rest):
+    def forward(params, *rest):
         p = tuple(params)
+        st, rest = (tuple(rest[0]), rest[1:]) if shapes.state is not None else (None, rest)
+        xb, rest = rest[0], rest[1:]
         x = jax.tree.unflatten(x_tree, list(xb))
         s = jax.tree.unflatten(s_tree, list(rest[0])) if s_tree is not None else {}
         t = jax.tree.unflatten(t_tree, list(rest[-1])) if last else None
-        out, vjp = vjp_of(p, x, s, t)
+        out, vjp, new_state = vjp_of(p, x, s, t, st)
         leaves, vjp_tree = jax.tree.flatten(vjp)
         where = {id(a): i for i, a in enumerate(p)}
         # slot j of the residual list: ("p", i) = parameter i, ("r", n) = stored residual n
@@ -144,16 +154,17 @@ def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
                 slots.append(("r", len(stored)))
                 stored.append(leaf)
         layout.update(vjp_tree=vjp_tree, slots=slots)
+        kept_state = (tuple(new_state),) if shapes.state is not None else ()
         if shapes.aux:
             out, aux = out
-            return _bundle(out), tuple(stored), (aux,)
-        return _bundle(out), tuple(stored)
+            return (_bundle(out), tuple(stored), *kept_state, (aux,))
+        return (_bundle(out), tuple(stored), *kept_state)
     return forward, layout
 
 
 def _forward_args(shapes: StageShapes, last: bool) -> tuple:
-    return (shapes.params, _bundle(shapes.x), *((_bundle(shapes.side),) if shapes.side else ()),
-            *((_bundle(shapes.targets),) if last else ()))
+    return (shapes.params, *((shapes.state,) if shapes.state is not None else ()), _bundle(shapes.x),
+            *((_bundle(shapes.side),) if shapes.side else ()), *((_bundle(shapes.targets),) if last else ()))
 
 
 def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
@@ -238,7 +249,9 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     p_out, y_out = _layouts(shapes.params), _layouts(shapes.y)
     x_out = tuple(l.sharding for l in jax.tree.leaves(shapes.x) if differentiable(l))
     aux_out = ((_replicated((shapes.params, shapes.x)),),) if shapes.aux else ()
-    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args, out_shardings=(y_out, None, *aux_out))}
+    state_out = (_layouts(shapes.state),) if shapes.state is not None else ()
+    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args,
+                                                        out_shardings=(y_out, None, *state_out, *aux_out))}
     g_args = _g_args(shapes, last)
 
     def accumulated(dp, acc):
@@ -288,16 +301,21 @@ def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, 
     x_tree = jax.tree.structure(shapes.x)
     s_tree = jax.tree.structure(shapes.side) if shapes.side else None
 
-    def infer(params, xb, *sb):
-        s = jax.tree.unflatten(s_tree, list(sb[0])) if sb else {}
-        return (_bundle(call_stage(fn, tuple(params), jax.tree.unflatten(x_tree, list(xb)), s)[0]),)
+    def infer(params, *rest):
+        st, rest = (tuple(rest[0]), rest[1:]) if shapes.state is not None else (None, rest)
+        x = jax.tree.unflatten(x_tree, list(rest[0]))
+        s = jax.tree.unflatten(s_tree, list(rest[1])) if len(rest) > 1 else {}
+        if fn.state is not None:      # eval mode: no dropout, running statistics; nothing kept
+            return (_bundle(fn.state.evaluate(tuple(params), st, x, **s)),)
+        return (_bundle(call_stage(fn, tuple(params), x, s)[0]),)
 
     # The output keeps the stage input's batch layout; a last stage's output (logits) is laid
     # out like an activation of its shape would be.
     y_out = _layouts(y_specs) if y_specs is not None else None
     side_args = (_bundle(shapes.side),) if shapes.side else ()
-    specs = {names.program("infer", k): programs.exported(infer, shapes.params, _bundle(shapes.x), *side_args,
-                                                          out_shardings=(y_out,))}
+    state_args = (shapes.state,) if shapes.state is not None else ()
+    specs = {names.program("infer", k): programs.exported(infer, shapes.params, *state_args, _bundle(shapes.x),
+                                                          *side_args, out_shardings=(y_out,))}
     if last:
         y_def, t_def = jax.tree.structure(y_specs), jax.tree.structure(shapes.targets)
 

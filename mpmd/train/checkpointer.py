@@ -22,12 +22,16 @@ from mpmd.train.options import Checkpointing
 log = logging.getLogger("mpmd")
 
 
-def state_layouts(layout: lowering.Layout) -> dict:
-    """{buffer: layout per array} of every stage's parameters and optimizer state."""
+def state_layouts(layout: lowering.Layout, pipeline=None) -> dict:
+    """{buffer: layout per array} of every stage's parameters and optimizer state, and of
+    its stage state (replicated) when `pipeline`'s stage has any."""
     out = {}
     for k in range(len(layout.params)):
         out[names.params(k)] = [tuple(p) for p in layout.params[k]]
         out[names.opt_state(k)] = [tuple(p) for p in layout.opt[k]]
+        fn = pipeline.fns[k] if pipeline is not None else None
+        if fn is not None and fn.state is not None:
+            out[names.stage_state(k)] = [()] * len(fn.state.leaves)
     return out
 
 
@@ -54,8 +58,9 @@ class Checkpointer:
         self._resumed_batch = None    # the global batch's leaves as the resumed checkpoint saw them
         self._batch = None            # [[shape, dtype] of each input and target leaf] of the last train step
         if run_dir is not None:
-            self.persistent = StageCheckpoints(run_dir, cluster, placement, partition, options, state_layouts(layout),
-                                               leaf_paths.state_names(pipeline, optimizer), record)
+            self.persistent = StageCheckpoints(run_dir, cluster, placement, partition, options,
+                                               state_layouts(layout, pipeline), leaf_paths.state_names(pipeline, optimizer),
+                                               record)
             self.persistent.check_newest()   # a resume that changes the math fails before any worker starts
 
     def start(self, placement: tuple[int, ...], layout: lowering.Layout, launch) -> None:
@@ -164,7 +169,7 @@ class Checkpointer:
         """The stages moved onto other slices: saves and restores follow them, and the
         in-memory tier starts afresh on a ring over the slices at hand."""
         if self.persistent is not None:
-            self.persistent.relayout(placement, state_layouts(layout), record)
+            self.persistent.relayout(placement, state_layouts(layout, self.pipeline), record)
         if self.memory is not None:
             self.memory = snapshots.MemorySnapshots(
                 self.cluster, placement, snapshots.state_specs(self.pipeline, self.optimizer, layout),

@@ -122,7 +122,7 @@ class StageCheckpoints:
         """{leaf name: (buffer, index, stage)} of the first stage holding each leaf: who saves it."""
         out = {}
         for k in range(len(self.placement)):
-            for buffer, leaves in ((names.params(k), self.names.params[k]), (names.opt_state(k), self.names.opt[k])):
+            for buffer, leaves in self.names.buffers(k):
                 for i, name in enumerate(leaves):
                     out.setdefault(name, (buffer, i, k))
         return out
@@ -395,7 +395,7 @@ class StageCheckpoints:
             return {str(d / names.stage_dir(k)): [names.params(k), names.opt_state(k)] for k in stages}
         out: dict[str, dict[str, list]] = {}
         for k in stages:
-            for buffer, leaves in ((names.params(k), self.names.params[k]), (names.opt_state(k), self.names.opt[k])):
+            for buffer, leaves in self.names.buffers(k):
                 for i, name in enumerate(leaves):
                     part = str(d / manifest["leaves"][name]["part"])
                     out.setdefault(part, {}).setdefault(name, []).append((buffer, i))
@@ -407,7 +407,7 @@ class StageCheckpoints:
 
         def read(r: int) -> None:
             layouts = {n: self.layouts[n] for k, s in enumerate(self.placement) if s == r
-                       for n in (names.params(k), names.opt_state(k)) if n in self.layouts}
+                       for n, _ in self.names.buffers(k) if n in self.layouts}
             self.cluster.restore(r, self._restore_items(step, manifest, r), staged=True, layouts=layouts)
         # Every slice reads its leaves at once (each from the directories that hold them).
         errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]

@@ -107,7 +107,7 @@ class Programs:
     def materialize(self) -> None:
         """Put each stage's initial parameters on its slice, laid out on its mesh: the
         module's own values, shipped once, or for an abstract model (mpmd.abstract) created
-        there, already sharded, by its seeded init."""
+        there, already sharded, by its seeded init; and its initial stage state, if any."""
         plans: dict[int, list] = {}
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
             r = self.placement[k]
@@ -119,6 +119,12 @@ class Programs:
                 plans.setdefault(r, []).append(Run(init, (), (names.params(k),), f"init params s{k}"))
             else:
                 self.cluster.put(r, names.params(k), fn.param_leaves, [tuple(p) for p in self._layout.params[k]])
+            if fn.state is not None:       # stage state: replicated on the slice's mesh
+                if abstract.is_abstract(fn.state.leaves):
+                    raise ValueError(f"stage {k} carries stage state (dropout RNG counts, batch statistics), "
+                                     f"which an abstract model (mpmd.abstract) cannot create on its slice yet: "
+                                     f"build the model concretely")
+                self.cluster.put(r, names.stage_state(k), fn.state.leaves, [()] * len(fn.state.leaves))
         if plans:
             for r in range(self.num_slices):
                 self.cluster.install_plan(r, "init_params", plans.get(r, []))
@@ -128,7 +134,7 @@ class Programs:
         """Back to the initial state: the initial parameters again, and fresh optimizer state
         if programs were compiled (else the next compile creates it)."""
         self.materialize()
-        for suffix, _ in list(self._compiled.values())[:1]:
+        for suffix, *_ in list(self._compiled.values())[:1]:
             self.run_setup("init" + suffix)
         self._opt_ready = bool(self._compiled)
 

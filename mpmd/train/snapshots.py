@@ -63,8 +63,8 @@ class Launched(NamedTuple):
 class MemorySnapshots:
     """The controller's side of the in-memory tier.
 
-    `state_specs`: per stage, {buffer: (Spec per array)} of its parameters and optimizer
-    state; `placement`: stage -> slice; `launch(plan)`: sends a plan to every slice with a
+    `state_specs`: per stage, {buffer: (Spec per array)} of its parameters, optimizer state
+    and stage state; `placement`: stage -> slice; `launch(plan)`: sends a plan to every slice with a
     fresh run id (the Trainer's) and returns the cluster's PendingRun, whose result raises
     WorkerLost if a slice is gone.
     """
@@ -76,6 +76,7 @@ class MemorySnapshots:
         self.placement = placement
         self.num_slices = max(placement) + 1
         self.specs = {b: s for stage in state_specs for b, s in stage.items()}
+        self._buffers = [tuple(stage) for stage in state_specs]      # per stage, what it snapshots
         self.every = every
         self._launch = launch
         self.generations: list[Generation | None] = [None, None]
@@ -91,7 +92,7 @@ class MemorySnapshots:
         return (r + 1) % self.num_slices if self.num_slices > 1 else None
 
     def _state(self, r: int) -> list[str]:
-        return [b for k, s in enumerate(self.placement) if s == r for b in (names.params(k), names.opt_state(k))]
+        return [b for k, s in enumerate(self.placement) if s == r for b in self._buffers[k]]
 
     def _held(self, r: int) -> list[tuple[int, str]]:
         """(source slice, buffer) of the copies slice r holds."""
@@ -183,8 +184,9 @@ class MemorySnapshots:
 
 
 def state_specs(pipeline, optimizer, layout) -> list[dict[str, tuple[Spec, ...]]]:
-    """Per stage, {p{k}: specs, o{k}: specs} of its parameters and optimizer state as laid
-    out on its slice (mpmd.lowering.core.Layout)."""
+    """Per stage, {p{k}: specs, o{k}: specs[, st{k}: specs]} of its parameters, optimizer
+    state and stage state as laid out on its slice (mpmd.lowering.core.Layout; stage state
+    replicated)."""
     out = []
     for k, fn in enumerate(pipeline.fns):
         params = [jax.ShapeDtypeStruct(tuple(l.shape), l.dtype) for l in fn.param_leaves]
@@ -192,5 +194,7 @@ def state_specs(pipeline, optimizer, layout) -> list[dict[str, tuple[Spec, ...]]
         spec = lambda leaves, layouts: tuple(Spec(tuple(l.shape), str(jax.numpy.dtype(l.dtype)), tuple(p))
                                              for l, p in zip(leaves, layouts))
         out.append({names.params(k): spec(params, layout.params[k]), names.opt_state(k): spec(opt, layout.opt[k])})
+        if fn.state is not None:
+            out[-1][names.stage_state(k)] = spec(fn.state.leaves, [()] * len(fn.state.leaves))
     return out
 

@@ -216,6 +216,20 @@ class Trainer:
         self.dispatcher.collect_all()
         return self._fetch_per_stage(names.params)
 
+    def state(self) -> list:
+        """Per stage, what its forward changes that is not a parameter (RNG stream counts,
+        batch statistics) as {path within the stage: host array}; {} for a stage without."""
+        self._check_open()
+        self.dispatcher.collect_all()
+        out = []
+        for k, fn in enumerate(self.pipeline.fns):
+            if fn.state is None:
+                out.append({})
+                continue
+            leaves = self.cluster.get(self.placement[k], [names.stage_state(k)])[names.stage_state(k)]
+            out.append(dict(zip(fn.state.paths, leaves)))
+        return out
+
     def _fetch_per_stage(self, buffer) -> list:
         """Per stage k, the tree of its parameters' shape held in buffer(k) on its slice."""
         out = []

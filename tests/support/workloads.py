@@ -151,3 +151,71 @@ def pipelined(make_stages, loss_fn, data, m: int, schedule: str, cluster=None, s
         trainer.close(close_cluster=close)
     leaves = lambda per_stage: [np.asarray(l) for s in per_stage for l in jax.tree.leaves(s)]
     return [r["loss"] for r in metrics], leaves(grads), leaves(params), metrics[-1]
+
+
+# -- stage state: dropout and batch statistics -----------------------------------------------
+class Noisy(nnx.Module):
+    """Dropout (an nnx.Rngs stream) and, with `norm`, BatchNorm (running statistics)."""
+
+    def __init__(self, seed: int, norm: bool = False, rate: float = 0.3):
+        self.l = nnx.Linear(D, D, rngs=nnx.Rngs(seed))
+        self.drop = nnx.Dropout(rate, rngs=nnx.Rngs(seed + 10))
+        self.norm = nnx.BatchNorm(D, momentum=0.8, rngs=nnx.Rngs(seed)) if norm else None
+
+    def __call__(self, x):
+        h = self.drop(jnp.tanh(self.l(x)))
+        return self.norm(h) if self.norm is not None else h
+
+
+class NoisyModel(nnx.Module):
+    """Four Noisy layers as one model that mpmd.split cuts by layers (any stage count)."""
+
+    def __init__(self):
+        self.blocks = nnx.List([Noisy(0), Noisy(1, norm=True), Noisy(2), Noisy(3, norm=True)])
+
+    def layers(self):
+        return list(self.blocks)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def stateful_stages():
+    return list(NoisyModel().layers())
+
+
+def square_loss(out, targets):
+    return jnp.mean(jnp.square(out - targets))
+
+
+def float_batches(steps: int = STEPS, batch: int = 32, seed: int = 3) -> list[tuple]:
+    """(inputs, targets) pairs; 32 rows, so each of 8 microbatches holds 4 (batch statistics of
+    fewer rows amplify rounding past the tolerance)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(batch, D)).astype(np.float32), rng.normal(size=(batch, D)).astype(np.float32))
+            for _ in range(steps)]
+
+
+def nnx_reference(make_layers, loss_fn, data, m: int, steps: int = STEPS):
+    """(losses, final parameters, final non-parameter state, model) of the layers trained by
+    NNX itself: nnx.value_and_grad over the model stepping microbatch by microbatch in order
+    0..m-1 (each call advances its RNG streams and running statistics), gradients of loss/m
+    summed, one SGD-with-momentum update per batch."""
+    model = nnx.Sequential(*make_layers())
+    optimizer = sgd()
+    state = optimizer.init(nnx.state(model, nnx.Param))
+    value_and_grad = nnx.value_and_grad(lambda model, x, y: loss_fn(model(x), y) / m)
+    losses = []
+    for x, y in data[:steps]:
+        total, grads = 0.0, None
+        for j in range(m):
+            loss, g = value_and_grad(model, np.split(x, m)[j], np.split(y, m)[j])
+            total += float(loss)
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        params = nnx.state(model, nnx.Param)
+        updates, state = optimizer.update(grads, state, params)
+        nnx.update(model, optax.apply_updates(params, updates))
+        losses.append(total)
+    return losses, [np.asarray(l) for l in jax.tree.leaves(nnx.state(model, nnx.Param))], model
