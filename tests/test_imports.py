@@ -44,7 +44,7 @@ def test_public_names_resolve_lazily(name, module):
 
 def test_public_names_are_exactly_all():
     assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split",
-                                           "stage_boundary", "tune",
+                                           "stage_boundary", "add_loss", "collect_losses", "tune",
                                            "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
                                            "Rewound", "WorkerLost"])
 

@@ -11,9 +11,7 @@ import signal
 
 import jax
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import mpmd
 from tests.support import reference as ref
@@ -118,18 +116,6 @@ def test_resume_on_another_stage_count_continues_the_streams(tmp_path):
     # Stage paths differ (layers.0 of a 2-block stage is block 2 or 0), counts advance alike.
     counts = lambda state: sorted(int(v) for s in state for n, v in s.items() if n.endswith("count"))
     assert counts(got[1]) == counts(want[2]) == [len(data) * 4] * 4
-
-
-def test_refuses_a_stage_that_assigns_to_a_parameter():
-    class Bumping(nnx.Module):
-        def __init__(self):
-            self.w = nnx.Param(np.ones((wl.D,), np.float32))
-
-        def __call__(self, x):
-            self.w[...] = self.w[...] + 1.0
-            return x * self.w[...]
-    with pytest.raises(ValueError, match=r"stage 1 \(Bumping\): it assigns to an nnx.Param"):
-        mpmd.Pipeline([wl.Dense(0), Bumping()], wl.square_loss, sample_input=np.zeros((2, wl.D), np.float32))
 
 
 # -- on worker processes, through a SIGKILL ----------------------------------------------------

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import mpmd
 from mpmd.runtime.worker.instructions import Recv, Run, Send
@@ -164,20 +163,6 @@ class CallingBack(wl.Dense):
 def test_refuses_host_callbacks_naming_the_stage(stage, primitive):
     with pytest.raises(ValueError, match=rf"stage 1 \({stage.__name__}\) calls the host \({primitive}"):
         mpmd.Pipeline([wl.Dense(0), stage(1)], wl.mean_loss, sample_input=np.zeros((2, wl.T, wl.D), np.float32))
-
-
-class Dropping(nnx.Module):
-    def __init__(self):
-        self.l = nnx.Linear(wl.D, wl.D, rngs=nnx.Rngs(0))
-        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
-
-    def __call__(self, x):
-        return self.drop(self.l(x))
-
-
-def test_refuses_stage_state_naming_the_stage():
-    with pytest.raises(ValueError, match=r"stage 1 \(Dropping\) changes a variable that is not a parameter"):
-        mpmd.Pipeline([wl.Dense(0), Dropping()], wl.mean_loss, sample_input=np.zeros((2, wl.T, wl.D), np.float32))
 
 
 def test_refuses_a_loss_that_is_neither_scalar_nor_pair():
