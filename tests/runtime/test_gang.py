@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mpmd import models
@@ -205,3 +206,26 @@ def test_gang_configs_that_are_accepted():
     flat = config.load(None, STATIC + ["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3","d:4"]'])
     assert len(grouped.cluster.addresses) == 2 and len(flat.cluster.addresses) == 4
     assert config.load(None, ["cluster.processes_per_slice=2"]).slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1}] * 2
+
+
+def test_gang_trains_real_workloads_like_unpipelined_jax(gang):
+    """On gangs of 2 processes (data=2): a masked weighted loss, a side input to a middle
+    stage, bool and int values across a cut between gangs and an auxiliary loss; then dropout
+    and batch statistics (the statistics span both processes' batch shards)."""
+    from tests.support import workloads as wl
+    from tests.train.test_workloads import assert_equal_to_reference
+    data = wl.batches(m=4)
+    assert_equal_to_reference(wl.pipelined(wl.mixed_stages, wl.masked_loss, data, 4, "interleaved-1f1b",
+                                           cluster=gang, virtual_stages=2, mesh={"data": 2}, close=False),
+                              wl.reference(wl.mixed_stages, wl.masked_loss, data, 4))
+    pairs = wl.float_batches()
+    want_losses, want_params, _ = wl.nnx_reference(wl.stateful_stages, wl.square_loss, pairs, 4)
+    pipe = mpmd.Pipeline(mpmd.split(wl.NoisyModel(), num_stages=2), wl.square_loss)
+    trainer = mpmd.Trainer(pipe, wl.sgd(), schedule="1f1b", num_microbatches=4, mesh={"data": 2}, cluster=gang)
+    try:
+        losses = [trainer.step(x, y)["loss"] for x, y in pairs]
+        params = reference.stage_leaves(trainer.params())
+    finally:
+        trainer.close(close_cluster=False)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    reference.assert_leaves_close(params, want_params, 1e-5)
