@@ -2,7 +2,13 @@
 
 Every layer takes one array and returns one array, so the model can be cut between any two
 layers into pipeline stages without threading extra state (masks, positions, caches) across
-the cut: `GPT.layers()` is that list, and `GPT.__call__` is just a fold over it.
+the cut: `GPT.layers()` is that list, and `GPT.__call__` applies it in order.
+
+Packed sequences: several documents in one row, told apart by keyword-only `segment_ids`
+(int [B, T]: a token attends only to earlier-or-same positions of its own segment, which
+every Block takes) and `positions` (int [B, T]: each token's place in its document, which
+Embed takes instead of 0..T-1). They come from the batch, not across a cut: a pipeline feeds
+each stage the keys its layers declare. Omitted (None), the model is exactly the unpacked one.
 
 Float32 throughout; no dropout, so a forward pass is a pure function of params and tokens.
 """
@@ -47,7 +53,8 @@ def _require_positive(**sizes: int) -> None:
 
 
 class Embed(nnx.Module):
-    """int32 tokens [B, T] -> token embedding + learned position embedding, float32 [B, T, D]."""
+    """int32 tokens [B, T] -> token embedding + learned position embedding, float32 [B, T, D];
+    `positions` int [B, T] (each < seq_len) replaces positions 0..T-1 (packed documents)."""
 
     def __init__(self, vocab_size: int, d_model: int, seq_len: int, *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
@@ -56,7 +63,7 @@ class Embed(nnx.Module):
         self.position = nnx.Embed(seq_len, d_model, embedding_init=axes(_EMBED_INIT, "positions", "embed"),
                                   rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
         num_steps = tokens.shape[1]
@@ -64,12 +71,33 @@ class Embed(nnx.Module):
         if num_steps > self.seq_len:
             raise ValueError(
                 f"sequence length {num_steps} exceeds the model's seq_len={self.seq_len}")
+        if positions is not None:
+            _check_per_token("positions", positions, tokens.shape)
+            return self.token(tokens) + self.position(positions)
         # Positions 0..T-1 broadcast over the batch: [T, D] + [B, T, D].
         return self.token(tokens) + self.position(jnp.arange(num_steps))
 
 
+def _check_per_token(name: str, ids: jax.Array, shape: tuple) -> None:
+    """ValueError unless `ids` is an int array of `shape` ([batch, time]: one id per token)."""
+    if tuple(ids.shape) != tuple(shape) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integers of shape [batch, time] = {tuple(shape)}, one per token; "
+                         f"got {ids.dtype} {tuple(ids.shape)}")
+
+
+def attention_mask(batch: int, num_steps: int, segment_ids: jax.Array | None) -> jax.Array:
+    """bool [Tq, Tk], or [B, Tq, Tk] with segment_ids [B, T]: query q may attend to key k iff
+    k <= q and (packed rows) both lie in the same segment. The diagonal is always kept."""
+    causal = jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool))
+    if segment_ids is None:
+        return causal
+    _check_per_token("segment_ids", segment_ids, (batch, num_steps))
+    return causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
 class CausalSelfAttention(nnx.Module):
-    """Multi-head self-attention where position t attends only to positions <= t."""
+    """Multi-head self-attention where position t attends only to positions <= t (of its own
+    segment, given `segment_ids` [B, T])."""
 
     def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, num_heads=num_heads)
@@ -83,7 +111,7 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = _linear(d_model, 3 * d_model, ("embed", "heads"), use_bias=False, rngs=rngs)
         self.out = _linear(d_model, d_model, ("heads", "embed"), rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         batch, num_steps, d_model = x.shape
         head_dim = d_model // self.num_heads
         # [B, T, 3D] -> three [B, T, H, Dh].
@@ -91,10 +119,11 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = (a.reshape(batch, num_steps, self.num_heads, head_dim) for a in (q, k, v))
         # Scores [B, H, Tq, Tk], scaled by 1/sqrt(Dh) so their variance does not grow with Dh.
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(x.dtype)
-        causal = jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool))
+        mask = attention_mask(batch, num_steps, segment_ids)
+        mask = mask if segment_ids is None else mask[:, None]      # [B, 1, Tq, Tk]: every head
         # Every row keeps at least its diagonal, so the softmax never sees an all-masked row;
         # the finite minimum (not -inf) keeps gradients free of NaN regardless.
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores, axis=-1)
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
         return self.out(attended.reshape(batch, num_steps, d_model))
@@ -121,8 +150,8 @@ class Block(nnx.Module):
         self.ln_mlp = _layer_norm(d_model, rngs=rngs)
         self.mlp = FeedForward(d_model, mlp_ratio, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln_attn(x))
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.ln_attn(x), segment_ids=segment_ids)
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -174,11 +203,13 @@ class GPT(nnx.Module):
         """The model's own submodules in application order: [Embed, Block_0.., Head]."""
         return [self.embed, *self.blocks, self.head]
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = tokens
-        for layer in self.layers():
-            x = layer(x)
-        return x
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """Logits [B, T, V]; `segment_ids`/`positions` [B, T] for packed rows (module doc)."""
+        x = self.embed(tokens, positions=positions)
+        for block in self.blocks:
+            x = block(x, segment_ids=segment_ids)
+        return self.head(x)
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

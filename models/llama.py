@@ -5,6 +5,11 @@ learned positions, a SwiGLU MLP, grouped-query attention (num_kv_heads key/value
 by num_heads query heads), no biases. Rotary angles are computed inside each attention layer
 from the sequence length, so nothing but the activation crosses a stage cut.
 
+Packed sequences, as in models/gpt.py: keyword-only `segment_ids` (int [B, T]; attention
+stays inside a segment) and `positions` (int [B, T]; the rotary angles' positions instead of
+0..T-1) are taken by every Block and its Attention, fed from the batch to each stage that
+holds blocks. Omitted (None), the model is exactly the unpacked one.
+
 Mixed precision (`dtype="bfloat16"`): parameters are created and kept in float32 (so are
 their gradients and the optimizer state); each layer casts its weights to `dtype` where it
 uses them, as MaxText does. Activations, and so everything that crosses a stage cut, are in
@@ -35,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mpmd.models.gpt import _EMBED_INIT, _linear, _require_positive, axes
+from mpmd.models.gpt import _EMBED_INIT, _check_per_token, _linear, _require_positive, attention_mask, axes
 
 DTYPES = ("float32", "bfloat16")
 # What a block's vjp keeps under each `remat` (None: no jax.checkpoint at all).
@@ -59,8 +64,9 @@ def _rms_norm(d_model: int, dtype, *, rngs: nnx.Rngs):
                        scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding of x [B, T, H, Dh] (Dh even) at positions 0..T-1.
+def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding of x [B, T, H, Dh] (Dh even) at positions 0..T-1, or at
+    `positions` (int [B, T]: each row's own, for packed documents).
 
     Pairs (i, i + Dh/2) rotate by angle t * theta^(-2i/Dh) (the GPT-NeoX / Hugging Face Llama
     layout), so q.k depends only on the positions' difference. Angles in float32: bf16 has
@@ -68,8 +74,13 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
     """
     num_steps, head_dim = x.shape[1], x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)     # [Dh/2]
-    angles = jnp.arange(num_steps, dtype=jnp.float32)[:, None] * inv_freq[None, :]    # [T, Dh/2]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    if positions is None:
+        angles = jnp.arange(num_steps, dtype=jnp.float32)[:, None] * inv_freq[None, :]    # [T, Dh/2]
+        cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    else:
+        _check_per_token("positions", positions, x.shape[:2])
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq                     # [B, T, Dh/2]
+        cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -94,7 +105,8 @@ class Embed(nnx.Module):
 
 class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary positions: num_heads query heads, in
-    groups of num_heads // num_kv_heads sharing one key/value head."""
+    groups of num_heads // num_kv_heads sharing one key/value head. `segment_ids` and
+    `positions` [B, T]: packed rows (module doc)."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, rope_theta: float = 10_000.0,
                  dtype="float32", *, rngs: nnx.Rngs):
@@ -114,20 +126,22 @@ class Attention(nnx.Module):
         self.out = _linear(num_heads * head_dim, d_model, ("heads", "embed"), use_bias=False, dtype=dtype,
                            rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
         batch, num_steps, d_model = x.shape
         kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         head_dim = d_model // self.num_heads
-        q = rotary(self.q(x).reshape(batch, num_steps, self.num_heads, head_dim), self.rope_theta)
-        k = rotary(self.k(x).reshape(batch, num_steps, kv, head_dim), self.rope_theta)
+        q = rotary(self.q(x).reshape(batch, num_steps, self.num_heads, head_dim), self.rope_theta, positions)
+        k = rotary(self.k(x).reshape(batch, num_steps, kv, head_dim), self.rope_theta, positions)
         v = self.v(x).reshape(batch, num_steps, kv, head_dim)
         # Query head h = g_kv * group + j uses key/value head g_kv: [B, T, KV, G, Dh].
         q = q.reshape(batch, num_steps, kv, group, head_dim)
         # Scores [B, KV, G, Tq, Tk] in float32, scaled by 1/sqrt(Dh) (variance independent of Dh).
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool))
+        mask = attention_mask(batch, num_steps, segment_ids)
+        mask = mask if segment_ids is None else mask[:, None, None]    # [B, 1, 1, Tq, Tk]: every head
         # Every row keeps its diagonal; a finite minimum (not -inf) keeps gradients NaN-free.
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
         return self.out(attended.reshape(batch, num_steps, self.num_heads * head_dim))
@@ -161,14 +175,16 @@ class Block(nnx.Module):
         self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
         self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
 
-    def forward(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
         return x + self.mlp(self.mlp_norm(x))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
         if self.remat == "none":
-            return self.forward(x)
-        return nnx.remat(Block.forward, policy=REMAT_POLICIES[self.remat])(self, x)
+            return self.forward(x, segment_ids, positions)
+        return nnx.remat(Block.forward, policy=REMAT_POLICIES[self.remat])(self, x, segment_ids, positions)
 
 
 class Head(nnx.Module):
@@ -247,10 +263,12 @@ class Llama(nnx.Module):
                              "Llama(..., stage_ends=(...), mark=mpmd.stage_boundary)")
         return self.all_layers()
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        """float32 logits [B, T, V]; `segment_ids`/`positions` [B, T] for packed rows (module doc)."""
         x = tokens
         for i, layer in enumerate(self.all_layers()):
-            x = layer(x)
+            x = layer(x, segment_ids=segment_ids, positions=positions) if isinstance(layer, Block) else layer(x)
             if i in self.stage_ends:
                 x = self.mark(x)
         return x

@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 
 from mpmd.runtime.worker import programs
+from mpmd.stages.split import Layers
 
 
 class _Origin(NamedTuple):
@@ -59,7 +60,7 @@ def init_program(stage: nnx.Module, param_tree, shardings=None) -> programs.Prog
     def init():
         model = factory()
         nodes = {tuple(p): n for p, n in nnx.iter_graph(model)}
-        built = nnx.Sequential(*[nodes[p] for p in paths]) if sequential else nodes[paths[0]]
+        built = Layers(*[nodes[p] for p in paths]) if sequential else nodes[paths[0]]
         state = nnx.state(built, nnx.Param)
         assert jax.tree.structure(state) == param_tree, "abstract and concrete stage differ in structure"
         return (tuple(jax.tree.leaves(state)),)
@@ -67,10 +68,11 @@ def init_program(stage: nnx.Module, param_tree, shardings=None) -> programs.Prog
 
 
 def _parts(stage: nnx.Module):
-    """The registered modules a stage consists of: itself, or the layers of a split's Sequential."""
+    """The registered modules a stage consists of: itself, or the layers of a split's Layers
+    (or of an nnx.Sequential of them, whose parameters sit at the same paths)."""
     if id(stage) in _ORIGINS:
         return [stage]
-    layers = getattr(stage, "layers", None) if isinstance(stage, nnx.Sequential) else None
+    layers = getattr(stage, "layers", None) if isinstance(stage, (Layers, nnx.Sequential)) else None
     if layers and all(id(l) in _ORIGINS for l in layers):
         return list(layers)
     return None

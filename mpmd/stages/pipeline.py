@@ -93,7 +93,10 @@ def stage_fn(module: nnx.Module) -> StageFn:
 
 
 def keywords_of(module) -> tuple:
-    """(name, required) of the keyword-only parameters of `module.__call__`."""
+    """(name, required) of the keyword-only parameters of `module.__call__`; for a stage that
+    hands each of its layers their own (mpmd.stages.split.Layers), what its `keywords()` says."""
+    if callable(getattr(module, "keywords", None)):
+        return tuple(module.keywords())
     try:
         signature = inspect.signature(type(module).__call__)
     except (TypeError, ValueError):

@@ -5,6 +5,9 @@ A layer's cost comes from mpmd/stages/costs.py (forward FLOPs on a sample microb
 its parameter count). Boundaries minimise the most expensive stage (the pipeline runs at
 the pace of its slowest stage), by dynamic programming over contiguous layer ranges:
 O(layers^2 * stages), trivial for real layer counts.
+
+A stage cut from layers is a `Layers`: the layers applied in turn, each given the side inputs
+(batch keys, mpmd/stages/batch.py) its own `__call__` declares keyword-only.
 """
 from __future__ import annotations
 
@@ -15,6 +18,39 @@ from flax import nnx
 from mpmd.stages import leaf_paths
 from mpmd.stages import marks
 from mpmd.stages.costs import Stages, layer_costs
+from mpmd.stages.pipeline import keywords_of
+
+
+class Layers(nnx.Module):
+    """Consecutive layers as one stage: x -> layers[-1](...layers[0](x)).
+
+    Each layer gets the output of the one before (the first: the stage's input) as its one
+    argument, a tuple too (an nnx.Sequential would unpack it into several), and of the
+    stage's side inputs exactly those its `__call__` declares keyword-only (`def __call__(self,
+    x, *, segment_ids=None)`). The stage takes the union of its layers' keyword-only parameters,
+    one being required if any layer requires it (`keywords()`, which mpmd.Pipeline reads).
+    Parameters sit at `layers.<i>.<path in layer i>`, as in an nnx.Sequential of the layers.
+    """
+
+    def __init__(self, *layers):
+        self.layers = nnx.List(layers)
+
+    def keywords(self) -> tuple:
+        """(name, required) of every keyword-only parameter of any layer, in first-use order."""
+        required: dict[str, bool] = {}
+        for layer in self.layers:
+            for name, needed in keywords_of(layer):
+                required[name] = required.get(name, False) or needed
+        return tuple(required.items())
+
+    def __call__(self, x, **side):
+        unknown = set(side) - {name for name, _ in self.keywords()}
+        if unknown:
+            raise TypeError(f"no layer of this stage takes the keyword argument(s) {sorted(unknown)}; "
+                            f"its layers take {[name for name, _ in self.keywords()]}")
+        for layer in self.layers:
+            x = layer(x, **{name: side[name] for name, _ in keywords_of(layer) if name in side})
+        return x
 
 
 def split(model, num_stages: int | None = None, sample_input=None, cuts=None) -> Stages:
@@ -76,7 +112,7 @@ def split(model, num_stages: int | None = None, sample_input=None, cuts=None) ->
 
 
 def layer_param_paths(model, layers, bounds) -> list[tuple[str, ...]]:
-    """Per stage (an nnx.Sequential of layers[a:b]), each parameter leaf's path in the model:
+    """Per stage (the Layers of layers[a:b]), each parameter leaf's path in the model:
     `blocks.3.mlp.up.kernel`, the same whichever stage holds block 3 (a layer not found as a
     module of the model is `layers.<its index in model.layers()>`)."""
     where = {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(model)
@@ -84,7 +120,7 @@ def layer_param_paths(model, layers, bounds) -> list[tuple[str, ...]]:
     out = []
     for a, b in zip(bounds, bounds[1:]):
         paths = []
-        for keypath, _ in jax.tree_util.tree_flatten_with_path(nnx.state(nnx.Sequential(*layers[a:b]), nnx.Param))[0]:
+        for keypath, _ in jax.tree_util.tree_flatten_with_path(nnx.state(Layers(*layers[a:b]), nnx.Param))[0]:
             j = a + int(leaf_paths.path_string(keypath[1:2]))    # keypath: ("layers", j, ...)
             prefix = where.get(id(layers[j]), f"layers.{j}")
             paths.append(".".join(p for p in (prefix, leaf_paths.path_string(keypath[2:])) if p))
@@ -94,7 +130,7 @@ def layer_param_paths(model, layers, bounds) -> list[tuple[str, ...]]:
 
 def cut(units, cuts) -> Stages:
     """Consecutive runs of `units` (nnx.Modules: layers, or a user's own stages) as stages:
-    stage k is units[cuts[k-1]:cuts[k]], one nnx.Sequential. `.costs` counts units."""
+    stage k is units[cuts[k-1]:cuts[k]], one Layers. `.costs` counts units."""
     units = list(units)
     cuts = list(cuts)
     if (not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
@@ -102,7 +138,7 @@ def cut(units, cuts) -> Stages:
         raise ValueError(f"cuts must be increasing integers in 1..{len(units) - 1} (the unit where "
                          f"each stage after the first begins; {len(units)} units), got {cuts!r}")
     bounds = [0, *cuts, len(units)]
-    stages = Stages(nnx.Sequential(*units[a:b]) for a, b in zip(bounds, bounds[1:]))
+    stages = Stages(Layers(*units[a:b]) for a, b in zip(bounds, bounds[1:]))
     stages.costs, stages.cost_unit = [float(b - a) for a, b in zip(bounds, bounds[1:])], "units"
     return stages
 

@@ -1,12 +1,16 @@
 """Automatic stage boundaries: the slowest stage is as cheap as any contiguous split allows."""
 import itertools
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from mpmd import models
 import mpmd
-from mpmd.stages.split import balanced_boundaries
+from mpmd.stages.pipeline import keywords_of
+from mpmd.stages.split import Layers, balanced_boundaries
 
 
 def brute_force_best(costs, num_stages):
@@ -38,3 +42,34 @@ def test_gpt_split_by_flops_reports_predicted_costs():
     sizes = [len(s.layers) for s in stages]
     assert sum(sizes) == 8 and stages[0].layers[0] is model.embed and stages[-1].layers[-1] is model.head
     assert max(stages.costs) <= 1.5 * (sum(stages.costs) / 4)
+
+
+class Shift(nnx.Module):
+    """x + scale * a (a defaults to none)."""
+
+    def __init__(self, seed: int):
+        self.scale = nnx.Param(jnp.full((), 1.0 + seed))
+
+    def __call__(self, x, *, a=None):
+        return x + self.scale[...] * (0.0 if a is None else a)
+
+
+class NeedsB(Shift):
+    def __call__(self, x, *, b, a=None):
+        return super().__call__(x, a=a) * b
+
+
+def test_split_layers_hand_each_layer_its_own_side_inputs():
+    """A stage of layers takes the union of its layers' keyword-only parameters (required if
+    any layer requires it) and gives each layer only those it declares; its parameters sit
+    where an nnx.Sequential of the same layers has them."""
+    layers = [Shift(0), NeedsB(1), models.Hidden(1, 1, rngs=nnx.Rngs(0))]
+    stage = Layers(*layers)
+    assert keywords_of(stage) == (("a", False), ("b", True))
+    assert mpmd.Pipeline([stage], lambda y, t: jnp.mean(y)).fns[0].keywords == (("a", False), ("b", True))
+    x, a, b = jnp.ones((2, 1)), jnp.full((2, 1), 2.0), jnp.full((2, 1), 3.0)
+    np.testing.assert_array_equal(stage(x, a=a, b=b), layers[2]((x + a + 2.0 * a) * b))
+    with pytest.raises(TypeError, match=r"\['c'\]"):
+        stage(x, a=a, b=b, c=b)
+    paths = lambda s: [kp for kp, _ in jax.tree_util.tree_flatten_with_path(nnx.state(s, nnx.Param))[0]]
+    assert paths(stage) == paths(nnx.Sequential(*layers))
