@@ -94,9 +94,10 @@ def stage_fn(module: nnx.Module) -> StageFn:
 
 def keywords_of(module) -> tuple:
     """(name, required) of the keyword-only parameters of `module.__call__`; for a stage that
-    hands each of its layers their own (mpmd.stages.split.Layers), what its `keywords()` says."""
-    if callable(getattr(module, "keywords", None)):
-        return tuple(module.keywords())
+    hands each of its layers their own (mpmd.stages.split.Layers), what its
+    `side_input_keywords()` says."""
+    if callable(getattr(module, "side_input_keywords", None)):
+        return tuple(module.side_input_keywords())
     try:
         signature = inspect.signature(type(module).__call__)
     except (TypeError, ValueError):

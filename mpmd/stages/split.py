@@ -28,14 +28,14 @@ class Layers(nnx.Module):
     argument, a tuple too (an nnx.Sequential would unpack it into several), and of the
     stage's side inputs exactly those its `__call__` declares keyword-only (`def __call__(self,
     x, *, segment_ids=None)`). The stage takes the union of its layers' keyword-only parameters,
-    one being required if any layer requires it (`keywords()`, which mpmd.Pipeline reads).
+    one being required if any layer requires it (`side_input_keywords()`, which mpmd.Pipeline reads).
     Parameters sit at `layers.<i>.<path in layer i>`, as in an nnx.Sequential of the layers.
     """
 
     def __init__(self, *layers):
         self.layers = nnx.List(layers)
 
-    def keywords(self) -> tuple:
+    def side_input_keywords(self) -> tuple:
         """(name, required) of every keyword-only parameter of any layer, in first-use order."""
         required: dict[str, bool] = {}
         for layer in self.layers:
@@ -44,10 +44,10 @@ class Layers(nnx.Module):
         return tuple(required.items())
 
     def __call__(self, x, **side):
-        unknown = set(side) - {name for name, _ in self.keywords()}
+        unknown = set(side) - {name for name, _ in self.side_input_keywords()}
         if unknown:
             raise TypeError(f"no layer of this stage takes the keyword argument(s) {sorted(unknown)}; "
-                            f"its layers take {[name for name, _ in self.keywords()]}")
+                            f"its layers take {[name for name, _ in self.side_input_keywords()]}")
         for layer in self.layers:
             x = layer(x, **{name: side[name] for name, _ in keywords_of(layer) if name in side})
         return x
