@@ -7,7 +7,7 @@ config schema, the recipe (recipes/train.py), the data (recipes/data.py) and the
 `get_model_spec(cfg.model.kind)` / `get_backend_spec(cfg.cluster.backend)`; nothing else in
 the tree names a family or a backend. The built-in ones are registered by the modules of
 recipes/families/ and recipes/backends/; a user's own by a module the config lists under
-`imports:` (recipes/config.py loads them before it validates).
+`imports:` (recipes/config/loading.py loads them before it validates).
 
 Nothing here imports JAX: a config is checked before JAX is imported, so a spec's section and
 problems are plain pydantic and Python, and its builders import what they need when called.
