@@ -160,13 +160,13 @@ def _write_secret(path: str, value: str) -> None:
 
 
 def _manager(saved: dict, token: str):
-    from mpmd.runtime.control.client import WorkerClient
+    from mpmd.runtime.control.rpc import WorkerClient
     import collections
     return WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
 
 
 def status(args) -> int:
-    from mpmd.runtime.control.client import WorkerError
+    from mpmd.runtime.control.rpc import WorkerError
     saved = read_cluster_file(args.file)
     client = _manager(saved, saved["submit_token"])
     try:
@@ -200,7 +200,7 @@ def describe(reply: dict) -> str:
 
 
 def down(args) -> int:
-    from mpmd.runtime.control.client import WorkerError
+    from mpmd.runtime.control.rpc import WorkerError
     from mpmd.runtime.worker.main import read_token_file
     from mpmd.runtime.manager.worker_pool import kill_process
     saved = read_cluster_file(args.file)

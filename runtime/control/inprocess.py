@@ -9,7 +9,6 @@ two are pinned to identical results by the tests.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -18,7 +17,7 @@ import numpy as np
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import verbs
-from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported
+from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported, RunDispatch
 from mpmd.runtime.wire.results import Aborted, StepResult
 from mpmd.runtime.worker.executor import Executor
 
@@ -85,7 +84,7 @@ def meshes_for(shapes, devices=None) -> list[jax.sharding.Mesh]:
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts.") from None
 
 
-class InProcessCluster:
+class InProcessCluster(RunDispatch):
     """All slices in this process (the Cluster protocol of runtime/control/cluster.py). `devices`
     defaults to jax.devices()."""
 
@@ -142,33 +141,22 @@ class InProcessCluster:
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self.executors[slice_index].finish_restore(commit)
 
-    def run(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
-            trace: bool = False) -> list[StepResult]:
-        return self.launch(plan, run, feeds, fetch, trace).result()
-
-    def launch(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
-               trace: bool = False) -> PendingRun:
+    def _send(self, plan, run, after, feeds, fetch, trace) -> list[Future]:
         # The pool runs tasks in submission order, so every task of a run has a thread before
         # any task of a later one: a task waiting for its turn never starves the one it waits for.
-        after = self._in_flight.after()
         # The same Run record a worker's service takes (runtime/wire/verbs.py), arrays in place
         # of blob references: a request the table refuses is refused here too.
         requests = [verbs.check(verbs.Run(plan, run, after, dict(feeds.get(i) or {}), list(fetch.get(i, ())), trace))
                     for i in range(len(self.executors))]
-        futures = [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
-                   for ex, r in zip(self.executors, requests)]
-        return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
+        return [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
+                for ex, r in zip(self.executors, requests)]
 
-    def _collect(self, run: PendingRun) -> list[StepResult]:
-        self._in_flight.collecting(run)
-
+    def _wait(self, run: PendingRun) -> list[StepResult]:
         def abort():
             newest = self._in_flight.drop_all(f"run {run.run} before it failed")
             for ex in self.executors:
                 ex.abort(newest)
-        results = gather(run.futures, on_error=abort, cleanup=self._hub.clear)
-        self._in_flight.done(run)
-        return results
+        return gather(run.futures, on_error=abort, cleanup=self._hub.clear)
 
     def replace(self, slice_index: int) -> None:
         """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is

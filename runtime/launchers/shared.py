@@ -23,7 +23,8 @@ import time
 import grpc
 
 from mpmd.runtime.worker import mesh
-from mpmd.runtime.control.client import ControlPlane, WorkerClient, WorkerError
+from mpmd.runtime.control.client import ControlPlane
+from mpmd.runtime.control.rpc import WorkerClient, WorkerError
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 
 MANAGER_SERVICE = "mpmd.Manager"         # runtime/manager/core.py's SERVICE (not imported: it pulls the pool in)

@@ -56,7 +56,7 @@ import grpc
 from mpmd.runtime.wire import credentials
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
-from mpmd.runtime.control.client import WorkerClient, WorkerError, call
+from mpmd.runtime.control.rpc import WorkerClient, WorkerError, call
 from mpmd.runtime.worker.service import ADMIN, TOKEN_KEY
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
 

@@ -1,6 +1,6 @@
 """The worker's RPC verbs, in one table: each verb's request and reply as a typed record.
 
-The control plane (runtime/control/client.py) builds a request record and `encode`s it into
+The control plane (runtime/control/client.py, through rpc.py) builds a request record and `encode`s it into
 the JSON header of a frame (runtime/wire/format.py); the worker's service
 (runtime/worker/service.py) `decode_request`s the header back into the record before its
 handler runs, and the same in reverse for the reply. A verb added or changed is one entry

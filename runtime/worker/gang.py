@@ -93,7 +93,7 @@ class GangFuture:
 
 class GangClient:
     """The control plane's client for one slice served by a gang: `members[j]` is a
-    mpmd.runtime.control.client.WorkerClient for process j. Same verbs as a WorkerClient."""
+    mpmd.runtime.control.rpc.WorkerClient for process j. Same verbs as a WorkerClient."""
 
     def __init__(self, members: list):
         self.members = members
