@@ -37,7 +37,7 @@ class WorkerError(RuntimeError):
 class WorkerClient:
     def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
         self.address = address
-        self._service = service          # the gRPC service called: a worker's, or a shared cluster's manager
+        self.service = service           # the gRPC service called: a worker's, or a shared cluster's manager
         self._metadata = ((TOKEN_KEY, token),)
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._counts = rpc_counts
@@ -57,7 +57,7 @@ class WorkerClient:
         """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
         stub = self._stubs.get(method)
         if stub is None:
-            stub = self._stubs[method] = self._channel.unary_unary(f"/{self._service}/{method}")
+            stub = self._stubs[method] = self._channel.unary_unary(f"/{self.service}/{method}")
         self._counts[method] += 1
         try:
             return stub.future(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)
@@ -82,21 +82,22 @@ class WorkerClient:
 
 
 def send(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
-    """Start the RPC of a request record (runtime/wire/verbs.py); `verb` names a verb whose
-    request is Empty (several verbs'). `.result()` as in receive."""
-    verb = verb or verbs.verb_of(request)
+    """Start the RPC of a request record of the client's service (runtime/wire/verbs.py: a
+    worker's VERBS, a manager's MANAGER_VERBS); `verb` names a verb whose request record
+    several verbs take (Empty, JobRequest). `.result()` as in receive."""
+    verb = verb or verbs.verb_of(request, verbs.TABLES[client.service])
     return client.future(verb, verbs.encode(request), blobs, timeout_s)
 
 
 def receive(client: WorkerClient | GangClient, verb: str, fut):
     """(the reply record of `verb`, its blobs) once the RPC `send` started is answered."""
     header, blobs = client.result(verb, fut)
-    return verbs.decode_reply(verb, header), blobs
+    return verbs.decode_reply(verb, header, verbs.TABLES[client.service]), blobs
 
 
 def call(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
     """send, then receive: (reply record, blobs)."""
-    verb = verb or verbs.verb_of(request)
+    verb = verb or verbs.verb_of(request, verbs.TABLES[client.service])
     return receive(client, verb, send(client, request, blobs, timeout_s, verb))
 
 

@@ -4,13 +4,15 @@ It owns a pool of long-lived `mpmd worker --shared` processes (runtime/manager/w
 leases them to jobs. A slice is one worker; a job asks for `slices` of them.
 
 Service `mpmd.Manager` (unary, bodies in runtime/wire/format.py's frame format, credentials in the
-`mpmd-token` metadata checked before the body is read, as on the workers):
-  Submit  {name, slices, share, root, lease_s?} -> {job, credential, position}   submit token
+`mpmd-token` metadata checked before the body is read, as on the workers); each verb's request
+and reply are typed records of runtime/wire/verbs.py's MANAGER_VERBS, checked as a worker's are:
+  Submit  {name, slices, share, root, lease_s?, devices?} -> {job, credential, position, workers}
+                                                                                 submit token
   Wait    {job} -> {position, workers: [address] once leased}                    job credential
   Renew   {job} -> {}                                                            job credential
   Release {job} -> {}                                                            job credential
   Replace {job, slot} -> {address}                                               job credential
-  Status  -> {workers, jobs, leases}                                             submit token
+  Status  -> {workers, jobs, leases, workers_started}                            submit token
   Down    -> {}                                                                  cluster token
 The submit token is what users of the cluster hold (it is in the cluster file); the cluster
 token stays with the manager and the workers (a 0600 file in the cluster's directory): a
@@ -60,16 +62,15 @@ from mpmd.runtime.control.rpc import WorkerClient, WorkerError, call
 from mpmd.runtime.worker.service import ADMIN, TOKEN_KEY
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
 
-SERVICE = "mpmd.Manager"
+SERVICE = verbs.MANAGER_SERVICE
 HEALTH_S = 1.0            # workers are probed (Sessions) this often
 UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
 RPC_TIMEOUT_S = 5.0
 MAX_LEASE_S = 3600.0
 KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
-# Who may call what: "submit" (submit or cluster token), "job" (a job credential, on that job
-# only), "admin" (the cluster token).
-METHODS = {"Submit": "submit", "Status": "submit", "Wait": "job", "Renew": "job", "Release": "job",
-           "Replace": "job", "Down": "admin"}
+# Who may call what (the table's caller): "submit" (submit or cluster token), "job" (a job
+# credential, on that job only), "admin" (the cluster token).
+METHODS = {v.name: v.caller for v in verbs.MANAGER_VERBS.values()}
 log = logging.getLogger("mpmd.manager")
 
 
@@ -390,32 +391,31 @@ class Manager:
             return credentials.job_of(token, self.cluster_token)
         return None
 
-    def handle(self, method: str, who, h: dict) -> dict:
+    def handle(self, method: str, who, r):
+        """The reply record to request record `r` of `method` (verbs.MANAGER_VERBS), from `who`."""
         if method == "Submit":
-            job = self.submit(h.get("name", "job"), h.get("slices"), h.get("share", False), h.get("root"),
-                              h.get("lease_s", self.lease_s), h.get("devices"))
-            return {"job": job.id, "credential": credentials.job_credential(self.cluster_token, job.id),
-                    "position": self.position(job), "workers": self.addresses(job) if job.state == "leased" else []}
+            job = self.submit(r.name, r.slices, r.share, r.root, self.lease_s if r.lease_s is None else r.lease_s,
+                              r.devices)
+            return verbs.SubmitReply(job.id, credentials.job_credential(self.cluster_token, job.id),
+                                     self.position(job), self.addresses(job) if job.state == "leased" else [])
         if method == "Status":
-            return self.status()
+            return verbs.StatusReply(**self.status())
         if method == "Down":
             threading.Thread(target=self.down, daemon=True).start()
-            return {}
-        job_id = h.get("job")
-        if who is not ADMIN and job_id != who:
-            raise PermissionError(f"{method}: this credential is job {who}'s, not {job_id!r}'s")
-        job = self.seen(job_id)
+            return verbs.Empty()
+        if who is not ADMIN and r.job != who:
+            raise PermissionError(f"{method}: this credential is job {who}'s, not {r.job!r}'s")
+        job = self.seen(r.job)
         if method == "Wait":
             with self._lock:
-                return {"position": self.position(job),
-                        "workers": self.addresses(job) if job.state == "leased" else []}
+                return verbs.WaitReply(self.position(job), self.addresses(job) if job.state == "leased" else [])
         if method == "Renew":
-            return {}
+            return verbs.Empty()
         if method == "Release":
             self.end(job, "released")
-            return {}
+            return verbs.Empty()
         assert method == "Replace", method
-        return {"address": self.replace(job, h.get("slot"))}
+        return verbs.ReplaceReply(self.replace(job, r.slot))
 
     def down(self) -> None:
         """Stop every worker (by pid), then this process."""
@@ -453,7 +453,8 @@ class _Handler(grpc.GenericRpcHandler):
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
             try:
-                return wire.encode(self._m.handle(name, who, wire.decode(request)[0]), [])
+                r = verbs.decode_request(name, wire.decode(request)[0], verbs.MANAGER_VERBS)
+                return wire.encode(verbs.encode(self._m.handle(name, who, r)), [])
             except UnknownJob as e:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except PermissionError as e:

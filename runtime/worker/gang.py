@@ -98,6 +98,7 @@ class GangClient:
     def __init__(self, members: list):
         self.members = members
         self.address = tuple(m.address for m in members)
+        self.service = members[0].service       # a worker's: runtime/wire/verbs.py WORKER_SERVICE
         self.progress = None                  # process 0's, from the last heartbeat
         self.progress_at = time.monotonic()   # when `progress` last changed
 

@@ -73,7 +73,7 @@ from mpmd.runtime.worker.executor import Executor
 from mpmd.runtime.worker.instructions import Spec
 from mpmd.runtime.worker.sessions import Session, SessionTable, live_bytes
 
-SERVICE = "mpmd.Worker"
+SERVICE = verbs.WORKER_SERVICE
 TOKEN_KEY = "mpmd-token"
 # Shipped programs and activations can be large; gRPC's 4 MB default would refuse them.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
