@@ -106,7 +106,7 @@ class Job:
 
 
 class Manager:
-    def __init__(self, pool: WorkerPool, cluster_token: str, submit_token: str, journal: str,
+    def __init__(self, pool: WorkerPool, *, cluster_token: str, submit_token: str, journal: str,
                  lease_s: float = 10.0):
         self.pool = pool
         self.cluster_token, self._submit_token = cluster_token, submit_token
@@ -141,8 +141,8 @@ class Manager:
                              f"cluster.devices_per_worker={d}")
         stem = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:48] or "job"
         with self._lock:
-            job = Job(credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), str(name)[:200], slices,
-                      bool(share), real, float(lease_s))
+            job = Job(id=credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), name=str(name)[:200],
+                      slices=slices, share=bool(share), root=real, lease_s=float(lease_s))
             self.jobs[job.id] = job
             self.queue.append(job.id)
             self._place()
@@ -364,8 +364,9 @@ class Manager:
                 if job_id not in self.jobs:      # leased after the last journal write
                     log.warning("job %s: found on workers %s but not in the journal; kept, as sharing",
                                 job_id, sorted(slots))
-                    self.jobs[job_id] = Job(job_id, job_id, len(slots), True, self.pool.root, self.lease_s,
-                                            "leased", sorted(slots))
+                    self.jobs[job_id] = Job(id=job_id, name=job_id, slices=len(slots), share=True,
+                                            root=self.pool.root, lease_s=self.lease_s, state="leased",
+                                            workers=sorted(slots))
             log.info("rebuilt: %d job(s) leased, %d queued", sum(j.state == "leased" for j in self.jobs.values()),
                      len(self.queue))
             self._save()
@@ -488,16 +489,18 @@ class PoolBackend(NamedTuple):
 
 def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
     from mpmd.runtime.launchers.local import default_compilation_cache
-    pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
-                      compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+    pool = WorkerPool(directory=args.dir, token_file=token_file, root=os.path.realpath(args.root or os.getcwd()),
+                      devices_per_worker=args.devices_per_worker, compile_cache_mb=args.compile_cache_mb,
+                      compilation_cache_dir=default_compilation_cache())
     pool.start(args.workers)
     return pool
 
 
 def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
     # Its actors belong to the manager's Ray driver and end with it: nothing to rejoin.
-    pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
-                         args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
+    pool = RayWorkerPool(directory=args.dir, token=cluster_token, root=os.path.realpath(args.root or os.getcwd()),
+                         devices_per_worker=args.devices_per_worker, ray_address=args.ray_address,
+                         compile_cache_mb=args.compile_cache_mb, lease_s=args.lease_s)
     pool.start(args.workers)
     return pool
 
@@ -531,12 +534,14 @@ def main(argv=None) -> int:
     if args.rejoin:
         with open(args.file) as f:
             saved = json.load(f)
-        pool = WorkerPool(args.dir, token_file, saved["root"], saved.get("devices_per_worker", 1),
-                          compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+        pool = WorkerPool(directory=args.dir, token_file=token_file, root=saved["root"],
+                          devices_per_worker=saved.get("devices_per_worker", 1), compile_cache_mb=args.compile_cache_mb,
+                          compilation_cache_dir=default_compilation_cache())
         pool.rejoin(saved["workers"])
     else:
         pool = POOLS[args.backend].start(args, token_file, cluster_token)
-    manager = Manager(pool, cluster_token, submit_token, os.path.join(args.dir, "jobs.json"), args.lease_s)
+    manager = Manager(pool, cluster_token=cluster_token, submit_token=submit_token,
+                      journal=os.path.join(args.dir, "jobs.json"), lease_s=args.lease_s)
     manager.cluster_file = args.file
     if args.rejoin:
         manager.rebuild()

@@ -133,7 +133,7 @@ def test_the_manager_answers_a_request_missing_a_field_invalid_argument_naming_i
     from mpmd.runtime.wire import format as wire
     from mpmd.runtime.worker.service import TOKEN_KEY
     pool = types.SimpleNamespace(workers=[], root=str(tmp_path), devices_per_worker=1)
-    manager = core.Manager(pool, "c" * 32, "s" * 32, str(tmp_path / "jobs.json"))
+    manager = core.Manager(pool, cluster_token="c" * 32, submit_token="s" * 32, journal=str(tmp_path / "jobs.json"))
 
     class Aborted(Exception):
         pass
