@@ -282,7 +282,8 @@ class WorkerService:
 
     def Sessions(self, s, r: verbs.Empty, b):
         sessions = self.sessions.all() if self.shared else [self._solo] if self.attached else []
-        return verbs.SessionsReply(os.getpid(), len(jax.devices()), live_bytes(),
+        idle = all(x.executor is None for x in sessions)      # then a leftover is a leak: collect it
+        return verbs.SessionsReply(os.getpid(), len(jax.devices()), live_bytes(collect=idle),
                                    [x.describe() for x in sessions], self.cache.stats()), []
 
     def reset(self) -> None:
