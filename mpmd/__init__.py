@@ -23,7 +23,7 @@ _WHERE = {
     "InProcessCluster": "mpmd.runtime.control.inprocess",
     "LocalCluster": "mpmd.runtime.launchers.local",
     "RayCluster": "mpmd.runtime.launchers.ray",
-    "StaticCluster": "mpmd.runtime.control.client",
+    "StaticCluster": "mpmd.runtime.launchers.static",
     "Rewound": "mpmd.train.checkpoints",
     "WorkerLost": "mpmd.runtime.control.cluster",
 }

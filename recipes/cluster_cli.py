@@ -160,17 +160,20 @@ def _write_secret(path: str, value: str) -> None:
 
 
 def _manager(saved: dict, token: str):
-    from mpmd.runtime.control.client import WorkerClient
+    from mpmd.runtime.control.rpc import WorkerClient
     import collections
     return WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
 
 
 def status(args) -> int:
-    from mpmd.runtime.control.client import WorkerError
+    import dataclasses
+
+    from mpmd.runtime.control.rpc import WorkerError, call
+    from mpmd.runtime.wire import verbs
     saved = read_cluster_file(args.file)
     client = _manager(saved, saved["submit_token"])
     try:
-        reply = client.call("Status", timeout_s=10.0)[0]
+        reply = dataclasses.asdict(call(client, verbs.Empty(), timeout_s=10.0, verb="Status")[0])
     except WorkerError as e:
         print(f"error: the manager at {saved['manager']} did not answer: {e}", file=sys.stderr)
         return 1
@@ -200,7 +203,8 @@ def describe(reply: dict) -> str:
 
 
 def down(args) -> int:
-    from mpmd.runtime.control.client import WorkerError
+    from mpmd.runtime.control.rpc import WorkerError, call
+    from mpmd.runtime.wire import verbs
     from mpmd.runtime.worker.main import read_token_file
     from mpmd.runtime.manager.worker_pool import kill_process
     saved = read_cluster_file(args.file)
@@ -208,7 +212,7 @@ def down(args) -> int:
     pids = [saved["manager_pid"]] + [w["pid"] for w in saved["workers"]]
     client = _manager(saved, token)
     try:
-        client.call("Down", timeout_s=10.0)
+        call(client, verbs.Empty(), timeout_s=10.0, verb="Down")
     except WorkerError as e:
         print(f"warning: the manager did not answer ({e}); stopping the processes by pid", file=sys.stderr)
     finally:

@@ -7,7 +7,7 @@ config schema, the recipe (recipes/train.py), the data (recipes/data.py) and the
 `get_model_spec(cfg.model.kind)` / `get_backend_spec(cfg.cluster.backend)`; nothing else in
 the tree names a family or a backend. The built-in ones are registered by the modules of
 recipes/families/ and recipes/backends/; a user's own by a module the config lists under
-`imports:` (recipes/config.py loads them before it validates).
+`imports:` (recipes/config/loading.py loads them before it validates).
 
 Nothing here imports JAX: a config is checked before JAX is imported, so a spec's section and
 problems are plain pydantic and Python, and its builders import what they need when called.
@@ -71,6 +71,45 @@ class BackendSpec:
     gangs: bool = False
     in_process_devices: bool = False
     problems: Callable[["Config"], list[str]] = lambda cfg: []
+
+
+# -- parts most families' specs are made of (each imports Flax or the data only when called) --
+def flax_build(make: Callable[["Config", Any], Any]) -> Callable[["Config", bool], Any]:
+    """A ModelSpec.build from make(cfg, rngs) -> a Flax NNX model: seeded with cfg.seed, built
+    as shapes only (mpmd.abstract) when `abstract`."""
+    def build(cfg: "Config", abstract: bool):
+        from flax import nnx
+
+        import mpmd
+
+        def made():
+            return make(cfg, nnx.Rngs(cfg.seed))
+        return mpmd.abstract(made) if abstract else made()
+    return build
+
+
+def models_loss(name: str) -> Callable[["Config"], Callable]:
+    """A ModelSpec.loss: the loss function mpmd.models.<name> (lm_loss, mse_loss, ...)."""
+    def loss(cfg: "Config"):
+        from mpmd import models
+        return getattr(models, name)
+    return loss
+
+
+def data_sources(name: str) -> Callable[["Config"], tuple]:
+    """A ModelSpec.sources: mpmd.recipes.data.<name>(cfg) (token_sources, regression_sources)."""
+    def sources(cfg: "Config"):
+        from mpmd.recipes import data
+        return getattr(data, name)(cfg)
+    return sources
+
+
+def layers_problems(cfg: "Config", num_layers: int, layers: str) -> list[str]:
+    """A pipeline cannot have more stages than the model has layers (`layers` says which)."""
+    p = cfg.pipeline.num_stages
+    if p > num_layers:
+        return [f"pipeline.num_stages={p} is more than the {cfg.model.kind}'s {num_layers} layers ({layers})"]
+    return []
 
 
 _MODELS: dict[str, ModelSpec] = {}

@@ -35,7 +35,7 @@ def test_schedule_command_does_not_import_jax(tmp_path):
     ("Checkpointing", "mpmd.train.options"), ("Recovery", "mpmd.train.options"),
     ("split", "mpmd.stages.split"), ("stage_boundary", "mpmd.stages.marks"), ("tune", "mpmd.tuner.core"), ("Rewound", "mpmd.train.checkpoints"),
     ("InProcessCluster", "mpmd.runtime.control.inprocess"), ("LocalCluster", "mpmd.runtime.launchers.local"),
-    ("RayCluster", "mpmd.runtime.launchers.ray"), ("StaticCluster", "mpmd.runtime.control.client"), ("WorkerLost", "mpmd.runtime.control.cluster")])
+    ("RayCluster", "mpmd.runtime.launchers.ray"), ("StaticCluster", "mpmd.runtime.launchers.static"), ("WorkerLost", "mpmd.runtime.control.cluster")])
 def test_public_names_resolve_lazily(name, module):
     value = getattr(mpmd, name)
     assert value is getattr(sys.modules[module], name)

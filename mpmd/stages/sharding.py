@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from mpmd.stages.specs import spec
-from mpmd.runtime.worker.mesh import AXES, shape_of
+from mpmd.runtime.worker.mesh import AXES, devices_problem, shape_of
 from mpmd.stages.mesh_axes import rule_problem
 
 BATCH = ("data", "fsdp")          # the mesh axes a microbatch is split over
@@ -107,11 +107,10 @@ def slice_meshes(mesh, num_slices: int, devices_per_slice: int | None = None) ->
     else:
         meshes = [slice_mesh(mesh)] * num_slices
     if devices_per_slice is not None:
+        has = f"each slice has {devices_per_slice} (devices_per_worker x processes_per_slice)"
         for r, m in enumerate(meshes):
-            if m.size != devices_per_slice:
-                raise LayoutError(f"slice {r}: mesh {describe(m)} is {m.size} device(s) but each slice has "
-                                 f"{devices_per_slice} (devices_per_worker x processes_per_slice): the axes' "
-                                 f"product must equal it")
+            if problem := devices_problem(m, devices_per_slice, has):
+                raise LayoutError(f"slice {r}: mesh {problem}")
     return meshes
 
 

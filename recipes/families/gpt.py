@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from mpmd.recipes.config import Config, ModelSection
-from mpmd.recipes.registry import ModelSpec, register_model_spec
+from mpmd.recipes.registry import ModelSpec, data_sources, flax_build, layers_problems, models_loss, register_model_spec
 
 
 class DecoderSection(ModelSection):
@@ -34,43 +34,29 @@ def byte_vocab_problems(cfg: Config) -> list[str]:
 
 
 def decoder_problems(cfg: Config) -> list[str]:
-    m, p = cfg.model, cfg.pipeline
+    m = cfg.model
     out = []
     if m.d_model % m.num_heads:
         out.append(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}")
-    if p.num_stages > m.num_layers + 2:
-        out.append(f"pipeline.num_stages={p.num_stages} is more than the {m.kind}'s "
-                   f"{m.num_layers + 2} layers (embed + {m.num_layers} blocks + head)")
+    out += layers_problems(cfg, m.num_layers + 2, f"embed + {m.num_layers} blocks + head")
     return out + byte_vocab_problems(cfg)
 
 
-def token_sources(cfg: Config):
-    from mpmd.recipes import data
-    return data.token_sources(cfg)
-
-
-def lm_loss(cfg: Config):
-    from mpmd import models
-    return models.lm_loss
+# What every decoder LM here trains on, and how: next-token cross-entropy on token sequences.
+lm_loss = models_loss("lm_loss")
+token_sources = data_sources("token_sources")
 
 
 def seq_len(cfg: Config) -> int:
     return cfg.model.seq_len
 
 
-def _build(cfg: Config, abstract: bool):
-    from flax import nnx
-
-    import mpmd
+def _gpt(cfg: Config, rngs):
     from mpmd import models
     m = cfg.model
-
-    def make():
-        return models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len, m.mlp_ratio,
-                          rngs=nnx.Rngs(cfg.seed))
-    return mpmd.abstract(make) if abstract else make()
+    return models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len, m.mlp_ratio, rngs=rngs)
 
 
 SPEC = register_model_spec(ModelSpec(
-    "gpt", GPTSection, build=_build, loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
+    "gpt", GPTSection, build=flax_build(_gpt), loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
     samples_text=True, problems=decoder_problems))

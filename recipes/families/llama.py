@@ -8,7 +8,7 @@ from pydantic import Field
 
 from mpmd.recipes.config import Config, ConfigError, ModelSection
 from mpmd.recipes.families.gpt import DecoderSection, decoder_problems, lm_loss, seq_len, token_sources
-from mpmd.recipes.registry import ModelSpec, register_model_spec
+from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
 
 
 class ComputeSection(ModelSection):
@@ -45,18 +45,12 @@ def _problems(cfg: Config) -> list[str]:
     return out
 
 
-def _build(cfg: Config, abstract: bool):
-    from flax import nnx
-
-    import mpmd
+def _llama(cfg: Config, rngs):
     from mpmd import models
     m = cfg.model
-
-    def make():
-        return models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                            num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings,
-                            dtype=m.dtype, remat=m.remat, rngs=nnx.Rngs(cfg.seed))
-    return mpmd.abstract(make) if abstract else make()
+    return models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
+                        num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings,
+                        dtype=m.dtype, remat=m.remat, rngs=rngs)
 
 
 def _split(cfg: Config, model, sample_input):
@@ -93,7 +87,7 @@ def _units(cfg: Config, model):
 
 
 SPEC = register_model_spec(ModelSpec(
-    "llama", LlamaSection, build=_build, loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
+    "llama", LlamaSection, build=flax_build(_llama), loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
     split=_split, units=_units,
     # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
     can_be_abstract=lambda cfg: not cfg.model.tie_embeddings,

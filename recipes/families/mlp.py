@@ -6,7 +6,7 @@ from typing import Literal
 from pydantic import Field
 
 from mpmd.recipes.config import Config, ModelSection
-from mpmd.recipes.registry import ModelSpec, register_model_spec
+from mpmd.recipes.registry import ModelSpec, data_sources, flax_build, layers_problems, models_loss, register_model_spec
 
 
 class WidthsSection(ModelSection):
@@ -22,11 +22,8 @@ class MLPSection(WidthsSection):
 
 
 def _problems(cfg: Config) -> list[str]:
-    m, p, d, t = cfg.model, cfg.pipeline, cfg.data, cfg.train
-    out = []
-    if p.num_stages > m.num_layers + 1:
-        out.append(f"pipeline.num_stages={p.num_stages} is more than the mlp's "
-                   f"{m.num_layers + 1} layers ({m.num_layers} hidden + output)")
+    m, d, t = cfg.model, cfg.data, cfg.train
+    out = layers_problems(cfg, m.num_layers + 1, f"{m.num_layers} hidden + output")
     if d.source != "synthetic":
         out.append(f"model.kind='mlp' regresses synthetic data: data.source must be "
                    f"'synthetic', got '{d.source}'")
@@ -36,29 +33,13 @@ def _problems(cfg: Config) -> list[str]:
     return out
 
 
-def _build(cfg: Config, abstract: bool):
-    from flax import nnx
-
-    import mpmd
+def _mlp(cfg: Config, rngs):
     from mpmd import models
     m = cfg.model
-
-    def make():
-        return models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features, rngs=nnx.Rngs(cfg.seed))
-    return mpmd.abstract(make) if abstract else make()
-
-
-def _loss(cfg: Config):
-    from mpmd import models
-    return models.mse_loss
-
-
-def _sources(cfg: Config):
-    from mpmd.recipes import data
-    return data.regression_sources(cfg)
+    return models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features, rngs=rngs)
 
 
 SPEC = register_model_spec(ModelSpec(
-    "mlp", MLPSection, build=_build, loss=_loss, sources=_sources,
+    "mlp", MLPSection, build=flax_build(_mlp), loss=models_loss("mse_loss"), sources=data_sources("regression_sources"),
     tokens_per_example=lambda cfg: 1,      # examples, one "token" each
     problems=_problems))

@@ -1,28 +1,19 @@
-"""The controller's side of the control plane: a client per worker, ControlPlane, and
-StaticCluster.
-
-ControlPlane is the one implementation of the Cluster protocol (runtime/control/cluster.py) over
-gRPC workers; a Launcher only starts and stops the workers it talks to. StaticCluster
-composes it with StaticLauncher (addresses of workers started elsewhere), LocalCluster with
-LocalLauncher (runtime/launchers/local.py), RayCluster with RayLauncher (runtime/launchers/ray.py),
+"""The controller's side of the control plane: ControlPlane, the one implementation of the
+Cluster protocol (runtime/control/cluster.py) over gRPC workers; a Launcher only starts and
+stops the workers it talks to. StaticCluster composes it with StaticLauncher (addresses of
+workers started elsewhere: runtime/launchers/static.py), LocalCluster with LocalLauncher
+(runtime/launchers/local.py), RayCluster with RayLauncher (runtime/launchers/ray.py),
 SharedCluster with SharedLauncher (runtime/launchers/shared.py: workers leased from a shared
-cluster's manager).
+cluster's manager). Its parts: a client per worker and the typed verb helpers
+(runtime/control/rpc.py), and the wait for a run with its watchdog and aborts
+(runtime/control/runs.py).
+
 `run` sends each worker ONE Run RPC per step, all in parallel, carrying the feeds that
 slice needs; activations then flow slice to slice over the data plane, never through here.
 
 Failure detection. Every worker is pinged every HEARTBEAT_S; a slice is declared lost when
-an RPC to it fails for transport reasons (process gone: UNAVAILABLE at once) or when it has
-not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off). `run` then
-cancels the step everywhere and raises WorkerLost naming the slice.
-
-No step waits forever. The first error reply from any slice aborts the step everywhere at
-once; one that is not the echo of a lost slice is raised as StepFailed (slice, instruction,
-the worker's message). A live worker whose heartbeats are answered can still be stuck (a
-receive whose sender never sends, a program that never returns): each heartbeat reply
-carries the slice's position in its stream (run id, instructions done, what it is doing),
-and a step in which no slice moves and none finishes for `step_timeout_s` is aborted by a
-watchdog and reported as WorkerLost for an unfinished slice, preferring one that is not
-merely waiting for a peer, so the Trainer replaces it, restores and replays.
+it has not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off), or when an
+RPC to it fails for transport reasons (process gone). What a run does then: runs.py.
 
 Replacement. The control plane remembers what it shipped to each slice (programs, plans),
 so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
@@ -34,110 +25,31 @@ from __future__ import annotations
 
 import collections
 import secrets
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import grpc
 
 from mpmd.runtime.worker import instructions
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
-from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, StepFailed, WorkerLost
-from mpmd.runtime.wire.results import Aborted, Event, Progress, StepResult
-from mpmd.runtime.worker.gang import GangClient, group_addresses
-from mpmd.runtime.worker.service import FAILED_AT_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
-from mpmd.runtime.worker.main import read_token_file
+from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
+from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, receive, send  # noqa: F401
+from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
+from mpmd.runtime.wire.results import Aborted, Progress, StepResult
+from mpmd.runtime.worker.gang import GangClient
 
 HEARTBEAT_S = 0.5
-# The watchdog's timeout when step_timeout_s is None: max(MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR
-# x the median of the last completed steps' times). Before any step has completed, the first
-# runs compile their programs (seconds to minutes), hence FIRST_STEP_TIMEOUT_S.
-MIN_STEP_TIMEOUT_S = 60.0
-STEP_TIMEOUT_FACTOR = 20
-FIRST_STEP_TIMEOUT_S = 300.0
-# gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
-_GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-         grpc.StatusCode.UNKNOWN}
 
 
-class WorkerError(RuntimeError):
-    """A worker failed or could not be reached; the message names its address."""
-
-    def __init__(self, address: str, message: str, code=None):
-        super().__init__(f"worker {address}: {message}")
-        self.address = address
-        self.code = code
-
-
-class WorkerClient:
-    def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
-        self.address = address
-        self._service = service          # the gRPC service called: a worker's, or a shared cluster's manager
-        self._metadata = ((TOKEN_KEY, token),)
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        self._counts = rpc_counts
-        self._stubs = {}
-        self.last_ok = time.monotonic()
-        self.progress: Progress | None = None      # from the last heartbeat
-        self.progress_at = time.monotonic()        # when `progress` last changed
-
-    def wait_ready(self, timeout_s: float) -> None:
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
-            raise WorkerError(self.address, f"did not answer within {timeout_s:g} s "
-                                            f"(is `mpmd worker` running and listening there?)") from None
-
-    def future(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
-        """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
-        stub = self._stubs.get(method)
-        if stub is None:
-            stub = self._stubs[method] = self._channel.unary_unary(f"/{self._service}/{method}")
-        self._counts[method] += 1
-        try:
-            return stub.future(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)
-        except ValueError as e:      # the channel was closed: this client was replaced
-            raise WorkerError(self.address, f"{method}: {e}") from None
-
-    def result(self, method: str, fut):
-        try:
-            reply = fut.result()
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.ABORTED:
-                raise Aborted(f"worker {self.address}: {e.details()}") from None
-            raise WorkerError(self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code()) from None
-        self.last_ok = time.monotonic()
-        return wire.decode(reply)
-
-    def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
-        return self.result(method, self.future(method, header, blobs, timeout_s))
-
-
-    def close(self) -> None:
-        self._channel.close()
-
-def send(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
-    """Start the RPC of a request record (runtime/wire/verbs.py); `verb` names a verb whose
-    request is Empty (several verbs'). `.result()` as in receive."""
-    verb = verb or verbs.verb_of(request)
-    return client.future(verb, verbs.encode(request), blobs, timeout_s)
-
-
-def receive(client: WorkerClient | GangClient, verb: str, fut):
-    """(the reply record of `verb`, its blobs) once the RPC `send` started is answered."""
-    header, blobs = client.result(verb, fut)
-    return verbs.decode_reply(verb, header), blobs
-
-
-def call(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
-    """send, then receive: (reply record, blobs)."""
-    verb = verb or verbs.verb_of(request)
-    return receive(client, verb, send(client, request, blobs, timeout_s, verb))
-
+def __getattr__(name: str):
+    # StaticLauncher and StaticCluster were defined here; they live with the other launchers
+    # now (they import ControlPlane, so they cannot be imported here at the top).
+    if name in ("StaticLauncher", "StaticCluster"):
+        from mpmd.runtime.launchers import static
+        return getattr(static, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _arrays_out(b: wire.Builder, arrays) -> list:
@@ -145,7 +57,7 @@ def _arrays_out(b: wire.Builder, arrays) -> list:
     return [b.add(np.asarray(a)) for a in arrays]
 
 
-class ControlPlane:
+class ControlPlane(RunDispatch):
     """The Cluster protocol over gRPC workers that `launcher` starts and stops.
 
     token: the secret the launcher's workers hold (every RPC carries it).
@@ -162,11 +74,7 @@ class ControlPlane:
                  step_timeout_s: float | None = None):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
-        if step_timeout_s is not None and not (isinstance(step_timeout_s, (int, float)) and step_timeout_s > 0):
-            raise ValueError(f"step_timeout_s must be positive or None (derived from step times), "
-                             f"got {step_timeout_s!r}")
-        self.step_timeout_s = step_timeout_s
-        self._step_times: collections.deque = collections.deque(maxlen=20)
+        self._watch = RunWatch(self, step_timeout_s)     # waits for runs, aborts them
         self.launcher = launcher
         self._token = token
         self._connect_timeout_s = connect_timeout_s
@@ -183,7 +91,6 @@ class ControlPlane:
         self._meshes: list[dict] | None = None     # per slice: its mesh shape (None: data = its devices)
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight = InFlight()               # runs launched, not yet collected
-        self._collected_at = 0.0                   # monotonic time the last run was collected
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -314,12 +221,16 @@ class ControlPlane:
                         c.progress, c.progress_at = progress, time.monotonic()
 
     def step_timeout(self) -> float:
-        """The watchdog's timeout for the next step, in seconds."""
-        if self.step_timeout_s is not None:
-            return self.step_timeout_s
-        if not self._step_times:
-            return FIRST_STEP_TIMEOUT_S
-        return max(MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR * statistics.median(self._step_times))
+        """The watchdog's timeout for the next step, in seconds (runtime/control/runs.py)."""
+        return self._watch.step_timeout()
+
+    @property
+    def step_timeout_s(self) -> float | None:
+        return self._watch.step_timeout_s
+
+    @step_timeout_s.setter
+    def step_timeout_s(self, value: float | None) -> None:
+        self._watch.step_timeout_s = value
 
     def lost_slice(self) -> tuple[int, str] | None:
         """(slice, why) of a slice silent for longer than failure_timeout_s, if any."""
@@ -417,7 +328,7 @@ class ControlPlane:
         try:
             return receive(c, "WaitSaves", fut)[0].finalized
         except WorkerError as e:      # the worker died while writing: its slice is lost,
-            if e.code in _GONE:       # not its checkpoint (as _call reports every other verb)
+            if e.code in GONE:       # not its checkpoint (as _call reports every other verb)
                 raise WorkerLost(slice_index, e.address, str(e)) from None
             raise
 
@@ -428,118 +339,16 @@ class ControlPlane:
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self._call(slice_index, verbs.FinishRestore(commit))
 
-    def run(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
-            trace: bool = False) -> list[StepResult]:
-        return self.launch(plan, run, feeds, fetch, trace).result()
-
-    def launch(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
-               trace: bool = False) -> PendingRun:
-        """Send run `run` to every slice (its feeds with it) and return; see Cluster.launch."""
-        after = self._in_flight.after()
+    def _send(self, plan, run, after, feeds, fetch, trace) -> list:
         futs = []
         for i, c in enumerate(self.clients):
             b = wire.Builder()
             fed = {n: _arrays_out(b, arrays) for n, arrays in (feeds.get(i) or {}).items()}
             futs.append(send(c, verbs.Run(plan, run, after, fed, list(fetch.get(i, ())), trace), b.blobs))
-        return self._in_flight.add(PendingRun(run, self._collect, futs, time.monotonic()))
+        return futs
 
-    def _collect(self, run: PendingRun) -> list[StepResult]:
-        self._in_flight.collecting(run)
-        try:
-            return self._wait_run(run)
-        finally:
-            self._collected_at = time.monotonic()
-            if self._in_flight.runs and self._in_flight.runs[0] is run:
-                self._in_flight.done(run)
-
-    def _wait_run(self, run: PendingRun) -> list[StepResult]:
-        # A run sent ahead starts on the slices once the one before it is done: its clock
-        # (watchdog, step times) starts when that one was collected, or when it was sent.
-        run_id, futs = run.run, run.futures
-        t0 = max(run.sent_at, self._collected_at)
-        timeout_s = self.step_timeout()
-        # Wake on every completion (a sleep-poll here cost ~5 ms per step), and at least every
-        # 50 ms to look for a silent slice or a stalled step. `failed` keeps the order in
-        # which slices failed: the first is the root cause, later ones may be its echoes.
-        changed = threading.Event()
-        failed: list[int] = []
-        last_done = [t0]
-
-        def done(i, f):
-            last_done[0] = time.monotonic()
-            if not f.cancelled() and f.exception() is not None:
-                failed.append(i)
-            changed.set()
-        for i, f in enumerate(futs):
-            f.add_done_callback(lambda f, i=i: done(i, f))
-        lost = stalled = None
-        while lost is None and stalled is None and not failed and not all(f.done() for f in futs):
-            changed.wait(0.05)
-            changed.clear()
-            lost = self.lost_slice() or self._gone(futs)
-            stalled = self._stalled(run_id, futs, max(last_done[0], t0), timeout_s)
-        lost = lost or self.lost_slice() or self._gone(futs)
-        if lost is None and stalled is None and not failed:
-            self._step_times.append(time.monotonic() - t0)
-            return [self._step_result(c, f) for c, f in zip(self.clients, futs)]
-        # Every run in flight goes: this one, and those sent ahead of it (never run, or
-        # aborted where they started). Aborting the newest id aborts every earlier one.
-        later = [r.futures for r in self._in_flight.runs if r is not run]
-        newest = self._in_flight.drop_all(f"run {run_id} before it failed")
-        if lost is None and stalled is not None:
-            # The stalled slice is alive (it answers heartbeats): abort it too, wait not for it.
-            self._abort_all(newest, [futs] + later, stalled[0], abort_lost=True)
-            raise WorkerLost(stalled[0], self.clients[stalled[0]].address, stalled[1])
-        self._abort_all(newest, [futs] + later, lost[0] if lost else None)
-        # A survivor's error may be only the echo of a peer's death (its transfer broke):
-        # ask everyone before blaming the slice that reported first.
-        lost = lost or self._probe()
-        if lost is not None:
-            raise WorkerLost(lost[0], self.clients[lost[0]].address, lost[1])
-        order = failed + [i for i, f in enumerate(futs) if f.done() and not f.cancelled()
-                          and f.exception() is not None and i not in failed]
-        root = [i for i in order if futs[i].exception().code() != grpc.StatusCode.ABORTED] or order
-        raise self._step_failed(root[0], futs[root[0]].exception())
-
-    def _stalled(self, run: int, futs, last_done: float, timeout_s: float) -> tuple[int, str] | None:
-        """(slice, why) to blame if no slice has finished or advanced in run `run` for
-        timeout_s; the blamed one is unfinished and, if any is, not waiting for a peer."""
-        now = time.monotonic()
-        moved = [c.progress_at for c in self.clients if c.progress is not None and c.progress.run == run]
-        if now - max([last_done] + moved) <= timeout_s:
-            return None
-        unfinished = [i for i, f in enumerate(futs) if not f.done()]
-        where = {i: self.clients[i].progress for i in unfinished}
-        busy = [i for i in unfinished if where[i] is None or where[i].run != run or where[i].doing != "recv"]
-        blame = (busy or unfinished)[0]
-        at = {i: (f"instruction {p.done} ({p.doing})" if p is not None and p.run == run else "not started")
-              for i, p in where.items()}
-        return blame, (f"run {run} made no progress for {now - max([last_done] + moved):.1f} s "
-                       f"(step_timeout_s={timeout_s:g}); unfinished slices: "
-                       + ", ".join(f"{i} at {a}" for i, a in at.items()))
-
-    def _step_failed(self, slice_index: int, e: grpc.RpcError) -> Exception:
-        """The error a failed Run reply stands for: StepFailed naming slice and instruction."""
-        trailing = dict(e.trailing_metadata() or ())
-        at = trailing.get(FAILED_AT_KEY)
-        at = at.decode(errors="replace") if isinstance(at, bytes) else "Run"
-        address = self.clients[slice_index].address
-        return StepFailed(slice_index, at, f"{e.code().name} from worker {address}: {e.details()}")
-
-    @staticmethod
-    def _gone(futs) -> tuple[int, str] | None:
-        for i, f in enumerate(futs):
-            e = f.exception() if f.done() and not f.cancelled() else None
-            if isinstance(e, grpc.RpcError) and e.code() in _GONE:
-                return i, f"{e.code().name}: {e.details()}"
-        return None
-
-    def _probe(self) -> tuple[int, str] | None:
-        futs = [send(c, verbs.Empty(), timeout_s=min(2.0, self.failure_timeout_s), verb="Heartbeat")
-                for c in self.clients]
-        for f in futs:
-            f.exception()          # wait
-        return self._gone(futs)
+    def _wait(self, run: PendingRun) -> list[StepResult]:
+        return self._watch.wait(run, self._in_flight)
 
     def _call(self, slice_index: int, request, blobs=()):
         """The RPC of a request record to a slice: (reply record, blobs); a worker that is not
@@ -548,34 +357,9 @@ class ControlPlane:
         try:
             return call(c, request, blobs)
         except WorkerError as e:
-            if e.code in _GONE:
+            if e.code in GONE:
                 raise WorkerLost(slice_index, e.address, str(e)) from None
             raise
-
-    def _step_result(self, c: WorkerClient, fut) -> StepResult:
-        reply, blobs = receive(c, "Run", fut)
-        fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in reply.fetched.items()}
-        return StepResult(fetched, tuple(Event(*e) for e in reply.events), reply.wall_s, reply.peak_held,
-                          reply.peak_held_bytes, reply.peak_bytes)
-
-    def _abort_all(self, run: int, runs=(), lost: int | None = None, abort_lost: bool = False) -> None:
-        """Abort run `run` (and every earlier one) everywhere; `runs`: the per-slice Run
-        futures of each run in flight. The lost slice, if known, is not waited for: it is hung
-        or gone, and its Run is simply cancelled (it is sent the Abort too if `abort_lost`)."""
-        live = [i for i in range(len(self.clients)) if i != lost or abort_lost]
-        aborts = [(self.clients[i], send(self.clients[i], verbs.Abort(run), timeout_s=2.0)) for i in live]
-        for c, f in aborts:
-            try:
-                receive(c, "Abort", f)
-            except (WorkerError, Aborted):
-                pass
-        # Survivors answer ABORTED promptly once aborted.
-        deadline = time.monotonic() + 2.0
-        for futs in runs:
-            for i, f in enumerate(futs):
-                while i != lost and not f.done() and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                f.cancel()
 
     # -- shutdown ----------------------------------------------------------------------------
     def _detach(self) -> None:
@@ -601,63 +385,3 @@ class ControlPlane:
                 pass
         self._detach()
         self.launcher.stop()
-
-
-class StaticLauncher:
-    """Workers started elsewhere (`mpmd worker --listen HOST:PORT`), given by address. Slices
-    take the first addresses; the others are spares, each replacing one lost slice."""
-
-    def __init__(self, addresses: list[str]):
-        self.addresses = addresses
-        self._spares: list[str] = []
-
-    def start(self, num_slices: int, root: str | None = None) -> list[str]:
-        # root is not ours to set: each worker was started with its own --root, and refuses
-        # a checkpoint directory outside it.
-        if len(self.addresses) < num_slices:
-            raise ValueError(f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
-                             f"address(es): {self.addresses}")
-        self._spares = list(self.addresses[num_slices:])
-        return list(self.addresses)
-
-    def replace(self, slot: int) -> str:
-        if not self._spares:
-            raise ReplaceUnsupported(f"slice {slot} was lost and StaticCluster has no spare address left "
-                                     f"(give more addresses than slices to allow replacement)")
-        return self._spares.pop(0)
-
-    def stop(self) -> None:
-        pass          # not ours to stop: the control plane's Shutdown RPC is all they get
-
-
-class StaticCluster(ControlPlane):
-    """Workers started elsewhere with `mpmd worker --listen HOST:PORT --token-file F --root DIR`
-    (DIR must hold the run_dir of any Trainer that checkpoints on them).
-
-    A slice served by a gang of processes (runtime/worker/gang.py) is a list of its processes'
-    addresses, process 0 first (or cut from a flat list by `processes_per_slice`; None: 1
-    for a flat list, the lists' own length otherwise); each
-    process was started with `mpmd worker ... --coordinator HOST0:PORT --num-processes k
-    --process-id j`, HOST0:PORT a free port on process 0's host.
-    The first `num_slices` addresses serve slices; the others are spares that replace a
-    lost slice. A token file that its group or others may read is refused unless
-    `allow_insecure_token_file` (see read_token_file).
-    """
-
-    def __init__(self, addresses, *, token_file: str | None = None, token: str | None = None,
-                 connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
-                 transfer_host: str | None = None, step_timeout_s: float | None = None,
-                 allow_insecure_token_file: bool = False, processes_per_slice: int | None = None):
-        addresses = group_addresses(addresses, processes_per_slice)
-        if token is None:
-            if token_file is None:
-                raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
-            token = read_token_file(token_file, allow_insecure_token_file, "token_file",
-                                    "allow_insecure_token_file=True")
-        super().__init__(StaticLauncher(addresses), token, connect_timeout_s=connect_timeout_s,
-                         failure_timeout_s=failure_timeout_s, transfer_host=transfer_host, step_timeout_s=step_timeout_s)
-
-
-def new_token() -> str:
-    return secrets.token_hex(16)
-

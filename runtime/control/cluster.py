@@ -4,11 +4,11 @@ launcher must do for the one gRPC control plane.
 Two protocols:
 - `Cluster`: the verbs the Trainer calls. InProcessCluster (threads, runtime/control/inprocess.py)
   and the control plane behind StaticCluster, LocalCluster, RayCluster and SharedCluster
-  (runtime/control/client.py) implement them.
+  (runtime/control/client.py) implement them; both take `run` and `launch` from RunDispatch.
 - `Launcher`: the three verbs that start and stop workers (start -> addresses, replace one
   -> its address, stop). The control plane (runtime/control/client.py) owns everything else:
   clients, heartbeats, run/abort/probe, and what was shipped to each slice so a replacement
-  can be brought up to date. Launchers: StaticLauncher (runtime/control/client.py), LocalLauncher
+  can be brought up to date. Launchers: StaticLauncher (runtime/launchers/static.py), LocalLauncher
   (runtime/launchers/local.py), RayLauncher (runtime/launchers/ray.py), SharedLauncher
   (runtime/launchers/shared.py: workers leased from a shared cluster's manager).
 
@@ -28,6 +28,7 @@ StaticCluster whose spares ran out).
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from mpmd.runtime.wire.results import StepFailed, StepResult  # noqa: F401  (StepFailed: what `run` raises)
@@ -101,7 +102,9 @@ class InFlight:
         assert self.runs and self.runs[0] is run, f"run {run.run} collected out of order"
 
     def done(self, run: PendingRun) -> None:
-        self.runs.remove(run)
+        """`run` was collected: it leaves, unless a failure already dropped every run."""
+        if self.runs and self.runs[0] is run:
+            self.runs.remove(run)
 
     def drop_all(self, why: str) -> int:
         """Forget every run in flight, marking those not being collected as discarded; returns
@@ -111,6 +114,41 @@ class InFlight:
             r.discarded = why
         self.runs = []
         return newest
+
+
+class RunDispatch:
+    """`run` and `launch` as every cluster has them (run-ahead dispatch): a run is sent to
+    every slice naming the newest run in flight (`after`), kept in `_in_flight` and collected
+    oldest first; `run` is `launch(...).result()`. A cluster gives `_send` (start the run on
+    every slice: one future per slice, in slice order) and `_wait` (wait for those futures:
+    one StepResult per slice, or raise what Cluster.run raises, after dropping every run in
+    flight if it aborted them)."""
+
+    _in_flight: InFlight
+
+    def run(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
+            fetch: Mapping[int, Sequence[str]], trace: bool = False) -> list[StepResult]:
+        return self.launch(plan, run, feeds, fetch, trace).result()
+
+    def launch(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
+               fetch: Mapping[int, Sequence[str]], trace: bool = False) -> PendingRun:
+        """Send run `run` to every slice (its feeds with it) and return; see Cluster.launch."""
+        futures = self._send(plan, run, self._in_flight.after(), feeds, fetch, trace)
+        return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
+
+    def _collect(self, run: PendingRun) -> list[StepResult]:
+        self._in_flight.collecting(run)
+        try:
+            return self._wait(run)
+        finally:
+            self._in_flight.done(run)
+
+    def _send(self, plan: str, run: int, after: int, feeds: Mapping[int, Mapping[str, Sequence]],
+              fetch: Mapping[int, Sequence[str]], trace: bool) -> list:
+        raise NotImplementedError
+
+    def _wait(self, run: PendingRun) -> list[StepResult]:
+        raise NotImplementedError
 
 
 @runtime_checkable

@@ -9,16 +9,16 @@ two are pinned to identical results by the tests.
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import numpy as np
 
 from mpmd.runtime.worker import mesh
+from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import verbs
-from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported
+from mpmd.runtime.control.cluster import InFlight, PendingRun, ReplaceUnsupported, RunDispatch
 from mpmd.runtime.wire.results import Aborted, StepResult
 from mpmd.runtime.worker.executor import Executor
 
@@ -85,7 +85,7 @@ def meshes_for(shapes, devices=None) -> list[jax.sharding.Mesh]:
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts.") from None
 
 
-class InProcessCluster:
+class InProcessCluster(RunDispatch):
     """All slices in this process (the Cluster protocol of runtime/control/cluster.py). `devices`
     defaults to jax.devices()."""
 
@@ -115,60 +115,57 @@ class InProcessCluster:
         self.executors = [Executor(i, m, MemoryTransport(self._hub, m)) for i, m in enumerate(bound)]
         self._pool = ThreadPoolExecutor(2 * num_slices, thread_name_prefix="mpmd-slice")
 
+    # Each verb builds the record a worker's service takes (runtime/wire/verbs.py) as the control
+    # plane builds it, objects (arrays, program specs, instructions) in place of blob references
+    # and JSON, and checks it: a request the table refuses is refused here too, for every verb.
     def load_programs(self, slice_index: int, specs) -> None:
-        self.executors[slice_index].load_programs(specs)
+        r = verbs.check(verbs.LoadPrograms(list(specs.items())))
+        self.executors[slice_index].load_programs(dict(r.programs))
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
-        self.executors[slice_index].install_plan(name, stream)
+        # A packed stream stands for the blob the wire's `encoded` references: only its name is a field.
+        packed = isinstance(stream, streams.PackedStream)
+        r = verbs.check(verbs.InstallPlan(name, stream=None if packed else list(stream)))
+        self.executors[slice_index].install_plan(r.name, stream if packed else r.stream)
 
     def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
-        self.executors[slice_index].put(name, arrays, layouts)
+        r = verbs.check(verbs.Put(name, list(arrays), list(layouts) if layouts is not None else None))
+        self.executors[slice_index].put(r.name, r.arrays, r.layouts)
 
     def get(self, slice_index: int, names) -> dict:
-        return self.executors[slice_index].get(names)
+        return self.executors[slice_index].get(verbs.check(verbs.Get(list(names))).names)
 
     def delete(self, slice_index: int, names) -> None:
-        self.executors[slice_index].delete(names)
+        self.executors[slice_index].delete(verbs.check(verbs.Delete(list(names))).names)
 
     def save(self, slice_index: int, items: dict) -> None:
-        self.executors[slice_index].save(items)
+        self.executors[slice_index].save(verbs.check(verbs.Save(items)).items)
 
     def wait_saves(self, slice_index: int, directories=None) -> list[str]:
-        return self.executors[slice_index].wait_saves(directories)
+        r = verbs.check(verbs.WaitSaves(None if directories is None else list(directories)))
+        return self.executors[slice_index].wait_saves(r.directories)
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
-        self.executors[slice_index].restore(items, staged, layouts)
+        r = verbs.check(verbs.Restore(items, staged, dict(layouts) if layouts else None))
+        self.executors[slice_index].restore(r.items, r.staged, r.layouts)
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
-        self.executors[slice_index].finish_restore(commit)
+        self.executors[slice_index].finish_restore(verbs.check(verbs.FinishRestore(commit)).commit)
 
-    def run(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
-            trace: bool = False) -> list[StepResult]:
-        return self.launch(plan, run, feeds, fetch, trace).result()
-
-    def launch(self, plan: str, run: int, feeds: dict[int, dict], fetch: dict[int, tuple],
-               trace: bool = False) -> PendingRun:
+    def _send(self, plan, run, after, feeds, fetch, trace) -> list[Future]:
         # The pool runs tasks in submission order, so every task of a run has a thread before
         # any task of a later one: a task waiting for its turn never starves the one it waits for.
-        after = self._in_flight.after()
-        # The same Run record a worker's service takes (runtime/wire/verbs.py), arrays in place
-        # of blob references: a request the table refuses is refused here too.
         requests = [verbs.check(verbs.Run(plan, run, after, dict(feeds.get(i) or {}), list(fetch.get(i, ())), trace))
                     for i in range(len(self.executors))]
-        futures = [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
-                   for ex, r in zip(self.executors, requests)]
-        return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
+        return [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
+                for ex, r in zip(self.executors, requests)]
 
-    def _collect(self, run: PendingRun) -> list[StepResult]:
-        self._in_flight.collecting(run)
-
+    def _wait(self, run: PendingRun) -> list[StepResult]:
         def abort():
             newest = self._in_flight.drop_all(f"run {run.run} before it failed")
             for ex in self.executors:
                 ex.abort(newest)
-        results = gather(run.futures, on_error=abort, cleanup=self._hub.clear)
-        self._in_flight.done(run)
-        return results
+        return gather(run.futures, on_error=abort, cleanup=self._hub.clear)
 
     def replace(self, slice_index: int) -> None:
         """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is

@@ -28,7 +28,8 @@ import subprocess
 import threading
 import time
 
-from mpmd.runtime.control.client import ControlPlane, new_token
+from mpmd.runtime.control.client import ControlPlane
+from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 from mpmd.runtime.launchers.workers import (START_TIMEOUT_S, check_gpus, check_max_workers, check_processes_per_slice,
                                             check_worker_args, default_compilation_cache, free_port, num_workers_for, visible_gpus,

@@ -30,7 +30,8 @@ import os
 import threading
 import time
 
-from mpmd.runtime.control.client import ControlPlane, new_token
+from mpmd.runtime.control.client import ControlPlane
+from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 from mpmd.runtime.launchers.workers import check_processes_per_slice, check_worker_args, num_workers_for, worker_root
 

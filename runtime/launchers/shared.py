@@ -23,10 +23,12 @@ import time
 import grpc
 
 from mpmd.runtime.worker import mesh
-from mpmd.runtime.control.client import ControlPlane, WorkerClient, WorkerError
+from mpmd.runtime.wire import verbs
+from mpmd.runtime.control.client import ControlPlane
+from mpmd.runtime.control.rpc import WorkerClient, WorkerError, call
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 
-MANAGER_SERVICE = "mpmd.Manager"         # runtime/manager/core.py's SERVICE (not imported: it pulls the pool in)
+MANAGER_SERVICE = verbs.MANAGER_SERVICE   # the manager's (runtime/manager/core.py); its verbs: verbs.MANAGER_VERBS
 DEFAULT_CLUSTER_FILE = "mpmd-cluster.json"
 RENEW_S = 1.0
 MANAGER_AWAY_S = 60.0      # a queued job waits this long for a manager that does not answer
@@ -95,18 +97,16 @@ class SharedLauncher:
         root = os.path.realpath(root or os.getcwd())
         submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE)
         try:
-            ask = {"name": self.name, "slices": num_slices, "share": self.share, "root": root, "devices": self.devices}
-            if self.lease_s is not None:
-                ask["lease_s"] = self.lease_s
-            h = submit.call("Submit", ask, timeout_s=30.0)[0]
+            h = call(submit, verbs.Submit(num_slices, root, self.name, self.share, self.lease_s, self.devices),
+                     timeout_s=30.0)[0]
         except WorkerError as e:
             raise JobRefused(f"the shared cluster's manager at {self.address_of_manager} refused the job: "
                              f"{e}") from None
         finally:
             submit.close()
-        self.job, self.credential = h["job"], h["credential"]
+        self.job, self.credential = h.job, h.credential
         self._manager = WorkerClient(self.address_of_manager, self.credential, self._counts, MANAGER_SERVICE)
-        t0, position, workers = time.monotonic(), h["position"], h.get("workers", [])
+        t0, position, workers = time.monotonic(), h.position, h.workers
         shown = None
         while position:
             if position != shown:
@@ -117,13 +117,13 @@ class SharedLauncher:
                 raise JobRefused(f"job {self.job} still at position {position} after {self.wait_timeout_s:g} s")
             time.sleep(WAIT_POLL_S)
             try:
-                reply = self._manager.call("Wait", {"job": self.job}, timeout_s=10.0)[0]
+                reply = call(self._manager, verbs.JobRequest(self.job), timeout_s=10.0, verb="Wait")[0]
             except WorkerError as e:
                 if e.code in _MANAGER_AWAY and time.monotonic() - self._manager.last_ok < MANAGER_AWAY_S:
                     continue           # a manager restarting keeps the queue (runtime/manager/core.py)
                 self.stop()
                 raise JobRefused(f"job {self.job} lost its place in the queue: {e}") from None
-            position, workers = reply["position"], reply.get("workers", [])
+            position, workers = reply.position, reply.workers
         self.wait_s = time.monotonic() - t0
         self.addresses = list(workers)
         log.info("job %s leased %d worker(s) after %.1f s in the queue: %s", self.job, len(workers),
@@ -137,7 +137,7 @@ class SharedLauncher:
         failing_since = None          # one warning per outage, not one a second
         while not self._stop.wait(RENEW_S):
             try:
-                self._manager.call("Renew", {"job": self.job}, timeout_s=RENEW_S * 2)
+                call(self._manager, verbs.JobRequest(self.job), timeout_s=RENEW_S * 2, verb="Renew")
             except WorkerError as e:
                 if failing_since is None:
                     failing_since = time.monotonic()
@@ -150,7 +150,7 @@ class SharedLauncher:
 
     def replace(self, slot: int) -> str:
         try:
-            address = self._manager.call("Replace", {"job": self.job, "slot": slot}, timeout_s=120.0)[0]["address"]
+            address = call(self._manager, verbs.Replace(self.job, slot), timeout_s=120.0)[0].address
         except WorkerError as e:
             raise ReplaceUnsupported(f"the shared cluster gave no worker for slot {slot}: {e}") from None
         self.addresses[slot] = address
@@ -163,7 +163,7 @@ class SharedLauncher:
             self._renewer = None
         if self._manager is not None:
             try:
-                self._manager.call("Release", {"job": self.job}, timeout_s=10.0)
+                call(self._manager, verbs.JobRequest(self.job), timeout_s=10.0, verb="Release")
             except WorkerError as e:      # it expires after lease_s anyway
                 log.warning("job %s: releasing the lease failed: %s", self.job, e)
             self._manager.close()

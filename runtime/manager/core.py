@@ -4,13 +4,15 @@ It owns a pool of long-lived `mpmd worker --shared` processes (runtime/manager/w
 leases them to jobs. A slice is one worker; a job asks for `slices` of them.
 
 Service `mpmd.Manager` (unary, bodies in runtime/wire/format.py's frame format, credentials in the
-`mpmd-token` metadata checked before the body is read, as on the workers):
-  Submit  {name, slices, share, root, lease_s?} -> {job, credential, position}   submit token
+`mpmd-token` metadata checked before the body is read, as on the workers); each verb's request
+and reply are typed records of runtime/wire/verbs.py's MANAGER_VERBS, checked as a worker's are:
+  Submit  {name, slices, share, root, lease_s?, devices?} -> {job, credential, position, workers}
+                                                                                 submit token
   Wait    {job} -> {position, workers: [address] once leased}                    job credential
   Renew   {job} -> {}                                                            job credential
   Release {job} -> {}                                                            job credential
   Replace {job, slot} -> {address}                                               job credential
-  Status  -> {workers, jobs, leases}                                             submit token
+  Status  -> {workers, jobs, leases, workers_started}                            submit token
   Down    -> {}                                                                  cluster token
 The submit token is what users of the cluster hold (it is in the cluster file); the cluster
 token stays with the manager and the workers (a 0600 file in the cluster's directory): a
@@ -56,20 +58,19 @@ import grpc
 from mpmd.runtime.wire import credentials
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
-from mpmd.runtime.control.client import WorkerClient, WorkerError, call
+from mpmd.runtime.control.rpc import WorkerClient, WorkerError, call
 from mpmd.runtime.worker.service import ADMIN, TOKEN_KEY
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
 
-SERVICE = "mpmd.Manager"
+SERVICE = verbs.MANAGER_SERVICE
 HEALTH_S = 1.0            # workers are probed (Sessions) this often
 UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
 RPC_TIMEOUT_S = 5.0
 MAX_LEASE_S = 3600.0
 KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
-# Who may call what: "submit" (submit or cluster token), "job" (a job credential, on that job
-# only), "admin" (the cluster token).
-METHODS = {"Submit": "submit", "Status": "submit", "Wait": "job", "Renew": "job", "Release": "job",
-           "Replace": "job", "Down": "admin"}
+# Who may call what (the table's caller): "submit" (submit or cluster token), "job" (a job
+# credential, on that job only), "admin" (the cluster token).
+METHODS = {v.name: v.caller for v in verbs.MANAGER_VERBS.values()}
 log = logging.getLogger("mpmd.manager")
 
 
@@ -105,7 +106,7 @@ class Job:
 
 
 class Manager:
-    def __init__(self, pool: WorkerPool, cluster_token: str, submit_token: str, journal: str,
+    def __init__(self, pool: WorkerPool, *, cluster_token: str, submit_token: str, journal: str,
                  lease_s: float = 10.0):
         self.pool = pool
         self.cluster_token, self._submit_token = cluster_token, submit_token
@@ -140,8 +141,8 @@ class Manager:
                              f"cluster.devices_per_worker={d}")
         stem = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:48] or "job"
         with self._lock:
-            job = Job(credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), str(name)[:200], slices,
-                      bool(share), real, float(lease_s))
+            job = Job(id=credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), name=str(name)[:200],
+                      slices=slices, share=bool(share), root=real, lease_s=float(lease_s))
             self.jobs[job.id] = job
             self.queue.append(job.id)
             self._place()
@@ -363,8 +364,9 @@ class Manager:
                 if job_id not in self.jobs:      # leased after the last journal write
                     log.warning("job %s: found on workers %s but not in the journal; kept, as sharing",
                                 job_id, sorted(slots))
-                    self.jobs[job_id] = Job(job_id, job_id, len(slots), True, self.pool.root, self.lease_s,
-                                            "leased", sorted(slots))
+                    self.jobs[job_id] = Job(id=job_id, name=job_id, slices=len(slots), share=True,
+                                            root=self.pool.root, lease_s=self.lease_s, state="leased",
+                                            workers=sorted(slots))
             log.info("rebuilt: %d job(s) leased, %d queued", sum(j.state == "leased" for j in self.jobs.values()),
                      len(self.queue))
             self._save()
@@ -390,32 +392,31 @@ class Manager:
             return credentials.job_of(token, self.cluster_token)
         return None
 
-    def handle(self, method: str, who, h: dict) -> dict:
+    def handle(self, method: str, who, r):
+        """The reply record to request record `r` of `method` (verbs.MANAGER_VERBS), from `who`."""
         if method == "Submit":
-            job = self.submit(h.get("name", "job"), h.get("slices"), h.get("share", False), h.get("root"),
-                              h.get("lease_s", self.lease_s), h.get("devices"))
-            return {"job": job.id, "credential": credentials.job_credential(self.cluster_token, job.id),
-                    "position": self.position(job), "workers": self.addresses(job) if job.state == "leased" else []}
+            job = self.submit(r.name, r.slices, r.share, r.root, self.lease_s if r.lease_s is None else r.lease_s,
+                              r.devices)
+            return verbs.SubmitReply(job.id, credentials.job_credential(self.cluster_token, job.id),
+                                     self.position(job), self.addresses(job) if job.state == "leased" else [])
         if method == "Status":
-            return self.status()
+            return verbs.StatusReply(**self.status())
         if method == "Down":
             threading.Thread(target=self.down, daemon=True).start()
-            return {}
-        job_id = h.get("job")
-        if who is not ADMIN and job_id != who:
-            raise PermissionError(f"{method}: this credential is job {who}'s, not {job_id!r}'s")
-        job = self.seen(job_id)
+            return verbs.Empty()
+        if who is not ADMIN and r.job != who:
+            raise PermissionError(f"{method}: this credential is job {who}'s, not {r.job!r}'s")
+        job = self.seen(r.job)
         if method == "Wait":
             with self._lock:
-                return {"position": self.position(job),
-                        "workers": self.addresses(job) if job.state == "leased" else []}
+                return verbs.WaitReply(self.position(job), self.addresses(job) if job.state == "leased" else [])
         if method == "Renew":
-            return {}
+            return verbs.Empty()
         if method == "Release":
             self.end(job, "released")
-            return {}
+            return verbs.Empty()
         assert method == "Replace", method
-        return {"address": self.replace(job, h.get("slot"))}
+        return verbs.ReplaceReply(self.replace(job, r.slot))
 
     def down(self) -> None:
         """Stop every worker (by pid), then this process."""
@@ -453,7 +454,8 @@ class _Handler(grpc.GenericRpcHandler):
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
             try:
-                return wire.encode(self._m.handle(name, who, wire.decode(request)[0]), [])
+                r = verbs.decode_request(name, wire.decode(request)[0], verbs.MANAGER_VERBS)
+                return wire.encode(verbs.encode(self._m.handle(name, who, r)), [])
             except UnknownJob as e:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(e))
             except PermissionError as e:
@@ -487,16 +489,18 @@ class PoolBackend(NamedTuple):
 
 def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
     from mpmd.runtime.launchers.local import default_compilation_cache
-    pool = WorkerPool(args.dir, token_file, os.path.realpath(args.root or os.getcwd()), args.devices_per_worker,
-                      compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+    pool = WorkerPool(directory=args.dir, token_file=token_file, root=os.path.realpath(args.root or os.getcwd()),
+                      devices_per_worker=args.devices_per_worker, compile_cache_mb=args.compile_cache_mb,
+                      compilation_cache_dir=default_compilation_cache())
     pool.start(args.workers)
     return pool
 
 
 def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
     # Its actors belong to the manager's Ray driver and end with it: nothing to rejoin.
-    pool = RayWorkerPool(args.dir, cluster_token, os.path.realpath(args.root or os.getcwd()),
-                         args.devices_per_worker, args.ray_address, args.compile_cache_mb, args.lease_s)
+    pool = RayWorkerPool(directory=args.dir, token=cluster_token, root=os.path.realpath(args.root or os.getcwd()),
+                         devices_per_worker=args.devices_per_worker, ray_address=args.ray_address,
+                         compile_cache_mb=args.compile_cache_mb, lease_s=args.lease_s)
     pool.start(args.workers)
     return pool
 
@@ -530,12 +534,14 @@ def main(argv=None) -> int:
     if args.rejoin:
         with open(args.file) as f:
             saved = json.load(f)
-        pool = WorkerPool(args.dir, token_file, saved["root"], saved.get("devices_per_worker", 1),
-                          compile_cache_mb=args.compile_cache_mb, compilation_cache_dir=default_compilation_cache())
+        pool = WorkerPool(directory=args.dir, token_file=token_file, root=saved["root"],
+                          devices_per_worker=saved.get("devices_per_worker", 1), compile_cache_mb=args.compile_cache_mb,
+                          compilation_cache_dir=default_compilation_cache())
         pool.rejoin(saved["workers"])
     else:
         pool = POOLS[args.backend].start(args, token_file, cluster_token)
-    manager = Manager(pool, cluster_token, submit_token, os.path.join(args.dir, "jobs.json"), args.lease_s)
+    manager = Manager(pool, cluster_token=cluster_token, submit_token=submit_token,
+                      journal=os.path.join(args.dir, "jobs.json"), lease_s=args.lease_s)
     manager.cluster_file = args.file
     if args.rejoin:
         manager.rebuild()

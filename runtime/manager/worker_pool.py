@@ -41,7 +41,7 @@ class WorkerPool:
 
     backend = "local"
 
-    def __init__(self, directory: str, token_file: str, root: str, devices_per_worker: int = 1,
+    def __init__(self, *, directory: str, token_file: str, root: str, devices_per_worker: int = 1,
                  host: str = "127.0.0.1", compile_cache_mb: int | None = None, compilation_cache_dir: str = ""):
         self.directory, self.token_file, self.root = directory, token_file, root
         self.devices_per_worker, self.host = devices_per_worker, host
@@ -148,7 +148,7 @@ class RayWorkerPool:
 
     backend = "ray"
 
-    def __init__(self, directory: str, token: str, root: str, devices_per_worker: int = 1,
+    def __init__(self, *, directory: str, token: str, root: str, devices_per_worker: int = 1,
                  ray_address: str | None = None, compile_cache_mb: float | None = None, lease_s: float = 10.0):
         from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
         from mpmd.runtime.launchers.ray import RayLauncher

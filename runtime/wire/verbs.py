@@ -1,6 +1,6 @@
 """The worker's RPC verbs, in one table: each verb's request and reply as a typed record.
 
-The control plane (runtime/control/client.py) builds a request record and `encode`s it into
+The control plane (runtime/control/client.py, through rpc.py) builds a request record and `encode`s it into
 the JSON header of a frame (runtime/wire/format.py); the worker's service
 (runtime/worker/service.py) `decode_request`s the header back into the record before its
 handler runs, and the same in reverse for the reply. A verb added or changed is one entry
@@ -17,6 +17,9 @@ Nothing is pickled: the header is JSON, so decoding it runs no code.
 
 Callers: "job" verbs act on a job's session (a plain worker's one session), "admin" verbs
 are the shared cluster's manager's (the cluster token), "any" takes any valid credential.
+The manager's own service has a second table in the same style (MANAGER_VERBS): what a job
+and `mpmd cluster` ask of it (runtime/launchers/shared.py, recipes/cluster_cli.py), refused
+the same way when a field does not match.
 A layout is a PartitionSpec over the mesh axes as JSON (runtime/worker/instructions.py
 layout_to_json).
 """
@@ -193,12 +196,63 @@ class SessionsReply:
     cache: dict
 
 
-# -- the table -----------------------------------------------------------------------------
+# -- the shared cluster's manager (runtime/manager/core.py) -----------------------------------
+@dataclass(frozen=True)
+class Submit:
+    slices: int
+    root: str                        # the job's run_dir's root, below the cluster's
+    name: str = "job"                # shown in `mpmd cluster status`
+    share: bool = False              # time-share workers with other sharing jobs
+    lease_s: float | None = None     # None: the cluster's
+    devices: list | None = None      # devices of each slice's mesh; None: all of a worker's
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    job: str
+    credential: str                  # the job's: it reaches this job's sessions only
+    position: int                    # 0: leased; else its place in the FIFO queue (1 = next)
+    workers: list = field(default_factory=list)   # [address] once leased
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """Wait, Renew and Release: the job that asks (its credential's)."""
+    job: str
+
+
+@dataclass(frozen=True)
+class WaitReply:
+    position: int
+    workers: list                    # [address] once leased
+
+
+@dataclass(frozen=True)
+class Replace:
+    job: str
+    slot: int                        # the job's slice whose worker it lost
+
+
+@dataclass(frozen=True)
+class ReplaceReply:
+    address: str
+
+
+@dataclass(frozen=True)
+class StatusReply:
+    workers: list                    # [{slot, address, pid, health, live_bytes, cache, sessions}]
+    jobs: list                       # [{job, name, state, slices, share, position, workers, ...}]
+    leases: dict                     # {job: [address]}
+    workers_started: int
+
+
+# -- the tables ----------------------------------------------------------------------------
 class Verb(NamedTuple):
     name: str
     request: type
     reply: type
-    caller: str          # "job", "admin" or "any" (see the module docstring)
+    caller: str          # worker verbs: "job", "admin" or "any" (see the module docstring);
+                         # manager verbs: "submit", "job" or "admin" (runtime/manager/core.py)
 
 
 VERBS: dict[str, Verb] = {v.name: v for v in (
@@ -222,13 +276,28 @@ VERBS: dict[str, Verb] = {v.name: v for v in (
     Verb("CloseSession", CloseSession, CloseSessionReply, "admin"),
     Verb("Sessions", Empty, SessionsReply, "admin"),
 )}
-# The verb of each request record that only one verb takes (Empty is several verbs').
-_VERB_OF = {v.request: v.name for v in VERBS.values() if v.request is not Empty}
+# The manager's service, mpmd.Manager: the same frames, records and checks.
+MANAGER_VERBS: dict[str, Verb] = {v.name: v for v in (
+    Verb("Submit", Submit, SubmitReply, "submit"),
+    Verb("Status", Empty, StatusReply, "submit"),
+    Verb("Wait", JobRequest, WaitReply, "job"),
+    Verb("Renew", JobRequest, Empty, "job"),
+    Verb("Release", JobRequest, Empty, "job"),
+    Verb("Replace", Replace, ReplaceReply, "job"),
+    Verb("Down", Empty, Empty, "admin"),
+)}
+# Each gRPC service's table (runtime/worker/service.py serves the first, the manager the second).
+WORKER_SERVICE = "mpmd.Worker"
+MANAGER_SERVICE = "mpmd.Manager"
+TABLES: dict[str, dict[str, Verb]] = {WORKER_SERVICE: VERBS, MANAGER_SERVICE: MANAGER_VERBS}
 
 
-def verb_of(request) -> str:
-    """The verb a request record is sent as."""
-    return _VERB_OF[type(request)]
+def verb_of(request, table: dict[str, Verb] = VERBS) -> str:
+    """The verb of `table` a request record is sent as; a record that several verbs take
+    (Empty, JobRequest) is sent under a verb named by the caller."""
+    names = [v.name for v in table.values() if v.request is type(request)]
+    assert len(names) == 1, f"{type(request).__name__} is the request of {names or 'no verb'}: name the verb"
+    return names[0]
 
 
 def encode(record) -> dict:
@@ -250,17 +319,17 @@ def _header(record) -> dict:
     return {f.name: v for f in dataclasses.fields(record) if (v := getattr(record, f.name)) is not None}
 
 
-def decode_request(verb: str, header: dict):
-    """The request record of `verb` from a received header; ValueError naming the verb and
-    the field that is missing, of the wrong type, or not one of the verb's."""
-    if verb not in VERBS:
-        raise ValueError(f"no verb {verb!r}; the verbs are {', '.join(VERBS)}")
-    return _decode(VERBS[verb].request, header, f"{verb} request")
+def decode_request(verb: str, header: dict, table: dict[str, Verb] = VERBS):
+    """The request record of `verb` (of `table`) from a received header; ValueError naming the
+    verb and the field that is missing, of the wrong type, or not one of the verb's."""
+    if verb not in table:
+        raise ValueError(f"no verb {verb!r}; the verbs are {', '.join(table)}")
+    return _decode(table[verb].request, header, f"{verb} request")
 
 
-def decode_reply(verb: str, header: dict):
+def decode_reply(verb: str, header: dict, table: dict[str, Verb] = VERBS):
     """The reply record of `verb` from a received header (ValueError as decode_request)."""
-    return _decode(VERBS[verb].reply, header, f"{verb} reply")
+    return _decode(table[verb].reply, header, f"{verb} reply")
 
 
 def _decode(record: type, header: dict, what: str):

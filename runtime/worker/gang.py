@@ -93,11 +93,12 @@ class GangFuture:
 
 class GangClient:
     """The control plane's client for one slice served by a gang: `members[j]` is a
-    mpmd.runtime.control.client.WorkerClient for process j. Same verbs as a WorkerClient."""
+    mpmd.runtime.control.rpc.WorkerClient for process j. Same verbs as a WorkerClient."""
 
     def __init__(self, members: list):
         self.members = members
         self.address = tuple(m.address for m in members)
+        self.service = members[0].service       # a worker's: runtime/wire/verbs.py WORKER_SERVICE
         self.progress = None                  # process 0's, from the last heartbeat
         self.progress_at = time.monotonic()   # when `progress` last changed
 

@@ -3,6 +3,7 @@
 shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t}."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
@@ -28,14 +29,26 @@ def shape_of(shape) -> tuple[int, ...]:
     return sizes
 
 
+def devices_problem(shape, devices: int, has: str) -> str | None:
+    """None when the mesh of `shape` is `devices` devices, as a slice's mesh must be (each of
+    its devices once); else 'data=1 x fsdp=1 x tensor=3 = 3 devices, but <has>: the axes'
+    product must equal it'. The one rule that the config (before JAX is imported), the
+    Trainer (mpmd.stages.sharding.slice_meshes) and a worker binding its mesh apply."""
+    sizes = shape_of(shape)
+    product = math.prod(sizes)
+    if product == devices:
+        return None
+    return (f"{' x '.join(f'{a}={n}' for a, n in zip(AXES, sizes))} = {product} devices, but {has}: "
+            f"the axes' product must equal it")
+
+
 def bind(shape, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
     """The mesh of `shape` over exactly these devices, in order."""
     import jax     # here, not above: the config checks a mesh against AXES before JAX is imported
-    sizes = shape_of(shape)
-    if len(devices) != int(np.prod(sizes)):
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} device(s), "
-                         f"this slice has {len(devices)}")
-    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(sizes), AXES)
+    problem = devices_problem(shape, len(devices), f"this slice has {len(devices)}")
+    if problem:
+        raise ValueError(f"mesh {problem}")
+    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape_of(shape)), AXES)
 
 
 def bind_all(shapes, devices: Sequence[jax.Device]) -> list[jax.sharding.Mesh]:

@@ -73,7 +73,7 @@ from mpmd.runtime.worker.executor import Executor
 from mpmd.runtime.worker.instructions import Spec
 from mpmd.runtime.worker.sessions import Session, SessionTable, live_bytes
 
-SERVICE = "mpmd.Worker"
+SERVICE = verbs.WORKER_SERVICE
 TOKEN_KEY = "mpmd-token"
 # Shipped programs and activations can be large; gRPC's 4 MB default would refuse them.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
@@ -282,7 +282,8 @@ class WorkerService:
 
     def Sessions(self, s, r: verbs.Empty, b):
         sessions = self.sessions.all() if self.shared else [self._solo] if self.attached else []
-        return verbs.SessionsReply(os.getpid(), len(jax.devices()), live_bytes(),
+        idle = all(x.executor is None for x in sessions)      # then a leftover is a leak: collect it
+        return verbs.SessionsReply(os.getpid(), len(jax.devices()), live_bytes(collect=idle),
                                    [x.describe() for x in sessions], self.cache.stats()), []
 
     def reset(self) -> None:

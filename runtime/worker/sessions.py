@@ -158,11 +158,16 @@ class SessionTable:
             return list(self._sessions.values())
 
 
-def live_bytes() -> int:
+def live_bytes(collect: bool = True) -> int:
     """Bytes of every live JAX array in this process (all sessions, the cache's constants).
 
-    Collected first: an aborted run can leave its arrays in a reference cycle (an exception's
-    traceback holding its frames), which an idle worker, allocating nothing, would otherwise
-    count for as long as it stays idle."""
-    gc.collect()
+    collect: garbage-collect first. An aborted run can leave its arrays in a reference cycle
+    (an exception's traceback holding its frames), which an idle worker, allocating nothing,
+    would otherwise count for as long as it stays idle. A full collection holds the GIL for
+    75-130 ms in a worker (benchmarks/bench_live_bytes.py, docs/benchmarks.md), against
+    0.1-13 ms for the sum, so the service collects only when no session holds an executor:
+    when the figure is read as what an idle worker leaks, not while a job's steps run beside
+    the manager's probe (every second)."""
+    if collect:
+        gc.collect()
     return sum(a.nbytes for a in jax.live_arrays())

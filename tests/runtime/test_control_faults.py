@@ -156,13 +156,15 @@ def test_a_slow_step_that_progresses_is_not_aborted(cluster):
 
 
 def test_derived_step_timeout():
-    from mpmd.runtime.control.client import FIRST_STEP_TIMEOUT_S, ControlPlane
+    from mpmd.runtime.control.client import ControlPlane
+    from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, RunWatch
     plane = ControlPlane(launcher=None, token="t" * 32)
     assert plane.step_timeout() == FIRST_STEP_TIMEOUT_S
-    plane._step_times.extend([0.1, 0.2, 10.0])
-    assert plane.step_timeout() == 60.0            # max(60 s, 20 x 0.2 s)
-    plane._step_times.extend([10.0, 10.0])
-    assert plane.step_timeout() == 200.0           # 20 x the median, 10 s
+    watch = RunWatch(plane, step_timeout_s=None)   # the part of the plane that times its runs
+    watch.step_times.extend([0.1, 0.2, 10.0])
+    assert watch.step_timeout() == 60.0            # max(60 s, 20 x 0.2 s)
+    watch.step_times.extend([10.0, 10.0])
+    assert watch.step_timeout() == 200.0           # 20 x the median, 10 s
     with pytest.raises(ValueError, match="step_timeout_s must be positive or None"):
         ControlPlane(launcher=None, token="t" * 32, step_timeout_s=0)
 

@@ -217,7 +217,7 @@ def test_cut_and_assemble_move_every_element(src, dst, layout):
 def test_mesh_product_must_equal_the_workers_devices():
     cluster = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
-    with pytest.raises(sharding.LayoutError, match=r"slice 1: mesh data=1 x fsdp=1 x tensor=4 is 4 device"):
+    with pytest.raises(sharding.LayoutError, match=r"slice 1: mesh data=1 x fsdp=1 x tensor=4 = 4 devices, but each slice has 2"):
         mpmd.Trainer(pipe, sgd(), num_microbatches=M, mesh=[{"data": 2}, {"tensor": 4}], cluster=cluster)
     assert cluster.num_slices == 0      # no worker was started
 

@@ -10,7 +10,8 @@ from pydantic import Field
 
 from mpmd import schedules
 from mpmd.recipes.config import ClusterSection, Config, ModelSection
-from mpmd.recipes.registry import BackendSpec, ModelSpec, register_backend_spec, register_model_spec
+from mpmd.recipes.registry import (BackendSpec, ModelSpec, flax_build, layers_problems, models_loss, register_backend_spec,
+                                   register_model_spec)
 
 
 class RampSection(ModelSection):
@@ -19,16 +20,9 @@ class RampSection(ModelSection):
     depth: int = Field(2, gt=0, description="hidden layers")
 
 
-def _build(cfg: Config, abstract: bool):
-    from flax import nnx
-
-    import mpmd
+def _ramp(cfg: Config, rngs):
     from mpmd import models
-    m = cfg.model
-
-    def make():
-        return models.MLP(m.width, m.width, m.depth, 2, rngs=nnx.Rngs(cfg.seed))
-    return mpmd.abstract(make) if abstract else make()
+    return models.MLP(cfg.model.width, cfg.model.width, cfg.model.depth, 2, rngs=rngs)
 
 
 def _sources(cfg: Config):
@@ -36,18 +30,11 @@ def _sources(cfg: Config):
     return data.SyntheticRegression(cfg.model.width, 2, 0), data.SyntheticRegression(cfg.model.width, 2, 1)
 
 
-def _loss(cfg: Config):
-    from mpmd import models
-    return models.mse_loss
-
-
 def _problems(cfg: Config) -> list[str]:
-    if cfg.pipeline.num_stages > cfg.model.depth + 1:
-        return [f"pipeline.num_stages={cfg.pipeline.num_stages} is more than the ramp's {cfg.model.depth + 1} layers"]
-    return []
+    return layers_problems(cfg, cfg.model.depth + 1, f"{cfg.model.depth} hidden + output")
 
 
-RAMP = register_model_spec(ModelSpec("ramp", RampSection, build=_build, loss=_loss, sources=_sources,
+RAMP = register_model_spec(ModelSpec("ramp", RampSection, build=flax_build(_ramp), loss=models_loss("mse_loss"), sources=_sources,
                                      tokens_per_example=lambda cfg: 1, problems=_problems))
 
 

@@ -1,0 +1,395 @@
+"""The schema: every section of a run's config, each key's default and description, the
+variants of model.* and cluster.* picked by model.kind and cluster.backend, and what a
+resumed run may not change (MATH_KEYS).
+
+A section's own bounds are its fields'; what spans sections is problems.py's, run by
+Config's validator; which keys exist and how they are read is loading.py's.
+"""
+
+import hashlib
+import json
+import re
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+
+from mpmd.recipes import registry
+from mpmd.recipes.config import problems
+from mpmd.stages.mesh_axes import AXES
+from mpmd.schedules import core as schedules
+
+
+class ConfigError(ValueError):
+    """A config the user wrote is invalid; the message names the key and what is allowed."""
+
+
+class _Section(BaseModel):
+    # strict: YAML already gives typed values, so "5" for an int is a mistake, not a coercion.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSection(_Section):
+    """model.*: the keys every family takes; each family's section (its ModelSpec's, in
+    recipes/families/) adds its own, and model.kind picks the section."""
+    kind: str = Field("gpt", description="which model to build (each family's own keys: its section in "
+                                         "recipes/families/)", json_schema_extra={"one_of": "model"})
+
+
+class DataConfig(_Section):
+    source: Literal["stdlib", "files", "synthetic"] = Field(
+        "stdlib", description="stdlib = this Python's own .py files as bytes; no download")
+    paths: list[str] = Field([], description="files source: file paths, directories or globs")
+    eval_fraction: float = Field(
+        0.05, gt=0, lt=1, description="last fraction of the byte corpus held out for eval")
+    max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(200, gt=0, description="optimizer steps; step k is the k-th update")
+    batch_size: int = Field(16, gt=0, description="sequences (or examples) per global batch")
+    eval_every: int = Field(50, ge=0, description="eval every N steps and at the end; 0 = never")
+    eval_batches: int = Field(4, gt=0, description="batches averaged per eval")
+    sample_tokens: int = Field(200, ge=0, description="sample length in tokens at the end; 0 = none")
+    sample_prompt: str = Field("def ", description="text the final sample continues")
+    sample_temperature: float = Field(
+        0.8, ge=0, description="divides the logits before sampling; 0 = greedy (argmax)")
+    sample_top_k: int = Field(40, ge=0, description="sample among the k likeliest tokens; 0 = all")
+    run_ahead: int = Field(
+        1, ge=0, description="steps sent to the slices ahead of the one running (each queues "
+                             "behind it, hiding the gap between steps); 0 = one step at a time")
+
+
+class OptimizerConfig(_Section):
+    name: Literal["adamw", "adam", "sgd"] = Field("adamw", description="optax optimizer")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay; adamw only")
+    b1: float = Field(0.9, ge=0, lt=1, description="adam beta1; sgd momentum (0 = plain sgd)")
+    b2: float = Field(0.95, ge=0, lt=1, description="adam beta2; unused by sgd")
+    warmup_steps: int = Field(
+        20, ge=0, description="linear warmup from 0 to lr over this many steps, then constant")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="clip the global gradient norm to this; null = no clipping")
+
+
+class PipelineConfig(_Section):
+    num_stages: int = Field(2, gt=0, description="pipeline stages the model is split into")
+    schedule: str = Field(
+        "1f1b", description="order of forward/backward tasks on each slice",
+        json_schema_extra={"one_of": "schedule"})
+    num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
+    virtual_stages: int = Field(
+        1, gt=0, description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
+                             "(their V, the default for them), else 1")
+
+    cuts: list[int] | None = Field(
+        None, description="the layer (or, for a custom model's list of stages, the stage) where each "
+                          "pipeline stage after the first begins, increasing; null = cut where the "
+                          "stages' estimated costs balance (`mpmd tune` writes measured ones)")
+
+    @field_validator("schedule")
+    @classmethod
+    def _known_schedule(cls, name: str) -> str:
+        return _known("pipeline.schedule", name, schedules.SCHEDULES)
+
+    @model_validator(mode="after")
+    def _schedule_default(self):
+        if "virtual_stages" not in self.model_fields_set:     # not given: the schedule's own
+            self.virtual_stages = schedules.default_virtual_stages(self.schedule)
+        return self
+
+
+class ClusterSection(_Section):
+    """cluster.*: the keys every backend takes; each backend's section (its BackendSpec's, in
+    recipes/backends/) adds its own, and cluster.backend picks the section."""
+    backend: str = Field(
+        "local", description="where the slices run (each backend's own keys: its section in recipes/backends/): "
+                             "inprocess = threads; local = processes here; static = by address; "
+                             "shared = slices leased from a persistent cluster (`mpmd cluster up`)",
+        json_schema_extra={"one_of": "cluster"})
+    num_workers: int | None = Field(
+        None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
+    devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
+    processes_per_slice: int = Field(
+        1, gt=0, description="local, static, ray: worker processes (one per host) that together own one slice's "
+                             "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice")
+    step_timeout_s: float | None = Field(
+        None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
+                                "null = max(60 s, 20 x the median recent step time)")
+    # Their rules are mpmd.Recovery's (mpmd/train/options.py), checked by building one.
+    on_loss: str = Field(
+        "auto", description="a lost worker: replace = a new one or stop; shrink = go on with the same stages "
+                            "on the survivors, back to all slices at a checkpoint once workers can start "
+                            "again; auto = replace if one comes within replace_timeout_s, else shrink",
+        json_schema_extra={"one_of": "on_loss"})
+    replace_timeout_s: float = Field(
+        60.0, description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
+    slice_memory_bytes: int | None = Field(
+        None, description="bytes a layout on fewer slices may hold on one slice (parameters, "
+                          "gradients, optimizer state, saved activations); null = not checked")
+
+    def recovery(self):
+        """The Trainer's mpmd.Recovery record of these keys."""
+        from mpmd.train.options import Recovery
+        return Recovery(on_loss=self.on_loss, replace_timeout_s=self.replace_timeout_s,
+                        slice_memory_bytes=self.slice_memory_bytes)
+
+    @model_validator(mode="after")
+    def _recovery_rules(self):
+        _record_rules("cluster", self.recovery)
+        return self
+
+
+class WorkerSection(ClusterSection):
+    """cluster.*: what the backends whose slices are worker processes add."""
+    token_file: str | None = Field(
+        None, description="file holding the cluster secret; static needs one, others generate it; "
+                          "shared with cluster.address: the submit token")
+    failure_timeout_s: float | None = Field(
+        None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
+                                "and replaced; null = the cluster's default (5 s)")
+
+
+
+class TuneConfig(_Section):
+    """What `mpmd tune` searches and how it confirms (recipes/tune_cli.py); `mpmd train`
+    ignores this section."""
+    memory_gb: float | None = Field(
+        None, gt=0, description="per-slice memory cap in GiB the predicted peak must fit; null = the "
+                                "device's memory (on CPU: this host's memory / workers)")
+    confirm: int = Field(3, ge=0, description="best predicted candidates run for real; 0 = none")
+    confirm_steps: int = Field(3, gt=0, description="timed steps per confirmed candidate (after one warm-up)")
+    microbatch_counts: list[typing.Annotated[int, Field(gt=0)]] | None = Field(
+        None, description="microbatch counts to consider, each dividing train.batch_size; null = every divisor")
+    schedule_names: list[str] | None = Field(
+        None, description="schedules to consider; null = all", json_schema_extra={"one_of": "schedule"})
+    max_virtual_stages: int = Field(4, gt=0, description="most stages per slice interleaved-1f1b may take")
+    output: str = Field("tuned.yaml", description="where the winner's config is written")
+
+    @field_validator("schedule_names")
+    @classmethod
+    def _known_schedules(cls, names):
+        for i, name in enumerate(names or []):
+            _known(f"tune.schedule_names[{i}]", name, schedules.SCHEDULES)
+        return names
+
+
+# The mesh axes of every slice, in order: defined once, in the runtime (which imports JAX only to
+# bind a mesh to devices), so a config is checked against them before JAX is imported.
+MESH_AXES = AXES
+
+
+class SliceShape(_Section):
+    """One slice's mesh: data x fsdp x tensor devices (mpmd.stages.sharding.SliceMesh)."""
+    data: int | None = Field(
+        None, gt=0, description="ways a microbatch is split (data parallel); null = the devices "
+                                "fsdp x tensor leave: max(1, cluster.devices_per_worker // (fsdp x tensor))")
+    fsdp: int = Field(1, gt=0, description="ways a microbatch and the parameter dims the rules put "
+                                           "on fsdp are split (ZeRO-3)")
+    tensor: int = Field(1, gt=0, description="ways the parameter dims the rules put on tensor are "
+                                             "split (Megatron-style)")
+
+    def resolved(self, devices_per_worker: int) -> dict[str, int]:
+        """{data, fsdp, tensor} with data's null replaced (what mpmd.Trainer(mesh=...) takes)."""
+        data = self.data or max(1, devices_per_worker // (self.fsdp * self.tensor))
+        return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+class MeshConfig(SliceShape):
+    stages: list[SliceShape] | None = Field(
+        None, description="one {data, fsdp, tensor} per slice (worker), replacing the shape above "
+                          "for that slice; null = every slice alike")
+    rules: dict[str, Any] = Field(
+        {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
+                        "overrides mpmd.stages.sharding.RULES")
+
+
+class CheckpointConfig(_Section):
+    """Their rules are mpmd.Checkpointing's (mpmd/train/options.py), checked by building one."""
+    every: int = Field(50, description="save every N steps and at the end; 0 = end only")
+    memory_every: int = Field(
+        0, description="also snapshot every N steps in host memory, copied to a peer slice: "
+                       "a lost worker is restored from it and replays at most N steps; 0 = off")
+    keep: int = Field(2, description="newest committed checkpoints kept on disk")
+    max_failed_saves: int = Field(
+        1, description="saves that may fail after a failed one (retries, or saves already "
+                       "in flight) before training stops at the last committed step")
+
+    def record(self, metadata: dict | None = None):
+        """The Trainer's mpmd.Checkpointing record of these keys, with `metadata` in every manifest."""
+        from mpmd.train.options import Checkpointing
+        return Checkpointing(every=self.every, keep=self.keep, max_failed_saves=self.max_failed_saves,
+                             memory_every=self.memory_every, metadata=dict(metadata or {}))
+
+    @model_validator(mode="after")
+    def _checkpointing_rules(self):
+        _record_rules("checkpoint", self.record)
+        return self
+
+
+class LogConfig(_Section):
+    every: int = Field(10, gt=0, description="log a line (and flush scalars) every N steps")
+    trace_steps: list[typing.Annotated[int, Field(gt=0)]] = Field(
+        [2, 3], description="steps whose per-task timeline is written as a Perfetto trace")
+    tensorboard: bool = Field(True, description="also write scalars to <run_dir>/tb")
+    progress: Literal["auto", "bar", "lines"] = Field(
+        "auto", description="auto = tqdm bar on a terminal, log lines otherwise")
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "warning", description="least level of log records on the console (workers' too, one line "
+                               "each); info and up always go to <run_dir>/logs; $MPMD_LOG overrides")
+
+
+MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+# The sections picked by a key inside them: section -> (that key, the registry of its variants).
+VARIANTS = {"model": ("kind", ModelSection, registry.model_specs),
+             "cluster": ("backend", ClusterSection, registry.backend_specs)}
+
+
+def variant(section: str, values) -> type[BaseModel]:
+    """The section class for the values given (a dict, or a section already built): the
+    registered spec's of its kind (model) or backend (cluster); ValueError naming those known."""
+    key, base, specs = VARIANTS[section]
+    if isinstance(values, BaseModel):
+        return type(values)
+    name = values.get(key, base.model_fields[key].default) if isinstance(values, dict) else None
+    known = specs()
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"{section}.{key} must be one of {registry.one_of(known)}, got {name!r}")
+    return known[name].section
+
+
+def _known(key: str, name, names) -> str:
+    if name not in names:
+        raise ValueError(f"{key} must be one of {registry.one_of(names)}, got {name!r}")
+    return name
+
+
+def _record_rules(section: str, make) -> None:
+    """Builds the Trainer's option record of a section (its __post_init__ holds the rules);
+    its ValueError, naming the field, becomes one naming the key."""
+    try:
+        make()
+    except ValueError as e:
+        raise ValueError(f"{section}.{e}") from None
+
+
+class Config(_Section):
+    imports: list[str] = Field(
+        [], description="modules imported before the rest of the config is checked, e.g. [my_pkg.my_family]: "
+                        "a module that registers a model family (mpmd.recipes.registry.register_model_spec), "
+                        "a cluster backend (register_backend_spec) or a schedule (mpmd.schedules."
+                        "register_schedule) makes its name valid for model.kind, cluster.backend or "
+                        "pipeline.schedule; the working directory is on the import path")
+    run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
+    seed: int = Field(0, description="seeds parameter init and data order")
+    # model and cluster: the section of the registered family or backend their kind/backend names.
+    model: SerializeAsAny[ModelSection] = Field(default_factory=lambda: variant("model", {})())
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    cluster: SerializeAsAny[ClusterSection] = Field(default_factory=lambda: variant("cluster", {})())
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    tune: TuneConfig = TuneConfig()
+
+    @field_validator("model", "cluster", mode="before")
+    @classmethod
+    def _registered_section(cls, values, info):
+        section = variant(info.field_name, values)
+        return values if isinstance(values, section) else section.model_validate(values)
+
+    @field_validator("imports")
+    @classmethod
+    def _module_names(cls, names):
+        for i, name in enumerate(names):
+            if not MODULE.match(name):
+                raise ValueError(f"imports[{i}]={name!r} must be a module name, e.g. my_pkg.my_family")
+        return names
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes (= pipeline slices): each holds virtual_stages stages."""
+        return self.pipeline.num_stages // self.pipeline.virtual_stages
+
+    def slice_shapes(self) -> list[dict[str, int]]:
+        """{data, fsdp, tensor} of each slice's mesh, one per slice (mesh.stages, else mesh)."""
+        shapes = self.mesh.stages if self.mesh.stages is not None else [self.mesh] * self.num_workers
+        return [s.resolved(self.cluster.devices_per_worker * self.cluster.processes_per_slice) for s in shapes]
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of every slice together (what the inprocess backend needs in one process)."""
+        return sum(s["data"] * s["fsdp"] * s["tensor"] for s in self.slice_shapes())
+
+    def hash(self, exclude: typing.Iterable[str] = ()) -> str:
+        """12 hex digits of sha256 over the resolved config, minus the dotted keys in exclude."""
+        values = self.model_dump(mode="json")
+        for key in exclude:
+            *sections, leaf = key.split(".")
+            node = values
+            for section in sections:
+                node = node[section]
+            del node[leaf]
+        text = json.dumps(values, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def math(self) -> dict[str, Any]:
+        """{dotted key: value} of every key in MATH_KEYS: what a resumed run must not change."""
+        values = self.model_dump(mode="json")
+        out = {}
+        for key in MATH_KEYS:
+            node = values
+            for part in key.split("."):
+                node = node[part]
+            out.update(_flatten(node, key) if isinstance(node, dict) else {key: node})
+        return out
+
+    def math_hash(self) -> str:
+        """12 hex digits of sha256 over math(): equal hashes, equal training updates."""
+        text = json.dumps(self.math(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> "Config":
+        found = problems.cross_field_problems(self)
+        if found:
+            raise ValueError("\n".join(found))
+        return self
+
+
+# The keys that change what training computes. Others (train.steps, logging, checkpoint
+# cadence, the cluster, run_dir, and the mesh: how the same math is spread over devices)
+# may change between a run and its resume.
+MATH_KEYS = ("seed", "model", "data", "optimizer", "train.batch_size", "pipeline.num_microbatches")
+
+
+def _flatten(values: dict, prefix: str) -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        out.update(_flatten(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
+    return out
+
+
+def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """'key: saved -> now' for every math key whose value differs. A model key only one side
+    has, at the default of a family that has it, is no change (a manifest from before the
+    model section was per family records every family's keys)."""
+    def same(k):
+        if k in saved and k in now:
+            return saved[k] == now[k]
+        section, _, name = k.partition(".")
+        one = saved if k in saved else now
+        return section in VARIANTS and "." not in name and default_elsewhere(section, name, one[k])
+    return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
+            for k in sorted(set(saved) | set(now)) if not same(k)]
+
+
+def default_elsewhere(section: str, name: str, value) -> bool:
+    """Whether `value` of key section.name is the default of a variant that has the key: such a
+    key says nothing the variant without it does not mean (a resolved config from before the
+    sections were per kind lists every family's keys at their defaults)."""
+    specs = VARIANTS[section][2]()
+    return any(name in spec.section.model_fields and spec.section.model_fields[name].default == value
+               for spec in specs.values())

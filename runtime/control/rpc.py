@@ -1,0 +1,105 @@
+"""One gRPC client per worker (or per shared cluster's manager), and the typed verb helpers.
+
+`send`, `receive` and `call` take and give the records of runtime/wire/verbs.py: a request
+record is checked and encoded into a frame's header, a reply decoded back into its record.
+Whoever talks to a worker or a manager (the control plane, the manager, `mpmd cluster`)
+calls it through these. A gang's slice has a GangClient (runtime/worker/gang.py) with the
+same verbs.
+"""
+from __future__ import annotations
+
+import collections
+import secrets
+import time
+
+import grpc
+
+from mpmd.runtime.wire import format as wire
+from mpmd.runtime.wire import verbs
+from mpmd.runtime.wire.results import Aborted, Progress
+from mpmd.runtime.worker.gang import GangClient
+from mpmd.runtime.worker.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
+
+# gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
+GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN}
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or could not be reached; the message names its address."""
+
+    def __init__(self, address: str, message: str, code=None):
+        super().__init__(f"worker {address}: {message}")
+        self.address = address
+        self.code = code
+
+
+class WorkerClient:
+    def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
+        self.address = address
+        self.service = service           # the gRPC service called: a worker's, or a shared cluster's manager
+        self._metadata = ((TOKEN_KEY, token),)
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._counts = rpc_counts
+        self._stubs = {}
+        self.last_ok = time.monotonic()
+        self.progress: Progress | None = None      # from the last heartbeat
+        self.progress_at = time.monotonic()        # when `progress` last changed
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise WorkerError(self.address, f"did not answer within {timeout_s:g} s "
+                                            f"(is `mpmd worker` running and listening there?)") from None
+
+    def future(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
+        """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
+        stub = self._stubs.get(method)
+        if stub is None:
+            stub = self._stubs[method] = self._channel.unary_unary(f"/{self.service}/{method}")
+        self._counts[method] += 1
+        try:
+            return stub.future(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)
+        except ValueError as e:      # the channel was closed: this client was replaced
+            raise WorkerError(self.address, f"{method}: {e}") from None
+
+    def result(self, method: str, fut):
+        try:
+            reply = fut.result()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.ABORTED:
+                raise Aborted(f"worker {self.address}: {e.details()}") from None
+            raise WorkerError(self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code()) from None
+        self.last_ok = time.monotonic()
+        return wire.decode(reply)
+
+    def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
+        return self.result(method, self.future(method, header, blobs, timeout_s))
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def send(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
+    """Start the RPC of a request record of the client's service (runtime/wire/verbs.py: a
+    worker's VERBS, a manager's MANAGER_VERBS); `verb` names a verb whose request record
+    several verbs take (Empty, JobRequest). `.result()` as in receive."""
+    verb = verb or verbs.verb_of(request, verbs.TABLES[client.service])
+    return client.future(verb, verbs.encode(request), blobs, timeout_s)
+
+
+def receive(client: WorkerClient | GangClient, verb: str, fut):
+    """(the reply record of `verb`, its blobs) once the RPC `send` started is answered."""
+    header, blobs = client.result(verb, fut)
+    return verbs.decode_reply(verb, header, verbs.TABLES[client.service]), blobs
+
+
+def call(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float | None = None, verb: str | None = None):
+    """send, then receive: (reply record, blobs)."""
+    verb = verb or verbs.verb_of(request, verbs.TABLES[client.service])
+    return receive(client, verb, send(client, request, blobs, timeout_s, verb))
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
