@@ -19,7 +19,7 @@ from tests.support import workloads as wl
 
 RTOL = 1e-5
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", 2), ("zb-h1", None), ("zb-v", 2)]
-FAST = [("1f1b", None, 4), ("zb-v", 2, 8), ("gpipe", None, 1)]
+FAST = [("1f1b", None, 4), ("zb-v", 2, 8)]
 GRID = [pytest.param(s, v, m, marks=pytest.mark.slow) for s, v in SCHEDULES for m in (1, 4, 8)
         if (s, v, m) not in FAST]
 
@@ -54,9 +54,9 @@ def test_mean_of_microbatch_means_is_not_the_objective():
     assert ref.max_leaf_error(grads, want[1]) > 0.05
 
 
-@pytest.mark.parametrize("schedule,v,m", [("interleaved-1f1b", 2, 4), ("zb-h1", None, 8)]
+@pytest.mark.parametrize("schedule,v,m", [("interleaved-1f1b", 2, 4)]
                          + [pytest.param(s, v, m, marks=pytest.mark.slow) for s, v in SCHEDULES for m in (1, 4, 8)
-                            if (s, m) not in (("interleaved-1f1b", 4), ("zb-h1", 8))])
+                            if (s, m) != ("interleaved-1f1b", 4)])
 def test_side_inputs_ints_across_cuts_and_aux_losses(schedule, v, m):
     data = wl.batches(m=m)
     want = wl.reference(wl.mixed_stages, wl.masked_loss, data, m)
