@@ -45,6 +45,56 @@ def uninterrupted_spin(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def uninterrupted_data2(tmp_path_factory):
+    """The uninterrupted run of recovery_runs' pipeline with every slice's mesh on data=2, for
+    its GANG_STEPS steps: (losses, params). The gang tests (local and Ray) lose a process of one
+    gang in it, once recovering from the persistent tier and once from the in-memory one; the
+    tiers change nothing computed, so each is held to this one run."""
+    from mpmd.runtime.control.inprocess import InProcessCluster  # after the XLA flags above
+    from tests.support import recovery_runs
+    with recovery_runs.make_trainer(InProcessCluster(), tmp_path_factory.mktemp("ref_data2"), mesh={"data": 2}) as trainer:
+        return recovery_runs.train(trainer, recovery_runs.data(), steps=recovery_runs.GANG_STEPS)[:2]
+
+
+# -- the small GPT of the mesh tests (tests/runtime/test_mesh_slices.py), unpipelined and on workers ----
+@pytest.fixture(scope="session")
+def unpipelined_gpt():
+    """The small GPT trained unpipelined, the reference of every mesh and gang run: (losses,
+    first-step gradients, final parameters)."""
+    from mpmd import models
+    from tests.runtime.test_mesh_slices import data, make_gpt, sgd
+    from tests.support import reference
+    return reference.train(make_gpt, models.lm_loss, data(), sgd(), max_grad_norm=1.0)
+
+
+@pytest.fixture(scope="session")
+def two_device_workers():
+    """run(mesh, schedule) -> (the small GPT's run on mesh: test_mesh_slices.run's result, the
+    RPCs it took by verb) on one LocalCluster of 2 workers x 2 devices, each run made once per
+    session: the mesh tests hold it to the in-process runtime, the gang tests to gangs of 2
+    processes x 1 device."""
+    import mpmd
+    from tests.runtime.test_mesh_slices import run
+    from tests.support.processes import wait_gone
+    cluster = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
+    runs = {}
+
+    def get(mesh, schedule):
+        key = repr((mesh, schedule))
+        if key not in runs:
+            before = dict(cluster.rpc_counts)
+            got = run(cluster, mesh, schedule, close=False)
+            took = {k: n - before.get(k, 0) for k, n in cluster.rpc_counts.items()
+                    if k not in ("Heartbeat", "Shutdown") and n != before.get(k, 0)}
+            runs[key] = got, took
+        return runs[key]
+    yield get
+    pids = list(cluster.pids)
+    cluster.close()
+    assert wait_gone(pids) == [], "workers outlived their cluster"
+
+
 # -- worker processes the fault tests share (tests/support/recovery_runs.py) ------------------------
 @pytest.fixture(scope="session")
 def _shared_workers(tmp_path_factory):

@@ -68,17 +68,13 @@ def test_dry_run_in_process_matches_simulation(name, run_ahead):
 
 
 @pytest.mark.slow
-def test_dry_run_on_worker_processes():
-    cluster = mpmd.LocalCluster(num_workers=2)
-    try:
-        for name in ("1f1b", "zb-h1"):
-            schedule = schedules.make(name, P, M)
-            before = cluster.rpc_counts["Run"]
-            result = dry_run(schedule, COSTS, ACTIVATION_BYTES, cluster, steps=3, warmup_steps=1)
-            assert cluster.rpc_counts["Run"] - before == P * 4     # one per worker per step
-            check(schedule, result)
-    finally:
-        cluster.close()
+def test_dry_run_on_worker_processes(workers):
+    for name in ("1f1b", "zb-h1"):
+        schedule = schedules.make(name, P, M)
+        before = workers.rpc_counts["Run"]
+        result = dry_run(schedule, COSTS, ACTIVATION_BYTES, workers, steps=3, warmup_steps=1)
+        assert workers.rpc_counts["Run"] - before == P * 4     # one per worker per step
+        check(schedule, result)
 
 
 def test_per_stage_costs_interleaving_and_clipping():

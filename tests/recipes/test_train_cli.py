@@ -67,15 +67,6 @@ def test_bad_config_exits_2_and_starts_nothing(tmp_path):
     assert not run_dir.exists()
 
 
-def test_bad_mesh_exits_2_naming_the_slice_and_product(tmp_path):
-    run_dir = tmp_path / "never"
-    proc = mpmd_train("configs/gpt_tiny.yaml", "cluster.devices_per_worker=2", "mesh.data=2",
-                      "mesh.stages=[{data: 2}, {data: 2, tensor: 2}]", f"run_dir={run_dir}")
-    assert proc.returncode == 2
-    assert "mesh.stages[1]: data=2 x fsdp=1 x tensor=2 = 4 devices, but cluster.devices_per_worker=2" in proc.stderr
-    assert not run_dir.exists()
-
-
 def test_custom_stages_config_trains(tmp_path):
     run_dir = tmp_path / "custom"
     proc = mpmd_train("configs/custom_stages.yaml", "train.steps=3", "model.d_model=16",
@@ -89,12 +80,16 @@ def test_custom_stages_config_trains(tmp_path):
     assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1, 2, 3}
 
 
-def test_custom_stage_count_mismatch_is_a_config_error(tmp_path):
+def test_custom_stage_count_mismatch_is_a_config_error(capsys, tmp_path):
+    # In this process: the command's exit 2 on a ConfigError, before anything starts, is
+    # test_bad_config_exits_2_and_starts_nothing's (and tests/recipes/test_mesh_cli.py's).
+    from mpmd.recipes import train_cli
     run_dir = tmp_path / "custom"
-    proc = mpmd_train("configs/custom_stages.yaml", "pipeline.num_stages=2",
-                      "data.max_bytes=300000", f"run_dir={run_dir}")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "returned 4 stages but pipeline.num_stages=2" in proc.stderr
+    status = train_cli.main([str(ROOT / "configs/custom_stages.yaml"), "pipeline.num_stages=2",
+                             "data.max_bytes=300000", f"run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert status == 2, err[-3000:]
+    assert err.startswith("error: ") and "returned 4 stages but pipeline.num_stages=2" in err
     assert not run_dir.exists()
 
 

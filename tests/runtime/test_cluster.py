@@ -108,21 +108,17 @@ def test_static_launcher_hands_out_each_spare_once():
 
 
 @pytest.mark.slow
-def test_local_replace_starts_a_new_live_worker():
-    cluster = mpmd.LocalCluster(num_workers=2)
+def test_local_replace_starts_a_new_live_worker(workers):
+    # On the session's shared workers (tests/conftest.py), which also checks that closing
+    # them, replacement included, leaves no worker.
+    cluster = workers
     cluster.start(2)
-    pids = list(cluster.pids)
-    try:
-        old_pid, old_address = pids[1], cluster.addresses[1]
-        cluster.replace(1)
-        new_pid = cluster.pids[1]
-        pids.append(new_pid)
-        assert new_pid != old_pid and alive(new_pid)
-        assert wait_gone([old_pid]) == [], "the replaced worker is still running"
-        assert cluster.clients[1].address == cluster.addresses[1] != old_address
-        # The new worker serves its slice.
-        cluster.put(1, "x", [np.arange(3, dtype=np.float32)])
-        np.testing.assert_array_equal(cluster.get(1, ["x"])["x"][0], np.arange(3, dtype=np.float32))
-    finally:
-        cluster.close()
-    assert wait_gone(pids) == [], "workers outlived their cluster"
+    old_pid, old_address = cluster.pids[1], cluster.addresses[1]
+    cluster.replace(1)
+    new_pid = cluster.pids[1]
+    assert new_pid != old_pid and alive(new_pid)
+    assert wait_gone([old_pid]) == [], "the replaced worker is still running"
+    assert cluster.clients[1].address == cluster.addresses[1] != old_address
+    # The new worker serves its slice.
+    cluster.put(1, "x", [np.arange(3, dtype=np.float32)])
+    np.testing.assert_array_equal(cluster.get(1, ["x"])["x"][0], np.arange(3, dtype=np.float32))

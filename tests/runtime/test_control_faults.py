@@ -22,7 +22,7 @@ from mpmd.runtime.worker import programs
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.control.cluster import StepFailed, WorkerLost
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
-from tests.support.processes import ROOT, mpmd_train, wait_gone
+from tests.support.processes import ROOT, mpmd_train
 from tests.support.recovery_runs import assert_same_run, run_with_fault, train
 
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
@@ -31,14 +31,13 @@ F32_4 = (Spec((4,), "float32"),)
 run_ids = itertools.count(10_000)     # run ids never repeat on a cluster
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = mpmd.LocalCluster(num_workers=2, step_timeout_s=60.0)
-    c.start(2)
-    pids = list(c.pids)
-    yield c
-    c.close()
-    assert wait_gone(pids) == [], "workers outlived their cluster"
+@pytest.fixture
+def cluster(workers):
+    """The session's two shared workers (tests/conftest.py), started, with a 60 s watchdog
+    (the `workers` fixture puts the default back after the test)."""
+    workers.start(2)
+    workers.step_timeout_s = 60.0
+    return workers
 
 
 def ship(cluster, plans: dict[int, list], specs: dict[str, programs.ProgramSpec]):

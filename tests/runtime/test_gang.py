@@ -14,20 +14,13 @@ import sys
 import numpy as np
 import pytest
 
-from mpmd import models
 import mpmd
 from tests.support import recovery_runs
-from tests.support import reference
 from mpmd.runtime.launchers.workers import free_port
 from tests.support.processes import ROOT, wait_gone
-from tests.runtime.test_mesh_slices import assert_matches, data, make_gpt, run, sgd
+from tests.runtime.test_mesh_slices import assert_matches, run
 
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
-
-
-@pytest.fixture(scope="module")
-def unpipelined():
-    return reference.train(make_gpt, models.lm_loss, data(), sgd(), max_grad_norm=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -55,22 +48,22 @@ def rpcs(cluster) -> dict:
     return {k: n for k, n in cluster.rpc_counts.items() if k not in ("Heartbeat", "Shutdown")}
 
 
-def test_gang_data2_matches_unpipelined(gang, gang_data2, unpipelined):
+def test_gang_data2_matches_unpipelined(gang, gang_data2, unpipelined_gpt):
     assert len(gang.pids) == 4 and gang.devices_per_slice == 2
-    assert_matches(gang_data2[0], unpipelined)
+    assert_matches(gang_data2[0], unpipelined_gpt)
 
 
-def test_gang_tensor2_matches_unpipelined(gang, unpipelined):
-    assert_matches(run(gang, {"tensor": 2}, "1f1b", close=False), unpipelined)
+def test_gang_tensor2_matches_unpipelined(gang, unpipelined_gpt):
+    assert_matches(run(gang, {"tensor": 2}, "1f1b", close=False), unpipelined_gpt)
 
 
-def test_two_processes_of_one_device_equal_one_process_of_two_bitwise(gang_data2):
+def test_two_processes_of_one_device_equal_one_process_of_two_bitwise(gang_data2, two_device_workers):
     """Also: the gangs took exactly twice the messages of one process per slice, verb by verb
-    (one Run per process per step, nothing per microbatch)."""
-    one_process = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
-    losses = run(one_process, {"data": 2}, "1f1b")[0]
+    (one Run per process per step, nothing per microbatch). The one-process run is the mesh
+    tests' (tests/runtime/test_mesh_slices.py, data2-1f1b on workers), made once."""
+    (losses, _, _), took = two_device_workers({"data": 2}, "1f1b")
     assert losses == gang_data2[0][0]
-    assert gang_data2[1] == {k: 2 * n for k, n in rpcs(one_process).items()}
+    assert gang_data2[1] == {k: 2 * n for k, n in took.items()}
 
 
 def test_a_gang_that_cannot_form_in_time_is_named_and_stopped():
@@ -90,28 +83,24 @@ def test_processes_per_slice_must_be_a_positive_integer(bad):
         mpmd.LocalCluster(processes_per_slice=bad)
 
 
-STEPS = 5     # a checkpoint every 2 steps; killed before step 4 is sent: back to step 2's commit
-
-
-def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, gang_root, tmp_path):
+def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, gang_root, uninterrupted_data2):
     """SIGKILL one process of slice 1 mid-run: its whole gang is torn down and replaced, every
     slice restores the last commit (saved by every process of every gang), and the run ends
     as an uninterrupted one does, bitwise; slice 0 keeps its processes."""
-    assert lose_one_process_of_slice_1(gang, gang_root / "run", tmp_path / "ref") == "persistent"
+    assert lose_one_process_of_slice_1(gang, gang_root / "run", uninterrupted_data2) == "persistent"
 
 
-def test_a_replaced_gang_comes_back_from_the_in_memory_tier(gang, gang_root, tmp_path):
+def test_a_replaced_gang_comes_back_from_the_in_memory_tier(gang, gang_root, uninterrupted_data2):
     """The same with checkpoint snapshots in memory every step (mpmd/train/snapshots.py): the new
     gang gets its state from its peer slice's copy, sent gang to gang."""
-    assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", tmp_path / "ref",
+    assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", uninterrupted_data2,
                                       checkpoint=mpmd.Checkpointing(every=recovery_runs.EVERY, memory_every=1)) == "memory"
 
 
-def lose_one_process_of_slice_1(cluster, run_dir, ref_dir, **trainer_kw) -> str:
-    """The run above on `cluster` (2 slices, gangs of 2), checked; the tier it recovered
-    from. Shared with Ray's gangs."""
-    with recovery_runs.make_trainer(mpmd.InProcessCluster(), ref_dir, mesh={"data": 2}, **trainer_kw) as trainer:
-        want = recovery_runs.train(trainer, recovery_runs.data(), steps=STEPS)[:2]
+def lose_one_process_of_slice_1(cluster, run_dir, want, **trainer_kw) -> str:
+    """The run above on `cluster` (2 slices, gangs of 2), checked against `want` (the
+    uninterrupted run: tests/conftest.py uninterrupted_data2); the tier it recovered from.
+    Shared with Ray's gangs."""
     old_gang, other = cluster.gang_pids(1), cluster.gang_pids(0)
 
     def kill_process_1_of_slice_1(i, trainer):
@@ -123,7 +112,7 @@ def lose_one_process_of_slice_1(cluster, run_dir, ref_dir, **trainer_kw) -> str:
     trainer = recovery_runs.make_trainer(cluster, run_dir, mesh={"data": 2}, **trainer_kw)
     try:
         losses, params, rewinds = recovery_runs.train(trainer, recovery_runs.data(), kill_process_1_of_slice_1,
-                                                      steps=STEPS)
+                                                      steps=recovery_runs.GANG_STEPS)
     finally:
         trainer.close(close_cluster=False)
     assert killed and rewinds == 1

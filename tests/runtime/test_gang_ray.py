@@ -13,7 +13,7 @@ from tests.runtime.test_gang import lose_one_process_of_slice_1  # noqa: E402
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
 
 
-def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path):
+def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path, uninterrupted_data2):
     assert not ray.is_initialized()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
@@ -22,7 +22,7 @@ def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path):
             cluster.start(2, root=str(tmp_path / "run"))
             assert cluster.devices_per_slice == 2 and len(cluster.pids) == 4
             groups = [g.id for g in cluster.placement_groups]
-            lose_one_process_of_slice_1(cluster, tmp_path / "run", tmp_path / "ref")
+            lose_one_process_of_slice_1(cluster, tmp_path / "run", uninterrupted_data2)
             assert cluster.placement_groups[0].id == groups[0]
             assert cluster.placement_groups[1].id != groups[1], "slice 1's placement group was not replaced"
         finally:

@@ -38,11 +38,6 @@ def sgd():
     return optax.sgd(0.1, momentum=0.9)
 
 
-@pytest.fixture(scope="module")
-def unpipelined():
-    return reference.train(make_gpt, models.lm_loss, data(), sgd(), max_grad_norm=1.0)
-
-
 def run(cluster, mesh, schedule="1f1b", num_stages=2, virtual_stages=None, steps=3, close=True):
     """(losses, first-step grads, final params) of the GPT pipelined on `mesh`."""
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=num_stages), models.lm_loss)
@@ -72,8 +67,8 @@ def assert_matches(got, want):
     ([{"data": 2}, {"fsdp": 2, "tensor": 2}], "interleaved-1f1b", 4, 2),
 ], ids=["data2-gpipe", "tensor2-1f1b", "fsdp2-zbh1", "tensor2|data2-1f1b", "data2xtensor2-zbh1",
         "data2|fsdp2xtensor2-interleaved"])
-def test_mesh_slices_match_unpipelined_in_process(unpipelined, mesh, schedule, stages, v):
-    assert_matches(run(mpmd.InProcessCluster(), mesh, schedule, stages, v), unpipelined)
+def test_mesh_slices_match_unpipelined_in_process(unpipelined_gpt, mesh, schedule, stages, v):
+    assert_matches(run(mpmd.InProcessCluster(), mesh, schedule, stages, v), unpipelined_gpt)
 
 
 def test_layouts_follow_the_rules():
@@ -144,19 +139,12 @@ def _axes_on_embedding(model):
     model.embed.embedding.set_metadata(out_sharding=("vocab", "embed"))
 
 
-# -- real worker processes -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def local2x2():
-    cluster = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
-    yield cluster
-    cluster.close()
-
-
+# -- real worker processes (2 workers x 2 devices: tests/conftest.py two_device_workers) -------------
 @pytest.mark.parametrize("mesh,schedule", [({"data": 2}, "1f1b"), ([{"tensor": 2}, {"fsdp": 2}], "zb-h1")],
                          ids=["data2-1f1b", "tensor2|fsdp2-zbh1"])
-def test_mesh_slices_on_worker_processes_equal_in_process(local2x2, unpipelined, mesh, schedule):
-    got = run(local2x2, mesh, schedule, close=False)
-    assert_matches(got, unpipelined)
+def test_mesh_slices_on_worker_processes_equal_in_process(two_device_workers, unpipelined_gpt, mesh, schedule):
+    got = two_device_workers(mesh, schedule)[0]
+    assert_matches(got, unpipelined_gpt)
     # Same meshes, same programs, same threading: the two runtimes agree bit for bit.
     same = run(mpmd.InProcessCluster(), mesh, schedule)
     assert got[0] == same[0]

@@ -60,10 +60,10 @@ def test_transfer_ids_are_keyed_by_the_secret():
     assert a == key_to_uuid(key, b"a" * 32) != key_to_uuid("61:act1/1", b"a" * 32)
 
 
-def test_a_stranger_on_the_transfer_port_gets_nothing_and_delays_nothing(tmp_path):
+def test_a_stranger_on_the_transfer_port_gets_nothing_and_delays_nothing(tmp_path, workers):
     make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     data = batches()
-    cluster = mpmd.LocalCluster(num_workers=2)
+    cluster = workers
     trainer = mpmd.Trainer(make(), optax.adamw(1e-3), "gpipe", num_microbatches=M, cluster=cluster,
                            run_dir=tmp_path)
     attacker, hung = None, True
@@ -93,7 +93,7 @@ def test_a_stranger_on_the_transfer_port_gets_nothing_and_delays_nothing(tmp_pat
             attacker.kill()
             attacker.wait()
         if not hung:
-            trainer.close()
+            trainer.close(close_cluster=False)
     assert report == {"received": 0, "posted": 3 * len(keys) * len(addresses)}
     assert not hung, f"the steps did not finish within {STEPS_TIMEOUT_S} s"
     reference, _ = train_pipeline(make, "gpipe", M, 1, mpmd.InProcessCluster(), data)

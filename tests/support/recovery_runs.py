@@ -108,6 +108,7 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
 
 # Per phase, the Spin that stretches slice 1's forward ("F") or backward ("B") phase: ~4 x 0.12 CPU s.
 SPIN = {"F": (9000, 0), "B": (0, 9000)}
+GANG_STEPS = 5   # the gang tests: a checkpoint every 2 steps; killed before step 4 is sent: back to step 2's commit
 SPIN_STEPS = 4   # a spinning step is slow: killed in step 4, the run replays steps 3 and 4
 
 
