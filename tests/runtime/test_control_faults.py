@@ -101,6 +101,7 @@ def build_int_activation(cfg):
     return [PassTokens(rngs), EmbedHead(cfg.model.vocab_size, cfg.model.d_model, rngs)], models.lm_loss
 
 
+@pytest.mark.skip(reason="relied on an int activation failing at its cotangent send, which issue 27 fixed; needs another deterministic worker-side failure")
 def test_integer_activation_ends_the_step_with_step_failed(cluster):
     rngs = nnx.Rngs(0)
     pipe = mpmd.Pipeline([PassTokens(rngs), EmbedHead(64, 16, rngs)], models.lm_loss)
@@ -115,6 +116,7 @@ def test_integer_activation_ends_the_step_with_step_failed(cluster):
         trainer.close(close_cluster=False)
 
 
+@pytest.mark.skip(reason="relied on an int activation failing at its cotangent send, which issue 27 fixed; needs another deterministic worker-side failure")
 def test_mpmd_train_with_a_failing_model_exits_naming_the_slice(tmp_path):
     run_dir = tmp_path / "fails"
     proc = mpmd_train("configs/custom_stages.yaml", "model.module=tests.runtime.test_control_faults:build_int_activation",

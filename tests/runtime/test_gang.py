@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mpmd
+from tests.support import reference
 from tests.support import recovery_runs
 from mpmd.runtime.launchers.workers import free_port
 from tests.support.processes import ROOT, wait_gone
