@@ -388,9 +388,7 @@ class _TrainRows:
         last = self.num_stages - 1
         if not self.io.weighted or self._elsewhere(last):
             return []
-        targets = tuple(names.targets(j) for j in range(self.num_microbatches))
-        return [_Rows.block([self.rows(Run(names.program("weight", K), targets, (names.weight_sum(),),
-                                           f"weight s{K}"), last)])]
+        return [_Rows.block([self.rows(_weight_total(self.num_microbatches), last)])]
 
     # -- forward --------------------------------------------------------------------------
     def forward(self, k: int) -> list:
@@ -568,11 +566,16 @@ def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfe
     every = np.arange(m, dtype=np.int32)
     head = []
     if io.weighted and placement[-1] == r:      # the step's total weight, before any loss
-        targets = tuple(names.targets(j) for j in range(m))
-        head = [_Rows.block([row(Run(names.program("weight", K), targets, (names.weight_sum(),), f"weight s{K}"),
-                                 S - 1)])]
+        head = [_Rows.block([row(_weight_total(m), S - 1)])]
     return (row.encoded(head + [_tiled([evaluate], np.zeros(m, np.int64), every)]),
             row.encoded([_tiled([predict], np.zeros(m, np.int64), every)]))
+
+
+def _weight_total(m: int) -> Run:
+    """The last stage's sum of a weighted loss's weights over the step's m microbatches (its
+    row's stage field fills {k})."""
+    return Run(names.program("weight", K), tuple(names.targets(j) for j in range(m)), (names.weight_sum(),),
+               f"weight s{K}")
 
 
 def _is_update(ins: Instruction) -> bool:
