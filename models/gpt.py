@@ -10,7 +10,9 @@ every Block takes) and `positions` (int [B, T]: each token's place in its docume
 Embed takes instead of 0..T-1). They come from the batch, not across a cut: a pipeline feeds
 each stage the keys its layers declare. Omitted (None), the model is exactly the unpacked one.
 
-Float32 throughout; no dropout, so a forward pass is a pure function of params and tokens.
+Float32 throughout. Dropout (`dropout_rate` > 0) after the embedding and on each block's
+attention and MLP outputs, each layer drawing from its own RNG stream (`dropout`); at rate 0
+(the default) there is none and a forward pass is a pure function of params and tokens.
 """
 
 import jax
@@ -56,12 +58,14 @@ class Embed(nnx.Module):
     """int32 tokens [B, T] -> token embedding + learned position embedding, float32 [B, T, D];
     `positions` int [B, T] (each < seq_len) replaces positions 0..T-1 (packed documents)."""
 
-    def __init__(self, vocab_size: int, d_model: int, seq_len: int, *, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, drop: nnx.Dropout | None = None, *,
+                 rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
         self.seq_len = seq_len
         self.token = nnx.Embed(vocab_size, d_model, embedding_init=axes(_EMBED_INIT, "vocab", "embed"), rngs=rngs)
         self.position = nnx.Embed(seq_len, d_model, embedding_init=axes(_EMBED_INIT, "positions", "embed"),
                                   rngs=rngs)
+        self.drop = drop
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
         if tokens.ndim != 2:
@@ -73,9 +77,25 @@ class Embed(nnx.Module):
                 f"sequence length {num_steps} exceeds the model's seq_len={self.seq_len}")
         if positions is not None:
             _check_per_token("positions", positions, tokens.shape)
-            return self.token(tokens) + self.position(positions)
+            return _dropped(self.drop, self.token(tokens) + self.position(positions))
         # Positions 0..T-1 broadcast over the batch: [T, D] + [B, T, D].
-        return self.token(tokens) + self.position(jnp.arange(num_steps))
+        return _dropped(self.drop, self.token(tokens) + self.position(jnp.arange(num_steps)))
+
+
+def dropout(rate: float, seed: int, index: int) -> nnx.Dropout | None:
+    """A dropout layer drawing from its own RNG stream (`seed`'s key folded with `index`), or
+    None at rate 0. Its own stream, not one nnx.Rngs shared by the model: cut into pipeline
+    stages, each stage then owns the streams it draws from and draws the masks the whole
+    model draws. Evaluation (`module.eval()`) drops nothing."""
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    if rate == 0.0:
+        return None
+    return nnx.Dropout(rate, rngs=nnx.Rngs(dropout=jax.random.fold_in(jax.random.key(seed), index)))
+
+
+def _dropped(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
+    return x if layer is None else layer(x)
 
 
 def _check_per_token(name: str, ids: jax.Array, shape: tuple) -> None:
@@ -142,17 +162,20 @@ class FeedForward(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). [B, T, D] -> [B, T, D]."""
+    """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). [B, T, D] -> [B, T, D].
+    `drop`: residual dropout on the attention's and the MLP's outputs (one stream, two draws)."""
 
-    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int = 4, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int = 4, drop: nnx.Dropout | None = None, *,
+                 rngs: nnx.Rngs):
         self.ln_attn = _layer_norm(d_model, rngs=rngs)
         self.attn = CausalSelfAttention(d_model, num_heads, rngs=rngs)
         self.ln_mlp = _layer_norm(d_model, rngs=rngs)
         self.mlp = FeedForward(d_model, mlp_ratio, rngs=rngs)
+        self.drop = drop
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-        x = x + self.attn(self.ln_attn(x), segment_ids=segment_ids)
-        return x + self.mlp(self.ln_mlp(x))
+        x = x + _dropped(self.drop, self.attn(self.ln_attn(x), segment_ids=segment_ids))
+        return x + _dropped(self.drop, self.mlp(self.ln_mlp(x)))
 
 
 class Head(nnx.Module):
@@ -181,17 +204,18 @@ class GPT(nnx.Module):
     """
 
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int,
-                 seq_len: int, mlp_ratio: int = 4, *, rngs: nnx.Rngs):
+                 seq_len: int, mlp_ratio: int = 4, dropout_rate: float = 0.0, dropout_seed: int = 0, *,
+                 rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
                           num_layers=num_layers, seq_len=seq_len, mlp_ratio=mlp_ratio)
         if d_model % num_heads:
             raise ValueError(
                 f"d_model={d_model} must be divisible by num_heads={num_heads}")
-        self.embed = Embed(vocab_size, d_model, seq_len, rngs=rngs)
+        self.embed = Embed(vocab_size, d_model, seq_len, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
         # flax 0.12 rejects plain Python lists of modules as attributes; nnx.List registers
         # the blocks as graph children so nnx.state / nnx.split see their params.
-        self.blocks = nnx.List(
-            [Block(d_model, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)])
+        self.blocks = nnx.List([Block(d_model, num_heads, mlp_ratio, dropout(dropout_rate, dropout_seed, i + 1),
+                                      rngs=rngs) for i in range(num_layers)])
         self.head = Head(d_model, vocab_size, rngs=rngs)
         self.seq_len = seq_len
 

@@ -25,6 +25,9 @@ with a policy saying what its vjp may keep; the rest is recomputed in the backwa
 Under "none" in bfloat16 the vjp also keeps each bfloat16 copy of a weight (a matmul's input
 gradient needs it) for every microbatch in flight; both remat policies recompute those casts.
 
+Dropout (`dropout_rate` > 0): after the embedding and on each block's attention and MLP
+outputs, each layer drawing from its own RNG stream (models/gpt.py `dropout`).
+
 Tied embeddings (`tie_embeddings=True`, logits = h @ E^T): one weight used by the first and
 the last layer. `layers()` cannot express that: mpmd.split turns each run of layers into its
 own nnx.Module stage, and stages share no parameters, so the two copies would drift apart.
@@ -40,7 +43,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mpmd.models.gpt import _EMBED_INIT, _check_per_token, _linear, _require_positive, attention_mask, axes
+from mpmd.models.gpt import (_EMBED_INIT, _check_per_token, _dropped, _linear, _require_positive, attention_mask,
+                             axes, dropout)
 
 DTYPES = ("float32", "bfloat16")
 # What a block's vjp keeps under each `remat` (None: no jax.checkpoint at all).
@@ -89,18 +93,20 @@ class Embed(nnx.Module):
     """int32 tokens [B, T] -> token embedding [B, T, D] in the compute dtype (no positions:
     they enter as rotations inside attention)."""
 
-    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dtype="float32", *, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dtype="float32",
+                 drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
         self.seq_len = seq_len
         self.token = nnx.Embed(vocab_size, d_model, dtype=_compute_dtype(dtype),
                                embedding_init=axes(_EMBED_INIT, "vocab", "embed"), rngs=rngs)
+        self.drop = drop
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
         if tokens.shape[1] > self.seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's seq_len={self.seq_len}")
-        return self.token(tokens)
+        return _dropped(self.drop, self.token(tokens))
 
 
 class Attention(nnx.Module):
@@ -163,10 +169,12 @@ class SwiGLU(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); [B, T, D] -> [B, T, D],
-    rematerialised in the backward pass as `remat` says (REMAT_POLICIES)."""
+    rematerialised in the backward pass as `remat` says (REMAT_POLICIES). `drop`: residual
+    dropout on the attention's and the MLP's outputs (a recompute redraws the same masks)."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
-                 rope_theta: float = 10_000.0, dtype="float32", remat: str = "none", *, rngs: nnx.Rngs):
+                 rope_theta: float = 10_000.0, dtype="float32", remat: str = "none",
+                 drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
@@ -174,11 +182,12 @@ class Block(nnx.Module):
         self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, rngs=rngs)
         self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
         self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
+        self.drop = drop
 
     def forward(self, x: jax.Array, segment_ids: jax.Array | None = None,
                 positions: jax.Array | None = None) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + _dropped(self.drop, self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions))
+        return x + _dropped(self.drop, self.mlp(self.mlp_norm(x)))
 
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None) -> jax.Array:
@@ -221,15 +230,16 @@ class Llama(nnx.Module):
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, seq_len: int,
                  num_kv_heads: int | None = None, mlp_dim: int | None = None, rope_theta: float = 10_000.0,
                  tie_embeddings: bool = False, dtype="float32", remat: str = "none",
-                 stage_ends=(), mark=None, *, rngs: nnx.Rngs):
+                 stage_ends=(), mark=None, dropout_rate: float = 0.0, dropout_seed: int = 0, *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
                           num_layers=num_layers, seq_len=seq_len)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         mlp_dim = mlp_dim if mlp_dim is not None else math.ceil(8 * d_model / 3 / 64) * 64
-        self.embed = Embed(vocab_size, d_model, seq_len, dtype, rngs=rngs)
+        self.embed = Embed(vocab_size, d_model, seq_len, dtype, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
         # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
         self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, mlp_dim, rope_theta, dtype, remat,
-                                      rngs=rngs) for _ in range(num_layers)])
+                                      dropout(dropout_rate, dropout_seed, i + 1), rngs=rngs)
+                                for i in range(num_layers)])
         self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, rngs=rngs)
         self.seq_len, self.tie_embeddings = seq_len, tie_embeddings
         self.cut_after(stage_ends, mark)

@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 
 from mpmd.runtime.worker import programs
+from mpmd.stages.pipeline import carried_values
 from mpmd.stages.split import Layers
 
 
@@ -46,9 +47,10 @@ def is_abstract(leaves) -> bool:
     return any(isinstance(l, jax.ShapeDtypeStruct) for l in leaves)
 
 
-def init_program(stage: nnx.Module, param_tree, shardings=None) -> programs.ProgramSpec:
-    """A program with no inputs whose one output bundle is the stage's parameter leaves,
-    each made directly in its sharding (`shardings`, one per leaf; None: one device)."""
+def init_program(stage: nnx.Module, param_tree, shardings, state_shardings=None) -> programs.ProgramSpec:
+    """A program with no inputs whose output bundle is the stage's parameter leaves, each made
+    directly in its sharding (`shardings`, one per leaf), and with `state_shardings` a second
+    bundle: its stage state (mpmd.stages.pipeline.StageState), one sharding per leaf."""
     parts = _parts(stage)
     factory = _ORIGINS[id(parts[0])].factory if parts else None
     if parts is None or any(_ORIGINS[id(p)].factory is not factory for p in parts):
@@ -61,10 +63,12 @@ def init_program(stage: nnx.Module, param_tree, shardings=None) -> programs.Prog
         model = factory()
         nodes = {tuple(p): n for p, n in nnx.iter_graph(model)}
         built = Layers(*[nodes[p] for p in paths]) if sequential else nodes[paths[0]]
-        state = nnx.state(built, nnx.Param)
-        assert jax.tree.structure(state) == param_tree, "abstract and concrete stage differ in structure"
-        return (tuple(jax.tree.leaves(state)),)
-    return programs.exported(init, out_shardings=(tuple(shardings),) if shardings is not None else None)
+        _, params, rest = nnx.split(built, nnx.Param, ...)
+        assert jax.tree.structure(params) == param_tree, "abstract and concrete stage differ in structure"
+        made = (tuple(jax.tree.leaves(params)),)
+        return made + ((carried_values(jax.tree.leaves(rest)),) if state_shardings is not None else ())
+    out = (tuple(shardings),) + ((tuple(state_shardings),) if state_shardings is not None else ())
+    return programs.exported(init, out_shardings=out)
 
 
 def _parts(stage: nnx.Module):

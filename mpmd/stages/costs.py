@@ -100,7 +100,8 @@ def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec, feeds=Non
         aux = stage_programs.adds_losses(fn, params, acts[k], feeds.side[k])
         shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
                                             feeds.targets if last else None, feeds.side[k],
-                                            weighted=last and feeds.weighted, aux=aux)
+                                            weighted=last and feeds.weighted, aux=aux,
+                                            state=tuple(map(spec, fn.state.leaves)) if fn.state is not None else None)
         yield k, fn, shapes, k == 0, last, feeds.loss_fn
 
 

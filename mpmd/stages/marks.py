@@ -71,8 +71,17 @@ class MarkedSplit(Stages):
 
 
 def count_marks(model, sample_input) -> int:
-    """How many stage boundaries `model(sample_input)` passes (raises for unsupported ones)."""
-    return _Marked(model, sample_input).num_marks
+    """How many stage boundaries `model(sample_input)` passes (raises for unsupported ones).
+    Traced with all of the model's variables as arguments, so a model that changes stage state
+    (dropout, batch statistics) or adds losses can be counted, and then cut by its layers."""
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"mpmd.split by stage marks needs an nnx.Module, got {type(model).__name__}")
+    graphdef, state = nnx.split(model)
+    with losses.collect_losses():
+        closed = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(
+            jax.tree.map(spec, state), jax.tree.map(spec, sample_input))
+    jaxpr, _ = _inline_marked_calls(closed.jaxpr, closed.consts)
+    return sum(e.primitive is _boundary_p for e in jaxpr.eqns)
 
 
 def split_marked(model, sample_input) -> MarkedSplit:

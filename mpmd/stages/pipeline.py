@@ -17,18 +17,17 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
+from jax.extend.core import Literal, jaxprs_in_params
 
-from mpmd.stages.leaf_paths import path_string, stage_param_paths
+from mpmd.stages.leaf_paths import local_paths, path_string, stage_param_paths
 from mpmd.stages.specs import describe as _describe, spec as _spec
 
 
 class StageState(NamedTuple):
     """What a stage changes in its forward that is not a parameter: an nnx.Rngs stream's
-    count (nnx.Dropout draws from it), nnx.BatchStat running statistics, any other non-Param
-    nnx.Variable. Carried as an input and an output of the stage's forward program and kept on
-    its slice like its parameters; a stream's key (a typed PRNG key, which no forward changes)
-    stays a constant of the programs."""
+    and key (nnx.Dropout draws from it; the key as its raw key data, `carried_values`),
+    nnx.BatchStat running statistics, any other non-Param nnx.Variable. Carried as an input
+    and an output of the stage's forward program and kept on its slice like its parameters."""
     leaves: tuple                 # initial values of the carried leaves
     paths: tuple                  # each leaf's path within the stage (`drop.rngs.count`)
     step: Callable                # (param leaves, state leaves, x, **side) -> (output, new state leaves)
@@ -53,6 +52,9 @@ class StageFn(NamedTuple):
     # Its non-parameter variables, when it has any (None: none); `apply` then runs it from
     # their initial values and keeps nothing (shape inference, costs).
     state: StageState | None = None
+    # (param leaves, input pytree, **side) -> (output, the parameter leaves after the forward):
+    # what shows a forward that changes a parameter (Pipeline.activation_specs refuses it).
+    with_params: Callable | None = None
 
 
 def stage_fn(module: nnx.Module) -> StageFn:
@@ -60,36 +62,59 @@ def stage_fn(module: nnx.Module) -> StageFn:
     leaves, tree = jax.tree.flatten(params)
     with_paths, rest_tree = jax.tree_util.tree_flatten_with_path(rest)
     rest_leaves = [l for _, l in with_paths]
-    carried = [i for i, l in enumerate(rest_leaves) if not jax.dtypes.issubdtype(jax.numpy.result_type(l),
-                                                                                 jax.dtypes.prng_key)]
+    keys = [_key_impl(l) if _is_key(l) else None for l in rest_leaves]
 
     def merged(graph, p, s):
         # Fresh Variables around the given values, made inside the caller's trace: a forward
         # may then change them (nnx refuses to change Variables of another trace level).
-        r = list(rest_leaves)
-        for i, v in zip(carried, s):
-            r[i] = v
+        r = [jax.random.wrap_key_data(v, impl=impl) if impl is not None else v for v, impl in zip(s, keys)]
         return nnx.merge(graph, jax.tree.unflatten(tree, list(p)), jax.tree.unflatten(rest_tree, r))
 
     def step(p, s, x, **side):
         m = merged(graphdef, p, s)
         out = m(x, **side)
-        new = jax.tree.leaves(nnx.split(m, nnx.Param, ...)[2])
-        return out, tuple(new[i] for i in carried)
+        return out, carried_values(jax.tree.leaves(nnx.split(m, nnx.Param, ...)[2]))
+
+    initial = carried_values(rest_leaves)
+
+    def from_initial(p, x, **side):
+        # An abstract model's state has shapes only: any value serves to infer shapes and costs.
+        s = [jax.numpy.zeros(l.shape, l.dtype) if isinstance(l, jax.ShapeDtypeStruct) else l for l in initial]
+        m = merged(graphdef, p, s)
+        return m(x, **side), tuple(jax.tree.leaves(nnx.state(m, nnx.Param)))
 
     def apply(p, x, **side):
-        return step(p, [rest_leaves[i] for i in carried], x, **side)[0]
+        return from_initial(p, x, **side)[0]
 
     state = None
-    if carried:
+    if rest_leaves:
         evaluating = nnx.clone(module)
         evaluating.eval()              # no dropout, running statistics
         eval_graph = nnx.split(evaluating, nnx.Param, ...)[0]
-        state = StageState(tuple(rest_leaves[i] for i in carried),
-                           tuple(path_string(with_paths[i][0]) for i in carried), step,
+        state = StageState(initial, tuple(path_string(kp) for kp, _ in with_paths), step,
                            lambda p, s, x, **side: merged(eval_graph, p, s)(x, **side))
     return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module),
-                   state=state)
+                   state=state, with_params=from_initial)
+
+
+def carried_values(leaves) -> tuple:
+    """A stage's non-parameter leaves as its programs carry them and checkpoints keep them: a
+    PRNG key as its raw key data (uint32; typed keys cross no wire and no Orbax file), any
+    other leaf as it is. Abstract leaves (ShapeDtypeStructs) give their shapes."""
+    def value(l):
+        if not _is_key(l):
+            return l
+        return jax.eval_shape(jax.random.key_data, l) if isinstance(l, jax.ShapeDtypeStruct) else jax.random.key_data(l)
+    return tuple(value(l) for l in leaves)
+
+
+def _is_key(leaf) -> bool:
+    return jax.dtypes.issubdtype(jax.numpy.result_type(leaf), jax.dtypes.prng_key)
+
+
+def _key_impl(leaf):
+    # An abstract key has no public way to its implementation; its dtype carries it.
+    return leaf.dtype._impl if isinstance(leaf, jax.ShapeDtypeStruct) else jax.random.key_impl(leaf)
 
 
 def keywords_of(module) -> tuple:
@@ -168,8 +193,9 @@ class Pipeline:
             param_specs = tuple(jax.tree.map(_spec, fn.param_leaves))
             side = (side_specs[i] if side_specs else None) or {}
             name = type(self.stages[i]).__name__
+            traced = fn.with_params or (lambda p, x, **s: (fn.apply(p, x, **s), p))
             try:
-                closed, out = jax.make_jaxpr(lambda p, x, s: fn.apply(p, x, **s), return_shape=True)(
+                closed, (out, _) = jax.make_jaxpr(lambda p, x, s: traced(p, x, **s), return_shape=True)(
                     param_specs, specs[-1], side)
             except Exception as e:  # shape errors surface as TypeError/ValueError from inside Flax
                 got = _describe(specs[-1])
@@ -183,6 +209,14 @@ class Pipeline:
                                  f"are exported to its workers, which cannot call back into this process. "
                                  f"Remove the callback from the stage (return a value from the stage to "
                                  f"inspect it)")
+            n = len(param_specs)
+            origins = [_origin(closed.jaxpr, v) for v in (closed.jaxpr.outvars[-n:] if n else [])]
+            changed = [j for j, o in enumerate(origins) if o is not _UNSEEN and o is not closed.jaxpr.invars[j]]
+            if changed:
+                raise ValueError(f"stage {i} ({name}) changes its parameter {local_paths(fn)[changed[0]]!r} in its "
+                                 f"forward: parameters change only by the optimizer's update. Keep what the "
+                                 f"forward updates in another nnx.Variable (it is then stage state, carried on "
+                                 f"the stage's slice), not in an nnx.Param")
             specs.append(out)
         return specs
 
@@ -200,6 +234,31 @@ def host_callback(jaxpr) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+_UNSEEN = object()
+
+
+def _origin(jaxpr, var):
+    """The input of `jaxpr` that `var` is, unchanged through calls (jit, nnx.remat's
+    checkpoint) that return some of their inputs as they are; None where it is computed (or a
+    literal); _UNSEEN where it comes out of a call this cannot see into."""
+    producer = {v: (e, j) for e in jaxpr.eqns for j, v in enumerate(e.outvars)}
+    while not isinstance(var, Literal) and var not in jaxpr.invars:
+        if var not in producer:
+            return None
+        e, j = producer[var]
+        subs = list(jaxprs_in_params(e.params))
+        if not subs:
+            return None
+        sub = subs[0]
+        if len(subs) > 1 or len(sub.invars) != len(e.invars) or len(sub.outvars) != len(e.outvars):
+            return _UNSEEN
+        inner = _origin(sub, sub.outvars[j])
+        if inner is None or inner is _UNSEEN:
+            return inner
+        var = e.invars[sub.invars.index(inner)]
+    return None if isinstance(var, Literal) else var
 
 
 def shared_params(fns) -> list[list[tuple[int, int]]]:

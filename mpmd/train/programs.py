@@ -111,19 +111,21 @@ class Programs:
         plans: dict[int, list] = {}
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
             r = self.placement[k]
+            state = fn.state is not None
             if abstract.is_abstract(fn.param_leaves):
+                # Created on the slice by the model's seeded init, parameters already sharded,
+                # stage state (replicated) with them.
                 init = names.program("init_params", k)
                 mesh = self._layout.meshes[r].abstract()
                 shardings = [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]]
-                self.cluster.load_programs(r, {init: abstract.init_program(stage, fn.param_tree, shardings)})
-                plans.setdefault(r, []).append(Run(init, (), (names.params(k),), f"init params s{k}"))
-            else:
-                self.cluster.put(r, names.params(k), fn.param_leaves, [tuple(p) for p in self._layout.params[k]])
-            if fn.state is not None:       # stage state: replicated on the slice's mesh
-                if abstract.is_abstract(fn.state.leaves):
-                    raise ValueError(f"stage {k} carries stage state (dropout RNG counts, batch statistics), "
-                                     f"which an abstract model (mpmd.abstract) cannot create on its slice yet: "
-                                     f"build the model concretely")
+                replicated = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(fn.state.leaves) \
+                    if state else None
+                self.cluster.load_programs(r, {init: abstract.init_program(stage, fn.param_tree, shardings, replicated)})
+                made = (names.params(k),) + ((names.stage_state(k),) if state else ())
+                plans.setdefault(r, []).append(Run(init, (), made, f"init params s{k}"))
+                continue
+            self.cluster.put(r, names.params(k), fn.param_leaves, [tuple(p) for p in self._layout.params[k]])
+            if state:       # stage state: replicated on the slice's mesh
                 self.cluster.put(r, names.stage_state(k), fn.state.leaves, [()] * len(fn.state.leaves))
         if plans:
             for r in range(self.num_slices):

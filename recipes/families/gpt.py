@@ -17,6 +17,10 @@ class DecoderSection(ModelSection):
     num_heads: int = Field(2, gt=0, description="attention heads; must divide d_model")
     num_layers: int = Field(4, gt=0, description="transformer blocks")
     seq_len: int = Field(64, ge=2, description="context length in tokens")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="dropout rate after the embedding and on each block's attention and "
+                                         "MLP outputs, each layer with its own RNG stream seeded by `seed` (carried "
+                                         "on its slice as stage state); 0 = none. Evaluation never drops")
 
 
 class GPTSection(DecoderSection):
@@ -54,7 +58,8 @@ def seq_len(cfg: Config) -> int:
 def _gpt(cfg: Config, rngs):
     from mpmd import models
     m = cfg.model
-    return models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len, m.mlp_ratio, rngs=rngs)
+    return models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len, m.mlp_ratio,
+                      dropout_rate=m.dropout, dropout_seed=cfg.seed, rngs=rngs)
 
 
 SPEC = register_model_spec(ModelSpec(

@@ -40,6 +40,9 @@ def _problems(cfg: Config) -> list[str]:
     if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
         out.append(f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
                    f"(rotary embeddings rotate pairs of dimensions)")
+    if m.tie_embeddings and m.dropout:
+        out.append(f"model.dropout={m.dropout} needs model.tie_embeddings=false: a tied llama is cut at stage "
+                   f"marks, which cannot carry dropout's RNG streams yet")
     if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
         out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
     return out
@@ -50,7 +53,7 @@ def _llama(cfg: Config, rngs):
     m = cfg.model
     return models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
                         num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings,
-                        dtype=m.dtype, remat=m.remat, rngs=rngs)
+                        dtype=m.dtype, remat=m.remat, dropout_rate=m.dropout, dropout_seed=cfg.seed, rngs=rngs)
 
 
 def _split(cfg: Config, model, sample_input):

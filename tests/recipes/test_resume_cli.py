@@ -193,3 +193,19 @@ def test_worker_lost_without_replacement_goes_on_and_reports_goodput(reference, 
     assert goodput["reduced_width_s"] > 0 and goodput["lost_s"] >= goodput["restore_s"] > 0, goodput
     assert re.search(r"goodput: 1 worker\(s\) lost, [\d.]+ s lost .* s on fewer slices, 1 layout change", out), out
     assert wait_gone(tagged(tag)) == []
+
+
+def test_dropout_run_recovers_a_killed_worker_to_the_uninterrupted_run(tmp_path):
+    """`model.dropout=0.1` (each layer's RNG stream carried on its slice, saved with it): a
+    worker SIGKILLed after step 7 comes back from the persistent tier and the run ends with
+    the uninterrupted dropout run's per-step losses and final state, streams included, bitwise."""
+    tag = uuid.uuid4().hex
+    want_dir = tmp_path / "want"
+    Controller(want_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "model.dropout=0.1"], {TAG: tag}).succeed()
+    run_dir = tmp_path / "d"
+    out = kill_worker_after_step(run_dir, tag, ["model.dropout=0.1"], 7)
+    assert "recovered:" in out, out
+    reference = (final_state(want_dir), metrics(want_dir), want_dir)
+    assert any(name.startswith("state/") and name.endswith("drop.rngs.key") for name in reference[0][1])
+    assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []

@@ -119,6 +119,26 @@ def test_resume_on_another_stage_count_continues_the_streams(tmp_path):
     assert counts(got[1]) == counts(want[2]) == [len(data) * 4] * 4
 
 
+def test_an_abstract_model_creates_its_stage_state_on_the_slices():
+    """mpmd.abstract: the RNG streams (key and count) and batch statistics are made on each
+    slice by the model's own init, and train as the concrete model's do."""
+    data = wl.float_batches()
+    runs = []
+    for model in (wl.NoisyModel(), mpmd.abstract(wl.NoisyModel)):
+        with trainer(mpmd.split(model, num_stages=2)) as t:
+            runs.append(([t.step(x, y)["loss"] for x, y in data], leaves(t.params()), t.state()))
+    (want, want_params, want_state), (got, got_params, got_state) = runs
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    ref.assert_leaves_close(got_params, want_params, RTOL)
+    for a, b in zip(got_state, want_state):
+        assert a.keys() == b.keys()
+        for n in a:   # keys and counts exactly; statistics within RTOL
+            if n.endswith(("key", "count")):
+                assert np.array_equal(a[n], b[n]), n
+            else:
+                ref.assert_leaves_close([a[n]], [b[n]], RTOL, n)
+
+
 # -- on worker processes, through a SIGKILL ----------------------------------------------------
 def _fault_run(cluster, tmp_path, checkpoint, fault=None):
     data = [x for x, _ in wl.float_batches(steps=6)]

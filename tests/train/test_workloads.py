@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mpmd
 from mpmd.runtime.worker.instructions import Recv, Run, Send
@@ -165,6 +166,26 @@ class CallingBack(wl.Dense):
 def test_refuses_host_callbacks_naming_the_stage(stage, primitive):
     with pytest.raises(ValueError, match=rf"stage 1 \({stage.__name__}\) calls the host \({primitive}"):
         mpmd.Pipeline([wl.Dense(0), stage(1)], wl.mean_loss, sample_input=np.zeros((2, wl.T, wl.D), np.float32))
+
+
+class Drifting(wl.Dense):
+    """Changes a parameter in its forward (a running value kept in an nnx.Param)."""
+    def __call__(self, x):
+        self.l.bias[...] = self.l.bias[...] * 0.9
+        return super().__call__(x)
+
+
+class Rematted(wl.Dense):
+    """nnx.remat hands every parameter back through its checkpoint unchanged: no change."""
+    def __call__(self, x):
+        return nnx.remat(lambda m, x: wl.Dense.__call__(m, x))(self, x)
+
+
+def test_refuses_a_stage_that_changes_a_parameter_in_its_forward():
+    x = np.zeros((2, wl.T, wl.D), np.float32)
+    mpmd.Pipeline([wl.Dense(0), Rematted(1)], wl.mean_loss, sample_input=x)
+    with pytest.raises(ValueError, match=r"stage 1 \(Drifting\) changes its parameter 'l.bias' in its forward"):
+        mpmd.Pipeline([wl.Dense(0), Drifting(1)], wl.mean_loss, sample_input=x)
 
 
 def test_refuses_a_loss_that_is_neither_scalar_nor_pair():
