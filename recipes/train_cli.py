@@ -3,10 +3,11 @@ YAML config (or, with --dry-run, its size, memory and predicted step: recipes/pl
 
 `main(argv)` takes the arguments after the word `train` and returns the exit status: 0 when
 the run finished (or its plan was printed), 2 when the config is invalid (message
-"error: ..." on stderr), 1 when the run stopped on its checkpoints or its disk
-(unrestorable checkpoints, saves that keep failing, a full or read-only disk: one line
-"error: ..."). The config is loaded and checked before JAX is imported, so a bad one fails
-in well under a second and leaves nothing behind (no run directory, no workers).
+"error: ..." on stderr), 1 when the run stopped on its checkpoints, its disk or a failed
+step (unrestorable checkpoints, saves that keep failing, a full or read-only disk, a slice
+that failed at an instruction, which a replay would fail alike: one line "error: ...").
+The config is loaded and checked before JAX is imported, so a bad one fails in well under
+a second and leaves nothing behind (no run directory, no workers).
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     if registry.get_backend_spec(cfg.cluster.backend).in_process_devices:
         _ensure_host_devices(cfg.num_devices)
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
+    from mpmd.runtime.wire.results import StepFailed
     try:
         train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)
@@ -88,6 +90,9 @@ def main(argv=None) -> int:
         return 2
     except train.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except StepFailed as e:  # the worker's log has its traceback; XLA's messages may span lines
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1
     except OSError as e:  # the run's own files: ENOSPC, EROFS, EACCES, ...
         where = f": {e.filename}" if e.filename else ""

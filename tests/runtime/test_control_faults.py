@@ -75,55 +75,78 @@ def test_failing_program_aborts_the_step_everywhere_naming_slice_and_instruction
     run_ok(cluster)       # slice 1 was aborted, not left waiting: the next step runs
 
 
-class PassTokens(nnx.Module):
-    """int tokens -> the same int tokens: an integer activation crosses the stage boundary,
-    so the backward sends a float0 cotangent, which the data plane cannot carry."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.scale = nnx.Param(jnp.ones(()))
-
-    def __call__(self, tokens):
-        return tokens + (self.scale[...] * 0).astype(tokens.dtype)
+# 2**18 x 2**28 float32: 2**48 bytes (256 TiB), beyond any host's memory and beyond the 47-bit
+# address space of a Linux process, so no allocator grants it, overcommitted or not.
+HUGE = (2**18, 2**28)
 
 
-class EmbedHead(nnx.Module):
+class OutOfMemoryEmbed(nnx.Module):
+    """A first stage whose forward keeps a 256 TiB residual for its backward (the cosine of a
+    huge intermediate, which the vjp of its sine needs): a stage too big for its slice. It
+    traces, lowers and exports on the controller, which allocates nothing; when the worker
+    runs it, XLA refuses the allocation, on every attempt (RESOURCE_EXHAUSTED: out of
+    memory), and the error surfaces where the forward's results are first waited for."""
+
     def __init__(self, vocab_size: int, d_model: int, rngs: nnx.Rngs):
         self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
-        self.out = nnx.Linear(d_model, vocab_size, rngs=rngs)
 
     def __call__(self, tokens):
-        return self.out(self.embed(tokens))
+        h = self.embed(tokens)
+        huge = h[0, 0, 0] + jax.lax.broadcasted_iota(h.dtype, HUGE, 1)
+        return h + jnp.sin(huge).mean()
 
 
-def build_int_activation(cfg):
-    """A `model.kind: custom` builder (two stages) whose every step fails on a worker."""
+class Head(nnx.Module):
+    def __init__(self, vocab_size: int, d_model: int, rngs: nnx.Rngs):
+        self.out = nnx.Linear(d_model, vocab_size, rngs=rngs)
+
+    def __call__(self, h):
+        return self.out(h)
+
+
+def build_out_of_memory(cfg):
+    """A `model.kind: custom` builder (two stages) whose every step fails on slice 0's worker."""
     rngs = nnx.Rngs(cfg.seed)
-    return [PassTokens(rngs), EmbedHead(cfg.model.vocab_size, cfg.model.d_model, rngs)], models.lm_loss
+    return [OutOfMemoryEmbed(cfg.model.vocab_size, cfg.model.d_model, rngs),
+            Head(cfg.model.vocab_size, cfg.model.d_model, rngs)], models.lm_loss
 
 
-@pytest.mark.skip(reason="relied on an int activation failing at its cotangent send, which issue 27 fixed; needs another deterministic worker-side failure")
-def test_integer_activation_ends_the_step_with_step_failed(cluster):
+def test_a_stage_out_of_memory_on_its_worker_ends_the_step_with_step_failed(cluster):
     rngs = nnx.Rngs(0)
-    pipe = mpmd.Pipeline([PassTokens(rngs), EmbedHead(64, 16, rngs)], models.lm_loss)
+    pipe = mpmd.Pipeline([OutOfMemoryEmbed(64, 16, rngs), Head(64, 16, rngs)], models.lm_loss)
     x = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
     trainer = mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=2, cluster=cluster)
     try:
-        # A step left hanging would end through the watchdog as a lost worker, recovered from.
-        with pytest.raises(StepFailed, match=r"slice 1 failed at train\S*\[\d+\] send 'grad0/0' to slice 0"):
+        # Dispatch is asynchronous: slice 0's forward is sent on before it has run, and its
+        # error surfaces where its output is first waited for, slice 1's receive, which
+        # names the sender. Slice 0 waits for gradients that never come: a step left
+        # hanging would end through the watchdog as a lost worker, recovered from.
+        with pytest.raises(StepFailed, match=r"slice 1 failed at train\S*\[\d+\] recv 'act1/0' from slice 0: "
+                                             r".*Out of memory allocating 281474976710656 bytes"):
             trainer.step(x, x)
+        # A traced step waits for each program: the error names the forward that failed.
+        with pytest.raises(StepFailed, match=r"slice 0 failed at train\S*\[\d+\] run 'F s0 mb0' .*"
+                                             r"RESOURCE_EXHAUSTED: Out of memory allocating") as e:
+            trainer.step(x, x, trace=True)
+        assert e.value.slice_index == 0 and e.value.instruction.startswith("train")
         assert trainer.restarts == 0, "a deterministic failure must not be recovered from as a lost worker"
     finally:
         trainer.close(close_cluster=False)
+    run_ok(cluster)       # both workers were let go of the failed steps: the next one runs
 
 
-@pytest.mark.skip(reason="relied on an int activation failing at its cotangent send, which issue 27 fixed; needs another deterministic worker-side failure")
 def test_mpmd_train_with_a_failing_model_exits_naming_the_slice(tmp_path):
     run_dir = tmp_path / "fails"
-    proc = mpmd_train("configs/custom_stages.yaml", "model.module=tests.runtime.test_control_faults:build_int_activation",
+    proc = mpmd_train("configs/custom_stages.yaml", "model.module=tests.runtime.test_control_faults:build_out_of_memory",
                       "pipeline.num_stages=2", "cluster.backend=local", "model.d_model=16", "train.batch_size=8",
                       "data.max_bytes=300000", "log.tensorboard=false", f"run_dir={run_dir}", timeout=120)
-    assert proc.returncode != 0          # within mpmd_train's timeout: it did not hang
+    assert proc.returncode == 1          # within mpmd_train's timeout: it did not hang
     assert "slice 1 failed at" in proc.stderr, proc.stderr[-3000:]
+    # One line, naming the slice, what it waited for and why, not a traceback.
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: slice 1 failed at train@0[0] recv 'act1/0' from slice 0: ") \
+        and "Out of memory allocating" in last, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     # The worker's own account is in its log file, not on the console.
     assert "Run failed: slice 1 failed at" in (run_dir / "logs" / "worker_1.log").read_text()
     assert "worker[" not in proc.stderr
