@@ -12,6 +12,7 @@ from flax import nnx
 from mpmd import models
 import mpmd
 from tests.support import reference
+from tests.support import workloads
 from tests.support.marked_models import MarkedGPT, MarkedUNet
 
 LR, STEPS, BATCH = 1e-3, 3, 6
@@ -139,6 +140,28 @@ def test_marks_in_nested_module_and_skip_over_a_whole_stage():
     np.testing.assert_array_equal(out0[1], h1)       # after Down's own mark: (h2, h1)
     np.testing.assert_array_equal(out1[1], h1)       # h1 skips the bottleneck stage
     assert stages[1].param_index == (4, 5)           # only `mid` (bias, kernel) lives there
+
+
+def test_side_inputs_and_aux_losses_compose_to_the_model():
+    """Keyword-only side inputs are fed to the stages that read them, add_loss terms come out
+    of the stage they were added in, and both re-cut for another batch size or a batch
+    without a defaulted keyword."""
+    batch = workloads.batches(steps=1)[0]
+    stages = mpmd.split(workloads.MarkedMasked(), sample_input=batch)
+    model = workloads.MarkedMasked()
+    for rows, keys in [(16, ("mask", "positions")), (4, ("mask", "positions")), (5, ("mask",))]:
+        side = {k: batch[k][:rows] for k in keys}
+        x = batch["inputs"][:rows]
+        with mpmd.collect_losses() as want_aux:
+            want = model(x, **side)
+        h, got_aux = x, []
+        for s in stages:
+            with mpmd.collect_losses() as added:
+                h = s.apply(s.param_leaves, h, **{k: side[k] for k, _ in s.keywords if k in side})
+            got_aux.append(added)
+        np.testing.assert_array_equal(h, want)
+        assert [len(a) for a in got_aux] == [0, 1, 0]             # the term belongs to stage 1
+        np.testing.assert_allclose(got_aux[1][0], want_aux[0], rtol=1e-6)    # eager mean: another rounding
 
 
 class JittedMark(nnx.Module):
