@@ -127,6 +127,11 @@ def test_marked_side_inputs_go_straight_to_the_stages_that_read_them():
     assert len(stages[0].apply(stages[0].param_leaves, batch["inputs"])) == 1     # h alone crosses 0 -> 1
     with mpmd.Trainer(mpmd.Pipeline(stages, wl.masked_loss), wl.sgd(), schedule="gpipe", num_microbatches=2,
                       cluster=mpmd.InProcessCluster()) as t:
+        # Forward-only plans feed the side inputs too; an evaluation's loss has no aux term.
+        want = wl.MarkedMasked()(batch["inputs"], mask=batch["mask"], positions=batch["positions"])
+        (predicted,) = t.predict(batch)
+        np.testing.assert_allclose(predicted, want, rtol=1e-6, atol=1e-7)
+        assert t.evaluate(batch) == pytest.approx(float(np.divide(*wl.masked_loss(want, batch))), rel=1e-6)
         t.step(batch)
         streams = [list(s) for s in t.lowered.train]
     for r, stream in enumerate(streams):
