@@ -164,6 +164,45 @@ def test_side_inputs_and_aux_losses_compose_to_the_model():
         np.testing.assert_allclose(got_aux[1][0], want_aux[0], rtol=1e-6)    # eager mean: another rounding
 
 
+class WeightPenalty(nnx.Module):
+    """Adds, after its mark, a term of parameters alone and a constant: both in stage 1."""
+
+    def __init__(self):
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        h = mpmd.stage_boundary(self.a(x))
+        mpmd.add_loss(1e-2 * jnp.sum(self.b.kernel[...] ** 2))
+        mpmd.add_loss(0.5)
+        return self.b(h)
+
+
+def test_aux_loss_of_parameters_alone_belongs_to_the_stage_it_is_added_in():
+    model, x = WeightPenalty(), jnp.ones((2, 4))
+    stages = mpmd.split(model, sample_input=x)
+    counts = []
+
+    def pipelined(leaves):
+        h, total = x, 0.0
+        for s, ls in zip(stages, leaves):
+            with mpmd.collect_losses() as added:
+                h = s.apply(ls, h)
+            counts.append(len(added))
+            total = total + sum(added)
+        return jnp.sum(h) + total
+
+    def plain(m):
+        with mpmd.collect_losses() as added:
+            out = m(x)
+        return jnp.sum(out) + sum(added)
+    got = jax.grad(pipelined)([s.param_leaves for s in stages])
+    assert counts == [0, 2]
+    want = jax.tree.leaves(nnx.grad(plain)(model))        # global leaf order: stage 0's, then stage 1's
+    assert [i for s in stages for i in s.param_index] == list(range(len(want)))
+    reference.assert_leaves_close([np.asarray(g) for ls in got for g in ls], [np.asarray(w) for w in want],
+                                  rtol=1e-6, what="gradients")
+
+
 class JittedMark(nnx.Module):
     """A mark inside a jax.jit function called twice: the calls are inlined, two cuts."""
 
