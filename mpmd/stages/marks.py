@@ -39,6 +39,12 @@ term, so its equation sits at the place of the call; the term is an extra output
 stage's program, and the stage's apply adds it again (mpmd.add_loss) where its caller
 collects it, as a module stage's forward would.
 
+Stage state: what the forward changes that is not a parameter (an nnx.Rngs stream's count,
+nnx.BatchStat running statistics) is traced as further inputs and outputs; each leaf lives on
+the one stage that reads or changes it (a StageState under its path in the model; a stream
+used on both sides of a mark is an error), and evaluation runs a second cut of the model in
+eval mode (`module.eval()`).
+
 The jaxpr has fixed shapes, so a stage is re-cut for each new microbatch shape (and set of
 side inputs): the model is re-traced with the input's leading (batch) axis changed, and the
 cut must come out with the same structure (each stage reading no parameter or side input its
@@ -57,7 +63,7 @@ from jax.interpreters import ad, batching, mlir
 from mpmd.stages import losses
 from mpmd.stages.batch import INPUTS
 from mpmd.stages.leaf_paths import path_string
-from mpmd.stages.pipeline import StageFn, keywords_of, logical_axes
+from mpmd.stages.pipeline import StageFn, StageState, carried_leaves, eval_graphdef, keywords_of, logical_axes
 from mpmd.stages.specs import describe, spec
 from mpmd.stages.costs import Stages, fn_costs
 
@@ -110,7 +116,8 @@ def split_marked(model, sample_input) -> MarkedSplit:
     stages = MarkedSplit(
         StageFn(marked.stage_apply(k), tuple(marked.leaves[i] for i in prog.param_index),
                 jax.tree.structure(tuple(prog.param_index)), tuple(prog.param_index),
-                tuple(marked.axes[i] for i in prog.param_index), keywords=marked.stage_keywords[k])
+                tuple(marked.axes[i] for i in prog.param_index), keywords=marked.stage_keywords[k],
+                state=marked.stage_state(k))
         for k, prog in enumerate(first))
     stages.param_paths = [tuple(marked.paths[i] for i in prog.param_index) for prog in first]
     side = [{name: marked.side_sample[name] for name, _ in fn.keywords} or None for fn in stages]
@@ -119,13 +126,15 @@ def split_marked(model, sample_input) -> MarkedSplit:
 
 
 class _Program(NamedTuple):
-    """One stage of one cut: a jaxpr of (its params..., its input leaves..., its side-input
-    leaves...) -> (its outputs..., the auxiliary-loss terms added in it...)."""
+    """One stage of one cut: a jaxpr of (its params..., its state leaves..., its input
+    leaves..., its side-input leaves...) -> (its outputs..., its new state leaves..., the
+    auxiliary-loss terms added in it...)."""
     jaxpr: Jaxpr
     consts: list
     param_index: list[int]
     in_specs: tuple           # ShapeDtypeStructs of the input leaves
     side: tuple               # (keyword, its leaves' specs) of each side input it reads, by name
+    state: tuple              # the state leaves it carries (indices into _Marked.state_paths)
     num_aux: int              # how many mpmd.add_loss terms end its outputs
     out_tree: Any             # the model's output treedef (last stage) or None (flat tuple)
 
@@ -138,13 +147,20 @@ class _Marked:
         if not isinstance(model, nnx.Module):
             raise ValueError(f"mpmd.split by stage marks needs an nnx.Module, got {type(model).__name__}")
         self.name = type(model).__name__
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.leaves, self.param_tree = jax.tree.flatten(params)
         self.paths = [path_string(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         self.axes = logical_axes(params)
         if any(isinstance(l, jax.ShapeDtypeStruct) for l in self.leaves):
             raise ValueError("mpmd.split by stage marks does not support mpmd.abstract models yet: "
                              "build the model concretely, or split an abstract model with num_stages")
+        # What a forward changes that is not a parameter (RNG stream counts, batch statistics)
+        # is carried as stage state.
+        with_paths, self.rest_tree = jax.tree_util.tree_flatten_with_path(rest)
+        self.rest_leaves = [l for _, l in with_paths]
+        self.carried = carried_leaves(self.rest_leaves)
+        self.state_paths = [path_string(with_paths[i][0]) for i in self.carried]
+        self.eval_graphdef = eval_graphdef(model)
         self.param_specs = [spec(l) for l in self.leaves]
         self.required = dict(keywords_of(model))      # keyword-only parameter -> it has no default
         x, side = self._sample_parts(sample_input)
@@ -152,10 +168,11 @@ class _Marked:
         self.side_sample = {name: jax.tree.map(spec, side[name]) for name in sorted(side)}
         self.cuts: dict = {}          # (model-input specs, side-input specs) -> its cut
         # Per stage, from the sample's cut: the global leaves it holds, (name, required) of the
-        # keywords it reads.
+        # keywords it reads, the state leaves it carries.
         self.stage_params: list | None = None
         self.stage_keywords: list | None = None
-        self.traced = self._trace(self.sample, self.side_sample)
+        self.stage_states: list | None = None
+        self.traced = self._trace(self.sample, self.side_sample, False)
         self.num_marks = sum(e.primitive is _boundary_p for e in self.traced[0].eqns)
 
     def _sample_parts(self, sample) -> tuple[Any, dict]:
@@ -173,46 +190,47 @@ class _Marked:
                              f"sample batch naming them, sample_input={{'inputs': x, {missing[0]!r}: ...}}")
         return x, side
 
-    def _trace(self, x_spec, side_spec):
-        def forward(params, x, side):
-            model = nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, params), self.rest)
+    def _trace(self, x_spec, side_spec, evaluating: bool):
+        def forward(params, state, x, side):
+            rest = list(self.rest_leaves)
+            for i, v in zip(self.carried, state):
+                rest[i] = v
+            model = nnx.merge(self.eval_graphdef if evaluating else self.graphdef,
+                              jax.tree.unflatten(self.param_tree, params), jax.tree.unflatten(self.rest_tree, rest))
             # Each added term is marked where it is added: it belongs to the stage of that equation.
             with losses.collect_losses(on_add=lambda v: _aux_p.bind(jnp.asarray(v, jnp.float32))[0]) as aux:
                 out = model(x, **side)
-            return out, list(aux)
-        try:
-            closed, (out, aux) = jax.make_jaxpr(forward, return_shape=True)(self.param_specs, x_spec, side_spec)
-        except Exception as e:
-            if type(e).__name__ == "TraceContextError":
-                raise ValueError(f"{self.name} changes a variable that is not a parameter in its forward "
-                                 f"(an nnx.Rngs stream, as nnx.Dropout draws from, or nnx.BatchStat running "
-                                 f"statistics): a model cut at stage marks cannot carry stage state yet; run "
-                                 f"such layers deterministically or leave them out") from None
-            raise
+            new = jax.tree.leaves(nnx.split(model, nnx.Param, ...)[2])
+            return out, [new[i] for i in self.carried], list(aux)
+        state = [spec(self.rest_leaves[i]) for i in self.carried]
+        closed, (out, _, aux) = jax.make_jaxpr(forward, return_shape=True)(self.param_specs, state, x_spec, side_spec)
         jaxpr, consts = _inline_marked_calls(closed.jaxpr, closed.consts)
         return _dead_code_removed(jaxpr), consts, jax.tree.structure(out), len(aux)
 
-    def cut(self, x_spec, side_spec: dict) -> list[_Program]:
-        key = _key((x_spec, side_spec))
+    def cut(self, x_spec, side_spec: dict, evaluating: bool = False) -> list[_Program]:
+        key = (evaluating, _key((x_spec, side_spec)))
         if key not in self.cuts:
-            sample = key == _key((self.sample, self.side_sample))
-            progs = _cut(*(self.traced if sample else self._trace(x_spec, side_spec)), len(self.leaves),
-                         side_spec)
+            sample = key == (False, _key((self.sample, self.side_sample)))
+            traced = self.traced if sample else self._trace(x_spec, side_spec, evaluating)
+            progs = _cut(*traced, len(self.leaves), side_spec, self.state_paths)
             if self.stage_keywords is None:
                 self.stage_params = [p.param_index for p in progs]
                 self.stage_keywords = [tuple((name, self.required[name]) for name, _ in p.side) for p in progs]
-            # Another cut may read fewer (a defaulted keyword the batch lacks), never more.
+                self.stage_states = [p.state for p in progs]
+            # Another cut may read fewer (a defaulted keyword the batch lacks, eval mode), never more.
             within = all(set(p.param_index) <= set(params) and {n for n, _ in p.side} <= {n for n, _ in kw}
-                         for p, params, kw in zip(progs, self.stage_params, self.stage_keywords))
+                         and set(p.state) <= set(state)
+                         for p, params, kw, state in zip(progs, self.stage_params, self.stage_keywords,
+                                                         self.stage_states))
             if not within:
                 raise ValueError(f"{self.name} cuts into different stages for input {describe(x_spec)} and side "
-                                 f"inputs {sorted(side_spec)} than for its sample: its stage_boundary marks, and "
-                                 f"which stages read each parameter and side input, must not depend on the "
-                                 f"input shape")
+                                 f"inputs {sorted(side_spec)}{' in eval mode' if evaluating else ''} than for its "
+                                 f"sample: its stage_boundary marks, and which stages read each parameter, side "
+                                 f"input and state variable, must not depend on the input shape or the mode")
             self.cuts[key] = progs
         return self.cuts[key]
 
-    def _cut_for(self, k: int, x, side: dict) -> _Program:
+    def _cut_for(self, k: int, x, side: dict, evaluating: bool) -> _Program:
         """Stage k's program for input x and side inputs `side`. Stage k > 0 sees only the
         values crossing its boundary, and every stage only its own side inputs, so the model
         input and the other stages' side inputs are guessed from their leading (batch) axes."""
@@ -224,8 +242,8 @@ class _Marked:
             names = {n for n, _ in prog.side}
             return prog.in_specs == specs and names <= set(given) and prog.side == tuple(
                 item for item in mine if item[0] in names)
-        for progs in self.cuts.values():
-            if fits(progs[k]):
+        for (mode, _), progs in self.cuts.items():
+            if mode == evaluating and fits(progs[k]):
                 return progs[k]
         own = {name for name, _ in self.stage_keywords[k]}
         for batch in dict.fromkeys(s.shape[0] for s in specs + tuple(jax.tree.leaves(given)) if s.shape):
@@ -233,7 +251,7 @@ class _Marked:
             guess = jax.tree.map(spec, x) if k == 0 else jax.tree.map(resized, self.sample)
             guess_side = {name: given[name] if name in own else jax.tree.map(resized, s)
                           for name, s in self.side_sample.items() if name in given or name not in own}
-            prog = self.cut(guess, guess_side)[k]
+            prog = self.cut(guess, guess_side, evaluating)[k]
             if fits(prog):
                 return prog
         want = self.cut(self.sample, self.side_sample)[k]
@@ -241,28 +259,53 @@ class _Marked:
                          f"{[n for n, _ in want.side]}) for the sample input; got {describe(specs)} (side inputs "
                          f"{sorted(given)}), which no batch size of the input produces")
 
-    def stage_apply(self, k: int):
-        def apply(param_leaves, x, **side):
-            prog = self._cut_for(k, x, side)
-            held = self.stage_params[k]
+    def _run(self, k: int, evaluating: bool):
+        """Stage k as (param leaves, its state leaves, x, **side) -> (output, new state leaves)."""
+        held, carried = self.stage_params[k], self.stage_states[k]
+
+        def run(param_leaves, state_leaves, x, **side):
+            prog = self._cut_for(k, x, side, evaluating)
             params = [param_leaves[held.index(i)] for i in prog.param_index]
+            state = [state_leaves[carried.index(i)] for i in prog.state]
             side_leaves = [leaf for name, _ in prog.side for leaf in jax.tree.leaves(side[name])]
-            out = jax.core.eval_jaxpr(prog.jaxpr, prog.consts, *params, *jax.tree.leaves(x), *side_leaves)
-            num_out = len(out) - prog.num_aux
-            for term in out[num_out:]:          # collected by the caller (mpmd.collect_losses)
+            out = jax.core.eval_jaxpr(prog.jaxpr, prog.consts, *params, *state, *jax.tree.leaves(x), *side_leaves)
+            num_out = len(out) - len(prog.state) - prog.num_aux
+            for term in out[num_out + len(prog.state):]:       # collected by the caller (mpmd.collect_losses)
                 losses.add_loss(term)
+            new = list(state_leaves)
+            for i, v in zip(prog.state, out[num_out:num_out + len(prog.state)]):
+                new[carried.index(i)] = v
             out = out[:num_out]
-            return tuple(out) if prog.out_tree is None else jax.tree.unflatten(prog.out_tree, out)
-        return apply
+            return (tuple(out) if prog.out_tree is None else jax.tree.unflatten(prog.out_tree, out)), tuple(new)
+        return run
+
+    def stage_state(self, k: int) -> StageState | None:
+        """Stage k's StageState: the state leaves its equations read and change, or None."""
+        carried = self.stage_states[k]
+        if not carried:
+            return None
+        evaluate = self._run(k, True)
+        return StageState(tuple(self.rest_leaves[self.carried[i]] for i in carried),
+                          tuple(self.state_paths[i] for i in carried), self._run(k, False),
+                          lambda p, s, x, **side: evaluate(p, s, x, **side)[0])
+
+    def stage_apply(self, k: int):
+        run, initial = self._run(k, False), [self.rest_leaves[self.carried[i]] for i in self.stage_states[k]]
+        return lambda param_leaves, x, **side: run(param_leaves, initial, x, **side)[0]
 
 
-def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, side_spec: dict) -> list[_Program]:
+def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, side_spec: dict,
+         state_paths: list) -> list[_Program]:
     side_names = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(side_spec)[0]]
-    num_inputs = len(jaxpr.invars) - num_params - len(side_names)
-    params, inputs = jaxpr.invars[:num_params], jaxpr.invars[num_params:num_params + num_inputs]
-    side_vars = jaxpr.invars[num_params + num_inputs:]
+    num_state = len(state_paths)
+    num_inputs = len(jaxpr.invars) - num_params - num_state - len(side_names)
+    params, state_vars = jaxpr.invars[:num_params], jaxpr.invars[num_params:num_params + num_state]
+    inputs = jaxpr.invars[num_params + num_state:num_params + num_state + num_inputs]
+    side_vars = jaxpr.invars[num_params + num_state + num_inputs:]
     side_of = dict(zip(side_vars, side_names))                    # side-input leaf -> its keyword
-    model_outs = jaxpr.outvars[:len(jaxpr.outvars) - num_aux]     # then the add_loss terms
+    state_of = {v: i for i, v in enumerate(state_vars)}           # state leaf -> its index
+    num_outs = len(jaxpr.outvars) - num_state - num_aux           # then the new state, the add_loss terms
+    model_outs, new_state = jaxpr.outvars[:num_outs], jaxpr.outvars[num_outs:num_outs + num_state]
     eqns = jaxpr.eqns
     num_stages = 1 + sum(e.primitive is _boundary_p for e in eqns)
     # Pass 1: the stage of every equation by position, and which values depend on the input
@@ -297,6 +340,7 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
     live: list[dict[Var, None]] = [{} for _ in range(num_stages - 1)]
     needed: list[set[int]] = [set(idx) for idx in own]
     reads: list[set[str]] = [set() for _ in range(num_stages)]    # side inputs each stage reads
+    reads_state: list[set[int]] = [set() for _ in range(num_stages)]
 
     def read(s: int, atoms) -> None:
         stack = [a for a in atoms if _is_var(a)]
@@ -307,6 +351,8 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
                     live[b][v] = None
             elif v in side_of:
                 reads[s].add(side_of[v])
+            elif v in state_of:
+                reads_state[s].add(state_of[v])
             elif v in static_eqn and static_eqn[v] not in needed[s]:
                 needed[s].add(static_eqn[v])
                 stack.extend(a for a in eqns[static_eqn[v]].invars if _is_var(a))
@@ -315,26 +361,42 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
         for i in own[s]:
             read(s, eqns[i].invars)
     read(num_stages - 1, model_outs)
+    # A state leaf lives on one stage: the one computing its new value from the input (batch
+    # statistics), else the one reading it (an RNG count, advanced by weight-like equations
+    # that this stage then recomputes).
+    for i, v in enumerate(new_state):
+        readers = [s for s in range(num_stages) if i in reads_state[s]]
+        owner = home[v] if _is_var(v) and v in home else (readers[-1] if readers else None)
+        if owner is None:
+            continue            # neither read nor changed by any stage: a constant
+        read(owner, [v])
+        if any(s != owner for s in range(num_stages) if i in reads_state[s]):
+            raise ValueError(f"the state variable {state_paths[i]} is read or changed by several stages "
+                             f"({sorted({owner, *readers})}): a stage's state lives on its own slice; give the "
+                             f"layers of each stage their own nnx.Rngs stream and normalisation layers")
 
     progs = []
     for s in range(num_stages):
         body = [eqns[i] for i in sorted(needed[s])]
         ins = list(inputs) if s == 0 else _ordered(live[s - 1], mark_outs[s - 1], order)
         side_ins = [v for v in side_vars if side_of[v] in reads[s]]   # flat order of the side dict
+        carried = sorted(reads_state[s])
         aux = [eqns[i].outvars[0] for i in own[s] if eqns[i].primitive is _aux_p]
-        outs = (list(model_outs) if s == num_stages - 1 else _ordered(live[s], mark_outs[s], order)) + aux
+        outs = (list(model_outs) if s == num_stages - 1 else _ordered(live[s], mark_outs[s], order)) + \
+            [new_state[i] for i in carried] + aux
         used = {a for e in body for a in e.invars if _is_var(a)} | {a for a in outs if _is_var(a)}
         p_idx = [i for i, v in enumerate(params) if v in used]
         c_idx = [i for i, v in enumerate(jaxpr.constvars) if v in used]
-        defined = set(ins) | set(side_ins) | {params[i] for i in p_idx} | {jaxpr.constvars[i] for i in c_idx} | \
+        defined = set(ins) | set(side_ins) | {state_vars[i] for i in carried} | {params[i] for i in p_idx} | {jaxpr.constvars[i] for i in c_idx} | \
             {v for e in body for v in e.outvars}
         assert used <= defined, f"stage {s} reads values it neither receives nor computes"
         effects = frozenset().union(*(e.effects for e in body))
-        sub = Jaxpr([jaxpr.constvars[i] for i in c_idx], [params[i] for i in p_idx] + ins + side_ins, outs, body,
+        sub = Jaxpr([jaxpr.constvars[i] for i in c_idx],
+                    [params[i] for i in p_idx] + [state_vars[i] for i in carried] + ins + side_ins, outs, body,
                     effects, DebugInfo("mpmd.split", f"stage {s} of {num_stages}", None, None))
         side = _side_key({name: side_spec[name] for name in sorted(reads[s])})
         progs.append(_Program(sub, [consts[i] for i in c_idx], p_idx, tuple(_spec_of(v) for v in ins), side,
-                              len(aux), out_tree if s == num_stages - 1 else None))
+                              tuple(carried), len(aux), out_tree if s == num_stages - 1 else None))
     return progs
 
 

@@ -60,8 +60,7 @@ def stage_fn(module: nnx.Module) -> StageFn:
     leaves, tree = jax.tree.flatten(params)
     with_paths, rest_tree = jax.tree_util.tree_flatten_with_path(rest)
     rest_leaves = [l for _, l in with_paths]
-    carried = [i for i, l in enumerate(rest_leaves) if not jax.dtypes.issubdtype(jax.numpy.result_type(l),
-                                                                                 jax.dtypes.prng_key)]
+    carried = carried_leaves(rest_leaves)
 
     def merged(graph, p, s):
         # Fresh Variables around the given values, made inside the caller's trace: a forward
@@ -82,14 +81,26 @@ def stage_fn(module: nnx.Module) -> StageFn:
 
     state = None
     if carried:
-        evaluating = nnx.clone(module)
-        evaluating.eval()              # no dropout, running statistics
-        eval_graph = nnx.split(evaluating, nnx.Param, ...)[0]
+        eval_graph = eval_graphdef(module)
         state = StageState(tuple(rest_leaves[i] for i in carried),
                            tuple(path_string(with_paths[i][0]) for i in carried), step,
                            lambda p, s, x, **side: merged(eval_graph, p, s)(x, **side))
     return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module),
                    state=state)
+
+
+def carried_leaves(rest_leaves) -> list[int]:
+    """Which of a module's non-parameter leaves a forward may change (stage state): all but
+    RNG stream keys (typed PRNG keys, which no forward changes: constants of the programs)."""
+    return [i for i, l in enumerate(rest_leaves)
+            if not jax.dtypes.issubdtype(jax.numpy.result_type(l), jax.dtypes.prng_key)]
+
+
+def eval_graphdef(module: nnx.Module):
+    """The graphdef of `module` in eval mode (`module.eval()`: no dropout, running statistics)."""
+    evaluating = nnx.clone(module)
+    evaluating.eval()
+    return nnx.split(evaluating, nnx.Param, ...)[0]
 
 
 def keywords_of(module) -> tuple:

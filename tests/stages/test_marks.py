@@ -260,6 +260,23 @@ def test_split_errors():
         mpmd.split(MarkedGPT(rngs=nnx.Rngs(0)), num_stages=4)
 
 
+class SharedDropout(nnx.Module):
+    """One nnx.Dropout (one RNG stream) used on both sides of the mark."""
+
+    def __init__(self):
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(2))
+
+    def __call__(self, x):
+        return self.drop(self.b(mpmd.stage_boundary(self.drop(self.a(x)))))
+
+
+def test_refuses_state_shared_by_two_stages():
+    with pytest.raises(ValueError, match=r"the state variable drop.rngs.count is read or changed by several "
+                                         r"stages \(\[0, 1\]\).*their own nnx.Rngs stream"):
+        mpmd.split(SharedDropout(), sample_input=jnp.ones((2, 4)))
+
+
 # -- training through the Trainer ------------------------------------------------------------
 
 def batches(batch=BATCH):

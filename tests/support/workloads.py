@@ -211,6 +211,26 @@ class NoisyModel(nnx.Module):
         return x
 
 
+class MarkedNoisy(nnx.Module):
+    """NoisyModel's four layers as one model with a mark after each of the first three: each
+    stage's dropout stream and batch statistics are its own state."""
+
+    def __init__(self):
+        self.blocks = nnx.List([Noisy(0), Noisy(1, norm=True), Noisy(2), Noisy(3, norm=True)])
+
+    def __call__(self, x):
+        for i, b in enumerate(self.blocks):
+            x = b(x)
+            if i < len(self.blocks) - 1:
+                x = mpmd.stage_boundary(x)
+        return x
+
+
+def marked_stateful_stages():
+    """MarkedNoisy cut at its marks."""
+    return mpmd.split(MarkedNoisy(), sample_input=float_batches(steps=1)[0][0])
+
+
 def stateful_stages():
     return list(NoisyModel().layers())
 
