@@ -102,7 +102,8 @@ def test_dropout_runs_are_bitwise_repeatable():
     assert a[0] == b[0] and all(np.array_equal(p, q) for p, q in zip(a[1], b[1]))
 
 
-@pytest.mark.parametrize("make_stages", [wl.stateful_stages, wl.marked_stateful_stages], ids=["layers", "marked"])
+@pytest.mark.parametrize("make_stages", [wl.stateful_stages, pytest.param(wl.marked_stateful_stages, marks=pytest.mark.slow)],
+                         ids=["layers", "marked"])
 def test_resume_continues_the_streams(tmp_path, make_stages):
     """Saved after step 2 and resumed: step 3 lands where an uninterrupted run's does, bitwise,
     stage state included (for stages cut at marks too)."""
