@@ -121,7 +121,8 @@ class Lowered(NamedTuple):
     predict: list[PackedStream]                 # forward only, last stage's output kept
     init: list[PackedStream]                    # optimizer-state creation
     fetch: dict[int, tuple[str, ...]]      # what the controller reads after a training step
-    loss_fetch: dict[int, tuple[str, ...]]  # after a gradient or evaluation run: the losses
+    loss_fetch: dict[int, tuple[str, ...]]  # after a gradient run: the losses, auxiliary ones too
+    eval_fetch: dict[int, tuple[str, ...]]  # after an evaluation run: the losses
     io: StageIO = StageIO()                 # side inputs, auxiliary losses, weighted loss
 
 
@@ -199,6 +200,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     evaluate, predict = _forward_only(schedule, transfers, io)
 
     fetch = {placement[-1]: tuple(names.loss(j) for j in range(m)) + ((names.weight_sum(),) if io.weighted else ())}
+    eval_fetch = dict(fetch)   # forward-only programs return no auxiliary losses
     for k in range(S):
         if io.adds_aux(k):
             fetch[placement[k]] = fetch.get(placement[k], ()) + tuple(names.aux(k, j) for j in range(m))
@@ -223,7 +225,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
     predict = [s.finishing(persistent | {names.output(J)}, windows[r]) for r, s in enumerate(predict)]
     init = [PackedStream.from_instructions([Run(names.program("opt_init", k), (names.params(k),), (names.opt_state(k),),
                                            f"init s{k}") for k in schedule.stages_on(r)]) for r in range(P)]
-    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch, io)
+    return Lowered(P, progs, train, grads, evaluate, predict, init, fetch, loss_fetch, eval_fetch, io)
 
 
 def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dict:

@@ -98,6 +98,8 @@ def state_paths(fn, paths: tuple[str, ...], k: int, scoped: bool) -> tuple[str, 
     (`blocks.3`), as its parameters' paths say; `stage<k>/...` where they cannot say."""
     if fn.state is None:
         return ()
+    if fn.param_index is not None and not scoped:
+        return fn.state.paths       # cut from one model at its marks: already paths in the model
     prefixes = {}          # a layer's prefix within the stage -> its prefix in the model
     if not scoped:
         for local, model in zip(local_paths(fn), paths):

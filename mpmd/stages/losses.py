@@ -33,38 +33,23 @@ def add_loss(value) -> None:
     stack = getattr(_active, "stack", None)
     if not stack:
         return
-    if stack[-1] is _REFUSED:
-        raise ValueError("mpmd.add_loss inside a model cut at mpmd.stage_boundary marks is not supported: "
-                         "give the pipeline its stages as modules (mpmd.Pipeline([...])) or split the model "
-                         "by layers (mpmd.split(model, num_stages)) to add auxiliary losses")
     if jnp.shape(value) != ():
         raise ValueError(f"mpmd.add_loss takes a scalar (this microbatch's term of the objective), got shape "
                          f"{jnp.shape(value)}")
-    stack[-1].append(value)
+    got, on_add = stack[-1]
+    got.append(on_add(value))
 
 
 @contextlib.contextmanager
-def collect_losses():
-    """Collect what `add_loss` adds inside the block, as a list of scalars."""
+def collect_losses(on_add=None):
+    """Collect what `add_loss` adds inside the block, as a list of scalars; `on_add(value)`,
+    when given, is called as each is added and its result kept instead (mpmd/stages/marks.py
+    marks where in a traced model each term was added)."""
     stack = _active.__dict__.setdefault("stack", [])
     got: list = []
-    stack.append(got)
+    stack.append((got, on_add or (lambda value: value)))
     try:
         yield got
-    finally:
-        stack.pop()
-
-
-_REFUSED = object()
-
-
-@contextlib.contextmanager
-def refusing_losses():
-    """Inside the block `add_loss` raises (tracing a marked model, whose cut cannot carry them)."""
-    stack = _active.__dict__.setdefault("stack", [])
-    stack.append(_REFUSED)
-    try:
-        yield
     finally:
         stack.pop()
 

@@ -88,9 +88,7 @@ def stage_fn(module: nnx.Module) -> StageFn:
 
     state = None
     if rest_leaves:
-        evaluating = nnx.clone(module)
-        evaluating.eval()              # no dropout, running statistics
-        eval_graph = nnx.split(evaluating, nnx.Param, ...)[0]
+        eval_graph = eval_graphdef(module)
         state = StageState(initial, tuple(path_string(kp) for kp, _ in with_paths), step,
                            lambda p, s, x, **side: merged(eval_graph, p, s)(x, **side))
     return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module),
@@ -115,6 +113,21 @@ def _is_key(leaf) -> bool:
 def _key_impl(leaf):
     # An abstract key has no public way to its implementation; its dtype carries it.
     return leaf.dtype._impl if isinstance(leaf, jax.ShapeDtypeStruct) else jax.random.key_impl(leaf)
+
+
+def carried_leaves(rest_leaves) -> list[int]:
+    """Which of a marked model's non-parameter leaves it carries as stage state: all but RNG
+    stream keys (typed PRNG keys, which no forward changes: constants of its programs, made
+    again from the model's seeds; module stages carry them as key data, `carried_values`)."""
+    return [i for i, l in enumerate(rest_leaves)
+            if not jax.dtypes.issubdtype(jax.numpy.result_type(l), jax.dtypes.prng_key)]
+
+
+def eval_graphdef(module: nnx.Module):
+    """The graphdef of `module` in eval mode (`module.eval()`: no dropout, running statistics)."""
+    evaluating = nnx.clone(module)
+    evaluating.eval()
+    return nnx.split(evaluating, nnx.Param, ...)[0]
 
 
 def keywords_of(module) -> tuple:

@@ -62,7 +62,9 @@ def split(model, num_stages: int | None = None, sample_input=None, cuts=None) ->
     model has `model.layers()` split into `num_stages` contiguous stages of balanced cost (the
     first stage holds the first layer, the last stage the last).
     `sample_input` (one microbatch; defaults to `model.sample_input()` where the model has one)
-    is what a marked model is traced with, and enables FLOP-based balancing of layers.
+    is what a marked model is traced with, and enables FLOP-based balancing of layers. For a
+    marked model whose `__call__` takes keyword-only side inputs, give a sample batch dict
+    (`{"inputs": x, "mask": m, ...}`): the keys it names are the side inputs the cut feeds.
     `cuts` (unmarked models): the layer indices where stages 1.. begin, instead of balancing
     (what mpmd.tune chooses from measured costs); len(cuts) == num_stages - 1.
     """

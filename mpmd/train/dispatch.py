@@ -190,7 +190,7 @@ class Dispatcher:
                 told = mb[batches.TARGETS] if pair else {key: mb[key] for key in feeds_plan.loss_keys}
                 feeds[placement[-1]][names.targets(j)] = jax.tree.leaves(told)
         lowered = self._programs.lowered
-        fetch = {"train": lowered.fetch, "predict": {}}.get(plan, lowered.loss_fetch)
+        fetch = {"train": lowered.fetch, "eval": lowered.eval_fetch, "predict": {}}.get(plan, lowered.loss_fetch)
         return self._programs.launch(plan + suffix, feeds, fetch, trace)
 
     def metrics(self, results, trace: bool) -> dict:
@@ -204,10 +204,12 @@ class Dispatcher:
         losses = np.asarray([fetched[names.loss(j)][0] for j in range(m)], np.float64)
         loss = float(np.sum(losses) / float(fetched[names.weight_sum()][0])) if io.weighted else float(np.mean(losses))
         metrics = {"step": self._step, "loss": loss, "step_s": self._last_step_s}
-        if any(io.aux):
+        # Auxiliary losses, where the plan returns them (an evaluation's forwards do not).
+        aux_stages = [k for k in range(self._num_stages)
+                      if io.adds_aux(k) and names.aux(k, 0) in results[placement[k]].fetched]
+        if aux_stages:
             aux = sum(float(np.sum(np.asarray([results[placement[k]].fetched[names.aux(k, j)][0] for j in range(m)],
-                                              np.float64)))
-                      for k in range(self._num_stages) if io.adds_aux(k)) / m
+                                              np.float64))) for k in aux_stages) / m
             metrics["aux_loss"], metrics["loss"] = aux, loss + aux
         if self._max_grad_norm is not None and names.sqnorm(0) in results[0].fetched:
             sq = [results[0].fetched[names.sqnorm(k)][0] for k in range(self._num_stages)]

@@ -40,9 +40,6 @@ def _problems(cfg: Config) -> list[str]:
     if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
         out.append(f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
                    f"(rotary embeddings rotate pairs of dimensions)")
-    if m.tie_embeddings and m.dropout:
-        out.append(f"model.dropout={m.dropout} needs model.tie_embeddings=false: a tied llama is cut at stage "
-                   f"marks, which cannot carry dropout's RNG streams yet")
     if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
         out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
     return out

@@ -96,8 +96,6 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
      "pipeline.schedule='1f1b' needs pipeline.num_microbatches >= number of pipeline slices (4)"),
     (["model.num_heads=3"], "model.d_model=64 must be divisible by model.num_heads=3"),
     (["model.dropout=1.0"], "model.dropout must be < 1.0, got 1.0"),
-    (["model.kind=llama", "model.tie_embeddings=true", "model.dropout=0.1"],
-     "model.dropout=0.1 needs model.tie_embeddings=false"),
     (["pipeline.num_stages=7"], "pipeline.num_stages=7 is more than the gpt's 6 layers"),
     (["cluster.num_workers=3"], "cluster.num_workers=3 must equal"),
     (["cluster.backend=static"], "cluster.backend='static' needs cluster.addresses"),

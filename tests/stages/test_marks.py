@@ -12,6 +12,7 @@ from flax import nnx
 from mpmd import models
 import mpmd
 from tests.support import reference
+from tests.support import workloads
 from tests.support.marked_models import MarkedGPT, MarkedUNet
 
 LR, STEPS, BATCH = 1e-3, 3, 6
@@ -141,6 +142,67 @@ def test_marks_in_nested_module_and_skip_over_a_whole_stage():
     assert stages[1].param_index == (4, 5)           # only `mid` (bias, kernel) lives there
 
 
+def test_side_inputs_and_aux_losses_compose_to_the_model():
+    """Keyword-only side inputs are fed to the stages that read them, add_loss terms come out
+    of the stage they were added in, and both re-cut for another batch size or a batch
+    without a defaulted keyword."""
+    batch = workloads.batches(steps=1)[0]
+    stages = mpmd.split(workloads.MarkedMasked(), sample_input=batch)
+    model = workloads.MarkedMasked()
+    for rows, keys in [(16, ("mask", "positions")), (4, ("mask", "positions")), (5, ("mask",))]:
+        side = {k: batch[k][:rows] for k in keys}
+        x = batch["inputs"][:rows]
+        with mpmd.collect_losses() as want_aux:
+            want = model(x, **side)
+        h, got_aux = x, []
+        for s in stages:
+            with mpmd.collect_losses() as added:
+                h = s.apply(s.param_leaves, h, **{k: side[k] for k, _ in s.keywords if k in side})
+            got_aux.append(added)
+        np.testing.assert_array_equal(h, want)
+        assert [len(a) for a in got_aux] == [0, 1, 0]             # the term belongs to stage 1
+        np.testing.assert_allclose(got_aux[1][0], want_aux[0], rtol=1e-6)    # eager mean: another rounding
+
+
+class WeightPenalty(nnx.Module):
+    """Adds, after its mark, a term of parameters alone and a constant: both in stage 1."""
+
+    def __init__(self):
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        h = mpmd.stage_boundary(self.a(x))
+        mpmd.add_loss(1e-2 * jnp.sum(self.b.kernel[...] ** 2))
+        mpmd.add_loss(0.5)
+        return self.b(h)
+
+
+def test_aux_loss_of_parameters_alone_belongs_to_the_stage_it_is_added_in():
+    model, x = WeightPenalty(), jnp.ones((2, 4))
+    stages = mpmd.split(model, sample_input=x)
+    counts = []
+
+    def pipelined(leaves):
+        h, total = x, 0.0
+        for s, ls in zip(stages, leaves):
+            with mpmd.collect_losses() as added:
+                h = s.apply(ls, h)
+            counts.append(len(added))
+            total = total + sum(added)
+        return jnp.sum(h) + total
+
+    def plain(m):
+        with mpmd.collect_losses() as added:
+            out = m(x)
+        return jnp.sum(out) + sum(added)
+    got = jax.grad(pipelined)([s.param_leaves for s in stages])
+    assert counts == [0, 2]
+    want = jax.tree.leaves(nnx.grad(plain)(model))        # global leaf order: stage 0's, then stage 1's
+    assert [i for s in stages for i in s.param_index] == list(range(len(want)))
+    reference.assert_leaves_close([np.asarray(g) for ls in got for g in ls], [np.asarray(w) for w in want],
+                                  rtol=1e-6, what="gradients")
+
+
 class JittedMark(nnx.Module):
     """A mark inside a jax.jit function called twice: the calls are inlined, two cuts."""
 
@@ -196,6 +258,23 @@ def test_split_errors():
     with pytest.raises(ValueError, match=r"MarkedGPT has 2 mpmd.stage_boundary marks, which make 3 stages, "
                                          r"but num_stages=4"):
         mpmd.split(MarkedGPT(rngs=nnx.Rngs(0)), num_stages=4)
+
+
+class SharedDropout(nnx.Module):
+    """One nnx.Dropout (one RNG stream) used on both sides of the mark."""
+
+    def __init__(self):
+        self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(2))
+
+    def __call__(self, x):
+        return self.drop(self.b(mpmd.stage_boundary(self.drop(self.a(x)))))
+
+
+def test_refuses_state_shared_by_two_stages():
+    with pytest.raises(ValueError, match=r"the state variable drop.rngs.count is read or changed by several "
+                                         r"stages \(\[0, 1\]\).*their own nnx.Rngs stream"):
+        mpmd.split(SharedDropout(), sample_input=jnp.ones((2, 4)))
 
 
 # -- training through the Trainer ------------------------------------------------------------

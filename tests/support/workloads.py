@@ -1,7 +1,8 @@
 """Workloads that are not mpmd's own models, as a new user writes them, and the unpipelined
 JAX reference each must equal: a token-masked loss over microbatches holding very different
 numbers of real tokens, a side input (positions) that only a middle stage reads, integer and
-boolean values crossing cuts, an auxiliary loss added inside a stage."""
+boolean values crossing cuts, an auxiliary loss added inside a stage; the same in one model cut
+at stage marks."""
 from __future__ import annotations
 
 import jax
@@ -64,6 +65,34 @@ class Positional(nnx.Module):
         return jnp.tanh(self.l(x + self.table[...][positions]))
 
 
+class MarkedMasked(nnx.Module):
+    """The same kinds of workload as one model cut at mpmd.stage_boundary marks into three
+    stages: the bool `mask` is read only by the middle stage (a value derived from it alone is
+    recomputed there), which also adds an auxiliary loss; the int `positions` only by the last;
+    `segment_ids`, which no batch names, keeps its default."""
+
+    def __init__(self, seed: int = 0):
+        self.a, self.b, self.c = (nnx.Linear(D, D, rngs=nnx.Rngs(seed + i)) for i in range(3))
+        self.table = nnx.Param(jax.random.normal(jax.random.key(seed + 100), (T, D)) * 0.1)
+
+    def __call__(self, x, *, mask, positions=None, segment_ids=None):
+        h = mpmd.stage_boundary(jnp.tanh(self.a(x)))
+        keep = jnp.where(mask, 1.0, 0.5)[..., None]             # depends on the side input only
+        h = h * keep
+        mpmd.add_loss(0.05 * jnp.mean(jnp.square(h)))
+        h = mpmd.stage_boundary(jnp.tanh(self.b(h)))
+        if positions is not None:
+            h = h + self.table[...][positions]
+        if segment_ids is not None:
+            h = h * 0.0                                           # never here: no batch names it
+        return jnp.tanh(self.c(h))
+
+
+def marked_stages():
+    """MarkedMasked cut at its marks, from a sample batch naming its side inputs."""
+    return mpmd.split(MarkedMasked(), sample_input=batches(steps=1)[0])
+
+
 def masked_loss(out, batch):
     """(sum over real tokens of the squared error, count of real tokens)."""
     per_token = jnp.sum(jnp.square(out - batch["targets"]), axis=-1)
@@ -119,7 +148,7 @@ def reference(make_stages, loss_fn, data, m: int, steps: int = STEPS):
         h = batch["inputs"]
         with mpmd.collect_losses() as aux:
             for (g, _, rest), p, kws in zip(graphs, params, words):
-                h = nnx.merge(g, p, rest)(h, **{k: batch[k] for k in kws})
+                h = nnx.merge(g, p, rest)(h, **{k: batch[k] for k in kws if k in batch})
         return h, aux
 
     def objective(params, batch):
@@ -180,6 +209,26 @@ class NoisyModel(nnx.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+class MarkedNoisy(nnx.Module):
+    """NoisyModel's four layers as one model with a mark after each of the first three: each
+    stage's dropout stream and batch statistics are its own state."""
+
+    def __init__(self):
+        self.blocks = nnx.List([Noisy(0), Noisy(1, norm=True), Noisy(2), Noisy(3, norm=True)])
+
+    def __call__(self, x):
+        for i, b in enumerate(self.blocks):
+            x = b(x)
+            if i < len(self.blocks) - 1:
+                x = mpmd.stage_boundary(x)
+        return x
+
+
+def marked_stateful_stages():
+    """MarkedNoisy cut at its marks."""
+    return mpmd.split(MarkedNoisy(), sample_input=float_batches(steps=1)[0][0])
 
 
 def stateful_stages():

@@ -66,6 +66,34 @@ def test_dropout_and_batch_statistics_train_as_nnx_does(schedule, v, m):
     ref.assert_leaves_close([predicted], [np.asarray(model(x))], 1e-4, "predictions")
 
 
+def test_a_model_cut_at_marks_carries_each_stages_state():
+    """The same four layers as one model cut at marks: each stage carries the dropout count
+    and batch statistics its equations read and change, under their paths in the model, and
+    trains, evaluates and predicts as NNX does with the model."""
+    data, m = wl.float_batches(), 4
+    want_losses, want_params, model = wl.nnx_reference(lambda: [wl.MarkedNoisy()], wl.square_loss, data, m)
+    stages = wl.marked_stateful_stages()
+    stats = lambda k: (f"blocks.{k}.norm.mean", f"blocks.{k}.norm.var") if k % 2 else ()
+    assert [s.state.paths for s in stages] == [(f"blocks.{k}.drop.rngs.count", *stats(k)) for k in range(4)]
+    with trainer(stages, "1f1b", m) as t:
+        losses = [t.step(x, y)["loss"] for x, y in data]
+        params, state = leaves(t.params()), t.state()
+        x, y = data[0]
+        evaluated, predicted = t.evaluate(x, y), np.concatenate(t.predict(x))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    ref.assert_leaves_close(params, [want_params[i] for s in stages for i in s.param_index], RTOL)
+    blocks = model.layers[0].blocks
+    for k, block in enumerate(blocks):
+        assert int(state[k][f"blocks.{k}.drop.rngs.count"]) == int(block.drop.rngs.count[...]) == m * len(data)
+        if block.norm is not None:
+            ref.assert_leaves_close([state[k][p] for p in stats(k)],
+                                    [np.asarray(block.norm.mean[...]), np.asarray(block.norm.var[...])], RTOL,
+                                    f"stage {k} batch statistics")
+    model.eval()
+    np.testing.assert_allclose(evaluated, float(wl.square_loss(model(x), y)), rtol=RTOL)
+    ref.assert_leaves_close([predicted], [np.asarray(model(x))], 1e-4, "predictions")
+
+
 def test_dropout_runs_are_bitwise_repeatable():
     def run():
         with trainer(wl.stateful_stages(), "zb-h1", 4) as t:
@@ -74,16 +102,18 @@ def test_dropout_runs_are_bitwise_repeatable():
     assert a[0] == b[0] and all(np.array_equal(p, q) for p, q in zip(a[1], b[1]))
 
 
-def test_resume_continues_the_streams(tmp_path):
+@pytest.mark.parametrize("make_stages", [wl.stateful_stages, pytest.param(wl.marked_stateful_stages, marks=pytest.mark.slow)],
+                         ids=["layers", "marked"])
+def test_resume_continues_the_streams(tmp_path, make_stages):
     """Saved after step 2 and resumed: step 3 lands where an uninterrupted run's does, bitwise,
-    stage state included."""
+    stage state included (for stages cut at marks too)."""
     data = wl.float_batches()
-    with trainer(wl.stateful_stages()) as t:
+    with trainer(make_stages()) as t:
         want = [t.step(x, y)["loss"] for x, y in data], leaves(t.params()), t.state()
-    with trainer(wl.stateful_stages(), run_dir=tmp_path, checkpoint=mpmd.Checkpointing(every=1)) as t:
+    with trainer(make_stages(), run_dir=tmp_path, checkpoint=mpmd.Checkpointing(every=1)) as t:
         for x, y in data[:2]:
             t.step(x, y)
-    with trainer(wl.stateful_stages(), run_dir=tmp_path, checkpoint=mpmd.Checkpointing(every=1)) as t:
+    with trainer(make_stages(), run_dir=tmp_path, checkpoint=mpmd.Checkpointing(every=1)) as t:
         assert t.step_count == 2
         last = t.step(*data[2])["loss"]
         got = leaves(t.params()), t.state()

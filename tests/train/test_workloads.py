@@ -102,6 +102,52 @@ def test_side_input_goes_straight_to_the_stage_that_reads_it():
     assert recv and all(len(ins.specs) == 1 and ins.specs[0].dtype == "float32" for ins in recv)
 
 
+# -- a model cut at stage marks: side inputs and an auxiliary loss ----------------------------
+def marked_reference(data, m):
+    """The unpipelined MarkedMasked's (losses, grads, params), leaves in the stages' order."""
+    losses, grads, params = wl.reference(lambda: [wl.MarkedMasked()], wl.masked_loss, data, m)
+    order = [i for s in wl.marked_stages() for i in s.param_index]     # the global leaf of each stage leaf
+    return losses, [grads[i] for i in order], [params[i] for i in order]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_marked_model_with_side_inputs_and_aux_loss(schedule):
+    data = wl.batches(m=4)
+    got = wl.pipelined(wl.marked_stages, wl.masked_loss, data, 4, schedule)
+    assert_equal_to_reference(got, marked_reference(data, 4))
+    assert got[3]["aux_loss"] > 0 and got[3]["loss"] > got[3]["aux_loss"]
+
+
+def test_marked_side_inputs_go_straight_to_the_stages_that_read_them():
+    """The cut gives each stage the keywords its equations read: `mask` to stage 1 (which
+    recomputes what depends on it alone), `positions` to stage 2, `segment_ids` (no batch key)
+    to none; nothing of them crosses a cut, and only stage 1 adds an auxiliary loss."""
+    stages = wl.marked_stages()
+    assert [s.keywords for s in stages] == [(), (("mask", True),), (("positions", False),)]
+    batch = wl.batches(steps=1, m=2)[0]
+    assert len(stages[0].apply(stages[0].param_leaves, batch["inputs"])) == 1     # h alone crosses 0 -> 1
+    with mpmd.Trainer(mpmd.Pipeline(stages, wl.masked_loss), wl.sgd(), schedule="gpipe", num_microbatches=2,
+                      cluster=mpmd.InProcessCluster()) as t:
+        # Forward-only plans feed the side inputs too; an evaluation's loss has no aux term.
+        want = wl.MarkedMasked()(batch["inputs"], mask=batch["mask"], positions=batch["positions"])
+        (predicted,) = t.predict(batch)
+        np.testing.assert_allclose(predicted, want, rtol=1e-6, atol=1e-7)
+        assert t.evaluate(batch) == pytest.approx(float(np.divide(*wl.masked_loss(want, batch))), rel=1e-6)
+        t.step(batch)
+        streams = [list(s) for s in t.lowered.train]
+    for r, stream in enumerate(streams):
+        buffers = {n for ins in stream if isinstance(ins, Run) for n in ins.inputs + ins.outputs}
+        assert {k for k in range(3) if names.side(k, 0) in buffers} == ({r} if r else set()), r
+        assert {k for k in range(3) if names.aux(k, 0) in buffers} == ({1} if r == 1 else set()), r
+        moved = [ins for ins in stream if isinstance(ins, (Send, Recv)) and hasattr(ins, "buffer")]
+        assert not any(names.parse_buffer(ins.buffer).kind == "side" for ins in moved)
+
+
+def test_marked_model_refuses_a_missing_required_side_input():
+    with pytest.raises(ValueError, match=r"MarkedMasked.__call__ takes the keyword-only parameter\(s\) \['mask'\]"):
+        mpmd.split(wl.MarkedMasked(), sample_input=wl.batches(steps=1)[0]["inputs"])
+
+
 def test_pair_shorthand_is_the_batch_dict():
     """step(inputs, targets) is {"inputs": ..., "targets": ...} with loss_fn(outputs, targets)."""
     x, y = ref.batches()[0]
