@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except train.CheckpointError as e:
+    except (train.CheckpointError, train.NonFinite) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the run's own files: ENOSPC, EROFS, EACCES, ...
