@@ -5,7 +5,7 @@
 configs/gpt_small.yaml's model (d_model 256, 8 blocks, seq_len 128, batch 32; adamw, 4
 microbatches) in 2 stages, 1F1B, on 2 real worker processes (LocalCluster), with
 `Checkpointing(every=1)`: asynchronous saves, each slice writing its part in its background
-thread and, with digests, then hashing every leaf it wrote (sha256 over the host bytes);
+thread and, with digests, then hashing every leaf it wrote (CRC-32 of the host bytes);
 the controller records the digests at commit. Timed per variant: the median step time over
 `--steps` steps after 2 warm-up steps (a step's wall time includes waiting for the save two
 steps back, so the write and the digests show), and the median of 3 restores of the newest

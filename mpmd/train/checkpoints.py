@@ -28,7 +28,7 @@ restores. When committed steps exist but none restores, restore raises Checkpoin
 naming each step and why: a run never starts over from step 0 over its own checkpoints.
 
 Every leaf's digest (slice_store.digest, computed by the slice that wrote it, after the
-write) is recorded in the manifest, and the manifest's digest beside it (manifest.sha256).
+write: CRC-32) is recorded in the manifest, and the manifest's sha256 beside it (manifest.sha256).
 A restore checks both: a leaf read back otherwise, or a manifest that does not match, is
 damage and handled as an unreadable step (skipped with a warning naming the part, i.e. the
 slice that saved it, the leaf and the step; moved aside once an older step restores). A
