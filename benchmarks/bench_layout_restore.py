@@ -17,7 +17,6 @@ printed at the start and end: on a 2-core machine other processes inflate every 
 from __future__ import annotations
 
 import os
-import sys
 
 import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
 
@@ -59,34 +58,31 @@ def main() -> None:
     gpt, batch = MODELS[args.model]
     tmp = Path(tempfile.mkdtemp(prefix="bench_layout_"))
     log_path = tmp / "workers.log"
-    sys.stderr.flush()
-    saved_stderr = os.dup(2)
-    os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT), 2)   # the workers inherit it
     print(f"model {args.model} {gpt} batch {batch}; load average {os.getloadavg()}; worker log {log_path}")
-    cluster = mpmd.LocalCluster(num_workers=4, root=str(tmp))
     run_dir = tmp / "run"
     times: dict[str, list[float]] = {name: [] for name in LAYOUTS}
-    try:
-        x = np.random.default_rng(0).integers(0, gpt["vocab_size"], (batch, gpt["seq_len"])).astype(np.int32)
-        trainer = make_trainer(cluster, run_dir, gpt, LAYOUTS["same (2 stages, 1f1b)"])
-        trainer.step(x, x)
-        trainer.save(wait=True)
-        trainer.close(close_cluster=False)
-        names = list(LAYOUTS)
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                trainer = make_trainer(cluster, run_dir, gpt, LAYOUTS[name])
-                try:
-                    assert trainer.resumed is not None and trainer.resumed[0] == 1
-                    for _ in range(3):
-                        t0 = time.perf_counter()
-                        assert trainer.checkpoints.restore_latest()[0] == 1
-                        times[name].append(time.perf_counter() - t0)
-                finally:
-                    trainer.close(close_cluster=False)
-    finally:
-        cluster.close()
-        os.dup2(saved_stderr, 2)
+    with cpu_setup.stderr_to(log_path):
+        cluster = mpmd.LocalCluster(num_workers=4, root=str(tmp))
+        try:
+            x = np.random.default_rng(0).integers(0, gpt["vocab_size"], (batch, gpt["seq_len"])).astype(np.int32)
+            trainer = make_trainer(cluster, run_dir, gpt, LAYOUTS["same (2 stages, 1f1b)"])
+            trainer.step(x, x)
+            trainer.save(wait=True)
+            trainer.close(close_cluster=False)
+            names = list(LAYOUTS)
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    trainer = make_trainer(cluster, run_dir, gpt, LAYOUTS[name])
+                    try:
+                        assert trainer.resumed is not None and trainer.resumed[0] == 1
+                        for _ in range(3):
+                            t0 = time.perf_counter()
+                            assert trainer.checkpoints.restore_latest()[0] == 1
+                            times[name].append(time.perf_counter() - t0)
+                    finally:
+                        trainer.close(close_cluster=False)
+        finally:
+            cluster.close()
     same = statistics.median(times["same (2 stages, 1f1b)"])
     print(f"{'restore onto':<28} {'median s':>9} {'vs same layout':>15}")
     for name, ts in times.items():

@@ -8,6 +8,7 @@ one op over both cores and blur the side-by-side ratios), and the repository on 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -29,3 +30,17 @@ def before_jax(devices: int | None = None, eigen_threads: bool = False) -> Path:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     return REPO
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path):
+    """This process's stderr (which the workers it starts inherit: Orbax's INFO lines) goes
+    to `path` while inside."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)

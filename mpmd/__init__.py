@@ -25,11 +25,12 @@ _WHERE = {
     "RayCluster": "mpmd.runtime.launchers.ray",
     "StaticCluster": "mpmd.runtime.launchers.static",
     "Rewound": "mpmd.train.checkpoints",
+    "NonFinite": "mpmd.train.checkpoints",
     "WorkerLost": "mpmd.runtime.control.cluster",
 }
 
 __all__ = ["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split", "stage_boundary", "add_loss", "collect_losses", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
-           "Rewound", "WorkerLost"]
+           "Rewound", "NonFinite", "WorkerLost"]
 
 
 def __getattr__(name: str):

@@ -14,7 +14,8 @@ count the model cannot take, a backend whose package is not installed, too few d
 the in-process backend) raise ConfigError naming the key before any worker starts, so
 `mpmd train` reports them like a bad key. So do a run_dir that is not a writable directory
 and a resume whose config changes the math (the MATH_KEYS of recipes/config.py) without
-allow_config_change. Checkpoints that cannot be restored or saved raise CheckpointError.
+allow_config_change. Checkpoints that cannot be restored or saved raise CheckpointError; a
+step whose loss or gradient norm is not finite raises NonFinite (train.on_nonfinite=stop).
 Any other error is a bug and stays itself.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
-from mpmd.train.checkpoints import CheckpointError  # noqa: F401  (raised through run())
+from mpmd.train.checkpoints import CheckpointError, NonFinite  # noqa: F401  (raised through run())
 from mpmd.stages.sharding import LayoutError
 from mpmd.stages.split import cut
 from mpmd.recipes.config import Config, ConfigError
@@ -159,7 +160,7 @@ def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recover
     """The Trainer's option records of the checkpoint section (with `metadata` in every
     manifest) and of the cluster section's recovery keys; the config checked both rules
     already, by building them."""
-    return cfg.checkpoint.record(metadata), cfg.cluster.recovery()
+    return cfg.checkpoint.record(metadata), cfg.cluster.recovery(cfg.train.on_nonfinite)
 
 
 # -- pieces of the loop --------------------------------------------------------------------

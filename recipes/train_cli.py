@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except train.CheckpointError as e:
+    except (train.CheckpointError, train.NonFinite) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StepFailed as e:  # the worker's log has its traceback; XLA's messages may span lines

@@ -137,12 +137,14 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.replaced(slice_index)
 
-    def restore_newest(self) -> tuple[str, int, object]:
+    def restore_newest(self, memory: bool = True) -> tuple[str, int, object]:
         """(tier, step, data_state) after putting every slice back at the newest saved state:
         tier "memory" or "persistent"; "initial" (step 0) when nothing was saved yet, and the
         caller puts the initial state back. CheckpointError when checkpoints exist but none
-        restores: never train on from a state that is neither saved nor the initial one."""
-        gen = self.memory.restorable() if self.memory is not None else None
+        restores: never train on from a state that is neither saved nor the initial one.
+        memory=False: not from the in-memory tier (its snapshots are forgotten), whose
+        snapshot is taken before its step's loss is known."""
+        gen = self.memory.restorable() if self.memory is not None and memory else None
         last = self.latest()
         if gen is not None and (last is None or gen.step >= last):
             self.memory.restore()

@@ -27,6 +27,15 @@ committed step is tried. A step that fails is moved aside as damaged once an old
 restores. When committed steps exist but none restores, restore raises CheckpointError
 naming each step and why: a run never starts over from step 0 over its own checkpoints.
 
+Every leaf's digest (slice_store.digest, computed by the slice that wrote it, after the
+write: CRC-32) is recorded in the manifest, and the manifest's sha256 beside it (manifest.sha256).
+A restore checks both: a leaf read back otherwise, or a manifest that does not match, is
+damage and handled as an unreadable step (skipped with a warning naming the part, i.e. the
+slice that saved it, the leaf and the step; moved aside once an older step restores). A
+step saved before digests were recorded restores unverified, with a line saying so. The
+manifest also records whether the step's loss and gradient norm were finite (`finite`);
+pruning keeps the newest finite, digested step whatever came after it.
+
 A save that fails (a full or read-only disk) is retried once with the state at hand, then
 raises CheckpointError: training stops after the last committed step instead of computing
 steps it cannot keep. What a failed save wrote is removed.
@@ -75,6 +84,18 @@ class CheckpointError(RuntimeError):
     """The run's checkpoints cannot be used: no committed step restores, or saves keep failing."""
 
 
+class NonFinite(RuntimeError):
+    """Step `step`'s loss or gradient norm is not finite: it was not committed and training
+    stopped (Recovery.on_nonfinite); `last` is the last committed step, kept."""
+
+    def __init__(self, step: int, metrics: dict, last: int | None, why: str = ""):
+        shown = ", ".join(f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if k in metrics)
+        super().__init__(f"step {step} has a non-finite {shown}{why}: it was not committed and training "
+                         f"stopped; the last committed step is {last if last is not None else 'none'} "
+                         f"(kept)")
+        self.step, self.last = step, last
+
+
 FORMAT = 2   # manifests of leaves keyed by path; older ones have no "format"
 # What a stage layout may change on resume (recorded in the manifest, logged when it changes).
 LAYOUT_KEYS = ("num_stages", "num_slices", "schedule", "virtual_stages", "placement", "mesh")
@@ -104,6 +125,7 @@ class StageCheckpoints:
         self.layouts = dict(layouts or {})
         self.keep = options.keep
         self.asynchronous = options.asynchronous
+        self.digests = options.digests      # record leaf digests at save, check them at restore
         self.max_in_flight = 2          # steps saved but not yet committed
         self._cond = threading.Condition()
         self._in_flight: deque = deque()   # (step, {slice: directories}, manifest, t), oldest first
@@ -216,7 +238,7 @@ class StageCheckpoints:
             return
         # Every slice snapshots at once; each returns as soon as its arrays are in host memory.
         items = {r: self._items(step, r) for r in range(self.num_slices)}
-        futures = {r: self._save_pool.submit(self.cluster.save, r, items[r]) for r in items}
+        futures = {r: self._save_pool.submit(self.cluster.save, r, items[r], self.digests) for r in items}
         errors = {r: f.exception() for r, f in futures.items()}
         lost = [e for e in errors.values() if isinstance(e, WorkerLost)]
         if lost:
@@ -248,8 +270,8 @@ class StageCheckpoints:
                     self._cond.wait()
                 step, started, manifest, t1 = self._in_flight[0]
             try:
-                self._wait_all(started, raise_first=True)
-                self.store.commit(step, manifest)
+                digests = self._wait_all(started, raise_first=True)
+                self.store.commit(step, with_digests(manifest, digests))
             except WorkerLost as e:   # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)
                 with self._cond:
@@ -271,16 +293,18 @@ class StageCheckpoints:
                 self._in_flight.popleft()
                 self._cond.notify_all()
 
-    def _wait_all(self, started: dict[int, list[str]], raise_first: bool = False) -> None:
+    def _wait_all(self, started: dict[int, list[str]], raise_first: bool = False) -> dict[str, str]:
         """Until every slice's saves of these directories are finalized or failed (the slices
-        concurrently); the first error, if asked, once all are done: a failed step is removed
-        only when nobody writes it."""
+        concurrently): {leaf name: digest} of all of them; the first error, if asked, once
+        all are done: a failed step is removed only when nobody writes it."""
         futures = [self._wait_pool.submit(self.cluster.wait_saves, r, dirs) for r, dirs in started.items()]
         errors = [f.exception() for f in futures]
         lost = [e for e in errors if isinstance(e, WorkerLost)]
         first = (lost or [e for e in errors if e is not None] or [None])[0]
         if raise_first and first is not None:
             raise first
+        return {key: d for f, e in zip(futures, errors) if e is None
+                for part in f.result().values() for key, d in part.items()}
 
     def wait(self) -> None:
         """Until every save in flight is committed (or failed)."""
@@ -311,6 +335,10 @@ class StageCheckpoints:
             if why is None:
                 for bad, bad_why in failed.items():
                     self.store.quarantine(bad, bad_why)
+                if self.digests and "format" in manifest and not all(
+                        "digest" in leaf for leaf in manifest["leaves"].values()):
+                    log.warning("checkpoint step %d has no digests (saved before mpmd recorded them): "
+                                "restored unverified", step)
                 return step, manifest
             log.warning("skipping checkpoint step %d: %s", step, why)
             failed[step] = why
@@ -408,7 +436,10 @@ class StageCheckpoints:
         def read(r: int) -> None:
             layouts = {n: self.layouts[n] for k, s in enumerate(self.placement) if s == r
                        for n, _ in self.names.buffers(k) if n in self.layouts}
-            self.cluster.restore(r, self._restore_items(step, manifest, r), staged=True, layouts=layouts)
+            items = self._restore_items(step, manifest, r)
+            digests = {name: leaf["digest"] for name, leaf in manifest.get("leaves", {}).items()
+                       if "digest" in leaf and any(name in keys for keys in items.values())} if self.digests else {}
+            self.cluster.restore(r, items, staged=True, layouts=layouts, digests=digests)
         # Every slice reads its leaves at once (each from the directories that hold them).
         errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]
         lost = [e for e in errors if isinstance(e, WorkerLost)]
@@ -422,6 +453,14 @@ class StageCheckpoints:
         for r in slices:
             self.cluster.finish_restore(r, commit=True)
         return None
+
+
+def with_digests(manifest: dict, digests: dict[str, str]) -> dict:
+    """`manifest` with each leaf's digest ({leaf name: digest}, as the slices reported them)
+    in its entry of the leaf table."""
+    leaves = {name: {**leaf, **({"digest": digests[name]} if name in digests else {})}
+              for name, leaf in manifest["leaves"].items()}
+    return {**manifest, "leaves": leaves}
 
 
 def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
@@ -440,7 +479,8 @@ def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
     for name, leaf in manifest["leaves"].items():
         items.setdefault(str(store.step_dir(step) / leaf["part"]), {})[name] = [(name, 0)]
     here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    got = SliceCheckpointer().restore(items, lambda name, i: here)
+    digests = {name: leaf["digest"] for name, leaf in manifest["leaves"].items() if "digest" in leaf}
+    got = SliceCheckpointer().restore(items, lambda name, i: here, digests)
     return step, {name: np.asarray(arrays[0]) for name, arrays in got.items()}
 
 

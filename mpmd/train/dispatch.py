@@ -14,8 +14,11 @@ steps). An in-memory snapshot is sent right behind its step, one in flight at a 
 
 A lost slice discards the steps in flight behind the one that failed: none of their updates
 is kept, none of their metrics is returned; the Trainer's `on_lost` (its recovery) raises
-the Rewound that says where to resume. Steps are counted here: `step_count` is the updates
-applied so far, `rewind` puts it back after a restore.
+the Rewound that says where to resume. A step whose loss or gradient norm is not finite is
+never saved: the steps in flight behind it run out and are discarded (nothing may see the
+slices while they run), and `on_nonfinite(step, metrics)` raises what the Trainer's
+Recovery.on_nonfinite says (NonFinite, or Rewound after a rewind). Steps are counted here:
+`step_count` is the updates applied so far, `rewind` puts it back after a restore.
 """
 from __future__ import annotations
 
@@ -36,15 +39,18 @@ class Dispatcher:
     after a lost slice and raises Rewound (`failed_since`: perf_counter when the failed
     attempt started); `on_collected(step_s, data_state, save, retry)` runs after every
     collected step, `save` when it is a checkpoint step (`retry`: a failed save's retry, to
-    be waited for)."""
+    be waited for); `on_nonfinite(step, metrics)` after a step whose loss or gradient norm
+    is not finite (never saved), and raises."""
 
     def __init__(self, programs, checkpointer, num_microbatches: int, num_stages: int, max_grad_norm,
                  run_ahead: int, on_lost: Callable[[WorkerLost, float], NoReturn],
-                 on_collected: Callable[[float, object, bool, bool], None]):
+                 on_collected: Callable[[float, object, bool, bool], None],
+                 on_nonfinite: Callable[[int, dict], NoReturn]):
         self._programs, self._checkpointer = programs, checkpointer
         self.num_microbatches, self._num_stages, self._max_grad_norm = num_microbatches, num_stages, max_grad_norm
         self.run_ahead = run_ahead
-        self._on_lost, self._on_collected = on_lost, on_collected
+        self._on_lost, self._on_collected, self._on_nonfinite = on_lost, on_collected, on_nonfinite
+        self.finite = True           # the state at hand comes from steps whose loss and grad norm were finite
         self._pending: list[PendingStep] = []     # submitted, not yet collected; oldest first
         self._last_collected_at = 0.0             # perf_counter when the last step was collected
         self._last_step_s = 0.0
@@ -70,6 +76,7 @@ class Dispatcher:
         """Every slice holds the state after `step` now (restored)."""
         assert not self._pending, "rewound with steps in flight"
         self._step = step
+        self.finite = True
 
     # -- training steps ----------------------------------------------------------------------
     def submit(self, batch: dict, pair: bool, trace: bool, data_state) -> PendingStep:
@@ -138,6 +145,10 @@ class Dispatcher:
         self._last_step_s = self._last_collected_at - start
         self._step += 1
         metrics = self.metrics(results, pending.trace)
+        if not finite(metrics):      # never saved; the steps behind it run out, unused
+            self.finite = False
+            self._drain()
+            self._on_nonfinite(self._step, metrics)
         # A retry is a save of the state at hand: only once no later step is in flight.
         retry = not self._pending and self._checkpointer.retry_due()
         save = retry or self._checkpointer.due(self._step)
@@ -147,6 +158,19 @@ class Dispatcher:
         if tiers:
             metrics["checkpoint"] = tiers
         return metrics
+
+    def _drain(self) -> None:
+        """Let every step in flight finish on the slices, then discard it (its metrics unread,
+        never saved): the state is restored or the run ends after a non-finite step, and
+        no other verb may reach a slice while a run is on it."""
+        for p in self._pending:
+            try:
+                p.launched.result()
+                if p.snapshot is not None:
+                    self._checkpointer.finish_snapshot(p.snapshot)
+            except Exception:      # a failure behind a non-finite step changes nothing
+                pass
+        self._discard()
 
     def _discard(self) -> None:
         """Forget every step in flight (the cluster aborted them with the failed one)."""
@@ -219,6 +243,11 @@ class Dispatcher:
             metrics["held"] = [(r.peak_held, r.peak_held_bytes) for r in results]
             metrics["peak_bytes"] = [r.peak_bytes for r in results]
         return metrics
+
+
+def finite(metrics: dict) -> bool:
+    """Whether a step's loss (and gradient norm, when clipping) is finite."""
+    return all(np.isfinite(metrics[k]) for k in ("loss", "grad_norm") if k in metrics)
 
 
 class PendingStep:

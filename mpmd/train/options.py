@@ -10,6 +10,12 @@ import dataclasses
 import math
 
 ON_LOSS = ("replace", "shrink", "auto")
+ON_NONFINITE = ("stop", "rewind")
+# Why on_nonfinite="skip" (leave the step's update out) cannot be: a slice applies its update
+# in the same program as its backward, before its loss and gradient norm reach the controller.
+NO_SKIP = ("'skip' is not supported: each slice applies a step's update in the same program as its "
+           "backward, before the loss and gradient norm reach the controller, so the update cannot be "
+           "left out afterwards; use 'rewind' (restore the last committed step and go on) or 'stop'")
 
 
 def _is_int(value) -> bool:
@@ -23,13 +29,16 @@ class Checkpointing:
     committed checkpoints kept on disk; `asynchronous`: saves are written while training goes
     on; `max_failed_saves`: saves that may fail after a failed one before training stops;
     `memory_every`: steps between in-memory snapshots copied to a peer slice, 0 = none;
-    `metadata`: JSON-able entries written into every manifest (e.g. a config hash)."""
+    `metadata`: JSON-able entries written into every manifest (e.g. a config hash);
+    `digests`: record each saved leaf's digest and check it on restore (off only to measure
+    what it costs)."""
     every: int = 0
     keep: int = 2
     asynchronous: bool = True
     max_failed_saves: int = 1
     memory_every: int = 0
     metadata: dict = dataclasses.field(default_factory=dict)
+    digests: bool = True
 
     def __post_init__(self):
         if not _is_int(self.every) or self.every < 0:
@@ -45,6 +54,8 @@ class Checkpointing:
         if not _is_int(self.memory_every) or self.memory_every < 0:
             raise ValueError(f"memory_every must be a non-negative integer (steps between in-memory "
                              f"snapshots; 0: none), got {self.memory_every!r}")
+        if not isinstance(self.digests, bool):
+            raise ValueError(f"digests must be True or False, got {self.digests!r}")
         if not isinstance(self.metadata, dict):
             raise ValueError(f"metadata must be a dict of JSON-able values, got {type(self.metadata).__name__}")
 
@@ -55,13 +66,24 @@ class Recovery:
     with the same stages on the survivors (back to every slice at a checkpoint once workers
     start again); auto = replace if one comes within `replace_timeout_s`, else shrink.
     `max_restarts`: recoveries before the run gives up; `slice_memory_bytes`: the most bytes a
-    layout on fewer slices may hold on one slice, None = not checked."""
+    layout on fewer slices may hold on one slice, None = not checked.
+    `on_nonfinite`: a step whose loss or gradient norm is not finite is never committed, and
+    then stop = the run ends (NonFinite names the step; the last committed step is kept);
+    rewind = restore the last committed step and go on (Rewound), once per step: the same
+    step non-finite again stops (a deterministic NaN would loop)."""
     on_loss: str = "auto"
     replace_timeout_s: float = 60.0
     max_restarts: int = 3
     slice_memory_bytes: int | None = None
+    on_nonfinite: str = "stop"
 
     def __post_init__(self):
+        if self.on_nonfinite == "skip":
+            raise ValueError(f"on_nonfinite: {NO_SKIP}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {', '.join(map(repr, ON_NONFINITE))} (a step whose "
+                             f"loss or gradient norm is not finite: end the run, or restore the last committed "
+                             f"step and go on), got {self.on_nonfinite!r}")
         if self.on_loss not in ON_LOSS:
             raise ValueError(f"on_loss must be one of {', '.join(map(repr, ON_LOSS))} (what to do when a slice "
                              f"is lost: replace it, continue on the survivors, or replace if a worker "

@@ -29,7 +29,7 @@ from mpmd.schedules import core as schedules
 from mpmd.stages import costs as stage_costs
 from mpmd.stages import sharding
 from mpmd.train import elastic
-from mpmd.train.checkpoints import Rewound
+from mpmd.train.checkpoints import NonFinite, Rewound
 from mpmd.train.options import Recovery
 
 log = logging.getLogger("mpmd")
@@ -65,6 +65,7 @@ class RecoveryPolicy:
         self._narrow_s = 0.0               # time run on fewer slices than configured, finished spans
         self._narrow_since: float | None = None
         self._grown = False                # the next step is the first after a grow back
+        self._rewound_nonfinite: set[int] = set()   # steps rewound over after a non-finite loss
 
     @property
     def narrow(self) -> bool:
@@ -121,10 +122,28 @@ class RecoveryPolicy:
         how = "replaced" if replaced else f"not replaced, continuing on {self._programs.num_slices} slice(s)"
         raise Rewound(step, data_state, f"recovered from {lost}; {how}", tier, replayed)
 
-    def _restore_newest(self) -> tuple[str, int, object]:
+    def rewind(self, step: int, metrics: dict) -> None:
+        """After step `step` was not finite (Recovery.on_nonfinite="rewind"): put every slice
+        back at the last committed step (not the in-memory tier: its snapshots are taken
+        before their step's loss is known) and raise Rewound; NonFinite when `step` was
+        rewound over once already (the same data and state give the same NaN again)."""
+        self._checkpointer.wait()
+        if step in self._rewound_nonfinite:
+            raise NonFinite(step, metrics, self._checkpointer.latest(),
+                            " again after a rewind (on_nonfinite=rewind rewinds a step once)")
+        self._rewound_nonfinite.add(step)
+        t0 = time.perf_counter()
+        tier, restored, data_state = self._restore_newest(memory=False)
+        self._lost["restore_s"] += time.perf_counter() - t0
+        replayed = self._steps.attempted - restored
+        self._steps.rewind(restored)
+        raise Rewound(restored, data_state, f"step {step} had a non-finite loss or gradient norm "
+                      f"(on_nonfinite=rewind)", tier, replayed)
+
+    def _restore_newest(self, memory: bool = True) -> tuple[str, int, object]:
         """(tier, step, data_state) after putting every slice back at the newest saved state
         (Checkpointer.restore_newest), or the initial state when nothing was saved."""
-        tier, step, data_state = self._checkpointer.restore_newest()
+        tier, step, data_state = self._checkpointer.restore_newest(memory)
         if tier == "initial":
             self._programs.reset_state()
         elif tier == "persistent":

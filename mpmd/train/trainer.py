@@ -37,6 +37,7 @@ from mpmd.stages import names, sharding
 from mpmd.stages.pipeline import Pipeline
 from mpmd.train import relayout
 from mpmd.train.checkpointer import Checkpointer
+from mpmd.train.checkpoints import NonFinite
 from mpmd.train.dispatch import Dispatcher, PendingStep
 from mpmd.train.options import Checkpointing, Recovery
 from mpmd.train.programs import Programs
@@ -76,7 +77,7 @@ class Trainer:
                                          partition, built.placement, self.programs.layout,
                                          relayout.layout_record(built, meshes))
         self.dispatcher = Dispatcher(self.programs, self.checkpointer, self.num_microbatches, pipeline.num_stages,
-                                     max_grad_norm, run_ahead, self._recover, self._collected)
+                                     max_grad_norm, run_ahead, self._recover, self._collected, self._nonfinite)
         # The layout asked for; a lost slice without replacement moves the run onto fewer
         # slices (mpmd/train/elastic.py) and a checkpoint boundary moves it back once it can.
         self.recovery = relayout.RecoveryPolicy(recovery or Recovery(), cluster, self.programs, self.checkpointer,
@@ -153,8 +154,12 @@ class Trainer:
         if self.checkpoints is None:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
         self.dispatcher.collect_all()
+        if not self.dispatcher.finite:
+            raise ValueError(f"the state after step {self.step_count} comes from a step whose loss or gradient "
+                             f"norm was not finite: it is never saved (the last committed step is "
+                             f"{self.checkpointer.latest()})")
         try:
-            self.checkpointer.save(self.step_count, data_state, extra, wait=wait)
+            self.checkpointer.save(self.step_count, data_state, {**extra, "finite": True}, wait=wait)
         except WorkerLost as e:
             self._recover(e, time.perf_counter())
 
@@ -166,6 +171,14 @@ class Trainer:
             self.save(data_state, wait=retry)
             if self.recovery.narrow:
                 self.recovery.grow_back(data_state)
+
+    def _nonfinite(self, step: int, metrics: dict):
+        """The dispatcher's hook after a step whose loss or gradient norm is not finite (not
+        saved): NonFinite (on_nonfinite="stop"), or Rewound after a rewind."""
+        if self.recovery.options.on_nonfinite == "rewind":
+            self.recovery.rewind(step, metrics)
+        self.checkpointer.wait()      # the saves before it land: they are what is kept
+        raise NonFinite(step, metrics, self.checkpointer.latest())
 
     def _recover(self, lost: WorkerLost, failed_since: float):
         """The dispatcher's hook after a lost slice: RecoveryPolicy.recover raises Rewound."""

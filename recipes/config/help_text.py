@@ -25,6 +25,9 @@ def _choices(field) -> list[str] | None:
     if source == "on_loss":
         from mpmd.train.options import ON_LOSS
         return list(ON_LOSS)
+    if source == "on_nonfinite":
+        from mpmd.train.options import ON_NONFINITE
+        return list(ON_NONFINITE)
     if typing.get_origin(field.annotation) is Literal:
         return list(typing.get_args(field.annotation))
     return None

@@ -58,6 +58,19 @@ class TrainConfig(_Section):
     run_ahead: int = Field(
         1, ge=0, description="steps sent to the slices ahead of the one running (each queues "
                              "behind it, hiding the gap between steps); 0 = one step at a time")
+    # Its rules are mpmd.Recovery's (mpmd/train/options.py), checked by building one.
+    on_nonfinite: str = Field(
+        "stop", description="a step whose loss or gradient norm is not finite is never committed; then "
+                            "stop = end the run (one error line naming the step, the last committed step "
+                            "kept); rewind = restore the last committed step and go on, once per step "
+                            "(skip is refused: the update is applied on the slices before the loss is known)",
+        json_schema_extra={"one_of": "on_nonfinite"})
+
+    @model_validator(mode="after")
+    def _nonfinite_rules(self):
+        from mpmd.train.options import Recovery
+        _record_rules("train", lambda: Recovery(on_nonfinite=self.on_nonfinite))
+        return self
 
 
 class OptimizerConfig(_Section):
@@ -128,11 +141,11 @@ class ClusterSection(_Section):
         None, description="bytes a layout on fewer slices may hold on one slice (parameters, "
                           "gradients, optimizer state, saved activations); null = not checked")
 
-    def recovery(self):
-        """The Trainer's mpmd.Recovery record of these keys."""
+    def recovery(self, on_nonfinite: str = "stop"):
+        """The Trainer's mpmd.Recovery record of these keys (and train.on_nonfinite)."""
         from mpmd.train.options import Recovery
         return Recovery(on_loss=self.on_loss, replace_timeout_s=self.replace_timeout_s,
-                        slice_memory_bytes=self.slice_memory_bytes)
+                        slice_memory_bytes=self.slice_memory_bytes, on_nonfinite=on_nonfinite)
 
     @model_validator(mode="after")
     def _recovery_rules(self):

@@ -312,10 +312,10 @@ class ControlPlane(RunDispatch):
     def delete(self, slice_index: int, names) -> None:
         self._call(slice_index, verbs.Delete(list(names)))
 
-    def save(self, slice_index: int, items: dict) -> None:
-        self._call(slice_index, verbs.Save(items))
+    def save(self, slice_index: int, items: dict, digests: bool = True) -> None:
+        self._call(slice_index, verbs.Save(items, digests))
 
-    def wait_saves(self, slice_index: int, directories=None) -> list[str]:
+    def wait_saves(self, slice_index: int, directories=None) -> dict[str, dict[str, str]]:
         """Blocks while the slice writes (that may take long) but not past its loss."""
         c = self.clients[slice_index]
         fut = send(c, verbs.WaitSaves(None if directories is None else list(directories)))
@@ -326,15 +326,16 @@ class ControlPlane(RunDispatch):
                 fut.cancel()
                 raise WorkerLost(slice_index, c.address, lost[1])
         try:
-            return receive(c, "WaitSaves", fut)[0].finalized
+            reply = receive(c, "WaitSaves", fut)[0]
+            return {d: (reply.digests or {}).get(d, {}) for d in reply.finalized}
         except WorkerError as e:      # the worker died while writing: its slice is lost,
             if e.code in GONE:       # not its checkpoint (as _call reports every other verb)
                 raise WorkerLost(slice_index, e.address, str(e)) from None
             raise
 
-    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
+    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None, digests=None) -> None:
         laid = {n: [instructions.layout_to_json(tuple(l)) for l in ls] for n, ls in layouts.items()} if layouts else None
-        self._call(slice_index, verbs.Restore(items, staged, laid))
+        self._call(slice_index, verbs.Restore(items, staged, laid, dict(digests) if digests else None))
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self._call(slice_index, verbs.FinishRestore(commit))

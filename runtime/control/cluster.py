@@ -211,22 +211,25 @@ class Cluster(Protocol):
         flight too (their `.result()` raises Discarded). Other verbs do not wait for runs in
         flight: collect them first."""
 
-    def save(self, slice_index: int, items: Mapping) -> None:
+    def save(self, slice_index: int, items: Mapping, digests: bool = True) -> None:
         """Start an asynchronous save (Orbax, on the slice) of {directory: [buffer names]}
-        (whole bundles) or {directory: {key: [buffer, index]}} (single arrays under keys)."""
+        (whole bundles) or {directory: {key: [buffer, index]}} (single arrays under keys),
+        each single array digested once written when `digests` (slice_store.digest)."""
 
-    def wait_saves(self, slice_index: int, directories: Sequence[str] | None = None) -> list[str]:
+    def wait_saves(self, slice_index: int, directories: Sequence[str] | None = None) -> dict[str, dict[str, str]]:
         """Block until the slice's saves of `directories` (default: all it started) are on
-        disk; the directories finalized. Raises the first write error among them; WorkerLost
-        if the slice is lost meanwhile."""
+        disk; {directory finalized: {key: digest}}. Raises the first write error among them;
+        WorkerLost if the slice is lost meanwhile."""
 
     def restore(self, slice_index: int, items: Mapping, staged: bool = False,
-                layouts: Mapping[str, Sequence] | None = None) -> None:
+                layouts: Mapping[str, Sequence] | None = None, digests: Mapping[str, str] | None = None) -> None:
         """Replace buffers with those saved under {directory: [buffer names]}, or built from
         the keys of {directory: {key: [[buffer, index], ...]}} (only those keys are read);
         all or nothing.
         staged=True only reads them, held aside until finish_restore. `layouts`: {buffer:
-        [layout per array]} on this slice's mesh, whatever mesh saved them (default replicated)."""
+        [layout per array]} on this slice's mesh, whatever mesh saved them (default replicated).
+        `digests` ({key: digest} recorded at the save): a key read back otherwise raises
+        slice_store.Damaged, naming the part and the key."""
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         """Bind what a staged restore read (commit=True) or drop it: every slice switches

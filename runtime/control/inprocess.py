@@ -138,16 +138,18 @@ class InProcessCluster(RunDispatch):
     def delete(self, slice_index: int, names) -> None:
         self.executors[slice_index].delete(verbs.check(verbs.Delete(list(names))).names)
 
-    def save(self, slice_index: int, items: dict) -> None:
-        self.executors[slice_index].save(verbs.check(verbs.Save(items)).items)
+    def save(self, slice_index: int, items: dict, digests: bool = True) -> None:
+        r = verbs.check(verbs.Save(items, digests))
+        self.executors[slice_index].save(r.items, r.digests)
 
-    def wait_saves(self, slice_index: int, directories=None) -> list[str]:
+    def wait_saves(self, slice_index: int, directories=None) -> dict[str, dict[str, str]]:
         r = verbs.check(verbs.WaitSaves(None if directories is None else list(directories)))
         return self.executors[slice_index].wait_saves(r.directories)
 
-    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None) -> None:
-        r = verbs.check(verbs.Restore(items, staged, dict(layouts) if layouts else None))
-        self.executors[slice_index].restore(r.items, r.staged, r.layouts)
+    def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None, digests=None) -> None:
+        r = verbs.check(verbs.Restore(items, staged, dict(layouts) if layouts else None,
+                                      dict(digests) if digests else None))
+        self.executors[slice_index].restore(r.items, r.staged, r.layouts, r.digests)
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
         self.executors[slice_index].finish_restore(verbs.check(verbs.FinishRestore(commit)).commit)

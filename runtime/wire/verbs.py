@@ -134,6 +134,7 @@ class RunReply:
 @dataclass(frozen=True)
 class Save:
     items: dict                      # {directory: [buffer name] | {key: [buffer, index]}}
+    digests: bool = True             # digest each single array once written (WaitSaves reports them)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class WaitSaves:
 @dataclass(frozen=True)
 class WaitSavesReply:
     finalized: list
+    digests: dict | None = None      # {directory: {key: digest}} of the directories finalized
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class Restore:
     items: dict                      # {directory: [name] | {key: [[buffer, index], ...]}}
     staged: bool = False
     layouts: dict | None = None      # {buffer: [layout]}
+    digests: dict | None = None      # {key: digest} recorded at the save: a leaf read otherwise is refused
 
 
 @dataclass(frozen=True)

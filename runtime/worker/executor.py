@@ -131,10 +131,11 @@ class Executor:
             self.buffers.pop(n, None)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, items: dict) -> None:
+    def save(self, items: dict, digests: bool = True) -> None:
         """Start an asynchronous save of {directory: [buffer names]} (whole bundles, under
         their names) or {directory: {key: [buffer, index]}} (array `index` of `buffer` under
-        `key`: leaves addressed by what they are, whichever buffer holds them)."""
+        `key`: leaves addressed by what they are, whichever buffer holds them), each such
+        array digested once written (`digests`)."""
         trees = {}
         for directory, entries in items.items():
             wanted = {b for b, _ in entries.values()} if isinstance(entries, dict) else set(entries)
@@ -148,23 +149,25 @@ class Executor:
                 trees[directory] = {key: self.buffers[b][i] for key, (b, i) in entries.items()}
             else:
                 trees[directory] = {n: self.buffers[n] for n in entries}
-        self._checkpointer.save(trees)
+        self._checkpointer.save(trees, digests=digests)
 
-    def wait_saves(self, directories=None) -> list[str]:
-        """Until `directories` (default: every save started) are finalized; raises the first
-        write error among them."""
+    def wait_saves(self, directories=None) -> dict[str, dict[str, str]]:
+        """Until `directories` (default: every save started) are finalized: {directory: {key:
+        digest}}; raises the first write error among them."""
         return self._checkpointer.wait(directories)
 
-    def restore(self, items: dict, staged: bool = False, layouts=None) -> None:
+    def restore(self, items: dict, staged: bool = False, layouts=None, digests=None) -> None:
         """Replace buffers with a checkpoint's ({directory: [buffer names]} or {directory:
         {key: [[buffer, index], ...]}}, see SliceCheckpointer.restore); nothing changes if any
         part fails to read.
         With staged=True the arrays are held aside (replacing any staged before) until
         finish_restore: the controller binds them only once every slice has read its part.
         `layouts` ({buffer: [layout per array]}; default replicated) lays each array out on
-        this slice's mesh, whatever mesh saved it."""
+        this slice's mesh, whatever mesh saved it. `digests` ({key: digest}): what each leaf
+        read must match (slice_store.Damaged otherwise)."""
         layouts = layouts or {}
-        got = self._checkpointer.restore(items, lambda name, i: self._sharding(_nth(layouts.get(name), i)))
+        got = self._checkpointer.restore(items, lambda name, i: self._sharding(_nth(layouts.get(name), i)),
+                                         digests)
         if staged:
             self._staged = got
         else:

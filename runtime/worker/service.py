@@ -14,7 +14,8 @@ there before a handler here runs. What they do:
                feeds first, fetched buffers, events and peaks back
   Save         a snapshot, written in the background (blocks while two saves are queued);
                every directory must lie below the worker's root, as must Restore's
-  WaitSaves    -> the directories finalized (those asked, default all started)
+  WaitSaves    -> the directories finalized (those asked, default all started), and the
+               digest of each leaf saved there
   Restore      {directory: [name] | {key: [[buffer, index], ...]}} (a keyed entry reads only
                those keys), staged or bound at once; FinishRestore: bind (or drop) a staged one
   Heartbeat    -> pid, whether a run holds the executor, progress: [run id, instructions done, doing]
@@ -223,21 +224,25 @@ class WorkerService:
                               result.peak_held_bytes, result.peak_bytes), out.blobs
 
     def Save(self, s, r: verbs.Save, b):
-        _exec(s).save(self._confine(s, _items(r.items)))
+        _exec(s).save(self._confine(s, _items(r.items)), digests=r.digests)
         return verbs.Empty(), []
 
     def WaitSaves(self, s, r: verbs.WaitSaves, b):
         directories = None
         if r.directories is not None:
             directories = list(self._confine(s, {str(d): [] for d in r.directories}))
-        return verbs.WaitSavesReply(_exec(s).wait_saves(directories)), []
+        finalized = _exec(s).wait_saves(directories)
+        return verbs.WaitSavesReply(sorted(finalized), finalized), []
 
     def Restore(self, s, r: verbs.Restore, b):
         layouts = r.layouts or {}
         if not all(isinstance(v, list) for v in layouts.values()):
             raise ValueError("Restore 'layouts' must be {buffer name: [layout, ...]}")
         layouts = {str(n): [instructions.layout_from_json(l) for l in ls] for n, ls in layouts.items()}
-        _exec(s).restore(self._confine(s, _items(r.items)), staged=r.staged, layouts=layouts)
+        digests = r.digests or {}
+        if not all(isinstance(v, str) for v in digests.values()):
+            raise ValueError("Restore 'digests' must be {key: digest string}")
+        _exec(s).restore(self._confine(s, _items(r.items)), staged=r.staged, layouts=layouts, digests=digests)
         return verbs.Empty(), []
 
     def FinishRestore(self, s, r: verbs.FinishRestore, b):

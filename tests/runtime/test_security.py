@@ -155,14 +155,14 @@ def test_save_and_restore_stay_below_the_workers_root(rooted_worker):
                root]                                     # the root itself (Orbax's tmp lies beside it)
     for directory in escapes:
         refused(lambda: cluster.save(0, {str(directory): ["w"]}), directory, root)
-    assert cluster.wait_saves(0) == []
+    assert cluster.wait_saves(0) == {}
     assert sorted(p.name for p in outside.rglob("*")) == before, "something was written outside the root"
     assert (victim / "data").read_text() == "precious"
 
     # Below the root everything works, and a copy of that checkpoint outside is unreadable.
     inside = root / "run" / "checkpoints" / "1" / "stage_0"
     cluster.save(0, {str(inside): ["w"]})
-    assert cluster.wait_saves(0) == [os.path.realpath(inside)]
+    assert list(cluster.wait_saves(0)) == [os.path.realpath(inside)]
     shutil.copytree(inside, outside / "copy")
     for directory in (outside / "copy", root / "link" / "copy"):
         refused(lambda: cluster.restore(0, {str(directory): ["w"]}), directory, root)

@@ -78,7 +78,7 @@ def test_full_save_queue_blocks_and_drops_nothing(tmp_path):
         assert third.is_alive(), "a save into a full queue returned: it was dropped or not queued"
     third.join(timeout=60)
     assert not third.is_alive()
-    assert ck.wait() == sorted(dirs)
+    assert list(ck.wait()) == sorted(dirs)
     for d in dirs:
         got = ck.restore({d: ["p0"]}, lambda name, i: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         assert np.array_equal(got["p0"][0], np.arange(6.0))
