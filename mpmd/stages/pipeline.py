@@ -119,8 +119,7 @@ def carried_leaves(rest_leaves) -> list[int]:
     """Which of a marked model's non-parameter leaves it carries as stage state: all but RNG
     stream keys (typed PRNG keys, which no forward changes: constants of its programs, made
     again from the model's seeds; module stages carry them as key data, `carried_values`)."""
-    return [i for i, l in enumerate(rest_leaves)
-            if not jax.dtypes.issubdtype(jax.numpy.result_type(l), jax.dtypes.prng_key)]
+    return [i for i, l in enumerate(rest_leaves) if not _is_key(l)]
 
 
 def eval_graphdef(module: nnx.Module):
@@ -223,7 +222,8 @@ class Pipeline:
                                  f"Remove the callback from the stage (return a value from the stage to "
                                  f"inspect it)")
             n = len(param_specs)
-            origins = [_origin(closed.jaxpr, v) for v in (closed.jaxpr.outvars[-n:] if n else [])]
+            origin = _Origins()
+            origins = [origin(closed.jaxpr, v) for v in (closed.jaxpr.outvars[-n:] if n else [])]
             changed = [j for j, o in enumerate(origins) if o is not _UNSEEN and o is not closed.jaxpr.invars[j]]
             if changed:
                 raise ValueError(f"stage {i} ({name}) changes its parameter {local_paths(fn)[changed[0]]!r} in its "
@@ -252,26 +252,37 @@ def host_callback(jaxpr) -> str | None:
 _UNSEEN = object()
 
 
-def _origin(jaxpr, var):
-    """The input of `jaxpr` that `var` is, unchanged through calls (jit, nnx.remat's
-    checkpoint) that return some of their inputs as they are; None where it is computed (or a
-    literal); _UNSEEN where it comes out of a call this cannot see into."""
-    producer = {v: (e, j) for e in jaxpr.eqns for j, v in enumerate(e.outvars)}
-    while not isinstance(var, Literal) and var not in jaxpr.invars:
-        if var not in producer:
-            return None
-        e, j = producer[var]
-        subs = list(jaxprs_in_params(e.params))
-        if not subs:
-            return None
-        sub = subs[0]
-        if len(subs) > 1 or len(sub.invars) != len(e.invars) or len(sub.outvars) != len(e.outvars):
-            return _UNSEEN
-        inner = _origin(sub, sub.outvars[j])
-        if inner is None or inner is _UNSEEN:
-            return inner
-        var = e.invars[sub.invars.index(inner)]
-    return None if isinstance(var, Literal) else var
+class _Origins:
+    """origin(jaxpr, var): the input of `jaxpr` that `var` is, unchanged through calls (jit,
+    nnx.remat's checkpoint) that return some of their inputs as they are; None where it is
+    computed (or a literal); _UNSEEN where it comes out of a call this cannot see into. Each
+    jaxpr's map of who produces what is built once, however many outputs are asked about."""
+
+    def __init__(self):
+        self._producers: dict[int, tuple] = {}
+
+    def _producer(self, jaxpr) -> dict:
+        if id(jaxpr) not in self._producers:
+            self._producers[id(jaxpr)] = (jaxpr, {v: (e, j) for e in jaxpr.eqns for j, v in enumerate(e.outvars)})
+        return self._producers[id(jaxpr)][1]
+
+    def __call__(self, jaxpr, var):
+        producer = self._producer(jaxpr)
+        while not isinstance(var, Literal) and var not in jaxpr.invars:
+            if var not in producer:
+                return None
+            e, j = producer[var]
+            subs = list(jaxprs_in_params(e.params))
+            if not subs:
+                return None
+            sub = subs[0]
+            if len(subs) > 1 or len(sub.invars) != len(e.invars) or len(sub.outvars) != len(e.outvars):
+                return _UNSEEN
+            inner = self(sub, sub.outvars[j])
+            if inner is None or inner is _UNSEEN:
+                return inner
+            var = e.invars[sub.invars.index(inner)]
+        return None if isinstance(var, Literal) else var
 
 
 def shared_params(fns) -> list[list[tuple[int, int]]]:
