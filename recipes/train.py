@@ -23,8 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,6 +34,7 @@ import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
+from mpmd.recipes import preempt
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
@@ -303,15 +302,19 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
         raise
+    abandon = False
     try:
         run_dir = Path(cfg.run_dir)
         config_lib.dump(cfg, run_dir / "config.yaml")
         report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule, sample_input,
                                      train_loader.batch_at(0)[1][:len(sample_input)], *source)
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
+    except preempt.Preempted:
+        abandon = True    # out of time: what is in flight is dropped, the last commit stays
+        raise
     finally:
         try:
-            trainer.close()
+            trainer.close(abandon=abandon)
         finally:
             controller_log.close()
 
@@ -346,7 +349,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     traces: dict[int, list] = {}
     losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
     eval_loss = None
-    stop = _StopRequest()
+    stop = preempt.StopRequest(t.preempt_grace_s)
     # Steps sent to the slices and not yet logged, oldest first: up to train.run_ahead are
     # sent beyond the oldest (Trainer.submit), so a slice starts the next step as soon as it
     # is done with the current one; a step's metrics are logged only once it is collected.
@@ -416,7 +419,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             progress.update(done, record)
         if stop.requested:
             progress.message(f"stopped by {stop.requested} after step {step}; checkpoint committed, "
-                             f"resume with the same command")
+                             f"resume with the same command"
+                             + (f" (exit code {preempt.PREEMPTED_EXIT})" if stop.preempted else ""))
         text = _final_sample(cfg, trainer, progress) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
@@ -427,7 +431,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             board.close()
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
-               "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput()}
+               "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput(),
+               "preempted": stop.preempted}
     summary["report"] = str(report_html.write(run_dir))
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
           f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}, "
@@ -462,27 +467,6 @@ def goodput_line(g: dict) -> str:
 def _seek(loader: data.Loader, data_state) -> None:
     """Put the loader where a checkpoint says it stood (the start when nothing was saved)."""
     loader.seek(data_state["position"] if data_state else 0)
-
-
-class _StopRequest:
-    """SIGTERM or Ctrl-C ask the loop to stop after the step in flight, so the final
-    checkpoint holds a whole step; a second Ctrl-C interrupts at once."""
-
-    def __init__(self):
-        self.requested = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress):

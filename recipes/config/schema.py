@@ -65,6 +65,11 @@ class TrainConfig(_Section):
                             "kept); rewind = restore the last committed step and go on, once per step "
                             "(skip is refused: the update is applied on the slices before the loss is known)",
         json_schema_extra={"one_of": "on_nonfinite"})
+    preempt_grace_s: float = Field(
+        30.0, ge=12, description="after a SIGTERM (a scheduler's preemption) the run exits within this many "
+                                 "seconds, exit code 143: it collects the steps in flight and commits a "
+                                 "checkpoint, and when that has not finished 10 s before the end it keeps the "
+                                 "last commit instead (those 10 s stop the workers)")
 
     @model_validator(mode="after")
     def _nonfinite_rules(self):
@@ -137,6 +142,12 @@ class ClusterSection(_Section):
         json_schema_extra={"one_of": "on_loss"})
     replace_timeout_s: float = Field(
         60.0, description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
+    max_restarts: int = Field(
+        3, ge=0, description="recoveries from lost workers within any restart_window_s seconds before the run "
+                             "gives up (the message names both keys and the last committed step)")
+    restart_window_s: float | None = Field(
+        3600.0, gt=0, description="the window max_restarts counts in: recoveries older than this many seconds "
+                                  "stop counting, so a long run is not charged for them forever; null = the whole run")
     slice_memory_bytes: int | None = Field(
         None, description="bytes a layout on fewer slices may hold on one slice (parameters, "
                           "gradients, optimizer state, saved activations); null = not checked")
@@ -145,6 +156,7 @@ class ClusterSection(_Section):
         """The Trainer's mpmd.Recovery record of these keys (and train.on_nonfinite)."""
         from mpmd.train.options import Recovery
         return Recovery(on_loss=self.on_loss, replace_timeout_s=self.replace_timeout_s,
+                        max_restarts=self.max_restarts, restart_window_s=self.restart_window_s,
                         slice_memory_bytes=self.slice_memory_bytes, on_nonfinite=on_nonfinite)
 
     @model_validator(mode="after")

@@ -2,13 +2,14 @@
 
 The controller is a real subprocess with real worker processes (cluster.backend=local). A
 SIGKILLed controller takes its workers with it, and a SIGTERMed one commits a final
-checkpoint and exits 0; either way the same command then finishes the run with exactly the
+checkpoint and exits 143 (a preemption: the scheduler should run it again); either way the same command then finishes the run with exactly the
 final state and per-step losses of an uninterrupted one (bitwise), and leaves no process.
 """
 import os
 import re
 import shutil
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from mpmd.train.checkpoints import read_leaves
-from mpmd.recipes import run_log
+from mpmd.recipes import preempt, run_log
 from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, processes_tagged, wait_gone
 
@@ -77,7 +78,7 @@ def assert_same_as_reference(run_dir: Path, reference):
 
 def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(reference, tmp_path):
     """One run stopped twice: SIGTERMed after step 5, the controller commits a final
-    checkpoint (off the checkpoint.every grid or not) and exits 0; the same command resumes
+    checkpoint (off the checkpoint.every grid or not) and exits 143; the same command resumes
     from it. That resumed run SIGKILLed two steps later takes its workers with it; the same
     command resumes again and finishes with the uninterrupted run's final state and per-step
     losses (bitwise), each step logged once. No process is left at any point."""
@@ -90,8 +91,9 @@ def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(refer
     finally:
         if ctl.proc.poll() is None:
             ctl.proc.kill()
-    assert rc == 0, out
-    m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint committed", out)
+    assert rc == preempt.PREEMPTED_EXIT == 143, out
+    m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint committed, resume with the same command "
+                  r"\(exit code 143\)", out)
     assert m, out
     stopped_at = int(m.group(1))
     assert 5 <= stopped_at < STEPS
@@ -121,6 +123,38 @@ def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(refer
     out = run_to_end(run_dir, tag)
     assert f"resumed from {run_dir}/checkpoints/{killed_at}" in out
     assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_controller_sigtermed_with_a_hung_worker_exits_within_its_grace(tmp_path):
+    """A worker SIGSTOPped (a hung host: its silence is not declared a loss for 60 s), then
+    the controller SIGTERMed with train.preempt_grace_s=12: the step in flight never ends, so
+    10 s before the grace runs out the controller gives up on it, keeps its last commit, stops
+    every worker (the stopped one killed) and exits 143 within the grace, saying which step
+    it kept."""
+    run_dir, tag = tmp_path / "g", uuid.uuid4().hex
+    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "train.preempt_grace_s=12",
+                               "cluster.failure_timeout_s=60"], {TAG: tag})
+    try:
+        ctl.wait_for_step(4)
+        committed = ctl.wait_for_commit()
+        workers = ctl.workers()
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.kill(ctl.proc.pid, signal.SIGTERM)
+        rc, out = ctl.finish(timeout_s=30)
+        took_s = time.monotonic() - t0
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    assert rc == 143, out
+    assert took_s < 12, f"exited {took_s:.1f} s after SIGTERM, grace 12 s"
+    kept = CheckpointStore(run_dir).committed()[-1]
+    assert kept >= committed
+    assert (f"stopped by SIGTERM: the 12 s grace after SIGTERM ran out before the steps in flight were "
+            f"collected and committed; kept the last committed checkpoint, step {kept}; resume with the "
+            f"same command (exit code 143)") in out, out
     assert wait_gone(tagged(tag)) == []
 
 

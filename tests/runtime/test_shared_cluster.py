@@ -153,7 +153,7 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     """x holds both workers; y queues at position 1 (printed). The manager is SIGKILLed and
     started again from the cluster file: it rebuilds x's lease and y's place from its workers
     and journal, and x goes on, even through the loss of a worker (SIGKILL), which the new
-    manager restarts for it. y starts only once x (SIGTERMed: it checkpoints and exits 0) has
+    manager restarts for it. y starts only once x (SIGTERMed: it checkpoints and exits 143) has
     released the workers."""
     first = shared.job("x", "train.steps=100000", "checkpoint.every=5", share=False)
     first.wait_for_step(1)
@@ -176,7 +176,8 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     shared.wait_for(lambda s: s["workers"][1]["pid"] != lost and s["workers"][1]["health"] == "ok")
     first.wait_for_step(len(run_log.read(shared.tmp / "x")) + 2)
     first.proc.send_signal(signal.SIGTERM)
-    assert "recovered from slice 1" in first.succeed()
+    rc, out = first.finish()
+    assert rc == 143 and "recovered from slice 1" in out, out
     second.succeed()
     assert "waiting for the shared cluster: position 1 in its queue" in second.stderr_path.read_text()
     jobs = {j["name"]: j for j in shared.status()["jobs"]}
