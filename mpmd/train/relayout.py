@@ -218,7 +218,11 @@ class RecoveryPolicy:
         on_loss, timeout_s = self.options.on_loss, float(self.options.replace_timeout_s)
         if on_loss == "shrink":
             return False
-        deadline = time.monotonic() + timeout_s
+        # Waiting helps only where capacity may come (Ray, a shared cluster): not where none
+        # can (max_workers spent, no spare left), nor while the run is already short of a
+        # slice it found no worker for, so a second loss then shrinks again at once.
+        t0 = time.monotonic()
+        deadline, wait = t0 + timeout_s, not self.narrow
         while True:
             try:
                 self._cluster.replace(lost.slice_index)
@@ -228,12 +232,12 @@ class RecoveryPolicy:
             finally:
                 self._checkpointer.replaced(lost.slice_index)
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or not (wait and why.retry):
                 break
             time.sleep(min(REPLACE_POLL_S, left))
         if on_loss == "replace":
-            raise RuntimeError(f"{lost}; cannot replace it (on_loss='replace', waited replace_timeout_s="
-                               f"{timeout_s:g}): {why}; {committed}") from lost
+            raise RuntimeError(f"{lost}; cannot replace it (on_loss='replace', waited {time.monotonic() - t0:.0f} s "
+                               f"of replace_timeout_s={timeout_s:g}): {why}; {committed}") from lost
         log.warning("slice %d not replaced: %s", lost.slice_index, why)
         return False
 

@@ -152,7 +152,7 @@ class SharedLauncher:
         try:
             address = call(self._manager, verbs.Replace(self.job, slot), timeout_s=120.0)[0].address
         except WorkerError as e:
-            raise ReplaceUnsupported(f"the shared cluster gave no worker for slot {slot}: {e}") from None
+            raise ReplaceUnsupported(f"the shared cluster gave no worker for slot {slot}: {e}", retry=True) from None
         self.addresses[slot] = address
         return address
 
