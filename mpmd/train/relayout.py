@@ -25,7 +25,7 @@ import collections
 import logging
 import time
 
-from mpmd.runtime.control.cluster import ReplaceUnsupported, WorkerLost
+from mpmd.runtime.control.cluster import ClusterGone, ReplaceUnsupported, WorkerLost
 from mpmd.schedules import core as schedules
 from mpmd.stages import costs as stage_costs
 from mpmd.stages import sharding
@@ -227,6 +227,8 @@ class RecoveryPolicy:
             try:
                 self._cluster.replace(lost.slice_index)
                 return True
+            except ClusterGone as e:
+                raise ClusterGone(f"{e}; {committed}") from lost
             except ReplaceUnsupported as e:
                 why = e
             finally:

@@ -61,6 +61,11 @@ class ReplaceUnsupported(RuntimeError):
         self.retry = retry
 
 
+class ClusterGone(RuntimeError):
+    """The cluster itself is gone (a shared cluster shut down by `mpmd cluster down`): no
+    worker will come again, so a lost slice ends the run rather than waiting or shrinking."""
+
+
 class Discarded(RuntimeError):
     """A run sent ahead was dropped, unrun or aborted, because a run before it failed; the
     error of that earlier run says what happened."""
