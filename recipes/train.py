@@ -37,6 +37,7 @@ from mpmd.recipes import data
 from mpmd.recipes import preempt
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
+from mpmd.recipes import tokenizer as tokenizer_lib
 from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
@@ -163,9 +164,14 @@ def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recover
 
 
 # -- pieces of the loop --------------------------------------------------------------------
+def _args(batch) -> tuple:
+    """A loader's batch as the Trainer takes it: (inputs, targets), or a batch dict alone."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
 def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) -> float:
     """Mean forward-only loss over the same first num_batches eval batches every time."""
-    losses = [trainer.evaluate(*eval_loader.batch_at(i)) for i in range(num_batches)]
+    losses = [trainer.evaluate(*_args(eval_loader.batch_at(i))) for i in range(num_batches)]
     return float(np.mean(losses))
 
 
@@ -182,7 +188,8 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
     """
     seq_len, rows = cfg.model.seq_len, cfg.pipeline.num_microbatches
     rng = np.random.default_rng(cfg.seed)
-    tokens = list(data.encode(prompt))
+    tok = tokenizer_lib.of_config(cfg)
+    tokens = list(tok.encode(prompt))
     for _ in range(num_tokens):
         context = tokens[-seq_len:]
         window = np.zeros((rows, seq_len), np.int32)
@@ -190,7 +197,7 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
         (logits,) = trainer.predict(window)
         tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
                                  cfg.train.sample_top_k, rng))
-    return data.decode(tokens)
+    return tok.decode(tokens)
 
 
 def next_token(logits, temperature: float, top_k: int, rng: np.random.Generator) -> int:
@@ -207,8 +214,14 @@ def next_token(logits, temperature: float, top_k: int, rng: np.random.Generator)
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
-    inputs, _ = loader.batch_at(0)
+    batch = loader.batch_at(0)
+    inputs = batch[0] if isinstance(batch, tuple) else batch["inputs"]
     return inputs[:len(inputs) // num_microbatches]
+
+
+def _first_targets(loader: data.Loader, rows: int):
+    batch = loader.batch_at(0)
+    return (batch[1] if isinstance(batch, tuple) else batch["targets"])[:rows]
 
 
 def _should_eval(cfg: Config, step: int) -> bool:
@@ -221,10 +234,11 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     values. A run directory whose newest committed step has other values is refused
     (ConfigError listing the changed keys) unless allow_config_change; then both hashes
     are recorded."""
-    now = {"math_hash": cfg.math_hash(), "math": cfg.math()}
+    now = {"math_hash": cfg.math_hash(), "math": cfg.math(), **data_metadata(cfg)}
     store = CheckpointStore(cfg.run_dir)
     committed = store.committed() if Path(cfg.run_dir).is_dir() else []
     saved = store.manifest(committed[-1]) if committed else None
+    _check_data_unchanged(cfg, saved or {}, now, allow_config_change)
     if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
         return now
     changes = config_lib.math_changes(saved.get("math", {}), now["math"])
@@ -237,6 +251,36 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     print(f"resuming with a changed config (math hash {saved['math_hash']} -> "
           f"{now['math_hash']}): {'; '.join(changes)}")
     return {**now, "math_hash_before": saved["math_hash"]}
+
+
+def data_metadata(cfg: Config) -> dict:
+    """What every manifest records of the data beyond the config's values: the tokenizer's
+    content hash (a tokenizer other than bytes) and the tokenized corpus's (data.source=tokens).
+    Nothing for the byte tokenizer on the byte corpus or synthetic data."""
+    if cfg.data.source == "tokens":
+        from mpmd.recipes import grain_data
+        return grain_data.metadata(cfg)
+    if cfg.data.tokenizer != tokenizer_lib.BYTES:
+        return {"tokenizer_hash": tokenizer_lib.load(cfg.data.tokenizer).hash}
+    return {}
+
+
+def _check_data_unchanged(cfg: Config, saved: dict, now: dict, allow_config_change: bool) -> None:
+    """A checkpoint trained on another tokenizer or corpus (by content, whatever the paths) is
+    refused (ConfigError naming both hashes) unless allow_config_change."""
+    if "math_hash" not in saved:
+        return
+    changed = [f"{key} {saved.get(key, 'bytes' if key == 'tokenizer_hash' else None)} -> "
+               f"{now.get(key, 'bytes' if key == 'tokenizer_hash' else None)}"
+               for key in ("tokenizer_hash", "corpus_hash") if saved.get(key) != now.get(key)
+               and not (key == "tokenizer_hash" and {saved.get(key), now.get(key)} <= {None, "bytes"})]
+    if not changed:
+        return
+    if not allow_config_change:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained on other data ({'; '.join(changed)}): "
+                          f"the tokenizer or the tokenized corpus changed since; resume on the same ones, use "
+                          f"another run_dir, or pass --allow-config-change")
+    print(f"resuming on changed data: {'; '.join(changed)}")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -283,6 +327,8 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
+    if cfg.data.source == "tokens" or cfg.data.tokenizer != tokenizer_lib.BYTES:
+        print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
     check_layout(cfg, pipeline, optimizer)
     cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
@@ -306,8 +352,12 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     try:
         run_dir = Path(cfg.run_dir)
         config_lib.dump(cfg, run_dir / "config.yaml")
+        tok = tokenizer_lib.of_config(cfg)
+        tokenizer_lib.save_to_run(tok, run_dir)
         report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule, sample_input,
-                                     train_loader.batch_at(0)[1][:len(sample_input)], *source)
+                                     _first_targets(train_loader, len(sample_input)), *source,
+                                     tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size,
+                                                "eos_id": tok.eos_id})
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     except preempt.Preempted:
         abandon = True    # out of time: what is in flight is dropped, the last commit stays
@@ -355,6 +405,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     # is done with the current one; a step's metrics are logged only once it is collected.
     pending: collections.deque = collections.deque()
     logged_changes = 0     # trainer.layout_changes already in a metrics record
+    # step -> CRC-32 of its batch, logged with a tokens run's metrics: which data each step read.
+    digests: dict[int, int] | None = {} if cfg.data.source == "tokens" else None
     try:
         step = done = start_step      # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
@@ -364,8 +416,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 if (step < t.steps and not stop.requested and len(pending) <= trainer.run_ahead
                         and not (pending and _should_eval(cfg, pending[-1][0]))):
                     step += 1
-                    inputs, targets = train_loader.next()
-                    pending.append((step, trainer.submit(inputs, targets, trace=step in cfg.log.trace_steps,
+                    batch = train_loader.next()
+                    if digests is not None:
+                        digests[step] = batch_crc32(batch)
+                    pending.append((step, trainer.submit(*_args(batch), trace=step in cfg.log.trace_steps,
                                                          data_state=train_loader.state())))
                     continue
                 if not pending:
@@ -408,8 +462,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
-            # Not TensorBoard scalars: when it was logged, what happened before, peak bytes per slice.
+            # Not TensorBoard scalars: when it was logged, what happened before, the batch's CRC, peak bytes
+            # per slice.
             metrics_log.write(done, {**record, "time": time.time(), **marks,
+                                     **({"batch_crc32": digests.pop(done)} if digests is not None else {}),
                                      **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
             marks = {}
             if board is not None:
@@ -441,6 +497,16 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     return summary
 
 
+def batch_crc32(batch) -> int:
+    """CRC-32 over a batch's arrays, key by key in sorted order (a pair as inputs, targets)."""
+    import zlib
+    arrays = batch if isinstance(batch, tuple) else [batch[k] for k in sorted(batch)]
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).tobytes(), crc)
+    return crc
+
+
 def _elastic_record(trainer: mpmd.Trainer, logged_changes: int) -> dict:
     """What a step's metrics record says about failures: the layout changes since the last
     record ("layout_changes") and, once anything was lost, the run's goodput so far
@@ -466,7 +532,7 @@ def goodput_line(g: dict) -> str:
 
 def _seek(loader: data.Loader, data_state) -> None:
     """Put the loader where a checkpoint says it stood (the start when nothing was saved)."""
-    loader.seek(data_state["position"] if data_state else 0)
+    loader.restore(data_state)
 
 
 def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress):

@@ -31,7 +31,7 @@ class GPTSection(DecoderSection):
 def byte_vocab_problems(cfg: Config) -> list[str]:
     """A model reading the byte corpus needs a token for each of 256 byte values."""
     d, m = cfg.data, cfg.model
-    if d.source in ("stdlib", "files") and m.vocab_size < 256:
+    if d.source in ("stdlib", "files") and d.tokenizer == "bytes" and m.vocab_size < 256:
         return [f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must "
                 f"be >= 256, got {m.vocab_size}"]
     return []
