@@ -202,7 +202,7 @@ class Corpus:
             end = min(stop, self.starts[first + 1])
             parts.append(self._shard(first)[local:end - self.starts[first]])
             start, first = end, first + 1
-        return np.concatenate(parts).astype(np.int32) if len(parts) != 1 else parts[0].astype(np.int32)
+        return np.concatenate(parts or [np.zeros(0, self.dtype)]).astype(np.int32)
 
     def document_bounds(self) -> np.ndarray:
         """int64 [num_documents + 1]: document j is tokens(bounds[j], bounds[j + 1]) (8 bytes a

@@ -194,7 +194,9 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
         context = tokens[-seq_len:]
         window = np.zeros((rows, seq_len), np.int32)
         window[:, :len(context)] = context
-        (logits,) = trainer.predict(window)
+        # A token-weighted loss reads its batch's targets and mask: give their shapes.
+        (logits,) = trainer.predict(window if not cfg.data.pack else
+                                    {"inputs": window, "targets": window, "loss_mask": np.zeros(window.shape, np.float32)})
         tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
                                  cfg.train.sample_top_k, rng))
     return tok.decode(tokens)
@@ -219,9 +221,12 @@ def _first_microbatch(loader: data.Loader, num_microbatches: int):
     return inputs[:len(inputs) // num_microbatches]
 
 
-def _first_targets(loader: data.Loader, rows: int):
+def _first_micro(loader: data.Loader, rows: int) -> tuple:
+    """(inputs, targets) of the first batch's first `rows` rows; a batch dict's as (dict, None)."""
     batch = loader.batch_at(0)
-    return (batch[1] if isinstance(batch, tuple) else batch["targets"])[:rows]
+    if isinstance(batch, tuple):
+        return tuple(part[:rows] for part in batch)
+    return {k: v[:rows] for k, v in batch.items()}, None
 
 
 def _should_eval(cfg: Config, step: int) -> bool:
@@ -354,8 +359,8 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         config_lib.dump(cfg, run_dir / "config.yaml")
         tok = tokenizer_lib.of_config(cfg)
         tokenizer_lib.save_to_run(tok, run_dir)
-        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule, sample_input,
-                                     _first_targets(train_loader, len(sample_input)), *source,
+        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule,
+                                     *_first_micro(train_loader, len(sample_input)), *source,
                                      tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size,
                                                 "eos_id": tok.eos_id})
         return train(cfg, trainer, train_loader, eval_loader, run_dir)

@@ -43,10 +43,15 @@ def versions() -> dict[str, str]:
 
 def predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets) -> dict:
     """{"stages": per stage bytes, "slices": per slice bytes} as `mpmd train --dry-run` prints
-    them (traced only: nothing is allocated)."""
-    from mpmd.stages import costs      # imports JAX: only the recipe's process needs it
+    them (traced only: nothing is allocated); micro_inputs may be one microbatch's batch dict."""
+    from mpmd.stages import batch as batches   # imports JAX: only the recipe's process needs it
+    from mpmd.stages import costs
     from mpmd.stages.specs import spec
-    per_stage = costs.memory(pipeline, optimizer, spec(micro_inputs), spec(micro_targets))
+    if isinstance(micro_inputs, dict):    # one microbatch of a batch dict (micro_targets unused)
+        feeds = batches.plan(pipeline, {k: spec(v) for k, v in micro_inputs.items()}, pair=False)
+        per_stage = costs.memory(pipeline, optimizer, None, None, feeds=feeds)
+    else:
+        per_stage = costs.memory(pipeline, optimizer, spec(micro_inputs), spec(micro_targets))
     return {"stages": per_stage, "slices": costs.slice_memory(schedule, per_stage)}
 
 

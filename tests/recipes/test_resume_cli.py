@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import sysconfig
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 from mpmd.train.checkpoints import read_leaves
-from mpmd.recipes import preempt, run_log
+from mpmd.recipes import config, grain_data, preempt, run_log, tokenizer, tokens
+from mpmd.recipes.train import batch_crc32
 from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, processes_tagged, wait_gone
 
@@ -242,4 +244,76 @@ def test_dropout_run_recovers_a_killed_worker_to_the_uninterrupted_run(tmp_path)
     reference = (final_state(want_dir), metrics(want_dir), want_dir)
     assert any(name.startswith("state/") and name.endswith("drop.rngs.key") for name in reference[0][1])
     assert_same_as_reference(run_dir, reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+@pytest.fixture(scope="module")
+def token_corpus(tmp_path_factory) -> Path:
+    """A 300-token BPE learnt from two stdlib modules, and a corpus of ~2,850 of its tokens:
+    with seq_len 32, batch_size 8 and data.eval_fraction=0.1, an epoch of 10 batches."""
+    root = tmp_path_factory.mktemp("tokens")
+    stdlib = Path(sysconfig.get_paths()["stdlib"]) / "json"
+    tok = tokenizer.load(str(tokenizer.train_bpe([stdlib / "decoder.py", stdlib / "encoder.py"], 300, root / "tok")))
+    (root / "text.txt").write_text((stdlib / "encoder.py").read_text()[:4200])
+    tokens.write([root / "text.txt"], root / "corpus", tok, shard_tokens=1000)
+    return root / "corpus"
+
+
+def test_tokens_run_sigkilled_mid_epoch_resumes_to_the_same_batches_and_losses(token_corpus, tmp_path):
+    """data.source=tokens: the controller SIGKILLed mid-epoch (after step 5, with a commit at 3
+    or 6 of a 10-batch epoch), the same command resumes from Grain's iterator state in the
+    manifest and goes on into the next epoch. Every step's batch (its CRC-32) and loss equal
+    the uninterrupted run's bitwise, and both runs' batches are those the Grain pipeline gives
+    here; the final state is bitwise the same. The run directory holds the tokenizer, which
+    run_tokenizer reads back, and the model's vocabulary followed it (300 -> 384)."""
+    args = ["configs/gpt_tiny.yaml", *OVERRIDES, "data.source=tokens", f"data.path={token_corpus}",
+            "data.eval_fraction=0.1"]
+    tag = uuid.uuid4().hex
+    want_dir = tmp_path / "want"
+    out = Controller(want_dir, args, {TAG: tag}).succeed()
+    assert "model.vocab_size=384: the tokenizer" in out and "has 300 tokens, padded by 84" in out, out
+    run_dir = tmp_path / "k"
+    ctl = Controller(run_dir, args, {TAG: tag})
+    try:
+        ctl.wait_for_step(5)
+        ctl.wait_for_commit()
+        os.kill(ctl.proc.pid, signal.SIGKILL)
+    finally:
+        if ctl.proc.poll() is None:
+            ctl.proc.kill()
+    assert ctl.finish()[0] == -signal.SIGKILL
+    killed_at = CheckpointStore(run_dir).committed()[-1]
+    assert 0 < killed_at < 10, "killed mid-epoch"
+    out = Controller(run_dir, args, {TAG: tag}).succeed()
+    assert f"resumed from {run_dir}/checkpoints/{killed_at}" in out
+    got, want = metrics(run_dir), metrics(want_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step exactly once"
+    assert [r["batch_crc32"] for r in got] == [r["batch_crc32"] for r in want]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    cfg = config.load(args[0], args[1:])
+    loader, _ = grain_data.loaders(cfg)
+    assert [r["batch_crc32"] for r in want] == [batch_crc32(loader.next()) for _ in range(STEPS)]
+    assert_same_as_reference(run_dir, (final_state(want_dir), want, want_dir))
+    assert tokenizer.run_tokenizer(run_dir).hash == tokens.Corpus(token_corpus).tokenizer().hash != "bytes"
+    assert cfg.model.vocab_size == 384
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_a_resume_on_another_corpus_is_refused(token_corpus, tmp_path):
+    """The same data.path tokenized again from other text: the resume names both corpus hashes,
+    before any worker starts."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(token_corpus, corpus)
+    args = ["configs/gpt_tiny.yaml", *OVERRIDES, "data.source=tokens", f"data.path={corpus}",
+            "data.eval_fraction=0.1", "train.steps=3"]
+    run_dir, tag = tmp_path / "r", uuid.uuid4().hex
+    Controller(run_dir, args, {TAG: tag}).succeed()
+    before = tokens.Corpus(corpus).hash
+    text = corpus.parent / "other.txt"
+    text.write_text((Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()[:4200])
+    tokens.write([text], corpus, tokens.Corpus(corpus).tokenizer())
+    rc, out = Controller(run_dir, args, {TAG: tag}).finish()
+    err = (tmp_path / "r.stderr").read_text()
+    assert rc == 2, out
+    assert f"holds checkpoints trained on other data (corpus_hash {before} -> {tokens.Corpus(corpus).hash})" in err
     assert wait_gone(tagged(tag)) == []
