@@ -113,3 +113,29 @@ def test_packed_rows_hold_whole_document_pieces(corpus_dir):
 def test_refuses_a_corpus_too_small_for_a_batch(corpus_dir):
     with pytest.raises(ConfigError, match=r"its eval split has \d+, fewer than train.batch_size=64"):
         grain_data.loaders(cfg_of(corpus_dir, "train.batch_size=64", "pipeline.num_microbatches=4"))
+
+
+@pytest.mark.slow
+def test_a_packed_recipe_run_trains_on_the_token_weighted_loss(corpus_dir, tmp_path):
+    """`mpmd train` with data.source=tokens data.pack=true on 2 worker processes: step 1's loss
+    is the unpipelined model's token-weighted loss on the loader's first packed batch (within
+    1e-5), the loss falls, and evals run on packed eval batches."""
+    from mpmd import models
+    from mpmd.recipes import registry, run_log
+    from tests.support.processes import Controller
+    overrides = ["data.source=tokens", f"data.path={corpus_dir}", "data.pack=true", f"model.seq_len={SEQ}",
+                 "model.d_model=32", "model.num_layers=2", "train.batch_size=8", "train.steps=12",
+                 "train.eval_every=6", "train.sample_tokens=8", "optimizer.warmup_steps=0", "log.trace_steps=[]",
+                 "log.tensorboard=false", "checkpoint.every=0"]
+    out = Controller(tmp_path / "run", ["configs/gpt_tiny.yaml", *overrides]).succeed()
+    records = run_log.read(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 13)) and "eval_loss" in records[5], records[5]
+    cfg = config.load("configs/gpt_tiny.yaml", overrides)
+    batch = grain_data.loaders(cfg)[0].next()
+    assert batch["loss_mask"].mean() < 1, "the first batch has padding"
+    model = registry.get_model_spec("gpt").build(cfg, False)
+    loss_sum, weight = models.masked_lm_loss(
+        model(batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"]), batch)
+    np.testing.assert_allclose(records[0]["loss"], float(loss_sum / weight), rtol=1e-5)
+    assert np.mean([r["loss"] for r in records[-3:]]) < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    assert "sample (8 bytes" in out
