@@ -197,7 +197,8 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
         # A token-weighted loss reads its batch's targets and mask: give their shapes.
         (logits,) = trainer.predict(window if not cfg.data.pack else
                                     {"inputs": window, "targets": window, "loss_mask": np.zeros(window.shape, np.float32)})
-        tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
+        # Only the tokenizer's own ids: the model's padded rows (model.vocab_size) decode to nothing.
+        tokens.append(next_token(logits[0, len(context) - 1][:tok.vocab_size], cfg.train.sample_temperature,
                                  cfg.train.sample_top_k, rng))
     return tok.decode(tokens)
 

@@ -70,6 +70,9 @@ def cross_field_problems(c: Config) -> list[str]:
     if (d.source == "tokens") != (d.path is not None):
         out.append("data.path (a corpus `mpmd tokenize` wrote) must be given when data.source='tokens' and "
                    f"only then, got source '{d.source}' with path {d.path!r}")
+    if (d.source == "tokens" or d.tokenizer != "bytes") and not hasattr(c.model, "vocab_size"):
+        out.append(f"data.source='{d.source}' with data.tokenizer={d.tokenizer!r} gives tokens, which "
+                   f"model.kind='{c.model.kind}' does not read (it has no model.vocab_size)")
     if d.pack and d.source != "tokens":
         out.append(f"data.pack=true packs the documents of a tokenized corpus: it needs data.source='tokens', "
                    f"got '{d.source}'")

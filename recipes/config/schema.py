@@ -52,7 +52,8 @@ class DataConfig(_Section):
                            "packing) with segment_ids and positions, the loss over real tokens only; false = "
                            "windows of the concatenated documents")
     eval_fraction: float = Field(
-        0.05, gt=0, lt=1, description="last fraction of the byte corpus held out for eval")
+        0.05, gt=0, lt=1, description="last fraction of the corpus held out for eval (of its bytes or "
+                                     "tokens; of a tokens corpus's windows, or with data.pack its pieces)")
     max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
 
 

@@ -259,19 +259,49 @@ def token_corpus(tmp_path_factory) -> Path:
     return root / "corpus"
 
 
-def test_tokens_run_sigkilled_mid_epoch_resumes_to_the_same_batches_and_losses(token_corpus, tmp_path):
+TOKEN_ARGS = ["data.source=tokens", "data.eval_fraction=0.1"]
+
+
+@pytest.fixture(scope="module")
+def token_reference(token_corpus, tmp_path_factory):
+    """The uninterrupted tokens run: (args, final state, per-step metrics, its run_dir, stdout)."""
+    args = ["configs/gpt_tiny.yaml", *OVERRIDES, *TOKEN_ARGS, f"data.path={token_corpus}"]
+    run_dir, tag = tmp_path_factory.mktemp("tokens_run") / "want", uuid.uuid4().hex
+    out = Controller(run_dir, args, {TAG: tag}).succeed()
+    assert wait_gone(tagged(tag)) == []
+    return args, final_state(run_dir), metrics(run_dir), run_dir, out
+
+
+def assert_same_batches(run_dir: Path, token_reference):
+    """Every step once, each with the uninterrupted run's batch (CRC-32) and loss, bitwise, and
+    the same final state."""
+    args, want_state, want, want_dir, _ = token_reference
+    got = metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step exactly once"
+    assert [r["batch_crc32"] for r in got] == [r["batch_crc32"] for r in want]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert_same_as_reference(run_dir, (want_state, want, want_dir))
+
+
+def test_tokens_run_reads_the_grain_pipelines_batches_and_records_its_tokenizer(token_reference, token_corpus):
+    """The uninterrupted tokens run's batches are those the Grain pipeline gives here, step by
+    step; the model's vocabulary followed the tokenizer (300 -> 384, said in one line); the run
+    directory holds the tokenizer, which run_tokenizer reads back."""
+    args, _, want, run_dir, out = token_reference
+    assert "model.vocab_size=384: the tokenizer" in out and "has 300 tokens, padded by 84" in out, out
+    cfg = config.load(args[0], args[1:])
+    loader, _ = grain_data.loaders(cfg)
+    assert [r["batch_crc32"] for r in want] == [batch_crc32(loader.next()) for _ in range(STEPS)]
+    assert cfg.model.vocab_size == 384
+    assert tokenizer.run_tokenizer(run_dir).hash == tokens.Corpus(token_corpus).tokenizer().hash != "bytes"
+
+
+def test_tokens_run_sigkilled_mid_epoch_resumes_to_the_same_batches_and_losses(token_reference, tmp_path):
     """data.source=tokens: the controller SIGKILLed mid-epoch (after step 5, with a commit at 3
     or 6 of a 10-batch epoch), the same command resumes from Grain's iterator state in the
     manifest and goes on into the next epoch. Every step's batch (its CRC-32) and loss equal
-    the uninterrupted run's bitwise, and both runs' batches are those the Grain pipeline gives
-    here; the final state is bitwise the same. The run directory holds the tokenizer, which
-    run_tokenizer reads back, and the model's vocabulary followed it (300 -> 384)."""
-    args = ["configs/gpt_tiny.yaml", *OVERRIDES, "data.source=tokens", f"data.path={token_corpus}",
-            "data.eval_fraction=0.1"]
-    tag = uuid.uuid4().hex
-    want_dir = tmp_path / "want"
-    out = Controller(want_dir, args, {TAG: tag}).succeed()
-    assert "model.vocab_size=384: the tokenizer" in out and "has 300 tokens, padded by 84" in out, out
+    the uninterrupted run's bitwise; the final state is bitwise the same."""
+    args, tag = token_reference[0], uuid.uuid4().hex
     run_dir = tmp_path / "k"
     ctl = Controller(run_dir, args, {TAG: tag})
     try:
@@ -286,16 +316,17 @@ def test_tokens_run_sigkilled_mid_epoch_resumes_to_the_same_batches_and_losses(t
     assert 0 < killed_at < 10, "killed mid-epoch"
     out = Controller(run_dir, args, {TAG: tag}).succeed()
     assert f"resumed from {run_dir}/checkpoints/{killed_at}" in out
-    got, want = metrics(run_dir), metrics(want_dir)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), "each step exactly once"
-    assert [r["batch_crc32"] for r in got] == [r["batch_crc32"] for r in want]
-    assert [r["loss"] for r in got] == [r["loss"] for r in want]
-    cfg = config.load(args[0], args[1:])
-    loader, _ = grain_data.loaders(cfg)
-    assert [r["batch_crc32"] for r in want] == [batch_crc32(loader.next()) for _ in range(STEPS)]
-    assert_same_as_reference(run_dir, (final_state(want_dir), want, want_dir))
-    assert tokenizer.run_tokenizer(run_dir).hash == tokens.Corpus(token_corpus).tokenizer().hash != "bytes"
-    assert cfg.model.vocab_size == 384
+    assert_same_batches(run_dir, token_reference)
+    assert wait_gone(tagged(tag)) == []
+
+
+def test_tokens_run_recovers_a_killed_worker_to_the_same_batches(token_reference, token_corpus, tmp_path):
+    """A worker SIGKILLed after step 7 of a tokens run: the run rewinds Grain's iterator to the
+    restored checkpoint's state and ends with the uninterrupted run's batches, losses and state."""
+    run_dir, tag = tmp_path / "w", uuid.uuid4().hex
+    out = kill_worker_after_step(run_dir, tag, [*TOKEN_ARGS, f"data.path={token_corpus}"], 7)
+    assert "recovered:" in out, out
+    assert_same_batches(run_dir, token_reference)
     assert wait_gone(tagged(tag)) == []
 
 
@@ -304,8 +335,7 @@ def test_a_resume_on_another_corpus_is_refused(token_corpus, tmp_path):
     before any worker starts."""
     corpus = tmp_path / "corpus"
     shutil.copytree(token_corpus, corpus)
-    args = ["configs/gpt_tiny.yaml", *OVERRIDES, "data.source=tokens", f"data.path={corpus}",
-            "data.eval_fraction=0.1", "train.steps=3"]
+    args = ["configs/gpt_tiny.yaml", *OVERRIDES, *TOKEN_ARGS, f"data.path={corpus}", "train.steps=3"]
     run_dir, tag = tmp_path / "r", uuid.uuid4().hex
     Controller(run_dir, args, {TAG: tag}).succeed()
     before = tokens.Corpus(corpus).hash
