@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import sysconfig
-import time
 import uuid
 from pathlib import Path
 
