@@ -1,4 +1,4 @@
-"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd export`, `mpmd cluster`. Logic lives in modules."""
 from __future__ import annotations
 
 import sys
@@ -8,6 +8,7 @@ COMMANDS = {
     "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
     "schedule": ("mpmd.schedules.cli", "simulate a pipeline schedule and draw its timeline"),
     "report": ("mpmd.report.cli", "one HTML page of a run: curves, measured vs simulated pipeline, goodput, memory"),
+    "export": ("mpmd.recipes.export_cli", "write a run's checkpoint as a Hugging Face Llama: mpmd export RUN_DIR --hf OUT_DIR"),
     "cluster": ("mpmd.recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
     "worker": ("mpmd.runtime.worker.main", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }
