@@ -122,13 +122,14 @@ def test_a_missing_tensor_names_the_parameter(hf_models, tmp_path):
         hf.open(tmp_path).read(["blocks.2.mlp.up.kernel"])
 
 
-def pipelined_trainer(cfg, cluster, run_dir):
+def pipelined_trainer(cfg, cluster, run_dir, init_params=None):
     """The recipe's pipeline of `cfg` (2 stages; abstract where it can be) on `cluster`, its
-    parameters read from model.init_from stage by stage (the Trainer's init_params)."""
+    parameters read from model.init_from stage by stage (the Trainer's init_params, unless
+    given)."""
     import mpmd
     from mpmd.recipes import train
     sample = hf_llama.tokens(2)
-    init_params = registry.get_model_spec("llama").init_params(cfg)
+    init_params = init_params or registry.get_model_spec("llama").init_params(cfg)
     stages, loss_fn = train.build_model(cfg, sample, abstract=True)
     pipe = mpmd.Pipeline(stages, loss_fn, sample_input=sample)
     return mpmd.Trainer(pipe, train.build_optimizer(cfg), schedule="1f1b", num_microbatches=2, cluster=cluster,
@@ -160,3 +161,14 @@ def test_pipelined_on_workers_equals_transformers_and_exports_bitwise(hf_models,
     assert sorted(written) == sorted(original)
     assert all(written[n].tobytes() == original[n].tobytes() for n in original), "import -> export is bitwise"
     assert hf_llama.relative_error(hf_llama.load_logits(out, tokens), want) < 1e-4
+
+
+def test_the_trainer_refuses_init_params_of_another_shape(hf_models):
+    """Weights of another model (here: another key/value head count) are refused naming the
+    parameter, before any step."""
+    from mpmd.runtime.control.inprocess import InProcessCluster
+    gqa_dir, other_dir = hf_models["gqa"][0], hf_models["sharded_bf16"][0]
+    cfg = llama_config(gqa_dir, "pipeline.num_stages=2")
+    with pytest.raises(ValueError, match=r"init_params gave blocks.0.attn.k.kernel as float32\[32, 8\]; stage 0 "
+                                         r"holds it as float32\[32, 16\]"):
+        pipelined_trainer(cfg, InProcessCluster(), None, init_params=hf.open(other_dir).read)
