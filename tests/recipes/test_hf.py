@@ -122,14 +122,18 @@ def test_a_missing_tensor_names_the_parameter(hf_models, tmp_path):
         hf.open(tmp_path).read(["blocks.2.mlp.up.kernel"])
 
 
-def pipelined_trainer(cfg, cluster, run_dir, init_params=None):
+FROM_CONFIG = "from model.init_from"
+
+
+def pipelined_trainer(cfg, cluster, run_dir, init_params=FROM_CONFIG):
     """The recipe's pipeline of `cfg` (2 stages; abstract where it can be) on `cluster`, its
-    parameters read from model.init_from stage by stage (the Trainer's init_params, unless
-    given)."""
+    parameters read from model.init_from stage by stage (the Trainer's init_params), or
+    `init_params` (None: the model's seeded init)."""
     import mpmd
     from mpmd.recipes import train
     sample = hf_llama.tokens(2)
-    init_params = init_params or registry.get_model_spec("llama").init_params(cfg)
+    if init_params == FROM_CONFIG:
+        init_params = registry.get_model_spec("llama").init_params(cfg)
     stages, loss_fn = train.build_model(cfg, sample, abstract=True)
     pipe = mpmd.Pipeline(stages, loss_fn, sample_input=sample)
     return mpmd.Trainer(pipe, train.build_optimizer(cfg), schedule="1f1b", num_microbatches=2, cluster=cluster,
@@ -172,3 +176,26 @@ def test_the_trainer_refuses_init_params_of_another_shape(hf_models):
     with pytest.raises(ValueError, match=r"init_params gave blocks.0.attn.k.kernel as float32\[32, 8\]; stage 0 "
                                          r"holds it as float32\[32, 16\]"):
         pipelined_trainer(cfg, InProcessCluster(), None, init_params=hf.open(other_dir).read)
+
+
+def test_an_abstract_stage_with_state_gets_its_state_made_and_its_params_given(hf_models):
+    """Dropout streams (stage state) of an abstract model are still made on the slice by its
+    seeded init, as without init_params; the parameters are the imported tensors, bitwise."""
+    from mpmd.runtime.control.inprocess import InProcessCluster
+    hf_dir = hf_models["gqa"][0]
+    cfg = llama_config(hf_dir, "pipeline.num_stages=2", "model.dropout=0.1")
+    _, want = hf.load(hf_dir)
+    with pipelined_trainer(cfg, InProcessCluster(), None) as trainer:
+        params, state = trainer.params(), trainer.state()
+        paths = trainer.pipeline.param_paths
+    seeded = pipelined_trainer(cfg, InProcessCluster(), None, init_params=None)
+    with seeded:
+        assert seeded.pipeline.fns[0].state is not None, "the case has stage state"
+        seeded_state = seeded.state()
+        seeded_embedding = np.asarray(jax.tree.leaves(seeded.params()[0])[0])
+    assert not np.array_equal(seeded_embedding, want[paths[0][0]]), "the reference is the seeded init"
+    for k, stage in enumerate(params):
+        for path, leaf in zip(paths[k], jax.tree.leaves(stage)):
+            assert np.asarray(leaf).tobytes() == want[path].tobytes(), path
+        assert state[k].keys() == seeded_state[k].keys()
+        assert all(np.array_equal(state[k][p], seeded_state[k][p]) for p in state[k])
