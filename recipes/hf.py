@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints in and out: config.json <-> the llama family's model.* keys,
 safetensors tensors <-> the Llama's parameters by model path (models/llama.py).
 
-    keys, params = hf.load("tiny_llama")     # {model key: value}, {param path: float32 np.ndarray}
+    keys, params = hf.load("tiny_llama")     # {model.* key: value}, {param path: float32 np.ndarray}
     weights = hf.open("tiny_llama")          # lazily: weights.read(["blocks.0.attn.q.kernel", ...])
     hf.save("out", keys, params)             # config.json + model.safetensors for transformers
 
@@ -82,8 +82,8 @@ def read_config(hf_dir) -> dict:
 
 def model_keys(hf_dir) -> dict:
     """The llama family's model.* keys config.json sets: sizes, GQA, RoPE theta, RMSNorm
-    epsilon, tied embeddings, and `max_position_embeddings` (the longest model.seq_len it was
-    trained for). HFError naming the key of what models/llama.py cannot compute."""
+    epsilon, tied embeddings (not seq_len: max_positions says how long it may be). HFError
+    naming the key of what models/llama.py cannot compute."""
     c, path = read_config(hf_dir), Path(hf_dir) / CONFIG
     if c.get("model_type") != "llama" and ARCHITECTURE not in (c.get("architectures") or ()):
         raise HFError(f"{path}: model_type={c.get('model_type')!r}, architectures={c.get('architectures')!r}; "
@@ -107,15 +107,20 @@ def model_keys(hf_dir) -> dict:
         raise HFError(f"{path}: head_dim={head_dim} but hidden_size / num_attention_heads = "
                       f"{out['d_model']} / {out['num_heads']}; models/llama.py needs them equal")
     out["rope_theta"] = rope_theta_of(c, path)
-    out["max_position_embeddings"] = c.get("max_position_embeddings")
     return out
+
+
+def max_positions(hf_dir) -> int | None:
+    """config.json's max_position_embeddings: the longest model.seq_len it was trained for."""
+    return read_config(hf_dir).get("max_position_embeddings")
 
 
 def rope_theta_of(c: dict, path) -> float:
     """RoPE's base: `rope_parameters.rope_theta` (transformers >= 5) or `rope_theta`; HFError
     for any rope type but the plain one (scaled frequencies are not models/llama.rotary's)."""
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    rope = rope if isinstance(rope, dict) else {"rope_type": rope}
+    kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise HFError(f"{path}: rope type {kind!r} ({'rope_parameters' if 'rope_parameters' in c else 'rope_scaling'}); "
                       f"models/llama.py computes only the default rotary embedding (no scaling)")
@@ -124,11 +129,14 @@ def rope_theta_of(c: dict, path) -> float:
 
 def hf_config(keys: dict) -> dict:
     """config.json for a LlamaForCausalLM of the llama model.* keys `keys` (mlp_dim and
-    num_kv_heads resolved: not None), float32 weights; max_position_embeddings = seq_len."""
+    num_kv_heads resolved: not None), float32 weights; max_position_embeddings = seq_len.
+    RoPE's theta and the dtype are written as transformers 5 names them and, beside, as 4.x
+    did (rope_theta, torch_dtype), so either reads them."""
+    theta = float(keys["rope_theta"])
     out = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-           "attention_bias": False, "mlp_bias": False, "dtype": "float32",
+           "attention_bias": False, "mlp_bias": False, "dtype": "float32", "torch_dtype": "float32",
            "head_dim": keys["d_model"] // keys["num_heads"], "max_position_embeddings": keys["seq_len"],
-           "rope_parameters": {"rope_type": "default", "rope_theta": float(keys["rope_theta"])}}
+           "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta}
     out.update({theirs: keys[ours] for ours, (theirs, _) in KEYS.items()})
     return out
 
@@ -189,8 +197,12 @@ def open(hf_dir) -> Weights:     # noqa: A001  (hf.open, as safetensors' safe_op
 
 def load(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     """(model.* keys of config.json, {model path: float32 array} of every parameter): the
-    whole model in this process, for small models, tools and `mpmd generate hf:DIR`."""
+    whole model in this process, for small models, tools and `mpmd generate hf:DIR`. The keys
+    are a llama section's (`{"kind": "llama", **keys}` validates as one), seq_len set to
+    max_position_embeddings where config.json has it."""
     keys = model_keys(hf_dir)
+    if max_positions(hf_dir) is not None:
+        keys["seq_len"] = max_positions(hf_dir)
     paths = param_paths(keys["num_layers"], keys["tie_embeddings"])
     return keys, dict(zip(paths, Weights(hf_dir).read(paths)))
 

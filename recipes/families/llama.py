@@ -48,10 +48,9 @@ class LlamaSection(DecoderSection, ComputeSection):
             return values
         hf_dir = hf.directory_of(values["init_from"])
         try:
-            keys = hf.model_keys(hf_dir)
+            keys, longest = hf.model_keys(hf_dir), hf.max_positions(hf_dir)
         except hf.HFError as e:
             raise ValueError(f"model.init_from={values['init_from']!r}: {e}") from None
-        longest = keys.pop("max_position_embeddings")
         for key, value in keys.items():
             if key in values and values[key] != value:
                 raise ValueError(f"model.{key}={values[key]!r} disagrees with model.init_from={values['init_from']!r}, "

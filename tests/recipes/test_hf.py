@@ -70,10 +70,12 @@ def test_save_then_load_is_bitwise(hf_models, tmp_path):
     from safetensors.numpy import load_file
     hf_dir, _ = hf_models["gqa"]
     keys, params = hf.load(hf_dir)
-    out = hf.save(tmp_path / "out", {**keys, "seq_len": hf_llama.SEQ_LEN}, params)
+    assert keys["seq_len"] == 2 * hf_llama.SEQ_LEN, "max_position_embeddings"
+    section = registry.get_model_spec("llama").section.model_validate({"kind": "llama", **keys})
+    assert (section.num_kv_heads, section.rope_theta) == (2, 500_000.0)
+    out = hf.save(tmp_path / "out", keys, params)
     again_keys, again = hf.load(out)
-    assert {k: again_keys[k] for k in hf.KEYS} == {k: keys[k] for k in hf.KEYS}
-    assert again_keys["rope_theta"] == keys["rope_theta"]
+    assert again_keys == keys
     for path in params:
         assert again[path].tobytes() == params[path].tobytes(), path
     original, written = load_file(str(hf_dir / hf.WEIGHTS)), load_file(str(out / hf.WEIGHTS))
