@@ -107,9 +107,10 @@ class Programs:
         """Run a plan that takes no feeds and returns nothing: it creates state on the slices."""
         self.launch(plan).result()
 
-    def materialize(self) -> None:
+    def materialize(self, pretrained: bool = True) -> None:
         """Put each stage's initial parameters on its slice, laid out on its mesh: those
-        init_params gives (read for one stage at a time), else the module's own values,
+        init_params gives (read for one stage at a time; unless not `pretrained`: a
+        checkpoint is about to replace them), else the module's own values,
         shipped once, or for an abstract model (mpmd.abstract) created there, already
         sharded, by its seeded init; and its initial stage state, if any (an abstract
         model's made there by the same init, which then makes only what is not given)."""
@@ -117,7 +118,7 @@ class Programs:
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
             r = self.placement[k]
             state = fn.state is not None
-            given = self._given_params(k)
+            given = self._given_params(k) if pretrained else None
             concrete = not abstract.is_abstract(fn.param_leaves)
             if given is not None or concrete:
                 self.cluster.put(r, names.params(k), fn.param_leaves if given is None else given,

@@ -97,7 +97,9 @@ class Trainer:
         cluster.start(built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
                       meshes=meshes)
         try:
-            self.programs.materialize()
+            # A run that resumes reads no pretrained weights: its checkpoint replaces them (and
+            # one that exists but does not restore stops the run, never a start from them).
+            self.programs.materialize(pretrained=init_params is not None and self.checkpointer.latest() is None)
             self.checkpointer.start(built.placement, self.programs.layout, self.programs.launch)
             step = self.checkpointer.resume()
             if step is not None:

@@ -201,3 +201,22 @@ def test_an_abstract_stage_with_state_gets_its_state_made_and_its_params_given(h
             assert np.asarray(leaf).tobytes() == want[path].tobytes(), path
         assert state[k].keys() == seeded_state[k].keys()
         assert all(np.array_equal(state[k][p], seeded_state[k][p]) for p in state[k])
+
+
+def test_a_resumed_run_reads_no_pretrained_weights(hf_models, tmp_path):
+    """Its checkpoint replaces them: init_params is not called, and the parameters are the
+    checkpoint's (here: the imported ones, saved at step 0)."""
+    from mpmd.runtime.control.inprocess import InProcessCluster
+    hf_dir = hf_models["gqa"][0]
+    cfg = llama_config(hf_dir, "pipeline.num_stages=2")
+    with pipelined_trainer(cfg, InProcessCluster(), tmp_path) as first:
+        first.predict(hf_llama.tokens())     # compiles, and so makes the optimizer state a save needs
+        first.save(wait=True)
+        saved = first.params()
+
+    def unread(paths):
+        raise AssertionError(f"read {paths[:1]} although a checkpoint restores")
+    with pipelined_trainer(cfg, InProcessCluster(), tmp_path, init_params=unread) as resumed:
+        assert resumed.resumed[0] == 0
+        got = resumed.params()
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)))
