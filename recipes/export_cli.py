@@ -9,7 +9,8 @@ The model's keys come from the run's resolved config (RUN_DIR/config.yaml), its 
 from the checkpoint's `params/` leaves, read here by path (mpmd.train.checkpoints.read_leaves):
 the optimizer state is not read. `export_hf` checks everything before it reads a tensor (a run
 directory, a committed step, model.kind llama, an OUT_DIR that does not exist or is empty) and
-raises ExportError naming what was wrong; `main` prints it as one line and exits 2. OUT_DIR is
+raises ExportError naming what was wrong; `main` prints it as one line and exits 2 (1 when
+writing fails: a parent directory not writable, a full disk). OUT_DIR is
 written beside itself and renamed into place (mpmd.recipes.hf.save): nothing is overwritten.
 """
 from __future__ import annotations
@@ -56,7 +57,10 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
                           f"{', '.join(map(str, committed))}")
     hf.check_new(out)
     from mpmd.train.checkpoints import read_leaves
-    _, leaves = read_leaves(run, step, prefix=PARAMS)
+    try:
+        _, leaves = read_leaves(run, step, prefix=PARAMS)
+    except ValueError as e:       # a part missing or unreadable, a leaf that fails its digest
+        raise ExportError(f"step {step} of {run} cannot be read: {e}") from None
     params = {name[len(PARAMS):]: array for name, array in leaves.items()}
     return hf.save(out, model_keys(cfg.model, params), params)
 
@@ -88,6 +92,9 @@ def main(argv=None) -> int:
     except (ExportError, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:      # OUT_DIR's parent not writable, a full disk: nothing is left half-written
+        print(f"error: cannot write {args.hf}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(f"wrote {out / hf.CONFIG} and {out / hf.WEIGHTS}")
     return 0
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -200,17 +201,17 @@ def load(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     whole model in this process, for small models, tools and `mpmd generate hf:DIR`. The keys
     are a llama section's (`{"kind": "llama", **keys}` validates as one), seq_len set to
     max_position_embeddings where config.json has it."""
-    keys = model_keys(hf_dir)
-    if max_positions(hf_dir) is not None:
-        keys["seq_len"] = max_positions(hf_dir)
+    keys, longest = model_keys(hf_dir), max_positions(hf_dir)
+    if longest is not None:
+        keys["seq_len"] = longest
     paths = param_paths(keys["num_layers"], keys["tie_embeddings"])
     return keys, dict(zip(paths, Weights(hf_dir).read(paths)))
 
 
 def save(out_dir, keys: dict, params: dict[str, np.ndarray]) -> Path:
     """Writes config.json and model.safetensors (float32) of a Llama with model.* `keys` and
-    `params` ({model path: array}) into `out_dir`, which must not exist yet (HFError): the
-    files are written beside it and renamed into place, so nothing half-written is left
+    `params` ({model path: array}) into `out_dir`, which must not exist or be empty (HFError):
+    the files are written beside it and renamed into place, so nothing half-written is left
     under that name and nothing is overwritten."""
     from safetensors.numpy import save_file
     out = check_new(out_dir)
@@ -226,11 +227,15 @@ def save(out_dir, keys: dict, params: dict[str, np.ndarray]) -> Path:
         tensors[name] = np.ascontiguousarray(array.T if transposed else array)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     staging.mkdir(parents=True)
-    save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
-    (staging / CONFIG).write_text(json.dumps(hf_config(keys), indent=2) + "\n")
-    if out.exists():
-        out.rmdir()            # empty, checked above
-    staging.rename(out)
+    try:
+        save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        (staging / CONFIG).write_text(json.dumps(hf_config(keys), indent=2) + "\n")
+        if out.exists():
+            out.rmdir()            # empty, checked above
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return out
 
 
