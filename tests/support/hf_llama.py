@@ -43,7 +43,7 @@ def make(case: str, out_dir, seed: int = 0):
 
 
 def logits(model, tokens: np.ndarray) -> np.ndarray:
-    """float32 logits [B, T, V] of transformers' own forward (eager attention)."""
+    """float32 logits [B, T, V] of transformers' own forward (its default attention)."""
     import torch
     with torch.no_grad():
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
