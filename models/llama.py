@@ -62,9 +62,9 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _rms_norm(d_model: int, dtype, *, rngs: nnx.Rngs):
+def _rms_norm(d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs):
     # flax computes the mean square in float32 whatever the input dtype.
-    return nnx.RMSNorm(d_model, epsilon=1e-5, dtype=dtype,
+    return nnx.RMSNorm(d_model, epsilon=epsilon, dtype=dtype,
                        scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs)
 
 
@@ -174,13 +174,13 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
                  rope_theta: float = 10_000.0, dtype="float32", remat: str = "none",
-                 drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
+                 drop: nnx.Dropout | None = None, norm_eps: float = 1e-5, *, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
-        self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
+        self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
         self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, rngs=rngs)
-        self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
+        self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
         self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
         self.drop = drop
 
@@ -201,10 +201,10 @@ class Head(nnx.Module):
     token Embed whose table (transposed) is the head's weight, instead of a weight of its own."""
 
     def __init__(self, d_model: int, vocab_size: int, dtype="float32", tied: Embed | None = None,
-                 *, rngs: nnx.Rngs):
+                 norm_eps: float = 1e-5, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, vocab_size=vocab_size)
         self.dtype = _compute_dtype(dtype)
-        self.norm = _rms_norm(d_model, self.dtype, rngs=rngs)
+        self.norm = _rms_norm(d_model, self.dtype, norm_eps, rngs=rngs)
         # A shared nnx.Param: nnx.state lists it once, with the embedding.
         self.table = tied.token.embedding if tied is not None else None
         # Small init (0.02): unit-scale initial logits start the loss above ln(vocab_size).
@@ -221,6 +221,7 @@ class Head(nnx.Module):
 class Llama(nnx.Module):
     """Decoder-only LM: Embed, num_layers Blocks, Head. tokens [B, T] -> float32 logits [B, T, V].
 
+    `norm_eps`: every RMSNorm's epsilon (Hugging Face Llamas use 1e-6 or 1e-5).
     `mlp_dim` None: the SwiGLU width whose three matrices hold about as many weights as a
     4 x d_model GELU MLP's two (8/3 x d_model), rounded up to a multiple of 64.
     `stage_ends`/`mark`: `mark(x)` is applied to the activation after each layer index in
@@ -230,7 +231,8 @@ class Llama(nnx.Module):
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, seq_len: int,
                  num_kv_heads: int | None = None, mlp_dim: int | None = None, rope_theta: float = 10_000.0,
                  tie_embeddings: bool = False, dtype="float32", remat: str = "none",
-                 stage_ends=(), mark=None, dropout_rate: float = 0.0, dropout_seed: int = 0, *, rngs: nnx.Rngs):
+                 stage_ends=(), mark=None, dropout_rate: float = 0.0, dropout_seed: int = 0, norm_eps: float = 1e-5,
+                 *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
                           num_layers=num_layers, seq_len=seq_len)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -238,9 +240,10 @@ class Llama(nnx.Module):
         self.embed = Embed(vocab_size, d_model, seq_len, dtype, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
         # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
         self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, mlp_dim, rope_theta, dtype, remat,
-                                      dropout(dropout_rate, dropout_seed, i + 1), rngs=rngs)
+                                      dropout(dropout_rate, dropout_seed, i + 1), norm_eps, rngs=rngs)
                                 for i in range(num_layers)])
-        self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, rngs=rngs)
+        self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, norm_eps=norm_eps,
+                         rngs=rngs)
         self.seq_len, self.tie_embeddings = seq_len, tie_embeddings
         self.cut_after(stage_ends, mark)
 

@@ -37,7 +37,10 @@ class ModelSpec:
     samples_text: its logits decode to bytes, so a run ends with a sample. rules: logical
     axis -> mesh axis its parameters need beyond mpmd.stages.sharding.RULES (mesh.rules
     override them). problems(cfg) -> sentences naming what is wrong across sections (a
-    section's own bounds are its fields')."""
+    section's own bounds are its fields'). init_params(cfg) -> None (the built model's own
+    initial values), or what mpmd.Trainer(init_params=...) takes: a function from a stage's
+    parameter paths to their initial arrays (a pretrained checkpoint's, e.g. llama's
+    model.init_from); the model is then built abstract where it can be."""
     name: str
     section: type
     build: Callable[["Config", bool], Any]
@@ -50,6 +53,7 @@ class ModelSpec:
     samples_text: bool = False
     rules: dict = dataclasses.field(default_factory=dict)
     problems: Callable[["Config"], list[str]] = lambda cfg: []
+    init_params: Callable[["Config"], Callable | None] = lambda cfg: None
 
 
 @dataclasses.dataclass(frozen=True)

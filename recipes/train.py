@@ -329,7 +329,10 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     # run directory's own check before a run directory exists.
     train_loader, eval_loader = data.make_loaders(cfg)
     sample_input = _first_microbatch(train_loader, p.num_microbatches)
-    stages, loss_fn = build_model(cfg, sample_input)
+    # Pretrained weights (model.init_from) are read stage by stage onto the slices: the model
+    # here needs only its shapes.
+    init_params = registry.get_model_spec(cfg.model.kind).init_params(cfg)
+    stages, loss_fn = build_model(cfg, sample_input, abstract=init_params is not None)
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
@@ -349,7 +352,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
                                    max_grad_norm=cfg.optimizer.max_grad_norm,
                                    run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
                                    mesh=cfg.slice_shapes(), rules=layout_rules(cfg),
-                                   checkpoint=ckpt, recovery=recovery)
+                                   checkpoint=ckpt, recovery=recovery, init_params=init_params)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
