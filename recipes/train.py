@@ -39,6 +39,7 @@ from mpmd.recipes import data
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
+from mpmd.models.decoding import next_token  # noqa: F401  (the sample's rule; mpmd.recipes.train.next_token)
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
@@ -192,19 +193,6 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
         tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
                                  cfg.train.sample_top_k, rng))
     return data.decode(tokens)
-
-
-def next_token(logits, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    """A token drawn from softmax(logits / temperature) over the top_k likeliest (0: all);
-    temperature 0 is greedy. Exactly one draw from `rng` per call when sampling."""
-    logits = np.asarray(logits, np.float64)
-    if temperature == 0:
-        return int(np.argmax(logits))
-    if 0 < top_k < logits.size:
-        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
-    scaled = (logits - logits.max()) / temperature
-    probs = np.exp(scaled)
-    return int(rng.choice(logits.size, p=probs / probs.sum()))
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
