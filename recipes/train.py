@@ -36,6 +36,7 @@ import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
+from mpmd.recipes import generate
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
@@ -172,27 +173,13 @@ def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) 
 
 
 def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> str:
-    """The prompt and its continuation by num_tokens bytes, one pipelined forward per byte,
-    drawn as train.sample_temperature and train.sample_top_k say (next_token), from a
-    generator seeded by cfg.seed: the same run samples the same text.
-
-    The context (last seq_len tokens) is right-padded: attention is causal, so the logits at
-    the context's last position ignore the padding. The batch is one copy of the context per
-    microbatch, the least predict accepts: it costs one lowering for the new shape (a few
-    seconds, once), then each byte is ~batch_size/num_microbatches times cheaper than
-    reusing the training batch shape would be.
-    """
-    seq_len, rows = cfg.model.seq_len, cfg.pipeline.num_microbatches
-    rng = np.random.default_rng(cfg.seed)
-    tokens = list(data.encode(prompt))
-    for _ in range(num_tokens):
-        context = tokens[-seq_len:]
-        window = np.zeros((rows, seq_len), np.int32)
-        window[:, :len(context)] = context
-        (logits,) = trainer.predict(window)
-        tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
-                                 cfg.train.sample_top_k, rng))
-    return data.decode(tokens)
+    """The prompt and its continuation by num_tokens tokens, drawn as train.sample_temperature
+    and train.sample_top_k say (next_token), from a generator seeded by cfg.seed: the same run
+    samples the same text. Decoded as `mpmd generate` decodes (mpmd.recipes.generate), with
+    the key-value cache, from the trainer's parameters fetched to this process."""
+    model = generate.model_with(cfg, generate.trainer_params(trainer))
+    t = cfg.train
+    return generate.continue_text(model, cfg, prompt, num_tokens, t.sample_temperature, t.sample_top_k, cfg.seed)[0]
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
