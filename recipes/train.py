@@ -306,7 +306,9 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
         _seek(train_loader, data_state)
     metrics_log = run_log.MetricsLog(run_dir)
     metrics_log.truncate_after(start_step)
-    board = run_log.TensorBoard(run_dir) if cfg.log.tensorboard else None
+    # Where scalars go beside metrics.jsonl: TensorBoard, Weights & Biases.
+    boards = ([run_log.TensorBoard(run_dir)] if cfg.log.tensorboard else []) + (
+        [run_log.WandB(run_dir, cfg.log.wandb_project, cfg.model_dump(mode="json"))] if cfg.log.wandb else [])
     progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
                                 start_step)
     # What happened before the next record's step, for the report (mpmd.report.load's marks).
@@ -384,7 +386,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             metrics_log.write(done, {**record, "time": time.time(), **marks,
                                      **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
             marks = {}
-            if board is not None:
+            for board in boards:
                 board.write(done, record)
                 if done % cfg.log.every == 0:
                     board.flush()
@@ -398,7 +400,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     finally:
         stop.restore()
         progress.close()
-        if board is not None:
+        for board in boards:
             board.close()
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
