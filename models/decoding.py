@@ -53,11 +53,17 @@ class Decoder:
         model.eval()    # no dropout
         self.seq_len = model.seq_len
         graphdef, state = nnx.split(model)
-        self._state = jax.device_put(state)
+        # The state as a flat list of arrays: flattening an nnx.State on every call (Python)
+        # would cost a token more than the step itself does on a small model.
+        leaves, treedef = jax.tree.flatten(state)
+        self._state = jax.device_put(leaves)
         self._empty = model.empty_cache(1)
-        self._decode = jax.jit(lambda state, tokens, cache, start: nnx.merge(graphdef, state).decode(
-            tokens, cache, start))
-        self._forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+        at = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        decode = lambda leaves, tokens, cache, start: at(leaves).decode(tokens, cache, start)
+        self._prefill = jax.jit(decode)
+        # A step's cache is consumed: its buffers are reused for the updated one.
+        self._step = jax.jit(decode, donate_argnums=2)
+        self._forward = jax.jit(lambda leaves, tokens: at(leaves)(tokens))
 
     def _padded(self, window: list[int]) -> np.ndarray:
         tokens = np.zeros((1, self.seq_len), np.int32)
@@ -66,12 +72,12 @@ class Decoder:
 
     def prefill(self, window: list[int]):
         """(logits [V] after the window's last token, the cache holding the window)."""
-        logits, cache = self._decode(self._state, self._padded(window), self._empty, 0)
+        logits, cache = self._prefill(self._state, self._padded(window), self._empty, 0)
         return logits[0, len(window) - 1], cache
 
     def step(self, token: int, cache, position: int):
         """(logits [V] after `token`, the cache with it): `token` sits at window `position`."""
-        logits, cache = self._decode(self._state, np.array([[token]], np.int32), cache, np.int32(position))
+        logits, cache = self._step(self._state, np.array([[token]], np.int32), cache, np.int32(position))
         return logits[0, 0], cache
 
     def rerun(self, window: list[int]) -> jax.Array:
