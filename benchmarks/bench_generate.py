@@ -24,6 +24,7 @@ import cpu_setup  # noqa: E402  (first: sets the flags before anything imports j
 cpu_setup.before_jax(devices=4)
 
 import argparse  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -41,6 +42,7 @@ def make_run(config_name: str, run_dir: str) -> None:
         "log.tensorboard=false", "log.trace_steps=[]", "log.progress=lines", "data.max_bytes=300000",
         "cluster.backend=inprocess", f"run_dir={run_dir}"])
     train.run(cfg)
+    logging.disable(logging.INFO)   # Orbax's and absl's records of the save, once the run set them up
 
 
 def measure(run_dir: str, num_tokens: int, rounds: int) -> dict:
