@@ -8,6 +8,7 @@ import pytest
 
 from mpmd import models
 from mpmd.recipes import config, data, generate, run_log
+from mpmd.recipes.config import ConfigError
 from tests.support.processes import TINY_GPT, mpmd_command, mpmd_train
 
 pytestmark = pytest.mark.slow      # `mpmd train` with local workers, `mpmd generate` as commands
@@ -38,13 +39,16 @@ def test_greedy_generate_prints_the_end_of_run_sample_and_tokens_per_s(run_dir):
     assert slow.returncode == 0 and slow.stdout == proc.stdout and "no cache" in slow.stderr
 
 
-def test_the_restored_model_has_the_workers_eval_loss_and_step_picks_the_checkpoint(run_dir):
+def test_the_restored_model_has_the_workers_eval_loss_sampling_is_seeded_and_step_picks_the_checkpoint(run_dir):
     cfg, step, model = generate.load_run(str(run_dir))
     _, eval_loader = data.make_loaders(cfg)
     model.eval()
     losses = [float(models.lm_loss(model(x), y)) for x, y in map(eval_loader.batch_at, range(cfg.train.eval_batches))]
     want = [r["eval_loss"] for r in run_log.read(run_dir) if r["step"] == STEPS][0]
     assert step == STEPS and np.mean(losses) == pytest.approx(want, rel=1e-5)
+    # Sampling is seeded: the same seed draws the same text, another seed another.
+    draw = lambda seed: generate.continue_text(model, cfg, PROMPT, NEW, 1.0, 20, seed)
+    assert draw(3) == draw(3) != draw(4) and draw(3)[1] == NEW
     _, older_step, older = generate.load_run(str(run_dir), 2)
     assert older_step == 2
     assert not np.array_equal(np.asarray(older.head.lm_head.kernel[...]), np.asarray(model.head.lm_head.kernel[...]))
@@ -57,15 +61,21 @@ def test_bad_run_dirs_steps_and_models_exit_2_with_one_line(run_dir, tmp_path):
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
         return lines[0]
-    assert "does not exist" in error(tmp_path / "nowhere")
-    assert "no config.yaml: not a run directory" in error(tmp_path)
+    assert error(tmp_path / "nowhere") == f"error: run directory {str(tmp_path / 'nowhere')!r} does not exist"
     assert error(run_dir, "--step", 3) == (f"error: step 3 is not a committed checkpoint of {str(run_dir)!r}; "
                                            f"committed: 2, 4")
+    # The command prints any of these as it prints the two above.
+    with pytest.raises(ConfigError, match="no config.yaml: not a run directory"):
+        generate.load_run(str(tmp_path))
     mlp = tmp_path / "mlp"
     config.dump(config.load(None, ["model.kind=mlp", "data.source=synthetic", "train.sample_tokens=0"]),
                 mlp / "config.yaml")
-    assert "model.kind='mlp' cannot generate: only a language model can (model.kind='gpt' or 'llama')" in error(mlp)
+    with pytest.raises(ConfigError, match=r"model.kind='mlp' cannot generate: only a language model can "
+                                          r"\(model.kind='gpt' or 'llama'\)"):
+        generate.load_run(str(mlp))
     empty = tmp_path / "empty"
     config.dump(config.load(None, []), empty / "config.yaml")
-    assert "no committed checkpoint" in error(empty)
-    assert "not supported yet" in error("hf:" + str(tmp_path))
+    with pytest.raises(ConfigError, match="has no committed checkpoint to generate from"):
+        generate.load_run(str(empty))
+    with pytest.raises(ConfigError, match="Hugging Face directory is not supported yet"):
+        generate.load_run("hf:" + str(tmp_path))
