@@ -40,7 +40,6 @@ from mpmd.recipes import generate
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
-from mpmd.models.decoding import next_token  # noqa: F401  (the sample's rule; mpmd.recipes.train.next_token)
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding

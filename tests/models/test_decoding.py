@@ -76,3 +76,16 @@ def test_models_without_a_cache_and_empty_prompts_are_refused():
         decoding.Decoder(models.MLP(4, 8, 2, 4, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="the prompt is empty"):
         decoding.Decoder(MODELS["gpt"]()).generate([], 3, lambda l: 0)
+
+
+def test_sampling_is_seeded_and_follows_temperature_and_top_k():
+    logits = np.random.default_rng(0).normal(size=VOCAB) * 2
+    draw = lambda seed, t, k: [decoding.next_token(logits, t, k, rng) for rng in [np.random.default_rng(seed)]
+                               for _ in range(64)]
+    assert draw(1, 0.8, 5) == draw(1, 0.8, 5)                   # reproducible per seed
+    assert draw(1, 0.8, 5) != draw(2, 0.8, 5)
+    assert set(draw(1, 0.0, 0)) == {int(np.argmax(logits))}     # temperature 0: greedy
+    assert set(draw(1, 1.0, 1)) == {int(np.argmax(logits))}     # top-1: greedy
+    assert set(draw(1, 5.0, 3)) <= set(np.argsort(logits)[-3:].tolist())
+    # a higher temperature spreads the draws over more tokens
+    assert len(set(draw(1, 5.0, 0))) > len(set(draw(1, 0.3, 0)))
