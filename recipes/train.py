@@ -173,9 +173,10 @@ def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) 
 
 def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> str:
     """The prompt and its continuation by num_tokens tokens, drawn as train.sample_temperature
-    and train.sample_top_k say (next_token), from a generator seeded by cfg.seed: the same run
-    samples the same text. Decoded as `mpmd generate` decodes (mpmd.recipes.generate), with
-    the key-value cache, from the trainer's parameters fetched to this process."""
+    and train.sample_top_k say (mpmd.models.decoding.next_token), from a generator seeded by
+    cfg.seed: the same run samples the same text. Decoded as `mpmd generate` decodes
+    (mpmd.recipes.generate), with the key-value cache, from the trainer's parameters fetched
+    to this process."""
     model = generate.model_with(cfg, generate.trainer_params(trainer))
     t = cfg.train
     return generate.continue_text(model, cfg, prompt, num_tokens, t.sample_temperature, t.sample_top_k, cfg.seed)[0]
