@@ -79,3 +79,17 @@ def test_bad_run_dirs_steps_and_models_exit_2_with_one_line(run_dir, tmp_path):
         generate.load_run(str(empty))
     with pytest.raises(ConfigError, match="Hugging Face directory is not supported yet"):
         generate.load_run("hf:" + str(tmp_path))
+
+
+def test_a_tied_llama_with_dropout_generates_its_end_of_run_sample(tmp_path):
+    """The embedding both end stages hold is one parameter of the restored model (its path in
+    the checkpoint and in Trainer.params() alike), and dropout is off when decoding."""
+    run_dir = tmp_path / "tied"
+    proc = mpmd_train("configs/llama_tiny.yaml", "model.tie_embeddings=true", "model.dropout=0.1", "train.steps=2",
+                      "train.eval_every=0", f"train.sample_tokens={NEW}", "train.sample_temperature=0",
+                      f"run_dir={run_dir}", *TINY_GPT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg, _, model = generate.load_run(str(run_dir))
+    assert model.head.table is model.embed.token.embedding
+    # Bytes: a random model's text holds carriage returns, which read_text would translate.
+    assert generate.continue_text(model, cfg, PROMPT, NEW, 0.0)[0].encode() == (run_dir / "sample.txt").read_bytes()
