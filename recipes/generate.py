@@ -85,13 +85,23 @@ def check_can_generate(cfg: Config) -> None:
 
 def model_with(cfg: Config, params: dict) -> object:
     """model.kind's model built whole on this process, its parameters set from `params`
-    ({path in the model: array}, the paths checkpoints name them by: mpmd.stages.leaf_paths)."""
+    ({path in the model: array}, the paths checkpoints name them by: mpmd.stages.leaf_paths).
+
+    Built as shapes only where the family can and the model holds nothing but parameters, so
+    the controller never holds a random initialisation beside the trained values; a model
+    with other state (dropout's RNG streams, unused in eval mode) is initialised for real."""
     import jax
     from flax import nnx
 
     from mpmd.stages.leaf_paths import path_string
-    model = registry.get_model_spec(cfg.model.kind).build(cfg, False)
-    model = model[0] if isinstance(model, tuple) else model     # a family may pair it with its loss
+    spec = registry.get_model_spec(cfg.model.kind)
+
+    def built(abstract: bool):
+        model = spec.build(cfg, abstract)
+        return model[0] if isinstance(model, tuple) else model     # a family may pair it with its loss
+    model = built(spec.can_be_abstract(cfg))
+    if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
+        model = built(False)
     state = nnx.state(model, nnx.Param)
     flat, tree = jax.tree_util.tree_flatten_with_path(state)
     leaves, missing = [], []
