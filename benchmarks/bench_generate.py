@@ -50,6 +50,7 @@ def measure(run_dir: str, num_tokens: int, rounds: int) -> dict:
     from mpmd.models import decoding
     from mpmd.recipes import generate
     cfg, _, model = generate.load_run(run_dir)
+    tokenizer = generate.tokenizer_of(run_dir)
     decoders = {name: decoding.Decoder(model) for name in VARIANTS}
     for name, cache in VARIANTS.items():
         decoders[name].warm_up(cache)
@@ -58,7 +59,7 @@ def measure(run_dir: str, num_tokens: int, rounds: int) -> dict:
     for _ in range(rounds):
         for name, cache in VARIANTS.items():
             start = time.perf_counter()
-            texts[name], _ = generate.continue_text(model, cfg, PROMPT, num_tokens, t.sample_temperature,
+            texts[name], _ = generate.continue_text(model, tokenizer, PROMPT, num_tokens, t.sample_temperature,
                                                     t.sample_top_k, cfg.seed, cache=cache, decoder=decoders[name])
             times[name].append(time.perf_counter() - start)
     assert len(set(texts.values())) == 1, "the cache changed the tokens"

@@ -285,3 +285,17 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
             f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def masked_lm_loss(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Token-weighted next-token cross-entropy of packed rows: (sum of nats over the tokens
+    whose `batch["loss_mask"]` is 1, their count). A pipeline divides the step's summed
+    loss by its summed weight, so every real token weighs the same whatever microbatch or
+    row it sits in, and padding (mask 0) weighs nothing."""
+    targets, mask = batch["targets"], batch["loss_mask"].astype(jnp.float32)
+    if logits.shape[:-1] != targets.shape or mask.shape != targets.shape:
+        raise ValueError(f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis, and "
+                         f"loss_mask {mask.shape} the targets' shape")
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(nll * mask), jnp.sum(mask)

@@ -2,7 +2,8 @@
 
   mpmd cluster up --workers N [--devices-per-worker D] [--backend local|ray] [--ray-address A]
                   [--listen HOST:PORT]
-                  [--dir DIR] [--file F] [--root R] [--lease-s S] [--compile-cache-mb M] [--rejoin]
+                  [--dir DIR] [--file F] [--root R] [--lease-s S] [--max-lease-s S]
+                  [--compile-cache-mb M] [--rejoin]
   mpmd cluster status [--file F] [--json]
   mpmd cluster down [--file F]
 
@@ -14,7 +15,9 @@ token, the workers' addresses and pids, the root); `up` prints the address and r
 and the cluster lives on. With --rejoin it starts a manager again over the workers of an
 existing cluster file (after the manager died): running jobs keep their leases.
 Jobs: `mpmd train CONFIG cluster.backend=shared` (cluster.file, or cluster.address).
-`down` stops the workers and the manager and waits until every one of their pids is gone.
+`down` stops the workers and the manager and waits until every one of their pids is gone,
+replacements started meanwhile included, before it removes the cluster file; a job running
+on the cluster ends within seconds, saying the cluster was shut down.
 Exit status: 0 done, 2 bad arguments (one line "error: ..."), 1 the cluster failed.
 """
 from __future__ import annotations
@@ -51,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--dir", default=".mpmd-cluster", help="the cluster's directory: tokens, logs, job table")
     up.add_argument("--root", default=None, help="the directory every job's run_dir must lie below (default: cwd)")
     up.add_argument("--lease-s", type=float, default=10.0, help="default lease of a job (seconds)")
+    up.add_argument("--max-lease-s", type=float, default=60.0,
+                    help="the longest lease a job may ask (seconds): a silent job holds workers at most this long")
     up.add_argument("--compile-cache-mb", type=int, default=None, help="each worker's compiled-program cache")
     up.add_argument("--rejoin", action="store_true", help="start a manager again over the cluster file's workers")
     for s in [up] + [sub.add_parser(v, help=h) for v, h in (("status", "workers, jobs, leases, memory, cache"),
@@ -79,8 +84,11 @@ def check_up(args) -> None:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"--listen must be HOST:PORT with port 0..65535 (0: any free one), got {args.listen!r}")
-    if not 2.0 < args.lease_s <= 3600.0:
-        raise ValueError(f"--lease-s must be in (2, 3600] seconds (jobs renew every second), got {args.lease_s:g}")
+    if not 2.0 < args.max_lease_s <= 3600.0:
+        raise ValueError(f"--max-lease-s must be in (2, 3600] seconds, got {args.max_lease_s:g}")
+    if not 2.0 < args.lease_s <= args.max_lease_s:
+        raise ValueError(f"--lease-s must be in (2, --max-lease-s={args.max_lease_s:g}] seconds (jobs renew every "
+                         f"second), got {args.lease_s:g}")
     if args.compile_cache_mb is not None and args.compile_cache_mb < 0:
         raise ValueError(f"--compile-cache-mb must be >= 0, got {args.compile_cache_mb}")
     if args.root is not None and not os.path.isdir(args.root):
@@ -114,7 +122,8 @@ def up(args) -> int:
             _write_secret(os.path.join(directory, name), secrets.token_hex(16))
     started_at = os.path.getmtime(cluster_file) if os.path.exists(cluster_file) else None
     cmd = [sys.executable, "-m", "mpmd.runtime.manager.core", "--dir", directory, "--file", cluster_file,
-           "--listen", args.listen, "--lease-s", str(args.lease_s)]
+           "--listen", args.listen, "--lease-s", str(args.lease_s),
+           "--max-lease-s", str(args.max_lease_s)]
     if args.rejoin:
         cmd.append("--rejoin")
     else:
@@ -220,6 +229,8 @@ def down(args) -> int:
     deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline and any(process_alive(p) for p in pids):
         time.sleep(0.1)
+    # A worker the manager restarted before it went down is in the file it rewrote then.
+    pids += [w["pid"] for w in read_cluster_file(args.file)["workers"] if w["pid"] not in pids]
     for p in pids:        # by pid only: these are the cluster file's processes
         kill_process(p)
     left = [p for p in pids if process_alive(p)]

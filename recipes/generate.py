@@ -4,47 +4,34 @@ the model on this process -> a continuation decoded with the key-value cache
 of `mpmd train` (recipes/train.py `sample`) both decode through `continue_text`.
 
     cfg, step, model = generate.load_run("runs/gpt_tiny")         # newest committed step
-    text, num_new = generate.continue_text(model, cfg, "def __init__(self", 200, temperature=0)
+    text, num_new = generate.continue_text(model, generate.tokenizer_of("runs/gpt_tiny"), "def __init__(self",
+                                           200, temperature=0)
 
 Where it runs: on the controller, with no worker. The parameters are read from every slice's
 Orbax directory of the checkpoint (mpmd.train.checkpoints.read_leaves) into this process and
 the model is built whole here, so a model must fit one host's memory to generate; decoding
 pipelined over the slices is not built yet.
 
-Tokens: through `_tokenizer_for(cfg)`, today the byte tokenizer of mpmd.recipes.data (token =
-byte), the one every text run trains on.
+Tokens: the run's own tokenizer (`tokenizer_of(run_dir)`: bytes, or the Hugging Face
+tokenizer data.tokenizer named, as copied into the run directory); a model whose vocabulary
+was padded past the tokenizer's (model.vocab_size) draws only among the tokenizer's ids.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
-
 import numpy as np
 
 from mpmd.recipes import config as config_lib
-from mpmd.recipes import data
 from mpmd.recipes import registry
 from mpmd.recipes.config import Config, ConfigError
 
 
-class ByteTokenizer(NamedTuple):
-    """Today's tokens: UTF-8 bytes (mpmd.recipes.data.encode / decode)."""
-    vocab_size: int = 256
-
-    @staticmethod
-    def encode(text: str) -> np.ndarray:
-        return data.encode(text)
-
-    @staticmethod
-    def decode(tokens) -> str:
-        return data.decode(tokens)
-
-
-def _tokenizer_for(cfg: Config):
-    """The tokenizer the run trained with: encode(text) -> int32 tokens, decode(tokens) -> text.
-    Every run trains on bytes today; a run's own tokenizer (data.tokenizer) plugs in here."""
-    return ByteTokenizer()
+def tokenizer_of(run_dir: str):
+    """The tokenizer the run in run_dir trained with (its copy there, checked against the hash
+    its run.json recorded; bytes for a byte-level run): mpmd.recipes.tokenizer.run_tokenizer."""
+    from mpmd.recipes import tokenizer
+    return tokenizer.run_tokenizer(run_dir)
 
 
 def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int, object]:
@@ -130,18 +117,20 @@ def trainer_params(trainer) -> dict:
             for path, leaf in zip(paths, jax.tree.leaves(tree))}
 
 
-def continue_text(model, cfg: Config, prompt: str, num_tokens: int, temperature: float, top_k: int = 0,
+def continue_text(model, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int = 0,
                   seed: int = 0, cache: bool = True, decoder=None) -> tuple[str, int]:
     """(the prompt and its continuation by num_tokens tokens, as text; num_tokens), each token
     drawn by mpmd.models.decoding.next_token from a numpy generator seeded by `seed` (temperature
-    0: greedy). `decoder`: a Decoder of `model` already compiled (the timing of `mpmd generate`)."""
+    0: greedy) among the tokenizer's ids. `decoder`: a Decoder of `model` already compiled (the
+    timing of `mpmd generate`)."""
     from mpmd.models import decoding
-    tokenizer = _tokenizer_for(cfg)
-    tokens = tokenizer.encode(prompt)
+    tokens = np.asarray(tokenizer.encode(prompt)).reshape(-1)
     if len(tokens) == 0:
         raise ConfigError("the prompt is empty: give some text to continue (--prompt)")
     rng = np.random.default_rng(seed)
     decoder = decoder or decoding.Decoder(model)
-    new = decoder.generate(tokens, num_tokens, lambda logits: decoding.next_token(logits, temperature, top_k, rng),
-                           cache=cache)
+    # The model's rows past the tokenizer's vocabulary (padding for the mesh) decode to nothing.
+    vocab_size = tokenizer.vocab_size
+    new = decoder.generate(tokens, num_tokens,
+                           lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng), cache=cache)
     return tokenizer.decode([*tokens.tolist(), *new]), len(new)

@@ -60,8 +60,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         decoder.warm_up(cache=not args.no_cache)
         t1 = time.perf_counter()
+        tokenizer = generate.tokenizer_of(args.run_dir)
         text, num_new = generate.continue_text(
-            model, cfg, args.prompt, args.max_new_tokens,
+            model, tokenizer, args.prompt, args.max_new_tokens,
             t.sample_temperature if args.temperature is None else args.temperature,
             t.sample_top_k if args.top_k is None else args.top_k,
             cfg.seed if args.seed is None else args.seed, cache=not args.no_cache, decoder=decoder)

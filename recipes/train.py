@@ -23,8 +23,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -37,8 +35,10 @@ from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
 from mpmd.recipes import generate
+from mpmd.recipes import preempt
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
+from mpmd.recipes import tokenizer as tokenizer_lib
 from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
@@ -165,9 +165,14 @@ def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recover
 
 
 # -- pieces of the loop --------------------------------------------------------------------
+def _args(batch) -> tuple:
+    """A loader's batch as the Trainer takes it: (inputs, targets), or a batch dict alone."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
 def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) -> float:
     """Mean forward-only loss over the same first num_batches eval batches every time."""
-    losses = [trainer.evaluate(*eval_loader.batch_at(i)) for i in range(num_batches)]
+    losses = [trainer.evaluate(*_args(eval_loader.batch_at(i))) for i in range(num_batches)]
     return float(np.mean(losses))
 
 
@@ -179,12 +184,22 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
     to this process."""
     model = generate.model_with(cfg, generate.trainer_params(trainer))
     t = cfg.train
-    return generate.continue_text(model, cfg, prompt, num_tokens, t.sample_temperature, t.sample_top_k, cfg.seed)[0]
+    return generate.continue_text(model, generate.tokenizer_of(cfg.run_dir), prompt, num_tokens, t.sample_temperature,
+                                  t.sample_top_k, cfg.seed)[0]
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
-    inputs, _ = loader.batch_at(0)
+    batch = loader.batch_at(0)
+    inputs = batch[0] if isinstance(batch, tuple) else batch["inputs"]
     return inputs[:len(inputs) // num_microbatches]
+
+
+def _first_micro(loader: data.Loader, rows: int) -> tuple:
+    """(inputs, targets) of the first batch's first `rows` rows; a batch dict's as (dict, None)."""
+    batch = loader.batch_at(0)
+    if isinstance(batch, tuple):
+        return tuple(part[:rows] for part in batch)
+    return {k: v[:rows] for k, v in batch.items()}, None
 
 
 def _should_eval(cfg: Config, step: int) -> bool:
@@ -197,10 +212,11 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     values. A run directory whose newest committed step has other values is refused
     (ConfigError listing the changed keys) unless allow_config_change; then both hashes
     are recorded."""
-    now = {"math_hash": cfg.math_hash(), "math": cfg.math()}
+    now = {"math_hash": cfg.math_hash(), "math": cfg.math(), **data_metadata(cfg)}
     store = CheckpointStore(cfg.run_dir)
     committed = store.committed() if Path(cfg.run_dir).is_dir() else []
     saved = store.manifest(committed[-1]) if committed else None
+    _check_data_unchanged(cfg, saved or {}, now, allow_config_change)
     if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
         return now
     changes = config_lib.math_changes(saved.get("math", {}), now["math"])
@@ -213,6 +229,36 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     print(f"resuming with a changed config (math hash {saved['math_hash']} -> "
           f"{now['math_hash']}): {'; '.join(changes)}")
     return {**now, "math_hash_before": saved["math_hash"]}
+
+
+def data_metadata(cfg: Config) -> dict:
+    """What every manifest records of the data beyond the config's values: the tokenizer's
+    content hash (a tokenizer other than bytes) and the tokenized corpus's (data.source=tokens).
+    Nothing for the byte tokenizer on the byte corpus or synthetic data."""
+    if cfg.data.source == "tokens":
+        from mpmd.recipes import grain_data
+        return grain_data.metadata(cfg)
+    if cfg.data.tokenizer != tokenizer_lib.BYTES:
+        return {"tokenizer_hash": tokenizer_lib.load(cfg.data.tokenizer).hash}
+    return {}
+
+
+def _check_data_unchanged(cfg: Config, saved: dict, now: dict, allow_config_change: bool) -> None:
+    """A checkpoint trained on another tokenizer or corpus (by content, whatever the paths) is
+    refused (ConfigError naming both hashes) unless allow_config_change."""
+    if "math_hash" not in saved:
+        return
+    changed = [f"{key} {saved.get(key, 'bytes' if key == 'tokenizer_hash' else None)} -> "
+               f"{now.get(key, 'bytes' if key == 'tokenizer_hash' else None)}"
+               for key in ("tokenizer_hash", "corpus_hash") if saved.get(key) != now.get(key)
+               and not (key == "tokenizer_hash" and {saved.get(key), now.get(key)} <= {None, "bytes"})]
+    if not changed:
+        return
+    if not allow_config_change:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained on other data ({'; '.join(changed)}): "
+                          f"the tokenizer or the tokenized corpus changed since; resume on the same ones, use "
+                          f"another run_dir, or pass --allow-config-change")
+    print(f"resuming on changed data: {'; '.join(changed)}")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -259,6 +305,8 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
+    if cfg.data.source == "tokens" or cfg.data.tokenizer != tokenizer_lib.BYTES:
+        print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
     check_layout(cfg, pipeline, optimizer)
     cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
@@ -278,15 +326,23 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
         raise
+    abandon = False
     try:
         run_dir = Path(cfg.run_dir)
         config_lib.dump(cfg, run_dir / "config.yaml")
-        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule, sample_input,
-                                     train_loader.batch_at(0)[1][:len(sample_input)], *source)
+        tok = tokenizer_lib.of_config(cfg)
+        tokenizer_lib.save_to_run(tok, run_dir)
+        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule,
+                                     *_first_micro(train_loader, len(sample_input)), *source,
+                                     tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size,
+                                                "eos_id": tok.eos_id})
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
+    except preempt.Preempted:
+        abandon = True    # out of time: what is in flight is dropped, the last commit stays
+        raise
     finally:
         try:
-            trainer.close()
+            trainer.close(abandon=abandon)
         finally:
             controller_log.close()
 
@@ -323,12 +379,14 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     traces: dict[int, list] = {}
     losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
     eval_loss = None
-    stop = _StopRequest()
+    stop = preempt.StopRequest(t.preempt_grace_s)
     # Steps sent to the slices and not yet logged, oldest first: up to train.run_ahead are
     # sent beyond the oldest (Trainer.submit), so a slice starts the next step as soon as it
     # is done with the current one; a step's metrics are logged only once it is collected.
     pending: collections.deque = collections.deque()
     logged_changes = 0     # trainer.layout_changes already in a metrics record
+    # step -> CRC-32 of its batch, logged with a tokens run's metrics: which data each step read.
+    digests: dict[int, int] | None = {} if cfg.data.source == "tokens" else None
     try:
         step = done = start_step      # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
@@ -338,8 +396,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 if (step < t.steps and not stop.requested and len(pending) <= trainer.run_ahead
                         and not (pending and _should_eval(cfg, pending[-1][0]))):
                     step += 1
-                    inputs, targets = train_loader.next()
-                    pending.append((step, trainer.submit(inputs, targets, trace=step in cfg.log.trace_steps,
+                    batch = train_loader.next()
+                    if digests is not None:
+                        digests[step] = batch_crc32(batch)
+                    pending.append((step, trainer.submit(*_args(batch), trace=step in cfg.log.trace_steps,
                                                          data_state=train_loader.state())))
                     continue
                 if not pending:
@@ -382,8 +442,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
-            # Not TensorBoard scalars: when it was logged, what happened before, peak bytes per slice.
+            # Not TensorBoard scalars: when it was logged, what happened before, the batch's CRC, peak bytes
+            # per slice.
             metrics_log.write(done, {**record, "time": time.time(), **marks,
+                                     **({"batch_crc32": digests.pop(done)} if digests is not None else {}),
                                      **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
             marks = {}
             for board in boards:
@@ -393,7 +455,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             progress.update(done, record)
         if stop.requested:
             progress.message(f"stopped by {stop.requested} after step {step}; checkpoint committed, "
-                             f"resume with the same command")
+                             f"resume with the same command"
+                             + (f" (exit code {preempt.PREEMPTED_EXIT})" if stop.preempted else ""))
         text = _final_sample(cfg, trainer, progress) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
@@ -404,13 +467,24 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             board.close()
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
-               "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput()}
+               "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput(),
+               "preempted": stop.preempted}
     summary["report"] = str(report_html.write(run_dir))
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
           f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}, "
           f"report {summary['report']}")
     print(goodput_line(summary["goodput"]))
     return summary
+
+
+def batch_crc32(batch) -> int:
+    """CRC-32 over a batch's arrays, key by key in sorted order (a pair as inputs, targets)."""
+    import zlib
+    arrays = batch if isinstance(batch, tuple) else [batch[k] for k in sorted(batch)]
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).tobytes(), crc)
+    return crc
 
 
 def _elastic_record(trainer: mpmd.Trainer, logged_changes: int) -> dict:
@@ -438,28 +512,7 @@ def goodput_line(g: dict) -> str:
 
 def _seek(loader: data.Loader, data_state) -> None:
     """Put the loader where a checkpoint says it stood (the start when nothing was saved)."""
-    loader.seek(data_state["position"] if data_state else 0)
-
-
-class _StopRequest:
-    """SIGTERM or Ctrl-C ask the loop to stop after the step in flight, so the final
-    checkpoint holds a whole step; a second Ctrl-C interrupts at once."""
-
-    def __init__(self):
-        self.requested = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    loader.restore(data_state)
 
 
 def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress):

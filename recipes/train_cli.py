@@ -83,12 +83,24 @@ def main(argv=None) -> int:
         _ensure_host_devices(cfg.num_devices)
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     from mpmd.runtime.wire.results import StepFailed
+    from mpmd.runtime.control.cluster import ClusterGone
+    from mpmd.recipes import preempt
     try:
-        train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
+        summary = train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
+    except preempt.Preempted as e:
+        from mpmd.runtime.worker.slice_store import CheckpointStore
+        committed = CheckpointStore(cfg.run_dir).committed()
+        kept = f"step {committed[-1]}" if committed else "none (the run starts over)"
+        print(f"stopped by SIGTERM: {e}; kept the last committed checkpoint, {kept}; resume with the same "
+              f"command (exit code {preempt.PREEMPTED_EXIT})", flush=True)
+        return preempt.PREEMPTED_EXIT
     except config.ConfigError as e:  # found while building (custom module, stage count, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (train.CheckpointError, train.NonFinite) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ClusterGone as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StepFailed as e:  # the worker's log has its traceback; XLA's messages may span lines
@@ -102,7 +114,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return preempt.PREEMPTED_EXIT if summary["preempted"] else 0
 
 
 if __name__ == "__main__":

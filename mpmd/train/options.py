@@ -65,7 +65,9 @@ class Recovery:
     """What a lost slice leads to. `on_loss`: replace = a new worker or stop; shrink = go on
     with the same stages on the survivors (back to every slice at a checkpoint once workers
     start again); auto = replace if one comes within `replace_timeout_s`, else shrink.
-    `max_restarts`: recoveries before the run gives up; `slice_memory_bytes`: the most bytes a
+    `max_restarts`: recoveries within any `restart_window_s` seconds before the run gives up
+    (recoveries older than the window stop counting, so a long run that recovers and trains on
+    is not charged for them forever; None = the whole run); `slice_memory_bytes`: the most bytes a
     layout on fewer slices may hold on one slice, None = not checked.
     `on_nonfinite`: a step whose loss or gradient norm is not finite is never committed, and
     then stop = the run ends (NonFinite names the step; the last committed step is kept);
@@ -74,6 +76,7 @@ class Recovery:
     on_loss: str = "auto"
     replace_timeout_s: float = 60.0
     max_restarts: int = 3
+    restart_window_s: float | None = 3600.0
     slice_memory_bytes: int | None = None
     on_nonfinite: str = "stop"
 
@@ -95,6 +98,12 @@ class Recovery:
         if not _is_int(self.max_restarts) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be a non-negative integer (recoveries before giving up), "
                              f"got {self.max_restarts!r}")
+        if self.restart_window_s is not None and (
+                not isinstance(self.restart_window_s, (int, float)) or isinstance(self.restart_window_s, bool)
+                or not 0 < self.restart_window_s < math.inf):
+            raise ValueError(f"restart_window_s must be a finite number of seconds > 0 (max_restarts counts the "
+                             f"recoveries within that many seconds) or None (the whole run), "
+                             f"got {self.restart_window_s!r}")
         if self.slice_memory_bytes is not None and (not _is_int(self.slice_memory_bytes)
                                                     or self.slice_memory_bytes < 1):
             raise ValueError(f"slice_memory_bytes must be a positive integer (the bytes a layout on fewer "

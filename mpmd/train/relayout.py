@@ -21,10 +21,11 @@ the step count is the dispatcher's (mpmd/train/dispatch.py), rewound after a res
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
-from mpmd.runtime.control.cluster import ReplaceUnsupported, WorkerLost
+from mpmd.runtime.control.cluster import ClusterGone, ReplaceUnsupported, WorkerLost
 from mpmd.schedules import core as schedules
 from mpmd.stages import costs as stage_costs
 from mpmd.stages import sharding
@@ -56,6 +57,7 @@ class RecoveryPolicy:
         self._cluster, self._programs, self._checkpointer, self._steps = cluster, programs, checkpointer, steps
         self.configured = configured
         self.restarts = 0                  # recoveries so far
+        self._restart_times: collections.deque = collections.deque()   # when recoveries ended (monotonic s)
         self.recovery_s: dict = {}         # how the last recovery went (Trainer.recovery_s)
         self.changes: list[dict] = []      # one record per move, oldest first
         self._estimates = None             # (stage costs, per-stage bytes) for pricing layouts
@@ -73,6 +75,14 @@ class RecoveryPolicy:
         return self._programs.num_slices < self.configured[0].num_slices
 
     # -- recovery ------------------------------------------------------------------------------
+    def _recent_restarts(self) -> int:
+        """Recoveries that ended within the last restart_window_s seconds (all of them when None):
+        an older one no longer counts against max_restarts."""
+        now, window = time.monotonic(), self.options.restart_window_s
+        while window is not None and self._restart_times and now - self._restart_times[0] > window:
+            self._restart_times.popleft()
+        return len(self._restart_times)
+
     def recover(self, lost: WorkerLost, failed_since: float):
         """Replace the lost slice, or go on without it (on_loss), restore every slice from the
         newest state saved, rewind the step count and raise Rewound. `failed_since`: when the
@@ -86,9 +96,13 @@ class RecoveryPolicy:
             self.restarts += 1
             last = self._checkpointer.latest()
             committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
-            if self.restarts > self.options.max_restarts:
-                raise RuntimeError(f"{lost}; giving up after {self.restarts - 1} recoveries (max_restarts="
-                                   f"{self.options.max_restarts}); {committed}") from lost
+            recent = self._recent_restarts()
+            if recent >= self.options.max_restarts:
+                window = self.options.restart_window_s
+                within = "in the whole run" if window is None else f"within {window:g} s"
+                raise RuntimeError(f"{lost}; giving up after {recent} recoveries {within} "
+                                   f"(max_restarts={self.options.max_restarts}, restart_window_s={window}); "
+                                   f"{committed}") from lost
             self._checkpointer.wait()
             try:
                 t1 = time.perf_counter()
@@ -107,6 +121,9 @@ class RecoveryPolicy:
                 break
             except WorkerLost as again:      # another slice went while replacing or restoring
                 lost = again
+                self._lost["failures"] += 1  # a worker lost of its own, for goodput
+            finally:
+                self._restart_times.append(time.monotonic())
         attempted = self._steps.attempted
         replayed = attempted - step
         self._replays(attempted)
@@ -201,22 +218,28 @@ class RecoveryPolicy:
         on_loss, timeout_s = self.options.on_loss, float(self.options.replace_timeout_s)
         if on_loss == "shrink":
             return False
-        deadline = time.monotonic() + timeout_s
+        # Waiting helps only where capacity may come (Ray, a shared cluster): not where none
+        # can (max_workers spent, no spare left), nor while the run is already short of a
+        # slice it found no worker for, so a second loss then shrinks again at once.
+        t0 = time.monotonic()
+        deadline, wait = t0 + timeout_s, not self.narrow
         while True:
             try:
                 self._cluster.replace(lost.slice_index)
                 return True
+            except ClusterGone as e:
+                raise ClusterGone(f"{e}; {committed}") from lost
             except ReplaceUnsupported as e:
                 why = e
             finally:
                 self._checkpointer.replaced(lost.slice_index)
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or not (wait and why.retry):
                 break
             time.sleep(min(REPLACE_POLL_S, left))
         if on_loss == "replace":
-            raise RuntimeError(f"{lost}; cannot replace it (on_loss='replace', waited replace_timeout_s="
-                               f"{timeout_s:g}): {why}; {committed}") from lost
+            raise RuntimeError(f"{lost}; cannot replace it (on_loss='replace', waited {time.monotonic() - t0:.0f} s "
+                               f"of replace_timeout_s={timeout_s:g}): {why}; {committed}") from lost
         log.warning("slice %d not replaced: %s", lost.slice_index, why)
         return False
 

@@ -283,17 +283,23 @@ class Trainer:
         return self.recovery.goodput()
 
     # -- closing -----------------------------------------------------------------------------
-    def close(self, close_cluster: bool = True) -> None:
+    def close(self, close_cluster: bool = True, abandon: bool = False) -> None:
         """Release the slices; with close_cluster=False the cluster's workers stay up for the
         next Trainer (its state is dropped when that Trainer starts it). A checkpoint still
-        being written is committed first."""
+        being written is committed first, unless `abandon`: then the steps in flight and a
+        save not yet committed are dropped without waiting (a preempted run out of time; the
+        run keeps its last commit)."""
         if not self._closed:
             try:
-                self.dispatcher.collect_all()    # a step sent is a step done: its update and checkpoint land
+                if abandon:
+                    self.dispatcher.discard()
+                else:
+                    self.dispatcher.collect_all()    # a step sent is a step done: its update and checkpoint land
             except Exception:          # closing after a failure: nothing left to collect
                 self.dispatcher.discard()
             self._closed = True
-            self.checkpointer.wait()
+            if not abandon:
+                self.checkpointer.wait()
             if close_cluster:
                 self.cluster.close()
 

@@ -38,11 +38,23 @@ class ModelSection(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["stdlib", "files", "synthetic"] = Field(
-        "stdlib", description="stdlib = this Python's own .py files as bytes; no download")
+    source: Literal["stdlib", "files", "synthetic", "tokens"] = Field(
+        "stdlib", description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
+                              "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline")
     paths: list[str] = Field([], description="files source: file paths, directories or globs")
+    path: str | None = Field(
+        None, description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards)")
+    tokenizer: str = Field(
+        "bytes", description="bytes = one token per UTF-8 byte; or a Hugging Face tokenizer.json (or its "
+                             "directory): model.vocab_size then follows it unless given. The tokens source "
+                             "uses its corpus's tokenizer (a tokenizer given must be the same)")
+    pack: bool = Field(
+        False, description="tokens source: pack whole documents into rows of model.seq_len (Grain's first-fit "
+                           "packing) with segment_ids and positions, the loss over real tokens only; false = "
+                           "windows of the concatenated documents")
     eval_fraction: float = Field(
-        0.05, gt=0, lt=1, description="last fraction of the byte corpus held out for eval")
+        0.05, gt=0, lt=1, description="last fraction of the corpus held out for eval (of its bytes or "
+                                     "tokens; of a tokens corpus's windows, or with data.pack its pieces)")
     max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
 
 
@@ -66,6 +78,11 @@ class TrainConfig(_Section):
                             "kept); rewind = restore the last committed step and go on, once per step "
                             "(skip is refused: the update is applied on the slices before the loss is known)",
         json_schema_extra={"one_of": "on_nonfinite"})
+    preempt_grace_s: float = Field(
+        30.0, ge=12, description="after a SIGTERM (a scheduler's preemption) the run exits within this many "
+                                 "seconds, exit code 143: it collects the steps in flight and commits a "
+                                 "checkpoint, and when that has not finished 10 s before the end it keeps the "
+                                 "last commit instead (those 10 s stop the workers)")
 
     @model_validator(mode="after")
     def _nonfinite_rules(self):
@@ -138,6 +155,12 @@ class ClusterSection(_Section):
         json_schema_extra={"one_of": "on_loss"})
     replace_timeout_s: float = Field(
         60.0, description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
+    max_restarts: int = Field(
+        3, ge=0, description="recoveries from lost workers within any restart_window_s seconds before the run "
+                             "gives up (the message names both keys and the last committed step)")
+    restart_window_s: float | None = Field(
+        3600.0, gt=0, description="the window max_restarts counts in: recoveries older than this many seconds "
+                                  "stop counting, so a long run is not charged for them forever; null = the whole run")
     slice_memory_bytes: int | None = Field(
         None, description="bytes a layout on fewer slices may hold on one slice (parameters, "
                           "gradients, optimizer state, saved activations); null = not checked")
@@ -146,6 +169,7 @@ class ClusterSection(_Section):
         """The Trainer's mpmd.Recovery record of these keys (and train.on_nonfinite)."""
         from mpmd.train.options import Recovery
         return Recovery(on_loss=self.on_loss, replace_timeout_s=self.replace_timeout_s,
+                        max_restarts=self.max_restarts, restart_window_s=self.restart_window_s,
                         slice_memory_bytes=self.slice_memory_bytes, on_nonfinite=on_nonfinite)
 
     @model_validator(mode="after")
@@ -379,6 +403,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_check(self) -> "Config":
+        from mpmd.recipes import tokenizer      # imports the config schema: not at the top
+        tokenizer.resolve_vocab_size(self)     # before the checks that read model.vocab_size
         found = problems.cross_field_problems(self)
         if found:
             raise ValueError("\n".join(found))
@@ -401,13 +427,19 @@ def _flatten(values: dict, prefix: str) -> dict[str, Any]:
 def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'key: saved -> now' for every math key whose value differs. A model key only one side
     has, at the default of a family that has it, is no change (a manifest from before the
-    model section was per family records every family's keys)."""
+    model section was per family records every family's keys); nor is a key of another section
+    only one side has, at its default (a manifest from before the key existed)."""
     def same(k):
         if k in saved and k in now:
             return saved[k] == now[k]
         section, _, name = k.partition(".")
         one = saved if k in saved else now
-        return section in VARIANTS and "." not in name and default_elsewhere(section, name, one[k])
+        if section in VARIANTS:
+            return "." not in name and default_elsewhere(section, name, one[k])
+        # A key added to a section since (data.tokenizer), at its default, changes nothing.
+        fields = getattr(Config.model_fields.get(section), "annotation", None)
+        field = getattr(fields, "model_fields", {}).get(name)
+        return field is not None and field.default == one[k]
     return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
             for k in sorted(set(saved) | set(now)) if not same(k)]
 

@@ -169,7 +169,7 @@ class ControlPlane(RunDispatch):
                 before_reset()
         except WorkerError as e:
             c.close()
-            raise ReplaceUnsupported(f"the new worker for slot {slot} did not answer: {e}") from None
+            raise ReplaceUnsupported(f"the new worker for slot {slot} did not answer: {e}", retry=True) from None
         except BaseException:
             c.close()
             raise
@@ -197,7 +197,12 @@ class ControlPlane(RunDispatch):
             host = self._transfer_host or m.address.rpartition(":")[0].strip("[]")
             setup = verbs.Setup(i, host, self._transfer_secret, self._meshes[i] if self._meshes is not None else None)
             futs.append((m, send(m, setup)))
-        addresses = [receive(m, "Setup", f)[0].transfer_address for m, f in futs]
+        try:
+            addresses = [receive(m, "Setup", f)[0].transfer_address for m, f in futs]
+        except WorkerError as e:   # a survivor gone while the slices are set up again (a shrink)
+            if e.code in GONE:
+                raise WorkerLost(i, e.address, str(e)) from None
+            raise
         return addresses[0] if not isinstance(c, GangClient) else addresses
 
     def _beat(self) -> None:

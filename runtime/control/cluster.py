@@ -51,7 +51,19 @@ class WorkerLost(RuntimeError):
 
 class ReplaceUnsupported(RuntimeError):
     """This cluster cannot put a new worker in a lost slice's place (an in-process slice, or
-    a StaticCluster with no spare address left). The message says why."""
+    a StaticCluster with no spare address left). The message says why. `retry`: whether
+    asking again soon may give one (Ray or a shared cluster out of capacity now) or not (a
+    LocalCluster's max_workers spent, no spare address left): the Trainer waits up to
+    replace_timeout_s only for the first."""
+
+    def __init__(self, message: str, retry: bool = False):
+        super().__init__(message)
+        self.retry = retry
+
+
+class ClusterGone(RuntimeError):
+    """The cluster itself is gone (a shared cluster shut down by `mpmd cluster down`): no
+    worker will come again, so a lost slice ends the run rather than waiting or shrinking."""
 
 
 class Discarded(RuntimeError):

@@ -219,7 +219,7 @@ class RayLauncher:
             # going on without the slice (cluster.on_loss) rather than by stopping. The actor
             # asked for must not start later and serve nobody.
             ray.kill(actor, no_restart=True)
-            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}") from None
+            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}", retry=True) from None
         self.actors[slot], self.addresses[slot], self.pids[slot] = actor, address, pid
         return address
 
@@ -309,7 +309,7 @@ class RayLauncher:
         try:
             self._start_gang(ray, slot)
         except RuntimeError as e:
-            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}") from None
+            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}", retry=True) from None
         return self.addresses[slot]
 
     def _new_actor(self, ray, slot: int, gang=None):

@@ -26,7 +26,7 @@ from mpmd.runtime.worker import mesh
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import WorkerClient, WorkerError, call
-from mpmd.runtime.control.cluster import ReplaceUnsupported
+from mpmd.runtime.control.cluster import ClusterGone, ReplaceUnsupported
 
 MANAGER_SERVICE = verbs.MANAGER_SERVICE   # the manager's (runtime/manager/core.py); its verbs: verbs.MANAGER_VERBS
 DEFAULT_CLUSTER_FILE = "mpmd-cluster.json"
@@ -65,7 +65,8 @@ class SharedLauncher:
     default); on_wait(position): called while queued, whenever the position changes."""
 
     def __init__(self, address: str, submit_token: str, *, name: str = "job", share: bool = False,
-                 lease_s: float | None = None, on_wait=None, wait_timeout_s: float | None = None):
+                 lease_s: float | None = None, on_wait=None, wait_timeout_s: float | None = None,
+                 cluster_file: str | None = None):
         if not isinstance(address, str) or not address.rpartition(":")[2].isdigit():
             raise ValueError(f"address must be the manager's 'host:port', got {address!r}")
         if lease_s is not None and (not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool)
@@ -78,6 +79,7 @@ class SharedLauncher:
         self.on_wait = on_wait or (lambda position: log.info("waiting for the shared cluster: position %d in "
                                                              "its queue", position))
         self.wait_timeout_s = wait_timeout_s
+        self.cluster_file = cluster_file         # its removal means the cluster is down for good
         self.addresses: list[str] = []
         self.devices: list[int] | None = None    # devices of each slice's mesh (None: all of a worker's)
         self.job: str | None = None
@@ -149,10 +151,16 @@ class SharedLauncher:
                 failing_since = None
 
     def replace(self, slot: int) -> str:
+        """ClusterGone once the manager says it is going down, or once it does not answer and
+        the cluster file is gone (`mpmd cluster down` removes it last); ReplaceUnsupported,
+        worth asking again, for a manager away for another reason (it may be restarted)."""
         try:
             address = call(self._manager, verbs.Replace(self.job, slot), timeout_s=120.0)[0].address
         except WorkerError as e:
-            raise ReplaceUnsupported(f"the shared cluster gave no worker for slot {slot}: {e}") from None
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION or (
+                    self.cluster_file is not None and not os.path.exists(self.cluster_file)):
+                raise ClusterGone("the shared cluster was shut down") from None
+            raise ReplaceUnsupported(f"the shared cluster gave no worker for slot {slot}: {e}", retry=True) from None
         self.addresses[slot] = address
         return address
 
@@ -185,7 +193,8 @@ class SharedCluster(ControlPlane):
             address, submit_token = data["manager"], data["submit_token"]
         if address is None or not submit_token:
             raise ValueError("SharedCluster needs the manager's address and the submit token (or cluster_file)")
-        launcher = SharedLauncher(address, submit_token, name=name, share=share, lease_s=lease_s, on_wait=on_wait)
+        launcher = SharedLauncher(address, submit_token, name=name, share=share, lease_s=lease_s, on_wait=on_wait,
+                                  cluster_file=cluster_file and os.path.abspath(cluster_file))
         # The token is the job's credential, known once the manager accepted the job.
         super().__init__(launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
 

@@ -66,7 +66,7 @@ SERVICE = verbs.MANAGER_SERVICE
 HEALTH_S = 1.0            # workers are probed (Sessions) this often
 UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
 RPC_TIMEOUT_S = 5.0
-MAX_LEASE_S = 3600.0
+MAX_LEASE_S = 60.0        # default --max-lease-s: a silent job holds workers at most this long
 KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
 # Who may call what (the table's caller): "submit" (submit or cluster token), "job" (a job
 # credential, on that job only), "admin" (the cluster token).
@@ -105,13 +105,22 @@ class Job:
     last_seen: float = field(default_factory=time.monotonic, repr=False)
 
 
+class ShuttingDown(RuntimeError):
+    """The cluster is going down (`mpmd cluster down`): no job is leased or given a worker."""
+
+
+def _nested(a: str, b: str) -> bool:
+    """Whether resolved directory `a` is `b` or lies inside it, or the other way round."""
+    return os.path.commonpath([a, b]) in (a, b)
+
+
 class Manager:
     def __init__(self, pool: WorkerPool, *, cluster_token: str, submit_token: str, journal: str,
-                 lease_s: float = 10.0):
+                 lease_s: float = 10.0, max_lease_s: float = MAX_LEASE_S):
         self.pool = pool
         self.cluster_token, self._submit_token = cluster_token, submit_token
         self._journal = journal
-        self.lease_s = lease_s
+        self.lease_s, self.max_lease_s = lease_s, max_lease_s
         self.jobs: dict[str, Job] = {}
         self.queue: list[str] = []                # job ids, FIFO
         self.health: dict[int, dict] = {}         # per slot: last Sessions reply, health, since
@@ -132,8 +141,9 @@ class Manager:
         if os.path.commonpath([real, self.pool.root]) != self.pool.root:
             raise ValueError(f"'root' {root} is not below the cluster root {self.pool.root}: the workers save "
                              f"and restore only there; put the run_dir below it")
-        if not isinstance(lease_s, (int, float)) or not 0 < lease_s <= MAX_LEASE_S:
-            raise ValueError(f"'lease_s' must be a number of seconds in (0, {MAX_LEASE_S:g}], got {lease_s!r}")
+        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not 0 < lease_s <= self.max_lease_s:
+            raise ValueError(f"'lease_s' must be a number of seconds in (0, {self.max_lease_s:g}] (the cluster's "
+                             f"--max-lease-s: a silent job holds its workers at most that long), got {lease_s!r}")
         d = self.pool.devices_per_worker
         if devices is not None and devices != [d]:
             raise ValueError(f"the job's slices have {devices} device(s) each (cluster.devices_per_worker, "
@@ -141,6 +151,16 @@ class Manager:
                              f"cluster.devices_per_worker={d}")
         stem = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:48] or "job"
         with self._lock:
+            if self.stopping.is_set():
+                raise ShuttingDown("the shared cluster is shutting down (mpmd cluster down): no job is taken")
+            # Checked here against every live job, on whichever workers it runs, and not only by
+            # each worker against the sessions it holds: two jobs on different workers must not
+            # read or write each other's checkpoints either (the root is resolved: a symlink
+            # into another job's run_dir is that run_dir).
+            for other in self.jobs.values():
+                if other.state in ("queued", "leased") and _nested(real, other.root):
+                    raise ValueError(f"'root' {real} overlaps job {other.id}'s root {other.root} ({other.name!r:.60}): "
+                                     f"give each job a run_dir of its own, neither inside the other")
             job = Job(id=credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), name=str(name)[:200],
                       slices=slices, share=bool(share), root=real, lease_s=float(lease_s))
             self.jobs[job.id] = job
@@ -187,6 +207,9 @@ class Manager:
         if not isinstance(slot, int) or not 0 <= slot < len(job.workers):
             raise ValueError(f"'slot' must be 0..{len(job.workers) - 1} (the job's slices), got {slot!r}")
         with self._lock:
+            if self.stopping.is_set():     # down() stops the workers: none may start after that
+                raise ShuttingDown("the shared cluster was shut down (mpmd cluster down): no worker replaces "
+                                   f"slot {slot}'s")
             p = job.workers[slot]
             w = self.pool.workers[p]
             if not w.alive() or not self._answers(p):
@@ -253,6 +276,8 @@ class Manager:
             return False
 
     def _restart(self, slot: int, why: str) -> None:
+        if self.stopping.is_set():
+            return
         old = self.pool.workers[slot]
         log.warning("worker %d (pid %d, %s) %s: restarting it", slot, old.pid, old.address, why)
         w = self.pool.restart(slot)
@@ -419,7 +444,10 @@ class Manager:
         return verbs.ReplaceReply(self.replace(job, r.slot))
 
     def down(self) -> None:
-        """Stop every worker (by pid), then this process."""
+        """Stop every worker (by pid), then this process. `stopping` is set first: the
+        background round ends, and Submit and Replace are refused (a job's Replace after this
+        would start a worker nobody stops); a Replace already under the lock finishes first,
+        and pool.stop then stops its worker too."""
         log.warning("cluster going down")
         self.stopping.set()
         with self._lock:
@@ -458,6 +486,8 @@ class _Handler(grpc.GenericRpcHandler):
                 return wire.encode(verbs.encode(self._m.handle(name, who, r)), [])
             except UnknownJob as e:
                 context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+            except ShuttingDown as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except PermissionError as e:
                 log.warning("refused %s from %s: %s", name, context.peer(), e)
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
@@ -519,6 +549,7 @@ def main(argv=None) -> int:
     p.add_argument("--devices-per-worker", type=int, default=1)
     p.add_argument("--root", default=None)
     p.add_argument("--lease-s", type=float, default=10.0)
+    p.add_argument("--max-lease-s", type=float, default=MAX_LEASE_S)
     p.add_argument("--compile-cache-mb", type=int, default=None)
     p.add_argument("--rejoin", action="store_true", help="take over the workers of the cluster file")
     p.add_argument("--backend", default="local", choices=tuple(POOLS), help="where the workers run")
@@ -541,7 +572,8 @@ def main(argv=None) -> int:
     else:
         pool = POOLS[args.backend].start(args, token_file, cluster_token)
     manager = Manager(pool, cluster_token=cluster_token, submit_token=submit_token,
-                      journal=os.path.join(args.dir, "jobs.json"), lease_s=args.lease_s)
+                      journal=os.path.join(args.dir, "jobs.json"), lease_s=args.lease_s,
+                      max_lease_s=args.max_lease_s)
     manager.cluster_file = args.file
     if args.rejoin:
         manager.rebuild()

@@ -47,7 +47,7 @@ def test_the_restored_model_has_the_workers_eval_loss_sampling_is_seeded_and_ste
     want = [r["eval_loss"] for r in run_log.read(run_dir) if r["step"] == STEPS][0]
     assert step == STEPS and np.mean(losses) == pytest.approx(want, rel=1e-5)
     # Sampling is seeded: the same seed draws the same text, another seed another.
-    draw = lambda seed: generate.continue_text(model, cfg, PROMPT, NEW, 1.0, 20, seed)
+    draw = lambda seed: generate.continue_text(model, generate.tokenizer_of(str(run_dir)), PROMPT, NEW, 1.0, 20, seed)
     assert draw(3) == draw(3) != draw(4) and draw(3)[1] == NEW
     _, older_step, older = generate.load_run(str(run_dir), 2)
     assert older_step == 2
@@ -92,4 +92,4 @@ def test_a_tied_llama_with_dropout_generates_its_end_of_run_sample(tmp_path):
     cfg, _, model = generate.load_run(str(run_dir))
     assert model.head.table is model.embed.token.embedding
     # Bytes: a random model's text holds carriage returns, which read_text would translate.
-    assert generate.continue_text(model, cfg, PROMPT, NEW, 0.0)[0].encode() == (run_dir / "sample.txt").read_bytes()
+    assert generate.continue_text(model, generate.tokenizer_of(str(run_dir)), PROMPT, NEW, 0.0)[0].encode() == (run_dir / "sample.txt").read_bytes()

@@ -4,7 +4,9 @@ They must train exactly like the in-process cluster; an actor killed under a run
 must be noticed (by the failed RPC at once, by the heartbeat when idle) and replaced by a
 new actor in its slot, after which training goes on exactly as if nothing had happened.
 """
+import os
 import re
+import signal
 import sys
 import time
 
@@ -102,6 +104,25 @@ def test_killed_actors_are_detected_and_replaced(cluster, inprocess):
         assert cluster.lost_slice() is None
 
         # Two new actors later, training from the start is exactly the uninterrupted run.
+        assert_same(train_steps(trainer, data), inprocess)
+    finally:
+        trainer.close(close_cluster=False)
+
+
+def test_a_sigtermed_actor_is_a_lost_worker(cluster, inprocess):
+    """An actor's process sent SIGTERM (Ray's own stop, a node drained, a spot VM reclaimed)
+    is a lost worker, as a SIGKILLed one: replaced by a new actor, and training from the start
+    is exactly the uninterrupted run."""
+    trainer = make_trainer(cluster)
+    data = batches()
+    try:
+        trainer.step(*data[0])
+        address, pid = cluster.addresses[1], cluster.pids[1]
+        os.kill(pid, signal.SIGTERM)
+        assert wait_gone([pid]) == []
+        with pytest.raises(mpmd.Rewound, match=rf"slice 1 \(worker {re.escape(address)}\) lost"):
+            trainer.step(*data[1])
+        assert cluster.pids[1] != pid and alive(cluster.pids[1])
         assert_same(train_steps(trainer, data), inprocess)
     finally:
         trainer.close(close_cluster=False)

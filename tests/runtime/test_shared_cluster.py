@@ -153,7 +153,7 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     """x holds both workers; y queues at position 1 (printed). The manager is SIGKILLed and
     started again from the cluster file: it rebuilds x's lease and y's place from its workers
     and journal, and x goes on, even through the loss of a worker (SIGKILL), which the new
-    manager restarts for it. y starts only once x (SIGTERMed: it checkpoints and exits 0) has
+    manager restarts for it. y starts only once x (SIGTERMed: it checkpoints and exits 143) has
     released the workers."""
     first = shared.job("x", "train.steps=100000", "checkpoint.every=5", share=False)
     first.wait_for_step(1)
@@ -176,7 +176,8 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     shared.wait_for(lambda s: s["workers"][1]["pid"] != lost and s["workers"][1]["health"] == "ok")
     first.wait_for_step(len(run_log.read(shared.tmp / "x")) + 2)
     first.proc.send_signal(signal.SIGTERM)
-    assert "recovered from slice 1" in first.succeed()
+    rc, out = first.finish()
+    assert rc == 143 and "recovered from slice 1" in out, out
     second.succeed()
     assert "waiting for the shared cluster: position 1 in its queue" in second.stderr_path.read_text()
     jobs = {j["name"]: j for j in shared.status()["jobs"]}
@@ -268,6 +269,32 @@ def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
     assert not [j for j in shared.status()["jobs"] if j["state"] in ("queued", "leased")]
 
 
+def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refused_at_submit(shared, tmp_path):
+    """The manager checks a job's root against every live job's, whichever workers they are
+    on and through symlinks: a run_dir that is a symlink into another job's checkpoints is
+    refused at Submit, and `mpmd train` says why in one line. A lease longer than the
+    cluster's --max-lease-s (60 s by default) is refused, naming the bound."""
+    saved = json.loads(shared.file.read_text())
+    holder = SharedLauncher(saved["manager"], saved["submit_token"], name="holder")
+    holder.start(1, str(shared.tmp / "holder"))
+    try:
+        (shared.tmp / "holder" / "checkpoints").mkdir(parents=True)
+        link = shared.tmp / "link"
+        link.symlink_to(shared.tmp / "holder" / "checkpoints")
+        with pytest.raises(JobRefused, match=rf"'root' {shared.tmp}/holder/checkpoints overlaps job {holder.job}'s root"):
+            SharedLauncher(saved["manager"], saved["submit_token"]).start(1, str(link))
+        job = Controller(link, [*JOB, f"cluster.file={shared.file}"])
+        rc, _ = job.finish()
+        err = job.stderr_path.read_text().strip().splitlines()
+        assert rc == 2 and len(err) == 1 and f"overlaps job {holder.job}'s root" in err[0], err
+        with pytest.raises(JobRefused, match=r"'lease_s' must be a number of seconds in \(0, 60\] \(the cluster's "
+                                             r"--max-lease-s"):
+            SharedLauncher(saved["manager"], saved["submit_token"], lease_s=3600).start(1, str(shared.tmp / "long"))
+    finally:
+        holder.stop()
+    assert not [j for j in shared.status()["jobs"] if j["state"] in ("queued", "leased")]
+
+
 def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(shared):
     """The cluster file (0600) holds the submit token, not the cluster token; a job's
     credential may not stop the cluster nor touch another job."""
@@ -286,14 +313,31 @@ def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(
     assert all(alive(p) for p in shared.pids())
 
 
-def test_down_leaves_no_process(shared):
-    pids = shared.pids()
-    assert all(alive(p) for p in pids) and set(pids) <= set(processes_tagged(TAG, "module"))
-    out = cluster("down", "--file", shared.file)
-    assert out.returncode == 0, out.stderr
-    assert wait_gone(pids, 5.0) == []
-    assert wait_gone(processes_tagged(TAG, "module"), 5.0) == []
-    assert not shared.file.exists()
+def test_down_while_a_job_trains_ends_the_job_in_one_line_and_leaves_no_process(shared):
+    """`mpmd cluster down` under a training job: the manager refuses the job's Replace for
+    the workers it stops, so no new worker starts; `down` returns once every process is
+    gone and only then removes the cluster file; the job ends within seconds with one line
+    naming its last committed step."""
+    job = shared.job("d", "train.steps=100000", "checkpoint.every=2", share=False)
+    try:
+        job.wait_for_step(3)
+        job.wait_for_commit()
+        pids = shared.pids()
+        assert all(alive(p) for p in pids) and set(pids) <= set(processes_tagged(TAG, "module"))
+        out = cluster("down", "--file", shared.file)
+        assert out.returncode == 0, out.stderr
+        assert wait_gone(pids, 5.0) == []
+        assert wait_gone(processes_tagged(TAG, "module"), 5.0) == []
+        assert not shared.file.exists()
+        rc, _ = job.finish(timeout_s=30)
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    from mpmd.runtime.worker.slice_store import CheckpointStore
+    last = CheckpointStore(shared.tmp / "d").committed()[-1]
+    err = job.stderr_path.read_text().strip().splitlines()
+    assert rc == 1 and err[-1] == (f"error: the shared cluster was shut down; last committed checkpoint: "
+                                   f"step {last}"), err[-5:]
 
 
 def test_a_ray_backed_cluster_leases_its_actors_and_down_leaves_no_process(tmp_path):

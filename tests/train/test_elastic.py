@@ -212,3 +212,39 @@ def test_inprocess_cluster_remove_and_add_renumber_fresh_slices():
             cluster.add()
     finally:
         cluster.close()
+
+
+@pytest.mark.slow
+def test_a_second_loss_without_replacement_shrinks_again_at_once(uninterrupted4, tmp_path):
+    """4 slices, max_workers=4, on_loss=auto with the default 60 s replace timeout: slice 1's
+    worker SIGKILLed before step 4, and another as the survivors are being set up on 3
+    slices. Neither waits for a replacement that cannot come (max_workers spent), and the
+    second, found by the shrink's own Setup, is a lost worker like the first: the run shrinks
+    to 2 slices at once and ends with the uninterrupted 4-slice run's losses and parameters;
+    goodput books two workers lost."""
+    second = []
+
+    def fault(i, trainer):
+        if i == 3 and not fault.fired:
+            trainer.checkpoints.wait()
+            cluster = trainer.cluster
+            fault.fired.append(cluster.pids[1])
+            remove = cluster.remove
+
+            def killing_remove(*args, **kw):   # the next loss lands in the middle of the first's shrink
+                if not second:
+                    second.append(cluster.pids[2])
+                    os.kill(second[0], signal.SIGKILL)
+                    wait_gone(second)
+                return remove(*args, **kw)
+            cluster.remove = killing_remove
+            os.kill(fault.fired[0], signal.SIGKILL)
+    fault.fired = []
+    got = run_with_fault(tmp_path, fault, max_workers=4, trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="auto")))
+    trainer = run_with_fault.trainer
+    assert second and wait_gone(second) == []
+    assert_close_run(got, uninterrupted4)
+    assert trainer.num_slices == 2, trainer.layout_changes
+    goodput = trainer.goodput()
+    assert goodput["failures"] == 2, goodput
+    assert goodput["replace_s"] < 10, f"waited for a replacement that could not come: {goodput}"

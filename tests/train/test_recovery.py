@@ -192,6 +192,16 @@ def test_worker_sigstopped_is_declared_lost(uninterrupted, workers, tmp_path):
     assert_same_run((losses, params), uninterrupted)
 
 
+def test_worker_sigtermed_is_a_lost_worker(uninterrupted, workers, tmp_path):
+    """A worker's own preemption notice (SIGTERM, as a scheduler sends the host's processes)
+    ends it like a SIGKILL would, from the controller's view: the slice is lost, replaced and
+    restored, and the run ends as the uninterrupted one."""
+    fault = kill_once(3, signal.SIGTERM)
+    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
+    assert rewinds == 1 and "slice 1" in train.rewound[0], train.rewound
+    assert_same_run((losses, params), uninterrupted)
+
+
 def test_newest_checkpoint_damaged_falls_back(uninterrupted, workers, tmp_path, caplog):
     """Resume with the newest step truncated, then with a stage directory deleted: each time
     the previous committed step is used, with a warning naming the damaged one."""
@@ -229,6 +239,38 @@ class _Stop(Exception):
     pass
 
 
+def test_restart_budget_counts_only_recoveries_within_its_window(tmp_path):
+    """max_restarts=1 per restart_window_s: a loss once the window has passed since the last
+    recovery ended is recovered (that one no longer counts); one right after a recovery is one
+    too many."""
+    window_s = 3.0
+    cluster = mpmd.LocalCluster()
+    trainer = make_trainer(cluster, tmp_path, recovery=mpmd.Recovery(max_restarts=1, restart_window_s=window_s))
+    try:
+        batches = data()
+        trainer.step(batches[0], batches[0])
+        trainer.step(batches[1], batches[1], data_state={"i": 2})
+        trainer.checkpoints.wait()
+        for k in (1, 2):   # each loss recovered: the one before it fell out of the window
+            os.kill(cluster.pids[1], signal.SIGKILL)
+            with pytest.raises(mpmd.Rewound):
+                trainer.step(batches[2], batches[2])
+            time.sleep(window_s + 0.5)
+            assert trainer.restarts == k
+        trainer.step(batches[2], batches[2])
+        os.kill(cluster.pids[1], signal.SIGKILL)
+        with pytest.raises(mpmd.Rewound):
+            trainer.step(batches[3], batches[3])
+        os.kill(cluster.pids[1], signal.SIGKILL)   # within the window of the last recovery
+        with pytest.raises(RuntimeError, match=r"giving up after 1 recoveries within 3 s "
+                                               r"\(max_restarts=1, restart_window_s=3.0\); last committed"):
+            trainer.step(batches[3], batches[3])
+    finally:
+        pids = list(cluster.pids)
+        trainer.close()
+    assert wait_gone(pids) == []
+
+
 def test_gives_up_after_max_restarts(tmp_path):
     cluster = mpmd.LocalCluster()
     trainer = make_trainer(cluster, tmp_path, recovery=mpmd.Recovery(max_restarts=0))
@@ -240,6 +282,29 @@ def test_gives_up_after_max_restarts(tmp_path):
         os.kill(cluster.pids[1], signal.SIGKILL)
         with pytest.raises(RuntimeError, match=r"slice 1 .* lost.*giving up after 0 recoveries.*last committed checkpoint: step 2"):
             trainer.step(batches[2], batches[2])
+    finally:
+        pids = list(cluster.pids)
+        trainer.close()
+    assert wait_gone(pids) == []
+
+
+def test_goodput_counts_each_worker_lost_when_two_go_at_once(tmp_path):
+    """Both workers killed together: one loss is declared, the other is found while the first
+    is replaced or restored; goodput books two workers lost and the run goes on."""
+    cluster = mpmd.LocalCluster()
+    trainer = make_trainer(cluster, tmp_path)
+    try:
+        batches = data()
+        trainer.step(batches[0], batches[0])
+        trainer.step(batches[1], batches[1], data_state={"i": 2})
+        trainer.checkpoints.wait()
+        for pid in list(cluster.pids):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(mpmd.Rewound):
+            trainer.step(batches[2], batches[2])
+        assert trainer.goodput()["failures"] == 2
+        assert trainer.restarts == 2
+        trainer.step(batches[2], batches[2])
     finally:
         pids = list(cluster.pids)
         trainer.close()

@@ -74,7 +74,9 @@ def test_a_non_record_option_is_a_value_error_naming_the_record(kw, allowed):
     (lambda: mpmd.Checkpointing(max_failed_saves=-1), "max_failed_saves must be a non-negative integer"),
     (lambda: mpmd.Checkpointing(memory_every=True), "memory_every must be a non-negative integer"),
     (lambda: mpmd.Checkpointing(metadata=[1]), "metadata must be a dict"),
-    (lambda: mpmd.Recovery(max_restarts=-1), "max_restarts must be a non-negative integer")])
+    (lambda: mpmd.Recovery(max_restarts=-1), "max_restarts must be a non-negative integer"),
+    (lambda: mpmd.Recovery(restart_window_s=0), "restart_window_s must be a finite number of seconds > 0"),
+    (lambda: mpmd.Recovery(restart_window_s=float("inf")), "restart_window_s must be a finite number")])
 def test_records_check_their_fields_when_made(make, says):
     with pytest.raises(ValueError, match=says):
         make()
