@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mpmd.models import kv_cache
 from mpmd.models.gpt import (_EMBED_INIT, _check_per_token, _dropped, _linear, _require_positive, attention_mask,
                              axes, dropout)
 
@@ -152,6 +153,22 @@ class Attention(nnx.Module):
         attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
         return self.out(attended.reshape(batch, num_steps, self.num_heads * head_dim))
 
+    def empty_cache(self, batch: int, num_slots: int) -> kv_cache.LayerCache:
+        head_dim = self.q.in_features // self.num_heads
+        return kv_cache.empty(batch, num_slots, self.num_kv_heads, head_dim, self.q.dtype or jnp.float32)
+
+    def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
+        """(output [B, T, D], cache) of T new tokens at window positions start.. (rotated at
+        those positions) attending to the cached keys and to themselves (models/kv_cache.py)."""
+        batch, num_new, d_model = x.shape
+        head_dim = d_model // self.num_heads
+        at = kv_cache.positions(batch, num_new, start)
+        q = rotary(self.q(x).reshape(batch, num_new, self.num_heads, head_dim), self.rope_theta, at)
+        k = rotary(self.k(x).reshape(batch, num_new, self.num_kv_heads, head_dim), self.rope_theta, at)
+        v = self.v(x).reshape(batch, num_new, self.num_kv_heads, head_dim)
+        attended, cache = kv_cache.attend(q, k, v, cache, start)
+        return self.out(attended), cache
+
 
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)): D -> mlp_dim -> D."""
@@ -194,6 +211,13 @@ class Block(nnx.Module):
         if self.remat == "none":
             return self.forward(x, segment_ids, positions)
         return nnx.remat(Block.forward, policy=REMAT_POLICIES[self.remat])(self, x, segment_ids, positions)
+
+    def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
+        """forward for T new tokens at window positions start.., with the attention's cache
+        (no remat: decoding takes no gradient)."""
+        attended, cache = self.attn.decode(self.attn_norm(x), cache, start)
+        x = x + _dropped(self.drop, attended)
+        return x + _dropped(self.drop, self.mlp(self.mlp_norm(x))), cache
 
 
 class Head(nnx.Module):
@@ -285,3 +309,15 @@ class Llama(nnx.Module):
             if i in self.stage_ends:
                 x = self.mark(x)
         return x
+
+    def empty_cache(self, batch: int = 1) -> list[kv_cache.LayerCache]:
+        """Per block, a key-value cache of seq_len slots (num_kv_heads wide) holding nothing yet."""
+        return [block.attn.empty_cache(batch, self.seq_len) for block in self.blocks]
+
+    def decode(self, tokens: jax.Array, cache: list, start) -> tuple[jax.Array, list]:
+        """(float32 logits [B, T, V], cache) of T new tokens at window positions start ..
+        start+T-1 (start + T <= seq_len), earlier positions' keys and values read from `cache`
+        (models/gpt.py GPT.decode). Decoding runs on one process: stage marks are not applied."""
+        x = self.embed(tokens)
+        x, cache = kv_cache.through(self.blocks, x, cache, start)
+        return self.head(x), cache

@@ -1,10 +1,11 @@
-"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
 from __future__ import annotations
 
 import sys
 
 COMMANDS = {
     "train": ("mpmd.recipes.train_cli", "train a model from a YAML config and key=value overrides"),
+    "generate": ("mpmd.recipes.generate_cli", "continue a prompt with a trained run's model (key-value cache)"),
     "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
     "tokenizer": ("mpmd.recipes.tokenizer_cli", "make a byte-level BPE tokenizer from your text files: mpmd tokenizer train"),
     "tokenize": ("mpmd.recipes.tokenize_cli", "tokenize text files into a corpus data.source=tokens trains from"),

@@ -34,6 +34,7 @@ import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
+from mpmd.recipes import generate
 from mpmd.recipes import preempt
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
@@ -176,44 +177,15 @@ def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) 
 
 
 def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> str:
-    """The prompt and its continuation by num_tokens bytes, one pipelined forward per byte,
-    drawn as train.sample_temperature and train.sample_top_k say (next_token), from a
-    generator seeded by cfg.seed: the same run samples the same text.
-
-    The context (last seq_len tokens) is right-padded: attention is causal, so the logits at
-    the context's last position ignore the padding. The batch is one copy of the context per
-    microbatch, the least predict accepts: it costs one lowering for the new shape (a few
-    seconds, once), then each byte is ~batch_size/num_microbatches times cheaper than
-    reusing the training batch shape would be.
-    """
-    seq_len, rows = cfg.model.seq_len, cfg.pipeline.num_microbatches
-    rng = np.random.default_rng(cfg.seed)
-    tok = tokenizer_lib.of_config(cfg)
-    tokens = list(tok.encode(prompt))
-    for _ in range(num_tokens):
-        context = tokens[-seq_len:]
-        window = np.zeros((rows, seq_len), np.int32)
-        window[:, :len(context)] = context
-        # A token-weighted loss reads its batch's targets and mask: give their shapes.
-        (logits,) = trainer.predict(window if not cfg.data.pack else
-                                    {"inputs": window, "targets": window, "loss_mask": np.zeros(window.shape, np.float32)})
-        # Only the tokenizer's own ids: the model's padded rows (model.vocab_size) decode to nothing.
-        tokens.append(next_token(logits[0, len(context) - 1][:tok.vocab_size], cfg.train.sample_temperature,
-                                 cfg.train.sample_top_k, rng))
-    return tok.decode(tokens)
-
-
-def next_token(logits, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    """A token drawn from softmax(logits / temperature) over the top_k likeliest (0: all);
-    temperature 0 is greedy. Exactly one draw from `rng` per call when sampling."""
-    logits = np.asarray(logits, np.float64)
-    if temperature == 0:
-        return int(np.argmax(logits))
-    if 0 < top_k < logits.size:
-        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
-    scaled = (logits - logits.max()) / temperature
-    probs = np.exp(scaled)
-    return int(rng.choice(logits.size, p=probs / probs.sum()))
+    """The prompt and its continuation by num_tokens tokens, drawn as train.sample_temperature
+    and train.sample_top_k say (mpmd.models.decoding.next_token), from a generator seeded by
+    cfg.seed: the same run samples the same text. Decoded as `mpmd generate` decodes
+    (mpmd.recipes.generate), with the key-value cache, from the trainer's parameters fetched
+    to this process."""
+    model = generate.model_with(cfg, generate.trainer_params(trainer))
+    t = cfg.train
+    return generate.continue_text(model, generate.tokenizer_of(cfg.run_dir), prompt, num_tokens, t.sample_temperature,
+                                  t.sample_top_k, cfg.seed)[0]
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
@@ -393,7 +365,9 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
         _seek(train_loader, data_state)
     metrics_log = run_log.MetricsLog(run_dir)
     metrics_log.truncate_after(start_step)
-    board = run_log.TensorBoard(run_dir) if cfg.log.tensorboard else None
+    # Where scalars go beside metrics.jsonl: TensorBoard, Weights & Biases.
+    boards = ([run_log.TensorBoard(run_dir)] if cfg.log.tensorboard else []) + (
+        [run_log.WandB(run_dir, cfg.log.wandb_project, cfg.model_dump(mode="json"))] if cfg.log.wandb else [])
     progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
                                 start_step)
     # What happened before the next record's step, for the report (mpmd.report.load's marks).
@@ -477,7 +451,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                                      **({"batch_crc32": digests.pop(done)} if digests is not None else {}),
                                      **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
             marks = {}
-            if board is not None:
+            for board in boards:
                 board.write(done, record)
                 if done % cfg.log.every == 0:
                     board.flush()
@@ -492,7 +466,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     finally:
         stop.restore()
         progress.close()
-        if board is not None:
+        for board in boards:
             board.close()
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,

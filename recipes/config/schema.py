@@ -7,6 +7,7 @@ Config's validator; which keys exist and how they are read is loading.py's.
 """
 
 import hashlib
+import importlib.util
 import json
 import re
 import typing
@@ -269,11 +270,23 @@ class LogConfig(_Section):
     trace_steps: list[typing.Annotated[int, Field(gt=0)]] = Field(
         [2, 3], description="steps whose per-task timeline is written as a Perfetto trace")
     tensorboard: bool = Field(True, description="also write scalars to <run_dir>/tb")
+    wandb: bool = Field(
+        False, description="also log scalars to Weights & Biases (needs `pip install 'mpmd[wandb]'`), its files "
+                           "under <run_dir>/wandb; with WANDB_MODE=offline nothing is sent (`wandb sync` uploads later)")
+    wandb_project: str = Field("mpmd", description="the W&B project log.wandb logs to (the run is named after run_dir)")
     progress: Literal["auto", "bar", "lines"] = Field(
         "auto", description="auto = tqdm bar on a terminal, log lines otherwise")
     level: Literal["debug", "info", "warning", "error"] = Field(
         "warning", description="least level of log records on the console (workers' too, one line "
                                "each); info and up always go to <run_dir>/logs; $MPMD_LOG overrides")
+
+    @model_validator(mode="after")
+    def _wandb_installed(self):
+        # Checked with the config, before JAX starts or a worker does, not at the first step.
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("log.wandb=true needs the wandb package: pip install 'mpmd[wandb]' "
+                             "(or set log.wandb=false)")
+        return self
 
 
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
