@@ -225,7 +225,9 @@ class RecoveryPolicy:
         deadline, wait = t0 + timeout_s, not self.narrow
         while True:
             try:
-                self._cluster.replace(lost.slice_index)
+                # What is left of replace_timeout_s bounds the cluster's own wait for capacity
+                # (Ray); a narrow run only looks.
+                self._cluster.replace(lost.slice_index, wait_s=max(deadline - time.monotonic(), 0.0) if wait else 0.0)
                 return True
             except ClusterGone as e:
                 raise ClusterGone(f"{e}; {committed}") from lost

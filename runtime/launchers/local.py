@@ -104,7 +104,7 @@ class LocalLauncher:
             raise
         return list(self.addresses)
 
-    def replace(self, slot: int) -> str | tuple[str, ...]:
+    def replace(self, slot: int, wait_s: float | None = None) -> str | tuple[str, ...]:
         """Make sure every process of the slot's old gang is gone (SIGKILL by its pid: it may
         be hung or stopped, and a gang is lost as a whole), then start a new gang in its
         place; ReplaceUnsupported once max_workers processes were started (raise max_workers
