@@ -249,7 +249,7 @@ class RayLauncher:
         if placement.strategy(bundle, n * k, offers) is None:      # the nodes do not hold n * k bundles
             raise placement.Unplaceable(
                 f"Ray cannot place {n} slice(s) of {k} worker(s) each asking {bundle}: missing "
-                f"{placement.missing(bundle, n * k, offers)}; {placement.describe_offers(offers)}")
+                f"{placement.missing(bundle, n * k, offers)}; {placement.describe_offers(offers, bundle)}")
         requests = [self._request(ray, slot, offers) for slot in range(n)]
         deadline = time.monotonic() + self.start_timeout_s
         try:
@@ -258,7 +258,7 @@ class RayLauncher:
                     raise placement.Unplaceable(
                         f"Ray placed {sum(q.placed_at is not None for q in requests)} of {n} slice(s) within "
                         f"start_timeout_s={self.start_timeout_s:g} s: {r.waiting_for()}; the cluster has "
-                        f"{ray.available_resources()} available; {placement.describe_offers(offers)}")
+                        f"{ray.available_resources()} available; {placement.describe_offers(offers, bundle)}")
             for r in requests:        # then every slot's actors, started in parallel
                 if not r.advance(0.0, deadline - time.monotonic()):
                     raise ClusterUnavailable(f"slice {r.slot}'s worker(s) did not start within start_timeout_s="

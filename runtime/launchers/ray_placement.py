@@ -60,11 +60,10 @@ def strategy(bundle: dict, k: int, offers: list[tuple[str, dict]]) -> str | None
     return "PACK" if sum(held) >= k else None
 
 
-def describe_offers(offers: list[tuple[str, dict]]) -> str:
-    """What each live node offers, one `ip {CPU: 4, ...}` per node."""
-    def res(d):
-        return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(d.items())) + "}"
-    return "; ".join(f"node {ip} {res(r)}" for ip, r in offers) or "no live node"
+def describe_offers(offers: list[tuple[str, dict]], bundle: dict) -> str:
+    """What each live node offers of the bundle's resources, one `node IP {CPU: 4}` each."""
+    return "; ".join(f"node {ip} {{" + ", ".join(f"{k}: {r.get(k, 0.0):g}" for k in sorted(bundle)) + "}"
+                     for ip, r in offers) or "no live node"
 
 
 def missing(bundle: dict, k: int, offers: list[tuple[str, dict]]) -> str:
