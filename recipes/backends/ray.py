@@ -38,13 +38,15 @@ def _build(cfg: Config, timeouts: dict):
     # says how to install it; recipes/train.py reports it as this key's problem.
     from pathlib import Path
     import mpmd
+    from mpmd.recipes import console
     c = cfg.cluster
-    # Each actor's output goes to <run_dir>/logs/worker_<slot>.log, never through Ray to the console.
+    # Each actor's output goes to <run_dir>/logs/worker_<slot>.log, never through Ray to the
+    # console; its records at the console level come back one line each (recipes/console.py).
     return mpmd.RayCluster(num_workers=cfg.num_workers, devices_per_worker=c.devices_per_worker,
                            threads_per_worker=c.threads_per_worker, **timeouts, address=c.address,
                            resources_per_worker=c.resources or None, processes_per_slice=c.processes_per_slice,
                            connect_timeout_s=c.connect_timeout_s, start_timeout_s=c.start_timeout_s,
-                           log_dir=str(Path(cfg.run_dir) / "logs"))
+                           log_dir=str(Path(cfg.run_dir) / "logs"), log_level=console.level(cfg.log.level))
 
 
 SPEC = register_backend_spec(BackendSpec("ray", RaySection, build=_build, gangs=True, problems=_problems))

@@ -20,12 +20,23 @@ node's IP otherwise (the controller and the other workers must reach it). The cl
 travels to the actors as a constructor argument, inside Ray: whoever can submit work to the
 Ray cluster can run code on it anyway.
 
+Placement. Every slot is a placement group of its own, asked of Ray once and then only
+looked at (runtime/launchers/ray_placement.py): a replacement waits at most what the caller
+allows for Ray to place it, and one Ray cannot place now stays asked, so a narrow run's
+checkpoint boundaries find it placed or started without waiting for it.
+
+Logs. With a log_dir, an actor's stdout and stderr go to <log_dir>/worker_<slot>.log, so
+Ray (its driver's log_to_driver is off when this launcher calls ray.init) forwards nothing
+of them; its records at log_level and up are kept in the actor and fetched every
+RELAY_POLL_S, each logged here as the one line a local worker's gives.
+
 Threads. XLA's flags must be set before JAX is imported in the actor process, and the
 actor's module imports JAX (mpmd.runtime.worker.service) as Ray loads the class, so they are set
 through the actor's runtime_env rather than from inside it.
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -34,8 +45,12 @@ from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.control.cluster import ClusterUnavailable, ReplaceUnsupported
 from mpmd.runtime.launchers import ray_placement as placement
-from mpmd.runtime.launchers.workers import check_processes_per_slice, check_worker_args, num_workers_for, worker_root
+from mpmd.runtime.launchers.workers import (check_processes_per_slice, check_worker_args, log_relayed, num_workers_for,
+                                            worker_log_file, worker_root)
+from mpmd.runtime.worker.main import LOG_LEVELS
 
+RELAY_POLL_S = 1.0           # how often the launcher fetches the actors' records for the console
+RELAY_KEPT = 1000            # records an actor keeps for the console between fetches, the newest
 START_TIMEOUT_S = 120.0      # default start_timeout_s: Ray may have to start a Python process per actor
 CONNECT_TIMEOUT_S = 30.0     # default connect_timeout_s
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -55,10 +70,11 @@ def _import_ray():
     return ray
 
 
-def _log_to(path: str) -> None:
+def _log_to(path: str, relay_level: str, relayed: collections.deque) -> None:
     """This actor's stdout and stderr (its logging, Orbax's, JAX's, tracebacks) appended to
     `path`, the run's logs/worker_<slot>.log as a local worker's: Ray then has nothing of it
-    to forward to the controller's console."""
+    to forward to the controller's console. Its records at `relay_level` and up are also kept
+    in `relayed`, one line each, for the launcher to fetch (_SliceActor.relayed)."""
     import logging
     from mpmd.runtime.worker.main import configure_logging
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -67,7 +83,7 @@ def _log_to(path: str) -> None:
         os.dup2(fd, target)
     os.close(fd)
     logging.getLogger().handlers.clear()      # Ray's own handlers write to its files
-    configure_logging("info", None)
+    configure_logging("info", relay_level, sink=lambda levelno, text: relayed.append((levelno, text)))
 
 
 class _SliceActor:
@@ -77,11 +93,13 @@ class _SliceActor:
     formed before anything makes JAX's backend."""
 
     def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str,
-                 shared: dict | None = None, gang: bool = False, log_path: str | None = None):
+                 shared: dict | None = None, gang: bool = False, log_path: str | None = None,
+                 relay_level: str = "warning"):
         import ray
         from mpmd.runtime.worker.main import cores_for
+        self._relayed: collections.deque = collections.deque(maxlen=RELAY_KEPT)
         if log_path is not None:
-            _log_to(log_path)
+            _log_to(log_path, relay_level, self._relayed)
 
         # Pinned like a local worker, so both compute the same bits (see cores_for).
         os.sched_setaffinity(0, cores_for(slot, threads))
@@ -136,6 +154,13 @@ class _SliceActor:
         """(gRPC address, pid), once the server is up."""
         return self.address, os.getpid()
 
+    def relayed(self) -> list[tuple[int, str]]:
+        """The records kept for the console since the last call: (levelno, one line)."""
+        out = []
+        while self._relayed:
+            out.append(self._relayed.popleft())
+        return out
+
     def _stop(self, why: str) -> None:
         # Shutdown RPC: stop serving; the controller kills the actor right after.
         self.server.stop(grace=1.0)
@@ -158,7 +183,7 @@ class RayLauncher:
                  host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
                  gpus: bool = False, shared: dict | None = None, processes_per_slice: int = 1,
                  start_timeout_s: float = START_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, log_level: str = "warning"):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self.processes_per_slice = check_processes_per_slice(processes_per_slice)
@@ -167,6 +192,11 @@ class RayLauncher:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.start_timeout_s, self.connect_timeout_s = float(start_timeout_s), float(connect_timeout_s)
         self.log_dir = log_dir          # worker_<slot>.log there: each actor's stdout and stderr
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        self.log_level = log_level      # an actor's records at this level and up reach the console
+        self._relay_stop = threading.Event()
+        self._relay_thread: threading.Thread | None = None
         self.placement_groups: list = []    # per slot: its placement group
         resources = dict(resources_per_worker or {})
         for k, v in resources.items():
@@ -215,6 +245,11 @@ class RayLauncher:
             self.actors = [a for r in requests for a in r.actors]
             self.pids = [p for r in requests for _, p in r.ready]
             self.addresses = [r.ready[0][0] if k == 1 else tuple(a for a, _ in r.ready) for r in requests]
+            if self.log_dir is not None:
+                self._relay_stop = threading.Event()
+                self._relay_thread = threading.Thread(target=self._relay, args=(ray, self._relay_stop), daemon=True,
+                                                      name="mpmd-ray-relay")
+                self._relay_thread.start()
         except BaseException:
             self.stop()
             raise
@@ -304,6 +339,10 @@ class RayLauncher:
     def stop(self) -> None:
         """Kill the actors (and any asked for that are not ready); disconnect from Ray only if
         start() called ray.init."""
+        self._relay_stop.set()
+        if self._relay_thread is not None:
+            self._relay_thread.join()
+            self._relay_thread = None
         actors, self.actors, self.pids = self.actors, [], []
         groups, self.placement_groups = self.placement_groups, []
         pending, self.pending = list(self.pending.values()), {}
@@ -380,10 +419,25 @@ class RayLauncher:
             placement_group=gang[0], placement_group_bundle_index=gang[1])
         cls = ray.remote(**options)(_SliceActor)
         k = self.processes_per_slice
-        log_path = (os.path.abspath(os.path.join(self.log_dir, f"worker_{slot // k}.log"))
+        log_path = (os.path.abspath(worker_log_file(self.log_dir, slot // k, slot % k, k))
                     if self.log_dir is not None else None)
         return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker,
-                          self._running_root, self.shared, k > 1, log_path)
+                          self._running_root, self.shared, k > 1, log_path, self.log_level)
+
+    def _relay(self, ray, stop: threading.Event) -> None:
+        """Until `stop`: every RELAY_POLL_S, each actor's records for the console logged here
+        as one line each (workers.log_relayed), as LocalLauncher does with its workers'."""
+        k = self.processes_per_slice
+        while not stop.wait(RELAY_POLL_S):
+            asked = [(j, a.relayed.remote()) for j, a in enumerate(list(self.actors))]
+            for j, ref in asked:
+                try:
+                    records = ray.get(ref, timeout=RELAY_POLL_S * 5)
+                except Exception:       # a lost actor (the Trainer replaces it), or Ray shutting down
+                    continue
+                slot, process = divmod(j, k)
+                for levelno, text in records:
+                    log_relayed(slot, levelno, text, worker_log_file(self.log_dir, slot, process, k))
 
     def _pick_host(self, ray) -> str:
         if self.host is not None:
@@ -423,7 +477,9 @@ class RayCluster(ControlPlane):
         ClusterUnavailable, naming it), and a new worker its first answer.
     start_timeout_s: how long the first start may take to place and start every worker.
     log_dir: each actor's stdout and stderr go to <log_dir>/worker_<slot>.log (None: Ray's
-        own log files); Ray never forwards them to this console.
+        own log files); Ray never forwards them to this console, and each of its records at
+        `log_level` and up comes back as one line "worker <slot> WARNING ... (see <log>)"
+        (logger mpmd.workers), as from a LocalCluster's workers.
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
     the Trainer calls when it recovers); spare workers are not needed. A replacement Ray
     cannot place now stays asked for (no capacity is asked twice) and is looked at again
@@ -436,13 +492,13 @@ class RayCluster(ControlPlane):
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
                  root: str | None = None, gpus: bool = False, processes_per_slice: int = 1,
-                 start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None):
+                 start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None, log_level: str = "warning"):
         token = new_token()
         launcher = RayLauncher(token, num_workers=num_workers, resources_per_worker=resources_per_worker,
                                address=address, devices_per_worker=devices_per_worker,
                                threads_per_worker=threads_per_worker, host=host, runtime_env=runtime_env, root=root,
                                gpus=gpus, processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s,
-                               connect_timeout_s=connect_timeout_s, log_dir=log_dir)
+                               connect_timeout_s=connect_timeout_s, log_dir=log_dir, log_level=log_level)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
                          step_timeout_s=step_timeout_s)
 

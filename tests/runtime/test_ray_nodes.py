@@ -9,7 +9,9 @@ node joins; each run ends bitwise as the uninterrupted one. Gangs spread one pro
 node only over nodes that hold a bundle (the 0-CPU head does not), else a refusal naming
 what is missing. A dead cluster.address ends `mpmd train` with one line.
 """
-import os
+import logging
+import re
+import time
 
 import pytest
 
@@ -17,6 +19,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -
 
 import mpmd  # noqa: E402
 from mpmd.runtime.control.cluster import ClusterUnavailable  # noqa: E402
+from mpmd.runtime.control.rpc import WorkerClient, WorkerError  # noqa: E402
 from mpmd.runtime.launchers.workers import free_port  # noqa: E402
 from tests.support.processes import TINY_GPT, mpmd_train, wait_gone  # noqa: E402
 from tests.support.ray_nodes import RayNodes  # noqa: E402
@@ -37,6 +40,24 @@ def nodes():
 def ray_cluster(nodes, tmp_path, **kw):
     return mpmd.RayCluster(num_workers=2, address=nodes.address, failure_timeout_s=2.0, root=str(tmp_path),
                            log_dir=str(tmp_path / "logs"), **kw)
+
+
+def warn_worker_0(cluster, caplog) -> str:
+    """Send slice 0's worker one RPC with a wrong token (it logs a warning); the one console
+    line it came back as (logger mpmd.workers)."""
+    intruder = WorkerClient(cluster.addresses[0], "not-the-token-0123456789", {"Heartbeat": 0})
+    try:
+        with pytest.raises(WorkerError):
+            intruder.call("Heartbeat", timeout_s=10)
+    finally:
+        intruder.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = [r.getMessage() for r in caplog.records if "refused Heartbeat" in r.getMessage()]
+        if lines:
+            return lines[0]
+        time.sleep(0.2)
+    raise AssertionError("the worker's warning never reached the console")
 
 
 class NodeLoss:
@@ -73,19 +94,26 @@ class NodeLoss:
             assert cluster.launcher.pending[1].advance(0.0, 120.0), "the replacement's actor did not start"
 
 
-def test_one_slice_per_node_and_a_lost_node_replaced_on_the_spare(nodes, uninterrupted, tmp_path):
+def test_one_slice_per_node_and_a_lost_node_replaced_on_the_spare(nodes, uninterrupted, tmp_path, caplog):
     """2 slices on three 1-CPU nodes: one actor per node (never on the 0-CPU head); slice 1's
     node SIGKILLed after the step 2 checkpoint: a new actor on the spare node, and the run
-    ends bitwise as the uninterrupted one. Each actor's output is in its logs/worker_<slot>.log."""
+    ends bitwise as the uninterrupted one. Each actor's output is in its logs/worker_<slot>.log,
+    and a worker's warning reaches this console as one line naming the slice and that file."""
     spare = {p.pid for p in nodes.alive()[1:]}
     cluster = ray_cluster(nodes, tmp_path)
     fault = NodeLoss(nodes, kill_at=3)
+    caplog.set_level(logging.WARNING, logger="mpmd.workers")
     try:
         got = run_with_fault(tmp_path, fault, cluster=cluster,
                              trainer_kw=dict(recovery=mpmd.Recovery(on_loss="replace", replace_timeout_s=60)))
         new_node = nodes.node_of(cluster.pids[1])
+        relayed = warn_worker_0(cluster, caplog)
     finally:
         cluster.close()
+    log_0 = tmp_path / "logs" / "worker_0.log"
+    assert re.fullmatch(rf"worker 0 WARNING refused Heartbeat from \S+: wrong token \(see {re.escape(str(log_0))}\)",
+                        relayed), relayed
+    assert "WARNING refused Heartbeat" in log_0.read_text()      # the worker's own account
     assert_same_run(got, uninterrupted)
     assert None not in fault.placed and len(set(fault.placed)) == 2, fault.placed
     (left,) = spare - set(fault.placed)
