@@ -508,7 +508,8 @@ def goodput_line(g: dict) -> str:
     if not g["failures"] and not g["layout_changes"]:
         return "goodput: no worker lost"
     return (f"goodput: {g['failures']} worker(s) lost, {g['lost_s']:.1f} s lost (aborted steps and detection "
-            f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
+            f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, waiting for capacity "
+            f"{g['capacity_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
             f"restore {g['restore_s']:.1f} s, {g['replayed_steps']} replayed step(s) {g['replayed_s']:.1f} s); "
             f"{g['reduced_width_s']:.1f} s on fewer slices, {g['layout_changes']} layout change(s)")
 
