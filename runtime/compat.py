@@ -1,5 +1,5 @@
 """Every JAX API whose spelling differs across the supported range (jax 0.10.2 to 0.12.x),
-and the versions a controller and its workers must agree on. Nothing else in the tree
+and the versions a controller and its workers must agree on. Nothing else in the package
 imports `jax._src` or `jax.experimental`, or tests a JAX version.
 
 What differs (checked against each release's own source; docs/design.md has the table):
