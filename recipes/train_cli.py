@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     from mpmd.runtime.wire.results import StepFailed
     from mpmd.runtime.control.cluster import ClusterGone, ClusterUnavailable
+    from mpmd.runtime.compat import VersionMismatch
     from mpmd.recipes import preempt
     try:
         summary = train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
@@ -94,7 +95,8 @@ def main(argv=None) -> int:
         print(f"stopped by SIGTERM: {e}; kept the last committed checkpoint, {kept}; resume with the same "
               f"command (exit code {preempt.PREEMPTED_EXIT})", flush=True)
         return preempt.PREEMPTED_EXIT
-    except config.ConfigError as e:  # found while building (custom module, stage count, ...)
+    # Found while building (custom module, stage count, ...) or starting (a worker on another JAX).
+    except (config.ConfigError, VersionMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (train.CheckpointError, train.NonFinite) as e:

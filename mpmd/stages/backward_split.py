@@ -25,8 +25,8 @@ backward's, up to XLA fusing differently), at the price of holding `kept` from B
 Control flow that cannot be inlined (scan, while, cond) is one equation: if B needs part of
 it and W another, W runs it again (correct, not free); none of the models here has any.
 
-Uses jax._src.interpreters.partial_eval.dce_jaxpr (not exported by jax.extend in jax 0.10):
-the same DCE jax.jit applies, with its rules for every primitive.
+Uses partial_eval's dce_jaxpr (private in JAX, reached through mpmd.runtime.compat): the
+same DCE jax.jit applies, with its rules for every primitive.
 """
 from __future__ import annotations
 
@@ -34,11 +34,13 @@ from typing import Callable, NamedTuple
 
 import jax
 from jax.extend.core import ClosedJaxpr, DropVar, Literal, jaxpr_as_fun
-from jax._src.interpreters.partial_eval import convert_constvars_jaxpr, dce_jaxpr
+
+from mpmd.runtime import compat
+from mpmd.runtime.compat import convert_constvars_jaxpr, dce_jaxpr
 
 # Primitives whose sub-jaxpr is evaluated inline: plain calls whose boundaries only matter
 # for differentiation (already done) or compilation (XLA sees one program either way).
-_INLINED = {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2", "custom_jvp_call",
+_INLINED = {*compat.CALL_PRIMITIVES, "checkpoint", "remat", "remat2", "custom_jvp_call",
             "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
@@ -93,8 +95,7 @@ def _inline(jaxpr, consts, args) -> list:
         ins = [read(v) for v in eqn.invars]
         sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")) if eqn.primitive.name in _INLINED else None
         if sub is not None:
-            outs = (_inline(sub.jaxpr, sub.consts, ins) if isinstance(sub, ClosedJaxpr)
-                    else _inline(sub, (), ins))
+            outs = _inline(*compat.closed_parts(sub), ins)
         else:
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))

@@ -57,9 +57,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxprs_in_params
+from jax.extend.core import DebugInfo, DropVar, Jaxpr, Literal, Primitive, Var, jaxprs_in_params
 from jax.interpreters import ad, batching, mlir
 
+from mpmd.runtime import compat
 from mpmd.stages import losses
 from mpmd.stages.batch import INPUTS
 from mpmd.stages.leaf_paths import path_string
@@ -88,7 +89,7 @@ _aux_p = _identity_primitive("aux_loss")
 _MARKERS = (_boundary_p, _aux_p)
 
 # Higher-order primitives whose body is run exactly once per call: safe to inline.
-_INLINABLE = ("jit", "pjit", "closed_call", "core_call")
+_INLINABLE = compat.CALL_PRIMITIVES
 
 
 def stage_boundary(x):
@@ -221,7 +222,7 @@ class _Marked:
         state = [spec(self.rest_leaves[i]) for i in self.carried]
         closed, (out, _, aux) = jax.make_jaxpr(forward, return_shape=True)(self.param_specs, state, x_spec, side_spec)
         jaxpr, consts = _inline_marked_calls(closed.jaxpr, closed.consts)
-        return _dead_code_removed(jaxpr), consts, jax.tree.structure(out), len(aux)
+        return _dead_code_removed(jaxpr, consts), consts, jax.tree.structure(out), len(aux)
 
     def cut(self, x_spec, side_spec: dict, evaluating: bool = False) -> list[_Program]:
         key = (evaluating, _key((x_spec, side_spec)))
@@ -407,9 +408,10 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
             {v for e in body for v in e.outvars}
         assert used <= defined, f"stage {s} reads values it neither receives nor computes"
         effects = frozenset().union(*(e.effects for e in body))
-        sub = Jaxpr([jaxpr.constvars[i] for i in c_idx],
-                    [params[i] for i in p_idx] + [state_vars[i] for i in carried] + ins + side_ins, outs, body,
-                    effects, DebugInfo("mpmd.split", f"stage {s} of {num_stages}", None, None))
+        sub = compat.new_jaxpr([jaxpr.constvars[i] for i in c_idx],
+                               [params[i] for i in p_idx] + [state_vars[i] for i in carried] + ins + side_ins, outs,
+                               body, effects, DebugInfo("mpmd.split", f"stage {s} of {num_stages}", None, None),
+                               [consts[i] for i in c_idx])
         side = _side_key({name: side_spec[name] for name in sorted(reads[s])})
         progs.append(_Program(sub, [consts[i] for i in c_idx], p_idx, tuple(_spec_of(v) for v in ins), side,
                               tuple(carried), len(aux), out_tree if s == num_stages - 1 else None))
@@ -435,8 +437,7 @@ def _inline_marked_calls(jaxpr: Jaxpr, consts) -> tuple[Jaxpr, list]:
         if name not in _INLINABLE:
             raise ValueError(_nested_error(name))
         body = e.params.get("jaxpr", e.params.get("call_jaxpr"))
-        inner, inner_consts = _inline_marked_calls(*((body.jaxpr, body.consts) if isinstance(body, ClosedJaxpr)
-                                                      else (body, [])))
+        inner, inner_consts = _inline_marked_calls(*compat.closed_parts(body))
         # Fresh variables: the same jitted function called twice must not define a var twice.
         rename = dict(zip(inner.invars, e.invars))
         for v, c in zip(inner.constvars, inner_consts):
@@ -450,10 +451,10 @@ def _inline_marked_calls(jaxpr: Jaxpr, consts) -> tuple[Jaxpr, list]:
             eqns.append(ie.replace(invars=ins, outvars=outs))
         subst.update((o, _sub(rename, i)) for o, i in zip(e.outvars, inner.outvars))
     outvars = [_sub(subst, a) for a in jaxpr.outvars]
-    return Jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info), consts
+    return compat.new_jaxpr(constvars, jaxpr.invars, outvars, eqns, jaxpr.effects, jaxpr.debug_info, consts), consts
 
 
-def _dead_code_removed(jaxpr: Jaxpr) -> Jaxpr:
+def _dead_code_removed(jaxpr: Jaxpr, consts) -> Jaxpr:
     """Drop equations whose results are never used (a mark on a discarded value cuts nothing)."""
     used = {a for a in jaxpr.outvars if _is_var(a)}
     kept = []
@@ -461,7 +462,8 @@ def _dead_code_removed(jaxpr: Jaxpr) -> Jaxpr:
         if e.effects or any(v in used for v in e.outvars):
             kept.append(e)
             used.update(a for a in e.invars if _is_var(a))
-    return Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept[::-1], jaxpr.effects, jaxpr.debug_info)
+    return compat.new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept[::-1], jaxpr.effects,
+                            jaxpr.debug_info, consts)
 
 
 def _num_marks(jaxpr: Jaxpr) -> int:

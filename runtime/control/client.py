@@ -29,6 +29,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
+from mpmd.runtime import compat
 from mpmd.runtime.worker import instructions
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import streams
@@ -197,13 +200,16 @@ class ControlPlane(RunDispatch):
         futs = []
         for m in members:
             host = self._transfer_host or m.address.rpartition(":")[0].strip("[]")
-            setup = verbs.Setup(i, host, self._transfer_secret, self._meshes[i] if self._meshes is not None else None)
+            setup = verbs.Setup(i, host, self._transfer_secret, self._meshes[i] if self._meshes is not None else None,
+                                versions=compat.versions())
             futs.append((m, send(m, setup)))
         try:
             addresses = [receive(m, "Setup", f)[0].transfer_address for m, f in futs]
         except WorkerError as e:   # a survivor gone while the slices are set up again (a shrink)
             if e.code in GONE:
                 raise WorkerLost(i, e.address, str(e)) from None
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION:   # its JAX is not ours
+                raise compat.VersionMismatch(f"worker {e.address} (slice {i}): {e.details}") from None
             raise
         return addresses[0] if not isinstance(c, GangClient) else addresses
 

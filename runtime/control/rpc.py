@@ -28,10 +28,11 @@ GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.Sta
 class WorkerError(RuntimeError):
     """A worker failed or could not be reached; the message names its address."""
 
-    def __init__(self, address: str, message: str, code=None):
+    def __init__(self, address: str, message: str, code=None, details: str = ""):
         super().__init__(f"worker {address}: {message}")
         self.address = address
         self.code = code
+        self.details = details        # the worker's own words, for a refusal the caller words itself
 
 
 class WorkerClient:
@@ -70,7 +71,8 @@ class WorkerClient:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ABORTED:
                 raise Aborted(f"worker {self.address}: {e.details()}") from None
-            raise WorkerError(self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code()) from None
+            raise WorkerError(self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code(),
+                              e.details()) from None
         self.last_ok = time.monotonic()
         return wire.decode(reply)
 

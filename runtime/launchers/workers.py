@@ -62,7 +62,7 @@ def visible_gpus() -> list[str]:
     """The ids of the GPUs this machine's workers may use, found without importing JAX (in
     the controller it would take GPU memory): $CUDA_VISIBLE_DEVICES when set, else one per
     /dev/nvidia<N>. None at all when $JAX_PLATFORMS leaves CUDA out or JAX's CUDA plugin
-    (`pip install -e '.[cuda]'`) is not installed: the workers would run on CPU anyway."""
+    (`pip install -e '.[cuda12]'` or `'.[cuda13]'`) is not installed: the workers would run on CPU anyway."""
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms and not {"cuda", "gpu"} & set(platforms.split(",")):
         return []

@@ -12,7 +12,8 @@ controller and its workers hold (the controller makes one per session and sends 
 Setup). Without the secret an id is a uniform 64-bit guess; a stranger's pull waits in the
 table for an id no one will ever offer, takes nothing, and delays no one.
 
-Facts about the API (jaxlib 0.10.2, checked by tests/runtime/test_transport.py and by hand):
+Facts about the API (jaxlib 0.10.2, checked by tests/runtime/test_transport.py and by hand;
+the same names and arguments in jaxlib 0.11.2 and 0.12.0.1, see runtime/compat.py):
 - `await_pull` never blocks, not even on arrays still being computed; the server holds a
   reference until the data has been pulled.
 - `pull` never blocks either: it posts the request and returns arrays that become ready when
@@ -44,8 +45,9 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import transfer
 
+from mpmd.runtime import compat
+from mpmd.runtime.compat import transfer
 from mpmd.runtime.wire import reshard
 
 # Payloads move in chunks of CHUNK_BYTES over NUM_BULK_SOCKETS sockets per connection, so
@@ -217,7 +219,7 @@ class TransferTransport:
         step is replayed with the same keys every slice must reset: ids are one-shot, so a
         leftover send or pull of the aborted attempt would otherwise pair with the replay's."""
         if self._server is not None:     # closed: nothing left to reset
-            self._server._reset_rendevous_table()
+            compat.reset_transfers(self._server)
 
     def close(self) -> None:
         """Idempotent: a session's Setup and its close may both close the old transport."""

@@ -55,6 +55,10 @@ class Setup:
     transfer_host: str
     transfer_secret: str             # hex: keys this session's transfer ids
     mesh: dict | None = None         # {data, fsdp, tensor} over all of the worker's devices; None: all on data
+    # {"jax", "jaxlib"}: the controller's (mpmd.runtime.compat.versions); a worker running others
+    # refuses the Setup (FAILED_PRECONDITION). mpmd's controller always sends them; a bare
+    # client that leaves them out is not checked.
+    versions: dict | None = None
 
 
 @dataclass(frozen=True)

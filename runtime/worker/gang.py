@@ -149,9 +149,9 @@ class Agreement:
     """
 
     def __init__(self, namespace: str):
-        from jax._src import distributed
         import jax
-        self._client = distributed.global_state.client
+        from mpmd.runtime import compat
+        self._client = compat.distributed_client()
         self._rank, self._num_processes = jax.process_index(), jax.process_count()
         self._namespace = namespace
         self._written: dict[int, list[str]] = {}      # run id -> keys this process wrote

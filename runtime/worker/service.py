@@ -60,6 +60,7 @@ import traceback
 import grpc
 import jax
 
+from mpmd.runtime import compat
 from mpmd.runtime.worker import instructions
 from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import programs
@@ -148,6 +149,8 @@ class WorkerService:
 
     def Setup(self, s: Session, r: verbs.Setup, b):
         from mpmd.runtime.wire.transport import TransferTransport, check_secret
+        if r.versions is not None:     # before anything is touched: programs must not cross versions
+            compat.check_versions(r.versions)
         try:     # checked before the session is touched; never echoed
             secret = check_secret(bytes.fromhex(r.transfer_secret))
         except ValueError:
@@ -367,6 +370,10 @@ class WorkerService:
                                                (FAILED_AT_KEY, e.instruction.encode())))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad_plan else grpc.StatusCode.INTERNAL,
                               e.message)
+            except compat.VersionMismatch as e:   # info: the controller says it, in one line
+                log.info("refused %s from %s: %s", name, _caller_name(caller if self.shared else None,
+                                                                    context.peer()), e)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except OutsideRoot as e:
                 log.warning("refused %s from %s: %s", name, _caller_name(caller if self.shared else None,
                                                                        context.peer()), e)
