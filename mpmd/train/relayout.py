@@ -95,6 +95,7 @@ class RecoveryPolicy:
         moved = []        # the layouts moved to (a slice may go while moving)
         while True:
             self.restarts += 1
+            self._checkpointer.wait()        # a save in flight commits (or fails) first
             last = self._checkpointer.latest()
             committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
             recent = self._recent_restarts()
@@ -104,7 +105,6 @@ class RecoveryPolicy:
                 raise RuntimeError(f"{lost}; giving up after {recent} recoveries {within} "
                                    f"(max_restarts={self.options.max_restarts}, restart_window_s={window}); "
                                    f"{committed}") from lost
-            self._checkpointer.wait()
             try:
                 t1 = time.perf_counter()
                 try:
