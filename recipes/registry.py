@@ -37,7 +37,11 @@ class ModelSpec:
     samples_text: its logits decode to bytes, so a run ends with a sample. rules: logical
     axis -> mesh axis its parameters need beyond mpmd.stages.sharding.RULES (mesh.rules
     override them). problems(cfg) -> sentences naming what is wrong across sections (a
-    section's own bounds are its fields')."""
+    section's own bounds are its fields'). state_metrics(cfg) -> None, or a reader
+    read(step, state) -> dict that the recipe calls on eval steps with Trainer.state() (its
+    stages' state) and merges into the step's metrics record. active_params(cfg, sizes) ->
+    the parameters one token uses (a mixture's routed experts count top_k of num_experts),
+    from {parameter path: size}; None where that is every parameter."""
     name: str
     section: type
     build: Callable[["Config", bool], Any]
@@ -50,6 +54,8 @@ class ModelSpec:
     samples_text: bool = False
     rules: dict = dataclasses.field(default_factory=dict)
     problems: Callable[["Config"], list[str]] = lambda cfg: []
+    state_metrics: Callable[["Config"], Callable | None] = lambda cfg: None
+    active_params: Callable[["Config", dict], int | None] = lambda cfg, sizes: None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -355,6 +355,9 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     # is done with the current one; a step's metrics are logged only once it is collected.
     pending: collections.deque = collections.deque()
     logged_changes = 0     # trainer.layout_changes already in a metrics record
+    # What the family reads from its stages' state on eval steps (an MoE's routing counts),
+    # when nothing runs ahead of the step, so the state is the step's own.
+    read_state = registry.get_model_spec(cfg.model.kind).state_metrics(cfg)
     try:
         step = done = start_step      # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
@@ -396,6 +399,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                       "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(done - 1))}
             if "grad_norm" in out:
                 record["grad_norm"] = out["grad_norm"]
+            if "aux_loss" in out:        # the stages' auxiliary losses, included in "loss"
+                record["aux_loss"] = out["aux_loss"]
             if "checkpoint" in out:      # the tiers this step was saved to
                 record["checkpoint"] = out["checkpoint"]
             if "events" in out:
@@ -405,6 +410,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 run_log.write_trace(run_dir / "trace.json", traces)
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
+                if read_state is not None:
+                    record.update(read_state(done, trainer.state()))
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]

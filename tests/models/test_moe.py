@@ -1,0 +1,138 @@
+"""The mixture of experts (models/moe.py): capacity drops and counts exactly the assignments a
+hand-worked example says, the auxiliary losses are the Switch/GShard and z-loss formulas, and
+the MoE Llama pipelined over 2 slices trains equal to the unpipelined model with its auxiliary
+losses (SGD with momentum, float32, within 1e-5), on real worker processes."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mpmd
+from mpmd.models.moe import MoE, balance_loss, capacity, positions_in_experts, z_loss
+from tests.support import moe as tiny
+from tests.support import reference as ref
+
+RTOL = 1e-5
+
+
+def test_queue_places_are_rank_major_then_token_order():
+    # 4 tokens' top-2 experts of 3: every first choice is served before any second one.
+    experts = jnp.array([[0, 1], [0, 2], [0, 1], [1, 0]])
+    np.testing.assert_array_equal(positions_in_experts(experts, 3), [[0, 1], [1, 0], [2, 2], [0, 3]])
+    assert capacity(4, 3, 2, 0.75) == 2           # ceil(0.75 x 4 x 2 / 3)
+    assert capacity(4, 3, 2, None) == 4           # dropless: every token could pick one expert
+
+
+def _layer(router, capacity_factor, top_k=1, num_experts=2):
+    layer = MoE(2, 3, num_experts, top_k, capacity_factor=capacity_factor, rngs=nnx.Rngs(0))
+    layer.router[...] = jnp.asarray(router, jnp.float32)
+    return layer
+
+
+def _swiglu(layer, e, x):
+    silu = lambda v: v / (1 + np.exp(-v))
+    g, u, d = (np.asarray(w[...])[e] for w in (layer.gate, layer.up, layer.down))
+    return (silu(x @ g) * (x @ u)) @ d
+
+
+def test_capacity_drops_and_counts_exactly_the_tokens_over_it():
+    """6 tokens, 2 experts, top-1, capacity factor 1: C = ceil(6 x 1 / 2) = 3. Tokens 0-4 pick
+    expert 0 and token 5 expert 1: expert 0 keeps tokens 0, 1, 2 and drops 3 and 4, whose
+    output is then exactly 0; the others get p x expert(x)."""
+    x = np.array([[1.0, 0.0]] * 5 + [[0.0, 1.0]], np.float32)
+    layer = _layer([[2.0, -2.0], [-2.0, 2.0]], 1.0)
+    y, _ = layer.apply(jnp.asarray(x)[None])
+    y = np.asarray(y[0])
+    p = 1 / (1 + math.exp(-4.0))                    # softmax of (2, -2)
+    for t in range(3):
+        np.testing.assert_allclose(y[t], p * _swiglu(layer, 0, x[t]), rtol=1e-6)
+    np.testing.assert_array_equal(y[3:5], 0.0)
+    np.testing.assert_allclose(y[5], p * _swiglu(layer, 1, x[5]), rtol=1e-6)
+    np.testing.assert_array_equal(layer.routed[...], [5, 1])
+    np.testing.assert_array_equal(layer.dropped[...], [2, 0])
+    # Counted again by a second training forward; not by an evaluation.
+    layer.apply(jnp.asarray(x)[None])
+    np.testing.assert_array_equal(layer.dropped[...], [4, 0])
+    layer.eval()
+    layer.apply(jnp.asarray(x)[None])
+    np.testing.assert_array_equal(layer.dropped[...], [4, 0])
+
+
+def test_top2_capacity_drops_the_second_choices_first():
+    """The 4 tokens of test_queue_places... with C = 2: token 2 loses both its experts (places 2,
+    2) and token 3 its second (place 3); all other assignments are kept. Dropless keeps all."""
+    # With the identity as router the logits are the tokens themselves: these make exactly
+    # those top-2 choices.
+    x = logits = np.array([[3, 2, 0], [3, 0, 2], [3, 2, 0], [2, 3, 0]], np.float32)
+    layer = MoE(3, 4, 3, 2, capacity_factor=0.75, rngs=nnx.Rngs(1))
+    layer.router[...] = jnp.eye(3)
+    y, _ = layer.apply(jnp.asarray(x)[None])
+    np.testing.assert_array_equal(layer.routed[...], [4, 3, 1])
+    # Expert 0 drops token 2 (place 2) and token 3's second choice (place 3); expert 1 token 2.
+    np.testing.assert_array_equal(layer.dropped[...], [2, 1, 0])
+    np.testing.assert_array_equal(y[0, 2], 0.0)
+    w = np.exp(logits[3]) / np.exp(logits[3]).sum()
+    top = w[[1, 0]] / w[[1, 0]].sum()                                  # renormalised over its top 2
+    np.testing.assert_allclose(y[0, 3], top[0] * _swiglu(layer, 1, x[3]), rtol=1e-5)
+    dropless = MoE(3, 4, 3, 2, capacity_factor=None, rngs=nnx.Rngs(1))
+    dropless.router[...] = jnp.eye(3)
+    dropless.apply(jnp.asarray(x)[None])
+    np.testing.assert_array_equal(dropless.dropped[...], [0, 0, 0])
+
+
+def test_auxiliary_losses_are_the_switch_and_z_loss_formulas():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)
+    probs = jax.nn.softmax(logits)
+    experts = jax.lax.top_k(probs, 2)[1]
+    f = np.bincount(np.asarray(experts).ravel(), minlength=4) / 32
+    np.testing.assert_allclose(balance_loss(probs, experts, 4), 4 * np.sum(f * np.asarray(probs).mean(0)), rtol=1e-6)
+    uniform = jnp.full((8, 4), 0.25)
+    assert float(balance_loss(uniform, jnp.array([[0, 1], [2, 3]] * 4), 4)) == pytest.approx(1.0)
+    lse = np.log(np.exp(np.asarray(logits)).sum(-1))
+    np.testing.assert_allclose(z_loss(logits), np.mean(lse ** 2), rtol=1e-6)
+
+
+def _pipelined(schedule, m, v, cluster, data):
+    """(losses, aux losses, final parameter leaves, routing state) of the MoE Llama cut into 2
+    stages per slice-count (v per slice) and trained on `cluster`."""
+    model = tiny.make_model()
+    stages = mpmd.split(model, 2 * v, model.sample_input(tiny.BATCH // m))
+    trainer = mpmd.Trainer(mpmd.Pipeline(stages, mpmd.models.lm_loss), tiny.sgd(), schedule=schedule,
+                           num_microbatches=m, virtual_stages=v, cluster=cluster)
+    try:
+        metrics = [trainer.step(x, y) for x, y in data]
+        return ([r["loss"] for r in metrics], [r["aux_loss"] for r in metrics],
+                ref.stage_leaves(trainer.params()), trainer.state())
+    finally:
+        trainer.close(close_cluster=not isinstance(cluster, mpmd.LocalCluster))
+
+
+def _check(got, m, data):
+    want_losses, want_params, want_aux = tiny.reference(data, m)
+    losses, aux, params, state = got
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    np.testing.assert_allclose(aux, want_aux, rtol=RTOL)
+    assert min(aux) > 0
+    ref.assert_leaves_close(params, want_params, RTOL)
+    dropped = sum(int(np.sum(v)) for s in state for path, v in s.items() if path.endswith("dropped"))
+    routed = sum(int(np.sum(v)) for s in state for path, v in s.items() if path.endswith("routed"))
+    # Every training forward routed each token of each MoE block to top_k experts; some dropped.
+    assert routed == len(data) * tiny.BATCH * tiny.SEQ * 2 * tiny.MOE["top_k"]
+    assert 0 < dropped < routed
+
+
+@pytest.mark.slow      # a training run against the reference: outside the fast loop, like the grids
+def test_pipelined_in_process_equals_unpipelined():
+    data = tiny.batches()
+    _check(_pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data), 4, data)
+
+
+# 1F1B needs m >= the 2 slices: GPipe stands in for it at m = 1.
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,v,m", [("1f1b", 1, 4), ("gpipe", 1, 1), ("zb-v", 2, 4), ("zb-v", 2, 1)])
+def test_pipelined_on_workers_equals_unpipelined(workers, schedule, v, m):
+    data = tiny.batches()
+    _check(_pipelined(schedule, m, v, workers, data), m, data)
