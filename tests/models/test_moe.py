@@ -202,3 +202,35 @@ def test_split_prices_an_moe_block_by_the_compute_its_dispatch_does():
     assert unit == "flops"
     assert active < capped < 1.3 * active < every
     assert 0.8 * every < dropless < 1.3 * every
+
+
+def test_sigmoid_router_and_shared_expert():
+    """Sigmoid scores pick the top_k and their weights are renormalised to sum 1; a shared
+    expert adds its dense SwiGLU of every token to the routed experts' output."""
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(1, 6, 8)), jnp.float32)
+    routed = MoE(8, 8, 4, 2, router="sigmoid", rngs=nnx.Rngs(3))
+    both = MoE(8, 8, 4, 2, router="sigmoid", shared_mlp_dim=8, rngs=nnx.Rngs(3))
+    for name in ("router", "gate", "up", "down"):
+        getattr(both, name)[...] = getattr(routed, name)[...]
+    logits = np.asarray(x[0]) @ np.asarray(routed.router[...])
+    scores = 1 / (1 + np.exp(-logits))
+    top = np.argsort(-scores, axis=-1)[:, :2]
+    weights = np.take_along_axis(scores, top, -1) / np.take_along_axis(scores, top, -1).sum(-1, keepdims=True)
+    want = sum(weights[:, j:j + 1] * np.stack([_swiglu(routed, e, np.asarray(x[0, t])) for t, e in enumerate(top[:, j])])
+               for j in range(2))
+    y, _ = routed.apply(x)
+    np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-6)
+    y_both, _ = both.apply(x)
+    np.testing.assert_allclose(y_both - y, both.shared(x), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_dry_run_counts_total_and_active_parameters(capsys):
+    """configs/moe_tiny.yaml: 2 MoE blocks of 4 experts x 3 x 96 x 128 weights; a token uses 2
+    of the 4, so half of those are inactive."""
+    from mpmd.recipes import train_cli
+    from tests.support.processes import ROOT
+    assert train_cli.main([str(ROOT / "configs/moe_tiny.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    total = int(out.split("parameters: ")[1].split(" ")[0].replace(",", ""))
+    inactive = 2 * 2 * 3 * 96 * 128
+    assert f"active per token {total - inactive:,}" in out and "slice 1:" in out
