@@ -38,8 +38,8 @@ class ModelSpec:
     axis -> mesh axis its parameters need beyond mpmd.stages.sharding.RULES (mesh.rules
     override them). problems(cfg) -> sentences naming what is wrong across sections (a
     section's own bounds are its fields'). state_metrics(cfg) -> None, or a reader
-    read(step, state) -> dict that the recipe calls on eval steps with Trainer.state() (its
-    stages' state) and merges into the step's metrics record. active_params(cfg, sizes) ->
+    read(step, state) -> dict that the recipe calls on eval steps with its stages' state
+    ({path in the model: host array}) and merges into the step's metrics record. active_params(cfg, sizes) ->
     the parameters one token uses (a mixture's routed experts count top_k of num_experts),
     from {parameter path: size}; None where that is every parameter."""
     name: str

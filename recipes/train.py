@@ -40,6 +40,7 @@ from mpmd.recipes import run_log
 from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
+from mpmd.stages import leaf_paths
 from mpmd.stages import sharding
 from mpmd.train.checkpoints import CheckpointError, NonFinite  # noqa: F401  (raised through run())
 from mpmd.stages.sharding import LayoutError
@@ -411,7 +412,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
                 if read_state is not None:
-                    record.update(read_state(done, trainer.state()))
+                    record.update(read_state(done, state_by_path(trainer)))
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
@@ -446,6 +447,17 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
           f"report {summary['report']}")
     print(goodput_line(summary["goodput"]))
     return summary
+
+
+def state_by_path(trainer: mpmd.Trainer) -> dict:
+    """{path in the model (blocks.1.mlp.routed): host array} of every stage's state leaf, as
+    checkpoints name them (`stage<k>/...` where a stage's parameters cannot say)."""
+    pipeline, out = trainer.pipeline, {}
+    for k, (fn, leaves) in enumerate(zip(pipeline.fns, trainer.state())):
+        if fn.state is not None:
+            paths = leaf_paths.state_paths(fn, pipeline.param_paths[k], k, pipeline.scoped_paths)
+            out.update({path: leaves[local] for path, local in zip(paths, fn.state.paths)})
+    return out
 
 
 def _elastic_record(trainer: mpmd.Trainer, logged_changes: int) -> dict:

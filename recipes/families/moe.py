@@ -79,22 +79,22 @@ def _moe(cfg: Config, rngs):
 
 
 def routing_reader(cfg: Config):
-    """read(step, state) -> {"tokens_dropped", "dropped_fraction", "expert_load"}: over the
-    assignments routed since the previous read (the first read, or one after a rewind to an
-    earlier step: since step 0, a resumed run's steps before it included), how many the
-    experts' capacity dropped, their share, and per MoE block (stage k, its path there) each
-    expert's share of what was routed. The counts are int32 stage state wrapping modulo 2^32
+    """read(step, state) -> {"tokens_dropped", "dropped_fraction", "expert_load"}, `state`
+    {path in the model: stage state leaf}: over the assignments routed since the previous read
+    (the first read, or one after a rewind to an earlier step: since step 0, a resumed run's
+    steps before it included), how many the experts' capacity dropped, their share, and per
+    MoE block (its path, blocks.1.mlp) each expert's share of what was routed. The counts are int32 stage state wrapping modulo 2^32
     (models/moe.py), so a difference is exact while an interval routes under 2^32."""
     import numpy as np
     before: dict = {}
     last_step = [None]
 
-    def read(step: int, state: list[dict]) -> dict:
+    def read(step: int, state: dict) -> dict:
         if last_step[0] is not None and step <= last_step[0]:
             before.clear()
         last_step[0] = step
-        now = {f"stage{k}/{path}": np.asarray(v, np.uint32) for k, leaves in enumerate(state)
-               for path, v in leaves.items() if path.endswith((".routed", ".dropped"))}
+        now = {path: np.asarray(v).astype(np.uint32) for path, v in state.items()
+               if path.endswith((".routed", ".dropped"))}
         delta = {key: (v - before.get(key, np.zeros_like(v))).astype(np.int64) for key, v in now.items()}
         before.clear()
         before.update(now)

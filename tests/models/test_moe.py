@@ -265,3 +265,25 @@ def test_a_worker_killed_mid_run_recovers_bitwise(workers, tmp_path):
     assert got[0] == want[0]
     assert all(np.array_equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2]))
     assert sum(int(c.sum()) for c in got[2]) > 0
+
+
+def test_remat_keeps_the_loss_the_aux_loss_and_the_gradients():
+    """Under remat the MoE block adds its auxiliary loss outside jax.checkpoint: the same
+    objective and gradients as without remat."""
+    from mpmd.models.moe import MoELlama
+    x, y = tiny.batches(steps=1)[0]
+
+    def value_and_grad(remat):
+        model = MoELlama(tiny.VOCAB, tiny.D, tiny.HEADS, tiny.BLOCKS, tiny.SEQ, every=2, remat=remat,
+                         moe={**tiny.MOE, "add_loss": mpmd.add_loss}, rngs=nnx.Rngs(0))
+
+        def objective(model):
+            with mpmd.collect_losses() as aux:
+                logits = model(x)
+            return mpmd.models.lm_loss(logits, y) + sum(aux), sum(aux)
+        (loss, aux), grads = nnx.jit(nnx.value_and_grad(objective, has_aux=True))(model)
+        return float(loss), float(aux), [np.asarray(g) for g in jax.tree.leaves(grads)]
+    plain, remat = value_and_grad("none"), value_and_grad("block")
+    assert plain[1] > 0
+    np.testing.assert_allclose(remat[:2], plain[:2], rtol=1e-6)
+    ref.assert_leaves_close(remat[2], plain[2], 1e-6, "gradients")
