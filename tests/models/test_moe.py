@@ -142,16 +142,18 @@ def test_pipelined_on_workers_equals_unpipelined(workers, schedule, v, m):
 
 
 @pytest.mark.slow      # a training run against the reference
-def test_experts_laid_out_along_a_mesh_axis_train_equal():
-    """Each slice of 2 devices holds half of every MoE block's experts (rules: expert ->
-    tensor; attention heads along it too), XLA's SPMD partitioner moving the tokens to their
-    experts inside the stage program: the same training as the unpipelined model."""
+@pytest.mark.parametrize("layout", [{"tensor": 2}, {"tensor": 2, "data": 2}], ids=["tensor2", "tensor2-data2"])
+def test_experts_laid_out_along_a_mesh_axis_train_equal(layout):
+    """Each slice of 2 (or 4: data=2 as well) devices holds half of every MoE block's experts
+    (rules: expert -> tensor; attention heads along it too), XLA's SPMD partitioner moving the
+    tokens to their experts inside the stage program: the same training as the unpipelined
+    model."""
     mesh, rules = sharding.SliceMesh(tensor=2), sharding.check_rules({"expert": "tensor"})
     # The experts' dimension is split; the expert's width (mlp, also on tensor) then is not.
     assert sharding.param_layout(("expert", "embed", "mlp"), (4, 16, 16), mesh, rules, "gate") == P("tensor", None, None)
     assert sharding.param_layout(("embed", "expert"), (16, 4), mesh, rules, "router") == P(None, "tensor")
     data = tiny.batches()
-    got = _pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data, mesh={"tensor": 2}, rules={"expert": "tensor"})
+    got = _pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data, mesh=layout, rules={"expert": "tensor"})
     _check(got, 4, data)
 
 
