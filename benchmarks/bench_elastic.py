@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_recovery import MODELS, workers_log_to  # noqa: E402  (gpt_tiny's and gpt_small's shapes)
 from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
+from mpmd.train.relayout import LOST_CAUSES as LOST  # noqa: E402  (the causes of goodput()["lost_s"])
 
 STAGES, M, EVERY = 4, 4, 5
 POLICIES = {   # name -> (mpmd.Recovery arguments, LocalCluster arguments, kills?)
@@ -49,7 +50,6 @@ POLICIES = {   # name -> (mpmd.Recovery arguments, LocalCluster arguments, kills
     "shrink": ({"on_loss": "shrink"}, {}, True),
     "no-capacity": ({"on_loss": "auto", "replace_timeout_s": 0}, {"max_workers": STAGES}, True),
 }
-LOST = ("aborted_s", "replace_s", "relayout_s", "restore_s", "replayed_s")
 
 
 def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_every: int) -> dict:

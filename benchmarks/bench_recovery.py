@@ -116,18 +116,18 @@ def timed_cluster(**kw):
         parts: dict = {}
         _in_replace = False
 
-        def replace(self, slice_index):
+        def replace(self, slice_index, wait_s=None):
             self.parts, self._in_replace = {"spawn": 0.0, "ship": 0.0}, True
             t0 = time.perf_counter()
             try:
-                super().replace(slice_index)
+                super().replace(slice_index, wait_s)
             finally:
                 self._in_replace = False
             self.parts["replace"] = time.perf_counter() - t0
 
-        def _new_worker(self, slice_index):
+        def _new_worker(self, slice_index, wait_s):
             t0 = time.perf_counter()
-            address = super()._new_worker(slice_index)
+            address = super()._new_worker(slice_index, wait_s)
             self.parts["spawn"] += time.perf_counter() - t0
             return address
 

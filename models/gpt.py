@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from mpmd.models import kv_cache
+
 # nanoGPT / GPT-2 initialise embeddings with N(0, 0.02); the nnx.Embed default (unit variance
 # per row) makes the residual stream start far larger than the attention/MLP updates.
 _EMBED_INIT = nnx.initializers.normal(stddev=0.02)
@@ -80,6 +82,10 @@ class Embed(nnx.Module):
             return _dropped(self.drop, self.token(tokens) + self.position(positions))
         # Positions 0..T-1 broadcast over the batch: [T, D] + [B, T, D].
         return _dropped(self.drop, self.token(tokens) + self.position(jnp.arange(num_steps)))
+
+    def decode(self, tokens: jax.Array, start) -> jax.Array:
+        """The embedding of T new tokens at window positions start .. start+T-1 (decoding)."""
+        return _dropped(self.drop, self.token(tokens) + self.position(kv_cache.positions(*tokens.shape, start)))
 
 
 def dropout(rate: float, seed: int, index: int) -> nnx.Dropout | None:
@@ -148,6 +154,18 @@ class CausalSelfAttention(nnx.Module):
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
         return self.out(attended.reshape(batch, num_steps, d_model))
 
+    def empty_cache(self, batch: int, num_slots: int) -> kv_cache.LayerCache:
+        return kv_cache.empty(batch, num_slots, self.num_heads, self.qkv.in_features // self.num_heads, jnp.float32)
+
+    def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
+        """(output [B, T, D], cache) of T new tokens at window positions start.. attending to the
+        cached ones and to themselves (models/kv_cache.py)."""
+        batch, num_new, d_model = x.shape
+        head_dim = d_model // self.num_heads
+        q, k, v = (a.reshape(batch, num_new, self.num_heads, head_dim) for a in jnp.split(self.qkv(x), 3, axis=-1))
+        attended, cache = kv_cache.attend(q, k, v, cache, start)
+        return self.out(attended), cache
+
 
 class FeedForward(nnx.Module):
     """Position-wise D -> mlp_ratio*D -> D with GELU (named so as not to clash with models.MLP)."""
@@ -176,6 +194,12 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         x = x + _dropped(self.drop, self.attn(self.ln_attn(x), segment_ids=segment_ids))
         return x + _dropped(self.drop, self.mlp(self.ln_mlp(x)))
+
+    def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
+        """__call__ for T new tokens at window positions start.., with the attention's cache."""
+        attended, cache = self.attn.decode(self.ln_attn(x), cache, start)
+        x = x + _dropped(self.drop, attended)
+        return x + _dropped(self.drop, self.mlp(self.ln_mlp(x))), cache
 
 
 class Head(nnx.Module):
@@ -235,6 +259,19 @@ class GPT(nnx.Module):
             x = block(x, segment_ids=segment_ids)
         return self.head(x)
 
+    def empty_cache(self, batch: int = 1) -> list[kv_cache.LayerCache]:
+        """Per block, a key-value cache of seq_len slots holding nothing yet."""
+        return [block.attn.empty_cache(batch, self.seq_len) for block in self.blocks]
+
+    def decode(self, tokens: jax.Array, cache: list, start) -> tuple[jax.Array, list]:
+        """(logits [B, T, V], cache) of T new tokens at window positions start .. start+T-1
+        (start + T <= seq_len), every earlier position's keys and values read from `cache`
+        (models/kv_cache.py; models/decoding.py drives it). In eval mode (`.eval()`) it gives
+        the logits __call__ gives the window, within float rounding."""
+        x = self.embed.decode(tokens, start)
+        x, cache = kv_cache.through(self.blocks, x, cache, start)
+        return self.head(x), cache
+
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats over batch and time, computed in float32 (or
@@ -248,3 +285,17 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
             f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def masked_lm_loss(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """Token-weighted next-token cross-entropy of packed rows: (sum of nats over the tokens
+    whose `batch["loss_mask"]` is 1, their count). A pipeline divides the step's summed
+    loss by its summed weight, so every real token weighs the same whatever microbatch or
+    row it sits in, and padding (mask 0) weighs nothing."""
+    targets, mask = batch["targets"], batch["loss_mask"].astype(jnp.float32)
+    if logits.shape[:-1] != targets.shape or mask.shape != targets.shape:
+        raise ValueError(f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis, and "
+                         f"loss_mask {mask.shape} the targets' shape")
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(nll * mask), jnp.sum(mask)

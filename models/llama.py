@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mpmd.models import kv_cache
 from mpmd.models.gpt import (_EMBED_INIT, _check_per_token, _dropped, _linear, _require_positive, attention_mask,
                              axes, dropout)
 
@@ -62,9 +63,9 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _rms_norm(d_model: int, dtype, *, rngs: nnx.Rngs):
+def _rms_norm(d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs):
     # flax computes the mean square in float32 whatever the input dtype.
-    return nnx.RMSNorm(d_model, epsilon=1e-5, dtype=dtype,
+    return nnx.RMSNorm(d_model, epsilon=epsilon, dtype=dtype,
                        scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs)
 
 
@@ -152,6 +153,22 @@ class Attention(nnx.Module):
         attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, v)
         return self.out(attended.reshape(batch, num_steps, self.num_heads * head_dim))
 
+    def empty_cache(self, batch: int, num_slots: int) -> kv_cache.LayerCache:
+        head_dim = self.q.in_features // self.num_heads
+        return kv_cache.empty(batch, num_slots, self.num_kv_heads, head_dim, self.q.dtype or jnp.float32)
+
+    def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
+        """(output [B, T, D], cache) of T new tokens at window positions start.. (rotated at
+        those positions) attending to the cached keys and to themselves (models/kv_cache.py)."""
+        batch, num_new, d_model = x.shape
+        head_dim = d_model // self.num_heads
+        at = kv_cache.positions(batch, num_new, start)
+        q = rotary(self.q(x).reshape(batch, num_new, self.num_heads, head_dim), self.rope_theta, at)
+        k = rotary(self.k(x).reshape(batch, num_new, self.num_kv_heads, head_dim), self.rope_theta, at)
+        v = self.v(x).reshape(batch, num_new, self.num_kv_heads, head_dim)
+        attended, cache = kv_cache.attend(q, k, v, cache, start)
+        return self.out(attended), cache
+
 
 class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)): D -> mlp_dim -> D."""
@@ -174,13 +191,13 @@ class Block(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
                  rope_theta: float = 10_000.0, dtype="float32", remat: str = "none",
-                 drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
+                 drop: nnx.Dropout | None = None, norm_eps: float = 1e-5, *, rngs: nnx.Rngs):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
-        self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
+        self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
         self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, rngs=rngs)
-        self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), rngs=rngs)
+        self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
         self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
         self.drop = drop
 
@@ -195,16 +212,23 @@ class Block(nnx.Module):
             return self.forward(x, segment_ids, positions)
         return nnx.remat(Block.forward, policy=REMAT_POLICIES[self.remat])(self, x, segment_ids, positions)
 
+    def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
+        """forward for T new tokens at window positions start.., with the attention's cache
+        (no remat: decoding takes no gradient)."""
+        attended, cache = self.attn.decode(self.attn_norm(x), cache, start)
+        x = x + _dropped(self.drop, attended)
+        return x + _dropped(self.drop, self.mlp(self.mlp_norm(x))), cache
+
 
 class Head(nnx.Module):
     """Final RMSNorm + LM head: [B, T, D] -> float32 logits [B, T, vocab_size]. `tied`: the
     token Embed whose table (transposed) is the head's weight, instead of a weight of its own."""
 
     def __init__(self, d_model: int, vocab_size: int, dtype="float32", tied: Embed | None = None,
-                 *, rngs: nnx.Rngs):
+                 norm_eps: float = 1e-5, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, vocab_size=vocab_size)
         self.dtype = _compute_dtype(dtype)
-        self.norm = _rms_norm(d_model, self.dtype, rngs=rngs)
+        self.norm = _rms_norm(d_model, self.dtype, norm_eps, rngs=rngs)
         # A shared nnx.Param: nnx.state lists it once, with the embedding.
         self.table = tied.token.embedding if tied is not None else None
         # Small init (0.02): unit-scale initial logits start the loss above ln(vocab_size).
@@ -221,6 +245,7 @@ class Head(nnx.Module):
 class Llama(nnx.Module):
     """Decoder-only LM: Embed, num_layers Blocks, Head. tokens [B, T] -> float32 logits [B, T, V].
 
+    `norm_eps`: every RMSNorm's epsilon (Hugging Face Llamas use 1e-6 or 1e-5).
     `mlp_dim` None: the SwiGLU width whose three matrices hold about as many weights as a
     4 x d_model GELU MLP's two (8/3 x d_model), rounded up to a multiple of 64.
     `stage_ends`/`mark`: `mark(x)` is applied to the activation after each layer index in
@@ -230,7 +255,8 @@ class Llama(nnx.Module):
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, seq_len: int,
                  num_kv_heads: int | None = None, mlp_dim: int | None = None, rope_theta: float = 10_000.0,
                  tie_embeddings: bool = False, dtype="float32", remat: str = "none",
-                 stage_ends=(), mark=None, dropout_rate: float = 0.0, dropout_seed: int = 0, *, rngs: nnx.Rngs):
+                 stage_ends=(), mark=None, dropout_rate: float = 0.0, dropout_seed: int = 0, norm_eps: float = 1e-5,
+                 *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
                           num_layers=num_layers, seq_len=seq_len)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -238,9 +264,10 @@ class Llama(nnx.Module):
         self.embed = Embed(vocab_size, d_model, seq_len, dtype, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
         # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
         self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, mlp_dim, rope_theta, dtype, remat,
-                                      dropout(dropout_rate, dropout_seed, i + 1), rngs=rngs)
+                                      dropout(dropout_rate, dropout_seed, i + 1), norm_eps, rngs=rngs)
                                 for i in range(num_layers)])
-        self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, rngs=rngs)
+        self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, norm_eps=norm_eps,
+                         rngs=rngs)
         self.seq_len, self.tie_embeddings = seq_len, tie_embeddings
         self.cut_after(stage_ends, mark)
 
@@ -282,3 +309,15 @@ class Llama(nnx.Module):
             if i in self.stage_ends:
                 x = self.mark(x)
         return x
+
+    def empty_cache(self, batch: int = 1) -> list[kv_cache.LayerCache]:
+        """Per block, a key-value cache of seq_len slots (num_kv_heads wide) holding nothing yet."""
+        return [block.attn.empty_cache(batch, self.seq_len) for block in self.blocks]
+
+    def decode(self, tokens: jax.Array, cache: list, start) -> tuple[jax.Array, list]:
+        """(float32 logits [B, T, V], cache) of T new tokens at window positions start ..
+        start+T-1 (start + T <= seq_len), earlier positions' keys and values read from `cache`
+        (models/gpt.py GPT.decode). Decoding runs on one process: stage marks are not applied."""
+        x = self.embed(tokens)
+        x, cache = kv_cache.through(self.blocks, x, cache, start)
+        return self.head(x), cache

@@ -171,9 +171,10 @@ class MoEBlock(Block):
     add_loss) outside its rematerialised forward (module doc)."""
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, moe: MoE, rope_theta: float = 10_000.0,
-                 dtype="float32", remat: str = "none", drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
+                 dtype="float32", remat: str = "none", drop: nnx.Dropout | None = None, norm_eps: float = 1e-5,
+                 *, rngs: nnx.Rngs):
         # Block makes a dense SwiGLU that the MoE replaces (width 1: negligible).
-        super().__init__(d_model, num_heads, num_kv_heads, 1, rope_theta, dtype, remat, drop, rngs=rngs)
+        super().__init__(d_model, num_heads, num_kv_heads, 1, rope_theta, dtype, remat, drop, norm_eps, rngs=rngs)
         self.mlp = moe
 
     def forward(self, x, segment_ids=None, positions=None):
@@ -207,7 +208,8 @@ class MoELlama(Llama):
             dense = self.blocks[i]
             self.blocks[i] = MoEBlock(d_model, num_heads, num_kv_heads,
                                       MoE(d_model, **moe, dtype=dtype, rngs=rngs),
-                                      llama.get("rope_theta", 10_000.0), dtype, remat, dense.drop, rngs=rngs)
+                                      llama.get("rope_theta", 10_000.0), dtype, remat, dense.drop,
+                                      llama.get("norm_eps", 1e-5), rngs=rngs)
 
     @staticmethod
     def moe_blocks(num_layers: int, every: int) -> list[int]:

@@ -1,13 +1,17 @@
-"""The `mpmd` command: `mpmd train`, `mpmd tune`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
 from __future__ import annotations
 
 import sys
 
 COMMANDS = {
     "train": ("mpmd.recipes.train_cli", "train a model from a YAML config and key=value overrides"),
+    "generate": ("mpmd.recipes.generate_cli", "continue a prompt with a trained run's model (key-value cache)"),
     "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
+    "tokenizer": ("mpmd.recipes.tokenizer_cli", "make a byte-level BPE tokenizer from your text files: mpmd tokenizer train"),
+    "tokenize": ("mpmd.recipes.tokenize_cli", "tokenize text files into a corpus data.source=tokens trains from"),
     "schedule": ("mpmd.schedules.cli", "simulate a pipeline schedule and draw its timeline"),
     "report": ("mpmd.report.cli", "one HTML page of a run: curves, measured vs simulated pipeline, goodput, memory"),
+    "export": ("mpmd.recipes.export_cli", "write a run's checkpoint as a Hugging Face Llama: mpmd export RUN_DIR --hf OUT_DIR"),
     "cluster": ("mpmd.recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
     "worker": ("mpmd.runtime.worker.main", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }

@@ -73,7 +73,7 @@ class ByteSplit:
     """A contiguous run of bytes served as windows [k*T, (k+1)*T] (T + 1 bytes each)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
-        assert tokens.dtype == np.uint8 and seq_len >= 1
+        assert tokens.dtype.kind in "ui" and seq_len >= 1    # bytes, or a tokenizer's int32 ids
         self.tokens, self.seq_len = tokens, seq_len
         self.num_examples = max(0, (len(tokens) - 1) // seq_len)
         self._perm_key, self._perm = None, None
@@ -96,10 +96,12 @@ class ByteSplit:
 
 
 class ByteCorpus:
-    """Files concatenated in order, capped at max_bytes; the last eval_fraction is eval."""
+    """Files concatenated in order, capped at max_bytes; the last eval_fraction is eval. With
+    a tokenizer (recipes/tokenizer.py, not bytes) each file's text is its tokens, followed by
+    the end-of-text token where the tokenizer has one."""
 
     def __init__(self, files: list[Path], seq_len: int, eval_fraction: float,
-                 max_bytes: int = 8_000_000):
+                 max_bytes: int = 8_000_000, tok=None):
         if not 0 < eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         chunks, total = [], 0
@@ -114,7 +116,13 @@ class ByteCorpus:
             chunks.append(data)
             total += len(data)
         self.files = list(files)
-        self.tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        if tok is None:
+            self.tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8)
+        else:
+            eos = [np.asarray([tok.eos_id], np.int32)] if tok.eos_id is not None else []
+            texts = [chunk.decode("utf-8", errors="replace") for chunk in chunks]
+            self.tokens = np.concatenate([part for ids in tok.encode_batch(texts) for part in [ids, *eos]]
+                                         or [np.zeros(0, np.int32)])
         split = int(len(self.tokens) * (1 - eval_fraction))
         self.train = ByteSplit(self.tokens[:split], seq_len)
         self.eval = ByteSplit(self.tokens[split:], seq_len)
@@ -188,6 +196,10 @@ class Loader:
     def state(self) -> dict:
         return {"position": self.position, "seed": self.seed, "batch_size": self.batch_size}
 
+    def restore(self, state: dict | None) -> None:
+        """Where a checkpoint's data_state says the loader stood (the start when None)."""
+        self.seek(state["position"] if state else 0)
+
     @classmethod
     def from_state(cls, source: Source, state: dict) -> "Loader":
         return cls(source, state["batch_size"], state["seed"], position=state["position"])
@@ -207,8 +219,10 @@ def token_sources(cfg: Config) -> tuple[Source, Source]:
     if cfg.data.source == "synthetic":
         return (SyntheticTokens(m.vocab_size, m.seq_len, _TRAIN),
                 SyntheticTokens(m.vocab_size, m.seq_len, _EVAL))
+    from mpmd.recipes import tokenizer
+    tok = None if cfg.data.tokenizer == tokenizer.BYTES else tokenizer.load(cfg.data.tokenizer)
     corpus = ByteCorpus(corpus_files(cfg.data), m.seq_len, cfg.data.eval_fraction,
-                        cfg.data.max_bytes)
+                        cfg.data.max_bytes, tok)
     return corpus.train, corpus.eval
 
 
@@ -220,7 +234,11 @@ def regression_sources(cfg: Config) -> tuple[Source, Source]:
 
 
 def make_loaders(cfg: Config) -> tuple[Loader, Loader]:
-    """(train, eval) loaders at position 0; eval reads its first train.eval_batches batches."""
+    """(train, eval) loaders at position 0; eval reads its first train.eval_batches batches.
+    data.source='tokens' reads its corpus through Grain (recipes/grain_data.py)."""
+    if cfg.data.source == "tokens":
+        from mpmd.recipes import grain_data
+        return grain_data.loaders(cfg)
     train, eval_ = make_sources(cfg)
     return (Loader(train, cfg.train.batch_size, cfg.seed),
             Loader(eval_, cfg.train.batch_size, cfg.seed))

@@ -26,7 +26,7 @@ from mpmd.schedules.simulate import simulate
 from mpmd.stages.specs import spec
 from mpmd.recipes import data
 from mpmd.recipes import registry
-from mpmd.recipes.config import Config
+from mpmd.recipes.config import Config, ConfigError
 from mpmd.recipes.train import build_model, build_optimizer, check_layout
 
 
@@ -36,6 +36,9 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     if not tflops > 0:
         raise ValueError(f"tflops must be a positive number, got {tflops!r}")
     p = cfg.pipeline
+    if cfg.data.pack:
+        raise ConfigError("--dry-run does not yet size a run with data.pack=true; size it with data.pack=false "
+                          "(the same shapes and parameters)")
     train_loader, _ = data.make_loaders(cfg)
     inputs, targets = train_loader.batch_at(0)
     micro = len(inputs) // p.num_microbatches

@@ -41,7 +41,10 @@ class ModelSpec:
     read(step, state) -> dict that the recipe calls on eval steps with its stages' state
     ({path in the model: host array}) and merges into the step's metrics record. active_params(cfg, sizes) ->
     the parameters one token uses (a mixture's routed experts count top_k of num_experts),
-    from {parameter path: size}; None where that is every parameter."""
+    from {parameter path: size}; None where that is every parameter. init_params(cfg) -> None (the built model's own
+    initial values), or what mpmd.Trainer(init_params=...) takes: a function from a stage's
+    parameter paths to their initial arrays (a pretrained checkpoint's, e.g. llama's
+    model.init_from); the model is then built abstract where it can be."""
     name: str
     section: type
     build: Callable[["Config", bool], Any]
@@ -56,6 +59,7 @@ class ModelSpec:
     problems: Callable[["Config"], list[str]] = lambda cfg: []
     state_metrics: Callable[["Config"], Callable | None] = lambda cfg: None
     active_params: Callable[["Config", dict], int | None] = lambda cfg, sizes: None
+    init_params: Callable[["Config"], Callable | None] = lambda cfg: None
 
 
 @dataclasses.dataclass(frozen=True)

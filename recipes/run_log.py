@@ -115,17 +115,56 @@ class TensorBoard:
         self._writer = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def write(self, step: int, metrics: Mapping[str, object]) -> None:
-        for name, value in metrics.items():
-            if hasattr(value, "item"):  # numpy / jax scalar
-                value = value.item()
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(name, float(value), step)
+        for name, value in scalars(metrics).items():
+            self._writer.add_scalar(name, value, step)
 
     def flush(self) -> None:
         self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
+
+
+class WandB:
+    """Numeric metrics to a Weights & Biases run (log.wandb), its files under <run_dir>/wandb.
+
+    Every record carries its step as the metric `step`, W&B's x axis for all the others
+    (define_metric), rather than W&B's own step counter: that counter only moves forward, and
+    a recovered run logs the steps after its checkpoint again. WANDB_MODE=offline (W&B's
+    own variable) writes the run there without a network; `wandb sync <run_dir>/wandb/offline-run-*`
+    uploads it later. A resumed run is a new W&B run of the same name."""
+
+    def __init__(self, run_dir: str | Path, project: str, config: Mapping[str, object]):
+        import wandb  # imported here: only runs that want it pay (the config checked it is installed)
+        from mpmd.recipes.config import ConfigError
+        try:
+            self._run = wandb.init(project=project, name=Path(run_dir).name, dir=str(run_dir), config=dict(config),
+                                   settings=wandb.Settings(silent=True, console="off"))
+        except wandb.errors.Error as e:     # no API key, a project it may not write to, ...
+            raise ConfigError(f"log.wandb=true: W&B could not start a run: {e} (`wandb login`, or "
+                              f"WANDB_MODE=offline to log without an account)") from None
+        self._run.define_metric("*", step_metric="step")
+
+    def write(self, step: int, metrics: Mapping[str, object]) -> None:
+        self._run.log({"step": int(step), **scalars(metrics)})
+
+    def flush(self) -> None:
+        pass     # W&B's own process writes as records arrive
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def scalars(metrics: Mapping[str, object]) -> dict[str, float]:
+    """The metrics that are numbers (numpy / jax scalars included), as floats; bools, strings
+    and nested records left out."""
+    out = {}
+    for name, value in metrics.items():
+        if hasattr(value, "item"):  # numpy / jax scalar
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = float(value)
+    return out
 
 
 def _fmt(value) -> str:

@@ -34,9 +34,11 @@ import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
+from mpmd.recipes import generate
 from mpmd.recipes import preempt
 from mpmd.recipes import registry
 from mpmd.recipes import run_log
+from mpmd.recipes import tokenizer as tokenizer_lib
 from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
@@ -164,52 +166,41 @@ def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recover
 
 
 # -- pieces of the loop --------------------------------------------------------------------
+def _args(batch) -> tuple:
+    """A loader's batch as the Trainer takes it: (inputs, targets), or a batch dict alone."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
 def evaluate(trainer: mpmd.Trainer, eval_loader: data.Loader, num_batches: int) -> float:
     """Mean forward-only loss over the same first num_batches eval batches every time."""
-    losses = [trainer.evaluate(*eval_loader.batch_at(i)) for i in range(num_batches)]
+    losses = [trainer.evaluate(*_args(eval_loader.batch_at(i))) for i in range(num_batches)]
     return float(np.mean(losses))
 
 
 def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> str:
-    """The prompt and its continuation by num_tokens bytes, one pipelined forward per byte,
-    drawn as train.sample_temperature and train.sample_top_k say (next_token), from a
-    generator seeded by cfg.seed: the same run samples the same text.
-
-    The context (last seq_len tokens) is right-padded: attention is causal, so the logits at
-    the context's last position ignore the padding. The batch is one copy of the context per
-    microbatch, the least predict accepts: it costs one lowering for the new shape (a few
-    seconds, once), then each byte is ~batch_size/num_microbatches times cheaper than
-    reusing the training batch shape would be.
-    """
-    seq_len, rows = cfg.model.seq_len, cfg.pipeline.num_microbatches
-    rng = np.random.default_rng(cfg.seed)
-    tokens = list(data.encode(prompt))
-    for _ in range(num_tokens):
-        context = tokens[-seq_len:]
-        window = np.zeros((rows, seq_len), np.int32)
-        window[:, :len(context)] = context
-        (logits,) = trainer.predict(window)
-        tokens.append(next_token(logits[0, len(context) - 1], cfg.train.sample_temperature,
-                                 cfg.train.sample_top_k, rng))
-    return data.decode(tokens)
-
-
-def next_token(logits, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    """A token drawn from softmax(logits / temperature) over the top_k likeliest (0: all);
-    temperature 0 is greedy. Exactly one draw from `rng` per call when sampling."""
-    logits = np.asarray(logits, np.float64)
-    if temperature == 0:
-        return int(np.argmax(logits))
-    if 0 < top_k < logits.size:
-        logits = np.where(logits >= np.sort(logits)[-top_k], logits, -np.inf)
-    scaled = (logits - logits.max()) / temperature
-    probs = np.exp(scaled)
-    return int(rng.choice(logits.size, p=probs / probs.sum()))
+    """The prompt and its continuation by num_tokens tokens, drawn as train.sample_temperature
+    and train.sample_top_k say (mpmd.models.decoding.next_token), from a generator seeded by
+    cfg.seed: the same run samples the same text. Decoded as `mpmd generate` decodes
+    (mpmd.recipes.generate), with the key-value cache, from the trainer's parameters fetched
+    to this process."""
+    model = generate.model_with(cfg, generate.trainer_params(trainer))
+    t = cfg.train
+    return generate.continue_text(model, generate.tokenizer_of(cfg.run_dir), prompt, num_tokens, t.sample_temperature,
+                                  t.sample_top_k, cfg.seed)[0]
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
-    inputs, _ = loader.batch_at(0)
+    batch = loader.batch_at(0)
+    inputs = batch[0] if isinstance(batch, tuple) else batch["inputs"]
     return inputs[:len(inputs) // num_microbatches]
+
+
+def _first_micro(loader: data.Loader, rows: int) -> tuple:
+    """(inputs, targets) of the first batch's first `rows` rows; a batch dict's as (dict, None)."""
+    batch = loader.batch_at(0)
+    if isinstance(batch, tuple):
+        return tuple(part[:rows] for part in batch)
+    return {k: v[:rows] for k, v in batch.items()}, None
 
 
 def _should_eval(cfg: Config, step: int) -> bool:
@@ -222,10 +213,11 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     values. A run directory whose newest committed step has other values is refused
     (ConfigError listing the changed keys) unless allow_config_change; then both hashes
     are recorded."""
-    now = {"math_hash": cfg.math_hash(), "math": cfg.math()}
+    now = {"math_hash": cfg.math_hash(), "math": cfg.math(), **data_metadata(cfg)}
     store = CheckpointStore(cfg.run_dir)
     committed = store.committed() if Path(cfg.run_dir).is_dir() else []
     saved = store.manifest(committed[-1]) if committed else None
+    _check_data_unchanged(cfg, saved or {}, now, allow_config_change)
     if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
         return now
     changes = config_lib.math_changes(saved.get("math", {}), now["math"])
@@ -238,6 +230,36 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     print(f"resuming with a changed config (math hash {saved['math_hash']} -> "
           f"{now['math_hash']}): {'; '.join(changes)}")
     return {**now, "math_hash_before": saved["math_hash"]}
+
+
+def data_metadata(cfg: Config) -> dict:
+    """What every manifest records of the data beyond the config's values: the tokenizer's
+    content hash (a tokenizer other than bytes) and the tokenized corpus's (data.source=tokens).
+    Nothing for the byte tokenizer on the byte corpus or synthetic data."""
+    if cfg.data.source == "tokens":
+        from mpmd.recipes import grain_data
+        return grain_data.metadata(cfg)
+    if cfg.data.tokenizer != tokenizer_lib.BYTES:
+        return {"tokenizer_hash": tokenizer_lib.load(cfg.data.tokenizer).hash}
+    return {}
+
+
+def _check_data_unchanged(cfg: Config, saved: dict, now: dict, allow_config_change: bool) -> None:
+    """A checkpoint trained on another tokenizer or corpus (by content, whatever the paths) is
+    refused (ConfigError naming both hashes) unless allow_config_change."""
+    if "math_hash" not in saved:
+        return
+    changed = [f"{key} {saved.get(key, 'bytes' if key == 'tokenizer_hash' else None)} -> "
+               f"{now.get(key, 'bytes' if key == 'tokenizer_hash' else None)}"
+               for key in ("tokenizer_hash", "corpus_hash") if saved.get(key) != now.get(key)
+               and not (key == "tokenizer_hash" and {saved.get(key), now.get(key)} <= {None, "bytes"})]
+    if not changed:
+        return
+    if not allow_config_change:
+        raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained on other data ({'; '.join(changed)}): "
+                          f"the tokenizer or the tokenized corpus changed since; resume on the same ones, use "
+                          f"another run_dir, or pass --allow-config-change")
+    print(f"resuming on changed data: {'; '.join(changed)}")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -280,10 +302,15 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     # run directory's own check before a run directory exists.
     train_loader, eval_loader = data.make_loaders(cfg)
     sample_input = _first_microbatch(train_loader, p.num_microbatches)
-    stages, loss_fn = build_model(cfg, sample_input)
+    # Pretrained weights (model.init_from) are read stage by stage onto the slices: the model
+    # here needs only its shapes.
+    init_params = registry.get_model_spec(cfg.model.kind).init_params(cfg)
+    stages, loss_fn = build_model(cfg, sample_input, abstract=init_params is not None)
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
+    if cfg.data.source == "tokens" or cfg.data.tokenizer != tokenizer_lib.BYTES:
+        print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
     check_layout(cfg, pipeline, optimizer)
     cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
     check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
@@ -298,7 +325,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
                                    max_grad_norm=cfg.optimizer.max_grad_norm,
                                    run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
                                    mesh=cfg.slice_shapes(), rules=layout_rules(cfg),
-                                   checkpoint=ckpt, recovery=recovery)
+                                   checkpoint=ckpt, recovery=recovery, init_params=init_params)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
@@ -307,8 +334,12 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     try:
         run_dir = Path(cfg.run_dir)
         config_lib.dump(cfg, run_dir / "config.yaml")
-        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule, sample_input,
-                                     train_loader.batch_at(0)[1][:len(sample_input)], *source)
+        tok = tokenizer_lib.of_config(cfg)
+        tokenizer_lib.save_to_run(tok, run_dir)
+        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule,
+                                     *_first_micro(train_loader, len(sample_input)), *source,
+                                     tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size,
+                                                "eos_id": tok.eos_id})
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     except preempt.Preempted:
         abandon = True    # out of time: what is in flight is dropped, the last commit stays
@@ -335,7 +366,9 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
         _seek(train_loader, data_state)
     metrics_log = run_log.MetricsLog(run_dir)
     metrics_log.truncate_after(start_step)
-    board = run_log.TensorBoard(run_dir) if cfg.log.tensorboard else None
+    # Where scalars go beside metrics.jsonl: TensorBoard, Weights & Biases.
+    boards = ([run_log.TensorBoard(run_dir)] if cfg.log.tensorboard else []) + (
+        [run_log.WandB(run_dir, cfg.log.wandb_project, cfg.model_dump(mode="json"))] if cfg.log.wandb else [])
     progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
                                 start_step)
     # What happened before the next record's step, for the report (mpmd.report.load's marks).
@@ -359,6 +392,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     # What the family reads from its stages' state on eval steps (an MoE's routing counts),
     # when nothing runs ahead of the step, so the state is the step's own.
     read_state = registry.get_model_spec(cfg.model.kind).state_metrics(cfg)
+    # step -> CRC-32 of its batch, logged with a tokens run's metrics: which data each step read.
+    digests: dict[int, int] | None = {} if cfg.data.source == "tokens" else None
     try:
         step = done = start_step      # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
@@ -368,8 +403,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 if (step < t.steps and not stop.requested and len(pending) <= trainer.run_ahead
                         and not (pending and _should_eval(cfg, pending[-1][0]))):
                     step += 1
-                    inputs, targets = train_loader.next()
-                    pending.append((step, trainer.submit(inputs, targets, trace=step in cfg.log.trace_steps,
+                    batch = train_loader.next()
+                    if digests is not None:
+                        digests[step] = batch_crc32(batch)
+                    pending.append((step, trainer.submit(*_args(batch), trace=step in cfg.log.trace_steps,
                                                          data_state=train_loader.state())))
                     continue
                 if not pending:
@@ -416,11 +453,13 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
-            # Not TensorBoard scalars: when it was logged, what happened before, peak bytes per slice.
+            # Not TensorBoard scalars: when it was logged, what happened before, the batch's CRC, peak bytes
+            # per slice.
             metrics_log.write(done, {**record, "time": time.time(), **marks,
+                                     **({"batch_crc32": digests.pop(done)} if digests is not None else {}),
                                      **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
             marks = {}
-            if board is not None:
+            for board in boards:
                 board.write(done, record)
                 if done % cfg.log.every == 0:
                     board.flush()
@@ -435,7 +474,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     finally:
         stop.restore()
         progress.close()
-        if board is not None:
+        for board in boards:
             board.close()
     summary = {"first_loss": losses[min(losses)] if losses else None,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
@@ -458,6 +497,14 @@ def state_by_path(trainer: mpmd.Trainer) -> dict:
             paths = leaf_paths.state_paths(fn, pipeline.param_paths[k], k, pipeline.scoped_paths)
             out.update({path: leaves[local] for path, local in zip(paths, fn.state.paths)})
     return out
+def batch_crc32(batch) -> int:
+    """CRC-32 over a batch's arrays, key by key in sorted order (a pair as inputs, targets)."""
+    import zlib
+    arrays = batch if isinstance(batch, tuple) else [batch[k] for k in sorted(batch)]
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).tobytes(), crc)
+    return crc
 
 
 def _elastic_record(trainer: mpmd.Trainer, logged_changes: int) -> dict:
@@ -478,14 +525,15 @@ def goodput_line(g: dict) -> str:
     if not g["failures"] and not g["layout_changes"]:
         return "goodput: no worker lost"
     return (f"goodput: {g['failures']} worker(s) lost, {g['lost_s']:.1f} s lost (aborted steps and detection "
-            f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
+            f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, waiting for capacity "
+            f"{g['capacity_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
             f"restore {g['restore_s']:.1f} s, {g['replayed_steps']} replayed step(s) {g['replayed_s']:.1f} s); "
             f"{g['reduced_width_s']:.1f} s on fewer slices, {g['layout_changes']} layout change(s)")
 
 
 def _seek(loader: data.Loader, data_state) -> None:
     """Put the loader where a checkpoint says it stood (the start when nothing was saved)."""
-    loader.seek(data_state["position"] if data_state else 0)
+    loader.restore(data_state)
 
 
 def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress):

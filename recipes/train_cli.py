@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         _ensure_host_devices(cfg.num_devices)
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     from mpmd.runtime.wire.results import StepFailed
-    from mpmd.runtime.control.cluster import ClusterGone
+    from mpmd.runtime.control.cluster import ClusterGone, ClusterUnavailable
     from mpmd.recipes import preempt
     try:
         summary = train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     except (train.CheckpointError, train.NonFinite) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except ClusterGone as e:
+    except (ClusterGone, ClusterUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except StepFailed as e:  # the worker's log has its traceback; XLA's messages may span lines

@@ -28,7 +28,8 @@ from mpmd.schedules import render
 
 REPORT_FILE = "report.html"
 _BLUE, _ORANGE, _GREEN, _RED, _PURPLE, _GREY = "#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#9d9d9d"
-_CAUSE_COLOURS = dict(zip(CAUSES.values(), ("#e45756", "#f58518", "#4c78a8", "#b279a2", "#72b7b2", "#bab0ac")))
+_CAUSE_COLOURS = dict(zip(CAUSES.values(), ("#e45756", "#f58518", "#eeca3b", "#4c78a8", "#b279a2", "#72b7b2",
+                                            "#bab0ac")))
 _MEMORY_PARTS = (("params", "#4c78a8"), ("grads", "#72b7b2"), ("optimizer", "#f58518"), ("activations", "#54a24b"))
 _UPDATE_COLOUR, _OTHER_RUN_COLOUR, _RECV_COLOUR = "#b279a2", "#bab0ac", "#c9c9c9"
 

@@ -24,8 +24,9 @@ from mpmd.schedules import core as schedules
 METRICS_FILE = "metrics.jsonl"
 # goodput() keys -> the cause a page names; all but the last are time lost (their sum is
 # lost_s), the last is time run on fewer slices than configured.
-CAUSES = {"aborted_s": "detection", "replace_s": "replacement", "restore_s": "restore",
-          "replayed_s": "replay", "relayout_s": "relayout", "reduced_width_s": "narrower layout"}
+CAUSES = {"aborted_s": "detection", "replace_s": "replacement", "capacity_s": "waiting for capacity",
+          "restore_s": "restore", "replayed_s": "replay", "relayout_s": "relayout",
+          "reduced_width_s": "narrower layout"}
 _ELASTIC = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}   # the layouts a shrink picks
 
 

@@ -10,7 +10,9 @@ written once, when the run starts (a resumed run rewrites it), holds
   the report can say which keys the command line changed and which are defaults;
 - "memory": the dry run's prediction (mpmd.stages.costs.memory / slice_memory, from shapes
   alone): per stage and per slice, bytes of parameters, gradients, optimizer state and saved
-  activations at the schedule's peak.
+  activations at the schedule's peak;
+- "tokenizer": {spec, hash, vocab_size, eos_id} of what the run encodes text with, its file
+  copied beside as tokenizer.json unless bytes (mpmd.recipes.tokenizer.run_tokenizer).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import yaml
 
 RUN_INFO_FILE = "run.json"
 # Distributions whose versions change what a run computes or how fast.
-_DISTRIBUTIONS = ("mpmd", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grpcio")
+_DISTRIBUTIONS = ("mpmd", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grpcio", "grain",
+                  "tokenizers")
 
 
 def versions() -> dict[str, str]:
@@ -40,21 +43,28 @@ def versions() -> dict[str, str]:
 
 def predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets) -> dict:
     """{"stages": per stage bytes, "slices": per slice bytes} as `mpmd train --dry-run` prints
-    them (traced only: nothing is allocated)."""
-    from mpmd.stages import costs      # imports JAX: only the recipe's process needs it
+    them (traced only: nothing is allocated); micro_inputs may be one microbatch's batch dict."""
+    from mpmd.stages import batch as batches   # imports JAX: only the recipe's process needs it
+    from mpmd.stages import costs
     from mpmd.stages.specs import spec
-    per_stage = costs.memory(pipeline, optimizer, spec(micro_inputs), spec(micro_targets))
+    if isinstance(micro_inputs, dict):    # one microbatch of a batch dict (micro_targets unused)
+        feeds = batches.plan(pipeline, {k: spec(v) for k, v in micro_inputs.items()}, pair=False)
+        per_stage = costs.memory(pipeline, optimizer, None, None, feeds=feeds)
+    else:
+        per_stage = costs.memory(pipeline, optimizer, spec(micro_inputs), spec(micro_targets))
     return {"stages": per_stage, "slices": costs.slice_memory(schedule, per_stage)}
 
 
 def write_run_info(run_dir: str | Path, pipeline, optimizer, schedule, micro_inputs, micro_targets,
-                   config_file: str | None = None, overrides: Sequence[str] = ()) -> Path:
-    """Writes <run_dir>/run.json (see the module doc); returns its path."""
+                   config_file: str | None = None, overrides: Sequence[str] = (),
+                   tokenizer: dict | None = None) -> Path:
+    """Writes <run_dir>/run.json (see the module doc); returns its path. `tokenizer`: what
+    the run encodes text with (mpmd.recipes.tokenizer.run_tokenizer reads it back)."""
     file_values = {}
     if config_file is not None and Path(config_file).is_file():
         file_values = yaml.safe_load(Path(config_file).read_text()) or {}
     info = {"versions": versions(), "config_file": config_file, "file_values": file_values,
-            "overrides": list(overrides),
+            "overrides": list(overrides), **({"tokenizer": tokenizer} if tokenizer else {}),
             "memory": predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets)}
     path = Path(run_dir) / RUN_INFO_FILE
     tmp = path.with_name(path.name + ".tmp")

@@ -50,7 +50,9 @@ def is_abstract(leaves) -> bool:
 def init_program(stage: nnx.Module, param_tree, shardings, state_shardings=None) -> programs.ProgramSpec:
     """A program with no inputs whose output bundle is the stage's parameter leaves, each made
     directly in its sharding (`shardings`, one per leaf), and with `state_shardings` a second
-    bundle: its stage state (mpmd.stages.pipeline.StageState), one sharding per leaf."""
+    bundle: its stage state (mpmd.stages.pipeline.StageState), one sharding per leaf.
+    `shardings` None: the stage state alone (its parameters come from elsewhere: XLA keeps
+    only the initialisers the state needs)."""
     parts = _parts(stage)
     factory = _ORIGINS[id(parts[0])].factory if parts else None
     if parts is None or any(_ORIGINS[id(p)].factory is not factory for p in parts):
@@ -65,9 +67,10 @@ def init_program(stage: nnx.Module, param_tree, shardings, state_shardings=None)
         built = Layers(*[nodes[p] for p in paths]) if sequential else nodes[paths[0]]
         _, params, rest = nnx.split(built, nnx.Param, ...)
         assert jax.tree.structure(params) == param_tree, "abstract and concrete stage differ in structure"
-        made = (tuple(jax.tree.leaves(params)),)
+        made = (tuple(jax.tree.leaves(params)),) if shardings is not None else ()
         return made + ((carried_values(jax.tree.leaves(rest)),) if state_shardings is not None else ())
-    out = (tuple(shardings),) + ((tuple(state_shardings),) if state_shardings is not None else ())
+    out = ((tuple(shardings),) if shardings is not None else ()) + \
+        ((tuple(state_shardings),) if state_shardings is not None else ())
     return programs.exported(init, out_shardings=out)
 
 

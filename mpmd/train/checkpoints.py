@@ -463,10 +463,11 @@ def with_digests(manifest: dict, digests: dict[str, str]) -> dict:
     return {**manifest, "leaves": leaves}
 
 
-def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
+def read_leaves(run_dir, step: int | None = None, prefix: str = "") -> tuple[int, dict]:
     """(step, {leaf name: host array}) of committed `step` (default the newest), read here,
-    in this process, from every slice's directory: for looking at a checkpoint (tests, tools),
-    never on the training path."""
+    in this process, from every slice's directory: for looking at a checkpoint (tests, tools
+    such as `mpmd export`), never on the training path. `prefix`: only the leaves whose names
+    start with it (e.g. "params/")."""
     import jax
     import numpy as np
     from mpmd.runtime.worker.slice_store import SliceCheckpointer
@@ -477,7 +478,8 @@ def read_leaves(run_dir, step: int | None = None) -> tuple[int, dict]:
         raise ValueError(f"step {step} in {store.root} is not a committed checkpoint of format {FORMAT}")
     items: dict[str, dict] = {}
     for name, leaf in manifest["leaves"].items():
-        items.setdefault(str(store.step_dir(step) / leaf["part"]), {})[name] = [(name, 0)]
+        if name.startswith(prefix):
+            items.setdefault(str(store.step_dir(step) / leaf["part"]), {})[name] = [(name, 0)]
     here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     digests = {name: leaf["digest"] for name, leaf in manifest["leaves"].items() if "digest" in leaf}
     got = SliceCheckpointer().restore(items, lambda name, i: here, digests)

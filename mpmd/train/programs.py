@@ -17,6 +17,8 @@ training steps, the setup plans and the in-memory snapshots all go through it.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from mpmd.lowering import core as lowering
 from mpmd.runtime.worker.instructions import Run
@@ -32,8 +34,9 @@ class Programs:
     the checked logical-axis rules (mpmd/stages/sharding.py)."""
 
     def __init__(self, pipeline, optimizer, max_grad_norm, recv_window: int | None, cluster, rules: dict,
-                 schedule: schedules.Schedule, meshes):
+                 schedule: schedules.Schedule, meshes, init_params=None):
         self.pipeline, self.optimizer, self.cluster = pipeline, optimizer, cluster
+        self._init_params = init_params   # a stage's parameter paths -> their initial arrays, or None
         self._max_grad_norm, self._recv_window, self._rules = max_grad_norm, recv_window, rules
         self._schedule = schedule
         self._layout = self.layout_for(schedule, meshes)
@@ -104,33 +107,57 @@ class Programs:
         """Run a plan that takes no feeds and returns nothing: it creates state on the slices."""
         self.launch(plan).result()
 
-    def materialize(self) -> None:
-        """Put each stage's initial parameters on its slice, laid out on its mesh: the
-        module's own values, shipped once, or for an abstract model (mpmd.abstract) created
-        there, already sharded, by its seeded init; and its initial stage state, if any."""
+    def materialize(self, pretrained: bool = True) -> None:
+        """Put each stage's initial parameters on its slice, laid out on its mesh: those
+        init_params gives (read for one stage at a time; unless not `pretrained`: a
+        checkpoint is about to replace them), else the module's own values,
+        shipped once, or for an abstract model (mpmd.abstract) created there, already
+        sharded, by its seeded init; and its initial stage state, if any (an abstract
+        model's made there by the same init, which then makes only what is not given)."""
         plans: dict[int, list] = {}
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
             r = self.placement[k]
             state = fn.state is not None
-            if abstract.is_abstract(fn.param_leaves):
-                # Created on the slice by the model's seeded init, parameters already sharded,
-                # stage state (replicated) with them.
+            given = self._given_params(k) if pretrained else None
+            concrete = not abstract.is_abstract(fn.param_leaves)
+            if given is not None or concrete:
+                self.cluster.put(r, names.params(k), fn.param_leaves if given is None else given,
+                                 [tuple(p) for p in self._layout.params[k]])
+            if concrete:
+                if state:       # stage state: replicated on the slice's mesh
+                    self.cluster.put(r, names.stage_state(k), fn.state.leaves, [()] * len(fn.state.leaves))
+                continue
+            if given is None or state:
+                # Created on the slice by the model's seeded init, parameters already sharded
+                # (unless given), stage state (replicated) with them.
                 init = names.program("init_params", k)
                 mesh = self._layout.meshes[r].abstract()
-                shardings = [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]]
+                shardings = [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]] \
+                    if given is None else None
                 replicated = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(fn.state.leaves) \
                     if state else None
                 self.cluster.load_programs(r, {init: abstract.init_program(stage, fn.param_tree, shardings, replicated)})
-                made = (names.params(k),) + ((names.stage_state(k),) if state else ())
+                made = ((names.params(k),) if given is None else ()) + ((names.stage_state(k),) if state else ())
                 plans.setdefault(r, []).append(Run(init, (), made, f"init params s{k}"))
-                continue
-            self.cluster.put(r, names.params(k), fn.param_leaves, [tuple(p) for p in self._layout.params[k]])
-            if state:       # stage state: replicated on the slice's mesh
-                self.cluster.put(r, names.stage_state(k), fn.state.leaves, [()] * len(fn.state.leaves))
         if plans:
             for r in range(self.num_slices):
                 self.cluster.install_plan(r, "init_params", plans.get(r, []))
             self.run_setup("init_params")
+
+    def _given_params(self, k: int) -> list | None:
+        """Stage k's initial parameters from init_params, checked against the stage's own
+        shapes and dtypes (ValueError naming the first that differs); None without it."""
+        if self._init_params is None:
+            return None
+        fn, paths = self.pipeline.fns[k], self.pipeline.param_paths[k]
+        given = [np.asarray(a) for a in self._init_params(tuple(paths))]
+        if len(given) != len(paths):
+            raise ValueError(f"init_params gave {len(given)} arrays for stage {k}'s {len(paths)} parameters")
+        for path, array, leaf in zip(paths, given, fn.param_leaves):
+            if array.shape != tuple(leaf.shape) or array.dtype != leaf.dtype:
+                raise ValueError(f"init_params gave {path} as {array.dtype.name}{list(array.shape)}; stage {k} "
+                                 f"holds it as {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}")
+        return given
 
     def reset_state(self) -> None:
         """Back to the initial state: the initial parameters again, and fresh optimizer state

@@ -36,6 +36,7 @@ from mpmd.train.options import Recovery
 log = logging.getLogger("mpmd")
 
 REPLACE_POLL_S = 1.0     # how often a replacement is asked for again within replace_timeout_s
+LOST_CAUSES = ("aborted_s", "replace_s", "capacity_s", "relayout_s", "restore_s", "replayed_s")   # goodput's lost_s
 
 
 def layout_record(schedule: schedules.Schedule, meshes) -> dict:
@@ -61,8 +62,8 @@ class RecoveryPolicy:
         self.recovery_s: dict = {}         # how the last recovery went (Trainer.recovery_s)
         self.changes: list[dict] = []      # one record per move, oldest first
         self._estimates = None             # (stage costs, per-stage bytes) for pricing layouts
-        self._lost = {"failures": 0, "aborted_s": 0.0, "replace_s": 0.0, "relayout_s": 0.0, "restore_s": 0.0,
-                      "replayed_s": 0.0, "replayed_steps": 0}
+        self._lost = {"failures": 0, "aborted_s": 0.0, "replace_s": 0.0, "capacity_s": 0.0, "relayout_s": 0.0,
+                      "restore_s": 0.0, "replayed_s": 0.0, "replayed_steps": 0}
         self._replay_until = 0             # steps up to this one are replays of lost work
         self._narrow_s = 0.0               # time run on fewer slices than configured, finished spans
         self._narrow_since: float | None = None
@@ -130,7 +131,9 @@ class RecoveryPolicy:
         self._steps.rewind(step)
         moved = [self._event(m["why"], m["slowdown"]) for m in moved]   # now that `step` is known
         restore_s = time.perf_counter() - t_restore
-        for key, value in (("replace_s", replace_s), ("relayout_s", relayout_s), ("restore_s", restore_s)):
+        # A replacement waited for in vain is time lost to missing capacity, not to replacing.
+        for key, value in (("replace_s" if replaced else "capacity_s", replace_s), ("relayout_s", relayout_s),
+                           ("restore_s", restore_s)):
             self._lost[key] += value
         self._lost["replayed_steps"] += replayed
         self.recovery_s = {"replace_s": replace_s, "relayout_s": relayout_s, "restore_s": restore_s,
@@ -186,7 +189,9 @@ class RecoveryPolicy:
     def goodput(self) -> dict:
         """Time lost to failures and run at reduced width, so far, in seconds: "failures";
         "aborted_s" (the failed attempts, from their start until the loss was declared:
-        detection included); "replace_s" (getting replacements, or waiting for one in vain);
+        detection included); "replace_s" (getting replacements); "capacity_s" (waiting for
+        capacity that did not come: a replacement waited for in vain, and the checkpoint
+        boundaries' probes for a worker to grow back on that found none);
         "relayout_s" (choosing and setting up a layout on fewer or more slices, and after a
         grow back the first step, which compiles the programs on every slice: one step's
         useful work is counted in it); "restore_s";
@@ -194,7 +199,7 @@ class RecoveryPolicy:
         "lost_s" (their sum); "reduced_width_s" (time on fewer slices than configured);
         "layout_changes"."""
         out = dict(self._lost)
-        out["lost_s"] = sum(out[k] for k in ("aborted_s", "replace_s", "relayout_s", "restore_s", "replayed_s"))
+        out["lost_s"] = sum(out[k] for k in LOST_CAUSES)
         narrow = self._narrow_s + (time.perf_counter() - self._narrow_since if self._narrow_since is not None else 0.0)
         out["reduced_width_s"] = narrow
         out["layout_changes"] = len(self.changes)
@@ -225,7 +230,9 @@ class RecoveryPolicy:
         deadline, wait = t0 + timeout_s, not self.narrow
         while True:
             try:
-                self._cluster.replace(lost.slice_index)
+                # What is left of replace_timeout_s bounds the cluster's own wait for capacity
+                # (Ray); a narrow run only looks.
+                self._cluster.replace(lost.slice_index, wait_s=max(deadline - time.monotonic(), 0.0) if wait else 0.0)
                 return True
             except ClusterGone as e:
                 raise ClusterGone(f"{e}; {committed}") from lost
@@ -283,6 +290,7 @@ class RecoveryPolicy:
             self._move(schedule, meshes, lambda ms: self._cluster.add(ms, before_reset=committed))
             step, manifest = self._checkpointer.restore_committed()
         except ReplaceUnsupported as e:
+            self._lost["capacity_s"] += time.perf_counter() - t0
             log.info("still on %d slice(s): %s", self._programs.num_slices, e)
             return
         except WorkerLost as e:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -50,15 +51,23 @@ class Trainer:
     run resumes from; `mesh`, `rules`: each slice's mesh and the logical-axis rules
     (mpmd/stages/sharding.py); `run_ahead`: steps sent beyond the oldest in flight;
     `recv_window`: receives a slice posts ahead of use; `checkpoint`, `recovery`: the
-    option records (mpmd/train/options.py), their defaults when None."""
+    option records (mpmd/train/options.py), their defaults when None. `init_params(paths)`
+    -> arrays: each stage's initial parameters by their names (`pipeline.param_paths[k]`,
+    e.g. `blocks.3.mlp.up.kernel`), in place of the stages' own values or seeded init
+    (e.g. `mpmd.recipes.hf.open(dir).read`: pretrained weights, read stage by stage); a
+    recovery with nothing saved yet starts from them again."""
 
     def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation,
                  schedule: str | schedules.Schedule = "1f1b", num_microbatches: int | None = None,
                  cluster: Cluster | None = None, virtual_stages: int | None = None,
                  max_grad_norm: float | None = None, run_dir=None, mesh=None, rules: dict | None = None,
                  run_ahead: int = 1, recv_window: int | None = None,
-                 checkpoint: Checkpointing | None = None, recovery: Recovery | None = None):
+                 checkpoint: Checkpointing | None = None, recovery: Recovery | None = None,
+                 init_params: Callable[[tuple[str, ...]], Sequence] | None = None):
         _check_args(pipeline, optimizer, max_grad_norm, run_ahead, recv_window, checkpoint, recovery)
+        if init_params is not None and not callable(init_params):
+            raise ValueError(f"init_params must be a function from a stage's parameter paths to their arrays "
+                             f"(e.g. mpmd.recipes.hf.open(dir).read) or None, got {type(init_params).__name__}")
         built = _schedule(schedule, pipeline.num_stages, num_microbatches, virtual_stages)
         self.pipeline, self.optimizer, self.max_grad_norm = pipeline, optimizer, max_grad_norm
         self.num_microbatches, self.run_ahead, self.recv_window = built.num_microbatches, run_ahead, recv_window
@@ -69,7 +78,7 @@ class Trainer:
         # Each slice's mesh and every stage's layouts, checked before any worker starts.
         meshes = sharding.slice_meshes(mesh, built.num_slices, cluster.devices_per_slice)
         self.programs = Programs(pipeline, optimizer, max_grad_norm, recv_window, cluster,
-                                 sharding.check_rules(rules), built, meshes)
+                                 sharding.check_rules(rules), built, meshes, init_params)
         # What a restored run must match beyond its leaves (the math); how it is laid out is
         # free to differ from the checkpoint's.
         partition = {"num_microbatches": self.num_microbatches, "max_grad_norm": max_grad_norm}
@@ -88,7 +97,9 @@ class Trainer:
         cluster.start(built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
                       meshes=meshes)
         try:
-            self.programs.materialize()
+            # A run that resumes reads no pretrained weights: its checkpoint replaces them (and
+            # one that exists but does not restore stops the run, never a start from them).
+            self.programs.materialize(pretrained=init_params is not None and self.checkpointer.latest() is None)
             self.checkpointer.start(built.placement, self.programs.layout, self.programs.launch)
             step = self.checkpointer.resume()
             if step is not None:

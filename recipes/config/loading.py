@@ -170,17 +170,22 @@ def validate(values: dict) -> Config:
         raise ConfigError("\n".join(_describe_error(err) for err in e.errors())) from None
 
 
+def read_text(path: str | Path, what: str, kind: str = "") -> str:
+    """A user's UTF-8 file, or ConfigError saying it is missing, unreadable or not UTF-8 ('config
+    file' for `what`; `kind` ends the last message: '; a config is YAML')."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} '{path}' not found") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} '{path}': {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text (byte {e.start}: {e.reason}){kind}") from None
+
+
 def _read_yaml(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file '{path}' not found") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file '{path}': {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file '{path}' is not UTF-8 text (byte {e.start}: "
-                          f"{e.reason}); a config is YAML") from None
+    text = read_text(path, "config file", "; a config is YAML")
     try:
         values = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:

@@ -67,6 +67,15 @@ def cross_field_problems(c: Config) -> list[str]:
     if (d.source == "files") != bool(d.paths):
         out.append("data.paths must be non-empty when data.source='files' and empty otherwise, "
                    f"got source '{d.source}' with {len(d.paths)} paths")
+    if (d.source == "tokens") != (d.path is not None):
+        out.append("data.path (a corpus `mpmd tokenize` wrote) must be given when data.source='tokens' and "
+                   f"only then, got source '{d.source}' with path {d.path!r}")
+    if (d.source == "tokens" or d.tokenizer != "bytes") and not hasattr(c.model, "vocab_size"):
+        out.append(f"data.source='{d.source}' with data.tokenizer={d.tokenizer!r} gives tokens, which "
+                   f"model.kind='{c.model.kind}' does not read (it has no model.vocab_size)")
+    if d.pack and d.source != "tokens":
+        out.append(f"data.pack=true packs the documents of a tokenized corpus: it needs data.source='tokens', "
+                   f"got '{d.source}'")
     if t.sample_tokens and not t.sample_prompt:
         out.append("train.sample_prompt must be non-empty when train.sample_tokens > 0")
     if c.optimizer.name != "adamw" and c.optimizer.weight_decay:

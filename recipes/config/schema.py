@@ -7,6 +7,7 @@ Config's validator; which keys exist and how they are read is loading.py's.
 """
 
 import hashlib
+import importlib.util
 import json
 import re
 import typing
@@ -37,11 +38,23 @@ class ModelSection(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["stdlib", "files", "synthetic"] = Field(
-        "stdlib", description="stdlib = this Python's own .py files as bytes; no download")
+    source: Literal["stdlib", "files", "synthetic", "tokens"] = Field(
+        "stdlib", description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
+                              "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline")
     paths: list[str] = Field([], description="files source: file paths, directories or globs")
+    path: str | None = Field(
+        None, description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards)")
+    tokenizer: str = Field(
+        "bytes", description="bytes = one token per UTF-8 byte; or a Hugging Face tokenizer.json (or its "
+                             "directory): model.vocab_size then follows it unless given. The tokens source "
+                             "uses its corpus's tokenizer (a tokenizer given must be the same)")
+    pack: bool = Field(
+        False, description="tokens source: pack whole documents into rows of model.seq_len (Grain's first-fit "
+                           "packing) with segment_ids and positions, the loss over real tokens only; false = "
+                           "windows of the concatenated documents")
     eval_fraction: float = Field(
-        0.05, gt=0, lt=1, description="last fraction of the byte corpus held out for eval")
+        0.05, gt=0, lt=1, description="last fraction of the corpus held out for eval (of its bytes or "
+                                     "tokens; of a tokens corpus's windows, or with data.pack its pieces)")
     max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
 
 
@@ -257,11 +270,23 @@ class LogConfig(_Section):
     trace_steps: list[typing.Annotated[int, Field(gt=0)]] = Field(
         [2, 3], description="steps whose per-task timeline is written as a Perfetto trace")
     tensorboard: bool = Field(True, description="also write scalars to <run_dir>/tb")
+    wandb: bool = Field(
+        False, description="also log scalars to Weights & Biases (needs `pip install 'mpmd[wandb]'`), its files "
+                           "under <run_dir>/wandb; with WANDB_MODE=offline nothing is sent (`wandb sync` uploads later)")
+    wandb_project: str = Field("mpmd", description="the W&B project log.wandb logs to (the run is named after run_dir)")
     progress: Literal["auto", "bar", "lines"] = Field(
         "auto", description="auto = tqdm bar on a terminal, log lines otherwise")
     level: Literal["debug", "info", "warning", "error"] = Field(
         "warning", description="least level of log records on the console (workers' too, one line "
                                "each); info and up always go to <run_dir>/logs; $MPMD_LOG overrides")
+
+    @model_validator(mode="after")
+    def _wandb_installed(self):
+        # Checked with the config, before JAX starts or a worker does, not at the first step.
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ValueError("log.wandb=true needs the wandb package: pip install 'mpmd[wandb]' "
+                             "(or set log.wandb=false)")
+        return self
 
 
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -378,6 +403,8 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_check(self) -> "Config":
+        from mpmd.recipes import tokenizer      # imports the config schema: not at the top
+        tokenizer.resolve_vocab_size(self)     # before the checks that read model.vocab_size
         found = problems.cross_field_problems(self)
         if found:
             raise ValueError("\n".join(found))
@@ -400,13 +427,19 @@ def _flatten(values: dict, prefix: str) -> dict[str, Any]:
 def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """'key: saved -> now' for every math key whose value differs. A model key only one side
     has, at the default of a family that has it, is no change (a manifest from before the
-    model section was per family records every family's keys)."""
+    model section was per family records every family's keys); nor is a key of another section
+    only one side has, at its default (a manifest from before the key existed)."""
     def same(k):
         if k in saved and k in now:
             return saved[k] == now[k]
         section, _, name = k.partition(".")
         one = saved if k in saved else now
-        return section in VARIANTS and "." not in name and default_elsewhere(section, name, one[k])
+        if section in VARIANTS:
+            return "." not in name and default_elsewhere(section, name, one[k])
+        # A key added to a section since (data.tokenizer), at its default, changes nothing.
+        fields = getattr(Config.model_fields.get(section), "annotation", None)
+        field = getattr(fields, "model_fields", {}).get(name)
+        return field is not None and field.default == one[k]
     return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
             for k in sorted(set(saved) | set(now)) if not same(k)]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from mpmd.recipes import hf
 from mpmd.recipes.config import Config, ConfigError, ModelSection
 from mpmd.recipes.families.gpt import DecoderSection, decoder_problems, lm_loss, seq_len, token_sources
 from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
@@ -32,6 +33,34 @@ class LlamaSection(DecoderSection, ComputeSection):
     tie_embeddings: bool = Field(
         False, description="the LM head is the token embedding transposed (the model is then cut "
                            "at stage marks, and the embedding's gradients are summed across the two stages)")
+    rope_theta: float = Field(10_000.0, gt=0, description="rotary embedding base (Llama 3 uses 500000)")
+    norm_eps: float = Field(1e-5, gt=0, description="every RMSNorm's epsilon")
+    init_from: str | None = Field(
+        None, description="hf:<directory> = start from a Hugging Face Llama's config.json and safetensors "
+                          "(its sizes, GQA, rope_theta, norm_eps and tie_embeddings become these keys: one set "
+                          "otherwise is refused); null = the seeded random init")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf(cls, values):
+        """model.init_from's config.json sets the sizes; a key also given must agree with it."""
+        if not isinstance(values, dict) or values.get("init_from") is None:
+            return values
+        hf_dir = hf.directory_of(values["init_from"])
+        try:
+            keys, longest = hf.model_keys(hf_dir), hf.max_positions(hf_dir)
+        except hf.HFError as e:
+            raise ValueError(f"model.init_from={values['init_from']!r}: {e}") from None
+        for key, value in keys.items():
+            if key in values and values[key] != value:
+                raise ValueError(f"model.{key}={values[key]!r} disagrees with model.init_from={values['init_from']!r}, "
+                                 f"whose {hf.CONFIG} gives {hf.KEYS.get(key, (key,))[0]}={value!r}: leave "
+                                 f"model.{key} out (it comes from there)")
+        seq_len = values.get("seq_len", cls.model_fields["seq_len"].default)
+        if longest is not None and isinstance(seq_len, int) and seq_len > longest:
+            raise ValueError(f"model.seq_len={seq_len} exceeds max_position_embeddings={longest} of "
+                             f"model.init_from={values['init_from']!r}: set model.seq_len <= {longest}")
+        return {**values, **keys}
 
 
 def _problems(cfg: Config) -> list[str]:
@@ -49,8 +78,15 @@ def _llama(cfg: Config, rngs):
     from mpmd import models
     m = cfg.model
     return models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                        num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, tie_embeddings=m.tie_embeddings,
-                        dtype=m.dtype, remat=m.remat, dropout_rate=m.dropout, dropout_seed=cfg.seed, rngs=rngs)
+                        num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, rope_theta=m.rope_theta,
+                        tie_embeddings=m.tie_embeddings, dtype=m.dtype, remat=m.remat, dropout_rate=m.dropout,
+                        dropout_seed=cfg.seed, norm_eps=m.norm_eps, rngs=rngs)
+
+
+def _init_params(cfg: Config):
+    """model.init_from's tensors, read stage by stage as each slice needs them (hf.Weights.read);
+    None: the seeded init."""
+    return hf.open(hf.directory_of(cfg.model.init_from)).read if cfg.model.init_from is not None else None
 
 
 def _split(cfg: Config, model, sample_input):
@@ -88,7 +124,7 @@ def _units(cfg: Config, model):
 
 SPEC = register_model_spec(ModelSpec(
     "llama", LlamaSection, build=flax_build(_llama), loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
-    split=_split, units=_units,
+    split=_split, units=_units, init_params=_init_params,
     # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
     can_be_abstract=lambda cfg: not cfg.model.tie_embeddings,
     samples_text=True, problems=_problems))

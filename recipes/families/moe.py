@@ -52,6 +52,9 @@ def _problems(cfg: Config) -> list[str]:
     if e.every > m.num_layers:
         out.append(f"model.moe.every={e.every} is more than model.num_layers={m.num_layers}: no block "
                    f"would be an MoE block")
+    if m.init_from is not None:
+        out.append(f"model.init_from={m.init_from!r} is not supported with model.kind='moe' (Hugging Face "
+                   f"weights map onto the dense Llama only); use model.kind='llama' or init_from=null")
     if m.tie_embeddings:
         out.append("model.tie_embeddings=true is not supported with model.kind='moe' (a tied model is cut at "
                    "stage marks); use model.kind='llama' or tie_embeddings=false")
@@ -74,8 +77,8 @@ def _moe(cfg: Config, rngs):
     m = cfg.model
     return MoELlama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
                     moe={**moe_arguments(cfg), "add_loss": mpmd.add_loss}, every=m.moe.every,
-                    num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, dtype=m.dtype, remat=m.remat,
-                    dropout_rate=m.dropout, dropout_seed=cfg.seed, rngs=rngs)
+                    num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, dtype=m.dtype,
+                    remat=m.remat, dropout_rate=m.dropout, dropout_seed=cfg.seed, norm_eps=m.norm_eps, rngs=rngs)
 
 
 def routing_reader(cfg: Config):

@@ -162,7 +162,9 @@ class ControlPlane(RunDispatch):
         if not self._free_slots:
             raise ReplaceUnsupported(f"every slot of this cluster already serves a slice ({len(self.clients)})")
         slot = self._free_slots[0]
-        c = self._client(self._new_worker(slot))
+        # Only a look: a launcher without capacity now (Ray) keeps what it asked for and says
+        # so at once, so no checkpoint boundary of a narrow run waits for capacity.
+        c = self._client(self._new_worker(slot, 0.0))
         try:
             c.wait_ready(self._connect_timeout_s)
             if before_reset is not None:
@@ -245,11 +247,12 @@ class ControlPlane(RunDispatch):
                 return i, f"no answer for {now - c.last_ok:.1f} s (failure_timeout_s={self.failure_timeout_s:g})"
         return None
 
-    def replace(self, slice_index: int) -> None:
+    def replace(self, slice_index: int, wait_s: float | None = None) -> None:
         """Put a new worker in place of a lost slice and bring it to where the slice was:
         same programs and plans; every slice's transfers reconnected. State is not restored.
-        WorkerLost if another slice is found gone meanwhile (the new worker is in place)."""
-        address = self._new_worker(self._slots[slice_index])   # ReplaceUnsupported: nothing changed
+        WorkerLost if another slice is found gone meanwhile (the new worker is in place).
+        `wait_s`: see Cluster.replace."""
+        address = self._new_worker(self._slots[slice_index], wait_s)   # ReplaceUnsupported: nothing changed
         self.clients[slice_index].close()
         c = self._client(address)
         c.wait_ready(self._connect_timeout_s)
@@ -271,9 +274,9 @@ class ControlPlane(RunDispatch):
         if gone:
             raise gone[0]
 
-    def _new_worker(self, slot: int) -> str:
+    def _new_worker(self, slot: int, wait_s: float | None) -> str:
         """The launcher's new worker for `slot`; an idle spare it hands over stops being idle."""
-        address = self.launcher.replace(slot)
+        address = self.launcher.replace(slot, wait_s=wait_s)
         self._others = [o for o in self._others if o.address != address]
         return address
 

@@ -66,6 +66,12 @@ class ClusterGone(RuntimeError):
     worker will come again, so a lost slice ends the run rather than waiting or shrinking."""
 
 
+class ClusterUnavailable(RuntimeError):
+    """The cluster to run on cannot be had: its address does not answer within
+    connect_timeout_s, or its nodes cannot hold the workers asked for (Ray). The message is
+    one line naming what and what to check; `mpmd train` prints it as its error."""
+
+
 class Discarded(RuntimeError):
     """A run sent ahead was dropped, unrun or aborted, because a run before it failed; the
     error of that earlier run says what happened."""
@@ -247,10 +253,12 @@ class Cluster(Protocol):
         """Bind what a staged restore read (commit=True) or drop it: every slice switches
         only once all have read their part."""
 
-    def replace(self, slice_index: int) -> None:
+    def replace(self, slice_index: int, wait_s: float | None = None) -> None:
         """Put a new worker in place of lost slice `slice_index`, with the programs and plans
         the old one had and every slice's transfers reconnected. Buffers are NOT restored:
-        the caller restores state from a checkpoint. ReplaceUnsupported if impossible."""
+        the caller restores state from a checkpoint. ReplaceUnsupported if impossible.
+        `wait_s`: at most how long to wait for capacity (Launcher.replace; the Trainer passes
+        what is left of replace_timeout_s, 0 while the run is narrow)."""
 
     def remove(self, slice_index: int, meshes: Sequence | None = None) -> None:
         """Go on without lost slice `slice_index` (no replacement for it): slices after it
@@ -264,7 +272,8 @@ class Cluster(Protocol):
         (nothing changed) if no worker can be had now, or nothing was removed.
         `before_reset` is called once the new worker answers and before any slice is reset
         (the Trainer lets its saves in flight commit there); what it raises propagates, and
-        the new worker is left out (its slot stays free)."""
+        the new worker is left out (its slot stays free). Never waits for capacity: a launcher
+        that has none now says so at once (ReplaceUnsupported)."""
 
     def close(self) -> None:
         """Stop the workers this cluster started (or shut down/reset those it attached to)."""
@@ -286,9 +295,12 @@ class Launcher(Protocol):
         returns the running workers. On failure it stops what it started, then raises.
         `root` as in Cluster.start (see mpmd.runtime.launchers.workers.worker_root)."""
 
-    def replace(self, slot: int) -> str:
+    def replace(self, slot: int, wait_s: float | None = None) -> str:
         """The address of a worker to take over slot `slot`, whose worker was lost (the old
-        one must not come back and act on stale state). ReplaceUnsupported if there is none."""
+        one must not come back and act on stale state). ReplaceUnsupported if there is none.
+        `wait_s`: how long a launcher whose capacity may free up (Ray) waits for it; 0 only
+        looks (a grow-back probe), None is the launcher's own start timeout. Launchers that
+        start or hand out a worker at once (local, static, shared) have nothing to wait for."""
 
     def stop(self) -> None:
         """Stop every worker this launcher started (after the control plane's Shutdown RPC)."""

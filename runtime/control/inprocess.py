@@ -169,7 +169,7 @@ class InProcessCluster(RunDispatch):
                 ex.abort(newest)
         return gather(run.futures, on_error=abort, cleanup=self._hub.clear)
 
-    def replace(self, slice_index: int) -> None:
+    def replace(self, slice_index: int, wait_s: float | None = None) -> None:
         """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is
         never lost on its own (nothing raises WorkerLost) and there is nothing to replace it with."""
         raise ReplaceUnsupported(f"slice {slice_index} runs inside this process (InProcessCluster); "

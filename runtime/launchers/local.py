@@ -33,7 +33,8 @@ from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 from mpmd.runtime.launchers.workers import (START_TIMEOUT_S, check_gpus, check_max_workers, check_processes_per_slice,
                                             check_worker_args, default_compilation_cache, free_port, num_workers_for, visible_gpus,
-                                            worker_command, worker_env, worker_root)
+                                            log_relayed, worker_command, worker_env, worker_log_file,
+                                            worker_root)
 from mpmd.runtime.worker.main import LOG_LEVELS, READY, RELAY, cores_for
 
 log = logging.getLogger("mpmd.workers")
@@ -104,7 +105,7 @@ class LocalLauncher:
             raise
         return list(self.addresses)
 
-    def replace(self, slot: int) -> str | tuple[str, ...]:
+    def replace(self, slot: int, wait_s: float | None = None) -> str | tuple[str, ...]:
         """Make sure every process of the slot's old gang is gone (SIGKILL by its pid: it may
         be hung or stopped, and a gang is lost as a whole), then start a new gang in its
         place; ReplaceUnsupported once max_workers processes were started (raise max_workers
@@ -204,8 +205,7 @@ class LocalLauncher:
         return proc, ready, lines
 
     def _log_file(self, slot: int, process: int = 0) -> str:
-        name = f"worker_{slot}.log" if self.processes_per_slice == 1 else f"worker_{slot}.{process}.log"
-        return os.path.join(self.log_dir, name)
+        return worker_log_file(self.log_dir, slot, process, self.processes_per_slice)
 
     def _read_stdout(self, proc: subprocess.Popen, slot: int, ready: threading.Event, lines: list) -> None:
         """Until the worker's stdout ends: its READY line into `lines` (then `ready` is set; also
@@ -216,9 +216,7 @@ class LocalLauncher:
                 ready.set()
             elif line.startswith(RELAY + " ") and self.log_dir is not None:
                 levelno, _, text = line[len(RELAY) + 1:].rstrip("\n").partition(" ")
-                level = int(levelno) if levelno.isdigit() else logging.WARNING
-                log.log(level, "worker %d %s %s (see %s)", slot, logging.getLevelName(level), text,
-                        self._log_file(slot))
+                log_relayed(slot, int(levelno) if levelno.isdigit() else logging.WARNING, text, self._log_file(slot))
         ready.set()
 
     def stop(self) -> None:

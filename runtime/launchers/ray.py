@@ -20,22 +20,39 @@ node's IP otherwise (the controller and the other workers must reach it). The cl
 travels to the actors as a constructor argument, inside Ray: whoever can submit work to the
 Ray cluster can run code on it anyway.
 
+Placement. Every slot is a placement group of its own, asked of Ray once and then only
+looked at (runtime/launchers/ray_placement.py): a replacement waits at most what the caller
+allows for Ray to place it, and one Ray cannot place now stays asked, so a narrow run's
+checkpoint boundaries find it placed or started without waiting for it.
+
+Logs. With a log_dir, an actor's stdout and stderr go to <log_dir>/worker_<slot>.log, so
+Ray (its driver's log_to_driver is off when this launcher calls ray.init) forwards nothing
+of them; its records at log_level and up are kept in the actor and fetched every
+RELAY_POLL_S, each logged here as the one line a local worker's gives.
+
 Threads. XLA's flags must be set before JAX is imported in the actor process, and the
 actor's module imports JAX (mpmd.runtime.worker.service) as Ray loads the class, so they are set
 through the actor's runtime_env rather than from inside it.
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
 
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
-from mpmd.runtime.control.cluster import ReplaceUnsupported
-from mpmd.runtime.launchers.workers import check_processes_per_slice, check_worker_args, num_workers_for, worker_root
+from mpmd.runtime.control.cluster import ClusterUnavailable, ReplaceUnsupported
+from mpmd.runtime.launchers import ray_placement as placement
+from mpmd.runtime.launchers.workers import (check_processes_per_slice, check_worker_args, log_relayed, num_workers_for,
+                                            worker_log_file, worker_root)
+from mpmd.runtime.worker.main import LOG_LEVELS
 
-START_TIMEOUT_S = 120.0
+RELAY_POLL_S = 1.0           # how often the launcher fetches the actors' records for the console
+RELAY_KEPT = 1000            # records an actor keeps for the console between fetches, the newest
+START_TIMEOUT_S = 120.0      # default start_timeout_s: Ray may have to start a Python process per actor
+CONNECT_TIMEOUT_S = 30.0     # default connect_timeout_s
 INSTALL_HINT = "pip install -e '.[ray]'"
 NODE_IP = "node"    # host= value: listen on the IP of the node the actor lands on
 
@@ -53,6 +70,22 @@ def _import_ray():
     return ray
 
 
+def _log_to(path: str, relay_level: str, relayed: collections.deque) -> None:
+    """This actor's stdout and stderr (its logging, Orbax's, JAX's, tracebacks) appended to
+    `path`, the run's logs/worker_<slot>.log as a local worker's: Ray then has nothing of it
+    to forward to the controller's console. Its records at `relay_level` and up are also kept
+    in `relayed`, one line each, for the launcher to fetch (_SliceActor.relayed)."""
+    import logging
+    from mpmd.runtime.worker.main import configure_logging
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    logging.getLogger().handlers.clear()      # Ray's own handlers write to its files
+    configure_logging("info", relay_level, sink=lambda levelno, text: relayed.append((levelno, text)))
+
+
 class _SliceActor:
     """The body of one worker actor (wrapped with ray.remote at start time). A process of a
     gang (`gang`: its slot's index among all processes, for pinning) serves only once the
@@ -60,9 +93,13 @@ class _SliceActor:
     formed before anything makes JAX's backend."""
 
     def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str,
-                 shared: dict | None = None, gang: bool = False):
+                 shared: dict | None = None, gang: bool = False, log_path: str | None = None,
+                 relay_level: str = "warning"):
         import ray
         from mpmd.runtime.worker.main import cores_for
+        self._relayed: collections.deque = collections.deque(maxlen=RELAY_KEPT)
+        if log_path is not None:
+            _log_to(log_path, relay_level, self._relayed)
 
         # Pinned like a local worker, so both compute the same bits (see cores_for).
         os.sched_setaffinity(0, cores_for(slot, threads))
@@ -117,6 +154,13 @@ class _SliceActor:
         """(gRPC address, pid), once the server is up."""
         return self.address, os.getpid()
 
+    def relayed(self) -> list[tuple[int, str]]:
+        """The records kept for the console since the last call: (levelno, one line)."""
+        out = []
+        while self._relayed:
+            out.append(self._relayed.popleft())
+        return out
+
     def _stop(self, why: str) -> None:
         # Shutdown RPC: stop serving; the controller kills the actor right after.
         self.server.stop(grace=1.0)
@@ -128,18 +172,32 @@ class _SliceActor:
 
 class RayLauncher:
     """Starts worker actors on a Ray cluster (joining or starting Ray as RayCluster describes),
-    one per slot, each given `token` as a constructor argument. See RayCluster for the
-    arguments; `shared` ({lease_s, compile_cache_mb}) makes them a shared cluster's workers,
-    as `mpmd worker --shared` (runtime/manager/worker_pool.py RayWorkerPool)."""
+    one per slot (or a gang of processes_per_slice), each slot in a placement group of its own
+    (runtime/launchers/ray_placement.py), each actor given `token` as a constructor argument.
+    See RayCluster for the arguments; `shared` ({lease_s, compile_cache_mb}) makes them a
+    shared cluster's workers, as `mpmd worker --shared` (runtime/manager/worker_pool.py
+    RayWorkerPool)."""
 
     def __init__(self, token: str, *, num_workers: int | None = None, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
                  host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
-                 gpus: bool = False, shared: dict | None = None, processes_per_slice: int = 1):
+                 gpus: bool = False, shared: dict | None = None, processes_per_slice: int = 1,
+                 start_timeout_s: float = START_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 log_dir: str | None = None, log_level: str = "warning"):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self.processes_per_slice = check_processes_per_slice(processes_per_slice)
-        self.placement_groups: list = []    # per slot of a gang: its placement group
+        for name, value in (("start_timeout_s", start_timeout_s), ("connect_timeout_s", connect_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.start_timeout_s, self.connect_timeout_s = float(start_timeout_s), float(connect_timeout_s)
+        self.log_dir = log_dir          # worker_<slot>.log there: each actor's stdout and stderr
+        if log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        self.log_level = log_level      # an actor's records at this level and up reach the console
+        self._relay_stop = threading.Event()
+        self._relay_thread: threading.Thread | None = None
+        self.placement_groups: list = []    # per slot: its placement group
         resources = dict(resources_per_worker or {})
         for k, v in resources.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -167,6 +225,7 @@ class RayLauncher:
         self.addresses: list = []       # per slot: "host:port", or one per process of its gang
         self.actors: list = []          # Ray actor handles, slot by slot (a gang's k in a row)
         self.pids: list[int] = []
+        self.pending: dict[int, placement.SlotRequest] = {}   # slot -> a replacement asked of Ray, not ready
         self._listen_host: str | None = None
         self._started_ray = False
 
@@ -178,58 +237,120 @@ class RayLauncher:
         self._running_root = root
         ray = _import_ray()
         try:
-            if not ray.is_initialized():
-                address, kwargs = self.ray_address, {}
-                if address is None and not os.environ.get("RAY_ADDRESS"):
-                    # A fresh local instance ("local": never another session's instance
-                    # that ray.init would otherwise find on this machine), with enough CPUs
-                    # for every worker even on a small machine (XLA runs one thread per
-                    # worker; oversubscribing is what LocalCluster does too), no dashboard.
-                    address = "local"
-                    kwargs = {"num_cpus": max(os.cpu_count() or 1, n * self._actor_options()["num_cpus"]),
-                              "include_dashboard": False}
-                ray.init(address=address, **kwargs)
-                self._started_ray = True
+            self._connect(ray, n)
             self._listen_host = self._pick_host(ray)
-            if self.processes_per_slice > 1:
-                for slot in range(n):
-                    self._start_gang(ray, slot)
-                return list(self.addresses)
-            self.actors = [self._new_actor(ray, i) for i in range(n)]
-            ready = self._wait_ready(ray, self.actors)
-            self.addresses = [a for a, _ in ready]
-            self.pids = [p for _, p in ready]
+            requests = self._start_slots(ray, n)
+            k = self.processes_per_slice
+            self.placement_groups = [r.group for r in requests]
+            self.actors = [a for r in requests for a in r.actors]
+            self.pids = [p for r in requests for _, p in r.ready]
+            self.addresses = [r.ready[0][0] if k == 1 else tuple(a for a, _ in r.ready) for r in requests]
+            if self.log_dir is not None:
+                self._relay_stop = threading.Event()
+                self._relay_thread = threading.Thread(target=self._relay, args=(ray, self._relay_stop), daemon=True,
+                                                      name="mpmd-ray-relay")
+                self._relay_thread.start()
         except BaseException:
             self.stop()
             raise
         return list(self.addresses)
 
-    def replace(self, slot: int) -> str:
-        """Kill the slot's actor (dead, hung or cut off: it must not come back and act on stale
-        state) and start a fresh one in its place."""
-        ray = _import_ray()
-        if self.processes_per_slice > 1:
-            return self._replace_gang(ray, slot)
-        ray.kill(self.actors[slot], no_restart=True)
-        actor = self._new_actor(ray, slot)
+    def _connect(self, ray, n: int) -> None:
+        """ray.init, unless this process is connected already: to `address` (or $RAY_ADDRESS)
+        once it answers within connect_timeout_s, else a private instance on this machine.
+        Ray's forwarding of actor output to this console is off: each actor's output goes to
+        its worker_<slot>.log (log_dir) or Ray's own log files."""
+        if ray.is_initialized():
+            return
+        address, kwargs = self.ray_address or os.environ.get("RAY_ADDRESS"), {}
+        if address is None:
+            # A fresh local instance ("local": never another session's instance that ray.init
+            # would otherwise find on this machine), with enough CPUs for every worker even on
+            # a small machine (XLA runs one thread per worker; oversubscribing is what
+            # LocalCluster does too), no dashboard.
+            address = "local"
+            kwargs = {"num_cpus": max(os.cpu_count() or 1, n * self.processes_per_slice
+                                      * self._actor_options()["num_cpus"]), "include_dashboard": False}
+        else:
+            placement.check_reachable(address, self.connect_timeout_s)
+        ray.init(address=address, log_to_driver=False, **kwargs)
+        self._started_ray = True
+
+    def _start_slots(self, ray, n: int) -> list[placement.SlotRequest]:
+        """Every slot's group placed and its actors started within start_timeout_s, the
+        actors of all slots starting at once; else RuntimeError naming what was asked and
+        what each node offers (nothing is left asked of Ray)."""
+        bundle, k, offers = self._bundle(), self.processes_per_slice, placement.node_offers(ray)
+        if placement.strategy(bundle, n * k, offers) is None:      # the nodes do not hold n * k bundles
+            raise placement.Unplaceable(
+                f"Ray cannot place {n} slice(s) of {k} worker(s) each asking {bundle}: missing "
+                f"{placement.missing(bundle, n * k, offers)}; {placement.describe_offers(offers, bundle)}")
+        requests = [self._request(ray, slot, offers) for slot in range(n)]
+        deadline = time.monotonic() + self.start_timeout_s
         try:
-            ((address, pid),) = self._wait_ready(ray, [actor])
-        except RuntimeError as e:
-            # Ray cannot place (or start) one now: no capacity, which the Trainer answers by
-            # going on without the slice (cluster.on_loss) rather than by stopping. The actor
-            # asked for must not start later and serve nobody.
-            ray.kill(actor, no_restart=True)
+            for r in requests:        # placed, and its actors asked for, slot after slot
+                if not r.advance(deadline - time.monotonic(), 0.0) and r.placed_at is None:
+                    raise placement.Unplaceable(
+                        f"Ray placed {sum(q.placed_at is not None for q in requests)} of {n} slice(s) within "
+                        f"start_timeout_s={self.start_timeout_s:g} s: {r.waiting_for()}; the cluster has "
+                        f"{ray.available_resources()} available; {placement.describe_offers(offers, bundle)}")
+            for r in requests:        # then every slot's actors, started in parallel
+                if not r.advance(0.0, deadline - time.monotonic()):
+                    raise ClusterUnavailable(f"slice {r.slot}'s worker(s) did not start within start_timeout_s="
+                                       f"{self.start_timeout_s:g} s: {r.waiting_for()}")
+        except placement.StartFailed as e:
+            for r in requests:
+                r.cancel()
+            raise ClusterUnavailable(f"a Ray worker actor failed to start: {e}") from None
+        except BaseException:
+            for r in requests:
+                r.cancel()
+            raise
+        return requests
+
+    def replace(self, slot: int, wait_s: float | None = None) -> str | tuple[str, ...]:
+        """Kill the slot's actors (dead, hung or cut off: they must not come back and act on
+        stale state) and ask Ray for new ones, once: a request not ready is kept and looked at
+        again by the next call, never asked twice. Waits at most `wait_s` for Ray to place it
+        (0: only looks; None: start_timeout_s) and, once placed with wait_s > 0, for its actors
+        to start; ReplaceUnsupported(retry=True) while it is not ready."""
+        ray = _import_ray()
+        request = self.pending.get(slot)
+        if request is None:
+            self._kill_slot(ray, slot)
+            request = self.pending[slot] = self._request(ray, slot, placement.node_offers(ray))
+        place_wait = self.start_timeout_s if wait_s is None else wait_s
+        try:
+            ready = request.advance(place_wait, self.start_timeout_s if place_wait > 0 else 0.0)
+        except placement.StartFailed as e:
+            request.cancel()
+            del self.pending[slot]
             raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}", retry=True) from None
-        self.actors[slot], self.addresses[slot], self.pids[slot] = actor, address, pid
-        return address
+        if not ready:
+            raise ReplaceUnsupported(f"no replacement for slot {slot} yet: {request.waiting_for()}", retry=True)
+        del self.pending[slot]
+        k = self.processes_per_slice
+        self.placement_groups[slot] = request.group
+        self.actors[slot * k:(slot + 1) * k] = request.actors
+        self.pids[slot * k:(slot + 1) * k] = [p for _, p in request.ready]
+        self.addresses[slot] = request.ready[0][0] if k == 1 else tuple(a for a, _ in request.ready)
+        return self.addresses[slot]
 
     def stop(self) -> None:
-        """Kill the actors; disconnect from Ray only if start() called ray.init."""
+        """Kill the actors (and any asked for that are not ready); disconnect from Ray only if
+        start() called ray.init."""
+        self._relay_stop.set()
+        if self._relay_thread is not None:
+            self._relay_thread.join()
+            self._relay_thread = None
         actors, self.actors, self.pids = self.actors, [], []
         groups, self.placement_groups = self.placement_groups, []
-        if not actors and not self._started_ray:
+        pending, self.pending = list(self.pending.values()), {}
+        if not actors and not pending and not self._started_ray:
             return
         ray = _import_ray()
+        for r in pending:
+            r.cancel()
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -256,64 +377,37 @@ class RayLauncher:
         opts["resources"] = res
         return opts
 
-    # -- gangs: one placement group per slice -------------------------------------------------
-    def _start_gang(self, ray, slot: int) -> None:
-        """Reserve slot `slot`'s k bundles at once (a placement group: the gang starts whole or
-        not at all), start an actor in each, and have them form their JAX group around a
-        coordinator port that process 0 picks on its own node."""
-        k = self.processes_per_slice
+    def _bundle(self) -> dict:
+        """What one actor reserves, as a placement group bundle."""
         opts = self._actor_options()
-        bundle = {"CPU": opts["num_cpus"], **({"GPU": opts["num_gpus"]} if opts["num_gpus"] else {}),
-                  **({"memory": opts["memory"]} if "memory" in opts else {}), **opts["resources"]}
-        # One host per process where the cluster has enough nodes (a slice spans hosts), else
-        # packed onto the nodes there are (one machine standing in for k hosts).
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        group = ray.util.placement_group([bundle] * k, strategy="STRICT_SPREAD" if len(nodes) >= k else "PACK")
-        try:
-            ray.get(group.ready(), timeout=START_TIMEOUT_S)
-        except Exception:
-            ray.util.remove_placement_group(group)
-            raise RuntimeError(f"Ray could not reserve slice {slot}'s gang of {k} bundles {bundle} within "
-                               f"{START_TIMEOUT_S:g} s; the cluster has {ray.available_resources()} available") from None
-        actors = [self._new_actor(ray, slot * k + j, gang=(group, j)) for j in range(k)]
-        try:
-            coordinator = ray.get(actors[0].coordinator.remote(), timeout=START_TIMEOUT_S)
-            ready = ray.get([a.join.remote(coordinator, k, j, START_TIMEOUT_S) for j, a in enumerate(actors)],
-                            timeout=START_TIMEOUT_S + 10)
-        except Exception as e:
-            for a in actors:
-                ray.kill(a, no_restart=True)
-            ray.util.remove_placement_group(group)
-            raise RuntimeError(f"slice {slot}'s gang of {k} Ray actors did not form: {e}") from None
-        if slot < len(self.placement_groups):
-            self.placement_groups[slot] = group
-            self.actors[slot * k:(slot + 1) * k] = actors
-            self.pids[slot * k:(slot + 1) * k] = [p for _, p in ready]
-            self.addresses[slot] = tuple(a for a, _ in ready)
-        else:
-            self.placement_groups.append(group)
-            self.actors += actors
-            self.pids += [p for _, p in ready]
-            self.addresses.append(tuple(a for a, _ in ready))
+        return {"CPU": opts["num_cpus"], **({"GPU": opts["num_gpus"]} if opts["num_gpus"] else {}),
+                **({"memory": opts["memory"]} if "memory" in opts else {}), **opts["resources"]}
 
-    def _replace_gang(self, ray, slot: int) -> tuple[str, ...]:
-        """Kill every actor of the slot's gang and remove its placement group, then reserve and
-        start a new gang; ReplaceUnsupported if Ray cannot place one now."""
+    def _request(self, ray, slot: int, offers) -> placement.SlotRequest:
+        """Ask Ray for slot `slot`'s group: k bundles spread one per node where at least k
+        nodes hold one, else packed (ray_placement.strategy; a replacement is asked even when
+        the nodes there are cannot hold it now: one may join)."""
+        k, bundle = self.processes_per_slice, self._bundle()
+        strategy = (placement.strategy(bundle, k, offers) or "PACK") if k > 1 else "PACK"
+        return placement.SlotRequest(ray, slot, bundle, k, strategy, self.start_timeout_s,
+                                     lambda group, j: self._new_actor(ray, slot * k + j, gang=(group, j)))
+
+    def _kill_slot(self, ray, slot: int) -> None:
+        """Kill every actor of the slot and remove its placement group."""
         k = self.processes_per_slice
         for a in self.actors[slot * k:(slot + 1) * k]:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:       # already gone
                 pass
-        ray.util.remove_placement_group(self.placement_groups[slot])
         try:
-            self._start_gang(ray, slot)
-        except RuntimeError as e:
-            raise ReplaceUnsupported(f"no replacement for slot {slot}: {e}", retry=True) from None
-        return self.addresses[slot]
+            ray.util.remove_placement_group(self.placement_groups[slot])
+        except Exception:           # already gone
+            pass
 
-    def _new_actor(self, ray, slot: int, gang=None):
-        """An actor for process `slot` (its index among all); `gang`: (placement group, bundle)."""
+    def _new_actor(self, ray, slot: int, gang):
+        """An actor for process `slot` (its index among all) in bundle gang[1] of group gang[0]."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from mpmd.runtime.worker.main import xla_flags
         env = dict(self.runtime_env)
         env_vars = dict(env.get("env_vars") or {})
@@ -321,24 +415,29 @@ class RayLauncher:
                                           env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
         env["env_vars"] = env_vars
         options = dict(self._actor_options(), max_restarts=0, runtime_env=env)
-        if gang is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=gang[0], placement_group_bundle_index=gang[1])
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=gang[0], placement_group_bundle_index=gang[1])
         cls = ray.remote(**options)(_SliceActor)
+        k = self.processes_per_slice
+        log_path = (os.path.abspath(worker_log_file(self.log_dir, slot // k, slot % k, k))
+                    if self.log_dir is not None else None)
         return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker,
-                          self._running_root, self.shared, gang is not None)
+                          self._running_root, self.shared, k > 1, log_path, self.log_level)
 
-    def _wait_ready(self, ray, actors) -> list[tuple[str, int]]:
-        from ray.exceptions import GetTimeoutError, RayActorError
-        try:
-            return ray.get([a.ready.remote() for a in actors], timeout=START_TIMEOUT_S)
-        except GetTimeoutError:
-            raise RuntimeError(f"Ray did not start {len(actors)} worker actor(s) within {START_TIMEOUT_S:g} s; "
-                               f"each asks for {self._actor_options()} and the cluster has "
-                               f"{ray.available_resources()} available") from None
-        except RayActorError as e:
-            raise RuntimeError(f"a Ray worker actor failed to start: {e}") from None
+    def _relay(self, ray, stop: threading.Event) -> None:
+        """Until `stop`: every RELAY_POLL_S, each actor's records for the console logged here
+        as one line each (workers.log_relayed), as LocalLauncher does with its workers'."""
+        k = self.processes_per_slice
+        while not stop.wait(RELAY_POLL_S):
+            asked = [(j, a.relayed.remote()) for j, a in enumerate(list(self.actors))]
+            for j, ref in asked:
+                try:
+                    records = ray.get(ref, timeout=RELAY_POLL_S * 5)
+                except Exception:       # a lost actor (the Trainer replaces it), or Ray shutting down
+                    continue
+                slot, process = divmod(j, k)
+                for levelno, text in records:
+                    log_relayed(slot, levelno, text, worker_log_file(self.log_dir, slot, process, k))
 
     def _pick_host(self, ray) -> str:
         if self.host is not None:
@@ -370,24 +469,36 @@ class RayCluster(ControlPlane):
         for LocalCluster (a path on the nodes' shared filesystem).
     step_timeout_s: a step without progress this long is aborted (see ControlPlane).
 
-    processes_per_slice: k > 1 makes each slice a gang of k actors (runtime/worker/gang.py) in a
-        placement group of its own: k bundles, STRICT_SPREAD over nodes when the cluster has
-        k or more (one host per process), else PACK; a lost actor loses its slice, whose
-        group is removed (its actors killed) and reserved again for a new gang.
+    processes_per_slice: k > 1 makes each slice a gang of k actors (runtime/worker/gang.py);
+        its placement group's k bundles go STRICT_SPREAD, one per node, when k nodes each
+        hold a bundle, else PACK (runtime/launchers/ray_placement.py); a lost actor loses its
+        slice, whose group is removed (its actors killed) and asked for again.
+    connect_timeout_s: how long connecting to `address` may take (it fails with one line,
+        ClusterUnavailable, naming it), and a new worker its first answer.
+    start_timeout_s: how long the first start may take to place and start every worker.
+    log_dir: each actor's stdout and stderr go to <log_dir>/worker_<slot>.log (None: Ray's
+        own log files); Ray never forwards them to this console, and each of its records at
+        `log_level` and up comes back as one line "worker <slot> WARNING ... (see <log>)"
+        (logger mpmd.workers), as from a LocalCluster's workers.
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
-    the Trainer calls when it recovers); spare workers are not needed.
+    the Trainer calls when it recovers); spare workers are not needed. A replacement Ray
+    cannot place now stays asked for (no capacity is asked twice) and is looked at again
+    without waiting, so a narrow run grows back once a node joins.
     """
 
     def __init__(self, num_workers: int | None = None, *, resources_per_worker: dict | None = None,
                  address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
-                 host: str | None = None, runtime_env: dict | None = None, connect_timeout_s: float = 30.0,
+                 host: str | None = None, runtime_env: dict | None = None,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
-                 root: str | None = None, gpus: bool = False, processes_per_slice: int = 1):
+                 root: str | None = None, gpus: bool = False, processes_per_slice: int = 1,
+                 start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None, log_level: str = "warning"):
         token = new_token()
         launcher = RayLauncher(token, num_workers=num_workers, resources_per_worker=resources_per_worker,
                                address=address, devices_per_worker=devices_per_worker,
                                threads_per_worker=threads_per_worker, host=host, runtime_env=runtime_env, root=root,
-                               gpus=gpus, processes_per_slice=processes_per_slice)
+                               gpus=gpus, processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s,
+                               connect_timeout_s=connect_timeout_s, log_dir=log_dir, log_level=log_level)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
                          step_timeout_s=step_timeout_s)
 
@@ -409,7 +520,7 @@ class RayCluster(ControlPlane):
 
     @property
     def placement_groups(self) -> list:
-        """Per slot of a gang, its Ray placement group (replaced with the gang)."""
+        """Per slot, its Ray placement group (replaced with the slot's worker or gang)."""
         return self.launcher.placement_groups
 
     def gang_pids(self, slot: int) -> list[int]:

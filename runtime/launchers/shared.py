@@ -150,7 +150,7 @@ class SharedLauncher:
                 log.warning("job %s: lease renewed again after %.1f s", self.job, time.monotonic() - failing_since)
                 failing_since = None
 
-    def replace(self, slot: int) -> str:
+    def replace(self, slot: int, wait_s: float | None = None) -> str:
         """ClusterGone once the manager says it is going down, or once it does not answer and
         the cluster file is gone (`mpmd cluster down` removes it last); ReplaceUnsupported,
         worth asking again, for a manager away for another reason (it may be restarted)."""

@@ -25,7 +25,7 @@ class StaticLauncher:
         self._spares = list(self.addresses[num_slices:])
         return list(self.addresses)
 
-    def replace(self, slot: int) -> str:
+    def replace(self, slot: int, wait_s: float | None = None) -> str:
         if not self._spares:
             raise ReplaceUnsupported(f"slice {slot} was lost and StaticCluster has no spare address left "
                                      f"(give more addresses than slices to allow replacement)")

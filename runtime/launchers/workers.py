@@ -6,6 +6,7 @@ WorkerPool; RayLauncher's actors run the same worker in-process and share the ch
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -157,6 +158,19 @@ def worker_command(listen: str, root: str, devices: int, *, token_stdin: bool = 
     if compile_cache_mb is not None:
         cmd += ["--compile-cache-mb", str(compile_cache_mb)]
     return cmd
+
+
+def worker_log_file(log_dir: str, slot: int, process: int, processes_per_slice: int) -> str:
+    """Where slot `slot`'s worker logs (process `process` of its gang: a file each)."""
+    name = f"worker_{slot}.log" if processes_per_slice == 1 else f"worker_{slot}.{process}.log"
+    return os.path.join(log_dir, name)
+
+
+def log_relayed(slot: int, levelno: int, text: str, log_file: str) -> None:
+    """A worker's record at the console's level, as its one line on the controller's console
+    (logger mpmd.workers): "worker 1 WARNING <message> (see <log file>)"."""
+    logging.getLogger("mpmd.workers").log(levelno, "worker %d %s %s (see %s)", slot, logging.getLevelName(levelno),
+                                          text, log_file)
 
 
 def default_compilation_cache() -> str:

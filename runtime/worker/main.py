@@ -190,29 +190,41 @@ def one_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
-class _Relay(logging.Handler):
-    """Prints each record it is shown on stdout as one line for the launcher (see --relay-level)."""
+class Relay(logging.Handler):
+    """Hands each record it is shown, as one line, to `sink(levelno, text)`: a local worker
+    prints it on stdout for its launcher (print_relayed, see --relay-level); a Ray actor keeps
+    it until its launcher asks (runtime/launchers/ray.py)."""
+
+    def __init__(self, level, sink):
+        super().__init__(level)
+        self._sink = sink
 
     def emit(self, record: logging.LogRecord) -> None:
         if not on_console(record, self.level):
             return
         try:
-            sys.stdout.write(f"{RELAY} {record.levelno} {one_line(self.format(record))}\n")
-            sys.stdout.flush()
+            self._sink(record.levelno, one_line(self.format(record)))
         except OSError:
             pass            # the reader is gone (the controller died): the log file has the record
         except Exception:
             self.handleError(record)
 
 
-def configure_logging(level: str, relay_level: str | None) -> None:
-    """Every logger to stderr at `level`; Python warnings as log records; the relay, if asked."""
+def print_relayed(levelno: int, text: str) -> None:
+    """A relayed record as the line LocalLauncher reads on this worker's stdout."""
+    sys.stdout.write(f"{RELAY} {levelno} {text}\n")
+    sys.stdout.flush()
+
+
+def configure_logging(level: str, relay_level: str | None, sink=print_relayed) -> None:
+    """Every logger to stderr at `level`; Python warnings as log records; the relay to
+    `sink`, if asked."""
     stderr = logging.StreamHandler()
     stderr.setLevel(level.upper())
     stderr.setFormatter(logging.Formatter("%(asctime)s worker[%(process)d] %(levelname)s %(message)s"))
     handlers = [stderr]
     if relay_level is not None:
-        handlers.append(_Relay(relay_level.upper()))
+        handlers.append(Relay(relay_level.upper(), sink))
         handlers[-1].setFormatter(logging.Formatter("%(message)s"))
     logging.basicConfig(level=min(h.level for h in handlers), handlers=handlers)
     logging.captureWarnings(True)

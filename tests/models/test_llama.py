@@ -21,7 +21,6 @@ from mpmd.stages import costs as stage_costs
 from mpmd.recipes import config
 from mpmd.recipes import plan
 from mpmd.recipes import train_cli
-from mpmd.recipes.train import next_token
 from mpmd.runtime.worker.instructions import Recv
 from tests.support import reference
 from tests.support.processes import ROOT
@@ -201,19 +200,6 @@ def test_tied_embeddings_are_cut_at_marks_and_train_like_the_unpipelined_model()
     table = jax.tree.leaves(nnx.state(make().embed, nnx.Param))[0]
     trained = next(p for p in want[2] if p.shape == table.shape)
     reference.assert_leaves_close([np.asarray(first)], [trained], 1e-5, "tied embedding")
-
-
-def test_sampling_is_seeded_and_follows_temperature_and_top_k():
-    logits = np.random.default_rng(0).normal(size=VOCAB) * 2
-    draw = lambda seed, t, k: [next_token(logits, t, k, rng) for rng in [np.random.default_rng(seed)]
-                               for _ in range(64)]
-    assert draw(1, 0.8, 5) == draw(1, 0.8, 5)                   # reproducible per seed
-    assert draw(1, 0.8, 5) != draw(2, 0.8, 5)
-    assert set(draw(1, 0.0, 0)) == {int(np.argmax(logits))}     # temperature 0: greedy
-    assert set(draw(1, 1.0, 1)) == {int(np.argmax(logits))}     # top-1: greedy
-    assert set(draw(1, 5.0, 3)) <= set(np.argsort(logits)[-3:].tolist())
-    # a higher temperature spreads the draws over more tokens
-    assert len(set(draw(1, 5.0, 0))) > len(set(draw(1, 0.3, 0)))
 
 
 def test_llama_1b_dry_run_prints_size_memory_and_step_without_allocating(capsys):

@@ -1,10 +1,13 @@
 """Packed sequences: documents packed into one row, told apart by `segment_ids`, with
 `positions` restarting per document. Each document's logits are those of the model on the
-document alone; a layer-split GPT trained through the pipeline on such batches equals the
-unpipelined model trained on them; each side input reaches only the stages whose layers take it.
+document alone, unpipelined and pipelined over 2 worker processes; a layer-split GPT trained
+through the pipeline on such batches equals the unpipelined model trained on them, with the
+mean loss and with the token-weighted one over a loss mask (models.masked_lm_loss); each side
+input reaches only the stages whose layers take it.
 """
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -38,15 +41,11 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_a_packed_row_gives_each_document_the_logits_it_has_alone(name):
-    model = MODELS[name]()
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (len(DOCS), SEQ)).astype(np.int32)
-    segment_ids, positions = packing(DOCS)
-    packed = np.asarray(model(tokens, segment_ids=segment_ids, positions=positions))
+def assert_each_document_alone(model, tokens, packed):
+    """Each document of DOCS' packed rows `tokens` has in `packed` (logits) the logits the
+    unpipelined model gives it alone: at the start of its own row, padded after its end (which
+    a causal model's logits at the document's tokens cannot see), all in one call."""
     unpacked = np.asarray(model(tokens))
-    # Each document alone: at the start of its own row, padded after its end (which a causal
-    # model's logits at the document's tokens cannot see), all in one call.
     where = [(r, start, n) for r, row in enumerate(DOCS) for start, n in zip(np.cumsum((0,) + row), row)]
     alone = np.zeros((len(where), SEQ), np.int32)
     for i, (r, start, n) in enumerate(where):
@@ -57,6 +56,35 @@ def test_a_packed_row_gives_each_document_the_logits_it_has_alone(name):
                                    err_msg=f"row {r}, document at {start}")
         if start:   # unpacked, the row's later documents see the earlier ones
             assert not np.allclose(unpacked[r, start:start + n], alone[i, :n], atol=1e-3)
+
+
+def packed_rows() -> dict:
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (len(DOCS), SEQ)).astype(np.int32)
+    segment_ids, positions = packing(DOCS)
+    return {"inputs": tokens, "segment_ids": segment_ids, "positions": positions}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_packed_row_gives_each_document_the_logits_it_has_alone(name):
+    model, rows = MODELS[name](), packed_rows()
+    packed = np.asarray(model(rows["inputs"], segment_ids=rows["segment_ids"], positions=rows["positions"]))
+    assert_each_document_alone(model, rows["inputs"], packed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_pipelined_over_two_workers_each_document_gets_its_logits_alone(name, workers, tmp_path):
+    """The model split in 2 stages on 2 worker processes (segment_ids and positions put to the
+    slices whose layers take them): the packed rows' logits (float32) are each document's alone
+    within 1e-5."""
+    rows = packed_rows()
+    pipe = mpmd.Pipeline(mpmd.split(MODELS[name](), num_stages=2), models.masked_lm_loss)
+    batch = {**rows, "targets": rows["inputs"], "loss_mask": np.ones(rows["inputs"].shape, np.float32)}
+    with mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=3, cluster=workers,
+                      run_dir=tmp_path) as trainer:
+        (packed,) = trainer.predict(batch)
+    assert packed.dtype == np.float32
+    assert_each_document_alone(MODELS[name](), rows["inputs"], np.asarray(packed))
 
 
 def packed_batches(steps: int = ref.STEPS, seed: int = 2) -> list[dict]:
@@ -79,7 +107,21 @@ def packed_loss(logits, batch):
     return models.lm_loss(logits, batch["targets"])
 
 
-def unpipelined(data) -> tuple[list, dict, dict]:
+def with_loss_mask(data: list[dict]) -> list[dict]:
+    """The batches with a loss_mask: 0 on padding at each row's end (0 to SEQ - 1 tokens), so
+    the microbatches hold different numbers of real tokens."""
+    rng = np.random.default_rng(3)
+    return [{**b, "loss_mask": (np.arange(SEQ) < rng.integers(1, SEQ + 1, (ref.BATCH, 1))).astype(np.float32)}
+            for b in data]
+
+
+def masked_objective(logits, batch):
+    """The token-weighted loss over the whole batch at once: what the pipeline's step means."""
+    loss_sum, weight = models.masked_lm_loss(logits, batch)
+    return loss_sum / weight
+
+
+def unpipelined(data, loss=packed_loss) -> tuple[list, dict, dict]:
     """(losses, first-step gradients, final parameters) of ref.make_gpt() called whole with
     the batches' segment_ids and positions, trained in plain JAX; leaves keyed by model path."""
     graphdef, params, rest = nnx.split(ref.make_gpt(), nnx.Param, ...)
@@ -88,19 +130,21 @@ def unpipelined(data) -> tuple[list, dict, dict]:
     def objective(params, batch):
         logits = nnx.merge(graphdef, params, rest)(batch["inputs"], segment_ids=batch["segment_ids"],
                                                    positions=batch["positions"])
-        return packed_loss(logits, batch)
+        return loss(logits, batch)
     losses, grads, final = ref.descend(objective, params, [(b,) for b in data], wl.sgd())
     return losses, dict(zip(paths, grads)), dict(zip(paths, final))
 
 
-@pytest.mark.parametrize("schedule,v,num_stages", [("1f1b", None, 3), ("zb-v", 2, 4)])
-def test_pipelined_packed_training_equals_the_unpipelined_model(schedule, v, num_stages):
-    data = packed_batches()
+@pytest.mark.parametrize("schedule,v,num_stages,weighted", [("1f1b", None, 3, False), ("zb-v", 2, 4, False),
+                                                            ("1f1b", None, 3, True)])
+def test_pipelined_packed_training_equals_the_unpipelined_model(schedule, v, num_stages, weighted):
+    data = with_loss_mask(packed_batches()) if weighted else packed_batches()
     split = lambda: mpmd.split(ref.make_gpt(), num_stages=num_stages)
     paths = [p for stage in split().param_paths for p in stage]
-    want_losses, want_grads, want_params = unpipelined(data)
+    want_losses, want_grads, want_params = unpipelined(data, masked_objective if weighted else packed_loss)
     assert sorted(paths) == sorted(want_grads)          # the split's leaves are the model's
-    losses, grads, params, _ = wl.pipelined(split, packed_loss, data, 4, schedule, virtual_stages=v)
+    losses, grads, params, _ = wl.pipelined(split, models.masked_lm_loss if weighted else packed_loss, data, 4,
+                                            schedule, virtual_stages=v)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
     ref.assert_leaves_close(grads, [want_grads[p] for p in paths], 1e-5, "first-step gradients")
     ref.assert_leaves_close(params, [want_params[p] for p in paths], 1e-5, "parameters after 3 steps")

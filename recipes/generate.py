@@ -1,0 +1,136 @@
+"""Text from a trained model: a run directory's resolved config and committed checkpoint ->
+the model on this process -> a continuation decoded with the key-value cache
+(mpmd.models.decoding). `mpmd generate` (recipes/generate_cli.py) and the sample at the end
+of `mpmd train` (recipes/train.py `sample`) both decode through `continue_text`.
+
+    cfg, step, model = generate.load_run("runs/gpt_tiny")         # newest committed step
+    text, num_new = generate.continue_text(model, generate.tokenizer_of("runs/gpt_tiny"), "def __init__(self",
+                                           200, temperature=0)
+
+Where it runs: on the controller, with no worker. The parameters are read from every slice's
+Orbax directory of the checkpoint (mpmd.train.checkpoints.read_leaves) into this process and
+the model is built whole here, so a model must fit one host's memory to generate; decoding
+pipelined over the slices is not built yet.
+
+Tokens: the run's own tokenizer (`tokenizer_of(run_dir)`: bytes, or the Hugging Face
+tokenizer data.tokenizer named, as copied into the run directory); a model whose vocabulary
+was padded past the tokenizer's (model.vocab_size) draws only among the tokenizer's ids.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import numpy as np
+
+from mpmd.recipes import config as config_lib
+from mpmd.recipes import registry
+from mpmd.recipes.config import Config, ConfigError
+
+
+def tokenizer_of(run_dir: str):
+    """The tokenizer the run in run_dir trained with (its copy there, checked against the hash
+    its run.json recorded; bytes for a byte-level run): mpmd.recipes.tokenizer.run_tokenizer."""
+    from mpmd.recipes import tokenizer
+    return tokenizer.run_tokenizer(run_dir)
+
+
+def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int, object]:
+    """(the run's resolved config, the checkpoint's step, its model with the checkpoint's
+    parameters) of committed `step` (None: the newest). ConfigError with one line naming what
+    is wrong: no such directory, not a run directory, no committed checkpoint, `step` not
+    committed, a model kind that cannot generate."""
+    if str(run_dir).startswith("hf:"):
+        raise ConfigError(f"{run_dir!r}: generating from a Hugging Face directory is not supported yet; "
+                          f"give a run directory of `mpmd train`")
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ConfigError(f"run directory {str(run_dir)!r} does not exist")
+    if not (root / "config.yaml").is_file():
+        raise ConfigError(f"{str(run_dir)!r} has no config.yaml: not a run directory of `mpmd train`")
+    cfg = config_lib.load(root / "config.yaml")
+    check_can_generate(cfg)
+    from mpmd.runtime.worker.slice_store import CheckpointStore
+    from mpmd.train.checkpoints import read_leaves
+    committed = CheckpointStore(os.path.abspath(run_dir)).committed()
+    if not committed:
+        raise ConfigError(f"{str(run_dir)!r} has no committed checkpoint to generate from "
+                          f"(checkpoints/<step> with a manifest): train it first")
+    if step is not None and step not in committed:
+        raise ConfigError(f"step {step} is not a committed checkpoint of {str(run_dir)!r}; "
+                          f"committed: {', '.join(map(str, committed))}")
+    step, leaves = read_leaves(run_dir, step)
+    return cfg, step, model_with(cfg, {k[len("params/"):]: v for k, v in leaves.items() if k.startswith("params/")})
+
+
+def check_can_generate(cfg: Config) -> None:
+    """ConfigError unless model.kind's family is a language model (its logits are tokens)."""
+    if not registry.get_model_spec(cfg.model.kind).samples_text:
+        texts = [name for name, spec in registry.model_specs().items() if spec.samples_text]
+        raise ConfigError(f"model.kind={cfg.model.kind!r} cannot generate: only a language model can "
+                          f"(model.kind={registry.one_of(texts)})")
+
+
+def model_with(cfg: Config, params: dict) -> object:
+    """model.kind's model built whole on this process, its parameters set from `params`
+    ({path in the model: array}, the paths checkpoints name them by: mpmd.stages.leaf_paths).
+
+    Built as shapes only where the family can and the model holds nothing but parameters, so
+    the controller never holds a random initialisation beside the trained values; a model
+    with other state (dropout's RNG streams, unused in eval mode) is initialised for real."""
+    import jax
+    from flax import nnx
+
+    from mpmd.stages.leaf_paths import path_string
+    spec = registry.get_model_spec(cfg.model.kind)
+
+    def built(abstract: bool):
+        model = spec.build(cfg, abstract)
+        return model[0] if isinstance(model, tuple) else model     # a family may pair it with its loss
+    model = built(spec.can_be_abstract(cfg))
+    if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
+        model = built(False)
+    state = nnx.state(model, nnx.Param)
+    flat, tree = jax.tree_util.tree_flatten_with_path(state)
+    leaves, missing = [], []
+    for keypath, now in flat:
+        path = path_string(keypath)
+        if path not in params:
+            missing.append(path)
+            continue
+        got = np.asarray(params[path])
+        if got.shape != now.shape:
+            raise ConfigError(f"parameter {path} has shape {got.shape} in the checkpoint but "
+                              f"{tuple(now.shape)} in the model the config builds")
+        leaves.append(got.astype(now.dtype))
+    if missing:
+        raise ConfigError(f"the checkpoint has no parameter {', '.join(missing[:3])}"
+                          f"{' ...' if len(missing) > 3 else ''}: it was not saved from this model")
+    nnx.update(model, jax.tree.unflatten(tree, leaves))
+    return model
+
+
+def trainer_params(trainer) -> dict:
+    """{path in the model: host array} of a Trainer's parameters as they are now."""
+    import jax
+    pipeline = trainer.pipeline
+    return {path: leaf for paths, tree in zip(pipeline.param_paths, trainer.params())
+            for path, leaf in zip(paths, jax.tree.leaves(tree))}
+
+
+def continue_text(model, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int = 0,
+                  seed: int = 0, cache: bool = True, decoder=None) -> tuple[str, int]:
+    """(the prompt and its continuation by num_tokens tokens, as text; num_tokens), each token
+    drawn by mpmd.models.decoding.next_token from a numpy generator seeded by `seed` (temperature
+    0: greedy) among the tokenizer's ids. `decoder`: a Decoder of `model` already compiled (the
+    timing of `mpmd generate`)."""
+    from mpmd.models import decoding
+    tokens = np.asarray(tokenizer.encode(prompt)).reshape(-1)
+    if len(tokens) == 0:
+        raise ConfigError("the prompt is empty: give some text to continue (--prompt)")
+    rng = np.random.default_rng(seed)
+    decoder = decoder or decoding.Decoder(model)
+    # The model's rows past the tokenizer's vocabulary (padding for the mesh) decode to nothing.
+    vocab_size = tokenizer.vocab_size
+    new = decoder.generate(tokens, num_tokens,
+                           lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng), cache=cache)
+    return tokenizer.decode([*tokens.tolist(), *new]), len(new)
