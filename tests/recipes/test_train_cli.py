@@ -155,10 +155,11 @@ def test_a_rerun_with_fewer_steps_than_the_run_holds_says_why_it_trains_none(gpt
 
 def test_moe_tiny_logs_aux_loss_dropped_tokens_and_expert_load(tmp_path):
     """configs/moe_tiny.yaml's MoE (smaller), 4 steps: every record has the auxiliary loss (in the
-    loss), and each eval step the routing of the steps since the previous one."""
+    loss), each eval step the routing of the steps since the previous one, and the run ends
+    with a sample."""
     run_dir = tmp_path / "moe"
     proc = mpmd_train("configs/moe_tiny.yaml", "cluster.backend=inprocess", "train.steps=4", "train.eval_every=2",
-                      "train.sample_tokens=0", f"run_dir={run_dir}", *TINY_GPT[1:], "model.d_model=48",
+                      "train.sample_tokens=8", f"run_dir={run_dir}", *TINY_GPT[1:], "model.d_model=48",
                       "model.num_layers=4", "model.moe.expert_mlp_dim=32", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = run_log.read(run_dir)
@@ -173,3 +174,5 @@ def test_moe_tiny_logs_aux_loss_dropped_tokens_and_expert_load(tmp_path):
                    for load in r["expert_load"].values())
         assert 0 <= r["dropped_fraction"] < 1 and r["tokens_dropped"] >= 0
     assert "done: 4 steps" in proc.stdout
+    # The end-of-run sample decodes through the MoE blocks (eval mode: nothing counted).
+    assert (run_dir / "sample.txt").read_text().startswith(cfg.train.sample_prompt)
