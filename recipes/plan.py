@@ -5,7 +5,7 @@
 
 The model is built abstract where its family can be (mpmd.abstract: shapes, no arrays; a
 tied Llama, cut at marks, is built for real), split and laid out as `mpmd train` would; then
-- the parameter count;
+- the parameter count (and, for a mixture of experts, the parameters active per token);
 - per slice, bytes of parameters, accumulated gradients, optimizer state and saved
   activations at the schedule's peak (mpmd.stages.costs.slice_memory: the residuals each
   stage's forward keeps per microbatch, so `model.remat` shows here);
@@ -25,6 +25,7 @@ from mpmd.stages import costs as stage_costs
 from mpmd.schedules.simulate import simulate
 from mpmd.stages.specs import spec
 from mpmd.recipes import data
+from mpmd.recipes import registry
 from mpmd.recipes.config import Config, ConfigError
 from mpmd.recipes.train import build_model, build_optimizer, check_layout
 
@@ -55,7 +56,10 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     shared = {(k, i) for group in pipeline.shared for k, i in group[1:]}
     num_params = sum(int(np.prod(leaf.shape)) for k, fn in enumerate(pipeline.fns)
                      for i, leaf in enumerate(fn.param_leaves) if (k, i) not in shared)
-    return {"num_params": num_params, "num_stages": pipeline.num_stages, "schedule": schedule.name,
+    sizes = {path: int(np.prod(leaf.shape)) for paths, fn in zip(getattr(stages, "param_paths", ()), pipeline.fns)
+             for path, leaf in zip(paths, fn.param_leaves)}
+    active = registry.get_model_spec(cfg.model.kind).active_params(cfg, sizes)
+    return {"num_params": num_params, "active_params": active, "num_stages": pipeline.num_stages, "schedule": schedule.name,
             "num_microbatches": p.num_microbatches, "microbatch": list(in_spec.shape),
             # A family without these keys computes in float32 and keeps every residual.
             "dtype": getattr(cfg.model, "dtype", "float32"), "remat": getattr(cfg.model, "remat", "none"),
@@ -71,6 +75,10 @@ def _gib(n: float) -> str:
 def describe(summary: dict) -> str:
     s = summary
     count = f"{s['num_params'] / 1e9:.3f} B" if s["num_params"] >= 1e9 else f"{s['num_params'] / 1e6:.3f} M"
+    active = s.get("active_params")
+    if active is not None:       # a mixture of experts: what one token computes with
+        count += f"; active per token {active:,} ({active / 1e9:.3f} B)" if active >= 1e9 else \
+            f"; active per token {active:,} ({active / 1e6:.3f} M)"
     lines = [f"parameters: {s['num_params']:,} ({count}), "
              f"{s['num_stages']} stages, {s['schedule']}, {s['num_microbatches']} microbatches of "
              f"{s['microbatch']}, dtype {s['dtype']}, remat {s['remat']}"]

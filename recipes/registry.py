@@ -37,7 +37,11 @@ class ModelSpec:
     samples_text: its logits decode to bytes, so a run ends with a sample. rules: logical
     axis -> mesh axis its parameters need beyond mpmd.stages.sharding.RULES (mesh.rules
     override them). problems(cfg) -> sentences naming what is wrong across sections (a
-    section's own bounds are its fields'). init_params(cfg) -> None (the built model's own
+    section's own bounds are its fields'). state_metrics(cfg) -> None, or a reader
+    read(step, state) -> dict that the recipe calls on eval steps with its stages' state
+    ({path in the model: host array}) and merges into the step's metrics record. active_params(cfg, sizes) ->
+    the parameters one token uses (a mixture's routed experts count top_k of num_experts),
+    from {parameter path: size}; None where that is every parameter. init_params(cfg) -> None (the built model's own
     initial values), or what mpmd.Trainer(init_params=...) takes: a function from a stage's
     parameter paths to their initial arrays (a pretrained checkpoint's, e.g. llama's
     model.init_from); the model is then built abstract where it can be."""
@@ -53,6 +57,8 @@ class ModelSpec:
     samples_text: bool = False
     rules: dict = dataclasses.field(default_factory=dict)
     problems: Callable[["Config"], list[str]] = lambda cfg: []
+    state_metrics: Callable[["Config"], Callable | None] = lambda cfg: None
+    active_params: Callable[["Config", dict], int | None] = lambda cfg, sizes: None
     init_params: Callable[["Config"], Callable | None] = lambda cfg: None
 
 

@@ -42,6 +42,7 @@ from mpmd.recipes import tokenizer as tokenizer_lib
 from mpmd.lowering import core as lowering
 from mpmd.report import html as report_html, record as report_record
 from mpmd.schedules import core as schedules
+from mpmd.stages import leaf_paths
 from mpmd.stages import sharding
 from mpmd.train.checkpoints import CheckpointError, NonFinite  # noqa: F401  (raised through run())
 from mpmd.stages.sharding import LayoutError
@@ -388,6 +389,9 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     # is done with the current one; a step's metrics are logged only once it is collected.
     pending: collections.deque = collections.deque()
     logged_changes = 0     # trainer.layout_changes already in a metrics record
+    # What the family reads from its stages' state on eval steps (an MoE's routing counts),
+    # when nothing runs ahead of the step, so the state is the step's own.
+    read_state = registry.get_model_spec(cfg.model.kind).state_metrics(cfg)
     # step -> CRC-32 of its batch, logged with a tokens run's metrics: which data each step read.
     digests: dict[int, int] | None = {} if cfg.data.source == "tokens" else None
     try:
@@ -433,6 +437,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                       "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(done - 1))}
             if "grad_norm" in out:
                 record["grad_norm"] = out["grad_norm"]
+            if "aux_loss" in out:        # the stages' auxiliary losses, included in "loss"
+                record["aux_loss"] = out["aux_loss"]
             if "checkpoint" in out:      # the tiers this step was saved to
                 record["checkpoint"] = out["checkpoint"]
             if "events" in out:
@@ -442,6 +448,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 run_log.write_trace(run_dir / "trace.json", traces)
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
+                if read_state is not None:
+                    record.update(read_state(done, state_by_path(trainer)))
             record.update(_elastic_record(trainer, logged_changes))
             logged_changes = len(trainer.layout_changes)
             losses[done] = out["loss"]
@@ -480,6 +488,15 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     return summary
 
 
+def state_by_path(trainer: mpmd.Trainer) -> dict:
+    """{path in the model (blocks.1.mlp.routed): host array} of every stage's state leaf, as
+    checkpoints name them (`stage<k>/...` where a stage's parameters cannot say)."""
+    pipeline, out = trainer.pipeline, {}
+    for k, (fn, leaves) in enumerate(zip(pipeline.fns, trainer.state())):
+        if fn.state is not None:
+            paths = leaf_paths.state_paths(fn, pipeline.param_paths[k], k, pipeline.scoped_paths)
+            out.update({path: leaves[local] for path, local in zip(paths, fn.state.paths)})
+    return out
 def batch_crc32(batch) -> int:
     """CRC-32 over a batch's arrays, key by key in sorted order (a pair as inputs, targets)."""
     import zlib

@@ -67,9 +67,10 @@ def _layouts(tree) -> tuple:
 
 
 def _replicated(specs) -> jax.sharding.NamedSharding:
-    """Replicated on the mesh the given specs lie on (for scalars)."""
-    mesh = next(s.sharding.mesh for s in jax.tree.leaves(specs) if s.sharding is not None)
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    """Replicated on the mesh the given specs lie on (for scalars); None (left to XLA) for
+    unplaced specs (costs.measure prices programs before any layout exists)."""
+    mesh = next((s.sharding.mesh for s in jax.tree.leaves(specs) if s.sharding is not None), None)
+    return None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _unplaced(tree):

@@ -48,6 +48,7 @@ RULES: dict[str, str | None] = {
     "kv": None,             # key/value width under grouped-query attention
     "positions": None,      # learned position rows
     "layers": None,
+    "expert": None,         # a mixture's experts (models/moe.py): replicated, no expert mesh axis yet
 }
 
 

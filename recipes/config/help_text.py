@@ -68,5 +68,11 @@ def describe(model: type[BaseModel] = Config, indent: str = "", base: type[BaseM
             lines.append(f"{indent}  # {key}: {other.model_fields[key].default}"
                          + (f" takes none of {', '.join(lacks)}" if lacks else "")
                          + (("," if lacks else "") + " adds:" if added else ""))
-            lines += [f"{indent}  #   " + _describe_field(k, f, "") for k, f in added]
+            for k, f in added:
+                inner = sections_of(other, k)       # a section of its own (model.moe)
+                if inner:
+                    lines.append(f"{indent}  #   {k}:  # {f.description}")
+                    lines += [f"{indent}  #   {line}" for line in describe(inner[0], "  ").splitlines()]
+                else:
+                    lines.append(f"{indent}  #   " + _describe_field(k, f, ""))
     return "\n".join(lines)

@@ -45,12 +45,12 @@ def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_p
     assert resolved["cluster"]["label"] == "here" and "max_workers" not in resolved["cluster"]
     # Without the module nothing knows them: the kind is refused by name, listing the known ones.
     assert "ramp" not in registry.model_specs()
-    with pytest.raises(ConfigError, match="model.kind must be one of 'gpt', 'llama', 'mlp' or 'custom', got 'ramp'"):
+    with pytest.raises(ConfigError, match="model.kind must be one of 'gpt', 'llama', 'moe', 'mlp' or 'custom', got 'ramp'"):
         config.load(path, ["imports=[]"])
 
 
 def test_a_family_or_backend_key_is_refused_naming_who_takes_it():
-    with pytest.raises(ConfigError, match=r"model.tie_embeddings is only used by model.kind='llama', got kind 'mlp'"):
+    with pytest.raises(ConfigError, match=r"model.tie_embeddings is only used by model.kind='llama' or 'moe', got kind 'mlp'"):
         config.load(None, ["model.kind=mlp", "data.source=synthetic", "train.sample_tokens=0",
                            "model.tie_embeddings=true"])
     with pytest.raises(ConfigError, match=r"cluster.max_workers is only used by cluster.backend='local', "

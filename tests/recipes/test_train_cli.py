@@ -151,3 +151,28 @@ def test_a_rerun_with_fewer_steps_than_the_run_holds_says_why_it_trains_none(gpt
     assert "nothing to train: the run is at step 6 and train.steps=4" in proc.stdout + proc.stderr
     assert "done: 0 steps" in proc.stdout
     assert [r["step"] for r in run_log.read(run_dir)] == [1, 2, 3, 4, 5, 6]   # nothing dropped
+
+
+def test_moe_tiny_logs_aux_loss_dropped_tokens_and_expert_load(tmp_path):
+    """configs/moe_tiny.yaml's MoE (smaller), 4 steps: every record has the auxiliary loss (in the
+    loss), each eval step the routing of the steps since the previous one, and the run ends
+    with a sample."""
+    run_dir = tmp_path / "moe"
+    proc = mpmd_train("configs/moe_tiny.yaml", "cluster.backend=inprocess", "train.steps=4", "train.eval_every=2",
+                      "train.sample_tokens=8", f"run_dir={run_dir}", *TINY_GPT[1:], "model.d_model=48",
+                      "model.num_layers=4", "model.moe.expert_mlp_dim=32", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = run_log.read(run_dir)
+    assert all(0 < r["aux_loss"] < r["loss"] for r in records)
+    routed = [r for r in records if "expert_load" in r]
+    assert [r["step"] for r in routed] == [2, 4]
+    cfg = config.load(run_dir / "config.yaml")
+    for r in routed:
+        # Both MoE blocks (blocks 1 and 3), each expert's share of what its block routed.
+        assert sorted(r["expert_load"]) == ["blocks.1.mlp", "blocks.3.mlp"]
+        assert all(sum(load) == pytest.approx(1.0, abs=1e-3) and len(load) == cfg.model.moe.num_experts
+                   for load in r["expert_load"].values())
+        assert 0 <= r["dropped_fraction"] < 1 and r["tokens_dropped"] >= 0
+    assert "done: 4 steps" in proc.stdout
+    # The end-of-run sample decodes through the MoE blocks (eval mode: nothing counted).
+    assert (run_dir / "sample.txt").read_text().startswith(cfg.train.sample_prompt)
