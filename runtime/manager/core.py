@@ -67,6 +67,10 @@ HEALTH_S = 1.0            # workers are probed (Sessions) this often
 UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
 RPC_TIMEOUT_S = 5.0
 MAX_LEASE_S = 60.0        # default --max-lease-s: a silent job holds workers at most this long
+# A manager started again gives each job it rebuilt this long beyond its lease to renew: the
+# job's channel to the manager that died backs off its reconnects (gRPC's backoff grows to
+# seconds), and a loaded machine may take long to start the new one.
+REJOIN_GRACE_S = 30.0
 KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
 # Who may call what (the table's caller): "submit" (submit or cluster token), "job" (a job
 # credential, on that job only), "admin" (the cluster token).
@@ -379,6 +383,7 @@ class Manager:
         with self._lock:
             for j in saved:
                 job = Job(**j)
+                job.last_seen = time.monotonic() + REJOIN_GRACE_S
                 if job.state == "leased" and not held.get(job.id):
                     log.warning("job %s: no worker holds its sessions any more; dropped", job.id)
                     continue
@@ -392,6 +397,7 @@ class Manager:
                     self.jobs[job_id] = Job(id=job_id, name=job_id, slices=len(slots), share=True,
                                             root=self.pool.root, lease_s=self.lease_s, state="leased",
                                             workers=sorted(slots))
+                    self.jobs[job_id].last_seen = time.monotonic() + REJOIN_GRACE_S
             log.info("rebuilt: %d job(s) leased, %d queued", sum(j.state == "leased" for j in self.jobs.values()),
                      len(self.queue))
             self._save()

@@ -206,7 +206,7 @@ def test_full_disk_stops_after_the_last_committed_step(tmp_path, mounts):
     assert "No space left on device" in line and "saves in a row failed, max_failed_saves=1" in line, line
     committed = CheckpointStore(run_dir).committed()
     assert committed and committed[-1] >= 4, committed
-    assert line.endswith(f"the last committed step is {committed[-1]}"), line
+    assert line.rstrip().endswith(f"the last committed step is {committed[-1]}"), line
     ck = run_dir / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == sorted(map(str, committed)), "an uncommitted directory was left"
     steps = [r["step"] for r in run_log.read(run_dir)]
