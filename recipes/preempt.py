@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 PREEMPTED_EXIT = 143
 RESERVE_S = 10.0    # of the grace, kept for stopping the workers once the alarm fires
@@ -43,7 +42,6 @@ class StopRequest:
     def __init__(self, grace_s: float):
         self.requested = None
         self.grace_s = grace_s
-        self.deadline = None          # monotonic s by which a preempted run must have exited
         self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
@@ -59,8 +57,7 @@ class StopRequest:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if signum == signal.SIGTERM:      # a preemption, even after a Ctrl-C
-            if self.deadline is None:
-                self.deadline = time.monotonic() + self.grace_s
+            if not self.preempted:        # the first SIGTERM arms the alarm; another changes nothing
                 signal.setitimer(signal.ITIMER_REAL, self.grace_s - RESERVE_S)
             self.requested = "SIGTERM"
         else:
