@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import shutil
@@ -40,6 +39,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))    # tests.support, as when run from the repository root
+
+from mpmd.recipes import run_log  # noqa: E402
+from mpmd.runtime.worker.slice_store import CheckpointStore  # noqa: E402
+from tests.support.processes import children, wait_gone  # noqa: E402
 KINDS = ("worker-kill", "worker-term", "controller-kill", "controller-term", "corrupt", "full-disk")
 EVERY = 10
 # What each controller end is after a fault: the exit status it must have.
@@ -63,55 +67,18 @@ def start(steps: int, run_dir: Path, log: Path) -> subprocess.Popen:
 def logged_steps(run_dir: Path) -> int:
     """The newest step in metrics.jsonl (0 before the first)."""
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
+        records = run_log.read(run_dir)
+    except (OSError, ValueError):
         return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return 0
+    return int(records[-1]["step"]) if records else 0
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[int(r["step"])] = r["loss"]
-    return out
-
-
-def children(pid: int) -> list[int]:
-    pids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
+    return {int(r["step"]): r["loss"] for r in run_log.read(run_dir)}
 
 
 def committed(run_dir: Path) -> list[int]:
-    ck = run_dir / "checkpoints"
-    if not ck.is_dir():
-        return []
-    return sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit() and (d / "manifest.json").exists())
+    return CheckpointStore(run_dir).committed()
 
 
 def flip_bit(run_dir: Path) -> str:
@@ -193,7 +160,7 @@ def faulted_run(steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, s
                 elif kind in ("controller-kill", "corrupt"):
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    if wait_gone(workers):
+                    if wait_gone(workers, 20.0):
                         problems.append(f"workers {workers} outlived their SIGKILLed controller")
                     if kind == "corrupt":
                         print(f"  corrupt: {flip_bit(run_dir)}", flush=True)

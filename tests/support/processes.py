@@ -21,6 +21,21 @@ TINY_GPT = ["model.d_model=32", "model.num_heads=2", "model.num_layers=2", "mode
             "log.progress=lines", "log.every=1"]
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (none once it is gone)."""
+    pids = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return pids
+    for task in tasks:
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):   # a thread that ended since the listing
+            continue
+    return pids
+
+
 def wait_gone(pids, timeout_s=10.0) -> list[int]:
     """The pids still alive (zombies count as gone) after waiting up to `timeout_s` for all to exit."""
     deadline = time.monotonic() + timeout_s
@@ -122,13 +137,7 @@ class Controller:
     def workers(self) -> list[int]:
         """The controller's child processes (LocalCluster starts them in sessions of their own,
         so not its process group: its children)."""
-        pids = []
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            try:
-                pids += [int(p) for p in (task / "children").read_text().split()]
-            except (FileNotFoundError, ProcessLookupError):   # a thread that ended since the listing
-                continue
-        return pids
+        return children(self.proc.pid)
 
 
 class StandaloneWorkers:
