@@ -32,7 +32,7 @@ import time
 
 from mpmd.runtime.launchers.workers import process_alive
 from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
-from mpmd.runtime.manager.core import POOLS
+from mpmd.runtime.manager.server import POOLS
 
 # Where a shared cluster's workers may run: the manager's table of worker pools.
 BACKENDS = tuple(POOLS)
@@ -121,7 +121,7 @@ def up(args) -> int:
         for name in ("cluster.token", "submit.token"):
             _write_secret(os.path.join(directory, name), secrets.token_hex(16))
     started_at = os.path.getmtime(cluster_file) if os.path.exists(cluster_file) else None
-    cmd = [sys.executable, "-m", "mpmd.runtime.manager.core", "--dir", directory, "--file", cluster_file,
+    cmd = [sys.executable, "-m", "mpmd.runtime.manager.server", "--dir", directory, "--file", cluster_file,
            "--listen", args.listen, "--lease-s", str(args.lease_s),
            "--max-lease-s", str(args.max_lease_s)]
     if args.rejoin:

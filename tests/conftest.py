@@ -9,6 +9,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Ray's token authentication off for every Ray cluster the tests start (loopback only; see
+# README's Ray section). One setting for the whole process: Ray reads the mode into its
+# per-process config at the first ray.init, so a module that changed it for its own cluster
+# left the next module's local cluster started in token mode and this process unable to
+# speak to it (InvalidAuthToken), and a driver joined in the other mode saw its actors die.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 # -- the uninterrupted runs every fault test compares against (tests/support/recovery_runs.py) ----

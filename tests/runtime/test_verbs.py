@@ -129,7 +129,7 @@ def test_the_manager_answers_a_request_missing_a_field_invalid_argument_naming_i
 
     import grpc
 
-    from mpmd.runtime.manager import core
+    from mpmd.runtime.manager import core, server
     from mpmd.runtime.wire import format as wire
     from mpmd.runtime.worker.service import TOKEN_KEY
     pool = types.SimpleNamespace(workers=[], root=str(tmp_path), devices_per_worker=1)
@@ -146,7 +146,7 @@ def test_the_manager_answers_a_request_missing_a_field_invalid_argument_naming_i
         def peer(self):
             return "test"
     details = types.SimpleNamespace(method=f"/{core.SERVICE}/Submit", invocation_metadata=((TOKEN_KEY, "s" * 32),))
-    handler = core._Handler(manager).service(details)
+    handler = server.Handler(manager).service(details)
     context = Context()
     with pytest.raises(Aborted):
         handler.unary_unary(wire.encode({"name": "x", "root": str(tmp_path)}, []), context)

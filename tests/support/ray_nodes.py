@@ -61,6 +61,16 @@ class RayNodes:
         os.killpg(pid, signal.SIGKILL)
         next(p for p in self.nodes if p.pid == pid).wait()
 
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait until the head counts alive exactly the nodes still running (a killed node is
+        declared dead a few health checks after its SIGKILL)."""
+        deadline = time.monotonic() + timeout_s
+        while self._count_alive() != len(self.alive()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the head still counts {self._count_alive()} node(s) alive, "
+                                   f"{len(self.alive())} running, after {timeout_s:g} s")
+            time.sleep(0.2)
+
     def alive(self) -> list[subprocess.Popen]:
         return [p for p in self.nodes if p.poll() is None]
 
