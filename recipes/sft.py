@@ -36,6 +36,7 @@ import numpy as np
 
 from mpmd.recipes.config import Config, ConfigError
 from mpmd.recipes.data import Loader, Shuffled
+from mpmd.recipes.registry import one_of
 
 ROLES = ("system", "user", "assistant")
 
@@ -45,12 +46,6 @@ class Example:
     """One training example: text segments in order, each trained (a response) or context."""
     segments: tuple[tuple[str, bool], ...]
     where: str          # "file:line", for messages naming it
-
-    @property
-    def prompt(self) -> str:
-        """The text before the last trained segment: what exact-match scoring continues."""
-        last = max(i for i, (_, trained) in enumerate(self.segments) if trained)
-        return "".join(text for text, _ in self.segments[:last])
 
     @property
     def response(self) -> str:
@@ -83,7 +78,7 @@ def parse(record, where: str) -> Example:
                 raise ConfigError(f"{where}: {field} must be an object with 'role' and 'content', got {m!r:.80}")
             role = m["role"]
             if role not in ROLES:
-                raise ConfigError(f"{where}: {field}.role must be one of {', '.join(map(repr, ROLES))}, got {role!r}")
+                raise ConfigError(f"{where}: {field}.role must be one of {one_of(ROLES)}, got {role!r}")
             content = _string(m["content"], where, f"{field}.content", allow_empty=role != "assistant")
             if role == "assistant":
                 segments += [(f"{role}: ", False), (content, True)]
