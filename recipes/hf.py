@@ -62,7 +62,7 @@ def directory_of(init_from: str) -> Path:
     """The directory of model.init_from = "hf:<directory>"; HFError saying the form otherwise."""
     if not isinstance(init_from, str) or not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
         raise HFError(f"model.init_from must be 'hf:<directory>' (a Hugging Face Llama's config.json and "
-                      f"safetensors), got {init_from!r}")
+                      f"safetensors) or 'run:<directory>' (a llama run of mpmd train), got {init_from!r}")
     return Path(os.path.expanduser(init_from[len(PREFIX):]))
 
 

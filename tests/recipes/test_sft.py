@@ -2,7 +2,8 @@
 the loss mask covers exactly the response tokens and their end marker, packed rows hold whole
 examples, bad lines are refused naming the file, line and field; and the recipe's fine-tuning
 step (in-process runtime, 2 stages, 4 microbatches, SGD with momentum) equals unpipelined JAX
-descending on the token-weighted mean over the step's response tokens."""
+descending on the token-weighted mean over the step's response tokens, and a run started from
+its checkpoint (model.init_from=run:) starts from its parameters."""
 import json
 
 import numpy as np
@@ -114,6 +115,7 @@ def test_generated_held_out_prompts_are_none_of_the_training_ones():
 
 
 STEPS = 3
+SFT_STEPS = 200
 
 
 def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tmp_path):
@@ -129,14 +131,15 @@ def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tm
     rng = np.random.default_rng(0)
     lines = [{"prompt": f"q{i}:", "response": "r" * int(rng.choice([1, 1, 2, 12]))} for i in range(64)]
     path = write(tmp_path / "train.jsonl", lines)
-    cfg = config.load("configs/llama_sft.yaml", [
+    overrides = [
         f"data.path={path}", "data.eval_path=null", "data.eval_fraction=0.25", "model.seq_len=20", "model.d_model=32",
         "model.num_heads=2", "model.num_kv_heads=1", "model.num_layers=2", "train.batch_size=8",
         f"train.steps={STEPS}", "train.eval_every=0", "train.exact_match=0", "train.sample_tokens=0",
         "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.b1=0.9", "optimizer.weight_decay=0",
         "optimizer.warmup_steps=0", "optimizer.max_grad_norm=null", "pipeline.num_stages=2",
         "pipeline.num_microbatches=4", "cluster.backend=inprocess", "log.trace_steps=[]", "log.tensorboard=false",
-        "log.progress=lines", f"run_dir={tmp_path / 'run'}"])
+        "log.progress=lines"]
+    cfg = config.load("configs/llama_sft.yaml", [*overrides, f"run_dir={tmp_path / 'run'}"])
     loader = data.make_loaders(cfg)[0]
     batches = [loader.batch_at(i) for i in range(STEPS)]
     per_micro = batches[0]["loss_mask"].reshape(4, -1).sum(axis=1)
@@ -155,3 +158,43 @@ def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tm
     _, _, trained = generate.load_run(cfg.run_dir)
     got = [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(trained, nnx.Param))]
     assert_leaves_close(got, final, rtol=1e-5)
+
+    # model.init_from=run:DIR starts from that run's newest checkpoint: its first loss is the
+    # objective at the parameters the run above ended with.
+    again = config.load("configs/llama_sft.yaml", [*overrides, f"run_dir={tmp_path / 'again'}", "train.steps=1",
+                                                   f"model.init_from=run:{cfg.run_dir}"])
+    first = train.run(again)["first_loss"]
+    ended = jax.tree.unflatten(jax.tree.structure(params), [np.asarray(a) for a in final])
+    np.testing.assert_allclose(first, float(objective(ended, batches[0])), rtol=1e-5)
+    with pytest.raises(ConfigError, match="model.d_model=48 disagrees with model.init_from='run:.*config.yaml gives "
+                                          "model.d_model=32"):
+        config.load("configs/llama_sft.yaml", [*overrides, "model.d_model=48", f"model.init_from=run:{cfg.run_dir}"])
+    with pytest.raises(ConfigError, match="config.yaml not found; 'run:<directory>' names a run directory"):
+        config.load("configs/llama_sft.yaml", [*overrides, f"model.init_from=run:{tmp_path / 'none'}"])
+
+
+@pytest.mark.slow
+def test_llama_sft_raises_held_out_exact_match_and_a_pretrained_start_keeps_it(tmp_path):
+    """`mpmd sft-data` then `mpmd train configs/llama_sft.yaml` (fewer steps) on 2 worker
+    processes: exact match on held-out prompts rises from 0, and a run started from its export
+    (model.init_from=hf:) scores before its first step what the first run scored at its end."""
+    from mpmd.recipes import run_log
+    from tests.support.processes import mpmd_command, mpmd_train
+    made = mpmd_command("sft-data", "-o", tmp_path / "data", "--heldout", "50")
+    assert made.returncode == 0 and "wrote 4000 examples" in made.stdout, made.stderr[-2000:]
+    common = [f"data.path={tmp_path / 'data' / 'train.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'heldout.jsonl'}",
+              "train.exact_match=50", "log.trace_steps=[]", "log.tensorboard=false", "checkpoint.every=0",
+              "log.progress=lines"]
+    first = mpmd_train("configs/llama_sft.yaml", *common, f"run_dir={tmp_path / 'sft'}", f"train.steps={SFT_STEPS}",
+                       f"train.eval_every={SFT_STEPS}", "optimizer.warmup_steps=0", "pipeline.num_microbatches=2",
+                       timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = run_log.read(tmp_path / "sft")
+    before, after = records[0]["exact_match_before"], records[-1]["exact_match"]
+    assert before == 0 and after >= 0.05, (before, after)
+    assert f"exact match {before:.3f} -> {after:.3f}" in first.stdout
+    assert mpmd_command("export", tmp_path / "sft", "--hf", tmp_path / "hf").returncode == 0
+    again = mpmd_train("configs/llama_sft.yaml", *common, f"run_dir={tmp_path / 'again'}", "train.steps=1",
+                       f"model.init_from=hf:{tmp_path / 'hf'}", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert run_log.read(tmp_path / "again")[0]["exact_match_before"] == after
