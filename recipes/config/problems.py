@@ -67,9 +67,12 @@ def cross_field_problems(c: Config) -> list[str]:
     if (d.source == "files") != bool(d.paths):
         out.append("data.paths must be non-empty when data.source='files' and empty otherwise, "
                    f"got source '{d.source}' with {len(d.paths)} paths")
-    if (d.source in ("tokens", "jsonl")) != (d.path is not None):
-        out.append("data.path (a corpus `mpmd tokenize` wrote, or a .jsonl of examples) must be given when "
-                   f"data.source is 'tokens' or 'jsonl' and only then, got source '{d.source}' with path {d.path!r}")
+    if d.source == "jsonl" and d.path is None:
+        out.append("data.path (a .jsonl of prompt/response examples, e.g. `mpmd sft-data -o DIR`'s DIR/train.jsonl) "
+                   "must be given when data.source='jsonl'")
+    elif d.source != "jsonl" and (d.source == "tokens") != (d.path is not None):
+        out.append("data.path (a corpus `mpmd tokenize` wrote) must be given when data.source='tokens' and "
+                   f"only then, got source '{d.source}' with path {d.path!r}")
     if d.eval_path is not None and d.source != "jsonl":
         out.append(f"data.eval_path holds held-out fine-tuning examples: it needs data.source='jsonl', "
                    f"got '{d.source}'")

@@ -101,7 +101,7 @@ def test_missing_files_long_examples_and_misplaced_keys_are_refused(tmp_path):
         config.load("configs/gpt_tiny.yaml", ["train.exact_match=5"])
     with pytest.raises(ConfigError, match="data.eval_path .* needs data.source='jsonl'"):
         config.load("configs/gpt_tiny.yaml", [f"data.eval_path={path}"])
-    with pytest.raises(ConfigError, match="data.path .* must be given when data.source is 'tokens' or 'jsonl'"):
+    with pytest.raises(ConfigError, match="data.path .*mpmd sft-data.* must be given when data.source='jsonl'"):
         config.load("configs/gpt_tiny.yaml", ["data.source=jsonl"])
 
 
