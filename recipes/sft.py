@@ -163,8 +163,9 @@ class Rows:
                 need = len(encoded[i][0]) - 1
                 row = next((r for r, room in enumerate(free) if room >= need), None)
                 if row is None:
-                    bins.append([]), free.append(seq_len)
-                    row = len(bins) - 1
+                    row = len(bins)
+                    bins.append([])
+                    free.append(seq_len)
                 bins[row].append(int(i))
                 free[row] -= need
         keys = ["inputs", "targets", "loss_mask"] + (["segment_ids", "positions"] if pack else [])
