@@ -118,9 +118,11 @@ STEPS = 3
 SFT_STEPS = 200
 
 
-def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tmp_path):
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tmp_path, pack):
     """Examples of very different response lengths, so the 4 microbatches hold different numbers
-    of response tokens: a mean of per-microbatch means would be another objective."""
+    of response tokens: a mean of per-microbatch means would be another objective. Packed rows
+    are the model's forward with their segment_ids and positions."""
     import jax
     import optax
     from flax import nnx
@@ -138,7 +140,7 @@ def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tm
         "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.b1=0.9", "optimizer.weight_decay=0",
         "optimizer.warmup_steps=0", "optimizer.max_grad_norm=null", "pipeline.num_stages=2",
         "pipeline.num_microbatches=4", "cluster.backend=inprocess", "log.trace_steps=[]", "log.tensorboard=false",
-        "log.progress=lines"]
+        "log.progress=lines", f"data.pack={str(pack).lower()}"]
     cfg = config.load("configs/llama_sft.yaml", [*overrides, f"run_dir={tmp_path / 'run'}"])
     loader = data.make_loaders(cfg)[0]
     batches = [loader.batch_at(i) for i in range(STEPS)]
@@ -151,13 +153,17 @@ def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tm
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     def objective(params, batch):
-        loss_sum, weight = models.masked_lm_loss(nnx.merge(graph, params, rest)(batch["inputs"]), batch)
+        packed = {k: batch[k] for k in ("segment_ids", "positions") if k in batch}
+        loss_sum, weight = models.masked_lm_loss(nnx.merge(graph, params, rest)(batch["inputs"], **packed), batch)
         return loss_sum / weight
     losses, _, final = descend(objective, params, [(b,) for b in batches], optax.sgd(0.5, momentum=0.9))
     np.testing.assert_allclose([r["loss"] for r in run_log.read(cfg.run_dir)], losses, rtol=1e-5)
     _, _, trained = generate.load_run(cfg.run_dir)
     got = [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(trained, nnx.Param))]
     assert_leaves_close(got, final, rtol=1e-5)
+    if pack:
+        assert "segment_ids" in batches[0] and batches[0]["segment_ids"].max() > 1
+        return
 
     # model.init_from=run:DIR starts from that run's newest checkpoint: its first loss is the
     # objective at the parameters the run above ended with.
@@ -184,7 +190,7 @@ def test_llama_sft_raises_held_out_exact_match_and_a_pretrained_start_keeps_it(t
     assert made.returncode == 0 and "wrote 4000 examples" in made.stdout, made.stderr[-2000:]
     common = [f"data.path={tmp_path / 'data' / 'train.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'heldout.jsonl'}",
               "train.exact_match=50", "log.trace_steps=[]", "log.tensorboard=false", "checkpoint.every=0",
-              "log.progress=lines"]
+              "log.progress=lines", f"data.pack={str(pack).lower()}"]
     first = mpmd_train("configs/llama_sft.yaml", *common, f"run_dir={tmp_path / 'sft'}", f"train.steps={SFT_STEPS}",
                        f"train.eval_every={SFT_STEPS}", "optimizer.warmup_steps=0", "pipeline.num_microbatches=2",
                        timeout=300)
