@@ -1,4 +1,4 @@
-"""The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd sft-data`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +9,7 @@ COMMANDS = {
     "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
     "tokenizer": ("mpmd.recipes.tokenizer_cli", "make a byte-level BPE tokenizer from your text files: mpmd tokenizer train"),
     "tokenize": ("mpmd.recipes.tokenize_cli", "tokenize text files into a corpus data.source=tokens trains from"),
+    "sft-data": ("mpmd.recipes.sft_data_cli", "write a generated fine-tuning data set (jsonl) data.source=jsonl trains on"),
     "schedule": ("mpmd.schedules.cli", "simulate a pipeline schedule and draw its timeline"),
     "report": ("mpmd.report.cli", "one HTML page of a run: curves, measured vs simulated pipeline, goodput, memory"),
     "export": ("mpmd.recipes.export_cli", "write a run's checkpoint as a Hugging Face Llama: mpmd export RUN_DIR --hf OUT_DIR"),

@@ -69,14 +69,32 @@ def corpus_files(cfg_data: DataConfig) -> list[Path]:
                      f"only 'stdlib' and 'files' do")
 
 
-class ByteSplit:
+class Shuffled:
+    """num_examples examples served in batches: epoch e visits them in permutation(seed, e),
+    the last partial batch dropped. A source of fixed examples (windows, SFT rows) is one."""
+
+    def __init__(self, num_examples: int):
+        self.num_examples = num_examples
+        self._perm_key, self._perm = None, None
+
+    def epoch_ids(self, seed: int, index: int, batch_size: int) -> np.ndarray:
+        """The example ids of batch `index`."""
+        batches_per_epoch = self.num_examples // batch_size
+        assert batches_per_epoch > 0, (self.num_examples, batch_size)
+        epoch, j = divmod(index, batches_per_epoch)
+        if self._perm_key != (seed, epoch):  # one epoch's order cached: ~1 MB for 8 MB of text
+            self._perm = np.random.default_rng([seed, epoch]).permutation(self.num_examples)
+            self._perm_key = (seed, epoch)
+        return self._perm[j * batch_size:(j + 1) * batch_size]
+
+
+class ByteSplit(Shuffled):
     """A contiguous run of bytes served as windows [k*T, (k+1)*T] (T + 1 bytes each)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         assert tokens.dtype.kind in "ui" and seq_len >= 1    # bytes, or a tokenizer's int32 ids
+        super().__init__(max(0, (len(tokens) - 1) // seq_len))
         self.tokens, self.seq_len = tokens, seq_len
-        self.num_examples = max(0, (len(tokens) - 1) // seq_len)
-        self._perm_key, self._perm = None, None
 
     def windows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Window ids [B] -> inputs [B, T] int32, targets [B, T] int32 (inputs shifted by 1)."""
@@ -85,14 +103,7 @@ class ByteSplit:
         return chunk[:, :-1], chunk[:, 1:]
 
     def batch(self, seed: int, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        # Epoch e visits windows in permutation(seed, e); the last partial batch is dropped.
-        batches_per_epoch = self.num_examples // batch_size
-        assert batches_per_epoch > 0, (self.num_examples, batch_size)
-        epoch, j = divmod(index, batches_per_epoch)
-        if self._perm_key != (seed, epoch):  # one epoch's order cached: ~1 MB for 8 MB of text
-            self._perm = np.random.default_rng([seed, epoch]).permutation(self.num_examples)
-            self._perm_key = (seed, epoch)
-        return self.windows(self._perm[j * batch_size:(j + 1) * batch_size])
+        return self.windows(self.epoch_ids(seed, index, batch_size))
 
 
 class ByteCorpus:
@@ -235,10 +246,14 @@ def regression_sources(cfg: Config) -> tuple[Source, Source]:
 
 def make_loaders(cfg: Config) -> tuple[Loader, Loader]:
     """(train, eval) loaders at position 0; eval reads its first train.eval_batches batches.
-    data.source='tokens' reads its corpus through Grain (recipes/grain_data.py)."""
+    data.source='tokens' reads its corpus through Grain (recipes/grain_data.py), 'jsonl' its
+    prompt/response examples (recipes/sft.py)."""
     if cfg.data.source == "tokens":
         from mpmd.recipes import grain_data
         return grain_data.loaders(cfg)
+    if cfg.data.source == "jsonl":          # prompt/response examples (recipes/sft.py)
+        from mpmd.recipes import sft
+        return sft.loaders(cfg)
     train, eval_ = make_sources(cfg)
     return (Loader(train, cfg.train.batch_size, cfg.seed),
             Loader(eval_, cfg.train.batch_size, cfg.seed))

@@ -1,6 +1,7 @@
 """`mpmd export RUN_DIR --hf OUT_DIR [--step N]`: a run's committed checkpoint as a Hugging Face
-Llama directory (config.json + model.safetensors, float32) that
-`transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads.
+Llama directory (config.json + model.safetensors, float32; the run's tokenizer.json where it
+trained with one) that `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` loads and
+`mpmd generate hf:OUT_DIR` continues prompts with.
 
     mpmd export runs/llama_tiny --hf exported/llama_tiny            # the newest committed step
     mpmd export runs/llama_tiny --hf exported/step_200 --step 200
@@ -62,7 +63,9 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     except ValueError as e:       # a part missing or unreadable, a leaf that fails its digest
         raise ExportError(f"step {step} of {run} cannot be read: {e}") from None
     params = {name[len(PARAMS):]: array for name, array in leaves.items()}
-    return hf.save(out, model_keys(cfg.model, params), params)
+    # The run's own tokenizer goes with it (none for bytes), so `mpmd generate hf:OUT_DIR` decodes alike.
+    from mpmd.recipes import tokenizer
+    return hf.save(out, model_keys(cfg.model, params), params, tokenizer.run_tokenizer(run).to_json())
 
 
 def model_keys(model, params: dict) -> dict:

@@ -12,6 +12,9 @@ Orbax directory of the checkpoint (mpmd.train.checkpoints.read_leaves) into this
 the model is built whole here, so a model must fit one host's memory to generate; decoding
 pipelined over the slices is not built yet.
 
+A Hugging Face Llama directory (`hf:DIR`, e.g. what `mpmd export` wrote) generates the same way
+(`load_hf`): its config.json gives the model, its safetensors the weights (mpmd.recipes.hf).
+
 Tokens: the run's own tokenizer (`tokenizer_of(run_dir)`: bytes, or the Hugging Face
 tokenizer data.tokenizer named, as copied into the run directory); a model whose vocabulary
 was padded past the tokenizer's (model.vocab_size) draws only among the tokenizer's ids.
@@ -27,21 +30,33 @@ from mpmd.recipes import registry
 from mpmd.recipes.config import Config, ConfigError
 
 
+# The longest window `hf:DIR` decodes in: its max_position_embeddings, at most this many tokens
+# (a prefill runs the whole window, padded: 128k positions would make every prefill 128k long).
+HF_MAX_WINDOW = 2048
+
+
 def tokenizer_of(run_dir: str):
     """The tokenizer the run in run_dir trained with (its copy there, checked against the hash
-    its run.json recorded; bytes for a byte-level run): mpmd.recipes.tokenizer.run_tokenizer."""
+    its run.json recorded; bytes for a byte-level run): mpmd.recipes.tokenizer.run_tokenizer.
+    For `hf:DIR`, DIR's tokenizer.json (mpmd export copies the run's there), else bytes."""
     from mpmd.recipes import tokenizer
+    if str(run_dir).startswith("hf:"):
+        hf_dir = Path(str(run_dir)[len("hf:"):])
+        return tokenizer.load(str(hf_dir)) if (hf_dir / tokenizer.TOKENIZER_FILE).is_file() else tokenizer.ByteTokenizer()
     return tokenizer.run_tokenizer(run_dir)
 
 
-def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int, object]:
+def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int | None, object]:
     """(the run's resolved config, the checkpoint's step, its model with the checkpoint's
     parameters) of committed `step` (None: the newest). ConfigError with one line naming what
     is wrong: no such directory, not a run directory, no committed checkpoint, `step` not
-    committed, a model kind that cannot generate."""
+    committed, a model kind that cannot generate. `hf:DIR` is a Hugging Face Llama directory
+    instead (load_hf; its step is None)."""
     if str(run_dir).startswith("hf:"):
-        raise ConfigError(f"{run_dir!r}: generating from a Hugging Face directory is not supported yet; "
-                          f"give a run directory of `mpmd train`")
+        if step is not None:
+            raise ConfigError(f"{run_dir!r} is a Hugging Face directory: it has no steps (--step is for run directories)")
+        cfg, model = load_hf(run_dir)
+        return cfg, None, model
     root = Path(run_dir)
     if not root.is_dir():
         raise ConfigError(f"run directory {str(run_dir)!r} does not exist")
@@ -60,6 +75,27 @@ def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int, object
                           f"committed: {', '.join(map(str, committed))}")
     step, leaves = read_leaves(run_dir, step)
     return cfg, step, model_with(cfg, {k[len("params/"):]: v for k, v in leaves.items() if k.startswith("params/")})
+
+
+def load_hf(spec: str) -> tuple[Config, object]:
+    """(a config of the Llama that `hf:DIR`'s config.json describes, the model with its
+    safetensors weights): model.seq_len its max_position_embeddings (at most HF_MAX_WINDOW),
+    data.tokenizer DIR's tokenizer.json where it has one. ConfigError naming what is wrong."""
+    from mpmd.recipes import hf, tokenizer
+    try:
+        hf_dir = hf.directory_of(spec)
+        keys, params = hf.load(hf_dir)
+    except hf.HFError as e:
+        raise ConfigError(f"{spec!r}: {e}") from None
+    has_tokenizer = (hf_dir / tokenizer.TOKENIZER_FILE).is_file()
+    if not has_tokenizer and keys["vocab_size"] < 256:
+        raise ConfigError(f"{spec!r} has no {tokenizer.TOKENIZER_FILE} and vocab_size={keys['vocab_size']}, fewer "
+                          f"than the 256 byte tokens: put the model's tokenizer.json in {hf_dir}")
+    model = {"kind": "llama", "init_from": spec, "seq_len": min(keys.get("seq_len", HF_MAX_WINDOW), HF_MAX_WINDOW)}
+    # The synthetic source reads no files: the config describes the model and its tokenizer only.
+    data = {"source": "synthetic", **({"tokenizer": str(hf_dir)} if has_tokenizer else {})}
+    cfg = config_lib.validate({"model": model, "data": data})
+    return cfg, model_with(cfg, params)
 
 
 def check_can_generate(cfg: Config) -> None:

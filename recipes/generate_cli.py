@@ -1,5 +1,7 @@
 """`mpmd generate RUN_DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --step S
---seed N --no-cache]`: continue a prompt with a trained run's model (recipes/generate.py).
+--seed N --no-cache]`: continue a prompt with a trained run's model (recipes/generate.py), or
+with a Hugging Face Llama directory's: `mpmd generate hf:DIR --prompt TEXT` (what `mpmd export`
+writes; sampling defaults are then the schema's).
 
 Prints the prompt and its continuation on stdout, and on stderr one line with the step it
 restored, the new tokens and tokens/s (decoding alone; compiling its two programs is timed
@@ -30,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="mpmd generate", description="Continue a prompt with the model of a run directory of `mpmd train`.",
         epilog='example: mpmd generate runs/gpt_tiny --prompt "def __init__(self" --temperature 0')
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `mpmd train` (its config.yaml "
-                                                           "and checkpoints/)")
+                                                           "and checkpoints/), or hf:DIR, a Hugging Face Llama "
+                                                           "directory (config.json, safetensors, tokenizer.json)")
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=_non_negative(int), default=200, metavar="N",
                         help="tokens to generate (default 200)")
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
         return 2
     print(text)
     decode_s = t2 - t1
-    print(f"step {step} of {args.run_dir}: {num_new} new tokens in {decode_s:.2f} s "
+    where = args.run_dir if step is None else f"step {step} of {args.run_dir}"
+    print(f"{where}: {num_new} new tokens in {decode_s:.2f} s "
           f"({num_new / decode_s if decode_s > 0 else float('inf'):.1f} tokens/s, "
           f"{'no cache' if args.no_cache else 'key-value cache'}; compiled in {t1 - t0:.2f} s)", file=sys.stderr)
     return 0

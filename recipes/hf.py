@@ -62,7 +62,7 @@ def directory_of(init_from: str) -> Path:
     """The directory of model.init_from = "hf:<directory>"; HFError saying the form otherwise."""
     if not isinstance(init_from, str) or not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
         raise HFError(f"model.init_from must be 'hf:<directory>' (a Hugging Face Llama's config.json and "
-                      f"safetensors), got {init_from!r}")
+                      f"safetensors) or 'run:<directory>' (a llama run of mpmd train), got {init_from!r}")
     return Path(os.path.expanduser(init_from[len(PREFIX):]))
 
 
@@ -208,9 +208,10 @@ def load(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     return keys, dict(zip(paths, Weights(hf_dir).read(paths)))
 
 
-def save(out_dir, keys: dict, params: dict[str, np.ndarray]) -> Path:
+def save(out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str | None = None) -> Path:
     """Writes config.json and model.safetensors (float32) of a Llama with model.* `keys` and
-    `params` ({model path: array}) into `out_dir`, which must not exist or be empty (HFError):
+    `params` ({model path: array}), and tokenizer.json where given (its text), into `out_dir`,
+    which must not exist or be empty (HFError):
     the files are written beside it and renamed into place, so nothing half-written is left
     under that name and nothing is overwritten."""
     from safetensors.numpy import save_file
@@ -230,6 +231,8 @@ def save(out_dir, keys: dict, params: dict[str, np.ndarray]) -> Path:
     try:
         save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
         (staging / CONFIG).write_text(json.dumps(hf_config(keys), indent=2) + "\n")
+        if tokenizer_json is not None:
+            (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         if out.exists():
             out.rmdir()            # empty, checked above
         staging.rename(out)

@@ -39,6 +39,10 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     if cfg.data.pack:
         raise ConfigError("--dry-run does not yet size a run with data.pack=true; size it with data.pack=false "
                           "(the same shapes and parameters)")
+    if cfg.data.source == "jsonl":      # batch dicts with a loss_mask, as packing's
+        raise ConfigError("--dry-run does not yet size a run with data.source='jsonl'; size it with "
+                          "data.source=synthetic data.path=null data.eval_path=null train.exact_match=0 (the same "
+                          "shapes and parameters)")
     train_loader, _ = data.make_loaders(cfg)
     inputs, targets = train_loader.batch_at(0)
     micro = len(inputs) // p.num_microbatches

@@ -34,6 +34,7 @@ import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import console
 from mpmd.recipes import data
+from mpmd.recipes import exact_match
 from mpmd.recipes import generate
 from mpmd.recipes import preempt
 from mpmd.recipes import registry
@@ -239,6 +240,9 @@ def data_metadata(cfg: Config) -> dict:
     if cfg.data.source == "tokens":
         from mpmd.recipes import grain_data
         return grain_data.metadata(cfg)
+    if cfg.data.source == "jsonl":
+        from mpmd.recipes import sft
+        return sft.metadata(cfg)
     if cfg.data.tokenizer != tokenizer_lib.BYTES:
         return {"tokenizer_hash": tokenizer_lib.load(cfg.data.tokenizer).hash}
     return {}
@@ -380,6 +384,14 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                          f"raise train.steps to train further")
     if trainer.layout_change:
         progress.message(f"layout changed: {trainer.layout_change}")
+    # Held-out exact match (train.exact_match): before the first step, then with each eval and
+    # at the end; the first record carries the score before ("exact_match_before").
+    scorer = exact_match.Scorer(cfg) if t.exact_match else None
+    scores: dict[int, float] = {}
+    if scorer is not None:
+        scores[start_step] = marks["exact_match_before"] = scorer(trainer)
+        progress.message(f"exact match on {len(scorer.examples)} held-out examples at step {start_step}: "
+                         f"{scores[start_step]:.3f}")
     traces: dict[int, list] = {}
     losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
     eval_loss = None
@@ -417,6 +429,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 done, sent = pending.popleft()
                 out = sent.result()
                 step_eval = evaluate(trainer, eval_loader, t.eval_batches) if _should_eval(cfg, done) else None
+                if scorer is not None and (step_eval is not None or done == t.steps):
+                    scores[done] = scorer(trainer)
             except mpmd.Rewound as e:
                 # A slice was lost (and replaced, or left out); every slice is back at step
                 # e.step, and the steps in flight were discarded with nothing of them applied
@@ -426,6 +440,7 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 step = done = e.step
                 pending.clear()
                 losses = {k: v for k, v in losses.items() if k <= step}
+                scores = {k: v for k, v in scores.items() if k <= step}
                 _seek(train_loader, e.data_state)
                 metrics_log.truncate_after(step)
                 t_done = time.perf_counter()
@@ -446,6 +461,8 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                 record["bubble"] = run_log.measured_bubble(out["events"])
                 # Written at once, so a report of the run in progress shows the step.
                 run_log.write_trace(run_dir / "trace.json", traces)
+            if done in scores:
+                record["exact_match"] = scores[done]
             if step_eval is not None:
                 eval_loss = record["eval_loss"] = step_eval
                 if read_state is not None:
@@ -480,9 +497,13 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
                "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput(),
                "preempted": stop.preempted}
+    if scores:
+        summary["exact_match_before"], summary["exact_match"] = scores[min(scores)], scores[max(scores)]
     summary["report"] = str(report_html.write(run_dir))
+    matched = (f", exact match {summary['exact_match_before']:.3f} -> {summary['exact_match']:.3f}"
+               if scores else "")
     print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
-          f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}; wrote {run_dir}, "
+          f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}{matched}; wrote {run_dir}, "
           f"report {summary['report']}")
     print(goodput_line(summary["goodput"]))
     return summary

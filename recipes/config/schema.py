@@ -38,12 +38,15 @@ class ModelSection(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["stdlib", "files", "synthetic", "tokens"] = Field(
+    source: Literal["stdlib", "files", "synthetic", "tokens", "jsonl"] = Field(
         "stdlib", description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
-                              "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline")
+                              "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline; "
+                              "jsonl = fine-tuning examples (data.path: a .jsonl of prompt/response or chat "
+                              "messages, recipes/sft.py), the loss on response tokens only")
     paths: list[str] = Field([], description="files source: file paths, directories or globs")
     path: str | None = Field(
-        None, description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards)")
+        None, description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards); "
+                          "jsonl source: the training examples' .jsonl file")
     tokenizer: str = Field(
         "bytes", description="bytes = one token per UTF-8 byte; or a Hugging Face tokenizer.json (or its "
                              "directory): model.vocab_size then follows it unless given. The tokens source "
@@ -52,6 +55,9 @@ class DataConfig(_Section):
         False, description="tokens source: pack whole documents into rows of model.seq_len (Grain's first-fit "
                            "packing) with segment_ids and positions, the loss over real tokens only; false = "
                            "windows of the concatenated documents")
+    eval_path: str | None = Field(
+        None, description="jsonl source: the held-out examples' .jsonl (eval loss, train.exact_match); "
+                          "null = the last data.eval_fraction of data.path's examples")
     eval_fraction: float = Field(
         0.05, gt=0, lt=1, description="last fraction of the corpus held out for eval (of its bytes or "
                                      "tokens; of a tokens corpus's windows, or with data.pack its pieces)")
@@ -68,6 +74,10 @@ class TrainConfig(_Section):
     sample_temperature: float = Field(
         0.8, ge=0, description="divides the logits before sampling; 0 = greedy (argmax)")
     sample_top_k: int = Field(40, ge=0, description="sample among the k likeliest tokens; 0 = all")
+    exact_match: int = Field(
+        0, ge=0, description="jsonl source: score this many held-out examples by exact match of the greedy "
+                             "continuation of each prompt with its response, before training, at each eval and at "
+                             "the end (metrics.jsonl and the summary); 0 = none")
     run_ahead: int = Field(
         1, ge=0, description="steps sent to the slices ahead of the one running (each queues "
                              "behind it, hiding the gap between steps); 0 = one step at a time")

@@ -31,7 +31,7 @@ class GPTSection(DecoderSection):
 def byte_vocab_problems(cfg: Config) -> list[str]:
     """A model reading the byte corpus needs a token for each of 256 byte values."""
     d, m = cfg.data, cfg.model
-    if d.source in ("stdlib", "files") and d.tokenizer == "bytes" and m.vocab_size < 256:
+    if d.source in ("stdlib", "files", "jsonl") and d.tokenizer == "bytes" and m.vocab_size < 256:
         return [f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must "
                 f"be >= 256, got {m.vocab_size}"]
     return []
@@ -47,12 +47,13 @@ def decoder_problems(cfg: Config) -> list[str]:
 
 
 # What every decoder LM here trains on, and how: next-token cross-entropy on token sequences;
-# on packed rows (data.pack) token-weighted, over the tokens of loss_mask only.
+# on packed rows (data.pack) and fine-tuning examples (data.source=jsonl: the response tokens)
+# token-weighted, over the tokens of loss_mask only.
 _mean_loss, _masked_loss = models_loss("lm_loss"), models_loss("masked_lm_loss")
 
 
 def lm_loss(cfg: Config):
-    return (_masked_loss if cfg.data.pack else _mean_loss)(cfg)
+    return (_masked_loss if cfg.data.pack or cfg.data.source == "jsonl" else _mean_loss)(cfg)
 
 
 token_sources = data_sources("token_sources")

@@ -2,6 +2,7 @@
 SwiGLU, rotary embeddings, optional tied embeddings (cut at stage marks), bf16, remat."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -38,29 +39,80 @@ class LlamaSection(DecoderSection, ComputeSection):
     init_from: str | None = Field(
         None, description="hf:<directory> = start from a Hugging Face Llama's config.json and safetensors "
                           "(its sizes, GQA, rope_theta, norm_eps and tie_embeddings become these keys: one set "
-                          "otherwise is refused); null = the seeded random init")
+                          "otherwise is refused); run:<directory> = from the newest committed checkpoint of "
+                          "another llama run of mpmd train (its config.yaml's sizes, likewise); null = the "
+                          "seeded random init")
 
     @model_validator(mode="before")
     @classmethod
     def _from_hf(cls, values):
-        """model.init_from's config.json sets the sizes; a key also given must agree with it."""
+        """model.init_from's config.json (or run's config.yaml) sets the sizes; a key also given
+        must agree with it."""
         if not isinstance(values, dict) or values.get("init_from") is None:
             return values
-        hf_dir = hf.directory_of(values["init_from"])
-        try:
-            keys, longest = hf.model_keys(hf_dir), hf.max_positions(hf_dir)
-        except hf.HFError as e:
-            raise ValueError(f"model.init_from={values['init_from']!r}: {e}") from None
+        init_from = values["init_from"]
+        if isinstance(init_from, str) and init_from.startswith(RUN_PREFIX):
+            keys, longest, source = _run_keys(init_from), None, "config.yaml"
+            named = lambda key: f"model.{key}"
+        else:
+            hf_dir = hf.directory_of(init_from)
+            try:
+                keys, longest = hf.model_keys(hf_dir), hf.max_positions(hf_dir)
+            except hf.HFError as e:
+                raise ValueError(f"model.init_from={init_from!r}: {e}") from None
+            source, named = hf.CONFIG, lambda key: hf.KEYS.get(key, (key,))[0]
         for key, value in keys.items():
             if key in values and values[key] != value:
-                raise ValueError(f"model.{key}={values[key]!r} disagrees with model.init_from={values['init_from']!r}, "
-                                 f"whose {hf.CONFIG} gives {hf.KEYS.get(key, (key,))[0]}={value!r}: leave "
+                raise ValueError(f"model.{key}={values[key]!r} disagrees with model.init_from={init_from!r}, "
+                                 f"whose {source} gives {named(key)}={value!r}: leave "
                                  f"model.{key} out (it comes from there)")
         seq_len = values.get("seq_len", cls.model_fields["seq_len"].default)
         if longest is not None and isinstance(seq_len, int) and seq_len > longest:
             raise ValueError(f"model.seq_len={seq_len} exceeds max_position_embeddings={longest} of "
                              f"model.init_from={values['init_from']!r}: set model.seq_len <= {longest}")
         return {**values, **keys}
+
+
+RUN_PREFIX = "run:"      # model.init_from = "run:<run directory of mpmd train>"
+# The keys a run's config.yaml gives a run started from it: what its parameters' shapes and
+# meaning depend on (hf.KEYS' and rope_theta), not seq_len (rotary positions take any length).
+_RUN_KEYS = (*hf.KEYS, "rope_theta")
+
+
+def _run_directory(init_from: str) -> Path:
+    return Path(init_from[len(RUN_PREFIX):]).expanduser()
+
+
+def _run_keys(init_from: str) -> dict:
+    """The model keys of the llama run `run:<dir>` names; ValueError naming what is wrong."""
+    from mpmd.recipes import config
+    file = _run_directory(init_from) / "config.yaml"
+    if not file.is_file():
+        raise ValueError(f"model.init_from={init_from!r}: {file} not found; 'run:<directory>' names a run "
+                         f"directory of mpmd train")
+    model = config.values_of(file).get("model") or {}
+    if model.get("kind") != "llama":
+        raise ValueError(f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a llama starts "
+                         f"only from a llama run")
+    return {key: model[key] for key in _RUN_KEYS if key in model}
+
+
+def _run_params(init_from: str):
+    """Mpmd.Trainer's init_params reading the parameters of `run:<dir>`'s newest committed
+    checkpoint by path (all of them into this process at the first call: for models one host holds)."""
+    from mpmd.runtime.worker.slice_store import CheckpointStore
+    run = _run_directory(init_from)
+    committed = CheckpointStore(str(run.resolve())).committed()
+    if not committed:
+        raise ConfigError(f"model.init_from={init_from!r} has no committed checkpoint to start from")
+    leaves: dict = {}
+
+    def read(paths):
+        from mpmd.train.checkpoints import read_leaves
+        if not leaves:
+            leaves.update(read_leaves(run, committed[-1], prefix="params/")[1])
+        return [leaves[f"params/{path}"] for path in paths]
+    return read
 
 
 def _problems(cfg: Config) -> list[str]:
@@ -84,9 +136,12 @@ def _llama(cfg: Config, rngs):
 
 
 def _init_params(cfg: Config):
-    """model.init_from's tensors, read stage by stage as each slice needs them (hf.Weights.read);
-    None: the seeded init."""
-    return hf.open(hf.directory_of(cfg.model.init_from)).read if cfg.model.init_from is not None else None
+    """model.init_from's tensors, read stage by stage as each slice needs them (hf.Weights.read;
+    a run's checkpoint: _run_params); None: the seeded init."""
+    init_from = cfg.model.init_from
+    if init_from is None:
+        return None
+    return _run_params(init_from) if init_from.startswith(RUN_PREFIX) else hf.open(hf.directory_of(init_from)).read
 
 
 def _split(cfg: Config, model, sample_input):
