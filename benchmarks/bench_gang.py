@@ -94,10 +94,10 @@ def replace_gang() -> None:
         spawn = []
         replace = cluster.launcher.replace
 
-        def timed_replace(slot):
+        def timed_replace(slot, **kw):
             t0 = time.perf_counter()
             try:
-                return replace(slot)
+                return replace(slot, **kw)
             finally:
                 spawn.append(time.perf_counter() - t0)
         cluster.launcher.replace = timed_replace

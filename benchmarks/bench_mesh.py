@@ -7,7 +7,7 @@ Every ratio is measured in this one run on this machine.
 
 1. Overhead. A small GPT (GPT_SIZES), 1F1B on 2 slices, m microbatches, one global batch,
    adamw: 2 slices x D=2 (mesh data=2: each microbatch split over two devices, gradients
-   reduced inside the stage programs) against 2 slices x D=1. LocalCluster: one worker
+   reduced once a step, mpmd/stages/partials.py) against 2 slices x D=1. LocalCluster: one worker
    process per slice, each pinned to its own core with XLA's intra-op threads off, so a D=2
    worker runs its two devices on one core: with the same cores, the ratio is the cost of
    the SPMD programs and the resharding-free shard-to-shard transfers, not a speedup. The

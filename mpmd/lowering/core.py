@@ -16,7 +16,7 @@ import numpy as np
 from mpmd.runtime.worker.instructions import Instruction, Recv, Run, Send, Spec
 from mpmd.runtime.worker.streams import PackedStream
 from mpmd.stages import batch as batches
-from mpmd.stages import names
+from mpmd.stages import names, partials
 from mpmd.schedules import core as schedules
 from mpmd.stages import sharding
 from mpmd.schedules import simulate
@@ -93,6 +93,7 @@ class StageIO(NamedTuple):
     aux: tuple = ()
     weighted: bool = False
     state: tuple = ()              # per stage: whether it carries stage state (st{k})
+    partial: tuple = ()            # per stage: its gradients accumulate unreduced (mpmd/stages/partials.py)
 
     def takes_side(self, k: int) -> bool:
         return bool(self.side) and self.side[k]
@@ -102,6 +103,10 @@ class StageIO(NamedTuple):
 
     def carries_state(self, k: int) -> bool:
         return bool(self.state) and self.state[k]
+
+    def reduces(self, k: int) -> bool:
+        """Whether stage k's gradient is reduced once, by reduce{k} after its last gradient task."""
+        return bool(self.partial) and self.partial[k]
 
 
 def _differentiable(specs: tuple, pieces: tuple) -> tuple[tuple, tuple]:
@@ -157,7 +162,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                          for a, lay in zip(fn.param_leaves, layouts.params[k])) for k, fn in enumerate(pipe.fns)]
 
     progs: list[dict] = [{} for _ in range(P)]
-    aux = []
+    aux, partial = [], []
     for k, fn in enumerate(pipe.fns):
         last, mesh = k == S - 1, mesh_of[k]
         scalar = sharding.with_layout(loss_spec, jax.sharding.PartitionSpec(), mesh)
@@ -170,8 +175,15 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                                             _placed(feeds.targets, mesh) if last else None, side,
                                             weighted=last and feeds.weighted, aux=aux[-1], state=state)
         here = progs[placement[k]]
+        # Gradients unreduced over the batch axes until the stage's last gradient task, where
+        # the stage allows it (mpmd/stages/partials.py); else reduced in each backward program.
+        batch_leaves = jax.tree.leaves((acts[k], feeds.side[k] or {}, acts[k + 1]))
+        partial.append(partials.problem(mesh, batch_leaves, fn.state is not None, aux[-1]) is None)
         here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=feeds.loss_fn,
-                                         num_microbatches=m, split_backward=schedule.split_backward))
+                                         num_microbatches=m, split_backward=schedule.split_backward,
+                                         partial=mesh if partial[-1] else None))
+        if partial[-1]:
+            here.update(stage_programs.build_reduce(k, param_specs[k], mesh))
         here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=feeds.loss_fn,
                                                       y_specs=_placed(acts[k + 1], mesh)))
         if last and feeds.weighted:
@@ -195,7 +207,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                            for k, a in enumerate(acts)],
                           [c[0] for c in cts], [c[1] for c in cts])
     io = StageIO(tuple(s is not None for s in feeds.side), tuple(aux), feeds.weighted,
-                 tuple(fn.state is not None for fn in pipe.fns))
+                 tuple(fn.state is not None for fn in pipe.fns), tuple(partial))
     train = train_streams(schedule, transfers, clip, shared, shared_specs, io)
     evaluate, predict = _forward_only(schedule, transfers, io)
 
@@ -457,7 +469,16 @@ class _TrainRows:
         return rows
 
     def gradient_final(self, k: int) -> tuple[np.ndarray, ...]:
-        """The rows after stage k's last gradient task."""
+        """The rows after stage k's last gradient task: its one reduction over the batch axes
+        when its gradient accumulated unreduced, then what follows a final gradient."""
+        final = self._gradient_final(k)
+        if not self.io.reduces(k):
+            return final
+        reduce = _Rows.block([self.rows(Run(names.program("reduce", K), (names.grads(K),), (names.grads(K),),
+                                            f"reduce s{K}"), k)])
+        return tuple(np.concatenate(c) for c in zip(reduce, final))
+
+    def _gradient_final(self, k: int) -> tuple[np.ndarray, ...]:
         if self.peers[k]:
             # Offer the shared part to the other holders; the norm waits for their parts.
             rows = [self.rows(Run(names.program("shared_out", K), (names.grads(K),), (names.shared(K),),

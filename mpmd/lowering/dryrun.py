@@ -45,7 +45,8 @@ PLAN = "dryrun"
 SCALAR = (Spec((), "float32"),)
 # Program kind -> the declared cost that is its duration (None: free).
 _PROGRAM_COSTS = {"fwd": "F", "bwd_in": "B", "bwd_w_first": "W", "bwd_w_acc": "W",
-                  "bwd_first": FULL_BACKWARD, "bwd_acc": FULL_BACKWARD, "update": None, "sqnorm": None}
+                  "bwd_first": FULL_BACKWARD, "bwd_acc": FULL_BACKWARD, "update": None, "sqnorm": None,
+                  "reduce": None}
 
 
 class DryRunResult(NamedTuple):

@@ -54,7 +54,7 @@ KEYS = {
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
 PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
-            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight")
+            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight", "reduce")
 STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
 SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
 

@@ -25,6 +25,13 @@ cotangent is 1/total. Auxiliary losses a stage adds (mpmd.add_loss) are a second
 its forward, with cotangent 1/m. Only floating-point values crossing a cut carry cotangents
 back: integer and boolean leaves go forward only.
 
+Gradients kept unreduced (mpmd/stages/partials.py). On a slice that splits the microbatch N
+ways, a stage that allows it (`partials.problem`) is traced per batch group instead: its
+forward and backward are vmapped over N groups of B/N rows, its weight gradients and their
+accumulator are partials (N, *shape) made with no communication, and reduce{k} sums them
+once, after the stage's last gradient task. The last stage's loss is applied to the joined
+output, as unpipelined.
+
 Layouts. Every spec handed in carries its sharding on the slice's AbstractMesh (see
 mpmd/stages/sharding.py); each program returns its outputs in the layouts of what they are:
 gradients like their parameters, input gradients like the stage's input, scalars
@@ -41,7 +48,7 @@ import optax
 
 from mpmd.runtime.worker import programs
 from mpmd.stages import backward_split, losses
-from mpmd.stages import names
+from mpmd.stages import names, partials
 from mpmd.stages.specs import spec
 from mpmd.stages.pipeline import StageFn, shared_indices, shared_peers
 
@@ -144,23 +151,100 @@ def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
         s = jax.tree.unflatten(s_tree, list(rest[0])) if s_tree is not None else {}
         t = jax.tree.unflatten(t_tree, list(rest[-1])) if last else None
         out, vjp, new_state = vjp_of(p, x, s, t, st)
-        leaves, vjp_tree = jax.tree.flatten(vjp)
-        where = {id(a): i for i, a in enumerate(p)}
-        # slot j of the residual list: ("p", i) = parameter i, ("r", n) = stored residual n
-        slots, stored = [], []
-        for leaf in leaves:
-            if id(leaf) in where:
-                slots.append(("p", where[id(leaf)]))
-            else:
-                slots.append(("r", len(stored)))
-                stored.append(leaf)
-        layout.update(vjp_tree=vjp_tree, slots=slots)
+        stored = _residuals(vjp, p, layout)
         kept_state = (tuple(new_state),) if shapes.state is not None else ()
         if shapes.aux:
             out, aux = out
             return (_bundle(out), tuple(stored), *kept_state, (aux,))
         return (_bundle(out), tuple(stored), *kept_state)
     return forward, layout
+
+
+def _residuals(vjp, p: tuple, layout: dict) -> list:
+    """What of a vjp's residuals the forward stores: all but the parameters `p`, which the
+    backward puts back; records in `layout` how to rebuild the vjp (slot j of its residual
+    list: ("p", i) = parameter i, ("r", n) = stored residual n)."""
+    leaves, vjp_tree = jax.tree.flatten(vjp)
+    where = {id(a): i for i, a in enumerate(p)}
+    slots, stored = [], []
+    for leaf in leaves:
+        if id(leaf) in where:
+            slots.append(("p", where[id(leaf)]))
+        else:
+            slots.append(("r", len(stored)))
+            stored.append(leaf)
+    layout.update(vjp_tree=vjp_tree, slots=slots)
+    return stored
+
+
+def _rebuilt(layout: dict, params, res):
+    """The vjp from its stored residuals and the parameters (see _residuals)."""
+    return jax.tree.unflatten(layout["vjp_tree"], [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]])
+
+
+def _last_cotangent(shapes: StageShapes, gb, num_microbatches: int):
+    """The loss's cotangent: a mean loss's is 1/m (the pipelined loss is the mean of m
+    microbatch losses); a weighted loss's sum's is 1/(total weight of the step)."""
+    return ((1.0 / gb[0]).astype(shapes.y.dtype) if shapes.weighted
+            else jnp.asarray(1.0 / num_microbatches, shapes.y.dtype))
+
+
+def _cotangent_tree(y_leaves, y_tree, given):
+    """The output's cotangent pytree: the given leaves where the output is differentiable,
+    float0 zeros where it is not."""
+    given = iter(given)
+    return jax.tree.unflatten(y_tree, [next(given) if differentiable(l) else np.zeros(l.shape, jax.dtypes.float0)
+                                       for l in y_leaves])
+
+
+def _grouped(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
+             num_microbatches: int, n: int):
+    """_backward's (forward, residual specs, cotangents) for a stage vmapped over n batch
+    groups (mpmd/stages/partials.py): the forward stores each group's residuals (n, ...) and,
+    on the last stage, the loss's, the loss applied to the groups' joined output; the weight
+    gradients cotangents returns are partials (n, *shape), one per group."""
+    x_tree = jax.tree.structure(shapes.x)
+    s_tree = jax.tree.structure(shapes.side) if shapes.side else None
+    t_tree = jax.tree.structure(shapes.targets) if last else None
+    x_diff = [differentiable(l) for l in jax.tree.leaves(shapes.x)]
+    layout: dict[str, Any] = {}
+
+    def forward(params, xb, *rest):
+        p = tuple(params)
+        x = jax.tree.unflatten(x_tree, list(xb))
+        s = jax.tree.unflatten(s_tree, list(rest[0])) if s_tree is not None else {}
+
+        def group(xg, sg):
+            apply = (lambda p: call_stage(fn, p, xg, sg)[0]) if first else (lambda p, x: call_stage(fn, p, x, sg)[0])
+            y, vjp = jax.vjp(apply, p) if first else jax.vjp(apply, p, xg)
+            layout["y"] = jax.tree.map(spec, y)
+            return y, tuple(_residuals(vjp, p, layout))
+        y, stored = jax.vmap(group)(partials.split(x, n), partials.split(s, n))
+        y = partials.join(y)
+        layout["num_group_res"] = len(stored)
+        if not last:
+            return _bundle(y), stored
+        t = jax.tree.unflatten(t_tree, list(rest[-1]))
+        loss, loss_vjp = jax.vjp(lambda y: (lambda v: v[0] if shapes.weighted else v)(loss_fn(y, t)), y)
+        leaves, layout["loss_tree"] = jax.tree.flatten(loss_vjp)
+        return (loss,), stored + tuple(leaves)
+
+    res_specs = _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
+    y_leaves, y_tree = jax.tree.flatten(layout["y"])      # one group's output
+
+    def cotangents(params, res, gb):
+        group_res, loss_res = res[:layout["num_group_res"]], res[layout["num_group_res"]:]
+        if last:
+            (dy,) = jax.tree.unflatten(layout["loss_tree"], list(loss_res))(
+                _last_cotangent(shapes, gb, num_microbatches))
+            gb = tuple(d for d, l in zip(jax.tree.leaves(dy), y_leaves) if differentiable(l))
+
+        def group(res_g, given):
+            dp, *dx = _rebuilt(layout, params, res_g)(_cotangent_tree(y_leaves, y_tree, given))
+            return tuple(dp), (() if first else tuple(d for d, keep in zip(jax.tree.leaves(dx[0]), x_diff) if keep))
+        dp, dx = jax.vmap(group)(tuple(group_res), partials.split(tuple(gb), n))
+        return dp, (None if first else partials.join(dx))
+    return forward, res_specs, cotangents
 
 
 def _forward_args(shapes: StageShapes, last: bool) -> tuple:
@@ -180,17 +264,8 @@ def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn
     x_diff = [differentiable(l) for l in jax.tree.leaves(shapes.x)]
 
     def cotangents(params, res, gb):
-        leaves = [params[i] if kind == "p" else res[i] for kind, i in layout["slots"]]
-        vjp = jax.tree.unflatten(layout["vjp_tree"], leaves)
-        if last:
-            # A mean loss's cotangent is 1/m (the pipelined loss is the mean of m microbatch
-            # losses); a weighted loss's sum's is 1/(total weight of the step).
-            ct = ((1.0 / gb[0]).astype(shapes.y.dtype) if shapes.weighted
-                  else jnp.asarray(1.0 / num_microbatches, shapes.y.dtype))
-        else:
-            given = iter(gb)
-            ct = jax.tree.unflatten(y_tree, [next(given) if differentiable(l)
-                                             else np.zeros(l.shape, jax.dtypes.float0) for l in y_leaves])
+        vjp = _rebuilt(layout, params, res)
+        ct = _last_cotangent(shapes, gb, num_microbatches) if last else _cotangent_tree(y_leaves, y_tree, gb)
         if shapes.aux:     # each microbatch's auxiliary losses weigh 1/m in the objective
             ct = (ct, jnp.asarray(1.0 / num_microbatches, jnp.float32))
         dp, *dx = vjp(ct)
@@ -243,11 +318,19 @@ def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
 
 
 def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-          loss_fn: Callable | None, num_microbatches: int, split_backward: bool) -> dict:
-    """Export forward and backward programs for stage k, named by mpmd/stages/names.py."""
-    forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
+          loss_fn: Callable | None, num_microbatches: int, split_backward: bool, partial=None) -> dict:
+    """Export forward and backward programs for stage k, named by mpmd/stages/names.py.
+    `partial`: the slice's SliceMesh when the stage keeps its gradients unreduced over the
+    batch axes (mpmd/stages/partials.py; then build_reduce gives reduce{k}), else None."""
+    if partial is None:
+        forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
+        grad_specs = shapes.params
+    else:
+        forward, res_specs, cotangents = _grouped(fn, shapes, first, last, loss_fn, num_microbatches,
+                                                  partial.batch_ways)
+        grad_specs = partials.partial_specs(shapes.params, partial)
     fwd_args = _forward_args(shapes, last)
-    p_out, y_out = _layouts(shapes.params), _layouts(shapes.y)
+    p_out, y_out = _layouts(grad_specs), _layouts(shapes.y)
     x_out = tuple(l.sharding for l in jax.tree.leaves(shapes.x) if differentiable(l))
     aux_out = ((_replicated((shapes.params, shapes.x)),),) if shapes.aux else ()
     state_out = (_layouts(shapes.state),) if shapes.state is not None else ()
@@ -265,7 +348,7 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
         return ((dx,) if not first else ()) + (accumulated(dp, acc),)
 
     base = (shapes.params, res_specs, *g_args)
-    acc = (shapes.params,)
+    acc = (grad_specs,)
     full_out = ((x_out,) if not first else ()) + (p_out,)
     if not split_backward:
         specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base, out_shardings=full_out)
@@ -291,6 +374,16 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *kept, *acc,
                                                              out_shardings=(p_out,))
     return specs
+
+
+def build_reduce(k: int, param_specs: tuple, mesh) -> dict:
+    """reduce{k}: stage k's gradients from their partials (mpmd/stages/partials.py), summed over
+    the batch groups into the parameters' layouts: XLA's one all-reduce over data (reduce-
+    scatter over fsdp) per parameter and step."""
+    def reduce(grads):
+        return (partials.reduced(grads),)
+    return {names.program("reduce", k): programs.exported(
+        reduce, partials.partial_specs(param_specs, mesh), out_shardings=(_layouts(param_specs),))}
 
 
 def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable,

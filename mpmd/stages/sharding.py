@@ -3,9 +3,10 @@ logical axis names onto it, and the layout (a PartitionSpec) of every buffer.
 
 A slice is a mesh of D devices with three named axes, always in this order:
 
-    data    splits each microbatch (data parallelism; gradients are reduced inside the program)
+    data    splits each microbatch (data parallelism; gradients are reduced once a step, by
+            reduce{k}: mpmd/stages/partials.py)
     fsdp    splits each microbatch too, and the parameter dims the rules put on it (ZeRO-3 style:
-            XLA gathers a weight where it is used and reduce-scatters its gradient)
+            XLA gathers a weight where it is used; its gradient is reduce-scattered by reduce{k})
     tensor  splits the parameter dims the rules put on it (Megatron-style tensor parallelism)
 
 data x fsdp x tensor = D. Slices may differ (`mesh=[{"tensor": 2}, {"data": 2}]`).

@@ -1,0 +1,96 @@
+"""Weight gradients kept unreduced over a slice's batch axes until the step's end.
+
+On a slice whose mesh splits each microbatch N = data x fsdp ways, a backward program that
+returns its weight gradient in the parameter's own layout makes XLA all-reduce it over
+`data` (and reduce-scatter it over `fsdp`) inside that program: m reductions per stage and
+step, where gradient accumulation needs one. Instead, a stage's programs work per batch
+group: the microbatch (B rows) is viewed as N groups of B/N rows, dimension 0 of
+size N laid out over the batch axes, so group n is device n's own rows, and the stage is
+vmapped over it. Its weight gradient then has a leading group dimension, (N, *shape), one
+partial sum per device (the "partial layout": P(batch axes, the parameter's layout with
+data and fsdp taken out)), computed and accumulated with no communication at all. Once the
+stage's last gradient task has run, reduce{k} sums the N partials into the parameter's
+layout: the one all-reduce over data / reduce-scatter over fsdp per parameter and step,
+before the shared-weight exchange, the clipping norm and the update, which see the reduced
+gradient as before.
+
+The loss stays global: the last stage vmaps its layers only, joins the groups' outputs
+into the microbatch's output and applies the loss to that, so any loss (a masked mean, a
+weighted loss) means what it means unpipelined; its cotangent is split into the groups.
+
+What it needs of a stage (`problem` says which is missing; the stage then keeps the
+per-microbatch reduction, exact as before):
+- every activation, side input and output leaf has the batch on axis 0, divisible by N
+  (then each group's rows are independent of the others' rows);
+- no stage state and no auxiliary losses: batch statistics and balancing losses are
+  statistics over the whole microbatch, which a group alone does not see.
+Cost: a partial gradient is the whole parameter per device (fsdp's gradient sharding
+waits until reduce{k}), and a residual that does not depend on the batch (a weight cast
+to another dtype) is stored once per group.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mpmd.stages.sharding import BATCH, SliceMesh
+
+
+def batch_axes(mesh: SliceMesh) -> tuple[str, ...]:
+    """The mesh axes a microbatch is split over (those of size > 1), as batch_layout names them."""
+    return tuple(a for a in BATCH if getattr(mesh, a) > 1)
+
+
+def partial_layout(param_layout: P, mesh: SliceMesh) -> P:
+    """Where a parameter's partial gradients lie: dim 0 (the groups) over the batch axes,
+    the parameter's own dims as its layout with the batch axes taken out (they are whole
+    on each device until reduced)."""
+    def without_batch(entry):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in names if a not in BATCH)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(batch_axes(mesh), *(without_batch(e) for e in tuple(param_layout)))
+
+
+def partial_specs(param_specs: Sequence[jax.ShapeDtypeStruct], mesh: SliceMesh) -> tuple:
+    """The partial gradients' specs, (N, *shape) each, laid out on the slice's mesh."""
+    n, abstract = mesh.batch_ways, mesh.abstract()
+    return tuple(jax.ShapeDtypeStruct((n, *s.shape), s.dtype,
+                                      sharding=NamedSharding(abstract, partial_layout(s.sharding.spec, mesh)))
+                 for s in param_specs)
+
+
+def problem(mesh: SliceMesh, batch_leaves: Sequence, state: bool, aux: bool) -> str | None:
+    """Why a stage cannot keep its gradients unreduced on `mesh` (None: it can; so can't a
+    slice whose microbatch is not split). `batch_leaves`: every activation, side input and
+    output leaf of the stage (shapes)."""
+    n = mesh.batch_ways
+    if n == 1:
+        return "its slice does not split the microbatch"
+    if state:
+        return "it carries stage state (statistics over the whole microbatch)"
+    if aux:
+        return "it adds auxiliary losses (statistics over the whole microbatch)"
+    for leaf in batch_leaves:
+        if len(leaf.shape) == 0 or leaf.shape[0] % n:
+            return f"a {tuple(leaf.shape)} leaf it takes or gives has no batch axis 0 divisible by {n}"
+    return None
+
+
+def split(tree, n: int):
+    """Every leaf (B, ...) viewed as (n, B/n, ...): group g is rows g*B/n .. (g+1)*B/n - 1,
+    the rows device g holds of a batch-split array."""
+    return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), tree)
+
+
+def join(tree):
+    """The inverse of split: (n, b, ...) -> (n*b, ...)."""
+    return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def reduced(partials) -> tuple:
+    """The gradients from their partials: the sum over the groups, in group order."""
+    return tuple(jnp.sum(g, axis=0) for g in partials)
