@@ -1,6 +1,7 @@
-"""A slice's devices as a mesh with the three named axes every stage program is exported for
+"""A slice's devices as a mesh with the four named axes every stage program is exported for
 (the frontend's mpmd/stages/sharding.py decides the shapes and the layouts; the runtime only binds a
-shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t}."""
+shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "expert": e, "tensor": t}
+(a missing axis is 1: shapes from before the expert axis read as they did)."""
 from __future__ import annotations
 
 import math
@@ -11,12 +12,15 @@ import numpy as np
 if TYPE_CHECKING:
     import jax
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "expert", "tensor")
+# Left out of a mesh's description when 1, so the meshes of models without experts (and the
+# layouts their checkpoints record) are described as before the axis existed.
+_QUIET_WHEN_1 = ("expert",)
 
 
 def shape_of(shape) -> tuple[int, ...]:
-    """(data, fsdp, tensor) from a mapping (missing axes: 1) or a sequence of three sizes;
-    ValueError naming what is wrong."""
+    """(data, fsdp, expert, tensor) from a mapping (missing axes: 1) or a sequence of four
+    sizes; ValueError naming what is wrong."""
     if isinstance(shape, Mapping):
         unknown = sorted(set(shape) - set(AXES))
         if unknown:
@@ -29,6 +33,11 @@ def shape_of(shape) -> tuple[int, ...]:
     return sizes
 
 
+def describe(shape) -> str:
+    """'data=2 x fsdp=1 x expert=2 x tensor=1' (expert left out when 1)."""
+    return " x ".join(f"{a}={n}" for a, n in zip(AXES, shape_of(shape)) if n != 1 or a not in _QUIET_WHEN_1)
+
+
 def devices_problem(shape, devices: int, has: str) -> str | None:
     """None when the mesh of `shape` is `devices` devices, as a slice's mesh must be (each of
     its devices once); else 'data=1 x fsdp=1 x tensor=3 = 3 devices, but <has>: the axes'
@@ -38,7 +47,7 @@ def devices_problem(shape, devices: int, has: str) -> str | None:
     product = math.prod(sizes)
     if product == devices:
         return None
-    return (f"{' x '.join(f'{a}={n}' for a, n in zip(AXES, sizes))} = {product} devices, but {has}: "
+    return (f"{describe(sizes)} = {product} devices, but {has}: "
             f"the axes' product must equal it")
 
 
