@@ -145,7 +145,8 @@ def _running(pid: int) -> bool:
 def multi_device_workers(tmp_path_factory):
     """get(devices_per_worker) -> a LocalCluster of two workers with that many host devices
     each, started on first use and shared for the session (a test that kills a worker leaves
-    the cluster's replacement); none may be left at the end."""
+    the cluster's replacement), confined to the session's temporary directory as the shared
+    workers are; none may be left at the end."""
     import mpmd
     from tests.support.processes import wait_gone
     clusters = {}
@@ -154,7 +155,7 @@ def multi_device_workers(tmp_path_factory):
         if devices_per_worker not in clusters:
             clusters[devices_per_worker] = mpmd.LocalCluster(
                 num_workers=2, devices_per_worker=devices_per_worker,
-                root=str(tmp_path_factory.mktemp(f"workers{devices_per_worker}")))
+                root=str(tmp_path_factory.getbasetemp()))
         return clusters[devices_per_worker]
     yield get
     pids = [p for c in clusters.values() for p in c.pids]
