@@ -1,17 +1,18 @@
 """How arrays lie on a slice's mesh: the mesh of each slice, the rules that map a parameter's
 logical axis names onto it, and the layout (a PartitionSpec) of every buffer.
 
-A slice is a mesh of D devices with four named axes, always in this order:
+A slice is a mesh of D devices with four named axes, always in this order (expert last, so
+that shapes written before it existed read as they did: mpmd/runtime/worker/mesh.py):
 
     data    splits each microbatch (data parallelism; gradients are reduced inside the program)
     fsdp    splits each microbatch too, and the parameter dims the rules put on it (ZeRO-3 style:
             XLA gathers a weight where it is used and reduce-scatters its gradient)
+    tensor  splits the parameter dims the rules put on it (Megatron-style tensor parallelism)
     expert  splits each microbatch too, and a mixture's experts (logical axis "expert"): each
             device holds E / expert of every MoE layer's experts; the tokens routed to them are
             moved there and back inside the stage program (an all-to-all; models/moe.py)
-    tensor  splits the parameter dims the rules put on it (Megatron-style tensor parallelism)
 
-data x fsdp x expert x tensor = D. Slices may differ (`mesh=[{"tensor": 2}, {"data": 2}]`).
+data x fsdp x tensor x expert = D. Slices may differ (`mesh=[{"tensor": 2}, {"data": 2}]`).
 Outside the mixture's layers the expert axis is one more data axis (GShard's layout: the
 devices that share the experts split the batch of every dense layer).
 
@@ -69,12 +70,12 @@ class SliceMesh(NamedTuple):
     """The shape of one slice's mesh."""
     data: int = 1
     fsdp: int = 1
-    expert: int = 1
     tensor: int = 1
+    expert: int = 1
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.expert * self.tensor
+        return self.data * self.fsdp * self.tensor * self.expert
 
     @property
     def batch_ways(self) -> int:
@@ -90,7 +91,7 @@ def describe(mesh: SliceMesh) -> str:
 
 
 def slice_mesh(shape: Mapping[str, int] | SliceMesh | None, where: str = "mesh") -> SliceMesh:
-    """A SliceMesh from {"data": .., "fsdp": .., "expert": .., "tensor": ..} (missing axes are 1)."""
+    """A SliceMesh from {"data": .., "fsdp": .., "tensor": .., "expert": ..} (missing axes are 1)."""
     if shape is None:
         return SliceMesh()
     if isinstance(shape, SliceMesh):

@@ -219,11 +219,11 @@ MESH_AXES = AXES
 
 
 class SliceShape(_Section):
-    """One slice's mesh: data x fsdp x expert x tensor devices (mpmd.stages.sharding.SliceMesh)."""
+    """One slice's mesh: data x fsdp x tensor x expert devices (mpmd.stages.sharding.SliceMesh)."""
     data: int | None = Field(
         None, gt=0, description="ways a microbatch is split (data parallel); null = the devices "
-                                "fsdp x expert x tensor leave: max(1, cluster.devices_per_worker // "
-                                "(fsdp x expert x tensor))")
+                                "fsdp x tensor x expert leave: max(1, cluster.devices_per_worker // "
+                                "(fsdp x tensor x expert))")
     fsdp: int = Field(1, gt=0, description="ways a microbatch and the parameter dims the rules put "
                                            "on fsdp are split (ZeRO-3)")
     tensor: int = Field(1, gt=0, description="ways the parameter dims the rules put on tensor are "
@@ -242,7 +242,7 @@ class SliceShape(_Section):
 
 class MeshConfig(SliceShape):
     stages: list[SliceShape] | None = Field(
-        None, description="one {data, fsdp, expert, tensor} per slice (worker), replacing the shape above "
+        None, description="one {data, fsdp, tensor, expert} per slice (worker), replacing the shape above "
                           "for that slice; null = every slice alike")
     rules: dict[str, Any] = Field(
         {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "

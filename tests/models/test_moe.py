@@ -314,7 +314,7 @@ def test_expert_axis_lays_out_experts_and_dispatch_buffers():
         mpmd.constrain(x, "batch")
     with pytest.raises(ValueError, match="'expertz' has no rule"):
         layout(("expertz", None), (2, 3), mesh, rules)
-    with pytest.raises(sharding.LayoutError, match="unknown mesh axis 'experts'; allowed: data, fsdp, expert, tensor"):
+    with pytest.raises(sharding.LayoutError, match="unknown mesh axis 'experts'; allowed: data, fsdp, tensor, expert"):
         sharding.slice_mesh({"experts": 2})
 
 
@@ -438,3 +438,19 @@ def test_a_checkpoint_sharded_by_expert_resumes_on_one_device(multi_device_worke
     assert sorted(resumed[0]) == [3, 4]
     np.testing.assert_allclose([resumed[0][s] for s in (3, 4)], [whole[0][s] for s in (3, 4)], rtol=1e-6)
     ref.assert_leaves_close(resumed[1], whole[1], RTOL)
+
+
+def test_config_takes_mesh_expert_and_checks_groups():
+    """mesh.expert is a slice's expert axis (data takes the devices it leaves); the device
+    count rule names it; model.moe.groups must divide a microbatch's tokens."""
+    from mpmd.recipes import config
+    from mpmd.recipes.config import ConfigError
+    moe = ["model.kind=moe", "model.d_model=32", "model.num_heads=2", "model.moe.num_experts=4"]
+    cfg = config.load(None, moe + ["cluster.devices_per_worker=4", "mesh.expert=2", "model.moe.groups=4"])
+    assert cfg.slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1, "expert": 2}] * 2 and cfg.num_devices == 8
+    assert sharding.slice_meshes(cfg.slice_shapes(), 2, 4)[0] == sharding.SliceMesh(data=2, expert=2)
+    with pytest.raises(ConfigError, match=r"mesh: data=1 x fsdp=1 x tensor=1 x expert=2 = 2 devices, "
+                                          r"but cluster.devices_per_worker=1"):
+        config.load(None, moe + ["mesh.expert=2"])
+    with pytest.raises(ConfigError, match=r"model.moe.groups=3 must divide the 1024 tokens of a microbatch"):
+        config.load(None, moe + ["model.moe.groups=3", "train.batch_size=16", "model.seq_len=256"])
