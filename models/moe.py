@@ -3,7 +3,9 @@ and the Llama whose every `every`-th block is one (`MoELlama`).
 
 Routing, per call, over the call's N = batch x time tokens (in a pipeline: one microbatch),
 cut into `groups` G equal groups of consecutive tokens (G divides N; batch rows stay whole when
-G divides the batch) that are routed and given capacity each on their own (GShard's groups):
+G divides the batch) that are routed and given capacity each on their own (GShard's groups;
+an evaluation or decoding call whose tokens G does not divide, a decoding step's one token
+per sequence, is routed as one group):
   router logits z = x W_r [N, E], in float32;
   softmax router: p = softmax(z); sigmoid router (DeepSeek-V3): p = sigmoid(z);
   each token goes to the top_k experts by p, weighted by their p, renormalised over its top_k
@@ -145,9 +147,11 @@ class MoE(nnx.Module):
         """(output [B, T, D], this call's weighted auxiliary loss, float32 scalar)."""
         batch, num_steps, d_model = x.shape
         num_tokens, E, k, G = batch * num_steps, self.num_experts, self.top_k, self.groups
-        if num_tokens % G:
+        if num_tokens % G and self.deterministic:
+            G = 1       # an evaluation or decoding call's few tokens (module doc)
+        elif num_tokens % G:
             raise ValueError(f"groups={G} must divide the {num_tokens} tokens (batch {batch} x time "
-                             f"{num_steps}) each MoE call routes")
+                             f"{num_steps}) each training call of an MoE routes")
         n = num_tokens // G
         tokens = self.constrain(x.reshape(G, n, d_model), "batch", None, None)
         logits = jnp.einsum("gnd,de->gne", tokens.astype(jnp.float32), self.router[...])     # [G, n, E]

@@ -340,8 +340,13 @@ def test_groups_each_have_their_own_capacity():
     np.testing.assert_array_equal(whole.dropped[...], [2, 0])
     np.testing.assert_array_equal(y[6:8], 0.0)
     np.testing.assert_allclose(y[2], p * _swiglu(whole, 0, x[2]), rtol=1e-6)
+    odd = MoE(2, 3, 2, 1, capacity_factor=1.0, groups=3, rngs=nnx.Rngs(0))
+    odd.router[...] = jnp.asarray(router, jnp.float32)
     with pytest.raises(ValueError, match="groups=3 must divide the 8 tokens"):
-        MoE(2, 3, 2, 1, groups=3, rngs=nnx.Rngs(0)).apply(jnp.asarray(x)[None])
+        odd.apply(jnp.asarray(x)[None])
+    # Evaluating (or decoding) a call whose tokens the groups do not divide routes it whole.
+    odd.eval()
+    np.testing.assert_array_equal(odd.apply(jnp.asarray(x)[None])[0][0], y)
 
 
 def test_expert_parallel_dispatch_is_an_all_to_all():
