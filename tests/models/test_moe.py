@@ -1,7 +1,9 @@
 """The mixture of experts (models/moe.py): capacity drops and counts exactly the assignments a
 hand-worked example says, the auxiliary losses are the Switch/GShard and z-loss formulas, and
 the MoE Llama pipelined over 2 slices trains equal to the unpipelined model with its auxiliary
-losses (SGD with momentum, float32, within 1e-5), on real worker processes."""
+losses (SGD with momentum, float32, within 1e-5), on real worker processes, also with its
+experts split over a slice's `expert` mesh axis (tokens dispatched by all-to-all), through a
+worker's SIGKILL and a checkpoint resumed on another mesh."""
 import math
 
 import jax
