@@ -1,19 +1,31 @@
 """Mixture of experts: a routed SwiGLU layer (`MoE`), a Llama block that uses it (`MoEBlock`)
 and the Llama whose every `every`-th block is one (`MoELlama`).
 
-Routing, per call, over the call's N = batch x time tokens (in a pipeline: one microbatch):
+Routing, per call, over the call's N = batch x time tokens (in a pipeline: one microbatch),
+cut into `groups` G equal groups of consecutive tokens (G divides N; batch rows stay whole when
+G divides the batch) that are routed and given capacity each on their own (GShard's groups;
+an evaluation or decoding call whose tokens G does not divide, a decoding step's one token
+per sequence, is routed as one group):
   router logits z = x W_r [N, E], in float32;
   softmax router: p = softmax(z); sigmoid router (DeepSeek-V3): p = sigmoid(z);
   each token goes to the top_k experts by p, weighted by their p, renormalised over its top_k
   when `renormalize` (always for the sigmoid router: its scores do not sum to 1).
-Dispatch, with a capacity C per expert (`capacity_factor` c: C = ceil(c x N x top_k / E); None
-is dropless, C = N, the most one expert can get since a token's top_k experts are distinct):
-the N x top_k assignments are served in priority order rank-major, then token order (every
+Dispatch, within each group of n = N / G tokens, with a capacity C per expert (`capacity_factor`
+c: C = ceil(c x n x top_k / E); None is dropless, C = n, the most one expert can get since a
+token's top_k experts are distinct): the n x top_k assignments are served in priority order
+rank-major, then token order (every
 token's first choice before any token's second, as in GShard), and an expert keeps its first C;
 an assignment over capacity is dropped (the token gets nothing from that expert: the block's
-residual carries it) and counted. Experts compute on a [E, C, D] buffer (a scatter in, one
-batched matmul per projection, a gather out), so compute is E x C tokens: ~c x the active
+residual carries it) and counted. Experts compute on a [G, E, C, D] buffer (a scatter in, one
+batched matmul per projection, a gather out), so compute is G x E x C tokens: ~c x the active
 tokens with a capacity, E/top_k x them dropless.
+
+Expert parallelism: with a `constrain` (mpmd.constrain, passed in like add_loss), the groups are
+laid out along the batch's mesh axes and the buffer, once filled, along the experts' (logical
+axis "expert", the mesh's `expert` axis), so the partitioner sends each group's tokens to the
+devices holding their experts and the results back: one all-to-all each way over the expert
+axis when G is a multiple of the devices the batch is split over. Without one (or with G = 1)
+the layout is XLA's to choose; the math is the same either way.
 
 Auxiliary losses (each call's, added through `add_loss`, e.g. mpmd.add_loss; models/ imports
 no mpmd, so it comes in as an argument, like Llama's stage mark):
@@ -21,7 +33,8 @@ no mpmd, so it comes in as an argument, like Llama's stage mark):
     assignments the router sends to expert e (before capacity), P_e the mean over tokens of
     p_e normalised to sum 1 per token; 1 when balanced, up to E when all go to one expert;
   router z-loss (ST-MoE): mean over tokens of logsumexp(z)^2, which keeps logits small.
-Their sum weighted by `balance_coef` and `z_coef` is one term. Under remat the block returns
+Both are over all N tokens of the call, whatever G. Their sum weighted by `balance_coef` and
+`z_coef` is one term. Under remat the block returns
 the term out of its rematerialised forward and adds it outside (a value added from inside
 jax.checkpoint would leak its tracer).
 
@@ -101,8 +114,9 @@ class MoE(nnx.Module):
     def __init__(self, d_model: int, mlp_dim: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, router: str = "softmax", renormalize: bool = True,
                  shared_mlp_dim: int | None = None, balance_coef: float = 0.01, z_coef: float = 0.001,
-                 dtype="float32", add_loss: Callable | None = None, *, rngs: nnx.Rngs):
-        _require_positive(d_model=d_model, mlp_dim=mlp_dim, num_experts=num_experts, top_k=top_k)
+                 dtype="float32", add_loss: Callable | None = None, groups: int = 1,
+                 constrain: Callable | None = None, *, rngs: nnx.Rngs):
+        _require_positive(d_model=d_model, mlp_dim=mlp_dim, num_experts=num_experts, top_k=top_k, groups=groups)
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} must be at most num_experts={num_experts}")
         if router not in ROUTERS:
@@ -112,6 +126,7 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router_kind, self.renormalize = router, renormalize
         self.balance_coef, self.z_coef, self.add_loss = balance_coef, z_coef, add_loss
+        self.groups, self.constrain = groups, constrain or (lambda x, *names: x)
         self.dtype = _compute_dtype(dtype)
         # Router: small init, so every expert starts near-equally likely.
         self.router = nnx.Param(axes(nnx.initializers.normal(0.02), "embed", "expert")(
@@ -131,32 +146,42 @@ class MoE(nnx.Module):
     def apply(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(output [B, T, D], this call's weighted auxiliary loss, float32 scalar)."""
         batch, num_steps, d_model = x.shape
-        num_tokens, E, k = batch * num_steps, self.num_experts, self.top_k
-        tokens = x.reshape(num_tokens, d_model)
-        logits = jnp.dot(tokens.astype(jnp.float32), self.router[...])                    # [N, E]
+        num_tokens, E, k, G = batch * num_steps, self.num_experts, self.top_k, self.groups
+        if num_tokens % G and self.deterministic:
+            G = 1       # an evaluation or decoding call's few tokens (module doc)
+        elif num_tokens % G:
+            raise ValueError(f"groups={G} must divide the {num_tokens} tokens (batch {batch} x time "
+                             f"{num_steps}) each training call of an MoE routes")
+        n = num_tokens // G
+        tokens = self.constrain(x.reshape(G, n, d_model), "batch", None, None)
+        logits = jnp.einsum("gnd,de->gne", tokens.astype(jnp.float32), self.router[...])     # [G, n, E]
         weights, experts, probs = route(logits, k, self.router_kind, self.renormalize)
-        C = capacity(num_tokens, E, k, self.capacity_factor)
-        place = positions_in_experts(experts, E)                                            # [N, k]
+        C = capacity(n, E, k, self.capacity_factor)
+        place = jax.vmap(positions_in_experts, in_axes=(0, None))(experts, E)             # [G, n, k]
         kept = place < C
         if not self.deterministic:      # training forward: count (module doc)
-            routed = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.int32), axis=(0, 1))
-            dropped = jnp.sum(jax.nn.one_hot(experts, E, dtype=jnp.int32) * (~kept)[..., None], axis=(0, 1))
-            self.routed[...] = self.routed[...] + routed
-            self.dropped[...] = self.dropped[...] + dropped
+            chosen = jax.nn.one_hot(experts, E, dtype=jnp.int32)                            # [G, n, k, E]
+            self.routed[...] = self.routed[...] + jnp.sum(chosen, axis=(0, 1, 2))
+            self.dropped[...] = self.dropped[...] + jnp.sum(chosen * (~kept)[..., None], axis=(0, 1, 2))
         slot = jnp.where(kept, place, C)                     # C is out of bounds: dropped
-        # Scatter each kept assignment's token into its expert's buffer [E, C, D].
-        buffer = jnp.zeros((E, C, d_model), self.dtype).at[experts, slot].add(
-            jnp.broadcast_to(tokens.astype(self.dtype)[:, None, :], (num_tokens, k, d_model)), mode="drop")
+
+        def scatter(tokens, experts, slot):   # one group's kept assignments into its [E, C, D]
+            return jnp.zeros((E, C, d_model), self.dtype).at[experts, slot].add(
+                jnp.broadcast_to(tokens.astype(self.dtype)[:, None, :], (n, k, d_model)), mode="drop")
+        buffer = jax.vmap(scatter)(tokens, experts, slot)                                   # [G, E, C, D]
+        buffer = self.constrain(buffer, "batch", "expert", None, None)      # to the experts' devices
         cast = lambda w: w[...].astype(self.dtype)
-        hidden = (jax.nn.silu(jnp.einsum("ecd,edh->ech", buffer, cast(self.gate)))
-                  * jnp.einsum("ecd,edh->ech", buffer, cast(self.up)))
-        out = jnp.einsum("ech,ehd->ecd", hidden, cast(self.down))                          # [E, C, D]
+        hidden = (jax.nn.silu(jnp.einsum("gecd,edh->gech", buffer, cast(self.gate)))
+                  * jnp.einsum("gecd,edh->gech", buffer, cast(self.up)))
+        out = jnp.einsum("gech,ehd->gecd", hidden, cast(self.down))                        # [G, E, C, D]
+        out = self.constrain(out, "batch", None, None, None)                # and back to the tokens'
         # Gather each assignment's result back (0 where dropped) and combine by the weights.
-        back = out.at[experts, slot].get(mode="fill", fill_value=0)                        # [N, k, D]
-        y = jnp.einsum("nkd,nk->nd", back, weights.astype(self.dtype))
+        back = jax.vmap(lambda o, e, s: o.at[e, s].get(mode="fill", fill_value=0))(out, experts, slot)
+        y = jnp.einsum("gnkd,gnk->gnd", back, weights.astype(self.dtype)).reshape(num_tokens, d_model)
         if self.shared is not None:
-            y = y + self.shared(tokens)
-        aux = (self.balance_coef * balance_loss(probs, experts, E) + self.z_coef * z_loss(logits))
+            y = y + self.shared(x.reshape(num_tokens, d_model))
+        flat = lambda a: a.reshape(num_tokens, *a.shape[2:])
+        aux = (self.balance_coef * balance_loss(flat(probs), flat(experts), E) + self.z_coef * z_loss(flat(logits)))
         return y.reshape(batch, num_steps, d_model), aux
 
     def __call__(self, x: jax.Array) -> jax.Array:

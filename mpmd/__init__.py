@@ -27,10 +27,11 @@ _WHERE = {
     "Rewound": "mpmd.train.checkpoints",
     "NonFinite": "mpmd.train.checkpoints",
     "WorkerLost": "mpmd.runtime.control.cluster",
+    "constrain": "mpmd.stages.constraints",
 }
 
 __all__ = ["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split", "stage_boundary", "add_loss", "collect_losses", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
-           "Rewound", "NonFinite", "WorkerLost"]
+           "Rewound", "NonFinite", "WorkerLost", "constrain"]
 
 
 def __getattr__(name: str):

@@ -138,3 +138,27 @@ def _running(pid: int) -> bool:
     """Not stopped (SIGSTOP): state T in /proc/<pid>/stat."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t")
+
+
+# -- worker processes with several devices each, for expert-parallel slices (tests/models/test_moe.py) --
+@pytest.fixture(scope="session")
+def multi_device_workers(tmp_path_factory):
+    """get(devices_per_worker) -> a LocalCluster of two workers with that many host devices
+    each, started on first use and shared for the session (a test that kills a worker leaves
+    the cluster's replacement), confined to the session's temporary directory as the shared
+    workers are; none may be left at the end."""
+    import mpmd
+    from tests.support.processes import wait_gone
+    clusters = {}
+
+    def get(devices_per_worker: int):
+        if devices_per_worker not in clusters:
+            clusters[devices_per_worker] = mpmd.LocalCluster(
+                num_workers=2, devices_per_worker=devices_per_worker,
+                root=str(tmp_path_factory.getbasetemp()))
+        return clusters[devices_per_worker]
+    yield get
+    pids = [p for c in clusters.values() for p in c.pids]
+    for cluster in clusters.values():
+        cluster.close()
+    assert wait_gone(pids) == [], "workers outlived their cluster"

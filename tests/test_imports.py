@@ -46,7 +46,7 @@ def test_public_names_are_exactly_all():
     assert sorted(mpmd.__all__) == sorted(["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split",
                                            "stage_boundary", "add_loss", "collect_losses", "tune",
                                            "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
-                                           "Rewound", "NonFinite", "WorkerLost"])
+                                           "Rewound", "NonFinite", "WorkerLost", "constrain"])
 
 
 def test_unknown_attribute_raises_attribute_error():

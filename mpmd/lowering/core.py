@@ -18,7 +18,7 @@ from mpmd.runtime.worker.streams import PackedStream
 from mpmd.stages import batch as batches
 from mpmd.stages import names, partials
 from mpmd.schedules import core as schedules
-from mpmd.stages import sharding
+from mpmd.stages import constraints, sharding
 from mpmd.schedules import simulate
 from mpmd.stages import programs as stage_programs
 from mpmd.stages.pipeline import Pipeline, shared_indices, shared_peers
@@ -34,6 +34,7 @@ class Layout(NamedTuple):
     meshes: list                  # per slice: sharding.SliceMesh
     params: list                  # per stage: PartitionSpec per parameter leaf
     opt: list                     # per stage: PartitionSpec per optimizer-state leaf
+    rules: dict | None = None     # logical axis -> mesh axis (mpmd.constrain inside the programs)
 
     @staticmethod
     def single(pipe: Pipeline, optimizer, num_slices: int) -> "Layout":
@@ -49,7 +50,7 @@ def layout(pipe: Pipeline, optimizer, meshes, placement, rules) -> Layout:
         p = sharding.stage_param_layouts(fn, mesh, rules, k)
         params.append(p)
         opt.append(sharding.optimizer_layouts(optimizer, fn, p))
-    return Layout(list(meshes), params, opt)
+    return Layout(list(meshes), params, opt, dict(rules or {}))
 
 
 class Transfers(NamedTuple):
@@ -163,7 +164,8 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
 
     progs: list[dict] = [{} for _ in range(P)]
     aux, partial = [], []
-    for k, fn in enumerate(pipe.fns):
+    # Each stage is traced with its slice's layout in force for mpmd.constrain (constraints.py).
+    for k, fn in constraints.each_laid_out(enumerate(pipe.fns), mesh_of, layouts.rules):
         last, mesh = k == S - 1, mesh_of[k]
         scalar = sharding.with_layout(loss_spec, jax.sharding.PartitionSpec(), mesh)
         side = _placed(feeds.side[k], mesh) if feeds.side[k] else None

@@ -1,22 +1,30 @@
 """How arrays lie on a slice's mesh: the mesh of each slice, the rules that map a parameter's
 logical axis names onto it, and the layout (a PartitionSpec) of every buffer.
 
-A slice is a mesh of D devices with three named axes, always in this order:
+A slice is a mesh of D devices with four named axes, always in this order (expert last, so
+that shapes written before it existed read as they did: mpmd/runtime/worker/mesh.py):
 
     data    splits each microbatch (data parallelism; gradients are reduced once a step, by
             reduce{k}: mpmd/stages/partials.py)
     fsdp    splits each microbatch too, and the parameter dims the rules put on it (ZeRO-3 style:
             XLA gathers a weight where it is used; its gradient is reduce-scattered by reduce{k})
     tensor  splits the parameter dims the rules put on it (Megatron-style tensor parallelism)
+    expert  splits each microbatch too, and a mixture's experts (logical axis "expert"): each
+            device holds E / expert of every MoE layer's experts; the tokens routed to them are
+            moved there and back inside the stage program (an all-to-all; models/moe.py)
 
-data x fsdp x tensor = D. Slices may differ (`mesh=[{"tensor": 2}, {"data": 2}]`).
+data x fsdp x tensor x expert = D. Slices may differ (`mesh=[{"tensor": 2}, {"data": 2}]`).
+Outside the mixture's layers the expert axis is one more data axis (GShard's layout: the
+devices that share the experts split the batch of every dense layer).
 
 Who decides a layout (all on the controller, before any worker starts):
 - parameters, gradients, optimizer state: the model's logical axis names (Flax metadata
   `out_sharding`, set with `nnx.with_partitioning`) through RULES; an unannotated parameter
   is replicated. Optimizer state follows its parameter (optax.tree_map_params).
 - activations, their gradients, inputs, targets: split along axis 0 (the batch) over
-  data x fsdp when that divides it, else replicated (`batch_layout`).
+  data x fsdp x expert when that divides it, else replicated (`batch_layout`); inside a stage
+  program a model may ask for other layouts of its activations by logical axis names
+  (mpmd.constrain, mpmd/stages/constraints.py).
 - scalars (losses, squared norms): replicated.
 - a stage's vjp residuals: left to XLA; they never leave the slice.
 Every program is exported against an AbstractMesh of the slice's shape, so the controller
@@ -35,10 +43,11 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from mpmd.stages.specs import spec
+from mpmd.runtime.worker import mesh as _mesh
 from mpmd.runtime.worker.mesh import AXES, devices_problem, shape_of
 from mpmd.stages.mesh_axes import rule_problem
 
-BATCH = ("data", "fsdp")          # the mesh axes a microbatch is split over
+BATCH = ("data", "fsdp", "expert")    # the mesh axes a microbatch is split over
 
 # logical axis name -> mesh axis (or None: replicated). Models in models/ use these names.
 RULES: dict[str, str | None] = {
@@ -49,7 +58,7 @@ RULES: dict[str, str | None] = {
     "kv": None,             # key/value width under grouped-query attention
     "positions": None,      # learned position rows
     "layers": None,
-    "expert": None,         # a mixture's experts (models/moe.py): replicated, no expert mesh axis yet
+    "expert": "expert",     # a mixture's experts (models/moe.py)
 }
 
 
@@ -63,26 +72,27 @@ class SliceMesh(NamedTuple):
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.tensor * self.expert
 
     @property
     def batch_ways(self) -> int:
         """Into how many parts a microbatch is split on this slice."""
-        return self.data * self.fsdp
+        return math.prod(getattr(self, a) for a in BATCH)
 
     def abstract(self) -> AbstractMesh:
         return AbstractMesh(tuple(self), AXES)
 
 
 def describe(mesh: SliceMesh) -> str:
-    return " x ".join(f"{a}={n}" for a, n in zip(AXES, mesh))
+    return _mesh.describe(mesh)
 
 
 def slice_mesh(shape: Mapping[str, int] | SliceMesh | None, where: str = "mesh") -> SliceMesh:
-    """A SliceMesh from {"data": .., "fsdp": .., "tensor": ..} (missing axes are 1)."""
+    """A SliceMesh from {"data": .., "fsdp": .., "tensor": .., "expert": ..} (missing axes are 1)."""
     if shape is None:
         return SliceMesh()
     if isinstance(shape, SliceMesh):
@@ -118,7 +128,7 @@ def slice_meshes(mesh, num_slices: int, devices_per_slice: int | None = None) ->
 
 # -- layouts ---------------------------------------------------------------------------------
 def batch_layout(shape: Sequence[int], mesh: SliceMesh) -> P:
-    """An activation's layout: axis 0 over data x fsdp when that divides it, else replicated."""
+    """An activation's layout: axis 0 over data x fsdp x expert when that divides it, else replicated."""
     ways = mesh.batch_ways
     if ways > 1 and len(shape) >= 1 and shape[0] % ways == 0:
         return P(tuple(a for a in BATCH if getattr(mesh, a) > 1) or None)

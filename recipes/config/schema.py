@@ -9,6 +9,7 @@ Config's validator; which keys exist and how they are read is loading.py's.
 import hashlib
 import importlib.util
 import json
+import math
 import re
 import typing
 from typing import Any, Literal
@@ -228,24 +229,30 @@ MESH_AXES = AXES
 
 
 class SliceShape(_Section):
-    """One slice's mesh: data x fsdp x tensor devices (mpmd.stages.sharding.SliceMesh)."""
+    """One slice's mesh: data x fsdp x tensor x expert devices (mpmd.stages.sharding.SliceMesh)."""
     data: int | None = Field(
         None, gt=0, description="ways a microbatch is split (data parallel); null = the devices "
-                                "fsdp x tensor leave: max(1, cluster.devices_per_worker // (fsdp x tensor))")
+                                "fsdp x tensor x expert leave: max(1, cluster.devices_per_worker // "
+                                "(fsdp x tensor x expert))")
     fsdp: int = Field(1, gt=0, description="ways a microbatch and the parameter dims the rules put "
                                            "on fsdp are split (ZeRO-3)")
     tensor: int = Field(1, gt=0, description="ways the parameter dims the rules put on tensor are "
                                              "split (Megatron-style)")
+    expert: int = Field(1, gt=0, description="ways a mixture's experts are split (expert parallel: "
+                                             "each device holds num_experts / expert of every MoE "
+                                             "layer's); the dense layers split the microbatch over it")
 
     def resolved(self, devices_per_worker: int) -> dict[str, int]:
-        """{data, fsdp, tensor} with data's null replaced (what mpmd.Trainer(mesh=...) takes)."""
-        data = self.data or max(1, devices_per_worker // (self.fsdp * self.tensor))
-        return {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+        """{data, fsdp, tensor[, expert]} with data's null replaced (what mpmd.Trainer(mesh=...)
+        takes); expert only when above 1, so resolved configs without experts read as before."""
+        data = self.data or max(1, devices_per_worker // (self.fsdp * self.expert * self.tensor))
+        shape = {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {**shape, "expert": self.expert} if self.expert > 1 else shape
 
 
 class MeshConfig(SliceShape):
     stages: list[SliceShape] | None = Field(
-        None, description="one {data, fsdp, tensor} per slice (worker), replacing the shape above "
+        None, description="one {data, fsdp, tensor, expert} per slice (worker), replacing the shape above "
                           "for that slice; null = every slice alike")
     rules: dict[str, Any] = Field(
         {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
@@ -374,14 +381,14 @@ class Config(_Section):
         return self.pipeline.num_stages // self.pipeline.virtual_stages
 
     def slice_shapes(self) -> list[dict[str, int]]:
-        """{data, fsdp, tensor} of each slice's mesh, one per slice (mesh.stages, else mesh)."""
+        """{data, fsdp, tensor[, expert]} of each slice's mesh, one per slice (mesh.stages, else mesh)."""
         shapes = self.mesh.stages if self.mesh.stages is not None else [self.mesh] * self.num_workers
         return [s.resolved(self.cluster.devices_per_worker * self.cluster.processes_per_slice) for s in shapes]
 
     @property
     def num_devices(self) -> int:
         """Devices of every slice together (what the inprocess backend needs in one process)."""
-        return sum(s["data"] * s["fsdp"] * s["tensor"] for s in self.slice_shapes())
+        return sum(math.prod(s.values()) for s in self.slice_shapes())
 
     def hash(self, exclude: typing.Iterable[str] = ()) -> str:
         """12 hex digits of sha256 over the resolved config, minus the dotted keys in exclude."""

@@ -37,6 +37,10 @@ class MoESection(_Section):
         0.01, ge=0, description="weight of the Switch/GShard load-balancing loss E x sum_e f_e P_e of each "
                                 "MoE block")
     z_coef: float = Field(0.001, ge=0, description="weight of the router z-loss mean(logsumexp(logits)^2)")
+    groups: int = Field(
+        1, gt=0, description="groups of consecutive tokens each microbatch is routed in, each with its own "
+                             "capacity; with mesh.expert > 1 a multiple of the devices a microbatch is split "
+                             "over (data x fsdp x expert) lets each group's dispatch be one all-to-all")
 
 
 class MoELlamaSection(LlamaSection):
@@ -52,6 +56,10 @@ def _problems(cfg: Config) -> list[str]:
     if e.every > m.num_layers:
         out.append(f"model.moe.every={e.every} is more than model.num_layers={m.num_layers}: no block "
                    f"would be an MoE block")
+    micro_tokens = cfg.train.batch_size // cfg.pipeline.num_microbatches * m.seq_len
+    if micro_tokens % e.groups:
+        out.append(f"model.moe.groups={e.groups} must divide the {micro_tokens} tokens of a microbatch "
+                   f"(train.batch_size / pipeline.num_microbatches x model.seq_len)")
     if m.init_from is not None:
         out.append(f"model.init_from={m.init_from!r} is not supported with model.kind='moe' (Hugging Face "
                    f"weights map onto the dense Llama only); use model.kind='llama' or init_from=null")
@@ -62,13 +70,13 @@ def _problems(cfg: Config) -> list[str]:
 
 
 def moe_arguments(cfg: Config) -> dict:
-    """MoE(...)'s keyword arguments from model.moe (add_loss aside)."""
+    """MoE(...)'s keyword arguments from model.moe (add_loss and constrain aside)."""
     import math
     m, e = cfg.model, cfg.model.moe
     width = e.expert_mlp_dim or m.mlp_dim or math.ceil(8 * m.d_model / 3 / 64) * 64
     return dict(mlp_dim=width, num_experts=e.num_experts, top_k=e.top_k, capacity_factor=e.capacity_factor,
                 router=e.router, renormalize=e.renormalize, shared_mlp_dim=e.shared_mlp_dim,
-                balance_coef=e.balance_coef, z_coef=e.z_coef)
+                balance_coef=e.balance_coef, z_coef=e.z_coef, groups=e.groups)
 
 
 def _moe(cfg: Config, rngs):
@@ -76,7 +84,7 @@ def _moe(cfg: Config, rngs):
     from mpmd.models.moe import MoELlama
     m = cfg.model
     return MoELlama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                    moe={**moe_arguments(cfg), "add_loss": mpmd.add_loss}, every=m.moe.every,
+                    moe={**moe_arguments(cfg), "add_loss": mpmd.add_loss, "constrain": mpmd.constrain}, every=m.moe.every,
                     num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, dtype=m.dtype,
                     remat=m.remat, dropout_rate=m.dropout, dropout_seed=cfg.seed, norm_eps=m.norm_eps, rngs=rngs)
 

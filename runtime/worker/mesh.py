@@ -1,6 +1,8 @@
-"""A slice's devices as a mesh with the three named axes every stage program is exported for
+"""A slice's devices as a mesh with the four named axes every stage program is exported for
 (the frontend's mpmd/stages/sharding.py decides the shapes and the layouts; the runtime only binds a
-shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t}."""
+shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t, "expert": e}
+(a missing axis is 1). `expert` came last, after the three the runtime had, so that a shape
+written before it, a mapping or a sequence (data, fsdp, tensor), reads as it did."""
 from __future__ import annotations
 
 import math
@@ -11,12 +13,15 @@ import numpy as np
 if TYPE_CHECKING:
     import jax
 
-AXES = ("data", "fsdp", "tensor")
+AXES = ("data", "fsdp", "tensor", "expert")
+# Left out of a mesh's description when 1, so the meshes of models without experts (and the
+# layouts their checkpoints record) are described as before the axis existed.
+_QUIET_WHEN_1 = ("expert",)
 
 
 def shape_of(shape) -> tuple[int, ...]:
-    """(data, fsdp, tensor) from a mapping (missing axes: 1) or a sequence of three sizes;
-    ValueError naming what is wrong."""
+    """(data, fsdp, tensor, expert) from a mapping (missing axes: 1) or a sequence of three or
+    four sizes in that order (expert 1 when left out); ValueError naming what is wrong."""
     if isinstance(shape, Mapping):
         unknown = sorted(set(shape) - set(AXES))
         if unknown:
@@ -24,9 +29,15 @@ def shape_of(shape) -> tuple[int, ...]:
         sizes = tuple(shape.get(a, 1) for a in AXES)
     else:
         sizes = tuple(shape)
+        sizes = sizes + (1,) if len(sizes) == len(AXES) - 1 else sizes
     if len(sizes) != len(AXES) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
         raise ValueError(f"a mesh shape is a positive size for each of {', '.join(AXES)}, got {shape!r:.100}")
     return sizes
+
+
+def describe(shape) -> str:
+    """'data=2 x fsdp=1 x tensor=1 x expert=2' (expert left out when 1)."""
+    return " x ".join(f"{a}={n}" for a, n in zip(AXES, shape_of(shape)) if n != 1 or a not in _QUIET_WHEN_1)
 
 
 def devices_problem(shape, devices: int, has: str) -> str | None:
@@ -38,7 +49,7 @@ def devices_problem(shape, devices: int, has: str) -> str | None:
     product = math.prod(sizes)
     if product == devices:
         return None
-    return (f"{' x '.join(f'{a}={n}' for a, n in zip(AXES, sizes))} = {product} devices, but {has}: "
+    return (f"{describe(sizes)} = {product} devices, but {has}: "
             f"the axes' product must equal it")
 
 

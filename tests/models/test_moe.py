@@ -1,7 +1,9 @@
 """The mixture of experts (models/moe.py): capacity drops and counts exactly the assignments a
 hand-worked example says, the auxiliary losses are the Switch/GShard and z-loss formulas, and
 the MoE Llama pipelined over 2 slices trains equal to the unpipelined model with its auxiliary
-losses (SGD with momentum, float32, within 1e-5), on real worker processes."""
+losses (SGD with momentum, float32, within 1e-5), on real worker processes, also with its
+experts split over a slice's `expert` mesh axis (tokens dispatched by all-to-all), through a
+worker's SIGKILL and a checkpoint resumed on another mesh."""
 import math
 
 import jax
@@ -97,11 +99,11 @@ def test_auxiliary_losses_are_the_switch_and_z_loss_formulas():
     np.testing.assert_allclose(z_loss(logits), np.mean(lse ** 2), rtol=1e-6)
 
 
-def _pipelined(schedule, m, v, cluster, data, **layout):
-    """(losses, aux losses, final parameter leaves, routing state) of the MoE Llama cut into 2
-    stages per slice (v per slice) and trained on `cluster`; `layout`: the Trainer's mesh and
-    rules."""
-    model = tiny.make_model()
+def _pipelined(schedule, m, v, cluster, data, make=tiny.make_model, **layout):
+    """(losses, aux losses, final parameter leaves, routing state) of the MoE Llama (`make`)
+    cut into 2 stages per slice (v per slice) and trained on `cluster`; `layout`: the Trainer's
+    mesh and rules."""
+    model = make()
     stages = mpmd.split(model, 2 * v, model.sample_input(tiny.BATCH // m))
     trainer = mpmd.Trainer(mpmd.Pipeline(stages, mpmd.models.lm_loss), tiny.sgd(), schedule=schedule,
                            num_microbatches=m, virtual_stages=v, cluster=cluster, **layout)
@@ -113,8 +115,8 @@ def _pipelined(schedule, m, v, cluster, data, **layout):
         trainer.close(close_cluster=not isinstance(cluster, mpmd.LocalCluster))
 
 
-def _check(got, m, data):
-    want_losses, want_params, want_aux = tiny.reference(data, m)
+def _check(got, m, data, make=tiny.make_model):
+    want_losses, want_params, want_aux = tiny.reference(data, m, make)
     losses, aux, params, state = got
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
     np.testing.assert_allclose(aux, want_aux, rtol=RTOL)
@@ -289,3 +291,173 @@ def test_remat_keeps_the_loss_the_aux_loss_and_the_gradients():
     assert plain[1] > 0
     np.testing.assert_allclose(remat[:2], plain[:2], rtol=1e-6)
     ref.assert_leaves_close(remat[2], plain[2], 1e-6, "gradients")
+
+
+# -- the expert mesh axis -------------------------------------------------------------------------
+def test_expert_axis_lays_out_experts_and_dispatch_buffers():
+    """Under the default rules the experts' dimension goes on the mesh's expert axis; inside a
+    stage program mpmd.constrain puts a dispatch buffer's groups on the batch axes the experts
+    leave (data) and its experts on expert, the tokens' groups on all batch axes; outside one
+    it is the identity."""
+    from mpmd.stages import constraints
+    mesh, rules = sharding.slice_mesh({"data": 2, "expert": 2}), sharding.RULES
+    assert mesh.size == 4 and mesh.batch_ways == 4
+    assert sharding.param_layout(("expert", "embed", "mlp"), (4, 16, 16), mesh, rules, "gate") == P("expert", None, None)
+    assert sharding.batch_layout((8, 8), mesh) == P(("data", "expert"))
+    layout = constraints.activation_layout
+    assert layout(("batch", None, None), (4, 8, 16), mesh, rules) == P(("data", "expert"), None, None)
+    assert layout(("batch", "expert", None, None), (4, 4, 3, 16), mesh, rules) == P("data", "expert", None, None)
+    # What the mesh does not divide stays replicated: a layout hint never changes the math.
+    assert layout(("batch", None, None), (2, 8, 16), mesh, rules) == P("data", None, None)
+    assert layout(("batch", "expert", None, None), (1, 3, 3, 16), mesh, rules) == P(None, None, None, None)
+    x = jnp.ones((2, 3))
+    assert mpmd.constrain(x, "batch", None) is x
+    with pytest.raises(ValueError, match="one logical axis name"):
+        mpmd.constrain(x, "batch")
+    with pytest.raises(ValueError, match="'expertz' has no rule"):
+        layout(("expertz", None), (2, 3), mesh, rules)
+    with pytest.raises(sharding.LayoutError, match="unknown mesh axis 'experts'; allowed: data, fsdp, tensor, expert"):
+        sharding.slice_mesh({"experts": 2})
+
+
+def test_groups_each_have_their_own_capacity():
+    """8 tokens, 2 experts, top-1, capacity factor 1, in 2 groups of 4: C = ceil(4 x 1 / 2) = 2
+    per group. Group 0's tokens 0-3 all pick expert 0, which keeps 0 and 1 and drops 2 and 3;
+    group 1's tokens 4, 5 pick expert 1 and 6, 7 expert 0: nothing dropped. In one group of 8
+    (C = 4) expert 0 keeps tokens 0-3 and drops 6 and 7 instead."""
+    x = np.array([[1.0, 0.0]] * 4 + [[0.0, 1.0]] * 2 + [[1.0, 0.0]] * 2, np.float32)
+    router = [[2.0, -2.0], [-2.0, 2.0]]
+    grouped = MoE(2, 3, 2, 1, capacity_factor=1.0, groups=2, rngs=nnx.Rngs(0))
+    whole = MoE(2, 3, 2, 1, capacity_factor=1.0, rngs=nnx.Rngs(0))
+    for layer in (grouped, whole):
+        layer.router[...] = jnp.asarray(router, jnp.float32)
+    p = 1 / (1 + math.exp(-4.0))
+    y = np.asarray(grouped.apply(jnp.asarray(x)[None])[0][0])
+    np.testing.assert_array_equal(grouped.routed[...], [6, 2])
+    np.testing.assert_array_equal(grouped.dropped[...], [2, 0])
+    np.testing.assert_array_equal(y[2:4], 0.0)
+    for t, e in [(0, 0), (1, 0), (4, 1), (5, 1), (6, 0), (7, 0)]:
+        np.testing.assert_allclose(y[t], p * _swiglu(grouped, e, x[t]), rtol=1e-6)
+    y = np.asarray(whole.apply(jnp.asarray(x)[None])[0][0])
+    np.testing.assert_array_equal(whole.dropped[...], [2, 0])
+    np.testing.assert_array_equal(y[6:8], 0.0)
+    np.testing.assert_allclose(y[2], p * _swiglu(whole, 0, x[2]), rtol=1e-6)
+    odd = MoE(2, 3, 2, 1, capacity_factor=1.0, groups=3, rngs=nnx.Rngs(0))
+    odd.router[...] = jnp.asarray(router, jnp.float32)
+    with pytest.raises(ValueError, match="groups=3 must divide the 8 tokens"):
+        odd.apply(jnp.asarray(x)[None])
+    # Evaluating (or decoding) a call whose tokens the groups do not divide routes it whole.
+    odd.eval()
+    np.testing.assert_array_equal(odd.apply(jnp.asarray(x)[None])[0][0], y)
+
+
+def test_expert_parallel_dispatch_is_an_all_to_all():
+    """An MoE layer's forward and backward on a data=2 x expert=2 mesh, its tokens in 4 groups:
+    XLA moves each group's tokens to their experts' devices and back with all-to-alls, exactly
+    the constraints' doing (with one group there is nothing to exchange and none appear)."""
+    from jax.sharding import NamedSharding
+    from mpmd.runtime.worker import mesh as worker_mesh
+    from mpmd.stages import constraints
+    slice_mesh = sharding.slice_mesh({"data": 2, "expert": 2})
+    devices = worker_mesh.bind(slice_mesh, jax.devices()[:4])
+
+    def all_to_alls(groups):
+        layer = MoE(16, 16, 4, 2, capacity_factor=1.0, groups=groups, constrain=mpmd.constrain, rngs=nnx.Rngs(0))
+        layer.eval()        # counts nothing: only the parameters are traced
+        graph, params, rest = nnx.split(layer, nnx.Param, ...)
+
+        def objective(params, x):
+            y, aux = nnx.merge(graph, params, rest).apply(x)
+            return jnp.sum(y) + aux
+        x = jax.device_put(jnp.ones((8, 8, 16)), NamedSharding(devices, P(("data", "expert"))))
+        with constraints.laid_out_on(slice_mesh, sharding.RULES):
+            return jax.jit(jax.grad(objective)).lower(params, x).compile().as_text().count("all-to-all")
+    assert all_to_alls(4) > 0
+    assert all_to_alls(1) == 0
+
+
+def _grouped(groups):
+    return lambda: tiny.make_model(groups=groups)
+
+
+# 1F1B needs m >= the 2 slices: GPipe stands in for it at m = 1.
+@pytest.mark.slow      # training runs against the reference, on workers of 2 and 4 devices
+@pytest.mark.parametrize("mesh,schedule,v,m", [
+    ({"expert": 2}, "1f1b", 1, 4), ({"expert": 2}, "gpipe", 1, 1),
+    ({"expert": 2}, "zb-v", 2, 4), ({"expert": 2}, "zb-v", 2, 1),
+    ({"expert": 2, "data": 2}, "1f1b", 1, 4), ({"expert": 2, "data": 2}, "zb-v", 2, 1),
+], ids=["expert2-1f1b-m4", "expert2-gpipe-m1", "expert2-zbv-m4", "expert2-zbv-m1",
+        "expert2xdata2-1f1b-m4", "expert2xdata2-zbv-m1"])
+def test_expert_parallel_slices_on_workers_equal_unpipelined(multi_device_workers, mesh, schedule, v, m):
+    """Every slice holds half of each MoE block's experts on its expert axis, the tokens in
+    groups (one per device the microbatch is split over) sent to them by all-to-all: the same
+    losses, auxiliary losses, parameters and routing counts as the unpipelined model."""
+    devices = 2 * mesh.get("data", 1)
+    make = _grouped(devices)
+    data = tiny.batches()
+    _check(_pipelined(schedule, m, v, multi_device_workers(devices), data, make, mesh=mesh), m, data, make)
+
+
+def _train_on(cluster, run_dir, data, mesh, fault=None):
+    """({step: loss}, final parameters, routing counts, rewinds) of the MoE Llama in 2 groups
+    (1F1B, m=2, a checkpoint every 2 steps, synchronous) trained to len(data) steps on `cluster`
+    with `mesh`, resuming from run_dir's last checkpoint and replaying after a recovery."""
+    from tests.support import recovery_runs
+    model = _grouped(2)()
+    trainer = mpmd.Trainer(mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(tiny.BATCH // 2)),
+                                         mpmd.models.lm_loss), tiny.sgd(), "1f1b", num_microbatches=2,
+                           cluster=cluster, mesh=mesh, run_dir=str(run_dir),
+                           checkpoint=mpmd.Checkpointing(every=2, asynchronous=False))
+    try:
+        tokens = [x for x, _ in data]
+        losses, params, rewinds = recovery_runs.train(trainer, tokens, fault, steps=len(tokens))
+        counts = [np.asarray(c) for s in trainer.state() for _, c in sorted(s.items())]
+        return losses, params, counts, rewinds
+    finally:
+        trainer.close(close_cluster=False)
+
+
+@pytest.mark.slow      # kills a real worker of an expert-parallel slice
+def test_an_expert_parallel_worker_killed_mid_run_recovers_bitwise(multi_device_workers, tmp_path):
+    """SIGKILL to slice 1's worker (expert=2: it holds half of each expert block's experts)
+    before step 4: the run comes back from step 2's checkpoint, sharded by expert, and ends with
+    the uninterrupted run's losses, parameters and routing counts, bit for bit."""
+    import signal
+    from tests.support import recovery_runs
+    cluster, data = multi_device_workers(2), tiny.batches(steps=5)
+    want = _train_on(cluster, tmp_path / "whole", data, {"expert": 2})
+    got = _train_on(cluster, tmp_path / "killed", data, {"expert": 2}, recovery_runs.kill_once(3, signal.SIGKILL))
+    assert got[3] == 1 and want[3] == 0
+    assert got[0] == want[0]
+    assert all(np.array_equal(a, b) for a, b in zip(got[1] + got[2], want[1] + want[2]))
+    assert sum(int(c.sum()) for c in got[2]) > 0
+
+
+@pytest.mark.slow      # training runs and Orbax checkpoints on workers
+def test_a_checkpoint_sharded_by_expert_resumes_on_one_device(multi_device_workers, tmp_path):
+    """Saved after 2 steps on slices of expert=2 (each device's checkpoint shard half of the
+    experts), resumed on slices of one device each (experts whole): the next 2 steps' losses
+    follow the uninterrupted one-device run's within 1e-6, parameters within 1e-5."""
+    data = tiny.batches(steps=4)
+    _train_on(multi_device_workers(2), tmp_path / "moved", data[:2], {"expert": 2})
+    resumed = _train_on(multi_device_workers(1), tmp_path / "moved", data, None)
+    whole = _train_on(multi_device_workers(1), tmp_path / "whole", data, None)
+    assert sorted(resumed[0]) == [3, 4]
+    np.testing.assert_allclose([resumed[0][s] for s in (3, 4)], [whole[0][s] for s in (3, 4)], rtol=1e-6)
+    ref.assert_leaves_close(resumed[1], whole[1], RTOL)
+
+
+def test_config_takes_mesh_expert_and_checks_groups():
+    """mesh.expert is a slice's expert axis (data takes the devices it leaves); the device
+    count rule names it; model.moe.groups must divide a microbatch's tokens."""
+    from mpmd.recipes import config
+    from mpmd.recipes.config import ConfigError
+    moe = ["model.kind=moe", "model.d_model=32", "model.num_heads=2", "model.moe.num_experts=4"]
+    cfg = config.load(None, moe + ["cluster.devices_per_worker=4", "mesh.expert=2", "model.moe.groups=4"])
+    assert cfg.slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1, "expert": 2}] * 2 and cfg.num_devices == 8
+    assert sharding.slice_meshes(cfg.slice_shapes(), 2, 4)[0] == sharding.SliceMesh(data=2, expert=2)
+    with pytest.raises(ConfigError, match=r"mesh: data=1 x fsdp=1 x tensor=1 x expert=2 = 2 devices, "
+                                          r"but cluster.devices_per_worker=1"):
+        config.load(None, moe + ["mesh.expert=2"])
+    with pytest.raises(ConfigError, match=r"model.moe.groups=3 must divide the 1024 tokens of a microbatch"):
+        config.load(None, moe + ["model.moe.groups=3", "train.batch_size=16", "model.seq_len=256"])

@@ -22,7 +22,7 @@ MOE = dict(num_experts=4, top_k=2, mlp_dim=16, capacity_factor=1.0, balance_coef
 
 def make_model(**overrides) -> MoELlama:
     """Blocks 1 and 3 (of 0..3) are MoE blocks."""
-    moe = {**MOE, "add_loss": mpmd.add_loss, **overrides}
+    moe = {**MOE, "add_loss": mpmd.add_loss, "constrain": mpmd.constrain, **overrides}
     return MoELlama(VOCAB, D, HEADS, BLOCKS, SEQ, moe=moe, every=2, num_kv_heads=1, rngs=nnx.Rngs(0))
 
 
