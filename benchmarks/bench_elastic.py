@@ -171,10 +171,10 @@ def run_ray(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_
                            after_step)
         finally:
             trainer.close()
-        for t in joins:
-            t.join()
         return {**result, "nodes_at_end": len(nodes.alive()) - 1}
     finally:
+        for t in joins:      # a node still joining asks Ray through this process's connection
+            t.join()
         nodes.close()
 
 
