@@ -9,7 +9,6 @@ node joins; each run ends bitwise as the uninterrupted one. Gangs spread one pro
 node only over nodes that hold a bundle (the 0-CPU head does not), else a refusal naming
 what is missing. A dead cluster.address ends `mpmd train` with one line.
 """
-import os
 import logging
 import re
 import time
@@ -41,6 +40,15 @@ def nodes():
 def ray_cluster(nodes, tmp_path, **kw):
     return mpmd.RayCluster(num_workers=2, address=nodes.address, failure_timeout_s=2.0, root=str(tmp_path),
                            log_dir=str(tmp_path / "logs"), **kw)
+
+
+def keep_two_nodes(nodes) -> None:
+    """The head and two 1-CPU nodes alive, whatever the tests before left (a test also runs
+    alone, or after one that failed midway)."""
+    while len(nodes.alive()) > 3:
+        nodes.kill(nodes.alive()[-1].pid)
+    nodes.settle()
+    assert len(nodes.alive()) == 3, "fewer than two nodes left by the tests before"
 
 
 def warn_worker_0(cluster, caplog) -> str:
@@ -123,16 +131,13 @@ def test_one_slice_per_node_and_a_lost_node_replaced_on_the_spare(nodes, uninter
         assert (tmp_path / "logs" / f"worker_{slot}.log").stat().st_size > 0
 
 
-@pytest.mark.skipif(not os.environ.get("MPMD_TEST_RAY_GROW"), reason=(
-    "flaky under CI load (2026-12-03 clean-clone run: the replacement actor did not start within 120 s "
-    "of its node joining; it passed in 53-65 s on its branch): run with MPMD_TEST_RAY_GROW=1; issue 34"))
 def test_no_spare_shrinks_then_grows_back_when_a_node_joins(nodes, uninterrupted, tmp_path):
     """2 slices on the two 1-CPU nodes left, on_loss=auto, replace_timeout_s=3: slice 1's node
     SIGKILLed before step 2, no node to replace it on, so the run goes on on 1 slice once the
     3 s are spent (the replacement stays asked of Ray); the step 2 boundary only looks. A node
     joins, Ray places the replacement asked for (the same placement group), and at the step 4
     boundary the run is on 2 slices again: bitwise the uninterrupted run."""
-    assert len(nodes.alive()) == 3, "the previous test should leave the head and two nodes"
+    keep_two_nodes(nodes)
     cluster = ray_cluster(nodes, tmp_path)
     fault = NodeLoss(nodes, kill_at=1, add_at=2, started_at=3)
     try:
@@ -159,10 +164,7 @@ def test_gangs_spread_over_nodes_that_hold_a_bundle(nodes, tmp_path):
     """A slice of 2 processes on the head (0 CPUs) and two 1-CPU nodes: STRICT_SPREAD, one
     process per node. A gang of 3 cannot be placed (the head holds no {CPU: 1} bundle): refused
     at once, naming what is missing and what each node offers."""
-    while len(nodes.alive()) > 3:     # the head and two nodes, whatever the tests before left
-        nodes.kill(nodes.alive()[-1].pid)
-    nodes.settle()
-    assert len(nodes.alive()) == 3, "fewer than two nodes left by the tests before"
+    keep_two_nodes(nodes)
     cluster = mpmd.RayCluster(num_workers=1, processes_per_slice=2, address=nodes.address, root=str(tmp_path))
     try:
         cluster.start(1)
