@@ -75,8 +75,9 @@ def saved_layout(run_dir: Path) -> tuple[set, set]:
     return shapes, split
 
 
-ON_DATA_2 = {(("data", 2), ("fsdp", 1), ("tensor", 1))}
-ON_TENSOR_2 = {(("data", 1), ("fsdp", 1), ("tensor", 2))}
+# A slice's mesh has four axes (data, fsdp, tensor, expert): Orbax records all of them.
+ON_DATA_2 = {(("data", 2), ("fsdp", 1), ("tensor", 1), ("expert", 1))}
+ON_TENSOR_2 = {(("data", 1), ("fsdp", 1), ("tensor", 2), ("expert", 1))}
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tm
         "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.b1=0.9", "optimizer.weight_decay=0",
         "optimizer.warmup_steps=0", "optimizer.max_grad_norm=null", "pipeline.num_stages=2",
         "pipeline.num_microbatches=4", "cluster.backend=inprocess", "log.trace_steps=[]", "log.tensorboard=false",
-        "log.progress=lines", f"data.pack={str(pack).lower()}"]
+        "log.progress=lines"]
     cfg = config.load("configs/llama_sft.yaml", [*overrides, f"run_dir={tmp_path / 'run'}"])
     loader = data.make_loaders(cfg)[0]
     batches = [loader.batch_at(i) for i in range(STEPS)]
@@ -190,7 +190,7 @@ def test_llama_sft_raises_held_out_exact_match_and_a_pretrained_start_keeps_it(t
     assert made.returncode == 0 and "wrote 4000 examples" in made.stdout, made.stderr[-2000:]
     common = [f"data.path={tmp_path / 'data' / 'train.jsonl'}", f"data.eval_path={tmp_path / 'data' / 'heldout.jsonl'}",
               "train.exact_match=50", "log.trace_steps=[]", "log.tensorboard=false", "checkpoint.every=0",
-              "log.progress=lines", f"data.pack={str(pack).lower()}"]
+              "log.progress=lines"]
     first = mpmd_train("configs/llama_sft.yaml", *common, f"run_dir={tmp_path / 'sft'}", f"train.steps={SFT_STEPS}",
                        f"train.eval_every={SFT_STEPS}", "optimizer.warmup_steps=0", "pipeline.num_microbatches=2",
                        timeout=300)
