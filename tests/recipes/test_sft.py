@@ -140,7 +140,7 @@ def test_the_fine_tuning_step_is_the_token_weighted_mean_over_response_tokens(tm
         "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.b1=0.9", "optimizer.weight_decay=0",
         "optimizer.warmup_steps=0", "optimizer.max_grad_norm=null", "pipeline.num_stages=2",
         "pipeline.num_microbatches=4", "cluster.backend=inprocess", "log.trace_steps=[]", "log.tensorboard=false",
-        "log.progress=lines"]
+        "log.progress=lines", f"data.pack={str(pack).lower()}"]
     cfg = config.load("configs/llama_sft.yaml", [*overrides, f"run_dir={tmp_path / 'run'}"])
     loader = data.make_loaders(cfg)[0]
     batches = [loader.batch_at(i) for i in range(STEPS)]
