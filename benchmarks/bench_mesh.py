@@ -54,6 +54,8 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+import timing  # noqa: E402
+
 MS = 1e-3
 GPT_SIZES = dict(vocab_size=256, d_model=128, num_heads=4, num_layers=4, seq_len=64)
 GPT_BATCH, GPT_M, LR = 32, 4, 3e-4
@@ -84,21 +86,11 @@ def make_trainer(cluster, mesh):
 
 def alternate(trainers: dict, num_rounds: int, block: int, batches) -> tuple[dict, dict]:
     """Per trainer: step times (s) from alternating blocks of `block` steps, and first losses."""
-    times = {name: [] for name in trainers}
     losses = {name: [] for name in trainers}
     for name, t in trainers.items():           # warm-up: compile, first dispatch
         losses[name] += [t.step(*batches[i % len(batches)])["loss"] for i in range(2)]
-    for r in range(num_rounds):
-        order = list(trainers) if r % 2 == 0 else list(reversed(trainers))
-        for name in order:
-            t = trainers[name]
-            last = time.perf_counter()
-            for i in range(block):
-                t.step(*batches[(r * block + i) % len(batches)])
-                now = time.perf_counter()
-                if i:
-                    times[name].append(now - last)
-                last = now
+    times = timing.alternating_blocks(
+        {name: (lambda i, t=t: t.step(*batches[i % len(batches)])) for name, t in trainers.items()}, num_rounds, block)
     return times, losses
 
 

@@ -40,6 +40,8 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
+import timing  # noqa: E402
+
 MESH = {"expert": 2}
 RECIPES = {"llama_tiny": [], "moe_tiny": ["model.moe.groups=2"]}
 
@@ -67,21 +69,12 @@ def make_trainer(name: str, cluster):
 
 def alternate(runs: dict, num_rounds: int, block: int) -> dict:
     """Per run: step times (s) from alternating blocks of `block` steps, after 2 warm-up steps."""
-    times = {name: [] for name in runs}
     for trainer, _, batches in runs.values():
         for i in range(2):
             trainer.step(*batches[i])
-    for r in range(num_rounds):
-        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
-            trainer, _, batches = runs[name]
-            last = time.perf_counter()
-            for i in range(block):
-                trainer.step(*batches[(r * block + i) % len(batches)])
-                now = time.perf_counter()
-                if i:
-                    times[name].append(now - last)
-                last = now
-    return times
+    return timing.alternating_blocks(
+        {name: (lambda i, t=trainer, b=batches: t.step(*b[i % len(b)])) for name, (trainer, _, batches) in runs.items()},
+        num_rounds, block)
 
 
 def tokens_per_s(num_rounds: int, block: int) -> None:
