@@ -33,7 +33,6 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     """Writes committed `step` (default the newest) of the llama run in `run_dir` to `out_dir`
     as a Hugging Face model directory; returns out_dir. ExportError on bad input."""
     from mpmd.recipes import config
-    from mpmd.runtime.worker.slice_store import CheckpointStore
     run, out = Path(run_dir), Path(out_dir)
     if not (run / "config.yaml").is_file():
         raise ExportError(f"{run} is not a run directory: it has no config.yaml (mpmd train writes one)")
@@ -48,16 +47,12 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
         cfg = config.validate(values)
     except config.ConfigError as e:
         raise ExportError(f"{run / 'config.yaml'}: {e}") from None
-    committed = CheckpointStore(run).committed()
-    if not committed:
-        raise ExportError(f"{run} has no committed checkpoint (a step is committed once its manifest.json is written)")
-    if step is None:
-        step = committed[-1]
-    elif step not in committed:
-        raise ExportError(f"step {step} is not a committed checkpoint of {run}; committed: "
-                          f"{', '.join(map(str, committed))}")
+    from mpmd.train.checkpoints import committed_step, read_leaves
+    try:
+        step = committed_step(run, step)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     hf.check_new(out)
-    from mpmd.train.checkpoints import read_leaves
     try:
         _, leaves = read_leaves(run, step, prefix=PARAMS)
     except ValueError as e:       # a part missing or unreadable, a leaf that fails its digest

@@ -64,15 +64,11 @@ def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int | None,
         raise ConfigError(f"{str(run_dir)!r} has no config.yaml: not a run directory of `mpmd train`")
     cfg = config_lib.load(root / "config.yaml")
     check_can_generate(cfg)
-    from mpmd.runtime.worker.slice_store import CheckpointStore
-    from mpmd.train.checkpoints import read_leaves
-    committed = CheckpointStore(os.path.abspath(run_dir)).committed()
-    if not committed:
-        raise ConfigError(f"{str(run_dir)!r} has no committed checkpoint to generate from "
-                          f"(checkpoints/<step> with a manifest): train it first")
-    if step is not None and step not in committed:
-        raise ConfigError(f"step {step} is not a committed checkpoint of {str(run_dir)!r}; "
-                          f"committed: {', '.join(map(str, committed))}")
+    from mpmd.train.checkpoints import committed_step, read_leaves
+    try:
+        step = committed_step(run_dir, step)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     step, leaves = read_leaves(run_dir, step)
     return cfg, step, model_with(cfg, {k[len("params/"):]: v for k, v in leaves.items() if k.startswith("params/")})
 

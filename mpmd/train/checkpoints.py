@@ -463,6 +463,22 @@ def with_digests(manifest: dict, digests: dict[str, str]) -> dict:
     return {**manifest, "leaves": leaves}
 
 
+def committed_step(run_dir, step: int | None = None) -> int:
+    """Committed `step` of run_dir's checkpoints (None: the newest). ValueError in one line when
+    there is none, or `step` is not committed (naming those that are): the one message the
+    readers of a finished run (`mpmd generate`, `mpmd export`, `model.init_from: run:`) give."""
+    committed = CheckpointStore(os.path.abspath(run_dir)).committed()
+    if not committed:
+        raise ValueError(f"{str(run_dir)!r} has no committed checkpoint (checkpoints/<step> with a "
+                         f"manifest.json): train it first")
+    if step is None:
+        return committed[-1]
+    if step not in committed:
+        raise ValueError(f"step {step} is not a committed checkpoint of {str(run_dir)!r}; committed: "
+                         f"{', '.join(map(str, committed))}")
+    return step
+
+
 def read_leaves(run_dir, step: int | None = None, prefix: str = "") -> tuple[int, dict]:
     """(step, {leaf name: host array}) of committed `step` (default the newest), read here,
     in this process, from every slice's directory: for looking at a checkpoint (tests, tools

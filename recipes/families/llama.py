@@ -100,17 +100,17 @@ def _run_keys(init_from: str) -> dict:
 def _run_params(init_from: str):
     """Mpmd.Trainer's init_params reading the parameters of `run:<dir>`'s newest committed
     checkpoint by path (all of them into this process at the first call: for models one host holds)."""
-    from mpmd.runtime.worker.slice_store import CheckpointStore
+    from mpmd.train.checkpoints import committed_step, read_leaves
     run = _run_directory(init_from)
-    committed = CheckpointStore(str(run.resolve())).committed()
-    if not committed:
-        raise ConfigError(f"model.init_from={init_from!r} has no committed checkpoint to start from")
+    try:
+        step = committed_step(run.resolve())
+    except ValueError as e:
+        raise ConfigError(f"model.init_from={init_from!r}: {e}") from None
     leaves: dict = {}
 
     def read(paths):
-        from mpmd.train.checkpoints import read_leaves
         if not leaves:
-            leaves.update(read_leaves(run, committed[-1], prefix="params/")[1])
+            leaves.update(read_leaves(run, step, prefix="params/")[1])
         return [leaves[f"params/{path}"] for path in paths]
     return read
 

@@ -73,7 +73,7 @@ def test_bad_input_is_one_error_line_and_overwrites_nothing(trained, tmp_path, c
     cfg, _, _ = trained
     out = str(tmp_path / "out")
     assert "is not a run directory" in _refused(capsys, [str(tmp_path / "nowhere"), "--hf", out])
-    assert f"step 7 is not a committed checkpoint of {cfg.run_dir}; committed: 1, 2" in \
+    assert f"step 7 is not a committed checkpoint of {str(cfg.run_dir)!r}; committed: 1, 2" in \
         _refused(capsys, [cfg.run_dir, "--hf", out, "--step", "7"])
     full = tmp_path / "full"
     full.mkdir()

@@ -75,7 +75,7 @@ def test_bad_run_dirs_steps_and_models_exit_2_with_one_line(run_dir, tmp_path):
         generate.load_run(str(mlp))
     empty = tmp_path / "empty"
     config.dump(config.load(None, []), empty / "config.yaml")
-    with pytest.raises(ConfigError, match="has no committed checkpoint to generate from"):
+    with pytest.raises(ConfigError, match="has no committed checkpoint .*: train it first"):
         generate.load_run(str(empty))
     # hf:DIR is a Hugging Face directory (tests/recipes/test_generate.py): here one without config.json.
     with pytest.raises(ConfigError, match="config.json not found"):
