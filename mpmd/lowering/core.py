@@ -15,7 +15,7 @@ import numpy as np
 from mpmd.runtime.worker.instructions import Instruction, Recv, Run, Send, Spec
 from mpmd.runtime.worker.streams import PackedStream
 from mpmd.stages import batch as batches
-from mpmd.stages import names, partials
+from mpmd.stages import gather, names, partials
 from mpmd.schedules import core as schedules
 from mpmd.stages import constraints, sharding
 from mpmd.schedules import simulate
@@ -33,22 +33,33 @@ class Layout(NamedTuple):
     params: list                  # per stage: PartitionSpec per parameter leaf
     opt: list                     # per stage: PartitionSpec per optimizer-state leaf
     rules: dict | None = None     # logical axis -> mesh axis (mpmd.constrain inside the programs)
+    fsdp_gather: str = gather.PER_MICROBATCH   # where FSDP weights are gathered (mpmd/stages/gather.py)
 
     @staticmethod
     def single(pipe: Pipeline, optimizer, num_slices: int) -> "Layout":
         return layout(pipe, optimizer, [sharding.SliceMesh()] * num_slices, (0,) * pipe.num_stages, {})
 
 
-def layout(pipe: Pipeline, optimizer, meshes, placement, rules) -> Layout:
+def layout(pipe: Pipeline, optimizer, meshes, placement, rules, fsdp_gather: str = gather.PER_MICROBATCH) -> Layout:
     """The layouts of every stage's state on its slice's mesh; ValueError naming a parameter
-    whose dimension a mesh axis does not divide."""
+    whose dimension a mesh axis does not divide, or an fsdp_gather that is not one of
+    mpmd/stages/gather.py's modes."""
+    gather.check_mode(fsdp_gather)
     params, opt = [], []
     for k, fn in enumerate(pipe.fns):
         mesh = meshes[placement[k]]
         p = sharding.stage_param_layouts(fn, mesh, rules, k)
         params.append(p)
         opt.append(sharding.optimizer_layouts(optimizer, fn, p))
-    return Layout(list(meshes), params, opt, dict(rules or {}))
+    return Layout(list(meshes), params, opt, dict(rules or {}), fsdp_gather)
+
+
+def check_gather(lay: Layout, placement) -> None:
+    """LayoutError when fsdp_gather is per_step but no stage has anything to gather (no slice
+    with fsdp > 1, or no parameter on fsdp): asked where a run starts, not of a layout a lost
+    slice forces, where per_step then gathers nothing, as per_microbatch would."""
+    if lay.fsdp_gather == gather.PER_STEP and (problem := gather.problem(lay.meshes, lay.params, placement)):
+        raise sharding.LayoutError(problem)
 
 
 def _laid_out(tree, mesh) -> tuple[Spec, ...]:
@@ -120,7 +131,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                          for a, lay in zip(fn.param_leaves, layouts.params[k])) for k, fn in enumerate(pipe.fns)]
 
     progs: list[dict] = [{} for _ in range(P)]
-    aux, partial = [], []
+    aux, partial, gathered = [], [], []
     # Each stage is traced with its slice's layout in force for mpmd.constrain (constraints.py).
     for k, fn in constraints.each_laid_out(enumerate(pipe.fns), mesh_of, layouts.rules):
         last, mesh = k == S - 1, mesh_of[k]
@@ -138,9 +149,15 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
         # the stage allows it (mpmd/stages/partials.py); else reduced in each backward program.
         batch_leaves = jax.tree.leaves((acts[k], feeds.side[k] or {}, acts[k + 1]))
         partial.append(partials.problem(mesh, batch_leaves, fn.state is not None, aux[-1]) is None)
-        here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=feeds.loss_fn,
+        # FSDP weights gathered once a step (mpmd/stages/gather.py): the training programs take
+        # pg{k}, gather{k}'s output; the gradients keep the parameters' own layouts.
+        gathered.append(layouts.fsdp_gather == gather.PER_STEP and gather.gathers(layouts.params[k], mesh))
+        if gathered[-1]:
+            here.update(gather.build(k, param_specs[k]))
+        taken = shapes._replace(params=gather.gathered_specs(param_specs[k])) if gathered[-1] else shapes
+        here.update(stage_programs.build(k, fn, taken, first=k == 0, last=last, loss_fn=feeds.loss_fn,
                                          num_microbatches=m, split_backward=schedule.split_backward,
-                                         partial=mesh if partial[-1] else None))
+                                         partial=mesh if partial[-1] else None, grad_specs=param_specs[k]))
         if partial[-1]:
             here.update(stage_programs.build_reduce(k, param_specs[k], mesh))
         here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=feeds.loss_fn,
@@ -166,7 +183,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                            for k, a in enumerate(acts)],
                           [c[0] for c in cts], [c[1] for c in cts])
     io = StageIO(tuple(s is not None for s in feeds.side), tuple(aux), feeds.weighted,
-                 tuple(fn.state is not None for fn in pipe.fns), tuple(partial))
+                 tuple(fn.state is not None for fn in pipe.fns), tuple(partial), tuple(gathered))
     train = train_streams(schedule, transfers, clip, shared, shared_specs, io)
     evaluate, predict = _forward_only(schedule, transfers, io)
 

@@ -46,7 +46,7 @@ SCALAR = (Spec((), "float32"),)
 # Program kind -> the declared cost that is its duration (None: free).
 _PROGRAM_COSTS = {"fwd": "F", "bwd_in": "B", "bwd_w_first": "W", "bwd_w_acc": "W",
                   "bwd_first": FULL_BACKWARD, "bwd_acc": FULL_BACKWARD, "update": None, "sqnorm": None,
-                  "reduce": None}
+                  "reduce": None, "gather": None}
 
 
 class DryRunResult(NamedTuple):

@@ -43,6 +43,7 @@ class StageIO(NamedTuple):
     weighted: bool = False
     state: tuple = ()              # per stage: whether it carries stage state (st{k})
     partial: tuple = ()            # per stage: its gradients accumulate unreduced (mpmd/stages/partials.py)
+    gather: tuple = ()             # per stage: gather{k} makes pg{k} once a step (mpmd/stages/gather.py)
 
     def takes_side(self, k: int) -> bool:
         return bool(self.side) and self.side[k]
@@ -56,6 +57,16 @@ class StageIO(NamedTuple):
     def reduces(self, k: int) -> bool:
         """Whether stage k's gradient is reduced once, by reduce{k} after its last gradient task."""
         return bool(self.partial) and self.partial[k]
+
+    def gathers(self, k: int) -> bool:
+        """Whether stage k's forward and backward programs take pg{k}, its weights gathered
+        over fsdp by gather{k} before its first forward."""
+        return bool(self.gather) and self.gather[k]
+
+    def weights(self, k: int) -> str:
+        """The buffer stage k's training programs take its parameters from, as a row template
+        (its stage field {k})."""
+        return names.gathered(K) if self.gathers(k) else names.params(K)
 
 
 

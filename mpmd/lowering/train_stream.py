@@ -27,7 +27,6 @@ def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool
             for r in range(schedule.num_slices)]
 
 
-
 def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
                  shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
                  io: StageIO = StageIO()) -> PackedStream:
@@ -60,16 +59,22 @@ def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, cli
     first = np.zeros(len(stage), np.int64)
     patterns = [out.task(code, k, bool(f)) for code in range(len(KIND_CODES)) for k in mine for f in (0, 1)]
     rows_of = (kind.astype(np.int64) * len(mine) + local[stage]) * 2
-    finals = []       # (after which task, pattern): what follows a stage's last gradient task
+    # Tasks of their own: what follows a stage's last gradient task, and (weights gathered
+    # once a step) gather{k} before its first forward. (before which task, pattern)
+    extra = []
     for k in mine:
         at = np.flatnonzero(grad & (stage == k))
         if len(at):
             first[at[0]] = 1
-            finals.append((int(at[-1]) + 1, len(patterns)))
+            extra.append((int(at[-1]) + 1, len(patterns)))
             patterns.append(out.gradient_final(k))
+        forwards = np.flatnonzero((kind == KIND_CODES[schedules.FORWARD]) & (stage == k))
+        if io.gathers(k) and len(forwards):
+            extra.append((int(forwards[0]), len(patterns)))
+            patterns.append(out.gather(k))
     rows_of += first
-    if finals:        # each as a task of its own, right after the last gradient task
-        where, which = zip(*finals)
+    if extra:
+        where, which = zip(*extra)
         rows_of, mb = np.insert(rows_of, where, which), np.insert(mb, where, 0)
     return out.rows.encoded(out.head() + [tiled(patterns, rows_of, mb)] + out.tail())
 
@@ -113,6 +118,12 @@ class _TrainRows:
         return [Rows.block([self.rows(weight_total(self.num_microbatches), last)])]
 
     # -- forward --------------------------------------------------------------------------
+    def gather(self, k: int) -> list:
+        """Before stage k's first forward: its weights gathered over fsdp for the step (pg{k},
+        deleted by the slice after its last use, the stage's last gradient task)."""
+        return [self.rows(Run(names.program("gather", K), (names.params(K),), (names.gathered(K),),
+                              f"gather s{K}"), k)]
+
     def forward(self, k: int) -> list:
         row, t, pl = self.rows, self.t, self.placement
         first, last = k == 0, k == self.num_stages - 1
@@ -125,7 +136,7 @@ class _TrainRows:
         aux = (names.aux(K, J),) if self.io.adds_aux(k) else ()
         # Stage state is read and written by each forward in turn, microbatch 0..m-1.
         state = (names.stage_state(K),) if self.io.carries_state(k) else ()
-        rows.append(row(Run(names.program("fwd", K), (names.params(K),) + state + (a_in,) + fed,
+        rows.append(row(Run(names.program("fwd", K), (self.io.weights(k),) + state + (a_in,) + fed,
                             (out, names.residuals(K, J)) + state + aux, f"F s{K} mb{J}"), k, k + 1))
         if not last and self._elsewhere(k + 1):
             rows.append(row(Send(out, 0, names.act_key(Q, J), t.act_pieces[k + 1]), k, k + 1, pl[k + 1]))
@@ -136,12 +147,12 @@ class _TrainRows:
         """(params, residuals[, cotangent of the output]); receives the cotangent once, at
         the task that first needs it (B, not W)."""
         if k == self.num_stages - 1:    # the loss: its cotangent is 1/m, or 1/total weight
-            return (names.params(K), names.residuals(K, J)) + ((names.weight_sum(),) if self.io.weighted else ())
+            return (self.io.weights(k), names.residuals(K, J)) + ((names.weight_sum(),) if self.io.weighted else ())
         d = names.cotangent(K, J)
         if receive and self._elsewhere(k + 1):
             rows.append(self.rows(Recv(d, 0, names.grad_key(K, J), self.t.cts_in[k], self.t.ct_pieces[k]),
                                   k, 0, self.placement[k + 1]))
-        return names.params(K), names.residuals(K, J), d
+        return self.io.weights(k), names.residuals(K, J), d
 
     def _send_input_grad(self, k: int, rows: list) -> None:
         if k > 0 and self._elsewhere(k - 1):

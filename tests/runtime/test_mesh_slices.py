@@ -38,11 +38,12 @@ def sgd():
     return optax.sgd(0.1, momentum=0.9)
 
 
-def run(cluster, mesh, schedule="1f1b", num_stages=2, virtual_stages=None, steps=3, close=True):
+def run(cluster, mesh, schedule="1f1b", num_stages=2, virtual_stages=None, steps=3, close=True,
+        fsdp_gather="per_microbatch"):
     """(losses, first-step grads, final params) of the GPT pipelined on `mesh`."""
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=num_stages), models.lm_loss)
     trainer = mpmd.Trainer(pipe, sgd(), schedule=schedule, num_microbatches=M, virtual_stages=virtual_stages,
-                           max_grad_norm=1.0, mesh=mesh, cluster=cluster)
+                           max_grad_norm=1.0, mesh=mesh, cluster=cluster, fsdp_gather=fsdp_gather)
     try:
         batches = data(steps)
         _, grads = trainer.grads(*batches[0])
