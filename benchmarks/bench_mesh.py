@@ -308,7 +308,8 @@ def main() -> None:
           f"load average at start {os.getloadavg()[0]:.2f}")
     # Both clusters stay up through the run: workers pinned one per core (slot 0 -> core 0,
     # slot 1 -> core 1), one XLA thread each, so the D=1 and D=2 slices get the same cores.
-    local_d1 = mpmd.LocalCluster(num_workers=2, devices_per_worker=1, threads_per_worker=1, pin=True)
+    local_d1 = (mpmd.LocalCluster(num_workers=2, devices_per_worker=1, threads_per_worker=1, pin=True)
+                if args.only != "gather" else None)
     local_d2 = mpmd.LocalCluster(num_workers=2, devices_per_worker=2, threads_per_worker=1, pin=True)
     # A second D=2 cluster for 3.: both fsdp_gather trainers live side by side.
     local_d2b = (mpmd.LocalCluster(num_workers=2, devices_per_worker=2, threads_per_worker=1, pin=True)
