@@ -69,7 +69,7 @@ class StageIO(NamedTuple):
         return names.gathered(K) if self.gathers(k) else names.params(K)
 
 
-
+# Template fields (runtime/worker/streams.py): k the task's stage, j its microbatch, q the other
 # stage a row names (k + 1 for what F sends, k - 1 for what B sends) or a destination.
 K, J, Q = "{k}", "{j}", "{q}"
 
