@@ -1,7 +1,7 @@
 """Slices of several devices: what a mesh per slice costs, and what resharding between unlike
 slices costs on the wire.
 
-    .venv/bin/python benchmarks/bench_mesh.py [--quick] [--rounds N] [--block N] [--reps N] [--no-inprocess] [--only overhead|transfer]
+    .venv/bin/python benchmarks/bench_mesh.py [--quick] [--rounds N] [--block N] [--reps N] [--no-inprocess] [--only overhead|transfer|gather]
 
 Every ratio is measured in this one run on this machine.
 
@@ -36,6 +36,12 @@ Every ratio is measured in this one run on this machine.
    meshes (runtime/wire/reshard.py): cut on the sender (free where the pieces are its shards, a
    gather where they are not) and assemble on the receiver (slices, copies, concatenations
    after the pieces have landed): what resharding costs beyond moving the bytes.
+3. FSDP weights gathered once a step (mesh.fsdp_gather, mpmd/stages/gather.py). The same GPT
+   on 2 slices x D=2 with mesh fsdp=2 (the weights the rules put on fsdp in halves), as in
+   1.: per_microbatch (every forward and backward program all-gathers them) against per_step
+   (gather{k} once before the stage's first forward, the programs take the gathered copy),
+   each on its own LocalCluster of the same pinned cores, in alternating blocks; then on
+   InProcessCluster unless --no-inprocess. loss[0] must agree to rounding.
 
 The load average is printed at the start and the end: other processes on a 2-core machine
 inflate every figure here.
@@ -72,7 +78,7 @@ def make_batches(num: int) -> list:
              rng.integers(0, GPT_SIZES["vocab_size"], shape).astype(np.int32)) for _ in range(num)]
 
 
-def make_trainer(cluster, mesh):
+def make_trainer(cluster, mesh, fsdp_gather="per_microbatch"):
     import optax
     from flax import nnx
 
@@ -81,7 +87,7 @@ def make_trainer(cluster, mesh):
     model = models.GPT(**GPT_SIZES, rngs=nnx.Rngs(0))
     pipe = mpmd.Pipeline(mpmd.split(model, 2), models.lm_loss)
     return mpmd.Trainer(pipe, optax.adamw(LR), schedule="1f1b", num_microbatches=GPT_M, mesh=mesh,
-                        cluster=cluster)
+                        cluster=cluster, fsdp_gather=fsdp_gather)
 
 
 def alternate(trainers: dict, num_rounds: int, block: int, batches) -> tuple[dict, dict]:
@@ -102,17 +108,16 @@ def traced_busy_s(trainer, batch) -> list[tuple[float, float]]:
              sum(e.end_ns - e.start_ns for e in ev if e.kind == "recv") / 1e9) for ev in events]
 
 
-def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -> None:
-    import mpmd
-
+def side_by_side(title: str, cases: dict, setups: list, num_rounds: int, block: int) -> None:
+    """Two trainers per setup, run in alternating blocks and printed side by side: `cases`
+    {name: (mesh, fsdp_gather)}, the second over the first is the ratio; `setups` [(cluster
+    label, {name: a function giving that case's cluster})]."""
     batches = make_batches(4)
+    a, b = cases
     rows = []
-    setups = [("LocalCluster", lambda: local_d1, lambda: local_d2)]
-    if inprocess:
-        setups.append(("InProcessCluster", mpmd.InProcessCluster, mpmd.InProcessCluster))
-    for label, make_d1, make_d2 in setups:
+    for label, clusters in setups:
         t0 = time.perf_counter()
-        trainers = {"D=1": make_trainer(make_d1(), None), "D=2": make_trainer(make_d2(), {"data": 2})}
+        trainers = {name: make_trainer(clusters[name](), *case) for name, case in cases.items()}
         try:
             times, losses = alternate(trainers, num_rounds, block, batches)
             busy = {name: traced_busy_s(t, batches[0]) for name, t in trainers.items()}
@@ -121,26 +126,44 @@ def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -
                 t.close(close_cluster=label != "LocalCluster")
         rows.append((label, times, losses, busy, time.perf_counter() - t0))
 
-    print(f"\n1. overhead: GPT {GPT_SIZES}, batch {GPT_BATCH}, 1f1b, m={GPT_M}, adamw, 2 slices; "
+    print(f"\n{title}: GPT {GPT_SIZES}, batch {GPT_BATCH}, 1f1b, m={GPT_M}, adamw, 2 slices; "
           f"{num_rounds} alternating blocks of {block} steps each (median over "
           f"{num_rounds * (block - 1)} step intervals)")
-    print(f"{'cluster':>17} {'D=1 ms/step':>12} {'D=2 ms/step':>12} {'D=2 / D=1':>10} "
-          f"{'(p25..p75 of D=2 / median D=1)':>31} {'loss[0] D=1 / D=2':>20} {'wall s':>7}")
+    print(f"{'cluster':>17} {a + ' ms/step':>20} {b + ' ms/step':>20} {b + ' / ' + a:>26} "
+          f"{'(p25..p75 of ' + b + ' / median ' + a + ')':>42} {'loss[0] ' + a + ' / ' + b:>36} {'wall s':>7}")
     for label, times, losses, busy, wall in rows:
-        d1, d2 = statistics.median(times["D=1"]), statistics.median(times["D=2"])
-        q = statistics.quantiles(times["D=2"], n=4)
-        print(f"{label:>17} {d1 / MS:>12.1f} {d2 / MS:>12.1f} {d2 / d1:>10.3f} "
-              f"{f'{q[0] / d1:.3f}..{q[2] / d1:.3f}':>31} "
-              f"{loss_text(losses):>20} {wall:>7.1f}")
+        ta, tb = statistics.median(times[a]), statistics.median(times[b])
+        q = statistics.quantiles(times[b], n=4)
+        print(f"{label:>17} {ta / MS:>20.1f} {tb / MS:>20.1f} {tb / ta:>26.3f} "
+              f"{f'{q[0] / ta:.3f}..{q[2] / ta:.3f}':>42} "
+              f"{f'{losses[a][0]:.5f} / {losses[b][0]:.5f}':>36} {wall:>7.1f}")
     print("traced step, per slice program ms / receive wait ms (tracing blocks on every task):")
     for label, _, _, busy, _ in rows:
         print(f"{label:>17}  " + "   ".join(
-            f"{name}: " + "  ".join(f"s{r} {run / MS:.1f}/{wait / MS:.1f}" for r, (run, wait) in enumerate(b))
-            for name, b in busy.items()))
+            f"{name}: " + "  ".join(f"s{r} {run / MS:.1f}/{wait / MS:.1f}" for r, (run, wait) in enumerate(bz))
+            for name, bz in busy.items()))
 
 
-def loss_text(losses: dict) -> str:
-    return f"{losses['D=1'][0]:.5f} / {losses['D=2'][0]:.5f}"
+def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -> None:
+    import mpmd
+    setups = [("LocalCluster", {"D=1": lambda: local_d1, "D=2": lambda: local_d2})]
+    if inprocess:
+        setups.append(("InProcessCluster", {"D=1": mpmd.InProcessCluster, "D=2": mpmd.InProcessCluster}))
+    side_by_side("1. overhead", {"D=1": (None, "per_microbatch"), "D=2": ({"data": 2}, "per_microbatch")},
+                 setups, num_rounds, block)
+
+
+# -- 3. FSDP weights gathered once a step ----------------------------------------------------
+def gathering(local_d2, local_d2b, num_rounds: int, block: int, inprocess: bool) -> None:
+    """mesh fsdp=2 on both slices: the weights gathered inside every forward and backward
+    program (per_microbatch) against once a step by gather{k} (per_step, mpmd/stages/gather.py)."""
+    import mpmd
+    setups = [("LocalCluster", {"per_microbatch": lambda: local_d2, "per_step": lambda: local_d2b})]
+    if inprocess:
+        setups.append(("InProcessCluster", {"per_microbatch": mpmd.InProcessCluster,
+                                            "per_step": mpmd.InProcessCluster}))
+    side_by_side("3. fsdp_gather", {"per_microbatch": ({"fsdp": 2}, "per_microbatch"),
+                                    "per_step": ({"fsdp": 2}, "per_step")}, setups, num_rounds, block)
 
 
 # -- 2. resharding transfer ------------------------------------------------------------------
@@ -272,7 +295,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=None, help="steps per block (1.)")
     parser.add_argument("--reps", type=int, default=None, help="transfers per case (2.)")
     parser.add_argument("--no-inprocess", action="store_true", help="skip the InProcessCluster ratio (1.)")
-    parser.add_argument("--only", choices=("overhead", "transfer"), help="run one part only")
+    parser.add_argument("--only", choices=("overhead", "transfer", "gather"), help="run one part only")
     args = parser.parse_args()
     import jax
 
@@ -285,16 +308,23 @@ def main() -> None:
           f"load average at start {os.getloadavg()[0]:.2f}")
     # Both clusters stay up through the run: workers pinned one per core (slot 0 -> core 0,
     # slot 1 -> core 1), one XLA thread each, so the D=1 and D=2 slices get the same cores.
-    local_d1 = mpmd.LocalCluster(num_workers=2, devices_per_worker=1, threads_per_worker=1, pin=True)
+    local_d1 = (mpmd.LocalCluster(num_workers=2, devices_per_worker=1, threads_per_worker=1, pin=True)
+                if args.only != "gather" else None)
     local_d2 = mpmd.LocalCluster(num_workers=2, devices_per_worker=2, threads_per_worker=1, pin=True)
+    # A second D=2 cluster for 3.: both fsdp_gather trainers live side by side.
+    local_d2b = (mpmd.LocalCluster(num_workers=2, devices_per_worker=2, threads_per_worker=1, pin=True)
+                 if args.only in (None, "gather") else None)
     try:
-        if args.only != "transfer":
+        if args.only in (None, "overhead"):
             overhead(local_d1, local_d2, rounds, block, not args.no_inprocess)
-        if args.only != "overhead":
+        if args.only in (None, "transfer"):
             resharding(local_d1, local_d2, reps)
+        if args.only in (None, "gather"):
+            gathering(local_d2, local_d2b, rounds, block, not args.no_inprocess)
     finally:
-        local_d1.close()
-        local_d2.close()
+        for cluster in (local_d1, local_d2, local_d2b):
+            if cluster is not None:
+                cluster.close()
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 

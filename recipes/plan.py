@@ -8,7 +8,9 @@ tied Llama, cut at marks, is built for real), split and laid out as `mpmd train`
 - the parameter count (and, for a mixture of experts, the parameters active per token);
 - per slice, bytes of parameters, accumulated gradients, optimizer state and saved
   activations at the schedule's peak (mpmd.stages.costs.slice_memory: the residuals each
-  stage's forward keeps per microbatch, so `model.remat` shows here);
+  stage's forward keeps per microbatch, so `model.remat` shows here), and with
+  mesh.fsdp_gather=per_step the weights gathered over fsdp for the step; gradients a stage
+  accumulates unreduced until reduce{k} count whole per fsdp device (mpmd.stages.costs.memory);
 - the simulator's predicted step: each stage's programs are exported as the Trainer ships
   them and priced by XLA's cost analysis (mpmd.stages.costs.measure; remat's recomputation
   shows in the backward costs), the schedule is simulated with those costs, and the critical
@@ -51,9 +53,9 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     stages, loss_fn = build_model(cfg, inputs[:micro], abstract=True)
     pipeline = mpmd.Pipeline(stages, loss_fn)
     optimizer = build_optimizer(cfg)
-    check_layout(cfg, pipeline, optimizer)
+    layout = check_layout(cfg, pipeline, optimizer)
     schedule = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages)
-    per_stage = stage_costs.memory(pipeline, optimizer, in_spec, tgt_spec)
+    per_stage = stage_costs.memory(pipeline, optimizer, in_spec, tgt_spec, layout=layout, placement=schedule.placement)
     costs = stage_costs.measure(pipeline, in_spec, tgt_spec)
     simulation = simulate(schedule, dryrun.executed_costs(schedule, costs))
     # Shared weights (a tied embedding) sit in several stages but are one parameter.
@@ -90,9 +92,10 @@ def describe(summary: dict) -> str:
         lines.append(f"  stage {k}: params {_gib(m['params'])}, saved activations "
                      f"{_gib(m['residuals'])} per microbatch")
     for r, m in enumerate(s["slices"]):
+        gathered = f" + gathered weights {_gib(m['gathered'])}" if m.get("gathered") else ""
         lines.append(f"slice {r}: {_gib(m['total'])} = params {_gib(m['params'])} + grads "
                      f"{_gib(m['grads'])} + optimizer {_gib(m['optimizer'])} + saved activations "
-                     f"{_gib(m['activations'])} (peak)")
+                     f"{_gib(m['activations'])} (peak){gathered}")
     flops = f"{s['step_flops'] / 1e12:.1f} TFLOP" if s["step_flops"] >= 1e12 else f"{s['step_flops'] / 1e9:.3g} GFLOP"
     lines.append(f"predicted step: {flops} on the critical path, "
                  f"{s['step_s']:.3g} s at {s['tflops']:g} TFLOP/s sustained per slice; "

@@ -281,14 +281,18 @@ def check_run_dir(run_dir: str) -> None:
                               f"{e.strerror or e}") from None
 
 
-def check_layout(cfg: Config, pipeline, optimizer) -> None:
-    """ConfigError naming the parameter a mesh cannot lay out (an axis that does not divide
-    its dimension, a logical axis without a rule), before any worker starts."""
+def check_layout(cfg: Config, pipeline, optimizer):
+    """The run's mpmd.lowering.core.Layout; ConfigError naming the parameter a mesh cannot lay
+    out (an axis that does not divide its dimension, a logical axis without a rule), or a
+    mesh.fsdp_gather=per_step with nothing to gather, before any worker starts."""
     p = cfg.pipeline
     with _config_problem("mesh", (LayoutError,)):
         placement = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages).placement
         meshes = sharding.slice_meshes(cfg.slice_shapes(), max(placement) + 1)
-        lowering.layout(pipeline, optimizer, meshes, placement, sharding.check_rules(layout_rules(cfg) or {}))
+        lay = lowering.layout(pipeline, optimizer, meshes, placement, sharding.check_rules(layout_rules(cfg) or {}),
+                              cfg.mesh.fsdp_gather)
+        lowering.check_gather(lay, placement)
+    return lay
 
 
 def layout_rules(cfg: Config) -> dict | None:
@@ -328,7 +332,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
                                    virtual_stages=p.virtual_stages,
                                    max_grad_norm=cfg.optimizer.max_grad_norm,
                                    run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
-                                   mesh=cfg.slice_shapes(), rules=layout_rules(cfg),
+                                   mesh=cfg.slice_shapes(), rules=layout_rules(cfg), fsdp_gather=cfg.mesh.fsdp_gather,
                                    checkpoint=ckpt, recovery=recovery, init_params=init_params)
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
@@ -343,7 +347,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule,
                                      *_first_micro(train_loader, len(sample_input)), *source,
                                      tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size,
-                                                "eos_id": tok.eos_id})
+                                                "eos_id": tok.eos_id}, layout=trainer.programs.layout)
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     except preempt.Preempted:
         abandon = True    # out of time: what is in flight is dropped, the last commit stays

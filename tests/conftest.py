@@ -76,8 +76,8 @@ def unpipelined_gpt():
 
 @pytest.fixture(scope="session")
 def two_device_workers():
-    """run(mesh, schedule) -> (the small GPT's run on mesh: test_mesh_slices.run's result, the
-    RPCs it took by verb) on one LocalCluster of 2 workers x 2 devices, each run made once per
+    """run(mesh, schedule[, fsdp_gather]) -> (the small GPT's run on mesh: test_mesh_slices.run's
+    result, the RPCs it took by verb) on one LocalCluster of 2 workers x 2 devices, each run made once per
     session: the mesh tests hold it to the in-process runtime, the gang tests to gangs of 2
     processes x 1 device."""
     import mpmd
@@ -86,11 +86,11 @@ def two_device_workers():
     cluster = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
     runs = {}
 
-    def get(mesh, schedule):
-        key = repr((mesh, schedule))
+    def get(mesh, schedule, fsdp_gather="per_microbatch"):
+        key = repr((mesh, schedule, fsdp_gather))
         if key not in runs:
             before = dict(cluster.rpc_counts)
-            got = run(cluster, mesh, schedule, close=False)
+            got = run(cluster, mesh, schedule, close=False, fsdp_gather=fsdp_gather)
             took = {k: n - before.get(k, 0) for k, n in cluster.rpc_counts.items()
                     if k not in ("Heartbeat", "Shutdown") and n != before.get(k, 0)}
             runs[key] = got, took

@@ -1,13 +1,12 @@
 """Lower pipeline + schedule into runtime programs and one instruction stream per slice.
 
 Every buffer, transfer key and program is named through mpmd/stages/names.py; which slice holds a
-stage is the schedule's `placement`. A training stream is emitted task by task by
-`_TrainStream`, one method per part of the step (forward, input gradient, weight
-gradient, shared-weight exchange, clipping norm, update), so each part reads on its own.
+stage is the schedule's `placement`. A training stream is emitted task by task
+(mpmd/lowering/train_stream.py), the forward-only streams here; both are made of the rows of
+mpmd/lowering/rows.py.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -16,16 +15,15 @@ import numpy as np
 from mpmd.runtime.worker.instructions import Instruction, Recv, Run, Send, Spec
 from mpmd.runtime.worker.streams import PackedStream
 from mpmd.stages import batch as batches
-from mpmd.stages import names, partials
+from mpmd.stages import gather, names, partials
 from mpmd.schedules import core as schedules
 from mpmd.stages import constraints, sharding
 from mpmd.schedules import simulate
 from mpmd.stages import programs as stage_programs
-from mpmd.stages.pipeline import Pipeline, shared_indices, shared_peers
+from mpmd.stages.pipeline import Pipeline, shared_indices
 from mpmd.stages.specs import spec
-from mpmd.schedules.task_arrays import KIND_CODES, as_arrays
-
-SCALAR = (Spec((), "float32"),)
+from mpmd.lowering.rows import J, K, Q, SCALAR, Rows, StageIO, Transfers, tiled, weight_total  # noqa: F401
+from mpmd.lowering.train_stream import train_stream, train_streams  # noqa: F401 (re-exported)
 
 
 class Layout(NamedTuple):
@@ -35,39 +33,33 @@ class Layout(NamedTuple):
     params: list                  # per stage: PartitionSpec per parameter leaf
     opt: list                     # per stage: PartitionSpec per optimizer-state leaf
     rules: dict | None = None     # logical axis -> mesh axis (mpmd.constrain inside the programs)
+    fsdp_gather: str = gather.PER_MICROBATCH   # where FSDP weights are gathered (mpmd/stages/gather.py)
 
     @staticmethod
     def single(pipe: Pipeline, optimizer, num_slices: int) -> "Layout":
         return layout(pipe, optimizer, [sharding.SliceMesh()] * num_slices, (0,) * pipe.num_stages, {})
 
 
-def layout(pipe: Pipeline, optimizer, meshes, placement, rules) -> Layout:
+def layout(pipe: Pipeline, optimizer, meshes, placement, rules, fsdp_gather: str = gather.PER_MICROBATCH) -> Layout:
     """The layouts of every stage's state on its slice's mesh; ValueError naming a parameter
-    whose dimension a mesh axis does not divide."""
+    whose dimension a mesh axis does not divide, or an fsdp_gather that is not one of
+    mpmd/stages/gather.py's modes."""
+    gather.check_mode(fsdp_gather)
     params, opt = [], []
     for k, fn in enumerate(pipe.fns):
         mesh = meshes[placement[k]]
         p = sharding.stage_param_layouts(fn, mesh, rules, k)
         params.append(p)
         opt.append(sharding.optimizer_layouts(optimizer, fn, p))
-    return Layout(list(meshes), params, opt, dict(rules or {}))
+    return Layout(list(meshes), params, opt, dict(rules or {}), fsdp_gather)
 
 
-class Transfers(NamedTuple):
-    """The specs a receive names and the pieces a send cuts, per kind of transfer. Index k:
-    acts_in[k] / act_pieces[k]: the activation entering stage k (on k's slice / as k-1's slice
-    cuts it); cts_in[k] / ct_pieces[k]: the gradient of stage k's output (on k's slice / as
-    k+1's slice cuts it)."""
-    acts_in: list
-    act_pieces: list
-    cts_in: list
-    ct_pieces: list
-
-    @staticmethod
-    def plain(act_specs: list[tuple[Spec, ...]]) -> "Transfers":
-        """Whole arrays, as received (act_specs[k]: the bundle entering stage k; k =
-        num_stages: the last output)."""
-        return Transfers(list(act_specs), [()] * len(act_specs), list(act_specs[1:]), [()] * (len(act_specs) - 1))
+def check_gather(lay: Layout, placement) -> None:
+    """LayoutError when fsdp_gather is per_step but no stage has anything to gather (no slice
+    with fsdp > 1, or no parameter on fsdp): asked where a run starts, not of a layout a lost
+    slice forces, where per_step then gathers nothing, as per_microbatch would."""
+    if lay.fsdp_gather == gather.PER_STEP and (problem := gather.problem(lay.meshes, lay.params, placement)):
+        raise sharding.LayoutError(problem)
 
 
 def _laid_out(tree, mesh) -> tuple[Spec, ...]:
@@ -84,30 +76,6 @@ def _pieces(tree, mesh) -> tuple[int, ...]:
 def _placed(tree, mesh):
     """A pytree of abstract arrays as ShapeDtypeStructs laid out (batch axis) on `mesh`."""
     return jax.tree.map(lambda l: sharding.with_layout(l, sharding.batch_layout(l.shape, mesh), mesh), tree)
-
-
-class StageIO(NamedTuple):
-    """What a stage's programs take and give beyond activations (mpmd/stages/batch.py): per
-    stage whether it is fed side inputs and whether it adds auxiliary losses, and whether the
-    loss is weighted (the last slice first sums the step's weights). The defaults: none."""
-    side: tuple = ()
-    aux: tuple = ()
-    weighted: bool = False
-    state: tuple = ()              # per stage: whether it carries stage state (st{k})
-    partial: tuple = ()            # per stage: its gradients accumulate unreduced (mpmd/stages/partials.py)
-
-    def takes_side(self, k: int) -> bool:
-        return bool(self.side) and self.side[k]
-
-    def adds_aux(self, k: int) -> bool:
-        return bool(self.aux) and self.aux[k]
-
-    def carries_state(self, k: int) -> bool:
-        return bool(self.state) and self.state[k]
-
-    def reduces(self, k: int) -> bool:
-        """Whether stage k's gradient is reduced once, by reduce{k} after its last gradient task."""
-        return bool(self.partial) and self.partial[k]
 
 
 def _differentiable(specs: tuple, pieces: tuple) -> tuple[tuple, tuple]:
@@ -163,7 +131,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                          for a, lay in zip(fn.param_leaves, layouts.params[k])) for k, fn in enumerate(pipe.fns)]
 
     progs: list[dict] = [{} for _ in range(P)]
-    aux, partial = [], []
+    aux, partial, gathered = [], [], []
     # Each stage is traced with its slice's layout in force for mpmd.constrain (constraints.py).
     for k, fn in constraints.each_laid_out(enumerate(pipe.fns), mesh_of, layouts.rules):
         last, mesh = k == S - 1, mesh_of[k]
@@ -181,9 +149,15 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
         # the stage allows it (mpmd/stages/partials.py); else reduced in each backward program.
         batch_leaves = jax.tree.leaves((acts[k], feeds.side[k] or {}, acts[k + 1]))
         partial.append(partials.problem(mesh, batch_leaves, fn.state is not None, aux[-1]) is None)
-        here.update(stage_programs.build(k, fn, shapes, first=k == 0, last=last, loss_fn=feeds.loss_fn,
+        # FSDP weights gathered once a step (mpmd/stages/gather.py): the training programs take
+        # pg{k}, gather{k}'s output; the gradients keep the parameters' own layouts.
+        gathered.append(layouts.fsdp_gather == gather.PER_STEP and gather.gathers(layouts.params[k], mesh))
+        if gathered[-1]:
+            here.update(gather.build(k, param_specs[k]))
+        taken = shapes._replace(params=gather.gathered_specs(param_specs[k])) if gathered[-1] else shapes
+        here.update(stage_programs.build(k, fn, taken, first=k == 0, last=last, loss_fn=feeds.loss_fn,
                                          num_microbatches=m, split_backward=schedule.split_backward,
-                                         partial=mesh if partial[-1] else None))
+                                         partial=mesh if partial[-1] else None, grad_specs=param_specs[k]))
         if partial[-1]:
             here.update(stage_programs.build_reduce(k, param_specs[k], mesh))
         here.update(stage_programs.build_forward_only(k, fn, shapes, last=last, loss_fn=feeds.loss_fn,
@@ -209,7 +183,7 @@ def lower(pipe: Pipeline, schedule: schedules.Schedule, optimizer, max_grad_norm
                            for k, a in enumerate(acts)],
                           [c[0] for c in cts], [c[1] for c in cts])
     io = StageIO(tuple(s is not None for s in feeds.side), tuple(aux), feeds.weighted,
-                 tuple(fn.state is not None for fn in pipe.fns), tuple(partial))
+                 tuple(fn.state is not None for fn in pipe.fns), tuple(partial), tuple(gathered))
     train = train_streams(schedule, transfers, clip, shared, shared_specs, io)
     evaluate, predict = _forward_only(schedule, transfers, io)
 
@@ -265,294 +239,6 @@ def _shared_transfers(shared, idx, param_specs, layouts: Layout, mesh_of) -> dic
     return out
 
 
-def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
-                  shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
-                  io: StageIO = StageIO()) -> list[PackedStream]:
-    """One training step's instruction stream per slice, before Deletes are inserted: every
-    slice's `train_stream`."""
-    schedule = schedule._replace(slices=as_arrays(schedule.slices))   # converted once
-    return [train_stream(schedule, r, transfers, clip, shared, shared_specs, io)
-            for r in range(schedule.num_slices)]
-
-
-# Template fields (runtime/worker/streams.py): k the task's stage, j its microbatch, q the other
-# stage a row names (k + 1 for what F sends, k - 1 for what B sends) or a destination.
-K, J, Q = "{k}", "{j}", "{q}"
-
-
-class _Rows:
-    """One slice's templates (deduplicated) and rows as (template id, k, q, peer) tuples or
-    blocks of arrays; every name comes from mpmd/stages/names.py with fields for k, j, q."""
-
-    def __init__(self):
-        self.ids: dict = {}
-
-    def __call__(self, template, k: int, q: int = 0, peer: int = 0) -> tuple[int, int, int, int]:
-        return self.ids.setdefault(template, len(self.ids)), k, max(q, 0), peer
-
-    @staticmethod
-    def block(rows, j=0) -> tuple[np.ndarray, ...]:
-        """(op, k, j, q, peer) arrays of `rows` (each (id, k, q, peer)), microbatch j."""
-        a = np.array(rows, dtype=np.int32).reshape(-1, 4).T
-        return a[0], a[1], np.full(len(rows), j, np.int32), a[2], a[3]
-
-    def encoded(self, blocks) -> PackedStream:
-        cols = [np.concatenate([b[c] for b in blocks]) if blocks else np.zeros(0, np.int32) for c in range(5)]
-        return PackedStream(list(self.ids), *cols, np.full(len(cols[0]), -1, np.int32))
-
-
-def _tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The rows of a sequence of tasks: task t emits `patterns[rows_of[t]]`, rows of fixed
-    (op, k, q, peer) (a list of tuples or a block of arrays), its microbatch j[t] filled in.
-    Gathered from a (pattern, position) table, so the cost is a few passes over the rows."""
-    width = max([len(p[0]) if isinstance(p, tuple) else len(p) for p in patterns] + [1])
-    table = np.zeros((4, len(patterns), width), np.int32)
-    lengths = np.zeros(len(patterns), np.int64)
-    for c, p in enumerate(patterns):
-        if isinstance(p, tuple):      # a block: (op, k, j, q, peer)
-            cols = np.stack([p[0], p[1], p[3], p[4]]) if len(p[0]) else np.zeros((4, 0), np.int32)
-        else:
-            cols = np.array(p, dtype=np.int32).reshape(-1, 4).T
-        table[:, c, :cols.shape[1]] = cols
-        lengths[c] = cols.shape[1]
-    per_task = lengths[rows_of]
-    starts = np.cumsum(per_task) - per_task
-    # Per row: its place in the table, pattern * width + position in the pattern.
-    at = np.repeat(rows_of * width - starts, per_task) + np.arange(int(per_task.sum()))
-    op, k, q, peer = (np.take(table[i].ravel(), at) for i in range(4))
-    return op, k, np.repeat(j.astype(np.int32), per_task), q, peer
-
-
-def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
-                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
-                 io: StageIO = StageIO()) -> PackedStream:
-    """Slice r's instruction stream for one training step, before Deletes are inserted,
-    encoded (runtime/worker/streams.py) and computed from the schedule's task arrays with numpy:
-    each kind of task on each of the slice's stages emits a fixed pattern of rows, its
-    microbatch filled in.
-
-    `transfers` gives each receive's specs and each send's pieces (see Transfers; for plans
-    without layouts, `Transfers.plain(act_specs)`). The streams name programs but do not
-    need them, so a dry run can replay a schedule with synthetic programs of declared cost
-    under the same names (mpmd/lowering/dryrun.py).
-
-    `shared` groups (stage, leaf) pairs that are one parameter held by several stages (a tied
-    embedding): once a stage's gradient is final it sends its shared leaves' gradients to
-    the other holders, and before the update each holder sums every holder's part in stage
-    order, so all copies get the same total gradient, bit for bit, and stay identical.
-    """
-    tasks = as_arrays(schedule.slices)
-    a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
-    stage, mb, kind = tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b]
-    out = _TrainRows(schedule, r, transfers, clip, _peers(schedule.num_stages, tuple(map(tuple, shared))),
-                     shared_specs or {}, io)
-    mine = out.stages
-    local = np.full(schedule.num_stages, 0, np.int64)
-    local[list(mine)] = np.arange(len(mine))
-    # The first and the last gradient task of each stage: the first starts the gradient
-    # buffer, after the last it is final.
-    grad = kind == KIND_CODES[schedules.WEIGHT if schedule.split_backward else schedules.BACKWARD]
-    first = np.zeros(len(stage), np.int64)
-    patterns = [out.task(code, k, bool(f)) for code in range(len(KIND_CODES)) for k in mine for f in (0, 1)]
-    rows_of = (kind.astype(np.int64) * len(mine) + local[stage]) * 2
-    finals = []       # (after which task, pattern): what follows a stage's last gradient task
-    for k in mine:
-        at = np.flatnonzero(grad & (stage == k))
-        if len(at):
-            first[at[0]] = 1
-            finals.append((int(at[-1]) + 1, len(patterns)))
-            patterns.append(out.gradient_final(k))
-    rows_of += first
-    if finals:        # each as a task of its own, right after the last gradient task
-        where, which = zip(*finals)
-        rows_of, mb = np.insert(rows_of, where, which), np.insert(mb, where, 0)
-    return out.rows.encoded(out.head() + [_tiled(patterns, rows_of, mb)] + out.tail())
-
-
-class _TrainRows:
-    """The row patterns of one slice's training stream: one method per part of the step
-    (forward, input gradient, weight gradient, shared-weight exchange, clipping norm,
-    update). A transfer is emitted only where producer and consumer sit on different slices."""
-
-    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers, shared_specs,
-                 io: StageIO = StageIO()):
-        self.r, self.clip, self.peers, self.shared_specs, self.io = r, clip, peers, shared_specs, io
-        self.num_microbatches = schedule.num_microbatches
-        self.t = transfers
-        self.placement = schedule.placement
-        self.num_stages, self.num_slices = schedule.num_stages, schedule.num_slices
-        self.split = schedule.split_backward
-        self.stages = schedule.stages_on(r)
-        self.rows = _Rows()
-
-    def _elsewhere(self, k: int) -> bool:
-        return self.placement[k] != self.r
-
-    def task(self, code: int, k: int, first: bool) -> list:
-        """The rows of one task of kind `code` on stage k (`first`: the stage's first gradient task)."""
-        if code == KIND_CODES[schedules.FORWARD]:
-            return self.forward(k)
-        if code == KIND_CODES[schedules.BACKWARD] and self.split:
-            return self.input_grad(k)
-        # a full backward (B without split) or a weight gradient (W)
-        return self.weight_grad(k, code == KIND_CODES[schedules.BACKWARD], first)
-
-    # -- before the first task ----------------------------------------------------------------
-    def head(self) -> list[tuple[np.ndarray, ...]]:
-        """A weighted loss: the last stage's slice sums the step's weights first (they read
-        the batch only), so every backward can be seeded with 1/total."""
-        last = self.num_stages - 1
-        if not self.io.weighted or self._elsewhere(last):
-            return []
-        return [_Rows.block([self.rows(_weight_total(self.num_microbatches), last)])]
-
-    # -- forward --------------------------------------------------------------------------
-    def forward(self, k: int) -> list:
-        row, t, pl = self.rows, self.t, self.placement
-        first, last = k == 0, k == self.num_stages - 1
-        a_in = names.inputs(J) if first else names.activation(K, J)
-        rows = []
-        if not first and self._elsewhere(k - 1):
-            rows.append(row(Recv(a_in, 0, names.act_key(K, J), t.acts_in[k], t.act_pieces[k]), k, 0, pl[k - 1]))
-        out = names.loss(J) if last else names.activation(Q, J)
-        fed = ((names.side(K, J),) if self.io.takes_side(k) else ()) + ((names.targets(J),) if last else ())
-        aux = (names.aux(K, J),) if self.io.adds_aux(k) else ()
-        # Stage state is read and written by each forward in turn, microbatch 0..m-1.
-        state = (names.stage_state(K),) if self.io.carries_state(k) else ()
-        rows.append(row(Run(names.program("fwd", K), (names.params(K),) + state + (a_in,) + fed,
-                            (out, names.residuals(K, J)) + state + aux, f"F s{K} mb{J}"), k, k + 1))
-        if not last and self._elsewhere(k + 1):
-            rows.append(row(Send(out, 0, names.act_key(Q, J), t.act_pieces[k + 1]), k, k + 1, pl[k + 1]))
-        return rows
-
-    # -- backward -------------------------------------------------------------------------
-    def _backward_inputs(self, k: int, receive: bool, rows: list) -> tuple[str, ...]:
-        """(params, residuals[, cotangent of the output]); receives the cotangent once, at
-        the task that first needs it (B, not W)."""
-        if k == self.num_stages - 1:    # the loss: its cotangent is 1/m, or 1/total weight
-            return (names.params(K), names.residuals(K, J)) + ((names.weight_sum(),) if self.io.weighted else ())
-        d = names.cotangent(K, J)
-        if receive and self._elsewhere(k + 1):
-            rows.append(self.rows(Recv(d, 0, names.grad_key(K, J), self.t.cts_in[k], self.t.ct_pieces[k]),
-                                  k, 0, self.placement[k + 1]))
-        return names.params(K), names.residuals(K, J), d
-
-    def _send_input_grad(self, k: int, rows: list) -> None:
-        if k > 0 and self._elsewhere(k - 1):
-            rows.append(self.rows(Send(names.cotangent(Q, J), 0, names.grad_key(Q, J), self.t.ct_pieces[k - 1]),
-                                  k, k - 1, self.placement[k - 1]))
-
-    def input_grad(self, k: int) -> list:
-        """Zero-bubble B: the input gradient, and what W needs of B's work, kept until W
-        (none for the first stage: its input is data)."""
-        rows = []
-        base = self._backward_inputs(k, True, rows)
-        if k > 0:
-            rows.append(self.rows(Run(names.program("bwd_in", K), base, (names.cotangent(Q, J), names.kept(K, J)),
-                                      f"B s{K} mb{J}"), k, k - 1))
-            self._send_input_grad(k, rows)
-        return rows
-
-    def weight_grad(self, k: int, input_grad_too: bool, first: bool) -> list:
-        """Accumulate stage k's weight gradient for a microbatch (W), or with input_grad_too
-        the full backward (B of a schedule without split backward)."""
-        rows = []
-        base = self._backward_inputs(k, input_grad_too, rows)
-        if self.split and k > 0:
-            base += (names.kept(K, J),)
-        g = names.grads(K)
-        acc = () if first else (g,)
-        kind = ("bwd_w_" if self.split else "bwd_") + ("first" if first else "acc")
-        dx = (names.cotangent(Q, J),) if input_grad_too and k > 0 else ()
-        label = f"{'B' if input_grad_too else 'W'} s{K} mb{J}"
-        rows.append(self.rows(Run(names.program(kind, K), base + acc, dx + (g,), label), k, k - 1))
-        if input_grad_too:
-            self._send_input_grad(k, rows)
-        return rows
-
-    def gradient_final(self, k: int) -> tuple[np.ndarray, ...]:
-        """The rows after stage k's last gradient task: its one reduction over the batch axes
-        when its gradient accumulated unreduced, then what follows a final gradient."""
-        final = self._gradient_final(k)
-        if not self.io.reduces(k):
-            return final
-        reduce = _Rows.block([self.rows(Run(names.program("reduce", K), (names.grads(K),), (names.grads(K),),
-                                            f"reduce s{K}"), k)])
-        return tuple(np.concatenate(c) for c in zip(reduce, final))
-
-    def _gradient_final(self, k: int) -> tuple[np.ndarray, ...]:
-        if self.peers[k]:
-            # Offer the shared part to the other holders; the norm waits for their parts.
-            rows = [self.rows(Run(names.program("shared_out", K), (names.grads(K),), (names.shared(K),),
-                                  f"shared out s{K}"), k)]
-            rows += [self.rows(Send(names.shared(K), 0, names.shared_key(K, Q), self.shared_specs[(k, q)][1]),
-                               k, q, self.placement[q]) for q in self.peers[k] if self._elsewhere(q)]
-            return _Rows.block(rows)
-        if self.clip:
-            # Final, and nothing to add to it: start the norm exchange now so it overlaps
-            # with the slice's remaining tasks.
-            return self._send_norm(k)
-        return _Rows.block([])
-
-    # -- after the last task ------------------------------------------------------------------
-    def tail(self) -> list[tuple[np.ndarray, ...]]:
-        return self.sum_shared() + self.receive_norms() + [self.update()]
-
-    def sum_shared(self) -> list[tuple[np.ndarray, ...]]:
-        """Each holder of a shared parameter sums every holder's part, in stage order."""
-        blocks = []
-        for k in self.stages:
-            if not self.peers[k]:
-                continue
-            rows = [self.rows(Recv(names.shared(Q), 0, names.shared_key(Q, K), *self.shared_specs[(q, k)]),
-                              k, q, self.placement[q])
-                    for q in self.peers[k] if self._elsewhere(q)]   # a local peer's part is its own buffer
-            parts = tuple(names.shared(q) for q in sorted(self.peers[k] + [k]))
-            rows.append(self.rows(Run(names.program("shared_in", K), (names.grads(K),) + parts, (names.grads(K),),
-                                      f"shared sum s{K}"), k))
-            blocks.append(_Rows.block(rows))
-            if self.clip:
-                blocks.append(self._send_norm(k))
-        return blocks
-
-    def _send_norm(self, k: int) -> tuple[np.ndarray, ...]:
-        """Stage k's squared gradient norm, to every other slice (each computes the global norm)."""
-        run = self.rows(Run(names.program("sqnorm", K), (names.grads(K),), (names.sqnorm(K),), f"norm s{K}"), k)
-        send = self.rows(Send(names.sqnorm(K), 0, names.sqnorm_key(K, Q)), k)[0]
-        others = np.delete(np.arange(self.num_slices, dtype=np.int32), self.r)
-        n = len(others) + 1
-        return (np.concatenate(([run[0]], np.full(n - 1, send))), np.full(n, k, np.int32), np.zeros(n, np.int32),
-                np.concatenate(([0], others)), np.concatenate(([0], others)))
-
-    def receive_norms(self) -> list[tuple[np.ndarray, ...]]:
-        if not self.clip:
-            return []
-        placement = np.asarray(self.placement, dtype=np.int32)
-        ks = np.flatnonzero(placement != self.r).astype(np.int32)
-        op = self.rows(Recv(names.sqnorm(K), 0, names.sqnorm_key(K, Q), SCALAR), 0)[0]
-        n = len(ks)
-        return [(np.full(n, op, np.int32), ks, np.zeros(n, np.int32), np.full(n, self.r, np.int32), placement[ks])]
-
-    def update(self) -> tuple[np.ndarray, ...]:
-        sq = _sqnorms(self.num_stages) if self.clip else ()
-        state = (names.params(K), names.opt_state(K))
-        return _Rows.block([self.rows(Run(names.program("update", K), state + (names.grads(K),) + sq, state,
-                                          f"U s{K}"), k) for k in self.stages])
-
-
-@functools.lru_cache(maxsize=4)
-def _peers(num_stages: int, shared: tuple) -> list[list[int]]:
-    """pipeline.shared_peers, once per pipeline rather than once per slice."""
-    return shared_peers(num_stages, shared)
-
-
-@functools.lru_cache(maxsize=4)
-def _sqnorms(num_stages: int) -> tuple[str, ...]:
-    """Every stage's squared-norm buffer, the update's inputs when clipping (one tuple for
-    all slices)."""
-    return tuple(names.sqnorm(i) for i in range(num_stages))
-
-
 def _forward_only(schedule: schedules.Schedule, transfers: Transfers, io: StageIO = StageIO()):
     """Evaluation and prediction plans, every slice's `forward_only_stream`."""
     plans = [forward_only_stream(schedule, r, transfers, io) for r in range(schedule.num_slices)]
@@ -568,7 +254,7 @@ def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfe
     microbatch are the same for every microbatch, so they are tiled m times.
     """
     S, placement, m = schedule.num_stages, schedule.placement, schedule.num_microbatches
-    row = _Rows()
+    row = Rows()
     evaluate, predict = [], []
     for k in schedule.stages_on(r):
         a_in = names.inputs(J) if k == 0 else names.activation(K, J)
@@ -591,16 +277,9 @@ def forward_only_stream(schedule: schedules.Schedule, r: int, transfers: Transfe
     every = np.arange(m, dtype=np.int32)
     head = []
     if io.weighted and placement[-1] == r:      # the step's total weight, before any loss
-        head = [_Rows.block([row(_weight_total(m), S - 1)])]
-    return (row.encoded(head + [_tiled([evaluate], np.zeros(m, np.int64), every)]),
-            row.encoded([_tiled([predict], np.zeros(m, np.int64), every)]))
-
-
-def _weight_total(m: int) -> Run:
-    """The last stage's sum of a weighted loss's weights over the step's m microbatches (its
-    row's stage field fills {k})."""
-    return Run(names.program("weight", K), tuple(names.targets(j) for j in range(m)), (names.weight_sum(),),
-               f"weight s{K}")
+        head = [Rows.block([row(weight_total(m), S - 1)])]
+    return (row.encoded(head + [tiled([evaluate], np.zeros(m, np.int64), every)]),
+            row.encoded([tiled([predict], np.zeros(m, np.int64), every)]))
 
 
 def _is_update(ins: Instruction) -> bool:

@@ -18,7 +18,7 @@ Costs, as in mpmd.schedules.simulate: {"F": f, "B": b, "W": w} seconds for every
 cost(task) or a list of per-stage dicts for per-stage costs. A program has one duration, so a
 callable must not depend on the microbatch. Program durations: fwd -> F, bwd_in (input
 gradient) -> B, bwd_w_* (weight gradient) -> W, bwd_first / bwd_acc (full backward) -> BW
-(B + W unless the costs give "BW"), update / sqnorm -> 0.
+(B + W unless the costs give "BW"), update / sqnorm / reduce / gather -> 0.
 
 One difference from `simulate(schedule, costs)`: in a split-backward schedule the first
 stage has no input gradient to compute (its input is data), so the runtime runs no program
@@ -46,7 +46,7 @@ SCALAR = (Spec((), "float32"),)
 # Program kind -> the declared cost that is its duration (None: free).
 _PROGRAM_COSTS = {"fwd": "F", "bwd_in": "B", "bwd_w_first": "W", "bwd_w_acc": "W",
                   "bwd_first": FULL_BACKWARD, "bwd_acc": FULL_BACKWARD, "update": None, "sqnorm": None,
-                  "reduce": None}
+                  "reduce": None, "gather": None}
 
 
 class DryRunResult(NamedTuple):
@@ -59,7 +59,8 @@ class DryRunResult(NamedTuple):
 
 
 def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,
-            trace: bool = True, warmup_steps: int = 1, clip: bool = False, run_ahead: int = 0) -> DryRunResult:
+            trace: bool = True, warmup_steps: int = 1, clip: bool = False, run_ahead: int = 0,
+            reduce: bool = False, gather: bool = False) -> DryRunResult:
     """Run `steps` training steps of `schedule` on `cluster` with sleep programs.
 
     `cluster` is any cluster (InProcessCluster, LocalCluster, StaticCluster); it is started
@@ -68,7 +69,11 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
     `warmup_steps` run first and are not reported (the first step opens connections).
     `clip` adds the global-norm exchange that gradient clipping performs. `run_ahead`: steps
     launched beyond the oldest in flight (Cluster.launch); a step's time is then the time
-    between its collection and the one before it.
+    between its collection and the one before it. `reduce`, `gather`: every stage's stream
+    has the tasks of a mesh slice that reduces its gradients once a step (reduce{k} after its
+    last gradient task, mpmd/stages/partials.py) and gathers its FSDP weights once a step
+    (gather{k} before its first forward, mpmd/stages/gather.py), priced at 0 s: what they add
+    is the runtime's cost of a task.
     """
     for name, value, low in (("activation_bytes", activation_bytes, 0), ("steps", steps, 1),
                              ("warmup_steps", warmup_steps, 0), ("run_ahead", run_ahead, 0)):
@@ -81,7 +86,8 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
     # One float32 bundle of activation_bytes (rounded down to whole floats) for every
     # activation and cotangent; everything else a scalar.
     act = (Spec((activation_bytes // 4,), "float32"),)
-    raw = lowering.train_streams(schedule, lowering.Transfers.plain([act] * (S + 1)), clip)
+    io = lowering.StageIO(partial=(reduce,) * S, gather=(gather,) * S)
+    raw = lowering.train_streams(schedule, lowering.Transfers.plain([act] * (S + 1)), clip, io=io)
     m = schedule.num_microbatches
     inputs = {r: {names.inputs(j) for j in range(m)} if r == placement[0] else set()
               for r in range(P)}

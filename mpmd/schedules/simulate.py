@@ -93,14 +93,15 @@ def _kind_table(costs, split_backward: bool, what: str) -> dict:
     return table
 
 
-def _peak_live(tasks: TaskArrays, split_backward: bool, size=None, kept=None) -> tuple:
+def _peak_live(tasks: TaskArrays, split_backward: bool, size=None, kept=None, once=None) -> tuple:
     """Per slice, the most activations held at once. Slices run one task at a time, so the
     live amount changes only between tasks: +size when an F starts, -size when the
     microbatch's last backward task ends (W if split, else B); with split backward also
     +kept when B runs (what it leaves for W) and -kept when W ends. No task both grows and
     shrinks the amount, so the peak is the running sum's. Costs do not matter.
     size, kept: None (size: count 1 per stage-microbatch; kept: nothing) or per-stage arrays
-    (e.g. bytes)."""
+    (e.g. bytes). once: None or per-stage amounts held once per step, from the stage's first
+    F on the slice until its last backward task ends (FSDP weights gathered once a step)."""
     last = KIND_CODES[WEIGHT if split_backward else BACKWARD]
     peaks = []
     for r in range(len(tasks)):
@@ -110,25 +111,38 @@ def _peak_live(tasks: TaskArrays, split_backward: bool, size=None, kept=None) ->
         step = (kind == KIND_CODES[FORWARD]) * held - (kind == last) * held
         if split_backward and kept is not None:
             step = step + ((kind == KIND_CODES[BACKWARD]).astype(np.int64) - (kind == last)) * kept[stage]
+        if once is not None:
+            step = step.astype(np.float64)
+            for k in np.unique(stage):
+                forwards = np.flatnonzero((stage == k) & (kind == KIND_CODES[FORWARD]))
+                ends = np.flatnonzero((stage == k) & (kind == last))
+                if len(forwards) and len(ends):
+                    step[forwards[0]] += once[k]
+                    step[ends[-1]] -= once[k]
         live = np.cumsum(step)
         peaks.append(max(0, live.max()) if len(live) else 0)
     return tuple(p.item() if hasattr(p, "item") else p for p in peaks)
 
 
 def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float],
-                     kept_bytes: list[float] | None = None) -> tuple[float, ...]:
+                     kept_bytes: list[float] | None = None,
+                     gathered_bytes: list[float] | None = None) -> tuple[float, ...]:
     """Per slice, the most bytes of saved activations held at once, given the bytes stage k's
     forward keeps for its backward per microbatch (`residual_bytes[k]`, e.g. from
     mpmd.stages.costs.memory): peak_live_activations weighted by stage. Rematerialisation
     shrinks residual_bytes and so this figure. `kept_bytes[k]`: what stage k's B leaves for
-    its W per microbatch, held from B until W (split-backward schedules only)."""
-    for what, given in (("residual_bytes", residual_bytes), ("kept_bytes", kept_bytes)):
+    its W per microbatch, held from B until W (split-backward schedules only).
+    `gathered_bytes[k]`: stage k's weights gathered over fsdp once a step (mpmd/stages/gather.py),
+    held from its first F to its last backward task."""
+    for what, given in (("residual_bytes", residual_bytes), ("kept_bytes", kept_bytes),
+                        ("gathered_bytes", gathered_bytes)):
         if given is not None and len(given) != schedule.num_stages:
             raise ValueError(f"{what} has {len(given)} entries; the schedule has "
                              f"{schedule.num_stages} stages")
     return _peak_live(as_arrays(schedule.slices), schedule.split_backward,
                       np.asarray(residual_bytes, dtype=np.float64),
-                      None if kept_bytes is None else np.asarray(kept_bytes, dtype=np.float64))
+                      None if kept_bytes is None else np.asarray(kept_bytes, dtype=np.float64),
+                      None if gathered_bytes is None else np.asarray(gathered_bytes, dtype=np.float64))
 
 
 def _cost_arrays(costs: Costs, schedule: Schedule, tasks: TaskArrays):

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from mpmd.stages import batch as batches
-from mpmd.stages import names
+from mpmd.stages import gather, names, partials
 from mpmd.stages import programs as stage_programs
 from mpmd.stages.pipeline import Pipeline, stage_fn
 from mpmd.schedules.simulate import FULL_BACKWARD, peak_saved_bytes
@@ -86,7 +86,8 @@ def program_cost(program: ProgramSpec, flops_only: bool = False) -> float:
 
 
 def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec, feeds=None):
-    """(k, fn, StageShapes, first, last, loss) of every stage, for one microbatch of these
+    """(k, fn, StageShapes, first, last, loss, the leaves of its batch: input, side inputs and
+    output, the model's for the last stage) of every stage, for one microbatch of these
     shapes; `feeds`: a batch dict's BatchPlan (mpmd/stages/batch.py), else the shorthand's."""
     feeds = feeds or batches.plan(pipe, {batches.INPUTS: micro_input_spec, batches.TARGETS: micro_target_spec},
                                   pair=True)
@@ -102,14 +103,14 @@ def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec, feeds=Non
                                             feeds.targets if last else None, feeds.side[k],
                                             weighted=last and feeds.weighted, aux=aux,
                                             state=tuple(map(spec, fn.state.leaves)) if fn.state is not None else None)
-        yield k, fn, shapes, k == 0, last, feeds.loss_fn
+        yield k, fn, shapes, k == 0, last, feeds.loss_fn, jax.tree.leaves((acts[k], feeds.side[k] or {}, acts[k + 1]))
 
 
 def measure(pipe: Pipeline, micro_input_spec, micro_target_spec, flops_only: bool = False) -> list[dict]:
     """Per stage {"F", "B", "W", "BW"}: the cost of its programs for one microbatch of these
     shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
     out = []
-    for k, fn, shapes, first, last, loss in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
+    for k, fn, shapes, first, last, loss, _ in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
         built = {}
         for split in (True, False):
             built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=loss,
@@ -124,32 +125,53 @@ def _nbytes(specs) -> int:
     return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize for l in jax.tree.leaves(specs)))
 
 
-def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds=None) -> list[dict]:
+def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds=None, layout=None,
+           placement=None) -> list[dict]:
     """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
     "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
     the vjp residuals minus the stage's own parameters), "kept" (what one microbatch's B
-    keeps for its W when the backward is split)}. Traced only: nothing is allocated."""
+    keeps for its W when the backward is split), "gathered" (its weights gathered over fsdp
+    for the step, mesh.fsdp_gather per_step)}. Traced only: nothing is allocated.
+
+    Figures are over one copy of the data-parallel replicas, as parameters are counted once
+    however they are sharded. With `layout` (mpmd.lowering.core.Layout, stage k on slice
+    `placement[k]`), what fsdp holds whole per device is counted fsdp times: the gathered
+    weights (fsdp x the leaves on fsdp), and the gradients a stage accumulates unreduced until
+    reduce{k} (mpmd/stages/partials.py: a leaf on fsdp is whole on each device until then)."""
     out = []
-    for k, fn, shapes, first, last, loss in _stage_shapes(pipe, micro_input_spec, micro_target_spec, feeds):
+    for k, fn, shapes, first, last, loss, batch in _stage_shapes(pipe, micro_input_spec, micro_target_spec, feeds):
         stage = dict(fn=fn, shapes=shapes, first=first, last=last, loss_fn=loss)
         opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(shapes.params)))
-        out.append({"params": _nbytes(shapes.params), "grads": _nbytes(shapes.params), "optimizer": _nbytes(opt),
+        grads, gathered = _nbytes(shapes.params), 0
+        if layout is not None:
+            mesh, lays = layout.meshes[placement[k]], layout.params[k]
+            on_fsdp = _nbytes([p for p, lay in zip(shapes.params, lays) if gather.sharded(lay)]) if mesh.fsdp > 1 else 0
+            if partials.problem(mesh, batch, fn.state is not None, shapes.aux) is None:
+                grads += on_fsdp * (mesh.fsdp - 1)
+            if layout.fsdp_gather == gather.PER_STEP:
+                gathered = on_fsdp * mesh.fsdp
+        out.append({"params": _nbytes(shapes.params), "grads": grads, "optimizer": _nbytes(opt),
                     "residuals": _nbytes(stage_programs.residual_specs(**stage)),
-                    "kept": _nbytes(stage_programs.kept_specs(**stage))})
+                    "kept": _nbytes(stage_programs.kept_specs(**stage)), "gathered": gathered})
     return out
 
 
 def slice_memory(schedule, per_stage: list[dict]) -> list[dict]:
     """Per slice of `schedule`, bytes: its stages' params, grads and optimizer state, and
     "activations": the most residual bytes (and, split backward, bytes B keeps for W) it holds
-    at once (mpmd.schedules.simulate.peak_saved_bytes), "total" their sum. Not counted: activations and
-    cotangents in transit, XLA's temporaries."""
-    saved = peak_saved_bytes(schedule, [m["residuals"] for m in per_stage], [m["kept"] for m in per_stage])
+    at once (mpmd.schedules.simulate.peak_saved_bytes), "gathered": what the stages' weights
+    gathered once a step add to that peak (held from a stage's first F to its last backward
+    task), "total" their sum. Not counted: activations and cotangents in transit, XLA's
+    temporaries."""
+    residuals, kept = [m["residuals"] for m in per_stage], [m["kept"] for m in per_stage]
+    saved = peak_saved_bytes(schedule, residuals, kept)
+    with_gathered = peak_saved_bytes(schedule, residuals, kept, [m.get("gathered", 0) for m in per_stage])
     out = []
     for r in range(len(schedule.slices)):
         mine = schedule.stages_on(r)
         entry = {key: sum(per_stage[k][key] for k in mine) for key in ("params", "grads", "optimizer")}
         entry["activations"] = int(saved[r])
+        entry["gathered"] = int(with_gathered[r]) - int(saved[r])
         entry["total"] = sum(entry.values())
         out.append(entry)
     return out

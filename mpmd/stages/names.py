@@ -7,6 +7,7 @@ and every constructor and parser follows.
 
 Buffers on a slice (k = stage, j = microbatch):
   p{k} o{k}    parameters and optimizer state (persistent)   g{k}  accumulated gradients
+  pg{k}        p{k} gathered over fsdp for the step (mesh.fsdp_gather per_step: gather{k})
   st{k}        stage k's state: what its forward changes that is not a parameter (persistent)
   x/{j}        microbatch input (first stage's slice)         t/{j} targets (last stage's slice)
   a{k}/{j}     activation entering stage k                    r{k}/{j} stage k's residuals
@@ -37,7 +38,7 @@ from typing import NamedTuple
 
 # kind -> template; fields: {k} stage, {j} microbatch, {q} destination stage.
 BUFFERS = {
-    "params": "p{k}", "opt_state": "o{k}", "stage_state": "st{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
+    "params": "p{k}", "gathered": "pg{k}", "opt_state": "o{k}", "stage_state": "st{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
     "side": "in{k}/{j}", "aux": "aux{k}/{j}", "weight_sum": "wsum",
     "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
@@ -54,7 +55,8 @@ KEYS = {
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
 PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
-            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight", "reduce")
+            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight", "reduce",
+            "gather")
 STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
 SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
 
@@ -114,6 +116,7 @@ def parse_program(name: str) -> Name:
 
 # -- constructors: one per template, so call sites read as what they name ------------------
 def params(k: int) -> str: return BUFFERS["params"].format(k=k)
+def gathered(k: int) -> str: return BUFFERS["gathered"].format(k=k)
 def opt_state(k: int) -> str: return BUFFERS["opt_state"].format(k=k)
 def stage_state(k: int) -> str: return BUFFERS["stage_state"].format(k=k)
 def grads(k: int) -> str: return BUFFERS["grads"].format(k=k)

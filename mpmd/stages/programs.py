@@ -318,17 +318,20 @@ def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
 
 
 def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-          loss_fn: Callable | None, num_microbatches: int, split_backward: bool, partial=None) -> dict:
+          loss_fn: Callable | None, num_microbatches: int, split_backward: bool, partial=None,
+          grad_specs: tuple | None = None) -> dict:
     """Export forward and backward programs for stage k, named by mpmd/stages/names.py.
     `partial`: the slice's SliceMesh when the stage keeps its gradients unreduced over the
-    batch axes (mpmd/stages/partials.py; then build_reduce gives reduce{k}), else None."""
+    batch axes (mpmd/stages/partials.py; then build_reduce gives reduce{k}), else None.
+    `grad_specs`: the parameters as the gradients lie, where the programs take them in
+    another layout (gathered over fsdp once a step: mpmd/stages/gather.py); default shapes.params."""
+    grad_specs = shapes.params if grad_specs is None else grad_specs
     if partial is None:
         forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
-        grad_specs = shapes.params
     else:
         forward, res_specs, cotangents = _grouped(fn, shapes, first, last, loss_fn, num_microbatches,
                                                   partial.batch_ways)
-        grad_specs = partials.partial_specs(shapes.params, partial)
+        grad_specs = partials.partial_specs(grad_specs, partial)
     fwd_args = _forward_args(shapes, last)
     p_out, y_out = _layouts(grad_specs), _layouts(shapes.y)
     x_out = tuple(l.sharding for l in jax.tree.leaves(shapes.x) if differentiable(l))

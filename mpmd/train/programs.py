@@ -34,10 +34,11 @@ class Programs:
     the checked logical-axis rules (mpmd/stages/sharding.py)."""
 
     def __init__(self, pipeline, optimizer, max_grad_norm, recv_window: int | None, cluster, rules: dict,
-                 schedule: schedules.Schedule, meshes, init_params=None):
+                 schedule: schedules.Schedule, meshes, init_params=None, fsdp_gather: str = "per_microbatch"):
         self.pipeline, self.optimizer, self.cluster = pipeline, optimizer, cluster
         self._init_params = init_params   # a stage's parameter paths -> their initial arrays, or None
         self._max_grad_norm, self._recv_window, self._rules = max_grad_norm, recv_window, rules
+        self._fsdp_gather = fsdp_gather    # where FSDP weights are gathered (mpmd/stages/gather.py)
         self._schedule = schedule
         self._layout = self.layout_for(schedule, meshes)
         self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered), shipped to the slices
@@ -68,7 +69,8 @@ class Programs:
     def layout_for(self, schedule: schedules.Schedule, meshes) -> lowering.Layout:
         """Every stage's state laid out on `meshes` under `schedule`'s placement; ValueError
         naming a parameter a mesh axis does not divide."""
-        return lowering.layout(self.pipeline, self.optimizer, meshes, schedule.placement, self._rules)
+        return lowering.layout(self.pipeline, self.optimizer, meshes, schedule.placement, self._rules,
+                               self._fsdp_gather)
 
     def move_to(self, schedule: schedules.Schedule, layout: lowering.Layout) -> None:
         """The cluster was resized to `schedule`'s slices, each started afresh: nothing shipped

@@ -335,7 +335,9 @@ class RecoveryPolicy:
             if feeds is None:
                 self._estimates = ([1.0] * p.pipeline.num_stages, None)
             else:
-                per_stage = (stage_costs.memory(p.pipeline, p.optimizer, feeds.inputs, feeds.targets, feeds)
+                # Each stage on its configured slice's mesh (what fsdp holds whole counted there).
+                per_stage = (stage_costs.memory(p.pipeline, p.optimizer, feeds.inputs, feeds.targets, feeds,
+                                                layout=p.layout, placement=p.placement)
                              if self.options.slice_memory_bytes is not None else None)
                 self._estimates = (stage_costs.fn_costs(p.pipeline.fns, feeds.inputs, feeds.side), per_stage)
         return self._estimates

@@ -34,7 +34,8 @@ import optax
 from mpmd.runtime.control.cluster import Cluster, WorkerLost
 from mpmd.schedules import core as schedules
 from mpmd.stages import batch as batches
-from mpmd.stages import names, sharding
+from mpmd.lowering import core as lowering
+from mpmd.stages import gather, names, sharding
 from mpmd.stages.pipeline import Pipeline
 from mpmd.train import relayout
 from mpmd.train.checkpointer import Checkpointer
@@ -49,7 +50,8 @@ class Trainer:
     virtual_stages, or a Schedule given as data) on `cluster` (default: in-process slices).
     `max_grad_norm`: global-norm clipping; `run_dir`: where checkpoints are written and a
     run resumes from; `mesh`, `rules`: each slice's mesh and the logical-axis rules
-    (mpmd/stages/sharding.py); `run_ahead`: steps sent beyond the oldest in flight;
+    (mpmd/stages/sharding.py); `fsdp_gather`: "per_microbatch" or "per_step", where FSDP-
+    sharded weights are gathered (mpmd/stages/gather.py; per_step needs a slice with fsdp > 1); `run_ahead`: steps sent beyond the oldest in flight;
     `recv_window`: receives a slice posts ahead of use; `checkpoint`, `recovery`: the
     option records (mpmd/train/options.py), their defaults when None. `init_params(paths)`
     -> arrays: each stage's initial parameters by their names (`pipeline.param_paths[k]`,
@@ -61,7 +63,7 @@ class Trainer:
                  schedule: str | schedules.Schedule = "1f1b", num_microbatches: int | None = None,
                  cluster: Cluster | None = None, virtual_stages: int | None = None,
                  max_grad_norm: float | None = None, run_dir=None, mesh=None, rules: dict | None = None,
-                 run_ahead: int = 1, recv_window: int | None = None,
+                 fsdp_gather: str = "per_microbatch", run_ahead: int = 1, recv_window: int | None = None,
                  checkpoint: Checkpointing | None = None, recovery: Recovery | None = None,
                  init_params: Callable[[tuple[str, ...]], Sequence] | None = None):
         _check_args(pipeline, optimizer, max_grad_norm, run_ahead, recv_window, checkpoint, recovery)
@@ -77,8 +79,10 @@ class Trainer:
         self.cluster = cluster
         # Each slice's mesh and every stage's layouts, checked before any worker starts.
         meshes = sharding.slice_meshes(mesh, built.num_slices, cluster.devices_per_slice)
+        gather.check_mode(fsdp_gather)
         self.programs = Programs(pipeline, optimizer, max_grad_norm, recv_window, cluster,
-                                 sharding.check_rules(rules), built, meshes, init_params)
+                                 sharding.check_rules(rules), built, meshes, init_params, fsdp_gather)
+        lowering.check_gather(self.programs.layout, built.placement)
         # What a restored run must match beyond its leaves (the math); how it is laid out is
         # free to differ from the checkpoint's.
         partition = {"num_microbatches": self.num_microbatches, "max_grad_norm": max_grad_norm}

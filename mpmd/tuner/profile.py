@@ -49,7 +49,7 @@ from mpmd.stages.specs import spec
 from mpmd.runtime.wire.format import nbytes
 
 UPDATE = "U"
-_LABEL = re.compile(r"([FBWU]) s(\d+)(?: mb(\d+))?$")      # mpmd/lowering/core.py's Run labels
+_LABEL = re.compile(r"([FBWU]) s(\d+)(?: mb(\d+))?$")      # mpmd/lowering/train_stream.py's Run labels
 
 
 class Profile(NamedTuple):

@@ -257,6 +257,12 @@ class MeshConfig(SliceShape):
     rules: dict[str, Any] = Field(
         {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
                         "overrides mpmd.stages.sharding.RULES")
+    fsdp_gather: Literal["per_microbatch", "per_step"] = Field(
+        "per_microbatch", description="where weights laid out on fsdp are gathered: inside every forward and "
+                                      "backward program (per_microbatch), or once a step by gather{k} before a "
+                                      "stage's first forward, kept whole over fsdp until its last backward "
+                                      "(per_step: fewer gathers, fsdp x the sharded weights' memory; needs a "
+                                      "slice with fsdp > 1)")
 
 
 class CheckpointConfig(_Section):

@@ -98,6 +98,23 @@ def test_per_stage_costs_interleaving_and_clipping():
     assert {"norm s0", "norm s3"} <= set(runs)
 
 
+def test_reduce_and_gather_tasks_of_a_mesh_slice_run_once_a_step():
+    """reduce=True, gather=True: each stage's stream reduces its gradients once, after its last
+    gradient task, and gathers its weights once, before its first forward (free tasks)."""
+    schedule = schedules.make("1f1b", P, M)
+    cluster = mpmd.InProcessCluster()
+    try:
+        result = dry_run(schedule, COSTS, ACTIVATION_BYTES, cluster, steps=1, warmup_steps=0,
+                         reduce=True, gather=True)
+    finally:
+        cluster.close()
+    for k, events in enumerate(result.events[0]):
+        runs = [e.name for e in events if e.kind == "run"]
+        assert runs.count(f"gather s{k}") == 1 and runs.count(f"reduce s{k}") == 1
+        assert runs.index(f"gather s{k}") < runs.index(f"F s{k} mb0")
+        assert runs.index(f"reduce s{k}") == runs.index(f"B s{k} mb{M - 1}") + 1
+
+
 def test_bad_costs_are_refused_before_any_work():
     schedule = schedules.make("1f1b", P, M)
     with pytest.raises(ValueError, match="must not depend on the microbatch"):

@@ -38,11 +38,12 @@ def sgd():
     return optax.sgd(0.1, momentum=0.9)
 
 
-def run(cluster, mesh, schedule="1f1b", num_stages=2, virtual_stages=None, steps=3, close=True):
+def run(cluster, mesh, schedule="1f1b", num_stages=2, virtual_stages=None, steps=3, close=True,
+        fsdp_gather="per_microbatch"):
     """(losses, first-step grads, final params) of the GPT pipelined on `mesh`."""
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=num_stages), models.lm_loss)
     trainer = mpmd.Trainer(pipe, sgd(), schedule=schedule, num_microbatches=M, virtual_stages=virtual_stages,
-                           max_grad_norm=1.0, mesh=mesh, cluster=cluster)
+                           max_grad_norm=1.0, mesh=mesh, cluster=cluster, fsdp_gather=fsdp_gather)
     try:
         batches = data(steps)
         _, grads = trainer.grads(*batches[0])
@@ -69,6 +70,18 @@ def assert_matches(got, want):
         "data2|fsdp2xtensor2-interleaved"])
 def test_mesh_slices_match_unpipelined_in_process(unpipelined_gpt, mesh, schedule, stages, v):
     assert_matches(run(mpmd.InProcessCluster(), mesh, schedule, stages, v), unpipelined_gpt)
+
+
+# FSDP weights gathered once a step (mpmd/stages/gather.py): only where the gather happens
+# changes, so the run matches unpipelined JAX as per_microbatch does.
+@pytest.mark.parametrize("mesh,schedule,stages,v", [
+    ({"fsdp": 2}, "1f1b", 2, None),
+    ({"fsdp": 2}, "zb-h1", 2, None),
+    ({"fsdp": 2}, "zb-v", 4, 2),                                # a V: two stages a slice
+    ([{"fsdp": 2}, {"data": 2}], "1f1b", 2, None),              # one slice gathers, one has nothing to
+], ids=["fsdp2-1f1b", "fsdp2-zbh1", "fsdp2-zbv", "fsdp2|data2-1f1b"])
+def test_fsdp_gathered_once_a_step_matches_unpipelined_in_process(unpipelined_gpt, mesh, schedule, stages, v):
+    assert_matches(run(mpmd.InProcessCluster(), mesh, schedule, stages, v, fsdp_gather="per_step"), unpipelined_gpt)
 
 
 def test_layouts_follow_the_rules():
@@ -147,6 +160,15 @@ def test_mesh_slices_on_worker_processes_equal_in_process(two_device_workers, un
     assert_matches(got, unpipelined_gpt)
     # Same meshes, same programs, same threading: the two runtimes agree bit for bit.
     same = run(mpmd.InProcessCluster(), mesh, schedule)
+    assert got[0] == same[0]
+    for a, b in zip(got[2], same[2]):
+        assert np.array_equal(a, b)
+
+
+def test_fsdp_gathered_once_a_step_on_worker_processes_equals_in_process(two_device_workers, unpipelined_gpt):
+    got = two_device_workers({"fsdp": 2}, "1f1b", "per_step")[0]
+    assert_matches(got, unpipelined_gpt)
+    same = run(mpmd.InProcessCluster(), {"fsdp": 2}, "1f1b", fsdp_gather="per_step")
     assert got[0] == same[0]
     for a, b in zip(got[2], same[2]):
         assert np.array_equal(a, b)

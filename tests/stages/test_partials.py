@@ -4,51 +4,20 @@
 Equivalence with unpipelined JAX on data / fsdp / tensor meshes, gangs, tied weights,
 zero-bubble schedules and clipping is tests/runtime/test_mesh_slices.py's and
 tests/runtime/test_gang.py's (their meshes take this path)."""
-import re
-
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import models
-from mpmd.runtime.worker import programs
-from mpmd.runtime.worker.instructions import Run
 from mpmd.runtime.worker.mesh import bind
-from mpmd.stages import names, partials
+from mpmd.stages import partials
 from mpmd.stages.sharding import SliceMesh
 from tests.runtime.test_mesh_slices import make_gpt, sgd
 from tests.support import reference
+from tests.support.collectives import REDUCTIONS, step_collectives
 
 M = 4
-_COLLECTIVE = re.compile(r"= (.*?) (all-reduce|reduce-scatter)(?:-start)?\(")
-_ARRAY = re.compile(r"\w+\[(\d[\d,]*)\]")     # an array type with at least one dimension
-
-
-def reduced_arrays(hlo: str) -> int:
-    """How many non-scalar arrays the compiled program's all-reduces and reduce-scatters
-    reduce (XLA combines several into one tuple-shaped op: each element counts)."""
-    return sum(len(_ARRAY.findall(result)) for result, _ in _COLLECTIVE.findall(hlo))
-
-
-def step_reductions(lowered, r: int, mesh) -> dict[str, int]:
-    """Per program kind, the arrays slice r's training plan reduces in one step: each Run's
-    program compiled for `mesh`, its reduced arrays counted, times the runs."""
-    counts: dict[str, int] = {}
-    compiled: dict[str, int] = {}
-    for ins in lowered.train[r]:
-        if not isinstance(ins, Run):
-            continue
-        if ins.program not in compiled:
-            spec = lowered.programs[r][ins.program]
-            exp = jax.export.deserialize(bytearray(spec.data))
-            args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                    for a, s in zip(exp.in_avals, exp.in_shardings_jax(mesh))]
-            bundles, _ = jax.tree.unflatten(exp.in_tree, args)
-            compiled[ins.program] = reduced_arrays(programs.load(spec, mesh).lower(*bundles).compile().as_text())
-        kind = names.parse_program(ins.program).kind
-        counts[kind] = counts.get(kind, 0) + compiled[ins.program]
-    return {k: n for k, n in counts.items() if n}
 
 
 @pytest.mark.parametrize("mesh,schedule", [({"data": 2}, "1f1b"), ({"fsdp": 2}, "zb-h1")], ids=["data2", "fsdp2-zbh1"])
@@ -63,7 +32,7 @@ def test_one_reduction_per_parameter_a_step_not_one_per_microbatch(mesh, schedul
         for r, fn in enumerate(pipe.fns):
             # reduce{k} reduces each parameter's gradient once; no backward program reduces
             # anything (before: every one of the m backwards reduced every parameter).
-            assert step_reductions(lowered, r, devices) == {"reduce": len(fn.param_leaves)}
+            assert step_collectives(lowered, r, devices, REDUCTIONS) == {"reduce": len(fn.param_leaves)}
 
 
 def test_partial_layout_takes_the_batch_axes_out_of_the_parameter_dims():
