@@ -14,7 +14,9 @@ Packed (mpmd/train/packing.py), a stage's ~40 arrays are one per dtype: one comp
 program concatenates them on the slice's devices (no data moves between devices), one
 host copy, one transfer entry and one re-placement per dtype, where each array on its own
 cost a dispatch and ~150 us of reshard.assemble on the receiver. Restoring unpacks with the
-inverse program. `peer(r) = (r + 1) % P`: a ring, so each slice holds one other slice's state and the loss
+inverse program.
+
+`peer(r) = (r + 1) % P`: a ring, so each slice holds one other slice's state and the loss
 of any one slice loses no snapshot. On CPU the own snapshot costs one concatenation (the
 host copy is the packed array itself: arrays are immutable and never donated); the peer
 copy costs one transfer of the slice's state over the data plane, authenticated like
@@ -23,8 +25,8 @@ activations (the keys are hashed with the session's secret).
 Two generations (g = 0, 1) alternate: a snapshot overwrites the older one, so while it runs
 (or if it fails half done, a slice lost mid-way) the newer one is intact on every slice. A
 generation is usable once its plan returned on every slice. Host memory per slice is then
-2 x (own state + the peer's state) at most: on CPU the newest own snapshot is the live
-state itself, so the extra is 1 x own + 2 x peer's.
+2 x (own state + the peer's state) at most, packed (a replicated leaf's chunks padded to
+a multiple of its replicas: a few elements).
 
 Recovery. A replaced slice has lost both its snapshots and the copies it held. Generation g
 restores iff no replaced slice's peer was replaced too: survivors bind their own snapshot,
