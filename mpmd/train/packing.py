@@ -71,10 +71,11 @@ def packing(specs, mesh: sharding.SliceMesh) -> Packing:
     for bundle in specs:
         bundle_parts = []
         for s in bundle:
-            used = {a for entry in s.layout if entry is not None
-                    for a in (entry if isinstance(entry, tuple) else (entry,))}
-            local = tuple(n // math.prod(sizes[a] for a in _axes(entry)) for n, entry in
-                          zip(s.shape, tuple(s.layout) + (None,) * (len(s.shape) - len(s.layout))))
+            used = {a for entry in s.layout for a in _axes(entry)}
+            ways = [math.prod(sizes[a] for a in _axes(entry)) for entry in
+                    tuple(s.layout) + (None,) * (len(s.shape) - len(s.layout))]
+            assert all(n % w == 0 for n, w in zip(s.shape, ways)), ("layouts divide their dims", s, mesh)
+            local = tuple(n // w for n, w in zip(s.shape, ways))
             replicas = tuple(a for a in sharding.AXES if a not in used and sizes[a] > 1)
             chunk = -(-math.prod(local) // math.prod(sizes[a] for a in replicas))
             dtype = str(jnp.dtype(s.dtype))
@@ -101,22 +102,22 @@ def _replica_index(p: Part, sizes: dict):
     return index
 
 
-def _shard_map(fn, layout: Packing, in_specs, out_specs):
-    mesh = layout.mesh.abstract()
+def _shard_map(fn, plan: Packing, in_specs, out_specs):
+    mesh = plan.mesh.abstract()
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _leaf_specs(layout: Packing):
-    return tuple(tuple(PartitionSpec(*s.layout) for s in bundle) for bundle in layout.specs)
+def _leaf_specs(plan: Packing):
+    return tuple(tuple(PartitionSpec(*s.layout) for s in bundle) for bundle in plan.specs)
 
 
-def pack_fn(layout: Packing):
+def pack_fn(plan: Packing):
     """fn(*bundles) -> (packed bundle,): per device, the concatenation of its parts."""
-    sizes = dict(zip(sharding.AXES, layout.mesh))
+    sizes = dict(zip(sharding.AXES, plan.mesh))
 
     def per_device(*bundles):
-        rows = [[] for _ in layout.dtypes]
-        for bundle, parts in zip(bundles, layout.parts):
+        rows = [[] for _ in plan.dtypes]
+        for bundle, parts in zip(bundles, plan.parts):
             for x, p in zip(bundle, parts):
                 flat = x.reshape(-1)
                 if p.replicas and p.chunk:
@@ -125,19 +126,19 @@ def pack_fn(layout: Packing):
                     flat = jax.lax.dynamic_slice(flat, (_replica_index(p, sizes) * p.chunk,), (p.chunk,))
                 rows[p.group].append(flat)
         return (tuple(jnp.concatenate(row).reshape(1, -1) if row else jnp.zeros((1, 0), d)
-                      for row, d in zip(rows, layout.dtypes)),)
+                      for row, d in zip(rows, plan.dtypes)),)
 
-    packed = tuple(PartitionSpec(sharding.AXES) for _ in layout.dtypes)
-    return _shard_map(per_device, layout, _leaf_specs(layout), (packed,))
+    packed = tuple(PartitionSpec(sharding.AXES) for _ in plan.dtypes)
+    return _shard_map(per_device, plan, _leaf_specs(plan), (packed,))
 
 
-def unpack_fn(layout: Packing):
+def unpack_fn(plan: Packing):
     """fn(packed bundle) -> bundles: the inverse of pack_fn."""
-    sizes = dict(zip(sharding.AXES, layout.mesh))
+    sizes = dict(zip(sharding.AXES, plan.mesh))
 
     def per_device(packed):
         out = []
-        for parts in layout.parts:
+        for parts in plan.parts:
             bundle = []
             for p in parts:
                 flat = packed[p.group][0, p.offset:p.offset + p.chunk]
@@ -147,8 +148,8 @@ def unpack_fn(layout: Packing):
             out.append(tuple(bundle))
         return tuple(out)
 
-    packed = tuple(PartitionSpec(sharding.AXES) for _ in layout.dtypes)
-    return _shard_map(per_device, layout, (packed,), _leaf_specs(layout))
+    packed = tuple(PartitionSpec(sharding.AXES) for _ in plan.dtypes)
+    return _shard_map(per_device, plan, (packed,), _leaf_specs(plan))
 
 
 def _abstract(specs, mesh: sharding.SliceMesh) -> tuple:
@@ -157,12 +158,12 @@ def _abstract(specs, mesh: sharding.SliceMesh) -> tuple:
                  for s in specs)
 
 
-def exported(layout: Packing) -> tuple[programs.ProgramSpec, programs.ProgramSpec]:
+def exported(plan: Packing) -> tuple[programs.ProgramSpec, programs.ProgramSpec]:
     """(pack, unpack) exported for a slice of the packing's mesh shape."""
-    abstract = layout.mesh.abstract()
+    abstract = plan.mesh.abstract()
     shard = lambda s: NamedSharding(abstract, PartitionSpec(*s.layout))
-    pack = programs.exported(pack_fn(layout), *(_abstract(b, layout.mesh) for b in layout.specs),
-                             out_shardings=(tuple(shard(s) for s in layout.packed_specs),))
-    unpack = programs.exported(unpack_fn(layout), _abstract(layout.packed_specs, layout.mesh),
-                               out_shardings=tuple(tuple(shard(s) for s in b) for b in layout.specs))
+    pack = programs.exported(pack_fn(plan), *(_abstract(b, plan.mesh) for b in plan.specs),
+                             out_shardings=(tuple(shard(s) for s in plan.packed_specs),))
+    unpack = programs.exported(unpack_fn(plan), _abstract(plan.packed_specs, plan.mesh),
+                               out_shardings=tuple(tuple(shard(s) for s in b) for b in plan.specs))
     return pack, unpack
