@@ -1,6 +1,6 @@
 """Recovery after a lost worker, part by part, and what checkpointing costs a step.
 
-    .venv/bin/python benchmarks/bench_recovery.py [--quick] [--model tiny|small] [--only recovery|cost]
+    .venv/bin/python benchmarks/bench_recovery.py [--quick] [--model tiny|small|both] [--only recovery|cost|snapshot]
 
 Model: the tiny GPT recipe's (vocab 256, d_model 64, 2 heads, 4 layers, seq 64, batch 16)
 or with --model small gpt_small's (d_model 256, 4 heads, 8 layers, seq 128, batch 32), 2 stages,
@@ -28,7 +28,9 @@ a. Recovery, checkpoint_every=5, with the persistent tier only and with the in-m
    total = detect + spawn + setup + ship + restore + 1st step + replay. Goal: < 10 s for SIGKILL.
    spawn/setup/ship are timed by a LocalCluster subclass defined here (benchmark only).
 b. Checkpoint cost per step, a save every step: no checkpointing vs the in-memory tier
-   (memory_every=1: each slice's snapshot, and its copy sent to the peer slice, in the step)
+   (memory_every=1: each slice's snapshot, and its copy sent to the peer slice, in the step;
+   packed into one array per dtype, and "per-array": as before packing, each array on its own,
+   by a benchmark-only subclass of the tier that leaves packing out of its plan)
    vs async persistent saves (checkpoint_every=1: every slice snapshots at once, writes in the
    background; a step waits only when two saves are already in flight) vs synchronous ones
    (the step waits until the write is committed). Four Trainers side by side, rounds interleaved
@@ -68,6 +70,7 @@ MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
     "small": (dict(vocab_size=256, d_model=256, num_heads=4, num_layers=8, seq_len=128), 32),
 }
 GPT, BATCH = MODELS["tiny"]
+MODEL = "gpt_tiny"
 M, LR, EVERY = 4, 3e-4, 5
 TIERS = {"persistent": {}, "memory": {"memory_every": 1}}   # the mpmd.Checkpointing arguments of each
 GOAL_S = 10.0
@@ -232,19 +235,52 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
 
 
 # -- b. checkpoint cost per step -------------------------------------------------------------
-def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> None:
+VARIANTS = {"none": {}, "memory": dict(memory_every=1), "per-array": dict(memory_every=1),
+            "async": dict(asynchronous=True, every=1), "sync": dict(asynchronous=False, every=1)}  # mpmd.Checkpointing
+
+
+def per_array_snapshots():
+    """The in-memory tier as it was before packing (until 2026-12-03): every array of a
+    stage's state copied, sent and re-placed on its own. Benchmark only: the snapshot plan
+    of mpmd/train/snapshots.py with its Pack and Unpack left out."""
+    from mpmd.runtime.worker.instructions import Copy, Recv, Send
+    from mpmd.train import snapshots
+
+    class PerArraySnapshots(snapshots.MemorySnapshots):
+        def _snapshot_stream(self, r, g):
+            stream = []
+            for k in self._stages(r):
+                for b in self._buffers[k]:
+                    stream.append(Copy(b, f"s{g}/{b}", "host"))
+                    if self.peer(r) is not None:
+                        stream.append(Send(b, self.peer(r), f"s{g}/{b}"))
+            for src, k in self._held(r):
+                for b, specs in zip(self._buffers[k], self.packings[k].specs):
+                    stream += [Recv(f"c{g}/{b}", src, f"s{g}/{b}", specs), Copy(f"c{g}/{b}", f"c{g}/{b}", "host")]
+            return stream
+    return PerArraySnapshots
+
+
+def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int, variants=tuple(VARIANTS)) -> None:
+    """Per variant of VARIANTS the median step; "per-array" is the in-memory tier unpacked."""
     import mpmd
-    variants = {"none": {}, "memory": dict(memory_every=1), "async": dict(asynchronous=True, every=1),
-                "sync": dict(asynchronous=False, every=1)}      # mpmd.Checkpointing arguments
+    from mpmd.train import snapshots
     data = batches()
     trainers = {}
     try:
-        for name, kw in variants.items():
+        for name in variants:
+            kw = VARIANTS[name]
             where = {"run_dir": run_dir / name} if "every" in kw else {}
-            trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), checkpoint=mpmd.Checkpointing(**kw),
-                                          **where)
-            for x in data[:2]:
-                timed_step(trainers[name], x)     # compile (and the first saves)
+            packed = snapshots.MemorySnapshots
+            if name == "per-array":     # the Trainer makes its tier at its first step
+                snapshots.MemorySnapshots = per_array_snapshots()
+            try:
+                trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), checkpoint=mpmd.Checkpointing(**kw),
+                                              **where)
+                for x in data[:2]:
+                    timed_step(trainers[name], x)     # compile (and the first saves)
+            finally:
+                snapshots.MemorySnapshots = packed
             if trainers[name].checkpoints is not None:
                 trainers[name].checkpoints.wait()
         step_s = {name: [] for name in variants}
@@ -267,26 +303,28 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int) -> Non
         for t in trainers.values():
             t.close()
     base = med(step_s["none"])
-    print(f"\nb. checkpoint cost per step, a save every step (memory: memory_every=1, no persistent saves; "
-          f"async/sync: checkpoint_every=1); {num_rounds} interleaved round(s) of {steps_per_round} steps per "
+    print(f"\nb. checkpoint cost per step at {MODEL}, a save every step (memory: memory_every=1, packed, no "
+          f"persistent saves; per-array: the same, each array on its own as before packing; async/sync: "
+          f"checkpoint_every=1); {num_rounds} interleaved round(s) of {steps_per_round} steps per "
           f"variant. snapshot: the save's blocking part in the step (all slices at once); finalize: from "
           f"then until the step's manifest is committed, in the background for async")
-    print(f"{'variant':>8} {'step ms':>8} {'x none':>7} {'snapshot ms':>12} {'finalize ms':>12}")
+    print(f"{'variant':>9} {'step ms':>8} {'x none':>7} {'snapshot ms':>12} {'finalize ms':>12}")
     for name in variants:
         snap = med([s["snapshot_s"] for s in saves[name] if "snapshot_s" in s]) * 1e3
         fin = med([s["finalize_s"] for s in saves[name] if "finalize_s" in s]) * 1e3
         shown = (f"{snap:>12.1f} {fin:>12.1f}" if saves[name] else f"{'-':>12} {'-':>12}")
-        print(f"{name:>8} {med(step_s[name]) * 1e3:>8.1f} {med(step_s[name]) / base:>6.2f}x {shown}")
+        print(f"{name:>9} {med(step_s[name]) * 1e3:>8.1f} {med(step_s[name]) / base:>6.2f}x {shown}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not a measurement")
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="gpt_tiny's or gpt_small's shape")
-    parser.add_argument("--only", choices=("recovery", "cost"), help="run one part")
+    parser.add_argument("--model", choices=sorted(MODELS) + ["both"], default="tiny",
+                        help="gpt_tiny's or gpt_small's shape, or both one after the other")
+    parser.add_argument("--only", choices=("recovery", "cost", "snapshot"),
+                        help="run one part (snapshot: the cost part's none, memory and per-array rows)")
     args = parser.parse_args()
-    global GPT, BATCH
-    GPT, BATCH = MODELS[args.model]
+    global GPT, BATCH, MODEL
     import jax
     from mpmd.runtime.launchers.workers import default_compilation_cache
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
@@ -296,11 +334,16 @@ def main() -> None:
               f"load average at start {os.getloadavg()[0]:.2f}; compilation cache "
               f"of workers {default_compilation_cache() or 'off'}; worker logs: "
               f"{workers_log_to(tmp, 'bench_recovery')}", flush=True)
-        print(f"model: {args.model} {GPT}, batch {BATCH}", flush=True)
-        if args.only in (None, "recovery"):
-            recovery(Path(tmp) / "recovery", n["rounds"])
-        if args.only in (None, "cost"):
-            checkpoint_cost(Path(tmp) / "cost", n["ck_rounds"], n["ck_steps"])
+        for model in (sorted(MODELS, reverse=True) if args.model == "both" else [args.model]):
+            GPT, BATCH = MODELS[model]
+            MODEL = f"gpt_{model}"
+            print(f"\nmodel: {model} {GPT}, batch {BATCH}", flush=True)
+            if args.only in (None, "recovery"):
+                recovery(Path(tmp) / model / "recovery", n["rounds"])
+            if args.only in (None, "cost"):
+                checkpoint_cost(Path(tmp) / model / "cost", n["ck_rounds"], n["ck_steps"])
+            if args.only == "snapshot":
+                checkpoint_cost(Path(tmp) / model / "cost", n["ck_rounds"], n["ck_steps"], ("none", "memory", "per-array"))
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 

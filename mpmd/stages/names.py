@@ -19,14 +19,14 @@ Buffers on a slice (k = stage, j = microbatch):
   wsum         a weighted loss's total weight over the step's microbatches (last stage's slice)
   sq{k}        squared norm of stage k's gradients (when clipping)
   sh{k}        stage k's part of the gradients of shared (tied) parameters
-  s{g}/p{k} s{g}/o{k} s{g}/st{k}   in-memory snapshot generation g of p{k}, o{k}, st{k}
-                                  (mpmd/train/snapshots.py)
-  c{g}/p{k} c{g}/o{k} c{g}/st{k}   the copy a slice holds of its peer's snapshot
+  pk{k}        stage k's state packed, one array per dtype (mpmd/train/packing.py)
+  s{g}/pk{k}   in-memory snapshot generation g of pk{k} (mpmd/train/snapshots.py)
+  c{g}/pk{k}   the copy a slice holds of its peer's snapshot
 Transfer keys name the value, so sender and receiver derive the same key from the plan (the
 executor prefixes the run id): act{k}/{j}, grad{k}/{j}, and sq{k}/to{q}, sh{k}/to{q} for a
-value sent to several slices (a key is consumed by one receive); s{g}/p{k}, s{g}/o{k} a
-snapshot to the peer slice, rp{k}, ro{k}, rs{k} a peer's copy back to a replaced slice.
-Programs: a kind and its stage (fwd3, bwd_w_acc1, update0), plus a shape suffix @{n} when a
+value sent to several slices (a key is consumed by one receive); s{g}/pk{k} a snapshot to
+the peer slice, rpk{k} a peer's copy back to a replaced slice.
+Programs: a kind and its stage (fwd3, bwd_w_acc1, update0, pack1), plus a shape suffix @{n} when a
 Trainer holds programs for several microbatch shapes at once.
 
 Nothing here imports JAX.
@@ -42,21 +42,19 @@ BUFFERS = {
     "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
     "side": "in{k}/{j}", "aux": "aux{k}/{j}", "weight_sum": "wsum",
     "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
-    # The in-memory checkpoint tier (mpmd/train/snapshots.py), generation g in {0, 1}: a slice's
-    # own snapshot of p{k}/o{k}, and the copy it holds of its peer's.
-    "snap_params": "s{g}/p{k}", "snap_opt": "s{g}/o{k}", "peer_params": "c{g}/p{k}", "peer_opt": "c{g}/o{k}",
-    "snap_state": "s{g}/st{k}", "peer_state": "c{g}/st{k}",
+    # The in-memory checkpoint tier (mpmd/train/snapshots.py), generation g in {0, 1}: stage k's
+    # state packed, a slice's own snapshot of it, and the copy it holds of its peer's.
+    "packed": "pk{k}", "snap_packed": "s{g}/pk{k}", "peer_packed": "c{g}/pk{k}",
 }
 KEYS = {
     "act": "act{k}/{j}", "grad": "grad{k}/{j}", "sqnorm_to": "sq{k}/to{q}", "shared_to": "sh{k}/to{q}",
-    "snap_params_to": "s{g}/p{k}", "snap_opt_to": "s{g}/o{k}", "snap_state_to": "s{g}/st{k}",  # to the peer
-    "restore_params": "rp{k}", "restore_opt": "ro{k}", "restore_state": "rs{k}",  # a peer's copy back
+    "snap_packed_to": "s{g}/pk{k}", "restore_packed": "rpk{k}",  # to the peer; a peer's copy back
 }
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
 PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
             "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight", "reduce",
-            "gather")
+            "gather", "pack", "unpack")
 STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
 SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
 
@@ -135,28 +133,11 @@ def aux(k: int, j: int) -> str: return BUFFERS["aux"].format(k=k, j=j)
 def weight_sum() -> str: return BUFFERS["weight_sum"]
 
 
-def snapshot(g: int, buffer: str) -> str:
-    """Generation g's own snapshot of a state buffer (p{k} or o{k})."""
-    return _state(buffer, "snap", g)
-
-
-def peer_copy(g: int, buffer: str) -> str:
-    """Generation g's copy of a peer slice's state buffer (p{k} or o{k})."""
-    return _state(buffer, "peer", g)
-
-
-def snapshot_key(g: int, buffer: str) -> str:
-    return _state(buffer, "snap", g, KEYS, "_to")
-
-
-def restore_key(buffer: str) -> str:
-    return _state(buffer, "restore", None, KEYS)
-
-
-def _state(buffer: str, kind: str, g, templates=BUFFERS, suffix: str = "") -> str:
-    name = parse_buffer(buffer)
-    part = {"params": "params", "opt_state": "opt", "stage_state": "state"}[name.kind]
-    return templates[f"{kind}_{part}{suffix}"].format(g=g, k=name.stage)
+def packed(k: int) -> str: return BUFFERS["packed"].format(k=k)
+def snapshot(g: int, k: int) -> str: return BUFFERS["snap_packed"].format(g=g, k=k)
+def peer_copy(g: int, k: int) -> str: return BUFFERS["peer_packed"].format(g=g, k=k)
+def snapshot_key(g: int, k: int) -> str: return KEYS["snap_packed_to"].format(g=g, k=k)
+def restore_key(k: int) -> str: return KEYS["restore_packed"].format(k=k)
 
 
 def act_key(k: int, j: int) -> str: return KEYS["act"].format(k=k, j=j)

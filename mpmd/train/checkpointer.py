@@ -70,7 +70,7 @@ class Checkpointer:
         if self.memory_every:
             self.memory = snapshots.MemorySnapshots(
                 self.cluster, placement, snapshots.state_specs(self.pipeline, self.optimizer, layout),
-                self.memory_every, launch)
+                self.memory_every, launch, layout.meshes)
 
     def resume(self) -> int | None:
         """Restore the run directory's newest committed step onto every slice, if there is one:
@@ -175,4 +175,4 @@ class Checkpointer:
         if self.memory is not None:
             self.memory = snapshots.MemorySnapshots(
                 self.cluster, placement, snapshots.state_specs(self.pipeline, self.optimizer, layout),
-                self.memory.every, self._launch)
+                self.memory.every, self._launch, layout.meshes)

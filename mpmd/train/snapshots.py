@@ -5,21 +5,28 @@ Like Orbax's multi-tier ("emergency") checkpointing, which MaxText uses on Pathw
 in-memory snapshots every few steps, replicated across slices, persistent saves rarely
 (mpmd/train/checkpoints.py). A snapshot is one plan run on every slice:
 
-    slice r:  Copy p{k} -> s{g}/p{k} (host)      for its stages k (and o{k} alike)
-              Send p{k} to slice peer(r)           the peer keeps it as c{g}/p{k}
-              Recv c{g}/p{k'} from each slice whose peer r is, Copy to host
+    slice r:  Run pack{k}: p{k}, o{k}[, st{k}] -> pk{k}   for its stages k: one array per dtype
+              Copy pk{k} -> s{g}/pk{k} (host)
+              Send pk{k} to slice peer(r)            the peer keeps it as c{g}/pk{k}
+              Recv c{g}/pk{k'} from each slice whose peer r is, Copy to host
+
+Packed (mpmd/train/packing.py), a stage's ~40 arrays are one per dtype: one compiled
+program concatenates them on the slice's devices (no data moves between devices), one
+host copy, one transfer entry and one re-placement per dtype, where each array on its own
+cost a dispatch and ~150 us of reshard.assemble on the receiver. Restoring unpacks with the
+inverse program.
 
 `peer(r) = (r + 1) % P`: a ring, so each slice holds one other slice's state and the loss
-of any one slice loses no snapshot. On CPU the own snapshot costs no copy (arrays are
-immutable and never donated: the next update makes new ones); the peer copy costs one
-transfer of the slice's state over the data plane, authenticated like activations (the
-keys are hashed with the session's secret).
+of any one slice loses no snapshot. On CPU the own snapshot costs one concatenation (the
+host copy is the packed array itself: arrays are immutable and never donated); the peer
+copy costs one transfer of the slice's state over the data plane, authenticated like
+activations (the keys are hashed with the session's secret).
 
 Two generations (g = 0, 1) alternate: a snapshot overwrites the older one, so while it runs
 (or if it fails half done, a slice lost mid-way) the newer one is intact on every slice. A
 generation is usable once its plan returned on every slice. Host memory per slice is then
-2 x (own state + the peer's state) at most: on CPU the newest own snapshot is the live
-state itself, so the extra is 1 x own + 2 x peer's.
+2 x (own state + the peer's state) at most, packed (a replicated leaf's chunks padded to
+a multiple of its replicas: a few elements).
 
 Recovery. A replaced slice has lost both its snapshots and the copies it held. Generation g
 restores iff no replaced slice's peer was replaced too: survivors bind their own snapshot,
@@ -29,14 +36,16 @@ fresh snapshot is taken at once, so the replacement holds its peer's copy again.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, NamedTuple
 
 import jax
 
-from mpmd.stages import names
+from mpmd.stages import names, sharding
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.worker.instructions import Copy, Recv, Send, Spec
+from mpmd.runtime.worker.instructions import Copy, Delete, Recv, Run, Send, Spec
+from mpmd.train import packing
 
 log = logging.getLogger("mpmd")
 
@@ -66,22 +75,29 @@ class MemorySnapshots:
     `state_specs`: per stage, {buffer: (Spec per array)} of its parameters, optimizer state
     and stage state; `placement`: stage -> slice; `launch(plan)`: sends a plan to every slice with a
     fresh run id (the Trainer's) and returns the cluster's PendingRun, whose result raises
-    WorkerLost if a slice is gone.
+    WorkerLost if a slice is gone; `meshes`: per slice, its sharding.SliceMesh (default: one
+    device each).
     """
 
     def __init__(self, cluster, placement: tuple[int, ...], state_specs: list[dict[str, tuple[Spec, ...]]],
-                 every: int, launch: Callable[[str], object]):
+                 every: int, launch: Callable[[str], object], meshes=None):
         assert every >= 1, "steps between snapshots: checked by options.Checkpointing"
         self.cluster = cluster
         self.placement = placement
         self.num_slices = max(placement) + 1
-        self.specs = {b: s for stage in state_specs for b, s in stage.items()}
+        self.meshes = list(meshes) if meshes is not None else [sharding.SliceMesh()] * self.num_slices
         self._buffers = [tuple(stage) for stage in state_specs]      # per stage, what it snapshots
+        # Per stage, how its buffers pack on its slice's mesh; the programs are the same for
+        # every stage whose state has the same specs (exported once, see _programs).
+        self.packings = [packing.packing(tuple(stage.values()), self.meshes[placement[k]])
+                         for k, stage in enumerate(state_specs)]
         self.every = every
         self._launch = launch
         self.generations: list[Generation | None] = [None, None]
         self.last_snapshot_s = 0.0      # the last snapshot plan's time on its slowest slice
         for r in range(self.num_slices):
+            cluster.load_programs(r, {names.program(kind, k): spec for k in self._stages(r)
+                                      for kind, spec in zip(("pack", "unpack"), _programs(self.packings[k]))})
             for g in (0, 1):
                 cluster.install_plan(r, snapshot_plan(g), self._snapshot_stream(r, g))
         log.info("in-memory checkpoints every %d step(s); host memory per slice at most: %s", every,
@@ -91,28 +107,39 @@ class MemorySnapshots:
         """The slice that holds slice r's copy (None with one slice: no copy)."""
         return (r + 1) % self.num_slices if self.num_slices > 1 else None
 
-    def _state(self, r: int) -> list[str]:
-        return [b for k, s in enumerate(self.placement) if s == r for b in self._buffers[k]]
+    def _stages(self, r: int) -> list[int]:
+        return [k for k, s in enumerate(self.placement) if s == r]
 
-    def _held(self, r: int) -> list[tuple[int, str]]:
-        """(source slice, buffer) of the copies slice r holds."""
-        return [(src, b) for src in range(self.num_slices) if self.peer(src) == r for b in self._state(src)]
+    def _held(self, r: int) -> list[tuple[int, int]]:
+        """(source slice, stage) of the copies slice r holds."""
+        return [(src, k) for src in range(self.num_slices) if self.peer(src) == r for k in self._stages(src)]
+
+    def _copy_specs(self, k: int, r: int) -> tuple[Spec, ...]:
+        """Stage k's packed state as slice r holds it: split over r's mesh as on its own slice
+        where r's devices divide its rows, else whole on each (meshes of other sizes)."""
+        specs = self.packings[k].packed_specs
+        if self.packings[k].mesh.size % self.meshes[r].size:
+            return tuple(s._replace(layout=()) for s in specs)
+        return specs
 
     def host_bytes(self, r: int) -> int:
         """Host memory slice r spends on this tier at most: two generations of its own state
-        and of the copy it holds (see the module docstring for CPU)."""
-        size = lambda b: wire.nbytes(self.specs[b])
-        return 2 * (sum(size(b) for b in self._state(r)) + sum(size(b) for _, b in self._held(r)))
+        and of the copy it holds, packed (see the module docstring for CPU)."""
+        size = lambda k: wire.nbytes(self.packings[k].packed_specs)
+        return 2 * (sum(size(k) for k in self._stages(r)) + sum(size(k) for _, k in self._held(r)))
 
     def _snapshot_stream(self, r: int, g: int) -> list:
         stream = []
-        for b in self._state(r):
-            stream.append(Copy(b, names.snapshot(g, b), "host"))
+        for k in self._stages(r):
+            stream += [Run(names.program("pack", k), self._buffers[k], (names.packed(k),), f"pack s{k}"),
+                       Copy(names.packed(k), names.snapshot(g, k), "host")]
             if self.peer(r) is not None:
-                stream.append(Send(b, self.peer(r), names.snapshot_key(g, b)))
-        for src, b in self._held(r):
-            copy = names.peer_copy(g, b)
-            stream += [Recv(copy, src, names.snapshot_key(g, b), self.specs[b]), Copy(copy, copy, "host")]
+                stream.append(Send(names.packed(k), self.peer(r), names.snapshot_key(g, k), self.packings[k].pieces))
+            stream.append(Delete(names.packed(k)))
+        for src, k in self._held(r):
+            copy = names.peer_copy(g, k)
+            stream += [Recv(copy, src, names.snapshot_key(g, k), self._copy_specs(k, r), self.packings[k].pieces),
+                       Copy(copy, copy, "host")]
         return stream
 
     # -- the step loop ---------------------------------------------------------------------
@@ -170,17 +197,26 @@ class MemorySnapshots:
         assert gen is not None, "restore() without a restorable generation"
         g = self._index(gen)
         for r in range(self.num_slices):
-            stream = []
-            if r in gen.missing:
-                stream += [Recv(b, self.peer(r), names.restore_key(b), self.specs[b]) for b in self._state(r)]
-            else:
-                stream += [Copy(names.snapshot(g, b), b, "device") for b in self._state(r)]
-                stream += [Send(names.peer_copy(g, b), src, names.restore_key(b))
-                           for src, b in self._held(r) if src in gen.missing]
+            stream = [Send(names.peer_copy(g, k), src, names.restore_key(k), self.packings[k].pieces)
+                      for src, k in self._held(r) if src in gen.missing]
+            for k in self._stages(r):
+                if r in gen.missing:
+                    stream.append(Recv(names.packed(k), self.peer(r), names.restore_key(k),
+                                       self.packings[k].packed_specs, self.packings[k].pieces))
+                else:
+                    stream.append(Copy(names.snapshot(g, k), names.packed(k), "device"))
+                stream += [Run(names.program("unpack", k), (names.packed(k),), self._buffers[k], f"unpack s{k}"),
+                           Delete(names.packed(k))]
             self.cluster.install_plan(r, RESTORE_PLAN, stream)
         self._launch(RESTORE_PLAN).result()
         self.snapshot(gen.step, gen.data_state)
         return gen
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(layout: packing.Packing):
+    """(pack, unpack) ProgramSpecs for a packing: exported once per distinct state layout."""
+    return packing.exported(layout)
 
 
 def state_specs(pipeline, optimizer, layout) -> list[dict[str, tuple[Spec, ...]]]:

@@ -63,6 +63,23 @@ def test_slice_and_its_peer_lost_fall_back_to_the_persistent_tier(uninterrupted,
     assert_same_run((losses, params), uninterrupted)
 
 
+def test_slice_on_a_mesh_restores_its_sharded_state_from_its_peer(multi_device_workers, tmp_path):
+    """Slices of 2 devices on fsdp=2 (model-width leaves split over the devices, the rest
+    replicated): slice 1's worker killed before batch 5 comes back from the packed copy slice 0
+    holds (one array per dtype, one row per device, mpmd/train/packing.py) and the run ends
+    bitwise equal to the uninterrupted one on the in-process runtime's same meshes."""
+    from mpmd.runtime.control.inprocess import InProcessCluster
+    from tests.support import recovery_runs
+    kw = {"checkpoint": mpmd.Checkpointing(every=50, memory_every=1), "mesh": {"fsdp": 2}}
+    with recovery_runs.make_trainer(InProcessCluster(), tmp_path / "whole", **kw) as trainer:
+        want = recovery_runs.train(trainer, recovery_runs.data())[:2]
+    losses, params, rewinds = run_with_fault(tmp_path / "killed", kill_once(5, signal.SIGKILL),
+                                             cluster=multi_device_workers(2), trainer_kw=kw)
+    recovery = run_with_fault.trainer.recovery_s
+    assert rewinds == 1 and recovery["tier"] == "memory" and recovery["replayed"] == 1, recovery
+    assert_same_run((losses, params), want)
+
+
 def test_full_save_queue_blocks_and_drops_nothing(tmp_path):
     """While the writer cannot write (the process's Orbax lock held here), two saves queue;
     a third blocks until the first is written. All three end finalized on disk."""
