@@ -162,3 +162,14 @@ def multi_device_workers(tmp_path_factory):
     for cluster in clusters.values():
         cluster.close()
     assert wait_gone(pids) == [], "workers outlived their cluster"
+
+
+# -- where the suite's time goes (tests/README.md, "Time") ------------------------------------------
+def pytest_runtest_logreport(report):
+    """With MPMD_TEST_TIMES=FILE, one line per test phase as it ends: seconds, phase, node id
+    (appended by every xdist worker; a run cut short by a timeout still leaves what it measured,
+    which --durations and --junitxml, written at the end, do not)."""
+    path = os.environ.get("MPMD_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
