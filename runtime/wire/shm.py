@@ -15,9 +15,11 @@ Pieces:
 - ShmConnection, one per slice this one receives from over shared memory: the receiving end.
 - Segments are memfds (anonymous files: nothing in /dev/shm, no name to find), 0600, sealed
   against shrinking (a peer cannot make the other's mapping fault), each passed once over
-  the authenticated socket (SCM_RIGHTS) and mapped by both ends; the fd is closed at once on
-  both sides, so a segment lives exactly as long as some mapping of it: a process's death
-  unmaps its side, and the other side unmaps on the socket's end. A segment carries one
+  the authenticated socket (SCM_RIGHTS) and mapped by both ends; the passed fd is closed at
+  once on both sides (each mapping holds one of its own: Python's mmap keeps a duplicate), so
+  a segment lives exactly as long as some mapping of it: a process's death unmaps its side,
+  and the other side unmaps on the socket's end, or, for what it received, when the last
+  array made from the segment dies (its bytes stay valid until then). A segment carries one
   transfer at a time and goes back to the sender's pool when every array the receiver made
   from it has died ("done"); the pool keeps at most FREE_POOL_BYTES idle per connection.
 

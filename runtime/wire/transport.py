@@ -323,16 +323,20 @@ class _Waiters:
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, arrays, then = item
-            if future.set_running_or_notify_cancel():         # False: cancelled while queued
-                try:
-                    if isinstance(arrays, concurrent.futures.Future):
-                        arrays = arrays.result()
-                    future.set_result(jax.block_until_ready(then(jax.block_until_ready(arrays))))
-                except BaseException as e:
-                    future.set_exception(e)
+            self._run(*item)
+            item = None          # an idle thread holds no arrays (nor shared memory) of the last receive
             with self._lock:
                 self._num_idle += 1
+
+    @staticmethod
+    def _run(future: concurrent.futures.Future, arrays, then) -> None:
+        if future.set_running_or_notify_cancel():         # False: cancelled while queued
+            try:
+                if isinstance(arrays, concurrent.futures.Future):
+                    arrays = arrays.result()
+                future.set_result(jax.block_until_ready(then(jax.block_until_ready(arrays))))
+            except BaseException as e:
+                future.set_exception(e)
 
     def close(self) -> None:
         with self._lock:

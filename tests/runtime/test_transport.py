@@ -47,7 +47,12 @@ pending, kept = {}, []
 def segments():      # the shared-memory segments this process maps, and the memfds it holds open
     with open("/proc/self/maps") as f:
         maps = sorted({line.split()[5].removeprefix("/memfd:") for line in f if "memfd:mpmd-shm" in line})
-    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:       # the listing's own
+            pass
     return {"maps": maps, "fds": [l for l in fds if "memfd:" in l]}
 
 def reply(**kw):
@@ -82,6 +87,7 @@ for line in sys.stdin:
             if req.get("keep"):
                 kept.append(arrays)
             reply(digest=digest(arrays), on_device=all(a.devices() == {device} for a in arrays))
+            arrays = a = None      # only `kept` holds what arrived
     elif op == "segments":
         if req.get("drop"):
             kept.clear()
@@ -94,9 +100,11 @@ for line in sys.stdin:
         transport.close()
         kept.clear()
         gc.collect()
+        from mpmd.runtime.wire.shm import endpoint
+        own = "@" + endpoint(b"test-transfer-secret", transport.address)[1:].decode()
         with open("/proc/net/unix") as f:
-            endpoints = sum(("@mpmd-shm-" in line) for line in f)
-        reply(endpoints=endpoints, **segments())
+            listening = any(line.split()[-1] == own for line in f if len(line.split()) == 8)
+        reply(listening=listening, **segments())
         break
 """
 
