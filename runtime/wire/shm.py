@@ -215,10 +215,13 @@ class ShmServer:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             server_nonce = secrets.token_bytes(16)
             _send(sock, ["hello", server_nonce.hex()])
-            (kind, peer, client_nonce, mac), _ = _recv(sock)
+            auth, _ = _recv(sock)
+            if not (isinstance(auth, list) and len(auth) == 4 and auth[0] == "auth" and isinstance(auth[1], int)
+                    and all(isinstance(x, str) for x in auth[2:])):
+                raise PermissionError("its first message was not a handshake")
+            _, peer, client_nonce, mac = auth
             client_nonce = bytes.fromhex(client_nonce)
-            if kind != "auth" or not isinstance(peer, int) or not hmac.compare_digest(
-                    mac, _mac(self._secret, b"client", server_nonce, client_nonce, self.address, peer)):
+            if not hmac.compare_digest(mac, _mac(self._secret, b"client", server_nonce, client_nonce, self.address, peer)):
                 raise PermissionError("it does not hold the session secret")
             sock.settimeout(None)
             served = _Served(self, sock, peer)
