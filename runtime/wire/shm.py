@@ -312,7 +312,7 @@ class _Served:
                     self._forget_segments(self.pool.give_back(int(message[1])))
                 elif message[0] == "cancel":
                     self.server._forget(self)
-        except (OSError, ValueError, TypeError, IndexError):
+        except (OSError, ValueError, TypeError, IndexError, KeyError):    # a malformed message ends it
             pass
         self.close()
 
@@ -335,6 +335,7 @@ class _Served:
     def _copy_loop(self) -> None:
         while (item := self._work.get()) is not None:
             req, arrays = item
+            seg = None
             try:
                 host = [np.asarray(a) for a in jax.block_until_ready(arrays)]
                 offsets, end = [], 0
@@ -353,8 +354,11 @@ class _Served:
                     seg.fd = None
             except OSError:
                 break                    # the receiver is gone: read() closes
-            except Exception as e:       # an array that failed to compute, a full /dev/shm
+            except Exception as e:       # an array that failed to compute, no memory for a segment
+                if seg is not None:
+                    self._forget_segments(self.pool.give_back(seg.id))
                 self.fail(req, f"slice {self.server.slice_index} could not send: {type(e).__name__}: {e}")
+            item = arrays = None         # an idle copy thread holds no arrays
         self.pool.close()
 
     def close(self) -> None:
@@ -464,7 +468,7 @@ class ShmConnection:
                     mm = self._segments.pop(int(message[1]), None)
                     if mm is not None:
                         _unmap(mm)
-        except (OSError, ValueError, TypeError, IndexError):
+        except (OSError, ValueError, TypeError, IndexError, KeyError):    # a malformed message ends it
             pass
         self.close()
 
