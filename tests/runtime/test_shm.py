@@ -2,12 +2,18 @@
 which path, what is left mapped after close() and after a SIGKILL of either side, and what
 a refused `shm` says. The transfers themselves are tested over both paths in test_transport.py;
 training over shm against socket, and a stranger without the secret, with real workers in
-test_multiprocess.py and test_security.py."""
+test_multiprocess.py and test_security.py; a SIGKILL of a real worker at the end here."""
+import os
+import signal
 import time
 
+import optax
 import pytest
 
+import mpmd
+from mpmd import models
 from tests.runtime.test_transport import start_pair
+from tests.support.reference import batches, make_gpt
 
 pytestmark = pytest.mark.slow      # real worker processes (tests/README.md)
 
@@ -96,3 +102,40 @@ def test_sigkill_of_either_side_frees_the_survivors_segments(victim):
     finally:
         for w in workers:
             w.kill()
+
+
+def _mapped(pid: int) -> dict:
+    """What process `pid` holds of shared memory: segments mapped, memfds open."""
+    with open(f"/proc/{pid}/maps") as f:
+        maps = sorted({line.split()[5] for line in f if "memfd:mpmd-shm" in line})
+    fds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return {"maps": maps, "fds": [l for l in fds if "memfd:" in l]}
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_sigkilled_workers_peer_keeps_no_shared_memory(workers, tmp_path, victim):
+    """Real workers (gRPC, the executor): after a step over shared memory, SIGKILL either one;
+    the survivor, whose only peer it was, unmaps every segment and holds no memfd, and
+    nothing was ever put in /dev/shm."""
+    cluster = workers
+    make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
+    trainer = mpmd.Trainer(make(), optax.sgd(0.05, momentum=0.9), "1f1b", num_microbatches=4,
+                           cluster=cluster, run_dir=tmp_path)
+    try:
+        x, y = batches()[0]
+        trainer.step(x, y)
+        survivor = cluster.pids[1 - victim]
+        assert _mapped(survivor)["maps"], "the step did not go through shared memory"
+        os.kill(cluster.pids[victim], signal.SIGKILL)
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while _mapped(survivor)["maps"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _mapped(survivor) == {"maps": [], "fds": []}
+        assert not [n for n in os.listdir("/dev/shm") if "mpmd" in n]
+    finally:
+        trainer.close(close_cluster=False)
