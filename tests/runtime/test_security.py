@@ -271,6 +271,10 @@ def test_setup_needs_a_session_secret_and_never_echoes_it(rooted_worker):
             cluster.clients[0].call("Setup", setup if secret is None else {**setup, "transfer_secret": secret})
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'transfer_secret' must be" in str(e.value)
         assert secret is None or str(secret) not in str(e.value)
+    with pytest.raises(WorkerError) as e:      # a data plane it does not have: refused before anything is touched
+        cluster.clients[0].call("Setup", {**setup, "transfer_secret": "ab" * 16, "transport": "rdma"})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "transport must be one of auto, socket, shm" in str(e.value) and "'rdma'" in str(e.value)
     cluster.get(0, ["w"])            # the session it was set up with is untouched
 
 
