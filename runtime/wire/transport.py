@@ -1,4 +1,9 @@
-"""Slice-to-slice data plane over `jax.experimental.transfer`.
+"""Slice-to-slice data plane: `jax.experimental.transfer` between hosts, shared memory on one.
+
+The path is chosen per pair of slices (TransferTransport's `transport`: auto | socket | shm).
+Workers on one host move a pair's transfers through shared memory (runtime/wire/shm.py, the
+same offer/pull API, keyed ids, authenticated connections); everything else, and everything
+below, is the socket path. Callers (the executor) never see which one a transfer took.
 
 Each worker process runs one TransferServer. A send registers its arrays under an id
 (`await_pull`) and returns; the receiver pulls that id from the sender's server. Both sides
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import math
 import queue
 import threading
@@ -51,6 +57,8 @@ from mpmd.runtime.compat import transfer
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import shm
 from mpmd.runtime.wire.verbs import check_transport
+
+log = logging.getLogger("mpmd.worker")
 
 # Payloads move in chunks of CHUNK_BYTES over NUM_BULK_SOCKETS sockets per connection, so
 # copying in and out of the staging buffers overlaps the wire. The API's default chunk
@@ -187,6 +195,9 @@ class TransferTransport:
                                     "its worker has no shared-memory endpoint on this host (another host?)")
                                  + "; use transport auto or socket")
             self._connections[index] = [self._server.connect(a) for a in listed]
+            if index != self.slice_index:
+                log.info("slice %d receives from slice %d through %s", self.slice_index, index,
+                         "shared memory" if index in self._shm_connections else "sockets")
 
     def path(self, peer: int) -> str:
         """"shm" or "socket": how transfers from `peer` come to this slice (after connect_peers)."""
