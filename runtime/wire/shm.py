@@ -208,6 +208,7 @@ class ShmServer:
 
     def _admit(self, sock: socket.socket) -> None:
         """Handshake (module docstring), then this connection's messages until it ends."""
+        served = None
         try:
             pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid != os.getuid():
@@ -232,6 +233,8 @@ class ShmServer:
             _send(sock, ["ok", _mac(self._secret, b"server", server_nonce, client_nonce, self.address, peer)])
         except (OSError, ValueError, TypeError, PermissionError) as e:
             log.warning("slice %d refused a shared-memory connection: %s", self.slice_index, e)
+            if served is not None:       # registered, but the receiver never heard: not a peer
+                served.close()
             sock.close()
             return
         served.read()
