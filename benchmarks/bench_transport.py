@@ -1,15 +1,18 @@
-"""TransferTransport latency and bandwidth between two worker processes, beside memcpy.
+"""TransferTransport latency and bandwidth between two worker processes, by path, beside memcpy.
 
-    .venv/bin/python benchmarks/bench_transport.py
+    .venv/bin/python benchmarks/bench_transport.py [--paths socket,shm]
 
-Two worker processes (each pinned to its own core, XLA single-threaded) play ping-pong with
-the transport: slice 0 sends a float32 payload, slice 1 receives it and sends it back. The
-one-way time is half a round trip, so it includes send, pull, the wire (loopback TCP) and
-the receiver seeing the array ready. The numpy memcpy bandwidth is measured in this same run
-on this machine, and so is raw loopback TCP between two processes pinned the same way (the
-wire's ceiling: the transport cannot beat it); bandwidth = payload bytes / one-way time.
-Goals: >= 0.3x memcpy at 64 MB, <= 1 ms one-way at 1 MB.
+For each path (runtime/wire/transport.py: "socket" = jax.experimental.transfer over loopback
+TCP, "shm" = shared memory, runtime/wire/shm.py) two worker processes (each pinned to its own
+core, XLA single-threaded) play ping-pong with the transport: slice 0 sends a float32
+payload, slice 1 receives it and sends it back. The one-way time is half a round trip, so it
+includes send, pull, the wire and the receiver seeing the array ready. The numpy memcpy
+bandwidth (into a warm destination) is measured in this same run on this machine, and so is
+raw loopback TCP between two processes pinned the same way (the socket path's ceiling);
+bandwidth = payload bytes / one-way time.
+Goals: socket >= 0.3x memcpy at 64 MB, <= 1 ms one-way at 1 MB; shm >= 0.5x memcpy at 64 MB.
 """
+import argparse
 import json
 import os
 import socket
@@ -22,12 +25,13 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES_MB = (1, 64)
+SIZES_MB = (1, 16, 64)
 NUM_WARMUP = 3
-NUM_RUNS = {1: 50, 64: 10}
+NUM_RUNS = {1: 50, 16: 20, 64: 10}
+PATHS = ("socket", "shm")
 
 
-def worker(slice_index: int) -> None:
+def worker(slice_index: int, path: str) -> None:
     import jax
     from mpmd.runtime.worker.instructions import Spec
     from mpmd.runtime.worker.mesh import bind
@@ -35,9 +39,11 @@ def worker(slice_index: int) -> None:
 
     peer = 1 - slice_index
     device = jax.devices()[0]
-    transport = TransferTransport(slice_index, bind((1, 1, 1), [device]), secret=b"bench-transfer-secret")
+    transport = TransferTransport(slice_index, bind((1, 1, 1), [device]), secret=b"bench-transfer-secret",
+                                  transport=path)
     print(json.dumps({"address": transport.address}), flush=True)
     transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
+    assert transport.path(peer) == path, (transport.path(peer), path)
     results = {}
     for size_mb in SIZES_MB:
         spec = (Spec((size_mb * 2**20 // 4,), "float32"),)
@@ -101,7 +107,8 @@ def tcp_one_way_s(size_mb: int, num_runs: int = 8) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def one_way_by_size(path: str) -> dict[int, float]:
+    """{payload MB: median one-way seconds} of a worker pair on `path`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
     procs = []
@@ -109,7 +116,7 @@ def main() -> None:
         for i in range(2):
             cpu = i % os.cpu_count()
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(i)], env=env, text=True,
+                [sys.executable, __file__, "--worker", str(i), path], env=env, text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, {cpu})))
         addresses = [p.stdout.readline() for p in procs]
@@ -127,21 +134,31 @@ def main() -> None:
             if p.poll() is None:
                 p.kill()                                        # by pid
                 p.wait()
+    return one_way_s
 
-    print(f"{'payload':>8} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: " + ", ".join(PATHS))
+    paths = parser.parse_args().paths.split(",")
+    if not paths or any(p not in PATHS for p in paths):
+        parser.error(f"--paths takes {', '.join(PATHS)}, got {','.join(paths)}")
+    one_way_s = {path: one_way_by_size(path) for path in paths}
+    print(f"{'payload':>8} {'path':>7} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
           f"{'x memcpy':>9} {'raw TCP GB/s':>13} {'x TCP':>6}")
     for size_mb in SIZES_MB:
         num_bytes = size_mb * 2**20
-        transfer_bps = num_bytes / one_way_s[size_mb]
         memcpy_bps = num_bytes / memcpy_s(size_mb)
         tcp_bps = num_bytes / tcp_one_way_s(size_mb)
-        print(f"{size_mb:>6}MB {one_way_s[size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
-              f"{memcpy_bps / 1e9:>12.2f} {transfer_bps / memcpy_bps:>9.2f} "
-              f"{tcp_bps / 1e9:>13.2f} {transfer_bps / tcp_bps:>6.2f}")
+        for path in paths:
+            transfer_bps = num_bytes / one_way_s[path][size_mb]
+            print(f"{size_mb:>6}MB {path:>7} {one_way_s[path][size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
+                  f"{memcpy_bps / 1e9:>12.2f} {transfer_bps / memcpy_bps:>9.2f} "
+                  f"{tcp_bps / 1e9:>13.2f} {transfer_bps / tcp_bps:>6.2f}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(int(sys.argv[2]))
+        worker(int(sys.argv[2]), sys.argv[3])
     else:
         main()

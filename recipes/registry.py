@@ -69,7 +69,7 @@ class BackendSpec:
     name: cluster.backend's value. section: the pydantic section of cluster.* keys it takes
     (a recipes.config.ClusterSection whose `backend` is Literal[name]). build(cfg, timeouts)
     -> its Cluster (workers start when the Trainer starts it); `timeouts` holds
-    step_timeout_s and, where given, failure_timeout_s. worker_processes: its slices are
+    step_timeout_s and, where given, failure_timeout_s and transport (cluster.transport). worker_processes: its slices are
     worker processes (what `mpmd tune` measures on); gangs: it can make a slice of several
     processes (cluster.processes_per_slice > 1); in_process_devices: its slices take this process's devices (the command line
     makes them before JAX starts). problems(cfg) -> sentences naming what is wrong across

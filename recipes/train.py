@@ -156,6 +156,8 @@ def build_cluster(cfg: Config):
         failure_timeout_s = getattr(c, "failure_timeout_s", None)
         timeouts = dict(step_timeout_s=c.step_timeout_s, **(
             {"failure_timeout_s": failure_timeout_s} if failure_timeout_s is not None else {}))
+        if hasattr(c, "transport"):      # the backends whose slices are worker processes
+            timeouts["transport"] = c.transport
         return registry.get_backend_spec(c.backend).build(cfg, timeouts)
 
 

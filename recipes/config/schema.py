@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validat
 
 from mpmd.recipes import registry
 from mpmd.recipes.config import problems
+from mpmd.runtime.wire.verbs import TRANSPORTS
 from mpmd.stages.mesh_axes import AXES
 from mpmd.schedules import core as schedules
 
@@ -197,6 +198,18 @@ class WorkerSection(ClusterSection):
     failure_timeout_s: float | None = Field(
         None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
                                 "and replaced; null = the cluster's default (5 s)")
+    transport: Literal[TRANSPORTS] = Field(
+        "auto", description="the data plane between slices: auto = shared memory between workers on one host, "
+                            "sockets (jax.experimental.transfer) between hosts; socket = sockets always; shm = "
+                            "shared memory always (not with gangs; a start with workers on two hosts fails)")
+
+    @model_validator(mode="after")
+    def _shm_without_gangs(self):
+        if self.transport == "shm" and self.processes_per_slice > 1:
+            raise ValueError(f"cluster.transport=shm cannot serve slices that are gangs (cluster.processes_per_slice="
+                             f"{self.processes_per_slice}): a gang's pieces travel between its processes' hosts "
+                             f"over sockets; use auto (shared memory wherever it can) or socket")
+        return self
 
 
 

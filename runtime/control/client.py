@@ -37,6 +37,7 @@ from mpmd.runtime.worker import mesh
 from mpmd.runtime.worker import streams
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
+from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, receive, send  # noqa: F401
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
@@ -70,11 +71,16 @@ class ControlPlane(RunDispatch):
         worker's gRPC address.
     step_timeout_s: a step in which no slice advances for this long is aborted (watchdog);
         None: max(60 s, 20 x the median time of the recent steps), 300 s before any completed.
+    transport: the data plane between slices (runtime/wire/transport.py): "auto" = shared
+        memory between workers on one host, jax.experimental.transfer's sockets between hosts;
+        "socket" = sockets always; "shm" = shared memory always (a pair that cannot, a gang or
+        workers on two hosts, fails the start with a ValueError). Settable: it applies from
+        the next start.
     """
 
     def __init__(self, launcher: Launcher, token: str, *, connect_timeout_s: float = 10.0,
                  failure_timeout_s: float = 5.0, transfer_host: str | None = None,
-                 step_timeout_s: float | None = None):
+                 step_timeout_s: float | None = None, transport: str = "auto"):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
         self._watch = RunWatch(self, step_timeout_s)     # waits for runs, aborts them
@@ -83,6 +89,7 @@ class ControlPlane(RunDispatch):
         self._connect_timeout_s = connect_timeout_s
         self.failure_timeout_s = failure_timeout_s
         self._transfer_host = transfer_host
+        self.transport = transport
         self.rpc_counts: collections.Counter = collections.Counter()
         self.clients: list[WorkerClient] = []      # one per slice
         self._slots: list[int] = []                # per slice: the launcher's slot its worker is in
@@ -96,6 +103,14 @@ class ControlPlane(RunDispatch):
         self._in_flight = InFlight()               # runs launched, not yet collected
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+
+    @property
+    def transport(self) -> str:
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: str) -> None:
+        self._transport = check_transport(value)
 
     @property
     def addresses(self) -> list[str]:
@@ -201,7 +216,7 @@ class ControlPlane(RunDispatch):
         for m in members:
             host = self._transfer_host or m.address.rpartition(":")[0].strip("[]")
             setup = verbs.Setup(i, host, self._transfer_secret, self._meshes[i] if self._meshes is not None else None,
-                                versions=compat.versions())
+                                versions=compat.versions(), transport=self._transport)
             futs.append((m, send(m, setup)))
         try:
             addresses = [receive(m, "Setup", f)[0].transfer_address for m, f in futs]

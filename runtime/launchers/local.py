@@ -267,6 +267,8 @@ class LocalCluster(ControlPlane):
         k x devices_per_worker devices (runtime/worker/gang.py); a lost process is a lost slice, and
         its whole gang is replaced.
     start_timeout_s: how long a worker, or every process of a gang, may take to get ready.
+    transport: the data plane between slices, auto | socket | shm (see ControlPlane); auto
+        moves every transfer through shared memory here, except a gang's.
     max_workers: the most worker processes started over the cluster's life, replacements
         included (None: no limit). Once spent, a lost worker is not replaced (replace raises
         ReplaceUnsupported): a run then shrinks or stops (Trainer on_loss). Raising
@@ -279,7 +281,8 @@ class LocalCluster(ControlPlane):
                  failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
                  step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
                  gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None,
-                 processes_per_slice: int = 1, start_timeout_s: float = START_TIMEOUT_S):
+                 processes_per_slice: int = 1, start_timeout_s: float = START_TIMEOUT_S,
+                 transport: str = "auto"):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
@@ -290,7 +293,8 @@ class LocalCluster(ControlPlane):
                                  compilation_cache_dir=cache, log_dir=log_dir, root=root, gpus=gpus,
                                  log_level=log_level, max_workers=max_workers,
                                  processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s)
-        super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
+        super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s,
+                         transport=transport)
 
     @property
     def pids(self) -> list[int]:

@@ -492,7 +492,8 @@ class RayCluster(ControlPlane):
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
                  root: str | None = None, gpus: bool = False, processes_per_slice: int = 1,
-                 start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None, log_level: str = "warning"):
+                 start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None, log_level: str = "warning",
+                 transport: str = "auto"):
         token = new_token()
         launcher = RayLauncher(token, num_workers=num_workers, resources_per_worker=resources_per_worker,
                                address=address, devices_per_worker=devices_per_worker,
@@ -500,7 +501,7 @@ class RayCluster(ControlPlane):
                                gpus=gpus, processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s,
                                connect_timeout_s=connect_timeout_s, log_dir=log_dir, log_level=log_level)
         super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
-                         step_timeout_s=step_timeout_s)
+                         step_timeout_s=step_timeout_s, transport=transport)
 
     @property
     def actors(self) -> list:

@@ -185,7 +185,7 @@ class SharedCluster(ControlPlane):
 
     def __init__(self, address: str | None = None, submit_token: str | None = None, *, cluster_file: str | None = None,
                  name: str = "job", share: bool = False, lease_s: float | None = None, on_wait=None,
-                 failure_timeout_s: float = 5.0, step_timeout_s: float | None = None):
+                 failure_timeout_s: float = 5.0, step_timeout_s: float | None = None, transport: str = "auto"):
         if cluster_file is not None:
             if address is not None or submit_token is not None:
                 raise ValueError("give cluster_file, or address and submit_token, not both")
@@ -196,7 +196,8 @@ class SharedCluster(ControlPlane):
         launcher = SharedLauncher(address, submit_token, name=name, share=share, lease_s=lease_s, on_wait=on_wait,
                                   cluster_file=cluster_file and os.path.abspath(cluster_file))
         # The token is the job's credential, known once the manager accepted the job.
-        super().__init__(launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s)
+        super().__init__(launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s,
+                         transport=transport)
 
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         if meshes is not None:     # the manager refuses slices its workers' devices cannot hold

@@ -52,7 +52,8 @@ class StaticCluster(ControlPlane):
     def __init__(self, addresses, *, token_file: str | None = None, token: str | None = None,
                  connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
                  transfer_host: str | None = None, step_timeout_s: float | None = None,
-                 allow_insecure_token_file: bool = False, processes_per_slice: int | None = None):
+                 allow_insecure_token_file: bool = False, processes_per_slice: int | None = None,
+                 transport: str = "auto"):
         addresses = group_addresses(addresses, processes_per_slice)
         if token is None:
             if token_file is None:
@@ -60,4 +61,5 @@ class StaticCluster(ControlPlane):
             token = read_token_file(token_file, allow_insecure_token_file, "token_file",
                                     "allow_insecure_token_file=True")
         super().__init__(StaticLauncher(addresses), token, connect_timeout_s=connect_timeout_s,
-                         failure_timeout_s=failure_timeout_s, transfer_host=transfer_host, step_timeout_s=step_timeout_s)
+                         failure_timeout_s=failure_timeout_s, transfer_host=transfer_host, step_timeout_s=step_timeout_s,
+                         transport=transport)

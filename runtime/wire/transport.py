@@ -1,4 +1,9 @@
-"""Slice-to-slice data plane over `jax.experimental.transfer`.
+"""Slice-to-slice data plane: `jax.experimental.transfer` between hosts, shared memory on one.
+
+The path is chosen per pair of slices (TransferTransport's `transport`: auto | socket | shm).
+Workers on one host move a pair's transfers through shared memory (runtime/wire/shm.py, the
+same offer/pull API, keyed ids, authenticated connections); everything else, and everything
+below, is the socket path. Callers (the executor) never see which one a transfer took.
 
 Each worker process runs one TransferServer. A send registers its arrays under an id
 (`await_pull`) and returns; the receiver pulls that id from the sender's server. Both sides
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import math
 import queue
 import threading
@@ -49,6 +55,10 @@ import jax.numpy as jnp
 from mpmd.runtime import compat
 from mpmd.runtime.compat import transfer
 from mpmd.runtime.wire import reshard
+from mpmd.runtime.wire import shm
+from mpmd.runtime.wire.verbs import check_transport
+
+log = logging.getLogger("mpmd.worker")
 
 # Payloads move in chunks of CHUNK_BYTES over NUM_BULK_SOCKETS sockets per connection, so
 # copying in and out of the staging buffers overlaps the wire. The API's default chunk
@@ -124,29 +134,74 @@ def _host_port(host: str) -> str:
 class TransferTransport:
     """One slice's end of the data plane. Make one per worker process (one server per process;
     `slice_index` names this end in errors). `secret`: the session's data-plane secret (16 to
-    64 bytes), the same on every slice of the session; it keys every transfer id."""
+    64 bytes), the same on every slice of the session; it keys every transfer id.
+
+    `transport` picks the path per pair of slices: "auto" moves a pair's transfers through
+    shared memory (runtime/wire/shm.py) when the peer's worker has an endpoint on this host,
+    else through jax.experimental.transfer's sockets; "socket" always the latter; "shm" always
+    the former, and connecting to a peer on another host (or a gang, whose pieces travel
+    between processes one by one) is a ValueError. The receiver finds out, at connect_peers,
+    and the sender learns it from the receiver's authenticated connection, so both ends agree
+    before the first transfer."""
 
     def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, listen_host: str = "127.0.0.1", *,
-                 secret: bytes):
+                 secret: bytes, transport: str = "auto"):
         self._secret = check_secret(secret)
+        self.mode = check_transport(transport)
         self.slice_index = slice_index
         self._mesh = mesh
+        if self.mode == "shm" and jax.process_count() > 1:
+            raise ValueError(f"transport 'shm' cannot serve slice {slice_index}: it is a gang of "
+                             f"{jax.process_count()} processes (one per host); use auto or socket")
         # The listening socket and the bulk-data sockets bind to listen_host only (the
         # default bulk address is 0.0.0.0); workers listen on loopback unless told otherwise.
         self._server = transfer.start_transfer_server(
             mesh.devices.flat[0].client, _host_port(listen_host), [_host_port(listen_host)] * NUM_BULK_SOCKETS,
             transfer_size=CHUNK_BYTES)
         self.address: str = self._server.address()
+        self._shm = None                 # shm.ShmServer: serves the same-host slices that pull from this one
+        if self.mode != "socket" and jax.process_count() == 1:
+            try:
+                self._shm = shm.ShmServer(self._secret, self.address, slice_index)
+            except OSError as e:         # no Unix sockets here: auto does without
+                if self.mode == "shm":
+                    raise ValueError(f"transport 'shm': slice {slice_index} cannot open its shared-memory "
+                                     f"endpoint ({e}); use auto or socket") from None
         self._connections: dict[int, list[transfer.TransferConnection]] = {}   # one per process of the peer
+        self._shm_connections: dict[int, shm.ShmConnection] = {}             # peers reached through shm
         self._waiters = _Waiters(f"mpmd-recv-s{slice_index}")
 
     def connect_peers(self, addresses: dict[int, str | list[str]]) -> None:
         """Connect to the slices this one receives from (slice index -> `address`, or one
-        per process for a gang). Connecting is lazy and retried by the API, so peers may still
-        be starting."""
+        per process for a gang). Socket connections are lazy and retried by the API, so peers
+        may still be starting; a shared-memory connection is made now (the peer's Setup
+        has returned: its endpoint is up)."""
         for index, address in addresses.items():
             listed = [address] if isinstance(address, str) else list(address)
+            old = self._shm_connections.pop(index, None)
+            if old is not None and not old.closed and listed == [old.address]:
+                self._shm_connections[index] = old      # the same worker: keep its connection
+            elif old is not None:
+                old.close()
+            if index == self.slice_index:
+                pass                     # a slice never sends to itself
+            elif index not in self._shm_connections and self._shm is not None and len(listed) == 1:
+                found = shm.ShmConnection.connect(self._secret, listed[0], index, self.slice_index)
+                if found is not None:
+                    self._shm_connections[index] = found
+            if self.mode == "shm" and index != self.slice_index and index not in self._shm_connections:
+                raise ValueError(f"transport 'shm' cannot reach slice {index} at {address}: "
+                                 + ("it is a gang of processes" if len(listed) > 1 else
+                                    "its worker has no shared-memory endpoint on this host (another host?)")
+                                 + "; use transport auto or socket")
             self._connections[index] = [self._server.connect(a) for a in listed]
+            if index != self.slice_index:
+                log.info("slice %d receives from slice %d through %s", self.slice_index, index,
+                         "shared memory" if index in self._shm_connections else "sockets")
+
+    def path(self, peer: int) -> str:
+        """"shm" or "socket": how transfers from `peer` come to this slice (after connect_peers)."""
+        return "shm" if peer in self._shm_connections else "socket"
 
     def _gang(self, peer: int) -> bool:
         """Whether a transfer with `peer` involves a gang on either end: then pieces travel
@@ -158,6 +213,11 @@ class TransferTransport:
         # The receiver pulls by key. Arrays still being computed are fine; the server serves
         # them once they are ready.
         counts = _counts(pieces, len(arrays))
+        if self._shm is not None and self._shm.serves(dst_slice):
+            offered = [p for a, n in zip(arrays, counts) if a.size for p in reshard.cut(a, n)]
+            if offered:
+                self._shm.await_pull(key_to_uuid(key, self._secret), offered)
+            return
         if self._gang(dst_slice):
             for j, (a, n) in enumerate(zip(arrays, counts)):
                 if a.size:
@@ -169,7 +229,7 @@ class TransferTransport:
             self._server.await_pull(key_to_uuid(key, self._secret), offered)
 
     def recv(self, key: str, src_slice: int, specs: tuple, pieces: tuple[int, ...] = ()) -> concurrent.futures.Future:
-        if src_slice not in self._connections:
+        if src_slice not in self._connections and src_slice not in self._shm_connections:
             raise ValueError(f"slice {self.slice_index} cannot receive {key!r} from slice "
                              f"{src_slice}: not connected; connected: {sorted(self._connections)}")
         counts = _counts(pieces, len(specs))
@@ -183,7 +243,11 @@ class TransferTransport:
                            for d in reshard.landing(s.shape, s.layout, self._mesh, n)]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
-        pulled = self._connections[src_slice][0].pull(key_to_uuid(key, self._secret), wanted) if wanted else []
+        uuid = key_to_uuid(key, self._secret)
+        if src_slice in self._shm_connections:      # a Future of the arrays
+            pulled = self._shm_connections[src_slice].pull(uuid, wanted) if wanted else ()
+        else:                                       # arrays that become ready as the bytes land
+            pulled = tuple(self._connections[src_slice][0].pull(uuid, wanted)) if wanted else ()
         mesh = self._mesh
 
         def assemble(landed) -> tuple:
@@ -193,7 +257,7 @@ class TransferTransport:
             return tuple(reshard.assemble([next(landed) for _ in range(n)], s.shape, s.layout, mesh) if math.prod(s.shape)
                          else jax.device_put(jnp.zeros(s.shape, s.dtype), _sharding(mesh, s.layout))
                          for s, n in zip(specs, counts))
-        return self._waiters.submit(tuple(pulled), assemble)
+        return self._waiters.submit(pulled, assemble)
 
     def _recv_gang(self, key: str, src_slice: int, specs: tuple, counts: tuple[int, ...]) -> concurrent.futures.Future:
         """Pull the pieces that land on this process, each from the process of the sending
@@ -220,6 +284,10 @@ class TransferTransport:
         leftover send or pull of the aborted attempt would otherwise pair with the replay's."""
         if self._server is not None:     # closed: nothing left to reset
             compat.reset_transfers(self._server)
+            if self._shm is not None:
+                self._shm.reset()
+            for connection in self._shm_connections.values():
+                connection.cancel()
 
     def close(self) -> None:
         """Idempotent: a session's Setup and its close may both close the old transport."""
@@ -228,6 +296,11 @@ class TransferTransport:
         self.reset()
         self._waiters.close()
         self._connections.clear()
+        if self._shm is not None:        # its endpoint, and every segment it lent, go now
+            self._shm.close()
+        for connection in self._shm_connections.values():
+            connection.close()
+        self._shm_connections.clear()
         self._server = None
 
 
@@ -245,8 +318,9 @@ class _Waiters:
         self._num_threads = 0
         self._num_idle = 0
 
-    def submit(self, arrays: tuple[jax.Array, ...], then=lambda ready: ready) -> concurrent.futures.Future:
-        """A future of `then(arrays)` once `arrays` are ready (and of what `then` makes, ready)."""
+    def submit(self, arrays, then=lambda ready: ready) -> concurrent.futures.Future:
+        """A future of `then(arrays)` once `arrays` (a tuple of arrays, or a Future of a list
+        of them) are ready (and of what `then` makes, ready)."""
         future = concurrent.futures.Future()
         with self._lock:
             if self._num_idle:
@@ -260,14 +334,20 @@ class _Waiters:
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, arrays, then = item
-            if future.set_running_or_notify_cancel():         # False: cancelled while queued
-                try:
-                    future.set_result(jax.block_until_ready(then(jax.block_until_ready(arrays))))
-                except BaseException as e:
-                    future.set_exception(e)
+            self._run(*item)
+            item = None          # an idle thread holds no arrays (nor shared memory) of the last receive
             with self._lock:
                 self._num_idle += 1
+
+    @staticmethod
+    def _run(future: concurrent.futures.Future, arrays, then) -> None:
+        if future.set_running_or_notify_cancel():         # False: cancelled while queued
+            try:
+                if isinstance(arrays, concurrent.futures.Future):
+                    arrays = arrays.result()
+                future.set_result(jax.block_until_ready(then(jax.block_until_ready(arrays))))
+            except BaseException as e:
+                future.set_exception(e)
 
     def close(self) -> None:
         with self._lock:

@@ -59,6 +59,22 @@ class Setup:
     # refuses the Setup (FAILED_PRECONDITION). mpmd's controller always sends them; a bare
     # client that leaves them out is not checked.
     versions: dict | None = None
+    # The data plane between this slice and each peer: auto | socket | shm
+    # (runtime/wire/transport.py TransferTransport); absent: auto.
+    transport: str | None = None
+
+
+# The data planes a Setup may ask for (runtime/wire/transport.py TransferTransport): here, with
+# the wire's vocabulary, so the config schema checks cluster.transport without importing JAX.
+TRANSPORTS = ("auto", "socket", "shm")
+
+
+def check_transport(transport) -> str:
+    """`transport` if it names a data plane (cluster.transport); ValueError naming those allowed."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)} (auto: shared memory between "
+                         f"workers on one host, sockets between hosts), got {transport!r:.50}")
+    return transport
 
 
 @dataclass(frozen=True)

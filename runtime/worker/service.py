@@ -5,6 +5,7 @@ the table in runtime/wire/verbs.py, each verb's request and reply a typed record
 there before a handler here runs. What they do:
   Hello        the worker's pid, devices, platform, whether it is shared
   Setup        a fresh executor and transfer server for slice `slice_index` -> its transfer address
+               (and, unless `transport` is socket, its shared-memory endpoint: runtime/wire/shm.py)
   Connect      the transfer address of every slice
   LoadPrograms deserialize and compile programs; InstallPlan: one instruction stream, as
                instructions or a PackedStream's bytes (runtime/worker/streams.py: rows of
@@ -155,11 +156,13 @@ class WorkerService:
             secret = check_secret(bytes.fromhex(r.transfer_secret))
         except ValueError:
             raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
+        mode = verbs.check_transport(r.transport or "auto")
         shape = mesh.shape_of(r.mesh or {"data": len(jax.devices())})
         slice_mesh = mesh.bind(shape, jax.devices())
         if s.transport is not None:     # its port and table go before the new server starts
             s.transport.close()
-        transport = TransferTransport(r.slice_index, slice_mesh, listen_host=r.transfer_host, secret=secret)
+        transport = TransferTransport(r.slice_index, slice_mesh, listen_host=r.transfer_host, secret=secret,
+                                      transport=mode)
         agreement = None
         if jax.process_count() > 1:     # a gang (runtime/worker/gang.py): one namespace per session and slice
             from mpmd.runtime.worker.gang import Agreement

@@ -7,8 +7,9 @@ only with that job's credential (runtime/wire/credentials.py). Everything a job 
 in its session, so no name of one job can reach another's state:
 - its executor: buffers, programs (looked up in the worker's shared compile cache), plans,
   staged restores, run ids and the abort mark (an Abort stops only this job's runs);
-- its transfer server, keyed by the job's own transfer secret (Setup): transfer ids of two
-  jobs never meet, and an Abort resets only this job's transfers;
+- its transfer server and shared-memory endpoint, keyed by the job's own transfer secret
+  (Setup): transfer ids and endpoints of two jobs never meet, an Abort resets only this
+  job's transfers, and closing the session unmaps every segment it lent;
 - its root: Save and Restore directories must lie below it.
 A session not called by its job for `lease_s` is closed by the worker (the job heartbeats
 every ~0.5 s); closing aborts its runs and lets go of everything it holds.

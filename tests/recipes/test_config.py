@@ -115,6 +115,11 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
     (["cluster.failure_timeout_s=3", "cluster.backend=inprocess"],
      "cluster.failure_timeout_s is only used by cluster.backend='local', 'static', 'ray' or 'shared', "
      "got backend 'inprocess'"),
+    (["cluster.transport=tcp"], "cluster.transport must be one of 'auto', 'socket' or 'shm', got 'tcp'"),
+    (["cluster.transport=shm", "cluster.processes_per_slice=2"],
+     "cluster.transport=shm cannot serve slices that are gangs (cluster.processes_per_slice=2)"),
+    (["cluster.transport=shm", "cluster.backend=inprocess"],
+     "cluster.transport is only used by cluster.backend='local', 'static', 'ray' or 'shared', got backend 'inprocess'"),
     (["log.level=quiet"], "log.level must be one of"),
     (["checkpoint.keep=0"], "checkpoint.keep must be a positive integer"),           # mpmd.Checkpointing's rule
     (["checkpoint.memory_every=-1"], "checkpoint.memory_every must be a non-negative integer"),

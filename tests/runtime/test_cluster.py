@@ -82,6 +82,18 @@ def test_every_launcher_takes_each_verb_as_the_protocol_declares_it(launcher):
     assert isinstance(launcher.addresses, list)      # the one attribute it declares
 
 
+def test_a_cluster_refuses_an_unknown_transport_naming_those_allowed():
+    allowed = "transport must be one of auto, socket, shm"
+    with pytest.raises(ValueError, match=allowed + r" \(auto: .*\), got 'tcp'"):
+        mpmd.StaticCluster(["127.0.0.1:7001"], token="t" * 32, transport="tcp")
+    cluster = mpmd.StaticCluster(["127.0.0.1:7001"], token="t" * 32)
+    assert cluster.transport == "auto"
+    with pytest.raises(ValueError, match=allowed):
+        cluster.transport = "rdma"
+    cluster.transport = "shm"            # what the next start asks of the workers
+    assert cluster.transport == "shm"
+
+
 def test_worker_lost_is_still_importable_from_client():
     from mpmd.runtime.control import client
     assert client.WorkerLost is WorkerLost is mpmd.WorkerLost

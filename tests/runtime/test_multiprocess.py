@@ -61,6 +61,37 @@ def test_same_as_inprocess(cluster, name, p):
     assert cluster.rpc_counts["Run"] > 0
 
 
+def _shm_segments(pids) -> list[int]:
+    """Per worker: the shared-memory segments (runtime/wire/shm.py) it maps now."""
+    def count(pid):
+        with open(f"/proc/{pid}/maps") as f:
+            return len({line.split()[5] for line in f if "memfd:mpmd-shm" in line})
+    return [count(pid) for pid in pids]
+
+
+def test_training_over_shared_memory_is_bitwise_training_over_sockets(cluster):
+    # Four slices of 1f1b: activations forward and gradients back between every neighbour pair.
+    make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
+    data = batches()
+
+    def run(transport):
+        cluster.transport = transport          # from the next start: the Trainer's
+        trainer = mpmd.Trainer(make(), optax.sgd(0.05, momentum=0.9), "1f1b", num_microbatches=4, cluster=cluster)
+        try:
+            losses = [trainer.step(x, y)["loss"] for x, y in data]
+            return (losses, reference.stage_leaves(trainer.params())), _shm_segments(cluster.pids)
+        finally:
+            trainer.close(close_cluster=False)
+    try:
+        over_shm, mapped_shm = run("shm")
+        # The socket run's Setup ended the shm session: nothing of it is left mapped.
+        over_socket, mapped_socket = run("socket")
+    finally:
+        cluster.transport = "auto"
+    assert all(mapped_shm) and mapped_socket == [0] * 4, (mapped_shm, mapped_socket)
+    assert_same(over_shm, over_socket)
+
+
 def test_user_stages_same_as_inprocess(cluster):
     make = lambda: mpmd.Pipeline(UserModel().stages, models.lm_loss)
     data = token_batches()

@@ -52,6 +52,75 @@ os._exit(0)
 """
 
 
+# The same stranger on the shared-memory path (runtime/wire/shm.py): it finds the workers'
+# endpoints as any local process can (/proc/net/unix; the test hands it the names), and on
+# each tries a handshake with a made-up MAC followed by pulls of the guessed ids, pulls with
+# no handshake at all, and a connection that says nothing (the handshake must not wait on it
+# for anyone). It reports what came back: data messages and file descriptors.
+ATTACKER_SHM = r"""
+import hashlib, json, os, select, socket, sys
+endpoints, keys, _shape = json.loads(sys.argv[1])
+guesses = [g % 2**64 for key in keys
+           for plain in [int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")]
+           for g in (plain - 1, plain, plain + 1)]
+def connect(name):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(b"\0" + name.encode())
+    return s
+def send_all(s, messages):
+    try:
+        for m in messages:
+            s.send(json.dumps(m).encode())
+    except OSError:
+        pass
+tried, silent = [], []
+for name in endpoints:
+    forged = connect(name)
+    forged.recv(4096)                                   # the server's nonce
+    send_all(forged, [["auth", 1, os.urandom(16).hex(), os.urandom(32).hex()]]
+                     + [["pull", i, g] for i, g in enumerate(guesses)])
+    bare = connect(name)
+    send_all(bare, [["pull", i, g] for i, g in enumerate(guesses)])
+    tried += [forged, bare]
+    silent.append(connect(name))
+print("posted", len(tried), flush=True)
+sys.stdin.readline()
+report = {"endpoints": len(endpoints), "data": 0, "fds": 0, "closed": 0}
+for s in tried:
+    while select.select([s], [], [], 1.0)[0]:
+        try:
+            data, fds, _, _ = socket.recv_fds(s, 65536, 4)
+        except OSError:
+            data, fds = b"", []
+        report["fds"] += len(fds)
+        if not data:
+            report["closed"] += 1
+            break
+        report["data"] += json.loads(data)[0] == "data"
+print(json.dumps(report), flush=True)
+os._exit(0)
+"""
+
+
+def _shm_endpoints(pids) -> list[str]:
+    """The abstract socket names the processes `pids` listen on for shared memory, as
+    /proc/net/unix lists them (less the '@')."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except FileNotFoundError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f]
+    # Flags 00010000: listening (an accepted connection shows its listener's name too).
+    return [r[7][1:] for r in rows
+            if len(r) == 8 and r[6] in inodes and r[3] == "00010000" and r[7].startswith("@mpmd-shm-")]
+
+
 def test_transfer_ids_are_keyed_by_the_secret():
     key = "61:act1/0"
     plain = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
@@ -60,20 +129,27 @@ def test_transfer_ids_are_keyed_by_the_secret():
     assert a == key_to_uuid(key, b"a" * 32) != key_to_uuid("61:act1/1", b"a" * 32)
 
 
-def test_a_stranger_on_the_transfer_port_gets_nothing_and_delays_nothing(tmp_path, workers):
+@pytest.mark.parametrize("path", ["socket", "shm"])
+def test_a_stranger_on_the_data_plane_gets_nothing_and_delays_nothing(tmp_path, workers, path):
     make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     data = batches()
     cluster = workers
-    trainer = mpmd.Trainer(make(), optax.adamw(1e-3), "gpipe", num_microbatches=M, cluster=cluster,
-                           run_dir=tmp_path)
+    cluster.transport = path
+    try:
+        trainer = mpmd.Trainer(make(), optax.adamw(1e-3), "gpipe", num_microbatches=M, cluster=cluster,
+                               run_dir=tmp_path)
+    finally:
+        cluster.transport = "auto"
     attacker, hung = None, True
     try:
-        # What a port scan of the host would find (the test reads it instead of scanning).
-        addresses = list(cluster._transfer.values())
+        # What a port scan of the host would find (the test reads it instead of scanning),
+        # or on the shared-memory path what /proc/net/unix shows of the workers.
+        targets = list(cluster._transfer.values()) if path == "socket" else _shm_endpoints(cluster.pids)
         keys = [f"{run}:{kind}{k}/{j}" for run in range(12) for kind in ("act", "grad")
                 for k in range(2) for j in range(M)]
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-        attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, json.dumps([addresses, keys, [BATCH // M, SEQ, D]])],
+        script = ATTACKER if path == "socket" else ATTACKER_SHM
+        attacker = subprocess.Popen([sys.executable, "-c", script, json.dumps([targets, keys, [BATCH // M, SEQ, D]])],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert attacker.stdout.readline().startswith("posted"), "the attacker did not post its pulls"
         losses = []
@@ -94,7 +170,10 @@ def test_a_stranger_on_the_transfer_port_gets_nothing_and_delays_nothing(tmp_pat
             attacker.wait()
         if not hung:
             trainer.close(close_cluster=False)
-    assert report == {"received": 0, "posted": 3 * len(keys) * len(addresses)}
+    if path == "socket":
+        assert report == {"received": 0, "posted": 3 * len(keys) * len(targets)}
+    else:   # both workers' endpoints, every attempt refused: no data, no segment
+        assert report == {"endpoints": 2, "data": 0, "fds": 0, "closed": 4}
     assert not hung, f"the steps did not finish within {STEPS_TIMEOUT_S} s"
     reference, _ = train_pipeline(make, "gpipe", M, 1, mpmd.InProcessCluster(), data)
     assert losses == reference
@@ -192,6 +271,10 @@ def test_setup_needs_a_session_secret_and_never_echoes_it(rooted_worker):
             cluster.clients[0].call("Setup", setup if secret is None else {**setup, "transfer_secret": secret})
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'transfer_secret' must be" in str(e.value)
         assert secret is None or str(secret) not in str(e.value)
+    with pytest.raises(WorkerError) as e:      # a data plane it does not have: refused before anything is touched
+        cluster.clients[0].call("Setup", {**setup, "transfer_secret": "ab" * 16, "transport": "rdma"})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "transport must be one of auto, socket, shm" in str(e.value) and "'rdma'" in str(e.value)
     cluster.get(0, ["w"])            # the session it was set up with is untouched
 
 

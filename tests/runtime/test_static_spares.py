@@ -89,12 +89,14 @@ def test_config_cluster_keys_reach_the_clusters(tmp_path):
     token.chmod(0o600)
     static = recipe.build_cluster(config.load(None, [
         "cluster.backend=static", "cluster.addresses=['127.0.0.1:7001', '127.0.0.1:7002']",
-        "cluster.spares=['127.0.0.1:7003']", f"cluster.token_file={token}", "cluster.failure_timeout_s=2.5"]))
+        "cluster.spares=['127.0.0.1:7003']", f"cluster.token_file={token}", "cluster.failure_timeout_s=2.5",
+        "cluster.transport=socket"]))
     assert static.launcher.start(2) == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
     assert static.launcher.replace(1) == "127.0.0.1:7003"
-    assert static.failure_timeout_s == 2.5
+    assert static.failure_timeout_s == 2.5 and static.transport == "socket"
     local = recipe.build_cluster(config.load(None, ["cluster.failure_timeout_s=7", "log.level=error"]))
-    assert local.failure_timeout_s == 7 and local.launcher.log_level == "error"
+    assert local.failure_timeout_s == 7 and local.launcher.log_level == "error" and local.transport == "auto"
+    assert recipe.build_cluster(config.load(None, ["cluster.transport=shm"])).transport == "shm"
     assert recipe.build_cluster(config.load(None, [])).failure_timeout_s == 5.0    # null: the cluster's default
     if importlib.util.find_spec("ray") is None:
         return

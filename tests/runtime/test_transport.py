@@ -1,4 +1,5 @@
-"""TransferTransport between real worker processes (jax.experimental.transfer on CPU).
+"""TransferTransport between real worker processes on CPU, over each path: "socket"
+(jax.experimental.transfer) and "shm" (shared memory, runtime/wire/shm.py).
 
 Each worker is a separate Python process driven over stdin/stdout with one JSON request per
 line; it answers one JSON line. Payloads are made from a seed on the sender, and both ends
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow      # real worker processes or a controller subpr
 REPO = Path(__file__).resolve().parents[2]
 
 WORKER = r"""
-import hashlib, json, sys
+import gc, hashlib, json, os, sys
 import jax, numpy as np
 from mpmd.runtime.worker.instructions import Spec
 from mpmd.runtime.worker.mesh import bind
@@ -39,8 +40,20 @@ def digest(arrays):
 
 SPECS = tuple(Spec(a.shape, a.dtype.name) for a in payload(0))
 device = jax.devices()[0]
-transport = TransferTransport(int(sys.argv[1]), bind((1, 1, 1), [device]), secret=b"test-transfer-secret")
-pending = {}
+transport = TransferTransport(int(sys.argv[1]), bind((1, 1, 1), [device]), secret=b"test-transfer-secret",
+                              transport=sys.argv[2])
+pending, kept = {}, []
+
+def segments():      # the shared-memory segments this process maps, and the memfds it holds open
+    with open("/proc/self/maps") as f:
+        maps = sorted({line.split()[5].removeprefix("/memfd:") for line in f if "memfd:mpmd-shm" in line})
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:       # the listing's own
+            pass
+    return {"maps": maps, "fds": [l for l in fds if "memfd:" in l]}
 
 def reply(**kw):
     print(json.dumps(kw), flush=True)
@@ -50,8 +63,12 @@ for line in sys.stdin:
     req = json.loads(line)
     op = req["op"]
     if op == "connect":
-        transport.connect_peers({int(k): v for k, v in req["addresses"].items()})
-        reply()
+        try:
+            transport.connect_peers({int(k): v for k, v in req["addresses"].items()})
+        except ValueError as e:
+            reply(error=str(e))
+        else:
+            reply(path=transport.path(1 - int(sys.argv[1])))
     elif op == "send":
         arrays = tuple(jax.device_put(a, device) for a in payload(req["seed"]))
         transport.send(req["key"], arrays, req["dst"])
@@ -67,24 +84,38 @@ for line in sys.stdin:
         except Exception as e:
             reply(error=f"{type(e).__name__}: {e}")
         else:
+            if req.get("keep"):
+                kept.append(arrays)
             reply(digest=digest(arrays), on_device=all(a.devices() == {device} for a in arrays))
+            arrays = a = None      # only `kept` holds what arrived
+    elif op == "segments":
+        if req.get("drop"):
+            kept.clear()
+        gc.collect()
+        reply(**segments())
     elif op == "reset":
         transport.reset()
         reply()
     elif op == "close":
         transport.close()
-        reply()
+        kept.clear()
+        gc.collect()
+        from mpmd.runtime.wire.shm import endpoint
+        own = "@" + endpoint(b"test-transfer-secret", transport.address)[1:].decode()
+        with open("/proc/net/unix") as f:
+            listening = any(line.split()[-1] == own for line in f if len(line.split()) == 8)
+        reply(listening=listening, **segments())
         break
 """
 
 
 class Worker:
-    def __init__(self, slice_index: int):
+    def __init__(self, slice_index: int, transport: str = "auto"):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
                    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
         cpu = slice_index % os.cpu_count()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(slice_index)], env=env, cwd=REPO, text=True,
+            [sys.executable, "-c", WORKER, str(slice_index), transport], env=env, cwd=REPO, text=True,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
         self.address = self._read(timeout_s=60)["address"]
@@ -107,13 +138,16 @@ class Worker:
         self.proc.wait()
 
 
-def start_pair() -> list[Worker]:
+def start_pair(transport: str = "auto", transports: tuple[str, str] | None = None) -> list[Worker]:
+    """Two workers connected both ways; `transports`: each one's own, else `transport` for both.
+    Each worker's path from its peer is in `.path` (or its refusal in `.error`)."""
     workers = []
     try:
-        workers = [Worker(0), Worker(1)]
+        workers = [Worker(i, t) for i, t in enumerate(transports or (transport, transport))]
         addresses = {i: w.address for i, w in enumerate(workers)}
         for w in workers:
-            w("connect", addresses=addresses)
+            answer = w("connect", addresses=addresses)
+            w.path, w.error = answer.get("path"), answer.get("error")
         return workers
     except BaseException:
         for w in workers:
@@ -121,9 +155,10 @@ def start_pair() -> list[Worker]:
         raise
 
 
-@pytest.fixture(scope="module")
-def pair():
-    workers = start_pair()
+@pytest.fixture(scope="module", params=["socket", "shm"])
+def pair(request):
+    workers = start_pair(request.param)
+    assert [w.path for w in workers] == [request.param] * 2
     try:
         yield workers
     finally:
@@ -173,7 +208,8 @@ def test_reset_fails_the_pulls_waiting_on_this_slice(pair):
     pair[1]("recv", key=key, src=0)
     time.sleep(0.2)
     pair[0]("reset")
-    assert "PullTable::Reset" in pair[1]("wait", key=key)["error"]
+    error = pair[1]("wait", key=key)["error"]
+    assert "PullTable::Reset" in error if pair[1].path == "socket" else "slice 0 reset its transfers" in error
     # The pair still works afterwards.
     key = "step4/s0->s1/mb0/act"
     sent = pair[0]("send", key=key, dst=1, seed=7)
@@ -181,8 +217,9 @@ def test_reset_fails_the_pulls_waiting_on_this_slice(pair):
     assert pair[1]("wait", key=key)["digest"] == sent["digest"]
 
 
-def test_recv_from_a_killed_peer_fails_instead_of_hanging():
-    workers = start_pair()
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_recv_from_a_killed_peer_fails_instead_of_hanging(transport):
+    workers = start_pair(transport)
     try:
         key = "step0/s0->s1/mb0/act"
         # One completed transfer first, so the connection is established.
