@@ -46,6 +46,28 @@ def join(coordinator: str, num_processes: int, process_id: int, timeout_s: float
              coordinator, process_id, num_processes, len(jax.devices()), len(jax.local_devices()))
 
 
+def leave(wait_s: float) -> None:
+    """Leave the distributed group at shutdown, in step with the gang: jax.distributed's
+    shutdown waits until every process has called it, and only then does process 0 stop the
+    service. Exiting without it raced: process 0 gone first took the service with it, and a
+    peer still closing saw its client lose the service and abort (SIGABRT: seen once, in
+    test_static_gangs_of_mpmd_worker_processes during a full-suite run). When the controller stops a gang,
+    all its processes get here together; a peer that is dead never does, so the wait is
+    bounded by `wait_s` (then the process exits anyway, as before)."""
+    import jax
+    done = threading.Event()
+
+    def shutdown():
+        try:
+            jax.distributed.shutdown()
+        except Exception as e:           # the service or a peer already gone: nothing to wait for
+            log.info("left the gang without its shutdown barrier: %s", e)
+        done.set()
+    threading.Thread(target=shutdown, daemon=True, name="mpmd-gang-leave").start()
+    if not done.wait(wait_s):
+        log.info("a gang peer did not reach shutdown within %.0f s: leaving without it", wait_s)
+
+
 class GangFuture:
     """The futures of one RPC sent to every process of a gang, as one: done when all are done
     or one failed; its exception is the first failure (a grpc.RpcError, as a single

@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     token = read_token(args)
     configure_process(args.devices, args.cpus)
     if args.num_processes > 1:
-        from mpmd.runtime.worker.gang import join
+        from mpmd.runtime.worker.gang import join, leave
         join(args.coordinator, args.num_processes, args.process_id, args.gang_timeout_s)
 
     from mpmd.runtime.worker.compile_cache import CompileCache
@@ -281,11 +281,17 @@ def main(argv=None) -> int:
     logging.info("shutting down: %s", reason[0] if reason else "")
     server.stop(grace=1.0).wait(2.0)
     service.close()
+    if args.num_processes > 1:
+        leave(GANG_LEAVE_WAIT_S)
     # Daemon threads may still hold XLA resources; leave without running their teardown.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
+
+# How long a gang process waits at exit for the others to leave the distributed group with it
+# (gang.leave); under LocalLauncher.stop's 5 s before it kills.
+GANG_LEAVE_WAIT_S = 3.0
 
 # RPC threads. Several: Heartbeat and Abort must be served while a Run is executing (and a
 # run-ahead Run waits in its thread behind it). A shared worker serves several jobs, each
