@@ -167,9 +167,10 @@ def multi_device_workers(tmp_path_factory):
 # -- where the suite's time goes (tests/README.md, "Time") ------------------------------------------
 def pytest_runtest_logreport(report):
     """With MPMD_TEST_TIMES=FILE, one line per test phase as it ends: seconds, phase, node id
-    (appended by every xdist worker; a run cut short by a timeout still leaves what it measured,
-    which --durations and --junitxml, written at the end, do not)."""
+    (written by the process that runs pytest, which xdist's workers report to, so once per
+    phase; a run cut short by a timeout still leaves what it measured, which --durations and
+    --junitxml, written at the end, do not)."""
     path = os.environ.get("MPMD_TEST_TIMES")
-    if path:
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(path, "a") as f:
             f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
