@@ -1,9 +1,12 @@
 import os
 
+from tests.support import xla
+
 # Tests simulate slices as host devices; must be set before JAX initialises its backend.
 # Eigen's intra-op threads off, as in worker processes: the in-process and multi-process
-# runtimes then run the same programs with the same threading and agree bitwise.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false")
+# runtimes then run the same programs with the same threading and agree bitwise. LLVM at
+# -O0 for the kernels (tests/support/xla.py says why and what it leaves unchanged).
+os.environ.setdefault("XLA_FLAGS", xla.flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Identical programs recur across tests (same model, same shapes): share compiled executables.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))

@@ -135,9 +135,13 @@ def test_pipelined_in_process_equals_unpipelined():
     _check(_pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data), 4, data)
 
 
-# 1F1B needs m >= the 2 slices: GPipe stands in for it at m = 1.
+# On worker processes, one slice a worker: 1F1B at m = 4 and a V at m = 1 (fewer microbatches
+# than slices). GPipe at m = 1 and zb-v at m = 4 ran here too until 2026-12-04; they are
+# test_expert_parallel_slices_on_workers_equal_unpipelined's expert2-gpipe-m1 and
+# expert2-zbv-m4, the same schedules over the same worker runtime with the experts split as
+# well, and the suite's time went to the two runs each.
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,v,m", [("1f1b", 1, 4), ("gpipe", 1, 1), ("zb-v", 2, 4), ("zb-v", 2, 1)])
+@pytest.mark.parametrize("schedule,v,m", [("1f1b", 1, 4), ("zb-v", 2, 1)])
 def test_pipelined_on_workers_equals_unpipelined(workers, schedule, v, m):
     data = tiny.batches()
     _check(_pipelined(schedule, m, v, workers, data), m, data)
@@ -380,14 +384,16 @@ def _grouped(groups):
     return lambda: tiny.make_model(groups=groups)
 
 
-# 1F1B needs m >= the 2 slices: GPipe stands in for it at m = 1.
+# 1F1B needs m >= the 2 slices: GPipe stands in for it at m = 1. With data=2 beside the
+# expert axis, one case (a V at m = 1: the groups of the smallest microbatch over 4
+# devices); its 1F1B m = 4 twin was dropped on 2026-12-04 (the slowest case of the module,
+# 28 s): 1F1B at m = 4 runs on expert=2 above, and data=2 x expert=2 below.
 @pytest.mark.slow      # training runs against the reference, on workers of 2 and 4 devices
 @pytest.mark.parametrize("mesh,schedule,v,m", [
     ({"expert": 2}, "1f1b", 1, 4), ({"expert": 2}, "gpipe", 1, 1),
     ({"expert": 2}, "zb-v", 2, 4), ({"expert": 2}, "zb-v", 2, 1),
-    ({"expert": 2, "data": 2}, "1f1b", 1, 4), ({"expert": 2, "data": 2}, "zb-v", 2, 1),
-], ids=["expert2-1f1b-m4", "expert2-gpipe-m1", "expert2-zbv-m4", "expert2-zbv-m1",
-        "expert2xdata2-1f1b-m4", "expert2xdata2-zbv-m1"])
+    ({"expert": 2, "data": 2}, "zb-v", 2, 1),
+], ids=["expert2-1f1b-m4", "expert2-gpipe-m1", "expert2-zbv-m4", "expert2-zbv-m1", "expert2xdata2-zbv-m1"])
 def test_expert_parallel_slices_on_workers_equal_unpipelined(multi_device_workers, mesh, schedule, v, m):
     """Every slice holds half of each MoE block's experts on its expert axis, the tokens in
     groups (one per device the microbatch is split over) sent to them by all-to-all: the same

@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from mpmd.runtime.worker.slice_store import CheckpointStore
+from tests.support import xla
 from tests.support.processes import Controller, wait_gone
 from tests.recipes.test_resume_cli import TAG, final_state, metrics, tagged
 
@@ -26,7 +27,7 @@ IN_PROCESS = ["cluster.backend=inprocess"]
 
 
 def controller(run_dir, tag, extra):
-    env = {TAG: tag, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_multi_thread_eigen=false"}
+    env = {TAG: tag, "XLA_FLAGS": xla.flags(4)}
     return Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, *extra], env)
 
 

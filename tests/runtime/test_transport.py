@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import xla
+
 pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,7 +114,7 @@ for line in sys.stdin:
 class Worker:
     def __init__(self, slice_index: int, transport: str = "auto"):
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-                   XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+                   XLA_FLAGS=xla.flags())
         cpu = slice_index % os.cpu_count()
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(slice_index), transport], env=env, cwd=REPO, text=True,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from mpmd.runtime.launchers.workers import process_alive as alive
+from tests.support import xla
 
 ROOT = Path(__file__).resolve().parents[2]     # the repository (this file is tests/support/processes.py)
 # Small enough that a run is mostly process start-up; data.max_bytes keeps corpus reading short.
@@ -66,7 +67,7 @@ def mpmd_train(*args, timeout=120):
 def mpmd_command(command: str, *args, timeout=120):
     """`python -m mpmd.recipes.cli COMMAND ARGS` on the CPU with 4 host devices; the CompletedProcess."""
     env = dict(os.environ)  # carries conftest's JAX compilation cache settings
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla.flags(4, eigen_threads=True)
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", command, *map(str, args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

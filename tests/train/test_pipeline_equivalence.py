@@ -42,6 +42,11 @@ def cases():
                 # test_every_schedule_validates[gpipe-2-1-1].
                 if (name, p, m) == ("gpipe", 2, 1):
                     continue
+                # m = 4p is m = 2p's steady state run longer: m = 8 at p = 4 (every schedule)
+                # stays, m = 8 at p = 2 was dropped on 2026-12-04 for the suite's time (the
+                # schedules' lists at m = 8, p = 2 are validated by test_schedules.py).
+                if (p, m) == (2, 8):
+                    continue
                 yield pytest.param(name, p, m, v, id=f"{name}-p{p}-m{m}")
 
 
