@@ -168,12 +168,36 @@ def multi_device_workers(tmp_path_factory):
 
 
 # -- where the suite's time goes (tests/README.md, "Time") ------------------------------------------
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children reaped so far (user + system)."""
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU seconds its phase took here (in the xdist worker
+    that ran it), measured from the end of the phase before: load from other work changes it
+    far less than the wall-clock duration."""
+    outcome = yield
+    now = _cpu_s()
+    before = getattr(item, "_mpmd_cpu_mark", None)
+    item._mpmd_cpu_mark = now
+    if before is not None or call.when == "setup":
+        outcome.get_result().user_properties.append(("cpu_s", now - (before if call.when != "setup" else
+                                                                     getattr(item.session, "_mpmd_cpu_mark", now))))
+    item.session._mpmd_cpu_mark = now
+
+
 def pytest_runtest_logreport(report):
-    """With MPMD_TEST_TIMES=FILE, one line per test phase as it ends: seconds, phase, node id
-    (written by the process that runs pytest, which xdist's workers report to, so once per
-    phase; a run cut short by a timeout still leaves what it measured, which --durations and
-    --junitxml, written at the end, do not)."""
+    """With MPMD_TEST_TIMES=FILE, one line per test phase as it ends: seconds, phase, node id,
+    CPU seconds (of the xdist worker that ran it and of the subprocesses it reaped in the
+    phase; see pytest_runtest_makereport), written by the process that runs pytest, which
+    xdist's workers report to, so once per phase; a run cut short by a timeout still leaves
+    what it measured, which --durations and --junitxml, written at the end, do not."""
     path = os.environ.get("MPMD_TEST_TIMES")
     if path and not os.environ.get("PYTEST_XDIST_WORKER"):
+        cpu = dict(report.user_properties).get("cpu_s", float("nan"))
         with open(path, "a") as f:
-            f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
+            f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\t{cpu:.2f}\n")

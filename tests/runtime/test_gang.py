@@ -58,6 +58,15 @@ def test_gang_tensor2_matches_unpipelined(gang, unpipelined_gpt):
     assert_matches(run(gang, {"tensor": 2}, "1f1b", close=False), unpipelined_gpt)
 
 
+def test_gang_fsdp2_gathered_once_a_step_matches_unpipelined(gang, unpipelined_gpt):
+    """mesh.fsdp_gather=per_step on gangs: each stage's FSDP-sharded weights, one half on each
+    process of the gang, are all-gathered across the two processes once at the step's first
+    forward and freed after its last backward; the gradients reduce-scatter back once per
+    step. The same training as the unpipelined model, as on one process of 2 devices
+    (tests/runtime/test_mesh_slices.py)."""
+    assert_matches(run(gang, {"fsdp": 2}, "1f1b", close=False, fsdp_gather="per_step"), unpipelined_gpt)
+
+
 def test_two_processes_of_one_device_equal_one_process_of_two_bitwise(gang_data2, two_device_workers):
     """Also: the gangs took exactly twice the messages of one process per slice, verb by verb
     (one Run per process per step, nothing per microbatch). The one-process run is the mesh
