@@ -4,8 +4,8 @@ from tests.support import xla
 
 # Tests simulate slices as host devices; must be set before JAX initialises its backend.
 # Eigen's intra-op threads off, as in worker processes: the in-process and multi-process
-# runtimes then run the same programs with the same threading and agree bitwise. LLVM at
-# -O0 for the kernels (tests/support/xla.py says why and what it leaves unchanged).
+# runtimes then run the same programs with the same threading and agree bitwise. XLA:CPU's
+# fast-compile settings (tests/support/xla.py says which, why and what they leave unchanged).
 os.environ.setdefault("XLA_FLAGS", xla.flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Identical programs recur across tests (same model, same shapes): share compiled executables.
@@ -177,16 +177,12 @@ def _cpu_s() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Each phase's report carries the CPU seconds its phase took here (in the xdist worker
-    that ran it), measured from the end of the phase before: load from other work changes it
-    far less than the wall-clock duration."""
+    """Each phase's report carries the CPU seconds spent here (in the xdist worker that ran
+    it) since the phase before ended, whichever test that was: load from other work changes
+    it far less than the wall-clock duration."""
     outcome = yield
     now = _cpu_s()
-    before = getattr(item, "_mpmd_cpu_mark", None)
-    item._mpmd_cpu_mark = now
-    if before is not None or call.when == "setup":
-        outcome.get_result().user_properties.append(("cpu_s", now - (before if call.when != "setup" else
-                                                                     getattr(item.session, "_mpmd_cpu_mark", now))))
+    outcome.get_result().user_properties.append(("cpu_s", now - getattr(item.session, "_mpmd_cpu_mark", now)))
     item.session._mpmd_cpu_mark = now
 
 
