@@ -156,11 +156,48 @@ def test_metrics_log_appends_replaces_and_truncates(tmp_path):
     assert [r["step"] for r in run_log.read(tmp_path)] == [1, 2, 3]
 
 
+def tensorboard_scalars(tb_dir) -> list[tuple[int, str, float]]:
+    """(step, tag, value) of every scalar in tb_dir's event files, read with tensorboardX's
+    own Event proto from the TFRecord framing (u64 length, u32 crc, data, u32 crc)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event as TBEvent
+    out = []
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")):
+        raw, at = path.read_bytes(), 0
+        while at < len(raw):
+            (length,) = struct.unpack_from("<Q", raw, at)
+            event = TBEvent.FromString(raw[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            out += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+    return out
+
+
 def test_tensorboard_writes_event_files(tmp_path):
     tb = run_log.TensorBoard(tmp_path)
     tb.write(1, {"loss": np.float32(2.0), "note": "text is skipped"})
+    tb.write(2, {"loss": 1.5})
     tb.close()
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert tensorboard_scalars(tmp_path / "tb") == [(1, "loss", 2.0), (2, "loss", 1.5)]
+
+
+def test_tensorboard_does_not_import_torch_and_leaves_it_importable(tmp_path):
+    """tensorboardX imports torch at its own import where torch is installed (~1 s of a run's
+    start); run_log imports it with torch hidden, and torch imports normally afterwards."""
+    import subprocess
+    import sys
+    code = ("import importlib.util, sys\n"
+            "from mpmd.recipes import run_log\n"
+            "tb = run_log.TensorBoard(sys.argv[1]); tb.write(1, {'loss': 1.0}); tb.close()\n"
+            "print('torch' in sys.modules)\n"
+            "if importlib.util.find_spec('torch'):\n"
+            "    import torch; print(torch.ones(2).sum().item())\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.split()
+    assert lines[0] == "False", proc.stdout          # not imported, and no None left in its place
+    assert lines[1:] in ([], ["2.0"]), proc.stdout
+    assert tensorboard_scalars(tmp_path / "tb") == [(1, "loss", 1.0)]
 
 
 def test_progress_lines_mode_logs_every_n_steps():

@@ -340,11 +340,14 @@ def test_tied_marked_model_trains_like_plain_jax(schedule):
     assert [sorted(k for k, _ in g) for g in pipe.shared] == [[0, 2]]
 
 
-# m = 2p (the V's own shape) at p=2 and p=4, and m < 2p at p=4. m > 2p only lengthens the
-# steady state of the same task lists: test_schedules.py validates those
-# (test_every_schedule_validates[zb-v-2-8-2], [dualpipe-v-2-8-2], ...).
+# m = 2p (the V's own shape) at p=2, and m < 2p at p=4 (slices that hold neither end of the
+# V). m > 2p only lengthens the steady state of the same task lists: test_schedules.py
+# validates those (test_every_schedule_validates[zb-v-2-8-2], [dualpipe-v-2-8-2], ...).
+# p=4 at m=2p was dropped on 2026-12-04 for the suite's time: its task lists are validated
+# there, p=4's interior slices run at m=4 here, and tests/train/test_pipeline_equivalence.py
+# runs both V schedules at p=4, m=8 (untied, unclipped).
 @pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4)])
 def test_tied_marked_model_on_a_v_with_clipping(schedule, p, m):
     # 2p stages (a mark after every block), the tied embedding on stages 0 and 2p-1: both on
     # slice 0 of the V, so the shared gradient is summed without a transfer. SGD with

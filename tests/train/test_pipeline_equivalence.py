@@ -95,7 +95,11 @@ def clip_each_stage(max_norm: float, stage_of_layer: list[int]) -> optax.Gradien
                                  labels)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v", "dualpipe-v"])
+# A split backward and a plain one. The V schedules with clipping (SGD with momentum, a clip
+# that triggers, a tied weight counted once in the norm) are tests/stages/test_marks.py's
+# test_tied_marked_model_on_a_v_with_clipping; zb-v and dualpipe-v here were dropped on
+# 2026-12-04 for the suite's time.
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
 def test_global_norm_clipping_matches_optax(name):
     # SGD with momentum, because Adam is nearly invariant to gradient scale and would hide a
     # wrong clip factor.
@@ -109,9 +113,8 @@ def test_global_norm_clipping_matches_optax(name):
     per_stage = reference.train(make_gpt, models.lm_loss, data,
                                 optax.chain(recording_norms(seen_per_stage, stage_of_layer),
                                             clip_each_stage(CLIP, stage_of_layer), sgd))
-    v = 2 if name in ("zb-v", "dualpipe-v") else 1    # a V: the 4 stages on 2 slices
     with mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer=sgd, schedule=name, num_microbatches=4,
-                      max_grad_norm=CLIP, virtual_stages=v) as trainer:
+                      max_grad_norm=CLIP) as trainer:
         norms = [trainer.step(x, y)["grad_norm"] for x, y in data]
         got = reference.stage_leaves(trainer.params())
     # The pipeline reports the global norm (not any one stage's) and updates as optax's global clip.

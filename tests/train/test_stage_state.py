@@ -43,8 +43,12 @@ def assert_state_like_nnx(state, model):
                                     f"stage {k} batch statistics")
 
 
+# Every schedule at m=4, and m=1 where a schedule allows fewer microbatches than slices; m=8
+# for zb-v only (FAST): a stage's stream advances once per forward in microbatch order, which
+# m=8 only repeats for longer (m=8 for the other four was dropped on 2026-12-04 for the
+# suite's time).
 @pytest.mark.parametrize("schedule,v,m", FAST + [pytest.param(s, v, m, marks=pytest.mark.slow)
-                                                 for s, v in SCHEDULES for m in (1, 4, 8)
+                                                 for s, v in SCHEDULES for m in (1, 4)
                                                  if m > 1 or s in ("gpipe", "zb-v") if (s, v, m) not in FAST])
 def test_dropout_and_batch_statistics_train_as_nnx_does(schedule, v, m):
     data = wl.float_batches()
