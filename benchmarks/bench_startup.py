@@ -1,0 +1,104 @@
+"""A process's start: `import ml_dtypes` and a worker's spawn until it is ready to serve, with
+the installed ml_dtypes beside another version of it, in interleaved rounds of one run.
+
+    .venv/bin/pip install -q --no-deps --target /tmp/ml_dtypes_0.7.0 ml_dtypes==0.7.0
+    .venv/bin/python benchmarks/bench_startup.py --other /tmp/ml_dtypes_0.7.0 [--rounds 7]
+
+Every JAX process imports ml_dtypes (jax's dtypes are numpy dtypes it registers): the
+controller, each worker, each gang process, and each replacement worker a recovery spawns,
+whose start lies on the recovery's critical path (bench_recovery.py's "spawn"). `--other DIR`
+puts DIR first on the child processes' PYTHONPATH, so they import the ml_dtypes found there
+instead of the installed one; everything else is the same environment. Per round, in
+alternating order: a fresh interpreter's `import ml_dtypes` (seconds, timed inside it), and
+a worker (`python -m mpmd.runtime.worker.main --token-stdin`, JAX on the CPU) from Popen
+until it prints its ready line. Medians over the rounds, and other / installed.
+
+Why pyproject.toml bounds ml_dtypes below 0.7: 0.7.0's import took ~0.5 s on this machine
+(numpy 2.4), 0.5.4's and 0.6.0's ~0.06 s (docs/benchmarks.md, Start-up).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "bench-startup-0123456789abcdef0123"
+IMPORT = ("import time; t = time.perf_counter(); import ml_dtypes; "
+          "print(time.perf_counter() - t, ml_dtypes.__version__)")
+
+
+def env_with(first: str | None) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if first:
+        env["PYTHONPATH"] = os.pathsep.join([first] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def import_s(env: dict) -> tuple[float, str]:
+    out = subprocess.run([sys.executable, "-c", IMPORT], env=env, capture_output=True, text=True, check=True)
+    seconds, version = out.stdout.split()
+    return float(seconds), version
+
+
+def worker_ready_s(env: dict) -> float:
+    from mpmd.runtime.worker.main import READY
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "mpmd.runtime.worker.main", "--listen", "127.0.0.1:0",
+                             "--token-stdin", "--root", str(REPO)], env=env, cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        proc.stdin.write(TOKEN + "\n")
+        proc.stdin.flush()
+        for line in proc.stdout:
+            if line.startswith(READY):
+                return time.perf_counter() - start
+        raise RuntimeError(f"the worker exited ({proc.wait()}) before it was ready")
+    finally:
+        proc.stdin.close()          # end of file: the worker exits
+        proc.wait(timeout=30)
+
+
+def main(other: str | None, rounds: int) -> None:
+    print(f"bench_startup: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}, "
+          f"{rounds} rounds")
+    variants = {"installed": env_with(None)}
+    if other:
+        variants["other"] = env_with(other)
+    versions = {name: import_s(env)[1] for name, env in variants.items()}
+    if other and versions["other"] == versions["installed"]:
+        raise SystemExit(f"--other {other} holds the same ml_dtypes as the installed one ({versions['other']})")
+    imports: dict = {name: [] for name in variants}
+    ready: dict = {name: [] for name in variants}
+    names = list(variants)
+    for i in range(rounds):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            imports[name].append(import_s(variants[name])[0])
+            ready[name].append(worker_ready_s(variants[name]))
+    print(f"{'variant':<10} {'ml_dtypes':>10} {'import ms':>10} {'worker ready ms':>16}")
+    for name in names:
+        print(f"{name:<10} {versions[name]:>10} {1e3 * statistics.median(imports[name]):>10.1f} "
+              f"{1e3 * statistics.median(ready[name]):>16.1f}")
+    if other:
+        med = lambda d, n: statistics.median(d[n])
+        print(f"other / installed: import {med(imports, 'other') / med(imports, 'installed'):.2f}x, "
+              f"worker ready {med(ready, 'other') / med(ready, 'installed'):.2f}x")
+    print(f"load average at end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--other", default=None,
+                        help="a directory holding another ml_dtypes (pip install --no-deps --target DIR ml_dtypes==X)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.other is not None and not (Path(args.other) / "ml_dtypes").is_dir():
+        parser.error(f"--other {args.other}: no ml_dtypes package in it (pip install --no-deps --target DIR ml_dtypes==X)")
+    sys.path.insert(0, str(REPO))
+    main(args.other, args.rounds)
