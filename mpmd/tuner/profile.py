@@ -69,9 +69,11 @@ class Profile(NamedTuple):
     boundary_bytes: np.ndarray
     latency_s: float = 0.0                # transfer between two slices: latency_s + bytes / bytes_per_s
     bytes_per_s: float = float("inf")
-    task_gap_s: float = 0.0               # per task: what a slice spends around a program's run
-    step_overhead_s: float = 0.0          # per step: a fixed cost (a declared profile's; measured: 0)
+    task_gap_s: float = 0.0               # per task: its program's fixed cost + the executor's walk
+    step_overhead_s: float = 0.0          # per step: a fixed cost, whatever the tasks
     unit_names: tuple[str, ...] = ()
+    program_s: float = 0.0                # per traced program: its fixed cost, already taken out of
+                                          # the unit times above (a record of the fit; search reads task_gap_s)
 
     @property
     def num_units(self) -> int:
@@ -87,23 +89,34 @@ class Profile(NamedTuple):
         return self.latency_s + num_bytes / self.bytes_per_s
 
 
-def profile_schedule(num_units: int, num_slices: int, num_microbatches: int) -> Schedule:
-    """Split-backward GPipe over `num_units` stages in contiguous blocks on `num_slices`
-    slices: each slice runs all its forwards, microbatch by microbatch, then B and W of each
-    microbatch (its stages last first). Microbatch-major, so the slices overlap as they do
-    in a real pipeline (a slice's tasks are timed while the others compute too)."""
+def profile_stages(num_units: int, num_slices: int, units_per_stage: int = 1) -> list[tuple[int, int]]:
+    """[start, end) unit ranges of the profile's stages: the units in contiguous blocks over
+    `num_slices` slices, each block cut into stages of `units_per_stage` consecutive units
+    (the last of a block may hold fewer), so both groupings put every unit on the same slice."""
     if not 1 <= num_slices <= num_units:
         raise ValueError(f"profiling {num_units} units needs 1..{num_units} slices, got {num_slices}")
     bounds = np.linspace(0, num_units, num_slices + 1).round().astype(int)
-    placement = tuple(int(r) for r in np.repeat(np.arange(num_slices), np.diff(bounds)))
+    return [(a, min(a + units_per_stage, int(z))) for z0, z in zip(bounds, bounds[1:])
+            for a in range(int(z0), int(z), units_per_stage)]
+
+
+def profile_schedule(num_units: int, num_slices: int, num_microbatches: int, units_per_stage: int = 1) -> Schedule:
+    """Split-backward GPipe over the stages of `profile_stages` (one per unit by default) on
+    `num_slices` slices: each slice runs all its forwards, microbatch by microbatch, then B
+    and W of each microbatch (its stages last first). Microbatch-major, so the slices overlap
+    as they do in a real pipeline (a slice's tasks are timed while the others compute too)."""
+    stages = profile_stages(num_units, num_slices, units_per_stage)
+    bounds = np.linspace(0, num_units, num_slices + 1).round().astype(int)
+    placement = tuple(int(np.searchsorted(bounds, a, side="right") - 1) for a, _ in stages)
     m = num_microbatches
     slices = []
     for r in range(num_slices):
-        mine = range(bounds[r], bounds[r + 1])
+        mine = [k for k, p in enumerate(placement) if p == r]
         tasks = [Task(k, j, FORWARD) for j in range(m) for k in mine]
         tasks += [Task(k, j, kind) for j in range(m) for k in reversed(mine) for kind in (BACKWARD, WEIGHT)]
         slices.append(tuple(tasks))
-    return Schedule("profile", num_units, m, max(np.diff(bounds)).item(), True, tuple(slices), placement)
+    most = max(placement.count(r) for r in range(num_slices))
+    return Schedule("profile", len(stages), m, most, True, tuple(slices), placement)
 
 
 def task_durations(events_per_step) -> dict:
@@ -137,6 +150,15 @@ def task_gaps(events_per_step) -> list[float]:
     return gaps
 
 
+class Grouping(NamedTuple):
+    """One profiling pass: its stages' unit ranges, its schedule, and per microbatch size the
+    traced median seconds of every program {(kind, stage): s} and the untraced step's median."""
+    stages: list
+    schedule: Schedule
+    durations: list          # [size] {(kind, stage): seconds}
+    step_s: list             # [size] seconds
+
+
 def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, microbatch_sizes,
             num_microbatches: int = 4, steps: int = 2, transfer_sizes=(2**14, 2**18, 2**21),
             max_grad_norm=None, log=print) -> Profile:
@@ -144,68 +166,146 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     `num_slices` slices of `cluster` (started here, left open for the caller).
 
     inputs/targets: a batch of real data (its rows are repeated where a size needs more).
-    Each size runs `num_microbatches` per step: two warm-up steps (one traced), `steps`
-    traced steps (task durations and gaps) and `steps` + 1 timed untraced steps.
+    Each size runs `num_microbatches` per step, in each grouping (a stage per unit, then
+    pairs): two warm-up steps (one traced), `steps` traced steps (task durations) and
+    `steps` + 2 timed untraced steps.
     """
     from mpmd.stages.costs import memory
-    from mpmd.train.trainer import Trainer
 
     units = list(units)
     sizes = tuple(sorted(set(int(s) for s in microbatch_sizes)))
     num_slices = min(num_slices, len(units))
     pipe = Pipeline(units, loss_fn)
-    schedule = profile_schedule(len(units), num_slices, num_microbatches)
     U = len(units)
     shape = (len(sizes), U)
-    fwd, bin_, bw, upd = (np.zeros(shape) for _ in range(4))
     resid, kept = np.zeros(shape), np.zeros(shape)
     bound = np.zeros((len(sizes), U + 1))
     params = opt = None
-    gaps = []
+    for i, size in enumerate(sizes):
+        mx, my = (jax.tree.map(spec, _rows(a, size)) for a in (inputs, targets))
+        per_unit = memory(pipe, optimizer, mx, my)
+        params = np.array([u["params"] for u in per_unit], float)
+        opt = np.array([u["optimizer"] for u in per_unit], float)
+        resid[i] = [u["residuals"] for u in per_unit]
+        kept[i] = [u["kept"] for u in per_unit]
+        bound[i] = [nbytes(jax.tree.leaves(a)) for a in pipe.activation_specs(mx)]
+    run = lambda k: _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, k, sizes,
+                             num_microbatches, steps, max_grad_norm, log)
+    single = run(1)
+    paired = run(2) if len(single.stages) > num_slices else None     # some slice holds two units
+    program = program_s(single, paired) if paired else 0.0
+    if paired:
+        task, overhead = task_and_step_s([single, paired], program)
+    else:   # one unit per slice: no second grouping tells per task from per step
+        task, overhead = program, _rest_s(single, program, program)
+    log(f"profile: {1e3 * program:.2f} ms per program, {1e3 * task:.2f} ms per task, "
+        f"{1e3 * overhead:.2f} ms per step")
+    # Each unit's compute: its program's time less the program's fixed cost, which a stage
+    # of several units pays once (charged per task as task_gap_s).
+    fwd, bin_, bw, upd = (np.array([[max(0.0, d.get((kind, k), program) - program) if (kind, k) in d else 0.0
+                                     for k in range(U)] for d in single.durations])
+                          for kind in (FORWARD, BACKWARD, WEIGHT, UPDATE))
+    fwd, bin_, bw, upd = (affine_in_size(sizes, t) for t in (fwd, bin_, bw, upd))
+    latency, bandwidth = (0.0, float("inf")) if num_slices < 2 else measure_transfer(cluster, transfer_sizes)
+    names = tuple(type(u).__name__ for u in units)
+    return Profile(sizes, fwd, bin_, bw, upd, params, opt, resid, kept, bound, latency, bandwidth,
+                   task, overhead, names, program)
+
+
+def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, units_per_stage, sizes,
+             num_microbatches, steps, max_grad_norm, log) -> Grouping:
+    from mpmd.stages.split import cut
+    from mpmd.train.trainer import Trainer
+
+    stages = profile_stages(len(units), num_slices, units_per_stage)
+    schedule = profile_schedule(len(units), num_slices, num_microbatches, units_per_stage)
+    pipe = Pipeline(units if units_per_stage == 1 else cut(units, [a for a, _ in stages[1:]]), loss_fn)
     trainer = Trainer(pipe, optimizer, schedule=schedule, cluster=cluster, max_grad_norm=max_grad_norm)
+    durations, step_times = [], []
     try:
-        for i, size in enumerate(sizes):
+        for size in sizes:
             t0 = time.perf_counter()
             x, y = _rows(inputs, size * num_microbatches), _rows(targets, size * num_microbatches)
-            mx, my = jax.tree.map(spec, x[:size]), jax.tree.map(spec, y[:size])
-            per_unit = memory(pipe, optimizer, mx, my)
-            params = np.array([u["params"] for u in per_unit], float)
-            opt = np.array([u["optimizer"] for u in per_unit], float)
-            resid[i] = [u["residuals"] for u in per_unit]
-            kept[i] = [u["kept"] for u in per_unit]
-            bound[i] = [nbytes(jax.tree.leaves(a)) for a in pipe.activation_specs(mx)]
             # Compiles this size's programs; the first traced step compiles more of its own
             # (bench_schedules warms up the same way), so neither is timed.
             trainer.step(x, y)
             trainer.step(x, y, trace=True)
             traced = [trainer.step(x, y, trace=True)["events"] for _ in range(steps)]
             # Steps are timed untraced, as they run in training (a traced step also counts
-            # the bytes a slice holds after every instruction, which costs time).
+            # the bytes a slice holds after every instruction, and waits for every program).
             untraced = []
-            for _ in range(steps + 1):
+            for _ in range(steps + 2):
                 begin = time.perf_counter()
                 trainer.step(x, y)
                 untraced.append(time.perf_counter() - begin)
-            durations = task_durations(traced)
-            med = lambda kind, k: statistics.median(durations[kind, k]) if (kind, k) in durations else 0.0
-            for k in range(U):
-                fwd[i, k], bin_[i, k], bw[i, k], upd[i, k] = (med(kind, k) for kind in (FORWARD, BACKWARD, WEIGHT, UPDATE))
-            gap = statistics.median(task_gaps(traced) or [0.0])
-            # What the simulator with these costs and gaps leaves out of the measured step
-            # (sends, receives, deletes, dispatch) grows with the tasks a slice walks: charged
-            # per task, spread over the busiest slice's tasks.
-            predicted = _profile_step_s(schedule, fwd[i], bin_[i], bw[i], upd[i], gap)
-            rest = max(0.0, statistics.median(untraced) - predicted)
-            gaps.append(gap + rest / max(len(tasks) for tasks in schedule.slices))
-            log(f"profiled microbatch size {size}: F+B+W {1e3 * (fwd[i] + bin_[i] + bw[i]).sum():.1f} ms "
-                f"over {U} units ({time.perf_counter() - t0:.1f} s)")
+            durations.append({key: statistics.median(v) for key, v in task_durations(traced).items()})
+            step_times.append(statistics.median(untraced))
+            log(f"profiled microbatch size {size}, {len(stages)} stages of <= {units_per_stage} units: "
+                f"step {1e3 * step_times[-1]:.1f} ms ({time.perf_counter() - t0:.1f} s)")
     finally:
         trainer.close(close_cluster=False)
-    fwd, bin_, bw, upd = (affine_in_size(sizes, t) for t in (fwd, bin_, bw, upd))
-    latency, bandwidth = (0.0, float("inf")) if num_slices < 2 else measure_transfer(cluster, transfer_sizes)
-    names = tuple(type(u).__name__ for u in units)
-    return Profile(sizes, fwd, bin_, bw, upd, params, opt, resid, kept, bound, latency, bandwidth,
-                   statistics.median(gaps), 0.0, names)
+    return Grouping(stages, schedule, durations, step_times)
+
+
+def program_s(single: Grouping, paired: Grouping) -> float:
+    """The fixed seconds in every traced program's duration, whatever its size (dispatch,
+    argument handling, launch, the wait for its end): per stage of `paired` that fuses n > 1
+    units and per size, (the units' own programs' seconds - the fused stage's programs'
+    seconds) / (their programs - its programs), every kind (F, B, W, U) together; the median
+    over stages and sizes, at least 0."""
+    samples = []
+    for d1, d2 in zip(single.durations, paired.durations):
+        for k, (a, z) in enumerate(paired.stages):
+            if z - a < 2:
+                continue
+            mine = [v for (kind, u), v in d1.items() if a <= u < z]
+            fused = [v for (kind, s), v in d2.items() if s == k]
+            if mine and fused and len(mine) > len(fused):
+                samples.append((sum(mine) - sum(fused)) / (len(mine) - len(fused)))
+    return max(0.0, statistics.median(samples)) if samples else 0.0
+
+
+def _grouping_step_s(g: Grouping, i: int, program: float, task: float) -> float:
+    """Size i's step of grouping `g` simulated from its own traced programs, each charged
+    `task` instead of `program` (at least 0 s)."""
+    d = g.durations[i]
+    at = lambda kind, k: max(0.0, d[kind, k] - program + task) if (kind, k) in d else 0.0
+    costs = [{FORWARD: at(FORWARD, k), BACKWARD: at(BACKWARD, k), WEIGHT: at(WEIGHT, k)}
+             for k in range(g.schedule.num_stages)]
+    updates = [sum(at(UPDATE, k) for k in g.schedule.stages_on(r)) for r in range(g.schedule.num_slices)]
+    return step_s(g.schedule, costs, updates)
+
+
+def _rest_s(g: Grouping, program: float, task: float) -> float:
+    """Per step: the median over sizes of the measured step beyond the simulated one, >= 0."""
+    return max(0.0, statistics.median(t - _grouping_step_s(g, i, program, task) for i, t in enumerate(g.step_s)))
+
+
+def task_and_step_s(groupings, program: float, most_s: float = 0.05) -> tuple[float, float]:
+    """(task_s, step_overhead_s): what one task costs an untraced step beyond its compute
+    (its program's fixed cost and the executor's walk around it: sends, receives, deletes),
+    and what a step costs whatever its tasks (the controller feeding the batch and taking
+    the loss back). Two groupings of the same units run the same compute in different
+    numbers of tasks: task_s is the charge per task at which the simulated steps differ as
+    much as the measured ones (summed over sizes; bisection on [0, most_s], the difference
+    grows with it), step_overhead_s what the measured steps hold beyond the simulated ones."""
+    a, b = groupings
+    sizes = range(len(a.step_s))
+    measured = sum(a.step_s[i] - b.step_s[i] for i in sizes)
+    diff = lambda task: sum(_grouping_step_s(a, i, program, task) - _grouping_step_s(b, i, program, task)
+                            for i in sizes) - measured
+    lo, hi = 0.0, most_s
+    if diff(lo) >= 0:
+        task = lo
+    elif diff(hi) <= 0:
+        task = hi
+    else:
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if diff(mid) < 0 else (lo, mid)
+        task = (lo + hi) / 2
+    rest = statistics.median([_rest_s(a, program, task), _rest_s(b, program, task)])
+    return task, rest
 
 
 def affine_in_size(sizes, seconds: np.ndarray) -> np.ndarray:
@@ -227,12 +327,6 @@ def affine_in_size(sizes, seconds: np.ndarray) -> np.ndarray:
 def _rows(batch, n: int):
     """The first n rows of `batch` (a pytree of arrays), going round again if it has fewer."""
     return jax.tree.map(lambda a: np.take(np.asarray(a), np.arange(n) % len(a), axis=0), batch)
-
-
-def _profile_step_s(schedule: Schedule, f, b, w, u, gap: float) -> float:
-    costs = [{FORWARD: f[k] + gap, BACKWARD: (b[k] + gap) if k else 0.0, WEIGHT: w[k] + gap}
-             for k in range(schedule.num_stages)]
-    return step_s(schedule, costs, [sum(u[k] for k in schedule.stages_on(r)) for r in range(schedule.num_slices)])
 
 
 def measure_transfer(cluster, sizes_bytes, num_microbatches: int = 4, steps: int = 3) -> tuple[float, float]:

@@ -116,7 +116,7 @@ def _price(profile: Profile, name: str, v: int, m: int, num_slices: int, batch_s
             stage = {FORWARD: fs + gap, BACKWARD: bs + gap, WEIGHT: ws + gap}
         stage[FULL_BACKWARD] = bs + ws + gap
         costs.append(stage)
-    updates = [sum(profile.update_s[i, a:z].sum() for a, z in (ranges[k] for k in schedule.stages_on(r)))
+    updates = [sum(profile.update_s[i, a:z].sum() + gap for a, z in (ranges[k] for k in schedule.stages_on(r)))
                for r in range(num_slices)]
     crossing = [profile.boundary_bytes[i, c] for c in bounds[1:-1]]
     comm_s = profile.transfer_s(max(crossing)) if crossing and num_slices > 1 else 0.0
