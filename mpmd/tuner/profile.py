@@ -33,6 +33,7 @@ A Profile is plain arrays: tests build one from declared costs, without any comp
 """
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -44,7 +45,7 @@ import numpy as np
 from mpmd.schedules import core as schedules
 from mpmd.stages.pipeline import Pipeline
 from mpmd.schedules.core import BACKWARD, FORWARD, WEIGHT, Schedule, Task
-from mpmd.schedules.simulate import step_s
+from mpmd.schedules.simulate import FULL_BACKWARD, step_s
 from mpmd.stages.specs import spec
 from mpmd.runtime.wire.format import nbytes
 
@@ -74,6 +75,9 @@ class Profile(NamedTuple):
     unit_names: tuple[str, ...] = ()
     program_s: float = 0.0                # per traced program: its fixed cost, already taken out of
                                           # the unit times above (a record of the fit; search reads task_gap_s)
+    # Slices that share cores: ((slices, number of cores they share), ...); a slice in none
+    # has its cores to itself. Unit times above are core-seconds (what a program takes alone).
+    core_groups: tuple = ()
 
     @property
     def num_units(self) -> int:
@@ -119,17 +123,89 @@ def profile_schedule(num_units: int, num_slices: int, num_microbatches: int, uni
     return Schedule("profile", len(stages), m, most, True, tuple(slices), placement)
 
 
-def task_durations(events_per_step) -> dict:
+def task_durations(events_per_step, core_groups=()) -> dict:
     """{(kind, stage): [seconds, ...]} of every traced F/B/W/U program, from
-    Trainer.step(trace=True)["events"] of one or more steps."""
+    Trainer.step(trace=True)["events"] of one or more steps. On slices that share cores
+    (`core_groups`, as Profile's), a program's seconds are its core-seconds: while n of its
+    group's slices run programs on c cores, each runs at min(1, c / n) of its own speed."""
     out: dict = {}
+    group_of = {r: (slices, cores) for slices, cores in core_groups for r in slices}
     for events in events_per_step:
-        for slice_events in events:
-            for e in slice_events:
+        runs = [[e for e in slice_events if e.kind == "run"] for slice_events in events]
+        for r, slice_runs in enumerate(runs):
+            slices, cores = group_of.get(r, ((r,), 1))
+            others = [e for q in slices if q != r and q < len(runs) for e in runs[q]]
+            for e in slice_runs:
                 match = _LABEL.match(e.name)
-                if e.kind == "run" and match:
-                    out.setdefault((match[1], int(match[2])), []).append((e.end_ns - e.start_ns) / 1e9)
+                if match:
+                    out.setdefault((match[1], int(match[2])), []).append(_alone_s(e, others, cores))
     return out
+
+
+def _alone_s(e, others, cores: int) -> float:
+    """Seconds event `e` would have run alone: its span, each part of it counted at
+    min(1, cores / programs running then), `others` being the programs of the slices that
+    share its cores."""
+    cuts = sorted({e.start_ns, e.end_ns} | {t for o in others for t in (o.start_ns, o.end_ns)
+                                            if e.start_ns < t < e.end_ns})
+    total = 0.0
+    for a, z in zip(cuts, cuts[1:]):
+        mid = (a + z) / 2
+        running = 1 + sum(o.start_ns <= mid < o.end_ns for o in others)
+        total += (z - a) * min(1.0, cores / running)
+    return total / 1e9
+
+
+def shared_step_s(schedule: Schedule, costs: list, updates, comm_s: float = 0.0, core_groups=()) -> float:
+    """step_s of `schedule` with per-stage `costs` (dicts of F, B, W[, BW] core-seconds) and
+    per-slice `updates`, where slices that share cores slow each other down. Mean field:
+    slice r's tasks and updates take (1 + its mates' busy fractions) / cores times their
+    cost when that is over 1, a mate's busy fraction being its own (slowed) work over the
+    step; the step and the fractions are solved together by damped iteration."""
+    step = step_s(schedule, costs, updates, comm_s)
+    if not core_groups:
+        return step
+    def cost(task):
+        c = costs[task.stage]
+        if task.kind == BACKWARD and not schedule.split_backward:
+            return c.get(FULL_BACKWARD, c[BACKWARD] + c[WEIGHT])
+        return c[task.kind]
+    work = [sum(cost(t) for t in tasks) + u for tasks, u in zip(schedule.slices, updates)]
+    P = schedule.num_slices
+    scale = [1.0] * P
+    for _ in range(100):
+        busy = [min(1.0, f * w / step) for f, w in zip(scale, work)]
+        scale = [1.0] * P
+        for slices, cores in core_groups:
+            mine = [q for q in slices if q < P]
+            for r in mine:
+                scale[r] = max(1.0, (1 + sum(busy[q] for q in mine if q != r)) / cores)
+        scaled = [{kind: v * scale[schedule.placement[k]] for kind, v in c.items()} for k, c in enumerate(costs)]
+        new = step_s(schedule, scaled, [u * f for u, f in zip(updates, scale)], comm_s)
+        if abs(new - step) <= 1e-6 * step:
+            return new
+        step = (step + new) / 2          # damped: the busy fractions fall as the step grows
+    return step
+
+
+def core_groups_of(cluster, num_slices: int) -> tuple:
+    """The slices of `cluster` whose worker processes may run on the same cores (their CPU
+    affinities, read from this machine, intersect), with how many cores each such group
+    has: ((slices, cores), ...). () where the workers' processes are not on this machine
+    or each slice has its own cores."""
+    try:
+        pids = list(cluster.pids)
+        if len(pids) != num_slices:
+            return ()
+        affinity = [set(os.sched_getaffinity(pid)) for pid in pids]
+    except (AttributeError, OSError, TypeError):
+        return ()
+    groups: list[list[int]] = []
+    for r in range(num_slices):
+        joined = [g for g in groups if any(affinity[q] & affinity[r] for q in g)]
+        merged = [q for g in joined for q in g] + [r]
+        groups = [g for g in groups if g not in joined] + [sorted(merged)]
+    return tuple((tuple(g), len(set().union(*(affinity[q] for q in g)))) for g in sorted(groups) if len(g) > 1)
 
 
 def task_gaps(events_per_step) -> list[float]:
@@ -157,6 +233,7 @@ class Grouping(NamedTuple):
     schedule: Schedule
     durations: list          # [size] {(kind, stage): seconds}
     step_s: list             # [size] seconds
+    core_groups: tuple = ()  # as Profile's
 
 
 def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, microbatch_sizes,
@@ -202,7 +279,7 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     else:   # one unit per slice: no second grouping tells per task from per step
         task, overhead = program, _rest_s(single, program, program)
     log(f"profile: {1e3 * program:.2f} ms per program, {1e3 * task:.2f} ms per task, "
-        f"{1e3 * overhead:.2f} ms per step")
+        f"{1e3 * overhead:.2f} ms per step; slices sharing cores: {single.core_groups or 'none'}")
     # Each unit's compute: its program's time less the program's fixed cost, which a stage
     # of several units pays once (charged per task as task_gap_s).
     fwd, bin_, bw, upd = (np.array([[max(0.0, d.get((kind, k), program) - program) if (kind, k) in d else 0.0
@@ -212,7 +289,7 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     latency, bandwidth = (0.0, float("inf")) if num_slices < 2 else measure_transfer(cluster, transfer_sizes)
     names = tuple(type(u).__name__ for u in units)
     return Profile(sizes, fwd, bin_, bw, upd, params, opt, resid, kept, bound, latency, bandwidth,
-                   task, overhead, names, program)
+                   task, overhead, names, program, single.core_groups)
 
 
 def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, units_per_stage, sizes,
@@ -225,6 +302,7 @@ def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, un
     pipe = Pipeline(units if units_per_stage == 1 else cut(units, [a for a, _ in stages[1:]]), loss_fn)
     trainer = Trainer(pipe, optimizer, schedule=schedule, cluster=cluster, max_grad_norm=max_grad_norm)
     durations, step_times = [], []
+    groups = ()
     try:
         for size in sizes:
             t0 = time.perf_counter()
@@ -232,6 +310,7 @@ def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, un
             # Compiles this size's programs; the first traced step compiles more of its own
             # (bench_schedules warms up the same way), so neither is timed.
             trainer.step(x, y)
+            groups = core_groups_of(cluster, num_slices)      # the workers are up now
             trainer.step(x, y, trace=True)
             traced = [trainer.step(x, y, trace=True)["events"] for _ in range(steps)]
             # Steps are timed untraced, as they run in training (a traced step also counts
@@ -241,13 +320,13 @@ def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, un
                 begin = time.perf_counter()
                 trainer.step(x, y)
                 untraced.append(time.perf_counter() - begin)
-            durations.append({key: statistics.median(v) for key, v in task_durations(traced).items()})
+            durations.append({key: statistics.median(v) for key, v in task_durations(traced, groups).items()})
             step_times.append(statistics.median(untraced))
             log(f"profiled microbatch size {size}, {len(stages)} stages of <= {units_per_stage} units: "
                 f"step {1e3 * step_times[-1]:.1f} ms ({time.perf_counter() - t0:.1f} s)")
     finally:
         trainer.close(close_cluster=False)
-    return Grouping(stages, schedule, durations, step_times)
+    return Grouping(stages, schedule, durations, step_times, groups)
 
 
 def quieter(a: Grouping, b: Grouping) -> Grouping:
@@ -287,7 +366,7 @@ def _grouping_step_s(g: Grouping, i: int, program: float, task: float) -> float:
     costs = [{FORWARD: at(FORWARD, k), BACKWARD: at(BACKWARD, k), WEIGHT: at(WEIGHT, k)}
              for k in range(g.schedule.num_stages)]
     updates = [sum(at(UPDATE, k) for k in g.schedule.stages_on(r)) for r in range(g.schedule.num_slices)]
-    return step_s(g.schedule, costs, updates)
+    return shared_step_s(g.schedule, costs, updates, 0.0, g.core_groups)
 
 
 def _rest_s(g: Grouping, program: float, task: float) -> float:

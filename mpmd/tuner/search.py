@@ -32,9 +32,9 @@ from typing import NamedTuple
 
 from mpmd.schedules import core as schedules
 from mpmd.schedules.core import BACKWARD, FORWARD, WEIGHT
-from mpmd.schedules.simulate import FULL_BACKWARD, peak_saved_bytes, step_s
+from mpmd.schedules.simulate import FULL_BACKWARD, peak_saved_bytes
 from mpmd.stages.split import balanced_boundaries
-from mpmd.tuner.profile import Profile
+from mpmd.tuner.profile import Profile, shared_step_s
 
 
 class NoCandidateFits(ValueError):
@@ -154,7 +154,8 @@ def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: flo
     for p in priced:
         if keep is not None and len(ranked) >= keep and p.lower_bound_s > ranked[keep - 1].predicted_step_s:
             break      # every later candidate's bound is higher still
-        ranked.append(_candidate(p, step_s(p.schedule, p.costs, p.updates, p.comm_s) + profile.step_overhead_s))
+        step = shared_step_s(p.schedule, p.costs, p.updates, p.comm_s, profile.core_groups)
+        ranked.append(_candidate(p, step + profile.step_overhead_s))
         ranked.sort(key=lambda c: c.predicted_step_s)
     return (ranked if keep is None else ranked[:keep]), excluded
 

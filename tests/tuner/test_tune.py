@@ -220,3 +220,23 @@ def test_profile_fits_program_task_and_step_costs_from_two_groupings():
     assert program_s(single, paired) == pytest.approx(program, rel=1e-6)
     fitted_task, fitted_overhead = task_and_step_s(groupings, program)
     assert fitted_task == pytest.approx(task, rel=1e-6) and fitted_overhead == pytest.approx(overhead, rel=1e-6)
+
+
+def test_slices_sharing_a_core_share_its_time():
+    from mpmd.runtime.wire.results import Event
+    from mpmd.schedules.simulate import step_s
+    from mpmd.tuner.profile import shared_step_s, task_durations
+    # Traced: slice 1's forward ran while slice 0's was half done; on one shared core each ran
+    # at half speed while both ran, so each took 7.5 ms of the core, not its 10 ms of wall time.
+    ms = 1_000_000
+    events = [[Event("F s0 mb0", "run", 0, 10 * ms)], [Event("F s1 mb0", "run", 5 * ms, 15 * ms)]]
+    assert task_durations([events]) == {("F", 0): [0.010], ("F", 1): [0.010]}
+    alone = task_durations([events], core_groups=(((0, 1), 1),))
+    assert alone[("F", 0)] == pytest.approx([0.0075]) and alone[("F", 1)] == pytest.approx([0.0075])
+    # Priced: two slices on one core take at least their summed work, on two cores as unshared.
+    schedule = schedules.make("1f1b", 2, 8)
+    costs = [{"F": 1.0, "B": 1.0, "W": 1.0}] * 2
+    apart = step_s(schedule, costs, [0.5, 0.5])
+    assert shared_step_s(schedule, costs, [0.5, 0.5], 0.0, (((0, 1), 2),)) == apart
+    shared = shared_step_s(schedule, costs, [0.5, 0.5], 0.0, (((0, 1), 1),))
+    assert shared >= 2 * (8 * 3 + 0.5) > apart
