@@ -4,15 +4,32 @@ short pass on the cluster's own workers.
     prof = profile(layers, loss_fn, optimizer, inputs, targets, cluster, microbatch_sizes=(2, 4))
 
 Per *unit* (a layer of `model.layers()`, or a user's stage: the smallest pieces a stage is
-cut from) and per microbatch size: the measured seconds of its forward (F), input gradient
-(B) and weight gradient (W) and of its optimizer update (U), and the bytes of its
-parameters, optimizer state, residuals (what F saves for the backward), kept bytes (what B
-keeps for W) and of the activation entering it. Plus the transfer model between two slices,
-seconds = latency_s + bytes / bytes_per_s, and what a slice spends around each program
-that the simulator does not charge (the executor's own walk: sends, receives, deletes,
-dispatch): the gap between consecutive programs, plus the rest of the measured profiling
-step beyond the simulated one spread over its tasks (so a candidate of fewer, larger
-stages pays less of it).
+cut from) and per microbatch size: the core-seconds of its forward (F), input gradient (B)
+and weight gradient (W) and of its optimizer update (U), net of a program's fixed cost, and
+the bytes of its parameters, optimizer state, residuals (what F saves for the backward),
+kept bytes (what B keeps for W) and of the activation entering it. Plus the transfer model
+between two slices, seconds = latency_s + bytes / bytes_per_s, and the cost model's named
+terms (the search charges them, mpmd/tuner/search.py):
+
+- program_s: the fixed seconds in every program's traced time, whatever its size (dispatch,
+  argument handling, launch, the wait for its end). A unit measured alone is one program
+  and pays it; a stage of n units is one program and pays it once, not n times. Measured
+  by profiling a second grouping of the same units (consecutive pairs fused into one stage,
+  each pair on its units' slice): per fused stage, (its units' programs' seconds - its own
+  programs' seconds) / (the programs saved) (`program_s`); taken out of every unit's times.
+- task_gap_s: what one task costs an untraced training step beyond its compute (its
+  program's fixed cost again, as the step pays it, and the executor's walk around it:
+  sends, receives, deletes). The two groupings run the same compute in different numbers
+  of tasks, so the difference of their measured steps is the difference of their task
+  counts times this, plus the programs' own differences (`task_and_step_s`).
+- step_overhead_s: what a step costs whatever its tasks (the controller feeding the batch
+  and taking the loss back): the measured steps beyond the simulated ones, with task_gap_s.
+- core_groups: the slices whose workers share cores (their CPU affinities intersect, read
+  from this machine: `core_groups_of`; 4 workers on 2 cores pair them up). A traced
+  program's seconds while n of its group's slices run on c cores are counted at
+  min(1, c / n) (`task_durations`), so unit times are what a program takes alone, and a
+  candidate's step is simulated with each slice slowed by its mates' busy fraction
+  (`shared_step_s`): a schedule that keeps every slice busy gives the core to none.
 
 How. The units become the stages of one pipeline, placed in contiguous blocks over the
 cluster's slices, run by a split-backward GPipe order (all forwards, then the B and W of
@@ -21,13 +38,16 @@ task is timed while the others compute) for a few traced steps per microbatch si
 task's duration is read from the trace (median over microbatches and steps), after a traced
 warm-up step (the first traced step compiles; a median of two steps, one of them compiling,
 once priced a block three times too high). The step itself is timed untraced, as training
-runs it (tracing counts every slice's bytes after each instruction, which costs time).
-The first unit's B runs no program (its input is data), so its W is its whole backward, as
-for any first stage. Bytes come from shapes (mpmd.stages.costs.memory). With three or more
-sizes, each unit's times are replaced by a robust line in the size (`affine_in_size`). The
-transfer model is fit by least squares to the gaps between a forward on one slice and its
-consumer's forward on the next, in dry runs (mpmd/lowering/dryrun.py: zero-second programs, real
-transfers) of a few activation sizes.
+runs it (tracing waits for every program and counts every slice's bytes after each
+instruction, which costs time). The pairs are profiled the same way between two passes of
+the units, and of those two the quieter is kept per size (`quieter`: a drifting load, or a
+fresh cluster's slower first steps, must not weigh on one grouping only). The first unit's
+B runs no program (its input is data), so its W is its whole backward, as for any first
+stage. Bytes come from shapes (mpmd.stages.costs.memory). With three or more sizes, each
+unit's times are replaced by a robust line in the size (`affine_in_size`). The transfer
+model is fit by least squares to the gaps between a forward on one slice and its
+consumer's forward on the next, in dry runs (mpmd/lowering/dryrun.py: zero-second programs,
+real transfers) of a few activation sizes.
 
 A Profile is plain arrays: tests build one from declared costs, without any compute.
 """
@@ -273,16 +293,16 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
     if len(single.stages) > num_slices:      # some slice holds two units: pair them, then the units again
         paired = run(2)
         single = quieter(single, run(1))
-    program = program_s(single, paired) if paired else 0.0
     if paired:
+        program = program_s(single, paired)
         task, overhead = task_and_step_s([single, paired], program)
-    else:   # one unit per slice: no second grouping tells per task from per step
-        task, overhead = program, _rest_s(single, program, program)
+    else:   # one unit per slice: no second grouping tells per program or per task from per step
+        program, task, overhead = 0.0, 0.0, _rest_s(single, 0.0, 0.0)
     log(f"profile: {1e3 * program:.2f} ms per program, {1e3 * task:.2f} ms per task, "
         f"{1e3 * overhead:.2f} ms per step; slices sharing cores: {single.core_groups or 'none'}")
     # Each unit's compute: its program's time less the program's fixed cost, which a stage
     # of several units pays once (charged per task as task_gap_s).
-    fwd, bin_, bw, upd = (np.array([[max(0.0, d.get((kind, k), program) - program) if (kind, k) in d else 0.0
+    fwd, bin_, bw, upd = (np.array([[max(0.0, d[kind, k] - program) if (kind, k) in d else 0.0
                                      for k in range(U)] for d in single.durations])
                           for kind in (FORWARD, BACKWARD, WEIGHT, UPDATE))
     fwd, bin_, bw, upd = (affine_in_size(sizes, t) for t in (fwd, bin_, bw, upd))

@@ -7,14 +7,17 @@ measured costs and transfer model, kept when every slice fits the memory cap.
 Pricing a candidate (microbatch size = batch / m, the profile's costs at that size):
 - cuts: mpmd.split.balanced_boundaries over each unit's F + B + W (the slowest stage sets
   the pace), into S = v * p stages;
-- a stage's F, B, W: the sums over its units plus the measured gap between tasks (one per
-  task, whatever the stage's size: the executor walks one program); a schedule without
-  split backward runs B + W as one task (one gap); the first stage's B runs nothing in a
-  split backward (its W is its whole backward), as the runtime does (mpmd/lowering/dryrun.py);
+- a stage's F, B, W: the sums over its units' compute (net of the per-program cost, which
+  the profile measured and took out) plus the profile's task_gap_s once per task, whatever
+  the stage's size: the executor walks one program; a schedule without split backward runs
+  B + W as one task (one charge); the first stage's B runs nothing in a split backward (its
+  W is its whole backward), as the runtime does (mpmd/lowering/dryrun.py); a stage's update
+  is one program too (one charge);
 - transfers: every cross-slice dependency waits latency + bytes / bandwidth, with the
   largest boundary's bytes (mpmd.schedules.simulate charges one figure per transfer);
 - step: the latest slice's end plus that slice's optimizer updates, plus the measured
-  per-step overhead;
+  per-step overhead; where slices share cores (the profile's core_groups), simulated with
+  each slice slowed by its mates' busy fraction (mpmd.tuner.profile.shared_step_s);
 - memory per slice: parameters and accumulated gradients and optimizer state of its stages,
   plus the schedule's peak of saved activations (mpmd.schedules.simulate.peak_saved_bytes: residuals
   from F until the last backward task, and in a split backward what B keeps for W). Not
