@@ -228,24 +228,6 @@ def core_groups_of(cluster, num_slices: int) -> tuple:
     return tuple((tuple(g), len(set().union(*(affinity[q] for q in g)))) for g in sorted(groups) if len(g) > 1)
 
 
-def task_gaps(events_per_step) -> list[float]:
-    """Seconds between one program's end and the next program's start on the same slice,
-    where no receive was walked in between (so the gap is the executor's own work)."""
-    gaps = []
-    for events in events_per_step:
-        for slice_events in events:
-            ordered = sorted(slice_events, key=lambda e: e.start_ns)
-            last_end = None
-            for e in ordered:
-                if e.kind == "recv":
-                    last_end = None
-                elif e.kind == "run":
-                    if last_end is not None and e.start_ns >= last_end:
-                        gaps.append((e.start_ns - last_end) / 1e9)
-                    last_end = e.end_ns
-    return gaps
-
-
 class Grouping(NamedTuple):
     """One profiling pass: its stages' unit ranges, its schedule, and per microbatch size the
     traced median seconds of every program {(kind, stage): s} and the untraced step's median."""
