@@ -7,14 +7,17 @@ measured costs and transfer model, kept when every slice fits the memory cap.
 Pricing a candidate (microbatch size = batch / m, the profile's costs at that size):
 - cuts: mpmd.split.balanced_boundaries over each unit's F + B + W (the slowest stage sets
   the pace), into S = v * p stages;
-- a stage's F, B, W: the sums over its units plus the measured gap between tasks (one per
-  task, whatever the stage's size: the executor walks one program); a schedule without
-  split backward runs B + W as one task (one gap); the first stage's B runs nothing in a
-  split backward (its W is its whole backward), as the runtime does (mpmd/lowering/dryrun.py);
+- a stage's F, B, W: the sums over its units' compute (net of the per-program cost, which
+  the profile measured and took out) plus the profile's task_gap_s once per task, whatever
+  the stage's size: the executor walks one program; a schedule without split backward runs
+  B + W as one task (one charge); the first stage's B runs nothing in a split backward (its
+  W is its whole backward), as the runtime does (mpmd/lowering/dryrun.py); a stage's update
+  is one program too (one charge);
 - transfers: every cross-slice dependency waits latency + bytes / bandwidth, with the
   largest boundary's bytes (mpmd.schedules.simulate charges one figure per transfer);
 - step: the latest slice's end plus that slice's optimizer updates, plus the measured
-  per-step overhead;
+  per-step overhead; where slices share cores (the profile's core_groups), simulated with
+  each slice slowed by its mates' busy fraction (mpmd.tuner.profile.shared_step_s);
 - memory per slice: parameters and accumulated gradients and optimizer state of its stages,
   plus the schedule's peak of saved activations (mpmd.schedules.simulate.peak_saved_bytes: residuals
   from F until the last backward task, and in a split backward what B keeps for W). Not
@@ -32,9 +35,9 @@ from typing import NamedTuple
 
 from mpmd.schedules import core as schedules
 from mpmd.schedules.core import BACKWARD, FORWARD, WEIGHT
-from mpmd.schedules.simulate import FULL_BACKWARD, peak_saved_bytes, step_s
+from mpmd.schedules.simulate import FULL_BACKWARD, peak_saved_bytes
 from mpmd.stages.split import balanced_boundaries
-from mpmd.tuner.profile import Profile
+from mpmd.tuner.profile import Profile, shared_step_s
 
 
 class NoCandidateFits(ValueError):
@@ -116,7 +119,7 @@ def _price(profile: Profile, name: str, v: int, m: int, num_slices: int, batch_s
             stage = {FORWARD: fs + gap, BACKWARD: bs + gap, WEIGHT: ws + gap}
         stage[FULL_BACKWARD] = bs + ws + gap
         costs.append(stage)
-    updates = [sum(profile.update_s[i, a:z].sum() for a, z in (ranges[k] for k in schedule.stages_on(r)))
+    updates = [sum(profile.update_s[i, a:z].sum() + gap for a, z in (ranges[k] for k in schedule.stages_on(r)))
                for r in range(num_slices)]
     crossing = [profile.boundary_bytes[i, c] for c in bounds[1:-1]]
     comm_s = profile.transfer_s(max(crossing)) if crossing and num_slices > 1 else 0.0
@@ -154,7 +157,8 @@ def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: flo
     for p in priced:
         if keep is not None and len(ranked) >= keep and p.lower_bound_s > ranked[keep - 1].predicted_step_s:
             break      # every later candidate's bound is higher still
-        ranked.append(_candidate(p, step_s(p.schedule, p.costs, p.updates, p.comm_s) + profile.step_overhead_s))
+        step = shared_step_s(p.schedule, p.costs, p.updates, p.comm_s, profile.core_groups)
+        ranked.append(_candidate(p, step + profile.step_overhead_s))
         ranked.sort(key=lambda c: c.predicted_step_s)
     return (ranked if keep is None else ranked[:keep]), excluded
 

@@ -34,7 +34,8 @@ def declared(sizes=(2, 4, 8, 16), units=(4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0)
 
 def brute_force(profile: Profile, num_slices: int, batch: int) -> tuple[float, tuple]:
     """The fastest step over every (schedule, v, m) the search considers, each simulated
-    here from the declared per-unit costs at its own balanced cut points."""
+    here from the declared per-unit costs at its own balanced cut points, every task (and
+    every stage's update) charged the profile's task_gap_s once, plus its step_overhead_s."""
     best = (float("inf"), None)
     for name, v, m in space(profile, num_slices, batch):
         try:
@@ -45,22 +46,26 @@ def brute_force(profile: Profile, num_slices: int, batch: int) -> tuple[float, t
         f, b, w = profile.forward_s[i], profile.input_grad_s[i], profile.weight_grad_s[i]
         bounds = balanced_boundaries(f + b + w, v * num_slices)
         stages = list(zip(bounds, bounds[1:]))
-        costs = [{"F": f[a:z].sum(), "B": b[a:z].sum(), "W": w[a:z].sum(), "BW": (b[a:z] + w[a:z]).sum()}
-                 for a, z in stages]
+        g = profile.task_gap_s
+        costs = [{"F": f[a:z].sum() + g, "B": b[a:z].sum() + g, "W": w[a:z].sum() + g,
+                  "BW": (b[a:z] + w[a:z]).sum() + g} for a, z in stages]
         if schedule.split_backward:
             costs[0] = dict(costs[0], B=0.0, W=costs[0]["BW"])
         comm = profile.latency_s + max(profile.boundary_bytes[i, c] for c in bounds[1:-1]) / profile.bytes_per_s
         sim = simulate(schedule, costs, comm)
-        step = max(row[-1][2] + sum(profile.update_s[i, a:z].sum() for a, z in (stages[k] for k in schedule.stages_on(r)))
-                   for r, row in enumerate(sim.spans))
+        step = profile.step_overhead_s + max(
+            row[-1][2] + sum(profile.update_s[i, a:z].sum() + g for a, z in (stages[k] for k in schedule.stages_on(r)))
+            for r, row in enumerate(sim.spans))
         if step < best[0]:
             best = (step, (name, v, m, tuple(bounds[1:-1])))
     return best
 
 
-@pytest.mark.parametrize("num_slices,batch", [(2, 16), (4, 16), (2, 12)])
-def test_search_finds_the_brute_force_optimum(num_slices, batch):
+@pytest.mark.parametrize("num_slices,batch,task_s", [(2, 16, 0.0), (4, 16, 0.0), (2, 12, 0.0), (2, 16, 2e-3),
+                                                     (4, 16, 5e-4)])
+def test_search_finds_the_brute_force_optimum(num_slices, batch, task_s):
     profile = declared(sizes=tuple(d for d in range(1, batch + 1) if batch % d == 0))
+    profile = profile._replace(task_gap_s=task_s, step_overhead_s=10 * task_s)
     ranked, excluded = search(profile, num_slices, batch, keep=3)
     assert not excluded
     step, (name, v, m, cuts) = brute_force(profile, num_slices, batch)
@@ -170,3 +175,68 @@ def test_profiled_times_follow_a_robust_line_in_the_size():
     spiked[1] *= 3                                  # one size measured under a burst of other load
     assert np.allclose(affine_in_size(sizes, spiked)[:, 0], [1.0, 1.5, 2.5, 4.5])
     assert np.array_equal(affine_in_size(sizes[:2], spiked[:2]), spiked[:2])    # two sizes: as measured
+
+
+def test_a_stage_pays_the_task_cost_once_whatever_its_units():
+    # The same compute declared as 4 units or as 8 half units: a stage of twice the units is
+    # one program per task, so every prediction is the same (per unit, the 8 halves would
+    # pay the 2 ms task cost twice as often).
+    whole = declared(sizes=(4,), units=(1.0, 1.0, 1.0, 1.0))._replace(task_gap_s=2e-3, step_overhead_s=5e-3)
+    half = lambda a: np.repeat(np.asarray(a) / 2, 2, axis=-1)
+    halves = Profile((4,), half(whole.forward_s), half(whole.input_grad_s), half(whole.weight_grad_s),
+                     half(whole.update_s), half(whole.param_bytes), half(whole.optimizer_bytes),
+                     half(whole.residual_bytes), half(whole.kept_bytes), np.full((1, 9), 4000.0),
+                     whole.latency_s, whole.bytes_per_s, 2e-3, 5e-3)
+    kw = dict(num_slices=2, batch_size=16, microbatch_counts=[4], schedule_names=["1f1b", "zb-h1", "zb-v"], keep=None)
+    by_whole = {(c.schedule, c.cuts): c.predicted_step_s for c in search(whole, **kw)[0]}
+    by_halves = {(c.schedule, tuple(u // 2 for u in c.cuts)): c.predicted_step_s for c in search(halves, **kw)[0]}
+    assert by_whole == pytest.approx(by_halves, rel=1e-9) and len(by_whole) == 3
+
+
+def test_profile_fits_program_task_and_step_costs_from_two_groupings():
+    from mpmd.tuner.profile import Grouping, _grouping_step_s, profile_schedule, profile_stages, program_s, \
+        task_and_step_s
+    # 6 units on 2 slices with declared compute; every traced program holds 0.4 ms of fixed
+    # cost, an untraced step pays 1.5 ms per task and 20 ms per step.
+    compute = {"F": [3e-3, 1e-3, 2e-3, 2e-3, 1e-3, 4e-3], "B": [0.0, 1e-3, 2e-3, 2e-3, 1e-3, 3e-3],
+               "W": [5e-3, 1e-3, 2e-3, 2e-3, 1e-3, 3e-3], "U": [1e-3] * 6}
+    program, task, overhead = 4e-4, 1.5e-3, 2e-2
+    groupings = []
+    for units_per_stage in (1, 2):
+        stages = profile_stages(6, 2, units_per_stage)
+        schedule = profile_schedule(6, 2, 4, units_per_stage)
+        durations = {}
+        for k, (a, z) in enumerate(stages):
+            for kind, seconds in compute.items():
+                if kind == "B" and a == 0:
+                    continue                             # the first stage's B runs no program
+                total = sum(seconds[a:z]) + (sum(compute["B"][a:z]) if kind == "W" and a == 0 else 0.0)
+                durations[kind, k] = total + program
+        g = Grouping(stages, schedule, [durations], [0.0])
+        groupings.append(g._replace(step_s=[_grouping_step_s(g, 0, program, task) + overhead]))
+    single, paired = groupings
+    # Unit 0's W is its whole backward here, so its B's seconds sit in W: sum them in.
+    single.durations[0]["W", 0] = compute["W"][0] + program
+    assert program_s(single, paired) == pytest.approx(program, rel=1e-6)
+    fitted_task, fitted_overhead = task_and_step_s(groupings, program)
+    assert fitted_task == pytest.approx(task, rel=1e-6) and fitted_overhead == pytest.approx(overhead, rel=1e-6)
+
+
+def test_slices_sharing_a_core_share_its_time():
+    from mpmd.runtime.wire.results import Event
+    from mpmd.schedules.simulate import step_s
+    from mpmd.tuner.profile import shared_step_s, task_durations
+    # Traced: slice 1's forward ran while slice 0's was half done; on one shared core each ran
+    # at half speed while both ran, so each took 7.5 ms of the core, not its 10 ms of wall time.
+    ms = 1_000_000
+    events = [[Event("F s0 mb0", "run", 0, 10 * ms)], [Event("F s1 mb0", "run", 5 * ms, 15 * ms)]]
+    assert task_durations([events]) == {("F", 0): [0.010], ("F", 1): [0.010]}
+    alone = task_durations([events], core_groups=(((0, 1), 1),))
+    assert alone[("F", 0)] == pytest.approx([0.0075]) and alone[("F", 1)] == pytest.approx([0.0075])
+    # Priced: two slices on one core take at least their summed work, on two cores as unshared.
+    schedule = schedules.make("1f1b", 2, 8)
+    costs = [{"F": 1.0, "B": 1.0, "W": 1.0}] * 2
+    apart = step_s(schedule, costs, [0.5, 0.5])
+    assert shared_step_s(schedule, costs, [0.5, 0.5], 0.0, (((0, 1), 2),)) == apart
+    shared = shared_step_s(schedule, costs, [0.5, 0.5], 0.0, (((0, 1), 1),))
+    assert shared >= 2 * (8 * 3 + 0.5) > apart
