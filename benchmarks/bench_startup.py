@@ -10,8 +10,8 @@ whose start lies on the recovery's critical path (bench_recovery.py's "spawn"). 
 puts DIR first on the child processes' PYTHONPATH, so they import the ml_dtypes found there
 instead of the installed one; everything else is the same environment. Per round, in
 alternating order: a fresh interpreter's `import ml_dtypes` (seconds, timed inside it), and
-a worker (`python -m mpmd.runtime.worker.main --token-stdin`, JAX on the CPU) from Popen
-until it prints its ready line. Medians over the rounds, and other / installed.
+a worker (LocalCluster's command line and environment, runtime/launchers/workers.py,
+JAX on the CPU) from Popen until it prints its ready line. Medians over the rounds, and other / installed.
 
 Why pyproject.toml bounds ml_dtypes below 0.7: 0.7.0's import took ~0.5 s on this machine
 (numpy 2.4), 0.5.4's and 0.6.0's ~0.06 s (docs/benchmarks.md, Start-up).
@@ -33,9 +33,12 @@ IMPORT = ("import time; t = time.perf_counter(); import ml_dtypes; "
 
 
 def env_with(first: str | None) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    """A worker's environment as LocalCluster builds it (no compilation cache), JAX on the CPU,
+    with `first` ahead of everything on PYTHONPATH."""
+    from mpmd.runtime.launchers.workers import worker_env
+    env = dict(worker_env(""), JAX_PLATFORMS="cpu")
     if first:
-        env["PYTHONPATH"] = os.pathsep.join([first] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = first + os.pathsep + env["PYTHONPATH"]
     return env
 
 
@@ -46,10 +49,10 @@ def import_s(env: dict) -> tuple[float, str]:
 
 
 def worker_ready_s(env: dict) -> float:
+    from mpmd.runtime.launchers.workers import worker_command
     from mpmd.runtime.worker.main import READY
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "mpmd.runtime.worker.main", "--listen", "127.0.0.1:0",
-                             "--token-stdin", "--root", str(REPO)], env=env, cwd=REPO,
+    proc = subprocess.Popen(worker_command("127.0.0.1:0", str(REPO), 1, token_stdin=True), env=env, cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         proc.stdin.write(TOKEN + "\n")
