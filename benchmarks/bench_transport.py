@@ -1,10 +1,13 @@
 """TransferTransport latency and bandwidth between two worker processes, by path, beside memcpy.
 
-    .venv/bin/python benchmarks/bench_transport.py [--paths socket,shm]
+    .venv/bin/python benchmarks/bench_transport.py [--paths socket,shm] [--platform cpu]
 
 For each path (runtime/wire/transport.py: "socket" = jax.experimental.transfer over loopback
-TCP, "shm" = shared memory, runtime/wire/shm.py) two worker processes (each pinned to its own
-core, XLA single-threaded) play ping-pong with the transport: slice 0 sends a float32
+TCP, "shm" = shared memory, runtime/wire/shm.py, its host staging as auto picks it;
+"shm+pinned" / "shm+pageable" = shared memory with host staging forced one way: through
+pinned host memory, or not) two worker processes (each pinned to its own core, XLA
+single-threaded on CPU; on a GPU both use GPU 0, as gpu_suite.py runs it: `--platform cuda`)
+play ping-pong with the transport: slice 0 sends a float32
 payload, slice 1 receives it and sends it back. The one-way time is half a round trip, so it
 includes send, pull, the wire and the receiver seeing the array ready. The numpy memcpy
 bandwidth (into a warm destination) is measured in this same run on this machine, and so is
@@ -28,10 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 SIZES_MB = (1, 16, 64)
 NUM_WARMUP = 3
 NUM_RUNS = {1: 50, 16: 20, 64: 10}
-PATHS = ("socket", "shm")
+PATHS = ("socket", "shm", "shm+pinned", "shm+pageable")
+DEFAULT_PATHS = ("socket", "shm")
 
 
-def worker(slice_index: int, path: str) -> None:
+def worker(slice_index: int, path: str, sizes_mb: tuple[int, ...] = SIZES_MB) -> None:
     import jax
     from mpmd.runtime.worker.instructions import Spec
     from mpmd.runtime.worker.mesh import bind
@@ -39,17 +43,18 @@ def worker(slice_index: int, path: str) -> None:
 
     peer = 1 - slice_index
     device = jax.devices()[0]
+    mode, _, staging = path.partition("+")
     transport = TransferTransport(slice_index, bind((1, 1, 1), [device]), secret=b"bench-transfer-secret",
-                                  transport=path)
+                                  transport=mode, host_staging=staging or "auto")
     print(json.dumps({"address": transport.address}), flush=True)
     transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
-    assert transport.path(peer) == path, (transport.path(peer), path)
+    assert transport.path(peer) == mode, (transport.path(peer), mode)
     results = {}
-    for size_mb in SIZES_MB:
+    for size_mb in sizes_mb:
         spec = (Spec((size_mb * 2**20 // 4,), "float32"),)
         payload = (jax.device_put(np.arange(spec[0].shape[0], dtype=np.float32), device),)
         one_way_s = []
-        for i in range(NUM_WARMUP + NUM_RUNS[size_mb]):
+        for i in range(NUM_WARMUP + NUM_RUNS.get(size_mb, 10)):
             ping, pong = f"{size_mb}MB/{i}/ping", f"{size_mb}MB/{i}/pong"
             if slice_index == 0:
                 back = transport.recv(pong, peer, spec)       # posted before the send
@@ -107,16 +112,20 @@ def tcp_one_way_s(size_mb: int, num_runs: int = 8) -> float:
     return statistics.median(times)
 
 
-def one_way_by_size(path: str) -> dict[int, float]:
-    """{payload MB: median one-way seconds} of a worker pair on `path`."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+def one_way_by_size(path: str, platform: str = "cpu", sizes_mb: tuple[int, ...] = SIZES_MB) -> dict[int, float]:
+    """{payload MB: median one-way seconds} of a worker pair on `path`, on `platform`'s
+    first device (cpu, or cuda: both workers on GPU 0, memory taken on demand)."""
+    env = dict(os.environ, JAX_PLATFORMS=platform, PYTHONPATH=str(REPO))
+    if platform == "cpu":
+        env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
+    else:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     procs = []
     try:
         for i in range(2):
             cpu = i % os.cpu_count()
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(i), path], env=env, text=True,
+                [sys.executable, __file__, "--worker", str(i), path, ",".join(map(str, sizes_mb))], env=env, text=True,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, {cpu})))
         addresses = [p.stdout.readline() for p in procs]
@@ -139,12 +148,14 @@ def one_way_by_size(path: str) -> dict[int, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: " + ", ".join(PATHS))
-    paths = parser.parse_args().paths.split(",")
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="comma-separated, of: " + ", ".join(PATHS))
+    parser.add_argument("--platform", default="cpu", choices=("cpu", "cuda"), help="the workers' JAX platform")
+    args = parser.parse_args()
+    paths = args.paths.split(",")
     if not paths or any(p not in PATHS for p in paths):
         parser.error(f"--paths takes {', '.join(PATHS)}, got {','.join(paths)}")
-    one_way_s = {path: one_way_by_size(path) for path in paths}
-    print(f"{'payload':>8} {'path':>7} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
+    one_way_s = {path: one_way_by_size(path, args.platform) for path in paths}
+    print(f"{'payload':>8} {'path':>12} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
           f"{'x memcpy':>9} {'raw TCP GB/s':>13} {'x TCP':>6}")
     for size_mb in SIZES_MB:
         num_bytes = size_mb * 2**20
@@ -152,13 +163,13 @@ def main() -> None:
         tcp_bps = num_bytes / tcp_one_way_s(size_mb)
         for path in paths:
             transfer_bps = num_bytes / one_way_s[path][size_mb]
-            print(f"{size_mb:>6}MB {path:>7} {one_way_s[path][size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
+            print(f"{size_mb:>6}MB {path:>12} {one_way_s[path][size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
                   f"{memcpy_bps / 1e9:>12.2f} {transfer_bps / memcpy_bps:>9.2f} "
                   f"{tcp_bps / 1e9:>13.2f} {transfer_bps / tcp_bps:>6.2f}")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(int(sys.argv[2]), sys.argv[3])
+        worker(int(sys.argv[2]), sys.argv[3], tuple(int(mb) for mb in sys.argv[4].split(",")))
     else:
         main()

@@ -20,8 +20,11 @@ b. Llama (configs/llama_1b.yaml, bf16, remat block; --tiny: 2 small blocks): tok
    of one slice under mpmd (1 microbatch) against a plain jitted train step in one process
    (ratio, goal <= 1.05), and of 2 slices sharing the GPU (1f1b, 8 microbatches: the
    pipeline's cost when the GPU is shared, not a speedup).
-c. transfer GB/s slice 0 -> slice 1 (jax.experimental.transfer, the one data-plane path
-   today) for 16 and 256 MB, against a device-to-device copy in one process.
+c. transfer GB/s slice 0 -> slice 1 between the two workers (same host: shared memory,
+   staged through pinned host memory, runtime/wire/shm.py) for 16 and 256 MB, against a
+   device-to-device copy in one process; then benchmarks/bench_transport.py's ping-pong at
+   1/16/64 MB by path, side by side: shared memory staged through pinned host memory (what
+   auto picks on a GPU) against pageable staging, and the socket path.
 d. per-instruction overhead: zero-duration programs, 1f1b, m = 32, on the 2 workers; and the
    in-memory snapshot's copy of 256 MB to pinned host memory (runtime/worker/slice_store.py).
 """
@@ -269,11 +272,12 @@ def llama(root: str, tiny: bool, cpu: bool) -> list[dict]:
     return rows
 
 
-def transfers(workers, tiny: bool) -> list[dict]:
+def transfers(workers, tiny: bool, cpu: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_runtime import transfer_s   # the runtime's ping-pong, one way
+    import bench_transport
     rows = []
     for size_mb in ((1, 4) if tiny else (16, 256)):
         one_way = transfer_s(workers.cluster, size_mb * MB, 3 if tiny else 10)
@@ -288,6 +292,14 @@ def transfers(workers, tiny: bool) -> list[dict]:
         rows.append({"section": "c. transfer", "case": f"{size_mb} MB slice 0 -> 1",
                      "transfer_gb_per_s": size_mb * MB / one_way / 1e9, "d2d_copy_gb_per_s": size_mb * MB / copy_s / 1e9,
                      "ratio": copy_s / one_way})
+    sizes_mb = (1, 4) if tiny else bench_transport.SIZES_MB
+    by_path = {path: bench_transport.one_way_by_size(path, "cpu" if cpu else "cuda", sizes_mb)
+               for path in ("shm+pinned", "shm+pageable", "socket")}
+    for size_mb in sizes_mb:
+        pinned_s = by_path["shm+pinned"][size_mb]
+        rows.append({"section": "c. transfer", "case": f"{size_mb} MB ping-pong, by path",
+                     **{f"{path}_gb_per_s": size_mb * MB / s[size_mb] / 1e9 for path, s in by_path.items()},
+                     "pageable_over_pinned_time": by_path["shm+pageable"][size_mb] / pinned_s})
     return rows
 
 
@@ -360,7 +372,7 @@ def main(argv=None) -> int:
         workers = SharedWorkers(2, root)
         try:
             run_section("a. equivalence", lambda: equivalence(workers, args.tiny), rows)
-            run_section("c. transfer", lambda: transfers(workers, args.tiny), rows)
+            run_section("c. transfer", lambda: transfers(workers, args.tiny, args.cpu), rows)
             run_section("d. overhead", lambda: overhead(workers, args.tiny), rows)
         finally:
             workers.close()

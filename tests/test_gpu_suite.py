@@ -31,4 +31,9 @@ def test_gpu_suite_runs_every_section_on_cpu_at_tiny_sizes(tmp_path):
     assert {r["case"] for r in equivalence} == {"GPT 1f1b, 2 slices on 1 device", "GPT zb-h1, 2 slices on 1 device"}
     assert all(r["ok"] and r["loss_max_rel_err"] <= 1e-4 and r["param_max_abs_err"] <= 1e-3 for r in equivalence)
     assert all(r["tokens_per_s"] > 0 for r in by_section["b. llama"])
-    assert all(r["transfer_gb_per_s"] > 0 for r in by_section["c. transfer"])
+    transfers = {r["case"]: r for r in by_section["c. transfer"]}
+    assert sorted(transfers) == ["1 MB ping-pong, by path", "1 MB slice 0 -> 1", "4 MB ping-pong, by path",
+                                 "4 MB slice 0 -> 1"]
+    assert all(transfers[f"{mb} MB slice 0 -> 1"]["transfer_gb_per_s"] > 0 for mb in (1, 4))
+    assert all(transfers[f"{mb} MB ping-pong, by path"][f"{path}_gb_per_s"] > 0
+               for mb in (1, 4) for path in ("shm+pinned", "shm+pageable", "socket"))

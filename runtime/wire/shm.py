@@ -31,6 +31,17 @@ server refuses peers of another uid (SO_PEERCRED). A process without the secret 
 segment and no byte, and cannot pose as a sender either. Transfer ids stay keyed
 (transport.key_to_uuid) as on the socket path.
 
+Host staging. On CPU a device array already is host memory: the sender copies it into the
+segment once and the receiver's arrays alias the segment. On an accelerator the bytes cross
+the device boundary on both ends, and they cross it through pinned (page-locked) host memory
+(`pinned_staging`): the sender copies the array to a pinned-host copy of itself
+(`jax.device_put` to memory kind "pinned_host", a DMA) and from there into the segment; the
+receiver copies the segment into a pinned-host array and that to the device (a DMA). A
+copy between device memory and pageable memory, such as a numpy array or the segment itself,
+is staged by the driver through a pinned bounce buffer of its own, in pieces. "auto" does so
+wherever the slice's devices are not CPUs and have pinned host memory; "pinned" and
+"pageable" force one way (tests, benchmarks: benchmarks/bench_transport.py, gpu_suite.py).
+
 Messages (JSON lists, one per SOCK_SEQPACKET datagram):
   receiver -> sender: ["pull", req, id]  ["done", seg]  ["cancel"] (drop my waiting pulls)
   sender -> receiver: ["data", req, seg, seg_bytes, [[offset, nbytes], ...]] (+ the segment's
@@ -65,6 +76,42 @@ FREE_POOL_BYTES = 512 * 2**20    # idle segments a connection keeps mapped for r
 HANDSHAKE_TIMEOUT_S = 5.0
 _MAX_MESSAGE_BYTES = 1 << 16
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+HOST_STAGINGS = ("auto", "pinned", "pageable")
+
+
+def pinned_staging(devices, staging: str = "auto") -> bool:
+    """Whether a worker on `devices` moves arrays between device memory and segments through
+    pinned host memory (module docstring, Host staging): "auto" where the devices are not CPUs
+    and every one has a "pinned_host" memory, "pinned" always (ValueError where one has
+    none), "pageable" never."""
+    if staging not in HOST_STAGINGS:
+        raise ValueError(f"host staging must be one of {', '.join(HOST_STAGINGS)}, got {staging!r:.50}")
+    if staging == "pageable":
+        return False
+    devices = list(devices)
+    lacking = [d for d in devices if "pinned_host" not in {m.kind for m in d.addressable_memories()}]
+    if staging == "pinned" and lacking:
+        raise ValueError(f"host staging 'pinned': device {lacking[0]} has no pinned host memory "
+                         f"(its memories: {', '.join(m.kind for m in lacking[0].addressable_memories())}); "
+                         f"use auto or pageable")
+    return staging == "pinned" or (not lacking and any(d.platform != "cpu" for d in devices))
+
+
+def _to_host(array: jax.Array, pinned: bool) -> np.ndarray:
+    """The bytes of `array` on the host, for copying into a segment: through a pinned-host
+    copy of it when `pinned` (numpy views pinned host memory in place where jaxlib allows)."""
+    if pinned:
+        array = jax.device_put(array, array.sharding.with_memory_kind("pinned_host"))
+    return np.asarray(array)
+
+
+def _to_device(view: np.ndarray, sharding: jax.sharding.Sharding, pinned: bool) -> jax.Array:
+    """An array laid out as `sharding` from `view` (a piece of a segment): on CPU it may alias
+    the segment, so it keeps the segment's exporter alive; through a pinned-host array when
+    `pinned`."""
+    if pinned:
+        view = jax.device_put(view, sharding.with_memory_kind("pinned_host"))
+    return jax.device_put(view, sharding)
 
 
 def endpoint(secret: bytes, address: str) -> bytes:
@@ -181,8 +228,9 @@ class ShmServer:
     """The sending end of a worker: serves pulls from the same-host slices that connected
     with the secret. `address`: this worker's transfer address (it names the endpoint)."""
 
-    def __init__(self, secret: bytes, address: str, slice_index: int):
+    def __init__(self, secret: bytes, address: str, slice_index: int, pinned: bool = False):
         self._secret, self.address, self.slice_index = secret, address, slice_index
+        self.pinned = pinned             # stage through pinned host memory (pinned_staging)
         self._lock = threading.Lock()
         self._offered: dict[int, list] = {}                       # id -> arrays, not yet pulled
         self._waiting: dict[int, list[tuple[_Served, int]]] = {}  # id -> pulls before their offer
@@ -340,7 +388,7 @@ class _Served:
             req, arrays = item
             seg = None
             try:
-                host = [np.asarray(a) for a in jax.block_until_ready(arrays)]
+                host = [_to_host(a, self.server.pinned) for a in jax.block_until_ready(arrays)]
                 offsets, end = [], 0
                 for h in host:
                     offsets.append(end)
@@ -382,10 +430,12 @@ class ShmConnection:
     opened by `connect`; `pull` returns a Future of the arrays."""
 
     @classmethod
-    def connect(cls, secret: bytes, address: str, peer: int, slice_index: int) -> "ShmConnection | None":
+    def connect(cls, secret: bytes, address: str, peer: int, slice_index: int,
+                pinned: bool = False) -> "ShmConnection | None":
         """A connection to the worker at `address` if it has an endpoint on this host, None if
         not (another host, or a worker without shared memory). ValueError if something
-        answers there without the session secret."""
+        answers there without the session secret. `pinned`: what lands goes to the device
+        through pinned host memory (pinned_staging)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.connect(endpoint(secret, address))
@@ -407,10 +457,10 @@ class ShmConnection:
         except (OSError, ValueError) as e:
             sock.close()
             raise ValueError(f"the shared-memory handshake with slice {peer} ({address}) failed: {e}") from None
-        return cls(sock, peer, address)
+        return cls(sock, peer, address, pinned)
 
-    def __init__(self, sock: socket.socket, peer: int, address: str):
-        self.sock, self.peer, self.address = sock, peer, address
+    def __init__(self, sock: socket.socket, peer: int, address: str, pinned: bool = False):
+        self.sock, self.peer, self.address, self.pinned = sock, peer, address, pinned
         self._lock = threading.Lock()
         self._next_req = 0
         self._pending: dict[int, tuple[concurrent.futures.Future, list]] = {}
@@ -506,7 +556,7 @@ class ShmConnection:
                 if nbytes != dtype.itemsize * int(np.prod(w.shape)):
                     raise ValueError(f"slice {self.peer} sent {nbytes} bytes for a {w.dtype}{list(w.shape)} array")
                 view = np.frombuffer(region, dtype, int(np.prod(w.shape)), offset).reshape(w.shape)
-                arrays.append(jax.device_put(view, w.sharding))
+                arrays.append(_to_device(view, w.sharding, self.pinned))
             region = view = None         # only the arrays hold the segment now
         except Exception as e:
             future.set_exception(e)

@@ -1,5 +1,7 @@
 """TransferTransport between real worker processes on CPU, over each path: "socket"
-(jax.experimental.transfer) and "shm" (shared memory, runtime/wire/shm.py).
+(jax.experimental.transfer), "shm" (shared memory, runtime/wire/shm.py) and "shm+pinned"
+(shared memory staged through pinned host memory both ways, as on an accelerator: CPU
+devices have a pinned_host memory too, so the path runs here as it does there).
 
 Each worker is a separate Python process driven over stdin/stdout with one JSON request per
 line; it answers one JSON line. Payloads are made from a seed on the sender, and both ends
@@ -42,8 +44,9 @@ def digest(arrays):
 
 SPECS = tuple(Spec(a.shape, a.dtype.name) for a in payload(0))
 device = jax.devices()[0]
+mode, _, staging = sys.argv[2].partition("+")
 transport = TransferTransport(int(sys.argv[1]), bind((1, 1, 1), [device]), secret=b"test-transfer-secret",
-                              transport=sys.argv[2])
+                              transport=mode, host_staging=staging or "auto")
 pending, kept = {}, []
 
 def segments():      # the shared-memory segments this process maps, and the memfds it holds open
@@ -157,10 +160,10 @@ def start_pair(transport: str = "auto", transports: tuple[str, str] | None = Non
         raise
 
 
-@pytest.fixture(scope="module", params=["socket", "shm"])
+@pytest.fixture(scope="module", params=["socket", "shm", "shm+pinned"])
 def pair(request):
     workers = start_pair(request.param)
-    assert [w.path for w in workers] == [request.param] * 2
+    assert [w.path for w in workers] == [request.param.partition("+")[0]] * 2
     try:
         yield workers
     finally:
