@@ -125,9 +125,8 @@ def one_way_by_size(path: str, platform: str = "cpu", sizes_mb: tuple[int, ...] 
         for i in range(2):
             cpu = i % os.cpu_count()
             procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(i), path, ",".join(map(str, sizes_mb))], env=env, text=True,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, {cpu})))
+                [sys.executable, __file__, "--worker", str(i), path, ",".join(map(str, sizes_mb)), str(cpu)],
+                env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         addresses = [p.stdout.readline() for p in procs]
         for p, peer_line in zip(procs, reversed(addresses)):
             p.stdin.write(peer_line)
@@ -170,6 +169,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
+        # Pinned by itself, before JAX starts: a preexec_fn would run Python in a child forked
+        # from a parent with JAX's and gRPC's threads (gpu_suite.py), where it can crash.
+        os.sched_setaffinity(0, {int(sys.argv[5])})
         worker(int(sys.argv[2]), sys.argv[3], tuple(int(mb) for mb in sys.argv[4].split(",")))
     else:
         main()

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -339,6 +340,7 @@ def run_section(name: str, fn, rows: list) -> None:
     try:
         got = fn()
     except Exception as e:     # one broken section must not cost the GPU run the others
+        traceback.print_exc()  # the whole of it on stderr; the row keeps the gist
         got = [{"section": name, "case": "(failed)", "error": f"{type(e).__name__}: {e}"[:400]}]
     for r in got:
         r["section_s"] = round(time.perf_counter() - t0, 1)

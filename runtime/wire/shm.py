@@ -34,7 +34,7 @@ segment and no byte, and cannot pose as a sender either. Transfer ids stay keyed
 Host staging. On CPU a device array already is host memory: the sender copies it into the
 segment once and the receiver's arrays alias the segment. On an accelerator the bytes cross
 the device boundary on both ends, and they cross it through pinned (page-locked) host memory
-(`pinned_staging`): the sender copies the array to a pinned-host copy of itself
+(`Staging`): the sender copies the array to a pinned-host copy of itself
 (`jax.device_put` to memory kind "pinned_host", a DMA) and from there into the segment; the
 receiver copies the segment into a pinned-host array and that to the device (a DMA). A
 copy between device memory and pageable memory, such as a numpy array or the segment itself,
@@ -79,39 +79,61 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 HOST_STAGINGS = ("auto", "pinned", "pageable")
 
 
-def pinned_staging(devices, staging: str = "auto") -> bool:
-    """Whether a worker on `devices` moves arrays between device memory and segments through
-    pinned host memory (module docstring, Host staging): "auto" where the devices are not CPUs
-    and every one has a "pinned_host" memory, "pinned" always (ValueError where one has
-    none), "pageable" never."""
-    if staging not in HOST_STAGINGS:
-        raise ValueError(f"host staging must be one of {', '.join(HOST_STAGINGS)}, got {staging!r:.50}")
-    if staging == "pageable":
-        return False
-    devices = list(devices)
-    lacking = [d for d in devices if "pinned_host" not in {m.kind for m in d.addressable_memories()}]
-    if staging == "pinned" and lacking:
-        raise ValueError(f"host staging 'pinned': device {lacking[0]} has no pinned host memory "
-                         f"(its memories: {', '.join(m.kind for m in lacking[0].addressable_memories())}); "
-                         f"use auto or pageable")
-    return staging == "pinned" or (not lacking and any(d.platform != "cpu" for d in devices))
+class Staging:
+    """How one worker's shared-memory transfers cross between device and host memory (module
+    docstring, Host staging): `Staging.of(devices, "auto" | "pinned" | "pageable")`. Under
+    auto, a copy through pinned memory that fails (a platform or jaxlib whose pinned host
+    memory cannot take it) is logged once and the worker stages pageable from then on, the
+    transfer included; a forced "pinned" fails the transfer instead."""
 
+    def __init__(self, pinned: bool, forced: bool = False):
+        self.pinned, self.forced = pinned, forced
 
-def _to_host(array: jax.Array, pinned: bool) -> np.ndarray:
-    """The bytes of `array` on the host, for copying into a segment: through a pinned-host
-    copy of it when `pinned` (numpy views pinned host memory in place where jaxlib allows)."""
-    if pinned:
-        array = jax.device_put(array, array.sharding.with_memory_kind("pinned_host"))
-    return np.asarray(array)
+    @classmethod
+    def of(cls, devices, staging: str = "auto") -> "Staging":
+        """auto: pinned where the devices are not CPUs and every one has a "pinned_host"
+        memory; pinned: always (ValueError where a device has none); pageable: never."""
+        if staging not in HOST_STAGINGS:
+            raise ValueError(f"host staging must be one of {', '.join(HOST_STAGINGS)}, got {staging!r:.50}")
+        if staging == "pageable":
+            return cls(False)
+        devices = list(devices)
+        lacking = [d for d in devices if "pinned_host" not in {m.kind for m in d.addressable_memories()}]
+        if staging == "pinned" and lacking:
+            raise ValueError(f"host staging 'pinned': device {lacking[0]} has no pinned host memory "
+                             f"(its memories: {', '.join(m.kind for m in lacking[0].addressable_memories())}); "
+                             f"use auto or pageable")
+        return cls(staging == "pinned" or (not lacking and any(d.platform != "cpu" for d in devices)),
+                   forced=staging == "pinned")
 
+    def _give_up(self, error: Exception) -> None:
+        if self.forced:
+            raise error
+        if self.pinned:
+            self.pinned = False
+            log.warning("shared-memory transfers stage through pageable host memory from now on: a copy "
+                        "through pinned host memory failed (%s: %s)", type(error).__name__, error)
 
-def _to_device(view: np.ndarray, sharding: jax.sharding.Sharding, pinned: bool) -> jax.Array:
-    """An array laid out as `sharding` from `view` (a piece of a segment): on CPU it may alias
-    the segment, so it keeps the segment's exporter alive; through a pinned-host array when
-    `pinned`."""
-    if pinned:
-        view = jax.device_put(view, sharding.with_memory_kind("pinned_host"))
-    return jax.device_put(view, sharding)
+    def to_host(self, array: jax.Array) -> np.ndarray:
+        """The bytes of `array` on the host, for copying into a segment: from a pinned-host
+        copy of it when pinned (numpy views that copy in place where jaxlib allows)."""
+        if self.pinned:
+            try:
+                return np.asarray(jax.device_put(array, array.sharding.with_memory_kind("pinned_host")))
+            except Exception as e:
+                self._give_up(e)
+        return np.asarray(array)
+
+    def to_device(self, view: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        """An array laid out as `sharding` from `view` (a piece of a segment): pageable, on
+        CPU it may alias the segment (and so keeps the segment's exporter alive); pinned,
+        it is copied to a pinned-host array first and from there to the device."""
+        if self.pinned:
+            try:
+                return jax.device_put(jax.device_put(view, sharding.with_memory_kind("pinned_host")), sharding)
+            except Exception as e:
+                self._give_up(e)
+        return jax.device_put(view, sharding)
 
 
 def endpoint(secret: bytes, address: str) -> bytes:
@@ -228,9 +250,9 @@ class ShmServer:
     """The sending end of a worker: serves pulls from the same-host slices that connected
     with the secret. `address`: this worker's transfer address (it names the endpoint)."""
 
-    def __init__(self, secret: bytes, address: str, slice_index: int, pinned: bool = False):
+    def __init__(self, secret: bytes, address: str, slice_index: int, staging: Staging | None = None):
         self._secret, self.address, self.slice_index = secret, address, slice_index
-        self.pinned = pinned             # stage through pinned host memory (pinned_staging)
+        self.staging = staging or Staging(False)
         self._lock = threading.Lock()
         self._offered: dict[int, list] = {}                       # id -> arrays, not yet pulled
         self._waiting: dict[int, list[tuple[_Served, int]]] = {}  # id -> pulls before their offer
@@ -388,7 +410,7 @@ class _Served:
             req, arrays = item
             seg = None
             try:
-                host = [_to_host(a, self.server.pinned) for a in jax.block_until_ready(arrays)]
+                host = [self.server.staging.to_host(a) for a in jax.block_until_ready(arrays)]
                 offsets, end = [], 0
                 for h in host:
                     offsets.append(end)
@@ -431,11 +453,11 @@ class ShmConnection:
 
     @classmethod
     def connect(cls, secret: bytes, address: str, peer: int, slice_index: int,
-                pinned: bool = False) -> "ShmConnection | None":
+                staging: Staging | None = None) -> "ShmConnection | None":
         """A connection to the worker at `address` if it has an endpoint on this host, None if
         not (another host, or a worker without shared memory). ValueError if something
-        answers there without the session secret. `pinned`: what lands goes to the device
-        through pinned host memory (pinned_staging)."""
+        answers there without the session secret. `staging`: how what lands goes to the
+        device (Staging; default pageable)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             sock.connect(endpoint(secret, address))
@@ -457,10 +479,11 @@ class ShmConnection:
         except (OSError, ValueError) as e:
             sock.close()
             raise ValueError(f"the shared-memory handshake with slice {peer} ({address}) failed: {e}") from None
-        return cls(sock, peer, address, pinned)
+        return cls(sock, peer, address, staging)
 
-    def __init__(self, sock: socket.socket, peer: int, address: str, pinned: bool = False):
-        self.sock, self.peer, self.address, self.pinned = sock, peer, address, pinned
+    def __init__(self, sock: socket.socket, peer: int, address: str, staging: Staging | None = None):
+        self.sock, self.peer, self.address = sock, peer, address
+        self.staging = staging or Staging(False)
         self._lock = threading.Lock()
         self._next_req = 0
         self._pending: dict[int, tuple[concurrent.futures.Future, list]] = {}
@@ -556,7 +579,7 @@ class ShmConnection:
                 if nbytes != dtype.itemsize * int(np.prod(w.shape)):
                     raise ValueError(f"slice {self.peer} sent {nbytes} bytes for a {w.dtype}{list(w.shape)} array")
                 view = np.frombuffer(region, dtype, int(np.prod(w.shape)), offset).reshape(w.shape)
-                arrays.append(_to_device(view, w.sharding, self.pinned))
+                arrays.append(self.staging.to_device(view, w.sharding))
             region = view = None         # only the arrays hold the segment now
         except Exception as e:
             future.set_exception(e)

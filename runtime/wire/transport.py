@@ -145,14 +145,14 @@ class TransferTransport:
     before the first transfer.
 
     `host_staging` (auto | pinned | pageable): how shared-memory transfers cross between device
-    and host memory, see shm.pinned_staging; auto goes through pinned host memory on
+    and host memory, see shm.Staging; auto goes through pinned host memory on
     accelerators. Benchmarks and tests set the others."""
 
     def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, listen_host: str = "127.0.0.1", *,
                  secret: bytes, transport: str = "auto", host_staging: str = "auto"):
         self._secret = check_secret(secret)
         self.mode = check_transport(transport)
-        self._pinned = shm.pinned_staging(mesh.devices.flat, host_staging)
+        self._staging = shm.Staging.of(mesh.devices.flat, host_staging)
         self.slice_index = slice_index
         self._mesh = mesh
         if self.mode == "shm" and jax.process_count() > 1:
@@ -167,7 +167,7 @@ class TransferTransport:
         self._shm = None                 # shm.ShmServer: serves the same-host slices that pull from this one
         if self.mode != "socket" and jax.process_count() == 1:
             try:
-                self._shm = shm.ShmServer(self._secret, self.address, slice_index, self._pinned)
+                self._shm = shm.ShmServer(self._secret, self.address, slice_index, self._staging)
             except OSError as e:         # no Unix sockets here: auto does without
                 if self.mode == "shm":
                     raise ValueError(f"transport 'shm': slice {slice_index} cannot open its shared-memory "
@@ -191,7 +191,8 @@ class TransferTransport:
             if index == self.slice_index:
                 pass                     # a slice never sends to itself
             elif index not in self._shm_connections and self._shm is not None and len(listed) == 1:
-                found = shm.ShmConnection.connect(self._secret, listed[0], index, self.slice_index, self._pinned)
+                found = shm.ShmConnection.connect(self._secret, listed[0], index, self.slice_index,
+                                                    self._staging)
                 if found is not None:
                     self._shm_connections[index] = found
             if self.mode == "shm" and index != self.slice_index and index not in self._shm_connections:
@@ -202,7 +203,8 @@ class TransferTransport:
             self._connections[index] = [self._server.connect(a) for a in listed]
             if index != self.slice_index:
                 log.info("slice %d receives from slice %d through %s", self.slice_index, index,
-                         ("shared memory, staged through pinned host memory" if self._pinned else "shared memory")
+                         ("shared memory, staged through pinned host memory" if self._staging.pinned
+                          else "shared memory")
                          if index in self._shm_connections else "sockets")
 
     def path(self, peer: int) -> str:

@@ -99,36 +99,6 @@ def test_pinned_staging_lands_copies_so_the_segment_goes_back_at_once():
             w.kill()
 
 
-def test_host_staging_is_checked_and_auto_stages_through_pinned_memory_off_cpu_only():
-    import jax
-    from mpmd.runtime.wire.shm import pinned_staging
-    cpus = jax.devices("cpu")
-    assert [pinned_staging(cpus, s) for s in ("auto", "pinned", "pageable")] == [False, True, False]
-
-    class Memory:
-        def __init__(self, kind):
-            self.kind = kind
-
-    class Device:                       # what pinned_staging reads of a device: platform, memories
-        def __init__(self, platform, kinds):
-            self.platform, self._kinds = platform, kinds
-
-        def addressable_memories(self):
-            return [Memory(k) for k in self._kinds]
-
-        def __str__(self):
-            return f"{self.platform}:0"
-
-    gpu = Device("gpu", ("device", "pinned_host", "unpinned_host"))
-    bare = Device("gpu", ("device",))
-    assert pinned_staging([gpu], "auto") and not pinned_staging([bare], "auto")
-    with pytest.raises(ValueError, match="host staging 'pinned': device gpu:0 has no pinned host memory "
-                                         r"\(its memories: device\); use auto or pageable"):
-        pinned_staging([bare], "pinned")
-    with pytest.raises(ValueError, match="host staging must be one of auto, pinned, pageable, got 'locked'"):
-        pinned_staging(cpus, "locked")
-
-
 @pytest.mark.parametrize("victim", [0, 1])
 def test_sigkill_of_either_side_frees_the_survivors_segments(victim):
     workers = start_pair("shm")

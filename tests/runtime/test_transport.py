@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 WORKER = r"""
 import gc, hashlib, json, os, sys
+os.sched_setaffinity(0, {int(sys.argv[3])})    # pinned by itself: no preexec_fn in a threaded parent
 import jax, numpy as np
 from mpmd.runtime.worker.instructions import Spec
 from mpmd.runtime.worker.mesh import bind
@@ -120,9 +121,8 @@ class Worker:
                    XLA_FLAGS=xla.flags())
         cpu = slice_index % os.cpu_count()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(slice_index), transport], env=env, cwd=REPO, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+            [sys.executable, "-c", WORKER, str(slice_index), transport, str(cpu)], env=env, cwd=REPO, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.address = self._read(timeout_s=60)["address"]
 
     def _read(self, timeout_s: float = 20) -> dict:
@@ -141,6 +141,11 @@ class Worker:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:              # stdin's buffer could not be flushed: the worker is gone
+                pass
 
 
 def start_pair(transport: str = "auto", transports: tuple[str, str] | None = None) -> list[Worker]:
