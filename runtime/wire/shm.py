@@ -36,9 +36,9 @@ segment once and the receiver's arrays alias the segment. On an accelerator the 
 the device boundary on both ends, and they cross it through pinned (page-locked) host memory
 (`Staging`): the sender copies the array to a pinned-host copy of itself
 (`jax.device_put` to memory kind "pinned_host", a DMA) and from there into the segment; the
-receiver copies the segment into a pinned-host array and that to the device (a DMA). A
-copy between device memory and pageable memory, such as a numpy array or the segment itself,
-is staged by the driver through a pinned bounce buffer of its own, in pieces. "auto" does so
+receiver copies the segment into a pinned-host array and that to the device (a DMA). (A
+copy between device memory and pageable memory, a numpy array or the segment itself, is
+staged by the CUDA driver through a pinned bounce buffer of its own, in pieces.) "auto" does so
 wherever the slice's devices are not CPUs and have pinned host memory; "pinned" and
 "pageable" force one way (tests, benchmarks: benchmarks/bench_transport.py, gpu_suite.py).
 
