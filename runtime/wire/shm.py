@@ -34,7 +34,7 @@ segment and no byte, and cannot pose as a sender either. Transfer ids stay keyed
 Host staging. On CPU a device array already is host memory: the sender copies it into the
 segment once and the receiver's arrays alias the segment. On an accelerator the bytes cross
 the device boundary on both ends, and they cross it through pinned (page-locked) host memory
-(`Staging`): the sender copies the array to a pinned-host copy of itself
+(runtime/wire/staging.py): the sender copies the array to a pinned-host copy of itself
 (`jax.device_put` to memory kind "pinned_host", a DMA) and from there into the segment; the
 receiver copies the segment into a pinned-host array and that to the device (a DMA). (A
 copy between device memory and pageable memory, a numpy array or the segment itself, is
@@ -68,6 +68,8 @@ import weakref
 import jax
 import numpy as np
 
+from mpmd.runtime.wire.staging import Staging
+
 log = logging.getLogger("mpmd.worker")
 
 ALIGN_BYTES = 64                 # each piece's offset: XLA's CPU client aliases 64-byte aligned host memory
@@ -76,66 +78,6 @@ FREE_POOL_BYTES = 512 * 2**20    # idle segments a connection keeps mapped for r
 HANDSHAKE_TIMEOUT_S = 5.0
 _MAX_MESSAGE_BYTES = 1 << 16
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-HOST_STAGINGS = ("auto", "pinned", "pageable")
-
-
-class Staging:
-    """How one worker's shared-memory transfers cross between device and host memory (module
-    docstring, Host staging): `Staging.of(devices, "auto" | "pinned" | "pageable")`. Under
-    auto, a copy through pinned memory that fails (a platform or jaxlib whose pinned host
-    memory cannot take it) is logged once and the worker stages pageable from then on, the
-    transfer included; a forced "pinned" fails the transfer instead."""
-
-    def __init__(self, pinned: bool, forced: bool = False):
-        self.pinned, self.forced = pinned, forced
-
-    @classmethod
-    def of(cls, devices, staging: str = "auto") -> "Staging":
-        """auto: pinned where the devices are not CPUs and every one has a "pinned_host"
-        memory; pinned: always (ValueError where a device has none); pageable: never."""
-        if staging not in HOST_STAGINGS:
-            raise ValueError(f"host staging must be one of {', '.join(HOST_STAGINGS)}, got {staging!r:.50}")
-        if staging == "pageable":
-            return cls(False)
-        devices = list(devices)
-        lacking = [d for d in devices if "pinned_host" not in {m.kind for m in d.addressable_memories()}]
-        if staging == "pinned" and lacking:
-            raise ValueError(f"host staging 'pinned': device {lacking[0]} has no pinned host memory "
-                             f"(its memories: {', '.join(m.kind for m in lacking[0].addressable_memories())}); "
-                             f"use auto or pageable")
-        return cls(staging == "pinned" or (not lacking and any(d.platform != "cpu" for d in devices)),
-                   forced=staging == "pinned")
-
-    def _give_up(self, error: Exception) -> None:
-        if self.forced:
-            raise error
-        if self.pinned:
-            self.pinned = False
-            log.warning("shared-memory transfers stage through pageable host memory from now on: a copy "
-                        "through pinned host memory failed (%s: %s)", type(error).__name__, error)
-
-    def to_host(self, array: jax.Array) -> np.ndarray:
-        """The bytes of `array` on the host, for copying into a segment: from a pinned-host
-        copy of it when pinned (numpy views that copy in place where jaxlib allows)."""
-        if self.pinned:
-            try:
-                return np.asarray(jax.device_put(array, array.sharding.with_memory_kind("pinned_host")))
-            except Exception as e:
-                self._give_up(e)
-        return np.asarray(array)
-
-    def to_device(self, view: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-        """An array laid out as `sharding` from `view` (a piece of a segment): pageable, on
-        CPU it may alias the segment (and so keeps the segment's exporter alive); pinned,
-        it is copied to a pinned-host array first and from there to the device."""
-        if self.pinned:
-            try:
-                return jax.device_put(jax.device_put(view, sharding.with_memory_kind("pinned_host")), sharding)
-            except Exception as e:
-                self._give_up(e)
-        return jax.device_put(view, sharding)
-
-
 def endpoint(secret: bytes, address: str) -> bytes:
     """The abstract socket name of the worker whose transfer address is `address` in the
     session keyed by `secret`: a worker that is not on this host (or not in this network

@@ -56,6 +56,7 @@ from mpmd.runtime import compat
 from mpmd.runtime.compat import transfer
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import shm
+from mpmd.runtime.wire.staging import Staging
 from mpmd.runtime.wire.verbs import check_transport
 
 log = logging.getLogger("mpmd.worker")
@@ -145,14 +146,14 @@ class TransferTransport:
     before the first transfer.
 
     `host_staging` (auto | pinned | pageable): how shared-memory transfers cross between device
-    and host memory, see shm.Staging; auto goes through pinned host memory on
+    and host memory, see runtime/wire/staging.py; auto goes through pinned host memory on
     accelerators. Benchmarks and tests set the others."""
 
     def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, listen_host: str = "127.0.0.1", *,
                  secret: bytes, transport: str = "auto", host_staging: str = "auto"):
         self._secret = check_secret(secret)
         self.mode = check_transport(transport)
-        self._staging = shm.Staging.of(mesh.devices.flat, host_staging)
+        self._staging = Staging.of(mesh.devices.flat, host_staging)
         self.slice_index = slice_index
         self._mesh = mesh
         if self.mode == "shm" and jax.process_count() > 1:

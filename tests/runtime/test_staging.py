@@ -1,4 +1,4 @@
-"""Host staging of the same-host data plane (runtime/wire/shm.py, Staging): which way auto
+"""Host staging of the same-host data plane (runtime/wire/staging.py): which way auto
 picks, the errors for a bad choice, and what happens when a copy through pinned host memory
 fails. Transfers staged through pinned memory between real workers are in test_transport.py
 (the shm+pinned pair) and test_shm.py."""
@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from mpmd.runtime.wire.shm import Staging
+from mpmd.runtime.wire.staging import Staging
 
 
 def test_host_staging_is_checked_and_auto_stages_through_pinned_memory_off_cpu_only():
