@@ -382,9 +382,11 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
 def build_reduce(k: int, param_specs: tuple, mesh) -> dict:
     """reduce{k}: stage k's gradients from their partials (mpmd/stages/partials.py), summed over
     the batch groups into the parameters' layouts: XLA's one all-reduce over data (reduce-
-    scatter over fsdp) per parameter and step."""
+    scatter over fsdp) per step, over a buffer per dtype and layout (partials.pack_key)."""
+    layouts = [s.sharding.spec for s in param_specs]
+
     def reduce(grads):
-        return (partials.reduced(grads),)
+        return (partials.reduced(grads, layouts, mesh),)
     return {names.program("reduce", k): programs.exported(
         reduce, partials.partial_specs(param_specs, mesh), out_shardings=(_layouts(param_specs),))}
 

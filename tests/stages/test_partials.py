@@ -20,8 +20,11 @@ from tests.support.collectives import REDUCTIONS, step_collectives
 M = 4
 
 
-@pytest.mark.parametrize("mesh,schedule", [({"data": 2}, "1f1b"), ({"fsdp": 2}, "zb-h1")], ids=["data2", "fsdp2-zbh1"])
-def test_one_reduction_per_parameter_a_step_not_one_per_microbatch(mesh, schedule):
+# Arrays reduced per stage a step: data=2, every f32 gradient in one buffer; fsdp=2, one for
+# the leaves split over fsdp (along whichever dim) and one for those it leaves whole.
+@pytest.mark.parametrize("mesh,schedule,buffers", [({"data": 2}, "1f1b", 1), ({"fsdp": 2}, "zb-h1", 2)],
+                         ids=["data2", "fsdp2-zbh1"])
+def test_one_reduction_a_step_not_one_per_microbatch(mesh, schedule, buffers):
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     with mpmd.Trainer(pipe, sgd(), schedule=schedule, num_microbatches=M, max_grad_norm=1.0, mesh=mesh,
                       cluster=mpmd.InProcessCluster()) as trainer:
@@ -30,9 +33,38 @@ def test_one_reduction_per_parameter_a_step_not_one_per_microbatch(mesh, schedul
         assert lowered.io.partial == (True, True)
         devices = bind(tuple(SliceMesh(**mesh)), jax.devices()[:2])
         for r, fn in enumerate(pipe.fns):
-            # reduce{k} reduces each parameter's gradient once; no backward program reduces
-            # anything (before: every one of the m backwards reduced every parameter).
-            assert step_collectives(lowered, r, devices, REDUCTIONS) == {"reduce": len(fn.param_leaves)}
+            # reduce{k} reduces the stage's gradients once, packed into a buffer per dtype and
+            # layout; no backward program reduces anything (before: every one of the m
+            # backwards reduced every parameter, and reduce{k} each parameter on its own).
+            assert len(fn.param_leaves) > 10
+            assert step_collectives(lowered, r, devices, REDUCTIONS) == {"reduce": buffers}
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2}, {"fsdp": 2}, {"data": 2, "tensor": 2}, {"data": 2, "fsdp": 2}])
+def test_packed_reduction_equals_each_leaf_summed_bitwise(mesh):
+    """reduced(..., layouts) sums leaves packed by dtype and layout, split along any one dim
+    or none (plus a 0-d leaf, a bf16 one and one split along two dims, reduced alone): the
+    same numbers, in the same layouts, as each partial summed on its own."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    sm = SliceMesh(**mesh)
+    devices = bind(tuple(sm), jax.devices()[:sm.size])
+    two = P("fsdp" if sm.fsdp > 1 else None, "tensor" if sm.tensor > 1 else None)
+    leaves = [((12, 8), "float32", P()), ((12, 8), "float32", P("fsdp")), ((8, 12), "float32", P(None, "fsdp")),
+              ((4, 8, 6), "float32", P(None, "tensor")), ((8,), "float32", P("tensor")), ((), "float32", P()),
+              ((6, 4), "bfloat16", P()), ((4, 6), "bfloat16", P()), ((8, 8), "float32", two)]
+    layouts = [P(*(e if e is None or getattr(sm, e) > 1 else None for e in lay)) for _, _, lay in leaves]
+    rng = np.random.default_rng(0)
+    specs = partials.partial_specs(tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(sm.abstract(), lay))
+                                         for (shape, dtype, _), lay in zip(leaves, layouts)), sm)
+    args = [jax.device_put(rng.normal(size=s.shape).astype(s.dtype), NamedSharding(devices, s.sharding.spec))
+            for s in specs]
+    outs = tuple(NamedSharding(devices, lay) for lay in layouts)
+    packed = jax.jit(lambda g: partials.reduced(g, layouts, sm), out_shardings=outs)(args)
+    alone = jax.jit(partials.reduced, out_shardings=outs)(args)
+    for p, a in zip(packed, alone):
+        assert p.sharding.spec == a.sharding.spec and p.dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(a))
 
 
 def test_partial_layout_takes_the_batch_axes_out_of_the_parameter_dims():
