@@ -1,7 +1,7 @@
 """A slice as a gang of processes (runtime/worker/gang.py): what it costs per step, and how long a
 lost gang takes to replace.
 
-    .venv/bin/python benchmarks/bench_gang.py [--steps 6] [--rounds 2]
+    .venv/bin/python benchmarks/bench_gang.py [--steps 6] [--rounds 2] [--only step|replace|gather]
 
 Model: a GPT (vocab 64, d_model 64, 2 heads, 4 layers, seq 32, batch 16) in 2 stages, 1F1B,
 4 microbatches, SGD with momentum; each slice's mesh is data=2.
@@ -23,6 +23,10 @@ b. Replacing a lost gang: checkpoint_every=2, process 1 of slice 1 SIGKILLed jus
      restore  every slice restored from the last commit
      first    the replayed step, the new gang compiling its programs (or loading them
               from JAX's persistent cache) on its first Run
+c. FSDP weights gathered per microbatch against once a step (mesh.fsdp_gather), side by side
+   in one run as in a.: 2 slices x a gang of 2 processes, mesh fsdp=2, both per_microbatch
+   and per_step; with per_microbatch every forward and backward program gathers its weights
+   over gloo, with per_step gather{k} does it once, one buffer per dtype.
 On this 2-core machine 8 processes share 2 cores: figures are upper bounds, and the load
 average is printed at the start and end.
 """
@@ -52,19 +56,20 @@ def batches(n: int):
     return [rng.integers(0, 64, (16, 32)).astype(np.int32) for _ in range(n)]
 
 
-def make_trainer(cluster, run_dir=None, checkpoint_every=0):
+def make_trainer(cluster, run_dir=None, checkpoint_every=0, mesh=None, **kw):
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
-    kw = dict(run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=checkpoint_every)) if run_dir else {}
-    return mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4, mesh={"data": 2},
-                        cluster=cluster, **kw)
+    if run_dir:
+        kw.update(run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=checkpoint_every))
+    return mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4,
+                        mesh=mesh or {"data": 2}, cluster=cluster, **kw)
 
 
-def per_step(steps: int, rounds: int) -> None:
+def alternate(trainers: dict, steps: int, rounds: int) -> tuple[dict, dict]:
+    """Median seconds a step of each trainer, rounds of `steps` steps alternating between them
+    after 2 warm-up steps each, and each trainer's losses (closes the trainers)."""
     data = batches(steps)
-    trainers = {"gang": make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2)),
-                "1 proc": make_trainer(mpmd.LocalCluster(num_workers=2, devices_per_worker=2))}
     times = {name: [] for name in trainers}
-    losses = {}
+    losses = {name: [] for name in trainers}
     try:
         for t in trainers.values():            # warm up: compile, first transfers
             for x in data[:2]:
@@ -73,18 +78,38 @@ def per_step(steps: int, rounds: int) -> None:
             for name, t in trainers.items():
                 for x in data:
                     t0 = time.perf_counter()
-                    losses.setdefault(name, []).append(t.step(x, x)["loss"])
+                    losses[name].append(t.step(x, x)["loss"])
                     times[name].append(time.perf_counter() - t0)
     finally:
         for t in trainers.values():
             t.close()
-    med = {name: statistics.median(v) for name, v in times.items()}
+    return {name: statistics.median(v) for name, v in times.items()}, losses
+
+
+def per_step(steps: int, rounds: int) -> None:
+    med, losses = alternate({"gang": make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2)),
+                             "1 proc": make_trainer(mpmd.LocalCluster(num_workers=2, devices_per_worker=2))},
+                            steps, rounds)
     print(f"\na. per-step time, 2 slices, mesh data=2 each ({rounds} rounds x {steps} steps, medians)")
     print(f"{'layout':>8} {'step ms':>8}")
     for name, m in med.items():
         print(f"{name:>8} {1e3 * m:>8.1f}")
     print(f"gang / 1 proc = {med['gang'] / med['1 proc']:.2f}; losses equal bitwise: "
           f"{losses['gang'] == losses['1 proc']}")
+
+
+def gather(steps: int, rounds: int) -> None:
+    trainers = {mode: make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2),
+                                   mesh={"fsdp": 2}, fsdp_gather=mode)
+                for mode in ("per_microbatch", "per_step")}
+    med, losses = alternate(trainers, steps, rounds)
+    print(f"\nc. FSDP weights gathered per microbatch or once a step, 2 slices x a gang of 2 "
+          f"processes, mesh fsdp=2 ({rounds} rounds x {steps} steps, medians)")
+    print(f"{'fsdp_gather':>15} {'step ms':>8}")
+    for name, m in med.items():
+        print(f"{name:>15} {1e3 * m:>8.1f}")
+    print(f"per_step / per_microbatch = {med['per_step'] / med['per_microbatch']:.2f}; losses equal "
+          f"bitwise: {losses['per_step'] == losses['per_microbatch']}")
 
 
 def replace_gang() -> None:
@@ -137,10 +162,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", choices=("step", "replace", "gather"), help="run one part only")
     args = p.parse_args()
     print(f"load average at start: {os.getloadavg()}")
-    per_step(args.steps, args.rounds)
-    replace_gang()
+    if args.only in (None, "step"):
+        per_step(args.steps, args.rounds)
+    if args.only in (None, "replace"):
+        replace_gang()
+    if args.only in (None, "gather"):
+        gather(args.steps, args.rounds)
     print(f"\nload average at end: {os.getloadavg()}")
 
 

@@ -30,9 +30,11 @@ nothing would read as a setting that does something.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mpmd.runtime.worker import programs
@@ -93,10 +95,43 @@ def gathered_specs(param_specs: Sequence[jax.ShapeDtypeStruct]) -> tuple:
 
 
 def build(k: int, param_specs: tuple) -> dict:
-    """gather{k}: p{k} -> pg{k}, XLA's all-gather over fsdp of each sharded leaf."""
+    """gather{k}: p{k} -> pg{k}, one all-gather over fsdp per dtype (`gathered`)."""
     out = gathered_specs(param_specs)
+    layouts = [s.sharding.spec for s in param_specs]
+    mesh = param_specs[0].sharding.mesh
 
     def gather(params):
-        return (tuple(params),)
+        return (gathered(params, layouts, mesh),)
     return {names.program("gather", k): programs.exported(gather, param_specs,
                                                           out_shardings=(tuple(s.sharding for s in out),))}
+
+
+def gathered(params: Sequence, layouts: Sequence[P], mesh) -> tuple:
+    """`params` (laid out as `layouts` on `mesh`, a Mesh or AbstractMesh) as their gathered
+    layouts will hold them. The leaves split along one dim over fsdp alone are gathered as
+    one buffer per dtype: each viewed as (fsdp, size / fsdp) with its split dim first, and
+    concatenated. XLA would combine their gathers into one tuple-shaped op, but a CPU gang's
+    gloo runs that one array at a time, each a round trip between processes (as reduce{k}'s
+    sums, mpmd/stages/partials.py). The other leaves are left to the program's
+    out_shardings. Moves data only: the same bits either way."""
+    ways = mesh.shape[AXIS]
+    out = list(params)
+    groups: dict = {}
+    for i, (p, lay) in enumerate(zip(params, layouts)):
+        split = [(d, e) for d, e in enumerate(tuple(lay)) if e is not None]
+        if len(split) == 1 and _names(split[0][1]) == (AXIS,):
+            groups.setdefault(jnp.dtype(p.dtype).name, []).append((i, split[0][0]))
+    for members in groups.values():
+        if len(members) == 1:
+            continue
+        flat = jnp.concatenate(
+            [jnp.moveaxis(params[i], d, 0).reshape(ways, -1) for i, d in members], axis=1)
+        whole = jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, P()))
+        at = 0
+        for i, d in members:
+            shape = params[i].shape
+            width = math.prod(shape) // ways
+            moved = (shape[d], *shape[:d], *shape[d + 1:])
+            out[i] = jnp.moveaxis(whole[:, at:at + width].reshape(moved), 0, d)
+            at += width
+    return tuple(out)

@@ -39,9 +39,10 @@ def _gathers(mode: str):
 
 def test_per_step_gathers_each_sharded_weight_once_a_step_not_in_every_program():
     for r, (counts, on_fsdp, stream) in enumerate(_gathers("per_step")):
-        assert on_fsdp > 0
-        # gather{k} all-gathers each parameter on fsdp once; no forward or backward gathers.
-        assert counts == {"gather": on_fsdp}, counts
+        assert on_fsdp > 1
+        # gather{k} all-gathers the parameters on fsdp once, as one buffer (all are f32 and
+        # split over fsdp alone); no forward or backward gathers.
+        assert counts == {"gather": 1}, counts
         runs = [i for i in stream if isinstance(i, Run)]
         kinds = [names.parse_program(i.program).kind for i in runs]
         assert kinds.count("gather") == 1 and kinds.index("gather") < kinds.index("fwd")
@@ -61,6 +62,30 @@ def test_per_microbatch_gathers_in_every_forward_and_backward():
         assert counts["fwd"] == M * on_fsdp
         assert counts.get("bwd_first", 0) > 0 and counts.get("bwd_acc", 0) > 0
         assert "gather" not in counts
+
+
+@pytest.mark.parametrize("mesh", [{"fsdp": 2}, {"fsdp": 2, "tensor": 2}])
+def test_packed_gather_equals_each_leaf_gathered_bitwise(mesh):
+    """gather.gathered packs the leaves split over fsdp alone (along any dim) by dtype; leaves
+    split two ways, over tensor, or not at all are left to out_shardings: every leaf comes
+    out in its gathered layout with the same bits as gathered on its own."""
+    from jax.sharding import NamedSharding
+    sm = SliceMesh(**mesh)
+    devices = bind(tuple(sm), jax.devices()[:sm.size])
+    tensor = "tensor" if sm.tensor > 1 else None
+    leaves = [((12, 8), "float32", P("fsdp")), ((8, 12), "float32", P(None, "fsdp")),
+              ((4, 8, 6), "float32", P(None, "fsdp", None)), ((6, 4), "bfloat16", P("fsdp")),
+              ((4, 6), "bfloat16", P(None, "fsdp")), ((8, 8), "float32", P("fsdp", tensor)),
+              ((8,), "float32", P(tensor)), ((5,), "float32", P())]
+    layouts = [lay for _, _, lay in leaves]
+    rng = np.random.default_rng(0)
+    args = [jax.device_put(rng.normal(size=shape).astype(dtype), NamedSharding(devices, lay))
+            for shape, dtype, lay in leaves]
+    outs = tuple(NamedSharding(devices, gather.gathered_layout(lay)) for lay in layouts)
+    packed = jax.jit(lambda p: gather.gathered(p, layouts, devices), out_shardings=outs)(args)
+    for p, a, o in zip(packed, args, outs):
+        assert p.sharding.spec == o.spec and p.dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(a))
 
 
 def test_gathered_layout_takes_only_fsdp_out():
