@@ -28,8 +28,9 @@ terms (the search charges them, mpmd/tuner/search.py):
   from this machine: `core_groups_of`; 4 workers on 2 cores pair them up). A traced
   program's seconds while n of its group's slices run on c cores are counted at
   min(1, c / n) (`task_durations`), so unit times are what a program takes alone, and a
-  candidate's step is simulated with each slice slowed by its mates' busy fraction
-  (`shared_step_s`): a schedule that keeps every slice busy gives the core to none.
+  candidate's step is simulated the same way (`shared_step_s`): while n of a group's slices
+  run tasks each gets min(1, c / n) of a core, so a slice runs at full speed through its
+  mates' bubbles, and a schedule that keeps every slice busy gives the core to none.
 
 How. The units become the stages of one pipeline, placed in contiguous blocks over the
 cluster's slices, run by a split-backward GPipe order (all forwards, then the B and W of
@@ -178,34 +179,69 @@ def _alone_s(e, others, cores: int) -> float:
 
 def shared_step_s(schedule: Schedule, costs: list, updates, comm_s: float = 0.0, core_groups=()) -> float:
     """step_s of `schedule` with per-stage `costs` (dicts of F, B, W[, BW] core-seconds) and
-    per-slice `updates`, where slices that share cores slow each other down. Mean field:
-    slice r's tasks and updates take (1 + its mates' busy fractions) / cores times their
-    cost when that is over 1, a mate's busy fraction being its own (slowed) work over the
-    step; the step and the fractions are solved together by damped iteration."""
-    step = step_s(schedule, costs, updates, comm_s)
-    if not core_groups:
-        return step
+    per-slice `updates`, where slices that share cores slow each other down: a timeline in
+    which, while n of a group's slices run on its c cores, each runs at min(1, c / n) of its
+    own speed (as the profile counts a traced program's core-seconds, `task_durations`), so
+    a slice computes at full speed while its mates wait in their bubbles. Without sharing
+    (no group has fewer cores than slices) it is step_s itself."""
+    P = schedule.num_slices
+    groups = [([q for q in slices if q < P], cores) for slices, cores in core_groups]
+    groups = [(mine, cores) for mine, cores in groups if len(mine) > cores]
+    if not groups:
+        return step_s(schedule, costs, updates, comm_s)
+    return _shared_timeline(schedule, costs, updates, comm_s, groups)
+
+
+def _shared_timeline(schedule: Schedule, costs: list, updates, comm_s: float, groups) -> float:
+    """The end of the last slice's update when slices in `groups` ([(slices, cores), ...])
+    share their cores equally: an event-driven walk of every slice's tasks in order, a task
+    starting when its slice is free and its dependencies have ended (+ comm_s from another
+    slice), running at its group's share of a core until its cost is done."""
     def cost(task):
         c = costs[task.stage]
         if task.kind == BACKWARD and not schedule.split_backward:
             return c.get(FULL_BACKWARD, c[BACKWARD] + c[WEIGHT])
         return c[task.kind]
-    work = [sum(cost(t) for t in tasks) + u for tasks, u in zip(schedule.slices, updates)]
-    P = schedule.num_slices
-    scale = [1.0] * P
-    for _ in range(100):
-        busy = [min(1.0, f * w / step) for f, w in zip(scale, work)]
-        scale = [1.0] * P
-        for slices, cores in core_groups:
-            mine = [q for q in slices if q < P]
-            for r in mine:
-                scale[r] = max(1.0, (1 + sum(busy[q] for q in mine if q != r)) / cores)
-        scaled = [{kind: v * scale[schedule.placement[k]] for kind, v in c.items()} for k, c in enumerate(costs)]
-        new = step_s(schedule, scaled, [u * f for u, f in zip(updates, scale)], comm_s)
-        if abs(new - step) <= 1e-6 * step:
-            return new
-        step = (step + new) / 2          # damped: the busy fractions fall as the step grows
-    return step
+    P, S = schedule.num_slices, schedule.num_stages
+    queues = [[(Task(*t), cost(Task(*t))) for t in tasks] + [(None, float(u))]
+              for tasks, u in zip(schedule.slices, updates)]
+    group_of = {r: (mine, cores) for mine, cores in groups for r in mine}
+    ended: dict = {}
+    position = [0] * P
+    running: dict = {}              # slice -> [task, work left]
+    now = 0.0
+    while True:
+        ready_at = []
+        for r in range(P):
+            if r in running or position[r] == len(queues[r]):
+                continue
+            task, work = queues[r][position[r]]
+            deps = () if task is None else schedules.dependencies(task, S)
+            if any(d not in ended for d in deps):
+                continue
+            start = max([now] + [ended[d] + (comm_s if schedule.placement[d[0]] != r else 0.0) for d in deps])
+            if start <= now:
+                running[r] = [task, work]
+            else:
+                ready_at.append(start)
+        if not running and not ready_at:
+            if any(position[r] < len(queues[r]) for r in range(P)):
+                raise ValueError(f"{schedule.name}: its tasks wait on each other (validate the schedule)")
+            return now
+        rate = {}
+        for r in running:
+            mine, cores = group_of.get(r, ((r,), 1))
+            rate[r] = min(1.0, cores / sum(q in running for q in mine))
+        finish = [now + left / rate[r] for r, (_, left) in running.items()]
+        later = min(finish + ready_at)
+        for r in list(running):
+            running[r][1] -= (later - now) * rate[r]
+            if running[r][1] <= 1e-12 * max(1.0, later):
+                task = running.pop(r)[0]
+                if task is not None:
+                    ended[tuple(task)] = later
+                position[r] += 1
+        now = later
 
 
 def core_groups_of(cluster, num_slices: int) -> tuple:

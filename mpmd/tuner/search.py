@@ -17,7 +17,7 @@ Pricing a candidate (microbatch size = batch / m, the profile's costs at that si
   largest boundary's bytes (mpmd.schedules.simulate charges one figure per transfer);
 - step: the latest slice's end plus that slice's optimizer updates, plus the measured
   per-step overhead; where slices share cores (the profile's core_groups), simulated with
-  each slice slowed by its mates' busy fraction (mpmd.tuner.profile.shared_step_s);
+  the cores shared among the slices running at each moment (mpmd.tuner.profile.shared_step_s);
 - memory per slice: parameters and accumulated gradients and optimizer state of its stages,
   plus the schedule's peak of saved activations (mpmd.schedules.simulate.peak_saved_bytes: residuals
   from F until the last backward task, and in a split backward what B keeps for W). Not

@@ -240,3 +240,34 @@ def test_slices_sharing_a_core_share_its_time():
     assert shared_step_s(schedule, costs, [0.5, 0.5], 0.0, (((0, 1), 2),)) == apart
     shared = shared_step_s(schedule, costs, [0.5, 0.5], 0.0, (((0, 1), 1),))
     assert shared >= 2 * (8 * 3 + 0.5) > apart
+
+
+def test_shared_timeline_is_the_simulator_without_sharing_and_shares_only_overlaps():
+    import random
+    from mpmd.schedules.simulate import step_s
+    from mpmd.tuner.profile import _shared_timeline, shared_step_s
+    # With no core shared it is the simulator's timeline, for every kind of schedule.
+    for name, stages, v in [("gpipe", 4, None), ("1f1b", 4, None), ("zb-h1", 4, None),
+                            ("interleaved-1f1b", 8, 2), ("zb-v", 8, 2), ("dualpipe-v", 8, 2)]:
+        schedule = schedules.make(name, stages, 8, v)
+        rng = random.Random(stages)
+        costs = [{"F": rng.uniform(1, 2), "B": rng.uniform(1, 2), "W": rng.uniform(1, 2), "BW": rng.uniform(2, 4)}
+                 for _ in range(schedule.num_stages)]
+        updates = [rng.uniform(0, 1) for _ in range(schedule.num_slices)]
+        assert _shared_timeline(schedule, costs, updates, 0.3, []) == pytest.approx(
+            step_s(schedule, costs, updates, 0.3), rel=1e-12), name
+    # Two slices on one core, 2 stages, 1 microbatch, split backward, unit costs: F0, F1
+    # and B1 run alone (the other slice waits on them), then B0 and W1 share the core (2
+    # units of work in 2 units of time), then W0 alone: 6, the summed work; unshared 5.
+    from mpmd.schedules.core import Schedule, Task
+    schedule = Schedule("by hand", 2, 1, 1, True, tuple((Task(k, 0, "F"), Task(k, 0, "B"), Task(k, 0, "W"))
+                                                        for k in range(2)), (0, 1))
+    costs = [{"F": 1.0, "B": 1.0, "W": 1.0}] * 2
+    assert step_s(schedule, costs, [0.0, 0.0]) == 5.0
+    assert shared_step_s(schedule, costs, [0.0, 0.0], 0.0, (((0, 1), 1),)) == pytest.approx(6.0)
+    # Each slice runs at least at half speed on a core shared by two: slower than unshared,
+    # faster than every task at half speed.
+    schedule = schedules.make("1f1b", 4, 4)
+    costs = [{"F": 1.0, "B": 1.0, "W": 1.0}] * 4
+    apart = step_s(schedule, costs, [0.0] * 4)
+    assert apart < shared_step_s(schedule, costs, [0.0] * 4, 0.0, (((0, 2), 1), ((1, 3), 1))) < 2 * apart
