@@ -17,7 +17,10 @@ Every ratio is measured in this one run on this machine.
    Same again on InProcessCluster (all slices are threads of this process, unpinned) unless
    --no-inprocess. loss[0] must agree between D=1 and D=2. A last traced step per trainer
    splits each slice's time into its programs and its receive waits: where the D=2 excess
-   sits (in the SPMD programs, or in waiting for transfers).
+   sits (in the SPMD programs, or in waiting for transfers). Last, the floor: the same step
+   in JAX alone (one jitted program, a shard_map over data with one psum, in a child process
+   pinned to one core), D=2 against D=1 in alternating blocks: what two simulated devices on
+   one core cost XLA:CPU itself, pipeline or none.
 2. Resharding transfer. A float32 activation [64, 256, 256] (16 MB) moved from slice 0 to
    slice 1 of LocalCluster(num_workers=2, devices_per_worker=2), by hand-written plans: slice
    0 runs a program that makes the array in its layout, sends it; slice 1 receives it in its
@@ -57,6 +60,7 @@ import cpu_setup  # noqa: E402  (first: sets the flags before anything imports j
 cpu_setup.before_jax(devices=4)
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
@@ -151,6 +155,88 @@ def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -
         setups.append(("InProcessCluster", {"D=1": mpmd.InProcessCluster, "D=2": mpmd.InProcessCluster}))
     side_by_side("1. overhead", {"D=1": (None, "per_microbatch"), "D=2": ({"data": 2}, "per_microbatch")},
                  setups, num_rounds, block)
+    times = xla_floor(num_rounds, block)
+    d1, d2 = (statistics.median(times[k]) for k in ("D=1", "D=2"))
+    q = statistics.quantiles(times["D=2"], n=4)
+    print(f"{'JAX alone':>17} {d1 / MS:>20.1f} {d2 / MS:>20.1f} {d2 / d1:>26.3f} "
+          f"{f'{q[0] / d1:.3f}..{q[2] / d1:.3f}':>42}   (one jitted step, one process pinned to one "
+          f"core, no pipeline: xla_floor)")
+
+
+def xla_floor(num_rounds: int, block: int) -> dict:
+    """D=2 against D=1 in JAX alone: the same GPT, batch and m in one jitted training step
+    (a shard_map over `data`: each device runs its half of every microbatch, accumulates its
+    partial gradients, one psum, then adamw), in a child process pinned to one core like a
+    worker. What XLA:CPU itself costs for running two simulated devices on one core, with no
+    pipeline: the floor under the mpmd ratio above. {"D=1": [s, ...], "D=2": [...]}."""
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, __file__, "--xla-floor-child", str(num_rounds), str(block)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"xla_floor's child failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _xla_floor_child(num_rounds: int, block: int) -> None:
+    os.sched_setaffinity(0, {1})                # before jax starts its threads: one core, as a worker
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from mpmd import models
+    graphdef, params = nnx.split(models.GPT(**GPT_SIZES, rngs=nnx.Rngs(0)))
+    optimizer = optax.adamw(LR)
+    loss = lambda p, x, y: models.lm_loss(nnx.merge(graphdef, p)(x), y)
+
+    def make_step(mesh):
+        def partial_grads(p, x, y):             # this device's rows of the batch, m microbatches
+            xs, ys = (a.reshape(GPT_M, -1, *a.shape[1:]) for a in (x, y))
+
+            grads, total = jax.tree.map(jnp.zeros_like, p), 0.0
+            for i in range(GPT_M):              # unrolled (as a scan: 0.84, its D=1 loop the slower one)
+                value, g = jax.value_and_grad(loss)(p, xs[i], ys[i])
+                grads, total = jax.tree.map(jnp.add, grads, g), total + value
+            n = GPT_M * jax.lax.psum(1, "data")
+            return jax.lax.psum(grads, "data"), jax.lax.psum(total, "data") / n
+
+        def step(p, state, x, y):
+            grads, value = jax.shard_map(partial_grads, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                                         out_specs=(P(), P()), check_vma=False)(p, x, y)
+            grads = jax.tree.map(lambda g: g / GPT_M, grads)
+            updates, state = optimizer.update(grads, state, p)
+            return optax.apply_updates(p, updates), state, value
+        return jax.jit(step, donate_argnums=(0, 1))
+
+    batches = make_batches(4)
+    cases = {}
+    for d in (1, 2):
+        mesh = Mesh(np.array(jax.devices()[:d]), ("data",))
+        replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        fresh = lambda tree: jax.tree.map(lambda a: jax.device_put(np.array(a), replicated), tree)
+        p = fresh(params)                       # own buffers: the step donates them
+        state = fresh(optimizer.init(p))
+        data = [tuple(jax.device_put(a, split) for a in b) for b in batches]
+        cases[f"D={d}"] = [make_step(mesh), p, state, data]
+
+    def run(case, i):
+        step, p, state, data = case
+        # One step at a time: XLA:CPU deadlocked here (a collective's rendezvous waited on a
+        # device's thread) when 2-device steps were dispatched back to back on one core.
+        case[1], case[2], value = jax.block_until_ready(step(p, state, *data[i % len(data)]))
+        return value
+    for case in cases.values():
+        for i in range(2):
+            run(case, i)
+    times = timing.alternating_blocks({name: (lambda i, c=c: run(c, i)) for name, c in cases.items()},
+                                      num_rounds, block)
+    print(json.dumps(times))
 
 
 # -- 3. FSDP weights gathered once a step ----------------------------------------------------
@@ -289,6 +375,8 @@ def resharding(local_d1, local_d2, num_reps: int) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--xla-floor-child"]:
+        return _xla_floor_child(int(sys.argv[2]), int(sys.argv[3]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps: a smoke run, not a measurement")
     parser.add_argument("--rounds", type=int, default=None, help="alternating blocks per trainer (1.)")

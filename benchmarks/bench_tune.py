@@ -16,7 +16,7 @@ Models (batch 16 of random bytes, seq 64, adamw, no clipping):
 For each, on LocalCluster(num_workers=W) (real worker processes, each pinned to a core):
 mpmd.tune profiles the layers at microbatch counts 2, 4, 8, searches and confirms its 3
 best; then every schedule x m in {2, 4, 8} (interleaved with v = 2), at the tuner's cut
-points, and the defaults, are trained on the same workers for one warm-up and 3 timed steps
+points, and the defaults, are trained on the same workers for two warm-up and 5 timed steps
 each (mpmd.tune.run_candidate, the tuner's own measurement), in two rounds of opposite
 order whose mean is the figure (a load drifting linearly weighs on all alike). Printed: the
 grid (predicted, measured), the pick's measured step over the grid's best (goal <= 1.05),
@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 BATCH, SEQ, COUNTS = 16, 64, (2, 4, 8)
+STEPS = 5                  # timed steps per candidate, after two warm-up steps (mpmd.tune's default)
 
 
 def build(name: str):
@@ -82,7 +83,7 @@ def main(quick: bool, num_workers: int, names: list[str]) -> None:
         try:
             t0 = time.perf_counter()
             result = mpmd.tune(layers, models.lm_loss, optimizer, x, y, cluster, num_workers,
-                               microbatch_counts=list(counts), confirm=3, confirm_steps=3)
+                               microbatch_counts=list(counts), confirm=3, confirm_steps=STEPS)
             tune_s = time.perf_counter() - t0
             print(result.table())
             everything, _ = search(result.profile, num_workers, BATCH, microbatch_counts=list(counts), keep=None)
@@ -100,7 +101,7 @@ def main(quick: bool, num_workers: int, names: list[str]) -> None:
             runs: dict = {c: [] for c in order}
             for i in range(1 if quick else 2):
                 for c in (order if i % 2 == 0 else order[::-1]):
-                    runs[c].append(run_candidate(c, layers, models.lm_loss, optimizer, x, y, cluster, 3,
+                    runs[c].append(run_candidate(c, layers, models.lm_loss, optimizer, x, y, cluster, STEPS,
                                                  log=lambda _: None).measured_step_s)
             measured = {c: float(np.mean(times)) for c, times in runs.items()}
             default_s = measured[default]

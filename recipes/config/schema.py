@@ -220,7 +220,7 @@ class TuneConfig(_Section):
         None, gt=0, description="per-slice memory cap in GiB the predicted peak must fit; null = the "
                                 "device's memory (on CPU: this host's memory / workers)")
     confirm: int = Field(3, ge=0, description="best predicted candidates run for real; 0 = none")
-    confirm_steps: int = Field(3, gt=0, description="timed steps per confirmed candidate (after one warm-up)")
+    confirm_steps: int = Field(5, gt=0, description="timed steps per confirmed candidate (after two warm-up steps)")
     microbatch_counts: list[typing.Annotated[int, Field(gt=0)]] | None = Field(
         None, description="microbatch counts to consider, each dividing train.batch_size; null = every divisor")
     schedule_names: list[str] | None = Field(
