@@ -77,6 +77,12 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
         except Exception as e:  # flatbuffers raises assorted errors on garbage
             raise ValueError(f"program data is not a valid jax.export serialization: {e}") from None
         check_custom_calls(exp.mlir_module())
+        if not exp.out_avals and exp.nr_devices == 1:
+            # Nothing out and nothing used: jax.export drops an unused argument's sharding and
+            # counts one device (opt_init of a stateless optimizer, plain optax.sgd, on a
+            # 2-device slice). A pure program with no outputs has nothing to run.
+            nothing = jax.tree.unflatten(exp.out_tree, [])
+            return lambda *_bundles: nothing
         if exp.nr_devices != mesh.size:
             raise ValueError(f"program was exported for {exp.nr_devices} device(s); this slice has {mesh.size}")
         # The output layouts pin the devices (a program without inputs would otherwise run on

@@ -118,6 +118,20 @@ def test_unannotated_user_stages_are_replicated_and_data_parallel():
     assert_matches((losses, reference.stage_leaves(grads), reference.stage_leaves(params)), want)
 
 
+def test_a_stateless_optimizer_trains_on_a_mesh_slice():
+    """Plain SGD keeps no state: its opt_init takes the parameters, uses none and returns
+    nothing, which jax.export records as a 1-device program. It used to be refused on a
+    2-device slice ("exported for 1 device(s); this slice has 2")."""
+    want = reference.train(make_gpt, models.lm_loss, data(), optax.sgd(0.1))
+    pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
+    with mpmd.Trainer(pipe, optax.sgd(0.1), num_microbatches=M, mesh={"data": 2},
+                      cluster=mpmd.InProcessCluster()) as trainer:
+        _, grads = trainer.grads(*data()[0])
+        losses = [trainer.step(x, y)["loss"] for x, y in data()]
+        got = (losses, reference.stage_leaves(grads), reference.stage_leaves(trainer.params()))
+    assert_matches(got, want)
+
+
 def test_tied_weight_across_unlike_slices():
     """The embedding tied with the LM head lies P(vocab over tensor) on slice 0 and replicated
     on slice 1; the holders' gradients cross both ways, resharded, and the copies stay equal."""
