@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mpmd.stages import gather
 from mpmd.stages.sharding import BATCH, SliceMesh
 
 
@@ -91,6 +92,23 @@ def split(tree, n: int):
     """Every leaf (B, ...) viewed as (n, B/n, ...): group g is rows g*B/n .. (g+1)*B/n - 1,
     the rows device g holds of a batch-split array."""
     return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), tree)
+
+
+def per_device(stored, mesh: SliceMesh, params: Sequence) -> tuple:
+    """The residuals a grouped forward stores, (n, ...) each, laid out group g on device g.
+    Left to XLA, a residual that does not depend on the batch (an attention mask broadcast
+    to the heads, vmap's copy of it for each group) came out replicated: every device held
+    every group's copy (benchmarks/bench_mesh.py's GPT on data=2: 11.41 MiB a microbatch on
+    each device for stage 0, 10.78 MiB laid out). The other dims stay XLA's to choose (a
+    tensor-split residual keeps its split). Left as XLA lays them when the program takes
+    weights split over fsdp (`params`' layouts; mesh.fsdp_gather per_microbatch): there a
+    residual made from such a weight (a norm's scale) cost one more all-gather of it in
+    every forward, next to the one its compute does."""
+    if any(gather.sharded(p.sharding.spec) for p in params):
+        return tuple(stored)
+    abstract, axes = mesh.abstract(), batch_axes(mesh)
+    return tuple(jax.lax.with_sharding_constraint(
+        a, NamedSharding(abstract, P(axes, *[P.UNCONSTRAINED] * (a.ndim - 1)))) for a in stored)
 
 
 def join(tree):

@@ -198,11 +198,12 @@ def _cotangent_tree(y_leaves, y_tree, given):
 
 
 def _grouped(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
-             num_microbatches: int, n: int):
-    """_backward's (forward, residual specs, cotangents) for a stage vmapped over n batch
-    groups (mpmd/stages/partials.py): the forward stores each group's residuals (n, ...) and,
-    on the last stage, the loss's, the loss applied to the groups' joined output; the weight
-    gradients cotangents returns are partials (n, *shape), one per group."""
+             num_microbatches: int, mesh):
+    """_backward's (forward, residual specs, cotangents) for a stage vmapped over the batch
+    groups of `mesh` (mpmd/stages/partials.py): the forward stores each group's residuals
+    (n, ...) and, on the last stage, the loss's, the loss applied to the groups' joined
+    output; the weight gradients cotangents returns are partials (n, *shape), one per group."""
+    n = mesh.batch_ways
     x_tree = jax.tree.structure(shapes.x)
     s_tree = jax.tree.structure(shapes.side) if shapes.side else None
     t_tree = jax.tree.structure(shapes.targets) if last else None
@@ -220,7 +221,7 @@ def _grouped(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
             layout["y"] = jax.tree.map(spec, y)
             return y, tuple(_residuals(vjp, p, layout))
         y, stored = jax.vmap(group)(partials.split(x, n), partials.split(s, n))
-        y = partials.join(y)
+        y, stored = partials.join(y), partials.per_device(stored, mesh, shapes.params)
         layout["num_group_res"] = len(stored)
         if not last:
             return _bundle(y), stored
@@ -329,8 +330,7 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     if partial is None:
         forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
     else:
-        forward, res_specs, cotangents = _grouped(fn, shapes, first, last, loss_fn, num_microbatches,
-                                                  partial.batch_ways)
+        forward, res_specs, cotangents = _grouped(fn, shapes, first, last, loss_fn, num_microbatches, partial)
         grad_specs = partials.partial_specs(grad_specs, partial)
     fwd_args = _forward_args(shapes, last)
     p_out, y_out = _layouts(grad_specs), _layouts(shapes.y)

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 import mpmd
 from mpmd import models
 from mpmd.runtime.worker.mesh import bind
-from mpmd.stages import partials
+from mpmd.runtime.worker import programs
+from mpmd.stages import names, partials
 from mpmd.stages.sharding import SliceMesh
 from tests.runtime.test_mesh_slices import make_gpt, sgd
 from tests.support import reference
@@ -65,6 +66,32 @@ def test_packed_reduction_equals_each_leaf_summed_bitwise(mesh):
     for p, a in zip(packed, alone):
         assert p.sharding.spec == a.sharding.spec and p.dtype == a.dtype
         np.testing.assert_array_equal(np.asarray(p), np.asarray(a))
+
+
+@pytest.mark.parametrize("mesh", [{"data": 2}, {"data": 2, "tensor": 2}], ids=["data2", "data2-tensor2"])
+def test_a_grouped_forward_stores_each_group_on_its_own_device(mesh):
+    """Every residual a grouped forward stores, (n, ...), lies group g on device g, the
+    batch-independent ones too (an attention mask broadcast per group: left to XLA it came
+    out replicated, each device holding every group's copy)."""
+    pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
+    with mpmd.Trainer(pipe, sgd(), num_microbatches=M, mesh=mesh, cluster=mpmd.InProcessCluster()) as trainer:
+        trainer.step(*reference.batches()[0])
+        lowered = trainer.lowered
+    sm = SliceMesh(**mesh)
+    devices = bind(tuple(sm), jax.devices()[:sm.size])
+    for r in range(2):
+        spec = lowered.programs[r][names.program("fwd", r)]
+        exp = jax.export.deserialize(bytearray(spec.data))
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(exp.in_avals, exp.in_shardings_jax(devices))]
+        compiled = programs.load(spec, devices).lower(*jax.tree.unflatten(exp.in_tree, args)[0]).compile()
+        outs = jax.tree.leaves(compiled.output_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        # The stage's output leads, then the residuals; the last stage's loss (1,) and its
+        # vjp's residuals come after, from the joined output (batch-split, or a scalar).
+        grouped = [(a.shape, s.shard_shape(a.shape)) for a, s in zip(exp.out_avals, outs)
+                   if a.ndim and a.shape[0] == sm.batch_ways]
+        assert len(grouped) > 10
+        assert all(local[0] == 1 for _, local in grouped), grouped
 
 
 def test_partial_layout_takes_the_batch_axes_out_of_the_parameter_dims():
