@@ -171,7 +171,6 @@ def xla_floor(num_rounds: int, block: int) -> dict:
     pipeline: the floor under the mpmd ratio above. {"D=1": [s, ...], "D=2": [...]}."""
     import json
     import subprocess
-    import sys
     done = subprocess.run([sys.executable, __file__, "--xla-floor-child", str(num_rounds), str(block)],
                           capture_output=True, text=True)
     if done.returncode:

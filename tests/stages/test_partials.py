@@ -11,12 +11,11 @@ from jax.sharding import PartitionSpec as P
 import mpmd
 from mpmd import models
 from mpmd.runtime.worker.mesh import bind
-from mpmd.runtime.worker import programs
 from mpmd.stages import names, partials
 from mpmd.stages.sharding import SliceMesh
 from tests.runtime.test_mesh_slices import make_gpt, sgd
 from tests.support import reference
-from tests.support.collectives import REDUCTIONS, step_collectives
+from tests.support.collectives import REDUCTIONS, compile_program, step_collectives
 
 M = 4
 
@@ -82,9 +81,7 @@ def test_a_grouped_forward_stores_each_group_on_its_own_device(mesh):
     for r in range(2):
         spec = lowered.programs[r][names.program("fwd", r)]
         exp = jax.export.deserialize(bytearray(spec.data))
-        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(exp.in_avals, exp.in_shardings_jax(devices))]
-        compiled = programs.load(spec, devices).lower(*jax.tree.unflatten(exp.in_tree, args)[0]).compile()
+        compiled = compile_program(spec, devices)
         outs = jax.tree.leaves(compiled.output_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         # The stage's output leads, then the residuals; the last stage's loss (1,) and its
         # vjp's residuals come after, from the joined output (batch-split, or a scalar).

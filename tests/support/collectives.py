@@ -21,6 +21,15 @@ def collective_arrays(hlo: str, ops) -> int:
     return sum(len(_ARRAY.findall(result)) for result, _ in pattern.findall(hlo))
 
 
+def compile_program(spec, mesh):
+    """An exported program compiled for `mesh` (the slice's devices), on arguments laid out as
+    it takes them: what a worker runs, to read its HLO or its output shardings."""
+    exp = jax.export.deserialize(bytearray(spec.data))
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, exp.in_shardings_jax(mesh))]
+    bundles, _ = jax.tree.unflatten(exp.in_tree, args)
+    return programs.load(spec, mesh).lower(*bundles).compile()
+
+
 def step_collectives(lowered, r: int, mesh, ops) -> dict[str, int]:
     """Per program kind, the arrays slice r's training plan moves by collectives of kinds
     `ops` in one step (kinds with none left out)."""
@@ -30,12 +39,7 @@ def step_collectives(lowered, r: int, mesh, ops) -> dict[str, int]:
         if not isinstance(ins, Run):
             continue
         if ins.program not in compiled:
-            spec = lowered.programs[r][ins.program]
-            exp = jax.export.deserialize(bytearray(spec.data))
-            args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                    for a, s in zip(exp.in_avals, exp.in_shardings_jax(mesh))]
-            bundles, _ = jax.tree.unflatten(exp.in_tree, args)
-            hlo = programs.load(spec, mesh).lower(*bundles).compile().as_text()
+            hlo = compile_program(lowered.programs[r][ins.program], mesh).as_text()
             compiled[ins.program] = collective_arrays(hlo, ops)
         kind = names.parse_program(ins.program).kind
         counts[kind] = counts.get(kind, 0) + compiled[ins.program]
