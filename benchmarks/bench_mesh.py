@@ -18,9 +18,12 @@ Every ratio is measured in this one run on this machine.
    --no-inprocess. loss[0] must agree between D=1 and D=2. A last traced step per trainer
    splits each slice's time into its programs and its receive waits: where the D=2 excess
    sits (in the SPMD programs, or in waiting for transfers). Last, the floor: the same step
-   in JAX alone (one jitted program, a shard_map over data with one psum, in a child process
-   pinned to one core), D=2 against D=1 in alternating blocks: what two simulated devices on
-   one core cost XLA:CPU itself, pipeline or none.
+   in JAX alone, in a child process pinned to one core, D=2 against D=1 in alternating
+   blocks, written two ways: one jitted program (a shard_map over data with one psum), and
+   the programs a pipeline stage runs (a forward per microbatch that stores its residuals, a
+   backward per microbatch, one update): what two simulated devices on one core cost XLA:CPU
+   itself, with no pipeline and no runtime; last of all LocalCluster's ratio over the
+   second's, what mpmd adds beyond the programs it must run.
 2. Resharding transfer. A float32 activation [64, 256, 256] (16 MB) moved from slice 0 to
    slice 1 of LocalCluster(num_workers=2, devices_per_worker=2), by hand-written plans: slice
    0 runs a program that makes the array in its layout, sends it; slice 1 receives it in its
@@ -112,10 +115,11 @@ def traced_busy_s(trainer, batch) -> list[tuple[float, float]]:
              sum(e.end_ns - e.start_ns for e in ev if e.kind == "recv") / 1e9) for ev in events]
 
 
-def side_by_side(title: str, cases: dict, setups: list, num_rounds: int, block: int) -> None:
+def side_by_side(title: str, cases: dict, setups: list, num_rounds: int, block: int) -> list:
     """Two trainers per setup, run in alternating blocks and printed side by side: `cases`
     {name: (mesh, fsdp_gather)}, the second over the first is the ratio; `setups` [(cluster
-    label, {name: a function giving that case's cluster})]."""
+    label, {name: a function giving that case's cluster})]. Returns the rows printed: (label,
+    step times, first losses, traced busy, wall s) per setup."""
     batches = make_batches(4)
     a, b = cases
     rows = []
@@ -146,6 +150,7 @@ def side_by_side(title: str, cases: dict, setups: list, num_rounds: int, block: 
         print(f"{label:>17}  " + "   ".join(
             f"{name}: " + "  ".join(f"s{r} {run / MS:.1f}/{wait / MS:.1f}" for r, (run, wait) in enumerate(bz))
             for name, bz in busy.items()))
+    return rows
 
 
 def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -> None:
@@ -153,22 +158,30 @@ def overhead(local_d1, local_d2, num_rounds: int, block: int, inprocess: bool) -
     setups = [("LocalCluster", {"D=1": lambda: local_d1, "D=2": lambda: local_d2})]
     if inprocess:
         setups.append(("InProcessCluster", {"D=1": mpmd.InProcessCluster, "D=2": mpmd.InProcessCluster}))
-    side_by_side("1. overhead", {"D=1": (None, "per_microbatch"), "D=2": ({"data": 2}, "per_microbatch")},
-                 setups, num_rounds, block)
+    rows = side_by_side("1. overhead", {"D=1": (None, "per_microbatch"), "D=2": ({"data": 2}, "per_microbatch")},
+                        setups, num_rounds, block)
     times = xla_floor(num_rounds, block)
-    d1, d2 = (statistics.median(times[k]) for k in ("D=1", "D=2"))
-    q = statistics.quantiles(times["D=2"], n=4)
-    print(f"{'JAX alone':>17} {d1 / MS:>20.1f} {d2 / MS:>20.1f} {d2 / d1:>26.3f} "
-          f"{f'{q[0] / d1:.3f}..{q[2] / d1:.3f}':>42}   (one jitted step, one process pinned to one "
-          f"core, no pipeline: xla_floor)")
+    ratio = {}
+    for form, what in (("step", "one jitted step"),
+                       ("split", "forward and backward programs per microbatch, one update")):
+        d1, d2 = (statistics.median(times[f"{form} D={d}"]) for d in (1, 2))
+        q = statistics.quantiles(times[f"{form} D=2"], n=4)
+        ratio[form] = d2 / d1
+        print(f"{'JAX alone, ' + form:>17} {d1 / MS:>20.1f} {d2 / MS:>20.1f} {d2 / d1:>26.3f} "
+              f"{f'{q[0] / d1:.3f}..{q[2] / d1:.3f}':>42}   ({what}; one process pinned to one core, "
+              f"no pipeline: xla_floor)")
+    local = statistics.median(rows[0][1]["D=2"]) / statistics.median(rows[0][1]["D=1"])
+    print(f"LocalCluster's D=2 / D=1 over JAX alone's with the same programs (split): {local / ratio['split']:.3f}")
 
 
 def xla_floor(num_rounds: int, block: int) -> dict:
-    """D=2 against D=1 in JAX alone: the same GPT, batch and m in one jitted training step
-    (a shard_map over `data`: each device runs its half of every microbatch, accumulates its
-    partial gradients, one psum, then adamw), in a child process pinned to one core like a
-    worker. What XLA:CPU itself costs for running two simulated devices on one core, with no
-    pipeline: the floor under the mpmd ratio above. {"D=1": [s, ...], "D=2": [...]}."""
+    """D=2 against D=1 in JAX alone, in a child process pinned to one core like a worker: the
+    same GPT, batch, m and adamw, (step) as one jitted training step (a shard_map over `data`:
+    each device runs its half of every microbatch, accumulates its partial gradients, one
+    psum), and (split) as the programs a pipeline stage runs, a forward per microbatch that
+    stores its residuals, a backward per microbatch, one update. What XLA:CPU itself costs
+    for running two simulated devices on one core, with no pipeline and no runtime: the floor
+    under the mpmd ratio above. {"step D=1": [s, ...], "step D=2": ..., "split D=1": ...}."""
     import json
     import subprocess
     done = subprocess.run([sys.executable, __file__, "--xla-floor-child", str(num_rounds), str(block)],
@@ -194,10 +207,14 @@ def _xla_floor_child(num_rounds: int, block: int) -> None:
     optimizer = optax.adamw(LR)
     loss = lambda p, x, y: models.lm_loss(nnx.merge(graphdef, p)(x), y)
 
-    def make_step(mesh):
+    def adamw(p, state, grads):
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+    def whole_step(mesh):
+        """One jitted step: a shard_map over data, each device its half of every microbatch."""
         def partial_grads(p, x, y):             # this device's rows of the batch, m microbatches
             xs, ys = (a.reshape(GPT_M, -1, *a.shape[1:]) for a in (x, y))
-
             grads, total = jax.tree.map(jnp.zeros_like, p), 0.0
             for i in range(GPT_M):              # unrolled (as a scan: 0.84, its D=1 loop the slower one)
                 value, g = jax.value_and_grad(loss)(p, xs[i], ys[i])
@@ -208,33 +225,63 @@ def _xla_floor_child(num_rounds: int, block: int) -> None:
         def step(p, state, x, y):
             grads, value = jax.shard_map(partial_grads, mesh=mesh, in_specs=(P(), P("data"), P("data")),
                                          out_specs=(P(), P()), check_vma=False)(p, x, y)
-            grads = jax.tree.map(lambda g: g / GPT_M, grads)
-            updates, state = optimizer.update(grads, state, p)
-            return optax.apply_updates(p, updates), state, value
+            return (*adamw(p, state, jax.tree.map(lambda g: g / GPT_M, grads)), value)
         return jax.jit(step, donate_argnums=(0, 1))
+
+    def split_programs(mesh):
+        """A forward program per microbatch that stores its vjp residuals, a backward program
+        per microbatch that accumulates per-device partial gradients, one update summing them:
+        the programs a pipeline stage runs (the microbatch viewed as one group per device and
+        vmapped over, as mpmd/stages/partials.py does), with no pipeline and no runtime."""
+        n, groups = mesh.size, NamedSharding(mesh, P("data"))
+
+        def forward(p, x, y):
+            def group(xg, yg):
+                return jax.vjp(lambda q: loss(q, xg, yg), p)[1]
+            vjp = jax.vmap(group)(*(a.reshape(n, -1, *a.shape[1:]) for a in (x, y)))
+            return jax.tree.map(lambda r: jax.lax.with_sharding_constraint(r, groups), vjp)
+
+        def backward(acc, vjp):
+            return jax.tree.map(jnp.add, acc, jax.vmap(lambda f: f(jnp.float32(1 / n))[0])(vjp))
+
+        def update(p, state, acc):
+            return (*adamw(p, state, jax.tree.map(lambda g: g.sum(0) / GPT_M, acc)), None)
+        fwd, bwd = jax.jit(forward), jax.jit(backward, donate_argnums=(0,))
+        upd = jax.jit(update, donate_argnums=(0, 1, 2))
+
+        def step(p, state, x, y):
+            xs, ys = (a.reshape(GPT_M, -1, *a.shape[1:]) for a in (x, y))
+            stored = [jax.block_until_ready(fwd(p, xs[i], ys[i])) for i in range(GPT_M)]
+            acc = jax.tree.map(lambda a: jax.device_put(np.zeros((n, *a.shape), a.dtype), groups), p)
+            for vjp in stored:                  # a program at a time, as a worker runs them
+                acc = jax.block_until_ready(bwd(acc, vjp))
+            return upd(p, state, acc)
+        return step
 
     batches = make_batches(4)
     cases = {}
-    for d in (1, 2):
-        mesh = Mesh(np.array(jax.devices()[:d]), ("data",))
-        replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        fresh = lambda tree: jax.tree.map(lambda a: jax.device_put(np.array(a), replicated), tree)
-        p = fresh(params)                       # own buffers: the step donates them
-        state = fresh(optimizer.init(p))
-        data = [tuple(jax.device_put(a, split) for a in b) for b in batches]
-        cases[f"D={d}"] = [make_step(mesh), p, state, data]
+    for form, make in (("step", whole_step), ("split", split_programs)):
+        for d in (1, 2):
+            mesh = Mesh(np.array(jax.devices()[:d]), ("data",))
+            replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+            fresh = lambda tree: jax.tree.map(lambda a: jax.device_put(np.array(a), replicated), tree)
+            p = fresh(params)                   # own buffers: the step donates them
+            state = fresh(optimizer.init(p))
+            data = [tuple(jax.device_put(a, split) for a in b) for b in batches]
+            cases[f"{form} D={d}"] = [make(mesh), p, state, data]
 
     def run(case, i):
         step, p, state, data = case
         # One step at a time: XLA:CPU deadlocked here (a collective's rendezvous waited on a
         # device's thread) when 2-device steps were dispatched back to back on one core.
-        case[1], case[2], value = jax.block_until_ready(step(p, state, *data[i % len(data)]))
-        return value
+        case[1], case[2], _ = jax.block_until_ready(step(p, state, *data[i % len(data)]))
     for case in cases.values():
         for i in range(2):
             run(case, i)
-    times = timing.alternating_blocks({name: (lambda i, c=c: run(c, i)) for name, c in cases.items()},
-                                      num_rounds, block)
+    times = {}
+    for form in ("step", "split"):             # D=1 and D=2 of one form in alternating blocks
+        times.update(timing.alternating_blocks({name: (lambda i, c=c: run(c, i)) for name, c in cases.items()
+                                                if name.startswith(form)}, num_rounds, block))
     print(json.dumps(times))
 
 
@@ -260,11 +307,11 @@ def produce_program(sizes: tuple[int, int, int], layout: tuple):
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
     from mpmd.runtime.worker import programs
-    from mpmd.runtime.worker.mesh import AXES
+    from mpmd.runtime.worker.mesh import AXES, shape_of
 
     def produce():
         return ((jax.lax.broadcasted_iota(jnp.float32, ACT_SHAPE, 0),),)
-    out = NamedSharding(AbstractMesh(sizes, AXES), PartitionSpec(*layout))
+    out = NamedSharding(AbstractMesh(shape_of(sizes), AXES), PartitionSpec(*layout))
     return programs.exported(produce, out_shardings=((out,),))
 
 
