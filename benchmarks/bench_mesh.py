@@ -200,9 +200,10 @@ def _xla_floor_child(num_rounds: int, block: int) -> None:
     import numpy as np
     import optax
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from mpmd import models
+    from mpmd.runtime import compat
     graphdef, params = nnx.split(models.GPT(**GPT_SIZES, rngs=nnx.Rngs(0)))
     optimizer = optax.adamw(LR)
     loss = lambda p, x, y: models.lm_loss(nnx.merge(graphdef, p)(x), y)
@@ -262,7 +263,7 @@ def _xla_floor_child(num_rounds: int, block: int) -> None:
     cases = {}
     for form, make in (("step", whole_step), ("split", split_programs)):
         for d in (1, 2):
-            mesh = Mesh(np.array(jax.devices()[:d]), ("data",))
+            mesh = compat.mesh(np.array(jax.devices()[:d]), ("data",))
             replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
             fresh = lambda tree: jax.tree.map(lambda a: jax.device_put(np.array(a), replicated), tree)
             p = fresh(params)                   # own buffers: the step donates them
@@ -304,14 +305,15 @@ def produce_program(sizes: tuple[int, int, int], layout: tuple):
     (data, fsdp, tensor): row i holds the value i everywhere (checked on arrival)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding, PartitionSpec
 
+    from mpmd.runtime import compat
     from mpmd.runtime.worker import programs
     from mpmd.runtime.worker.mesh import AXES, shape_of
 
     def produce():
         return ((jax.lax.broadcasted_iota(jnp.float32, ACT_SHAPE, 0),),)
-    out = NamedSharding(AbstractMesh(shape_of(sizes), AXES), PartitionSpec(*layout))
+    out = NamedSharding(compat.abstract_mesh(shape_of(sizes), AXES), PartitionSpec(*layout))
     return programs.exported(produce, out_shardings=((out,),))
 
 

@@ -14,6 +14,20 @@ What differs (checked against each release's own source; docs/design.md has the 
   CALL_PRIMITIVES names both.
 - 0.11.2 moved jax.export's serialization to version 12 (0.10.2 writes 11) and records the
   writer's JAX version: one reason programs must not cross versions (`check_versions`).
+- 0.11.0 made an `AbstractMesh` built without `axis_types` Explicit (0.10.2: Auto), while a
+  `Mesh` over devices stayed Auto; jax.export records the abstract mesh's axis types and
+  `Exported.call` refuses a concrete mesh whose types differ ("NamedSharding new mesh ...
+  does not match the mesh used for export"). mpmd's programs are written for Auto axes (XLA
+  propagates shardings; no sharding-in-types), so every mesh, abstract or bound to devices, is
+  built here with Auto named: `mesh`, `abstract_mesh`.
+- jaxlib 0.11 removed XLA:CPU's `--xla_cpu_use_fusion_emitters` flag (the MLIR fusion
+  emitters became the only ones), and XLA aborts a process whose XLA_FLAGS name a flag it
+  does not know: `XLA_CPU_COMPILE_FAST` names it only where it exists.
+- jaxlib 0.12 on CPU: a gang (a slice of several processes, collectives over gloo) whose
+  processes take a program from JAX's persistent compilation cache hangs in its first
+  collective (the cache is written by process 0 only, so one process may load what another
+  compiles); 0.10.2 and 0.11.2 run the same warm cache. `GANG_PERSISTENT_CACHE` says whether a
+  gang may use it (runtime/worker/gang.py turns it off where not).
 - Unchanged over the range, but private or experimental, so reached only through here:
   `jax._src.interpreters.partial_eval.dce_jaxpr` / `convert_constvars_jaxpr` (0.12 adds a
   `live_inputs` argument, default True: the old behaviour), `jax._src.distributed`'s client,
@@ -28,13 +42,40 @@ import jaxlib
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr, dce_jaxpr  # noqa: F401  (re-exported)
 from jax.experimental import transfer  # noqa: F401  (re-exported: the data plane's API)
 from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 # jax 0.11.0 and later: one Jaxpr class that carries its consts.
 MERGED_JAXPR = ClosedJaxpr is Jaxpr
 
+JAXLIB_VERSION = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+
+# XLA_FLAGS that make XLA:CPU compile fast rather than compile fast code (what the tests set,
+# tests/support/xla.py, never a real run): LLVM at -O0 and, up to jaxlib 0.10, the elemental
+# IR emitter for fused kernels in place of the MLIR fusion emitters (jaxlib 0.11 removed the
+# flag; naming it there aborts the process: "Unknown flag in XLA_FLAGS").
+XLA_CPU_COMPILE_FAST = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if JAXLIB_VERSION < (0, 11) else "")
+
 # Primitives that call a jaxpr once, with no differentiation or control flow of their own:
 # "closed_call" up to 0.11.1, "eval_jaxpr" from 0.11.2 (the same primitive renamed).
 CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call", "eval_jaxpr")
+
+
+# Whether the processes of a CPU gang may take programs from JAX's persistent compilation
+# cache: from jaxlib 0.12 a gang whose processes did (with entries written by an earlier run)
+# hung in its first collective (tests/runtime/test_gang.py, seen on 0.12.1; 0.11.2 ran).
+GANG_PERSISTENT_CACHE = JAXLIB_VERSION < (0, 12)
+
+
+def mesh(devices, axis_names) -> Mesh:
+    """A Mesh of the array of `devices` with Auto axes, on every version."""
+    return Mesh(devices, tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_names))
+
+
+def abstract_mesh(axis_sizes, axis_names) -> AbstractMesh:
+    """An AbstractMesh with Auto axes, as a program is exported for: from jax 0.11 the default
+    is Explicit, which a program then refuses to run on a Mesh bound to devices (Auto)."""
+    return AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_names))
 
 
 def versions() -> dict[str, str]:

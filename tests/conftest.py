@@ -1,17 +1,19 @@
 import os
 
-from tests.support import xla
+# JAX reads these when it is imported (xla.flags below imports it), so they are set first.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Identical programs recur across tests (same model, same shapes): share compiled executables.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+from tests.support import xla  # noqa: E402
 
 # Tests simulate slices as host devices; must be set before JAX initialises its backend.
 # Eigen's intra-op threads off, as in worker processes: the in-process and multi-process
 # runtimes then run the same programs with the same threading and agree bitwise. XLA:CPU's
 # fast-compile settings (tests/support/xla.py says which, why and what they leave unchanged).
 os.environ.setdefault("XLA_FLAGS", xla.flags(8))
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Identical programs recur across tests (same model, same shapes): share compiled executables.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".jax_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Ray's token authentication off for every Ray cluster the tests start (loopback only; see
 # README's Ray section). One setting for the whole process: Ray reads the mode into its
 # per-process config at the first ray.init, so a module that changed it for its own cluster

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+from mpmd.runtime import compat
 from mpmd.stages.specs import spec
 from mpmd.runtime.worker import mesh as _mesh
 from mpmd.runtime.worker.mesh import AXES, devices_problem, shape_of
@@ -84,7 +85,7 @@ class SliceMesh(NamedTuple):
         return math.prod(getattr(self, a) for a in BATCH)
 
     def abstract(self) -> AbstractMesh:
-        return AbstractMesh(tuple(self), AXES)
+        return compat.abstract_mesh(tuple(self), AXES)
 
 
 def describe(mesh: SliceMesh) -> str:

@@ -496,7 +496,7 @@ def read_leaves(run_dir, step: int | None = None, prefix: str = "") -> tuple[int
     for name, leaf in manifest["leaves"].items():
         if name.startswith(prefix):
             items.setdefault(str(store.step_dir(step) / leaf["part"]), {})[name] = [(name, 0)]
-    here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    here = jax.sharding.make_single_device_sharding(jax.devices()[0])
     digests = {name: leaf["digest"] for name, leaf in manifest["leaves"].items() if "digest" in leaf}
     got = SliceCheckpointer().restore(items, lambda name, i: here, digests)
     return step, {name: np.asarray(arrays[0]) for name, arrays in got.items()}

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mpmd.runtime import compat
+
 
 def cut(a: jax.Array, n: int) -> list[jax.Array]:
     """`a` as n single-device arrays, the equal parts of its axis 0 in order."""
@@ -83,7 +85,7 @@ def assemble(pieces: list[jax.Array], shape, layout: tuple, mesh: jax.sharding.M
             shape, target, [jax.device_put(pieces[_rows(idx, shape)[0] // rows], d) for d, idx in where.items()])
     holders = [next(iter(p.devices())) for p in pieces]
     if len(set(holders)) == len(pieces):
-        split = NamedSharding(jax.sharding.Mesh(np.asarray(holders, dtype=object), ("pieces",)), PartitionSpec("pieces"))
+        split = NamedSharding(compat.mesh(np.asarray(holders, dtype=object), ("pieces",)), PartitionSpec("pieces"))
         return jax.device_put(jax.make_array_from_single_device_arrays(shape, split, pieces), target)
     shards = []
     for device, index in where.items():
@@ -106,7 +108,7 @@ def _whole(a: jax.Array) -> jax.Array:
         return a
     if a.sharding.is_fully_replicated:
         return a.addressable_shards[0].data
-    return jax.device_put(a, jax.sharding.SingleDeviceSharding(a.addressable_shards[0].device))
+    return jax.device_put(a, jax.sharding.make_single_device_sharding(a.addressable_shards[0].device))
 
 
 def _rows(index: tuple, shape) -> tuple[int, int]:
@@ -233,7 +235,7 @@ def assemble_gang(landed: dict[int, jax.Array], shape, dtype, layout: tuple, mes
     depth = max(len(v) for v in on.values())
     slots = tuple(flat.index(d) * depth + on[d].index(i) for i, d in enumerate(lands))
     piece_shape = shape if n <= 1 else (rows,) + shape[1:]
-    stacked_sharding = NamedSharding(jax.sharding.Mesh(np.asarray(flat, dtype=object), ("flat",)), PartitionSpec("flat"))
+    stacked_sharding = NamedSharding(compat.mesh(np.asarray(flat, dtype=object), ("flat",)), PartitionSpec("flat"))
     local = []
     for d in flat:
         if d.process_index == jax.process_index():

@@ -248,7 +248,7 @@ class TransferTransport:
         for s, n in zip(specs, counts):
             if math.prod(s.shape):
                 wanted += [jax.ShapeDtypeStruct(_piece_shape(s.shape, n), s.dtype,
-                                                sharding=jax.sharding.SingleDeviceSharding(d))
+                                                sharding=jax.sharding.make_single_device_sharding(d))
                            for d in reshard.landing(s.shape, s.layout, self._mesh, n)]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
@@ -279,7 +279,7 @@ class TransferTransport:
             got = [self._connections[src_slice][reshard.owner(i, n, len(senders))].pull(
                        key_to_uuid(f"{key}#{j}.{i}", self._secret),
                        [jax.ShapeDtypeStruct(_piece_shape(s.shape, n), s.dtype,
-                                             sharding=jax.sharding.SingleDeviceSharding(d))])[0]
+                                             sharding=jax.sharding.make_single_device_sharding(d))])[0]
                    for i, d in here]
             pulled += got
             parts.append(({i: a for (i, _), a in zip(here, got)}, (s, n)))

@@ -29,11 +29,17 @@ def join(coordinator: str, num_processes: int, process_id: int, timeout_s: float
     Returns once all `num_processes` have joined; raises (the process exits and the launcher
     names it) when they do not within `timeout_s`."""
     import jax
+    from mpmd.runtime import compat
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # The coordinator (process 0) binds the address given, not every interface (JAX's
     # default): a local gang's stays on loopback. Its service has no credential of its own.
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                initialization_timeout=max(1, int(timeout_s)), coordinator_bind_address=coordinator)
+    if not compat.GANG_PERSISTENT_CACHE and jax.devices()[0].platform == "cpu":
+        # jaxlib 0.12's CPU gangs hang on programs from the persistent cache (compat says
+        # why): every process compiles its own, as on a cold cache. Before any compile, when
+        # JAX first reads the setting.
+        jax.config.update("jax_enable_compilation_cache", False)
     # Orbax's barriers are XLA collectives unless told otherwise; a collective run by the
     # background checkpoint writer could interleave differently with a step's collectives on
     # two processes and hang both. Barriers through the distributed client touch no device.

@@ -55,11 +55,11 @@ def devices_problem(shape, devices: int, has: str) -> str | None:
 
 def bind(shape, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
     """The mesh of `shape` over exactly these devices, in order."""
-    import jax     # here, not above: the config checks a mesh against AXES before JAX is imported
+    from mpmd.runtime import compat     # here, not above: the config checks a mesh against AXES before JAX is imported
     problem = devices_problem(shape, len(devices), f"this slice has {len(devices)}")
     if problem:
         raise ValueError(f"mesh {problem}")
-    return jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(shape_of(shape)), AXES)
+    return compat.mesh(np.asarray(devices, dtype=object).reshape(shape_of(shape)), AXES)
 
 
 def bind_all(shapes, devices: Sequence[jax.Device]) -> list[jax.sharding.Mesh]:

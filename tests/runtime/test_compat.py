@@ -1,12 +1,25 @@
-"""mpmd.runtime.compat: the JAX versions a controller and its workers agree on, and the jaxpr
-spelling that differs across the supported range (what this machine's jax runs; the branches
-for jax >= 0.11 are checked against that release's source, docs/design.md)."""
+"""mpmd.runtime.compat: the JAX versions a controller and its workers agree on, and what is
+spelt differently across the supported range. Each test runs the branch of the version this
+process runs; CI runs the suite on jax 0.10.2, 0.11.2 and 0.12.x (.ci/run), so every branch
+is exercised on the version it serves."""
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mpmd.runtime import compat
-from tests.support.processes import ROOT, TINY_GPT
+from mpmd.runtime.worker.main import READY
+from tests.support.processes import ROOT, TINY_GPT, wait_gone
+
+# The Python of another venv with mpmd installed on other JAX versions (.ci/run sets it on the
+# newer side to the Python 3.11 venv of jax 0.10.2), whose workers this process's controller
+# must refuse.
+OTHER_PYTHON = os.environ.get("MPMD_OTHER_PYTHON")
 
 OTHER = {"jax": "0.11.2", "jaxlib": "0.11.2"}
 
@@ -62,3 +75,70 @@ def test_a_worker_on_other_versions_is_refused_at_setup(monkeypatch, capsys, tmp
     assert len(err.splitlines()) == 1, err
     assert err.startswith("error: worker ") and "(slice " in err
     assert f"this worker runs jax {jax.__version__}" in err and "its controller runs jax 0.11.2, jaxlib 0.11.2" in err
+
+
+def test_meshes_are_built_with_auto_axes():
+    # From jax 0.11 an AbstractMesh defaults to Explicit axes and a Mesh over devices to Auto;
+    # a program exported for the one then refuses to run on the other.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+    assert compat.abstract_mesh((1, 2), ("a", "b")).axis_types == (AxisType.Auto, AxisType.Auto)
+    mesh = compat.mesh(np.asarray(jax.devices()[:2]).reshape(1, 2), ("a", "b"))
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    # Exported for the abstract mesh, called on the concrete one: what a worker's load does.
+    sharding = NamedSharding(compat.abstract_mesh((1, 2), ("a", "b")), PartitionSpec(None, "b"))
+    arg = jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=sharding)
+    exported = jax.export.export(jax.jit(lambda x: x * 2.0, out_shardings=sharding))(arg)
+    x = jax.device_put(jnp.arange(8.0).reshape(2, 4), NamedSharding(mesh, PartitionSpec(None, "b")))
+    assert exported.call(x).tolist() == (jnp.arange(8.0).reshape(2, 4) * 2.0).tolist()
+
+
+def test_compile_fast_flags_are_ones_this_xla_knows():
+    # XLA aborts a process whose XLA_FLAGS name a flag it does not know; jaxlib 0.11 removed
+    # --xla_cpu_use_fusion_emitters.
+    env = dict(os.environ, XLA_FLAGS=compat.XLA_CPU_COMPILE_FAST, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-500:]
+    assert ("--xla_cpu_use_fusion_emitters=false" in compat.XLA_CPU_COMPILE_FAST) == (compat.JAXLIB_VERSION < (0, 11))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not OTHER_PYTHON, reason="MPMD_OTHER_PYTHON names no Python of a venv on other JAX versions "
+                                            "(.ci/run sets it on the newer side)")
+def test_a_worker_of_another_venv_is_refused_naming_both_versions(tmp_path, capsys):
+    # Two real venvs: workers started by hand on the other venv's Python (other jax and
+    # jaxlib), this process's controller on its own; `mpmd train` ends in one line at Setup.
+    from mpmd.recipes import train_cli
+    probe = "import json, jax, jaxlib; print(json.dumps({'jax': jax.__version__, 'jaxlib': jaxlib.__version__}))"
+    theirs = json.loads(subprocess.run([OTHER_PYTHON, "-c", probe], capture_output=True, text=True, check=True,
+                                       timeout=120).stdout)
+    assert theirs != compat.versions(), f"MPMD_OTHER_PYTHON runs this process's versions too: {theirs}"
+    token_file = tmp_path / "token"
+    token_file.write_text("compat-test-token-0123456789abcdef\n")
+    token_file.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH", "VIRTUAL_ENV")}
+    procs, addresses = [], []
+    try:
+        for i in range(2):
+            with open(tmp_path / f"worker_{i}.log", "w") as log:
+                procs.append(subprocess.Popen([OTHER_PYTHON, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
+                                               "--token-file", str(token_file), "--root", str(tmp_path)],
+                                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True))
+        for p in procs:
+            line = p.stdout.readline()
+            assert line.startswith(READY), (line, (tmp_path / "worker_0.log").read_text()[-2000:])
+            addresses.append(line.split()[1])
+        status = train_cli.main([str(ROOT / "configs/gpt_tiny.yaml"), f"run_dir={tmp_path / 'run'}", "train.steps=1",
+                                 "cluster.backend=static", f"cluster.addresses={json.dumps(addresses)}",
+                                 f"cluster.token_file={token_file}", *TINY_GPT])
+    finally:
+        for p in procs:
+            if p.poll() is None and wait_gone([p.pid], timeout_s=10.0):
+                p.kill()            # by its own pid
+            p.wait()
+    err = capsys.readouterr().err.strip()
+    assert status == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert f"this worker runs jax {theirs['jax']}, jaxlib {theirs['jaxlib']}" in err, err
+    mine = compat.versions()
+    assert f"its controller runs jax {mine['jax']}, jaxlib {mine['jaxlib']}" in err, err

@@ -37,7 +37,7 @@ from jax.experimental import transfer
 addresses, keys, shape = json.loads(sys.argv[1])
 device = jax.devices()[0]
 server = transfer.start_transfer_server(device.client, "127.0.0.1:0", ["127.0.0.1:0"] * 2)
-spec = jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+spec = jax.ShapeDtypeStruct(tuple(shape), np.float32, sharding=jax.sharding.make_single_device_sharding(device))
 pulled = []
 for address in addresses:
     connection = server.connect(address)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import mpmd
+from mpmd.runtime import compat
 from mpmd.runtime.worker import instructions
 from mpmd.runtime.worker import programs
 from mpmd.runtime.wire import format as wire
@@ -334,7 +335,7 @@ def test_a_second_job_loading_the_same_programs_hits_the_cache(shared):
 
 
 def test_the_compile_cache_evicts_least_recently_used_under_its_bound():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    mesh = compat.mesh(np.array(jax.devices()[:1]), ("data",))
     specs = [programs.exported(lambda b, k=k: ((b[0] * k,),), (X_SPEC,)) for k in (2.0, 3.0, 4.0)]
     cache = CompileCache(limit_bytes=len(specs[0].data) + len(specs[1].data) + 8)    # room for two
     first = cache.load(specs[0], mesh)

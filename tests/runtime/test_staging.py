@@ -39,7 +39,7 @@ def test_host_staging_is_checked_and_auto_stages_through_pinned_memory_off_cpu_o
 
 def test_a_failing_pinned_copy_falls_back_to_pageable_under_auto_and_fails_when_forced(monkeypatch, caplog):
     device = jax.devices("cpu")[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.make_single_device_sharding(device)
     x = jax.device_put(np.arange(6, dtype=np.float32), device)
     real_put = jax.device_put
 

@@ -3,7 +3,7 @@ controllers and workers it launches (tests/support/processes.py, tests that buil
 subprocess's environment), so that a run here and the same run in a subprocess compile the
 same code and agree bitwise.
 
-COMPILE makes XLA:CPU compile fast rather than compile fast code: LLVM at -O0
+XLA_CPU_COMPILE_FAST makes XLA:CPU compile fast rather than compile fast code: LLVM at -O0
 (`--xla_backend_optimization_level=0`) and the elemental IR emitter for fused kernels
 (`--xla_cpu_use_fusion_emitters=false`) instead of the MLIR fusion emitters. The suite
 compiles hundreds of small stage programs of ~100 fused kernels each, every one from scratch
@@ -15,15 +15,17 @@ kind. XLA's HLO optimisations (fusion decisions, layouts, SPMD partitioning) are
 at every setting; the kernels' machine code differs. What the tests assert (pipelined
 equals unpipelined to 1e-5, one process equals another bitwise, a resumed run its
 uninterrupted one) compares programs compiled alike, so it holds under either. Benchmarks
-and real runs keep XLA's defaults: nothing outside tests/ sets these.
+and real runs keep XLA's defaults: nothing outside tests/ sets these. jaxlib 0.11 removed the
+second flag (`mpmd.runtime.compat.XLA_CPU_COMPILE_FAST` holds what each version takes), so
+there -O0 is the whole of it.
 """
-COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
 def flags(devices: int | None = None, *, eigen_threads: bool = False) -> str:
-    """XLA_FLAGS for a test process: COMPILE, `devices` host devices (None: XLA's default
+    """XLA_FLAGS for a test process: the compile-fast flags, `devices` host devices (None: XLA's default
     of one), Eigen's intra-op threads off unless `eigen_threads`."""
     parts = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
+    from mpmd.runtime import compat   # imports jax: here, so that conftest sets JAX's environment first
     parts += [] if eigen_threads else [SINGLE_THREAD]
-    return " ".join(parts + [COMPILE])
+    return " ".join(parts + [compat.XLA_CPU_COMPILE_FAST])

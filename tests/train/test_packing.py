@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mpmd.runtime import compat
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.worker import programs
 from mpmd.runtime.worker.instructions import Spec
@@ -38,7 +39,7 @@ def _fit(spec: Spec, mesh: sharding.SliceMesh) -> Spec:
 
 
 def _device_mesh(mesh: sharding.SliceMesh) -> jax.sharding.Mesh:
-    return jax.sharding.Mesh(np.asarray(jax.devices()[:mesh.size]).reshape(tuple(mesh)), sharding.AXES)
+    return compat.mesh(np.asarray(jax.devices()[:mesh.size]).reshape(tuple(mesh)), sharding.AXES)
 
 
 def _state(specs, devices: jax.sharding.Mesh, seed: int = 0) -> list[tuple[jax.Array, ...]]:

@@ -97,6 +97,6 @@ def test_full_save_queue_blocks_and_drops_nothing(tmp_path):
     assert not third.is_alive()
     assert list(ck.wait()) == sorted(dirs)
     for d in dirs:
-        got = ck.restore({d: ["p0"]}, lambda name, i: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        got = ck.restore({d: ["p0"]}, lambda name, i: jax.sharding.make_single_device_sharding(jax.devices()[0]))
         assert np.array_equal(got["p0"][0], np.arange(6.0))
     assert all(os.path.isdir(d) for d in dirs)
