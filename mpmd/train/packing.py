@@ -119,6 +119,8 @@ def pack_fn(plan: Packing):
         rows = [[] for _ in plan.dtypes]
         for bundle, parts in zip(bundles, plan.parts):
             for x, p in zip(bundle, parts):
+                if x.size == 0:      # nothing to carry (see unpack_fn)
+                    continue
                 flat = x.reshape(-1)
                 if p.replicas and p.chunk:
                     r = math.prod(sizes[a] for a in p.replicas)
@@ -141,6 +143,11 @@ def unpack_fn(plan: Packing):
         for parts in plan.parts:
             bundle = []
             for p in parts:
+                if math.prod(p.local) == 0:
+                    # An empty leaf is made, not sliced: jaxlib 0.11.2's XLA:CPU crashed
+                    # (SIGSEGV) compiling a multi-device pack/unpack that carried one.
+                    bundle.append(jnp.zeros(p.local, plan.dtypes[p.group]))
+                    continue
                 flat = packed[p.group][0, p.offset:p.offset + p.chunk]
                 if p.replicas and p.chunk:    # (an empty leaf has nothing to gather)
                     flat = jax.lax.all_gather(flat, p.replicas, tiled=True)[:math.prod(p.local)]
