@@ -14,8 +14,8 @@ What differs (checked against each release's own source; docs/design.md has the 
   CALL_PRIMITIVES names both.
 - 0.11.2 moved jax.export's serialization to version 12 (0.10.2 writes 11) and records the
   writer's JAX version: one reason programs must not cross versions (`check_versions`).
-- 0.11.0 made an `AbstractMesh` built without `axis_types` Explicit (0.10.2: Auto), while a
-  `Mesh` over devices stayed Auto; jax.export records the abstract mesh's axis types and
+- By 0.11.2 (the first 0.11 run here) an `AbstractMesh` built without `axis_types` is
+  Explicit (0.10.2: Auto), while a `Mesh` over devices stayed Auto; jax.export records the abstract mesh's axis types and
   `Exported.call` refuses a concrete mesh whose types differ ("NamedSharding new mesh ...
   does not match the mesh used for export"). mpmd's programs are written for Auto axes (XLA
   propagates shardings; no sharding-in-types), so every mesh, abstract or bound to devices, is
@@ -25,9 +25,11 @@ What differs (checked against each release's own source; docs/design.md has the 
   does not know: `XLA_CPU_COMPILE_FAST` names it only where it exists.
 - jaxlib 0.12 on CPU: a gang (a slice of several processes, collectives over gloo) whose
   processes take a program from JAX's persistent compilation cache hangs in its first
-  collective (the cache is written by process 0 only, so one process may load what another
-  compiles); 0.10.2 and 0.11.2 run the same warm cache. `GANG_PERSISTENT_CACHE` says whether a
-  gang may use it (runtime/worker/gang.py turns it off where not).
+  collective; 0.10.2 and 0.11.2 run the same warm cache, and a two-process psum from a warm
+  cache runs on 0.12.1 too, so the trigger is narrower and was not pinned down (JAX writes
+  the cache from process 0 only: one process may load what the other compiles).
+  `GANG_PERSISTENT_CACHE` says whether a gang may use it (runtime/worker/gang.py turns it
+  off where not).
 - Unchanged over the range, but private or experimental, so reached only through here:
   `jax._src.interpreters.partial_eval.dce_jaxpr` / `convert_constvars_jaxpr` (0.12 adds a
   `live_inputs` argument, default True: the old behaviour), `jax._src.distributed`'s client,
