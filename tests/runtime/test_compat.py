@@ -110,7 +110,7 @@ def test_a_worker_of_another_venv_is_refused_naming_both_versions(tmp_path, caps
     # Two real venvs: workers started by hand on the other venv's Python (other jax and
     # jaxlib), this process's controller on its own; `mpmd train` ends in one line at Setup.
     from mpmd.recipes import train_cli
-    probe = "import json, jax, jaxlib; print(json.dumps({'jax': jax.__version__, 'jaxlib': jaxlib.__version__}))"
+    probe = "import json; from mpmd.runtime import compat; print(json.dumps(compat.versions()))"
     theirs = json.loads(subprocess.run([OTHER_PYTHON, "-c", probe], capture_output=True, text=True, check=True,
                                        timeout=120).stdout)
     assert theirs != compat.versions(), f"MPMD_OTHER_PYTHON runs this process's versions too: {theirs}"
