@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from mpmd.runtime import compat
-from mpmd.runtime.worker.main import READY
-from tests.support.processes import ROOT, TINY_GPT, wait_gone
+from tests.support.processes import ROOT, TINY_GPT, StandaloneWorkers
 
 # The Python of another venv with mpmd installed on other JAX versions (.ci/run sets it on the
 # newer side to the Python 3.11 venv of jax 0.10.2), whose workers this process's controller
@@ -114,29 +113,10 @@ def test_a_worker_of_another_venv_is_refused_naming_both_versions(tmp_path, caps
     theirs = json.loads(subprocess.run([OTHER_PYTHON, "-c", probe], capture_output=True, text=True, check=True,
                                        timeout=120).stdout)
     assert theirs != compat.versions(), f"MPMD_OTHER_PYTHON runs this process's versions too: {theirs}"
-    token_file = tmp_path / "token"
-    token_file.write_text("compat-test-token-0123456789abcdef\n")
-    token_file.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH", "VIRTUAL_ENV")}
-    procs, addresses = [], []
-    try:
-        for i in range(2):
-            with open(tmp_path / f"worker_{i}.log", "w") as log:
-                procs.append(subprocess.Popen([OTHER_PYTHON, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
-                                               "--token-file", str(token_file), "--root", str(tmp_path)],
-                                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True))
-        for p in procs:
-            line = p.stdout.readline()
-            assert line.startswith(READY), (line, (tmp_path / "worker_0.log").read_text()[-2000:])
-            addresses.append(line.split()[1])
-        status = train_cli.main([str(ROOT / "configs/gpt_tiny.yaml"), f"run_dir={tmp_path / 'run'}", "train.steps=1",
-                                 "cluster.backend=static", f"cluster.addresses={json.dumps(addresses)}",
-                                 f"cluster.token_file={token_file}", *TINY_GPT])
-    finally:
-        for p in procs:
-            if p.poll() is None and wait_gone([p.pid], timeout_s=10.0):
-                p.kill()            # by its own pid
-            p.wait()
+    with StandaloneWorkers(tmp_path, 2, shared=False, python=OTHER_PYTHON) as workers:
+        status = train_cli.main([str(ROOT / "configs/gpt_tiny.yaml"), f"run_dir={workers.root / 'run'}", "train.steps=1",
+                                 "cluster.backend=static", f"cluster.addresses={json.dumps(workers.addresses)}",
+                                 f"cluster.token_file={tmp_path / 'token'}", *TINY_GPT])
     err = capsys.readouterr().err.strip()
     assert status == 2, err
     assert len(err.splitlines()) == 1, err

@@ -146,11 +146,11 @@ class StandaloneWorkers:
     `base` (token file, root, worker_<i>.log), reached as the cluster manager reaches them
     (the cluster token) or as a job does (its credential). disk_cache=False starts them
     without JAX's compilation cache on disk, so a miss of their own compile cache really
-    compiles; `cpus[i]` pins worker i. A context manager: on exit a Shutdown with the cluster
+    compiles; `cpus[i]` pins worker i; `python` runs them on another venv's Python. A context manager: on exit a Shutdown with the cluster
     token stops them (killed if they linger)."""
 
     def __init__(self, base: Path, num: int, shared: bool = True, disk_cache: bool = True, cpus=None,
-                 lease_s: float = 30.0):
+                 lease_s: float = 30.0, python: str | None = None):
         import secrets
         self.token = secrets.token_hex(16)
         self.root = base / "root"
@@ -161,13 +161,15 @@ class StandaloneWorkers:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
         if not disk_cache:
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        if python:       # another venv's: its XLA may not know this process's XLA_FLAGS
+            env.pop("XLA_FLAGS", None)
         self.logs = [base / f"worker_{i}.log" for i in range(num)]
         self.procs = []
         for i, log in enumerate(self.logs):
             pin = ["--cpus", str(cpus[i])] if cpus else []
             with open(log, "w") as stderr:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "mpmd.recipes.cli", "worker", *(["--shared"] if shared else []), "--listen",
+                    [python or sys.executable, "-m", "mpmd.recipes.cli", "worker", *(["--shared"] if shared else []), "--listen",
                      "127.0.0.1:0", "--token-file", str(token_file), "--root", str(self.root), "--lease-s",
                      str(lease_s), *pin],
                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
