@@ -87,6 +87,21 @@ class _FileLog(logging.FileHandler):
             super().emit(record)
 
 
+def error(message) -> None:
+    """'error: MESSAGE' on stderr as one write of one line. Workers share this process's
+    stderr: print() writes the text and its newline apart, and a worker's line (asyncio's
+    notes at exit) was seen between them, glued to the end of the error."""
+    line = f"error: {message}\n"
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):     # a captured stream (pytest's capsys)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        return
+    os.write(fd, line.encode(errors="backslashreplace"))
+
+
 def tqdm_write(text: str) -> None:
     from tqdm import tqdm          # clears the bar, writes, draws the bar again
     tqdm.write(text, file=sys.stderr)

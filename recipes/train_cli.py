@@ -61,21 +61,20 @@ def main(argv=None) -> int:
         print(config.describe())
         return 0
     if args.config is None:
-        print("error: missing CONFIG (a YAML file; run with --help-config for every key)",
-              file=sys.stderr)
+        console.error("missing CONFIG (a YAML file; run with --help-config for every key)")
         return 2
     try:
         cfg = config.load(args.config, args.overrides)
         console.to_console(console.level(cfg.log.level))
     except config.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     if args.dry_run:
         from mpmd.recipes import plan  # imports JAX
         try:
             print(plan.describe(plan.dry_run(cfg, args.tflops)))
         except config.ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
+            console.error(e)
             return 2
         return 0
     from mpmd.recipes import registry
@@ -97,21 +96,20 @@ def main(argv=None) -> int:
         return preempt.PREEMPTED_EXIT
     # Found while building (custom module, stage count, ...) or starting (a worker on another JAX).
     except (config.ConfigError, VersionMismatch) as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     except (train.CheckpointError, train.NonFinite) as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(e)
         return 1
     except (ClusterGone, ClusterUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(e)
         return 1
     except StepFailed as e:  # the worker's log has its traceback; XLA's messages may span lines
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        console.error(" ".join(str(e).split()))
         return 1
     except OSError as e:  # the run's own files: ENOSPC, EROFS, EACCES, ...
         where = f": {e.filename}" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}; the run stopped after its last committed "
-              f"checkpoint", file=sys.stderr)
+        console.error(f"{e.strerror or e}{where}; the run stopped after its last committed checkpoint")
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

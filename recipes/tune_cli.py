@@ -69,17 +69,17 @@ def main(argv=None) -> int:
             raise config.ConfigError(f"mpmd tune measures on worker processes: cluster.backend must be "
                                      f"{registry.one_of(workers)}, got '{cfg.cluster.backend}'")
     except config.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     from mpmd.tuner.search import NoCandidateFits
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
     try:
         result = run(cfg, train)
     except config.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        console.error(e)
         return 2
     except NoCandidateFits as e:
-        print(f"error: tune.memory_gb: {e}", file=sys.stderr)
+        console.error(f"tune.memory_gb: {e}")
         return 1
     best = result.best
     print(result.table())

@@ -261,16 +261,22 @@ def main(argv=None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: stop("SIGTERM"))
-    signal.signal(signal.SIGINT, lambda *_: stop("SIGINT"))
+    # A handler only notes the signal: it runs on the main thread between two bytecodes, maybe
+    # while that thread holds `done`'s lock inside done.wait(), so done.set() there could wait
+    # for itself forever (a worker sent SIGINT once hung so). The loop below polls the note.
+    signalled = []
+    signal.signal(signal.SIGTERM, lambda *_: signalled.append("SIGTERM"))
+    signal.signal(signal.SIGINT, lambda *_: signalled.append("SIGINT"))
     if args.token_stdin:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")),
                          daemon=True).start()
     print(f"{READY} {address}", flush=True)
     logging.info("serving %s on %s; checkpoints confined to %s", "a shared cluster's jobs" if args.shared
                  else "slice", address, service.root)
-    while not done.wait(0.5):
-        if args.shared:
+    while not done.wait(SIGNAL_POLL_S):
+        if signalled:
+            stop(signalled[0])
+        elif args.shared:
             service.lapse()
         elif service.attached and time.monotonic() - service.last_contact > args.lease_s:
             if args.persist:
@@ -288,6 +294,10 @@ def main(argv=None) -> int:
     sys.stderr.flush()
     os._exit(0)
 
+
+# How often the main loop looks for a signal noted by its handler (the latency it adds to
+# a SIGTERM or Ctrl-C), and for a lapsed lease.
+SIGNAL_POLL_S = 0.1
 
 # How long a gang process waits at exit for the others to leave the distributed group with it
 # (gang.leave); under LocalLauncher.stop's 5 s before it kills.

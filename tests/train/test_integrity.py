@@ -27,14 +27,24 @@ from tests.support import recovery_runs
 from tests.support.processes import mpmd_train
 
 
-def flip_bit_in_largest_file(step_dir: Path) -> Path:
-    """Flip one bit in the middle of the largest data file under `step_dir`'s slice parts."""
-    files = [f for f in step_dir.glob("slice_*/**/*") if f.is_file()]
-    big = max(files, key=lambda f: f.stat().st_size)
-    data = bytearray(big.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    big.write_bytes(bytes(data))
-    return big
+def flip_bit_in_stored_leaf(run_dir: Path, step: int) -> str:
+    """Flip one low mantissa bit of one value of step `step`'s largest leaf where Orbax stored
+    it, through tensorstore, so that the part still decodes: damage only the digests can
+    find (a bit flipped in Orbax's files themselves mostly breaks their zstd frames, which
+    tensorstore refuses before any digest is checked). The leaf's name."""
+    import tensorstore as ts
+    manifest = CheckpointStore(run_dir).manifest(step)
+    _, leaves = read_leaves(run_dir, step)
+    name = max(leaves, key=lambda k: (leaves[k].nbytes, k))
+    part = run_dir / "checkpoints" / str(step) / manifest["leaves"][name]["part"]
+    stored = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{part}",
+                                                    "path": f"{name}/"}}).result()
+    values = np.array(stored.read().result())
+    assert np.array_equal(values, leaves[name])
+    flat = values.reshape(-1).view(np.uint32)
+    flat[flat.size // 2] ^= 0x10
+    stored.write(values).result()
+    return name
 
 
 def six_steps(run_dir, cluster):
@@ -54,17 +64,17 @@ def resume_to_the_end(run_dir, cluster) -> tuple:
 
 @pytest.mark.slow     # real worker processes
 def test_flipped_bit_in_data_is_set_aside_and_the_older_step_resumed(uninterrupted, workers, tmp_path, caplog):
-    """One bit of the largest Orbax data file of step 6 flipped: restore finds a leaf that
+    """One bit of the largest leaf flipped where step 6 stores it: restore finds the leaf
     does not match its digest, warns naming the step, the slice's part and the leaf, sets step
     6 aside and resumes from 4; the run then ends bitwise equal to the uninterrupted one."""
     six_steps(tmp_path, workers)
-    flip_bit_in_largest_file(tmp_path / "checkpoints" / "6")
+    leaf = flip_bit_in_stored_leaf(tmp_path, 6)
     with caplog.at_level(logging.WARNING, logger="mpmd"):
         resumed, losses, params = resume_to_the_end(tmp_path, workers)
     assert resumed == 4
     warning = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping checkpoint step 6")]
     assert len(warning) == 1, caplog.text
-    assert re.search(r"checkpoints/6/slice_\d: leaf '(params|opt)/[^']+' does not match the digest", warning[0])
+    assert re.search(rf"checkpoints/6/slice_\d: leaf '{re.escape(leaf)}' does not match the digest", warning[0])
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "6", "6.damaged-0", "8"]
     assert {s: l for s, l in losses.items()} == {s: l for s, l in uninterrupted[0].items() if s > 4}
     assert all(np.array_equal(a, b) for a, b in zip(params, uninterrupted[1])), "final parameters differ"
