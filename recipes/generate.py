@@ -21,7 +21,6 @@ was padded past the tokenizer's (model.vocab_size) draws only among the tokenize
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 import numpy as np
 

@@ -94,7 +94,7 @@ def _region(name: str, content: str, cls: str = "") -> str:
 
 def _header(r: Report) -> str:
     last = r.metrics[-1]["step"]
-    status = (f'<span class="badge done">finished</span>' if r.finished else
+    status = ('<span class="badge done">finished</span>' if r.finished else
               f'<span class="badge running">in progress or stopped: step {last} of {r.total_steps or "?"}</span>')
     p = r.config.get("pipeline", {})
     what = (f"{r.config.get('model', {}).get('kind', '?')} model, {p.get('schedule', '?')} over "

@@ -136,7 +136,6 @@ def pack_fn(plan: Packing):
 
 def unpack_fn(plan: Packing):
     """fn(packed bundle) -> bundles: the inverse of pack_fn."""
-    sizes = dict(zip(sharding.AXES, plan.mesh))
 
     def per_device(packed):
         out = []

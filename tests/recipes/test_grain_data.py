@@ -3,7 +3,6 @@ Grain's own iterator over the corpus's windows held in memory; each epoch is a p
 the train windows; a loader restored from a saved (JSON) state goes on exactly as one never
 stopped, packed or not; packed rows hold whole pieces of documents with their segment ids,
 positions and loss mask."""
-import itertools
 import json
 from pathlib import Path
 

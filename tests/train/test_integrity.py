@@ -9,7 +9,6 @@ committed, and pruning keeps the newest good step whatever came after it.
 import json
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
