@@ -16,6 +16,7 @@ ratios are digests / none, side by side in one run.
 Workers' stderr goes to a log file (path printed). The load average is printed at the start
 and end: on a 2-core machine other processes move every figure.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,10 +39,12 @@ VARIANTS = {"no digests": False, "digests": True}
 def gpt_small() -> tuple[dict, int]:
     """(GPT keyword arguments, global batch) of configs/gpt_small.yaml."""
     from mpmd.recipes import config
+
     cfg = config.load(str(cpu_setup.REPO / "configs" / "gpt_small.yaml"), [])
     m = cfg.model
-    return dict(vocab_size=256, d_model=m.d_model, num_heads=m.num_heads, num_layers=m.num_layers,
-                seq_len=m.seq_len), cfg.train.batch_size
+    return dict(
+        vocab_size=256, d_model=m.d_model, num_heads=m.num_heads, num_layers=m.num_layers, seq_len=m.seq_len
+    ), cfg.train.batch_size
 
 
 def make_trainer(cluster, run_dir, gpt, digests: bool):
@@ -49,9 +52,17 @@ def make_trainer(cluster, run_dir, gpt, digests: bool):
     import mpmd
     import optax
     from flax import nnx
+
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**gpt, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
-    return mpmd.Trainer(pipe, optax.adamw(3e-4), "1f1b", num_microbatches=4, cluster=cluster, run_dir=str(run_dir),
-                        checkpoint=mpmd.Checkpointing(every=1, keep=2, digests=digests))
+    return mpmd.Trainer(
+        pipe,
+        optax.adamw(3e-4),
+        "1f1b",
+        num_microbatches=4,
+        cluster=cluster,
+        run_dir=str(run_dir),
+        checkpoint=mpmd.Checkpointing(every=1, keep=2, digests=digests),
+    )
 
 
 def train_steps(cluster, run_dir, gpt, digests: bool, xs) -> list[float]:
@@ -90,6 +101,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     import mpmd
+
     gpt, batch = gpt_small()
     tmp = Path(tempfile.mkdtemp(prefix="bench_digests_"))
     log_path = tmp / "workers.log"
@@ -102,10 +114,10 @@ def main() -> None:
         cluster = mpmd.LocalCluster(num_workers=2, root=str(tmp))
         try:
             for r in range(args.rounds):
-                order = list(VARIANTS)[r % 2:] + list(VARIANTS)[:r % 2]
+                order = list(VARIANTS)[r % 2 :] + list(VARIANTS)[: r % 2]
                 for name in order:
                     steps[name] += train_steps(cluster, tmp / f"run{r}-{VARIANTS[name]}", gpt, VARIANTS[name], xs)
-                for name in order:   # restores of one run directory (saved with digests), verified and not
+                for name in order:  # restores of one run directory (saved with digests), verified and not
                     restores[name] += restore_times(cluster, tmp / f"run{r}-True", gpt, VARIANTS[name], len(xs))
         finally:
             cluster.close()

@@ -15,6 +15,7 @@ b. configs/gpt_small.yaml with data.source=tokens on that corpus (LocalCluster, 
    while it waits, though the slices may still run the step sent before) against the wall
    time from step 1's record to the last one's (step 1 compiles and is left out). Goal < 2 %.
 """
+
 from __future__ import annotations
 
 import cpu_setup  # noqa: I001  (first: before anything imports jax)
@@ -36,6 +37,7 @@ WORDS = ["the", "model", "pipeline", "stage", "slice", "token", "batch", "grain"
 def write_corpus(out: Path, num_tokens: int) -> Path:
     """~num_tokens byte tokens in documents of 50..4,000 bytes, as a .jsonl then tokenized."""
     from mpmd.recipes import tokenizer, tokens
+
     rng = np.random.default_rng(0)
     words = np.array(WORDS)
     src = out / "docs.jsonl"
@@ -54,9 +56,11 @@ def pipeline_alone(corpus: Path, pack: bool, num_batches: int = 200) -> dict:
     import grain  # noqa: F401  (its import, and JAX's under it, is no part of opening a corpus)
 
     from mpmd.recipes import config, grain_data
+
     t0 = time.perf_counter()
-    cfg = config.load("configs/gpt_small.yaml", ["data.source=tokens", f"data.path={corpus}",
-                                                 f"data.pack={str(pack).lower()}"])
+    cfg = config.load(
+        "configs/gpt_small.yaml", ["data.source=tokens", f"data.path={corpus}", f"data.pack={str(pack).lower()}"]
+    )
     loader, _ = grain_data.loaders(cfg)
     open_s = time.perf_counter() - t0
     for _ in range(3):
@@ -66,13 +70,13 @@ def pipeline_alone(corpus: Path, pack: bool, num_batches: int = 200) -> dict:
         loader.next()
     wall_s = time.perf_counter() - t0
     rows, seq = cfg.train.batch_size, cfg.model.seq_len
-    return {"open_s": open_s, "batches_per_s": num_batches / wall_s,
-            "tokens_per_s": num_batches * rows * seq / wall_s}
+    return {"open_s": open_s, "batches_per_s": num_batches / wall_s, "tokens_per_s": num_batches * rows * seq / wall_s}
 
 
 def data_wait(corpus: Path, steps: int, run_dir: Path) -> dict:
     """Trains gpt_small on the corpus, timing every train_loader.next() of the loop."""
     from mpmd.recipes import config, grain_data, run_log, train
+
     waits: list[float] = []
     make = grain_data.loaders
 
@@ -85,14 +89,27 @@ def data_wait(corpus: Path, steps: int, run_dir: Path) -> dict:
             batch = untimed()
             waits.append(time.perf_counter() - t0)
             return batch
+
         train_loader.next = next_batch
         return train_loader, eval_loader
+
     grain_data.loaders = timed_loaders
     try:
-        cfg = config.load("configs/gpt_small.yaml", [
-            "data.source=tokens", f"data.path={corpus}", f"train.steps={steps}", "train.eval_every=0",
-            "train.sample_tokens=0", "checkpoint.every=0", "log.trace_steps=[]", "log.tensorboard=false",
-            "log.progress=lines", f"run_dir={run_dir}"])
+        cfg = config.load(
+            "configs/gpt_small.yaml",
+            [
+                "data.source=tokens",
+                f"data.path={corpus}",
+                f"train.steps={steps}",
+                "train.eval_every=0",
+                "train.sample_tokens=0",
+                "checkpoint.every=0",
+                "log.trace_steps=[]",
+                "log.tensorboard=false",
+                "log.progress=lines",
+                f"run_dir={run_dir}",
+            ],
+        )
         train.run(cfg)
     finally:
         grain_data.loaders = make
@@ -100,8 +117,14 @@ def data_wait(corpus: Path, steps: int, run_dir: Path) -> dict:
     wall_s = records[-1]["time"] - records[0]["time"]
     # Batch k + 1 is fetched while step k runs (run-ahead): waits[1:] are the batches of steps 2..N.
     wait_s = sum(waits[1:])
-    return {"steps": len(records) - 1, "wall_s": wall_s, "wait_s": wait_s, "fraction": wait_s / wall_s,
-            "median_wait_ms": 1e3 * float(np.median(waits[1:])), "step_s": wall_s / (len(records) - 1)}
+    return {
+        "steps": len(records) - 1,
+        "wall_s": wall_s,
+        "wait_s": wait_s,
+        "fraction": wait_s / wall_s,
+        "median_wait_ms": 1e3 * float(np.median(waits[1:])),
+        "step_s": wall_s / (len(records) - 1),
+    }
 
 
 def main() -> None:
@@ -116,18 +139,25 @@ def main() -> None:
         t0 = time.perf_counter()
         corpus = write_corpus(Path(tmp), args.tokens)
         from mpmd.recipes import tokens
+
         c = tokens.Corpus(corpus)
-        print(f"a. corpus: {c.num_tokens:,} tokens, {c.num_documents:,} documents, {len(c.index['shards'])} shards "
-              f"(written in {time.perf_counter() - t0:.1f} s)")
+        print(
+            f"a. corpus: {c.num_tokens:,} tokens, {c.num_documents:,} documents, {len(c.index['shards'])} shards "
+            f"(written in {time.perf_counter() - t0:.1f} s)"
+        )
         for pack in (False, True):
             r = pipeline_alone(corpus, pack)
-            print(f"   {'packed documents' if pack else 'shuffled windows'}: opened in {r['open_s'] * 1e3:.0f} ms; "
-                  f"{r['batches_per_s']:.0f} batches/s of 32 x 128, {r['tokens_per_s'] / 1e6:.2f} M tokens/s")
+            print(
+                f"   {'packed documents' if pack else 'shuffled windows'}: opened in {r['open_s'] * 1e3:.0f} ms; "
+                f"{r['batches_per_s']:.0f} batches/s of 32 x 128, {r['tokens_per_s'] / 1e6:.2f} M tokens/s"
+            )
         if not args.skip_train:
             r = data_wait(corpus, args.steps, Path(tmp) / "run")
-            print(f"b. gpt_small, {r['steps']} steps after the first: {r['step_s']:.2f} s a step; data wait "
-                  f"{r['wait_s'] * 1e3:.1f} ms in all (median {r['median_wait_ms']:.2f} ms a batch) = "
-                  f"{100 * r['fraction']:.3f} % of the steps' wall time (goal < 2 %)")
+            print(
+                f"b. gpt_small, {r['steps']} steps after the first: {r['step_s']:.2f} s a step; data wait "
+                f"{r['wait_s'] * 1e3:.1f} ms in all (median {r['median_wait_ms']:.2f} ms a batch) = "
+                f"{100 * r['fraction']:.3f} % of the steps' wall time (goal < 2 %)"
+            )
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

@@ -36,6 +36,7 @@ and actor) is SIGKILLed, as a machine is lost. Policies:
                while training goes on), and the run grows back onto it at a checkpoint
                boundary once Ray has placed and started the replacement asked for
 """
+
 from __future__ import annotations
 
 import os
@@ -59,7 +60,7 @@ from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
 from mpmd.train.relayout import LOST_CAUSES as LOST  # noqa: E402  (the causes of goodput()["lost_s"])
 
 STAGES, M, EVERY = 4, 4, 5
-POLICIES = {   # name -> (mpmd.Recovery arguments, LocalCluster arguments, kills?)
+POLICIES = {  # name -> (mpmd.Recovery arguments, LocalCluster arguments, kills?)
     "fault-free": ({}, {}, False),
     "replace": ({"on_loss": "replace"}, {}, True),
     "shrink": ({"on_loss": "shrink"}, {}, True),
@@ -68,23 +69,30 @@ POLICIES = {   # name -> (mpmd.Recovery arguments, LocalCluster arguments, kills
 
 
 RAY_SLICES = 3
-RAY_POLICIES = {   # name -> (mpmd.Recovery arguments, spare nodes per kill, a node joins after each loss?)
+RAY_POLICIES = {  # name -> (mpmd.Recovery arguments, spare nodes per kill, a node joins after each loss?)
     "fault-free": ({}, 0, False),
     "with-spare": ({"on_loss": "replace", "replace_timeout_s": 60}, 1, False),
     "no-spare": ({"on_loss": "auto", "replace_timeout_s": 3}, 0, True),
 }
 
 
-def make_trainer(cluster, run_dir: Path, gpt: dict, num_stages: int, steps: int, kill_every: int,
-                 recovery_kw: dict):
+def make_trainer(cluster, run_dir: Path, gpt: dict, num_stages: int, steps: int, kill_every: int, recovery_kw: dict):
     from mpmd import models
     import mpmd
     import optax
     from flax import nnx
+
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**gpt, rngs=nnx.Rngs(0)), num_stages=num_stages), models.lm_loss)
-    return mpmd.Trainer(pipe, optax.adamw(3e-4), "1f1b", num_microbatches=M, cluster=cluster, run_dir=run_dir,
-                        checkpoint=mpmd.Checkpointing(every=EVERY),
-                        recovery=mpmd.Recovery(max_restarts=steps // kill_every + 1, **recovery_kw))
+    return mpmd.Trainer(
+        pipe,
+        optax.adamw(3e-4),
+        "1f1b",
+        num_microbatches=M,
+        cluster=cluster,
+        run_dir=run_dir,
+        checkpoint=mpmd.Checkpointing(every=EVERY),
+        recovery=mpmd.Recovery(max_restarts=steps // kill_every + 1, **recovery_kw),
+    )
 
 
 def train(trainer, gpt: dict, batch: int, steps: int, kill_every: int, kill=None, after_step=None) -> dict:
@@ -92,6 +100,7 @@ def train(trainer, gpt: dict, batch: int, steps: int, kill_every: int, kill=None
     before every kill_every-th step i, once each, the checkpoint in flight committed;
     `after_step(i, trainer)` after each step done. The goodput record of the run."""
     import mpmd
+
     rng = np.random.default_rng(0)
     data = [rng.integers(0, gpt["vocab_size"], (batch, gpt["seq_len"])).astype(np.int32) for _ in range(steps)]
     restores, slowdowns, killed = [], [], set()
@@ -113,12 +122,19 @@ def train(trainer, gpt: dict, batch: int, steps: int, kill_every: int, kill=None
                 slowdowns.append(trainer.recovery_s["layout"]["predicted_slowdown"])
             i = e.data_state["i"] if e.data_state else 0
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "steps": steps - 1, **trainer.goodput(), "restores": restores,
-            "slowdowns": slowdowns, "final_slices": trainer.num_slices}
+    return {
+        "wall_s": wall,
+        "steps": steps - 1,
+        **trainer.goodput(),
+        "restores": restores,
+        "slowdowns": slowdowns,
+        "final_slices": trainer.num_slices,
+    }
 
 
 def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_every: int) -> dict:
     import mpmd
+
     recovery_kw, cluster_kw, kills = POLICIES[policy]
     cluster = mpmd.LocalCluster(num_workers=STAGES, **cluster_kw)
     trainer = make_trainer(cluster, run_dir, gpt, STAGES, steps, kill_every, recovery_kw)
@@ -127,6 +143,7 @@ def run(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_ever
         alive = [p for p in cluster.pids[1:] if process_alive(p)]
         if alive and trainer.num_slices > 1:
             os.kill(alive[0], signal.SIGKILL)
+
     try:
         return train(trainer, gpt, batch, steps, kill_every, kill if kills else None)
     finally:
@@ -139,11 +156,12 @@ def run_ray(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_
     import mpmd
     from tests.support.ray_nodes import RayNodes
     from tests.support.processes import wait_gone
+
     recovery_kw, spares_per_kill, rejoin = RAY_POLICIES[policy]
     num_kills = len(range(kill_every, steps, kill_every)) if policy != "fault-free" else 0
     run_dir.mkdir(parents=True)
     nodes = RayNodes(RAY_SLICES + spares_per_kill * num_kills)
-    losses, joins = [], []      # the nodes killed; the threads adding one node each
+    losses, joins = [], []  # the nodes killed; the threads adding one node each
 
     def kill(i, trainer):
         on = [(p, n) for p, n in ((p, nodes.node_of(p)) for p in trainer.cluster.pids[1:]) if n is not None]
@@ -162,26 +180,35 @@ def run_ray(policy: str, run_dir: Path, gpt: dict, batch: int, steps: int, kill_
         if rejoin and trainer.num_slices < RAY_SLICES and len(joins) < len(losses):
             joins.append(threading.Thread(target=nodes.add, args=(1,), daemon=True))
             joins[-1].start()
+
     try:
-        cluster = mpmd.RayCluster(num_workers=RAY_SLICES, address=nodes.address, failure_timeout_s=2.0,
-                                  root=str(run_dir), log_dir=str(run_dir / "logs"))
+        cluster = mpmd.RayCluster(
+            num_workers=RAY_SLICES,
+            address=nodes.address,
+            failure_timeout_s=2.0,
+            root=str(run_dir),
+            log_dir=str(run_dir / "logs"),
+        )
         trainer = make_trainer(cluster, run_dir, gpt, RAY_SLICES, steps, kill_every, recovery_kw)
         try:
-            result = train(trainer, gpt, batch, steps, kill_every, kill if policy != "fault-free" else None,
-                           after_step)
+            result = train(trainer, gpt, batch, steps, kill_every, kill if policy != "fault-free" else None, after_step)
         finally:
             trainer.close()
         return {**result, "nodes_at_end": len(nodes.alive()) - 1}
     finally:
-        for t in joins:      # a node still joining asks Ray through this process's connection
+        for t in joins:  # a node still joining asks Ray through this process's connection
             t.join()
         nodes.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=("local", "ray"), default="local",
-                        help="LocalCluster workers, or worker actors on Ray nodes of this machine")
+    parser.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="LocalCluster workers, or worker actors on Ray nodes of this machine",
+    )
     parser.add_argument("--steps", type=int, help="default 60 (local), 240 (ray)")
     parser.add_argument("--kill-every", type=int, help="default 20 (local), 80 (ray)")
     parser.add_argument("--rounds", type=int, default=1)
@@ -196,32 +223,46 @@ def main() -> None:
     gpt, batch = MODELS[args.model]
     results: dict[str, list[dict]] = {p: [] for p in policies}
     with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp:
-        print(f"bench_elastic: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}; "
-              f"{args.backend}; model {args.model} {gpt}, batch {batch}, {stages} stages, {args.steps} steps, a kill every "
-              f"{args.kill_every}, checkpoint every {EVERY}; worker logs: {workers_log_to(tmp, 'bench_elastic')}",
-              flush=True)
+        print(
+            f"bench_elastic: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}; "
+            f"{args.backend}; model {args.model} {gpt}, batch {batch}, {stages} stages, {args.steps} steps, a kill every "
+            f"{args.kill_every}, checkpoint every {EVERY}; worker logs: {workers_log_to(tmp, 'bench_elastic')}",
+            flush=True,
+        )
         names = list(policies)
         for r in range(args.rounds):
-            for policy in names[r % len(names):] + names[:r % len(names)]:
-                results[policy].append(runner(policy, Path(tmp) / f"{policy}_{r}", gpt, batch, args.steps,
-                                           args.kill_every))
+            for policy in names[r % len(names) :] + names[: r % len(names)]:
+                results[policy].append(
+                    runner(policy, Path(tmp) / f"{policy}_{r}", gpt, batch, args.steps, args.kill_every)
+                )
     med = lambda policy, key: statistics.median(x[key] for x in results[policy])
     base = med("fault-free", "steps") / med("fault-free", "wall_s")
-    print(f"\n{'policy':<12} {'wall s':>7} {'goodput':>8} {'lost s':>7} " + " ".join(f"{k[:-2]:>9}" for k in LOST)
-          + f" {'narrow s':>8} {'failures':>8} {'layouts':>7} {'slices at end':>13}")
+    print(
+        f"\n{'policy':<12} {'wall s':>7} {'goodput':>8} {'lost s':>7} "
+        + " ".join(f"{k[:-2]:>9}" for k in LOST)
+        + f" {'narrow s':>8} {'failures':>8} {'layouts':>7} {'slices at end':>13}"
+    )
     for policy in policies:
         goodput = med(policy, "steps") / med(policy, "wall_s") / base
-        print(f"{policy:<12} {med(policy, 'wall_s'):7.1f} {goodput:8.2f} {med(policy, 'lost_s'):7.2f} "
-              + " ".join(f"{med(policy, k):9.2f}" for k in LOST)
-              + f" {med(policy, 'reduced_width_s'):8.1f} {med(policy, 'failures'):8.0f}"
-              f" {med(policy, 'layout_changes'):7.0f} {med(policy, 'final_slices'):13.0f}")
+        print(
+            f"{policy:<12} {med(policy, 'wall_s'):7.1f} {goodput:8.2f} {med(policy, 'lost_s'):7.2f} "
+            + " ".join(f"{med(policy, k):9.2f}" for k in LOST)
+            + f" {med(policy, 'reduced_width_s'):8.1f} {med(policy, 'failures'):8.0f}"
+            f" {med(policy, 'layout_changes'):7.0f} {med(policy, 'final_slices'):13.0f}"
+        )
     for policy in list(policies)[1:]:
         restores = [s for x in results[policy] for s in x["restores"]]
         slowdowns = [s for x in results[policy] for s in x["slowdowns"]]
         if restores:
-            print(f"{policy}: restore per recovery median {statistics.median(restores):.3f} s over "
-                  f"{len(restores)}" + (f"; predicted slowdowns of the layouts moved to: "
-                                        f"{', '.join(f'x{s:.2f}' for s in slowdowns)}" if slowdowns else ""))
+            print(
+                f"{policy}: restore per recovery median {statistics.median(restores):.3f} s over "
+                f"{len(restores)}"
+                + (
+                    f"; predicted slowdowns of the layouts moved to: {', '.join(f'x{s:.2f}' for s in slowdowns)}"
+                    if slowdowns
+                    else ""
+                )
+            )
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 

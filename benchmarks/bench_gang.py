@@ -30,6 +30,7 @@ c. FSDP weights gathered per microbatch against once a step (mesh.fsdp_gather), 
 On this 2-core machine 8 processes share 2 cores: figures are upper bounds, and the load
 average is printed at the start and end.
 """
+
 from __future__ import annotations
 
 import cpu_setup  # noqa: I001  (first: sets the flags before anything imports jax)
@@ -60,8 +61,9 @@ def make_trainer(cluster, run_dir=None, checkpoint_every=0, mesh=None, **kw):
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
     if run_dir:
         kw.update(run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=checkpoint_every))
-    return mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4,
-                        mesh=mesh or {"data": 2}, cluster=cluster, **kw)
+    return mpmd.Trainer(
+        pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4, mesh=mesh or {"data": 2}, cluster=cluster, **kw
+    )
 
 
 def alternate(trainers: dict, steps: int, rounds: int) -> tuple[dict, dict]:
@@ -71,7 +73,7 @@ def alternate(trainers: dict, steps: int, rounds: int) -> tuple[dict, dict]:
     times = {name: [] for name in trainers}
     losses = {name: [] for name in trainers}
     try:
-        for t in trainers.values():            # warm up: compile, first transfers
+        for t in trainers.values():  # warm up: compile, first transfers
             for x in data[:2]:
                 t.step(x, x)
         for _ in range(rounds):
@@ -87,29 +89,40 @@ def alternate(trainers: dict, steps: int, rounds: int) -> tuple[dict, dict]:
 
 
 def per_step(steps: int, rounds: int) -> None:
-    med, losses = alternate({"gang": make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2)),
-                             "1 proc": make_trainer(mpmd.LocalCluster(num_workers=2, devices_per_worker=2))},
-                            steps, rounds)
+    med, losses = alternate(
+        {
+            "gang": make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2)),
+            "1 proc": make_trainer(mpmd.LocalCluster(num_workers=2, devices_per_worker=2)),
+        },
+        steps,
+        rounds,
+    )
     print(f"\na. per-step time, 2 slices, mesh data=2 each ({rounds} rounds x {steps} steps, medians)")
     print(f"{'layout':>8} {'step ms':>8}")
     for name, m in med.items():
         print(f"{name:>8} {1e3 * m:>8.1f}")
-    print(f"gang / 1 proc = {med['gang'] / med['1 proc']:.2f}; losses equal bitwise: "
-          f"{losses['gang'] == losses['1 proc']}")
+    print(
+        f"gang / 1 proc = {med['gang'] / med['1 proc']:.2f}; losses equal bitwise: {losses['gang'] == losses['1 proc']}"
+    )
 
 
 def gather(steps: int, rounds: int) -> None:
-    trainers = {mode: make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2),
-                                   mesh={"fsdp": 2}, fsdp_gather=mode)
-                for mode in ("per_microbatch", "per_step")}
+    trainers = {
+        mode: make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2), mesh={"fsdp": 2}, fsdp_gather=mode)
+        for mode in ("per_microbatch", "per_step")
+    }
     med, losses = alternate(trainers, steps, rounds)
-    print(f"\nc. FSDP weights gathered per microbatch or once a step, 2 slices x a gang of 2 "
-          f"processes, mesh fsdp=2 ({rounds} rounds x {steps} steps, medians)")
+    print(
+        f"\nc. FSDP weights gathered per microbatch or once a step, 2 slices x a gang of 2 "
+        f"processes, mesh fsdp=2 ({rounds} rounds x {steps} steps, medians)"
+    )
     print(f"{'fsdp_gather':>15} {'step ms':>8}")
     for name, m in med.items():
         print(f"{name:>15} {1e3 * m:>8.1f}")
-    print(f"per_step / per_microbatch = {med['per_step'] / med['per_microbatch']:.2f}; losses equal "
-          f"bitwise: {losses['per_step'] == losses['per_microbatch']}")
+    print(
+        f"per_step / per_microbatch = {med['per_step'] / med['per_microbatch']:.2f}; losses equal "
+        f"bitwise: {losses['per_step'] == losses['per_microbatch']}"
+    )
 
 
 def replace_gang() -> None:
@@ -125,6 +138,7 @@ def replace_gang() -> None:
                 return replace(slot, **kw)
             finally:
                 spawn.append(time.perf_counter() - t0)
+
         cluster.launcher.replace = timed_replace
         trainer = make_trainer(cluster, run_dir, checkpoint_every=2)
         try:
@@ -150,12 +164,19 @@ def replace_gang() -> None:
         finally:
             trainer.close()
     detect = (t_caught - t0) - rec["replace_s"] - rec["restore_s"]
-    parts = {"detect": detect, "spawn": spawn[0], "setup": rec["replace_s"] - spawn[0],
-             "restore": rec["restore_s"], "first": first}
+    parts = {
+        "detect": detect,
+        "spawn": spawn[0],
+        "setup": rec["replace_s"] - spawn[0],
+        "restore": rec["restore_s"],
+        "first": first,
+    }
     print("\nb. replacing a lost gang (process 1 of slice 1 SIGKILLed), seconds")
     print(" ".join(f"{k:>8}" for k in parts) + f" {'total':>8} {'steady step':>12}")
-    print(" ".join(f"{v:>8.2f}" for v in parts.values()) + f" {sum(parts.values()):>8.2f} "
-          f"{statistics.median(steady):>12.3f}")
+    print(
+        " ".join(f"{v:>8.2f}" for v in parts.values()) + f" {sum(parts.values()):>8.2f} "
+        f"{statistics.median(steady):>12.3f}"
+    )
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ with seq_len; each window shift (every seq_len / 2 tokens) costs the cached vari
 The load average is printed at the start and end: on a 2-core machine other processes move
 every figure.
 """
+
 from __future__ import annotations
 
 import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
@@ -37,18 +38,31 @@ VARIANTS = {"key-value cache": True, "full forward per token": False}
 def make_run(config_name: str, run_dir: str) -> None:
     """One training step of configs/<config_name>.yaml, so run_dir holds a committed checkpoint."""
     from mpmd.recipes import config, train
-    cfg = config.load(str(cpu_setup.REPO / "configs" / f"{config_name}.yaml"), [
-        "train.steps=1", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0",
-        "log.tensorboard=false", "log.trace_steps=[]", "log.progress=lines", "data.max_bytes=300000",
-        "cluster.backend=inprocess", f"run_dir={run_dir}"])
+
+    cfg = config.load(
+        str(cpu_setup.REPO / "configs" / f"{config_name}.yaml"),
+        [
+            "train.steps=1",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            "checkpoint.every=0",
+            "log.tensorboard=false",
+            "log.trace_steps=[]",
+            "log.progress=lines",
+            "data.max_bytes=300000",
+            "cluster.backend=inprocess",
+            f"run_dir={run_dir}",
+        ],
+    )
     train.run(cfg)
-    logging.disable(logging.INFO)   # Orbax's and absl's records of the save, once the run set them up
+    logging.disable(logging.INFO)  # Orbax's and absl's records of the save, once the run set them up
 
 
 def measure(run_dir: str, num_tokens: int, rounds: int) -> dict:
     """variant -> (median s for num_tokens tokens, their tokens); plus the run's config."""
     from mpmd.models import decoding
     from mpmd.recipes import generate
+
     cfg, _, model = generate.load_run(run_dir)
     tokenizer = generate.tokenizer_of(run_dir)
     decoders = {name: decoding.Decoder(model) for name in VARIANTS}
@@ -59,8 +73,17 @@ def measure(run_dir: str, num_tokens: int, rounds: int) -> dict:
     for _ in range(rounds):
         for name, cache in VARIANTS.items():
             start = time.perf_counter()
-            texts[name], _ = generate.continue_text(model, tokenizer, PROMPT, num_tokens, t.sample_temperature,
-                                                    t.sample_top_k, cfg.seed, cache=cache, decoder=decoders[name])
+            texts[name], _ = generate.continue_text(
+                model,
+                tokenizer,
+                PROMPT,
+                num_tokens,
+                t.sample_temperature,
+                t.sample_top_k,
+                cfg.seed,
+                cache=cache,
+                decoder=decoders[name],
+            )
             times[name].append(time.perf_counter() - start)
     assert len(set(texts.values())) == 1, "the cache changed the tokens"
     return {"cfg": cfg, **{name: statistics.median(ts) for name, ts in times.items()}}
@@ -80,9 +103,11 @@ def main() -> None:
             got = measure(os.path.join(tmp, "run"), args.tokens, args.rounds)
         m = got["cfg"].model
         rates = {v: args.tokens / got[v] for v in VARIANTS}
-        rows.append(f"| {name} (d_model {m.d_model}, {m.num_layers} blocks, seq_len {m.seq_len}) | "
-                    + " | ".join(f"{rates[v]:.0f}" for v in VARIANTS)
-                    + f" | {rates['key-value cache'] / rates['full forward per token']:.2f} |")
+        rows.append(
+            f"| {name} (d_model {m.d_model}, {m.num_layers} blocks, seq_len {m.seq_len}) | "
+            + " | ".join(f"{rates[v]:.0f}" for v in VARIANTS)
+            + f" | {rates['key-value cache'] / rates['full forward per token']:.2f} |"
+        )
         print(rows[-1], flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
     print(f"\n{args.tokens} new tokens, median of {args.rounds} rounds, tokens/s:\n")

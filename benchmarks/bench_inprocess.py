@@ -16,6 +16,7 @@
 2. Schedule generation + validation + simulation for p = 64 slices, m = 512 microbatches,
    every schedule (interleaved-1f1b with v = 2, i.e. 128 stages). Goal: < 1 s each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ def make_gpt() -> models.GPT:
 
 def make_batches(num: int) -> list:
     rng = np.random.default_rng(0)
-    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)) for _ in range(num)]
+    return [
+        (rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32), rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
+        for _ in range(num)
+    ]
 
 
 class PlainStep:
@@ -73,7 +76,7 @@ class PlainStep:
 
     def step(self, x, y) -> float:
         self.params, self.opt_state, loss = self._step(self.params, self.opt_state, x, y)
-        return float(loss)   # the host read the pipeline's loss fetch also does
+        return float(loss)  # the host read the pipeline's loss fetch also does
 
     def wait(self) -> None:
         jax.block_until_ready((self.params, self.opt_state))
@@ -89,14 +92,18 @@ def compare(num_microbatches: int, num_warmup: int, num_rounds: int, num_steps: 
     batches = make_batches(num_steps)
     plain = PlainStep(optax.adamw(LR))
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=1), models.lm_loss)
-    with mpmd.Trainer(pipe, optimizer=optax.adamw(LR), schedule="1f1b",
-                      num_microbatches=num_microbatches, cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipe,
+        optimizer=optax.adamw(LR),
+        schedule="1f1b",
+        num_microbatches=num_microbatches,
+        cluster=mpmd.InProcessCluster(),
+    ) as trainer:
         # Same initial params, same data: the first losses must agree (same model, same math).
         first_plain = plain.step(*batches[0])
         first_pipe = trainer.step(*batches[0])["loss"]
         assert abs(first_plain - first_pipe) <= 1e-4 * abs(first_plain), (first_plain, first_pipe)
-        runners = {"plain": (plain.step, plain.wait),
-                   "pipeline": (trainer.step, lambda: wait_for_slices(trainer))}
+        runners = {"plain": (plain.step, plain.wait), "pipeline": (trainer.step, lambda: wait_for_slices(trainer))}
         for _ in range(num_warmup):
             for run, wait in runners.values():
                 for x, y in batches:
@@ -105,7 +112,7 @@ def compare(num_microbatches: int, num_warmup: int, num_rounds: int, num_steps: 
         per_step_s = {name: [] for name in runners}
         for i in range(num_rounds):
             # Alternate which goes first, so neither always follows the other's cache state.
-            for name in (runners if i % 2 == 0 else reversed(list(runners))):
+            for name in runners if i % 2 == 0 else reversed(list(runners)):
                 run, wait = runners[name]
                 start = time.perf_counter()
                 for x, y in batches:
@@ -115,11 +122,14 @@ def compare(num_microbatches: int, num_warmup: int, num_rounds: int, num_steps: 
     plain_s = statistics.median(per_step_s["plain"])
     pipe_s = statistics.median(per_step_s["pipeline"])
     paired = statistics.median(p / q for p, q in zip(per_step_s["pipeline"], per_step_s["plain"]))
-    goal = "  (goal <= 1.10x: " + ("met" if pipe_s / plain_s <= 1.10 else "MISSED") + ")" \
-        if num_microbatches == 1 else ""
-    print(f"p=1 m={num_microbatches}: plain jit {plain_s * 1e3:8.2f} ms/step, "
-          f"pipeline {pipe_s * 1e3:8.2f} ms/step, ratio {pipe_s / plain_s:.3f}x "
-          f"(median of paired rounds {paired:.3f}x, {num_rounds} rounds x {num_steps} steps){goal}")
+    goal = (
+        "  (goal <= 1.10x: " + ("met" if pipe_s / plain_s <= 1.10 else "MISSED") + ")" if num_microbatches == 1 else ""
+    )
+    print(
+        f"p=1 m={num_microbatches}: plain jit {plain_s * 1e3:8.2f} ms/step, "
+        f"pipeline {pipe_s * 1e3:8.2f} ms/step, ratio {pipe_s / plain_s:.3f}x "
+        f"(median of paired rounds {paired:.3f}x, {num_rounds} rounds x {num_steps} steps){goal}"
+    )
 
 
 def schedule_times(num_microbatches: int, num_repeats: int) -> None:
@@ -133,10 +143,12 @@ def schedule_times(num_microbatches: int, num_repeats: int) -> None:
             times.append(time.perf_counter() - start)
         best = min(times)
         num_tasks = sum(map(len, schedule.slices))
-        print(f"{name:>17} p={len(schedule.slices)} stages={num_stages} m={num_microbatches}: "
-              f"{num_tasks:6d} tasks, make+validate+simulate {best:.3f} s "
-              f"(min of {num_repeats}; bubble {sim.bubble_fraction:.3f})"
-              f"  (goal < 1 s: {'met' if best < 1.0 else 'MISSED'})")
+        print(
+            f"{name:>17} p={len(schedule.slices)} stages={num_stages} m={num_microbatches}: "
+            f"{num_tasks:6d} tasks, make+validate+simulate {best:.3f} s "
+            f"(min of {num_repeats}; bubble {sim.bubble_fraction:.3f})"
+            f"  (goal < 1 s: {'met' if best < 1.0 else 'MISSED'})"
+        )
 
 
 def main() -> None:
@@ -147,8 +159,7 @@ def main() -> None:
         num_warmup, num_rounds, num_steps, num_repeats = 1, 3, 2, 1
     else:
         num_warmup, num_rounds, num_steps, num_repeats = 2, 15, 5, 3
-    print(f"GPT d_model={D_MODEL} layers={LAYERS} seq={SEQ} batch={BATCH} vocab={VOCAB}, "
-          f"devices: {jax.devices()}")
+    print(f"GPT d_model={D_MODEL} layers={LAYERS} seq={SEQ} batch={BATCH} vocab={VOCAB}, devices: {jax.devices()}")
     for m in (1, 4):
         compare(m, num_warmup, num_rounds, num_steps)
     schedule_times(NUM_SCHEDULE_MICROBATCHES, num_repeats)

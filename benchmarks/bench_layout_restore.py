@@ -14,6 +14,7 @@ the same-layout restore, measured side by side in this run.
 Workers' stderr (Orbax's INFO lines) goes to a log file (path printed). The load average is
 printed at the start and end: on a 2-core machine other processes inflate every figure.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,12 +31,16 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/)
+MODELS = {  # gpt_tiny's and gpt_small's shapes (configs/)
     "tiny": (dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64), 16),
     "small": (dict(vocab_size=256, d_model=256, num_heads=4, num_layers=8, seq_len=128), 32),
 }
-LAYOUTS = {"same (2 stages, 1f1b)": (2, "1f1b", 1), "4 stages on 4 slices": (4, "1f1b", 1),
-           "2 stages, zb-h1": (2, "zb-h1", 1), "4 stages interleaved, v=2": (4, "interleaved-1f1b", 2)}
+LAYOUTS = {
+    "same (2 stages, 1f1b)": (2, "1f1b", 1),
+    "4 stages on 4 slices": (4, "1f1b", 1),
+    "2 stages, zb-h1": (2, "zb-h1", 1),
+    "4 stages interleaved, v=2": (4, "interleaved-1f1b", 2),
+}
 
 
 def make_trainer(cluster, run_dir, gpt, layout):
@@ -43,10 +48,18 @@ def make_trainer(cluster, run_dir, gpt, layout):
     import mpmd
     import optax
     from flax import nnx
+
     num_stages, schedule, virtual = layout
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**gpt, rngs=nnx.Rngs(0)), num_stages=num_stages), models.lm_loss)
-    return mpmd.Trainer(pipe, optax.adamw(3e-4), schedule, num_microbatches=4, virtual_stages=virtual,
-                        cluster=cluster, run_dir=str(run_dir))
+    return mpmd.Trainer(
+        pipe,
+        optax.adamw(3e-4),
+        schedule,
+        num_microbatches=4,
+        virtual_stages=virtual,
+        cluster=cluster,
+        run_dir=str(run_dir),
+    )
 
 
 def main() -> None:
@@ -55,6 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     import mpmd
+
     gpt, batch = MODELS[args.model]
     tmp = Path(tempfile.mkdtemp(prefix="bench_layout_"))
     log_path = tmp / "workers.log"
@@ -71,7 +85,7 @@ def main() -> None:
             trainer.close(close_cluster=False)
             names = list(LAYOUTS)
             for r in range(args.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     trainer = make_trainer(cluster, run_dir, gpt, LAYOUTS[name])
                     try:
                         assert trainer.resumed is not None and trainer.resumed[0] == 1

@@ -16,6 +16,7 @@ live_bytes(collect=False) (the sum alone: what it asks while a job's session doe
 gc.collect() alone and a young-generation gc.collect(0), and how many objects the collector
 tracks.
 """
+
 from __future__ import annotations
 
 import cpu_setup  # noqa: I001  (first: before anything imports jax)
@@ -54,20 +55,26 @@ def main() -> None:
 
     jax.jit(lambda x: (x @ x.T).sum())(np.ones((64, 64), np.float32)).block_until_ready()
     slice_mesh = mesh.bind({"data": 1}, jax.devices()[:1])
-    print(f"{'buffers':>8} {'tracked objects':>16} {'live_bytes ms':>14} {'sum only ms':>12} "
-          f"{'gc.collect ms':>14} {'gc.collect(0) ms':>17} {'with / without':>15}")
+    print(
+        f"{'buffers':>8} {'tracked objects':>16} {'live_bytes ms':>14} {'sum only ms':>12} "
+        f"{'gc.collect ms':>14} {'gc.collect(0) ms':>17} {'with / without':>15}"
+    )
     with tempfile.TemporaryDirectory() as root:
         for count in args.buffers:
             session = sessions.Session("bench-1", root, 10.0)
-            session.attach(Executor(0, slice_mesh, MemoryTransport(_Hub(), slice_mesh)), MemoryTransport(_Hub(), slice_mesh))
+            session.attach(
+                Executor(0, slice_mesh, MemoryTransport(_Hub(), slice_mesh)), MemoryTransport(_Hub(), slice_mesh)
+            )
             for i in range(count):
                 session.executor.put(f"b{i}", [np.full((64, 64), i, np.float32)])
             with_gc = median_ms(sessions.live_bytes, args.calls)
             without = median_ms(lambda: sessions.live_bytes(collect=False), args.calls)
             full = median_ms(gc.collect, args.calls)
             young = median_ms(lambda: gc.collect(0), args.calls)
-            print(f"{count:>8} {len(gc.get_objects()):>16} {with_gc:>14.2f} {without:>12.2f} {full:>14.2f} "
-                  f"{young:>17.3f} {with_gc / without:>15.1f}")
+            print(
+                f"{count:>8} {len(gc.get_objects()):>16} {with_gc:>14.2f} {without:>12.2f} {full:>14.2f} "
+                f"{young:>17.3f} {with_gc / without:>15.1f}"
+            )
             session.close()
 
 

@@ -24,6 +24,7 @@ Every ratio is measured in this one run on this machine.
 Workers are pinned one to a core with XLA's intra-op threads off; the load average is printed
 at the start and the end: other processes on a 2-core machine inflate every figure here.
 """
+
 from __future__ import annotations
 
 import cpu_setup  # noqa: I001  (first: sets the flags before anything imports jax)
@@ -54,16 +55,20 @@ def make_trainer(name: str, cluster):
     from mpmd.recipes import config
     from mpmd.recipes.registry import get_model_spec
     from mpmd.recipes.train import build_optimizer
-    cfg = config.load(str(REPO / "configs" / f"{name}.yaml"),
-                      RECIPES[name] + ["cluster.devices_per_worker=2", f"mesh.expert={MESH['expert']}"])
+
+    cfg = config.load(
+        str(REPO / "configs" / f"{name}.yaml"),
+        RECIPES[name] + ["cluster.devices_per_worker=2", f"mesh.expert={MESH['expert']}"],
+    )
     m, batch, seq = cfg.pipeline.num_microbatches, cfg.train.batch_size, cfg.model.seq_len
     model = get_model_spec(cfg.model.kind).build(cfg, False)
     pipe = mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(batch // m)), mpmd.models.lm_loss)
-    trainer = mpmd.Trainer(pipe, build_optimizer(cfg), schedule="1f1b", num_microbatches=m, mesh=MESH,
-                           cluster=cluster)
+    trainer = mpmd.Trainer(pipe, build_optimizer(cfg), schedule="1f1b", num_microbatches=m, mesh=MESH, cluster=cluster)
     rng = np.random.default_rng(0)
-    batches = [(rng.integers(0, 256, (batch, seq)).astype(np.int32),
-                rng.integers(0, 256, (batch, seq)).astype(np.int32)) for _ in range(4)]
+    batches = [
+        (rng.integers(0, 256, (batch, seq)).astype(np.int32), rng.integers(0, 256, (batch, seq)).astype(np.int32))
+        for _ in range(4)
+    ]
     return trainer, batch * seq, batches
 
 
@@ -73,12 +78,18 @@ def alternate(runs: dict, num_rounds: int, block: int) -> dict:
         for i in range(2):
             trainer.step(*batches[i])
     return timing.alternating_blocks(
-        {name: (lambda i, t=trainer, b=batches: t.step(*b[i % len(b)])) for name, (trainer, _, batches) in runs.items()},
-        num_rounds, block)
+        {
+            name: (lambda i, t=trainer, b=batches: t.step(*b[i % len(b)]))
+            for name, (trainer, _, batches) in runs.items()
+        },
+        num_rounds,
+        block,
+    )
 
 
 def tokens_per_s(num_rounds: int, block: int) -> None:
     import mpmd
+
     # One cluster per trainer (a Trainer starts its cluster's slices afresh), both alive, so
     # that their blocks of steps alternate.
     clusters = {name: mpmd.LocalCluster(num_workers=2, devices_per_worker=2) for name in RECIPES}
@@ -93,22 +104,27 @@ def tokens_per_s(num_rounds: int, block: int) -> None:
             trainer.close(close_cluster=False)
         for cluster in clusters.values():
             cluster.close()
-    print(f"\n1. tokens/s: 1f1b, 2 slices x 2 devices (mesh {MESH}), LocalCluster; {num_rounds} alternating "
-          f"blocks of {block} steps (median over {num_rounds * (block - 1)} step intervals); {wall:.0f} s wall")
+    print(
+        f"\n1. tokens/s: 1f1b, 2 slices x 2 devices (mesh {MESH}), LocalCluster; {num_rounds} alternating "
+        f"blocks of {block} steps (median over {num_rounds * (block - 1)} step intervals); {wall:.0f} s wall"
+    )
     print(f"{'recipe':>11} {'ms/step':>9} {'p25..p75 ms':>15} {'tokens/s':>9} {'x llama_tiny':>13}")
     base = None
     for name, (_, tokens, _) in runs.items():
         med, q = statistics.median(times[name]), statistics.quantiles(times[name], n=4)
         rate = tokens / med
         base = base or rate
-        print(f"{name:>11} {med * 1e3:>9.1f} {f'{q[0] * 1e3:.0f}..{q[2] * 1e3:.0f}':>15} {rate:>9,.0f} "
-              f"{rate / base:>13.3f}")
+        print(
+            f"{name:>11} {med * 1e3:>9.1f} {f'{q[0] * 1e3:.0f}..{q[2] * 1e3:.0f}':>15} {rate:>9,.0f} "
+            f"{rate / base:>13.3f}"
+        )
 
 
 def collective_share(num_steps: int) -> None:
     import jax
 
     import mpmd
+
     trainer, _, batches = make_trainer("moe_tiny", mpmd.InProcessCluster())
     try:
         for i in range(2):
@@ -135,8 +151,10 @@ def collective_share(num_steps: int) -> None:
             us[kind.group(1)] += e.get("dur", 0.0)
             counts[kind.group(1)] += 1
     device_s = 4 * wall
-    print(f"\n2. collectives in moe_tiny's step: InProcessCluster, 2 slices x 2 devices (mesh {MESH}), "
-          f"{num_steps} profiled steps, {wall / num_steps * 1e3:.0f} ms/step (profiler on)")
+    print(
+        f"\n2. collectives in moe_tiny's step: InProcessCluster, 2 slices x 2 devices (mesh {MESH}), "
+        f"{num_steps} profiled steps, {wall / num_steps * 1e3:.0f} ms/step (profiler on)"
+    )
     print(f"{'op':>19} {'ops':>6} {'ms (4 devices)':>15} {'share of device time':>21}")
     for k in kinds:
         print(f"{k:>19} {counts[k]:>6} {us[k] / 1e3:>15.1f} {us[k] / 1e6 / device_s:>20.1%}")

@@ -44,6 +44,7 @@ Workers inherit this process's stderr; it is sent to a log file (path printed) s
 INFO lines do not bury the tables. The load average is printed at the start and end: on a
 2-core machine other processes inflate every figure.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,14 +66,14 @@ import numpy as np  # noqa: E402
 
 from mpmd.runtime.launchers.workers import process_alive  # noqa: E402
 
-MODELS = {   # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
+MODELS = {  # gpt_tiny's and gpt_small's shapes (configs/), 2 stages
     "tiny": (dict(vocab_size=256, d_model=64, num_heads=2, num_layers=4, seq_len=64), 16),
     "small": (dict(vocab_size=256, d_model=256, num_heads=4, num_layers=8, seq_len=128), 32),
 }
 GPT, BATCH = MODELS["tiny"]
 MODEL = "gpt_tiny"
 M, LR, EVERY = 4, 3e-4, 5
-TIERS = {"persistent": {}, "memory": {"memory_every": 1}}   # the mpmd.Checkpointing arguments of each
+TIERS = {"persistent": {}, "memory": {"memory_every": 1}}  # the mpmd.Checkpointing arguments of each
 GOAL_S = 10.0
 PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
 
@@ -82,6 +83,7 @@ def make_trainer(cluster, **kw):
     import mpmd
     import optax
     from flax import nnx
+
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
     return mpmd.Trainer(pipe, optax.adamw(LR), "1f1b", num_microbatches=M, cluster=cluster, **kw)
 
@@ -152,6 +154,7 @@ def timed_cluster(**kw):
 def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
     """Send `sig` to worker 1 halfway through a step; step until Rewound; time the parts."""
     import mpmd
+
     cluster = trainer.cluster
     pid = cluster.pids[1]
     sent = []
@@ -171,9 +174,13 @@ def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
         i += 1
         assert i < 1000, "the worker was never declared lost"
     rec, parts = trainer.recovery_s, cluster.parts
-    out = {"detect": caught - sent[0] - rec["replace_s"] - rec["restore_s"],
-           "spawn": parts["spawn"], "ship": parts["ship"],
-           "setup": rec["replace_s"] - parts["spawn"] - parts["ship"], "restore": rec["restore_s"]}
+    out = {
+        "detect": caught - sent[0] - rec["replace_s"] - rec["restore_s"],
+        "spawn": parts["spawn"],
+        "ship": parts["ship"],
+        "setup": rec["replace_s"] - parts["spawn"] - parts["ship"],
+        "restore": rec["restore_s"],
+    }
     out["first"] = timed_step(trainer, data[0])
     return out
 
@@ -184,6 +191,7 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
     3 steps, the memory tier only the failed one. "replay" is those steps' time
     (replayed x the steady step) and counts in the total."""
     import mpmd
+
     signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
     data = batches()
     results: dict[tuple, list[dict]] = {}
@@ -192,11 +200,15 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
     for tier, kw in TIERS.items():
         cluster = timed_cluster(num_workers=2)
         failure_timeout_s = cluster.failure_timeout_s
-        trainer = make_trainer(cluster, run_dir=run_dir / tier, checkpoint=mpmd.Checkpointing(every=EVERY, **kw),
-                               recovery=mpmd.Recovery(max_restarts=10**6))
+        trainer = make_trainer(
+            cluster,
+            run_dir=run_dir / tier,
+            checkpoint=mpmd.Checkpointing(every=EVERY, **kw),
+            recovery=mpmd.Recovery(max_restarts=10**6),
+        )
         try:
             for x in data[:2]:
-                timed_step(trainer, x)       # compile
+                timed_step(trainer, x)  # compile
             for _ in range(num_rounds):
                 for name, sig in signals.items():
                     # A step just committed, then 2 steady steps to size the delay: the loss
@@ -215,28 +227,44 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
         finally:
             trainer.close()
     steady_s = med(steady)
-    print(f"\na. recovery of worker 1 (2 slices, 1f1b, m={M}, batch {BATCH}, checkpoint_every={EVERY}, "
-          f"failure_timeout_s={failure_timeout_s:g}); medians over {num_rounds} round(s), seconds")
-    print(f"{'tier':>10} {'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} "
-          f"{'1st step':>9} {'(compile)':>10} {'replayed':>9} {'replay':>7} {'total':>6}  goal < {GOAL_S:g} s")
+    print(
+        f"\na. recovery of worker 1 (2 slices, 1f1b, m={M}, batch {BATCH}, checkpoint_every={EVERY}, "
+        f"failure_timeout_s={failure_timeout_s:g}); medians over {num_rounds} round(s), seconds"
+    )
+    print(
+        f"{'tier':>10} {'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} "
+        f"{'1st step':>9} {'(compile)':>10} {'replayed':>9} {'replay':>7} {'total':>6}  goal < {GOAL_S:g} s"
+    )
     for (tier, name), rows in results.items():
         for r in rows:
-            r["replay"] = max(r["replayed"] - 1, 0) * steady_s    # the 1st step is timed already
+            r["replay"] = max(r["replayed"] - 1, 0) * steady_s  # the 1st step is timed already
         m = {p: med([r[p] for r in rows]) for p in PARTS + ("replay", "replayed")}
         used = sorted({r["tier"] for r in rows})
         total = med([sum(r[p] for p in PARTS + ("replay",)) for r in rows])
-        verdict = ("met" if total < GOAL_S else "MISSED") if name == "SIGKILL" else \
-            f"(detect bounded by failure_timeout_s {failure_timeout_s:g} s)"
-        print(f"{tier:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
-              f"{m['restore']:>8.3f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {m['replayed']:>9.0f} "
-              f"{m['replay']:>7.2f} {total:>6.2f}  {verdict}{'' if used == [tier] else f' restored from {used}'}")
-    print(f"steady step {steady_s * 1e3:.0f} ms (median of {len(steady)}); "
-          f"worker processes left: {len([p for p in pids if process_alive(p)])}")
+        verdict = (
+            ("met" if total < GOAL_S else "MISSED")
+            if name == "SIGKILL"
+            else f"(detect bounded by failure_timeout_s {failure_timeout_s:g} s)"
+        )
+        print(
+            f"{tier:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
+            f"{m['restore']:>8.3f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {m['replayed']:>9.0f} "
+            f"{m['replay']:>7.2f} {total:>6.2f}  {verdict}{'' if used == [tier] else f' restored from {used}'}"
+        )
+    print(
+        f"steady step {steady_s * 1e3:.0f} ms (median of {len(steady)}); "
+        f"worker processes left: {len([p for p in pids if process_alive(p)])}"
+    )
 
 
 # -- b. checkpoint cost per step -------------------------------------------------------------
-VARIANTS = {"none": {}, "memory": dict(memory_every=1), "per-array": dict(memory_every=1),
-            "async": dict(asynchronous=True, every=1), "sync": dict(asynchronous=False, every=1)}  # mpmd.Checkpointing
+VARIANTS = {
+    "none": {},
+    "memory": dict(memory_every=1),
+    "per-array": dict(memory_every=1),
+    "async": dict(asynchronous=True, every=1),
+    "sync": dict(asynchronous=False, every=1),
+}  # mpmd.Checkpointing
 
 
 def per_array_snapshots():
@@ -258,6 +286,7 @@ def per_array_snapshots():
                 for b, specs in zip(self._buffers[k], self.packings[k].specs):
                     stream += [Recv(f"c{g}/{b}", src, f"s{g}/{b}", specs), Copy(f"c{g}/{b}", f"c{g}/{b}", "host")]
             return stream
+
     return PerArraySnapshots
 
 
@@ -265,6 +294,7 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int, varian
     """Per variant of VARIANTS the median step; "per-array" is the in-memory tier unpacked."""
     import mpmd
     from mpmd.train import snapshots
+
     data = batches()
     trainers = {}
     try:
@@ -272,13 +302,14 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int, varian
             kw = VARIANTS[name]
             where = {"run_dir": run_dir / name} if "every" in kw else {}
             packed = snapshots.MemorySnapshots
-            if name == "per-array":     # the Trainer makes its tier at its first step
+            if name == "per-array":  # the Trainer makes its tier at its first step
                 snapshots.MemorySnapshots = per_array_snapshots()
             try:
-                trainers[name] = make_trainer(mpmd.LocalCluster(num_workers=2), checkpoint=mpmd.Checkpointing(**kw),
-                                              **where)
+                trainers[name] = make_trainer(
+                    mpmd.LocalCluster(num_workers=2), checkpoint=mpmd.Checkpointing(**kw), **where
+                )
                 for x in data[:2]:
-                    timed_step(trainers[name], x)     # compile (and the first saves)
+                    timed_step(trainers[name], x)  # compile (and the first saves)
             finally:
                 snapshots.MemorySnapshots = packed
             if trainers[name].checkpoints is not None:
@@ -287,7 +318,7 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int, varian
         saves = {name: [] for name in variants}
         names = list(variants)
         for r in range(num_rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 t = trainers[name]
                 for j in range(steps_per_round):
                     step_s[name].append(timed_step(t, data[j % len(data)]))
@@ -303,38 +334,51 @@ def checkpoint_cost(run_dir: Path, num_rounds: int, steps_per_round: int, varian
         for t in trainers.values():
             t.close()
     base = med(step_s["none"])
-    print(f"\nb. checkpoint cost per step at {MODEL}, a save every step (memory: memory_every=1, packed, no "
-          f"persistent saves; per-array: the same, each array on its own as before packing; async/sync: "
-          f"checkpoint_every=1); {num_rounds} interleaved round(s) of {steps_per_round} steps per "
-          f"variant. snapshot: the save's blocking part in the step (all slices at once); finalize: from "
-          f"then until the step's manifest is committed, in the background for async")
+    print(
+        f"\nb. checkpoint cost per step at {MODEL}, a save every step (memory: memory_every=1, packed, no "
+        f"persistent saves; per-array: the same, each array on its own as before packing; async/sync: "
+        f"checkpoint_every=1); {num_rounds} interleaved round(s) of {steps_per_round} steps per "
+        f"variant. snapshot: the save's blocking part in the step (all slices at once); finalize: from "
+        f"then until the step's manifest is committed, in the background for async"
+    )
     print(f"{'variant':>9} {'step ms':>8} {'x none':>7} {'snapshot ms':>12} {'finalize ms':>12}")
     for name in variants:
         snap = med([s["snapshot_s"] for s in saves[name] if "snapshot_s" in s]) * 1e3
         fin = med([s["finalize_s"] for s in saves[name] if "finalize_s" in s]) * 1e3
-        shown = (f"{snap:>12.1f} {fin:>12.1f}" if saves[name] else f"{'-':>12} {'-':>12}")
+        shown = f"{snap:>12.1f} {fin:>12.1f}" if saves[name] else f"{'-':>12} {'-':>12}"
         print(f"{name:>9} {med(step_s[name]) * 1e3:>8.1f} {med(step_s[name]) / base:>6.2f}x {shown}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not a measurement")
-    parser.add_argument("--model", choices=sorted(MODELS) + ["both"], default="tiny",
-                        help="gpt_tiny's or gpt_small's shape, or both one after the other")
-    parser.add_argument("--only", choices=("recovery", "cost", "snapshot"),
-                        help="run one part (snapshot: the cost part's none, memory and per-array rows)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS) + ["both"],
+        default="tiny",
+        help="gpt_tiny's or gpt_small's shape, or both one after the other",
+    )
+    parser.add_argument(
+        "--only",
+        choices=("recovery", "cost", "snapshot"),
+        help="run one part (snapshot: the cost part's none, memory and per-array rows)",
+    )
     args = parser.parse_args()
     global GPT, BATCH, MODEL
     import jax
     from mpmd.runtime.launchers.workers import default_compilation_cache
+
     n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:
-        print(f"bench_recovery{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
-              f"load average at start {os.getloadavg()[0]:.2f}; compilation cache "
-              f"of workers {default_compilation_cache() or 'off'}; worker logs: "
-              f"{workers_log_to(tmp, 'bench_recovery')}", flush=True)
-        for model in (sorted(MODELS, reverse=True) if args.model == "both" else [args.model]):
+        print(
+            f"bench_recovery{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
+            f"load average at start {os.getloadavg()[0]:.2f}; compilation cache "
+            f"of workers {default_compilation_cache() or 'off'}; worker logs: "
+            f"{workers_log_to(tmp, 'bench_recovery')}",
+            flush=True,
+        )
+        for model in sorted(MODELS, reverse=True) if args.model == "both" else [args.model]:
             GPT, BATCH = MODELS[model]
             MODEL = f"gpt_{model}"
             print(f"\nmodel: {model} {GPT}, batch {BATCH}", flush=True)
@@ -343,7 +387,9 @@ def main() -> None:
             if args.only in (None, "cost"):
                 checkpoint_cost(Path(tmp) / model / "cost", n["ck_rounds"], n["ck_steps"])
             if args.only == "snapshot":
-                checkpoint_cost(Path(tmp) / model / "cost", n["ck_rounds"], n["ck_steps"], ("none", "memory", "per-array"))
+                checkpoint_cost(
+                    Path(tmp) / model / "cost", n["ck_rounds"], n["ck_steps"], ("none", "memory", "per-array")
+                )
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 

@@ -17,6 +17,7 @@ own). Per slice:
             saved residuals from the simulator (which counts nothing in transit);
   ratio     measured / predicted.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,6 @@ import os
 import cpu_setup  # noqa: E402  (first: sets the flags before anything imports jax)
 
 cpu_setup.before_jax(devices=8)
-
 
 
 GPT = dict(vocab_size=256, d_model=256, num_heads=4, num_layers=6, seq_len=64)
@@ -37,6 +37,7 @@ def pipeline(num_stages: int):
     from mpmd import models
     import mpmd
     from flax import nnx
+
     return mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), num_stages=num_stages), models.lm_loss)
 
 
@@ -46,10 +47,18 @@ def traced(name: str, p: int, m: int, v: int, recv_window):
     import optax
 
     import mpmd
+
     rng = np.random.default_rng(0)
     x = rng.integers(0, GPT["vocab_size"], (BATCH, GPT["seq_len"])).astype(np.int32)
-    with mpmd.Trainer(pipeline(p * v), optax.adamw(1e-3), name, num_microbatches=m, virtual_stages=v,
-                      recv_window=recv_window, cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipeline(p * v),
+        optax.adamw(1e-3),
+        name,
+        num_microbatches=m,
+        virtual_stages=v,
+        recv_window=recv_window,
+        cluster=mpmd.InProcessCluster(),
+    ) as trainer:
         out = [trainer.step(x, x, trace=True) for _ in range(2)][-1]
         return out["held"], out["peak_bytes"]
 
@@ -62,6 +71,7 @@ def main() -> None:
     from mpmd.lowering import core as lowering
     from mpmd.schedules import core as schedules
     from mpmd.stages import costs as stage_costs
+
     print(f"load average at start: {os.getloadavg()}")
     for name, p, m in CASES:
         v = 2 if name.startswith("interleaved") else 1
@@ -75,13 +85,17 @@ def main() -> None:
         held, peak = traced(name, p, m, v, None)
         free_held, free_peak = traced(name, p, m, v, UNBOUNDED)
         print(f"\n{name}, p={p}, m={m}" + (f", v={v}" if v > 1 else "") + f"; largest received bundle {bundle} B")
-        print(f"{'slice':>5} {'w':>3} {'held':>6} {'held KB':>8} {'bound KB':>9} {'unbounded':>10} {'unb. KB':>8} "
-              f"{'measured MB':>12} {'unb. MB':>8} {'predicted MB':>13} {'ratio':>6}")
+        print(
+            f"{'slice':>5} {'w':>3} {'held':>6} {'held KB':>8} {'bound KB':>9} {'unbounded':>10} {'unb. KB':>8} "
+            f"{'measured MB':>12} {'unb. MB':>8} {'predicted MB':>13} {'ratio':>6}"
+        )
         for r in range(schedule.num_slices):
-            print(f"{r:>5} {windows[r]:>3} {held[r][0]:>6} {held[r][1] / 1e3:>8.1f} {windows[r] * bundle / 1e3:>9.1f} "
-                  f"{free_held[r][0]:>10} {free_held[r][1] / 1e3:>8.1f} {peak[r] / 1e6:>12.3f} "
-                  f"{free_peak[r] / 1e6:>8.3f} {predicted[r]['total'] / 1e6:>13.3f} "
-                  f"{peak[r] / predicted[r]['total']:>6.3f}")
+            print(
+                f"{r:>5} {windows[r]:>3} {held[r][0]:>6} {held[r][1] / 1e3:>8.1f} {windows[r] * bundle / 1e3:>9.1f} "
+                f"{free_held[r][0]:>10} {free_held[r][1] / 1e3:>8.1f} {peak[r] / 1e6:>12.3f} "
+                f"{free_peak[r] / 1e6:>8.3f} {predicted[r]['total'] / 1e6:>13.3f} "
+                f"{peak[r] / predicted[r]['total']:>6.3f}"
+            )
     print(f"\nload average at end: {os.getloadavg()}")
 
 

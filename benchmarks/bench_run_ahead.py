@@ -28,6 +28,7 @@ b. The same steps as sleep programs (mpmd/lowering/dryrun.py: real plans, transf
    between steps without the competition for the cores. The load average is printed at
    the start and the end.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,16 +55,22 @@ def build(backend: str, run_dir: str):
     from mpmd.recipes import data
     from mpmd.recipes import train as recipe
 
-    cfg = config.load(REPO / "configs/gpt_tiny.yaml", [f"cluster.backend={backend}", f"run_dir={run_dir}",
-                                                       "checkpoint.every=0"])
+    cfg = config.load(
+        REPO / "configs/gpt_tiny.yaml", [f"cluster.backend={backend}", f"run_dir={run_dir}", "checkpoint.every=0"]
+    )
     loader, _ = data.make_loaders(cfg)
     p = cfg.pipeline
-    sample = loader.batch_at(0)[0][:cfg.train.batch_size // p.num_microbatches]
+    sample = loader.batch_at(0)[0][: cfg.train.batch_size // p.num_microbatches]
     stages, loss_fn = recipe.build_model(cfg, sample)
-    trainer = mpmd.Trainer(mpmd.Pipeline(stages, loss_fn, sample_input=sample), recipe.build_optimizer(cfg),
-                           schedule=p.schedule, num_microbatches=p.num_microbatches,
-                           cluster=recipe.build_cluster(cfg), max_grad_norm=cfg.optimizer.max_grad_norm,
-                           run_ahead=max(DEPTHS))
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(stages, loss_fn, sample_input=sample),
+        recipe.build_optimizer(cfg),
+        schedule=p.schedule,
+        num_microbatches=p.num_microbatches,
+        cluster=recipe.build_cluster(cfg),
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        run_ahead=max(DEPTHS),
+    )
     return trainer, loader
 
 
@@ -84,6 +91,7 @@ def round_step_s(trainer, loader, depth: int, steps: int) -> float:
 def task_costs(trainer, loader, steps: int = 5) -> list[dict]:
     """Per stage, the median seconds of its forward and full backward in traced steps."""
     import re
+
     durations: dict[tuple[int, str], list[float]] = collections.defaultdict(list)
     for _ in range(steps):
         for events in trainer.step(*loader.next(), trace=True)["events"]:
@@ -92,23 +100,27 @@ def task_costs(trainer, loader, steps: int = 5) -> list[dict]:
                 if e.kind == "run" and match:
                     durations[int(match[2]), match[1]].append((e.end_ns - e.start_ns) / 1e9)
     stages = sorted({k for k, _ in durations})
-    return [{"F": statistics.median(durations[k, "F"]), "B": statistics.median(durations[k, "B"]), "W": 0.0}
-            for k in stages]
+    return [
+        {"F": statistics.median(durations[k, "F"]), "B": statistics.median(durations[k, "B"]), "W": 0.0} for k in stages
+    ]
 
 
 def activation_bytes(trainer, loader) -> int:
     import jax
+
     inputs, _ = loader.next()
     micro = jax.ShapeDtypeStruct((len(inputs) // trainer.num_microbatches,) + inputs.shape[1:], inputs.dtype)
-    return max(sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(a))
-               for a in trainer.pipeline.activation_specs(micro)[1:-1])
+    return max(
+        sum(l.size * l.dtype.itemsize for l in jax.tree.leaves(a))
+        for a in trainer.pipeline.activation_specs(micro)[1:-1]
+    )
 
 
 def alternate(rounds: int, measure) -> dict[int, list[float]]:
     """Per depth, `measure(depth)` of every round after a warm-up one; order swapped each round."""
     times: dict[int, list[float]] = {d: [] for d in DEPTHS}
     for r in range(rounds + 1):
-        for depth in (DEPTHS if r % 2 == 0 else DEPTHS[::-1]):
+        for depth in DEPTHS if r % 2 == 0 else DEPTHS[::-1]:
             s = measure(depth)
             if r:
                 times[depth].append(s)
@@ -139,22 +151,33 @@ def main() -> None:
             schedule = trainer.schedule
         finally:
             trainer.close()
-    report(f"a. gpt_tiny on {args.backend} (2 slices, {schedule.name}, m={schedule.num_microbatches}), "
-           f"{rounds} rounds x {ROUND_STEPS} steps per depth", times)
+    report(
+        f"a. gpt_tiny on {args.backend} (2 slices, {schedule.name}, m={schedule.num_microbatches}), "
+        f"{rounds} rounds x {ROUND_STEPS} steps per depth",
+        times,
+    )
     sleeps = dry_run_times(schedule, costs, act_bytes, rounds)
-    report(f"b. the same steps as sleep programs on local workers (per stage F, B ms: "
-           f"{[(round(c['F'] * 1e3, 2), round(c['B'] * 1e3, 2)) for c in costs]}; "
-           f"activations {act_bytes} B), {rounds} rounds x {ROUND_STEPS} steps per depth", sleeps)
+    report(
+        f"b. the same steps as sleep programs on local workers (per stage F, B ms: "
+        f"{[(round(c['F'] * 1e3, 2), round(c['B'] * 1e3, 2)) for c in costs]}; "
+        f"activations {act_bytes} B), {rounds} rounds x {ROUND_STEPS} steps per depth",
+        sleeps,
+    )
     print(f"\nload average at end: {os.getloadavg()}")
 
 
 def dry_run_times(schedule, costs, act_bytes: int, rounds: int) -> dict[int, list[float]]:
     import mpmd
     from mpmd.lowering.dryrun import dry_run
+
     cluster = mpmd.LocalCluster(num_workers=schedule.num_slices)
     try:
-        return alternate(rounds, lambda depth: statistics.median(
-            dry_run(schedule, costs, act_bytes, cluster, steps=ROUND_STEPS, trace=False, run_ahead=depth).step_s))
+        return alternate(
+            rounds,
+            lambda depth: statistics.median(
+                dry_run(schedule, costs, act_bytes, cluster, steps=ROUND_STEPS, trace=False, run_ahead=depth).step_s
+            ),
+        )
     finally:
         cluster.close()
 

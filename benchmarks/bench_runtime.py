@@ -49,6 +49,7 @@ The load average is printed at the start and the end: other processes on a 2-cor
 inflate every figure here (sleep wake-ups, transfers and compute all wait for a core), so
 compare runs made at low load.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,9 @@ import sys
 # Before jax is imported. The baseline subprocess gets its own flags (run_baseline).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--baseline" not in sys.argv:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                               " --xla_cpu_multi_thread_eigen=false").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
+    ).strip()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -81,11 +83,15 @@ GPT_BATCH, GPT_M, LR = 32, 8, 3e-4
 
 def fidelity_cases():
     from mpmd.schedules import core as schedules
+
     p, m, c = FIDELITY_P, FIDELITY_M, FIDELITY_COSTS
     half = {k: v / 2 for k, v in c.items()}
-    return [(schedules.make("gpipe", p, m), c), (schedules.make("1f1b", p, m), c),
-            (schedules.make("zb-h1", p, m), c),
-            (schedules.make("interleaved-1f1b", 2 * p, m, 2), half)]
+    return [
+        (schedules.make("gpipe", p, m), c),
+        (schedules.make("1f1b", p, m), c),
+        (schedules.make("zb-h1", p, m), c),
+        (schedules.make("interleaved-1f1b", 2 * p, m, 2), half),
+    ]
 
 
 def busy_s(simulation, r: int) -> float:
@@ -102,8 +108,8 @@ def hop_latencies_s(events) -> list[float]:
     for slice_events in events:
         for e in slice_events:
             if e.kind != "recv" or e.end_ns - e.start_ns < 50_000:
-                continue                  # the data was there already: no latency to see
-            what, _, rest = e.name[len("recv "):].partition("/")
+                continue  # the data was there already: no latency to see
+            what, _, rest = e.name[len("recv ") :].partition("/")
             if what.startswith("act"):
                 producer = f"F s{int(what[3:]) - 1} mb{rest}"
             elif what.startswith("grad"):
@@ -141,11 +147,15 @@ def fidelity(local, num_steps: int) -> None:
     from mpmd.lowering.dryrun import dry_run, executed_costs
     from mpmd.schedules.simulate import simulate
 
-    print(f"\na. scheduling fidelity: p={FIDELITY_P} slices, m={FIDELITY_M}, F/B/W = "
-          f"{'/'.join(f'{v / MS:g}' for v in FIDELITY_COSTS.values())} ms, activations "
-          f"{FIDELITY_ACT_BYTES // 2**10} KB, median of {num_steps} steps (goal: ratio <= 1.05)")
-    print(f"{'schedule':>17} {'cluster':>10} {'simulated ms':>13} {'measured ms':>12} {'ratio':>6} "
-          f"{'ctl ms':>7} {'over ms':>8} {'gaps ms':>8} {'hop ms':>7} {'x +hop':>7}  goal")
+    print(
+        f"\na. scheduling fidelity: p={FIDELITY_P} slices, m={FIDELITY_M}, F/B/W = "
+        f"{'/'.join(f'{v / MS:g}' for v in FIDELITY_COSTS.values())} ms, activations "
+        f"{FIDELITY_ACT_BYTES // 2**10} KB, median of {num_steps} steps (goal: ratio <= 1.05)"
+    )
+    print(
+        f"{'schedule':>17} {'cluster':>10} {'simulated ms':>13} {'measured ms':>12} {'ratio':>6} "
+        f"{'ctl ms':>7} {'over ms':>8} {'gaps ms':>8} {'hop ms':>7} {'x +hop':>7}  goal"
+    )
     for schedule, costs in fidelity_cases():
         for label, make in (("local", lambda: local), ("in-process", mpmd.InProcessCluster)):
             cluster = make()
@@ -159,10 +169,12 @@ def fidelity(local, num_steps: int) -> None:
             ctl, over, gaps, hop = excess_breakdown(result)
             with_hops = simulate(schedule, executed_costs(schedule, costs), comm_s=hop).makespan
             name = schedule.name + (f" v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else "")
-            print(f"{name:>17} {label:>10} {result.simulated_makespan_s / MS:>13.1f} {measured / MS:>12.1f} "
-                  f"{ratio:>6.3f} {ctl / MS:>7.2f} {over / MS:>8.2f} {gaps / MS:>8.2f} {hop / MS:>7.2f} "
-                  f"{measured / with_hops:>7.3f}  "
-                  f"{goal(ratio <= 1.05) if label == 'local' else '(reference)'}")
+            print(
+                f"{name:>17} {label:>10} {result.simulated_makespan_s / MS:>13.1f} {measured / MS:>12.1f} "
+                f"{ratio:>6.3f} {ctl / MS:>7.2f} {over / MS:>8.2f} {gaps / MS:>8.2f} {hop / MS:>7.2f} "
+                f"{measured / with_hops:>7.3f}  "
+                f"{goal(ratio <= 1.05) if label == 'local' else '(reference)'}"
+            )
 
 
 # -- b. per-instruction overhead and dispatch ------------------------------------------------
@@ -172,12 +184,16 @@ def overhead(local, num_steps: int, num_microbatches: int) -> None:
     from mpmd.lowering.dryrun import dry_run
 
     zero = {"F": 0.0, "B": 0.0, "W": 0.0}
-    print(f"\nb. worker overhead per instruction: zero-duration programs, 1f1b, m={num_microbatches}, "
-          f"median of {num_steps} steps (goal <= 100 us)")
+    print(
+        f"\nb. worker overhead per instruction: zero-duration programs, 1f1b, m={num_microbatches}, "
+        f"median of {num_steps} steps (goal <= 100 us)"
+    )
     print(f"{'case':>38} {'instructions':>13} {'worker step ms':>15} {'waits ms':>9} {'us/instr':>9}  goal")
-    cases = (("p=1 LocalCluster worker, untraced", 1, local, False),
-             ("p=1 InProcessCluster, untraced", 1, None, False),
-             ("p=2 LocalCluster workers, traced", 2, local, True))
+    cases = (
+        ("p=1 LocalCluster worker, untraced", 1, local, False),
+        ("p=1 InProcessCluster, untraced", 1, None, False),
+        ("p=2 LocalCluster workers, traced", 2, local, True),
+    )
     for label, p, cluster, trace in cases:
         cluster = cluster or mpmd.InProcessCluster()
         schedule = schedules.make("1f1b", p, num_microbatches)
@@ -198,17 +214,21 @@ def overhead(local, num_steps: int, num_microbatches: int) -> None:
                 waits.append(wait)
         us = statistics.median(per_instr) / 1e-6
         num_instr = "/".join(str(len(s)) for s in result.streams)
-        print(f"{label:>38} {num_instr:>13} {statistics.median(walls) / MS:>15.2f} "
-              f"{statistics.median(waits) / MS:>9.2f} {us:>9.1f}  {goal(us <= 100)}")
+        print(
+            f"{label:>38} {num_instr:>13} {statistics.median(walls) / MS:>15.2f} "
+            f"{statistics.median(waits) / MS:>9.2f} {us:>9.1f}  {goal(us <= 100)}"
+        )
         if cluster is local:
             rpcs = {k: v - before.get(k, 0) for k, v in local.rpc_counts.items() if k != "Heartbeat"}
-            run_steps = num_steps + 1   # + the warm-up step
+            run_steps = num_steps + 1  # + the warm-up step
             ctl = statistics.median(s - max(w) for s, w in zip(result.step_s, result.slice_wall_s))
-            print(f"{'':>38} control plane: {rpcs.get('Run', 0) / run_steps:g} Run RPC(s) per step for "
-                  f"{p} worker(s) ({goal(rpcs.get('Run', 0) == p * run_steps)}: one per worker); "
-                  f"setup RPCs {sorted((k, v) for k, v in rpcs.items() if k != 'Run')}; "
-                  f"controller time beyond the slowest worker {ctl / MS:.2f} ms/step "
-                  f"(whole dry run {elapsed:.1f} s)")
+            print(
+                f"{'':>38} control plane: {rpcs.get('Run', 0) / run_steps:g} Run RPC(s) per step for "
+                f"{p} worker(s) ({goal(rpcs.get('Run', 0) == p * run_steps)}: one per worker); "
+                f"setup RPCs {sorted((k, v) for k, v in rpcs.items() if k != 'Run')}; "
+                f"controller time beyond the slowest worker {ctl / MS:.2f} ms/step "
+                f"(whole dry run {elapsed:.1f} s)"
+            )
 
 
 # -- c. overlap of transfers with compute ----------------------------------------------------
@@ -222,8 +242,17 @@ def transfer_s(cluster, num_bytes: int, num_reps: int) -> float:
     cluster.start(2)
     cluster.load_programs(0, {"produce": programs.sleep(0.0, (spec,))})
     cluster.load_programs(1, {})
-    cluster.install_plan(0, "pingpong", [Run("produce", (), ("a",), "produce"), Send("a", 1, "ping"),
-                                         Delete("a"), Recv("b", 1, "pong", spec), Delete("b")])
+    cluster.install_plan(
+        0,
+        "pingpong",
+        [
+            Run("produce", (), ("a",), "produce"),
+            Send("a", 1, "ping"),
+            Delete("a"),
+            Recv("b", 1, "pong", spec),
+            Delete("b"),
+        ],
+    )
     cluster.install_plan(1, "pingpong", [Recv("a", 0, "ping", spec), Send("a", 0, "pong"), Delete("a")])
     one_way = []
     for step in range(1 + num_reps):
@@ -244,12 +273,16 @@ def overlap(local, num_steps: int) -> None:
     probe_s = transfer_s(local, probe, 3)
     num_bytes = int(probe * OVERLAP_TASK_S / probe_s) // 4 * 4
     comm_s = transfer_s(local, num_bytes, 5)
-    print(f"\nc. overlap: p={OVERLAP_P}, m={OVERLAP_M}, {OVERLAP_TASK_S / MS:g} ms per task (F, full B); "
-          f"activation {num_bytes / 2**20:.1f} MB, measured one-way transfer {comm_s / MS:.1f} ms "
-          f"({num_bytes / comm_s / 1e9:.2f} GB/s; probe {probe // 2**20} MB in {probe_s / MS:.1f} ms); "
-          f"median of {num_steps} steps")
-    print(f"{'schedule':>9} {'no-overlap ms':>14} {'overlap bound ms':>17} {'measured ms':>12} "
-          f"{'x bound':>8} {'hidden':>7} {'in-step ms':>11} {'x bound(in-step)':>17}")
+    print(
+        f"\nc. overlap: p={OVERLAP_P}, m={OVERLAP_M}, {OVERLAP_TASK_S / MS:g} ms per task (F, full B); "
+        f"activation {num_bytes / 2**20:.1f} MB, measured one-way transfer {comm_s / MS:.1f} ms "
+        f"({num_bytes / comm_s / 1e9:.2f} GB/s; probe {probe // 2**20} MB in {probe_s / MS:.1f} ms); "
+        f"median of {num_steps} steps"
+    )
+    print(
+        f"{'schedule':>9} {'no-overlap ms':>14} {'overlap bound ms':>17} {'measured ms':>12} "
+        f"{'x bound':>8} {'hidden':>7} {'in-step ms':>11} {'x bound(in-step)':>17}"
+    )
     costs = {"F": OVERLAP_TASK_S, "B": OVERLAP_TASK_S, "W": 0.0}
     for name in ("gpipe", "1f1b"):
         schedule = schedules.make(name, OVERLAP_P, OVERLAP_M)
@@ -260,25 +293,33 @@ def overlap(local, num_steps: int) -> None:
             # stage), B sends backward (not the first).
             sends = (task.kind == "F" and task.stage < S - 1) or (task.kind == "B" and task.stage > 0)
             return costs[task.kind] + (comm_s if sends else 0.0)
+
         no_overlap = simulate(schedule, serialised).makespan
         bound = simulate(schedule, costs, comm_s=comm_s).makespan
         result = dry_run(schedule, costs, num_bytes, local, steps=num_steps)
         measured = statistics.median(result.step_s)
-        hidden = (f"{(no_overlap - measured) / (no_overlap - bound):.0%}"
-                  if no_overlap - bound > 0.1 * bound else "-")
+        hidden = f"{(no_overlap - measured) / (no_overlap - bound):.0%}" if no_overlap - bound > 0.1 * bound else "-"
         in_step = statistics.median(h for events in result.events for h in hop_latencies_s(events))
         bound_in_step = simulate(schedule, costs, comm_s=in_step).makespan
-        print(f"{name:>9} {no_overlap / MS:>14.1f} {bound / MS:>17.1f} {measured / MS:>12.1f} "
-              f"{measured / bound:>8.3f} {hidden:>7} {in_step / MS:>11.1f} {measured / bound_in_step:>17.3f}")
+        print(
+            f"{name:>9} {no_overlap / MS:>14.1f} {bound / MS:>17.1f} {measured / MS:>12.1f} "
+            f"{measured / bound:>8.3f} {hidden:>7} {in_step / MS:>11.1f} {measured / bound_in_step:>17.3f}"
+        )
 
 
 # -- d. end to end ---------------------------------------------------------------------------
 def make_batches(num: int) -> list:
     import numpy as np
+
     rng = np.random.default_rng(0)
     shape = (GPT_BATCH, GPT["seq_len"])
-    return [(rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
-             rng.integers(0, GPT["vocab_size"], shape).astype(np.int32)) for _ in range(num)]
+    return [
+        (
+            rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
+            rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
+        )
+        for _ in range(num)
+    ]
 
 
 def baseline(num_warmup: int, num_steps: int) -> None:
@@ -313,6 +354,7 @@ def baseline(num_warmup: int, num_steps: int) -> None:
         def body(acc, xy):
             loss, grads = jax.value_and_grad(loss_fn)(p, *xy)
             return (acc[0] + loss, jax.tree.map(jnp.add, acc[1], grads)), None
+
         zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, p))
         (loss, grads), _ = jax.lax.scan(body, zero, (split(x), split(y)))
         return loss / GPT_M, jax.tree.map(lambda g: g / GPT_M, grads)
@@ -322,6 +364,7 @@ def baseline(num_warmup: int, num_steps: int) -> None:
             loss, grads = grad_fn(p, x, y)
             updates, opt_state = optimizer.update(grads, opt_state, p)
             return optax.apply_updates(p, updates), opt_state, loss
+
         return jax.jit(step, donate_argnums=(0, 1))
 
     batches = make_batches(num_warmup + num_steps)
@@ -332,22 +375,33 @@ def baseline(num_warmup: int, num_steps: int) -> None:
         state[name] = (params, optimizer.init(params))
         losses[name], times[name] = [], []
     for i, (x, y) in enumerate(batches):
-        for name in (("full", "accum") if i % 2 == 0 else ("accum", "full")):
+        for name in ("full", "accum") if i % 2 == 0 else ("accum", "full"):
             start = time.perf_counter()
             params, opt_state, loss = steps[name](*state[name], x, y)
             losses[name].append(float(loss))
             state[name] = (params, opt_state)
             if i >= num_warmup:
                 times[name].append(time.perf_counter() - start)
-    print(json.dumps({"step_s": {n: statistics.median(t) for n, t in times.items()}, "losses": losses,
-                      "cpus": sorted(os.sched_getaffinity(0))}))
+    print(
+        json.dumps(
+            {
+                "step_s": {n: statistics.median(t) for n, t in times.items()},
+                "losses": losses,
+                "cpus": sorted(os.sched_getaffinity(0)),
+            }
+        )
+    )
 
 
 def run_baseline(num_warmup: int, num_steps: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
-    out = subprocess.run([sys.executable, __file__, "--baseline", str(num_warmup), str(num_steps)],
-                         env=env, capture_output=True, text=True, check=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    out = subprocess.run(
+        [sys.executable, __file__, "--baseline", str(num_warmup), str(num_steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -370,8 +424,9 @@ def end_to_end(num_warmup: int, num_steps: int, baseline_after: bool = True) -> 
             num_stages = 2 * v
             model = models.GPT(**GPT, rngs=nnx.Rngs(0))
             pipe = mpmd.Pipeline(mpmd.split(model, num_stages), models.lm_loss)
-            trainer = mpmd.Trainer(pipe, optax.adamw(LR), schedule=name, num_microbatches=GPT_M,
-                                   virtual_stages=v, cluster=cluster)
+            trainer = mpmd.Trainer(
+                pipe, optax.adamw(LR), schedule=name, num_microbatches=GPT_M, virtual_stages=v, cluster=cluster
+            )
             try:
                 losses = [trainer.step(x, y)["loss"] for x, y in batches[:num_warmup]]
                 # A step's Run returns once its losses are fetched, while the backward and
@@ -392,13 +447,19 @@ def end_to_end(num_warmup: int, num_steps: int, baseline_after: bool = True) -> 
     after = base["step_s"]
     base_s = {n: (before[n] + after[n]) / 2 for n in before}
 
-    print(f"\nd. end to end: GPT {GPT}, batch {GPT_BATCH}, m={GPT_M}, adamw; {num_steps} timed steps "
-          f"after {num_warmup} warm-up")
+    print(
+        f"\nd. end to end: GPT {GPT}, batch {GPT_BATCH}, m={GPT_M}, adamw; {num_steps} timed steps "
+        f"after {num_warmup} warm-up"
+    )
     for n, what in (("full", "whole batch"), ("accum", f"{GPT_M} accumulated microbatches")):
-        print(f"unpipelined ({n}: {what}), 1 core {base['cpus']}, 1 thread: {base_s[n]:.3f} s/step "
-              f"(before {before[n]:.3f}, after {after[n]:.3f}); first loss {base['losses'][n][0]:.4f}")
-    print(f"{'schedule':>17} {'stages':>6} {'step s':>7} {'speedup':>8} {'vs accum':>9} {'loss[0]':>8}  "
-          f"traced step: per slice busy % / program s / receive wait s")
+        print(
+            f"unpipelined ({n}: {what}), 1 core {base['cpus']}, 1 thread: {base_s[n]:.3f} s/step "
+            f"(before {before[n]:.3f}, after {after[n]:.3f}); first loss {base['losses'][n][0]:.4f}"
+        )
+    print(
+        f"{'schedule':>17} {'stages':>6} {'step s':>7} {'speedup':>8} {'vs accum':>9} {'loss[0]':>8}  "
+        f"traced step: per slice busy % / program s / receive wait s"
+    )
     for name, num_stages, step_s, loss0, traced in rows:
         shares = []
         for events in traced["events"]:
@@ -406,9 +467,11 @@ def end_to_end(num_warmup: int, num_steps: int, baseline_after: bool = True) -> 
             run_ns = sum(e.end_ns - e.start_ns for e in events if e.kind == "run")
             recv_ns = sum(e.end_ns - e.start_ns for e in events if e.kind == "recv")
             shares.append(f"{run_ns / wall_ns:.0%}/{run_ns / 1e9:.2f}/{recv_ns / 1e9:.2f}")
-        print(f"{name:>17} {num_stages:>6} {step_s:>7.3f} {base_s['full'] / step_s:>7.2f}x "
-              f"{base_s['accum'] / step_s:>8.2f}x {loss0:>8.4f}  "
-              f"{'  '.join(shares)} (traced step {traced['step_s']:.3f} s)")
+        print(
+            f"{name:>17} {num_stages:>6} {step_s:>7.3f} {base_s['full'] / step_s:>7.2f}x "
+            f"{base_s['accum'] / step_s:>8.2f}x {loss0:>8.4f}  "
+            f"{'  '.join(shares)} (traced step {traced['step_s']:.3f} s)"
+        )
 
 
 def main() -> None:
@@ -419,11 +482,16 @@ def main() -> None:
 
     import mpmd
 
-    n = (dict(fid=2, instr=2, m=64, ovl=2, e2e_warm=1, e2e=1) if args.quick else
-         dict(fid=7, instr=5, m=256, ovl=5, e2e_warm=1, e2e=4))
+    n = (
+        dict(fid=2, instr=2, m=64, ovl=2, e2e_warm=1, e2e=1)
+        if args.quick
+        else dict(fid=7, instr=5, m=256, ovl=5, e2e_warm=1, e2e=4)
+    )
     start = time.perf_counter()
-    print(f"bench_runtime{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
-          f"load average at start {os.getloadavg()[0]:.2f}")
+    print(
+        f"bench_runtime{' --quick' if args.quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
     local = mpmd.LocalCluster(num_workers=4)
     try:
         fidelity(local, n["fid"])

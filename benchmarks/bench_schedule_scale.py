@@ -25,6 +25,7 @@ the largest payload, the longest finished stream, and the seconds one worker tak
 expand that stream into instruction records (runtime/worker/executor.py installs those).
 Goal (issue 16): each of make, validate, simulate and lower under 10 s and 2 GB per case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,7 @@ CASES = [("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
 
 
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _clocks() -> tuple[float, float]:
@@ -53,6 +54,7 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
     """One case, in this process; returns its figures."""
     from mpmd.schedules import core as schedules
     from mpmd.schedules.simulate import simulate
+
     num_stages = num_slices * virtual_stages
     out = {"name": name, "p": num_slices, "m": num_microbatches}
     marks = [_clocks()]
@@ -70,7 +72,7 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
     phase("simulate")
     out["tasks"] = schedule.slices.num_tasks
     out["bubble"] = sim.bubble_fraction
-    windows = [max(1, n) for n in sim.peak_live_activations]     # lowering.recv_windows' default
+    windows = [max(1, n) for n in sim.peak_live_activations]  # lowering.recv_windows' default
     del sim
 
     # The training plan as Trainer lowers it (clipping on), every slice: rows, then bytes.
@@ -80,6 +82,7 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
     from mpmd.stages import names
     from mpmd.runtime.worker import streams
     from mpmd.runtime.worker.instructions import Spec
+
     plain = lowering.Transfers.plain([(Spec((4,), "float32"),)] * (num_stages + 1))
     last = schedule.placement[-1]
     kept = {names.params("{k}"), names.opt_state("{k}")}
@@ -107,7 +110,11 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
     out["finish_mean_s"], out["finish_max_s"] = sum(per_slice) / len(per_slice), max(per_slice)
     out["longest_stream"] = longest
     start = time.perf_counter()
-    keep = kept | ({names.loss("{j}")} if longest_at == last else set()) | ({names.sqnorm("{k}")} if longest_at == 0 else set())
+    keep = (
+        kept
+        | ({names.loss("{j}")} if longest_at == last else set())
+        | ({names.sqnorm("{k}")} if longest_at == 0 else set())
+    )
     lowering.train_stream(schedule, longest_at, plain, clip=True).finishing(keep, windows[longest_at]).expand()
     out["expand_s"] = time.perf_counter() - start
     return out
@@ -116,32 +123,43 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="p = 64, m = 512")
-    parser.add_argument("--case", help=argparse.SUPPRESS)   # name,p,m,v: run one case here
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # name,p,m,v: run one case here
     args = parser.parse_args()
     if args.case:
         name, p, m, v = args.case.split(",")
         print(json.dumps(run_case(name, int(p), int(m), int(v))))
         return
     p, m = (64, 512) if args.quick else (1024, 8192)
-    print(f"p = {p} slices, m = {m} microbatches; per phase: wall seconds (CPU seconds) and the "
-          f"process's peak resident MB after it (a subprocess per case)")
+    print(
+        f"p = {p} slices, m = {m} microbatches; per phase: wall seconds (CPU seconds) and the "
+        f"process's peak resident MB after it (a subprocess per case)"
+    )
     phases = ("make", "validate", "simulate", "lower", "finish")
-    print(f"{'schedule':>17} {'tasks':>10} " + " ".join(f"{x:>20}" for x in phases)
-          + f" {'finish/slice':>13} {'payload MB':>11} {'longest':>8} {'expand':>7} {'bubble':>7}")
+    print(
+        f"{'schedule':>17} {'tasks':>10} "
+        + " ".join(f"{x:>20}" for x in phases)
+        + f" {'finish/slice':>13} {'payload MB':>11} {'longest':>8} {'expand':>7} {'bubble':>7}"
+    )
     for name, v in CASES:
-        done = subprocess.run([sys.executable, __file__, "--case", f"{name},{p},{m},{v}"],
-                              capture_output=True, text=True, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, __file__, "--case", f"{name},{p},{m},{v}"], capture_output=True, text=True, cwd=REPO
+        )
         if done.returncode:
             print(f"{name:>17} failed:\n{done.stderr[-2000:]}")
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
         cell = lambda x: f"{r[x + '_s']:6.2f} ({r[x + '_cpu_s']:5.2f}) {r[x + '_mb']:5.0f}"
-        print(f"{name:>17} {r['tasks']:>10} " + " ".join(f"{cell(x):>20}" for x in phases)
-              + f" {r['finish_mean_s'] * 1e3:5.1f}/{r['finish_max_s'] * 1e3:5.1f}ms"
-              f" {r['payload_mb']:6.0f}/{r['largest_payload_mb']:4.1f} {r['longest_stream']:>8} "
-              f"{r['expand_s']:6.2f}s {r['bubble']:7.4f}")
-    print("finish/slice: mean/largest CPU ms per slice; payload MB: all slices / the largest; longest: "
-          "instructions of the longest finished stream; expand: seconds to turn it into records")
+        print(
+            f"{name:>17} {r['tasks']:>10} "
+            + " ".join(f"{cell(x):>20}" for x in phases)
+            + f" {r['finish_mean_s'] * 1e3:5.1f}/{r['finish_max_s'] * 1e3:5.1f}ms"
+            f" {r['payload_mb']:6.0f}/{r['largest_payload_mb']:4.1f} {r['longest_stream']:>8} "
+            f"{r['expand_s']:6.2f}s {r['bubble']:7.4f}"
+        )
+    print(
+        "finish/slice: mean/largest CPU ms per slice; payload MB: all slices / the largest; longest: "
+        "instructions of the longest finished stream; expand: seconds to turn it into records"
+    )
 
 
 if __name__ == "__main__":

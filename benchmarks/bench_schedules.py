@@ -36,6 +36,7 @@ the load average is printed at the start and the end; compare runs made at low l
 backward (BW) FLOPs by XLA's cost analysis for the 2-stage split (B + W = BW: W does not
 recompute the vjp; mpmd/stages/backward_split.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -63,10 +64,16 @@ BATCH, M, NUM_SLICES, LR = 32, 8, 2, 3e-4
 
 def make_batches(num: int) -> list:
     import numpy as np
+
     rng = np.random.default_rng(0)
     shape = (BATCH, GPT["seq_len"])
-    return [(rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
-             rng.integers(0, GPT["vocab_size"], shape).astype(np.int32)) for _ in range(num)]
+    return [
+        (
+            rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
+            rng.integers(0, GPT["vocab_size"], shape).astype(np.int32),
+        )
+        for _ in range(num)
+    ]
 
 
 def two_slice_schedules(num_microbatches: int) -> list:
@@ -74,6 +81,7 @@ def two_slice_schedules(num_microbatches: int) -> list:
     slice with virtual_stages = 2, else one stage per slice, else two stages per slice with
     the generator's own placement (a V). Registry order."""
     from mpmd.schedules import core as schedules
+
     out = []
     for name in schedules.SCHEDULES:
         for num_stages, v in ((2 * NUM_SLICES, 2), (NUM_SLICES, 1), (2 * NUM_SLICES, 1)):
@@ -116,17 +124,19 @@ def _baseline_main() -> None:
         n, loss, start = int(line), None, time.perf_counter()
         for _ in range(n):
             *state, loss = step(*state, *batches[i % len(batches)])
-            loss, i = float(loss), i + 1       # the host read a pipelined step's loss fetch also does
-        jax.block_until_ready(state)           # the last update is part of the round
+            loss, i = float(loss), i + 1  # the host read a pipelined step's loss fetch also does
+        jax.block_until_ready(state)  # the last update is part of the round
         print(json.dumps({"step_s": (time.perf_counter() - start) / n, "loss": loss}), flush=True)
 
 
 class Baseline:
     def __init__(self):
-        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu",
-                   XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--baseline"], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        env = dict(
+            os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--baseline"], env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         self.cpus = self._read()["cpus"]
 
     def _read(self) -> dict:
@@ -151,6 +161,7 @@ def task_costs(schedule, traced_steps: list) -> tuple[list[dict], list[float]]:
     median duration of each stage's programs of each kind. A full backward (no split) is
     priced as B with W = 0; the first stage's B of a split backward runs no program: 0."""
     from mpmd.tuner.profile import task_durations
+
     durations = task_durations(metrics["events"] for metrics in traced_steps)
     median = lambda key: statistics.median(durations[key]) if key in durations else 0.0
     costs = [{kind: median((kind, k)) for kind in ("F", "B", "W")} for k in range(schedule.num_stages)]
@@ -169,38 +180,44 @@ def main(quick: bool) -> None:
 
     num_warmup, num_rounds, num_steps = (1, 2, 1) if quick else (1, 5, 3)
     start = time.perf_counter()
-    print(f"bench_schedules{' --quick' if quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
-          f"load average at start {os.getloadavg()[0]:.2f}")
-    print(f"GPT {GPT}, batch {BATCH}, m={M}, adamw, {NUM_SLICES} LocalCluster workers; "
-          f"{num_rounds} rounds of {num_steps} steps (+ 1 traced, pipelined) after {num_warmup} warm-up")
+    print(
+        f"bench_schedules{' --quick' if quick else ''}: {os.cpu_count()} cores, jax {jax.__version__}, "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"GPT {GPT}, batch {BATCH}, m={M}, adamw, {NUM_SLICES} LocalCluster workers; "
+        f"{num_rounds} rounds of {num_steps} steps (+ 1 traced, pipelined) after {num_warmup} warm-up"
+    )
     found = two_slice_schedules(M)
     batches = make_batches(num_warmup + num_steps)
     baseline = Baseline()
     trainers = {}
     try:
         for schedule in found:
-            pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), schedule.num_stages),
-                                 models.lm_loss)
-            trainers[schedule.name] = mpmd.Trainer(pipe, optax.adamw(LR), schedule=schedule,
-                                                   cluster=mpmd.LocalCluster(num_workers=NUM_SLICES))
+            pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), schedule.num_stages), models.lm_loss)
+            trainers[schedule.name] = mpmd.Trainer(
+                pipe, optax.adamw(LR), schedule=schedule, cluster=mpmd.LocalCluster(num_workers=NUM_SLICES)
+            )
         runners = {"unpipelined": baseline.steps}
         traced: dict = {name: [] for name in trainers}
         for name, trainer in trainers.items():
+
             def run(n, trainer=trainer, traced=traced[name]):
                 begin = time.perf_counter()
-                for x, y in batches[num_warmup:num_warmup + n]:
+                for x, y in batches[num_warmup : num_warmup + n]:
                     trainer.step(x, y)
                 traced.append(trainer.step(*batches[0], trace=True))
                 return (time.perf_counter() - begin) / (n + 1)
+
             for x, y in batches[:num_warmup]:
                 trainer.step(x, y)
-            trainer.step(*batches[0], trace=True)       # compiles the traced path; ends idle
+            trainer.step(*batches[0], trace=True)  # compiles the traced path; ends idle
             runners[name] = run
-        baseline.steps(num_warmup)                   # compiles
+        baseline.steps(num_warmup)  # compiles
         per_step: dict = {name: [] for name in runners}
         order = list(runners)
         for i in range(num_rounds):
-            for name in order[i % len(order):] + order[:i % len(order)]:
+            for name in order[i % len(order) :] + order[: i % len(order)]:
                 per_step[name].append(runners[name](num_steps))
         simulated = {}
         for schedule in found:
@@ -214,8 +231,10 @@ def main(quick: bool) -> None:
     base = statistics.median(per_step["unpipelined"])
     ref = statistics.median(per_step["1f1b"]) if "1f1b" in per_step else None
     print(f"\nunpipelined, 1 core {baseline.cpus}, 1 thread: {base:.3f} s/step (median of {num_rounds} rounds)")
-    print(f"{'schedule':>17} {'stages':>6} {'step s':>7} {'sim s':>7} {'meas/sim':>9} {'vs 1f1b':>8} "
-          f"{'sim vs 1f1b':>12} {'speedup':>8}   measured costs per stage, ms: F/B/W")
+    print(
+        f"{'schedule':>17} {'stages':>6} {'step s':>7} {'sim s':>7} {'meas/sim':>9} {'vs 1f1b':>8} "
+        f"{'sim vs 1f1b':>12} {'speedup':>8}   measured costs per stage, ms: F/B/W"
+    )
     ref_sim = simulated["1f1b"][0] if "1f1b" in simulated else None
     for schedule in found:
         name = schedule.name
@@ -224,11 +243,15 @@ def main(quick: bool) -> None:
         vs = f"{step / ref:>8.3f}" if ref else f"{'-':>8}"
         vs_sim = f"{sim / ref_sim:>12.3f}" if ref_sim else f"{'-':>12}"
         shown = "  ".join("/".join(f"{c[k] * 1e3:.0f}" for k in ("F", "B", "W")) for c in costs)
-        print(f"{name:>17} {schedule.num_stages:>6} {step:>7.3f} {sim:>7.3f} {step / sim:>9.3f} {vs} {vs_sim} "
-              f"{base / step:>7.2f}x   {shown}")
-    print("(vs 1f1b: step / 1f1b's step, < 1 is faster; sim vs 1f1b: the same for the simulated steps; "
-          "speedup: unpipelined step / pipelined step.\n goals: every meas/sim <= 1.05; zero-bubble "
-          "schedules >= 5% faster than 1f1b where sim vs 1f1b predicts it)")
+        print(
+            f"{name:>17} {schedule.num_stages:>6} {step:>7.3f} {sim:>7.3f} {step / sim:>9.3f} {vs} {vs_sim} "
+            f"{base / step:>7.2f}x   {shown}"
+        )
+    print(
+        "(vs 1f1b: step / 1f1b's step, < 1 is faster; sim vs 1f1b: the same for the simulated steps; "
+        "speedup: unpipelined step / pipelined step.\n goals: every meas/sim <= 1.05; zero-bubble "
+        "schedules >= 5% faster than 1f1b where sim vs 1f1b predicts it)"
+    )
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 
@@ -245,14 +268,19 @@ def flops() -> None:
 
     tokens = jax.ShapeDtypeStruct((BATCH // M, GPT["seq_len"]), np.int32)
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), NUM_SLICES), models.lm_loss)
-    print(f"GPT {GPT}, microbatch {tokens.shape}, {NUM_SLICES} stages; XLA cost analysis, MFLOP; "
-          f"bytes per microbatch held for the backward: residuals (F until W) and kept (B until W)")
+    print(
+        f"GPT {GPT}, microbatch {tokens.shape}, {NUM_SLICES} stages; XLA cost analysis, MFLOP; "
+        f"bytes per microbatch held for the backward: residuals (F until W) and kept (B until W)"
+    )
     print(f"{'stage':>5} {'F':>9} {'B':>9} {'W':>9} {'BW':>9} {'(B+W)/BW':>9} {'resid MiB':>10} {'kept MiB':>9}")
     memory = stage_costs.memory(pipe, optax.adamw(LR), tokens, tokens)
     for k, c in enumerate(stage_costs.measure(pipe, tokens, tokens, flops_only=True)):
-        print(f"{k:>5} " + " ".join(f"{c[kind] / 1e6:>9.1f}" for kind in ("F", "B", "W", "BW"))
-              + f" {(c['B'] + c['W']) / c['BW']:>9.3f} {memory[k]['residuals'] / 2**20:>10.2f}"
-              + f" {memory[k]['kept'] / 2**20:>9.2f}")
+        print(
+            f"{k:>5} "
+            + " ".join(f"{c[kind] / 1e6:>9.1f}" for kind in ("F", "B", "W", "BW"))
+            + f" {(c['B'] + c['W']) / c['BW']:>9.3f} {memory[k]['residuals'] / 2**20:>10.2f}"
+            + f" {memory[k]['kept'] / 2**20:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

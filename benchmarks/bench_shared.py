@@ -25,6 +25,7 @@ b. Throughput: steps per second of one sharing job alone on the cluster, and of 
    (1.0: sharing costs nothing and gains nothing in aggregate; on this 2-core machine the
    two jobs compete for the same cores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,13 +41,27 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = ["configs/gpt_tiny.yaml", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0",
-          "log.progress=lines", "log.every=1", "log.trace_steps=[]", "log.tensorboard=false"]
+CONFIG = [
+    "configs/gpt_tiny.yaml",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "checkpoint.every=0",
+    "log.progress=lines",
+    "log.every=1",
+    "log.trace_steps=[]",
+    "log.tensorboard=false",
+]
 
 
 def mpmd(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", *map(str, args)], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mpmd.recipes.cli", *map(str, args)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _env() -> dict:
@@ -62,11 +77,16 @@ class Job:
         self.t0 = time.monotonic()
         self.stderr = run_dir.parent / f"{run_dir.name}.stderr"
         with open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "train", *CONFIG, *overrides,
-                                          f"run_dir={run_dir}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                                         stderr=err, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mpmd.recipes.cli", "train", *CONFIG, *overrides, f"run_dir={run_dir}"],
+                cwd=REPO,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
         self.steps: dict[int, float] = {}
-        self.wall: dict[int, float] = {}      # the same, wall-clock (to set against the manager's times)
+        self.wall: dict[int, float] = {}  # the same, wall-clock (to set against the manager's times)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -110,11 +130,11 @@ def main() -> None:
     shared = ["cluster.backend=shared", f"cluster.file={cluster_file}", "cluster.share=true"]
     try:
         print(f"load average at start: {os.getloadavg()}")
-        cold = Job(tmp / "cold", "train.steps=3", *shared).wait()      # fills the workers' program cache
+        cold = Job(tmp / "cold", "train.steps=3", *shared).wait()  # fills the workers' program cache
         print(f"shared cluster, first job (programs compiled): start {cold.start_s:.2f} s")
         starts = {"local": [], "shared": []}
-        submitted = []                # shared: Submit -> first step, from the manager's record
-        spawned = []                  # own workers: workers spawned -> first step
+        submitted = []  # shared: Submit -> first step, from the manager's record
+        spawned = []  # own workers: workers spawned -> first step
         for r in range(args.rounds):
             order = ("local", "shared") if r % 2 == 0 else ("shared", "local")
             for kind in order:
@@ -125,23 +145,27 @@ def main() -> None:
                     jobs = json.loads(mpmd("cluster", "status", "--file", cluster_file, "--json").stdout)["jobs"]
                     sub = [j["submitted"] for j in jobs if j["name"] == f"start_shared_{r}"][0]
                     submitted.append(job.wall[1] - sub)
-                else:     # LocalLauncher makes <run_dir>/logs as it spawns the workers (mtime: the last one)
+                else:  # LocalLauncher makes <run_dir>/logs as it spawns the workers (mtime: the last one)
                     spawned.append(job.wall[1] - (tmp / f"start_local_{r}" / "logs").stat().st_mtime)
         med = {k: statistics.median(v) for k, v in starts.items()}
-        print(f"a. job start (launch -> first step), median of {args.rounds}: own workers {med['local']:.2f} s "
-              f"{[round(x, 2) for x in starts['local']]}, warm shared cluster {med['shared']:.2f} s "
-              f"{[round(x, 2) for x in starts['shared']]}; ratio own / shared = {med['local'] / med['shared']:.2f}; "
-              f"without the controller's own start: own workers, spawned -> first step "
-              f"{statistics.median(spawned):.2f} s, shared cluster, Submit -> first step "
-              f"{statistics.median(submitted):.2f} s (medians); ratio {statistics.median(spawned) / statistics.median(submitted):.2f}")
+        print(
+            f"a. job start (launch -> first step), median of {args.rounds}: own workers {med['local']:.2f} s "
+            f"{[round(x, 2) for x in starts['local']]}, warm shared cluster {med['shared']:.2f} s "
+            f"{[round(x, 2) for x in starts['shared']]}; ratio own / shared = {med['local'] / med['shared']:.2f}; "
+            f"without the controller's own start: own workers, spawned -> first step "
+            f"{statistics.median(spawned):.2f} s, shared cluster, Submit -> first step "
+            f"{statistics.median(submitted):.2f} s (medians); ratio {statistics.median(spawned) / statistics.median(submitted):.2f}"
+        )
         alone = Job(tmp / "alone", f"train.steps={args.steps}", *shared).wait()
         one = overlap_rate([alone])
         pair = [Job(tmp / f"pair_{i}", f"train.steps={args.steps}", f"seed={i}", *shared) for i in range(2)]
         for j in pair:
             j.wait()
         two = overlap_rate(pair)
-        print(f"b. throughput: one sharing job alone {one:.1f} steps/s; two sharing jobs at once "
-              f"{two:.1f} steps/s together; ratio two / one = {two / one:.2f}")
+        print(
+            f"b. throughput: one sharing job alone {one:.1f} steps/s; two sharing jobs at once "
+            f"{two:.1f} steps/s together; ratio two / one = {two / one:.2f}"
+        )
         status = mpmd("cluster", "status", "--file", cluster_file, "--json")
         caches = [w["cache"] for w in json.loads(status.stdout)["workers"]]
         print("workers' program cache at the end:", caches)

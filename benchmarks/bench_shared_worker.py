@@ -18,6 +18,7 @@ b. Time-sharing: STEPS steps of one job alone, then two jobs at once (each STEPS
    two threads); aggregate steps/s of the pair over the one alone. Also checks that every
    job's losses equal the lone job's bit for bit.
 """
+
 from __future__ import annotations
 
 import cpu_setup  # noqa: I001  (first: before anything imports jax)
@@ -42,11 +43,16 @@ def build(workers, job: str, run_dir: str):
     cfg = config.load(REPO / "configs/gpt_tiny.yaml", [f"run_dir={run_dir}", "checkpoint.every=0"])
     loader, _ = data.make_loaders(cfg)
     p = cfg.pipeline
-    sample = loader.batch_at(0)[0][:cfg.train.batch_size // p.num_microbatches]
+    sample = loader.batch_at(0)[0][: cfg.train.batch_size // p.num_microbatches]
     stages, loss_fn = recipe.build_model(cfg, sample)
-    trainer = mpmd.Trainer(mpmd.Pipeline(stages, loss_fn, sample_input=sample), recipe.build_optimizer(cfg),
-                           schedule=p.schedule, num_microbatches=p.num_microbatches, cluster=workers.job(job),
-                           max_grad_norm=cfg.optimizer.max_grad_norm)
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(stages, loss_fn, sample_input=sample),
+        recipe.build_optimizer(cfg),
+        schedule=p.schedule,
+        num_microbatches=p.num_microbatches,
+        cluster=workers.job(job),
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+    )
     return trainer, loader
 
 
@@ -74,21 +80,28 @@ def main() -> None:
     from tests.support.processes import StandaloneWorkers
 
     print(f"load average at start: {os.getloadavg()}")
-    with tempfile.TemporaryDirectory() as tmp, StandaloneWorkers(Path(tmp), 2, disk_cache=False, cpus=[0, 1]) as workers:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        StandaloneWorkers(Path(tmp), 2, disk_cache=False, cpus=[0, 1]) as workers,
+    ):
         starts = {job: first_step_s(workers, job, tmp) for job in ("fresh", "repeat-1", "repeat-2")}
         caches = [workers.admin(i, "Sessions")["cache"] for i in range(2)]
         print("\na. job start (nothing -> first step done), gpt_tiny, 2 shared workers")
         for job, s in starts.items():
             print(f"   {job:>9}: {s:6.2f} s")
-        print(f"   fresh / repeated: {starts['fresh'] / starts['repeat-1']:.2f}x, "
-              f"{starts['fresh'] / starts['repeat-2']:.2f}x")
+        print(
+            f"   fresh / repeated: {starts['fresh'] / starts['repeat-1']:.2f}x, "
+            f"{starts['fresh'] / starts['repeat-2']:.2f}x"
+        )
         for i, c in enumerate(caches):
-            print(f"   worker {i} cache: {c['programs']} programs, {c['bytes']} B; hits {c['hits']}, "
-                  f"misses {c['misses']}, evictions {c['evictions']}")
+            print(
+                f"   worker {i} cache: {c['programs']} programs, {c['bytes']} B; hits {c['hits']}, "
+                f"misses {c['misses']}, evictions {c['evictions']}"
+            )
 
         jobs = {job: build(workers, job, tmp) for job in ("alone", "a", "b")}
         try:
-            for trainer, loader in jobs.values():       # the first steps (param init, warm-up) apart
+            for trainer, loader in jobs.values():  # the first steps (param init, warm-up) apart
                 trainer.step(*loader.next())
             got = {job: [] for job in jobs}
             t0 = time.perf_counter()
@@ -108,9 +121,11 @@ def main() -> None:
                 except WorkerError:
                     pass
         same = all(got[j] == got["alone"] and len(got[j]) == args.steps for j in ("a", "b"))
-        print(f"\nb. {args.steps} steps per job: one alone {args.steps / alone_s:.2f} steps/s; two sharing "
-              f"{2 * args.steps / pair_s:.2f} steps/s together ({args.steps / pair_s:.2f} each); aggregate "
-              f"ratio {(2 * args.steps / pair_s) / (args.steps / alone_s):.2f}x")
+        print(
+            f"\nb. {args.steps} steps per job: one alone {args.steps / alone_s:.2f} steps/s; two sharing "
+            f"{2 * args.steps / pair_s:.2f} steps/s together ({args.steps / pair_s:.2f} each); aggregate "
+            f"ratio {(2 * args.steps / pair_s) / (args.steps / alone_s):.2f}x"
+        )
         print(f"   losses of both sharing jobs bitwise equal to the lone job's: {same}")
     print(f"\nload average at end: {os.getloadavg()}")
 

@@ -16,6 +16,7 @@ JAX on the CPU) from Popen until it prints its ready line. Medians over the roun
 Why pyproject.toml bounds ml_dtypes below 0.7: 0.7.0's import took ~0.5 s on this machine
 (numpy 2.4), 0.5.4's and 0.6.0's ~0.06 s (docs/benchmarks.md, Start-up).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "bench-startup-0123456789abcdef0123"
-IMPORT = ("import time; t = time.perf_counter(); import ml_dtypes; "
-          "print(time.perf_counter() - t, ml_dtypes.__version__)")
+IMPORT = "import time; t = time.perf_counter(); import ml_dtypes; print(time.perf_counter() - t, ml_dtypes.__version__)"
 
 
 def env_with(first: str | None) -> dict:
     """A worker's environment as LocalCluster builds it (no compilation cache), JAX on the CPU,
     with `first` ahead of everything on PYTHONPATH."""
     from mpmd.runtime.launchers.workers import worker_env
+
     env = dict(worker_env(""), JAX_PLATFORMS="cpu")
     if first:
         env["PYTHONPATH"] = first + os.pathsep + env["PYTHONPATH"]
@@ -51,9 +52,17 @@ def import_s(env: dict) -> tuple[float, str]:
 def worker_ready_s(env: dict) -> float:
     from mpmd.runtime.launchers.workers import worker_command
     from mpmd.runtime.worker.main import READY
+
     start = time.perf_counter()
-    proc = subprocess.Popen(worker_command("127.0.0.1:0", str(REPO), 1, token_stdin=True), env=env, cwd=REPO,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        worker_command("127.0.0.1:0", str(REPO), 1, token_stdin=True),
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         proc.stdin.write(TOKEN + "\n")
         proc.stdin.flush()
@@ -62,13 +71,12 @@ def worker_ready_s(env: dict) -> float:
                 return time.perf_counter() - start
         raise RuntimeError(f"the worker exited ({proc.wait()}) before it was ready")
     finally:
-        proc.stdin.close()          # end of file: the worker exits
+        proc.stdin.close()  # end of file: the worker exits
         proc.wait(timeout=30)
 
 
 def main(other: str | None, rounds: int) -> None:
-    print(f"bench_startup: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}, "
-          f"{rounds} rounds")
+    print(f"bench_startup: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}, {rounds} rounds")
     variants = {"installed": env_with(None)}
     if other:
         variants["other"] = env_with(other)
@@ -79,29 +87,38 @@ def main(other: str | None, rounds: int) -> None:
     ready: dict = {name: [] for name in variants}
     names = list(variants)
     for i in range(rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
+        for name in names if i % 2 == 0 else names[::-1]:
             imports[name].append(import_s(variants[name])[0])
             ready[name].append(worker_ready_s(variants[name]))
     print(f"{'variant':<10} {'ml_dtypes':>10} {'import ms':>10} {'worker ready ms':>16}")
     for name in names:
-        print(f"{name:<10} {versions[name]:>10} {1e3 * statistics.median(imports[name]):>10.1f} "
-              f"{1e3 * statistics.median(ready[name]):>16.1f}")
+        print(
+            f"{name:<10} {versions[name]:>10} {1e3 * statistics.median(imports[name]):>10.1f} "
+            f"{1e3 * statistics.median(ready[name]):>16.1f}"
+        )
     if other:
         med = lambda d, n: statistics.median(d[n])
-        print(f"other / installed: import {med(imports, 'other') / med(imports, 'installed'):.2f}x, "
-              f"worker ready {med(ready, 'other') / med(ready, 'installed'):.2f}x")
+        print(
+            f"other / installed: import {med(imports, 'other') / med(imports, 'installed'):.2f}x, "
+            f"worker ready {med(ready, 'other') / med(ready, 'installed'):.2f}x"
+        )
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--other", default=None,
-                        help="a directory holding another ml_dtypes (pip install --no-deps --target DIR ml_dtypes==X)")
+    parser.add_argument(
+        "--other",
+        default=None,
+        help="a directory holding another ml_dtypes (pip install --no-deps --target DIR ml_dtypes==X)",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.other is not None and not (Path(args.other) / "ml_dtypes").is_dir():
-        parser.error(f"--other {args.other}: no ml_dtypes package in it (pip install --no-deps --target DIR ml_dtypes==X)")
+        parser.error(
+            f"--other {args.other}: no ml_dtypes package in it (pip install --no-deps --target DIR ml_dtypes==X)"
+        )
     sys.path.insert(0, str(REPO))
     main(args.other, args.rounds)

@@ -15,6 +15,7 @@ raw loopback TCP between two processes pinned the same way (the socket path's ce
 bandwidth = payload bytes / one-way time.
 Goals: socket >= 0.3x memcpy at 64 MB, <= 1 ms one-way at 1 MB; shm >= 0.5x memcpy at 64 MB.
 """
+
 import argparse
 import json
 import os
@@ -44,8 +45,13 @@ def worker(slice_index: int, path: str, sizes_mb: tuple[int, ...] = SIZES_MB) ->
     peer = 1 - slice_index
     device = jax.devices()[0]
     mode, _, staging = path.partition("+")
-    transport = TransferTransport(slice_index, bind((1, 1, 1), [device]), secret=b"bench-transfer-secret",
-                                  transport=mode, host_staging=staging or "auto")
+    transport = TransferTransport(
+        slice_index,
+        bind((1, 1, 1), [device]),
+        secret=b"bench-transfer-secret",
+        transport=mode,
+        host_staging=staging or "auto",
+    )
     print(json.dumps({"address": transport.address}), flush=True)
     transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
     assert transport.path(peer) == mode, (transport.path(peer), mode)
@@ -57,7 +63,7 @@ def worker(slice_index: int, path: str, sizes_mb: tuple[int, ...] = SIZES_MB) ->
         for i in range(NUM_WARMUP + NUM_RUNS.get(size_mb, 10)):
             ping, pong = f"{size_mb}MB/{i}/ping", f"{size_mb}MB/{i}/pong"
             if slice_index == 0:
-                back = transport.recv(pong, peer, spec)       # posted before the send
+                back = transport.recv(pong, peer, spec)  # posted before the send
                 start = time.perf_counter()
                 transport.send(ping, payload, peer)
                 echoed = back.result()
@@ -69,7 +75,7 @@ def worker(slice_index: int, path: str, sizes_mb: tuple[int, ...] = SIZES_MB) ->
             assert np.array_equal(np.asarray(echoed[0]), np.asarray(payload[0]))
             results[size_mb] = statistics.median(one_way_s[NUM_WARMUP:])
     print(json.dumps(results), flush=True)
-    sys.stdin.readline()                                        # stay up until told to go
+    sys.stdin.readline()  # stay up until told to go
     transport.close()
 
 
@@ -89,7 +95,7 @@ def tcp_one_way_s(size_mb: int, num_runs: int = 8) -> float:
     num_bytes = size_mb * 2**20
     listener = socket.create_server(("127.0.0.1", 0))
     pid = os.fork()
-    if pid == 0:                                                # receiver
+    if pid == 0:  # receiver
         os.sched_setaffinity(0, {1 % os.cpu_count()})
         conn = socket.create_connection(listener.getsockname())
         buf = memoryview(bytearray(num_bytes))
@@ -124,9 +130,15 @@ def one_way_by_size(path: str, platform: str = "cpu", sizes_mb: tuple[int, ...] 
     try:
         for i in range(2):
             cpu = i % os.cpu_count()
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--worker", str(i), path, ",".join(map(str, sizes_mb)), str(cpu)],
-                env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--worker", str(i), path, ",".join(map(str, sizes_mb)), str(cpu)],
+                    env=env,
+                    text=True,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+            )
         addresses = [p.stdout.readline() for p in procs]
         for p, peer_line in zip(procs, reversed(addresses)):
             p.stdin.write(peer_line)
@@ -140,7 +152,7 @@ def one_way_by_size(path: str, platform: str = "cpu", sizes_mb: tuple[int, ...] 
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()                                        # by pid
+                p.kill()  # by pid
                 p.wait()
     return one_way_s
 
@@ -154,17 +166,21 @@ def main() -> None:
     if not paths or any(p not in PATHS for p in paths):
         parser.error(f"--paths takes {', '.join(PATHS)}, got {','.join(paths)}")
     one_way_s = {path: one_way_by_size(path, args.platform) for path in paths}
-    print(f"{'payload':>8} {'path':>12} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
-          f"{'x memcpy':>9} {'raw TCP GB/s':>13} {'x TCP':>6}")
+    print(
+        f"{'payload':>8} {'path':>12} {'one-way ms':>11} {'transfer GB/s':>14} {'memcpy GB/s':>12} "
+        f"{'x memcpy':>9} {'raw TCP GB/s':>13} {'x TCP':>6}"
+    )
     for size_mb in SIZES_MB:
         num_bytes = size_mb * 2**20
         memcpy_bps = num_bytes / memcpy_s(size_mb)
         tcp_bps = num_bytes / tcp_one_way_s(size_mb)
         for path in paths:
             transfer_bps = num_bytes / one_way_s[path][size_mb]
-            print(f"{size_mb:>6}MB {path:>12} {one_way_s[path][size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
-                  f"{memcpy_bps / 1e9:>12.2f} {transfer_bps / memcpy_bps:>9.2f} "
-                  f"{tcp_bps / 1e9:>13.2f} {transfer_bps / tcp_bps:>6.2f}")
+            print(
+                f"{size_mb:>6}MB {path:>12} {one_way_s[path][size_mb] * 1e3:>11.3f} {transfer_bps / 1e9:>14.2f} "
+                f"{memcpy_bps / 1e9:>12.2f} {transfer_bps / memcpy_bps:>9.2f} "
+                f"{tcp_bps / 1e9:>13.2f} {transfer_bps / tcp_bps:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

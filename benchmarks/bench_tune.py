@@ -27,6 +27,7 @@ measured step over the pick's.
 This machine has 2 cores shared with other work; the load average is printed at the start
 and the end, and a profile taken under one load predicts steps measured under another.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 BATCH, SEQ, COUNTS = 16, 64, (2, 4, 8)
-STEPS = 5                  # timed steps per candidate, after two warm-up steps (mpmd.tune's default)
+STEPS = 5  # timed steps per candidate, after two warm-up steps (mpmd.tune's default)
 
 
 def build(name: str):
@@ -49,10 +50,12 @@ def build(name: str):
     from flax import nnx
 
     from mpmd import models
+
     if name == "gpt_small":
         model = models.GPT(256, 256, 4, 8, SEQ, 4, rngs=nnx.Rngs(0))
         return model.layers(), ("interleaved-1f1b", 2, 2, 8)
     from mpmd.recipes.examples.unbalanced import Unbalanced
+
     return Unbalanced(256, 128, 512, 6, nnx.Rngs(0)).layers(), ("1f1b", 1, 1, 4)
 
 
@@ -68,8 +71,10 @@ def main(quick: bool, num_workers: int, names: list[str]) -> None:
     from mpmd.tuner.search import Candidate, search
 
     start = time.perf_counter()
-    print(f"bench_tune{' --quick' if quick else ''}: {os.cpu_count()} cores, {num_workers} workers, "
-          f"load average at start {os.getloadavg()[0]:.2f}")
+    print(
+        f"bench_tune{' --quick' if quick else ''}: {os.cpu_count()} cores, {num_workers} workers, "
+        f"load average at start {os.getloadavg()[0]:.2f}"
+    )
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32)
     y = rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32)
@@ -82,48 +87,85 @@ def main(quick: bool, num_workers: int, names: list[str]) -> None:
         cluster = mpmd.LocalCluster(num_workers=num_workers)
         try:
             t0 = time.perf_counter()
-            result = mpmd.tune(layers, models.lm_loss, optimizer, x, y, cluster, num_workers,
-                               microbatch_counts=list(counts), confirm=3, confirm_steps=STEPS)
+            result = mpmd.tune(
+                layers,
+                models.lm_loss,
+                optimizer,
+                x,
+                y,
+                cluster,
+                num_workers,
+                microbatch_counts=list(counts),
+                confirm=3,
+                confirm_steps=STEPS,
+            )
             tune_s = time.perf_counter() - t0
             print(result.table())
             everything, _ = search(result.profile, num_workers, BATCH, microbatch_counts=list(counts), keep=None)
             grid = [c for c in everything if c.virtual_stages <= 2]
             S = default_v * num_workers
-            flops, _ = layer_costs(layers, x[:BATCH // default_m])
+            flops, _ = layer_costs(layers, x[: BATCH // default_m])
             cuts = tuple(balanced_boundaries(flops, S)[1:-1])
-            default = next((c for c in everything if (c.schedule, c.num_stages, c.num_microbatches, c.cuts)
-                            == (default_schedule, S, default_m, cuts)), None)
-            if default is None:   # FLOP-balanced cuts the tuner did not consider: not predicted
+            default = next(
+                (
+                    c
+                    for c in everything
+                    if (c.schedule, c.num_stages, c.num_microbatches, c.cuts) == (default_schedule, S, default_m, cuts)
+                ),
+                None,
+            )
+            if default is None:  # FLOP-balanced cuts the tuner did not consider: not predicted
                 default = Candidate(default_schedule, S, default_v, default_m, cuts, float("nan"), ())
             # Rounds in opposite orders, averaged: a load that drifts linearly over the run
             # weighs on every candidate alike.
             order = grid + ([] if default in grid else [default])
             runs: dict = {c: [] for c in order}
             for i in range(1 if quick else 2):
-                for c in (order if i % 2 == 0 else order[::-1]):
-                    runs[c].append(run_candidate(c, layers, models.lm_loss, optimizer, x, y, cluster, STEPS,
-                                                 log=lambda _: None).measured_step_s)
+                for c in order if i % 2 == 0 else order[::-1]:
+                    runs[c].append(
+                        run_candidate(
+                            c, layers, models.lm_loss, optimizer, x, y, cluster, STEPS, log=lambda _: None
+                        ).measured_step_s
+                    )
             measured = {c: float(np.mean(times)) for c, times in runs.items()}
             default_s = measured[default]
         finally:
             cluster.close()
         print(f"\n{'grid candidate (mean of rounds)':<52} {'pred ms':>8} {'meas ms':>8}   rounds, ms")
         for c in sorted(grid, key=lambda c: measured[c]):
-            print(f"{c.label:<52} {c.predicted_step_s * 1e3:>8.1f} {measured[c] * 1e3:>8.1f}   "
-                  + " ".join(f"{t * 1e3:.0f}" for t in runs[c]))
+            print(
+                f"{c.label:<52} {c.predicted_step_s * 1e3:>8.1f} {measured[c] * 1e3:>8.1f}   "
+                + " ".join(f"{t * 1e3:.0f}" for t in runs[c])
+            )
         best_grid = min(grid, key=lambda c: measured[c])
         pick = result.best
-        pick_s = measured[pick] if pick in measured else \
-            next(c.measured_step_s for c in result.confirmed if c.candidate == pick)
+        pick_s = (
+            measured[pick]
+            if pick in measured
+            else next(c.measured_step_s for c in result.confirmed if c.candidate == pick)
+        )
         err = mean_abs_error(result.confirmed)
-        err_grid = float(np.mean([abs(c.candidate.predicted_step_s - measured[c.candidate]) / measured[c.candidate]
-                                  for c in result.confirmed if c.candidate in measured]))
-        print(f"tuner: profile + search + confirm {tune_s:.0f} s (search {result.search_s:.2f} s); "
-              f"transfer {result.profile.latency_s * 1e3:.2f} ms + {result.profile.bytes_per_s / 1e6:.0f} MB/s")
-        print(f"pick {pick.label}: {pick_s * 1e3:.1f} ms; grid best {best_grid.label}: "
-              f"{measured[best_grid] * 1e3:.1f} ms; pick / best = {pick_s / measured[best_grid]:.3f} (goal <= 1.05)")
-        print(f"mean |pred - meas| / meas over confirmed: {err:.3f} against the tuner's own measurement, "
-              f"{err_grid:.3f} against the grid's (goal <= 0.10)")
+        err_grid = float(
+            np.mean(
+                [
+                    abs(c.candidate.predicted_step_s - measured[c.candidate]) / measured[c.candidate]
+                    for c in result.confirmed
+                    if c.candidate in measured
+                ]
+            )
+        )
+        print(
+            f"tuner: profile + search + confirm {tune_s:.0f} s (search {result.search_s:.2f} s); "
+            f"transfer {result.profile.latency_s * 1e3:.2f} ms + {result.profile.bytes_per_s / 1e6:.0f} MB/s"
+        )
+        print(
+            f"pick {pick.label}: {pick_s * 1e3:.1f} ms; grid best {best_grid.label}: "
+            f"{measured[best_grid] * 1e3:.1f} ms; pick / best = {pick_s / measured[best_grid]:.3f} (goal <= 1.05)"
+        )
+        print(
+            f"mean |pred - meas| / meas over confirmed: {err:.3f} against the tuner's own measurement, "
+            f"{err_grid:.3f} against the grid's (goal <= 0.10)"
+        )
         print(f"defaults {default.label}: {default_s * 1e3:.1f} ms; defaults / pick = {default_s / pick_s:.3f}")
         summary.append((name, pick_s / measured[best_grid], err, err_grid, default_s / pick_s))
     print(f"\n{'model':<10} {'pick/best':>10} {'err (confirm)':>14} {'err (grid)':>11} {'defaults/pick':>14}")

@@ -6,6 +6,7 @@ one op over both cores and blur the side-by-side ratios), and the repository on 
     import cpu_setup  # noqa: I001  (first: before anything imports jax)
     REPO = cpu_setup.before_jax(devices=4)
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -28,6 +28,7 @@ c. transfer GB/s slice 0 -> slice 1 between the two workers (same host: shared m
 d. per-instruction overhead: zero-duration programs, 1f1b, m = 32, on the 2 workers; and the
    in-memory snapshot's copy of 256 MB to pinned host memory (runtime/worker/slice_store.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,18 +42,23 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_SHARE = 0.85             # of the GPU's memory for the workers, split evenly; the controller allocates on demand
-PEAK_TFLOPS = 989.0          # H200 dense bf16
+GPU_SHARE = 0.85  # of the GPU's memory for the workers, split evenly; the controller allocates on demand
+PEAK_TFLOPS = 989.0  # H200 dense bf16
 MB = 2**20
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on CPU (no GPU needed; figures mean nothing)")
-    p.add_argument("--tiny", "--quick", dest="tiny", action="store_true",
-                   help="tiny models and sizes: checks every section end to end in about a minute of compute")
+    p.add_argument(
+        "--tiny",
+        "--quick",
+        dest="tiny",
+        action="store_true",
+        help="tiny models and sizes: checks every section end to end in about a minute of compute",
+    )
     p.add_argument("--out", default="gpu_suite.json", help="where the JSON goes")
-    p.add_argument("--plain-llama", action="store_true", help=argparse.SUPPRESS)   # section b's baseline process
+    p.add_argument("--plain-llama", action="store_true", help=argparse.SUPPRESS)  # section b's baseline process
     return p.parse_args(argv)
 
 
@@ -82,6 +88,7 @@ class SharedWorkers:
         import secrets
         from mpmd.runtime.launchers.workers import worker_command, worker_env
         from mpmd.runtime.worker.main import READY
+
         token = secrets.token_hex(16)
         addresses = []
         for _ in range(n):
@@ -90,9 +97,15 @@ class SharedWorkers:
             env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{GPU_SHARE / n:.3f}"
             if env.get("JAX_PLATFORMS") != "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-            proc = subprocess.Popen(worker_command("127.0.0.1:0", root, 1, token_stdin=True), stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-            proc.stdin.write(token + "\n")      # stdin stays open: a worker whose stdin closes stops
+            proc = subprocess.Popen(
+                worker_command("127.0.0.1:0", root, 1, token_stdin=True),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+            proc.stdin.write(token + "\n")  # stdin stays open: a worker whose stdin closes stops
             proc.stdin.flush()
             self.procs.append(proc)
         for proc in self.procs:
@@ -102,13 +115,14 @@ class SharedWorkers:
                 raise RuntimeError(f"worker pid {proc.pid} did not start (printed {line!r})")
             addresses.append(line[1])
         import mpmd
+
         self.cluster = mpmd.StaticCluster(addresses, token=token, failure_timeout_s=60.0)
 
     def close(self) -> None:
         cluster = getattr(self, "cluster", None)
         if cluster is not None:
             cluster.close()
-        for proc in self.procs:         # closing its stdin stops each worker (only those started here)
+        for proc in self.procs:  # closing its stdin stops each worker (only those started here)
             proc.stdin.close()
         for proc in self.procs:
             proc.wait(timeout=30)
@@ -116,16 +130,29 @@ class SharedWorkers:
 
 # -- models and the unpipelined reference ----------------------------------------------------
 def gpt_sizes(tiny: bool) -> dict:
-    return dict(vocab_size=256, d_model=32, num_heads=2, num_layers=4, seq_len=16) if tiny else \
-        dict(vocab_size=256, d_model=512, num_heads=8, num_layers=8, seq_len=256)
+    return (
+        dict(vocab_size=256, d_model=32, num_heads=2, num_layers=4, seq_len=16)
+        if tiny
+        else dict(vocab_size=256, d_model=512, num_heads=8, num_layers=8, seq_len=256)
+    )
 
 
 def llama_sizes(tiny: bool) -> tuple[dict, int]:
     """(models.Llama's arguments, global batch) from configs/llama_1b.yaml (--tiny: shrunk)."""
     from mpmd.recipes import config
+
     m = config.load(REPO / "configs/llama_1b.yaml").model
-    sizes = dict(vocab_size=m.vocab_size, d_model=m.d_model, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                 num_layers=m.num_layers, mlp_dim=m.mlp_dim, seq_len=m.seq_len, dtype=m.dtype, remat=m.remat)
+    sizes = dict(
+        vocab_size=m.vocab_size,
+        d_model=m.d_model,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        num_layers=m.num_layers,
+        mlp_dim=m.mlp_dim,
+        seq_len=m.seq_len,
+        dtype=m.dtype,
+        remat=m.remat,
+    )
     if tiny:
         sizes.update(d_model=64, num_heads=4, num_kv_heads=2, num_layers=2, mlp_dim=128, seq_len=32)
     return sizes, (4 if tiny else 8)
@@ -133,6 +160,7 @@ def llama_sizes(tiny: bool) -> tuple[dict, int]:
 
 def batches(sizes: dict, batch: int, num: int) -> list:
     import numpy as np
+
     rng = np.random.default_rng(0)
     tokens = [rng.integers(0, sizes["vocab_size"], (batch, sizes["seq_len"] + 1)).astype(np.int32) for _ in range(num)]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
@@ -146,6 +174,7 @@ def reference(make_model, data, optimizer):
     import optax
     from flax import nnx
     from mpmd import models
+
     model = make_model()
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -162,7 +191,7 @@ def reference(make_model, data, optimizer):
     for x, y in data:
         t0 = time.perf_counter()
         params, state, loss = step(params, state, x, y)
-        losses.append(float(loss))        # waits for the step
+        losses.append(float(loss))  # waits for the step
         times.append(time.perf_counter() - t0)
     model = nnx.merge(graph, params, rest)
     leaves = [np.asarray(l) for layer in model.layers() for l in jax.tree.leaves(nnx.state(layer, nnx.Param))]
@@ -175,9 +204,15 @@ def pipelined(make_model, data, optimizer, cluster, num_stages: int, schedule: s
     import numpy as np
     import mpmd
     from mpmd import models
+
     stages = mpmd.split(make_model(), num_stages=num_stages)
-    trainer = mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer=optimizer, schedule=schedule,
-                           num_microbatches=num_microbatches, cluster=cluster)
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(stages, models.lm_loss),
+        optimizer=optimizer,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        cluster=cluster,
+    )
     try:
         losses, times = [], []
         for x, y in data:
@@ -186,12 +221,13 @@ def pipelined(make_model, data, optimizer, cluster, num_stages: int, schedule: s
             times.append(time.perf_counter() - t0)
         leaves = [np.asarray(l) for s in trainer.params() for l in jax.tree.leaves(s)]
     finally:
-        trainer.close(close_cluster=False)     # the workers serve the next case
+        trainer.close(close_cluster=False)  # the workers serve the next case
     return losses, leaves, median(times[1:])
 
 
 def median(xs):
     import statistics
+
     return statistics.median(xs) if xs else float("nan")
 
 
@@ -201,6 +237,7 @@ def equivalence(workers, tiny: bool) -> list[dict]:
     import optax
     from flax import nnx
     from mpmd import models
+
     sizes = gpt_sizes(tiny)
     make = lambda: models.GPT(**sizes, rngs=nnx.Rngs(0))
     data = batches(sizes, 8, 3)
@@ -210,9 +247,15 @@ def equivalence(workers, tiny: bool) -> list[dict]:
         losses, got, _ = pipelined(make, data, optax.adamw(1e-3), workers.cluster, 2, schedule, 4)
         loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
         param = max(float(np.max(np.abs(a - b))) for a, b in zip(got, want))
-        rows.append({"section": "a. equivalence", "case": f"GPT {schedule}, 2 slices on 1 device",
-                     "loss_max_rel_err": loss_rel, "param_max_abs_err": param,
-                     "ok": loss_rel <= 1e-4 and param <= 1e-3})
+        rows.append(
+            {
+                "section": "a. equivalence",
+                "case": f"GPT {schedule}, 2 slices on 1 device",
+                "loss_max_rel_err": loss_rel,
+                "param_max_abs_err": param,
+                "ok": loss_rel <= 1e-4 and param <= 1e-3,
+            }
+        )
     return rows
 
 
@@ -224,12 +267,14 @@ def llama_case(tiny: bool):
     """(sizes, a builder, the batches) of section b."""
     from flax import nnx
     from mpmd import models
+
     sizes, batch = llama_sizes(tiny)
     return sizes, lambda: models.Llama(**sizes, rngs=nnx.Rngs(0)), batches(sizes, batch, 3 if tiny else 6)
 
 
 def plain_llama(tiny: bool) -> None:
     import optax
+
     _, make, data = llama_case(tiny)
     print(json.dumps({"step_s": reference(make, data, optax.adamw(3e-4))[2]}))
 
@@ -238,6 +283,7 @@ def llama(root: str, tiny: bool, cpu: bool) -> list[dict]:
     import jax
     import optax
     from flax import nnx
+
     sizes, make, data = llama_case(tiny)
     batch = len(data[0][0])
     num_params = sum(l.size for l in jax.tree.leaves(nnx.state(nnx.eval_shape(make), nnx.Param)))
@@ -246,20 +292,30 @@ def llama(root: str, tiny: bool, cpu: bool) -> list[dict]:
     rows = []
 
     def row(case, step_s, ratio=None):
-        r = {"section": "b. llama", "case": case, "params": num_params, "tokens_per_s": tokens / step_s,
-             "step_s": step_s, "mfu": None if cpu else flops / step_s / (PEAK_TFLOPS * 1e12)}
+        r = {
+            "section": "b. llama",
+            "case": case,
+            "params": num_params,
+            "tokens_per_s": tokens / step_s,
+            "step_s": step_s,
+            "mfu": None if cpu else flops / step_s / (PEAK_TFLOPS * 1e12),
+        }
         if ratio is not None:
             r.update(overhead_ratio=ratio, ok=ratio <= 1.05)
         rows.append(r)
 
     # In a process of its own: JAX keeps the GPU memory it grew into until the process ends.
-    plain = subprocess.run([sys.executable, __file__, "--plain-llama", *(["--cpu"] if cpu else []),
-                            *(["--tiny"] if tiny else [])], capture_output=True, text=True, timeout=600)
+    plain = subprocess.run(
+        [sys.executable, __file__, "--plain-llama", *(["--cpu"] if cpu else []), *(["--tiny"] if tiny else [])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if plain.returncode:
         raise RuntimeError(f"the plain jit baseline failed: {plain.stderr.strip().splitlines()[-1:]}")
     plain_s = json.loads(plain.stdout.strip().splitlines()[-1])["step_s"]
     row("plain jit, one process", plain_s)
-    for num_slices in (1, 2):     # one worker at a time holds the GPU's memory: never three at once
+    for num_slices in (1, 2):  # one worker at a time holds the GPU's memory: never three at once
         workers = SharedWorkers(num_slices, root)
         try:
             m = 1 if num_slices == 1 else 4 if tiny else 8
@@ -276,11 +332,13 @@ def llama(root: str, tiny: bool, cpu: bool) -> list[dict]:
 def transfers(workers, tiny: bool, cpu: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
+
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_runtime import transfer_s   # the runtime's ping-pong, one way
+    from bench_runtime import transfer_s  # the runtime's ping-pong, one way
     import bench_transport
+
     rows = []
-    for size_mb in ((1, 4) if tiny else (16, 256)):
+    for size_mb in (1, 4) if tiny else (16, 256):
         one_way = transfer_s(workers.cluster, size_mb * MB, 3 if tiny else 10)
         x = jnp.ones((size_mb * MB // 4,), jnp.float32)
         copy = jax.jit(lambda a: a + 0)
@@ -290,17 +348,30 @@ def transfers(workers, tiny: bool, cpu: bool) -> list[dict]:
             y = copy(x)
         y.block_until_ready()
         copy_s = (time.perf_counter() - t0) / 10
-        rows.append({"section": "c. transfer", "case": f"{size_mb} MB slice 0 -> 1",
-                     "transfer_gb_per_s": size_mb * MB / one_way / 1e9, "d2d_copy_gb_per_s": size_mb * MB / copy_s / 1e9,
-                     "ratio": copy_s / one_way})
+        rows.append(
+            {
+                "section": "c. transfer",
+                "case": f"{size_mb} MB slice 0 -> 1",
+                "transfer_gb_per_s": size_mb * MB / one_way / 1e9,
+                "d2d_copy_gb_per_s": size_mb * MB / copy_s / 1e9,
+                "ratio": copy_s / one_way,
+            }
+        )
     sizes_mb = (1, 4) if tiny else bench_transport.SIZES_MB
-    by_path = {path: bench_transport.one_way_by_size(path, "cpu" if cpu else "cuda", sizes_mb)
-               for path in ("shm+pinned", "shm+pageable", "socket")}
+    by_path = {
+        path: bench_transport.one_way_by_size(path, "cpu" if cpu else "cuda", sizes_mb)
+        for path in ("shm+pinned", "shm+pageable", "socket")
+    }
     for size_mb in sizes_mb:
         pinned_s = by_path["shm+pinned"][size_mb]
-        rows.append({"section": "c. transfer", "case": f"{size_mb} MB ping-pong, by path",
-                     **{f"{path}_gb_per_s": size_mb * MB / s[size_mb] / 1e9 for path, s in by_path.items()},
-                     "pageable_over_pinned_time": by_path["shm+pageable"][size_mb] / pinned_s})
+        rows.append(
+            {
+                "section": "c. transfer",
+                "case": f"{size_mb} MB ping-pong, by path",
+                **{f"{path}_gb_per_s": size_mb * MB / s[size_mb] / 1e9 for path, s in by_path.items()},
+                "pageable_over_pinned_time": by_path["shm+pageable"][size_mb] / pinned_s,
+            }
+        )
     return rows
 
 
@@ -309,16 +380,24 @@ def overhead(workers, tiny: bool) -> list[dict]:
     import jax.numpy as jnp
     from mpmd.lowering.dryrun import dry_run
     from mpmd.schedules import core as schedules
+
     m = 8 if tiny else 32
-    result = dry_run(schedules.make("1f1b", 2, m), {"F": 0.0, "B": 0.0, "W": 0.0}, 4 * 2**10, workers.cluster,
-                     steps=3, trace=True)
+    result = dry_run(
+        schedules.make("1f1b", 2, m), {"F": 0.0, "B": 0.0, "W": 0.0}, 4 * 2**10, workers.cluster, steps=3, trace=True
+    )
     per_instr = []
     for step_walls, step_events in zip(result.slice_wall_s, result.events):
         for r, wall in enumerate(step_walls):
             wait = sum(e.end_ns - e.start_ns for e in step_events[r] if e.kind == "recv") / 1e9
             per_instr.append((wall - wait) / len(result.streams[r]))
-    rows = [{"section": "d. overhead", "case": f"per instruction, 1f1b, 2 slices, m={m}",
-             "us_per_instruction": median(per_instr) * 1e6, "ok": median(per_instr) <= 100e-6}]
+    rows = [
+        {
+            "section": "d. overhead",
+            "case": f"per instruction, 1f1b, 2 slices, m={m}",
+            "us_per_instruction": median(per_instr) * 1e6,
+            "ok": median(per_instr) <= 100e-6,
+        }
+    ]
     size = (4 if tiny else 256) * MB
     x = jnp.ones((size // 4,), jnp.float32)
     try:
@@ -327,11 +406,22 @@ def overhead(workers, tiny: bool) -> list[dict]:
         t0 = time.perf_counter()
         jax.device_put(x, host).block_until_ready()
         snapshot_s = time.perf_counter() - t0
-        rows.append({"section": "d. overhead", "case": f"snapshot {size // MB} MB to pinned host",
-                     "snapshot_s": snapshot_s, "gb_per_s": size / snapshot_s / 1e9})
-    except Exception as e:     # a platform without pinned host memory
-        rows.append({"section": "d. overhead", "case": f"snapshot {size // MB} MB to pinned host",
-                     "error": f"{type(e).__name__}: {e}"[:200]})
+        rows.append(
+            {
+                "section": "d. overhead",
+                "case": f"snapshot {size // MB} MB to pinned host",
+                "snapshot_s": snapshot_s,
+                "gb_per_s": size / snapshot_s / 1e9,
+            }
+        )
+    except Exception as e:  # a platform without pinned host memory
+        rows.append(
+            {
+                "section": "d. overhead",
+                "case": f"snapshot {size // MB} MB to pinned host",
+                "error": f"{type(e).__name__}: {e}"[:200],
+            }
+        )
     return rows
 
 
@@ -339,7 +429,7 @@ def run_section(name: str, fn, rows: list) -> None:
     t0 = time.perf_counter()
     try:
         got = fn()
-    except Exception as e:     # one broken section must not cost the GPU run the others
+    except Exception as e:  # one broken section must not cost the GPU run the others
         traceback.print_exc()  # the whole of it on stderr; the row keeps the gist
         got = [{"section": name, "case": "(failed)", "error": f"{type(e).__name__}: {e}"[:400]}]
     for r in got:
@@ -350,8 +440,9 @@ def run_section(name: str, fn, rows: list) -> None:
 
 def print_rows(rows: list) -> None:
     for r in rows:
-        figures = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                            for k, v in r.items() if k not in ("section", "case"))
+        figures = ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if k not in ("section", "case")
+        )
         print(f"{r['section']:<16} {r['case']:<44} {figures}", flush=True)
 
 
@@ -363,10 +454,16 @@ def main(argv=None) -> int:
         return 0
     import jax
     from mpmd.runtime import compat
+
     started = time.time()
-    header = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "platform": jax.devices()[0].platform,
-              "device": jax.devices()[0].device_kind, "python": sys.version.split()[0], **compat.versions(),
-              "tiny": args.tiny}
+    header = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "platform": jax.devices()[0].platform,
+        "device": jax.devices()[0].device_kind,
+        "python": sys.version.split()[0],
+        **compat.versions(),
+        "tiny": args.tiny,
+    }
     print(" ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     rows: list = []
     with tempfile.TemporaryDirectory() as root:

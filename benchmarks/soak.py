@@ -24,6 +24,7 @@ in place, steps logged twice (replayed), goodput (the uninterrupted run's wall t
 faulted one's, restarts and compilation included), and every step whose loss differs.
 Exit status 0 when all N losses match and every controller ended as its fault says.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,29 +40,42 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))    # tests.support, as when run from the repository root
+sys.path.insert(0, str(REPO))  # tests.support, as when run from the repository root
 
 from mpmd.recipes import run_log  # noqa: E402
 from mpmd.runtime.worker.slice_store import CheckpointStore  # noqa: E402
 from tests.support.processes import children, wait_gone  # noqa: E402
+
 KINDS = ("worker-kill", "worker-term", "controller-kill", "controller-term", "corrupt", "full-disk")
 EVERY = 10
 # What each controller end is after a fault: the exit status it must have.
-EXPECTED_RC = {"controller-kill": -signal.SIGKILL, "corrupt": -signal.SIGKILL, "controller-term": 143,
-               "full-disk": 1}
+EXPECTED_RC = {"controller-kill": -signal.SIGKILL, "corrupt": -signal.SIGKILL, "controller-term": 143, "full-disk": 1}
 
 
 def overrides(steps: int, run_dir: Path) -> list[str]:
-    return [f"train.steps={steps}", "train.eval_every=0", "train.sample_tokens=0", f"checkpoint.every={EVERY}",
-            "log.progress=lines", "log.every=1", "log.trace_steps=[]", "log.tensorboard=false",
-            f"run_dir={run_dir}"]
+    return [
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        f"checkpoint.every={EVERY}",
+        "log.progress=lines",
+        "log.every=1",
+        "log.trace_steps=[]",
+        "log.tensorboard=false",
+        f"run_dir={run_dir}",
+    ]
 
 
 def start(steps: int, run_dir: Path, log: Path) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with open(log, "a") as out:
-        return subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "train", "configs/gpt_tiny.yaml",
-                                 *overrides(steps, run_dir)], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, "-m", "mpmd.recipes.cli", "train", "configs/gpt_tiny.yaml", *overrides(steps, run_dir)],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -100,8 +114,9 @@ class Disk:
     def __init__(self, path: Path, size_mb: int):
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True, text=True
+        )
         self.mounted = r.returncode == 0
         self.why = r.stderr.strip()
         self.filler = path / "filler"
@@ -111,7 +126,7 @@ class Disk:
             try:
                 while True:
                     f.write(b"\0" * (1 << 20))
-            except OSError:       # ENOSPC: full
+            except OSError:  # ENOSPC: full
                 pass
 
     def free(self) -> None:
@@ -141,7 +156,7 @@ def plan(seed: int, steps: int, mean_gap: float, kinds: tuple[str, ...]) -> list
 def faulted_run(steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, str]], disk: Disk, rng) -> dict:
     pending = collections.deque(faults)
     injected: collections.Counter = collections.Counter()
-    ends: list[tuple[str | None, int]] = []       # (the fault that ended a controller, its exit status)
+    ends: list[tuple[str | None, int]] = []  # (the fault that ended a controller, its exit status)
     problems: list[str] = []
     segment = 0
     while True:
@@ -187,16 +202,22 @@ def faulted_run(steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, s
             break
         want = EXPECTED_RC.get(ended_by)
         if want is None or rc != want:
-            problems.append(f"controller {segment} ended with exit status {rc} after {ended_by or 'no fault'} "
-                            f"(see {log})")
+            problems.append(
+                f"controller {segment} ended with exit status {rc} after {ended_by or 'no fault'} (see {log})"
+            )
             if ended_by is None:
                 break
     texts = [p.read_text() for p in sorted(logs.glob("controller_*.log"))]
     step_lines = sum(1 for t in texts for line in t.splitlines() if line.startswith("step "))
-    return {"injected": injected, "ends": ends, "problems": problems, "restarts": segment - 1,
-            "recoveries": sum(t.count("recovered:") for t in texts),
-            "damaged_found": sum(t.count("damaged") > 0 for t in texts),
-            "logged_step_lines": step_lines}
+    return {
+        "injected": injected,
+        "ends": ends,
+        "problems": problems,
+        "restarts": segment - 1,
+        "recoveries": sum(t.count("recovered:") for t in texts),
+        "damaged_found": sum(t.count("damaged") > 0 for t in texts),
+        "logged_step_lines": step_lines,
+    }
 
 
 def main() -> int:
@@ -205,8 +226,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mean-gap", type=float, default=50.0, help="mean steps between faults")
     p.add_argument("--disk-mb", type=int, default=96, help="size of the faulted run's tmpfs")
-    p.add_argument("--keep", type=Path, default=None,
-                   help="where both runs' records go (default: a new temporary directory)")
+    p.add_argument(
+        "--keep", type=Path, default=None, help="where both runs' records go (default: a new temporary directory)"
+    )
     args = p.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="mpmd-soak-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -235,19 +257,29 @@ def main() -> int:
     finally:
         if disk.mounted and (disk.path / "run").exists():
             # The faulted run's records (not its checkpoints) onto the real disk before the tmpfs goes.
-            shutil.copytree(disk.path / "run", work / "faulted_run", dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("checkpoints"))
+            shutil.copytree(
+                disk.path / "run",
+                work / "faulted_run",
+                dirs_exist_ok=True,
+                ignore=shutil.ignore_patterns("checkpoints"),
+            )
         disk.close()
     injected = got["injected"]
-    print(f"\nsteps {args.steps}, seed {args.seed}, faults injected {sum(injected.values())}: "
-          + ", ".join(f"{k} {injected[k]}" for k in kinds))
-    print(f"controller restarts {got['restarts']}, recoveries in place {got['recoveries']}, "
-          f"damaged checkpoints found on resume {got['damaged_found']}, "
-          f"steps logged twice (replayed) {got['logged_step_lines'] - args.steps}")
+    print(
+        f"\nsteps {args.steps}, seed {args.seed}, faults injected {sum(injected.values())}: "
+        + ", ".join(f"{k} {injected[k]}" for k in kinds)
+    )
+    print(
+        f"controller restarts {got['restarts']}, recoveries in place {got['recoveries']}, "
+        f"damaged checkpoints found on resume {got['damaged_found']}, "
+        f"steps logged twice (replayed) {got['logged_step_lines'] - args.steps}"
+    )
     print(f"wall: uninterrupted {ref_s:.0f} s, faulted {faulted_s:.0f} s, goodput {ref_s / faulted_s:.2f}")
-    print(f"losses: {args.steps - len(mismatch)}/{args.steps} bitwise equal to the uninterrupted run"
-          + (f"; differ at steps {mismatch[:20]}" if mismatch else "")
-          + ("" if order_ok else "; metrics.jsonl does not hold each step exactly once"))
+    print(
+        f"losses: {args.steps - len(mismatch)}/{args.steps} bitwise equal to the uninterrupted run"
+        + (f"; differ at steps {mismatch[:20]}" if mismatch else "")
+        + ("" if order_ok else "; metrics.jsonl does not hold each step exactly once")
+    )
     for problem in got["problems"]:
         print(f"problem: {problem}")
     print(f"logs: {work}")

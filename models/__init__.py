@@ -9,6 +9,16 @@ from mpmd.models.llama import Llama
 from mpmd.models.mlp import MLP, Hidden, mse_loss
 
 __all__ = [
-    "GPT", "Embed", "Block", "CausalSelfAttention", "FeedForward", "Head", "lm_loss", "masked_lm_loss",
-    "Llama", "MLP", "Hidden", "mse_loss",
+    "GPT",
+    "Embed",
+    "Block",
+    "CausalSelfAttention",
+    "FeedForward",
+    "Head",
+    "lm_loss",
+    "masked_lm_loss",
+    "Llama",
+    "MLP",
+    "Hidden",
+    "mse_loss",
 ]

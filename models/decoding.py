@@ -48,9 +48,11 @@ class Decoder:
     def __init__(self, model: nnx.Module):
         for name in ("decode", "empty_cache", "seq_len"):
             if not hasattr(model, name):
-                raise ValueError(f"{type(model).__name__} cannot generate: it has no `{name}` "
-                                 f"(the decoder LMs of mpmd.models have decode, empty_cache and seq_len)")
-        model.eval()    # no dropout
+                raise ValueError(
+                    f"{type(model).__name__} cannot generate: it has no `{name}` "
+                    f"(the decoder LMs of mpmd.models have decode, empty_cache and seq_len)"
+                )
+        model.eval()  # no dropout
         self.seq_len = model.seq_len
         graphdef, state = nnx.split(model)
         # The state as a flat list of arrays: flattening an nnx.State on every call (Python)
@@ -67,7 +69,7 @@ class Decoder:
 
     def _padded(self, window: list[int]) -> np.ndarray:
         tokens = np.zeros((1, self.seq_len), np.int32)
-        tokens[0, :len(window)] = window
+        tokens[0, : len(window)] = window
         return tokens
 
     def prefill(self, window: list[int]):

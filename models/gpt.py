@@ -34,24 +34,39 @@ def axes(init, *names: str | None):
     return nnx.with_partitioning(init, names, eager_sharding=False)
 
 
-def _linear(d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, dtype=None,
-            rngs: nnx.Rngs):
+def _linear(
+    d_in: int, d_out: int, names: tuple, *, use_bias: bool = True, kernel_init=None, dtype=None, rngs: nnx.Rngs
+):
     """nnx.Linear whose kernel has logical axes `names` (in, out) and bias `names[1]`; float32
     parameters, computed in `dtype` (None: the input's)."""
     kernel_init = kernel_init or nnx.nn.linear.default_kernel_init
-    return nnx.Linear(d_in, d_out, use_bias=use_bias, kernel_init=axes(kernel_init, *names),
-                      bias_init=axes(nnx.initializers.zeros_init(), names[1]), dtype=dtype, rngs=rngs)
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=use_bias,
+        kernel_init=axes(kernel_init, *names),
+        bias_init=axes(nnx.initializers.zeros_init(), names[1]),
+        dtype=dtype,
+        rngs=rngs,
+    )
 
 
 def _layer_norm(d_model: int, *, rngs: nnx.Rngs):
-    return nnx.LayerNorm(d_model, scale_init=axes(nnx.initializers.ones_init(), "embed"),
-                         bias_init=axes(nnx.initializers.zeros_init(), "embed"), rngs=rngs)
+    return nnx.LayerNorm(
+        d_model,
+        scale_init=axes(nnx.initializers.ones_init(), "embed"),
+        bias_init=axes(nnx.initializers.zeros_init(), "embed"),
+        rngs=rngs,
+    )
 
 
 def _require_positive(**sizes: int) -> None:
     """Raises ValueError naming every argument that is not a positive int."""
-    bad = [f"{name}={value!r}" for name, value in sizes.items()
-           if not isinstance(value, int) or isinstance(value, bool) or value <= 0]
+    bad = [
+        f"{name}={value!r}"
+        for name, value in sizes.items()
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0
+    ]
     if bad:
         raise ValueError(f"sizes must be positive integers, got {', '.join(bad)}")
 
@@ -60,13 +75,11 @@ class Embed(nnx.Module):
     """int32 tokens [B, T] -> token embedding + learned position embedding, float32 [B, T, D];
     `positions` int [B, T] (each < seq_len) replaces positions 0..T-1 (packed documents)."""
 
-    def __init__(self, vocab_size: int, d_model: int, seq_len: int, drop: nnx.Dropout | None = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, d_model: int, seq_len: int, drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
         self.seq_len = seq_len
         self.token = nnx.Embed(vocab_size, d_model, embedding_init=axes(_EMBED_INIT, "vocab", "embed"), rngs=rngs)
-        self.position = nnx.Embed(seq_len, d_model, embedding_init=axes(_EMBED_INIT, "positions", "embed"),
-                                  rngs=rngs)
+        self.position = nnx.Embed(seq_len, d_model, embedding_init=axes(_EMBED_INIT, "positions", "embed"), rngs=rngs)
         self.drop = drop
 
     def __call__(self, tokens: jax.Array, *, positions: jax.Array | None = None) -> jax.Array:
@@ -75,8 +88,7 @@ class Embed(nnx.Module):
         num_steps = tokens.shape[1]
         # Shapes are static under jit, so this check costs nothing at run time.
         if num_steps > self.seq_len:
-            raise ValueError(
-                f"sequence length {num_steps} exceeds the model's seq_len={self.seq_len}")
+            raise ValueError(f"sequence length {num_steps} exceeds the model's seq_len={self.seq_len}")
         if positions is not None:
             _check_per_token("positions", positions, tokens.shape)
             return _dropped(self.drop, self.token(tokens) + self.position(positions))
@@ -107,8 +119,10 @@ def _dropped(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
 def _check_per_token(name: str, ids: jax.Array, shape: tuple) -> None:
     """ValueError unless `ids` is an int array of `shape` ([batch, time]: one id per token)."""
     if tuple(ids.shape) != tuple(shape) or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"{name} must be integers of shape [batch, time] = {tuple(shape)}, one per token; "
-                         f"got {ids.dtype} {tuple(ids.shape)}")
+        raise ValueError(
+            f"{name} must be integers of shape [batch, time] = {tuple(shape)}, one per token; "
+            f"got {ids.dtype} {tuple(ids.shape)}"
+        )
 
 
 def attention_mask(batch: int, num_steps: int, segment_ids: jax.Array | None) -> jax.Array:
@@ -128,8 +142,7 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, num_heads=num_heads)
         if d_model % num_heads:
-            raise ValueError(
-                f"d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         # One fused projection for q, k and v: a single [D, 3D] matmul instead of three.
         # No bias: a key bias adds q.b to every logit of a row, which softmax cancels, so its
@@ -146,7 +159,7 @@ class CausalSelfAttention(nnx.Module):
         # Scores [B, H, Tq, Tk], scaled by 1/sqrt(Dh) so their variance does not grow with Dh.
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(head_dim).astype(x.dtype)
         mask = attention_mask(batch, num_steps, segment_ids)
-        mask = mask if segment_ids is None else mask[:, None]      # [B, 1, Tq, Tk]: every head
+        mask = mask if segment_ids is None else mask[:, None]  # [B, 1, Tq, Tk]: every head
         # Every row keeps at least its diagonal, so the softmax never sees an all-masked row;
         # the finite minimum (not -inf) keeps gradients free of NaN regardless.
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
@@ -183,8 +196,9 @@ class Block(nnx.Module):
     """Pre-LN transformer block: x + attn(LN(x)), then x + mlp(LN(x)). [B, T, D] -> [B, T, D].
     `drop`: residual dropout on the attention's and the MLP's outputs (one stream, two draws)."""
 
-    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int = 4, drop: nnx.Dropout | None = None, *,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, num_heads: int, mlp_ratio: int = 4, drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs
+    ):
         self.ln_attn = _layer_norm(d_model, rngs=rngs)
         self.attn = CausalSelfAttention(d_model, num_heads, rngs=rngs)
         self.ln_mlp = _layer_norm(d_model, rngs=rngs)
@@ -210,8 +224,9 @@ class Head(nnx.Module):
         self.ln = _layer_norm(d_model, rngs=rngs)
         # Small init (GPT-2's 0.02): unit-scale initial logits would start the loss well above
         # ln(vocab_size) and spend the first steps only shrinking them.
-        self.lm_head = _linear(d_model, vocab_size, ("embed", "vocab"), kernel_init=nnx.initializers.normal(0.02),
-                               rngs=rngs)
+        self.lm_head = _linear(
+            d_model, vocab_size, ("embed", "vocab"), kernel_init=nnx.initializers.normal(0.02), rngs=rngs
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.lm_head(self.ln(x))
@@ -227,19 +242,38 @@ class GPT(nnx.Module):
     model in tests/support/marked_models.py does.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int,
-                 seq_len: int, mlp_ratio: int = 4, dropout_rate: float = 0.0, dropout_seed: int = 0, *,
-                 rngs: nnx.Rngs):
-        _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
-                          num_layers=num_layers, seq_len=seq_len, mlp_ratio=mlp_ratio)
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        seq_len: int,
+        mlp_ratio: int = 4,
+        dropout_rate: float = 0.0,
+        dropout_seed: int = 0,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        _require_positive(
+            vocab_size=vocab_size,
+            d_model=d_model,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            seq_len=seq_len,
+            mlp_ratio=mlp_ratio,
+        )
         if d_model % num_heads:
-            raise ValueError(
-                f"d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         self.embed = Embed(vocab_size, d_model, seq_len, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
         # flax 0.12 rejects plain Python lists of modules as attributes; nnx.List registers
         # the blocks as graph children so nnx.state / nnx.split see their params.
-        self.blocks = nnx.List([Block(d_model, num_heads, mlp_ratio, dropout(dropout_rate, dropout_seed, i + 1),
-                                      rngs=rngs) for i in range(num_layers)])
+        self.blocks = nnx.List(
+            [
+                Block(d_model, num_heads, mlp_ratio, dropout(dropout_rate, dropout_seed, i + 1), rngs=rngs)
+                for i in range(num_layers)
+            ]
+        )
         self.head = Head(d_model, vocab_size, rngs=rngs)
         self.seq_len = seq_len
 
@@ -251,8 +285,9 @@ class GPT(nnx.Module):
         """The model's own submodules in application order: [Embed, Block_0.., Head]."""
         return [self.embed, *self.blocks, self.head]
 
-    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         """Logits [B, T, V]; `segment_ids`/`positions` [B, T] for packed rows (module doc)."""
         x = self.embed(tokens, positions=positions)
         for block in self.blocks:
@@ -281,8 +316,7 @@ def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     that should follow position t).
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
+        raise ValueError(f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis")
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -294,8 +328,10 @@ def masked_lm_loss(logits: jax.Array, batch: dict) -> tuple[jax.Array, jax.Array
     row it sits in, and padding (mask 0) weighs nothing."""
     targets, mask = batch["targets"], batch["loss_mask"].astype(jnp.float32)
     if logits.shape[:-1] != targets.shape or mask.shape != targets.shape:
-        raise ValueError(f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis, and "
-                         f"loss_mask {mask.shape} the targets' shape")
+        raise ValueError(
+            f"logits {logits.shape} must be targets {targets.shape} plus a vocab axis, and "
+            f"loss_mask {mask.shape} the targets' shape"
+        )
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(nll * mask), jnp.sum(mask)

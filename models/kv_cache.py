@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 
 class LayerCache(NamedTuple):
-    keys: jax.Array      # [B, S, KV, Dh], in the layer's compute dtype
-    values: jax.Array    # [B, S, KV, Dh]
+    keys: jax.Array  # [B, S, KV, Dh], in the layer's compute dtype
+    values: jax.Array  # [B, S, KV, Dh]
 
 
 def empty(batch: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype) -> LayerCache:
@@ -48,7 +48,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, start) -
     num_slots = keys.shape[1]
     q = q.reshape(batch, num_new, num_kv, group, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, keys, preferred_element_type=jnp.float32) / jnp.sqrt(
-        jnp.float32(head_dim))
+        jnp.float32(head_dim)
+    )
     # Query t sits at position start + t and sees slots 0 .. start + t: [Tq, S].
     visible = jnp.arange(num_slots)[None, :] <= (start + jnp.arange(num_new))[:, None]
     scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)

@@ -44,8 +44,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mpmd.models import kv_cache
-from mpmd.models.gpt import (_EMBED_INIT, _check_per_token, _dropped, _linear, _require_positive, attention_mask,
-                             axes, dropout)
+from mpmd.models.gpt import (
+    _EMBED_INIT,
+    _check_per_token,
+    _dropped,
+    _linear,
+    _require_positive,
+    attention_mask,
+    axes,
+    dropout,
+)
 
 DTYPES = ("float32", "bfloat16")
 # What a block's vjp keeps under each `remat` (None: no jax.checkpoint at all).
@@ -65,8 +73,9 @@ def _compute_dtype(dtype) -> jnp.dtype:
 
 def _rms_norm(d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs):
     # flax computes the mean square in float32 whatever the input dtype.
-    return nnx.RMSNorm(d_model, epsilon=epsilon, dtype=dtype,
-                       scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs)
+    return nnx.RMSNorm(
+        d_model, epsilon=epsilon, dtype=dtype, scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs
+    )
 
 
 def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
@@ -78,13 +87,13 @@ def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> ja
     8 bits of mantissa, too few for t * freq at positions in the thousands.
     """
     num_steps, head_dim = x.shape[1], x.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)     # [Dh/2]
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [Dh/2]
     if positions is None:
-        angles = jnp.arange(num_steps, dtype=jnp.float32)[:, None] * inv_freq[None, :]    # [T, Dh/2]
+        angles = jnp.arange(num_steps, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
         cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
     else:
         _check_per_token("positions", positions, x.shape[:2])
-        angles = positions.astype(jnp.float32)[..., None] * inv_freq                     # [B, T, Dh/2]
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
         cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -94,12 +103,25 @@ class Embed(nnx.Module):
     """int32 tokens [B, T] -> token embedding [B, T, D] in the compute dtype (no positions:
     they enter as rotations inside attention)."""
 
-    def __init__(self, vocab_size: int, d_model: int, seq_len: int, dtype="float32",
-                 drop: nnx.Dropout | None = None, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        seq_len: int,
+        dtype="float32",
+        drop: nnx.Dropout | None = None,
+        *,
+        rngs: nnx.Rngs,
+    ):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
         self.seq_len = seq_len
-        self.token = nnx.Embed(vocab_size, d_model, dtype=_compute_dtype(dtype),
-                               embedding_init=axes(_EMBED_INIT, "vocab", "embed"), rngs=rngs)
+        self.token = nnx.Embed(
+            vocab_size,
+            d_model,
+            dtype=_compute_dtype(dtype),
+            embedding_init=axes(_EMBED_INIT, "vocab", "embed"),
+            rngs=rngs,
+        )
         self.drop = drop
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -115,12 +137,22 @@ class Attention(nnx.Module):
     groups of num_heads // num_kv_heads sharing one key/value head. `segment_ids` and
     `positions` [B, T]: packed rows (module doc)."""
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, rope_theta: float = 10_000.0,
-                 dtype="float32", *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rope_theta: float = 10_000.0,
+        dtype="float32",
+        *,
+        rngs: nnx.Rngs,
+    ):
         _require_positive(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
         if d_model % num_heads or (d_model // num_heads) % 2:
-            raise ValueError(f"d_model={d_model} must be num_heads={num_heads} x an even head size "
-                             f"(rotary embeddings rotate pairs of dimensions)")
+            raise ValueError(
+                f"d_model={d_model} must be num_heads={num_heads} x an even head size "
+                f"(rotary embeddings rotate pairs of dimensions)"
+            )
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
         self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
@@ -130,11 +162,11 @@ class Attention(nnx.Module):
         self.q = proj(num_heads * head_dim, ("embed", "heads"))
         self.k = proj(num_kv_heads * head_dim, ("embed", "kv"))
         self.v = proj(num_kv_heads * head_dim, ("embed", "kv"))
-        self.out = _linear(num_heads * head_dim, d_model, ("heads", "embed"), use_bias=False, dtype=dtype,
-                           rngs=rngs)
+        self.out = _linear(num_heads * head_dim, d_model, ("heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         batch, num_steps, d_model = x.shape
         kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
         head_dim = d_model // self.num_heads
@@ -146,7 +178,7 @@ class Attention(nnx.Module):
         # Scores [B, KV, G, Tq, Tk] in float32, scaled by 1/sqrt(Dh) (variance independent of Dh).
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
         mask = attention_mask(batch, num_steps, segment_ids)
-        mask = mask if segment_ids is None else mask[:, None, None]    # [B, 1, 1, Tq, Tk]: every head
+        mask = mask if segment_ids is None else mask[:, None, None]  # [B, 1, 1, Tq, Tk]: every head
         # Every row keeps its diagonal; a finite minimum (not -inf) keeps gradients NaN-free.
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
@@ -189,9 +221,20 @@ class Block(nnx.Module):
     rematerialised in the backward pass as `remat` says (REMAT_POLICIES). `drop`: residual
     dropout on the attention's and the MLP's outputs (a recompute redraws the same masks)."""
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, mlp_dim: int,
-                 rope_theta: float = 10_000.0, dtype="float32", remat: str = "none",
-                 drop: nnx.Dropout | None = None, norm_eps: float = 1e-5, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        mlp_dim: int,
+        rope_theta: float = 10_000.0,
+        dtype="float32",
+        remat: str = "none",
+        drop: nnx.Dropout | None = None,
+        norm_eps: float = 1e-5,
+        *,
+        rngs: nnx.Rngs,
+    ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
@@ -201,13 +244,15 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
         self.drop = drop
 
-    def forward(self, x: jax.Array, segment_ids: jax.Array | None = None,
-                positions: jax.Array | None = None) -> jax.Array:
+    def forward(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         x = x + _dropped(self.drop, self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions))
         return x + _dropped(self.drop, self.mlp(self.mlp_norm(x)))
 
-    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         if self.remat == "none":
             return self.forward(x, segment_ids, positions)
         return nnx.remat(Block.forward, policy=REMAT_POLICIES[self.remat])(self, x, segment_ids, positions)
@@ -224,17 +269,35 @@ class Head(nnx.Module):
     """Final RMSNorm + LM head: [B, T, D] -> float32 logits [B, T, vocab_size]. `tied`: the
     token Embed whose table (transposed) is the head's weight, instead of a weight of its own."""
 
-    def __init__(self, d_model: int, vocab_size: int, dtype="float32", tied: Embed | None = None,
-                 norm_eps: float = 1e-5, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        vocab_size: int,
+        dtype="float32",
+        tied: Embed | None = None,
+        norm_eps: float = 1e-5,
+        *,
+        rngs: nnx.Rngs,
+    ):
         _require_positive(d_model=d_model, vocab_size=vocab_size)
         self.dtype = _compute_dtype(dtype)
         self.norm = _rms_norm(d_model, self.dtype, norm_eps, rngs=rngs)
         # A shared nnx.Param: nnx.state lists it once, with the embedding.
         self.table = tied.token.embedding if tied is not None else None
         # Small init (0.02): unit-scale initial logits start the loss above ln(vocab_size).
-        self.lm_head = None if tied is not None else _linear(
-            d_model, vocab_size, ("embed", "vocab"), use_bias=False, dtype=self.dtype,
-            kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.lm_head = (
+            None
+            if tied is not None
+            else _linear(
+                d_model,
+                vocab_size,
+                ("embed", "vocab"),
+                use_bias=False,
+                dtype=self.dtype,
+                kernel_init=nnx.initializers.normal(0.02),
+                rngs=rngs,
+            )
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.norm(x)
@@ -252,22 +315,54 @@ class Llama(nnx.Module):
     `stage_ends` (0 = the embedding; see the module doc); a tied model needs them to be split.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, seq_len: int,
-                 num_kv_heads: int | None = None, mlp_dim: int | None = None, rope_theta: float = 10_000.0,
-                 tie_embeddings: bool = False, dtype="float32", remat: str = "none",
-                 stage_ends=(), mark=None, dropout_rate: float = 0.0, dropout_seed: int = 0, norm_eps: float = 1e-5,
-                 *, rngs: nnx.Rngs):
-        _require_positive(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads,
-                          num_layers=num_layers, seq_len=seq_len)
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        seq_len: int,
+        num_kv_heads: int | None = None,
+        mlp_dim: int | None = None,
+        rope_theta: float = 10_000.0,
+        tie_embeddings: bool = False,
+        dtype="float32",
+        remat: str = "none",
+        stage_ends=(),
+        mark=None,
+        dropout_rate: float = 0.0,
+        dropout_seed: int = 0,
+        norm_eps: float = 1e-5,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        _require_positive(
+            vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, num_layers=num_layers, seq_len=seq_len
+        )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         mlp_dim = mlp_dim if mlp_dim is not None else math.ceil(8 * d_model / 3 / 64) * 64
         self.embed = Embed(vocab_size, d_model, seq_len, dtype, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
         # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
-        self.blocks = nnx.List([Block(d_model, num_heads, num_kv_heads, mlp_dim, rope_theta, dtype, remat,
-                                      dropout(dropout_rate, dropout_seed, i + 1), norm_eps, rngs=rngs)
-                                for i in range(num_layers)])
-        self.head = Head(d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, norm_eps=norm_eps,
-                         rngs=rngs)
+        self.blocks = nnx.List(
+            [
+                Block(
+                    d_model,
+                    num_heads,
+                    num_kv_heads,
+                    mlp_dim,
+                    rope_theta,
+                    dtype,
+                    remat,
+                    dropout(dropout_rate, dropout_seed, i + 1),
+                    norm_eps,
+                    rngs=rngs,
+                )
+                for i in range(num_layers)
+            ]
+        )
+        self.head = Head(
+            d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, norm_eps=norm_eps, rngs=rngs
+        )
         self.seq_len, self.tie_embeddings = seq_len, tie_embeddings
         self.cut_after(stage_ends, mark)
 
@@ -277,8 +372,9 @@ class Llama(nnx.Module):
         num_blocks = len(self.blocks)
         stage_ends = tuple(stage_ends)
         if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= num_blocks for i in stage_ends):
-            raise ValueError(f"stage_ends must be layer indices in 0..{num_blocks} (a stage ends after "
-                             f"that layer), got {stage_ends}")
+            raise ValueError(
+                f"stage_ends must be layer indices in 0..{num_blocks} (a stage ends after that layer), got {stage_ends}"
+            )
         if stage_ends and not callable(mark):
             raise ValueError(f"stage_ends needs a callable mark (e.g. mpmd.stage_boundary), got {mark!r}")
         self.stage_ends, self.mark = tuple(sorted(set(stage_ends))), mark
@@ -294,14 +390,17 @@ class Llama(nnx.Module):
     def layers(self) -> list[nnx.Module]:
         """The layers to cut into stages by position (mpmd.split with num_stages)."""
         if self.tie_embeddings:
-            raise ValueError("a Llama with tie_embeddings=True cannot be cut by layers(): its Embed and "
-                             "Head share the token table, and stages made of layers share no parameters "
-                             "(the two copies would train apart). Cut it at marks instead: "
-                             "Llama(..., stage_ends=(...), mark=mpmd.stage_boundary)")
+            raise ValueError(
+                "a Llama with tie_embeddings=True cannot be cut by layers(): its Embed and "
+                "Head share the token table, and stages made of layers share no parameters "
+                "(the two copies would train apart). Cut it at marks instead: "
+                "Llama(..., stage_ends=(...), mark=mpmd.stage_boundary)"
+            )
         return self.all_layers()
 
-    def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
-                 positions: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         """float32 logits [B, T, V]; `segment_ids`/`positions` [B, T] for packed rows (module doc)."""
         x = tokens
         for i, layer in enumerate(self.all_layers()):

@@ -25,14 +25,13 @@ class Hidden(nnx.Module):
 class MLP(nnx.Module):
     """num_layers GELU hidden layers of width hidden_features, then a linear output layer."""
 
-    def __init__(self, in_features: int, hidden_features: int, num_layers: int,
-                 out_features: int, *, rngs: nnx.Rngs):
-        _require_positive(in_features=in_features, hidden_features=hidden_features,
-                          num_layers=num_layers, out_features=out_features)
+    def __init__(self, in_features: int, hidden_features: int, num_layers: int, out_features: int, *, rngs: nnx.Rngs):
+        _require_positive(
+            in_features=in_features, hidden_features=hidden_features, num_layers=num_layers, out_features=out_features
+        )
         widths = [in_features] + [hidden_features] * num_layers
         # nnx.List, not a plain list: flax 0.12 only tracks params of modules held this way.
-        self.hidden = nnx.List(
-            [Hidden(n_in, n_out, rngs=rngs) for n_in, n_out in zip(widths[:-1], widths[1:])])
+        self.hidden = nnx.List([Hidden(n_in, n_out, rngs=rngs) for n_in, n_out in zip(widths[:-1], widths[1:])])
         # No activation on the output: a regressor must be able to produce any real value.
         self.output = _linear(hidden_features, out_features, ("embed", None), rngs=rngs)
         self.in_features = in_features

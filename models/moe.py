@@ -43,6 +43,7 @@ changes): per expert, assignments routed to it and assignments dropped, int32 co
 over every training forward and wrapping modulo 2^32 (differences between two reads are exact
 while one interval routes under 2^32 assignments). Evaluation (`.eval()`) leaves them.
 """
+
 from __future__ import annotations
 
 import math
@@ -88,15 +89,15 @@ def route(logits: jax.Array, top_k: int, router: str, renormalize: bool):
 def positions_in_experts(experts: jax.Array, num_experts: int) -> jax.Array:
     """int32 [N, k]: each assignment's place in its expert's queue, served rank-major then in
     token order (module doc); a place >= capacity is dropped."""
-    order = experts.T.reshape(-1)                                   # [k*N]: all first choices first
-    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)    # [k*N, E]
+    order = experts.T.reshape(-1)  # [k*N]: all first choices first
+    onehot = jax.nn.one_hot(order, num_experts, dtype=jnp.int32)  # [k*N, E]
     place = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=-1) - 1
     return place.reshape(experts.shape[1], experts.shape[0]).T
 
 
 def balance_loss(probs: jax.Array, experts: jax.Array, num_experts: int) -> jax.Array:
     """E x sum_e f_e P_e (module doc); float32 scalar."""
-    routed = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))     # [E]
+    routed = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))  # [E]
     fraction = routed / experts.size
     return num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
 
@@ -111,11 +112,25 @@ class MoE(nnx.Module):
     (DeepSeek's shared expert; None: none). Parameters: router [D, E] (`embed`, `expert`),
     experts' gate/up [E, D, H] (`expert`, `embed`, `mlp`) and down [E, H, D]."""
 
-    def __init__(self, d_model: int, mlp_dim: int, num_experts: int, top_k: int,
-                 capacity_factor: float | None = None, router: str = "softmax", renormalize: bool = True,
-                 shared_mlp_dim: int | None = None, balance_coef: float = 0.01, z_coef: float = 0.001,
-                 dtype="float32", add_loss: Callable | None = None, groups: int = 1,
-                 constrain: Callable | None = None, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        mlp_dim: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None = None,
+        router: str = "softmax",
+        renormalize: bool = True,
+        shared_mlp_dim: int | None = None,
+        balance_coef: float = 0.01,
+        z_coef: float = 0.001,
+        dtype="float32",
+        add_loss: Callable | None = None,
+        groups: int = 1,
+        constrain: Callable | None = None,
+        *,
+        rngs: nnx.Rngs,
+    ):
         _require_positive(d_model=d_model, mlp_dim=mlp_dim, num_experts=num_experts, top_k=top_k, groups=groups)
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} must be at most num_experts={num_experts}")
@@ -129,11 +144,13 @@ class MoE(nnx.Module):
         self.groups, self.constrain = groups, constrain or (lambda x, *names: x)
         self.dtype = _compute_dtype(dtype)
         # Router: small init, so every expert starts near-equally likely.
-        self.router = nnx.Param(axes(nnx.initializers.normal(0.02), "embed", "expert")(
-            rngs.params(), (d_model, num_experts), jnp.float32))
+        self.router = nnx.Param(
+            axes(nnx.initializers.normal(0.02), "embed", "expert")(rngs.params(), (d_model, num_experts), jnp.float32)
+        )
         # Each expert's matrices initialised as an nnx.Linear's (LeCun normal over its input).
-        init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
-                                                 batch_axis=(0,))
+        init = nnx.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+        )
         make = lambda names, shape: nnx.Param(axes(init, *names)(rngs.params(), shape, jnp.float32))
         self.gate = make(("expert", "embed", "mlp"), (num_experts, d_model, mlp_dim))
         self.up = make(("expert", "embed", "mlp"), (num_experts, d_model, mlp_dim))
@@ -141,47 +158,54 @@ class MoE(nnx.Module):
         self.shared = SwiGLU(d_model, shared_mlp_dim, dtype, rngs=rngs) if shared_mlp_dim else None
         self.routed = MoEStats(jnp.zeros((num_experts,), jnp.int32))
         self.dropped = MoEStats(jnp.zeros((num_experts,), jnp.int32))
-        self.deterministic = False      # .eval() sets it: an evaluation counts nothing
+        self.deterministic = False  # .eval() sets it: an evaluation counts nothing
 
     def apply(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(output [B, T, D], this call's weighted auxiliary loss, float32 scalar)."""
         batch, num_steps, d_model = x.shape
         num_tokens, E, k, G = batch * num_steps, self.num_experts, self.top_k, self.groups
         if num_tokens % G and self.deterministic:
-            G = 1       # an evaluation or decoding call's few tokens (module doc)
+            G = 1  # an evaluation or decoding call's few tokens (module doc)
         elif num_tokens % G:
-            raise ValueError(f"groups={G} must divide the {num_tokens} tokens (batch {batch} x time "
-                             f"{num_steps}) each training call of an MoE routes")
+            raise ValueError(
+                f"groups={G} must divide the {num_tokens} tokens (batch {batch} x time "
+                f"{num_steps}) each training call of an MoE routes"
+            )
         n = num_tokens // G
         tokens = self.constrain(x.reshape(G, n, d_model), "batch", None, None)
-        logits = jnp.einsum("gnd,de->gne", tokens.astype(jnp.float32), self.router[...])     # [G, n, E]
+        logits = jnp.einsum("gnd,de->gne", tokens.astype(jnp.float32), self.router[...])  # [G, n, E]
         weights, experts, probs = route(logits, k, self.router_kind, self.renormalize)
         C = capacity(n, E, k, self.capacity_factor)
-        place = jax.vmap(positions_in_experts, in_axes=(0, None))(experts, E)             # [G, n, k]
+        place = jax.vmap(positions_in_experts, in_axes=(0, None))(experts, E)  # [G, n, k]
         kept = place < C
-        if not self.deterministic:      # training forward: count (module doc)
-            chosen = jax.nn.one_hot(experts, E, dtype=jnp.int32)                            # [G, n, k, E]
+        if not self.deterministic:  # training forward: count (module doc)
+            chosen = jax.nn.one_hot(experts, E, dtype=jnp.int32)  # [G, n, k, E]
             self.routed[...] = self.routed[...] + jnp.sum(chosen, axis=(0, 1, 2))
             self.dropped[...] = self.dropped[...] + jnp.sum(chosen * (~kept)[..., None], axis=(0, 1, 2))
-        slot = jnp.where(kept, place, C)                     # C is out of bounds: dropped
+        slot = jnp.where(kept, place, C)  # C is out of bounds: dropped
 
-        def scatter(tokens, experts, slot):   # one group's kept assignments into its [E, C, D]
-            return jnp.zeros((E, C, d_model), self.dtype).at[experts, slot].add(
-                jnp.broadcast_to(tokens.astype(self.dtype)[:, None, :], (n, k, d_model)), mode="drop")
-        buffer = jax.vmap(scatter)(tokens, experts, slot)                                   # [G, E, C, D]
-        buffer = self.constrain(buffer, "batch", "expert", None, None)      # to the experts' devices
+        def scatter(tokens, experts, slot):  # one group's kept assignments into its [E, C, D]
+            return (
+                jnp.zeros((E, C, d_model), self.dtype)
+                .at[experts, slot]
+                .add(jnp.broadcast_to(tokens.astype(self.dtype)[:, None, :], (n, k, d_model)), mode="drop")
+            )
+
+        buffer = jax.vmap(scatter)(tokens, experts, slot)  # [G, E, C, D]
+        buffer = self.constrain(buffer, "batch", "expert", None, None)  # to the experts' devices
         cast = lambda w: w[...].astype(self.dtype)
-        hidden = (jax.nn.silu(jnp.einsum("gecd,edh->gech", buffer, cast(self.gate)))
-                  * jnp.einsum("gecd,edh->gech", buffer, cast(self.up)))
-        out = jnp.einsum("gech,ehd->gecd", hidden, cast(self.down))                        # [G, E, C, D]
-        out = self.constrain(out, "batch", None, None, None)                # and back to the tokens'
+        hidden = jax.nn.silu(jnp.einsum("gecd,edh->gech", buffer, cast(self.gate))) * jnp.einsum(
+            "gecd,edh->gech", buffer, cast(self.up)
+        )
+        out = jnp.einsum("gech,ehd->gecd", hidden, cast(self.down))  # [G, E, C, D]
+        out = self.constrain(out, "batch", None, None, None)  # and back to the tokens'
         # Gather each assignment's result back (0 where dropped) and combine by the weights.
         back = jax.vmap(lambda o, e, s: o.at[e, s].get(mode="fill", fill_value=0))(out, experts, slot)
         y = jnp.einsum("gnkd,gnk->gnd", back, weights.astype(self.dtype)).reshape(num_tokens, d_model)
         if self.shared is not None:
             y = y + self.shared(x.reshape(num_tokens, d_model))
         flat = lambda a: a.reshape(num_tokens, *a.shape[2:])
-        aux = (self.balance_coef * balance_loss(flat(probs), flat(experts), E) + self.z_coef * z_loss(flat(logits)))
+        aux = self.balance_coef * balance_loss(flat(probs), flat(experts), E) + self.z_coef * z_loss(flat(logits))
         return y.reshape(batch, num_steps, d_model), aux
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -195,9 +219,20 @@ class MoEBlock(Block):
     """A Llama Block whose MLP is an MoE; adds the MoE's auxiliary loss (through the MoE's
     add_loss) outside its rematerialised forward (module doc)."""
 
-    def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, moe: MoE, rope_theta: float = 10_000.0,
-                 dtype="float32", remat: str = "none", drop: nnx.Dropout | None = None, norm_eps: float = 1e-5,
-                 *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        moe: MoE,
+        rope_theta: float = 10_000.0,
+        dtype="float32",
+        remat: str = "none",
+        drop: nnx.Dropout | None = None,
+        norm_eps: float = 1e-5,
+        *,
+        rngs: nnx.Rngs,
+    ):
         # Block makes a dense SwiGLU that the MoE replaces (width 1: negligible).
         super().__init__(d_model, num_heads, num_kv_heads, 1, rope_theta, dtype, remat, drop, norm_eps, rngs=rngs)
         self.mlp = moe
@@ -222,8 +257,19 @@ class MoELlama(Llama):
     (counting from 1) are MoEBlocks with an MoE made by MoE(d_model, **moe, dtype=dtype,
     rngs=rngs). The other blocks are the dense Llama's."""
 
-    def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, seq_len: int, *,
-                 moe: dict, every: int = 1, rngs: nnx.Rngs, **llama):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        num_heads: int,
+        num_layers: int,
+        seq_len: int,
+        *,
+        moe: dict,
+        every: int = 1,
+        rngs: nnx.Rngs,
+        **llama,
+    ):
         if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= num_layers:
             raise ValueError(f"every must be a block count in 1..num_layers={num_layers}, got {every!r}")
         super().__init__(vocab_size, d_model, num_heads, num_layers, seq_len, rngs=rngs, **llama)
@@ -231,10 +277,18 @@ class MoELlama(Llama):
         dtype, remat = llama.get("dtype", "float32"), llama.get("remat", "none")
         for i in self.moe_blocks(num_layers, every):
             dense = self.blocks[i]
-            self.blocks[i] = MoEBlock(d_model, num_heads, num_kv_heads,
-                                      MoE(d_model, **moe, dtype=dtype, rngs=rngs),
-                                      llama.get("rope_theta", 10_000.0), dtype, remat, dense.drop,
-                                      llama.get("norm_eps", 1e-5), rngs=rngs)
+            self.blocks[i] = MoEBlock(
+                d_model,
+                num_heads,
+                num_kv_heads,
+                MoE(d_model, **moe, dtype=dtype, rngs=rngs),
+                llama.get("rope_theta", 10_000.0),
+                dtype,
+                remat,
+                dense.drop,
+                llama.get("norm_eps", 1e-5),
+                rngs=rngs,
+            )
 
     @staticmethod
     def moe_blocks(num_layers: int, every: int) -> list[int]:

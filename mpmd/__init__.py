@@ -3,6 +3,7 @@
 The public names load on first use (PEP 562), so `import mpmd.schedules` and
 `mpmd schedule ...` (schedules, simulator, renderer: pure Python) never import JAX.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,8 +31,26 @@ _WHERE = {
     "constrain": "mpmd.stages.constraints",
 }
 
-__all__ = ["abstract", "Pipeline", "Trainer", "Checkpointing", "Recovery", "split", "stage_boundary", "add_loss", "collect_losses", "tune", "InProcessCluster", "LocalCluster", "RayCluster", "StaticCluster",
-           "Rewound", "NonFinite", "WorkerLost", "constrain"]
+__all__ = [
+    "abstract",
+    "Pipeline",
+    "Trainer",
+    "Checkpointing",
+    "Recovery",
+    "split",
+    "stage_boundary",
+    "add_loss",
+    "collect_losses",
+    "tune",
+    "InProcessCluster",
+    "LocalCluster",
+    "RayCluster",
+    "StaticCluster",
+    "Rewound",
+    "NonFinite",
+    "WorkerLost",
+    "constrain",
+]
 
 
 def __getattr__(name: str):
@@ -41,7 +60,7 @@ def __getattr__(name: str):
             return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module 'mpmd' has no attribute {name!r}")
     value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value      # later look-ups skip __getattr__
+    globals()[name] = value  # later look-ups skip __getattr__
     return value
 
 

@@ -1,4 +1,5 @@
 """The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd sft-data`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
+
 from __future__ import annotations
 
 import sys
@@ -7,12 +8,21 @@ COMMANDS = {
     "train": ("mpmd.recipes.train_cli", "train a model from a YAML config and key=value overrides"),
     "generate": ("mpmd.recipes.generate_cli", "continue a prompt with a trained run's model (key-value cache)"),
     "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
-    "tokenizer": ("mpmd.recipes.tokenizer_cli", "make a byte-level BPE tokenizer from your text files: mpmd tokenizer train"),
+    "tokenizer": (
+        "mpmd.recipes.tokenizer_cli",
+        "make a byte-level BPE tokenizer from your text files: mpmd tokenizer train",
+    ),
     "tokenize": ("mpmd.recipes.tokenize_cli", "tokenize text files into a corpus data.source=tokens trains from"),
-    "sft-data": ("mpmd.recipes.sft_data_cli", "write a generated fine-tuning data set (jsonl) data.source=jsonl trains on"),
+    "sft-data": (
+        "mpmd.recipes.sft_data_cli",
+        "write a generated fine-tuning data set (jsonl) data.source=jsonl trains on",
+    ),
     "schedule": ("mpmd.schedules.cli", "simulate a pipeline schedule and draw its timeline"),
     "report": ("mpmd.report.cli", "one HTML page of a run: curves, measured vs simulated pipeline, goodput, memory"),
-    "export": ("mpmd.recipes.export_cli", "write a run's checkpoint as a Hugging Face Llama: mpmd export RUN_DIR --hf OUT_DIR"),
+    "export": (
+        "mpmd.recipes.export_cli",
+        "write a run's checkpoint as a Hugging Face Llama: mpmd export RUN_DIR --hf OUT_DIR",
+    ),
     "cluster": ("mpmd.recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
     "worker": ("mpmd.runtime.worker.main", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }
@@ -29,6 +39,7 @@ def main(argv=None) -> int:
         print(msg)
         return 0
     import importlib
+
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
 
 

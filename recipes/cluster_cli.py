@@ -20,6 +20,7 @@ replacements started meanwhile included, before it removes the cluster file; a j
 on the cluster ends within seconds, saying the cluster was shut down.
 Exit status: 0 done, 2 bad arguments (one line "error: ..."), 1 the cluster failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,20 +48,34 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, help="worker processes (one slice each); not with --rejoin")
     up.add_argument("--devices-per-worker", type=int, default=1, help="devices of each worker's mesh")
     up.add_argument("--backend", default="local", help=f"where workers run: {', '.join(BACKENDS)}")
-    up.add_argument("--ray-address", default=None,
-                    help="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379'; default: a new one on this machine)")
-    up.add_argument("--listen", default=LISTEN_DEFAULT,
-                    help="the manager's HOST:PORT (default loopback, any port; with --rejoin: the one it had)")
+    up.add_argument(
+        "--ray-address",
+        default=None,
+        help="ray: the Ray cluster to join ('auto', 'HEAD_IP:6379'; default: a new one on this machine)",
+    )
+    up.add_argument(
+        "--listen",
+        default=LISTEN_DEFAULT,
+        help="the manager's HOST:PORT (default loopback, any port; with --rejoin: the one it had)",
+    )
     up.add_argument("--dir", default=".mpmd-cluster", help="the cluster's directory: tokens, logs, job table")
     up.add_argument("--root", default=None, help="the directory every job's run_dir must lie below (default: cwd)")
     up.add_argument("--lease-s", type=float, default=10.0, help="default lease of a job (seconds)")
-    up.add_argument("--max-lease-s", type=float, default=60.0,
-                    help="the longest lease a job may ask (seconds): a silent job holds workers at most this long")
+    up.add_argument(
+        "--max-lease-s",
+        type=float,
+        default=60.0,
+        help="the longest lease a job may ask (seconds): a silent job holds workers at most this long",
+    )
     up.add_argument("--compile-cache-mb", type=int, default=None, help="each worker's compiled-program cache")
     up.add_argument("--rejoin", action="store_true", help="start a manager again over the cluster file's workers")
-    for s in [up] + [sub.add_parser(v, help=h) for v, h in (("status", "workers, jobs, leases, memory, cache"),
-                                                            ("down", "stop the workers and the manager"))]:
-        s.add_argument("--file", default=DEFAULT_CLUSTER_FILE, help=f"the cluster file (default {DEFAULT_CLUSTER_FILE})")
+    for s in [up] + [
+        sub.add_parser(v, help=h)
+        for v, h in (("status", "workers, jobs, leases, memory, cache"), ("down", "stop the workers and the manager"))
+    ]:
+        s.add_argument(
+            "--file", default=DEFAULT_CLUSTER_FILE, help=f"the cluster file (default {DEFAULT_CLUSTER_FILE})"
+        )
     sub.choices["status"].add_argument("--json", action="store_true", help="the manager's Status reply as JSON")
     return p
 
@@ -72,8 +87,9 @@ def check_up(args) -> None:
     for option in sorted({o for pool in POOLS.values() for o in pool.options} - set(POOLS[args.backend].options)):
         if getattr(args, option) is not None:
             users = " or ".join(name for name, pool in POOLS.items() if option in pool.options)
-            raise ValueError(f"--{option.replace('_', '-')} is only used by --backend {users}, "
-                             f"got --backend {args.backend}")
+            raise ValueError(
+                f"--{option.replace('_', '-')} is only used by --backend {users}, got --backend {args.backend}"
+            )
     if args.rejoin:
         if args.workers is not None:
             raise ValueError("--rejoin takes the workers of the cluster file; do not give --workers")
@@ -87,8 +103,10 @@ def check_up(args) -> None:
     if not 2.0 < args.max_lease_s <= 3600.0:
         raise ValueError(f"--max-lease-s must be in (2, 3600] seconds, got {args.max_lease_s:g}")
     if not 2.0 < args.lease_s <= args.max_lease_s:
-        raise ValueError(f"--lease-s must be in (2, --max-lease-s={args.max_lease_s:g}] seconds (jobs renew every "
-                         f"second), got {args.lease_s:g}")
+        raise ValueError(
+            f"--lease-s must be in (2, --max-lease-s={args.max_lease_s:g}] seconds (jobs renew every "
+            f"second), got {args.lease_s:g}"
+        )
     if args.compile_cache_mb is not None and args.compile_cache_mb < 0:
         raise ValueError(f"--compile-cache-mb must be >= 0, got {args.compile_cache_mb}")
     if args.root is not None and not os.path.isdir(args.root):
@@ -101,34 +119,63 @@ def up(args) -> int:
     if args.rejoin:
         saved = read_cluster_file(cluster_file)
         if process_alive(int(saved.get("manager_pid", 0)) or -1):
-            raise ValueError(f"the manager of {cluster_file} (pid {saved['manager_pid']}) is running: nothing to rejoin")
+            raise ValueError(
+                f"the manager of {cluster_file} (pid {saved['manager_pid']}) is running: nothing to rejoin"
+            )
         directory = saved["dir"]
         backend = saved.get("backend", "local")
         if backend in POOLS and not POOLS[backend].rejoins:
-            raise ValueError(f"{cluster_file} is a {backend}-backed cluster: its workers ended with their manager; "
-                             f"`mpmd cluster down --file {args.file}` and make it again")
-        if args.listen == LISTEN_DEFAULT:      # where the jobs look for it
+            raise ValueError(
+                f"{cluster_file} is a {backend}-backed cluster: its workers ended with their manager; "
+                f"`mpmd cluster down --file {args.file}` and make it again"
+            )
+        if args.listen == LISTEN_DEFAULT:  # where the jobs look for it
             args.listen = saved["manager"]
     elif os.path.exists(cluster_file):
         saved = read_cluster_file(cluster_file)
-        alive = [p for p in [saved.get("manager_pid")] + [w.get("pid") for w in saved.get("workers", [])]
-                 if isinstance(p, int) and process_alive(p)]
+        alive = [
+            p
+            for p in [saved.get("manager_pid")] + [w.get("pid") for w in saved.get("workers", [])]
+            if isinstance(p, int) and process_alive(p)
+        ]
         if alive:
-            raise ValueError(f"{cluster_file} describes a cluster that still runs (pids {alive}): "
-                             f"`mpmd cluster down --file {args.file}` first, or use another --file")
+            raise ValueError(
+                f"{cluster_file} describes a cluster that still runs (pids {alive}): "
+                f"`mpmd cluster down --file {args.file}` first, or use another --file"
+            )
     if not args.rejoin:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         for name in ("cluster.token", "submit.token"):
             _write_secret(os.path.join(directory, name), secrets.token_hex(16))
     started_at = os.path.getmtime(cluster_file) if os.path.exists(cluster_file) else None
-    cmd = [sys.executable, "-m", "mpmd.runtime.manager.server", "--dir", directory, "--file", cluster_file,
-           "--listen", args.listen, "--lease-s", str(args.lease_s),
-           "--max-lease-s", str(args.max_lease_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpmd.runtime.manager.server",
+        "--dir",
+        directory,
+        "--file",
+        cluster_file,
+        "--listen",
+        args.listen,
+        "--lease-s",
+        str(args.lease_s),
+        "--max-lease-s",
+        str(args.max_lease_s),
+    ]
     if args.rejoin:
         cmd.append("--rejoin")
     else:
-        cmd += ["--workers", str(args.workers), "--devices-per-worker", str(args.devices_per_worker),
-                "--root", os.path.realpath(args.root or os.getcwd()), "--backend", args.backend]
+        cmd += [
+            "--workers",
+            str(args.workers),
+            "--devices-per-worker",
+            str(args.devices_per_worker),
+            "--root",
+            os.path.realpath(args.root or os.getcwd()),
+            "--backend",
+            args.backend,
+        ]
         if args.ray_address is not None:
             cmd += ["--ray-address", args.ray_address]
     if args.compile_cache_mb is not None:
@@ -140,8 +187,7 @@ def up(args) -> int:
     with open(log_path, "a") as log:
         # A session of its own: the manager (and the workers it starts) outlive this command
         # and its terminal.
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True)
     deadline = time.monotonic() + UP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -150,8 +196,10 @@ def up(args) -> int:
         if os.path.exists(cluster_file) and os.path.getmtime(cluster_file) != started_at:
             saved = read_cluster_file(cluster_file)
             if saved.get("manager_pid") == proc.pid:
-                print(f"cluster up: manager {saved['manager']} (pid {proc.pid}), {len(saved['workers'])} worker(s), "
-                      f"root {saved['root']}")
+                print(
+                    f"cluster up: manager {saved['manager']} (pid {proc.pid}), {len(saved['workers'])} worker(s), "
+                    f"root {saved['root']}"
+                )
                 print(f"cluster file: {cluster_file}")
                 print(f"jobs: mpmd train CONFIG cluster.backend=shared cluster.file={args.file}")
                 return 0
@@ -171,6 +219,7 @@ def _write_secret(path: str, value: str) -> None:
 def _manager(saved: dict, token: str):
     from mpmd.runtime.control.rpc import WorkerClient
     import collections
+
     return WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
 
 
@@ -179,6 +228,7 @@ def status(args) -> int:
 
     from mpmd.runtime.control.rpc import WorkerError, call
     from mpmd.runtime.wire import verbs
+
     saved = read_cluster_file(args.file)
     client = _manager(saved, saved["submit_token"])
     try:
@@ -198,16 +248,23 @@ def describe(reply: dict) -> str:
     for w in reply["workers"]:
         cache = w.get("cache") or {}
         mib = (w.get("live_bytes") or 0) / 2**20
-        lines.append(f"  {w['slot']}  {w['address']:21s} pid {w['pid']:<7d} {w['health']:11s} "
-                     f"{mib:8.1f} MiB live  {len(w.get('sessions') or [])} session(s)  cache "
-                     f"{cache.get('programs', 0)} program(s) {cache.get('bytes', 0) / 2**20:.1f} MiB "
-                     f"hits {cache.get('hits', 0)} misses {cache.get('misses', 0)}")
+        lines.append(
+            f"  {w['slot']}  {w['address']:21s} pid {w['pid']:<7d} {w['health']:11s} "
+            f"{mib:8.1f} MiB live  {len(w.get('sessions') or [])} session(s)  cache "
+            f"{cache.get('programs', 0)} program(s) {cache.get('bytes', 0) / 2**20:.1f} MiB "
+            f"hits {cache.get('hits', 0)} misses {cache.get('misses', 0)}"
+        )
     lines.append("jobs:")
     for j in reply["jobs"]:
-        where = f"workers {j['workers']}" if j["state"] == "leased" else (
-            f"position {j['position']}" if j["state"] == "queued" else "")
-        lines.append(f"  {j['job']:30s} {j['state']:9s} {j['slices']} slice(s) "
-                     f"{'shared' if j['share'] else 'exclusive':9s} {where}")
+        where = (
+            f"workers {j['workers']}"
+            if j["state"] == "leased"
+            else (f"position {j['position']}" if j["state"] == "queued" else "")
+        )
+        lines.append(
+            f"  {j['job']:30s} {j['state']:9s} {j['slices']} slice(s) "
+            f"{'shared' if j['share'] else 'exclusive':9s} {where}"
+        )
     return "\n".join(lines)
 
 
@@ -216,6 +273,7 @@ def down(args) -> int:
     from mpmd.runtime.wire import verbs
     from mpmd.runtime.worker.main import read_token_file
     from mpmd.runtime.manager.worker_pool import kill_process
+
     saved = read_cluster_file(args.file)
     token = read_token_file(os.path.join(saved["dir"], "cluster.token"), False, "cluster token file", "(none)")
     pids = [saved["manager_pid"]] + [w["pid"] for w in saved["workers"]]
@@ -231,7 +289,7 @@ def down(args) -> int:
         time.sleep(0.1)
     # A worker the manager restarted before it went down is in the file it rewrote then.
     pids += [w["pid"] for w in read_cluster_file(args.file)["workers"] if w["pid"] not in pids]
-    for p in pids:        # by pid only: these are the cluster file's processes
+    for p in pids:  # by pid only: these are the cluster file's processes
         kill_process(p)
     left = [p for p in pids if process_alive(p)]
     if left:

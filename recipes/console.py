@@ -16,6 +16,7 @@ console only at info and below (mpmd.runtime.worker.main.STARTUP_LOGGERS).
 Not covered: what C++ code (XLA, gRPC) writes straight to this process's stderr, and the
 workers of a static or ray cluster, whose output is where their starter put it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +28,9 @@ from mpmd.recipes.config import ConfigError
 from mpmd.runtime.worker.main import LOG_LEVELS, on_console
 
 ENV = "MPMD_LOG"
-WORKERS = "mpmd.workers"       # the logger runtime/launchers/local.py reports worker records through
+WORKERS = "mpmd.workers"  # the logger runtime/launchers/local.py reports worker records through
 CONTROLLER_LOG = "controller.log"
-PROGRESS = "mpmd.progress"     # the logger recipes/run_log.py's Progress logs its lines to (shown on stdout)
+PROGRESS = "mpmd.progress"  # the logger recipes/run_log.py's Progress logs its lines to (shown on stdout)
 
 
 def level(configured: str) -> str:
@@ -62,10 +63,10 @@ def to_console(console_level: str) -> None:
     handler = _Console(console_level.upper())
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    for old in [h for h in root.handlers if isinstance(h, _Console)]:   # a second call replaces it
+    for old in [h for h in root.handlers if isinstance(h, _Console)]:  # a second call replaces it
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(min(handler.level, logging.INFO))    # info records still reach controller.log
+    root.setLevel(min(handler.level, logging.INFO))  # info records still reach controller.log
     logging.captureWarnings(True)
 
 
@@ -77,8 +78,10 @@ class _FileLog(logging.FileHandler):
         if isinstance(sys.exc_info()[1], OSError):
             if not getattr(self, "_failed", False):
                 self._failed = True
-                tqdm_write(f"warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
-                           f"its records are dropped from here on")
+                tqdm_write(
+                    f"warning: cannot write {self.baseFilename} ({sys.exc_info()[1]}); "
+                    f"its records are dropped from here on"
+                )
             return
         super().handleError(record)
 
@@ -95,7 +98,7 @@ def error(message) -> None:
     sys.stderr.flush()
     try:
         fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):     # a captured stream (pytest's capsys)
+    except (AttributeError, OSError, ValueError):  # a captured stream (pytest's capsys)
         sys.stderr.write(line)
         sys.stderr.flush()
         return
@@ -103,7 +106,8 @@ def error(message) -> None:
 
 
 def tqdm_write(text: str) -> None:
-    from tqdm import tqdm          # clears the bar, writes, draws the bar again
+    from tqdm import tqdm  # clears the bar, writes, draws the bar again
+
     tqdm.write(text, file=sys.stderr)
 
 

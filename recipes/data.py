@@ -32,8 +32,7 @@ _TRAIN, _EVAL = 0, 1  # stream ids that keep synthetic train and eval batches in
 class Source(Protocol):
     num_examples: int | None  # None = unbounded (synthetic)
 
-    def batch(self, seed: int, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        ...
+    def batch(self, seed: int, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def corpus_files(cfg_data: DataConfig) -> list[Path]:
@@ -46,8 +45,9 @@ def corpus_files(cfg_data: DataConfig) -> list[Path]:
             files += [Path(folder, n) for n in names if n.endswith(".py")]
         files.sort(key=lambda p: p.relative_to(root).as_posix())
         if not files:
-            raise ConfigError(f"data.source='stdlib' found no .py files under {root}; "
-                             f"use data.source='files' with data.paths")
+            raise ConfigError(
+                f"data.source='stdlib' found no .py files under {root}; use data.source='files' with data.paths"
+            )
         return files
     if cfg_data.source == "files":
         files, seen, missing = [], set(), []
@@ -65,8 +65,7 @@ def corpus_files(cfg_data: DataConfig) -> list[Path]:
         if missing:
             raise ConfigError("data.paths: no file found for " + ", ".join(map(repr, missing)))
         return files
-    raise ValueError(f"data.source='{cfg_data.source}' has no files; "
-                     f"only 'stdlib' and 'files' do")
+    raise ValueError(f"data.source='{cfg_data.source}' has no files; only 'stdlib' and 'files' do")
 
 
 class Shuffled:
@@ -85,14 +84,14 @@ class Shuffled:
         if self._perm_key != (seed, epoch):  # one epoch's order cached: ~1 MB for 8 MB of text
             self._perm = np.random.default_rng([seed, epoch]).permutation(self.num_examples)
             self._perm_key = (seed, epoch)
-        return self._perm[j * batch_size:(j + 1) * batch_size]
+        return self._perm[j * batch_size : (j + 1) * batch_size]
 
 
 class ByteSplit(Shuffled):
     """A contiguous run of bytes served as windows [k*T, (k+1)*T] (T + 1 bytes each)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
-        assert tokens.dtype.kind in "ui" and seq_len >= 1    # bytes, or a tokenizer's int32 ids
+        assert tokens.dtype.kind in "ui" and seq_len >= 1  # bytes, or a tokenizer's int32 ids
         super().__init__(max(0, (len(tokens) - 1) // seq_len))
         self.tokens, self.seq_len = tokens, seq_len
 
@@ -111,8 +110,7 @@ class ByteCorpus:
     a tokenizer (recipes/tokenizer.py, not bytes) each file's text is its tokens, followed by
     the end-of-text token where the tokenizer has one."""
 
-    def __init__(self, files: list[Path], seq_len: int, eval_fraction: float,
-                 max_bytes: int = 8_000_000, tok=None):
+    def __init__(self, files: list[Path], seq_len: int, eval_fraction: float, max_bytes: int = 8_000_000, tok=None):
         if not 0 < eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
         chunks, total = [], 0
@@ -122,7 +120,7 @@ class ByteCorpus:
             try:
                 with open(path, "rb") as f:
                     data = f.read(max_bytes - total)
-            except OSError as e:   # a device, a FIFO, a file we may not read, ...
+            except OSError as e:  # a device, a FIFO, a file we may not read, ...
                 raise ConfigError(f"data.paths: cannot read {path}: {e.strerror or e}") from None
             chunks.append(data)
             total += len(data)
@@ -132,8 +130,9 @@ class ByteCorpus:
         else:
             eos = [np.asarray([tok.eos_id], np.int32)] if tok.eos_id is not None else []
             texts = [chunk.decode("utf-8", errors="replace") for chunk in chunks]
-            self.tokens = np.concatenate([part for ids in tok.encode_batch(texts) for part in [ids, *eos]]
-                                         or [np.zeros(0, np.int32)])
+            self.tokens = np.concatenate(
+                [part for ids in tok.encode_batch(texts) for part in [ids, *eos]] or [np.zeros(0, np.int32)]
+            )
         split = int(len(self.tokens) * (1 - eval_fraction))
         self.train = ByteSplit(self.tokens[:split], seq_len)
         self.eval = ByteSplit(self.tokens[split:], seq_len)
@@ -141,7 +140,8 @@ class ByteCorpus:
             if part.num_examples == 0:
                 raise ConfigError(
                     f"the {name} split has {len(part.tokens)} bytes, fewer than one window of "
-                    f"seq_len + 1 = {seq_len + 1}: add files or raise data.eval_fraction")
+                    f"seq_len + 1 = {seq_len + 1}: add files or raise data.eval_fraction"
+                )
 
 
 class SyntheticTokens:
@@ -166,8 +166,8 @@ class SyntheticRegression:
     def __init__(self, in_features: int, out_features: int, stream: int = _TRAIN):
         task = np.random.default_rng(_TASK_SEED)
         scale = 1 / np.sqrt(in_features)  # keeps x A at unit variance whatever in_features is
-        self.linear = (task.standard_normal((in_features, out_features)) * scale)
-        self.phase = (task.standard_normal((in_features, out_features)) * scale)
+        self.linear = task.standard_normal((in_features, out_features)) * scale
+        self.phase = task.standard_normal((in_features, out_features)) * scale
         self.in_features, self.stream = in_features, stream
 
     def batch(self, seed: int, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,12 +182,13 @@ class Loader:
 
     def __init__(self, source: Source, batch_size: int, seed: int, position: int = 0):
         if batch_size <= 0 or position < 0:
-            raise ValueError(f"batch_size must be > 0 and position >= 0, "
-                             f"got {batch_size} and {position}")
+            raise ValueError(f"batch_size must be > 0 and position >= 0, got {batch_size} and {position}")
         if source.num_examples is not None and source.num_examples < batch_size:
-            raise ConfigError(f"the data split has {source.num_examples} windows, fewer than "
-                             f"batch_size={batch_size}: add data, lower train.batch_size or "
-                             f"raise data.eval_fraction")
+            raise ConfigError(
+                f"the data split has {source.num_examples} windows, fewer than "
+                f"batch_size={batch_size}: add data, lower train.batch_size or "
+                f"raise data.eval_fraction"
+            )
         self.source, self.batch_size, self.seed, self.position = source, batch_size, seed, position
 
     def batch_at(self, index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -220,6 +221,7 @@ def make_sources(cfg: Config) -> tuple[Source, Source]:
     """(train, eval) sources for a config: what model.kind's family trains on (its spec's
     sources: token_sources or regression_sources below, or its own)."""
     from mpmd.recipes import registry
+
     return registry.get_model_spec(cfg.model.kind).sources(cfg)
 
 
@@ -228,20 +230,21 @@ def token_sources(cfg: Config) -> tuple[Source, Source]:
     windows of model.seq_len."""
     m = cfg.model
     if cfg.data.source == "synthetic":
-        return (SyntheticTokens(m.vocab_size, m.seq_len, _TRAIN),
-                SyntheticTokens(m.vocab_size, m.seq_len, _EVAL))
+        return (SyntheticTokens(m.vocab_size, m.seq_len, _TRAIN), SyntheticTokens(m.vocab_size, m.seq_len, _EVAL))
     from mpmd.recipes import tokenizer
+
     tok = None if cfg.data.tokenizer == tokenizer.BYTES else tokenizer.load(cfg.data.tokenizer)
-    corpus = ByteCorpus(corpus_files(cfg.data), m.seq_len, cfg.data.eval_fraction,
-                        cfg.data.max_bytes, tok)
+    corpus = ByteCorpus(corpus_files(cfg.data), m.seq_len, cfg.data.eval_fraction, cfg.data.max_bytes, tok)
     return corpus.train, corpus.eval
 
 
 def regression_sources(cfg: Config) -> tuple[Source, Source]:
     """The synthetic regression task from model.in_features to model.out_features."""
     m = cfg.model
-    return (SyntheticRegression(m.in_features, m.out_features, _TRAIN),
-            SyntheticRegression(m.in_features, m.out_features, _EVAL))
+    return (
+        SyntheticRegression(m.in_features, m.out_features, _TRAIN),
+        SyntheticRegression(m.in_features, m.out_features, _EVAL),
+    )
 
 
 def make_loaders(cfg: Config) -> tuple[Loader, Loader]:
@@ -250,13 +253,14 @@ def make_loaders(cfg: Config) -> tuple[Loader, Loader]:
     prompt/response examples (recipes/sft.py)."""
     if cfg.data.source == "tokens":
         from mpmd.recipes import grain_data
+
         return grain_data.loaders(cfg)
-    if cfg.data.source == "jsonl":          # prompt/response examples (recipes/sft.py)
+    if cfg.data.source == "jsonl":  # prompt/response examples (recipes/sft.py)
         from mpmd.recipes import sft
+
         return sft.loaders(cfg)
     train, eval_ = make_sources(cfg)
-    return (Loader(train, cfg.train.batch_size, cfg.seed),
-            Loader(eval_, cfg.train.batch_size, cfg.seed))
+    return (Loader(train, cfg.train.batch_size, cfg.seed), Loader(eval_, cfg.train.batch_size, cfg.seed))
 
 
 def encode(text: str) -> np.ndarray:

@@ -11,6 +11,7 @@ temperature 0), from the prompt's tokens as training encoded them (each segment 
 the model is asked exactly what it was taught to answer. A continuation is cut at the end
 marker or after twice the response's tokens plus 8, whichever comes first.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,17 +22,18 @@ from mpmd.recipes import sft
 def answer(decoder, tok, example: sft.Example) -> str:
     """The greedy continuation of the example's prompt, up to (not including) the end marker."""
     from mpmd.models import decoding
+
     ids, _ = sft.encode(example, tok)
     end = sft.end_marker(tok)
-    num_answer = len(tok.encode(example.response)) + len(end)     # the last segment and its end
-    prompt = ids[:len(ids) - num_answer]
+    num_answer = len(tok.encode(example.response)) + len(end)  # the last segment and its end
+    prompt = ids[: len(ids) - num_answer]
     out: list[int] = []
-    vocab_size = tok.vocab_size      # rows past it are padding for the mesh: never drawn
+    vocab_size = tok.vocab_size  # rows past it are padding for the mesh: never drawn
     greedy = lambda logits: decoding.next_token(logits[:vocab_size], 0, 0, None)
     for token, _ in decoder.stream(prompt, greedy):
         out.append(token)
-        if out[-len(end):] == end:
-            out = out[:-len(end)]
+        if out[-len(end) :] == end:
+            out = out[: -len(end)]
             break
         if len(out) >= 2 * num_answer + 8:
             break
@@ -41,6 +43,7 @@ def answer(decoder, tok, example: sft.Example) -> str:
 def score(model, tok, examples: list[sft.Example]) -> float:
     """The fraction of `examples` whose greedy answer (`answer`) is their response."""
     from mpmd.models import decoding
+
     decoder = decoding.Decoder(model)
     hits = [answer(decoder, tok, ex).strip() == ex.response.strip() for ex in examples]
     return float(np.mean(hits))
@@ -52,10 +55,12 @@ class Scorer:
 
     def __init__(self, cfg):
         from mpmd.recipes import tokenizer
+
         self.cfg = cfg
         self.tok = tokenizer.of_config(cfg)
-        self.examples = sft.splits(cfg)[1][:cfg.train.exact_match]
+        self.examples = sft.splits(cfg)[1][: cfg.train.exact_match]
 
     def __call__(self, trainer) -> float:
         from mpmd.recipes import generate
+
         return score(generate.model_with(self.cfg, generate.trainer_params(trainer)), self.tok, self.examples)

@@ -14,6 +14,7 @@ raises ExportError naming what was wrong; `main` prints it as one line and exits
 writing fails: a parent directory not writable, a full disk). OUT_DIR is
 written beside itself and renamed into place (mpmd.recipes.hf.save): nothing is overwritten.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from mpmd.recipes import hf
 
-PARAMS = "params/"      # the checkpoint's parameter leaves (mpmd/stages/leaf_paths.py)
+PARAMS = "params/"  # the checkpoint's parameter leaves (mpmd/stages/leaf_paths.py)
 
 
 class ExportError(ValueError):
@@ -33,6 +34,7 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     """Writes committed `step` (default the newest) of the llama run in `run_dir` to `out_dir`
     as a Hugging Face model directory; returns out_dir. ExportError on bad input."""
     from mpmd.recipes import config
+
     run, out = Path(run_dir), Path(out_dir)
     if not (run / "config.yaml").is_file():
         raise ExportError(f"{run} is not a run directory: it has no config.yaml (mpmd train writes one)")
@@ -48,6 +50,7 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     except config.ConfigError as e:
         raise ExportError(f"{run / 'config.yaml'}: {e}") from None
     from mpmd.train.checkpoints import committed_step, read_leaves
+
     try:
         step = committed_step(run, step)
     except ValueError as e:
@@ -55,11 +58,12 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     hf.check_new(out)
     try:
         _, leaves = read_leaves(run, step, prefix=PARAMS)
-    except ValueError as e:       # a part missing or unreadable, a leaf that fails its digest
+    except ValueError as e:  # a part missing or unreadable, a leaf that fails its digest
         raise ExportError(f"step {step} of {run} cannot be read: {e}") from None
-    params = {name[len(PARAMS):]: array for name, array in leaves.items()}
+    params = {name[len(PARAMS) :]: array for name, array in leaves.items()}
     # The run's own tokenizer goes with it (none for bytes), so `mpmd generate hf:OUT_DIR` decodes alike.
     from mpmd.recipes import tokenizer
+
     return hf.save(out, model_keys(cfg.model, params), params, tokenizer.run_tokenizer(run).to_json())
 
 
@@ -74,11 +78,17 @@ def model_keys(model, params: dict) -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mpmd export", description="Write a run's committed checkpoint as a Hugging Face Llama directory.",
-        epilog="example: mpmd export runs/llama_tiny --hf exported/llama_tiny")
+        prog="mpmd export",
+        description="Write a run's committed checkpoint as a Hugging Face Llama directory.",
+        epilog="example: mpmd export runs/llama_tiny --hf exported/llama_tiny",
+    )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (mpmd train's run_dir)")
-    parser.add_argument("--hf", metavar="OUT_DIR", required=True,
-                        help="directory to write config.json and model.safetensors into; must not exist or be empty")
+    parser.add_argument(
+        "--hf",
+        metavar="OUT_DIR",
+        required=True,
+        help="directory to write config.json and model.safetensors into; must not exist or be empty",
+    )
     parser.add_argument("--step", type=int, metavar="N", help="a committed step (default: the newest)")
     return parser
 
@@ -90,7 +100,7 @@ def main(argv=None) -> int:
     except (ExportError, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:      # OUT_DIR's parent not writable, a full disk: nothing is left half-written
+    except OSError as e:  # OUT_DIR's parent not writable, a full disk: nothing is left half-written
         print(f"error: cannot write {args.hf}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(f"wrote {out / hf.CONFIG} and {out / hf.WEIGHTS}")

@@ -19,6 +19,7 @@ Tokens: the run's own tokenizer (`tokenizer_of(run_dir)`: bytes, or the Hugging 
 tokenizer data.tokenizer named, as copied into the run directory); a model whose vocabulary
 was padded past the tokenizer's (model.vocab_size) draws only among the tokenizer's ids.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,9 +40,12 @@ def tokenizer_of(run_dir: str):
     its run.json recorded; bytes for a byte-level run): mpmd.recipes.tokenizer.run_tokenizer.
     For `hf:DIR`, DIR's tokenizer.json (mpmd export copies the run's there), else bytes."""
     from mpmd.recipes import tokenizer
+
     if str(run_dir).startswith("hf:"):
-        hf_dir = Path(str(run_dir)[len("hf:"):])
-        return tokenizer.load(str(hf_dir)) if (hf_dir / tokenizer.TOKENIZER_FILE).is_file() else tokenizer.ByteTokenizer()
+        hf_dir = Path(str(run_dir)[len("hf:") :])
+        return (
+            tokenizer.load(str(hf_dir)) if (hf_dir / tokenizer.TOKENIZER_FILE).is_file() else tokenizer.ByteTokenizer()
+        )
     return tokenizer.run_tokenizer(run_dir)
 
 
@@ -53,7 +57,9 @@ def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int | None,
     instead (load_hf; its step is None)."""
     if str(run_dir).startswith("hf:"):
         if step is not None:
-            raise ConfigError(f"{run_dir!r} is a Hugging Face directory: it has no steps (--step is for run directories)")
+            raise ConfigError(
+                f"{run_dir!r} is a Hugging Face directory: it has no steps (--step is for run directories)"
+            )
         cfg, model = load_hf(run_dir)
         return cfg, None, model
     root = Path(run_dir)
@@ -64,12 +70,13 @@ def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int | None,
     cfg = config_lib.load(root / "config.yaml")
     check_can_generate(cfg)
     from mpmd.train.checkpoints import committed_step, read_leaves
+
     try:
         step = committed_step(run_dir, step)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     step, leaves = read_leaves(run_dir, step)
-    return cfg, step, model_with(cfg, {k[len("params/"):]: v for k, v in leaves.items() if k.startswith("params/")})
+    return cfg, step, model_with(cfg, {k[len("params/") :]: v for k, v in leaves.items() if k.startswith("params/")})
 
 
 def load_hf(spec: str) -> tuple[Config, object]:
@@ -77,6 +84,7 @@ def load_hf(spec: str) -> tuple[Config, object]:
     safetensors weights): model.seq_len its max_position_embeddings (at most HF_MAX_WINDOW),
     data.tokenizer DIR's tokenizer.json where it has one. ConfigError naming what is wrong."""
     from mpmd.recipes import hf, tokenizer
+
     try:
         hf_dir = hf.directory_of(spec)
         keys, params = hf.load(hf_dir)
@@ -84,8 +92,10 @@ def load_hf(spec: str) -> tuple[Config, object]:
         raise ConfigError(f"{spec!r}: {e}") from None
     has_tokenizer = (hf_dir / tokenizer.TOKENIZER_FILE).is_file()
     if not has_tokenizer and keys["vocab_size"] < 256:
-        raise ConfigError(f"{spec!r} has no {tokenizer.TOKENIZER_FILE} and vocab_size={keys['vocab_size']}, fewer "
-                          f"than the 256 byte tokens: put the model's tokenizer.json in {hf_dir}")
+        raise ConfigError(
+            f"{spec!r} has no {tokenizer.TOKENIZER_FILE} and vocab_size={keys['vocab_size']}, fewer "
+            f"than the 256 byte tokens: put the model's tokenizer.json in {hf_dir}"
+        )
     model = {"kind": "llama", "init_from": spec, "seq_len": min(keys.get("seq_len", HF_MAX_WINDOW), HF_MAX_WINDOW)}
     # The synthetic source reads no files: the config describes the model and its tokenizer only.
     data = {"source": "synthetic", **({"tokenizer": str(hf_dir)} if has_tokenizer else {})}
@@ -97,8 +107,10 @@ def check_can_generate(cfg: Config) -> None:
     """ConfigError unless model.kind's family is a language model (its logits are tokens)."""
     if not registry.get_model_spec(cfg.model.kind).samples_text:
         texts = [name for name, spec in registry.model_specs().items() if spec.samples_text]
-        raise ConfigError(f"model.kind={cfg.model.kind!r} cannot generate: only a language model can "
-                          f"(model.kind={registry.one_of(texts)})")
+        raise ConfigError(
+            f"model.kind={cfg.model.kind!r} cannot generate: only a language model can "
+            f"(model.kind={registry.one_of(texts)})"
+        )
 
 
 def model_with(cfg: Config, params: dict) -> object:
@@ -112,11 +124,13 @@ def model_with(cfg: Config, params: dict) -> object:
     from flax import nnx
 
     from mpmd.stages.leaf_paths import path_string
+
     spec = registry.get_model_spec(cfg.model.kind)
 
     def built(abstract: bool):
         model = spec.build(cfg, abstract)
-        return model[0] if isinstance(model, tuple) else model     # a family may pair it with its loss
+        return model[0] if isinstance(model, tuple) else model  # a family may pair it with its loss
+
     model = built(spec.can_be_abstract(cfg))
     if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
         model = built(False)
@@ -130,12 +144,16 @@ def model_with(cfg: Config, params: dict) -> object:
             continue
         got = np.asarray(params[path])
         if got.shape != now.shape:
-            raise ConfigError(f"parameter {path} has shape {got.shape} in the checkpoint but "
-                              f"{tuple(now.shape)} in the model the config builds")
+            raise ConfigError(
+                f"parameter {path} has shape {got.shape} in the checkpoint but "
+                f"{tuple(now.shape)} in the model the config builds"
+            )
         leaves.append(got.astype(now.dtype))
     if missing:
-        raise ConfigError(f"the checkpoint has no parameter {', '.join(missing[:3])}"
-                          f"{' ...' if len(missing) > 3 else ''}: it was not saved from this model")
+        raise ConfigError(
+            f"the checkpoint has no parameter {', '.join(missing[:3])}"
+            f"{' ...' if len(missing) > 3 else ''}: it was not saved from this model"
+        )
     nnx.update(model, jax.tree.unflatten(tree, leaves))
     return model
 
@@ -143,18 +161,32 @@ def model_with(cfg: Config, params: dict) -> object:
 def trainer_params(trainer) -> dict:
     """{path in the model: host array} of a Trainer's parameters as they are now."""
     import jax
+
     pipeline = trainer.pipeline
-    return {path: leaf for paths, tree in zip(pipeline.param_paths, trainer.params())
-            for path, leaf in zip(paths, jax.tree.leaves(tree))}
+    return {
+        path: leaf
+        for paths, tree in zip(pipeline.param_paths, trainer.params())
+        for path, leaf in zip(paths, jax.tree.leaves(tree))
+    }
 
 
-def continue_text(model, tokenizer, prompt: str, num_tokens: int, temperature: float, top_k: int = 0,
-                  seed: int = 0, cache: bool = True, decoder=None) -> tuple[str, int]:
+def continue_text(
+    model,
+    tokenizer,
+    prompt: str,
+    num_tokens: int,
+    temperature: float,
+    top_k: int = 0,
+    seed: int = 0,
+    cache: bool = True,
+    decoder=None,
+) -> tuple[str, int]:
     """(the prompt and its continuation by num_tokens tokens, as text; num_tokens), each token
     drawn by mpmd.models.decoding.next_token from a numpy generator seeded by `seed` (temperature
     0: greedy) among the tokenizer's ids. `decoder`: a Decoder of `model` already compiled (the
     timing of `mpmd generate`)."""
     from mpmd.models import decoding
+
     tokens = np.asarray(tokenizer.encode(prompt)).reshape(-1)
     if len(tokens) == 0:
         raise ConfigError("the prompt is empty: give some text to continue (--prompt)")
@@ -162,6 +194,10 @@ def continue_text(model, tokenizer, prompt: str, num_tokens: int, temperature: f
     decoder = decoder or decoding.Decoder(model)
     # The model's rows past the tokenizer's vocabulary (padding for the mesh) decode to nothing.
     vocab_size = tokenizer.vocab_size
-    new = decoder.generate(tokens, num_tokens,
-                           lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng), cache=cache)
+    new = decoder.generate(
+        tokens,
+        num_tokens,
+        lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng),
+        cache=cache,
+    )
     return tokenizer.decode([*tokens.tolist(), *new]), len(new)

@@ -19,6 +19,7 @@ iterator, so a resumed, recovered or relayouted run reads exactly the batches an
 one would. The corpus and tokenizer a checkpoint was trained on are in its manifest's metadata
 (`metadata`), and a run on another one is refused (recipes/train.py resume_metadata).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,7 +57,7 @@ class Pieces:
         lengths = np.diff(bounds)
         keep = lengths >= 2
         begin, lengths = bounds[:-1][keep], lengths[keep]
-        counts = -(-(lengths - 1) // seq_len)             # ceil((n - 1) / T) pieces per document
+        counts = -(-(lengths - 1) // seq_len)  # ceil((n - 1) / T) pieces per document
         doc = np.repeat(np.arange(len(counts)), counts)
         within = np.arange(len(doc)) - np.repeat(np.cumsum(counts) - counts, counts)
         starts = begin[doc] + within * seq_len
@@ -75,7 +76,7 @@ class Pieces:
 
 
 def _grain_seed(seed: int) -> int:
-    return seed % 2**32        # Grain's shuffle takes 0 <= seed < 2**32
+    return seed % 2**32  # Grain's shuffle takes 0 <= seed < 2**32
 
 
 def _pair(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -85,16 +86,20 @@ def _pair(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _packed(batch: dict) -> dict:
     """Grain's packed features -> the batch keys the models and the masked loss read."""
     segment_ids = batch["inputs_segment_ids"].astype(np.int32)
-    return {"inputs": batch["inputs"].astype(np.int32), "targets": batch["targets"].astype(np.int32),
-            "segment_ids": segment_ids, "positions": batch["inputs_positions"].astype(np.int32),
-            "loss_mask": (segment_ids > 0).astype(np.float32)}
+    return {
+        "inputs": batch["inputs"].astype(np.int32),
+        "targets": batch["targets"].astype(np.int32),
+        "segment_ids": segment_ids,
+        "positions": batch["inputs_positions"].astype(np.int32),
+        "loss_mask": (segment_ids > 0).astype(np.float32),
+    }
 
 
-def datasets(corpus: Corpus, seq_len: int, batch_size: int, seed: int, eval_fraction: float,
-             pack: bool):
+def datasets(corpus: Corpus, seq_len: int, batch_size: int, seed: int, eval_fraction: float, pack: bool):
     """(train, eval) Grain datasets of batches: train shuffled from seed over endless epochs,
     eval in corpus order."""
     import grain
+
     if pack:
         source = Pieces.of(corpus, seq_len)
         what = f"{len(source)} document pieces"
@@ -102,25 +107,37 @@ def datasets(corpus: Corpus, seq_len: int, batch_size: int, seed: int, eval_frac
         source = Windows(corpus, seq_len, 0, max(0, (corpus.num_tokens - 1) // seq_len))
         what = f"{len(source)} windows of seq_len + 1 = {seq_len + 1} tokens"
     split = int(len(source) * (1 - eval_fraction))
-    parts = ((source.split(0, split), source.split(split, len(source))) if pack else
-             (Windows(corpus, seq_len, 0, split), Windows(corpus, seq_len, split, len(source))))
+    parts = (
+        (source.split(0, split), source.split(split, len(source)))
+        if pack
+        else (Windows(corpus, seq_len, 0, split), Windows(corpus, seq_len, split, len(source)))
+    )
     for name, part in zip(("train", "eval"), parts):
         if len(part) < batch_size and not pack or len(part) == 0:
-            raise ConfigError(f"data.path={str(corpus.path)!r} has {what}: its {name} split has {len(part)}, "
-                              f"fewer than train.batch_size={batch_size}: tokenize more text, lower "
-                              f"train.batch_size or model.seq_len, or change data.eval_fraction")
+            raise ConfigError(
+                f"data.path={str(corpus.path)!r} has {what}: its {name} split has {len(part)}, "
+                f"fewer than train.batch_size={batch_size}: tokenize more text, lower "
+                f"train.batch_size or model.seq_len, or change data.eval_fraction"
+            )
     train = grain.MapDataset.source(parts[0]).shuffle(seed=_grain_seed(seed)).repeat()
     eval_ = grain.MapDataset.source(parts[1]).repeat()
     if not pack:
-        return (train.batch(batch_size, drop_remainder=True).map(_pair),
-                eval_.batch(batch_size, drop_remainder=True).map(_pair))
+        return (
+            train.batch(batch_size, drop_remainder=True).map(_pair),
+            eval_.batch(batch_size, drop_remainder=True).map(_pair),
+        )
 
     def packed(ds):
         # One bin a row: each round of first-fit packing makes one batch of batch_size rows.
         rows = grain.experimental.FirstFitPackIterDataset(
-            ds.to_iter_dataset(), length_struct={"inputs": seq_len, "targets": seq_len},
-            num_packing_bins=batch_size, seed=_grain_seed(seed), shuffle_bins=False)
+            ds.to_iter_dataset(),
+            length_struct={"inputs": seq_len, "targets": seq_len},
+            num_packing_bins=batch_size,
+            seed=_grain_seed(seed),
+            shuffle_bins=False,
+        )
         return rows.batch(batch_size, drop_remainder=True).map(_packed)
+
     return packed(train), packed(eval_)
 
 
@@ -147,8 +164,12 @@ class GrainLoader:
         return self._first[index]
 
     def state(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "batch_size": self.batch_size,
-                "grain": self.iterator.get_state()}
+        return {
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "grain": self.iterator.get_state(),
+        }
 
     def restore(self, state: dict | None) -> None:
         """Where a checkpoint's data_state says the loader stood (the start when None)."""
@@ -157,18 +178,20 @@ class GrainLoader:
         if state is None:
             return
         if "grain" not in state:
-            raise ConfigError(f"the checkpoint's data state {state} is not a Grain iterator's: it was "
-                              f"trained on another data.source; resume with that one, or use another run_dir")
+            raise ConfigError(
+                f"the checkpoint's data state {state} is not a Grain iterator's: it was "
+                f"trained on another data.source; resume with that one, or use another run_dir"
+            )
         self.iterator.set_state(state["grain"])
         self.position = state["position"]
 
 
 def loaders(cfg: Config) -> tuple[GrainLoader, GrainLoader]:
     corpus = Corpus(cfg.data.path)
-    train, eval_ = datasets(corpus, cfg.model.seq_len, cfg.train.batch_size, cfg.seed,
-                            cfg.data.eval_fraction, cfg.data.pack)
-    return (GrainLoader(train, cfg.train.batch_size, cfg.seed),
-            GrainLoader(eval_, cfg.train.batch_size, cfg.seed))
+    train, eval_ = datasets(
+        corpus, cfg.model.seq_len, cfg.train.batch_size, cfg.seed, cfg.data.eval_fraction, cfg.data.pack
+    )
+    return (GrainLoader(train, cfg.train.batch_size, cfg.seed), GrainLoader(eval_, cfg.train.batch_size, cfg.seed))
 
 
 def metadata(cfg: Config) -> dict:

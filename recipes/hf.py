@@ -20,6 +20,7 @@ than hidden_size / num_attention_heads.
 
 Nothing here imports JAX: the config's check reads config.json before JAX starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-PREFIX = "hf:"              # model.init_from = "hf:<directory>"
+PREFIX = "hf:"  # model.init_from = "hf:<directory>"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -37,21 +38,36 @@ ARCHITECTURE = "LlamaForCausalLM"
 
 # model.* key -> config.json key, and config.json's default when the key is absent (those of
 # transformers' LlamaConfig). rope_theta has its own rule (rope_theta_of).
-KEYS = {"vocab_size": ("vocab_size", None), "d_model": ("hidden_size", None),
-        "num_heads": ("num_attention_heads", None), "num_layers": ("num_hidden_layers", None),
-        "num_kv_heads": ("num_key_value_heads", None), "mlp_dim": ("intermediate_size", None),
-        "norm_eps": ("rms_norm_eps", 1e-6), "tie_embeddings": ("tie_word_embeddings", False)}
+KEYS = {
+    "vocab_size": ("vocab_size", None),
+    "d_model": ("hidden_size", None),
+    "num_heads": ("num_attention_heads", None),
+    "num_layers": ("num_hidden_layers", None),
+    "num_kv_heads": ("num_key_value_heads", None),
+    "mlp_dim": ("intermediate_size", None),
+    "norm_eps": ("rms_norm_eps", 1e-6),
+    "tie_embeddings": ("tie_word_embeddings", False),
+}
 DEFAULT_ROPE_THETA = 10_000.0
 
 # A block's parameter (path after blocks.<i>.) -> its tensor after model.layers.<i>., and
 # whether the kernel is the tensor transposed.
-_BLOCK = {"attn.q.kernel": ("self_attn.q_proj.weight", True), "attn.k.kernel": ("self_attn.k_proj.weight", True),
-          "attn.v.kernel": ("self_attn.v_proj.weight", True), "attn.out.kernel": ("self_attn.o_proj.weight", True),
-          "mlp.gate.kernel": ("mlp.gate_proj.weight", True), "mlp.up.kernel": ("mlp.up_proj.weight", True),
-          "mlp.down.kernel": ("mlp.down_proj.weight", True), "attn_norm.scale": ("input_layernorm.weight", False),
-          "mlp_norm.scale": ("post_attention_layernorm.weight", False)}
-_OUTER = {"embed.token.embedding": ("model.embed_tokens.weight", False), "head.norm.scale": ("model.norm.weight", False),
-          "head.lm_head.kernel": ("lm_head.weight", True)}
+_BLOCK = {
+    "attn.q.kernel": ("self_attn.q_proj.weight", True),
+    "attn.k.kernel": ("self_attn.k_proj.weight", True),
+    "attn.v.kernel": ("self_attn.v_proj.weight", True),
+    "attn.out.kernel": ("self_attn.o_proj.weight", True),
+    "mlp.gate.kernel": ("mlp.gate_proj.weight", True),
+    "mlp.up.kernel": ("mlp.up_proj.weight", True),
+    "mlp.down.kernel": ("mlp.down_proj.weight", True),
+    "attn_norm.scale": ("input_layernorm.weight", False),
+    "mlp_norm.scale": ("post_attention_layernorm.weight", False),
+}
+_OUTER = {
+    "embed.token.embedding": ("model.embed_tokens.weight", False),
+    "head.norm.scale": ("model.norm.weight", False),
+    "head.lm_head.kernel": ("lm_head.weight", True),
+}
 
 
 class HFError(ValueError):
@@ -60,10 +76,12 @@ class HFError(ValueError):
 
 def directory_of(init_from: str) -> Path:
     """The directory of model.init_from = "hf:<directory>"; HFError saying the form otherwise."""
-    if not isinstance(init_from, str) or not init_from.startswith(PREFIX) or not init_from[len(PREFIX):]:
-        raise HFError(f"model.init_from must be 'hf:<directory>' (a Hugging Face Llama's config.json and "
-                      f"safetensors) or 'run:<directory>' (a llama run of mpmd train), got {init_from!r}")
-    return Path(os.path.expanduser(init_from[len(PREFIX):]))
+    if not isinstance(init_from, str) or not init_from.startswith(PREFIX) or not init_from[len(PREFIX) :]:
+        raise HFError(
+            f"model.init_from must be 'hf:<directory>' (a Hugging Face Llama's config.json and "
+            f"safetensors) or 'run:<directory>' (a llama run of mpmd train), got {init_from!r}"
+        )
+    return Path(os.path.expanduser(init_from[len(PREFIX) :]))
 
 
 def read_config(hf_dir) -> dict:
@@ -72,8 +90,10 @@ def read_config(hf_dir) -> dict:
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise HFError(f"{path} not found: a Hugging Face model directory holds config.json and its "
-                      f"safetensors (save one with model.save_pretrained(dir))") from None
+        raise HFError(
+            f"{path} not found: a Hugging Face model directory holds config.json and its "
+            f"safetensors (save one with model.save_pretrained(dir))"
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HFError(f"cannot read {path}: {e}") from None
     if not isinstance(values, dict):
@@ -87,11 +107,15 @@ def model_keys(hf_dir) -> dict:
     naming the key of what models/llama.py cannot compute."""
     c, path = read_config(hf_dir), Path(hf_dir) / CONFIG
     if c.get("model_type") != "llama" and ARCHITECTURE not in (c.get("architectures") or ()):
-        raise HFError(f"{path}: model_type={c.get('model_type')!r}, architectures={c.get('architectures')!r}; "
-                      f"mpmd imports only model_type 'llama' ({ARCHITECTURE})")
-    refused = {"hidden_act": ("silu", c.get("hidden_act", "silu") != "silu"),
-               "attention_bias": (False, bool(c.get("attention_bias", False))),
-               "mlp_bias": (False, bool(c.get("mlp_bias", False)))}
+        raise HFError(
+            f"{path}: model_type={c.get('model_type')!r}, architectures={c.get('architectures')!r}; "
+            f"mpmd imports only model_type 'llama' ({ARCHITECTURE})"
+        )
+    refused = {
+        "hidden_act": ("silu", c.get("hidden_act", "silu") != "silu"),
+        "attention_bias": (False, bool(c.get("attention_bias", False))),
+        "mlp_bias": (False, bool(c.get("mlp_bias", False))),
+    }
     for key, (allowed, bad) in refused.items():
         if bad:
             raise HFError(f"{path}: {key}={c[key]!r}; models/llama.py computes only {key}={allowed!r}")
@@ -105,8 +129,10 @@ def model_keys(hf_dir) -> dict:
         out[ours] = float(value) if ours == "norm_eps" else value
     head_dim = c.get("head_dim")
     if head_dim is not None and head_dim * out["num_heads"] != out["d_model"]:
-        raise HFError(f"{path}: head_dim={head_dim} but hidden_size / num_attention_heads = "
-                      f"{out['d_model']} / {out['num_heads']}; models/llama.py needs them equal")
+        raise HFError(
+            f"{path}: head_dim={head_dim} but hidden_size / num_attention_heads = "
+            f"{out['d_model']} / {out['num_heads']}; models/llama.py needs them equal"
+        )
     out["rope_theta"] = rope_theta_of(c, path)
     return out
 
@@ -123,8 +149,10 @@ def rope_theta_of(c: dict, path) -> float:
     rope = rope if isinstance(rope, dict) else {"rope_type": rope}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise HFError(f"{path}: rope type {kind!r} ({'rope_parameters' if 'rope_parameters' in c else 'rope_scaling'}); "
-                      f"models/llama.py computes only the default rotary embedding (no scaling)")
+        raise HFError(
+            f"{path}: rope type {kind!r} ({'rope_parameters' if 'rope_parameters' in c else 'rope_scaling'}); "
+            f"models/llama.py computes only the default rotary embedding (no scaling)"
+        )
     return float(rope.get("rope_theta", c.get("rope_theta", DEFAULT_ROPE_THETA)))
 
 
@@ -134,10 +162,19 @@ def hf_config(keys: dict) -> dict:
     RoPE's theta and the dtype are written as transformers 5 names them and, beside, as 4.x
     did (rope_theta, torch_dtype), so either reads them."""
     theta = float(keys["rope_theta"])
-    out = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-           "attention_bias": False, "mlp_bias": False, "dtype": "float32", "torch_dtype": "float32",
-           "head_dim": keys["d_model"] // keys["num_heads"], "max_position_embeddings": keys["seq_len"],
-           "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_theta": theta}
+    out = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+        "head_dim": keys["d_model"] // keys["num_heads"],
+        "max_position_embeddings": keys["seq_len"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_theta": theta,
+    }
     out.update({theirs: keys[ours] for ours, (theirs, _) in KEYS.items()})
     return out
 
@@ -177,8 +214,10 @@ class Weights:
         elif single.is_file():
             self.files = {name: single for name in _names(single)}
         else:
-            raise HFError(f"{self.dir} has neither {WEIGHTS} nor {INDEX}: save the model with "
-                          f"save_pretrained(dir, safe_serialization=True)")
+            raise HFError(
+                f"{self.dir} has neither {WEIGHTS} nor {INDEX}: save the model with "
+                f"save_pretrained(dir, safe_serialization=True)"
+            )
 
     def read(self, paths) -> list[np.ndarray]:
         """The float32 array of each model path, as models/llama.py lays it out."""
@@ -192,7 +231,7 @@ class Weights:
         return out
 
 
-def open(hf_dir) -> Weights:     # noqa: A001  (hf.open, as safetensors' safe_open)
+def open(hf_dir) -> Weights:  # noqa: A001  (hf.open, as safetensors' safe_open)
     return Weights(hf_dir)
 
 
@@ -215,12 +254,14 @@ def save(out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str
     the files are written beside it and renamed into place, so nothing half-written is left
     under that name and nothing is overwritten."""
     from safetensors.numpy import save_file
+
     out = check_new(out_dir)
     expected = param_paths(keys["num_layers"], keys["tie_embeddings"])
     if sorted(expected) != sorted(params):
         missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
-        raise HFError(f"the parameters do not fit a Llama of these keys (missing {missing[:3]}, unexpected "
-                      f"{extra[:3]})")
+        raise HFError(
+            f"the parameters do not fit a Llama of these keys (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     tensors = {}
     for path in expected:
         name, transposed = tensor_name(path)
@@ -234,7 +275,7 @@ def save(out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str
         if tokenizer_json is not None:
             (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         if out.exists():
-            out.rmdir()            # empty, checked above
+            out.rmdir()  # empty, checked above
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -252,6 +293,7 @@ def check_new(out_dir) -> Path:
 
 def _names(file: Path) -> list[str]:
     from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(file), "np") as f:
             return list(f.keys())
@@ -263,6 +305,7 @@ def _read_tensor(file: Path, name: str) -> np.ndarray:
     """One tensor, read alone (safetensors maps the file). numpy has no bfloat16 of its own:
     such a tensor comes through JAX's (ml_dtypes), exactly."""
     from safetensors import SafetensorError, safe_open
+
     try:
         with safe_open(str(file), "np") as f:
             if f.get_slice(name).get_dtype() != "BF16":

@@ -16,6 +16,7 @@ tied Llama, cut at marks, is built for real), split and laid out as `mpmd train`
   shows in the backward costs), the schedule is simulated with those costs, and the critical
   path is converted to seconds at an assumed sustained rate per slice (`tflops`).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,12 +40,16 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
         raise ValueError(f"tflops must be a positive number, got {tflops!r}")
     p = cfg.pipeline
     if cfg.data.pack:
-        raise ConfigError("--dry-run does not yet size a run with data.pack=true; size it with data.pack=false "
-                          "(the same shapes and parameters)")
-    if cfg.data.source == "jsonl":      # batch dicts with a loss_mask, as packing's
-        raise ConfigError("--dry-run does not yet size a run with data.source='jsonl'; size it with "
-                          "data.source=synthetic data.path=null data.eval_path=null train.exact_match=0 (the same "
-                          "shapes and parameters)")
+        raise ConfigError(
+            "--dry-run does not yet size a run with data.pack=true; size it with data.pack=false "
+            "(the same shapes and parameters)"
+        )
+    if cfg.data.source == "jsonl":  # batch dicts with a loss_mask, as packing's
+        raise ConfigError(
+            "--dry-run does not yet size a run with data.source='jsonl'; size it with "
+            "data.source=synthetic data.path=null data.eval_path=null train.exact_match=0 (the same "
+            "shapes and parameters)"
+        )
     train_loader, _ = data.make_loaders(cfg)
     inputs, targets = train_loader.batch_at(0)
     micro = len(inputs) // p.num_microbatches
@@ -60,18 +65,35 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     simulation = simulate(schedule, dryrun.executed_costs(schedule, costs))
     # Shared weights (a tied embedding) sit in several stages but are one parameter.
     shared = {(k, i) for group in pipeline.shared for k, i in group[1:]}
-    num_params = sum(int(np.prod(leaf.shape)) for k, fn in enumerate(pipeline.fns)
-                     for i, leaf in enumerate(fn.param_leaves) if (k, i) not in shared)
-    sizes = {path: int(np.prod(leaf.shape)) for paths, fn in zip(getattr(stages, "param_paths", ()), pipeline.fns)
-             for path, leaf in zip(paths, fn.param_leaves)}
+    num_params = sum(
+        int(np.prod(leaf.shape))
+        for k, fn in enumerate(pipeline.fns)
+        for i, leaf in enumerate(fn.param_leaves)
+        if (k, i) not in shared
+    )
+    sizes = {
+        path: int(np.prod(leaf.shape))
+        for paths, fn in zip(getattr(stages, "param_paths", ()), pipeline.fns)
+        for path, leaf in zip(paths, fn.param_leaves)
+    }
     active = registry.get_model_spec(cfg.model.kind).active_params(cfg, sizes)
-    return {"num_params": num_params, "active_params": active, "num_stages": pipeline.num_stages, "schedule": schedule.name,
-            "num_microbatches": p.num_microbatches, "microbatch": list(in_spec.shape),
-            # A family without these keys computes in float32 and keeps every residual.
-            "dtype": getattr(cfg.model, "dtype", "float32"), "remat": getattr(cfg.model, "remat", "none"),
-            "stages": per_stage, "slices": stage_costs.slice_memory(schedule, per_stage),
-            "step_flops": simulation.makespan, "bubble": simulation.bubble_fraction,
-            "tflops": tflops, "step_s": simulation.makespan / (tflops * 1e12)}
+    return {
+        "num_params": num_params,
+        "active_params": active,
+        "num_stages": pipeline.num_stages,
+        "schedule": schedule.name,
+        "num_microbatches": p.num_microbatches,
+        "microbatch": list(in_spec.shape),
+        # A family without these keys computes in float32 and keeps every residual.
+        "dtype": getattr(cfg.model, "dtype", "float32"),
+        "remat": getattr(cfg.model, "remat", "none"),
+        "stages": per_stage,
+        "slices": stage_costs.slice_memory(schedule, per_stage),
+        "step_flops": simulation.makespan,
+        "bubble": simulation.bubble_fraction,
+        "tflops": tflops,
+        "step_s": simulation.makespan / (tflops * 1e12),
+    }
 
 
 def _gib(n: float) -> str:
@@ -82,24 +104,36 @@ def describe(summary: dict) -> str:
     s = summary
     count = f"{s['num_params'] / 1e9:.3f} B" if s["num_params"] >= 1e9 else f"{s['num_params'] / 1e6:.3f} M"
     active = s.get("active_params")
-    if active is not None:       # a mixture of experts: what one token computes with
-        count += f"; active per token {active:,} ({active / 1e9:.3f} B)" if active >= 1e9 else \
-            f"; active per token {active:,} ({active / 1e6:.3f} M)"
-    lines = [f"parameters: {s['num_params']:,} ({count}), "
-             f"{s['num_stages']} stages, {s['schedule']}, {s['num_microbatches']} microbatches of "
-             f"{s['microbatch']}, dtype {s['dtype']}, remat {s['remat']}"]
+    if active is not None:  # a mixture of experts: what one token computes with
+        count += (
+            f"; active per token {active:,} ({active / 1e9:.3f} B)"
+            if active >= 1e9
+            else f"; active per token {active:,} ({active / 1e6:.3f} M)"
+        )
+    lines = [
+        f"parameters: {s['num_params']:,} ({count}), "
+        f"{s['num_stages']} stages, {s['schedule']}, {s['num_microbatches']} microbatches of "
+        f"{s['microbatch']}, dtype {s['dtype']}, remat {s['remat']}"
+    ]
     for k, m in enumerate(s["stages"]):
-        lines.append(f"  stage {k}: params {_gib(m['params'])}, saved activations "
-                     f"{_gib(m['residuals'])} per microbatch")
+        lines.append(
+            f"  stage {k}: params {_gib(m['params'])}, saved activations {_gib(m['residuals'])} per microbatch"
+        )
     for r, m in enumerate(s["slices"]):
         gathered = f" + gathered weights {_gib(m['gathered'])}" if m.get("gathered") else ""
-        lines.append(f"slice {r}: {_gib(m['total'])} = params {_gib(m['params'])} + grads "
-                     f"{_gib(m['grads'])} + optimizer {_gib(m['optimizer'])} + saved activations "
-                     f"{_gib(m['activations'])} (peak){gathered}")
+        lines.append(
+            f"slice {r}: {_gib(m['total'])} = params {_gib(m['params'])} + grads "
+            f"{_gib(m['grads'])} + optimizer {_gib(m['optimizer'])} + saved activations "
+            f"{_gib(m['activations'])} (peak){gathered}"
+        )
     flops = f"{s['step_flops'] / 1e12:.1f} TFLOP" if s["step_flops"] >= 1e12 else f"{s['step_flops'] / 1e9:.3g} GFLOP"
-    lines.append(f"predicted step: {flops} on the critical path, "
-                 f"{s['step_s']:.3g} s at {s['tflops']:g} TFLOP/s sustained per slice; "
-                 f"bubble {s['bubble']:.1%}")
-    lines.append("not counted: activations in transit, XLA temporaries; a slice's figures are over "
-                 "all its devices (sharded parameters divide among them)")
+    lines.append(
+        f"predicted step: {flops} on the critical path, "
+        f"{s['step_s']:.3g} s at {s['tflops']:g} TFLOP/s sustained per slice; "
+        f"bubble {s['bubble']:.1%}"
+    )
+    lines.append(
+        "not counted: activations in transit, XLA temporaries; a slice's figures are over "
+        "all its devices (sharded parameters divide among them)"
+    )
     return "\n".join(lines)

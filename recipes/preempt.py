@@ -15,13 +15,14 @@ not finish: a Kubernetes Job or a SLURM requeue runs the same command again, and
 A second Ctrl-C interrupts at once (KeyboardInterrupt); a first one stops like a SIGTERM
 without a deadline, and the run exits 0.
 """
+
 from __future__ import annotations
 
 import signal
 import threading
 
 PREEMPTED_EXIT = 143
-RESERVE_S = 10.0    # of the grace, kept for stopping the workers once the alarm fires
+RESERVE_S = 10.0  # of the grace, kept for stopping the workers once the alarm fires
 
 
 class Preempted(BaseException):
@@ -30,8 +31,9 @@ class Preempted(BaseException):
     out of a wait swallows it."""
 
     def __init__(self, grace_s: float):
-        super().__init__(f"the {grace_s:g} s grace after SIGTERM ran out before the steps in flight were "
-                         f"collected and committed")
+        super().__init__(
+            f"the {grace_s:g} s grace after SIGTERM ran out before the steps in flight were collected and committed"
+        )
         self.grace_s = grace_s
 
 
@@ -56,8 +58,8 @@ class StopRequest:
             raise Preempted(self.grace_s)
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if signum == signal.SIGTERM:      # a preemption, even after a Ctrl-C
-            if not self.preempted:        # the first SIGTERM arms the alarm; another changes nothing
+        if signum == signal.SIGTERM:  # a preemption, even after a Ctrl-C
+            if not self.preempted:  # the first SIGTERM arms the alarm; another changes nothing
                 signal.setitimer(signal.ITIMER_REAL, self.grace_s - RESERVE_S)
             self.requested = "SIGTERM"
         else:

@@ -12,6 +12,7 @@ recipes/families/ and recipes/backends/; a user's own by a module the config lis
 Nothing here imports JAX: a config is checked before JAX is imported, so a spec's section and
 problems are plain pydantic and Python, and its builders import what they need when called.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,6 +46,7 @@ class ModelSpec:
     initial values), or what mpmd.Trainer(init_params=...) takes: a function from a stage's
     parameter paths to their initial arrays (a pretrained checkpoint's, e.g. llama's
     model.init_from); the model is then built abstract where it can be."""
+
     name: str
     section: type
     build: Callable[["Config", bool], Any]
@@ -74,6 +76,7 @@ class BackendSpec:
     processes (cluster.processes_per_slice > 1); in_process_devices: its slices take this process's devices (the command line
     makes them before JAX starts). problems(cfg) -> sentences naming what is wrong across
     sections."""
+
     name: str
     section: type
     build: Callable[["Config", dict], Any]
@@ -87,6 +90,7 @@ class BackendSpec:
 def flax_build(make: Callable[["Config", Any], Any]) -> Callable[["Config", bool], Any]:
     """A ModelSpec.build from make(cfg, rngs) -> a Flax NNX model: seeded with cfg.seed, built
     as shapes only (mpmd.abstract) when `abstract`."""
+
     def build(cfg: "Config", abstract: bool):
         from flax import nnx
 
@@ -94,23 +98,31 @@ def flax_build(make: Callable[["Config", Any], Any]) -> Callable[["Config", bool
 
         def made():
             return make(cfg, nnx.Rngs(cfg.seed))
+
         return mpmd.abstract(made) if abstract else made()
+
     return build
 
 
 def models_loss(name: str) -> Callable[["Config"], Callable]:
     """A ModelSpec.loss: the loss function mpmd.models.<name> (lm_loss, mse_loss, ...)."""
+
     def loss(cfg: "Config"):
         from mpmd import models
+
         return getattr(models, name)
+
     return loss
 
 
 def data_sources(name: str) -> Callable[["Config"], tuple]:
     """A ModelSpec.sources: mpmd.recipes.data.<name>(cfg) (token_sources, regression_sources)."""
+
     def sources(cfg: "Config"):
         from mpmd.recipes import data
+
         return getattr(data, name)(cfg)
+
     return sources
 
 
@@ -195,6 +207,7 @@ def import_module(name: str, key: str):
     import sys
 
     from mpmd.recipes.config import ConfigError
+
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

@@ -22,6 +22,7 @@ from typing import Iterable, Mapping, Sequence, TextIO
 # The events this module draws and measures are the executor's (name, kind, start_ns, end_ns);
 # any 4-tuple in that order works.
 from mpmd.runtime.worker.executor import Event  # noqa: F401  (re-exported for callers that build events)
+
 # One definition of a measured bubble: the report computes it from trace.json the same way.
 from mpmd.report.trace import measured_bubble  # noqa: F401
 from mpmd.recipes.console import PROGRESS
@@ -82,7 +83,7 @@ class MetricsLog:
             except OSError:
                 del self._records[record["step"]]
                 with contextlib.suppress(OSError):
-                    os.truncate(self.path, size)   # freeing space needs none
+                    os.truncate(self.path, size)  # freeing space needs none
                 raise
 
     def truncate_after(self, step: int) -> None:
@@ -114,10 +115,12 @@ def _summary_writer():
     machine; the metrics written here are Python numbers, so tensorboardX is imported with
     torch hidden from it, and torch stays importable afterwards."""
     import sys
+
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
+
         return SummaryWriter
-    sys.modules["torch"] = None          # `import torch` raises ImportError, which tensorboardX expects
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects
     try:
         from tensorboardX import SummaryWriter
     finally:
@@ -154,19 +157,27 @@ class WandB:
     def __init__(self, run_dir: str | Path, project: str, config: Mapping[str, object]):
         import wandb  # imported here: only runs that want it pay (the config checked it is installed)
         from mpmd.recipes.config import ConfigError
+
         try:
-            self._run = wandb.init(project=project, name=Path(run_dir).name, dir=str(run_dir), config=dict(config),
-                                   settings=wandb.Settings(silent=True, console="off"))
-        except wandb.errors.Error as e:     # no API key, a project it may not write to, ...
-            raise ConfigError(f"log.wandb=true: W&B could not start a run: {e} (`wandb login`, or "
-                              f"WANDB_MODE=offline to log without an account)") from None
+            self._run = wandb.init(
+                project=project,
+                name=Path(run_dir).name,
+                dir=str(run_dir),
+                config=dict(config),
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        except wandb.errors.Error as e:  # no API key, a project it may not write to, ...
+            raise ConfigError(
+                f"log.wandb=true: W&B could not start a run: {e} (`wandb login`, or "
+                f"WANDB_MODE=offline to log without an account)"
+            ) from None
         self._run.define_metric("*", step_metric="step")
 
     def write(self, step: int, metrics: Mapping[str, object]) -> None:
         self._run.log({"step": int(step), **scalars(metrics)})
 
     def flush(self) -> None:
-        pass     # W&B's own process writes as records arrive
+        pass  # W&B's own process writes as records arrive
 
     def close(self) -> None:
         self._run.finish()
@@ -188,8 +199,7 @@ def _fmt(value) -> str:
     value = float(value)
     if value != value or math.isinf(value):
         return str(value)
-    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}" if abs(value) < 1e-2 \
-        else f"{value:.2f}"
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.2f}"
 
 
 def _duration(seconds: float) -> str:
@@ -212,8 +222,15 @@ class Progress:
     (compiling every program) is left out, as it would make the rest look slower.
     """
 
-    def __init__(self, total_steps: int, tokens_per_step: int, mode: str = "auto",
-                 every: int = 10, start_step: int = 0, stream: TextIO | None = None):
+    def __init__(
+        self,
+        total_steps: int,
+        tokens_per_step: int,
+        mode: str = "auto",
+        every: int = 10,
+        start_step: int = 0,
+        stream: TextIO | None = None,
+    ):
         if mode not in ("auto", "bar", "lines"):
             raise ValueError(f"progress mode must be 'auto', 'bar' or 'lines', got {mode!r}")
         self.stream = stream or sys.stdout
@@ -223,13 +240,13 @@ class Progress:
         self.tokens_per_step = tokens_per_step
         self._last_step, self._last_time = start_step, time.perf_counter()
         self._latest: dict[str, float] = {}  # last seen value of each metric (eval is rarer)
-        self._first: tuple[int, float] | None = None   # (step, time) of the first update, for the ETA
+        self._first: tuple[int, float] | None = None  # (step, time) of the first update, for the ETA
         self._eta_s: float | None = None
         self._bar = None
         if mode == "bar":
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream,
-                             unit="step", dynamic_ncols=True)
+
+            self._bar = tqdm(total=total_steps, initial=start_step, file=self.stream, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, metrics: Mapping[str, object]) -> None:
         now = time.perf_counter()
@@ -246,8 +263,7 @@ class Progress:
             self._eta_s = (self.total - step) * (now - self._first[1]) / (step - self._first[0])
         logged = step % self.every == 0 or step == self.total
         if self._bar is not None:
-            shown = {k: _fmt(self._latest[k]) for k in ("loss", "eval_loss", "tok/s")
-                     if k in self._latest}
+            shown = {k: _fmt(self._latest[k]) for k in ("loss", "eval_loss", "tok/s") if k in self._latest}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(done)
         elif logged:
@@ -303,14 +319,26 @@ def write_trace(path: str | Path, events_per_step: Mapping[int, Sequence[Iterabl
         for pid, events in enumerate(slices):
             for name, kind, start_ns, end_ns in events:
                 tid = kinds.setdefault(kind, len(kinds))
-                trace.append({"name": name, "cat": kind, "ph": "X", "pid": pid, "tid": tid,
-                              "ts": (start_ns - origin_ns) / 1e3,
-                              "dur": max(0, end_ns - start_ns) / 1e3,
-                              "args": {"step": int(step)}})
-    metadata = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"slice {pid}"}}
-                for pid in range(num_slices)]
-    metadata += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": kind}}
-                 for pid in range(num_slices) for kind, tid in kinds.items()]
+                trace.append(
+                    {
+                        "name": name,
+                        "cat": kind,
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": (start_ns - origin_ns) / 1e3,
+                        "dur": max(0, end_ns - start_ns) / 1e3,
+                        "args": {"step": int(step)},
+                    }
+                )
+    metadata = [
+        {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"slice {pid}"}} for pid in range(num_slices)
+    ]
+    metadata += [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": kind}}
+        for pid in range(num_slices)
+        for kind, tid in kinds.items()
+    ]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Temp file + os.replace: a report read while the run goes on sees the old trace or the new.

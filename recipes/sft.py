@@ -25,6 +25,7 @@ once when the data is read. Rows are then served as windows are (recipes/data.py
 a fresh permutation every epoch, a pure function of the seed and the batch index), so a resumed
 run reads the batches an uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,9 @@ ROLES = ("system", "user", "assistant")
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One training example: text segments in order, each trained (a response) or context."""
+
     segments: tuple[tuple[str, bool], ...]
-    where: str          # "file:line", for messages naming it
+    where: str  # "file:line", for messages naming it
 
     @property
     def response(self) -> str:
@@ -57,16 +59,17 @@ def _string(value, where: str, field: str, allow_empty: bool = True) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{where}: {field} must be a string, got {type(value).__name__} {value!r:.60}")
     if not allow_empty and not value.strip():
-        raise ConfigError(f"{where}: {field} is empty: a prompt needs text to continue and a response text to "
-                          f"train on")
+        raise ConfigError(f"{where}: {field} is empty: a prompt needs text to continue and a response text to train on")
     return value
 
 
 def parse(record, where: str) -> Example:
     """One line's object as an Example; ConfigError naming `where` (file:line) and the field."""
     if not isinstance(record, dict):
-        raise ConfigError(f"{where}: a line must be a JSON object with 'prompt' and 'response' (or "
-                          f"'messages'), got {type(record).__name__}")
+        raise ConfigError(
+            f"{where}: a line must be a JSON object with 'prompt' and 'response' (or "
+            f"'messages'), got {type(record).__name__}"
+        )
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
@@ -89,8 +92,10 @@ def parse(record, where: str) -> Example:
         return Example(tuple(segments), where)
     for field in ("prompt", "response"):
         if field not in record:
-            raise ConfigError(f"{where}: no {field!r} field (a line holds 'prompt' and 'response', or "
-                              f"'messages'); it has {', '.join(map(repr, record)) or 'none'}")
+            raise ConfigError(
+                f"{where}: no {field!r} field (a line holds 'prompt' and 'response', or "
+                f"'messages'); it has {', '.join(map(repr, record)) or 'none'}"
+            )
     prompt = _string(record["prompt"], where, "prompt", allow_empty=False)
     response = _string(record["response"], where, "response", allow_empty=False)
     return Example(((prompt, False), (response, True)), where)
@@ -103,8 +108,9 @@ def read(path) -> list[Example]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist (make a train and a held-out file with "
-                          f"`mpmd sft-data -o DIR`)") from None
+        raise ConfigError(
+            f"{path} does not exist (make a train and a held-out file with `mpmd sft-data -o DIR`)"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
     out = []
@@ -141,6 +147,7 @@ def encode(example: Example, tok) -> tuple[np.ndarray, np.ndarray]:
 @dataclasses.dataclass
 class Rows:
     """Examples as rows of seq_len: the batch keys' arrays, [num_rows, seq_len] each."""
+
     arrays: dict[str, np.ndarray]
 
     @classmethod
@@ -151,15 +158,17 @@ class Rows:
         for ex in examples:
             ids, trained = encode(ex, tok)
             if len(ids) > seq_len + 1:
-                raise ConfigError(f"{ex.where}: the example is {len(ids)} tokens (end marker included), more than "
-                                  f"model.seq_len + 1 = {seq_len + 1}: shorten it or raise model.seq_len")
+                raise ConfigError(
+                    f"{ex.where}: the example is {len(ids)} tokens (end marker included), more than "
+                    f"model.seq_len + 1 = {seq_len + 1}: shorten it or raise model.seq_len"
+                )
             encoded.append((ids, trained))
         if not pack:
             bins = [[i] for i in range(len(encoded))]
         else:
             order = np.random.default_rng(seed).permutation(len(encoded))
             bins, free = [], []
-            for i in order:      # first fit: each example into the first row with room for its inputs
+            for i in order:  # first fit: each example into the first row with room for its inputs
                 need = len(encoded[i][0]) - 1
                 row = next((r for r, room in enumerate(free) if room >= need), None)
                 if row is None:
@@ -175,12 +184,12 @@ class Rows:
             for segment, i in enumerate(members, 1):
                 ids, trained = encoded[i]
                 n = len(ids) - 1
-                arrays["inputs"][r, at:at + n] = ids[:-1]
-                arrays["targets"][r, at:at + n] = ids[1:]
-                arrays["loss_mask"][r, at:at + n] = trained[1:]     # the target is a response token
+                arrays["inputs"][r, at : at + n] = ids[:-1]
+                arrays["targets"][r, at : at + n] = ids[1:]
+                arrays["loss_mask"][r, at : at + n] = trained[1:]  # the target is a response token
                 if pack:
-                    arrays["segment_ids"][r, at:at + n] = segment
-                    arrays["positions"][r, at:at + n] = np.arange(n)
+                    arrays["segment_ids"][r, at : at + n] = segment
+                    arrays["positions"][r, at : at + n] = np.arange(n)
                 at += n
         return cls(arrays)
 
@@ -210,22 +219,27 @@ def splits(cfg: Config) -> tuple[list[Example], list[Example]]:
         return examples, read(d.eval_path)
     held = max(1, int(len(examples) * d.eval_fraction))
     if held >= len(examples):
-        raise ConfigError(f"data.path={d.path!r} holds {len(examples)} example(s): too few to hold out "
-                          f"data.eval_fraction={d.eval_fraction} of them; add examples or give data.eval_path")
+        raise ConfigError(
+            f"data.path={d.path!r} holds {len(examples)} example(s): too few to hold out "
+            f"data.eval_fraction={d.eval_fraction} of them; add examples or give data.eval_path"
+        )
     return examples[:-held], examples[-held:]
 
 
 def loaders(cfg: Config) -> tuple[Loader, Loader]:
     """(train, eval) loaders of batch dicts over the train and held-out examples' rows."""
     from mpmd.recipes import tokenizer
+
     tok = tokenizer.of_config(cfg)
     out = []
     for name, examples in zip(("train", "held-out"), splits(cfg)):
         rows = Rows.of(examples, tok, cfg.model.seq_len, cfg.data.pack, cfg.seed)
         if rows.num_rows < cfg.train.batch_size:
-            raise ConfigError(f"the {name} examples ({len(examples)}, {examples[0].where.rsplit(':', 1)[0]}) make "
-                              f"{rows.num_rows} rows of model.seq_len={cfg.model.seq_len}, fewer than "
-                              f"train.batch_size={cfg.train.batch_size}: add examples or lower train.batch_size")
+            raise ConfigError(
+                f"the {name} examples ({len(examples)}, {examples[0].where.rsplit(':', 1)[0]}) make "
+                f"{rows.num_rows} rows of model.seq_len={cfg.model.seq_len}, fewer than "
+                f"train.batch_size={cfg.train.batch_size}: add examples or lower train.batch_size"
+            )
         out.append(Loader(RowSource(rows), cfg.train.batch_size, cfg.seed))
     return out[0], out[1]
 
@@ -234,6 +248,7 @@ def metadata(cfg: Config) -> dict:
     """What every manifest of a jsonl run records of its data: the files' content hash (a
     resume on changed files is refused, recipes/train.py) and the tokenizer's."""
     from mpmd.recipes import tokenizer
+
     digest = hashlib.sha256()
     for path in (cfg.data.path, cfg.data.eval_path):
         if path is not None:

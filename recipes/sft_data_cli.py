@@ -10,6 +10,7 @@ Tasks, each line {"prompt": ..., "response": ...}:
 The held-out examples' prompts are none of the training ones, so exact match on them measures
 what was learnt, not what was seen. Deterministic from --seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,11 +63,16 @@ def write(out_dir, train: list[dict], heldout: list[dict]) -> tuple[Path, Path]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mpmd sft-data", description="Write a generated fine-tuning data set "
-                                     "(train.jsonl, heldout.jsonl) that data.source=jsonl trains on.",
-                                     epilog="example: mpmd sft-data -o data/sft && mpmd train configs/llama_sft.yaml")
+    parser = argparse.ArgumentParser(
+        prog="mpmd sft-data",
+        description="Write a generated fine-tuning data set "
+        "(train.jsonl, heldout.jsonl) that data.source=jsonl trains on.",
+        epilog="example: mpmd sft-data -o data/sft && mpmd train configs/llama_sft.yaml",
+    )
     parser.add_argument("-o", "--out", required=True, metavar="DIR", help="directory to write the two files into")
-    parser.add_argument("--task", default="reverse", choices=sorted(TASKS), help="what the examples ask (default reverse)")
+    parser.add_argument(
+        "--task", default="reverse", choices=sorted(TASKS), help="what the examples ask (default reverse)"
+    )
     parser.add_argument("--train", type=int, default=4000, metavar="N", help="training examples (default 4000)")
     parser.add_argument("--heldout", type=int, default=200, metavar="N", help="held-out examples (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the examples (default 0)")

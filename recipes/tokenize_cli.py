@@ -5,6 +5,7 @@ tokenizes the files a config's data.paths name with its data.tokenizer.
 A document is a file, or a line of a .jsonl file (its --text-key field, default `text`).
 Exit status: 0 when written, 2 for bad arguments, files or tokenizer ("error: ..." on stderr).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,17 +18,37 @@ from mpmd.recipes.config import ConfigError
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mpmd tokenize", description="Tokenize text files into shards data.source=tokens reads.",
-        epilog="example: mpmd tokenize notes/*.txt -o data/notes --tokenizer runs/tok")
-    parser.add_argument("inputs", metavar="FILES", nargs="+",
-                        help="UTF-8 text files (.jsonl: a document a line), or one YAML config followed by "
-                             "key=value overrides: its data.paths with its data.tokenizer")
-    parser.add_argument("-o", "--output", required=True, metavar="DIR",
-                        help="writes DIR/index.json, DIR/shard-*.tokens|offsets (and DIR/tokenizer.json)")
-    parser.add_argument("--tokenizer", default=None, metavar="T",
-                        help="bytes, a tokenizer.json or its directory (default: bytes, or the config's)")
-    parser.add_argument("--shard-tokens", type=int, default=None, metavar="N",
-                        help="tokens per shard, at least (documents are not cut; default 100,000,000)")
+        prog="mpmd tokenize",
+        description="Tokenize text files into shards data.source=tokens reads.",
+        epilog="example: mpmd tokenize notes/*.txt -o data/notes --tokenizer runs/tok",
+    )
+    parser.add_argument(
+        "inputs",
+        metavar="FILES",
+        nargs="+",
+        help="UTF-8 text files (.jsonl: a document a line), or one YAML config followed by "
+        "key=value overrides: its data.paths with its data.tokenizer",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DIR",
+        help="writes DIR/index.json, DIR/shard-*.tokens|offsets (and DIR/tokenizer.json)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="T",
+        help="bytes, a tokenizer.json or its directory (default: bytes, or the config's)",
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per shard, at least (documents are not cut; default 100,000,000)",
+    )
     parser.add_argument("--text-key", default="text", metavar="K", help="the text field of .jsonl lines")
     return parser
 
@@ -37,16 +58,20 @@ def _files_and_tokenizer(args) -> tuple[list, str]:
     if first.suffix not in (".yaml", ".yml"):
         return args.inputs, args.tokenizer or "bytes"
     from mpmd.recipes import config, data
+
     cfg = config.load(first, args.inputs[1:])
     if cfg.data.source != "files":
-        raise ConfigError(f"{first}: mpmd tokenize reads a config's data.paths, which needs data.source='files', "
-                          f"got '{cfg.data.source}'")
+        raise ConfigError(
+            f"{first}: mpmd tokenize reads a config's data.paths, which needs data.source='files', "
+            f"got '{cfg.data.source}'"
+        )
     return data.corpus_files(cfg.data), args.tokenizer or cfg.data.tokenizer
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from mpmd.recipes import tokenizer, tokens
+
     try:
         if args.shard_tokens is not None and args.shard_tokens <= 0:
             raise ConfigError(f"--shard-tokens must be > 0, got {args.shard_tokens}")
@@ -57,9 +82,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}: {index['num_documents']} documents, {index['num_tokens']} tokens in "
-          f"{len(index['shards'])} shard(s), tokenizer {tok.spec!r} (hash {tok.hash}), corpus hash {index['hash']} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"wrote {args.output}: {index['num_documents']} documents, {index['num_tokens']} tokens in "
+        f"{len(index['shards'])} shard(s), tokenizer {tok.spec!r} (hash {tok.hash}), corpus hash {index['hash']} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ BPE tokenizer from the user's files, offline (`mpmd tokenizer train`).
 
 Imports no JAX: the config loader resolves the vocabulary before JAX starts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,22 +28,24 @@ import numpy as np
 from mpmd.recipes.config.schema import ConfigError
 
 BYTES = "bytes"
-TOKENIZER_FILE = "tokenizer.json"   # the Hugging Face `tokenizers` serialisation
-RUN_FILE = "tokenizer.json"         # the copy in a run directory (none for bytes)
+TOKENIZER_FILE = "tokenizer.json"  # the Hugging Face `tokenizers` serialisation
+RUN_FILE = "tokenizer.json"  # the copy in a run directory (none for bytes)
 # The end-of-text token `train_bpe` adds, and the names other tokenizers give theirs, in the
 # order they are looked for when no tokenizer_config.json says which.
 EOS_TOKEN = "<|endoftext|>"
 _EOS_NAMES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>")
-VOCAB_MULTIPLE = 128     # Megatron-LM's --make-vocab-size-divisible-by, times the tensor ways
+VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by, times the tensor ways
 
 
 class ByteTokenizer:
     """One token per UTF-8 byte, 0..255: the byte corpus's own coding (recipes/data.py's
     encode / decode, so a bytes run is bitwise what it was before tokenizers existed)."""
+
     spec, vocab_size, eos_id, hash = BYTES, 256, None, BYTES
 
     def encode(self, text: str) -> np.ndarray:
         from mpmd.recipes import data
+
         return data.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -50,6 +53,7 @@ class ByteTokenizer:
 
     def decode(self, tokens) -> str:
         from mpmd.recipes import data
+
         return data.decode(tokens)
 
     def to_json(self) -> str | None:
@@ -62,9 +66,10 @@ class HFTokenizer:
 
     def __init__(self, path: Path, text: str, eos_id: int | None):
         import tokenizers
+
         try:
             self._tok = tokenizers.Tokenizer.from_str(text)
-        except Exception as e:     # the Rust parser's error: not a tokenizer.json
+        except Exception as e:  # the Rust parser's error: not a tokenizer.json
             raise ConfigError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
         self.spec = str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -77,13 +82,12 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Many texts at once, over the library's threads."""
-        return [np.asarray(e.ids, dtype=np.int32)
-                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, tokens) -> str:
         ids = np.asarray(tokens).reshape(-1).astype(np.int64)
         out, run = [], []
-        for i in ids:       # runs of known ids decode together (merged bytes stay merged)
+        for i in ids:  # runs of known ids decode together (merged bytes stay merged)
             if 0 <= i < self.vocab_size:
                 run.append(int(i))
                 continue
@@ -114,10 +118,11 @@ def load(spec: str) -> Tokenizer:
     path = Path(spec)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():
-        what = (f"the directory {path} holds no {TOKENIZER_FILE}" if path.is_dir() else
-                f"{path} does not exist")
-        raise ConfigError(f"tokenizer {spec!r}: {what}; give 'bytes', a {TOKENIZER_FILE} or a directory "
-                          f"holding one (make one with `mpmd tokenizer train FILES... --vocab-size N -o DIR`)")
+        what = f"the directory {path} holds no {TOKENIZER_FILE}" if path.is_dir() else f"{path} does not exist"
+        raise ConfigError(
+            f"tokenizer {spec!r}: {what}; give 'bytes', a {TOKENIZER_FILE} or a directory "
+            f"holding one (make one with `mpmd tokenizer train FILES... --vocab-size N -o DIR`)"
+        )
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -159,16 +164,19 @@ def vocab_problem(tok: Tokenizer, model_vocab_size: int) -> str | None:
     """The sentence refusing a model.vocab_size too small for the tokenizer's tokens."""
     if model_vocab_size >= tok.vocab_size:
         return None
-    return (f"model.vocab_size={model_vocab_size} is smaller than the tokenizer {tok.spec!r}'s "
-            f"{tok.vocab_size} tokens: set model.vocab_size >= {tok.vocab_size}, or leave it out "
-            f"and it follows the tokenizer")
+    return (
+        f"model.vocab_size={model_vocab_size} is smaller than the tokenizer {tok.spec!r}'s "
+        f"{tok.vocab_size} tokens: set model.vocab_size >= {tok.vocab_size}, or leave it out "
+        f"and it follows the tokenizer"
+    )
 
 
 def vocab_note(tok: Tokenizer, model_vocab_size: int) -> str:
     """The one console line saying where model.vocab_size came from."""
     pad = model_vocab_size - tok.vocab_size
-    return (f"model.vocab_size={model_vocab_size}: the tokenizer {tok.spec!r} has {tok.vocab_size} tokens"
-            + (f", padded by {pad} to a multiple the mesh splits" if pad else ""))
+    return f"model.vocab_size={model_vocab_size}: the tokenizer {tok.spec!r} has {tok.vocab_size} tokens" + (
+        f", padded by {pad} to a multiple the mesh splits" if pad else ""
+    )
 
 
 # -- a run's tokenizer -----------------------------------------------------------------------
@@ -189,6 +197,7 @@ def run_tokenizer(run_dir: str | Path) -> Tokenizer:
     """The tokenizer a run trained with: its copy in the run directory, checked against the
     hash its run.json recorded; bytes for a run that recorded none (or bytes)."""
     from mpmd.report.record import read_run_info
+
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory: it has no config.yaml")
@@ -197,36 +206,45 @@ def run_tokenizer(run_dir: str | Path) -> Tokenizer:
         return ByteTokenizer()
     copy = run_dir / RUN_FILE
     if not copy.is_file():
-        raise ConfigError(f"{run_dir} trained with the tokenizer {recorded.get('spec')!r} (hash "
-                          f"{recorded['hash']}) but holds no {RUN_FILE}")
+        raise ConfigError(
+            f"{run_dir} trained with the tokenizer {recorded.get('spec')!r} (hash "
+            f"{recorded['hash']}) but holds no {RUN_FILE}"
+        )
     tok = load(str(copy))
     if tok.hash != recorded["hash"]:
-        raise ConfigError(f"{copy} has hash {tok.hash}, but the run trained with {recorded['hash']}: "
-                          f"the file was changed")
+        raise ConfigError(
+            f"{copy} has hash {tok.hash}, but the run trained with {recorded['hash']}: the file was changed"
+        )
     return tok
 
 
 # -- training one ----------------------------------------------------------------------------
-def train_bpe(files: list[str | Path], vocab_size: int, out_dir: str | Path,
-              min_frequency: int = 2) -> Path:
+def train_bpe(files: list[str | Path], vocab_size: int, out_dir: str | Path, min_frequency: int = 2) -> Path:
     """A byte-level BPE tokenizer (GPT-2's scheme: every byte is a token, so any text
     encodes) of vocab_size tokens, <|endoftext|> included, learnt from the files' text;
     written as <out_dir>/tokenizer.json. Nothing is downloaded."""
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
+
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(alphabet) + 1:
-        raise ConfigError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least "
-                          f"{len(alphabet) + 1} tokens (256 bytes and {EOS_TOKEN})")
+        raise ConfigError(
+            f"--vocab-size {vocab_size}: a byte-level BPE needs at least "
+            f"{len(alphabet) + 1} tokens (256 bytes and {EOS_TOKEN})"
+        )
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing or not files:
         raise ConfigError(f"no such file: {', '.join(missing)}" if missing else "no files to train on")
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=[EOS_TOKEN], initial_alphabet=alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
     tok.train([str(f) for f in files], trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,10 +260,13 @@ def of_config(cfg) -> Tokenizer:
     if d.source != "tokens":
         return load(d.tokenizer)
     from mpmd.recipes import tokens
+
     tok = tokens.Corpus(d.path).tokenizer()
     if "tokenizer" in d.model_fields_set and d.tokenizer != tok.spec and load(d.tokenizer).hash != tok.hash:
-        raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not the tokenizer the corpus data.path={d.path!r} "
-                          f"was tokenized with (hash {tok.hash}): leave data.tokenizer out, or tokenize again")
+        raise ConfigError(
+            f"data.tokenizer={d.tokenizer!r} is not the tokenizer the corpus data.path={d.path!r} "
+            f"was tokenized with (hash {tok.hash}): leave data.tokenizer out, or tokenize again"
+        )
     return tok
 
 
@@ -257,7 +278,7 @@ def resolve_vocab_size(cfg) -> None:
     if not hasattr(cfg.model, "vocab_size") or (d.tokenizer == BYTES and d.source != "tokens"):
         return
     if d.source == "tokens" and d.path is None:
-        return      # the problem is cross_field_problems' to name
+        return  # the problem is cross_field_problems' to name
     tok = of_config(cfg)
     if "vocab_size" in cfg.model.model_fields_set:
         problem = vocab_problem(tok, cfg.model.vocab_size)

@@ -21,6 +21,7 @@ resume on another corpus. `Corpus.tokens(start, stop)` reads any range of the do
 concatenation (across shards); recipes/grain_data.py serves windows and documents of it to
 Grain as random-access data sources.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,8 @@ from mpmd.recipes.config.schema import ConfigError
 
 INDEX = "index.json"
 FORMAT, VERSION = "mpmd-tokens", 1
-SHARD_TOKENS = 100_000_000     # a shard's size: ~200 MB of uint16, written and hashed in one go
-_DOCS_PER_BATCH = 256          # documents encoded per call of the tokenizer's threads
+SHARD_TOKENS = 100_000_000  # a shard's size: ~200 MB of uint16, written and hashed in one go
+_DOCS_PER_BATCH = 256  # documents encoded per call of the tokenizer's threads
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -60,12 +61,18 @@ def documents(files: Iterable[str | Path], text_key: str = "text") -> Iterator[s
                 record = json.loads(line)
                 yield record[text_key]
             except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"{path}:{number}: a .jsonl line must be a JSON object with a string "
-                                  f"{text_key!r} field") from None
+                raise ConfigError(
+                    f"{path}:{number}: a .jsonl line must be a JSON object with a string {text_key!r} field"
+                ) from None
 
 
-def write(files: list[str | Path], out_dir: str | Path, tok: tokenizer_lib.Tokenizer,
-          shard_tokens: int = SHARD_TOKENS, text_key: str = "text") -> dict:
+def write(
+    files: list[str | Path],
+    out_dir: str | Path,
+    tok: tokenizer_lib.Tokenizer,
+    shard_tokens: int = SHARD_TOKENS,
+    text_key: str = "text",
+) -> dict:
     """Tokenizes the files' documents into a corpus at out_dir (the format above); returns
     its index. A shard is closed once it holds shard_tokens tokens (documents are not cut)."""
     if not files:
@@ -73,7 +80,7 @@ def write(files: list[str | Path], out_dir: str | Path, tok: tokenizer_lib.Token
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if (out / INDEX).exists():
-        (out / INDEX).unlink()         # a half-written corpus has no index: nothing reads it
+        (out / INDEX).unlink()  # a half-written corpus has no index: nothing reads it
     dtype = token_dtype(tok.vocab_size)
     eos = [] if tok.eos_id is None else [tok.eos_id]
     shards, writer = [], None
@@ -100,14 +107,19 @@ def write(files: list[str | Path], out_dir: str | Path, tok: tokenizer_lib.Token
     text = tok.to_json()
     if text is not None:
         (out / tokenizer_lib.TOKENIZER_FILE).write_text(text, encoding="utf-8")
-    index = {"format": FORMAT, "version": VERSION, "dtype": dtype.name,
-             "tokenizer": {"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
-             "num_documents": sum(s["num_documents"] for s in shards),
-             "num_tokens": sum(s["num_tokens"] for s in shards), "shards": shards}
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "tokenizer": {"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+        "num_documents": sum(s["num_documents"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "shards": shards,
+    }
     index["hash"] = _index_hash(index)
     tmp = out / (INDEX + ".tmp")
     tmp.write_text(json.dumps(index, indent=1))
-    tmp.replace(out / INDEX)      # the index last: a corpus is whole once it has one
+    tmp.replace(out / INDEX)  # the index last: a corpus is whole once it has one
     return index
 
 
@@ -130,8 +142,13 @@ class _ShardWriter:
         offsets = np.asarray(self.offsets, "<i8").tobytes()
         (self.out / self.names[1]).write_bytes(offsets)
         self.sha.update(offsets)
-        return {"tokens": self.names[0], "offsets": self.names[1], "num_documents": len(self.offsets) - 1,
-                "num_tokens": self.num_tokens, "sha256": self.sha.hexdigest()}
+        return {
+            "tokens": self.names[0],
+            "offsets": self.names[1],
+            "num_documents": len(self.offsets) - 1,
+            "num_tokens": self.num_tokens,
+            "sha256": self.sha.hexdigest(),
+        }
 
 
 def _index_hash(index: dict) -> str:
@@ -150,8 +167,9 @@ class Corpus:
         index_file = self.path / INDEX
         if not index_file.is_file():
             what = "does not exist" if not self.path.exists() else f"has no {INDEX}"
-            raise ConfigError(f"data.path={str(path)!r} {what}: give the directory `mpmd tokenize FILES... "
-                              f"-o DIR` wrote")
+            raise ConfigError(
+                f"data.path={str(path)!r} {what}: give the directory `mpmd tokenize FILES... -o DIR` wrote"
+            )
         try:
             index = json.loads(index_file.read_text())
         except ValueError as e:
@@ -164,12 +182,15 @@ class Corpus:
         self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
         self.num_tokens, self.num_documents = index["num_tokens"], index["num_documents"]
         for shard in index["shards"]:
-            for key, size in (("tokens", shard["num_tokens"] * self.dtype.itemsize),
-                              ("offsets", (shard["num_documents"] + 1) * 8)):
+            for key, size in (
+                ("tokens", shard["num_tokens"] * self.dtype.itemsize),
+                ("offsets", (shard["num_documents"] + 1) * 8),
+            ):
                 file = self.path / shard[key]
                 if not file.is_file() or file.stat().st_size != size:
-                    raise ConfigError(f"{file}: missing or not {size} bytes as {index_file} says; "
-                                      f"tokenize the corpus again")
+                    raise ConfigError(
+                        f"{file}: missing or not {size} bytes as {index_file} says; tokenize the corpus again"
+                    )
         # Where each shard's tokens start in the concatenation of all of them.
         self.starts = np.cumsum([0] + [s["num_tokens"] for s in index["shards"]])
         self._maps: dict[int, np.ndarray] = {}
@@ -181,15 +202,20 @@ class Corpus:
             return tokenizer_lib.ByteTokenizer()
         tok = tokenizer_lib.load(str(self.path / tokenizer_lib.TOKENIZER_FILE))
         if tok.hash != want:
-            raise ConfigError(f"{self.path / tokenizer_lib.TOKENIZER_FILE} has hash {tok.hash}, but the corpus "
-                              f"was tokenized with {want}: tokenize it again")
+            raise ConfigError(
+                f"{self.path / tokenizer_lib.TOKENIZER_FILE} has hash {tok.hash}, but the corpus "
+                f"was tokenized with {want}: tokenize it again"
+            )
         return tok
 
     def _shard(self, k: int) -> np.ndarray:
         if k not in self._maps:
             shard = self.index["shards"][k]
-            self._maps[k] = (np.memmap(self.path / shard["tokens"], self.dtype, "r")
-                             if shard["num_tokens"] else np.zeros(0, self.dtype))
+            self._maps[k] = (
+                np.memmap(self.path / shard["tokens"], self.dtype, "r")
+                if shard["num_tokens"]
+                else np.zeros(0, self.dtype)
+            )
         return self._maps[k]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
@@ -200,7 +226,7 @@ class Corpus:
         while start < stop:
             local = start - self.starts[first]
             end = min(stop, self.starts[first + 1])
-            parts.append(self._shard(first)[local:end - self.starts[first]])
+            parts.append(self._shard(first)[local : end - self.starts[first]])
             start, first = end, first + 1
         return np.concatenate(parts or [np.zeros(0, self.dtype)]).astype(np.int32)
 

@@ -18,6 +18,7 @@ allow_config_change. Checkpoints that cannot be restored or saved raise Checkpoi
 step whose loss or gradient norm is not finite raises NonFinite (train.on_nonfinite=stop).
 Any other error is a bug and stays itself.
 """
+
 from __future__ import annotations
 
 import collections
@@ -91,14 +92,16 @@ def split_stages(cfg: Config, built, sample_input) -> list:
     num_stages, cuts = cfg.pipeline.num_stages, cfg.pipeline.cuts
     if callable(getattr(built, "layers", None)):
         with _config_problem(f"pipeline.num_stages={num_stages}" if cuts is None else f"pipeline.cuts={cuts}"):
-            return mpmd.split(built, num_stages, sample_input, cuts=cuts)   # Stages: leaves named by model path
-    stages = built if isinstance(built, list) else list(built)   # mpmd.split's Stages keep their paths
-    if cuts is not None:      # a run of the builder's stages per pipeline stage
+            return mpmd.split(built, num_stages, sample_input, cuts=cuts)  # Stages: leaves named by model path
+    stages = built if isinstance(built, list) else list(built)  # mpmd.split's Stages keep their paths
+    if cuts is not None:  # a run of the builder's stages per pipeline stage
         with _config_problem(f"pipeline.cuts={cuts}"):
             return cut(stages, cuts)
     if len(stages) != num_stages:
-        raise ConfigError(f"model.kind={cfg.model.kind!r} built {len(stages)} stages but "
-                          f"pipeline.num_stages={num_stages}; set pipeline.num_stages={len(stages)}")
+        raise ConfigError(
+            f"model.kind={cfg.model.kind!r} built {len(stages)} stages but "
+            f"pipeline.num_stages={num_stages}; set pipeline.num_stages={len(stages)}"
+        )
     return stages
 
 
@@ -129,8 +132,8 @@ def learning_rate(cfg: Config) -> optax.Schedule:
     if o.warmup_steps == 0:
         return optax.constant_schedule(o.lr)
     return optax.join_schedules(
-        [optax.linear_schedule(0.0, o.lr, o.warmup_steps), optax.constant_schedule(o.lr)],
-        [o.warmup_steps])
+        [optax.linear_schedule(0.0, o.lr, o.warmup_steps), optax.constant_schedule(o.lr)], [o.warmup_steps]
+    )
 
 
 def build_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -154,9 +157,11 @@ def build_cluster(cfg: Config):
     with _config_problem(f"cluster.backend='{c.backend}'", (ValueError, RayMissingError)):
         # failure_timeout_s: null (or a backend without it) leaves the cluster's own default.
         failure_timeout_s = getattr(c, "failure_timeout_s", None)
-        timeouts = dict(step_timeout_s=c.step_timeout_s, **(
-            {"failure_timeout_s": failure_timeout_s} if failure_timeout_s is not None else {}))
-        if hasattr(c, "transport"):      # the backends whose slices are worker processes
+        timeouts = dict(
+            step_timeout_s=c.step_timeout_s,
+            **({"failure_timeout_s": failure_timeout_s} if failure_timeout_s is not None else {}),
+        )
+        if hasattr(c, "transport"):  # the backends whose slices are worker processes
             timeouts["transport"] = c.transport
         return registry.get_backend_spec(c.backend).build(cfg, timeouts)
 
@@ -188,14 +193,15 @@ def sample(trainer: mpmd.Trainer, cfg: Config, prompt: str, num_tokens: int) -> 
     to this process."""
     model = generate.model_with(cfg, generate.trainer_params(trainer))
     t = cfg.train
-    return generate.continue_text(model, generate.tokenizer_of(cfg.run_dir), prompt, num_tokens, t.sample_temperature,
-                                  t.sample_top_k, cfg.seed)[0]
+    return generate.continue_text(
+        model, generate.tokenizer_of(cfg.run_dir), prompt, num_tokens, t.sample_temperature, t.sample_top_k, cfg.seed
+    )[0]
 
 
 def _first_microbatch(loader: data.Loader, num_microbatches: int):
     batch = loader.batch_at(0)
     inputs = batch[0] if isinstance(batch, tuple) else batch["inputs"]
-    return inputs[:len(inputs) // num_microbatches]
+    return inputs[: len(inputs) // num_microbatches]
 
 
 def _first_micro(loader: data.Loader, rows: int) -> tuple:
@@ -224,14 +230,17 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
     if not saved or "math_hash" not in saved or saved["math_hash"] == now["math_hash"]:
         return now
     changes = config_lib.math_changes(saved.get("math", {}), now["math"])
-    if not changes:       # the same values, hashed as an older schema listed them
+    if not changes:  # the same values, hashed as an older schema listed them
         return {**now, "math_hash_before": saved["math_hash"]}
     if not allow_config_change:
-        raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained with other values "
-                          f"of keys that change training ({'; '.join(changes)}): resume with "
-                          f"the same values, use another run_dir, or pass --allow-config-change")
-    print(f"resuming with a changed config (math hash {saved['math_hash']} -> "
-          f"{now['math_hash']}): {'; '.join(changes)}")
+        raise ConfigError(
+            f"run_dir={cfg.run_dir!r} holds checkpoints trained with other values "
+            f"of keys that change training ({'; '.join(changes)}): resume with "
+            f"the same values, use another run_dir, or pass --allow-config-change"
+        )
+    print(
+        f"resuming with a changed config (math hash {saved['math_hash']} -> {now['math_hash']}): {'; '.join(changes)}"
+    )
     return {**now, "math_hash_before": saved["math_hash"]}
 
 
@@ -241,9 +250,11 @@ def data_metadata(cfg: Config) -> dict:
     Nothing for the byte tokenizer on the byte corpus or synthetic data."""
     if cfg.data.source == "tokens":
         from mpmd.recipes import grain_data
+
         return grain_data.metadata(cfg)
     if cfg.data.source == "jsonl":
         from mpmd.recipes import sft
+
         return sft.metadata(cfg)
     if cfg.data.tokenizer != tokenizer_lib.BYTES:
         return {"tokenizer_hash": tokenizer_lib.load(cfg.data.tokenizer).hash}
@@ -255,16 +266,21 @@ def _check_data_unchanged(cfg: Config, saved: dict, now: dict, allow_config_chan
     refused (ConfigError naming both hashes) unless allow_config_change."""
     if "math_hash" not in saved:
         return
-    changed = [f"{key} {saved.get(key, 'bytes' if key == 'tokenizer_hash' else None)} -> "
-               f"{now.get(key, 'bytes' if key == 'tokenizer_hash' else None)}"
-               for key in ("tokenizer_hash", "corpus_hash") if saved.get(key) != now.get(key)
-               and not (key == "tokenizer_hash" and {saved.get(key), now.get(key)} <= {None, "bytes"})]
+    changed = [
+        f"{key} {saved.get(key, 'bytes' if key == 'tokenizer_hash' else None)} -> "
+        f"{now.get(key, 'bytes' if key == 'tokenizer_hash' else None)}"
+        for key in ("tokenizer_hash", "corpus_hash")
+        if saved.get(key) != now.get(key)
+        and not (key == "tokenizer_hash" and {saved.get(key), now.get(key)} <= {None, "bytes"})
+    ]
     if not changed:
         return
     if not allow_config_change:
-        raise ConfigError(f"run_dir={cfg.run_dir!r} holds checkpoints trained on other data ({'; '.join(changed)}): "
-                          f"the tokenizer or the tokenized corpus changed since; resume on the same ones, use "
-                          f"another run_dir, or pass --allow-config-change")
+        raise ConfigError(
+            f"run_dir={cfg.run_dir!r} holds checkpoints trained on other data ({'; '.join(changed)}): "
+            f"the tokenizer or the tokenized corpus changed since; resume on the same ones, use "
+            f"another run_dir, or pass --allow-config-change"
+        )
     print(f"resuming on changed data: {'; '.join(changed)}")
 
 
@@ -279,8 +295,7 @@ def check_run_dir(run_dir: str) -> None:
             probe.unlink()
         except OSError as e:
             where = f" ({e.filename})" if e.filename and str(e.filename) != str(d) else ""
-            raise ConfigError(f"run_dir={run_dir!r}: cannot write in {d}{where}: "
-                              f"{e.strerror or e}") from None
+            raise ConfigError(f"run_dir={run_dir!r}: cannot write in {d}{where}: {e.strerror or e}") from None
 
 
 def check_layout(cfg: Config, pipeline, optimizer):
@@ -291,8 +306,9 @@ def check_layout(cfg: Config, pipeline, optimizer):
     with _config_problem("mesh", (LayoutError,)):
         placement = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages).placement
         meshes = sharding.slice_meshes(cfg.slice_shapes(), max(placement) + 1)
-        lay = lowering.layout(pipeline, optimizer, meshes, placement, sharding.check_rules(layout_rules(cfg) or {}),
-                              cfg.mesh.fsdp_gather)
+        lay = lowering.layout(
+            pipeline, optimizer, meshes, placement, sharding.check_rules(layout_rules(cfg) or {}), cfg.mesh.fsdp_gather
+        )
         lowering.check_gather(lay, placement)
     return lay
 
@@ -322,20 +338,30 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     if cfg.data.source == "tokens" or cfg.data.tokenizer != tokenizer_lib.BYTES:
         print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
     check_layout(cfg, pipeline, optimizer)
-    cluster = build_cluster(cfg)     # checks the cluster keys; starts nothing yet
-    check_run_dir(cfg.run_dir)       # the first thing written, once the config is known good
+    cluster = build_cluster(cfg)  # checks the cluster keys; starts nothing yet
+    check_run_dir(cfg.run_dir)  # the first thing written, once the config is known good
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
         # A shared cluster's manager may refuse the job (JobRefused).
         with _config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
             ckpt, recovery = trainer_options(cfg, metadata)
-            trainer = mpmd.Trainer(pipeline, optimizer, schedule=p.schedule,
-                                   num_microbatches=p.num_microbatches, cluster=cluster,
-                                   virtual_stages=p.virtual_stages,
-                                   max_grad_norm=cfg.optimizer.max_grad_norm,
-                                   run_dir=cfg.run_dir, run_ahead=cfg.train.run_ahead,
-                                   mesh=cfg.slice_shapes(), rules=layout_rules(cfg), fsdp_gather=cfg.mesh.fsdp_gather,
-                                   checkpoint=ckpt, recovery=recovery, init_params=init_params)
+            trainer = mpmd.Trainer(
+                pipeline,
+                optimizer,
+                schedule=p.schedule,
+                num_microbatches=p.num_microbatches,
+                cluster=cluster,
+                virtual_stages=p.virtual_stages,
+                max_grad_norm=cfg.optimizer.max_grad_norm,
+                run_dir=cfg.run_dir,
+                run_ahead=cfg.train.run_ahead,
+                mesh=cfg.slice_shapes(),
+                rules=layout_rules(cfg),
+                fsdp_gather=cfg.mesh.fsdp_gather,
+                checkpoint=ckpt,
+                recovery=recovery,
+                init_params=init_params,
+            )
     except BaseException:
         cluster.close()  # whatever start() got going before it failed
         controller_log.close()
@@ -346,13 +372,19 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         config_lib.dump(cfg, run_dir / "config.yaml")
         tok = tokenizer_lib.of_config(cfg)
         tokenizer_lib.save_to_run(tok, run_dir)
-        report_record.write_run_info(run_dir, pipeline, optimizer, trainer.schedule,
-                                     *_first_micro(train_loader, len(sample_input)), *source,
-                                     tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size,
-                                                "eos_id": tok.eos_id}, layout=trainer.programs.layout)
+        report_record.write_run_info(
+            run_dir,
+            pipeline,
+            optimizer,
+            trainer.schedule,
+            *_first_micro(train_loader, len(sample_input)),
+            *source,
+            tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+            layout=trainer.programs.layout,
+        )
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     except preempt.Preempted:
-        abandon = True    # out of time: what is in flight is dropped, the last commit stays
+        abandon = True  # out of time: what is in flight is dropped, the last commit stays
         raise
     finally:
         try:
@@ -361,8 +393,9 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
             controller_log.close()
 
 
-def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
-          eval_loader: data.Loader, run_dir: Path) -> dict:
+def train(
+    cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader, eval_loader: data.Loader, run_dir: Path
+) -> dict:
     t = cfg.train
     lr = learning_rate(cfg)
     # Tokens for sequence models; examples (one "token" each) for a regressor.
@@ -378,16 +411,18 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     metrics_log.truncate_after(start_step)
     # Where scalars go beside metrics.jsonl: TensorBoard, Weights & Biases.
     boards = ([run_log.TensorBoard(run_dir)] if cfg.log.tensorboard else []) + (
-        [run_log.WandB(run_dir, cfg.log.wandb_project, cfg.model_dump(mode="json"))] if cfg.log.wandb else [])
-    progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every,
-                                start_step)
+        [run_log.WandB(run_dir, cfg.log.wandb_project, cfg.model_dump(mode="json"))] if cfg.log.wandb else []
+    )
+    progress = run_log.Progress(t.steps, tokens_per_step, cfg.log.progress, cfg.log.every, start_step)
     # What happened before the next record's step, for the report (mpmd.report.load's marks).
     marks = {"resumed_from": start_step} if start_step else {}
     if start_step:
         progress.message(f"resumed from {run_dir}/checkpoints/{start_step}")
     if start_step >= t.steps:
-        progress.message(f"nothing to train: the run is at step {start_step} and train.steps={t.steps}; "
-                         f"raise train.steps to train further")
+        progress.message(
+            f"nothing to train: the run is at step {start_step} and train.steps={t.steps}; "
+            f"raise train.steps to train further"
+        )
     if trainer.layout_change:
         progress.message(f"layout changed: {trainer.layout_change}")
     # Held-out exact match (train.exact_match): before the first step, then with each eval and
@@ -396,36 +431,47 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
     scores: dict[int, float] = {}
     if scorer is not None:
         scores[start_step] = marks["exact_match_before"] = scorer(trainer)
-        progress.message(f"exact match on {len(scorer.examples)} held-out examples at step {start_step}: "
-                         f"{scores[start_step]:.3f}")
+        progress.message(
+            f"exact match on {len(scorer.examples)} held-out examples at step {start_step}: {scores[start_step]:.3f}"
+        )
     traces: dict[int, list] = {}
-    losses: dict[int, float] = {}   # step -> loss; a replayed step counts once
+    losses: dict[int, float] = {}  # step -> loss; a replayed step counts once
     eval_loss = None
     stop = preempt.StopRequest(t.preempt_grace_s)
     # Steps sent to the slices and not yet logged, oldest first: up to train.run_ahead are
     # sent beyond the oldest (Trainer.submit), so a slice starts the next step as soon as it
     # is done with the current one; a step's metrics are logged only once it is collected.
     pending: collections.deque = collections.deque()
-    logged_changes = 0     # trainer.layout_changes already in a metrics record
+    logged_changes = 0  # trainer.layout_changes already in a metrics record
     # What the family reads from its stages' state on eval steps (an MoE's routing counts),
     # when nothing runs ahead of the step, so the state is the step's own.
     read_state = registry.get_model_spec(cfg.model.kind).state_metrics(cfg)
     # step -> CRC-32 of its batch, logged with a tokens run's metrics: which data each step read.
     digests: dict[int, int] | None = {} if cfg.data.source == "tokens" else None
     try:
-        step = done = start_step      # the last step sent, the last one collected and logged
+        step = done = start_step  # the last step sent, the last one collected and logged
         t_done = time.perf_counter()
         while True:
             try:
                 # Never send past a step that evaluates: its eval must see the state after it.
-                if (step < t.steps and not stop.requested and len(pending) <= trainer.run_ahead
-                        and not (pending and _should_eval(cfg, pending[-1][0]))):
+                if (
+                    step < t.steps
+                    and not stop.requested
+                    and len(pending) <= trainer.run_ahead
+                    and not (pending and _should_eval(cfg, pending[-1][0]))
+                ):
                     step += 1
                     batch = train_loader.next()
                     if digests is not None:
                         digests[step] = batch_crc32(batch)
-                    pending.append((step, trainer.submit(*_args(batch), trace=step in cfg.log.trace_steps,
-                                                         data_state=train_loader.state())))
+                    pending.append(
+                        (
+                            step,
+                            trainer.submit(
+                                *_args(batch), trace=step in cfg.log.trace_steps, data_state=train_loader.state()
+                            ),
+                        )
+                    )
                     continue
                 if not pending:
                     # The final state is always committed: at the end, and when stopped by a
@@ -454,13 +500,17 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             now = time.perf_counter()
             wall_s, t_done = now - t_done, now
             # optax evaluates the schedule at the count of updates already applied.
-            record = {"loss": out["loss"], "step_s": out["step_s"],
-                      "tokens_per_s": tokens_per_step / wall_s, "lr": float(lr(done - 1))}
+            record = {
+                "loss": out["loss"],
+                "step_s": out["step_s"],
+                "tokens_per_s": tokens_per_step / wall_s,
+                "lr": float(lr(done - 1)),
+            }
             if "grad_norm" in out:
                 record["grad_norm"] = out["grad_norm"]
-            if "aux_loss" in out:        # the stages' auxiliary losses, included in "loss"
+            if "aux_loss" in out:  # the stages' auxiliary losses, included in "loss"
                 record["aux_loss"] = out["aux_loss"]
-            if "checkpoint" in out:      # the tiers this step was saved to
+            if "checkpoint" in out:  # the tiers this step was saved to
                 record["checkpoint"] = out["checkpoint"]
             if "events" in out:
                 traces[done] = out["events"]
@@ -478,9 +528,16 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
             losses[done] = out["loss"]
             # Not TensorBoard scalars: when it was logged, what happened before, the batch's CRC, peak bytes
             # per slice.
-            metrics_log.write(done, {**record, "time": time.time(), **marks,
-                                     **({"batch_crc32": digests.pop(done)} if digests is not None else {}),
-                                     **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {})})
+            metrics_log.write(
+                done,
+                {
+                    **record,
+                    "time": time.time(),
+                    **marks,
+                    **({"batch_crc32": digests.pop(done)} if digests is not None else {}),
+                    **({"peak_bytes": out["peak_bytes"]} if "peak_bytes" in out else {}),
+                },
+            )
             marks = {}
             for board in boards:
                 board.write(done, record)
@@ -488,9 +545,10 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
                     board.flush()
             progress.update(done, record)
         if stop.requested:
-            progress.message(f"stopped by {stop.requested} after step {step}; checkpoint committed, "
-                             f"resume with the same command"
-                             + (f" (exit code {preempt.PREEMPTED_EXIT})" if stop.preempted else ""))
+            progress.message(
+                f"stopped by {stop.requested} after step {step}; checkpoint committed, "
+                f"resume with the same command" + (f" (exit code {preempt.PREEMPTED_EXIT})" if stop.preempted else "")
+            )
         text = _final_sample(cfg, trainer, progress) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
@@ -499,18 +557,24 @@ def train(cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader,
         progress.close()
         for board in boards:
             board.close()
-    summary = {"first_loss": losses[min(losses)] if losses else None,
-               "last_loss": losses[max(losses)] if losses else None, "eval_loss": eval_loss,
-               "steps": len(losses), "run_dir": str(run_dir), "goodput": trainer.goodput(),
-               "preempted": stop.preempted}
+    summary = {
+        "first_loss": losses[min(losses)] if losses else None,
+        "last_loss": losses[max(losses)] if losses else None,
+        "eval_loss": eval_loss,
+        "steps": len(losses),
+        "run_dir": str(run_dir),
+        "goodput": trainer.goodput(),
+        "preempted": stop.preempted,
+    }
     if scores:
         summary["exact_match_before"], summary["exact_match"] = scores[min(scores)], scores[max(scores)]
     summary["report"] = str(report_html.write(run_dir))
-    matched = (f", exact match {summary['exact_match_before']:.3f} -> {summary['exact_match']:.3f}"
-               if scores else "")
-    print(f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
-          f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}{matched}; wrote {run_dir}, "
-          f"report {summary['report']}")
+    matched = f", exact match {summary['exact_match_before']:.3f} -> {summary['exact_match']:.3f}" if scores else ""
+    print(
+        f"done: {summary['steps']} steps, loss {_fmt(summary['first_loss'])} -> "
+        f"{_fmt(summary['last_loss'])}, eval_loss {_fmt(eval_loss)}{matched}; wrote {run_dir}, "
+        f"report {summary['report']}"
+    )
     print(goodput_line(summary["goodput"]))
     return summary
 
@@ -524,9 +588,12 @@ def state_by_path(trainer: mpmd.Trainer) -> dict:
             paths = leaf_paths.state_paths(fn, pipeline.param_paths[k], k, pipeline.scoped_paths)
             out.update({path: leaves[local] for path, local in zip(paths, fn.state.paths)})
     return out
+
+
 def batch_crc32(batch) -> int:
     """CRC-32 over a batch's arrays, key by key in sorted order (a pair as inputs, targets)."""
     import zlib
+
     arrays = batch if isinstance(batch, tuple) else [batch[k] for k in sorted(batch)]
     crc = 0
     for a in arrays:
@@ -551,11 +618,13 @@ def goodput_line(g: dict) -> str:
     """The summary's line on time lost to failures and run at reduced width."""
     if not g["failures"] and not g["layout_changes"]:
         return "goodput: no worker lost"
-    return (f"goodput: {g['failures']} worker(s) lost, {g['lost_s']:.1f} s lost (aborted steps and detection "
-            f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, waiting for capacity "
-            f"{g['capacity_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
-            f"restore {g['restore_s']:.1f} s, {g['replayed_steps']} replayed step(s) {g['replayed_s']:.1f} s); "
-            f"{g['reduced_width_s']:.1f} s on fewer slices, {g['layout_changes']} layout change(s)")
+    return (
+        f"goodput: {g['failures']} worker(s) lost, {g['lost_s']:.1f} s lost (aborted steps and detection "
+        f"{g['aborted_s']:.1f} s, replacing {g['replace_s']:.1f} s, waiting for capacity "
+        f"{g['capacity_s']:.1f} s, relayout {g['relayout_s']:.1f} s, "
+        f"restore {g['restore_s']:.1f} s, {g['replayed_steps']} replayed step(s) {g['replayed_s']:.1f} s); "
+        f"{g['reduced_width_s']:.1f} s on fewer slices, {g['layout_changes']} layout change(s)"
+    )
 
 
 def _seek(loader: data.Loader, data_state) -> None:
@@ -570,14 +639,18 @@ def _final_sample(cfg: Config, trainer: mpmd.Trainer, progress: run_log.Progress
     if not registry.get_model_spec(cfg.model.kind).samples_text or cfg.data.source == "synthetic":
         # Only a language model trained on bytes has logits that decode to text.
         texts = [name for name, spec in registry.model_specs().items() if spec.samples_text]
-        progress.message(f"sample skipped: needs model.kind={registry.one_of(texts)} on text data "
-                         f"(got '{cfg.model.kind}' on '{cfg.data.source}')")
+        progress.message(
+            f"sample skipped: needs model.kind={registry.one_of(texts)} on text data "
+            f"(got '{cfg.model.kind}' on '{cfg.data.source}')"
+        )
         return None
     text = sample(trainer, cfg, t.sample_prompt, t.sample_tokens)
-    how = ("greedy" if t.sample_temperature == 0 else
-           f"temperature {t.sample_temperature:g}, top-k {t.sample_top_k or 'off'}, seed {cfg.seed}")
-    progress.message(f"sample ({t.sample_tokens} bytes, {how}) continuing the prompt "
-                     f"{t.sample_prompt!r}:\n{text}")
+    how = (
+        "greedy"
+        if t.sample_temperature == 0
+        else f"temperature {t.sample_temperature:g}, top-k {t.sample_top_k or 'off'}, seed {cfg.seed}"
+    )
+    progress.message(f"sample ({t.sample_tokens} bytes, {how}) continuing the prompt {t.sample_prompt!r}:\n{text}")
     return text
 
 

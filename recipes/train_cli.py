@@ -9,6 +9,7 @@ that failed at an instruction, which a replay would fail alike: one line "error:
 The config is loaded and checked before JAX is imported, so a bad one fails in well under
 a second and leaves nothing behind (no run directory, no workers).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,24 +24,41 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd train",
         description="Train a model with MPMD pipeline parallelism from a YAML config.",
-        epilog="example: mpmd train configs/gpt_tiny.yaml train.steps=50 cluster.backend=inprocess")
-    parser.add_argument("config", metavar="CONFIG", nargs="?",
-                        help="YAML file of overrides of the defaults (see --help-config)")
-    parser.add_argument("overrides", metavar="key=value", nargs="*",
-                        help="dotted-key overrides of the file, values parsed as YAML "
-                             "(train.steps=100, log.trace_steps=[1,2], optimizer.max_grad_norm=null)")
-    parser.add_argument("--allow-config-change", action="store_true",
-                        help="resume a run directory although keys that change training "
-                             "(model, optimizer, data, seed, batch sizes) differ; both config "
-                             "hashes are recorded")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="build the model abstractly (no arrays) and print its parameter count, "
-                             "per-slice memory and the simulator's predicted step; start nothing")
-    parser.add_argument("--tflops", type=float, default=400.0, metavar="T",
-                        help="with --dry-run: sustained TFLOP/s per slice the predicted step time "
-                             "assumes (default 400)")
-    parser.add_argument("--help-config", action="store_true",
-                        help="print every config key with its default and description, and exit")
+        epilog="example: mpmd train configs/gpt_tiny.yaml train.steps=50 cluster.backend=inprocess",
+    )
+    parser.add_argument(
+        "config", metavar="CONFIG", nargs="?", help="YAML file of overrides of the defaults (see --help-config)"
+    )
+    parser.add_argument(
+        "overrides",
+        metavar="key=value",
+        nargs="*",
+        help="dotted-key overrides of the file, values parsed as YAML "
+        "(train.steps=100, log.trace_steps=[1,2], optimizer.max_grad_norm=null)",
+    )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run directory although keys that change training "
+        "(model, optimizer, data, seed, batch sizes) differ; both config "
+        "hashes are recorded",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the model abstractly (no arrays) and print its parameter count, "
+        "per-slice memory and the simulator's predicted step; start nothing",
+    )
+    parser.add_argument(
+        "--tflops",
+        type=float,
+        default=400.0,
+        metavar="T",
+        help="with --dry-run: sustained TFLOP/s per slice the predicted step time assumes (default 400)",
+    )
+    parser.add_argument(
+        "--help-config", action="store_true", help="print every config key with its default and description, and exit"
+    )
     return parser
 
 
@@ -71,6 +89,7 @@ def main(argv=None) -> int:
         return 2
     if args.dry_run:
         from mpmd.recipes import plan  # imports JAX
+
         try:
             print(plan.describe(plan.dry_run(cfg, args.tflops)))
         except config.ConfigError as e:
@@ -78,6 +97,7 @@ def main(argv=None) -> int:
             return 2
         return 0
     from mpmd.recipes import registry
+
     if registry.get_backend_spec(cfg.cluster.backend).in_process_devices:
         _ensure_host_devices(cfg.num_devices)
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
@@ -85,14 +105,19 @@ def main(argv=None) -> int:
     from mpmd.runtime.control.cluster import ClusterGone, ClusterUnavailable
     from mpmd.runtime.compat import VersionMismatch
     from mpmd.recipes import preempt
+
     try:
         summary = train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
     except preempt.Preempted as e:
         from mpmd.runtime.worker.slice_store import CheckpointStore
+
         committed = CheckpointStore(cfg.run_dir).committed()
         kept = f"step {committed[-1]}" if committed else "none (the run starts over)"
-        print(f"stopped by SIGTERM: {e}; kept the last committed checkpoint, {kept}; resume with the same "
-              f"command (exit code {preempt.PREEMPTED_EXIT})", flush=True)
+        print(
+            f"stopped by SIGTERM: {e}; kept the last committed checkpoint, {kept}; resume with the same "
+            f"command (exit code {preempt.PREEMPTED_EXIT})",
+            flush=True,
+        )
         return preempt.PREEMPTED_EXIT
     # Found while building (custom module, stage count, ...) or starting (a worker on another JAX).
     except (config.ConfigError, VersionMismatch) as e:

@@ -10,6 +10,7 @@ or cluster.num_workers); the search varies how many stages each holds. The batch
 config's first training batch. Exit status: 0 done, 2 bad config (nothing started, nothing
 written), 1 no candidate fits the memory cap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd tune",
         description="Choose the pipeline split, schedule, microbatches and virtual stages from measured costs.",
-        epilog="example: mpmd tune configs/gpt_small.yaml tune.memory_gb=2 tune.confirm=3")
+        epilog="example: mpmd tune configs/gpt_small.yaml tune.memory_gb=2 tune.confirm=3",
+    )
     parser.add_argument("config", metavar="CONFIG", help="YAML file of overrides of the defaults")
     parser.add_argument("overrides", metavar="key=value", nargs="*", help="dotted-key overrides of the file")
     return parser
@@ -42,7 +44,7 @@ def default_memory_gb(num_slices: int) -> float:
 
 def tuned_values(values: dict, keys: dict) -> dict:
     """`values` (the input config's overrides) with the chosen dotted `keys` set."""
-    out = yaml.safe_load(yaml.safe_dump(values))   # a deep copy of plain data
+    out = yaml.safe_load(yaml.safe_dump(values))  # a deep copy of plain data
     for dotted, value in keys.items():
         *sections, leaf = dotted.split(".")
         node = out
@@ -62,17 +64,22 @@ def main(argv=None) -> int:
         console.to_console(console.level(cfg.log.level))
         output = Path(cfg.tune.output)
         if output.exists():
-            raise config.ConfigError(f"tune.output={cfg.tune.output!r} exists; move it away or set "
-                                     f"tune.output to a new file (a tuned config is never overwritten)")
+            raise config.ConfigError(
+                f"tune.output={cfg.tune.output!r} exists; move it away or set "
+                f"tune.output to a new file (a tuned config is never overwritten)"
+            )
         if not registry.get_backend_spec(cfg.cluster.backend).worker_processes:
             workers = [name for name, spec in registry.backend_specs().items() if spec.worker_processes]
-            raise config.ConfigError(f"mpmd tune measures on worker processes: cluster.backend must be "
-                                     f"{registry.one_of(workers)}, got '{cfg.cluster.backend}'")
+            raise config.ConfigError(
+                f"mpmd tune measures on worker processes: cluster.backend must be "
+                f"{registry.one_of(workers)}, got '{cfg.cluster.backend}'"
+            )
     except config.ConfigError as e:
         console.error(e)
         return 2
     from mpmd.tuner.search import NoCandidateFits
     from mpmd.recipes import train  # imports JAX: only once the config is known to be good
+
     try:
         result = run(cfg, train)
     except config.ConfigError as e:
@@ -83,13 +90,17 @@ def main(argv=None) -> int:
         return 1
     best = result.best
     print(result.table())
-    print(f"search: {len(result.ranked)} candidates ranked, {len(result.excluded)} over the memory cap, "
-          f"{result.search_s:.2f} s")
+    print(
+        f"search: {len(result.ranked)} candidates ranked, {len(result.excluded)} over the memory cap, "
+        f"{result.search_s:.2f} s"
+    )
     tuned = tuned_values(values, best.keys())
-    config.validate(tuned)      # what mpmd train will load
+    config.validate(tuned)  # what mpmd train will load
     output.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# mpmd tune {args.config} {' '.join(args.overrides)}\n# winner: {best.label}, predicted "
-              f"{best.predicted_step_s * 1e3:.1f} ms per step\n")
+    header = (
+        f"# mpmd tune {args.config} {' '.join(args.overrides)}\n# winner: {best.label}, predicted "
+        f"{best.predicted_step_s * 1e3:.1f} ms per step\n"
+    )
     output.write_text(header + yaml.safe_dump(tuned, sort_keys=False))
     print(f"wrote {output}: mpmd train {output}")
     return 0
@@ -99,21 +110,36 @@ def run(cfg: config.Config, train):
     """Profile, search and confirm cfg's model on cfg's cluster (mpmd.tune)."""
     import mpmd
     from mpmd.recipes import data
+
     t = cfg.tune
     num_slices = cfg.num_workers
     loader, _ = data.make_loaders(cfg)
     inputs, targets = loader.batch_at(0)
     units, loss_fn = train.model_units(cfg)
     if num_slices > len(units):
-        raise config.ConfigError(f"{num_slices} workers need at least as many layers to hold, the model has "
-                                 f"{len(units)}; lower pipeline.num_stages")
+        raise config.ConfigError(
+            f"{num_slices} workers need at least as many layers to hold, the model has "
+            f"{len(units)}; lower pipeline.num_stages"
+        )
     memory_gb = t.memory_gb if t.memory_gb is not None else default_memory_gb(num_slices)
     cluster = train.build_cluster(cfg)
     try:
-        return mpmd.tune(units, loss_fn, train.build_optimizer(cfg), inputs, targets, cluster, num_slices,
-                         memory_gb=memory_gb, confirm=t.confirm, confirm_steps=t.confirm_steps,
-                         microbatch_counts=t.microbatch_counts, schedule_names=t.schedule_names,
-                         max_virtual_stages=t.max_virtual_stages, max_grad_norm=cfg.optimizer.max_grad_norm)
+        return mpmd.tune(
+            units,
+            loss_fn,
+            train.build_optimizer(cfg),
+            inputs,
+            targets,
+            cluster,
+            num_slices,
+            memory_gb=memory_gb,
+            confirm=t.confirm,
+            confirm_steps=t.confirm_steps,
+            microbatch_counts=t.microbatch_counts,
+            schedule_names=t.schedule_names,
+            max_virtual_stages=t.max_virtual_stages,
+            max_grad_norm=cfg.optimizer.max_grad_norm,
+        )
     finally:
         cluster.close()
 

@@ -37,6 +37,7 @@ What differs (checked against each release's own source; docs/design.md has the 
   connect / await_pull / _reset_rendevous_table, TransferConnection.pull: the same names
   and arguments in jaxlib 0.10.2, 0.11.2 and 0.12.0.1).
 """
+
 from __future__ import annotations
 
 import jax
@@ -56,7 +57,8 @@ JAXLIB_VERSION = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.is
 # IR emitter for fused kernels in place of the MLIR fusion emitters (jaxlib 0.11 removed the
 # flag; naming it there aborts the process: "Unknown flag in XLA_FLAGS").
 XLA_CPU_COMPILE_FAST = "--xla_backend_optimization_level=0" + (
-    " --xla_cpu_use_fusion_emitters=false" if JAXLIB_VERSION < (0, 11) else "")
+    " --xla_cpu_use_fusion_emitters=false" if JAXLIB_VERSION < (0, 11) else ""
+)
 
 # Primitives that call a jaxpr once, with no differentiation or control flow of their own:
 # "closed_call" up to 0.11.1, "eval_jaxpr" from 0.11.2 (the same primitive renamed).
@@ -97,8 +99,10 @@ def check_versions(controller: dict) -> None:
     versions), nor to compute the same bits."""
     here = versions()
     if controller != here:
-        raise VersionMismatch(f"this worker runs {_describe(here)} but its controller runs {_describe(controller)}; "
-                              f"install the same jax and jaxlib on the controller and every worker")
+        raise VersionMismatch(
+            f"this worker runs {_describe(here)} but its controller runs {_describe(controller)}; "
+            f"install the same jax and jaxlib on the controller and every worker"
+        )
 
 
 def _describe(v: dict) -> str:
@@ -126,6 +130,7 @@ def distributed_client():
     """The JAX distributed service's client of this process (after jax.distributed.initialize):
     its key-value store is a gang's agreement channel (runtime/worker/gang.py)."""
     from jax._src import distributed
+
     return distributed.global_state.client
 
 

@@ -32,6 +32,7 @@ import pytest  # noqa: E402
 def uninterrupted(tmp_path_factory):
     from mpmd.runtime.control.inprocess import InProcessCluster  # after the XLA flags above
     from tests.support import recovery_runs
+
     with recovery_runs.make_trainer(InProcessCluster(), tmp_path_factory.mktemp("ref")) as trainer:
         losses, params, _ = recovery_runs.train(trainer, recovery_runs.data())
     return losses, params
@@ -42,6 +43,7 @@ def uninterrupted_spin(tmp_path_factory):
     """phase -> the uninterrupted run of the pipeline spinning in that phase (computed once)."""
     from mpmd.runtime.control.inprocess import InProcessCluster  # after the XLA flags above
     from tests.support import recovery_runs
+
     runs = {}
 
     def get(phase):
@@ -51,9 +53,8 @@ def uninterrupted_spin(tmp_path_factory):
                 losses, params, _ = recovery_runs.train(trainer, recovery_runs.data(), steps=recovery_runs.SPIN_STEPS)
             runs[phase] = losses, params
         return runs[phase]
+
     return get
-
-
 
 
 @pytest.fixture(scope="session")
@@ -64,7 +65,10 @@ def uninterrupted_data2(tmp_path_factory):
     tiers change nothing computed, so each is held to this one run."""
     from mpmd.runtime.control.inprocess import InProcessCluster  # after the XLA flags above
     from tests.support import recovery_runs
-    with recovery_runs.make_trainer(InProcessCluster(), tmp_path_factory.mktemp("ref_data2"), mesh={"data": 2}) as trainer:
+
+    with recovery_runs.make_trainer(
+        InProcessCluster(), tmp_path_factory.mktemp("ref_data2"), mesh={"data": 2}
+    ) as trainer:
         return recovery_runs.train(trainer, recovery_runs.data(), steps=recovery_runs.GANG_STEPS)[:2]
 
 
@@ -76,6 +80,7 @@ def unpipelined_gpt():
     from mpmd import models
     from tests.runtime.test_mesh_slices import data, make_gpt, sgd
     from tests.support import reference
+
     return reference.train(make_gpt, models.lm_loss, data(), sgd(), max_grad_norm=1.0)
 
 
@@ -88,6 +93,7 @@ def two_device_workers():
     import mpmd
     from tests.runtime.test_mesh_slices import run
     from tests.support.processes import wait_gone
+
     cluster = mpmd.LocalCluster(num_workers=2, devices_per_worker=2)
     runs = {}
 
@@ -96,10 +102,14 @@ def two_device_workers():
         if key not in runs:
             before = dict(cluster.rpc_counts)
             got = run(cluster, mesh, schedule, close=False, fsdp_gather=fsdp_gather)
-            took = {k: n - before.get(k, 0) for k, n in cluster.rpc_counts.items()
-                    if k not in ("Heartbeat", "Shutdown") and n != before.get(k, 0)}
+            took = {
+                k: n - before.get(k, 0)
+                for k, n in cluster.rpc_counts.items()
+                if k not in ("Heartbeat", "Shutdown") and n != before.get(k, 0)
+            }
             runs[key] = got, took
         return runs[key]
+
     yield get
     pids = list(cluster.pids)
     cluster.close()
@@ -116,6 +126,7 @@ def _shared_workers(tmp_path_factory):
     end no worker it started may be left."""
     import mpmd
     from tests.support.processes import wait_gone
+
     holder = [mpmd.LocalCluster(num_workers=2, root=str(tmp_path_factory.getbasetemp()))]
     yield holder
     pids = list(holder[0].pids)
@@ -129,6 +140,7 @@ def workers(_shared_workers):
     anew (the old one closed) if a failed test left a worker dead or stopped."""
     import mpmd
     from tests.support.processes import alive, wait_gone
+
     cluster = _shared_workers[0]
     if not all(alive(p) and _running(p) for p in cluster.pids):
         pids = list(cluster.pids)
@@ -136,7 +148,7 @@ def workers(_shared_workers):
         assert wait_gone(pids) == [], "workers outlived their cluster"
         cluster = _shared_workers[0] = mpmd.LocalCluster(num_workers=2, root=cluster.launcher.root)
     yield cluster
-    cluster.failure_timeout_s, cluster.step_timeout_s = 5.0, None      # LocalCluster's defaults
+    cluster.failure_timeout_s, cluster.step_timeout_s = 5.0, None  # LocalCluster's defaults
 
 
 def _running(pid: int) -> bool:
@@ -154,14 +166,16 @@ def multi_device_workers(tmp_path_factory):
     workers are; none may be left at the end."""
     import mpmd
     from tests.support.processes import wait_gone
+
     clusters = {}
 
     def get(devices_per_worker: int):
         if devices_per_worker not in clusters:
             clusters[devices_per_worker] = mpmd.LocalCluster(
-                num_workers=2, devices_per_worker=devices_per_worker,
-                root=str(tmp_path_factory.getbasetemp()))
+                num_workers=2, devices_per_worker=devices_per_worker, root=str(tmp_path_factory.getbasetemp())
+            )
         return clusters[devices_per_worker]
+
     yield get
     pids = [p for c in clusters.values() for p in c.pids]
     for cluster in clusters.values():
@@ -173,6 +187,7 @@ def multi_device_workers(tmp_path_factory):
 def _cpu_s() -> float:
     """CPU seconds of this process and of its children reaped so far (user + system)."""
     import resource
+
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 

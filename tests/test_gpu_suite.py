@@ -2,6 +2,7 @@
 benchmark cannot rot between the sessions that have a GPU: every section reports, none
 failed, and the pipelined GPT equals its unpipelined training. Its speed figures mean
 nothing on this CPU and are not looked at."""
+
 import json
 import subprocess
 import sys
@@ -9,15 +10,20 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow        # starts worker processes and a plain-JAX subprocess
+pytestmark = pytest.mark.slow  # starts worker processes and a plain-JAX subprocess
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 
 
 def test_gpu_suite_runs_every_section_on_cpu_at_tiny_sizes(tmp_path):
     out = tmp_path / "gpu_suite.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--tiny", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["platform"] == "cpu" and result["tiny"] is True
@@ -32,8 +38,15 @@ def test_gpu_suite_runs_every_section_on_cpu_at_tiny_sizes(tmp_path):
     assert all(r["ok"] and r["loss_max_rel_err"] <= 1e-4 and r["param_max_abs_err"] <= 1e-3 for r in equivalence)
     assert all(r["tokens_per_s"] > 0 for r in by_section["b. llama"])
     transfers = {r["case"]: r for r in by_section["c. transfer"]}
-    assert sorted(transfers) == ["1 MB ping-pong, by path", "1 MB slice 0 -> 1", "4 MB ping-pong, by path",
-                                 "4 MB slice 0 -> 1"]
+    assert sorted(transfers) == [
+        "1 MB ping-pong, by path",
+        "1 MB slice 0 -> 1",
+        "4 MB ping-pong, by path",
+        "4 MB slice 0 -> 1",
+    ]
     assert all(transfers[f"{mb} MB slice 0 -> 1"]["transfer_gb_per_s"] > 0 for mb in (1, 4))
-    assert all(transfers[f"{mb} MB ping-pong, by path"][f"{path}_gb_per_s"] > 0
-               for mb in (1, 4) for path in ("shm+pinned", "shm+pageable", "socket"))
+    assert all(
+        transfers[f"{mb} MB ping-pong, by path"][f"{path}_gb_per_s"] > 0
+        for mb in (1, 4)
+        for path in ("shm+pinned", "shm+pageable", "socket")
+    )

@@ -25,6 +25,7 @@ stage has no input gradient to compute (its input is data), so the runtime runs 
 for its B tasks. The simulated makespan reported here prices those tasks at 0, so it
 predicts what the runtime actually runs.
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,23 +45,42 @@ from mpmd.runtime.worker.instructions import Instruction, Run, Spec
 PLAN = "dryrun"
 SCALAR = (Spec((), "float32"),)
 # Program kind -> the declared cost that is its duration (None: free).
-_PROGRAM_COSTS = {"fwd": "F", "bwd_in": "B", "bwd_w_first": "W", "bwd_w_acc": "W",
-                  "bwd_first": FULL_BACKWARD, "bwd_acc": FULL_BACKWARD, "update": None, "sqnorm": None,
-                  "reduce": None, "gather": None}
+_PROGRAM_COSTS = {
+    "fwd": "F",
+    "bwd_in": "B",
+    "bwd_w_first": "W",
+    "bwd_w_acc": "W",
+    "bwd_first": FULL_BACKWARD,
+    "bwd_acc": FULL_BACKWARD,
+    "update": None,
+    "sqnorm": None,
+    "reduce": None,
+    "gather": None,
+}
 
 
 class DryRunResult(NamedTuple):
-    step_s: list[float]                  # controller wall time of each measured step
-    simulated_makespan_s: float          # the simulator's prediction for the same step
+    step_s: list[float]  # controller wall time of each measured step
+    simulated_makespan_s: float  # the simulator's prediction for the same step
     events: list[list[tuple[Event, ...]]]  # [step][slice]: traced tasks (empty if trace=False)
-    slice_wall_s: list[list[float]]      # [step][slice]: each worker's own wall time of the step
-    simulation: Simulation               # the full simulated timeline
-    streams: list                        # the installed stream of each slice (runtime/worker/streams.py PackedStream)
+    slice_wall_s: list[list[float]]  # [step][slice]: each worker's own wall time of the step
+    simulation: Simulation  # the full simulated timeline
+    streams: list  # the installed stream of each slice (runtime/worker/streams.py PackedStream)
 
 
-def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster, steps: int = 3,
-            trace: bool = True, warmup_steps: int = 1, clip: bool = False, run_ahead: int = 0,
-            reduce: bool = False, gather: bool = False) -> DryRunResult:
+def dry_run(
+    schedule: schedules.Schedule,
+    costs,
+    activation_bytes: int,
+    cluster,
+    steps: int = 3,
+    trace: bool = True,
+    warmup_steps: int = 1,
+    clip: bool = False,
+    run_ahead: int = 0,
+    reduce: bool = False,
+    gather: bool = False,
+) -> DryRunResult:
     """Run `steps` training steps of `schedule` on `cluster` with sleep programs.
 
     `cluster` is any cluster (InProcessCluster, LocalCluster, StaticCluster); it is started
@@ -75,8 +95,12 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
     (gather{k} before its first forward, mpmd/stages/gather.py), priced at 0 s: what they add
     is the runtime's cost of a task.
     """
-    for name, value, low in (("activation_bytes", activation_bytes, 0), ("steps", steps, 1),
-                             ("warmup_steps", warmup_steps, 0), ("run_ahead", run_ahead, 0)):
+    for name, value, low in (
+        ("activation_bytes", activation_bytes, 0),
+        ("steps", steps, 1),
+        ("warmup_steps", warmup_steps, 0),
+        ("run_ahead", run_ahead, 0),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     schedules.validate(schedule)
@@ -89,8 +113,7 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
     io = lowering.StageIO(partial=(reduce,) * S, gather=(gather,) * S)
     raw = lowering.train_streams(schedule, lowering.Transfers.plain([act] * (S + 1)), clip, io=io)
     m = schedule.num_microbatches
-    inputs = {r: {names.inputs(j) for j in range(m)} if r == placement[0] else set()
-              for r in range(P)}
+    inputs = {r: {names.inputs(j) for j in range(m)} if r == placement[0] else set() for r in range(P)}
     inputs[placement[-1]] |= {names.targets(j) for j in range(m)}
     # Kept (name templates, runtime/worker/streams.py): state and the inputs, put once for every step.
     K, J = "{k}", "{j}"
@@ -107,12 +130,11 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
         # No model: parameters, optimizer state and microbatch inputs are scalar stand-ins,
         # put once and kept (the streams keep them), so a step's Run carries no feeds.
         mine = schedule.stages_on(r)
-        for name in sorted({names.params(k) for k in mine} | {names.opt_state(k) for k in mine}
-                           | inputs[r]):
+        for name in sorted({names.params(k) for k in mine} | {names.opt_state(k) for k in mine} | inputs[r]):
             cluster.put(r, name, zero)
 
     step_s, events, walls = [], [], []
-    launched = collections.deque()          # (step, PendingRun), oldest first
+    launched = collections.deque()  # (step, PendingRun), oldest first
     total = warmup_steps + steps
     for step in range(total):
         if not launched:
@@ -134,18 +156,24 @@ def dry_run(schedule: schedules.Schedule, costs, activation_bytes: int, cluster,
 
 def _per_stage_costs(schedule: schedules.Schedule, costs):
     """cost(stage, kind) in seconds, checked to be the same for every microbatch."""
-    split = cost_function(costs, split_backward=True)   # raw F, B, W; validates `costs`
-    full = cost_function(costs, split_backward=False)   # its B is the full backward
-    kinds = {schedules.FORWARD: split, schedules.BACKWARD: split, schedules.WEIGHT: split,
-             FULL_BACKWARD: lambda task: full(task._replace(kind=schedules.BACKWARD))}
+    split = cost_function(costs, split_backward=True)  # raw F, B, W; validates `costs`
+    full = cost_function(costs, split_backward=False)  # its B is the full backward
+    kinds = {
+        schedules.FORWARD: split,
+        schedules.BACKWARD: split,
+        schedules.WEIGHT: split,
+        FULL_BACKWARD: lambda task: full(task._replace(kind=schedules.BACKWARD)),
+    }
     table = {}
     for k in range(schedule.num_stages):
         for kind, task_cost in kinds.items():
             values = {task_cost(schedules.Task(k, j, kind)) for j in range(schedule.num_microbatches)}
             if len(values) != 1:
-                raise ValueError(f"dry run costs must not depend on the microbatch (one program per "
-                                 f"stage and kind has one duration): stage {k} {kind} costs "
-                                 f"{sorted(values)} over microbatches")
+                raise ValueError(
+                    f"dry run costs must not depend on the microbatch (one program per "
+                    f"stage and kind has one duration): stage {k} {kind} costs "
+                    f"{sorted(values)} over microbatches"
+                )
             table[k, kind] = values.pop()
     return lambda stage, kind: table[stage, kind]
 
@@ -176,8 +204,9 @@ def _sleep_programs(stream: list[Instruction], cost, act: tuple[Spec, ...]) -> d
         assert program.kind in _PROGRAM_COSTS, f"dryrun does not price program {ins.program!r}"
         kind = _PROGRAM_COSTS[program.kind]
         duration_s = 0.0 if kind is None else cost(program.stage, kind)
-        outputs = tuple(act if names.parse_buffer(name).kind in ("activation", "cotangent") else SCALAR
-                        for name in ins.outputs)
+        outputs = tuple(
+            act if names.parse_buffer(name).kind in ("activation", "cotangent") else SCALAR for name in ins.outputs
+        )
         spec = programs.sleep(duration_s, outputs)
         assert out.setdefault(ins.program, spec) == spec, (ins.program, out[ins.program], spec)
     return out

@@ -3,6 +3,7 @@
 both the training stream (mpmd/lowering/train_stream.py) and the forward-only streams
 (mpmd/lowering/core.py) emit: templates with fields {k} {j} {q}, one row of integers per
 instruction (runtime/worker/streams.py)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -21,6 +22,7 @@ class Transfers(NamedTuple):
     acts_in[k] / act_pieces[k]: the activation entering stage k (on k's slice / as k-1's slice
     cuts it); cts_in[k] / ct_pieces[k]: the gradient of stage k's output (on k's slice / as
     k+1's slice cuts it)."""
+
     acts_in: list
     act_pieces: list
     cts_in: list
@@ -33,17 +35,17 @@ class Transfers(NamedTuple):
         return Transfers(list(act_specs), [()] * len(act_specs), list(act_specs[1:]), [()] * (len(act_specs) - 1))
 
 
-
 class StageIO(NamedTuple):
     """What a stage's programs take and give beyond activations (mpmd/stages/batch.py): per
     stage whether it is fed side inputs and whether it adds auxiliary losses, and whether the
     loss is weighted (the last slice first sums the step's weights). The defaults: none."""
+
     side: tuple = ()
     aux: tuple = ()
     weighted: bool = False
-    state: tuple = ()              # per stage: whether it carries stage state (st{k})
-    partial: tuple = ()            # per stage: its gradients accumulate unreduced (mpmd/stages/partials.py)
-    gather: tuple = ()             # per stage: gather{k} makes pg{k} once a step (mpmd/stages/gather.py)
+    state: tuple = ()  # per stage: whether it carries stage state (st{k})
+    partial: tuple = ()  # per stage: its gradients accumulate unreduced (mpmd/stages/partials.py)
+    gather: tuple = ()  # per stage: gather{k} makes pg{k} once a step (mpmd/stages/gather.py)
 
     def takes_side(self, k: int) -> bool:
         return bool(self.side) and self.side[k]
@@ -74,7 +76,6 @@ class StageIO(NamedTuple):
 K, J, Q = "{k}", "{j}", "{q}"
 
 
-
 class Rows:
     """One slice's templates (deduplicated) and rows as (template id, k, q, peer) tuples or
     blocks of arrays; every name comes from mpmd/stages/names.py with fields for k, j, q."""
@@ -96,7 +97,6 @@ class Rows:
         return PackedStream(list(self.ids), *cols, np.full(len(cols[0]), -1, np.int32))
 
 
-
 def tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, ...]:
     """The rows of a sequence of tasks: task t emits `patterns[rows_of[t]]`, rows of fixed
     (op, k, q, peer) (a list of tuples or a block of arrays), its microbatch j[t] filled in.
@@ -105,11 +105,11 @@ def tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarra
     table = np.zeros((4, len(patterns), width), np.int32)
     lengths = np.zeros(len(patterns), np.int64)
     for c, p in enumerate(patterns):
-        if isinstance(p, tuple):      # a block: (op, k, j, q, peer)
+        if isinstance(p, tuple):  # a block: (op, k, j, q, peer)
             cols = np.stack([p[0], p[1], p[3], p[4]]) if len(p[0]) else np.zeros((4, 0), np.int32)
         else:
             cols = np.array(p, dtype=np.int32).reshape(-1, 4).T
-        table[:, c, :cols.shape[1]] = cols
+        table[:, c, : cols.shape[1]] = cols
         lengths[c] = cols.shape[1]
     per_task = lengths[rows_of]
     starts = np.cumsum(per_task) - per_task
@@ -119,10 +119,9 @@ def tiled(patterns: list, rows_of: np.ndarray, j: np.ndarray) -> tuple[np.ndarra
     return op, k, np.repeat(j.astype(np.int32), per_task), q, peer
 
 
-
 def weight_total(m: int) -> Run:
     """The last stage's sum of a weighted loss's weights over the step's m microbatches (its
     row's stage field fills {k})."""
-    return Run(names.program("weight", K), tuple(names.targets(j) for j in range(m)), (names.weight_sum(),),
-               f"weight s{K}")
-
+    return Run(
+        names.program("weight", K), tuple(names.targets(j) for j in range(m)), (names.weight_sum(),), f"weight s{K}"
+    )

@@ -2,6 +2,7 @@
 kind of task on each of the slice's stages emits a fixed pattern of rows (`_TrainRows`, one
 method per part of the step: forward, input gradient, weight gradient, shared-weight
 exchange, clipping norm, update), its microbatch filled in."""
+
 from __future__ import annotations
 
 import functools
@@ -17,19 +18,29 @@ from mpmd.stages import names
 from mpmd.stages.pipeline import shared_peers
 
 
-def train_streams(schedule: schedules.Schedule, transfers: Transfers, clip: bool,
-                  shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
-                  io: StageIO = StageIO()) -> list[PackedStream]:
+def train_streams(
+    schedule: schedules.Schedule,
+    transfers: Transfers,
+    clip: bool,
+    shared: list[list[tuple[int, int]]] = (),
+    shared_specs: dict | None = None,
+    io: StageIO = StageIO(),
+) -> list[PackedStream]:
     """One training step's instruction stream per slice, before Deletes are inserted: every
     slice's `train_stream`."""
-    schedule = schedule._replace(slices=as_arrays(schedule.slices))   # converted once
-    return [train_stream(schedule, r, transfers, clip, shared, shared_specs, io)
-            for r in range(schedule.num_slices)]
+    schedule = schedule._replace(slices=as_arrays(schedule.slices))  # converted once
+    return [train_stream(schedule, r, transfers, clip, shared, shared_specs, io) for r in range(schedule.num_slices)]
 
 
-def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool,
-                 shared: list[list[tuple[int, int]]] = (), shared_specs: dict | None = None,
-                 io: StageIO = StageIO()) -> PackedStream:
+def train_stream(
+    schedule: schedules.Schedule,
+    r: int,
+    transfers: Transfers,
+    clip: bool,
+    shared: list[list[tuple[int, int]]] = (),
+    shared_specs: dict | None = None,
+    io: StageIO = StageIO(),
+) -> PackedStream:
     """Slice r's instruction stream for one training step, before Deletes are inserted,
     encoded (runtime/worker/streams.py) and computed from the schedule's task arrays with numpy:
     each kind of task on each of the slice's stages emits a fixed pattern of rows, its
@@ -48,8 +59,9 @@ def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, cli
     tasks = as_arrays(schedule.slices)
     a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
     stage, mb, kind = tasks.stage[a:b], tasks.microbatch[a:b], tasks.kind[a:b]
-    out = _TrainRows(schedule, r, transfers, clip, _peers(schedule.num_stages, tuple(map(tuple, shared))),
-                     shared_specs or {}, io)
+    out = _TrainRows(
+        schedule, r, transfers, clip, _peers(schedule.num_stages, tuple(map(tuple, shared))), shared_specs or {}, io
+    )
     mine = out.stages
     local = np.full(schedule.num_stages, 0, np.int64)
     local[list(mine)] = np.arange(len(mine))
@@ -79,14 +91,21 @@ def train_stream(schedule: schedules.Schedule, r: int, transfers: Transfers, cli
     return out.rows.encoded(out.head() + [tiled(patterns, rows_of, mb)] + out.tail())
 
 
-
 class _TrainRows:
     """The row patterns of one slice's training stream: one method per part of the step
     (forward, input gradient, weight gradient, shared-weight exchange, clipping norm,
     update). A transfer is emitted only where producer and consumer sit on different slices."""
 
-    def __init__(self, schedule: schedules.Schedule, r: int, transfers: Transfers, clip: bool, peers, shared_specs,
-                 io: StageIO = StageIO()):
+    def __init__(
+        self,
+        schedule: schedules.Schedule,
+        r: int,
+        transfers: Transfers,
+        clip: bool,
+        peers,
+        shared_specs,
+        io: StageIO = StageIO(),
+    ):
         self.r, self.clip, self.peers, self.shared_specs, self.io = r, clip, peers, shared_specs, io
         self.num_microbatches = schedule.num_microbatches
         self.t = transfers
@@ -121,8 +140,7 @@ class _TrainRows:
     def gather(self, k: int) -> list:
         """Before stage k's first forward: its weights gathered over fsdp for the step (pg{k},
         deleted by the slice after its last use, the stage's last gradient task)."""
-        return [self.rows(Run(names.program("gather", K), (names.params(K),), (names.gathered(K),),
-                              f"gather s{K}"), k)]
+        return [self.rows(Run(names.program("gather", K), (names.params(K),), (names.gathered(K),), f"gather s{K}"), k)]
 
     def forward(self, k: int) -> list:
         row, t, pl = self.rows, self.t, self.placement
@@ -136,8 +154,18 @@ class _TrainRows:
         aux = (names.aux(K, J),) if self.io.adds_aux(k) else ()
         # Stage state is read and written by each forward in turn, microbatch 0..m-1.
         state = (names.stage_state(K),) if self.io.carries_state(k) else ()
-        rows.append(row(Run(names.program("fwd", K), (self.io.weights(k),) + state + (a_in,) + fed,
-                            (out, names.residuals(K, J)) + state + aux, f"F s{K} mb{J}"), k, k + 1))
+        rows.append(
+            row(
+                Run(
+                    names.program("fwd", K),
+                    (self.io.weights(k),) + state + (a_in,) + fed,
+                    (out, names.residuals(K, J)) + state + aux,
+                    f"F s{K} mb{J}",
+                ),
+                k,
+                k + 1,
+            )
+        )
         if not last and self._elsewhere(k + 1):
             rows.append(row(Send(out, 0, names.act_key(Q, J), t.act_pieces[k + 1]), k, k + 1, pl[k + 1]))
         return rows
@@ -146,18 +174,27 @@ class _TrainRows:
     def _backward_inputs(self, k: int, receive: bool, rows: list) -> tuple[str, ...]:
         """(params, residuals[, cotangent of the output]); receives the cotangent once, at
         the task that first needs it (B, not W)."""
-        if k == self.num_stages - 1:    # the loss: its cotangent is 1/m, or 1/total weight
+        if k == self.num_stages - 1:  # the loss: its cotangent is 1/m, or 1/total weight
             return (self.io.weights(k), names.residuals(K, J)) + ((names.weight_sum(),) if self.io.weighted else ())
         d = names.cotangent(K, J)
         if receive and self._elsewhere(k + 1):
-            rows.append(self.rows(Recv(d, 0, names.grad_key(K, J), self.t.cts_in[k], self.t.ct_pieces[k]),
-                                  k, 0, self.placement[k + 1]))
+            rows.append(
+                self.rows(
+                    Recv(d, 0, names.grad_key(K, J), self.t.cts_in[k], self.t.ct_pieces[k]), k, 0, self.placement[k + 1]
+                )
+            )
         return self.io.weights(k), names.residuals(K, J), d
 
     def _send_input_grad(self, k: int, rows: list) -> None:
         if k > 0 and self._elsewhere(k - 1):
-            rows.append(self.rows(Send(names.cotangent(Q, J), 0, names.grad_key(Q, J), self.t.ct_pieces[k - 1]),
-                                  k, k - 1, self.placement[k - 1]))
+            rows.append(
+                self.rows(
+                    Send(names.cotangent(Q, J), 0, names.grad_key(Q, J), self.t.ct_pieces[k - 1]),
+                    k,
+                    k - 1,
+                    self.placement[k - 1],
+                )
+            )
 
     def input_grad(self, k: int) -> list:
         """Zero-bubble B: the input gradient, and what W needs of B's work, kept until W
@@ -165,8 +202,13 @@ class _TrainRows:
         rows = []
         base = self._backward_inputs(k, True, rows)
         if k > 0:
-            rows.append(self.rows(Run(names.program("bwd_in", K), base, (names.cotangent(Q, J), names.kept(K, J)),
-                                      f"B s{K} mb{J}"), k, k - 1))
+            rows.append(
+                self.rows(
+                    Run(names.program("bwd_in", K), base, (names.cotangent(Q, J), names.kept(K, J)), f"B s{K} mb{J}"),
+                    k,
+                    k - 1,
+                )
+            )
             self._send_input_grad(k, rows)
         return rows
 
@@ -193,17 +235,29 @@ class _TrainRows:
         final = self._gradient_final(k)
         if not self.io.reduces(k):
             return final
-        reduce = Rows.block([self.rows(Run(names.program("reduce", K), (names.grads(K),), (names.grads(K),),
-                                            f"reduce s{K}"), k)])
+        reduce = Rows.block(
+            [self.rows(Run(names.program("reduce", K), (names.grads(K),), (names.grads(K),), f"reduce s{K}"), k)]
+        )
         return tuple(np.concatenate(c) for c in zip(reduce, final))
 
     def _gradient_final(self, k: int) -> tuple[np.ndarray, ...]:
         if self.peers[k]:
             # Offer the shared part to the other holders; the norm waits for their parts.
-            rows = [self.rows(Run(names.program("shared_out", K), (names.grads(K),), (names.shared(K),),
-                                  f"shared out s{K}"), k)]
-            rows += [self.rows(Send(names.shared(K), 0, names.shared_key(K, Q), self.shared_specs[(k, q)][1]),
-                               k, q, self.placement[q]) for q in self.peers[k] if self._elsewhere(q)]
+            rows = [
+                self.rows(
+                    Run(names.program("shared_out", K), (names.grads(K),), (names.shared(K),), f"shared out s{K}"), k
+                )
+            ]
+            rows += [
+                self.rows(
+                    Send(names.shared(K), 0, names.shared_key(K, Q), self.shared_specs[(k, q)][1]),
+                    k,
+                    q,
+                    self.placement[q],
+                )
+                for q in self.peers[k]
+                if self._elsewhere(q)
+            ]
             return Rows.block(rows)
         if self.clip:
             # Final, and nothing to add to it: start the norm exchange now so it overlaps
@@ -221,12 +275,25 @@ class _TrainRows:
         for k in self.stages:
             if not self.peers[k]:
                 continue
-            rows = [self.rows(Recv(names.shared(Q), 0, names.shared_key(Q, K), *self.shared_specs[(q, k)]),
-                              k, q, self.placement[q])
-                    for q in self.peers[k] if self._elsewhere(q)]   # a local peer's part is its own buffer
+            rows = [
+                self.rows(
+                    Recv(names.shared(Q), 0, names.shared_key(Q, K), *self.shared_specs[(q, k)]),
+                    k,
+                    q,
+                    self.placement[q],
+                )
+                for q in self.peers[k]
+                if self._elsewhere(q)
+            ]  # a local peer's part is its own buffer
             parts = tuple(names.shared(q) for q in sorted(self.peers[k] + [k]))
-            rows.append(self.rows(Run(names.program("shared_in", K), (names.grads(K),) + parts, (names.grads(K),),
-                                      f"shared sum s{K}"), k))
+            rows.append(
+                self.rows(
+                    Run(
+                        names.program("shared_in", K), (names.grads(K),) + parts, (names.grads(K),), f"shared sum s{K}"
+                    ),
+                    k,
+                )
+            )
             blocks.append(Rows.block(rows))
             if self.clip:
                 blocks.append(self._send_norm(k))
@@ -238,8 +305,13 @@ class _TrainRows:
         send = self.rows(Send(names.sqnorm(K), 0, names.sqnorm_key(K, Q)), k)[0]
         others = np.delete(np.arange(self.num_slices, dtype=np.int32), self.r)
         n = len(others) + 1
-        return (np.concatenate(([run[0]], np.full(n - 1, send))), np.full(n, k, np.int32), np.zeros(n, np.int32),
-                np.concatenate(([0], others)), np.concatenate(([0], others)))
+        return (
+            np.concatenate(([run[0]], np.full(n - 1, send))),
+            np.full(n, k, np.int32),
+            np.zeros(n, np.int32),
+            np.concatenate(([0], others)),
+            np.concatenate(([0], others)),
+        )
 
     def receive_norms(self) -> list[tuple[np.ndarray, ...]]:
         if not self.clip:
@@ -253,9 +325,12 @@ class _TrainRows:
     def update(self) -> tuple[np.ndarray, ...]:
         sq = _sqnorms(self.num_stages) if self.clip else ()
         state = (names.params(K), names.opt_state(K))
-        return Rows.block([self.rows(Run(names.program("update", K), state + (names.grads(K),) + sq, state,
-                                          f"U s{K}"), k) for k in self.stages])
-
+        return Rows.block(
+            [
+                self.rows(Run(names.program("update", K), state + (names.grads(K),) + sq, state, f"U s{K}"), k)
+                for k in self.stages
+            ]
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -269,4 +344,3 @@ def _sqnorms(num_stages: int) -> tuple[str, ...]:
     """Every stage's squared-norm buffer, the update's inputs when clipping (one tuple for
     all slices)."""
     return tuple(names.sqnorm(i) for i in range(num_stages))
-

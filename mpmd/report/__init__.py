@@ -11,6 +11,7 @@ goodput and memory, read from the run directory alone.
 <run_dir>/report.html at the end of every run. A run still going gives a report too (the
 steps logged so far). Nothing here imports JAX or the recipes.
 """
+
 from mpmd.report.html import render_page, write
 from mpmd.report.load import Report, load
 from mpmd.report.pipeline import Comparison, compare

@@ -8,6 +8,7 @@ config), run.json (mpmd.report.record: versions, where the config came from, the
 memory prediction), checkpoints/<step>/manifest.json (committed steps and their layout) and
 logs/*.log. Nothing here imports JAX or the recipes.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,23 +25,31 @@ from mpmd.schedules import core as schedules
 METRICS_FILE = "metrics.jsonl"
 # goodput() keys -> the cause a page names; all but the last are time lost (their sum is
 # lost_s), the last is time run on fewer slices than configured.
-CAUSES = {"aborted_s": "detection", "replace_s": "replacement", "capacity_s": "waiting for capacity",
-          "restore_s": "restore", "replayed_s": "replay", "relayout_s": "relayout",
-          "reduced_width_s": "narrower layout"}
-_ELASTIC = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}   # the layouts a shrink picks
+CAUSES = {
+    "aborted_s": "detection",
+    "replace_s": "replacement",
+    "capacity_s": "waiting for capacity",
+    "restore_s": "restore",
+    "replayed_s": "replay",
+    "relayout_s": "relayout",
+    "reduced_width_s": "narrower layout",
+}
+_ELASTIC = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}  # the layouts a shrink picks
 
 
 class Mark(NamedTuple):
     """Something that happened to the run before `step` was trained: a resume from a
     checkpoint, a recovery from a lost slice, a change of layout."""
+
     step: int
-    kind: str          # "resume" | "recovery" | "relayout"
+    kind: str  # "resume" | "recovery" | "relayout"
     text: str
 
 
 class StepTimes(NamedTuple):
     """Seconds per step (metrics' step_s) over the steps logged, the first (compilation,
     connections) left out when there are others."""
+
     median_s: float
     p10_s: float
     p90_s: float
@@ -51,16 +60,17 @@ class StepTimes(NamedTuple):
 
 class GoodputEvent(NamedTuple):
     """Seconds added to one cause of lost (or narrower) time, seen at `step`'s record."""
+
     step: int
-    elapsed_s: float | None      # wall seconds after the first logged step (None: no times logged)
+    elapsed_s: float | None  # wall seconds after the first logged step (None: no times logged)
     cause: str
     seconds: float
 
 
 class SliceMemory(NamedTuple):
     slice: int
-    predicted: dict | None       # bytes: params, grads, optimizer, activations, total (run.json)
-    measured_peak_bytes: int | None   # the most bytes of the slice's buffers in a traced step
+    predicted: dict | None  # bytes: params, grads, optimizer, activations, total (run.json)
+    measured_peak_bytes: int | None  # the most bytes of the slice's buffers in a traced step
 
 
 class LogSummary(NamedTuple):
@@ -73,25 +83,25 @@ class LogSummary(NamedTuple):
 
 class Report(NamedTuple):
     run_dir: str
-    metrics: list[dict]              # metrics.jsonl's records, in step order
-    total_steps: int | None          # train.steps of the config
-    finished: bool                   # every step logged and the last one committed
+    metrics: list[dict]  # metrics.jsonl's records, in step order
+    total_steps: int | None  # train.steps of the config
+    finished: bool  # every step logged and the last one committed
     marks: list[Mark]
     step_time: StepTimes
     traced_steps: list[int]
-    pipeline: Comparison | None      # the traced step shown, measured vs simulated
-    pipeline_note: str | None        # why pipeline is None
-    goodput: dict | None             # the last cumulative goodput record (None: nothing lost)
+    pipeline: Comparison | None  # the traced step shown, measured vs simulated
+    pipeline_note: str | None  # why pipeline is None
+    goodput: dict | None  # the last cumulative goodput record (None: nothing lost)
     goodput_events: list[GoodputEvent]
-    wall_s: float | None             # first logged step's start to the last one's end
+    wall_s: float | None  # first logged step's start to the last one's end
     memory: list[SliceMemory]
-    config: dict                     # config.yaml, nested
-    config_sources: dict             # dotted key -> "default" | "file" | "command line"
+    config: dict  # config.yaml, nested
+    config_sources: dict  # dotted key -> "default" | "file" | "command line"
     config_file: str | None
     overrides: list[str]
-    layout: dict | None              # the newest committed checkpoint's layout
+    layout: dict | None  # the newest committed checkpoint's layout
     versions: dict
-    checkpoints: list[int]           # committed steps
+    checkpoints: list[int]  # committed steps
     logs: list[LogSummary]
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
@@ -113,15 +123,16 @@ def _elapsed(metrics: list[dict]) -> list[float | None]:
 def _read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / METRICS_FILE
     if not path.exists():
-        raise ValueError(f"{run_dir} holds no {METRICS_FILE}: not an mpmd run directory, or its run has "
-                         f"not finished a step yet")
+        raise ValueError(
+            f"{run_dir} holds no {METRICS_FILE}: not an mpmd run directory, or its run has not finished a step yet"
+        )
     records, lines = [], path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                if number == len(lines):     # a line being appended right now
+                if number == len(lines):  # a line being appended right now
                     break
                 raise ValueError(f"{path}:{number} is not a JSON object: {line[:80]!r}") from None
     if not records:
@@ -137,8 +148,14 @@ def _marks(metrics: list[dict]) -> list[Mark]:
         if "recovered" in r:
             out.append(Mark(r["step"], "recovery", f"recovered: {r['recovered']}"))
         for change in r.get("layout_changes", []):
-            out.append(Mark(r["step"], "relayout", f"{change['schedule']} on {change['num_slices']} slice(s), "
-                                                   f"placement {change['placement']}: {change['why']}"))
+            out.append(
+                Mark(
+                    r["step"],
+                    "relayout",
+                    f"{change['schedule']} on {change['num_slices']} slice(s), "
+                    f"placement {change['placement']}: {change['why']}",
+                )
+            )
     return out
 
 
@@ -213,8 +230,9 @@ def schedule_at(config: dict, metrics: list[dict], step: int) -> schedules.Sched
     moved to (a shrink keeps the stages and microbatches: GPipe or 1F1B over blocks)."""
     p = config["pipeline"]
     changes = [c for r in metrics for c in r.get("layout_changes", []) if c["step"] < step]
-    if changes and changes[-1]["placement"] != list(schedules.make(
-            p["schedule"], p["num_stages"], p["num_microbatches"], p["virtual_stages"]).placement):
+    if changes and changes[-1]["placement"] != list(
+        schedules.make(p["schedule"], p["num_stages"], p["num_microbatches"], p["virtual_stages"]).placement
+    ):
         c = changes[-1]
         if c["schedule"] not in _ELASTIC:
             raise ValueError(f"step {step} ran layout {c['schedule']!r}, which the report cannot rebuild")
@@ -224,14 +242,17 @@ def schedule_at(config: dict, metrics: list[dict], step: int) -> schedules.Sched
 
 def _checkpoints(run_dir: Path) -> tuple[list[int], dict | None]:
     root = run_dir / "checkpoints"
-    steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / "manifest.json").exists()) \
-        if root.is_dir() else []
+    steps = (
+        sorted(int(d.name) for d in root.iterdir() if d.name.isdigit() and (d / "manifest.json").exists())
+        if root.is_dir()
+        else []
+    )
     layout = None
     if steps:
         try:
             layout = json.loads((root / str(steps[-1]) / "manifest.json").read_text()).get("layout")
         except (OSError, json.JSONDecodeError):
-            layout = None       # being replaced right now; the next report reads it
+            layout = None  # being replaced right now; the next report reads it
     return steps, layout
 
 
@@ -267,10 +288,11 @@ def load(run_dir: str | Path, step: int | None = None) -> Report:
     info = record.read_run_info(run_dir)
     traces = trace.read(run_dir)
     logged = {r["step"] for r in metrics}
-    traced = [s for s in traces if s in logged]     # a trace of a step since rewound is not shown
+    traced = [s for s in traces if s in logged]  # a trace of a step since rewound is not shown
     if step is not None and step not in traced:
-        raise ValueError(f"step {step} was not traced in {run_dir}: traced steps are "
-                         f"{traced or 'none'} (log.trace_steps)")
+        raise ValueError(
+            f"step {step} was not traced in {run_dir}: traced steps are {traced or 'none'} (log.trace_steps)"
+        )
     comparison, note = None, None
     if not traced:
         note = "no traced step yet (log.trace_steps names the steps traced)"
@@ -280,14 +302,32 @@ def load(run_dir: str | Path, step: int | None = None) -> Report:
         shown = step if step is not None else traced[-1]
         try:
             comparison = pipeline.compare(shown, traces[shown], schedule_at(config, metrics, shown))
-        except ValueError as e:     # a trace the schedule does not explain: say why, show the rest
+        except ValueError as e:  # a trace the schedule does not explain: say why, show the rest
             note = f"step {shown} not compared with the simulator: {e}"
     goodput, events = _goodput(metrics, _elapsed(metrics))
     checkpoints, layout = _checkpoints(run_dir)
     total = config.get("train", {}).get("steps")
     last = metrics[-1]["step"]
-    return Report(str(run_dir), metrics, total, total is not None and last == total and bool(checkpoints)
-                  and checkpoints[-1] == total, _marks(metrics), _step_times(metrics), traced, comparison, note,
-                  goodput, events, _wall_s(metrics), _memory(info, metrics), config, _config_sources(config, info),
-                  info.get("config_file"), info.get("overrides", []), layout, info.get("versions", {}),
-                  checkpoints, _logs(run_dir))
+    return Report(
+        str(run_dir),
+        metrics,
+        total,
+        total is not None and last == total and bool(checkpoints) and checkpoints[-1] == total,
+        _marks(metrics),
+        _step_times(metrics),
+        traced,
+        comparison,
+        note,
+        goodput,
+        events,
+        _wall_s(metrics),
+        _memory(info, metrics),
+        config,
+        _config_sources(config, info),
+        info.get("config_file"),
+        info.get("overrides", []),
+        layout,
+        info.get("versions", {}),
+        checkpoints,
+        _logs(run_dir),
+    )

@@ -13,6 +13,7 @@ the slice's last task at its measured duration, and an update waits for every sl
 start at 0 = the step's first run, and both bubbles are trace.measured_bubble over runs, so
 the measured bubble is the `bubble` metrics.jsonl records for the step.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
@@ -22,7 +23,7 @@ from mpmd.report.trace import Span
 from mpmd.schedules.core import Schedule
 from mpmd.schedules.simulate import simulate
 
-NUM_DEPARTURES = 8      # tasks listed that add the most delay over the simulated timeline
+NUM_DEPARTURES = 8  # tasks listed that add the most delay over the simulated timeline
 _UPDATE, _NORM = "U ", "norm "
 
 
@@ -47,15 +48,15 @@ class Departure(NamedTuple):
 class Comparison(NamedTuple):
     step: int
     schedule: Schedule
-    measured: list[list[Span]]       # per slice, the trace's runs and receives
-    simulated: list[list[Span]]      # per slice, the simulated runs (same names as measured)
-    costs: list[dict]                # per stage {"F", "B", "W"} seconds, as simulated
-    comm_s: float                    # transfer latency simulated per cross-slice dependency
-    measured_makespan_s: float       # first run's start to last run's end
+    measured: list[list[Span]]  # per slice, the trace's runs and receives
+    simulated: list[list[Span]]  # per slice, the simulated runs (same names as measured)
+    costs: list[dict]  # per stage {"F", "B", "W"} seconds, as simulated
+    comm_s: float  # transfer latency simulated per cross-slice dependency
+    measured_makespan_s: float  # first run's start to last run's end
     simulated_makespan_s: float
     measured_bubble: float
     simulated_bubble: float
-    departures: list[Departure]      # the NUM_DEPARTURES largest |added_s|, largest first
+    departures: list[Departure]  # the NUM_DEPARTURES largest |added_s|, largest first
 
     @property
     def makespan_ratio(self) -> float:
@@ -78,19 +79,25 @@ def _rebase(slices: Sequence[Sequence[Span]]) -> list[list[Span]]:
     return [[s._replace(start_s=s.start_s - origin, end_s=s.end_s - origin) for s in spans] for spans in slices]
 
 
-def simulated_spans(schedule: Schedule, costs: list[dict], comm_s: float,
-                    tails: Sequence[Sequence[Span]]) -> list[list[Span]]:
+def simulated_spans(
+    schedule: Schedule, costs: list[dict], comm_s: float, tails: Sequence[Sequence[Span]]
+) -> list[list[Span]]:
     """Per slice, the schedule's tasks as the simulator places them (tasks the runtime runs no
     program for, priced 0, left out), then the slice's `tails` (its measured runs after the
     last task, at their measured durations; an update after every slice's norm + comm_s)."""
     sim = simulate(schedule, costs, comm_s)
     out = []
     for r, spans in enumerate(sim.spans):
-        out.append([Span(f"{task.kind} s{task.stage} mb{task.microbatch}", "run", start, end)
-                    for task, start, end in spans if end > start])
+        out.append(
+            [
+                Span(f"{task.kind} s{task.stage} mb{task.microbatch}", "run", start, end)
+                for task, start, end in spans
+                if end > start
+            ]
+        )
     clipped = any(s.name.startswith(_NORM) for t in tails for s in t)
     before_update = []
-    for r, tail in enumerate(tails):     # the runs before the update: norm, shared gradients
+    for r, tail in enumerate(tails):  # the runs before the update: norm, shared gradients
         t = out[r][-1].end_s if out[r] else 0.0
         for s in tail:
             if s.name.startswith(_UPDATE):
@@ -115,8 +122,10 @@ def compare(step: int, slices: Sequence[Sequence[Span]], schedule: Schedule) -> 
     simulated with the costs measured in it. ValueError when the trace is not a step of that
     schedule (another slice count, a stage missing)."""
     if len(slices) != schedule.num_slices:
-        raise ValueError(f"step {step} was traced on {len(slices)} slices, but its schedule "
-                         f"{schedule.name} has {schedule.num_slices}")
+        raise ValueError(
+            f"step {step} was traced on {len(slices)} slices, but its schedule "
+            f"{schedule.name} has {schedule.num_slices}"
+        )
     measured = _rebase(slices)
     costs = trace.stage_costs(measured, schedule.num_stages, schedule.split_backward)
     comm_s = trace.latency_s(measured)
@@ -124,11 +133,21 @@ def compare(step: int, slices: Sequence[Sequence[Span]], schedule: Schedule) -> 
     for spans in measured:
         runs = _runs(spans)
         last_task = max((i for i, s in enumerate(runs) if s.task is not None), default=-1)
-        tails.append(runs[last_task + 1:])
+        tails.append(runs[last_task + 1 :])
     simulated = simulated_spans(schedule, costs, comm_s, tails)
-    return Comparison(step, schedule, measured, simulated, costs, comm_s, _makespan(measured), _makespan(simulated),
-                      trace.measured_bubble(measured), trace.measured_bubble(simulated),
-                      _departures(measured, simulated))
+    return Comparison(
+        step,
+        schedule,
+        measured,
+        simulated,
+        costs,
+        comm_s,
+        _makespan(measured),
+        _makespan(simulated),
+        trace.measured_bubble(measured),
+        trace.measured_bubble(simulated),
+        _departures(measured, simulated),
+    )
 
 
 def _departures(measured, simulated) -> list[Departure]:

@@ -14,6 +14,7 @@ written once, when the run starts (a resumed run rewrites it), holds
 - "tokenizer": {spec, hash, vocab_size, eos_id} of what the run encodes text with, its file
   copied beside as tokenizer.json unless bytes (mpmd.recipes.tokenizer.run_tokenizer).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -26,8 +27,18 @@ import yaml
 
 RUN_INFO_FILE = "run.json"
 # Distributions whose versions change what a run computes or how fast.
-_DISTRIBUTIONS = ("mpmd", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "grpcio", "grain",
-                  "tokenizers")
+_DISTRIBUTIONS = (
+    "mpmd",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "numpy",
+    "grpcio",
+    "grain",
+    "tokenizers",
+)
 
 
 def versions() -> dict[str, str]:
@@ -45,30 +56,47 @@ def predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets,
     """{"stages": per stage bytes, "slices": per slice bytes} as `mpmd train --dry-run` prints
     them (traced only: nothing is allocated); micro_inputs may be one microbatch's batch dict;
     `layout`: the run's mpmd.lowering.core.Layout (what fsdp holds whole is then counted)."""
-    from mpmd.stages import batch as batches   # imports JAX: only the recipe's process needs it
+    from mpmd.stages import batch as batches  # imports JAX: only the recipe's process needs it
     from mpmd.stages import costs
     from mpmd.stages.specs import spec
-    if isinstance(micro_inputs, dict):    # one microbatch of a batch dict (micro_targets unused)
+
+    if isinstance(micro_inputs, dict):  # one microbatch of a batch dict (micro_targets unused)
         feeds = batches.plan(pipeline, {k: spec(v) for k, v in micro_inputs.items()}, pair=False)
-        per_stage = costs.memory(pipeline, optimizer, None, None, feeds=feeds, layout=layout,
-                                 placement=schedule.placement)
+        per_stage = costs.memory(
+            pipeline, optimizer, None, None, feeds=feeds, layout=layout, placement=schedule.placement
+        )
     else:
-        per_stage = costs.memory(pipeline, optimizer, spec(micro_inputs), spec(micro_targets), layout=layout,
-                                 placement=schedule.placement)
+        per_stage = costs.memory(
+            pipeline, optimizer, spec(micro_inputs), spec(micro_targets), layout=layout, placement=schedule.placement
+        )
     return {"stages": per_stage, "slices": costs.slice_memory(schedule, per_stage)}
 
 
-def write_run_info(run_dir: str | Path, pipeline, optimizer, schedule, micro_inputs, micro_targets,
-                   config_file: str | None = None, overrides: Sequence[str] = (),
-                   tokenizer: dict | None = None, layout=None) -> Path:
+def write_run_info(
+    run_dir: str | Path,
+    pipeline,
+    optimizer,
+    schedule,
+    micro_inputs,
+    micro_targets,
+    config_file: str | None = None,
+    overrides: Sequence[str] = (),
+    tokenizer: dict | None = None,
+    layout=None,
+) -> Path:
     """Writes <run_dir>/run.json (see the module doc); returns its path. `tokenizer`: what
     the run encodes text with (mpmd.recipes.tokenizer.run_tokenizer reads it back)."""
     file_values = {}
     if config_file is not None and Path(config_file).is_file():
         file_values = yaml.safe_load(Path(config_file).read_text()) or {}
-    info = {"versions": versions(), "config_file": config_file, "file_values": file_values,
-            "overrides": list(overrides), **({"tokenizer": tokenizer} if tokenizer else {}),
-            "memory": predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets, layout)}
+    info = {
+        "versions": versions(),
+        "config_file": config_file,
+        "file_values": file_values,
+        "overrides": list(overrides),
+        **({"tokenizer": tokenizer} if tokenizer else {}),
+        "memory": predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets, layout),
+    }
     path = Path(run_dir) / RUN_INFO_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(info, indent=1))

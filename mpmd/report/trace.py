@@ -12,6 +12,7 @@ a receive (the key parsed by mpmd.stages.names: act{k}/{j} enters stage k from s
 forward, grad{k}/{j} enters stage k from stage k+1's backward). Sends are not traced: a send
 does not block its slice, so its cost shows only as the receiver's wait.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,15 @@ from mpmd.schedules.core import BACKWARD, FORWARD, WEIGHT, Task
 from mpmd.stages import names
 
 TRACE_FILE = "trace.json"
-_TASK = re.compile(r"^([FBW]) s(\d+) mb(\d+)$")     # the lowering's labels of F, B and W runs
+_TASK = re.compile(r"^([FBW]) s(\d+) mb(\d+)$")  # the lowering's labels of F, B and W runs
 _RECV = "recv "
 
 
 class Span(NamedTuple):
     """One traced interval of a slice, in seconds after its step's first event."""
+
     name: str
-    kind: str        # "run" | "recv"
+    kind: str  # "run" | "recv"
     start_s: float
     end_s: float
 
@@ -62,14 +64,19 @@ def read(run_dir: str | Path) -> dict[int, list[list[Span]]]:
             continue
         start_us = float(e["ts"])
         raw.setdefault(int(e["args"]["step"]), {}).setdefault(int(e["pid"]), []).append(
-            (e["name"], e["cat"], start_us, start_us + float(e["dur"])))
+            (e["name"], e["cat"], start_us, start_us + float(e["dur"]))
+        )
     out = {}
     for step, by_slice in sorted(raw.items()):
         origin_us = min(ev[2] for evs in by_slice.values() for ev in evs)
         num_slices = max(by_slice) + 1
-        out[step] = [sorted((Span(n, k, (a - origin_us) / 1e6, (b - origin_us) / 1e6)
-                             for n, k, a, b in by_slice.get(r, ())), key=lambda s: s.start_s)
-                     for r in range(num_slices)]
+        out[step] = [
+            sorted(
+                (Span(n, k, (a - origin_us) / 1e6, (b - origin_us) / 1e6) for n, k, a, b in by_slice.get(r, ())),
+                key=lambda s: s.start_s,
+            )
+            for r in range(num_slices)
+        ]
     return out
 
 
@@ -81,8 +88,7 @@ def measured_bubble(events_per_slice: Sequence[Iterable], kinds: Sequence[str] =
     are not counted twice); span = latest end - earliest start over all slices. A slice with
     no such events counts as idle for the whole span.
     """
-    intervals = [sorted((e[2], e[3]) for e in events if e[1] in kinds)
-                 for events in events_per_slice]
+    intervals = [sorted((e[2], e[3]) for e in events if e[1] in kinds) for events in events_per_slice]
     flat = [iv for slice_ivs in intervals for iv in slice_ivs]
     if not flat:
         raise ValueError(f"no events of kinds {tuple(kinds)} to measure a bubble from")
@@ -104,12 +110,12 @@ def measured_bubble(events_per_slice: Sequence[Iterable], kinds: Sequence[str] =
 def producer(recv: Span) -> Task | None:
     """The task whose output a receive of an activation or a cotangent waits for (None for
     other receives: a clipping norm, a shared gradient)."""
-    key = names.parse_key(recv.name[len(_RECV):]) if recv.name.startswith(_RECV) else None
+    key = names.parse_key(recv.name[len(_RECV) :]) if recv.name.startswith(_RECV) else None
     if key is None or key.kind not in ("act", "grad"):
         return None
-    if key.kind == "act":           # enters stage k: stage k-1's forward made it
+    if key.kind == "act":  # enters stage k: stage k-1's forward made it
         return Task(key.stage - 1, key.microbatch, FORWARD)
-    return Task(key.stage + 1, key.microbatch, BACKWARD)   # a cotangent: stage k+1's input gradient
+    return Task(key.stage + 1, key.microbatch, BACKWARD)  # a cotangent: stage k+1's input gradient
 
 
 def latency_s(slices: Sequence[Sequence[Span]]) -> float:
@@ -117,9 +123,12 @@ def latency_s(slices: Sequence[Sequence[Span]]) -> float:
     their producer finished (so the receiver really waited for the data), of receive end -
     producer end; 0 when no receive waited. Clocks are wall clocks, comparable on one host."""
     ends = {span.task: span.end_s for spans in slices for span in spans if span.task is not None}
-    samples = sorted(recv.end_s - ends[task] for spans in slices for recv in spans
-                     if recv.kind == "recv" and (task := producer(recv)) in ends
-                     and recv.start_s < ends[task] <= recv.end_s)
+    samples = sorted(
+        recv.end_s - ends[task]
+        for spans in slices
+        for recv in spans
+        if recv.kind == "recv" and (task := producer(recv)) in ends and recv.start_s < ends[task] <= recv.end_s
+    )
     if not samples:
         return 0.0
     mid = len(samples) // 2
@@ -143,10 +152,8 @@ def stage_costs(slices: Sequence[Sequence[Span]], num_stages: int, split_backwar
             got = durations.get((k, kind), [])
             entry[kind] = sum(got) / len(got) if got else 0.0
         if not durations.get((k, FORWARD)):
-            raise ValueError(f"the trace has no forward of stage {k}: it is not a training step of "
-                             f"{num_stages} stages")
+            raise ValueError(f"the trace has no forward of stage {k}: it is not a training step of {num_stages} stages")
         if split_backward and k > 0 and not durations.get((k, BACKWARD)):
-            raise ValueError(f"the trace has no input-gradient run of stage {k}, but the schedule splits "
-                             f"the backward")
+            raise ValueError(f"the trace has no input-gradient run of stage {k}, but the schedule splits the backward")
         costs.append(entry)
     return costs

@@ -29,8 +29,8 @@ def _parse_costs(text: str) -> dict:
         values = []
     if len(values) not in (3, 4):
         raise argparse.ArgumentTypeError(
-            f"--costs needs three or four comma-separated numbers F,B,W[,BW] (e.g. 1,1,1 or "
-            f"1,1.1,2,2), got {text!r}")
+            f"--costs needs three or four comma-separated numbers F,B,W[,BW] (e.g. 1,1,1 or 1,1.1,2,2), got {text!r}"
+        )
     return dict(zip(("F", "B", "W", "BW"), values))
 
 
@@ -41,31 +41,39 @@ def _range(spec) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mpmd schedule",
-        description="Simulate a pipeline schedule: makespan, bubble and live activations.")
-    parser.add_argument("name", metavar="NAME",
-                        help=f"schedule: {', '.join(sorted(schedules.SCHEDULES))}")
-    parser.add_argument("--stages", type=int, required=True, metavar="P",
-                        help="number of pipeline stages (slices times virtual stages)")
+        prog="mpmd schedule", description="Simulate a pipeline schedule: makespan, bubble and live activations."
+    )
+    parser.add_argument("name", metavar="NAME", help=f"schedule: {', '.join(sorted(schedules.SCHEDULES))}")
+    parser.add_argument(
+        "--stages", type=int, required=True, metavar="P", help="number of pipeline stages (slices times virtual stages)"
+    )
     parser.add_argument("--microbatches", type=int, required=True, metavar="M")
-    parser.add_argument("--virtual-stages", type=int, default=None, metavar="V",
-                        help="stages per slice, in the schedule's range (" + "; ".join(
-                            f"{n}: {_range(s)}" for n, s in schedules.SCHEDULES.items() if s.virtual_stages != (1, 1))
-                        + "; others 1); default the schedule's own")
-    parser.add_argument("--costs", type=_parse_costs, default=None, metavar="F,B,W[,BW]",
-                        help="time of one forward, input-gradient backward and weight-gradient "
-                             "task, and optionally of one full backward (default B+W); default "
-                             "1,1,1. Measure a pipeline's own with mpmd.stages.costs.measure")
-    parser.add_argument("-o", "--output", metavar="OUT.svg",
-                        help="write the timeline as SVG here (default NAME.svg)")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        metavar="V",
+        help="stages per slice, in the schedule's range ("
+        + "; ".join(f"{n}: {_range(s)}" for n, s in schedules.SCHEDULES.items() if s.virtual_stages != (1, 1))
+        + "; others 1); default the schedule's own",
+    )
+    parser.add_argument(
+        "--costs",
+        type=_parse_costs,
+        default=None,
+        metavar="F,B,W[,BW]",
+        help="time of one forward, input-gradient backward and weight-gradient "
+        "task, and optionally of one full backward (default B+W); default "
+        "1,1,1. Measure a pipeline's own with mpmd.stages.costs.measure",
+    )
+    parser.add_argument("-o", "--output", metavar="OUT.svg", help="write the timeline as SVG here (default NAME.svg)")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        schedule = schedules.make(args.name, args.stages, args.microbatches,
-                                  args.virtual_stages)
+        schedule = schedules.make(args.name, args.stages, args.microbatches, args.virtual_stages)
         simulation = simulate(schedule, args.costs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -74,28 +82,34 @@ def main(argv=None) -> int:
     why_not = not_drawable(simulation)
     if why_not is None:
         render_svg(schedule, simulation, output)
-    print(f"schedule:          {schedule.name}  (stages={schedule.num_stages}, "
-          f"slices={len(schedule.slices)}, microbatches={schedule.num_microbatches}, "
-          f"virtual_stages={schedule.virtual_stages})")
+    print(
+        f"schedule:          {schedule.name}  (stages={schedule.num_stages}, "
+        f"slices={len(schedule.slices)}, microbatches={schedule.num_microbatches}, "
+        f"virtual_stages={schedule.virtual_stages})"
+    )
     print(f"makespan:          {simulation.makespan:g}")
     print(f"bubble fraction:   {simulation.bubble_fraction:.4f}")
     print(f"peak live activations per slice: {_per_slice(simulation.peak_live_activations, '')}")
     print(f"bubble per slice:  {_per_slice(simulation.bubble_fraction_per_slice, '.4f')}")
     if schedule.split_backward and (args.costs is None or "BW" not in args.costs):
-        print("note:              assumes B + W = one full backward; pass measured --costs "
-              "F,B,W,BW (mpmd.stages.costs.measure) for figures of a pipeline of mpmd itself")
+        print(
+            "note:              assumes B + W = one full backward; pass measured --costs "
+            "F,B,W,BW (mpmd.stages.costs.measure) for figures of a pipeline of mpmd itself"
+        )
     print(f"wrote {output}" if why_not is None else f"svg not written: {why_not}")
     return 0
 
 
-SUMMARY_SLICES = 32   # more slices than this: min / median / max instead of one per slice
+SUMMARY_SLICES = 32  # more slices than this: min / median / max instead of one per slice
 
 
 def _per_slice(values, fmt: str) -> str:
     if len(values) <= SUMMARY_SLICES:
         return " ".join(format(v, fmt) for v in values)
-    return (f"min {format(min(values), fmt)}, median {format(statistics.median(values), fmt)}, "
-            f"max {format(max(values), fmt)} over {len(values)} slices")
+    return (
+        f"min {format(min(values), fmt)}, median {format(statistics.median(values), fmt)}, "
+        f"max {format(max(values), fmt)} over {len(values)} slices"
+    )
 
 
 if __name__ == "__main__":

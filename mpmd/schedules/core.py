@@ -122,8 +122,11 @@ def _slots(stages, kind: int) -> np.ndarray:
 
 def _phases(*parts) -> np.ndarray:
     """One slice's slots from (pattern, repeats) parts: a pattern is a list of (stage, kind)."""
-    pieces = [np.tile(np.array([s * 3 + k for s, k in pattern], dtype=np.int64), n)
-              for pattern, n in parts if n > 0 and pattern]
+    pieces = [
+        np.tile(np.array([s * 3 + k for s, k in pattern], dtype=np.int64), n)
+        for pattern, n in parts
+        if n > 0 and pattern
+    ]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
@@ -142,21 +145,29 @@ def _slice_codes(forward_stages, backward_stages, num_warmup: int, w_lag) -> np.
     assert len(backwards) == n and 0 <= w <= n
     # Backward i's unit: [the forward it pairs with] B_i [W of backward i - lag].
     units = np.full((n, 3), -1, dtype=np.int64)
-    units[:n - w, 0] = forwards[w:]
+    units[: n - w, 0] = forwards[w:]
     units[:, 1] = backwards
     parts = [forwards[:w]]
     if w_lag is not None:
         weights = backwards + (_W - _B)
-        units[w_lag:, 2] = weights[:max(0, n - w_lag)]
+        units[w_lag:, 2] = weights[: max(0, n - w_lag)]
     units = units.ravel()
     parts.append(units[units >= 0])
     if w_lag is not None:
-        parts.append(weights[max(0, n - w_lag):])
+        parts.append(weights[max(0, n - w_lag) :])
     return np.concatenate(parts)
 
 
-def _build(name, num_stages, num_microbatches, virtual_stages, split_backward, placement,
-           codes_per_slice, generated_microbatches=None) -> Schedule:
+def _build(
+    name,
+    num_stages,
+    num_microbatches,
+    virtual_stages,
+    split_backward,
+    placement,
+    codes_per_slice,
+    generated_microbatches=None,
+) -> Schedule:
     """The Schedule of per-slice slot arrays. Generators that need a minimum number of
     microbatches to have their shape (the V schedules) build `generated_microbatches` and
     drop every task of a microbatch >= num_microbatches: removing whole microbatches keeps
@@ -176,34 +187,41 @@ def _build(name, num_stages, num_microbatches, virtual_stages, split_backward, p
         a, b = offsets[r], offsets[r + 1]
         np.floor_divide(codes, 3, out=stage[a:b], casting="unsafe")
         np.remainder(codes, 3, out=kind[a:b], casting="unsafe")
-        codes_per_slice[r] = None     # free as we go: at 50 M tasks the slots weigh 400 MB
+        codes_per_slice[r] = None  # free as we go: at 50 M tasks the slots weigh 400 MB
     arrays = TaskArrays(stage, np.concatenate(ranks), kind, offsets)
     return Schedule(name, num_stages, m, virtual_stages, split_backward, arrays, tuple(placement))
 
 
 def _check_counts(name, num_stages, num_microbatches, virtual_stages, needs_full_pipeline):
-    for field, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                         ("virtual_stages", virtual_stages)):
+    for field, value in (
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+        ("virtual_stages", virtual_stages),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"schedule '{name}' needs {field} to be an integer >= 1, "
-                             f"got {value!r}")
+            raise ValueError(f"schedule '{name}' needs {field} to be an integer >= 1, got {value!r}")
     if num_stages % virtual_stages:
-        raise ValueError(f"schedule '{name}' needs num_stages divisible by virtual_stages "
-                         f"({virtual_stages}), got num_stages={num_stages}")
+        raise ValueError(
+            f"schedule '{name}' needs num_stages divisible by virtual_stages "
+            f"({virtual_stages}), got num_stages={num_stages}"
+        )
     p = num_stages // virtual_stages
     # Schedules that run at most ~p microbatches in flight fill the pipeline only when there
     # are at least p of them; below that 1F1B's memory bound is moot and GPipe is the answer.
     if needs_full_pipeline and num_microbatches < p:
-        raise ValueError(f"schedule '{name}' needs num_microbatches >= number of pipeline "
-                         f"slices ({p}), got {num_microbatches}")
+        raise ValueError(
+            f"schedule '{name}' needs num_microbatches >= number of pipeline slices ({p}), got {num_microbatches}"
+        )
     return p
 
 
 def _per_rank(name, num_stages, num_microbatches, warmup, w_lag=None):
     """A one-stage-per-slice schedule; warmup(r, p) and w_lag(r, p) are per-slice knobs."""
     p, m = num_stages, num_microbatches
-    codes = [_slice_codes(np.full(m, r), np.full(m, r), warmup(r, p),
-                          None if w_lag is None else w_lag(r, p)) for r in range(p)]
+    codes = [
+        _slice_codes(np.full(m, r), np.full(m, r), warmup(r, p), None if w_lag is None else w_lag(r, p))
+        for r in range(p)
+    ]
     return _build(name, p, m, 1, w_lag is not None, loop_placement(p, p), codes)
 
 
@@ -233,14 +251,19 @@ def _check_placement(name: str, num_stages: int, placement) -> tuple[int, ...]:
     """placement as a tuple, or ValueError unless it maps every stage onto slices 0..p-1
     with each slice holding at least one stage."""
     placement = tuple(placement)
-    if (len(placement) != num_stages
-            or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in placement)):
-        raise ValueError(f"schedule '{name}' needs placement to give a slice index >= 0 for each "
-                         f"of the {num_stages} stages, got {placement!r}")
+    if len(placement) != num_stages or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in placement
+    ):
+        raise ValueError(
+            f"schedule '{name}' needs placement to give a slice index >= 0 for each "
+            f"of the {num_stages} stages, got {placement!r}"
+        )
     empty = sorted(set(range(max(placement) + 1)) - set(placement))
     if empty:
-        raise ValueError(f"schedule '{name}' placement {placement!r} leaves slice(s) {empty} "
-                         f"without a stage; number the slices 0..p-1")
+        raise ValueError(
+            f"schedule '{name}' placement {placement!r} leaves slice(s) {empty} "
+            f"without a stage; number the slices 0..p-1"
+        )
     return placement
 
 
@@ -265,8 +288,10 @@ def one_f_one_b(num_stages: int, num_microbatches: int, placement=None) -> Sched
     _check_counts("1f1b", num_stages, num_microbatches, 1, needs_full_pipeline=False)
     placement = _check_placement("1f1b", num_stages, placement)
     if list(placement) != sorted(placement):
-        raise ValueError(f"schedule '1f1b' needs a placement of contiguous blocks in slice order "
-                         f"(non-decreasing, e.g. (0, 1, 1, 2)), got {placement!r}")
+        raise ValueError(
+            f"schedule '1f1b' needs a placement of contiguous blocks in slice order "
+            f"(non-decreasing, e.g. (0, 1, 1, 2)), got {placement!r}"
+        )
     m, p, codes = num_microbatches, max(placement) + 1, []
     for r in range(p):
         mine = [k for k in range(num_stages) if placement[k] == r]
@@ -289,12 +314,10 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     3(p-1) time units per slice to about (p-1).
     """
     _check_counts("zb-h1", num_stages, num_microbatches, 1, needs_full_pipeline=True)
-    return _per_rank("zb-h1", num_stages, num_microbatches, lambda r, p: p - 1 - r,
-                     w_lag=lambda r, p: r)
+    return _per_rank("zb-h1", num_stages, num_microbatches, lambda r, p: p - 1 - r, w_lag=lambda r, p: r)
 
 
-def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
-                            virtual_stages: int) -> Schedule:
+def interleaved_one_f_one_b(num_stages: int, num_microbatches: int, virtual_stages: int) -> Schedule:
     """Megatron-style interleaved 1F1B: v = virtual_stages stages per slice, p = S / v slices.
 
     Slice r holds stages r, r+p, ..., r+(v-1)p. Microbatches go in groups of p: for each group
@@ -309,13 +332,15 @@ def interleaved_one_f_one_b(num_stages: int, num_microbatches: int,
     """
     name, v = "interleaved-1f1b", virtual_stages
     if v == 1:
-        raise ValueError(f"schedule '{name}' needs virtual_stages >= 2 (stages per slice), "
-                         f"got 1; use '1f1b' for one stage per slice")
+        raise ValueError(
+            f"schedule '{name}' needs virtual_stages >= 2 (stages per slice), got 1; use '1f1b' for one stage per slice"
+        )
     p = _check_counts(name, num_stages, num_microbatches, v, needs_full_pipeline=True)
     m = num_microbatches
     if m % p:
-        raise ValueError(f"schedule '{name}' needs num_microbatches to be a multiple of the "
-                         f"number of pipeline slices ({p}), got {m}")
+        raise ValueError(
+            f"schedule '{name}' needs num_microbatches to be a multiple of the number of pipeline slices ({p}), got {m}"
+        )
     codes = []
     for r in range(p):
         # One group of p microbatches: each of the slice's stages p times, in chunk order.
@@ -329,8 +354,9 @@ def _check_v(name: str, num_stages: int, num_microbatches: int) -> int:
     """The number of slices of a V schedule (two stages each); ValueError otherwise."""
     p = _check_counts(name, num_stages, num_microbatches, 1, needs_full_pipeline=False)
     if num_stages % 2:
-        raise ValueError(f"schedule '{name}' puts two stages on each slice (a V), so it needs an "
-                         f"even num_stages, got {num_stages}")
+        raise ValueError(
+            f"schedule '{name}' puts two stages on each slice (a V), so it needs an even num_stages, got {num_stages}"
+        )
     return p // 2
 
 
@@ -352,10 +378,20 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     The shape needs m >= 2p-1; for fewer microbatches the schedule for 2p-1 is built and
     the missing microbatches' tasks are dropped (still valid, more bubble).
     """
+
     def phases(r, p, M, c0, c1, F0, B0, W0, F1, B1, W1):
-        return [([F0], 2 * (p - r) - 1), ([F1, F0], r), ([F1, B1, W1], p - r),
-                ([F0, B0, W0, F1, B1, W1], M - 2 * p + r + 1), ([B0, W0, F1, B1, W1], p - r - 1),
-                ([B0, B1], r), ([B0, W0], p - r), ([W1], r), ([W0], r)]
+        return [
+            ([F0], 2 * (p - r) - 1),
+            ([F1, F0], r),
+            ([F1, B1, W1], p - r),
+            ([F0, B0, W0, F1, B1, W1], M - 2 * p + r + 1),
+            ([B0, W0, F1, B1, W1], p - r - 1),
+            ([B0, B1], r),
+            ([B0, W0], p - r),
+            ([W1], r),
+            ([W0], r),
+        ]
+
     return _v_schedule("zb-v", num_stages, num_microbatches, phases)
 
 
@@ -389,6 +425,7 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
 
     Needs m >= 2p-1 for its shape; fewer microbatches are handled as in zb_v.
     """
+
     def phases(r, p, M, c0, c1, F0, B0, W0, F1, B1, W1):
         # The last r+1 backward pairs switch to deferred W half way (DualPipeV's zero-bubble
         # tail); which chunk defers first depends on r's parity, as in DualPipeV.
@@ -396,14 +433,23 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
         if r % 2:
             tail, deferred = [([B1, W1, B0, W0], half), ([B1, B0], r + 1 - half)], [c1, c0] * (r + 1 - half)
         else:
-            tail, deferred = [([B1, W1, B0, W0], half), ([B1, W1, B0], 1), ([B1, B0], r - half)], \
-                [c0] + [c1, c0] * (r - half)
+            tail, deferred = (
+                [([B1, W1, B0, W0], half), ([B1, W1, B0], 1), ([B1, B0], r - half)],
+                [c0] + [c1, c0] * (r - half),
+            )
         # The waiting W run oldest first: those of the tail, then those of step 7's B0s.
         queue = deferred + [c0] * (p - r - 1)
-        return [([F0], 2 * (p - r - 1)), ([F0, F1], r + 1), ([B1, W1, F1], p - r - 1),
-                ([F0, B1, W1, F1, B0, W0], M - 2 * p + r + 1), ([B1, W1, F1, B0, W0], p - r - 1),
-                *tail, *[([(queue[i], _W), B0], 1) for i in range(p - r - 1)],
-                ([(c, _W) for c in queue[p - r - 1:]], 1)]
+        return [
+            ([F0], 2 * (p - r - 1)),
+            ([F0, F1], r + 1),
+            ([B1, W1, F1], p - r - 1),
+            ([F0, B1, W1, F1, B0, W0], M - 2 * p + r + 1),
+            ([B1, W1, F1, B0, W0], p - r - 1),
+            *tail,
+            *[([(queue[i], _W), B0], 1) for i in range(p - r - 1)],
+            ([(c, _W) for c in queue[p - r - 1 :]], 1),
+        ]
+
     return _v_schedule("dualpipe-v", num_stages, num_microbatches, phases)
 
 
@@ -417,6 +463,7 @@ class ScheduleSpec(NamedTuple):
     config use when none are given. placement: "loop" (slice r holds r, r+p, ...) or "v"
     (down the slices and back up). split_backward: B is the input gradient only and W tasks
     exist."""
+
     name: str
     build: Callable[[int, int, int], Schedule]
     virtual_stages: tuple[int, int | None] = (1, 1)
@@ -438,11 +485,17 @@ def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
     if spec.name in SCHEDULES:
         raise ValueError(f"schedule {spec.name!r} is already registered")
     least, most = spec.virtual_stages
-    if not (1 <= least and (most is None or least <= most) and spec.placement in ("loop", "v")
-            and (spec.default_virtual_stages == 1 or least <= spec.default_virtual_stages)):
-        raise ValueError(f"schedule {spec.name!r}: virtual_stages={spec.virtual_stages} must be (least >= 1, "
-                         f"most >= least or None), default_virtual_stages within it (or 1: must be given) "
-                         f"and placement 'loop' or 'v', got {spec}")
+    if not (
+        1 <= least
+        and (most is None or least <= most)
+        and spec.placement in ("loop", "v")
+        and (spec.default_virtual_stages == 1 or least <= spec.default_virtual_stages)
+    ):
+        raise ValueError(
+            f"schedule {spec.name!r}: virtual_stages={spec.virtual_stages} must be (least >= 1, "
+            f"most >= least or None), default_virtual_stages within it (or 1: must be given) "
+            f"and placement 'loop' or 'v', got {spec}"
+        )
     SCHEDULES[spec.name] = spec
     return spec
 
@@ -483,16 +536,22 @@ def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int 
     if least == most and v != least:
         shape = " (it holds two stages per slice, a V)" if spec.placement == "v" else ""
         others = [n for n, s in SCHEDULES.items() if s.virtual_stages[0] != s.virtual_stages[1]]
-        hint = (f"; only {' and '.join(repr(n) for n in others)} take{'s' * (len(others) == 1)} virtual stages"
-                if least == 1 and others else "")
+        hint = (
+            f"; only {' and '.join(repr(n) for n in others)} take{'s' * (len(others) == 1)} virtual stages"
+            if least == 1 and others
+            else ""
+        )
         raise ValueError(f"schedule '{name}' supports only virtual_stages={least}{shape}, got {virtual_stages!r}{hint}")
     if isinstance(v, int) and not isinstance(v, bool) and v >= 1 and (v < least or (most is not None and v > most)):
         allowed = f">= {least}" if most is None else f"in {least}..{most}"
         raise ValueError(f"schedule '{name}' needs virtual_stages {allowed} (stages per slice), got {v}")
     schedule = spec.build(num_stages, num_microbatches, v)
     place = v_placement if spec.placement == "v" else loop_placement
-    assert (schedule.name == name and schedule.split_backward == spec.split_backward
-            and schedule.placement == place(num_stages, schedule.num_slices)), (spec, schedule.name)
+    assert (
+        schedule.name == name
+        and schedule.split_backward == spec.split_backward
+        and schedule.placement == place(num_stages, schedule.num_slices)
+    ), (spec, schedule.name)
     return schedule
 
 
@@ -505,6 +564,7 @@ def validate(schedule: Schedule) -> None:
     """Raise ScheduleError naming the offending task unless `schedule` is complete, places
     every task on its slice and can run to the end without deadlock."""
     from mpmd.schedules import timeline
+
     timeline.walk(schedule)
 
 
@@ -515,8 +575,11 @@ def execution_order(schedule: Schedule) -> list[Task]:
     small schedules; the simulator and lowering read the arrays instead."""
     from mpmd.schedules import timeline
     from mpmd.schedules.task_arrays import KINDS
+
     run = timeline.walk(schedule, record_rounds=True)
     tasks = run.tasks
     order = np.lexsort((tasks.slice_of_each(), run.rounds))
-    return [Task(s, j, KINDS[k]) for s, j, k in
-            zip(tasks.stage[order].tolist(), tasks.microbatch[order].tolist(), tasks.kind[order].tolist())]
+    return [
+        Task(s, j, KINDS[k])
+        for s, j, k in zip(tasks.stage[order].tolist(), tasks.microbatch[order].tolist(), tasks.kind[order].tolist())
+    ]

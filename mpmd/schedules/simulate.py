@@ -33,7 +33,7 @@ from mpmd.schedules import timeline
 from mpmd.schedules.core import BACKWARD, FORWARD, WEIGHT, Schedule, Task
 from mpmd.schedules.task_arrays import KIND_CODES, KINDS, TaskArrays, as_arrays
 
-FULL_BACKWARD = "BW"   # a cost kind, not a task kind: B of a schedule without split backward
+FULL_BACKWARD = "BW"  # a cost kind, not a task kind: B of a schedule without split backward
 DEFAULT_COSTS = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 
 Costs = Union[dict, list, Callable[[Task], float], None]
@@ -58,13 +58,15 @@ def cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]
         costs = DEFAULT_COSTS
     if isinstance(costs, (list, tuple)):
         tables = [_kind_table(c, split_backward, f"costs[{k}]") for k, c in enumerate(costs)]
+
         def per_stage(task):
             if task.stage >= len(tables):
-                raise ValueError(f"costs has {len(tables)} per-stage entries; {task} needs stage "
-                                 f"{task.stage}'s")
+                raise ValueError(f"costs has {len(tables)} per-stage entries; {task} needs stage {task.stage}'s")
             return tables[task.stage][task.kind]
+
         return per_stage
     if callable(costs):
+
         def cost(task):
             value = costs(task)
             if not split_backward and task.kind == BACKWARD:
@@ -72,6 +74,7 @@ def cost_function(costs: Costs, split_backward: bool) -> Callable[[Task], float]
             if not value >= 0:
                 raise ValueError(f"costs({task}) must be a number >= 0, got {value!r}")
             return value
+
         return cost
     table = _kind_table(costs, split_backward, "costs")
     return lambda task: table[task.kind]
@@ -81,9 +84,11 @@ def _kind_table(costs, split_backward: bool, what: str) -> dict:
     """{"F","B","W"} -> cost of that task kind in a schedule with/without split backward."""
     kinds = {FORWARD, BACKWARD, WEIGHT}
     if not isinstance(costs, dict) or not kinds <= set(costs) <= kinds | {FULL_BACKWARD}:
-        raise ValueError(f"{what} must be None, a callable(task) -> seconds, a list of per-stage "
-                         f"dicts, or a dict with exactly the keys 'F', 'B', 'W' and optionally "
-                         f"'BW' (the full backward); got {costs!r}")
+        raise ValueError(
+            f"{what} must be None, a callable(task) -> seconds, a list of per-stage "
+            f"dicts, or a dict with exactly the keys 'F', 'B', 'W' and optionally "
+            f"'BW' (the full backward); got {costs!r}"
+        )
     for kind, value in costs.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{what}[{kind!r}] must be a number >= 0, got {value!r}")
@@ -124,9 +129,12 @@ def _peak_live(tasks: TaskArrays, split_backward: bool, size=None, kept=None, on
     return tuple(p.item() if hasattr(p, "item") else p for p in peaks)
 
 
-def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float],
-                     kept_bytes: list[float] | None = None,
-                     gathered_bytes: list[float] | None = None) -> tuple[float, ...]:
+def peak_saved_bytes(
+    schedule: Schedule,
+    residual_bytes: list[float],
+    kept_bytes: list[float] | None = None,
+    gathered_bytes: list[float] | None = None,
+) -> tuple[float, ...]:
     """Per slice, the most bytes of saved activations held at once, given the bytes stage k's
     forward keeps for its backward per microbatch (`residual_bytes[k]`, e.g. from
     mpmd.stages.costs.memory): peak_live_activations weighted by stage. Rematerialisation
@@ -134,15 +142,20 @@ def peak_saved_bytes(schedule: Schedule, residual_bytes: list[float],
     its W per microbatch, held from B until W (split-backward schedules only).
     `gathered_bytes[k]`: stage k's weights gathered over fsdp once a step (mpmd/stages/gather.py),
     held from its first F to its last backward task."""
-    for what, given in (("residual_bytes", residual_bytes), ("kept_bytes", kept_bytes),
-                        ("gathered_bytes", gathered_bytes)):
+    for what, given in (
+        ("residual_bytes", residual_bytes),
+        ("kept_bytes", kept_bytes),
+        ("gathered_bytes", gathered_bytes),
+    ):
         if given is not None and len(given) != schedule.num_stages:
-            raise ValueError(f"{what} has {len(given)} entries; the schedule has "
-                             f"{schedule.num_stages} stages")
-    return _peak_live(as_arrays(schedule.slices), schedule.split_backward,
-                      np.asarray(residual_bytes, dtype=np.float64),
-                      None if kept_bytes is None else np.asarray(kept_bytes, dtype=np.float64),
-                      None if gathered_bytes is None else np.asarray(gathered_bytes, dtype=np.float64))
+            raise ValueError(f"{what} has {len(given)} entries; the schedule has {schedule.num_stages} stages")
+    return _peak_live(
+        as_arrays(schedule.slices),
+        schedule.split_backward,
+        np.asarray(residual_bytes, dtype=np.float64),
+        None if kept_bytes is None else np.asarray(kept_bytes, dtype=np.float64),
+        None if gathered_bytes is None else np.asarray(gathered_bytes, dtype=np.float64),
+    )
 
 
 def _cost_arrays(costs: Costs, schedule: Schedule, tasks: TaskArrays):

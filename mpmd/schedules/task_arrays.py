@@ -65,17 +65,24 @@ class TaskArrays(Sequence):
     def __getitem__(self, r):
         if isinstance(r, slice):
             return tuple(self[i] for i in range(*r.indices(len(self))))
-        from mpmd.schedules.core import Task   # schedules imports this module
+        from mpmd.schedules.core import Task  # schedules imports this module
+
         r = range(len(self))[r]
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
-        return tuple(Task(s, j, KINDS[k]) for s, j, k in
-                     zip(self.stage[a:b].tolist(), self.microbatch[a:b].tolist(), self.kind[a:b].tolist()))
+        return tuple(
+            Task(s, j, KINDS[k])
+            for s, j, k in zip(self.stage[a:b].tolist(), self.microbatch[a:b].tolist(), self.kind[a:b].tolist())
+        )
 
     def __eq__(self, other) -> bool:
         if isinstance(other, TaskArrays):
-            return all(np.array_equal(a, b) for a, b in zip(
-                (self.stage, self.microbatch, self.kind, self.offsets),
-                (other.stage, other.microbatch, other.kind, other.offsets)))
+            return all(
+                np.array_equal(a, b)
+                for a, b in zip(
+                    (self.stage, self.microbatch, self.kind, self.offsets),
+                    (other.stage, other.microbatch, other.kind, other.offsets),
+                )
+            )
         return tuple(self) == other
 
     __hash__ = None

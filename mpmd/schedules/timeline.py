@@ -24,7 +24,7 @@ import numpy as np
 from mpmd.schedules.core import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, Task, dependencies
 from mpmd.schedules.task_arrays import KIND_CODES, KINDS, TaskArrays, as_arrays
 
-_CHUNK = 1 << 20   # tasks per vectorised pass over the arrays: bounds the temporaries
+_CHUNK = 1 << 20  # tasks per vectorised pass over the arrays: bounds the temporaries
 
 
 class Walk:
@@ -35,11 +35,11 @@ class Walk:
 
     def __init__(self, tasks: TaskArrays, end, packed, comm_s, busy, free, rounds):
         self.tasks, self._end, self._packed, self._comm_s = tasks, end, packed, comm_s
-        self.end = end[:tasks.num_tasks]
+        self.end = end[: tasks.num_tasks]
         self.busy, self.free, self.rounds = busy, free, rounds
 
     def starts(self, a: int, b: int) -> np.ndarray:
-        previous = np.concatenate(([0.0], self._end[a:b - 1])) if b > a else np.zeros(0)
+        previous = np.concatenate(([0.0], self._end[a : b - 1])) if b > a else np.zeros(0)
         return np.maximum(previous, self._end[self._packed[a:b] & _DEP_MASK] + self._comm_s)
 
 
@@ -62,8 +62,9 @@ _DEP_BITS = 32
 _DEP_MASK = (1 << _DEP_BITS) - 1
 
 
-def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0.0,
-         record_rounds: bool = False) -> Walk:
+def walk(
+    schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0.0, record_rounds: bool = False
+) -> Walk:
     """Validate `schedule` (ScheduleError naming the task otherwise) and time it: task i
     costs cost_table[cost_index[i]] (None: every task costs 0)."""
     tasks = as_arrays(schedule.slices)
@@ -71,11 +72,11 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
     _check_header(schedule, len(tasks))
     placement = np.asarray(schedule.placement, dtype=np.int64)
     N = tasks.num_tasks
-    assert N + 2 < 2 ** _DEP_BITS
+    assert N + 2 < 2**_DEP_BITS
     kinds = 3 if schedule.split_backward else 2
     if N != S * m * kinds or not _structure_ok(tasks, placement, S, m, kinds):
-        _raise_structure_error(schedule, tasks)   # the slow path names the first bad task
-    where = _positions(tasks, S, m)               # identity -> task index
+        _raise_structure_error(schedule, tasks)  # the slow path names the first bad task
+    where = _positions(tasks, S, m)  # identity -> task index
     if where is None:
         _raise_structure_error(schedule, tasks)
     if cost_table is None:
@@ -99,14 +100,14 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
     until_done = int((stop - pos)[active].min()) if active.size else 0
     step = 0
     while active.size:
-        everyone = active.size == p      # then whole arrays stand in for active ones
+        everyone = active.size == p  # then whole arrays stand in for active ones
         i = pos if everyone else pos[active]
         word = packed[i]
         ready = end[word & _DEP_MASK]
         if comm_s:
             ready += comm_s
         cost = cost_table[word >> _DEP_BITS]
-        if everyone and not np.isnan(ready.sum()):   # nothing waits (ends are never +inf)
+        if everyone and not np.isnan(ready.sum()):  # nothing waits (ends are never +inf)
             # Every slice runs its next task: the common round, done in place.
             np.maximum(free, ready, out=free)
             free += cost
@@ -142,17 +143,21 @@ def walk(schedule: Schedule, cost_index=None, cost_table=None, comm_s: float = 0
 def _check_header(schedule: Schedule, p: int) -> None:
     S, m, v = schedule.num_stages, schedule.num_microbatches, schedule.virtual_stages
     if v < 1 or S < 1 or m < 1:
-        raise ScheduleError(f"schedule {schedule.name!r} has num_stages={S}, "
-                            f"num_microbatches={m}, virtual_stages={v}; all must be >= 1")
+        raise ScheduleError(
+            f"schedule {schedule.name!r} has num_stages={S}, num_microbatches={m}, virtual_stages={v}; all must be >= 1"
+        )
     placement = tuple(schedule.placement)
     if len(placement) != S or not all(isinstance(r, (int, np.integer)) and 0 <= r < p for r in placement):
-        raise ScheduleError(f"schedule {schedule.name!r} placement {placement!r} must give each of "
-                            f"its {S} stages a slice in [0, {p})")
+        raise ScheduleError(
+            f"schedule {schedule.name!r} placement {placement!r} must give each of its {S} stages a slice in [0, {p})"
+        )
     held = [placement.count(r) for r in range(p)]
     if min(held) == 0 or max(held) != v:
-        raise ScheduleError(f"schedule {schedule.name!r} placement {placement!r} puts {held} stages "
-                            f"on its slices; every slice must hold at least one and the most any "
-                            f"holds must equal virtual_stages={v}")
+        raise ScheduleError(
+            f"schedule {schedule.name!r} placement {placement!r} puts {held} stages "
+            f"on its slices; every slice must hold at least one and the most any "
+            f"holds must equal virtual_stages={v}"
+        )
 
 
 def _chunks(n: int):
@@ -167,7 +172,7 @@ def _structure_ok(tasks: TaskArrays, placement, S: int, m: int, kinds: int) -> b
         if ((kind < 0) | (kind >= kinds) | (stage < 0) | (stage >= S) | (mb < 0) | (mb >= m)).any():
             return False
     for r in range(len(tasks)):
-        if (placement[tasks.stage[tasks.offsets[r]:tasks.offsets[r + 1]]] != r).any():
+        if (placement[tasks.stage[tasks.offsets[r] : tasks.offsets[r + 1]]] != r).any():
             return False
     return True
 
@@ -207,7 +212,7 @@ def _cross_dependencies(tasks: TaskArrays, where, placement, S: int, m: int) -> 
         ks = tasks.kind[a:b].astype(dtype) * S + tasks.stage[a:b]
         ident = ks * m + tasks.microbatch[a:b]
         here = np.arange(a, b, dtype=dtype)
-        dep = where[ident + step[ks]]          # the task itself where there is no neighbour
+        dep = where[ident + step[ks]]  # the task itself where there is no neighbour
         late = same[ks] & (dep > here)
         dep[no_cross[ks]] = N
         late |= where[ident - own_step[ks]] > here
@@ -224,8 +229,9 @@ def _raise_structure_error(schedule: Schedule, tasks: TaskArrays) -> None:
     seen = set()
     for r in range(len(tasks)):
         a, b = int(tasks.offsets[r]), int(tasks.offsets[r + 1])
-        for i, (stage, mb, code) in enumerate(zip(tasks.stage[a:b].tolist(), tasks.microbatch[a:b].tolist(),
-                                                 tasks.kind[a:b].tolist())):
+        for i, (stage, mb, code) in enumerate(
+            zip(tasks.stage[a:b].tolist(), tasks.microbatch[a:b].tolist(), tasks.kind[a:b].tolist())
+        ):
             kind = KINDS[code] if code >= 0 else _original_kind(schedule, r, i)
             task = (stage, mb, kind)
             if kind in kinds and 0 <= stage < S and 0 <= mb < m and placement[stage] == r and task not in seen:
@@ -233,8 +239,11 @@ def _raise_structure_error(schedule: Schedule, tasks: TaskArrays) -> None:
                 continue
             where = f"{Task(*task)} at slice {r}, position {i}"
             if kind not in kinds:
-                why = ("W tasks appear only in schedules with split_backward=True"
-                       if kind == WEIGHT else f"kind must be one of {', '.join(kinds)}")
+                why = (
+                    "W tasks appear only in schedules with split_backward=True"
+                    if kind == WEIGHT
+                    else f"kind must be one of {', '.join(kinds)}"
+                )
                 raise ScheduleError(f"bad task {where}: {why}")
             if not (0 <= stage < S and 0 <= mb < m):
                 raise ScheduleError(f"bad task {where}: stage must be in [0, {S}) and mb in [0, {m})")
@@ -260,11 +269,14 @@ def _deadlock_message(schedule: Schedule, tasks: TaskArrays, end, pos, stuck) ->
         i = int(pos[r])
         task = Task(int(tasks.stage[i]), int(tasks.microbatch[i]), KINDS[tasks.kind[i]])
         for dep in dependencies(task, S):
-            j = int(where[int(identities(np.array([dep[0]]), np.array([dep[1]]),
-                                         np.array([KIND_CODES[dep[2]]]), S, m)[0])])
+            j = int(
+                where[int(identities(np.array([dep[0]]), np.array([dep[1]]), np.array([KIND_CODES[dep[2]]]), S, m)[0])]
+            )
             if np.isnan(end[j]):
                 q = schedule.placement[dep[0]]
-                parts.append(f"slice {r} waits at {task}, which needs {Task(*dep)} not yet run "
-                             f"(slice {q}, position {j - int(tasks.offsets[q])})")
+                parts.append(
+                    f"slice {r} waits at {task}, which needs {Task(*dep)} not yet run "
+                    f"(slice {q}, position {j - int(tasks.offsets[q])})"
+                )
                 break
     return "deadlock: " + "; ".join(parts)

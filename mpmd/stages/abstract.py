@@ -9,6 +9,7 @@ seeded initialisers run on the slice, so a model larger than the controller's me
 exists there. Values equal an eager `factory()` up to float32 rounding (XLA may fuse the
 initialiser's arithmetic differently from op-by-op execution).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -23,7 +24,7 @@ from mpmd.stages.split import Layers
 
 class _Origin(NamedTuple):
     factory: Callable
-    root: nnx.Module          # keeps the abstract model (and so the ids below) alive
+    root: nnx.Module  # keeps the abstract model (and so the ids below) alive
     path: tuple
 
 
@@ -56,8 +57,10 @@ def init_program(stage: nnx.Module, param_tree, shardings, state_shardings=None)
     parts = _parts(stage)
     factory = _ORIGINS[id(parts[0])].factory if parts else None
     if parts is None or any(_ORIGINS[id(p)].factory is not factory for p in parts):
-        raise ValueError(f"stage {type(stage).__name__} has abstract parameters but was not built by "
-                         f"mpmd.abstract(factory) (alone or as an mpmd.split of one); cannot initialise it")
+        raise ValueError(
+            f"stage {type(stage).__name__} has abstract parameters but was not built by "
+            f"mpmd.abstract(factory) (alone or as an mpmd.split of one); cannot initialise it"
+        )
     paths = [_ORIGINS[id(p)].path for p in parts]
     sequential = parts != [stage]
 
@@ -69,8 +72,10 @@ def init_program(stage: nnx.Module, param_tree, shardings, state_shardings=None)
         assert jax.tree.structure(params) == param_tree, "abstract and concrete stage differ in structure"
         made = (tuple(jax.tree.leaves(params)),) if shardings is not None else ()
         return made + ((carried_values(jax.tree.leaves(rest)),) if state_shardings is not None else ())
-    out = ((tuple(shardings),) if shardings is not None else ()) + \
-        ((tuple(state_shardings),) if state_shardings is not None else ())
+
+    out = ((tuple(shardings),) if shardings is not None else ()) + (
+        (tuple(state_shardings),) if state_shardings is not None else ()
+    )
     return programs.exported(init, out_shardings=out)
 
 

@@ -28,6 +28,7 @@ it and W another, W runs it again (correct, not free); none of the models here h
 Uses partial_eval's dce_jaxpr (private in JAX, reached through mpmd.runtime.compat): the
 same DCE jax.jit applies, with its rules for every primitive.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -40,15 +41,22 @@ from mpmd.runtime.compat import convert_constvars_jaxpr, dce_jaxpr
 
 # Primitives whose sub-jaxpr is evaluated inline: plain calls whose boundaries only matter
 # for differentiation (already done) or compilation (XLA sees one program either way).
-_INLINED = {*compat.CALL_PRIMITIVES, "checkpoint", "remat", "remat2", "custom_jvp_call",
-            "custom_vjp_call", "custom_vjp_call_jaxpr"}
+_INLINED = {
+    *compat.CALL_PRIMITIVES,
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+}
 
 
 class Split(NamedTuple):
-    input_grad: Callable      # (*args) -> (input grads..., kept...)
-    weight_grad: Callable     # (*args, *kept) -> weight grads
+    input_grad: Callable  # (*args) -> (input grads..., kept...)
+    weight_grad: Callable  # (*args, *kept) -> weight grads
     num_input_grads: int
-    kept: tuple               # ShapeDtypeStructs of what B hands W
+    kept: tuple  # ShapeDtypeStructs of what B hands W
 
 
 def split(backward: Callable, args: tuple, num_weight_grads: int) -> Split:
@@ -57,7 +65,7 @@ def split(backward: Callable, args: tuple, num_weight_grads: int) -> Split:
     # Re-trace through an interpreter that inlines calls: one flat jaxpr of primitives.
     flat = jax.make_jaxpr(lambda *a: _inline(closed.jaxpr, closed.consts, a))(*args)
     consts = list(flat.consts)
-    jaxpr = convert_constvars_jaxpr(flat.jaxpr)        # constants become leading inputs
+    jaxpr = convert_constvars_jaxpr(flat.jaxpr)  # constants become leading inputs
     num_in, num_out = len(jaxpr.invars), len(jaxpr.outvars)
     num_dx = num_out - num_weight_grads
     assert num_dx >= 0, (num_out, num_weight_grads)
@@ -76,10 +84,12 @@ def split(backward: Callable, args: tuple, num_weight_grads: int) -> Split:
     b, _ = dce_jaxpr(jaxpr.replace(outvars=jaxpr.outvars[num_weight_grads:] + kept), True, instantiate=True)
 
     run_b, run_w = jaxpr_as_fun(ClosedJaxpr(b, ())), jaxpr_as_fun(ClosedJaxpr(w, ()))
-    return Split(input_grad=lambda *a: tuple(run_b(*consts, *a)),
-                 weight_grad=lambda *a: tuple(run_w(*consts, *a)),
-                 num_input_grads=num_dx,
-                 kept=tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in kept))
+    return Split(
+        input_grad=lambda *a: tuple(run_b(*consts, *a)),
+        weight_grad=lambda *a: tuple(run_w(*consts, *a)),
+        num_input_grads=num_dx,
+        kept=tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in kept),
+    )
 
 
 def _inline(jaxpr, consts, args) -> list:

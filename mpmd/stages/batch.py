@@ -22,6 +22,7 @@ outputs, so the step's total weight is known before any forward runs.
 `plan` turns one microbatch's specs into a BatchPlan: what the lowering builds programs from
 and the dispatcher cuts feeds by.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
@@ -37,13 +38,14 @@ INPUTS, TARGETS = "inputs", "targets"
 
 class BatchPlan(NamedTuple):
     """Where the keys of one microbatch go, and the loss as the programs call it."""
-    inputs: Any                  # specs entering the first stage
-    targets: Any                 # specs the loss reads: the targets (shorthand) or {key: spec}
-    side: tuple                  # per stage: {key: spec} of its side inputs, or None
-    loss_fn: Callable            # loss(outputs, targets) as the last stage's programs call it
-    weighted: bool               # the loss returns (loss_sum, weight)
-    pair: bool                   # given as step(inputs, targets)
-    loss_keys: tuple             # the batch keys in `targets` (shorthand: ("targets",))
+
+    inputs: Any  # specs entering the first stage
+    targets: Any  # specs the loss reads: the targets (shorthand) or {key: spec}
+    side: tuple  # per stage: {key: spec} of its side inputs, or None
+    loss_fn: Callable  # loss(outputs, targets) as the last stage's programs call it
+    weighted: bool  # the loss returns (loss_sum, weight)
+    pair: bool  # given as step(inputs, targets)
+    loss_keys: tuple  # the batch keys in `targets` (shorthand: ("targets",))
 
     @property
     def side_keys(self) -> tuple:
@@ -55,13 +57,17 @@ def as_batch(batch, targets=None, *, what: str = "step") -> tuple[dict, bool]:
     """(batch dict, given as a pair): `what(batch)` with a dict, or `what(inputs, targets)`."""
     if targets is not None:
         if isinstance(batch, dict) and INPUTS in batch:
-            raise ValueError(f"{what}(batch, targets): give either one batch dict (with the targets as one "
-                             f"of its keys) or inputs and targets, not a batch dict and targets")
+            raise ValueError(
+                f"{what}(batch, targets): give either one batch dict (with the targets as one "
+                f"of its keys) or inputs and targets, not a batch dict and targets"
+            )
         return {INPUTS: batch, TARGETS: targets}, True
     if not isinstance(batch, dict) or INPUTS not in batch:
         got = f"a dict with keys {sorted(map(str, batch))}" if isinstance(batch, dict) else type(batch).__name__
-        raise ValueError(f"{what} takes a batch dict with an 'inputs' key (the first stage's input; other keys "
-                         f"are side inputs and what the loss reads), or {what}(inputs, targets); got {got}")
+        raise ValueError(
+            f"{what} takes a batch dict with an 'inputs' key (the first stage's input; other keys "
+            f"are side inputs and what the loss reads), or {what}(inputs, targets); got {got}"
+        )
     bad = [k for k in batch if not isinstance(k, str)]
     if bad:
         raise ValueError(f"batch keys must be strings, got {bad!r}")
@@ -78,18 +84,23 @@ def micro_specs(batch: dict, num_microbatches: int) -> dict:
             sizes.setdefault(key, set()).add(jnp.shape(leaf)[0] if jnp.ndim(leaf) else None)
     inputs = sizes.get(INPUTS, set())
     if len(inputs) != 1 or None in inputs:
-        raise ValueError(f"batch['inputs'] must have the global batch on axis 0 of every leaf, got leading "
-                         f"sizes {sorted(map(str, inputs))}")
+        raise ValueError(
+            f"batch['inputs'] must have the global batch on axis 0 of every leaf, got leading "
+            f"sizes {sorted(map(str, inputs))}"
+        )
     (size,) = inputs
     for key, got in sizes.items():
         if got != {size}:
-            raise ValueError(f"batch[{key!r}] must have the global batch ({size}, as batch['inputs']) on axis 0 "
-                             f"of every leaf, got leading sizes {sorted(map(str, got))}: every key is cut into "
-                             f"the same microbatches")
+            raise ValueError(
+                f"batch[{key!r}] must have the global batch ({size}, as batch['inputs']) on axis 0 "
+                f"of every leaf, got leading sizes {sorted(map(str, got))}: every key is cut into "
+                f"the same microbatches"
+            )
     if size % m:
         ok = [d for d in range(1, size + 1) if size % d == 0]
-        raise ValueError(f"batch size {size} is not divisible by num_microbatches={m}; "
-                         f"allowed num_microbatches for this batch: {ok}")
+        raise ValueError(
+            f"batch size {size} is not divisible by num_microbatches={m}; allowed num_microbatches for this batch: {ok}"
+        )
     micro = lambda x: jax.ShapeDtypeStruct((size // m,) + jnp.shape(x)[1:], jnp.result_type(x))
     return {key: jax.tree.map(micro, value) for key, value in batch.items()}
 
@@ -104,9 +115,11 @@ def plan(pipe, specs: dict, pair: bool) -> BatchPlan:
             if name in specs:
                 mine[name] = specs[name]
             elif required:
-                raise ValueError(f"stage {k} ({type(pipe.stages[k]).__name__}) takes the keyword-only parameter "
-                                 f"{name!r}, which is no key of the batch; the batch has {keys} (a keyword-only "
-                                 f"parameter of a stage's __call__ is fed the batch key of its name)")
+                raise ValueError(
+                    f"stage {k} ({type(pipe.stages[k]).__name__}) takes the keyword-only parameter "
+                    f"{name!r}, which is no key of the batch; the batch has {keys} (a keyword-only "
+                    f"parameter of a stage's __call__ is fed the batch key of its name)"
+                )
         side.append(mine or None)
     acts = pipe.activation_specs(specs[INPUTS], side)
     if pair:
@@ -116,16 +129,21 @@ def plan(pipe, specs: dict, pair: bool) -> BatchPlan:
     out = jax.eval_shape(loss, acts[-1], targets)
     weighted = _is_pair(out)
     if not weighted and jnp.shape(out) != ():
-        raise ValueError(f"loss_fn must return a scalar (the mean over the microbatch) or a pair "
-                         f"(loss_sum, weight), got {describe(out)}")
+        raise ValueError(
+            f"loss_fn must return a scalar (the mean over the microbatch) or a pair "
+            f"(loss_sum, weight), got {describe(out)}"
+        )
     if weighted:
         _check_weight(loss, acts[-1], targets)
     return BatchPlan(specs[INPUTS], targets, tuple(side), loss, weighted, pair, loss_keys)
 
 
 def _is_pair(out) -> bool:
-    return (isinstance(out, (tuple, list)) and len(out) == 2
-            and all(isinstance(o, jax.ShapeDtypeStruct) and o.shape == () for o in out))
+    return (
+        isinstance(out, (tuple, list))
+        and len(out) == 2
+        and all(isinstance(o, jax.ShapeDtypeStruct) and o.shape == () for o in out)
+    )
 
 
 def _pruned_loss(loss_fn, y_spec, specs: dict):
@@ -144,6 +162,7 @@ def _pruned_loss(loss_fn, y_spec, specs: dict):
     def loss(outputs, given: dict):
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), unused)
         return loss_fn(outputs, {**zeros, **given})
+
     return loss, {k: specs[k] for k in used}, tuple(used)
 
 
@@ -152,11 +171,13 @@ def _check_weight(loss, y_spec, targets) -> None:
     the batch before the step's forwards run)."""
     closed = jax.make_jaxpr(lambda y, t: loss(y, t)[1])(y_spec, targets)
     jaxpr = closed.jaxpr
-    tainted = set(jaxpr.invars[:len(jax.tree.leaves(y_spec))])
+    tainted = set(jaxpr.invars[: len(jax.tree.leaves(y_spec))])
     for e in jaxpr.eqns:
         if any(not isinstance(a, Literal) and a in tainted for a in e.invars):
             tainted.update(e.outvars)
     if any(not isinstance(a, Literal) and a in tainted for a in jaxpr.outvars):
-        raise ValueError("loss_fn returns (loss_sum, weight) with a weight that depends on the model's outputs; "
-                         "the weight must be a function of the batch only (e.g. mask.sum(), the count of real "
-                         "tokens), so the step's total weight is known before its forwards run")
+        raise ValueError(
+            "loss_fn returns (loss_sum, weight) with a weight that depends on the model's outputs; "
+            "the weight must be a function of the batch only (e.g. mask.sum(), the count of real "
+            "tokens), so the step's total weight is known before its forwards run"
+        )

@@ -14,6 +14,7 @@ Outside a stage program being lowered (the unpipelined model, cost estimates, ev
 `constrain` returns `x` as it is. The lowering (mpmd/lowering/core.py) traces each stage's
 programs inside `laid_out_on(its slice's mesh, the rules)`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,10 @@ def laid_out_on(mesh: sharding.SliceMesh, rules: Mapping | None):
 def constrain(x: jax.Array, *names: str | None) -> jax.Array:
     """`x` laid out by one logical axis name (or None: replicated) per dimension (module doc)."""
     if len(names) != jax.numpy.ndim(x):
-        raise ValueError(f"mpmd.constrain takes one logical axis name (or None) per dimension: "
-                         f"{len(names)} name(s) {names} for an array of shape {jax.numpy.shape(x)}")
+        raise ValueError(
+            f"mpmd.constrain takes one logical axis name (or None) per dimension: "
+            f"{len(names)} name(s) {names} for an array of shape {jax.numpy.shape(x)}"
+        )
     layout = getattr(_active, "layout", None)
     if layout is None:
         return x
@@ -60,8 +63,9 @@ def activation_layout(names, shape, mesh: sharding.SliceMesh, rules: Mapping) ->
     first, then "batch" dimensions over the batch axes left."""
     for name in names:
         if name is not None and name != BATCH_NAME and name not in rules:
-            raise ValueError(f"mpmd.constrain: logical axis {name!r} has no rule; known: "
-                             f"{sorted(rules) + [BATCH_NAME]}")
+            raise ValueError(
+                f"mpmd.constrain: logical axis {name!r} has no rule; known: {sorted(rules) + [BATCH_NAME]}"
+            )
     spec: list = [None] * len(shape)
     used: set = set()
 

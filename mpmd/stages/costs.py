@@ -23,6 +23,7 @@ forward saves per microbatch (what rematerialisation shrinks) and what its B kee
 W in a split-backward schedule. `slice_memory` adds them up per slice under a schedule, with
 the schedule's peak of microbatches in flight.
 """
+
 from __future__ import annotations
 
 import jax
@@ -42,6 +43,7 @@ class Stages(list):
     """The stages in order (nnx.Modules, or StageFn records for a marked model); `.costs`
     holds each stage's predicted cost and `.cost_unit` says in what ("flops" or "params");
     `.param_paths` (mpmd/stages/leaf_paths.py), per stage, each parameter leaf's path in the model."""
+
     costs: list[float]
     cost_unit: str
     param_paths: list[tuple[str, ...]]
@@ -89,8 +91,9 @@ def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec, feeds=Non
     """(k, fn, StageShapes, first, last, loss, the leaves of its batch: input, side inputs and
     output, the model's for the last stage) of every stage, for one microbatch of these
     shapes; `feeds`: a batch dict's BatchPlan (mpmd/stages/batch.py), else the shorthand's."""
-    feeds = feeds or batches.plan(pipe, {batches.INPUTS: micro_input_spec, batches.TARGETS: micro_target_spec},
-                                  pair=True)
+    feeds = feeds or batches.plan(
+        pipe, {batches.INPUTS: micro_input_spec, batches.TARGETS: micro_target_spec}, pair=True
+    )
     acts = pipe.activation_specs(feeds.inputs, feeds.side)
     loss_spec = jax.eval_shape(feeds.loss_fn, acts[-1], feeds.targets)
     loss_spec = loss_spec[0] if feeds.weighted else loss_spec
@@ -99,10 +102,16 @@ def _stage_shapes(pipe: Pipeline, micro_input_spec, micro_target_spec, feeds=Non
         last = k == S - 1
         params = tuple(jax.tree.map(spec, fn.param_leaves))
         aux = stage_programs.adds_losses(fn, params, acts[k], feeds.side[k])
-        shapes = stage_programs.StageShapes(params, acts[k], loss_spec if last else acts[k + 1],
-                                            feeds.targets if last else None, feeds.side[k],
-                                            weighted=last and feeds.weighted, aux=aux,
-                                            state=tuple(map(spec, fn.state.leaves)) if fn.state is not None else None)
+        shapes = stage_programs.StageShapes(
+            params,
+            acts[k],
+            loss_spec if last else acts[k + 1],
+            feeds.targets if last else None,
+            feeds.side[k],
+            weighted=last and feeds.weighted,
+            aux=aux,
+            state=tuple(map(spec, fn.state.leaves)) if fn.state is not None else None,
+        )
         yield k, fn, shapes, k == 0, last, feeds.loss_fn, jax.tree.leaves((acts[k], feeds.side[k] or {}, acts[k + 1]))
 
 
@@ -113,11 +122,20 @@ def measure(pipe: Pipeline, micro_input_spec, micro_target_spec, flops_only: boo
     for k, fn, shapes, first, last, loss, _ in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
         built = {}
         for split in (True, False):
-            built.update(stage_programs.build(k, fn, shapes, first=first, last=last, loss_fn=loss,
-                                              num_microbatches=1, split_backward=split))
+            built.update(
+                stage_programs.build(
+                    k, fn, shapes, first=first, last=last, loss_fn=loss, num_microbatches=1, split_backward=split
+                )
+            )
         cost = lambda kind: program_cost(built[names.program(kind, k)], flops_only)
-        out.append({"F": cost("fwd"), "B": 0.0 if first else cost("bwd_in"), "W": cost("bwd_w_first"),
-                    FULL_BACKWARD: cost("bwd_first")})
+        out.append(
+            {
+                "F": cost("fwd"),
+                "B": 0.0 if first else cost("bwd_in"),
+                "W": cost("bwd_w_first"),
+                FULL_BACKWARD: cost("bwd_first"),
+            }
+        )
     return out
 
 
@@ -125,8 +143,9 @@ def _nbytes(specs) -> int:
     return int(sum(np.prod(l.shape, dtype=np.int64) * np.dtype(l.dtype).itemsize for l in jax.tree.leaves(specs)))
 
 
-def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds=None, layout=None,
-           placement=None) -> list[dict]:
+def memory(
+    pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds=None, layout=None, placement=None
+) -> list[dict]:
     """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
     "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
     the vjp residuals minus the stage's own parameters), "kept" (what one microbatch's B
@@ -150,9 +169,16 @@ def memory(pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds
                 grads += on_fsdp * (mesh.fsdp - 1)
             if layout.fsdp_gather == gather.PER_STEP:
                 gathered = on_fsdp * mesh.fsdp
-        out.append({"params": _nbytes(shapes.params), "grads": grads, "optimizer": _nbytes(opt),
-                    "residuals": _nbytes(stage_programs.residual_specs(**stage)),
-                    "kept": _nbytes(stage_programs.kept_specs(**stage)), "gathered": gathered})
+        out.append(
+            {
+                "params": _nbytes(shapes.params),
+                "grads": grads,
+                "optimizer": _nbytes(opt),
+                "residuals": _nbytes(stage_programs.residual_specs(**stage)),
+                "kept": _nbytes(stage_programs.kept_specs(**stage)),
+                "gathered": gathered,
+            }
+        )
     return out
 
 

@@ -28,6 +28,7 @@ A slice without fsdp > 1 (or a stage none of whose leaves the rules put on fsdp)
 to gather: per_step is refused there with the reason (`problem`), since a setting that does
 nothing would read as a setting that does something.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,9 +64,11 @@ def sharded(layout: P) -> bool:
 
 def gathered_layout(layout: P) -> P:
     """The layout with fsdp taken out of every dim (the other axes kept)."""
+
     def without(entry):
         kept = tuple(a for a in _names(entry) if a != AXIS)
         return None if not kept else kept[0] if len(kept) == 1 else kept
+
     return P(*(without(e) for e in tuple(layout)))
 
 
@@ -78,20 +81,27 @@ def problem(meshes, layouts_per_stage, placement) -> str | None:
     """Why per_step cannot apply to a run (None: some stage gathers): no slice with fsdp > 1,
     or no parameter the rules put on fsdp."""
     if all(m.fsdp == 1 for m in meshes):
-        return ("fsdp_gather=per_step gathers FSDP-sharded weights once a step, but no slice "
-                "has fsdp > 1: give a slice's mesh fsdp > 1 (mesh.fsdp in a config), or leave "
-                "fsdp_gather at per_microbatch")
+        return (
+            "fsdp_gather=per_step gathers FSDP-sharded weights once a step, but no slice "
+            "has fsdp > 1: give a slice's mesh fsdp > 1 (mesh.fsdp in a config), or leave "
+            "fsdp_gather at per_microbatch"
+        )
     if not any(gathers(l, meshes[placement[k]]) for k, l in enumerate(layouts_per_stage)):
-        return ("fsdp_gather=per_step: no parameter lies on fsdp (the rules map none of the model's "
-                "logical axes to fsdp), so there is nothing to gather; leave fsdp_gather at per_microbatch")
+        return (
+            "fsdp_gather=per_step: no parameter lies on fsdp (the rules map none of the model's "
+            "logical axes to fsdp), so there is nothing to gather; leave fsdp_gather at per_microbatch"
+        )
     return None
 
 
 def gathered_specs(param_specs: Sequence[jax.ShapeDtypeStruct]) -> tuple:
     """The specs of pg{k}: each parameter's, laid out without fsdp on the same mesh."""
-    return tuple(jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                      sharding=NamedSharding(s.sharding.mesh, gathered_layout(s.sharding.spec)))
-                 for s in param_specs)
+    return tuple(
+        jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=NamedSharding(s.sharding.mesh, gathered_layout(s.sharding.spec))
+        )
+        for s in param_specs
+    )
 
 
 def build(k: int, param_specs: tuple) -> dict:
@@ -102,8 +112,12 @@ def build(k: int, param_specs: tuple) -> dict:
 
     def gather(params):
         return (gathered(params, layouts, mesh),)
-    return {names.program("gather", k): programs.exported(gather, param_specs,
-                                                          out_shardings=(tuple(s.sharding for s in out),))}
+
+    return {
+        names.program("gather", k): programs.exported(
+            gather, param_specs, out_shardings=(tuple(s.sharding for s in out),)
+        )
+    }
 
 
 def gathered(params: Sequence, layouts: Sequence[P], mesh) -> tuple:
@@ -124,14 +138,13 @@ def gathered(params: Sequence, layouts: Sequence[P], mesh) -> tuple:
     for members in groups.values():
         if len(members) == 1:
             continue
-        flat = jnp.concatenate(
-            [jnp.moveaxis(params[i], d, 0).reshape(ways, -1) for i, d in members], axis=1)
+        flat = jnp.concatenate([jnp.moveaxis(params[i], d, 0).reshape(ways, -1) for i, d in members], axis=1)
         whole = jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, P()))
         at = 0
         for i, d in members:
             shape = params[i].shape
             width = math.prod(shape) // ways
-            moved = (shape[d], *shape[:d], *shape[d + 1:])
-            out[i] = jnp.moveaxis(whole[:, at:at + width].reshape(moved), 0, d)
+            moved = (shape[d], *shape[:d], *shape[d + 1 :])
+            out[i] = jnp.moveaxis(whole[:, at : at + width].reshape(moved), 0, d)
             at += width
     return tuple(out)

@@ -18,6 +18,7 @@ from StageFn.param_index); mpmd.Pipeline takes them from there. Stages given as 
 nnx.Modules have no model path: their leaves are named within their stage
 (`stage1/layers.0.kernel`), which restores only onto the same stages.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -30,11 +31,11 @@ from mpmd.stages.specs import spec
 
 
 class StateNames(NamedTuple):
-    params: list[tuple[str, ...]]   # per stage, the name of each of its parameter leaves
-    opt: list[tuple[str, ...]]      # per stage, the name of each of its optimizer-state leaves
-    scoped: bool                    # names carry their stage: they fit only the same stages
-    specs: dict                     # name -> (shape, dtype name) of every leaf
-    state: tuple = ()               # per stage, the name of each of its stage-state leaves
+    params: list[tuple[str, ...]]  # per stage, the name of each of its parameter leaves
+    opt: list[tuple[str, ...]]  # per stage, the name of each of its optimizer-state leaves
+    scoped: bool  # names carry their stage: they fit only the same stages
+    specs: dict  # name -> (shape, dtype name) of every leaf
+    state: tuple = ()  # per stage, the name of each of its stage-state leaves
 
     def buffers(self, k: int) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """(buffer, its leaves' names) of what stage k saves: parameters, optimizer state and,
@@ -70,8 +71,11 @@ def stage_param_paths(fns, model_paths) -> tuple[list[tuple[str, ...]], bool]:
     """(per stage its leaves' paths, scoped): the model paths given (mpmd.split's
     `Stages.param_paths`) where they fit the stages (one per leaf), else each stage's own
     paths prefixed by `stage<k>/`."""
-    if model_paths is not None and len(model_paths) == len(fns) and all(
-            len(p) == len(fn.param_leaves) for p, fn in zip(model_paths, fns)):
+    if (
+        model_paths is not None
+        and len(model_paths) == len(fns)
+        and all(len(p) == len(fn.param_leaves) for p, fn in zip(model_paths, fns))
+    ):
         return [tuple(p) for p in model_paths], False
     return [tuple(f"stage{k}/{p}" for p in local_paths(fn)) for k, fn in enumerate(fns)], True
 
@@ -86,8 +90,12 @@ def state_names(pipeline, optimizer) -> StateNames:
         state.append(tuple(f"state/{p}" for p in state_paths(fn, paths, k, pipeline.scoped_paths)))
         tree = jax.tree.unflatten(fn.param_tree, [spec(l) for l in fn.param_leaves])
         kept = fn.state.leaves if fn.state is not None else ()
-        for name, leaf in zip(params[-1] + opt[-1] + state[-1], [spec(l) for l in fn.param_leaves]
-                              + jax.tree.leaves(jax.eval_shape(optimizer.init, tree)) + [spec(l) for l in kept]):
+        for name, leaf in zip(
+            params[-1] + opt[-1] + state[-1],
+            [spec(l) for l in fn.param_leaves]
+            + jax.tree.leaves(jax.eval_shape(optimizer.init, tree))
+            + [spec(l) for l in kept],
+        ):
             specs[name] = (tuple(leaf.shape), np.dtype(leaf.dtype).name)
     return StateNames(params, opt, pipeline.scoped_paths, specs, tuple(state))
 
@@ -99,20 +107,19 @@ def state_paths(fn, paths: tuple[str, ...], k: int, scoped: bool) -> tuple[str, 
     if fn.state is None:
         return ()
     if fn.param_index is not None and not scoped:
-        return fn.state.paths       # cut from one model at its marks: already paths in the model
-    prefixes = {}          # a layer's prefix within the stage -> its prefix in the model
+        return fn.state.paths  # cut from one model at its marks: already paths in the model
+    prefixes = {}  # a layer's prefix within the stage -> its prefix in the model
     if not scoped:
         for local, model in zip(local_paths(fn), paths):
             a, b = local.split("."), model.split(".")
             n = 0
             while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
                 n += 1
-            prefixes[".".join(a[:len(a) - n])] = ".".join(b[:len(b) - n])
+            prefixes[".".join(a[: len(a) - n])] = ".".join(b[: len(b) - n])
     out = []
     for path in fn.state.paths:
         best = max((p for p in prefixes if p and path.startswith(p + ".")), key=len, default=None)
-        out.append(prefixes[best] + path[len(best):] if best is not None and prefixes[best]
-                   else f"stage{k}/{path}")
+        out.append(prefixes[best] + path[len(best) :] if best is not None and prefixes[best] else f"stage{k}/{path}")
     return tuple(out)
 
 
@@ -120,6 +127,7 @@ def optimizer_names(optimizer, fn, paths: tuple[str, ...]) -> tuple[str, ...]:
     """opt/<optax path>[/<parameter path>] of each leaf of the stage's optimizer state, in
     the order the stage's opt_init program returns them (jax.tree.leaves of optax's state)."""
     import optax
+
     tree = jax.tree.unflatten(fn.param_tree, [spec(l) for l in fn.param_leaves])
     state = jax.eval_shape(optimizer.init, tree)
     local = [kp for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
@@ -131,8 +139,8 @@ def optimizer_names(optimizer, fn, paths: tuple[str, ...]) -> tuple[str, ...]:
         if i < 0:
             out.append(f"opt/{path_string(keypath)}")
             continue
-        prefix = keypath[:len(keypath) - len(local[i])]
-        assert tuple(keypath[len(prefix):]) == tuple(local[i]), (keypath, local[i])
+        prefix = keypath[: len(keypath) - len(local[i])]
+        assert tuple(keypath[len(prefix) :]) == tuple(local[i]), (keypath, local[i])
         out.append(f"opt/{path_string(prefix)}/{paths[i]}")
     assert len(set(out)) == len(out), f"optimizer state names collide: {out}"
     return tuple(out)

@@ -18,6 +18,7 @@ them yourself to train the same objective unpipelined:
 
 With no collector active, `add_loss` does nothing (the model runs as it would without mpmd).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,9 @@ def add_loss(value) -> None:
     if not stack:
         return
     if jnp.shape(value) != ():
-        raise ValueError(f"mpmd.add_loss takes a scalar (this microbatch's term of the objective), got shape "
-                         f"{jnp.shape(value)}")
+        raise ValueError(
+            f"mpmd.add_loss takes a scalar (this microbatch's term of the objective), got shape {jnp.shape(value)}"
+        )
     got, on_add = stack[-1]
     got.append(on_add(value))
 

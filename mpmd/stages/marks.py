@@ -50,6 +50,7 @@ side inputs): the model is re-traced with the input's leading (batch) axis chang
 cut must come out with the same structure (each stage reading no parameter or side input its
 sample cut did not), else a ValueError.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -68,12 +69,13 @@ from mpmd.stages.pipeline import StageFn, StageState, carried_leaves, eval_graph
 from mpmd.stages.specs import describe, spec
 from mpmd.stages.costs import Stages, fn_costs
 
+
 def _identity_primitive(name: str) -> Primitive:
     """A primitive that returns its operands: a marker in the traced jaxpr, carrying no math.
     Tangents pass by it (so it never reaches the linear part of a grad), cotangents pass back
     through it, batch axes stay where they were."""
     p = Primitive(name)
-    p.multiple_results = True   # one equation for the whole pytree: one cut point
+    p.multiple_results = True  # one equation for the whole pytree: one cut point
     p.def_impl(lambda *xs: xs)
     p.def_abstract_eval(lambda *avals: avals)
     mlir.register_lowering(p, lambda ctx, *xs: xs)
@@ -111,11 +113,12 @@ def count_marks(model, sample_input) -> int:
     required = dict(keywords_of(model))
     x, side = _sample_parts(sample_input, required)
     if any(r and k not in side for k, r in required.items()):
-        return 0          # not traceable whole without them: a model cut by its layers
+        return 0  # not traceable whole without them: a model cut by its layers
     graphdef, state = nnx.split(model)
     with losses.collect_losses():
         closed = jax.make_jaxpr(lambda s, x, side: nnx.merge(graphdef, s)(x, **side))(
-            jax.tree.map(spec, state), jax.tree.map(spec, x), jax.tree.map(spec, side))
+            jax.tree.map(spec, state), jax.tree.map(spec, x), jax.tree.map(spec, side)
+        )
     jaxpr, _ = _inline_marked_calls(closed.jaxpr, closed.consts)
     return sum(e.primitive is _boundary_p for e in jaxpr.eqns)
 
@@ -133,15 +136,23 @@ def split_marked(model, sample_input) -> MarkedSplit:
     """Cut `model` at its `stage_boundary` marks into len(marks) + 1 StageFn records."""
     marked = _Marked(model, sample_input)
     if marked.num_marks == 0:
-        raise ValueError(f"no mpmd.stage_boundary marks found in {marked.name}; add marks or pass "
-                         f"num_stages=... for a model exposing .layers()")
+        raise ValueError(
+            f"no mpmd.stage_boundary marks found in {marked.name}; add marks or pass "
+            f"num_stages=... for a model exposing .layers()"
+        )
     first = marked.cut(marked.sample, marked.side_sample)
     stages = MarkedSplit(
-        StageFn(marked.stage_apply(k), tuple(marked.leaves[i] for i in prog.param_index),
-                jax.tree.structure(tuple(prog.param_index)), tuple(prog.param_index),
-                tuple(marked.axes[i] for i in prog.param_index), keywords=marked.stage_keywords[k],
-                state=marked.stage_state(k))
-        for k, prog in enumerate(first))
+        StageFn(
+            marked.stage_apply(k),
+            tuple(marked.leaves[i] for i in prog.param_index),
+            jax.tree.structure(tuple(prog.param_index)),
+            tuple(prog.param_index),
+            tuple(marked.axes[i] for i in prog.param_index),
+            keywords=marked.stage_keywords[k],
+            state=marked.stage_state(k),
+        )
+        for k, prog in enumerate(first)
+    )
     stages.param_paths = [tuple(marked.paths[i] for i in prog.param_index) for prog in first]
     side = [{name: marked.side_sample[name] for name, _ in fn.keywords} or None for fn in stages]
     stages.costs, stages.cost_unit = fn_costs(stages, marked.sample, side), "flops"
@@ -152,14 +163,15 @@ class _Program(NamedTuple):
     """One stage of one cut: a jaxpr of (its params..., its state leaves..., its input
     leaves..., its side-input leaves...) -> (its outputs..., its new state leaves..., the
     auxiliary-loss terms added in it...)."""
+
     jaxpr: Jaxpr
     consts: list
     param_index: list[int]
-    in_specs: tuple           # ShapeDtypeStructs of the input leaves
-    side: tuple               # (keyword, its leaves' specs) of each side input it reads, by name
-    state: tuple              # the state leaves it carries (indices into _Marked.state_paths)
-    num_aux: int              # how many mpmd.add_loss terms end its outputs
-    out_tree: Any             # the model's output treedef (last stage) or None (flat tuple)
+    in_specs: tuple  # ShapeDtypeStructs of the input leaves
+    side: tuple  # (keyword, its leaves' specs) of each side input it reads, by name
+    state: tuple  # the state leaves it carries (indices into _Marked.state_paths)
+    num_aux: int  # how many mpmd.add_loss terms end its outputs
+    out_tree: Any  # the model's output treedef (last stage) or None (flat tuple)
 
 
 class _Marked:
@@ -175,8 +187,10 @@ class _Marked:
         self.paths = [path_string(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         self.axes = logical_axes(params)
         if any(isinstance(l, jax.ShapeDtypeStruct) for l in self.leaves):
-            raise ValueError("mpmd.split by stage marks does not support mpmd.abstract models yet: "
-                             "build the model concretely, or split an abstract model with num_stages")
+            raise ValueError(
+                "mpmd.split by stage marks does not support mpmd.abstract models yet: "
+                "build the model concretely, or split an abstract model with num_stages"
+            )
         # What a forward changes that is not a parameter (RNG stream counts, batch statistics)
         # is carried as stage state.
         with_paths, self.rest_tree = jax.tree_util.tree_flatten_with_path(rest)
@@ -185,11 +199,11 @@ class _Marked:
         self.state_paths = [path_string(with_paths[i][0]) for i in self.carried]
         self.eval_graphdef = eval_graphdef(model)
         self.param_specs = [spec(l) for l in self.leaves]
-        self.required = dict(keywords_of(model))      # keyword-only parameter -> it has no default
+        self.required = dict(keywords_of(model))  # keyword-only parameter -> it has no default
         x, side = self._sample_parts(sample_input)
         self.sample = jax.tree.map(spec, x)
         self.side_sample = {name: jax.tree.map(spec, side[name]) for name in sorted(side)}
-        self.cuts: dict = {}          # (model-input specs, side-input specs) -> its cut
+        self.cuts: dict = {}  # (model-input specs, side-input specs) -> its cut
         # Per stage, from the sample's cut: the global leaves it holds, (name, required) of the
         # keywords it reads, the state leaves it carries.
         self.stage_params: list | None = None
@@ -202,9 +216,11 @@ class _Marked:
         x, side = _sample_parts(sample, self.required)
         missing = [k for k, required in self.required.items() if required and k not in side]
         if missing:
-            raise ValueError(f"{self.name}.__call__ takes the keyword-only parameter(s) {missing} without a "
-                             f"default (side inputs, fed from the batch keys of their names): pass mpmd.split a "
-                             f"sample batch naming them, sample_input={{'inputs': x, {missing[0]!r}: ...}}")
+            raise ValueError(
+                f"{self.name}.__call__ takes the keyword-only parameter(s) {missing} without a "
+                f"default (side inputs, fed from the batch keys of their names): pass mpmd.split a "
+                f"sample batch naming them, sample_input={{'inputs': x, {missing[0]!r}: ...}}"
+            )
         return x, side
 
     def _trace(self, x_spec, side_spec, evaluating: bool):
@@ -212,13 +228,17 @@ class _Marked:
             rest = list(self.rest_leaves)
             for i, v in zip(self.carried, state):
                 rest[i] = v
-            model = nnx.merge(self.eval_graphdef if evaluating else self.graphdef,
-                              jax.tree.unflatten(self.param_tree, params), jax.tree.unflatten(self.rest_tree, rest))
+            model = nnx.merge(
+                self.eval_graphdef if evaluating else self.graphdef,
+                jax.tree.unflatten(self.param_tree, params),
+                jax.tree.unflatten(self.rest_tree, rest),
+            )
             # Each added term is marked where it is added: it belongs to the stage of that equation.
             with losses.collect_losses(on_add=lambda v: _aux_p.bind(jnp.asarray(v, jnp.float32))[0]) as aux:
                 out = model(x, **side)
             new = jax.tree.leaves(nnx.split(model, nnx.Param, ...)[2])
             return out, [new[i] for i in self.carried], list(aux)
+
         state = [spec(self.rest_leaves[i]) for i in self.carried]
         closed, (out, _, aux) = jax.make_jaxpr(forward, return_shape=True)(self.param_specs, state, x_spec, side_spec)
         jaxpr, consts = _inline_marked_calls(closed.jaxpr, closed.consts)
@@ -235,15 +255,19 @@ class _Marked:
                 self.stage_keywords = [tuple((name, self.required[name]) for name, _ in p.side) for p in progs]
                 self.stage_states = [p.state for p in progs]
             # Another cut may read fewer (a defaulted keyword the batch lacks, eval mode), never more.
-            within = all(set(p.param_index) <= set(params) and {n for n, _ in p.side} <= {n for n, _ in kw}
-                         and set(p.state) <= set(state)
-                         for p, params, kw, state in zip(progs, self.stage_params, self.stage_keywords,
-                                                         self.stage_states))
+            within = all(
+                set(p.param_index) <= set(params)
+                and {n for n, _ in p.side} <= {n for n, _ in kw}
+                and set(p.state) <= set(state)
+                for p, params, kw, state in zip(progs, self.stage_params, self.stage_keywords, self.stage_states)
+            )
             if not within:
-                raise ValueError(f"{self.name} cuts into different stages for input {describe(x_spec)} and side "
-                                 f"inputs {sorted(side_spec)}{' in eval mode' if evaluating else ''} than for its "
-                                 f"sample: its stage_boundary marks, and which stages read each parameter, side "
-                                 f"input and state variable, must not depend on the input shape or the mode")
+                raise ValueError(
+                    f"{self.name} cuts into different stages for input {describe(x_spec)} and side "
+                    f"inputs {sorted(side_spec)}{' in eval mode' if evaluating else ''} than for its "
+                    f"sample: its stage_boundary marks, and which stages read each parameter, side "
+                    f"input and state variable, must not depend on the input shape or the mode"
+                )
             self.cuts[key] = progs
         return self.cuts[key]
 
@@ -257,8 +281,12 @@ class _Marked:
 
         def fits(prog):
             names = {n for n, _ in prog.side}
-            return prog.in_specs == specs and names <= set(given) and prog.side == tuple(
-                item for item in mine if item[0] in names)
+            return (
+                prog.in_specs == specs
+                and names <= set(given)
+                and prog.side == tuple(item for item in mine if item[0] in names)
+            )
+
         for (mode, _), progs in self.cuts.items():
             if mode == evaluating and fits(progs[k]):
                 return progs[k]
@@ -266,15 +294,20 @@ class _Marked:
         for batch in dict.fromkeys(s.shape[0] for s in specs + tuple(jax.tree.leaves(given)) if s.shape):
             resized = lambda s: jax.ShapeDtypeStruct((batch,) + s.shape[1:], s.dtype) if s.shape else s
             guess = jax.tree.map(spec, x) if k == 0 else jax.tree.map(resized, self.sample)
-            guess_side = {name: given[name] if name in own else jax.tree.map(resized, s)
-                          for name, s in self.side_sample.items() if name in given or name not in own}
+            guess_side = {
+                name: given[name] if name in own else jax.tree.map(resized, s)
+                for name, s in self.side_sample.items()
+                if name in given or name not in own
+            }
             prog = self.cut(guess, guess_side, evaluating)[k]
             if fits(prog):
                 return prog
         want = self.cut(self.sample, self.side_sample)[k]
-        raise ValueError(f"stage {k} of {self.name} takes {describe(want.in_specs)} (side inputs "
-                         f"{[n for n, _ in want.side]}) for the sample input; got {describe(specs)} (side inputs "
-                         f"{sorted(given)}), which no batch size of the input produces")
+        raise ValueError(
+            f"stage {k} of {self.name} takes {describe(want.in_specs)} (side inputs "
+            f"{[n for n, _ in want.side]}) for the sample input; got {describe(specs)} (side inputs "
+            f"{sorted(given)}), which no batch size of the input produces"
+        )
 
     def _run(self, k: int, evaluating: bool):
         """Stage k as (param leaves, its state leaves, x, **side) -> (output, new state leaves)."""
@@ -287,13 +320,14 @@ class _Marked:
             side_leaves = [leaf for name, _ in prog.side for leaf in jax.tree.leaves(side[name])]
             out = jax.core.eval_jaxpr(prog.jaxpr, prog.consts, *params, *state, *jax.tree.leaves(x), *side_leaves)
             num_out = len(out) - len(prog.state) - prog.num_aux
-            for term in out[num_out + len(prog.state):]:       # collected by the caller (mpmd.collect_losses)
+            for term in out[num_out + len(prog.state) :]:  # collected by the caller (mpmd.collect_losses)
                 losses.add_loss(term)
             new = list(state_leaves)
-            for i, v in zip(prog.state, out[num_out:num_out + len(prog.state)]):
+            for i, v in zip(prog.state, out[num_out : num_out + len(prog.state)]):
                 new[carried.index(i)] = v
             out = out[:num_out]
             return (tuple(out) if prog.out_tree is None else jax.tree.unflatten(prog.out_tree, out)), tuple(new)
+
         return run
 
     def stage_state(self, k: int) -> StageState | None:
@@ -302,27 +336,31 @@ class _Marked:
         if not carried:
             return None
         evaluate = self._run(k, True)
-        return StageState(tuple(self.rest_leaves[self.carried[i]] for i in carried),
-                          tuple(self.state_paths[i] for i in carried), self._run(k, False),
-                          lambda p, s, x, **side: evaluate(p, s, x, **side)[0])
+        return StageState(
+            tuple(self.rest_leaves[self.carried[i]] for i in carried),
+            tuple(self.state_paths[i] for i in carried),
+            self._run(k, False),
+            lambda p, s, x, **side: evaluate(p, s, x, **side)[0],
+        )
 
     def stage_apply(self, k: int):
         run, initial = self._run(k, False), [self.rest_leaves[self.carried[i]] for i in self.stage_states[k]]
         return lambda param_leaves, x, **side: run(param_leaves, initial, x, **side)[0]
 
 
-def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, side_spec: dict,
-         state_paths: list) -> list[_Program]:
+def _cut(
+    jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, side_spec: dict, state_paths: list
+) -> list[_Program]:
     side_names = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(side_spec)[0]]
     num_state = len(state_paths)
     num_inputs = len(jaxpr.invars) - num_params - num_state - len(side_names)
-    params, state_vars = jaxpr.invars[:num_params], jaxpr.invars[num_params:num_params + num_state]
-    inputs = jaxpr.invars[num_params + num_state:num_params + num_state + num_inputs]
-    side_vars = jaxpr.invars[num_params + num_state + num_inputs:]
-    side_of = dict(zip(side_vars, side_names))                    # side-input leaf -> its keyword
-    state_of = {v: i for i, v in enumerate(state_vars)}           # state leaf -> its index
-    num_outs = len(jaxpr.outvars) - num_state - num_aux           # then the new state, the add_loss terms
-    model_outs, new_state = jaxpr.outvars[:num_outs], jaxpr.outvars[num_outs:num_outs + num_state]
+    params, state_vars = jaxpr.invars[:num_params], jaxpr.invars[num_params : num_params + num_state]
+    inputs = jaxpr.invars[num_params + num_state : num_params + num_state + num_inputs]
+    side_vars = jaxpr.invars[num_params + num_state + num_inputs :]
+    side_of = dict(zip(side_vars, side_names))  # side-input leaf -> its keyword
+    state_of = {v: i for i, v in enumerate(state_vars)}  # state leaf -> its index
+    num_outs = len(jaxpr.outvars) - num_state - num_aux  # then the new state, the add_loss terms
+    model_outs, new_state = jaxpr.outvars[:num_outs], jaxpr.outvars[num_outs : num_outs + num_state]
     eqns = jaxpr.eqns
     num_stages = 1 + sum(e.primitive is _boundary_p for e in eqns)
     # Pass 1: the stage of every equation by position, and which values depend on the input
@@ -330,9 +368,9 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
     # ("static": recomputed where needed; a stage reading a side input takes it from the
     # batch). A mark is always dynamic: it is the cut itself; so is an add_loss term, which
     # belongs to the stage it was added in.
-    order = {v: i - len(inputs) for i, v in enumerate(inputs)}    # program order of definition
-    home = {v: 0 for v in inputs}                                 # stage defining a dynamic value
-    static_eqn: dict[Var, int] = {}                               # static value -> its equation
+    order = {v: i - len(inputs) for i, v in enumerate(inputs)}  # program order of definition
+    home = {v: 0 for v in inputs}  # stage defining a dynamic value
+    static_eqn: dict[Var, int] = {}  # static value -> its equation
     own: list[list[int]] = [[] for _ in range(num_stages)]
     mark_outs: list[list[Var]] = []
     stage = 0
@@ -349,14 +387,16 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
             stage += 1
     for s in range(num_stages):
         if not any(eqns[i].primitive not in _MARKERS for i in own[s]):
-            raise ValueError(f"stage_boundary marks leave stage {s} empty (no computation before its end): "
-                             f"two marks with nothing between them, or a mark on the raw input or the output")
+            raise ValueError(
+                f"stage_boundary marks leave stage {s} empty (no computation before its end): "
+                f"two marks with nothing between them, or a mark on the raw input or the output"
+            )
 
     # Pass 2: what each stage reads; dynamic values from earlier stages cross every boundary
     # between their home and the reader; static values pull their equations into the reader.
     live: list[dict[Var, None]] = [{} for _ in range(num_stages - 1)]
     needed: list[set[int]] = [set(idx) for idx in own]
-    reads: list[set[str]] = [set() for _ in range(num_stages)]    # side inputs each stage reads
+    reads: list[set[str]] = [set() for _ in range(num_stages)]  # side inputs each stage reads
     reads_state: list[set[int]] = [set() for _ in range(num_stages)]
 
     def read(s: int, atoms) -> None:
@@ -385,36 +425,62 @@ def _cut(jaxpr: Jaxpr, consts: list, out_tree, num_aux: int, num_params: int, si
         readers = [s for s in range(num_stages) if i in reads_state[s]]
         owner = home[v] if _is_var(v) and v in home else (readers[-1] if readers else None)
         if owner is None:
-            continue            # neither read nor changed by any stage: a constant
+            continue  # neither read nor changed by any stage: a constant
         read(owner, [v])
         if any(s != owner for s in range(num_stages) if i in reads_state[s]):
-            raise ValueError(f"the state variable {state_paths[i]} is read or changed by several stages "
-                             f"({sorted({owner, *readers})}): a stage's state lives on its own slice; give the "
-                             f"layers of each stage their own nnx.Rngs stream and normalisation layers")
+            raise ValueError(
+                f"the state variable {state_paths[i]} is read or changed by several stages "
+                f"({sorted({owner, *readers})}): a stage's state lives on its own slice; give the "
+                f"layers of each stage their own nnx.Rngs stream and normalisation layers"
+            )
 
     progs = []
     for s in range(num_stages):
         body = [eqns[i] for i in sorted(needed[s])]
         ins = list(inputs) if s == 0 else _ordered(live[s - 1], mark_outs[s - 1], order)
-        side_ins = [v for v in side_vars if side_of[v] in reads[s]]   # flat order of the side dict
+        side_ins = [v for v in side_vars if side_of[v] in reads[s]]  # flat order of the side dict
         carried = sorted(reads_state[s])
         aux = [eqns[i].outvars[0] for i in own[s] if eqns[i].primitive is _aux_p]
-        outs = (list(model_outs) if s == num_stages - 1 else _ordered(live[s], mark_outs[s], order)) + \
-            [new_state[i] for i in carried] + aux
+        outs = (
+            (list(model_outs) if s == num_stages - 1 else _ordered(live[s], mark_outs[s], order))
+            + [new_state[i] for i in carried]
+            + aux
+        )
         used = {a for e in body for a in e.invars if _is_var(a)} | {a for a in outs if _is_var(a)}
         p_idx = [i for i, v in enumerate(params) if v in used]
         c_idx = [i for i, v in enumerate(jaxpr.constvars) if v in used]
-        defined = set(ins) | set(side_ins) | {state_vars[i] for i in carried} | {params[i] for i in p_idx} | {jaxpr.constvars[i] for i in c_idx} | \
-            {v for e in body for v in e.outvars}
+        defined = (
+            set(ins)
+            | set(side_ins)
+            | {state_vars[i] for i in carried}
+            | {params[i] for i in p_idx}
+            | {jaxpr.constvars[i] for i in c_idx}
+            | {v for e in body for v in e.outvars}
+        )
         assert used <= defined, f"stage {s} reads values it neither receives nor computes"
         effects = frozenset().union(*(e.effects for e in body))
-        sub = compat.new_jaxpr([jaxpr.constvars[i] for i in c_idx],
-                               [params[i] for i in p_idx] + [state_vars[i] for i in carried] + ins + side_ins, outs,
-                               body, effects, DebugInfo("mpmd.split", f"stage {s} of {num_stages}", None, None),
-                               [consts[i] for i in c_idx])
+        sub = compat.new_jaxpr(
+            [jaxpr.constvars[i] for i in c_idx],
+            [params[i] for i in p_idx] + [state_vars[i] for i in carried] + ins + side_ins,
+            outs,
+            body,
+            effects,
+            DebugInfo("mpmd.split", f"stage {s} of {num_stages}", None, None),
+            [consts[i] for i in c_idx],
+        )
         side = _side_key({name: side_spec[name] for name in sorted(reads[s])})
-        progs.append(_Program(sub, [consts[i] for i in c_idx], p_idx, tuple(_spec_of(v) for v in ins), side,
-                              tuple(carried), len(aux), out_tree if s == num_stages - 1 else None))
+        progs.append(
+            _Program(
+                sub,
+                [consts[i] for i in c_idx],
+                p_idx,
+                tuple(_spec_of(v) for v in ins),
+                side,
+                tuple(carried),
+                len(aux),
+                out_tree if s == num_stages - 1 else None,
+            )
+        )
     return progs
 
 
@@ -426,7 +492,7 @@ def _ordered(live: dict, marked: list, order: dict) -> list[Var]:
 def _inline_marked_calls(jaxpr: Jaxpr, consts) -> tuple[Jaxpr, list]:
     """Inline every jit-like call whose body holds a mark; reject marks in control flow."""
     constvars, consts = list(jaxpr.constvars), list(consts)
-    subst: dict = {}               # outer var -> the inlined value it now names
+    subst: dict = {}  # outer var -> the inlined value it now names
     eqns = []
     for e in jaxpr.eqns:
         e = e.replace(invars=[_sub(subst, a) for a in e.invars])
@@ -462,21 +528,25 @@ def _dead_code_removed(jaxpr: Jaxpr, consts) -> Jaxpr:
         if e.effects or any(v in used for v in e.outvars):
             kept.append(e)
             used.update(a for a in e.invars if _is_var(a))
-    return compat.new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept[::-1], jaxpr.effects,
-                            jaxpr.debug_info, consts)
+    return compat.new_jaxpr(
+        jaxpr.constvars, jaxpr.invars, jaxpr.outvars, kept[::-1], jaxpr.effects, jaxpr.debug_info, consts
+    )
 
 
 def _num_marks(jaxpr: Jaxpr) -> int:
-    return sum((e.primitive is _boundary_p) + sum(_num_marks(j) for j in jaxprs_in_params(e.params))
-               for e in jaxpr.eqns)
+    return sum(
+        (e.primitive is _boundary_p) + sum(_num_marks(j) for j in jaxprs_in_params(e.params)) for e in jaxpr.eqns
+    )
 
 
 def _nested_error(name: str) -> str:
     if name == "cond":
         return "stage_boundary inside lax.cond is not supported: a stage cannot end in only one branch"
     if name in ("scan", "while"):
-        return (f"stage_boundary inside lax.{'scan' if name == 'scan' else 'while_loop/fori_loop'} is not "
-                f"supported: a stage must end exactly once per step; loop in Python to mark inside the loop")
+        return (
+            f"stage_boundary inside lax.{'scan' if name == 'scan' else 'while_loop/fori_loop'} is not "
+            f"supported: a stage must end exactly once per step; loop in Python to mark inside the loop"
+        )
     return f"stage_boundary inside {name} is not supported: move the mark outside it"
 
 

@@ -2,6 +2,7 @@
 binds them to devices) and what a sharding rule may map a logical axis to. mpmd.stages.sharding
 lays arrays out with these; the recipe's config checks mesh.rules against them before JAX is
 imported."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,5 +18,7 @@ def rule_problem(logical: Any, target: Any, where: str) -> str | None:
     targets = [] if target is None else [target] if isinstance(target, str) else target
     if isinstance(logical, str) and isinstance(targets, (list, tuple)) and all(t in AXES for t in targets):
         return None
-    return (f"{where}={target!r}: a rule maps a logical axis name to a mesh axis ({', '.join(AXES)}), "
-            f"a list of them, or null (replicated)")
+    return (
+        f"{where}={target!r}: a rule maps a logical axis name to a mesh axis ({', '.join(AXES)}), "
+        f"a list of them, or null (replicated)"
+    )

@@ -31,6 +31,7 @@ Trainer holds programs for several microbatch shapes at once.
 
 Nothing here imports JAX.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,40 +39,83 @@ from typing import NamedTuple
 
 # kind -> template; fields: {k} stage, {j} microbatch, {q} destination stage.
 BUFFERS = {
-    "params": "p{k}", "gathered": "pg{k}", "opt_state": "o{k}", "stage_state": "st{k}", "grads": "g{k}", "sqnorm": "sq{k}", "shared": "sh{k}",
-    "input": "x/{j}", "target": "t/{j}", "loss": "loss/{j}", "output": "out/{j}",
-    "side": "in{k}/{j}", "aux": "aux{k}/{j}", "weight_sum": "wsum",
-    "activation": "a{k}/{j}", "residuals": "r{k}/{j}", "cotangent": "d{k}/{j}", "kept": "kept{k}/{j}",
+    "params": "p{k}",
+    "gathered": "pg{k}",
+    "opt_state": "o{k}",
+    "stage_state": "st{k}",
+    "grads": "g{k}",
+    "sqnorm": "sq{k}",
+    "shared": "sh{k}",
+    "input": "x/{j}",
+    "target": "t/{j}",
+    "loss": "loss/{j}",
+    "output": "out/{j}",
+    "side": "in{k}/{j}",
+    "aux": "aux{k}/{j}",
+    "weight_sum": "wsum",
+    "activation": "a{k}/{j}",
+    "residuals": "r{k}/{j}",
+    "cotangent": "d{k}/{j}",
+    "kept": "kept{k}/{j}",
     # The in-memory checkpoint tier (mpmd/train/snapshots.py), generation g in {0, 1}: stage k's
     # state packed, a slice's own snapshot of it, and the copy it holds of its peer's.
-    "packed": "pk{k}", "snap_packed": "s{g}/pk{k}", "peer_packed": "c{g}/pk{k}",
+    "packed": "pk{k}",
+    "snap_packed": "s{g}/pk{k}",
+    "peer_packed": "c{g}/pk{k}",
 }
 KEYS = {
-    "act": "act{k}/{j}", "grad": "grad{k}/{j}", "sqnorm_to": "sq{k}/to{q}", "shared_to": "sh{k}/to{q}",
-    "snap_packed_to": "s{g}/pk{k}", "restore_packed": "rpk{k}",  # to the peer; a peer's copy back
+    "act": "act{k}/{j}",
+    "grad": "grad{k}/{j}",
+    "sqnorm_to": "sq{k}/to{q}",
+    "shared_to": "sh{k}/to{q}",
+    "snap_packed_to": "s{g}/pk{k}",
+    "restore_packed": "rpk{k}",  # to the peer; a peer's copy back
 }
 # Program kinds, each followed by its stage index. Longest first, so "bwd_w_first" is never
 # read as "bwd_w" + something.
-PROGRAMS = ("init_params", "opt_init", "fwd", "bwd_in", "bwd_first", "bwd_acc", "bwd_w_first",
-            "bwd_w_acc", "shared_out", "shared_in", "sqnorm", "update", "infer", "loss", "weight", "reduce",
-            "gather", "pack", "unpack")
-STAGE_DIR = "stage_{k}"          # a stage's directory inside a checkpoint step (before leaves were keyed)
-SLICE_DIR = "slice_{r}"          # a slice's directory of keyed leaves inside a checkpoint step
+PROGRAMS = (
+    "init_params",
+    "opt_init",
+    "fwd",
+    "bwd_in",
+    "bwd_first",
+    "bwd_acc",
+    "bwd_w_first",
+    "bwd_w_acc",
+    "shared_out",
+    "shared_in",
+    "sqnorm",
+    "update",
+    "infer",
+    "loss",
+    "weight",
+    "reduce",
+    "gather",
+    "pack",
+    "unpack",
+)
+STAGE_DIR = "stage_{k}"  # a stage's directory inside a checkpoint step (before leaves were keyed)
+SLICE_DIR = "slice_{r}"  # a slice's directory of keyed leaves inside a checkpoint step
 
 
 class Name(NamedTuple):
     """A parsed name: its kind and the fields its template has (None where it has none)."""
+
     kind: str
     stage: int | None = None
     microbatch: int | None = None
-    to: int | None = None          # destination stage of a sqnorm_to / shared_to key
-    variant: str = ""              # program shape suffix, e.g. "@1"
+    to: int | None = None  # destination stage of a sqnorm_to / shared_to key
+    variant: str = ""  # program shape suffix, e.g. "@1"
     generation: int | None = None  # in-memory snapshot generation
 
 
 def _compile(templates: dict) -> list[tuple[str, re.Pattern]]:
-    fields = {"{k}": r"(?P<stage>\d+)", "{j}": r"(?P<microbatch>\d+)", "{q}": r"(?P<to>\d+)",
-              "{g}": r"(?P<generation>\d+)"}
+    fields = {
+        "{k}": r"(?P<stage>\d+)",
+        "{j}": r"(?P<microbatch>\d+)",
+        "{q}": r"(?P<to>\d+)",
+        "{g}": r"(?P<generation>\d+)",
+    }
     out = []
     for kind, template in templates.items():
         pattern = re.escape(template)
@@ -83,8 +127,9 @@ def _compile(templates: dict) -> list[tuple[str, re.Pattern]]:
 
 _BUFFER_RE = _compile(BUFFERS)
 _KEY_RE = _compile(KEYS)
-_PROGRAM_RE = re.compile(r"(?P<kind>" + "|".join(sorted(PROGRAMS, key=len, reverse=True))
-                         + r")(?P<stage>\d+)(?P<variant>@\d+)?\Z")
+_PROGRAM_RE = re.compile(
+    r"(?P<kind>" + "|".join(sorted(PROGRAMS, key=len, reverse=True)) + r")(?P<stage>\d+)(?P<variant>@\d+)?\Z"
+)
 
 
 def _parse(patterns, text: str, what: str) -> Name:
@@ -113,37 +158,112 @@ def parse_program(name: str) -> Name:
 
 
 # -- constructors: one per template, so call sites read as what they name ------------------
-def params(k: int) -> str: return BUFFERS["params"].format(k=k)
-def gathered(k: int) -> str: return BUFFERS["gathered"].format(k=k)
-def opt_state(k: int) -> str: return BUFFERS["opt_state"].format(k=k)
-def stage_state(k: int) -> str: return BUFFERS["stage_state"].format(k=k)
-def grads(k: int) -> str: return BUFFERS["grads"].format(k=k)
-def sqnorm(k: int) -> str: return BUFFERS["sqnorm"].format(k=k)
-def shared(k: int) -> str: return BUFFERS["shared"].format(k=k)
-def inputs(j: int) -> str: return BUFFERS["input"].format(j=j)
-def targets(j: int) -> str: return BUFFERS["target"].format(j=j)
-def loss(j: int) -> str: return BUFFERS["loss"].format(j=j)
-def output(j: int) -> str: return BUFFERS["output"].format(j=j)
-def activation(k: int, j: int) -> str: return BUFFERS["activation"].format(k=k, j=j)
-def residuals(k: int, j: int) -> str: return BUFFERS["residuals"].format(k=k, j=j)
-def cotangent(k: int, j: int) -> str: return BUFFERS["cotangent"].format(k=k, j=j)
-def kept(k: int, j: int) -> str: return BUFFERS["kept"].format(k=k, j=j)
-def side(k: int, j: int) -> str: return BUFFERS["side"].format(k=k, j=j)
-def aux(k: int, j: int) -> str: return BUFFERS["aux"].format(k=k, j=j)
-def weight_sum() -> str: return BUFFERS["weight_sum"]
+def params(k: int) -> str:
+    return BUFFERS["params"].format(k=k)
 
 
-def packed(k: int) -> str: return BUFFERS["packed"].format(k=k)
-def snapshot(g: int, k: int) -> str: return BUFFERS["snap_packed"].format(g=g, k=k)
-def peer_copy(g: int, k: int) -> str: return BUFFERS["peer_packed"].format(g=g, k=k)
-def snapshot_key(g: int, k: int) -> str: return KEYS["snap_packed_to"].format(g=g, k=k)
-def restore_key(k: int) -> str: return KEYS["restore_packed"].format(k=k)
+def gathered(k: int) -> str:
+    return BUFFERS["gathered"].format(k=k)
 
 
-def act_key(k: int, j: int) -> str: return KEYS["act"].format(k=k, j=j)
-def grad_key(k: int, j: int) -> str: return KEYS["grad"].format(k=k, j=j)
-def sqnorm_key(k: int, q: int) -> str: return KEYS["sqnorm_to"].format(k=k, q=q)
-def shared_key(k: int, q: int) -> str: return KEYS["shared_to"].format(k=k, q=q)
+def opt_state(k: int) -> str:
+    return BUFFERS["opt_state"].format(k=k)
+
+
+def stage_state(k: int) -> str:
+    return BUFFERS["stage_state"].format(k=k)
+
+
+def grads(k: int) -> str:
+    return BUFFERS["grads"].format(k=k)
+
+
+def sqnorm(k: int) -> str:
+    return BUFFERS["sqnorm"].format(k=k)
+
+
+def shared(k: int) -> str:
+    return BUFFERS["shared"].format(k=k)
+
+
+def inputs(j: int) -> str:
+    return BUFFERS["input"].format(j=j)
+
+
+def targets(j: int) -> str:
+    return BUFFERS["target"].format(j=j)
+
+
+def loss(j: int) -> str:
+    return BUFFERS["loss"].format(j=j)
+
+
+def output(j: int) -> str:
+    return BUFFERS["output"].format(j=j)
+
+
+def activation(k: int, j: int) -> str:
+    return BUFFERS["activation"].format(k=k, j=j)
+
+
+def residuals(k: int, j: int) -> str:
+    return BUFFERS["residuals"].format(k=k, j=j)
+
+
+def cotangent(k: int, j: int) -> str:
+    return BUFFERS["cotangent"].format(k=k, j=j)
+
+
+def kept(k: int, j: int) -> str:
+    return BUFFERS["kept"].format(k=k, j=j)
+
+
+def side(k: int, j: int) -> str:
+    return BUFFERS["side"].format(k=k, j=j)
+
+
+def aux(k: int, j: int) -> str:
+    return BUFFERS["aux"].format(k=k, j=j)
+
+
+def weight_sum() -> str:
+    return BUFFERS["weight_sum"]
+
+
+def packed(k: int) -> str:
+    return BUFFERS["packed"].format(k=k)
+
+
+def snapshot(g: int, k: int) -> str:
+    return BUFFERS["snap_packed"].format(g=g, k=k)
+
+
+def peer_copy(g: int, k: int) -> str:
+    return BUFFERS["peer_packed"].format(g=g, k=k)
+
+
+def snapshot_key(g: int, k: int) -> str:
+    return KEYS["snap_packed_to"].format(g=g, k=k)
+
+
+def restore_key(k: int) -> str:
+    return KEYS["restore_packed"].format(k=k)
+
+
+def act_key(k: int, j: int) -> str:
+    return KEYS["act"].format(k=k, j=j)
+
+
+def grad_key(k: int, j: int) -> str:
+    return KEYS["grad"].format(k=k, j=j)
+
+
+def sqnorm_key(k: int, q: int) -> str:
+    return KEYS["sqnorm_to"].format(k=k, q=q)
+
+
+def shared_key(k: int, q: int) -> str:
+    return KEYS["shared_to"].format(k=k, q=q)
 
 
 def program(kind: str, k: int, variant: str = "") -> str:

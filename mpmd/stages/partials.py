@@ -30,6 +30,7 @@ Cost: a partial gradient is the whole parameter per device (fsdp's gradient shar
 waits until reduce{k}), and a residual that does not depend on the batch (a weight cast
 to another dtype) is stored once per group.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,19 +53,24 @@ def partial_layout(param_layout: P, mesh: SliceMesh) -> P:
     """Where a parameter's partial gradients lie: dim 0 (the groups) over the batch axes,
     the parameter's own dims as its layout with the batch axes taken out (they are whole
     on each device until reduced)."""
+
     def without_batch(entry):
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
         kept = tuple(a for a in names if a not in BATCH)
         return None if not kept else kept[0] if len(kept) == 1 else kept
+
     return P(batch_axes(mesh), *(without_batch(e) for e in tuple(param_layout)))
 
 
 def partial_specs(param_specs: Sequence[jax.ShapeDtypeStruct], mesh: SliceMesh) -> tuple:
     """The partial gradients' specs, (N, *shape) each, laid out on the slice's mesh."""
     n, abstract = mesh.batch_ways, mesh.abstract()
-    return tuple(jax.ShapeDtypeStruct((n, *s.shape), s.dtype,
-                                      sharding=NamedSharding(abstract, partial_layout(s.sharding.spec, mesh)))
-                 for s in param_specs)
+    return tuple(
+        jax.ShapeDtypeStruct(
+            (n, *s.shape), s.dtype, sharding=NamedSharding(abstract, partial_layout(s.sharding.spec, mesh))
+        )
+        for s in param_specs
+    )
 
 
 def problem(mesh: SliceMesh, batch_leaves: Sequence, state: bool, aux: bool) -> str | None:
@@ -107,8 +113,10 @@ def per_device(stored, mesh: SliceMesh, params: Sequence) -> tuple:
     if any(gather.sharded(p.sharding.spec) for p in params):
         return tuple(stored)
     abstract, axes = mesh.abstract(), batch_axes(mesh)
-    return tuple(jax.lax.with_sharding_constraint(
-        a, NamedSharding(abstract, P(axes, *[P.UNCONSTRAINED] * (a.ndim - 1)))) for a in stored)
+    return tuple(
+        jax.lax.with_sharding_constraint(a, NamedSharding(abstract, P(axes, *[P.UNCONSTRAINED] * (a.ndim - 1))))
+        for a in stored
+    )
 
 
 def join(tree):
@@ -141,16 +149,17 @@ def reduced(partials, layouts: Sequence[P] | None = None, mesh: SliceMesh | None
         # (N, *shape) -> (N, ways, size / ways), the split dim first: row block w is what
         # device w of the layout's axes keeps; concatenated along the last dim, summed over
         # the groups into the layout (entry, None), then cut apart and put back in shape.
-        flat = jnp.concatenate([jnp.moveaxis(partials[i], 1 + dim, 1).reshape(partials[i].shape[0], ways, -1)
-                                for i, dim in members], axis=2)
-        total = jax.lax.with_sharding_constraint(
-            jnp.sum(flat, axis=0), NamedSharding(mesh.abstract(), P(entry, None)))
+        flat = jnp.concatenate(
+            [jnp.moveaxis(partials[i], 1 + dim, 1).reshape(partials[i].shape[0], ways, -1) for i, dim in members],
+            axis=2,
+        )
+        total = jax.lax.with_sharding_constraint(jnp.sum(flat, axis=0), NamedSharding(mesh.abstract(), P(entry, None)))
         at = 0
         for i, dim in members:
             shape = partials[i].shape[1:]
-            moved = (shape[dim], *shape[:dim], *shape[dim + 1:])
+            moved = (shape[dim], *shape[:dim], *shape[dim + 1 :])
             width = math.prod(shape) // ways
-            out[i] = jnp.moveaxis(total[:, at:at + width].reshape(moved), 0, dim)
+            out[i] = jnp.moveaxis(total[:, at : at + width].reshape(moved), 0, dim)
             at += width
     return tuple(out)
 

@@ -10,6 +10,7 @@ Side inputs: a keyword-only parameter of a stage's `__call__` (`def __call__(sel
 positions)`) names a key of the batch; that key's microbatch is fed to the stage's slice
 directly (mpmd/stages/batch.py), never through the stages before it.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,17 +29,19 @@ class StageState(NamedTuple):
     and key (nnx.Dropout draws from it; the key as its raw key data, `carried_values`),
     nnx.BatchStat running statistics, any other non-Param nnx.Variable. Carried as an input
     and an output of the stage's forward program and kept on its slice like its parameters."""
-    leaves: tuple                 # initial values of the carried leaves
-    paths: tuple                  # each leaf's path within the stage (`drop.rngs.count`)
-    step: Callable                # (param leaves, state leaves, x, **side) -> (output, new state leaves)
-    evaluate: Callable            # (param leaves, state leaves, x, **side) -> output, in eval mode
+
+    leaves: tuple  # initial values of the carried leaves
+    paths: tuple  # each leaf's path within the stage (`drop.rngs.count`)
+    step: Callable  # (param leaves, state leaves, x, **side) -> (output, new state leaves)
+    evaluate: Callable  # (param leaves, state leaves, x, **side) -> output, in eval mode
 
 
 class StageFn(NamedTuple):
     """One stage as a pure function and its initial parameters."""
-    apply: Callable[[tuple, Any], Any]       # (param leaves, input pytree) -> output pytree
-    param_leaves: tuple                      # initial values (arrays or ShapeDtypeStructs)
-    param_tree: Any                          # treedef of the stage's nnx.Param state
+
+    apply: Callable[[tuple, Any], Any]  # (param leaves, input pytree) -> output pytree
+    param_leaves: tuple  # initial values (arrays or ShapeDtypeStructs)
+    param_tree: Any  # treedef of the stage's nnx.Param state
     # For stages cut from one model at its marks: the model's global leaf index of each of
     # param_leaves. A weight used by several stages (tied embedding) has the same index in each.
     param_index: tuple | None = None
@@ -89,20 +92,33 @@ def stage_fn(module: nnx.Module) -> StageFn:
     state = None
     if rest_leaves:
         eval_graph = eval_graphdef(module)
-        state = StageState(initial, tuple(path_string(kp) for kp, _ in with_paths), step,
-                           lambda p, s, x, **side: merged(eval_graph, p, s)(x, **side))
-    return StageFn(apply, tuple(leaves), tree, param_axes=logical_axes(params), keywords=keywords_of(module),
-                   state=state, with_params=from_initial)
+        state = StageState(
+            initial,
+            tuple(path_string(kp) for kp, _ in with_paths),
+            step,
+            lambda p, s, x, **side: merged(eval_graph, p, s)(x, **side),
+        )
+    return StageFn(
+        apply,
+        tuple(leaves),
+        tree,
+        param_axes=logical_axes(params),
+        keywords=keywords_of(module),
+        state=state,
+        with_params=from_initial,
+    )
 
 
 def carried_values(leaves) -> tuple:
     """A stage's non-parameter leaves as its programs carry them and checkpoints keep them: a
     PRNG key as its raw key data (uint32; typed keys cross no wire and no Orbax file), any
     other leaf as it is. Abstract leaves (ShapeDtypeStructs) give their shapes."""
+
     def value(l):
         if not _is_key(l):
             return l
         return jax.eval_shape(jax.random.key_data, l) if isinstance(l, jax.ShapeDtypeStruct) else jax.random.key_data(l)
+
     return tuple(value(l) for l in leaves)
 
 
@@ -139,8 +155,11 @@ def keywords_of(module) -> tuple:
         signature = inspect.signature(type(module).__call__)
     except (TypeError, ValueError):
         return ()
-    return tuple((p.name, p.default is inspect.Parameter.empty) for p in signature.parameters.values()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    return tuple(
+        (p.name, p.default is inspect.Parameter.empty)
+        for p in signature.parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
 
 
 def logical_axes(params) -> tuple:
@@ -171,14 +190,16 @@ class Pipeline:
     """
 
     def __init__(self, stages, loss_fn: Callable, sample_input=None):
-        model_paths = getattr(stages, "param_paths", None)   # mpmd.split's Stages carry them
+        model_paths = getattr(stages, "param_paths", None)  # mpmd.split's Stages carry them
         stages = list(stages)
         if not stages:
             raise ValueError("Pipeline needs at least one stage, got an empty list")
         for i, s in enumerate(stages):
             if not isinstance(s, (nnx.Module, StageFn)):
-                raise ValueError(f"stage {i} must be an nnx.Module, got {type(s).__name__} "
-                                 f"(or a StageFn, as mpmd.split returns for a model with stage marks)")
+                raise ValueError(
+                    f"stage {i} must be an nnx.Module, got {type(s).__name__} "
+                    f"(or a StageFn, as mpmd.split returns for a model with stage marks)"
+                )
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(last_stage_output, targets), got {loss_fn!r}")
         self.stages = stages
@@ -208,28 +229,34 @@ class Pipeline:
             traced = fn.with_params or (lambda p, x, **s: (fn.apply(p, x, **s), p))
             try:
                 closed, (out, _) = jax.make_jaxpr(lambda p, x, s: traced(p, x, **s), return_shape=True)(
-                    param_specs, specs[-1], side)
+                    param_specs, specs[-1], side
+                )
             except Exception as e:  # shape errors surface as TypeError/ValueError from inside Flax
                 got = _describe(specs[-1])
                 where = "the pipeline input" if i == 0 else f"stage {i - 1}'s output"
-                raise ValueError(f"stage {i} ({name}) cannot take {where} "
-                                 f"{got}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+                raise ValueError(
+                    f"stage {i} ({name}) cannot take {where} {got}: {type(e).__name__}: {str(e).splitlines()[0]}"
+                ) from None
             callback = host_callback(closed.jaxpr)
             if callback is not None:
-                raise ValueError(f"stage {i} ({name}) calls the host ({callback}: jax.debug.print, "
-                                 f"jax.debug.callback, jax.pure_callback or io_callback): a stage's programs "
-                                 f"are exported to its workers, which cannot call back into this process. "
-                                 f"Remove the callback from the stage (return a value from the stage to "
-                                 f"inspect it)")
+                raise ValueError(
+                    f"stage {i} ({name}) calls the host ({callback}: jax.debug.print, "
+                    f"jax.debug.callback, jax.pure_callback or io_callback): a stage's programs "
+                    f"are exported to its workers, which cannot call back into this process. "
+                    f"Remove the callback from the stage (return a value from the stage to "
+                    f"inspect it)"
+                )
             n = len(param_specs)
             origin = _Origins()
             origins = [origin(closed.jaxpr, v) for v in (closed.jaxpr.outvars[-n:] if n else [])]
             changed = [j for j, o in enumerate(origins) if o is not _UNSEEN and o is not closed.jaxpr.invars[j]]
             if changed:
-                raise ValueError(f"stage {i} ({name}) changes its parameter {local_paths(fn)[changed[0]]!r} in its "
-                                 f"forward: parameters change only by the optimizer's update. Keep what the "
-                                 f"forward updates in another nnx.Variable (it is then stage state, carried on "
-                                 f"the stage's slice), not in an nnx.Param")
+                raise ValueError(
+                    f"stage {i} ({name}) changes its parameter {local_paths(fn)[changed[0]]!r} in its "
+                    f"forward: parameters change only by the optimizer's update. Keep what the "
+                    f"forward updates in another nnx.Variable (it is then stage state, carried on "
+                    f"the stage's slice), not in an nnx.Param"
+                )
             specs.append(out)
         return specs
 

@@ -37,6 +37,7 @@ mpmd/stages/sharding.py); each program returns its outputs in the layouts of wha
 gradients like their parameters, input gradients like the stage's input, scalars
 replicated. Residuals and kept values are left to XLA: they never leave the slice.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
@@ -54,14 +55,14 @@ from mpmd.stages.pipeline import StageFn, shared_indices, shared_peers
 
 
 class StageShapes(NamedTuple):
-    params: tuple                  # ShapeDtypeStructs of the parameter leaves
-    x: Any                         # pytree of ShapeDtypeStructs entering the stage (one microbatch)
-    y: Any                         # pytree leaving it (or the loss, for the last stage)
-    targets: Any                   # what the loss reads of the batch, last stage only (else None)
-    side: Any = None               # {batch key: spec} of the stage's side inputs (None: none)
-    weighted: bool = False         # last stage: the loss returns (loss_sum, weight)
-    aux: bool = False              # the stage adds auxiliary losses (mpmd.add_loss)
-    state: tuple | None = None     # specs of its carried state leaves (StageState), or None
+    params: tuple  # ShapeDtypeStructs of the parameter leaves
+    x: Any  # pytree of ShapeDtypeStructs entering the stage (one microbatch)
+    y: Any  # pytree leaving it (or the loss, for the last stage)
+    targets: Any  # what the loss reads of the batch, last stage only (else None)
+    side: Any = None  # {batch key: spec} of the stage's side inputs (None: none)
+    weighted: bool = False  # last stage: the loss returns (loss_sum, weight)
+    aux: bool = False  # the stage adds auxiliary losses (mpmd.add_loss)
+    state: tuple | None = None  # specs of its carried state leaves (StageState), or None
 
 
 def _bundle(tree) -> tuple:
@@ -114,6 +115,7 @@ def adds_losses(fn: StageFn, params, x, side) -> bool:
         out, aux, _ = call_stage(fn, p, x, s, st)
         found.append(aux is not None)
         return out
+
     jax.eval_shape(probe, _unplaced(params), _unplaced(x), _unplaced(side or {}), state)
     return found[0]
 
@@ -157,6 +159,7 @@ def _forward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
             out, aux = out
             return (_bundle(out), tuple(stored), *kept_state, (aux,))
         return (_bundle(out), tuple(stored), *kept_state)
+
     return forward, layout
 
 
@@ -185,20 +188,23 @@ def _rebuilt(layout: dict, params, res):
 def _last_cotangent(shapes: StageShapes, gb, num_microbatches: int):
     """The loss's cotangent: a mean loss's is 1/m (the pipelined loss is the mean of m
     microbatch losses); a weighted loss's sum's is 1/(total weight of the step)."""
-    return ((1.0 / gb[0]).astype(shapes.y.dtype) if shapes.weighted
-            else jnp.asarray(1.0 / num_microbatches, shapes.y.dtype))
+    return (
+        (1.0 / gb[0]).astype(shapes.y.dtype) if shapes.weighted else jnp.asarray(1.0 / num_microbatches, shapes.y.dtype)
+    )
 
 
 def _cotangent_tree(y_leaves, y_tree, given):
     """The output's cotangent pytree: the given leaves where the output is differentiable,
     float0 zeros where it is not."""
     given = iter(given)
-    return jax.tree.unflatten(y_tree, [next(given) if differentiable(l) else np.zeros(l.shape, jax.dtypes.float0)
-                                       for l in y_leaves])
+    return jax.tree.unflatten(
+        y_tree, [next(given) if differentiable(l) else np.zeros(l.shape, jax.dtypes.float0) for l in y_leaves]
+    )
 
 
-def _grouped(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
-             num_microbatches: int, mesh):
+def _grouped(
+    fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None, num_microbatches: int, mesh
+):
     """_backward's (forward, residual specs, cotangents) for a stage vmapped over the batch
     groups of `mesh` (mpmd/stages/partials.py): the forward stores each group's residuals
     (n, ...) and, on the last stage, the loss's, the loss applied to the groups' joined
@@ -220,6 +226,7 @@ def _grouped(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
             y, vjp = jax.vjp(apply, p) if first else jax.vjp(apply, p, xg)
             layout["y"] = jax.tree.map(spec, y)
             return y, tuple(_residuals(vjp, p, layout))
+
         y, stored = jax.vmap(group)(partials.split(x, n), partials.split(s, n))
         y, stored = partials.join(y), partials.per_device(stored, mesh, shapes.params)
         layout["num_group_res"] = len(stored)
@@ -231,30 +238,39 @@ def _grouped(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn:
         return (loss,), stored + tuple(leaves)
 
     res_specs = _unplaced(jax.eval_shape(forward, *_forward_args(shapes, last))[1])
-    y_leaves, y_tree = jax.tree.flatten(layout["y"])      # one group's output
+    y_leaves, y_tree = jax.tree.flatten(layout["y"])  # one group's output
 
     def cotangents(params, res, gb):
-        group_res, loss_res = res[:layout["num_group_res"]], res[layout["num_group_res"]:]
+        group_res, loss_res = res[: layout["num_group_res"]], res[layout["num_group_res"] :]
         if last:
             (dy,) = jax.tree.unflatten(layout["loss_tree"], list(loss_res))(
-                _last_cotangent(shapes, gb, num_microbatches))
+                _last_cotangent(shapes, gb, num_microbatches)
+            )
             gb = tuple(d for d, l in zip(jax.tree.leaves(dy), y_leaves) if differentiable(l))
 
         def group(res_g, given):
             dp, *dx = _rebuilt(layout, params, res_g)(_cotangent_tree(y_leaves, y_tree, given))
             return tuple(dp), (() if first else tuple(d for d, keep in zip(jax.tree.leaves(dx[0]), x_diff) if keep))
+
         dp, dx = jax.vmap(group)(tuple(group_res), partials.split(tuple(gb), n))
         return dp, (None if first else partials.join(dx))
+
     return forward, res_specs, cotangents
 
 
 def _forward_args(shapes: StageShapes, last: bool) -> tuple:
-    return (shapes.params, *((shapes.state,) if shapes.state is not None else ()), _bundle(shapes.x),
-            *((_bundle(shapes.side),) if shapes.side else ()), *((_bundle(shapes.targets),) if last else ()))
+    return (
+        shapes.params,
+        *((shapes.state,) if shapes.state is not None else ()),
+        _bundle(shapes.x),
+        *((_bundle(shapes.side),) if shapes.side else ()),
+        *((_bundle(shapes.targets),) if last else ()),
+    )
 
 
-def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None,
-              num_microbatches: int):
+def _backward(
+    fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn: Callable | None, num_microbatches: int
+):
     """(forward, residual specs, cotangents): cotangents(params, res, g) -> (param grads, input
     grad bundle or None) rebuilds the vjp from the forward's residuals, so nothing is
     recomputed. `g` is the output's cotangent bundle (its differentiable leaves); on the last
@@ -267,12 +283,13 @@ def _backward(fn: StageFn, shapes: StageShapes, first: bool, last: bool, loss_fn
     def cotangents(params, res, gb):
         vjp = _rebuilt(layout, params, res)
         ct = _last_cotangent(shapes, gb, num_microbatches) if last else _cotangent_tree(y_leaves, y_tree, gb)
-        if shapes.aux:     # each microbatch's auxiliary losses weigh 1/m in the objective
+        if shapes.aux:  # each microbatch's auxiliary losses weigh 1/m in the objective
             ct = (ct, jnp.asarray(1.0 / num_microbatches, jnp.float32))
         dp, *dx = vjp(ct)
         if first:
             return dp, None
         return dp, tuple(d for d, keep in zip(jax.tree.leaves(dx[0]), x_diff) if keep)
+
     return forward, res_specs, cotangents
 
 
@@ -281,8 +298,9 @@ def _split(cotangents, param_specs: tuple, res_specs: tuple, g_args: tuple) -> b
     n_p, n_r = len(param_specs), len(res_specs)
 
     def flat(*a):
-        dp, dx = cotangents(a[:n_p], a[n_p:n_p + n_r], a[n_p + n_r:])
+        dp, dx = cotangents(a[:n_p], a[n_p : n_p + n_r], a[n_p + n_r :])
         return tuple(dp) + (dx or ())
+
     return backward_split.split(flat, (*param_specs, *res_specs, *_bundle(g_args)), n_p)
 
 
@@ -299,16 +317,14 @@ def _scalar_like(spec) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((), jnp.float32, sharding=getattr(spec, "sharding", None))
 
 
-def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-                   loss_fn: Callable | None) -> tuple:
+def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool, loss_fn: Callable | None) -> tuple:
     """ShapeDtypeStructs of what stage k's forward stores for its backward, per microbatch
     (its vjp residuals minus its own parameters): the saved activations that
     rematerialisation trades for recomputation. Traced only: nothing is allocated."""
     return _backward(fn, shapes, first, last, loss_fn, 1)[1]
 
 
-def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-               loss_fn: Callable | None) -> tuple:
+def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool, loss_fn: Callable | None) -> tuple:
     """ShapeDtypeStructs of what stage k's B keeps for its W per microbatch in a split-backward
     schedule (mpmd/stages/backward_split.py): held from B until W runs, on top of the residuals.
     Empty for the first stage, whose B does nothing. Traced only."""
@@ -318,9 +334,19 @@ def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     return _split(cotangents, shapes.params, res_specs, _g_args(shapes, last)).kept
 
 
-def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
-          loss_fn: Callable | None, num_microbatches: int, split_backward: bool, partial=None,
-          grad_specs: tuple | None = None) -> dict:
+def build(
+    k: int,
+    fn: StageFn,
+    shapes: StageShapes,
+    *,
+    first: bool,
+    last: bool,
+    loss_fn: Callable | None,
+    num_microbatches: int,
+    split_backward: bool,
+    partial=None,
+    grad_specs: tuple | None = None,
+) -> dict:
     """Export forward and backward programs for stage k, named by mpmd/stages/names.py.
     `partial`: the slice's SliceMesh when the stage keeps its gradients unreduced over the
     batch axes (mpmd/stages/partials.py; then build_reduce gives reduce{k}), else None.
@@ -337,8 +363,11 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     x_out = tuple(l.sharding for l in jax.tree.leaves(shapes.x) if differentiable(l))
     aux_out = ((_replicated((shapes.params, shapes.x)),),) if shapes.aux else ()
     state_out = (_layouts(shapes.state),) if shapes.state is not None else ()
-    specs = {names.program("fwd", k): programs.exported(forward, *fwd_args,
-                                                        out_shardings=(y_out, None, *state_out, *aux_out))}
+    specs = {
+        names.program("fwd", k): programs.exported(
+            forward, *fwd_args, out_shardings=(y_out, None, *state_out, *aux_out)
+        )
+    }
     g_args = _g_args(shapes, last)
 
     def accumulated(dp, acc):
@@ -359,11 +388,11 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
         return specs
 
     parts = _split(cotangents, shapes.params, res_specs, g_args)
-    kept = (parts.kept,) if not first else ()     # the first stage has no B: W does it all
+    kept = (parts.kept,) if not first else ()  # the first stage has no B: W does it all
 
     def input_grad(params, res, *g):
         out = parts.input_grad(*params, *res, *(g[0] if g else ()))
-        return out[:parts.num_input_grads], out[parts.num_input_grads:]
+        return out[: parts.num_input_grads], out[parts.num_input_grads :]
 
     def weight_grad(params, res, *rest):
         n = len(g_args)
@@ -374,8 +403,7 @@ def build(k: int, fn: StageFn, shapes: StageShapes, *, first: bool, last: bool,
     if not first:
         specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base, out_shardings=(x_out, None))
     specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base, *kept, out_shardings=(p_out,))
-    specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *kept, *acc,
-                                                             out_shardings=(p_out,))
+    specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *kept, *acc, out_shardings=(p_out,))
     return specs
 
 
@@ -387,12 +415,17 @@ def build_reduce(k: int, param_specs: tuple, mesh) -> dict:
 
     def reduce(grads):
         return (partials.reduced(grads, layouts, mesh),)
-    return {names.program("reduce", k): programs.exported(
-        reduce, partials.partial_specs(param_specs, mesh), out_shardings=(_layouts(param_specs),))}
+
+    return {
+        names.program("reduce", k): programs.exported(
+            reduce, partials.partial_specs(param_specs, mesh), out_shardings=(_layouts(param_specs),)
+        )
+    }
 
 
-def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable,
-                       y_specs=None) -> dict:
+def build_forward_only(
+    k: int, fn: StageFn, shapes: StageShapes, *, last: bool, loss_fn: Callable, y_specs=None
+) -> dict:
     """Forward without residuals (evaluation, sampling): infer{k}, and loss{k} on the last stage
     (a weighted loss's sum). Auxiliary losses are not part of an evaluation's loss.
     `y_specs`: the stage output's specs with their layouts (for the last stage, the model's
@@ -404,7 +437,7 @@ def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, 
         st, rest = (tuple(rest[0]), rest[1:]) if shapes.state is not None else (None, rest)
         x = jax.tree.unflatten(x_tree, list(rest[0]))
         s = jax.tree.unflatten(s_tree, list(rest[1])) if len(rest) > 1 else {}
-        if fn.state is not None:      # eval mode: no dropout, running statistics; nothing kept
+        if fn.state is not None:  # eval mode: no dropout, running statistics; nothing kept
             return (_bundle(fn.state.evaluate(tuple(params), st, x, **s)),)
         return (_bundle(call_stage(fn, tuple(params), x, s)[0]),)
 
@@ -413,16 +446,24 @@ def build_forward_only(k: int, fn: StageFn, shapes: StageShapes, *, last: bool, 
     y_out = _layouts(y_specs) if y_specs is not None else None
     side_args = (_bundle(shapes.side),) if shapes.side else ()
     state_args = (shapes.state,) if shapes.state is not None else ()
-    specs = {names.program("infer", k): programs.exported(infer, shapes.params, *state_args, _bundle(shapes.x),
-                                                          *side_args, out_shardings=(y_out,))}
+    specs = {
+        names.program("infer", k): programs.exported(
+            infer, shapes.params, *state_args, _bundle(shapes.x), *side_args, out_shardings=(y_out,)
+        )
+    }
     if last:
         y_def, t_def = jax.tree.structure(y_specs), jax.tree.structure(shapes.targets)
 
         def loss(yb, tb):
             value = loss_fn(jax.tree.unflatten(y_def, list(yb)), jax.tree.unflatten(t_def, list(tb)))
             return ((value[0] if shapes.weighted else value,),)
-        specs[names.program("loss", k)] = programs.exported(loss, tuple(_bundle(y_specs)), _bundle(shapes.targets),
-                                                            out_shardings=((_replicated((shapes.params, shapes.x)),),))
+
+        specs[names.program("loss", k)] = programs.exported(
+            loss,
+            tuple(_bundle(y_specs)),
+            _bundle(shapes.targets),
+            out_shardings=((_replicated((shapes.params, shapes.x)),),),
+        )
     return specs
 
 
@@ -440,9 +481,13 @@ def build_weight(k: int, shapes: StageShapes, *, loss_fn: Callable, num_microbat
             w = loss_fn(jax.tree.unflatten(y_def, y_zero), jax.tree.unflatten(t_def, list(tb)))[1]
             total = total + jnp.asarray(w, jnp.float32)
         return ((total,),)
+
     args = [_bundle(shapes.targets)] * num_microbatches
-    return {names.program("weight", k): programs.exported(weight, *args, out_shardings=(
-        (_replicated((shapes.params, shapes.x)),),))}
+    return {
+        names.program("weight", k): programs.exported(
+            weight, *args, out_shardings=((_replicated((shapes.params, shapes.x)),),)
+        )
+    }
 
 
 def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
@@ -453,8 +498,12 @@ def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
     idx = shared_indices(S, shared)
     holders = sorted(shared_peers(S, shared)[k] + [k])
     pos = {s: {i: n for n, i in enumerate(idx[s])} for s in holders}
-    terms = {i: sorted((s, pos[s][j]) for s, j in group)       # local leaf -> holders' terms
-             for group in shared for t, i in group if t == k}
+    terms = {
+        i: sorted((s, pos[s][j]) for s, j in group)  # local leaf -> holders' terms
+        for group in shared
+        for t, i in group
+        if t == k
+    }
 
     def shared_out(grads):
         return (tuple(grads[i] for i in idx[k]),)
@@ -471,16 +520,29 @@ def build_shared(k: int, param_specs: list[tuple], shared) -> dict:
 
     # Another holder's part arrives in whatever layout its receive chose (lowering lays it
     # out like the local copy of the weight): its specs leave the layout open.
-    parts = [tuple(param_specs[k][i] for i in idx[k]) if s == k else
-             _unplaced(tuple(param_specs[s][i] for i in idx[s])) for s in holders]
+    parts = [
+        tuple(param_specs[k][i] for i in idx[k]) if s == k else _unplaced(tuple(param_specs[s][i] for i in idx[s]))
+        for s in holders
+    ]
     mine = tuple(param_specs[k][i].sharding for i in idx[k])
-    return {names.program("shared_out", k): programs.exported(shared_out, param_specs[k], out_shardings=(mine,)),
-            names.program("shared_in", k): programs.exported(shared_in, param_specs[k], *parts,
-                                                             out_shardings=(_layouts(param_specs[k]),))}
+    return {
+        names.program("shared_out", k): programs.exported(shared_out, param_specs[k], out_shardings=(mine,)),
+        names.program("shared_in", k): programs.exported(
+            shared_in, param_specs[k], *parts, out_shardings=(_layouts(param_specs[k]),)
+        ),
+    }
 
 
-def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.GradientTransformation,
-                    num_stages: int, max_grad_norm: float | None, not_counted=(), opt_layouts=None) -> dict:
+def build_optimizer(
+    k: int,
+    fn: StageFn,
+    param_specs: tuple,
+    optimizer: optax.GradientTransformation,
+    num_stages: int,
+    max_grad_norm: float | None,
+    not_counted=(),
+    opt_layouts=None,
+) -> dict:
     """Export opt_init{k}, update{k} and (when clipping) sqnorm{k}.
 
     `opt_layouts`: the shardings of the optimizer-state leaves (mpmd.stages.sharding.optimizer_layouts).
@@ -519,10 +581,17 @@ def build_optimizer(k: int, fn: StageFn, param_specs: tuple, optimizer: optax.Gr
     opt_specs = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=o) for s, o in zip(opt_specs, o_out))
     replicated = _replicated(param_specs) if param_specs else None
     scalar = (jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),)
-    specs = {names.program("opt_init", k): programs.exported(opt_init, param_specs, out_shardings=(o_out,)),
-             names.program("update", k): programs.exported(update, param_specs, opt_specs, param_specs,
-                                              *([scalar] * num_stages if max_grad_norm is not None else []),
-                                              out_shardings=(p_out, o_out))}
+    specs = {
+        names.program("opt_init", k): programs.exported(opt_init, param_specs, out_shardings=(o_out,)),
+        names.program("update", k): programs.exported(
+            update,
+            param_specs,
+            opt_specs,
+            param_specs,
+            *([scalar] * num_stages if max_grad_norm is not None else []),
+            out_shardings=(p_out, o_out),
+        ),
+    }
     if max_grad_norm is not None:
         specs[names.program("sqnorm", k)] = programs.exported(sqnorm, param_specs, out_shardings=((replicated,),))
     return specs

@@ -33,6 +33,7 @@ needs no devices; a worker binds the same shape to its own devices.
 A layout travels as a PartitionSpec tuple (mpmd.runtime.worker.instructions.Spec.layout; JSON: a list
 with one entry per dim, each null, an axis name or a list of axis names).
 """
+
 from __future__ import annotations
 
 import math
@@ -48,18 +49,18 @@ from mpmd.runtime.worker import mesh as _mesh
 from mpmd.runtime.worker.mesh import AXES, devices_problem, shape_of
 from mpmd.stages.mesh_axes import rule_problem
 
-BATCH = ("data", "fsdp", "expert")    # the mesh axes a microbatch is split over
+BATCH = ("data", "fsdp", "expert")  # the mesh axes a microbatch is split over
 
 # logical axis name -> mesh axis (or None: replicated). Models in models/ use these names.
 RULES: dict[str, str | None] = {
-    "vocab": "tensor",      # embedding rows, LM-head columns
-    "embed": "fsdp",        # the model width
-    "mlp": "tensor",        # MLP hidden width
-    "heads": "tensor",      # attention heads x head dim (fused q/k/v or per projection)
-    "kv": None,             # key/value width under grouped-query attention
-    "positions": None,      # learned position rows
+    "vocab": "tensor",  # embedding rows, LM-head columns
+    "embed": "fsdp",  # the model width
+    "mlp": "tensor",  # MLP hidden width
+    "heads": "tensor",  # attention heads x head dim (fused q/k/v or per projection)
+    "kv": None,  # key/value width under grouped-query attention
+    "positions": None,  # learned position rows
     "layers": None,
-    "expert": "expert",     # a mixture's experts (models/moe.py)
+    "expert": "expert",  # a mixture's experts (models/moe.py)
 }
 
 
@@ -70,6 +71,7 @@ class LayoutError(ValueError):
 
 class SliceMesh(NamedTuple):
     """The shape of one slice's mesh."""
+
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
@@ -114,8 +116,10 @@ def slice_meshes(mesh, num_slices: int, devices_per_slice: int | None = None) ->
         meshes = [SliceMesh(data=devices_per_slice or 1)] * num_slices
     elif isinstance(mesh, (list, tuple)) and not isinstance(mesh, SliceMesh):
         if len(mesh) != num_slices:
-            raise LayoutError(f"mesh lists {len(mesh)} slice shape(s) but the schedule has {num_slices} "
-                             f"slice(s): give one shape per slice, or one shape for all")
+            raise LayoutError(
+                f"mesh lists {len(mesh)} slice shape(s) but the schedule has {num_slices} "
+                f"slice(s): give one shape per slice, or one shape for all"
+            )
         meshes = [slice_mesh(m, f"mesh[{r}] (slice {r})") for r, m in enumerate(mesh)]
     else:
         meshes = [slice_mesh(mesh)] * num_slices
@@ -142,21 +146,27 @@ def param_layout(axes, shape: Sequence[int], mesh: SliceMesh, rules: Mapping[str
     if axes is None:
         return P()
     if len(axes) != len(shape):
-        raise LayoutError(f"parameter {name}: {len(axes)} logical axis name(s) {tuple(axes)} for a "
-                         f"{len(shape)}-d array of shape {tuple(shape)}")
+        raise LayoutError(
+            f"parameter {name}: {len(axes)} logical axis name(s) {tuple(axes)} for a "
+            f"{len(shape)}-d array of shape {tuple(shape)}"
+        )
     spec, used = [], set()
     for logical, dim in zip(axes, shape):
         target = rules.get(logical) if logical is not None else None
         if logical is not None and logical not in rules:
-            raise LayoutError(f"parameter {name}: logical axis {logical!r} has no rule; known: "
-                             f"{sorted(rules)} (add it to the rules, mapping it to one of {list(AXES)} or None)")
+            raise LayoutError(
+                f"parameter {name}: logical axis {logical!r} has no rule; known: "
+                f"{sorted(rules)} (add it to the rules, mapping it to one of {list(AXES)} or None)"
+            )
         targets = () if target is None else (target,) if isinstance(target, str) else tuple(target)
         targets = tuple(t for t in targets if getattr(mesh, t) > 1 and t not in used)
         ways = math.prod(getattr(mesh, t) for t in targets)
         if dim % ways:
-            raise LayoutError(f"parameter {name}: dimension {dim} ({logical!r}) is not divisible by mesh "
-                             f"axis {'x'.join(targets)}={ways} on a slice of {describe(mesh)}; choose a mesh "
-                             f"whose {'x'.join(targets)} divides {dim}, or map {logical!r} elsewhere in the rules")
+            raise LayoutError(
+                f"parameter {name}: dimension {dim} ({logical!r}) is not divisible by mesh "
+                f"axis {'x'.join(targets)}={ways} on a slice of {describe(mesh)}; choose a mesh "
+                f"whose {'x'.join(targets)} divides {dim}, or map {logical!r} elsewhere in the rules"
+            )
         used.update(targets)
         spec.append(None if not targets else targets[0] if len(targets) == 1 else targets)
     return P(*spec)
@@ -177,8 +187,10 @@ def stage_param_layouts(fn, mesh: SliceMesh, rules: Mapping[str, Any], stage: in
     """The layouts of a StageFn's parameter leaves on `mesh`, named in errors by their paths."""
     axes = fn.param_axes if fn.param_axes is not None else (None,) * len(fn.param_leaves)
     paths = param_paths(fn)
-    return tuple(param_layout(a, np.shape(leaf), mesh, rules, f"{paths[i]} of stage {stage}")
-                 for i, (a, leaf) in enumerate(zip(axes, fn.param_leaves)))
+    return tuple(
+        param_layout(a, np.shape(leaf), mesh, rules, f"{paths[i]} of stage {stage}")
+        for i, (a, leaf) in enumerate(zip(axes, fn.param_leaves))
+    )
 
 
 def param_paths(fn) -> list[str]:
@@ -186,8 +198,10 @@ def param_paths(fn) -> list[str]:
     try:
         tree = jax.tree.unflatten(fn.param_tree, list(range(len(fn.param_leaves))))
         flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return ["/".join(_key(k) for k in path if _key(k) != "value") or f"leaf {i}" for i, (path, _) in enumerate(flat)]
-    except Exception:   # a treedef of user records that cannot hold ints
+        return [
+            "/".join(_key(k) for k in path if _key(k) != "value") or f"leaf {i}" for i, (path, _) in enumerate(flat)
+        ]
+    except Exception:  # a treedef of user records that cannot hold ints
         return [f"leaf {i}" for i in range(len(fn.param_leaves))]
 
 
@@ -201,11 +215,18 @@ def _key(k) -> str:
 def optimizer_layouts(optimizer, fn, param_layouts: tuple[P, ...]) -> tuple[P, ...]:
     """Each optimizer-state leaf takes its parameter's layout; the rest (counts) is replicated."""
     import optax
+
     specs = jax.tree.unflatten(fn.param_tree, [spec(l) for l in fn.param_leaves])
     state = jax.eval_shape(optimizer.init, specs)
     layouts = jax.tree.unflatten(fn.param_tree, list(param_layouts))
-    mapped = optax.tree_map_params(optimizer, lambda _, layout: layout, state, layouts,
-                                   transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+    mapped = optax.tree_map_params(
+        optimizer,
+        lambda _, layout: layout,
+        state,
+        layouts,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
     out = tuple(jax.tree.leaves(mapped, is_leaf=lambda x: isinstance(x, P)))
     assert len(out) == len(jax.tree.leaves(state)), "optimizer state and its layouts differ in length"
     return out

@@ -9,6 +9,7 @@ O(layers^2 * stages), trivial for real layer counts.
 A stage cut from layers is a `Layers`: the layers applied in turn, each given the side inputs
 (batch keys, mpmd/stages/batch.py) its own `__call__` declares keyword-only.
 """
+
 from __future__ import annotations
 
 import jax
@@ -46,8 +47,10 @@ class Layers(nnx.Module):
     def __call__(self, x, **side):
         unknown = set(side) - {name for name, _ in self.side_input_keywords()}
         if unknown:
-            raise TypeError(f"no layer of this stage takes the keyword argument(s) {sorted(unknown)}; "
-                            f"its layers take {[name for name, _ in self.side_input_keywords()]}")
+            raise TypeError(
+                f"no layer of this stage takes the keyword argument(s) {sorted(unknown)}; "
+                f"its layers take {[name for name, _ in self.side_input_keywords()]}"
+            )
         for layer in self.layers:
             x = layer(x, **{name: side[name] for name, _ in keywords_of(layer) if name in side})
         return x
@@ -73,34 +76,48 @@ def split(model, num_stages: int | None = None, sample_input=None, cuts=None) ->
         sample_input = model.sample_input()
     if num_stages is None:
         if sample_input is None:
-            raise ValueError(f"mpmd.split({name}) without num_stages cuts the model at its mpmd.stage_boundary "
-                             f"marks, which needs a sample input: pass sample_input=(one microbatch) or give "
-                             f"the model a sample_input() method")
+            raise ValueError(
+                f"mpmd.split({name}) without num_stages cuts the model at its mpmd.stage_boundary "
+                f"marks, which needs a sample input: pass sample_input=(one microbatch) or give "
+                f"the model a sample_input() method"
+            )
         return marks.split_marked(model, sample_input)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
     # Marks are found by tracing, which needs a concrete model and an input to trace with.
-    traceable = (sample_input is not None and isinstance(model, nnx.Module) and callable(model)
-                 and not any(isinstance(l, jax.ShapeDtypeStruct) for l in jax.tree.leaves(nnx.state(model))))
+    traceable = (
+        sample_input is not None
+        and isinstance(model, nnx.Module)
+        and callable(model)
+        and not any(isinstance(l, jax.ShapeDtypeStruct) for l in jax.tree.leaves(nnx.state(model)))
+    )
     num_marks = marks.count_marks(model, sample_input) if traceable else 0
     if num_marks:
         if num_marks + 1 != num_stages:
-            raise ValueError(f"{name} has {num_marks} mpmd.stage_boundary marks, which make {num_marks + 1} "
-                             f"stages, but num_stages={num_stages}; pass num_stages=None (or {num_marks + 1}) "
-                             f"to cut at the marks, or move the marks")
+            raise ValueError(
+                f"{name} has {num_marks} mpmd.stage_boundary marks, which make {num_marks + 1} "
+                f"stages, but num_stages={num_stages}; pass num_stages=None (or {num_marks + 1}) "
+                f"to cut at the marks, or move the marks"
+            )
         return marks.split_marked(model, sample_input)
     if not callable(getattr(model, "layers", None)):
-        raise ValueError(f"mpmd.split needs a model exposing its ordered layers as model.layers(); "
-                         f"{name} has none. Pass your own list of nnx.Module stages "
-                         f"to mpmd.Pipeline instead, or mark stage ends with mpmd.stage_boundary.")
+        raise ValueError(
+            f"mpmd.split needs a model exposing its ordered layers as model.layers(); "
+            f"{name} has none. Pass your own list of nnx.Module stages "
+            f"to mpmd.Pipeline instead, or mark stage ends with mpmd.stage_boundary."
+        )
     layers = list(model.layers())
     if num_stages > len(layers):
-        raise ValueError(f"cannot split {name} into {num_stages} stages: it has only "
-                         f"{len(layers)} layers; allowed num_stages: 1..{len(layers)}")
+        raise ValueError(
+            f"cannot split {name} into {num_stages} stages: it has only "
+            f"{len(layers)} layers; allowed num_stages: 1..{len(layers)}"
+        )
     if cuts is not None:
         if len(cuts) != num_stages - 1:
-            raise ValueError(f"cuts {list(cuts)!r} make {len(cuts) + 1} stages, but num_stages={num_stages}; "
-                             f"give num_stages - 1 = {num_stages - 1} cut points")
+            raise ValueError(
+                f"cuts {list(cuts)!r} make {len(cuts) + 1} stages, but num_stages={num_stages}; "
+                f"give num_stages - 1 = {num_stages - 1} cut points"
+            )
         stages = cut(layers, cuts)
         bounds = [0, *cuts, len(layers)]
     else:
@@ -117,13 +134,16 @@ def layer_param_paths(model, layers, bounds) -> list[tuple[str, ...]]:
     """Per stage (the Layers of layers[a:b]), each parameter leaf's path in the model:
     `blocks.3.mlp.up.kernel`, the same whichever stage holds block 3 (a layer not found as a
     module of the model is `layers.<its index in model.layers()>`)."""
-    where = {id(node): ".".join(map(str, path)) for path, node in nnx.iter_graph(model)
-             if isinstance(node, nnx.Module) and path}
+    where = {
+        id(node): ".".join(map(str, path))
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Module) and path
+    }
     out = []
     for a, b in zip(bounds, bounds[1:]):
         paths = []
         for keypath, _ in jax.tree_util.tree_flatten_with_path(nnx.state(Layers(*layers[a:b]), nnx.Param))[0]:
-            j = a + int(leaf_paths.path_string(keypath[1:2]))    # keypath: ("layers", j, ...)
+            j = a + int(leaf_paths.path_string(keypath[1:2]))  # keypath: ("layers", j, ...)
             prefix = where.get(id(layers[j]), f"layers.{j}")
             paths.append(".".join(p for p in (prefix, leaf_paths.path_string(keypath[2:])) if p))
         out.append(tuple(paths))
@@ -135,10 +155,15 @@ def cut(units, cuts) -> Stages:
     stage k is units[cuts[k-1]:cuts[k]], one Layers. `.costs` counts units."""
     units = list(units)
     cuts = list(cuts)
-    if (not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
-            or cuts != sorted(set(cuts)) or (cuts and not 0 < cuts[0] <= cuts[-1] < len(units))):
-        raise ValueError(f"cuts must be increasing integers in 1..{len(units) - 1} (the unit where "
-                         f"each stage after the first begins; {len(units)} units), got {cuts!r}")
+    if (
+        not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts)
+        or cuts != sorted(set(cuts))
+        or (cuts and not 0 < cuts[0] <= cuts[-1] < len(units))
+    ):
+        raise ValueError(
+            f"cuts must be increasing integers in 1..{len(units) - 1} (the unit where "
+            f"each stage after the first begins; {len(units)} units), got {cuts!r}"
+        )
     bounds = [0, *cuts, len(units)]
     stages = Stages(Layers(*units[a:b]) for a, b in zip(bounds, bounds[1:]))
     stages.costs, stages.cost_unit = [float(b - a) for a, b in zip(bounds, bounds[1:])], "units"

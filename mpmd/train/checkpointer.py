@@ -9,6 +9,7 @@ global batch its checkpoint was trained on. When the run moves to another layout
 (mpmd/train/relayout.py) the persistent tier saves and restores from the new placement and
 the in-memory tier starts afresh on a ring over the slices at hand.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,27 +42,45 @@ class Checkpointer:
     match beyond its leaves (the math); `placement`, `layout` and `record` (relayout.
     layout_record): how the run is laid out now."""
 
-    def __init__(self, options: Checkpointing, run_dir, cluster, pipeline, optimizer, partition: dict,
-                 placement: tuple[int, ...], layout: lowering.Layout, record: dict):
+    def __init__(
+        self,
+        options: Checkpointing,
+        run_dir,
+        cluster,
+        pipeline,
+        optimizer,
+        partition: dict,
+        placement: tuple[int, ...],
+        layout: lowering.Layout,
+        record: dict,
+    ):
         if options.every and run_dir is None:
-            raise ValueError(f"checkpoint=Checkpointing(every={options.every}) needs run_dir: where to "
-                             f"write the checkpoints")
-        self.every = options.every    # steps between persistent checkpoints (0: only when asked)
+            raise ValueError(
+                f"checkpoint=Checkpointing(every={options.every}) needs run_dir: where to write the checkpoints"
+            )
+        self.every = options.every  # steps between persistent checkpoints (0: only when asked)
         self.memory_every = options.memory_every
-        self.metadata = dict(options.metadata)     # e.g. a config hash, in every manifest
+        self.metadata = dict(options.metadata)  # e.g. a config hash, in every manifest
         self.cluster, self.pipeline, self.optimizer = cluster, pipeline, optimizer
         self.persistent: StageCheckpoints | None = None
         self.memory: snapshots.MemorySnapshots | None = None
-        self._launch = None           # sends a plan to every slice (Programs.launch), for the memory tier
-        self.resumed: tuple[int, object] | None = None   # (step, data_state) when resumed from run_dir
-        self.layout_change: str | None = None   # "from -> to" when resumed onto another layout
-        self._resumed_batch = None    # the global batch's leaves as the resumed checkpoint saw them
-        self._batch = None            # [[shape, dtype] of each input and target leaf] of the last train step
+        self._launch = None  # sends a plan to every slice (Programs.launch), for the memory tier
+        self.resumed: tuple[int, object] | None = None  # (step, data_state) when resumed from run_dir
+        self.layout_change: str | None = None  # "from -> to" when resumed onto another layout
+        self._resumed_batch = None  # the global batch's leaves as the resumed checkpoint saw them
+        self._batch = None  # [[shape, dtype] of each input and target leaf] of the last train step
         if run_dir is not None:
-            self.persistent = StageCheckpoints(run_dir, cluster, placement, partition, options,
-                                               state_layouts(layout, pipeline), leaf_paths.state_names(pipeline, optimizer),
-                                               record)
-            self.persistent.check_newest()   # a resume that changes the math fails before any worker starts
+            self.persistent = StageCheckpoints(
+                run_dir,
+                cluster,
+                placement,
+                partition,
+                options,
+                state_layouts(layout, pipeline),
+                leaf_paths.state_names(pipeline, optimizer),
+                record,
+            )
+            self.persistent.check_newest()  # a resume that changes the math fails before any worker starts
 
     def start(self, placement: tuple[int, ...], layout: lowering.Layout, launch) -> None:
         """The slices hold their initial state: install the in-memory tier's plans (when
@@ -69,8 +88,13 @@ class Checkpointer:
         self._launch = launch
         if self.memory_every:
             self.memory = snapshots.MemorySnapshots(
-                self.cluster, placement, snapshots.state_specs(self.pipeline, self.optimizer, layout),
-                self.memory_every, launch, layout.meshes)
+                self.cluster,
+                placement,
+                snapshots.state_specs(self.pipeline, self.optimizer, layout),
+                self.memory_every,
+                launch,
+                layout.meshes,
+            )
 
     def resume(self) -> int | None:
         """Restore the run directory's newest committed step onto every slice, if there is one:
@@ -91,9 +115,11 @@ class Checkpointer:
         batch changes the math); noted for the next checkpoint."""
         if self._resumed_batch is not None and batch != self._resumed_batch:
             show = lambda b: ", ".join(f"{'x'.join(map(str, shape))} {dtype}" for shape, dtype in b)
-            raise ValueError(f"the global batch is {show(batch)} (per input and target leaf), but the "
-                             f"checkpoint this run resumed from (step {self.resumed[0]}) was trained on "
-                             f"{show(self._resumed_batch)}: resume with the same global batch")
+            raise ValueError(
+                f"the global batch is {show(batch)} (per input and target leaf), but the "
+                f"checkpoint this run resumed from (step {self.resumed[0]}) was trained on "
+                f"{show(self._resumed_batch)}: resume with the same global batch"
+            )
         self._batch = batch
 
     # -- the step loop -----------------------------------------------------------------------
@@ -174,5 +200,10 @@ class Checkpointer:
             self.persistent.relayout(placement, state_layouts(layout, self.pipeline), record)
         if self.memory is not None:
             self.memory = snapshots.MemorySnapshots(
-                self.cluster, placement, snapshots.state_specs(self.pipeline, self.optimizer, layout),
-                self.memory.every, self._launch, layout.meshes)
+                self.cluster,
+                placement,
+                snapshots.state_specs(self.pipeline, self.optimizer, layout),
+                self.memory.every,
+                self._launch,
+                layout.meshes,
+            )

@@ -40,6 +40,7 @@ A save that fails (a full or read-only disk) is retried once with the state at h
 raises CheckpointError: training stops after the last committed step instead of computing
 steps it cannot keep. What a failed save wrote is removed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,12 +73,15 @@ class Rewound(Exception):
         super().__init__(f"{why}; resuming after step {step} ({TIERS[tier]}, {replayed} step(s) to replay)")
         self.step = step
         self.data_state = data_state
-        self.tier = tier            # "memory", "persistent" or "initial": where the state came from
-        self.replayed = replayed    # steps computed again: the failed one and those after `step`
+        self.tier = tier  # "memory", "persistent" or "initial": where the state came from
+        self.replayed = replayed  # steps computed again: the failed one and those after `step`
 
 
-TIERS = {"memory": "from the in-memory snapshot", "persistent": "from the persistent checkpoint",
-         "initial": "from the initial state: nothing was saved yet"}
+TIERS = {
+    "memory": "from the in-memory snapshot",
+    "persistent": "from the persistent checkpoint",
+    "initial": "from the initial state: nothing was saved yet",
+}
 
 
 class CheckpointError(RuntimeError):
@@ -90,13 +94,15 @@ class NonFinite(RuntimeError):
 
     def __init__(self, step: int, metrics: dict, last: int | None, why: str = ""):
         shown = ", ".join(f"{k} {metrics[k]}" for k in ("loss", "grad_norm") if k in metrics)
-        super().__init__(f"step {step} has a non-finite {shown}{why}: it was not committed and training "
-                         f"stopped; the last committed step is {last if last is not None else 'none'} "
-                         f"(kept)")
+        super().__init__(
+            f"step {step} has a non-finite {shown}{why}: it was not committed and training "
+            f"stopped; the last committed step is {last if last is not None else 'none'} "
+            f"(kept)"
+        )
         self.step, self.last = step, last
 
 
-FORMAT = 2   # manifests of leaves keyed by path; older ones have no "format"
+FORMAT = 2  # manifests of leaves keyed by path; older ones have no "format"
 # What a stage layout may change on resume (recorded in the manifest, logged when it changes).
 LAYOUT_KEYS = ("num_stages", "num_slices", "schedule", "virtual_stages", "placement", "mesh")
 
@@ -109,32 +115,41 @@ class StageCheckpoints:
     how many may fail in a row. Built with another placement it restores the same steps onto
     it."""
 
-    def __init__(self, run_dir, cluster, placement: tuple[int, ...], partition: dict, options: Checkpointing,
-                 layouts: dict | None = None, names: StateNames | None = None, layout: dict | None = None):
+    def __init__(
+        self,
+        run_dir,
+        cluster,
+        placement: tuple[int, ...],
+        partition: dict,
+        options: Checkpointing,
+        layouts: dict | None = None,
+        names: StateNames | None = None,
+        layout: dict | None = None,
+    ):
         assert names is not None and len(names.params) == len(placement), "names: one entry per stage"
-        self.store = CheckpointStore(os.path.abspath(run_dir))   # workers may not share our cwd
+        self.store = CheckpointStore(os.path.abspath(run_dir))  # workers may not share our cwd
         self.cluster = cluster
-        self.placement = placement          # stage -> slice: which slice saves which stage
+        self.placement = placement  # stage -> slice: which slice saves which stage
         self.num_slices = max(placement) + 1
-        self.partition = partition          # what a restored run must match (the math)
+        self.partition = partition  # what a restored run must match (the math)
         self.names = names
         self.layout = dict(layout or {})
-        self._owner = self._owners()        # leaf name -> (buffer, index, stage) that saves it
+        self._owner = self._owners()  # leaf name -> (buffer, index, stage) that saves it
         # {buffer: layout per array} on its slice's mesh: a restore lays the saved arrays out
         # so, whatever mesh saved them (Orbax reads each device's part).
         self.layouts = dict(layouts or {})
         self.keep = options.keep
         self.asynchronous = options.asynchronous
-        self.digests = options.digests      # record leaf digests at save, check them at restore
-        self.max_in_flight = 2          # steps saved but not yet committed
+        self.digests = options.digests  # record leaf digests at save, check them at restore
+        self.max_in_flight = 2  # steps saved but not yet committed
         self._cond = threading.Condition()
-        self._in_flight: deque = deque()   # (step, {slice: directories}, manifest, t), oldest first
+        self._in_flight: deque = deque()  # (step, {slice: directories}, manifest, t), oldest first
         self._committer: threading.Thread | None = None
         self._save_pool = ThreadPoolExecutor(self.num_slices, thread_name_prefix="mpmd-save")
         self._wait_pool = ThreadPoolExecutor(self.num_slices * self.max_in_flight, thread_name_prefix="mpmd-commit")
         self.last_save_s = {}
         self.max_failed_saves = options.max_failed_saves
-        self.failed_saves = 0                        # failed saves in a row
+        self.failed_saves = 0  # failed saves in a row
         self._failure: tuple[int, str] | None = None  # (step, why) of a failed save not yet retried
         # step -> WorkerLost of a step whose commit a lost slice prevented: a save waited for
         # raises it (its state went with the slice: the caller recovers and saves again).
@@ -157,9 +172,14 @@ class StageCheckpoints:
 
     def _leaf_table(self) -> dict[str, dict]:
         """The manifest's record of every leaf: shape, dtype, and the directory holding it."""
-        return {name: {"shape": list(self.names.specs[name][0]), "dtype": self.names.specs[name][1],
-                       "part": names.slice_dir(self.placement[k])}
-                for name, (_, _, k) in sorted(self._owner.items())}
+        return {
+            name: {
+                "shape": list(self.names.specs[name][0]),
+                "dtype": self.names.specs[name][1],
+                "part": names.slice_dir(self.placement[k]),
+            }
+            for name, (_, _, k) in sorted(self._owner.items())
+        }
 
     def relayout(self, placement: tuple[int, ...], layouts: dict, layout: dict) -> None:
         """The stages moved (a run on fewer or more slices, same stages): from now on slice
@@ -187,7 +207,7 @@ class StageCheckpoints:
                     while len(self._in_flight) >= self.max_in_flight:
                         self._cond.wait()
                 self._save(step, data_state, extra)
-            if self.asynchronous and not wait:   # committed in the background
+            if self.asynchronous and not wait:  # committed in the background
                 return
             self.wait()
             with self._cond:
@@ -214,7 +234,8 @@ class StageCheckpoints:
                 raise CheckpointError(
                     f"checkpoint of step {step} failed: {why} ({self.failed_saves} saves in a row "
                     f"failed, max_failed_saves={self.max_failed_saves}); stopped, the last committed "
-                    f"step is {last if last is not None else 'none'}")
+                    f"step is {last if last is not None else 'none'}"
+                )
             self._failure = None
         log.warning("checkpoint of step %d failed (%s); retrying", step, why)
 
@@ -233,7 +254,7 @@ class StageCheckpoints:
         t0 = time.perf_counter()
         try:
             self.store.prepare(step)
-        except Exception as e:   # the controller cannot write (EROFS, ENOSPC, ...)
+        except Exception as e:  # the controller cannot write (EROFS, ENOSPC, ...)
             self._failed(step, e)
             return
         # Every slice snapshots at once; each returns as soon as its arrays are in host memory.
@@ -245,12 +266,19 @@ class StageCheckpoints:
             raise lost[0]
         failed = [e for e in errors.values() if e is not None]
         started = {r: list(items[r]) for r, e in errors.items() if e is None}
-        if failed:   # a slice could not start (a missing buffer, a directory refused)
+        if failed:  # a slice could not start (a missing buffer, a directory refused)
             self._wait_all(started)
             self._failed(step, failed[0])
             return
-        manifest = {"format": FORMAT, "partition": self.partition, "layout": self.layout,
-                    "leaves": self._leaf_table(), "scoped": self.names.scoped, "data_state": data_state, **extra}
+        manifest = {
+            "format": FORMAT,
+            "partition": self.partition,
+            "layout": self.layout,
+            "leaves": self._leaf_table(),
+            "scoped": self.names.scoped,
+            "data_state": data_state,
+            **extra,
+        }
         self.last_save_s = {"snapshot_s": time.perf_counter() - t0}
         with self._cond:
             self._in_flight.append((step, started, manifest, time.perf_counter()))
@@ -272,7 +300,7 @@ class StageCheckpoints:
             try:
                 digests = self._wait_all(started, raise_first=True)
                 self.store.commit(step, with_digests(manifest, digests))
-            except WorkerLost as e:   # a slice died while writing: this step stays uncommitted
+            except WorkerLost as e:  # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)
                 with self._cond:
                     self._lost_commits[step] = e
@@ -283,7 +311,7 @@ class StageCheckpoints:
                     self.failed_saves = 0
                     self._lost_commits = {s: e for s, e in self._lost_commits.items() if s > step}
                     if self._failure is not None and self._failure[0] < step:
-                        self._failure = None      # a newer step is committed: nothing to retry
+                        self._failure = None  # a newer step is committed: nothing to retry
                 try:
                     self.store.prune(self.keep)
                 except OSError as e:
@@ -303,8 +331,13 @@ class StageCheckpoints:
         first = (lost or [e for e in errors if e is not None] or [None])[0]
         if raise_first and first is not None:
             raise first
-        return {key: d for f, e in zip(futures, errors) if e is None
-                for part in f.result().values() for key, d in part.items()}
+        return {
+            key: d
+            for f, e in zip(futures, errors)
+            if e is None
+            for part in f.result().values()
+            for key, d in part.items()
+        }
 
     def wait(self) -> None:
         """Until every save in flight is committed (or failed)."""
@@ -325,7 +358,7 @@ class StageCheckpoints:
         when checkpoints exist but none restores (nothing is moved then).
         """
         self.wait()
-        failed = dict(self.store.damaged())   # step -> why
+        failed = dict(self.store.damaged())  # step -> why
         for step, why in failed.items():
             log.warning("skipping checkpoint step %d: %s", step, why)
         for step in reversed(self.store.committed()):
@@ -335,23 +368,31 @@ class StageCheckpoints:
             if why is None:
                 for bad, bad_why in failed.items():
                     self.store.quarantine(bad, bad_why)
-                if self.digests and "format" in manifest and not all(
-                        "digest" in leaf for leaf in manifest["leaves"].values()):
-                    log.warning("checkpoint step %d has no digests (saved before mpmd recorded them): "
-                                "restored unverified", step)
+                if (
+                    self.digests
+                    and "format" in manifest
+                    and not all("digest" in leaf for leaf in manifest["leaves"].values())
+                ):
+                    log.warning(
+                        "checkpoint step %d has no digests (saved before mpmd recorded them): restored unverified", step
+                    )
                 return step, manifest
             log.warning("skipping checkpoint step %d: %s", step, why)
             failed[step] = why
         if failed:
             steps = "; ".join(f"step {s}: {_short(w)}" for s, w in sorted(failed.items(), reverse=True))
-            raise CheckpointError(f"no checkpoint in {self.store.root} can be restored ({steps}); "
-                                  f"nothing was trained or changed: move the damaged steps away or "
-                                  f"use another run_dir")
+            raise CheckpointError(
+                f"no checkpoint in {self.store.root} can be restored ({steps}); "
+                f"nothing was trained or changed: move the damaged steps away or "
+                f"use another run_dir"
+            )
         aside = self.store.quarantined()
         if aside:
-            raise CheckpointError(f"{self.store.root} holds only checkpoints set aside as damaged "
-                                  f"({', '.join(p.name for p in aside)}); refusing to start over "
-                                  f"from step 0 over them: remove them or use another run_dir")
+            raise CheckpointError(
+                f"{self.store.root} holds only checkpoints set aside as damaged "
+                f"({', '.join(p.name for p in aside)}); refusing to start over "
+                f"from step 0 over them: remove them or use another run_dir"
+            )
         return None
 
     def check_newest(self) -> None:
@@ -371,47 +412,68 @@ class StageCheckpoints:
             if saved == now:
                 return
             if any(saved.get(k) != now[k] for k in now if k != "params"):
-                raise ValueError(f"{where} was saved before checkpoints were keyed by parameter path: it "
-                                 f"holds each stage's leaves by position, so it restores only onto the layout "
-                                 f"that saved it ({describe_layout(saved)}); this run is "
-                                 f"{describe_layout(self.layout)}. Resume once with that layout (its next "
-                                 f"checkpoint is keyed by path and restores onto any layout), or use another run_dir")
-            raise ValueError(f"{where} (saved before checkpoints were keyed by parameter path) holds other "
-                             f"parameter shapes than this run's: resume with the same model, or use another run_dir")
+                raise ValueError(
+                    f"{where} was saved before checkpoints were keyed by parameter path: it "
+                    f"holds each stage's leaves by position, so it restores only onto the layout "
+                    f"that saved it ({describe_layout(saved)}); this run is "
+                    f"{describe_layout(self.layout)}. Resume once with that layout (its next "
+                    f"checkpoint is keyed by path and restores onto any layout), or use another run_dir"
+                )
+            raise ValueError(
+                f"{where} (saved before checkpoints were keyed by parameter path) holds other "
+                f"parameter shapes than this run's: resume with the same model, or use another run_dir"
+            )
         if manifest["format"] != FORMAT:
             raise ValueError(f"{where} has checkpoint format {manifest['format']!r}; this mpmd reads format {FORMAT}")
-        changed = [f"{k}: {manifest['partition'].get(k, '(unset)')!r} -> {self.partition.get(k, '(unset)')!r}"
-                   for k in sorted(set(manifest["partition"]) | set(self.partition))
-                   if manifest["partition"].get(k, "(unset)") != self.partition.get(k, "(unset)")]
+        changed = [
+            f"{k}: {manifest['partition'].get(k, '(unset)')!r} -> {self.partition.get(k, '(unset)')!r}"
+            for k in sorted(set(manifest["partition"]) | set(self.partition))
+            if manifest["partition"].get(k, "(unset)") != self.partition.get(k, "(unset)")
+        ]
         if changed:
-            raise ValueError(f"{where} was trained with other settings that change the math "
-                             f"({'; '.join(changed)}); resume with the same values or use another run_dir "
-                             f"(the layout may change: {', '.join(LAYOUT_KEYS)})")
+            raise ValueError(
+                f"{where} was trained with other settings that change the math "
+                f"({'; '.join(changed)}); resume with the same values or use another run_dir "
+                f"(the layout may change: {', '.join(LAYOUT_KEYS)})"
+            )
         saved = manifest["leaves"]
         saved_stages = manifest.get("layout", {}).get("num_stages")
         if (self.names.scoped or manifest.get("scoped")) and saved_stages != len(self.placement):
-            raise ValueError(f"{where} was saved with {saved_stages} stages, this run has {len(self.placement)}: "
-                             f"stages given as plain nnx.Modules name their leaves within their stage "
-                             f"(params/stage1/...), so their checkpoints restore only onto the same stages. "
-                             f"Cut the model with mpmd.split (leaves named by model path) to change the "
-                             f"stage count, or resume with {saved_stages} stages")
+            raise ValueError(
+                f"{where} was saved with {saved_stages} stages, this run has {len(self.placement)}: "
+                f"stages given as plain nnx.Modules name their leaves within their stage "
+                f"(params/stage1/...), so their checkpoints restore only onto the same stages. "
+                f"Cut the model with mpmd.split (leaves named by model path) to change the "
+                f"stage count, or resume with {saved_stages} stages"
+            )
         now = self.names.specs
-        problems = [f"missing from the checkpoint: {_few(sorted(set(now) - set(saved)))}" if set(now) - set(saved) else "",
-                    f"in the checkpoint but not in this run: {_few(sorted(set(saved) - set(now)))}"
-                    if set(saved) - set(now) else "",
-                    _few([f"{n} saved {tuple(saved[n]['shape'])} {saved[n]['dtype']}, now {tuple(now[n][0])} {now[n][1]}"
-                          for n in sorted(set(now) & set(saved))
-                          if (list(now[n][0]), now[n][1]) != (saved[n]["shape"], saved[n]["dtype"])])]
+        problems = [
+            f"missing from the checkpoint: {_few(sorted(set(now) - set(saved)))}" if set(now) - set(saved) else "",
+            f"in the checkpoint but not in this run: {_few(sorted(set(saved) - set(now)))}"
+            if set(saved) - set(now)
+            else "",
+            _few(
+                [
+                    f"{n} saved {tuple(saved[n]['shape'])} {saved[n]['dtype']}, now {tuple(now[n][0])} {now[n][1]}"
+                    for n in sorted(set(now) & set(saved))
+                    if (list(now[n][0]), now[n][1]) != (saved[n]["shape"], saved[n]["dtype"])
+                ]
+            ),
+        ]
         problems = [p for p in problems if p]
         if problems:
-            raise ValueError(f"{where} holds another model or optimizer state than this run "
-                             f"({'; '.join(problems)}): resume with the same model and optimizer, or use "
-                             f"another run_dir")
+            raise ValueError(
+                f"{where} holds another model or optimizer state than this run "
+                f"({'; '.join(problems)}): resume with the same model and optimizer, or use "
+                f"another run_dir"
+            )
 
     def _legacy_partition(self) -> dict:
         """What a checkpoint from before leaves were keyed recorded as its partition."""
-        return {**{k: self.layout.get(k) for k in ("num_stages", "num_slices", "schedule", "virtual_stages")},
-                "params": [[list(self.names.specs[n][0]) for n in stage] for stage in self.names.params]}
+        return {
+            **{k: self.layout.get(k) for k in ("num_stages", "num_slices", "schedule", "virtual_stages")},
+            "params": [[list(self.names.specs[n][0]) for n in stage] for stage in self.names.params],
+        }
 
     def _restore_items(self, step: int, manifest: dict, slice_index: int) -> dict:
         """What slice `slice_index` reads: {directory: {leaf name: [(buffer, index), ...]}},
@@ -434,17 +496,30 @@ class StageCheckpoints:
         slices = range(self.num_slices)
 
         def read(r: int) -> None:
-            layouts = {n: self.layouts[n] for k, s in enumerate(self.placement) if s == r
-                       for n, _ in self.names.buffers(k) if n in self.layouts}
+            layouts = {
+                n: self.layouts[n]
+                for k, s in enumerate(self.placement)
+                if s == r
+                for n, _ in self.names.buffers(k)
+                if n in self.layouts
+            }
             items = self._restore_items(step, manifest, r)
-            digests = {name: leaf["digest"] for name, leaf in manifest.get("leaves", {}).items()
-                       if "digest" in leaf and any(name in keys for keys in items.values())} if self.digests else {}
+            digests = (
+                {
+                    name: leaf["digest"]
+                    for name, leaf in manifest.get("leaves", {}).items()
+                    if "digest" in leaf and any(name in keys for keys in items.values())
+                }
+                if self.digests
+                else {}
+            )
             self.cluster.restore(r, items, staged=True, layouts=layouts, digests=digests)
+
         # Every slice reads its leaves at once (each from the directories that hold them).
         errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]
         lost = [e for e in errors if isinstance(e, WorkerLost)]
         if lost:
-            raise lost[0]    # the slice is gone, not the checkpoint
+            raise lost[0]  # the slice is gone, not the checkpoint
         failed = [e for e in errors if e is not None]
         if failed:
             for r in slices:
@@ -458,8 +533,10 @@ class StageCheckpoints:
 def with_digests(manifest: dict, digests: dict[str, str]) -> dict:
     """`manifest` with each leaf's digest ({leaf name: digest}, as the slices reported them)
     in its entry of the leaf table."""
-    leaves = {name: {**leaf, **({"digest": digests[name]} if name in digests else {})}
-              for name, leaf in manifest["leaves"].items()}
+    leaves = {
+        name: {**leaf, **({"digest": digests[name]} if name in digests else {})}
+        for name, leaf in manifest["leaves"].items()
+    }
     return {**manifest, "leaves": leaves}
 
 
@@ -469,13 +546,16 @@ def committed_step(run_dir, step: int | None = None) -> int:
     readers of a finished run (`mpmd generate`, `mpmd export`, `model.init_from: run:`) give."""
     committed = CheckpointStore(os.path.abspath(run_dir)).committed()
     if not committed:
-        raise ValueError(f"{str(run_dir)!r} has no committed checkpoint (checkpoints/<step> with a "
-                         f"manifest.json): train it first")
+        raise ValueError(
+            f"{str(run_dir)!r} has no committed checkpoint (checkpoints/<step> with a manifest.json): train it first"
+        )
     if step is None:
         return committed[-1]
     if step not in committed:
-        raise ValueError(f"step {step} is not a committed checkpoint of {str(run_dir)!r}; committed: "
-                         f"{', '.join(map(str, committed))}")
+        raise ValueError(
+            f"step {step} is not a committed checkpoint of {str(run_dir)!r}; committed: "
+            f"{', '.join(map(str, committed))}"
+        )
     return step
 
 
@@ -487,6 +567,7 @@ def read_leaves(run_dir, step: int | None = None, prefix: str = "") -> tuple[int
     import jax
     import numpy as np
     from mpmd.runtime.worker.slice_store import SliceCheckpointer
+
     store = CheckpointStore(os.path.abspath(run_dir))
     step = store.committed()[-1] if step is None else step
     manifest = store.manifest(step)
@@ -514,8 +595,11 @@ def layout_change(manifest: dict, layout: dict) -> str | None:
 
 def describe_layout(layout: dict) -> str:
     """'2 stages on 2 slices, 1f1b, 1 virtual stage per slice, mesh data=1 x fsdp=1 x tensor=1'."""
-    parts = [f"{layout.get('num_stages')} stages on {layout.get('num_slices')} slices",
-             str(layout.get("schedule")), f"{layout.get('virtual_stages')} virtual stage(s) per slice"]
+    parts = [
+        f"{layout.get('num_stages')} stages on {layout.get('num_slices')} slices",
+        str(layout.get("schedule")),
+        f"{layout.get('virtual_stages')} virtual stage(s) per slice",
+    ]
     meshes = layout.get("mesh")
     if meshes:
         parts.append("mesh " + (meshes[0] if len(set(meshes)) == 1 else " | ".join(meshes)))
@@ -530,4 +614,4 @@ def _short(why: str, limit: int = 400) -> str:
     """A reason fit for a one-line message: tensorstore's spec dropped, the middle of a long
     one cut (its start says what failed, its end the OS error)."""
     why = why.split(" [tensorstore_spec=")[0]
-    return why if len(why) <= limit else f"{why[:limit // 2]} ... {why[-limit // 2:]}"
+    return why if len(why) <= limit else f"{why[: limit // 2]} ... {why[-limit // 2 :]}"

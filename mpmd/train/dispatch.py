@@ -20,6 +20,7 @@ slices while they run), and `on_nonfinite(step, metrics)` raises what the Traine
 Recovery.on_nonfinite says (NonFinite, or Rewound after a rewind). Steps are counted here:
 `step_count` is the updates applied so far, `rewind` puts it back after a restore.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,20 +43,28 @@ class Dispatcher:
     be waited for); `on_nonfinite(step, metrics)` after a step whose loss or gradient norm
     is not finite (never saved), and raises."""
 
-    def __init__(self, programs, checkpointer, num_microbatches: int, num_stages: int, max_grad_norm,
-                 run_ahead: int, on_lost: Callable[[WorkerLost, float], NoReturn],
-                 on_collected: Callable[[float, object, bool, bool], None],
-                 on_nonfinite: Callable[[int, dict], NoReturn]):
+    def __init__(
+        self,
+        programs,
+        checkpointer,
+        num_microbatches: int,
+        num_stages: int,
+        max_grad_norm,
+        run_ahead: int,
+        on_lost: Callable[[WorkerLost, float], NoReturn],
+        on_collected: Callable[[float, object, bool, bool], None],
+        on_nonfinite: Callable[[int, dict], NoReturn],
+    ):
         self._programs, self._checkpointer = programs, checkpointer
         self.num_microbatches, self._num_stages, self._max_grad_norm = num_microbatches, num_stages, max_grad_norm
         self.run_ahead = run_ahead
         self._on_lost, self._on_collected, self._on_nonfinite = on_lost, on_collected, on_nonfinite
-        self.finite = True           # the state at hand comes from steps whose loss and grad norm were finite
-        self._pending: list[PendingStep] = []     # submitted, not yet collected; oldest first
-        self._last_collected_at = 0.0             # perf_counter when the last step was collected
+        self.finite = True  # the state at hand comes from steps whose loss and grad norm were finite
+        self._pending: list[PendingStep] = []  # submitted, not yet collected; oldest first
+        self._last_collected_at = 0.0  # perf_counter when the last step was collected
         self._last_step_s = 0.0
         self._step = 0
-        self._attempted = 0          # the step being computed (a failure replays from here)
+        self._attempted = 0  # the step being computed (a failure replays from here)
 
     @property
     def step_count(self) -> int:
@@ -88,7 +97,7 @@ class Dispatcher:
         number = self._step + len(self._pending) + 1
         try:
             launched = self._launch("train", batch, pair, trace)
-        except WorkerLost as e:      # shipping programs (the first step of a layout) found a slice gone
+        except WorkerLost as e:  # shipping programs (the first step of a layout) found a slice gone
             self._discard()
             self._on_lost(e, time.perf_counter())
         snapshot = None
@@ -106,10 +115,12 @@ class Dispatcher:
     def result_of(self, pending: PendingStep) -> dict:
         """`pending`'s metrics, collecting the steps before it first."""
         if pending.discarded:
-            raise RuntimeError(f"step {pending.number} was discarded: a step before it failed or was rewound "
-                               f"(nothing of it was applied); resume where the Rewound said")
+            raise RuntimeError(
+                f"step {pending.number} was discarded: a step before it failed or was rewound "
+                f"(nothing of it was applied); resume where the Rewound said"
+            )
         while pending.metrics is None:
-            if pending not in self._pending:      # its collection raised (e.g. its save)
+            if pending not in self._pending:  # its collection raised (e.g. its save)
                 raise RuntimeError(f"step {pending.number} was collected and raised; see that error")
             oldest = self._pending[0]
             oldest.metrics = self._finish(oldest)
@@ -145,7 +156,7 @@ class Dispatcher:
         self._last_step_s = self._last_collected_at - start
         self._step += 1
         metrics = self.metrics(results, pending.trace)
-        if not finite(metrics):      # never saved; the steps behind it run out, unused
+        if not finite(metrics):  # never saved; the steps behind it run out, unused
             self.finite = False
             self._drain()
             self._on_nonfinite(self._step, metrics)
@@ -168,7 +179,7 @@ class Dispatcher:
                 p.launched.result()
                 if p.snapshot is not None:
                     self._checkpointer.finish_snapshot(p.snapshot)
-            except Exception:      # a failure behind a non-finite step changes nothing
+            except Exception:  # a failure behind a non-finite step changes nothing
                 pass
         self._discard()
 
@@ -199,8 +210,9 @@ class Dispatcher:
         m = self.num_microbatches
         specs = batches.micro_specs(batch, m)
         if plan == "train":
-            self._checkpointer.check_batch([[list(np.shape(l)), np.result_type(l).name]
-                                            for l in jax.tree.leaves(batch)])
+            self._checkpointer.check_batch(
+                [[list(np.shape(l)), np.result_type(l).name] for l in jax.tree.leaves(batch)]
+            )
         suffix, feeds_plan = self._programs.compile(specs, pair, training=plan == "train")
         placement = self._programs.placement
         feeds: dict[int, dict] = {r: {} for r in dict.fromkeys(placement)}
@@ -229,11 +241,23 @@ class Dispatcher:
         loss = float(np.sum(losses) / float(fetched[names.weight_sum()][0])) if io.weighted else float(np.mean(losses))
         metrics = {"step": self._step, "loss": loss, "step_s": self._last_step_s}
         # Auxiliary losses, where the plan returns them (an evaluation's forwards do not).
-        aux_stages = [k for k in range(self._num_stages)
-                      if io.adds_aux(k) and names.aux(k, 0) in results[placement[k]].fetched]
+        aux_stages = [
+            k for k in range(self._num_stages) if io.adds_aux(k) and names.aux(k, 0) in results[placement[k]].fetched
+        ]
         if aux_stages:
-            aux = sum(float(np.sum(np.asarray([results[placement[k]].fetched[names.aux(k, j)][0] for j in range(m)],
-                                              np.float64))) for k in aux_stages) / m
+            aux = (
+                sum(
+                    float(
+                        np.sum(
+                            np.asarray(
+                                [results[placement[k]].fetched[names.aux(k, j)][0] for j in range(m)], np.float64
+                            )
+                        )
+                    )
+                    for k in aux_stages
+                )
+                / m
+            )
             metrics["aux_loss"], metrics["loss"] = aux, loss + aux
         if self._max_grad_norm is not None and names.sqnorm(0) in results[0].fetched:
             sq = [results[0].fetched[names.sqnorm(k)][0] for k in range(self._num_stages)]
@@ -253,16 +277,17 @@ def finite(metrics: dict) -> bool:
 class PendingStep:
     """A training step sent to the slices (Trainer.submit) and not yet collected."""
 
-    def __init__(self, dispatcher: Dispatcher, number: int, launched, trace: bool, data_state,
-                 submitted_at: float, snapshot=None):
-        self.number = number          # the step count once its update has landed
-        self.launched = launched      # the cluster's PendingRun
-        self.snapshot = snapshot      # the in-memory snapshot sent right behind it, if due
+    def __init__(
+        self, dispatcher: Dispatcher, number: int, launched, trace: bool, data_state, submitted_at: float, snapshot=None
+    ):
+        self.number = number  # the step count once its update has landed
+        self.launched = launched  # the cluster's PendingRun
+        self.snapshot = snapshot  # the in-memory snapshot sent right behind it, if due
         self.trace = trace
         self.data_state = data_state
         self.submitted_at = submitted_at
-        self.discarded = False        # an earlier step's failure dropped it
-        self.metrics: dict | None = None    # set by the dispatcher once collected
+        self.discarded = False  # an earlier step's failure dropped it
+        self.metrics: dict | None = None  # set by the dispatcher once collected
         self._dispatcher = dispatcher
 
     def result(self) -> dict:

@@ -15,6 +15,7 @@ and, when a per-slice memory budget is given, kept only if its busiest slice fit
 (mpmd.stages.costs.slice_memory); the fastest that fits is chosen, the smaller memory peak
 breaking ties.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,13 +26,13 @@ from mpmd.schedules import core as schedules
 from mpmd.schedules.simulate import simulate
 from mpmd.stages.costs import slice_memory
 
-MAX_ENUMERATED = 256     # block cuts priced one by one; more: the balanced cut only
+MAX_ENUMERATED = 256  # block cuts priced one by one; more: the balanced cut only
 
 
 class Candidate(NamedTuple):
     schedule: schedules.Schedule
-    makespan: float                # simulated step time, in the costs' unit
-    peak_bytes: int | None         # the most bytes one slice holds; None: memory not known
+    makespan: float  # simulated step time, in the costs' unit
+    peak_bytes: int | None  # the most bytes one slice holds; None: memory not known
 
 
 class NoFit(ValueError):
@@ -75,8 +76,13 @@ def _balanced(costs: list[float], num_slices: int) -> tuple[int, ...]:
     return _from_cuts(S, sorted(cuts))
 
 
-def candidates(num_stages: int, num_microbatches: int, num_slices: int, stage_costs: list[float],
-               per_stage_bytes: list[dict] | None = None) -> list[Candidate]:
+def candidates(
+    num_stages: int,
+    num_microbatches: int,
+    num_slices: int,
+    stage_costs: list[float],
+    per_stage_bytes: list[dict] | None = None,
+) -> list[Candidate]:
     """Every candidate layout on `num_slices` slices, priced (see the module docstring).
     `stage_costs[k]`: stage k's forward cost (its B and W are priced alike: a full backward
     about twice a forward); `per_stage_bytes`: mpmd.stages.costs.memory's records, or None."""
@@ -87,23 +93,34 @@ def candidates(num_stages: int, num_microbatches: int, num_slices: int, stage_co
         for make in (schedules.one_f_one_b, schedules.gpipe):
             schedule = make(num_stages, num_microbatches, placement=placement)
             schedules.validate(schedule)
-            peak = (max(s["total"] for s in slice_memory(schedule, per_stage_bytes))
-                    if per_stage_bytes is not None else None)
+            peak = (
+                max(s["total"] for s in slice_memory(schedule, per_stage_bytes))
+                if per_stage_bytes is not None
+                else None
+            )
             out.append(Candidate(schedule, simulate(schedule, costs).makespan, peak))
     return out
 
 
-def choose(num_stages: int, num_microbatches: int, num_slices: int, stage_costs: list[float],
-           per_stage_bytes: list[dict] | None = None, budget_bytes: int | None = None) -> Candidate:
+def choose(
+    num_stages: int,
+    num_microbatches: int,
+    num_slices: int,
+    stage_costs: list[float],
+    per_stage_bytes: list[dict] | None = None,
+    budget_bytes: int | None = None,
+) -> Candidate:
     """The fastest candidate whose busiest slice fits `budget_bytes` (None: any); NoFit
     naming the smallest peak found when none does."""
     found = candidates(num_stages, num_microbatches, num_slices, stage_costs, per_stage_bytes)
     fits = [c for c in found if budget_bytes is None or c.peak_bytes is None or c.peak_bytes <= budget_bytes]
     if not fits:
         least = min(found, key=lambda c: c.peak_bytes)
-        raise NoFit(f"no layout of the {num_stages} stages on {num_slices} slice(s) fits "
-                    f"slice_memory_bytes={budget_bytes}: the smallest needs {least.peak_bytes} bytes on its "
-                    f"busiest slice ({least.schedule.name}, placement {least.schedule.placement})")
+        raise NoFit(
+            f"no layout of the {num_stages} stages on {num_slices} slice(s) fits "
+            f"slice_memory_bytes={budget_bytes}: the smallest needs {least.peak_bytes} bytes on its "
+            f"busiest slice ({least.schedule.name}, placement {least.schedule.placement})"
+        )
     return min(fits, key=lambda c: (c.makespan, c.peak_bytes or 0))
 
 

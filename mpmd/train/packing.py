@@ -19,6 +19,7 @@ replicate it, the one collective it needs. Both are exact copies: bitwise.
 The packed array crosses the data plane in D pieces, one per device: each is the shard a
 device already holds (reshard.cut, shard to shard; on a gang each process offers its own).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,21 +36,23 @@ from mpmd.stages import sharding
 
 class Part(NamedTuple):
     """Where one leaf lies in its dtype's packed array."""
-    group: int                 # index of its dtype's packed array
-    offset: int                # first element of its chunk in that array's row
-    local: tuple               # shape of its shard on one device
-    chunk: int                 # elements it takes in every row: ceil(shard size / R)
-    replicas: tuple            # the mesh axes (of size > 1) that replicate its shard (R devices in all)
+
+    group: int  # index of its dtype's packed array
+    offset: int  # first element of its chunk in that array's row
+    local: tuple  # shape of its shard on one device
+    chunk: int  # elements it takes in every row: ceil(shard size / R)
+    replicas: tuple  # the mesh axes (of size > 1) that replicate its shard (R devices in all)
 
 
 class Packing(NamedTuple):
     """How bundles of arrays (`specs`: per bundle, a Spec per array) pack on a slice of
     shape `mesh` (sharding.SliceMesh)."""
+
     mesh: sharding.SliceMesh
-    specs: tuple               # per bundle: Spec per array
-    dtypes: tuple              # per packed array: its dtype, in order of first appearance
-    parts: tuple               # per bundle: Part per array
-    lengths: tuple             # per packed array: L, elements per row
+    specs: tuple  # per bundle: Spec per array
+    dtypes: tuple  # per packed array: its dtype, in order of first appearance
+    parts: tuple  # per bundle: Part per array
+    lengths: tuple  # per packed array: L, elements per row
 
     @property
     def packed_specs(self) -> tuple[Spec, ...]:
@@ -72,8 +75,10 @@ def packing(specs, mesh: sharding.SliceMesh) -> Packing:
         bundle_parts = []
         for s in bundle:
             used = {a for entry in s.layout for a in _axes(entry)}
-            ways = [math.prod(sizes[a] for a in _axes(entry)) for entry in
-                    tuple(s.layout) + (None,) * (len(s.shape) - len(s.layout))]
+            ways = [
+                math.prod(sizes[a] for a in _axes(entry))
+                for entry in tuple(s.layout) + (None,) * (len(s.shape) - len(s.layout))
+            ]
             assert all(n % w == 0 for n, w in zip(s.shape, ways)), ("layouts divide their dims", s, mesh)
             local = tuple(n // w for n, w in zip(s.shape, ways))
             replicas = tuple(a for a in sharding.AXES if a not in used and sizes[a] > 1)
@@ -119,7 +124,7 @@ def pack_fn(plan: Packing):
         rows = [[] for _ in plan.dtypes]
         for bundle, parts in zip(bundles, plan.parts):
             for x, p in zip(bundle, parts):
-                if x.size == 0:      # nothing to carry (see unpack_fn)
+                if x.size == 0:  # nothing to carry (see unpack_fn)
                     continue
                 flat = x.reshape(-1)
                 if p.replicas and p.chunk:
@@ -127,8 +132,12 @@ def pack_fn(plan: Packing):
                     flat = jnp.pad(flat, (0, p.chunk * r - flat.size))
                     flat = jax.lax.dynamic_slice(flat, (_replica_index(p, sizes) * p.chunk,), (p.chunk,))
                 rows[p.group].append(flat)
-        return (tuple(jnp.concatenate(row).reshape(1, -1) if row else jnp.zeros((1, 0), d)
-                      for row, d in zip(rows, plan.dtypes)),)
+        return (
+            tuple(
+                jnp.concatenate(row).reshape(1, -1) if row else jnp.zeros((1, 0), d)
+                for row, d in zip(rows, plan.dtypes)
+            ),
+        )
 
     packed = tuple(PartitionSpec(sharding.AXES) for _ in plan.dtypes)
     return _shard_map(per_device, plan, _leaf_specs(plan), (packed,))
@@ -147,9 +156,9 @@ def unpack_fn(plan: Packing):
                     # (SIGSEGV) compiling a multi-device pack/unpack that carried one.
                     bundle.append(jnp.zeros(p.local, plan.dtypes[p.group]))
                     continue
-                flat = packed[p.group][0, p.offset:p.offset + p.chunk]
-                if p.replicas and p.chunk:    # (an empty leaf has nothing to gather)
-                    flat = jax.lax.all_gather(flat, p.replicas, tiled=True)[:math.prod(p.local)]
+                flat = packed[p.group][0, p.offset : p.offset + p.chunk]
+                if p.replicas and p.chunk:  # (an empty leaf has nothing to gather)
+                    flat = jax.lax.all_gather(flat, p.replicas, tiled=True)[: math.prod(p.local)]
                 bundle.append(flat.reshape(p.local))
             out.append(tuple(bundle))
         return tuple(out)
@@ -160,16 +169,24 @@ def unpack_fn(plan: Packing):
 
 def _abstract(specs, mesh: sharding.SliceMesh) -> tuple:
     abstract = mesh.abstract()
-    return tuple(jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype), sharding=NamedSharding(abstract, PartitionSpec(*s.layout)))
-                 for s in specs)
+    return tuple(
+        jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype), sharding=NamedSharding(abstract, PartitionSpec(*s.layout)))
+        for s in specs
+    )
 
 
 def exported(plan: Packing) -> tuple[programs.ProgramSpec, programs.ProgramSpec]:
     """(pack, unpack) exported for a slice of the packing's mesh shape."""
     abstract = plan.mesh.abstract()
     shard = lambda s: NamedSharding(abstract, PartitionSpec(*s.layout))
-    pack = programs.exported(pack_fn(plan), *(_abstract(b, plan.mesh) for b in plan.specs),
-                             out_shardings=(tuple(shard(s) for s in plan.packed_specs),))
-    unpack = programs.exported(unpack_fn(plan), _abstract(plan.packed_specs, plan.mesh),
-                               out_shardings=tuple(tuple(shard(s) for s in b) for b in plan.specs))
+    pack = programs.exported(
+        pack_fn(plan),
+        *(_abstract(b, plan.mesh) for b in plan.specs),
+        out_shardings=(tuple(shard(s) for s in plan.packed_specs),),
+    )
+    unpack = programs.exported(
+        unpack_fn(plan),
+        _abstract(plan.packed_specs, plan.mesh),
+        out_shardings=tuple(tuple(shard(s) for s in b) for b in plan.specs),
+    )
     return pack, unpack

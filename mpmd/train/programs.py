@@ -14,6 +14,7 @@ back to ships its programs again without lowering and exporting them anew.
 Every cluster run gets a fresh id from `launch` (transfer keys must never repeat): the
 training steps, the setup plans and the in-memory snapshots all go through it.
 """
+
 from __future__ import annotations
 
 import jax
@@ -26,26 +27,37 @@ from mpmd.schedules import core as schedules
 from mpmd.stages import abstract, names
 from mpmd.stages import batch as batches
 
-PLANS = ("train", "grads", "eval", "predict", "init")    # installed per microbatch shape
+PLANS = ("train", "grads", "eval", "predict", "init")  # installed per microbatch shape
 
 
 class Programs:
     """What the slices of `cluster` hold for `pipeline` under the layout in force; `rules`:
     the checked logical-axis rules (mpmd/stages/sharding.py)."""
 
-    def __init__(self, pipeline, optimizer, max_grad_norm, recv_window: int | None, cluster, rules: dict,
-                 schedule: schedules.Schedule, meshes, init_params=None, fsdp_gather: str = "per_microbatch"):
+    def __init__(
+        self,
+        pipeline,
+        optimizer,
+        max_grad_norm,
+        recv_window: int | None,
+        cluster,
+        rules: dict,
+        schedule: schedules.Schedule,
+        meshes,
+        init_params=None,
+        fsdp_gather: str = "per_microbatch",
+    ):
         self.pipeline, self.optimizer, self.cluster = pipeline, optimizer, cluster
-        self._init_params = init_params   # a stage's parameter paths -> their initial arrays, or None
+        self._init_params = init_params  # a stage's parameter paths -> their initial arrays, or None
         self._max_grad_norm, self._recv_window, self._rules = max_grad_norm, recv_window, rules
-        self._fsdp_gather = fsdp_gather    # where FSDP weights are gathered (mpmd/stages/gather.py)
+        self._fsdp_gather = fsdp_gather  # where FSDP weights are gathered (mpmd/stages/gather.py)
         self._schedule = schedule
         self._layout = self.layout_for(schedule, meshes)
-        self._compiled: dict = {}     # microbatch shapes -> (name suffix, Lowered), shipped to the slices
-        self._lowerings: dict = {}    # (schedule, placement, meshes, microbatch shapes) -> Lowered
-        self._lowered = None          # the Lowered of the shapes compiled last
-        self._train_specs = None      # a training microbatch's BatchPlan (mpmd/stages/batch.py)
-        self._opt_ready = False       # the slices hold optimizer state
+        self._compiled: dict = {}  # microbatch shapes -> (name suffix, Lowered), shipped to the slices
+        self._lowerings: dict = {}  # (schedule, placement, meshes, microbatch shapes) -> Lowered
+        self._lowered = None  # the Lowered of the shapes compiled last
+        self._train_specs = None  # a training microbatch's BatchPlan (mpmd/stages/batch.py)
+        self._opt_ready = False  # the slices hold optimizer state
         self._runs = 0
 
     # -- the layout in force ---------------------------------------------------------------
@@ -69,8 +81,9 @@ class Programs:
     def layout_for(self, schedule: schedules.Schedule, meshes) -> lowering.Layout:
         """Every stage's state laid out on `meshes` under `schedule`'s placement; ValueError
         naming a parameter a mesh axis does not divide."""
-        return lowering.layout(self.pipeline, self.optimizer, meshes, schedule.placement, self._rules,
-                               self._fsdp_gather)
+        return lowering.layout(
+            self.pipeline, self.optimizer, meshes, schedule.placement, self._rules, self._fsdp_gather
+        )
 
     def move_to(self, schedule: schedules.Schedule, layout: lowering.Layout) -> None:
         """The cluster was resized to `schedule`'s slices, each started afresh: nothing shipped
@@ -123,10 +136,14 @@ class Programs:
             given = self._given_params(k) if pretrained else None
             concrete = not abstract.is_abstract(fn.param_leaves)
             if given is not None or concrete:
-                self.cluster.put(r, names.params(k), fn.param_leaves if given is None else given,
-                                 [tuple(p) for p in self._layout.params[k]])
+                self.cluster.put(
+                    r,
+                    names.params(k),
+                    fn.param_leaves if given is None else given,
+                    [tuple(p) for p in self._layout.params[k]],
+                )
             if concrete:
-                if state:       # stage state: replicated on the slice's mesh
+                if state:  # stage state: replicated on the slice's mesh
                     self.cluster.put(r, names.stage_state(k), fn.state.leaves, [()] * len(fn.state.leaves))
                 continue
             if given is None or state:
@@ -134,11 +151,17 @@ class Programs:
                 # (unless given), stage state (replicated) with them.
                 init = names.program("init_params", k)
                 mesh = self._layout.meshes[r].abstract()
-                shardings = [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]] \
-                    if given is None else None
-                replicated = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(fn.state.leaves) \
-                    if state else None
-                self.cluster.load_programs(r, {init: abstract.init_program(stage, fn.param_tree, shardings, replicated)})
+                shardings = (
+                    [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]] if given is None else None
+                )
+                replicated = (
+                    [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(fn.state.leaves)
+                    if state
+                    else None
+                )
+                self.cluster.load_programs(
+                    r, {init: abstract.init_program(stage, fn.param_tree, shardings, replicated)}
+                )
                 made = ((names.params(k),) if given is None else ()) + ((names.stage_state(k),) if state else ())
                 plans.setdefault(r, []).append(Run(init, (), made, f"init params s{k}"))
         if plans:
@@ -157,8 +180,10 @@ class Programs:
             raise ValueError(f"init_params gave {len(given)} arrays for stage {k}'s {len(paths)} parameters")
         for path, array, leaf in zip(paths, given, fn.param_leaves):
             if array.shape != tuple(leaf.shape) or array.dtype != leaf.dtype:
-                raise ValueError(f"init_params gave {path} as {array.dtype.name}{list(array.shape)}; stage {k} "
-                                 f"holds it as {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}")
+                raise ValueError(
+                    f"init_params gave {path} as {array.dtype.name}{list(array.shape)}; stage {k} "
+                    f"holds it as {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+                )
         return given
 
     def reset_state(self) -> None:
@@ -184,15 +209,24 @@ class Programs:
             low = self._lowerings.get(layout_key)
             if low is None:
                 low = self._lowerings[layout_key] = lowering.lower(
-                    self.pipeline, self._schedule, self.optimizer, self._max_grad_norm, feeds.inputs, feeds.targets,
-                    self._layout, self._recv_window, feeds=feeds)
+                    self.pipeline,
+                    self._schedule,
+                    self.optimizer,
+                    self._max_grad_norm,
+                    feeds.inputs,
+                    feeds.targets,
+                    self._layout,
+                    self._recv_window,
+                    feeds=feeds,
+                )
             rename = lambda stream: stream.with_templates(
-                lambda t: t._replace(program=t.program + suffix) if isinstance(t, Run) else t)
+                lambda t: t._replace(program=t.program + suffix) if isinstance(t, Run) else t
+            )
             for r in range(low.num_slices):
                 self.cluster.load_programs(r, {name + suffix: spec for name, spec in low.programs[r].items()})
                 for plan in PLANS:
                     self.cluster.install_plan(r, plan + suffix, rename(getattr(low, plan)[r]))
-            if not self._opt_ready:   # first compile: create optimizer state on each slice
+            if not self._opt_ready:  # first compile: create optimizer state on each slice
                 self.run_setup("init" + suffix)
                 self._opt_ready = True
             self._compiled[key] = (suffix, low, feeds)

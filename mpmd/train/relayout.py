@@ -19,6 +19,7 @@ The layout in force is the Trainer's Programs' (mpmd/train/programs.py): a move 
 cluster, then tells the programs and the checkpoint coordinator (mpmd/train/checkpointer.py);
 the step count is the dispatcher's (mpmd/train/dispatch.py), rewound after a restore.
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,16 +36,21 @@ from mpmd.train.options import Recovery
 
 log = logging.getLogger("mpmd")
 
-REPLACE_POLL_S = 1.0     # how often a replacement is asked for again within replace_timeout_s
-LOST_CAUSES = ("aborted_s", "replace_s", "capacity_s", "relayout_s", "restore_s", "replayed_s")   # goodput's lost_s
+REPLACE_POLL_S = 1.0  # how often a replacement is asked for again within replace_timeout_s
+LOST_CAUSES = ("aborted_s", "replace_s", "capacity_s", "relayout_s", "restore_s", "replayed_s")  # goodput's lost_s
 
 
 def layout_record(schedule: schedules.Schedule, meshes) -> dict:
     """How a run is laid out (checkpoints.LAYOUT_KEYS), as its checkpoints record it: free to
     differ on resume, and logged when it does."""
-    return {"num_stages": schedule.num_stages, "num_slices": schedule.num_slices, "schedule": schedule.name,
-            "virtual_stages": schedule.virtual_stages, "placement": list(schedule.placement),
-            "mesh": [sharding.describe(m) for m in meshes]}
+    return {
+        "num_stages": schedule.num_stages,
+        "num_slices": schedule.num_slices,
+        "schedule": schedule.name,
+        "virtual_stages": schedule.virtual_stages,
+        "placement": list(schedule.placement),
+        "mesh": [sharding.describe(m) for m in meshes],
+    }
 
 
 class RecoveryPolicy:
@@ -57,18 +63,26 @@ class RecoveryPolicy:
         self.options = options
         self._cluster, self._programs, self._checkpointer, self._steps = cluster, programs, checkpointer, steps
         self.configured = configured
-        self.restarts = 0                  # recoveries so far
-        self._restart_times: collections.deque = collections.deque()   # when recoveries ended (monotonic s)
-        self.recovery_s: dict = {}         # how the last recovery went (Trainer.recovery_s)
-        self.changes: list[dict] = []      # one record per move, oldest first
-        self._estimates = None             # (stage costs, per-stage bytes) for pricing layouts
-        self._lost = {"failures": 0, "aborted_s": 0.0, "replace_s": 0.0, "capacity_s": 0.0, "relayout_s": 0.0,
-                      "restore_s": 0.0, "replayed_s": 0.0, "replayed_steps": 0}
-        self._replay_until = 0             # steps up to this one are replays of lost work
-        self._narrow_s = 0.0               # time run on fewer slices than configured, finished spans
+        self.restarts = 0  # recoveries so far
+        self._restart_times: collections.deque = collections.deque()  # when recoveries ended (monotonic s)
+        self.recovery_s: dict = {}  # how the last recovery went (Trainer.recovery_s)
+        self.changes: list[dict] = []  # one record per move, oldest first
+        self._estimates = None  # (stage costs, per-stage bytes) for pricing layouts
+        self._lost = {
+            "failures": 0,
+            "aborted_s": 0.0,
+            "replace_s": 0.0,
+            "capacity_s": 0.0,
+            "relayout_s": 0.0,
+            "restore_s": 0.0,
+            "replayed_s": 0.0,
+            "replayed_steps": 0,
+        }
+        self._replay_until = 0  # steps up to this one are replays of lost work
+        self._narrow_s = 0.0  # time run on fewer slices than configured, finished spans
         self._narrow_since: float | None = None
-        self._grown = False                # the next step is the first after a grow back
-        self._rewound_nonfinite: set[int] = set()   # steps rewound over after a non-finite loss
+        self._grown = False  # the next step is the first after a grow back
+        self._rewound_nonfinite: set[int] = set()  # steps rewound over after a non-finite loss
 
     @property
     def narrow(self) -> bool:
@@ -92,19 +106,21 @@ class RecoveryPolicy:
         self._lost["failures"] += 1
         self._lost["aborted_s"] += t0 - failed_since
         replace_s = relayout_s = 0.0
-        moved = []        # the layouts moved to (a slice may go while moving)
+        moved = []  # the layouts moved to (a slice may go while moving)
         while True:
             self.restarts += 1
-            self._checkpointer.wait()        # a save in flight commits (or fails) first
+            self._checkpointer.wait()  # a save in flight commits (or fails) first
             last = self._checkpointer.latest()
             committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
             recent = self._recent_restarts()
             if recent >= self.options.max_restarts:
                 window = self.options.restart_window_s
                 within = "in the whole run" if window is None else f"within {window:g} s"
-                raise RuntimeError(f"{lost}; giving up after {recent} recoveries {within} "
-                                   f"(max_restarts={self.options.max_restarts}, restart_window_s={window}); "
-                                   f"{committed}") from lost
+                raise RuntimeError(
+                    f"{lost}; giving up after {recent} recoveries {within} "
+                    f"(max_restarts={self.options.max_restarts}, restart_window_s={window}); "
+                    f"{committed}"
+                ) from lost
             try:
                 t1 = time.perf_counter()
                 try:
@@ -120,7 +136,7 @@ class RecoveryPolicy:
                 t_restore = time.perf_counter()
                 tier, step, data_state = self._restore_newest()
                 break
-            except WorkerLost as again:      # another slice went while replacing or restoring
+            except WorkerLost as again:  # another slice went while replacing or restoring
                 lost = again
                 self._lost["failures"] += 1  # a worker lost of its own, for goodput
             finally:
@@ -129,16 +145,25 @@ class RecoveryPolicy:
         replayed = attempted - step
         self._replays(attempted)
         self._steps.rewind(step)
-        moved = [self._event(m["why"], m["slowdown"]) for m in moved]   # now that `step` is known
+        moved = [self._event(m["why"], m["slowdown"]) for m in moved]  # now that `step` is known
         restore_s = time.perf_counter() - t_restore
         # A replacement waited for in vain is time lost to missing capacity, not to replacing.
-        for key, value in (("replace_s" if replaced else "capacity_s", replace_s), ("relayout_s", relayout_s),
-                           ("restore_s", restore_s)):
+        for key, value in (
+            ("replace_s" if replaced else "capacity_s", replace_s),
+            ("relayout_s", relayout_s),
+            ("restore_s", restore_s),
+        ):
             self._lost[key] += value
         self._lost["replayed_steps"] += replayed
-        self.recovery_s = {"replace_s": replace_s, "relayout_s": relayout_s, "restore_s": restore_s,
-                           "total_s": time.perf_counter() - t0, "tier": tier, "replayed": replayed,
-                           "layout": moved[-1] if moved else None}
+        self.recovery_s = {
+            "replace_s": replace_s,
+            "relayout_s": relayout_s,
+            "restore_s": restore_s,
+            "total_s": time.perf_counter() - t0,
+            "tier": tier,
+            "replayed": replayed,
+            "layout": moved[-1] if moved else None,
+        }
         how = "replaced" if replaced else f"not replaced, continuing on {self._programs.num_slices} slice(s)"
         raise Rewound(step, data_state, f"recovered from {lost}; {how}", tier, replayed)
 
@@ -149,16 +174,25 @@ class RecoveryPolicy:
         rewound over once already (the same data and state give the same NaN again)."""
         self._checkpointer.wait()
         if step in self._rewound_nonfinite:
-            raise NonFinite(step, metrics, self._checkpointer.latest(),
-                            " again after a rewind (on_nonfinite=rewind rewinds a step once)")
+            raise NonFinite(
+                step,
+                metrics,
+                self._checkpointer.latest(),
+                " again after a rewind (on_nonfinite=rewind rewinds a step once)",
+            )
         self._rewound_nonfinite.add(step)
         t0 = time.perf_counter()
         tier, restored, data_state = self._restore_newest(memory=False)
         self._lost["restore_s"] += time.perf_counter() - t0
         replayed = self._steps.attempted - restored
         self._steps.rewind(restored)
-        raise Rewound(restored, data_state, f"step {step} had a non-finite loss or gradient norm "
-                      f"(on_nonfinite=rewind)", tier, replayed)
+        raise Rewound(
+            restored,
+            data_state,
+            f"step {step} had a non-finite loss or gradient norm (on_nonfinite=rewind)",
+            tier,
+            replayed,
+        )
 
     def _restore_newest(self, memory: bool = True) -> tuple[str, int, object]:
         """(tier, step, data_state) after putting every slice back at the newest saved state
@@ -169,7 +203,7 @@ class RecoveryPolicy:
         elif tier == "persistent":
             self._programs.state_restored()
         if tier != "memory" and self._programs.opt_state_ready:
-            self._checkpointer.snapshot_now(step, data_state)    # the replacement holds a copy again
+            self._checkpointer.snapshot_now(step, data_state)  # the replacement holds a copy again
         return tier, step, data_state
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -208,11 +242,23 @@ class RecoveryPolicy:
     def _event(self, why: str, slowdown: float) -> dict:
         """Record and log (one line) the layout the run just moved to."""
         step, schedule = self._steps.step_count, self._programs.schedule
-        event = {"step": step, "num_slices": schedule.num_slices, "schedule": schedule.name,
-                 "placement": list(schedule.placement), "predicted_slowdown": round(slowdown, 4), "why": why}
+        event = {
+            "step": step,
+            "num_slices": schedule.num_slices,
+            "schedule": schedule.name,
+            "placement": list(schedule.placement),
+            "predicted_slowdown": round(slowdown, 4),
+            "why": why,
+        }
         self.changes.append(event)
-        log.warning("layout after step %d: %s (%s); predicted step time x%.2f of the configured %d slice(s)",
-                    step, elastic.describe(schedule), why, slowdown, self.configured[0].num_slices)
+        log.warning(
+            "layout after step %d: %s (%s); predicted step time x%.2f of the configured %d slice(s)",
+            step,
+            elastic.describe(schedule),
+            why,
+            slowdown,
+            self.configured[0].num_slices,
+        )
         return event
 
     # -- moves ---------------------------------------------------------------------------------
@@ -245,8 +291,10 @@ class RecoveryPolicy:
                 break
             time.sleep(min(REPLACE_POLL_S, left))
         if on_loss == "replace":
-            raise RuntimeError(f"{lost}; cannot replace it (on_loss='replace', waited {time.monotonic() - t0:.0f} s "
-                               f"of replace_timeout_s={timeout_s:g}): {why}; {committed}") from lost
+            raise RuntimeError(
+                f"{lost}; cannot replace it (on_loss='replace', waited {time.monotonic() - t0:.0f} s "
+                f"of replace_timeout_s={timeout_s:g}): {why}; {committed}"
+            ) from lost
         log.warning("slice %d not replaced: %s", lost.slice_index, why)
         return False
 
@@ -261,14 +309,22 @@ class RecoveryPolicy:
             raise RuntimeError(f"{lost}; not replaced and no other slice to continue on; {committed}") from lost
         costs, per_stage = self._stage_estimates()
         try:
-            chosen = elastic.choose(programs.pipeline.num_stages, programs.schedule.num_microbatches, n, costs,
-                                    per_stage, self.options.slice_memory_bytes)
+            chosen = elastic.choose(
+                programs.pipeline.num_stages,
+                programs.schedule.num_microbatches,
+                n,
+                costs,
+                per_stage,
+                self.options.slice_memory_bytes,
+            )
         except elastic.NoFit as e:
             raise RuntimeError(f"{lost}; not replaced, and {e}; stopped, {committed}") from lost
         meshes = [m for r, m in enumerate(programs.layout.meshes) if r != lost.slice_index]
         self._move(chosen.schedule, meshes, lambda ms: self._cluster.remove(lost.slice_index, ms))
-        return {"why": f"slice {lost.slice_index} lost, not replaced",
-                "slowdown": elastic.predicted_slowdown(chosen, self.configured[0], costs)}
+        return {
+            "why": f"slice {lost.slice_index} lost, not replaced",
+            "slowdown": elastic.predicted_slowdown(chosen, self.configured[0], costs),
+        }
 
     def grow_back(self, data_state) -> None:
         """At a checkpoint boundary of a run on fewer slices than configured: if a worker can
@@ -281,11 +337,13 @@ class RecoveryPolicy:
         schedule, meshes = self.configured
         step_now = self._steps.step_count
 
-        def committed():     # before any slice is reset: their saves in flight must land
+        def committed():  # before any slice is reset: their saves in flight must land
             self._checkpointer.wait()
             if self._checkpointer.latest() != step_now:
-                raise ReplaceUnsupported(f"the checkpoint of step {step_now} did not commit; "
-                                         f"growing back at the next one")
+                raise ReplaceUnsupported(
+                    f"the checkpoint of step {step_now} did not commit; growing back at the next one"
+                )
+
         try:
             self._move(schedule, meshes, lambda ms: self._cluster.add(ms, before_reset=committed))
             step, manifest = self._checkpointer.restore_committed()
@@ -296,12 +354,16 @@ class RecoveryPolicy:
         except WorkerLost as e:
             self.recover(e, t0)
         self._programs.state_restored()
-        if step != step_now:      # the newest commit did not restore: an older one did
+        if step != step_now:  # the newest commit did not restore: an older one did
             self._replays(step_now)
             self._steps.rewind(step)
-            raise Rewound(step, manifest.get("data_state"),
-                          f"moved back to {schedule.num_slices} slice(s), but the checkpoint of step {step_now} "
-                          f"did not restore", "persistent", self._replay_until - step)
+            raise Rewound(
+                step,
+                manifest.get("data_state"),
+                f"moved back to {schedule.num_slices} slice(s), but the checkpoint of step {step_now} did not restore",
+                "persistent",
+                self._replay_until - step,
+            )
         self._checkpointer.snapshot_now(step, data_state)
         self._lost["relayout_s"] += time.perf_counter() - t0
         self._grown = True
@@ -316,7 +378,7 @@ class RecoveryPolicy:
         try:
             resize(meshes)
         finally:
-            if self._cluster.num_slices == schedule.num_slices:    # resized, even if a slice went right after
+            if self._cluster.num_slices == schedule.num_slices:  # resized, even if a slice went right after
                 self._programs.move_to(schedule, layout)
                 now, narrow = time.perf_counter(), self.narrow
                 if narrow and self._narrow_since is None:
@@ -336,8 +398,18 @@ class RecoveryPolicy:
                 self._estimates = ([1.0] * p.pipeline.num_stages, None)
             else:
                 # Each stage on its configured slice's mesh (what fsdp holds whole counted there).
-                per_stage = (stage_costs.memory(p.pipeline, p.optimizer, feeds.inputs, feeds.targets, feeds,
-                                                layout=p.layout, placement=p.placement)
-                             if self.options.slice_memory_bytes is not None else None)
+                per_stage = (
+                    stage_costs.memory(
+                        p.pipeline,
+                        p.optimizer,
+                        feeds.inputs,
+                        feeds.targets,
+                        feeds,
+                        layout=p.layout,
+                        placement=p.placement,
+                    )
+                    if self.options.slice_memory_bytes is not None
+                    else None
+                )
                 self._estimates = (stage_costs.fn_costs(p.pipeline.fns, feeds.inputs, feeds.side), per_stage)
         return self._estimates

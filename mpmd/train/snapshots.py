@@ -34,6 +34,7 @@ each replaced slice receives its state from its peer. Otherwise (a slice and its
 at once, or one slice only) recovery falls back to the persistent tier. After a restore a
 fresh snapshot is taken at once, so the replacement holds its peer's copy again.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,14 +60,14 @@ def snapshot_plan(g: int) -> str:
 class Generation(NamedTuple):
     step: int
     data_state: object
-    missing: frozenset = frozenset()    # slices replaced since: their own copies are gone
+    missing: frozenset = frozenset()  # slices replaced since: their own copies are gone
 
 
 class Launched(NamedTuple):
     generation: int
     step: int
     data_state: object
-    run: object          # the cluster's PendingRun
+    run: object  # the cluster's PendingRun
 
 
 class MemorySnapshots:
@@ -79,29 +80,46 @@ class MemorySnapshots:
     device each).
     """
 
-    def __init__(self, cluster, placement: tuple[int, ...], state_specs: list[dict[str, tuple[Spec, ...]]],
-                 every: int, launch: Callable[[str], object], meshes=None):
+    def __init__(
+        self,
+        cluster,
+        placement: tuple[int, ...],
+        state_specs: list[dict[str, tuple[Spec, ...]]],
+        every: int,
+        launch: Callable[[str], object],
+        meshes=None,
+    ):
         assert every >= 1, "steps between snapshots: checked by options.Checkpointing"
         self.cluster = cluster
         self.placement = placement
         self.num_slices = max(placement) + 1
         self.meshes = list(meshes) if meshes is not None else [sharding.SliceMesh()] * self.num_slices
-        self._buffers = [tuple(stage) for stage in state_specs]      # per stage, what it snapshots
+        self._buffers = [tuple(stage) for stage in state_specs]  # per stage, what it snapshots
         # Per stage, how its buffers pack on its slice's mesh; the programs are the same for
         # every stage whose state has the same specs (exported once, see _programs).
-        self.packings = [packing.packing(tuple(stage.values()), self.meshes[placement[k]])
-                         for k, stage in enumerate(state_specs)]
+        self.packings = [
+            packing.packing(tuple(stage.values()), self.meshes[placement[k]]) for k, stage in enumerate(state_specs)
+        ]
         self.every = every
         self._launch = launch
         self.generations: list[Generation | None] = [None, None]
-        self.last_snapshot_s = 0.0      # the last snapshot plan's time on its slowest slice
+        self.last_snapshot_s = 0.0  # the last snapshot plan's time on its slowest slice
         for r in range(self.num_slices):
-            cluster.load_programs(r, {names.program(kind, k): spec for k in self._stages(r)
-                                      for kind, spec in zip(("pack", "unpack"), _programs(self.packings[k]))})
+            cluster.load_programs(
+                r,
+                {
+                    names.program(kind, k): spec
+                    for k in self._stages(r)
+                    for kind, spec in zip(("pack", "unpack"), _programs(self.packings[k]))
+                },
+            )
             for g in (0, 1):
                 cluster.install_plan(r, snapshot_plan(g), self._snapshot_stream(r, g))
-        log.info("in-memory checkpoints every %d step(s); host memory per slice at most: %s", every,
-                 ", ".join(f"slice {r} {self.host_bytes(r) / 2**20:.1f} MiB" for r in range(self.num_slices)))
+        log.info(
+            "in-memory checkpoints every %d step(s); host memory per slice at most: %s",
+            every,
+            ", ".join(f"slice {r} {self.host_bytes(r) / 2**20:.1f} MiB" for r in range(self.num_slices)),
+        )
 
     def peer(self, r: int) -> int | None:
         """The slice that holds slice r's copy (None with one slice: no copy)."""
@@ -131,15 +149,19 @@ class MemorySnapshots:
     def _snapshot_stream(self, r: int, g: int) -> list:
         stream = []
         for k in self._stages(r):
-            stream += [Run(names.program("pack", k), self._buffers[k], (names.packed(k),), f"pack s{k}"),
-                       Copy(names.packed(k), names.snapshot(g, k), "host")]
+            stream += [
+                Run(names.program("pack", k), self._buffers[k], (names.packed(k),), f"pack s{k}"),
+                Copy(names.packed(k), names.snapshot(g, k), "host"),
+            ]
             if self.peer(r) is not None:
                 stream.append(Send(names.packed(k), self.peer(r), names.snapshot_key(g, k), self.packings[k].pieces))
             stream.append(Delete(names.packed(k)))
         for src, k in self._held(r):
             copy = names.peer_copy(g, k)
-            stream += [Recv(copy, src, names.snapshot_key(g, k), self._copy_specs(k, r), self.packings[k].pieces),
-                       Copy(copy, copy, "host")]
+            stream += [
+                Recv(copy, src, names.snapshot_key(g, k), self._copy_specs(k, r), self.packings[k].pieces),
+                Copy(copy, copy, "host"),
+            ]
         return stream
 
     # -- the step loop ---------------------------------------------------------------------
@@ -156,7 +178,7 @@ class MemorySnapshots:
         The caller keeps at most one snapshot in flight."""
         newest = self.newest()
         g = 0 if newest is None else 1 - self._index(newest)
-        self.generations[g] = None                    # being overwritten: not usable meanwhile
+        self.generations[g] = None  # being overwritten: not usable meanwhile
         return Launched(g, step, data_state, self._launch(snapshot_plan(g)))
 
     def finish(self, launched: "Launched") -> None:
@@ -180,13 +202,18 @@ class MemorySnapshots:
     # -- recovery ----------------------------------------------------------------------
     def replaced(self, r: int) -> None:
         """Slice r was replaced: its snapshots and the copies it held are gone."""
-        self.generations = [None if gen is None else gen._replace(missing=gen.missing | {r})
-                            for gen in self.generations]
+        self.generations = [
+            None if gen is None else gen._replace(missing=gen.missing | {r}) for gen in self.generations
+        ]
 
     def restorable(self) -> Generation | None:
         """The newest generation every slice's state can be rebuilt from, or None."""
-        ok = [gen for gen in self.generations if gen is not None and all(
-            self.peer(r) is not None and self.peer(r) not in gen.missing for r in gen.missing)]
+        ok = [
+            gen
+            for gen in self.generations
+            if gen is not None
+            and all(self.peer(r) is not None and self.peer(r) not in gen.missing for r in gen.missing)
+        ]
         return max(ok, key=lambda gen: gen.step) if ok else None
 
     def restore(self) -> Generation:
@@ -197,16 +224,28 @@ class MemorySnapshots:
         assert gen is not None, "restore() without a restorable generation"
         g = self._index(gen)
         for r in range(self.num_slices):
-            stream = [Send(names.peer_copy(g, k), src, names.restore_key(k), self.packings[k].pieces)
-                      for src, k in self._held(r) if src in gen.missing]
+            stream = [
+                Send(names.peer_copy(g, k), src, names.restore_key(k), self.packings[k].pieces)
+                for src, k in self._held(r)
+                if src in gen.missing
+            ]
             for k in self._stages(r):
                 if r in gen.missing:
-                    stream.append(Recv(names.packed(k), self.peer(r), names.restore_key(k),
-                                       self.packings[k].packed_specs, self.packings[k].pieces))
+                    stream.append(
+                        Recv(
+                            names.packed(k),
+                            self.peer(r),
+                            names.restore_key(k),
+                            self.packings[k].packed_specs,
+                            self.packings[k].pieces,
+                        )
+                    )
                 else:
                     stream.append(Copy(names.snapshot(g, k), names.packed(k), "device"))
-                stream += [Run(names.program("unpack", k), (names.packed(k),), self._buffers[k], f"unpack s{k}"),
-                           Delete(names.packed(k))]
+                stream += [
+                    Run(names.program("unpack", k), (names.packed(k),), self._buffers[k], f"unpack s{k}"),
+                    Delete(names.packed(k)),
+                ]
             self.cluster.install_plan(r, RESTORE_PLAN, stream)
         self._launch(RESTORE_PLAN).result()
         self.snapshot(gen.step, gen.data_state)
@@ -227,10 +266,10 @@ def state_specs(pipeline, optimizer, layout) -> list[dict[str, tuple[Spec, ...]]
     for k, fn in enumerate(pipeline.fns):
         params = [jax.ShapeDtypeStruct(tuple(l.shape), l.dtype) for l in fn.param_leaves]
         opt = jax.eval_shape(lambda p: jax.tree.leaves(optimizer.init(jax.tree.unflatten(fn.param_tree, p))), params)
-        spec = lambda leaves, layouts: tuple(Spec(tuple(l.shape), str(jax.numpy.dtype(l.dtype)), tuple(p))
-                                             for l, p in zip(leaves, layouts))
+        spec = lambda leaves, layouts: tuple(
+            Spec(tuple(l.shape), str(jax.numpy.dtype(l.dtype)), tuple(p)) for l, p in zip(leaves, layouts)
+        )
         out.append({names.params(k): spec(params, layout.params[k]), names.opt_state(k): spec(opt, layout.opt[k])})
         if fn.state is not None:
             out[-1][names.stage_state(k)] = spec(fn.state.leaves, [()] * len(fn.state.leaves))
     return out
-

@@ -21,6 +21,7 @@ The Trainer is its parts, each with its own state, composed here:
 configured by the option records `checkpoint=mpmd.Checkpointing(...)` and
 `recovery=mpmd.Recovery(...)` (options.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,47 +60,89 @@ class Trainer:
     (e.g. `mpmd.recipes.hf.open(dir).read`: pretrained weights, read stage by stage); a
     recovery with nothing saved yet starts from them again."""
 
-    def __init__(self, pipeline: Pipeline, optimizer: optax.GradientTransformation,
-                 schedule: str | schedules.Schedule = "1f1b", num_microbatches: int | None = None,
-                 cluster: Cluster | None = None, virtual_stages: int | None = None,
-                 max_grad_norm: float | None = None, run_dir=None, mesh=None, rules: dict | None = None,
-                 fsdp_gather: str = "per_microbatch", run_ahead: int = 1, recv_window: int | None = None,
-                 checkpoint: Checkpointing | None = None, recovery: Recovery | None = None,
-                 init_params: Callable[[tuple[str, ...]], Sequence] | None = None):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        optimizer: optax.GradientTransformation,
+        schedule: str | schedules.Schedule = "1f1b",
+        num_microbatches: int | None = None,
+        cluster: Cluster | None = None,
+        virtual_stages: int | None = None,
+        max_grad_norm: float | None = None,
+        run_dir=None,
+        mesh=None,
+        rules: dict | None = None,
+        fsdp_gather: str = "per_microbatch",
+        run_ahead: int = 1,
+        recv_window: int | None = None,
+        checkpoint: Checkpointing | None = None,
+        recovery: Recovery | None = None,
+        init_params: Callable[[tuple[str, ...]], Sequence] | None = None,
+    ):
         _check_args(pipeline, optimizer, max_grad_norm, run_ahead, recv_window, checkpoint, recovery)
         if init_params is not None and not callable(init_params):
-            raise ValueError(f"init_params must be a function from a stage's parameter paths to their arrays "
-                             f"(e.g. mpmd.recipes.hf.open(dir).read) or None, got {type(init_params).__name__}")
+            raise ValueError(
+                f"init_params must be a function from a stage's parameter paths to their arrays "
+                f"(e.g. mpmd.recipes.hf.open(dir).read) or None, got {type(init_params).__name__}"
+            )
         built = _schedule(schedule, pipeline.num_stages, num_microbatches, virtual_stages)
         self.pipeline, self.optimizer, self.max_grad_norm = pipeline, optimizer, max_grad_norm
         self.num_microbatches, self.run_ahead, self.recv_window = built.num_microbatches, run_ahead, recv_window
         if cluster is None:
             from mpmd.runtime.control.inprocess import InProcessCluster
+
             cluster = InProcessCluster()
         self.cluster = cluster
         # Each slice's mesh and every stage's layouts, checked before any worker starts.
         meshes = sharding.slice_meshes(mesh, built.num_slices, cluster.devices_per_slice)
         gather.check_mode(fsdp_gather)
-        self.programs = Programs(pipeline, optimizer, max_grad_norm, recv_window, cluster,
-                                 sharding.check_rules(rules), built, meshes, init_params, fsdp_gather)
+        self.programs = Programs(
+            pipeline,
+            optimizer,
+            max_grad_norm,
+            recv_window,
+            cluster,
+            sharding.check_rules(rules),
+            built,
+            meshes,
+            init_params,
+            fsdp_gather,
+        )
         lowering.check_gather(self.programs.layout, built.placement)
         # What a restored run must match beyond its leaves (the math); how it is laid out is
         # free to differ from the checkpoint's.
         partition = {"num_microbatches": self.num_microbatches, "max_grad_norm": max_grad_norm}
-        self.checkpointer = Checkpointer(checkpoint or Checkpointing(), run_dir, cluster, pipeline, optimizer,
-                                         partition, built.placement, self.programs.layout,
-                                         relayout.layout_record(built, meshes))
-        self.dispatcher = Dispatcher(self.programs, self.checkpointer, self.num_microbatches, pipeline.num_stages,
-                                     max_grad_norm, run_ahead, self._recover, self._collected, self._nonfinite)
+        self.checkpointer = Checkpointer(
+            checkpoint or Checkpointing(),
+            run_dir,
+            cluster,
+            pipeline,
+            optimizer,
+            partition,
+            built.placement,
+            self.programs.layout,
+            relayout.layout_record(built, meshes),
+        )
+        self.dispatcher = Dispatcher(
+            self.programs,
+            self.checkpointer,
+            self.num_microbatches,
+            pipeline.num_stages,
+            max_grad_norm,
+            run_ahead,
+            self._recover,
+            self._collected,
+            self._nonfinite,
+        )
         # The layout asked for; a lost slice without replacement moves the run onto fewer
         # slices (mpmd/train/elastic.py) and a checkpoint boundary moves it back once it can.
-        self.recovery = relayout.RecoveryPolicy(recovery or Recovery(), cluster, self.programs, self.checkpointer,
-                                                self.dispatcher, (built, meshes))
+        self.recovery = relayout.RecoveryPolicy(
+            recovery or Recovery(), cluster, self.programs, self.checkpointer, self.dispatcher, (built, meshes)
+        )
         self._closed = False
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
-        cluster.start(built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None,
-                      meshes=meshes)
+        cluster.start(built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None, meshes=meshes)
         try:
             # A run that resumes reads no pretrained weights: its checkpoint replaces them (and
             # one that exists but does not restore stops the run, never a start from them).
@@ -170,9 +213,11 @@ class Trainer:
             raise ValueError("this Trainer has no run_dir to save checkpoints in")
         self.dispatcher.collect_all()
         if not self.dispatcher.finite:
-            raise ValueError(f"the state after step {self.step_count} comes from a step whose loss or gradient "
-                             f"norm was not finite: it is never saved (the last committed step is "
-                             f"{self.checkpointer.latest()})")
+            raise ValueError(
+                f"the state after step {self.step_count} comes from a step whose loss or gradient "
+                f"norm was not finite: it is never saved (the last committed step is "
+                f"{self.checkpointer.latest()})"
+            )
         try:
             self.checkpointer.save(self.step_count, data_state, {**extra, "finite": True}, wait=wait)
         except WorkerLost as e:
@@ -192,7 +237,7 @@ class Trainer:
         saved): NonFinite (on_nonfinite="stop"), or Rewound after a rewind."""
         if self.recovery.options.on_nonfinite == "rewind":
             self.recovery.rewind(step, metrics)
-        self.checkpointer.wait()      # the saves before it land: they are what is kept
+        self.checkpointer.wait()  # the saves before it land: they are what is kept
         raise NonFinite(step, metrics, self.checkpointer.latest())
 
     def _recover(self, lost: WorkerLost, failed_since: float):
@@ -272,13 +317,16 @@ class Trainer:
     num_slices = property(lambda self: self.programs.num_slices, doc="Slices of the layout in force.")
     layout = property(lambda self: self.programs.layout, doc="Meshes and state layouts in force.")
     lowered = property(lambda self: self.programs.lowered, doc="Programs and plans compiled last.")
-    step_count = property(lambda self: self.dispatcher.step_count, doc="Updates applied so far (restored ones included).")
+    step_count = property(
+        lambda self: self.dispatcher.step_count, doc="Updates applied so far (restored ones included)."
+    )
     in_flight = property(lambda self: self.dispatcher.in_flight, doc="Steps submitted and not yet collected.")
     checkpoints = property(lambda self: self.checkpointer.persistent, doc="The persistent tier, or None.")
     memory = property(lambda self: self.checkpointer.memory, doc="The in-memory tier, or None.")
     resumed = property(lambda self: self.checkpointer.resumed, doc="(step, data_state) when resumed from run_dir.")
-    layout_change = property(lambda self: self.checkpointer.layout_change,
-                             doc='"from -> to" when resumed onto another layout.')
+    layout_change = property(
+        lambda self: self.checkpointer.layout_change, doc='"from -> to" when resumed onto another layout.'
+    )
     restarts = property(lambda self: self.recovery.restarts, doc="Recoveries so far.")
     recovery_s = property(lambda self: self.recovery.recovery_s, doc="How the last recovery went.")
     layout_changes = property(lambda self: self.recovery.changes, doc="One record per move between layouts.")
@@ -291,7 +339,7 @@ class Trainer:
 
     @checkpoint_every.setter
     def checkpoint_every(self, every: int) -> None:
-        self.checkpointer.every = Checkpointing(every=every).every     # checked as the record checks it
+        self.checkpointer.every = Checkpointing(every=every).every  # checked as the record checks it
 
     def goodput(self) -> dict:
         """Time lost to failures and run at reduced width, so far (RecoveryPolicy.goodput)."""
@@ -309,8 +357,8 @@ class Trainer:
                 if abandon:
                     self.dispatcher.discard()
                 else:
-                    self.dispatcher.collect_all()    # a step sent is a step done: its update and checkpoint land
-            except Exception:          # closing after a failure: nothing left to collect
+                    self.dispatcher.collect_all()  # a step sent is a step done: its update and checkpoint land
+            except Exception:  # closing after a failure: nothing left to collect
                 self.dispatcher.discard()
             self._closed = True
             if not abandon:
@@ -337,21 +385,30 @@ def _check_args(pipeline, optimizer, max_grad_norm, run_ahead, recv_window, chec
     if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
         raise ValueError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
     if not isinstance(run_ahead, int) or isinstance(run_ahead, bool) or run_ahead < 0:
-        raise ValueError(f"run_ahead must be a non-negative integer (steps sent ahead of the one "
-                         f"running; 0: none), got {run_ahead!r}")
-    if recv_window is not None and (not isinstance(recv_window, int) or isinstance(recv_window, bool)
-                                    or recv_window < 1):
-        raise ValueError(f"recv_window must be a positive integer (receives a slice posts ahead of "
-                         f"use) or None (each slice's peak of live activations in the schedule), "
-                         f"got {recv_window!r}")
+        raise ValueError(
+            f"run_ahead must be a non-negative integer (steps sent ahead of the one "
+            f"running; 0: none), got {run_ahead!r}"
+        )
+    if recv_window is not None and (
+        not isinstance(recv_window, int) or isinstance(recv_window, bool) or recv_window < 1
+    ):
+        raise ValueError(
+            f"recv_window must be a positive integer (receives a slice posts ahead of "
+            f"use) or None (each slice's peak of live activations in the schedule), "
+            f"got {recv_window!r}"
+        )
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
     if checkpoint is not None and not isinstance(checkpoint, Checkpointing):
-        raise ValueError(f"checkpoint must be an mpmd.Checkpointing (e.g. mpmd.Checkpointing(every=50, "
-                         f"memory_every=5)) or None (no periodic checkpoints), got {type(checkpoint).__name__}")
+        raise ValueError(
+            f"checkpoint must be an mpmd.Checkpointing (e.g. mpmd.Checkpointing(every=50, "
+            f"memory_every=5)) or None (no periodic checkpoints), got {type(checkpoint).__name__}"
+        )
     if recovery is not None and not isinstance(recovery, Recovery):
-        raise ValueError(f"recovery must be an mpmd.Recovery (e.g. mpmd.Recovery(on_loss='shrink')) or None "
-                         f"(the defaults: on_loss='auto'), got {type(recovery).__name__}")
+        raise ValueError(
+            f"recovery must be an mpmd.Recovery (e.g. mpmd.Recovery(on_loss='shrink')) or None "
+            f"(the defaults: on_loss='auto'), got {type(recovery).__name__}"
+        )
 
 
 def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> schedules.Schedule:
@@ -360,11 +417,14 @@ def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> sc
     if isinstance(schedule, schedules.Schedule):
         for field, given in (("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages)):
             if given is not None and given != getattr(schedule, field):
-                raise ValueError(f"{field}={given!r} disagrees with the given schedule's "
-                                 f"{field}={getattr(schedule, field)}; leave it out")
+                raise ValueError(
+                    f"{field}={given!r} disagrees with the given schedule's "
+                    f"{field}={getattr(schedule, field)}; leave it out"
+                )
         if schedule.num_stages != num_stages:
-            raise ValueError(f"schedule {schedule.name!r} is for {schedule.num_stages} stages, the "
-                             f"pipeline has {num_stages}")
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.num_stages} stages, the pipeline has {num_stages}"
+            )
         schedules.validate(schedule)
         return schedule
     num_microbatches = 1 if num_microbatches is None else num_microbatches
@@ -373,9 +433,10 @@ def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> sc
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     if not isinstance(virtual_stages, int) or virtual_stages < 1 or num_stages % virtual_stages:
-        raise ValueError(f"num_stages ({num_stages}) must be divisible by virtual_stages ({virtual_stages}); "
-                         f"allowed virtual_stages: {[v for v in range(1, num_stages + 1) if num_stages % v == 0]}")
+        raise ValueError(
+            f"num_stages ({num_stages}) must be divisible by virtual_stages ({virtual_stages}); "
+            f"allowed virtual_stages: {[v for v in range(1, num_stages + 1) if num_stages % v == 0]}"
+        )
     built = schedules.make(schedule, num_stages, num_microbatches, virtual_stages)
     schedules.validate(built)
     return built
-

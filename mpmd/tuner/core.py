@@ -16,6 +16,7 @@ winner is the confirmed candidate with the fastest measured step.
 `units` are the smallest pieces a stage is cut from: a model's `layers()`, or a user's own
 stages (then a tuned stage is a run of consecutive user stages).
 """
+
 from __future__ import annotations
 
 import time
@@ -33,15 +34,15 @@ from mpmd.tuner.search import Candidate
 class Confirmed(NamedTuple):
     candidate: Candidate
     measured_step_s: float
-    measured_peak_bytes: int         # the most any slice held (workers' count)
+    measured_peak_bytes: int  # the most any slice held (workers' count)
 
 
 class TuneResult(NamedTuple):
-    ranked: list[Candidate]          # fastest predicted first, all within the memory cap
-    excluded: list[Candidate]        # over the memory cap
-    confirmed: list[Confirmed]       # in ranked order
+    ranked: list[Candidate]  # fastest predicted first, all within the memory cap
+    excluded: list[Candidate]  # over the memory cap
+    confirmed: list[Confirmed]  # in ranked order
     profile: Profile
-    search_s: float                  # seconds the search took
+    search_s: float  # seconds the search took
 
     @property
     def best(self) -> Candidate:
@@ -56,9 +57,11 @@ class TuneResult(NamedTuple):
         for c in self.confirmed:
             err = (c.candidate.predicted_step_s - c.measured_step_s) / c.measured_step_s
             mark = " *" if c.candidate == self.best else ""
-            rows.append(f"{c.candidate.label:<52} {c.candidate.predicted_step_s * 1e3:>8.1f}ms "
-                        f"{c.measured_step_s * 1e3:>8.1f}ms {100 * err:>+5.0f}% "
-                        f"{max(c.candidate.peak_bytes) / 2**20:>9.1f} {c.measured_peak_bytes / 2**20:>9.1f}{mark}")
+            rows.append(
+                f"{c.candidate.label:<52} {c.candidate.predicted_step_s * 1e3:>8.1f}ms "
+                f"{c.measured_step_s * 1e3:>8.1f}ms {100 * err:>+5.0f}% "
+                f"{max(c.candidate.peak_bytes) / 2**20:>9.1f} {c.measured_peak_bytes / 2**20:>9.1f}{mark}"
+            )
         return "\n".join(rows)
 
 
@@ -67,10 +70,24 @@ def _check(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def tune(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, memory_gb: float | None = None,
-         confirm: int = 3, confirm_steps: int = 5, microbatch_counts=None, schedule_names=None,
-         max_virtual_stages: int = 4, max_grad_norm: float | None = None, profile: Profile | None = None,
-         log=print) -> TuneResult:
+def tune(
+    units,
+    loss_fn,
+    optimizer,
+    inputs,
+    targets,
+    cluster,
+    num_slices: int,
+    memory_gb: float | None = None,
+    confirm: int = 3,
+    confirm_steps: int = 5,
+    microbatch_counts=None,
+    schedule_names=None,
+    max_virtual_stages: int = 4,
+    max_grad_norm: float | None = None,
+    profile: Profile | None = None,
+    log=print,
+) -> TuneResult:
     """Profile, search and confirm (see the module doc). `inputs`/`targets`: one global batch
     (its rows set the batch size); `cluster`: started with `num_slices` slices and left open
     (the caller closes it); `memory_gb`: per-slice cap (None: no cap); `confirm`: how many of
@@ -83,30 +100,47 @@ def tune(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, m
     _check("max_virtual_stages", max_virtual_stages, 1)
     if num_slices > len(units):
         raise ValueError(f"num_slices={num_slices} needs at least as many units, got {len(units)}")
-    if memory_gb is not None and (isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float))
-                                  or not memory_gb > 0):
+    if memory_gb is not None and (
+        isinstance(memory_gb, bool) or not isinstance(memory_gb, (int, float)) or not memory_gb > 0
+    ):
         raise ValueError(f"memory_gb must be a number > 0 (GiB per slice) or None, got {memory_gb!r}")
     counts = microbatch_counts_for(batch, microbatch_counts)
     if schedule_names is not None:
         unknown = sorted(set(schedule_names) - set(schedules.SCHEDULES))
         if unknown or not schedule_names:
-            raise ValueError(f"schedule_names must be a non-empty list of {sorted(schedules.SCHEDULES)}, "
-                             f"got {list(schedule_names)!r}")
+            raise ValueError(
+                f"schedule_names must be a non-empty list of {sorted(schedules.SCHEDULES)}, "
+                f"got {list(schedule_names)!r}"
+            )
     if profile is None:
-        profile = measure_profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices,
-                                  sorted({batch // m for m in counts}), max_grad_norm=max_grad_norm, log=log)
+        profile = measure_profile(
+            units,
+            loss_fn,
+            optimizer,
+            inputs,
+            targets,
+            cluster,
+            num_slices,
+            sorted({batch // m for m in counts}),
+            max_grad_norm=max_grad_norm,
+            log=log,
+        )
     t0 = time.perf_counter()
     cap = float("inf") if memory_gb is None else memory_gb * 2**30
-    ranked, excluded = tune_search.search(profile, num_slices, batch, cap, counts, schedule_names,
-                                          max_virtual_stages, keep=max(10, confirm))
+    ranked, excluded = tune_search.search(
+        profile, num_slices, batch, cap, counts, schedule_names, max_virtual_stages, keep=max(10, confirm)
+    )
     search_s = time.perf_counter() - t0
     log(f"searched {len(ranked)} ranked + {len(excluded)} over the memory cap in {search_s:.2f} s")
     if not ranked:
         smallest = min(max(c.peak_bytes) for c in excluded) / 2**30
-        raise tune_search.NoCandidateFits(f"no candidate fits memory_gb={memory_gb:.3g}: the smallest "
-                                          f"predicted peak is {smallest:.3f} GiB per slice")
-    confirmed = [run_candidate(c, units, loss_fn, optimizer, inputs, targets, cluster, confirm_steps,
-                               max_grad_norm, log) for c in ranked[:confirm]]
+        raise tune_search.NoCandidateFits(
+            f"no candidate fits memory_gb={memory_gb:.3g}: the smallest predicted peak is {smallest:.3f} GiB per slice"
+        )
+    confirmed = [
+        run_candidate(c, units, loss_fn, optimizer, inputs, targets, cluster, confirm_steps, max_grad_norm, log)
+        for c in ranked[:confirm]
+    ]
     return TuneResult(ranked, excluded, confirmed, profile, search_s)
 
 
@@ -118,13 +152,16 @@ def microbatch_counts_for(batch_size: int, microbatch_counts=None) -> list[int]:
         return divisors
     bad = [m for m in microbatch_counts if isinstance(m, bool) or not isinstance(m, int) or m not in divisors]
     if bad or not microbatch_counts:
-        raise ValueError(f"microbatch counts must be a non-empty list of divisors of the batch size "
-                         f"{batch_size} ({divisors}), got {list(microbatch_counts)!r}")
+        raise ValueError(
+            f"microbatch counts must be a non-empty list of divisors of the batch size "
+            f"{batch_size} ({divisors}), got {list(microbatch_counts)!r}"
+        )
     return sorted(set(microbatch_counts))
 
 
-def run_candidate(candidate: Candidate, units, loss_fn, optimizer, inputs, targets, cluster, steps: int,
-                  max_grad_norm=None, log=print) -> Confirmed:
+def run_candidate(
+    candidate: Candidate, units, loss_fn, optimizer, inputs, targets, cluster, steps: int, max_grad_norm=None, log=print
+) -> Confirmed:
     """Train `candidate` for two warm-up steps, `steps` timed steps and one traced step on
     `cluster`. The first warm-up step compiles; the second still ran slower than the steps
     after it (by 6-60 % in 8 of 12 runs of gpt_small on 4 workers, 2026-12-05), and one
@@ -134,9 +171,17 @@ def run_candidate(candidate: Candidate, units, loss_fn, optimizer, inputs, targe
     load), the peak the workers' largest count of bytes held in the traced step."""
     from mpmd.stages.pipeline import Pipeline
     from mpmd.train.trainer import Trainer
+
     pipe = Pipeline(cut(units, candidate.cuts), loss_fn)
-    trainer = Trainer(pipe, optimizer, schedule=candidate.schedule, num_microbatches=candidate.num_microbatches,
-                      virtual_stages=candidate.virtual_stages, cluster=cluster, max_grad_norm=max_grad_norm)
+    trainer = Trainer(
+        pipe,
+        optimizer,
+        schedule=candidate.schedule,
+        num_microbatches=candidate.num_microbatches,
+        virtual_stages=candidate.virtual_stages,
+        cluster=cluster,
+        max_grad_norm=max_grad_norm,
+    )
     try:
         for _ in range(2):
             trainer.step(inputs, targets)
@@ -150,13 +195,17 @@ def run_candidate(candidate: Candidate, units, loss_fn, optimizer, inputs, targe
         trainer.close(close_cluster=False)
     peak = int(max(traced["peak_bytes"]))
     step_s = float(np.median(times))
-    log(f"confirmed {candidate.label}: predicted {candidate.predicted_step_s * 1e3:.1f} ms, "
-        f"measured {step_s * 1e3:.1f} ms")
+    log(
+        f"confirmed {candidate.label}: predicted {candidate.predicted_step_s * 1e3:.1f} ms, "
+        f"measured {step_s * 1e3:.1f} ms"
+    )
     return Confirmed(candidate, step_s, peak)
 
 
 def mean_abs_error(confirmed) -> float:
     """Mean |predicted - measured| / measured over confirmed candidates."""
-    return float(np.mean([abs(c.candidate.predicted_step_s - c.measured_step_s) / c.measured_step_s
-                          for c in confirmed])) if confirmed else float("nan")
-
+    return (
+        float(np.mean([abs(c.candidate.predicted_step_s - c.measured_step_s) / c.measured_step_s for c in confirmed]))
+        if confirmed
+        else float("nan")
+    )

@@ -52,6 +52,7 @@ real transfers) of a few activation sizes.
 
 A Profile is plain arrays: tests build one from declared costs, without any compute.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,15 +72,15 @@ from mpmd.stages.specs import spec
 from mpmd.runtime.wire.format import nbytes
 
 UPDATE = "U"
-_LABEL = re.compile(r"([FBWU]) s(\d+)(?: mb(\d+))?$")      # mpmd/lowering/train_stream.py's Run labels
+_LABEL = re.compile(r"([FBWU]) s(\d+)(?: mb(\d+))?$")  # mpmd/lowering/train_stream.py's Run labels
 
 
 class Profile(NamedTuple):
-    microbatch_sizes: tuple[int, ...]     # rows per microbatch, ascending
+    microbatch_sizes: tuple[int, ...]  # rows per microbatch, ascending
     # [size index, unit] seconds per microbatch (update_s: per step, one row per size)
     forward_s: np.ndarray
-    input_grad_s: np.ndarray              # unit 0's is 0: its input is data
-    weight_grad_s: np.ndarray             # unit 0's is its whole backward
+    input_grad_s: np.ndarray  # unit 0's is 0: its input is data
+    weight_grad_s: np.ndarray  # unit 0's is its whole backward
     update_s: np.ndarray
     # [unit] bytes
     param_bytes: np.ndarray
@@ -89,13 +90,13 @@ class Profile(NamedTuple):
     kept_bytes: np.ndarray
     # [size index, unit + 1]: bytes of the activation entering unit u (u = num_units: output)
     boundary_bytes: np.ndarray
-    latency_s: float = 0.0                # transfer between two slices: latency_s + bytes / bytes_per_s
+    latency_s: float = 0.0  # transfer between two slices: latency_s + bytes / bytes_per_s
     bytes_per_s: float = float("inf")
-    task_gap_s: float = 0.0               # per task: its program's fixed cost + the executor's walk
-    step_overhead_s: float = 0.0          # per step: a fixed cost, whatever the tasks
+    task_gap_s: float = 0.0  # per task: its program's fixed cost + the executor's walk
+    step_overhead_s: float = 0.0  # per step: a fixed cost, whatever the tasks
     unit_names: tuple[str, ...] = ()
-    program_s: float = 0.0                # per traced program: its fixed cost, already taken out of
-                                          # the unit times above (a record of the fit; search reads task_gap_s)
+    program_s: float = 0.0  # per traced program: its fixed cost, already taken out of
+    # the unit times above (a record of the fit; search reads task_gap_s)
     # Slices that share cores: ((slices, number of cores they share), ...); a slice in none
     # has its cores to itself. Unit times above are core-seconds (what a program takes alone).
     core_groups: tuple = ()
@@ -106,8 +107,9 @@ class Profile(NamedTuple):
 
     def size_index(self, microbatch_size: int) -> int:
         if microbatch_size not in self.microbatch_sizes:
-            raise ValueError(f"microbatch size {microbatch_size} was not profiled; profiled: "
-                             f"{list(self.microbatch_sizes)}")
+            raise ValueError(
+                f"microbatch size {microbatch_size} was not profiled; profiled: {list(self.microbatch_sizes)}"
+            )
         return self.microbatch_sizes.index(microbatch_size)
 
     def transfer_s(self, num_bytes: float) -> float:
@@ -121,8 +123,11 @@ def profile_stages(num_units: int, num_slices: int, units_per_stage: int = 1) ->
     if not 1 <= num_slices <= num_units:
         raise ValueError(f"profiling {num_units} units needs 1..{num_units} slices, got {num_slices}")
     bounds = np.linspace(0, num_units, num_slices + 1).round().astype(int)
-    return [(a, min(a + units_per_stage, int(z))) for z0, z in zip(bounds, bounds[1:])
-            for a in range(int(z0), int(z), units_per_stage)]
+    return [
+        (a, min(a + units_per_stage, int(z)))
+        for z0, z in zip(bounds, bounds[1:])
+        for a in range(int(z0), int(z), units_per_stage)
+    ]
 
 
 def profile_schedule(num_units: int, num_slices: int, num_microbatches: int, units_per_stage: int = 1) -> Schedule:
@@ -167,8 +172,9 @@ def _alone_s(e, others, cores: int) -> float:
     """Seconds event `e` would have run alone: its span, each part of it counted at
     min(1, cores / programs running then), `others` being the programs of the slices that
     share its cores."""
-    cuts = sorted({e.start_ns, e.end_ns} | {t for o in others for t in (o.start_ns, o.end_ns)
-                                            if e.start_ns < t < e.end_ns})
+    cuts = sorted(
+        {e.start_ns, e.end_ns} | {t for o in others for t in (o.start_ns, o.end_ns) if e.start_ns < t < e.end_ns}
+    )
     total = 0.0
     for a, z in zip(cuts, cuts[1:]):
         mid = (a + z) / 2
@@ -197,18 +203,21 @@ def _shared_timeline(schedule: Schedule, costs: list, updates, comm_s: float, gr
     share their cores equally: an event-driven walk of every slice's tasks in order, a task
     starting when its slice is free and its dependencies have ended (+ comm_s from another
     slice), running at its group's share of a core until its cost is done."""
+
     def cost(task):
         c = costs[task.stage]
         if task.kind == BACKWARD and not schedule.split_backward:
             return c.get(FULL_BACKWARD, c[BACKWARD] + c[WEIGHT])
         return c[task.kind]
+
     P, S = schedule.num_slices, schedule.num_stages
-    queues = [[(Task(*t), cost(Task(*t))) for t in tasks] + [(None, float(u))]
-              for tasks, u in zip(schedule.slices, updates)]
+    queues = [
+        [(Task(*t), cost(Task(*t))) for t in tasks] + [(None, float(u))] for tasks, u in zip(schedule.slices, updates)
+    ]
     group_of = {r: (mine, cores) for mine, cores in groups for r in mine}
     ended: dict = {}
     position = [0] * P
-    running: dict = {}              # slice -> [task, work left]
+    running: dict = {}  # slice -> [task, work left]
     now = 0.0
     while True:
         ready_at = []
@@ -267,16 +276,29 @@ def core_groups_of(cluster, num_slices: int) -> tuple:
 class Grouping(NamedTuple):
     """One profiling pass: its stages' unit ranges, its schedule, and per microbatch size the
     traced median seconds of every program {(kind, stage): s} and the untraced step's median."""
+
     stages: list
     schedule: Schedule
-    durations: list          # [size] {(kind, stage): seconds}
-    step_s: list             # [size] seconds
+    durations: list  # [size] {(kind, stage): seconds}
+    step_s: list  # [size] seconds
     core_groups: tuple = ()  # as Profile's
 
 
-def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int, microbatch_sizes,
-            num_microbatches: int = 4, steps: int = 2, transfer_sizes=(2**14, 2**18, 2**21),
-            max_grad_norm=None, log=print) -> Profile:
+def profile(
+    units,
+    loss_fn,
+    optimizer,
+    inputs,
+    targets,
+    cluster,
+    num_slices: int,
+    microbatch_sizes,
+    num_microbatches: int = 4,
+    steps: int = 2,
+    transfer_sizes=(2**14, 2**18, 2**21),
+    max_grad_norm=None,
+    log=print,
+) -> Profile:
     """Measure `units` (nnx.Modules in order; the pipeline's loss after the last) on
     `num_slices` slices of `cluster` (started here, left open for the caller).
 
@@ -304,34 +326,82 @@ def profile(units, loss_fn, optimizer, inputs, targets, cluster, num_slices: int
         resid[i] = [u["residuals"] for u in per_unit]
         kept[i] = [u["kept"] for u in per_unit]
         bound[i] = [nbytes(jax.tree.leaves(a)) for a in pipe.activation_specs(mx)]
-    run = lambda k: _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, k, sizes,
-                             num_microbatches, steps, max_grad_norm, log)
+    run = lambda k: _measure(
+        units,
+        loss_fn,
+        optimizer,
+        inputs,
+        targets,
+        cluster,
+        num_slices,
+        k,
+        sizes,
+        num_microbatches,
+        steps,
+        max_grad_norm,
+        log,
+    )
     single = run(1)
     paired = None
-    if len(single.stages) > num_slices:      # some slice holds two units: pair them, then the units again
+    if len(single.stages) > num_slices:  # some slice holds two units: pair them, then the units again
         paired = run(2)
         single = quieter(single, run(1))
     if paired:
         program = program_s(single, paired)
         task, overhead = task_and_step_s([single, paired], program)
-    else:   # one unit per slice: no second grouping tells per program or per task from per step
+    else:  # one unit per slice: no second grouping tells per program or per task from per step
         program, task, overhead = 0.0, 0.0, _rest_s(single, 0.0, 0.0)
-    log(f"profile: {1e3 * program:.2f} ms per program, {1e3 * task:.2f} ms per task, "
-        f"{1e3 * overhead:.2f} ms per step; slices sharing cores: {single.core_groups or 'none'}")
+    log(
+        f"profile: {1e3 * program:.2f} ms per program, {1e3 * task:.2f} ms per task, "
+        f"{1e3 * overhead:.2f} ms per step; slices sharing cores: {single.core_groups or 'none'}"
+    )
     # Each unit's compute: its program's time less the program's fixed cost, which a stage
     # of several units pays once (charged per task as task_gap_s).
-    fwd, bin_, bw, upd = (np.array([[max(0.0, d[kind, k] - program) if (kind, k) in d else 0.0
-                                     for k in range(U)] for d in single.durations])
-                          for kind in (FORWARD, BACKWARD, WEIGHT, UPDATE))
+    fwd, bin_, bw, upd = (
+        np.array(
+            [[max(0.0, d[kind, k] - program) if (kind, k) in d else 0.0 for k in range(U)] for d in single.durations]
+        )
+        for kind in (FORWARD, BACKWARD, WEIGHT, UPDATE)
+    )
     fwd, bin_, bw, upd = (affine_in_size(sizes, t) for t in (fwd, bin_, bw, upd))
     latency, bandwidth = (0.0, float("inf")) if num_slices < 2 else measure_transfer(cluster, transfer_sizes)
     names = tuple(type(u).__name__ for u in units)
-    return Profile(sizes, fwd, bin_, bw, upd, params, opt, resid, kept, bound, latency, bandwidth,
-                   task, overhead, names, program, single.core_groups)
+    return Profile(
+        sizes,
+        fwd,
+        bin_,
+        bw,
+        upd,
+        params,
+        opt,
+        resid,
+        kept,
+        bound,
+        latency,
+        bandwidth,
+        task,
+        overhead,
+        names,
+        program,
+        single.core_groups,
+    )
 
 
-def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, units_per_stage, sizes,
-             num_microbatches, steps, max_grad_norm, log) -> Grouping:
+def _measure(
+    units,
+    loss_fn,
+    optimizer,
+    inputs,
+    targets,
+    cluster,
+    num_slices,
+    units_per_stage,
+    sizes,
+    num_microbatches,
+    steps,
+    max_grad_norm,
+    log,
+) -> Grouping:
     from mpmd.stages.split import cut
     from mpmd.train.trainer import Trainer
 
@@ -348,7 +418,7 @@ def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, un
             # Compiles this size's programs; the first traced step compiles more of its own
             # (bench_schedules warms up the same way), so neither is timed.
             trainer.step(x, y)
-            groups = core_groups_of(cluster, num_slices)      # the workers are up now
+            groups = core_groups_of(cluster, num_slices)  # the workers are up now
             trainer.step(x, y, trace=True)
             traced = [trainer.step(x, y, trace=True)["events"] for _ in range(steps)]
             # Steps are timed untraced, as they run in training (a traced step also counts
@@ -360,8 +430,10 @@ def _measure(units, loss_fn, optimizer, inputs, targets, cluster, num_slices, un
                 untraced.append(time.perf_counter() - begin)
             durations.append({key: statistics.median(v) for key, v in task_durations(traced, groups).items()})
             step_times.append(statistics.median(untraced))
-            log(f"profiled microbatch size {size}, {len(stages)} stages of <= {units_per_stage} units: "
-                f"step {1e3 * step_times[-1]:.1f} ms ({time.perf_counter() - t0:.1f} s)")
+            log(
+                f"profiled microbatch size {size}, {len(stages)} stages of <= {units_per_stage} units: "
+                f"step {1e3 * step_times[-1]:.1f} ms ({time.perf_counter() - t0:.1f} s)"
+            )
     finally:
         trainer.close(close_cluster=False)
     return Grouping(stages, schedule, durations, step_times, groups)
@@ -374,8 +446,10 @@ def quieter(a: Grouping, b: Grouping) -> Grouping:
     time, so the shorter pass is the one they disturbed less."""
     assert a.stages == b.stages
     pick = [i if a.step_s[i] <= b.step_s[i] else None for i in range(len(a.step_s))]
-    return a._replace(durations=[a.durations[i] if p is not None else b.durations[i] for i, p in enumerate(pick)],
-                      step_s=[min(x, y) for x, y in zip(a.step_s, b.step_s)])
+    return a._replace(
+        durations=[a.durations[i] if p is not None else b.durations[i] for i, p in enumerate(pick)],
+        step_s=[min(x, y) for x, y in zip(a.step_s, b.step_s)],
+    )
 
 
 def program_s(single: Grouping, paired: Grouping) -> float:
@@ -401,8 +475,10 @@ def _grouping_step_s(g: Grouping, i: int, program: float, task: float) -> float:
     `task` instead of `program` (at least 0 s)."""
     d = g.durations[i]
     at = lambda kind, k: max(0.0, d[kind, k] - program + task) if (kind, k) in d else 0.0
-    costs = [{FORWARD: at(FORWARD, k), BACKWARD: at(BACKWARD, k), WEIGHT: at(WEIGHT, k)}
-             for k in range(g.schedule.num_stages)]
+    costs = [
+        {FORWARD: at(FORWARD, k), BACKWARD: at(BACKWARD, k), WEIGHT: at(WEIGHT, k)}
+        for k in range(g.schedule.num_stages)
+    ]
     updates = [sum(at(UPDATE, k) for k in g.schedule.stages_on(r)) for r in range(g.schedule.num_slices)]
     return shared_step_s(g.schedule, costs, updates, 0.0, g.core_groups)
 
@@ -423,8 +499,9 @@ def task_and_step_s(groupings, program: float, most_s: float = 0.05) -> tuple[fl
     a, b = groupings
     sizes = range(len(a.step_s))
     measured = sum(a.step_s[i] - b.step_s[i] for i in sizes)
-    diff = lambda task: sum(_grouping_step_s(a, i, program, task) - _grouping_step_s(b, i, program, task)
-                            for i in sizes) - measured
+    diff = lambda task: (
+        sum(_grouping_step_s(a, i, program, task) - _grouping_step_s(b, i, program, task) for i in sizes) - measured
+    )
     lo, hi = 0.0, most_s
     if diff(lo) >= 0:
         task = lo
@@ -466,10 +543,16 @@ def measure_transfer(cluster, sizes_bytes, num_microbatches: int = 4, steps: int
     time, one per activation size. A fit whose slope is not positive (transfers too fast to
     tell sizes apart) gives an unbounded bandwidth."""
     from mpmd.lowering.dryrun import dry_run
+
     sizes, gaps = [], []
     for num_bytes in sizes_bytes:
-        result = dry_run(schedules.gpipe(2, num_microbatches), {FORWARD: 0.0, BACKWARD: 0.0, WEIGHT: 0.0},
-                         activation_bytes=int(num_bytes), cluster=cluster, steps=steps)
+        result = dry_run(
+            schedules.gpipe(2, num_microbatches),
+            {FORWARD: 0.0, BACKWARD: 0.0, WEIGHT: 0.0},
+            activation_bytes=int(num_bytes),
+            cluster=cluster,
+            steps=steps,
+        )
         for events in result.events:
             ends = {m[3]: e.end_ns for e in events[0] if (m := _LABEL.match(e.name)) and m[1] == FORWARD}
             for e in events[1]:

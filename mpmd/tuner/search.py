@@ -29,6 +29,7 @@ its updates plus the overhead: no schedule beats it) and the walk stops once the
 passes the `keep`-th best simulated step, so a large space costs little more than its best
 `keep` candidates.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -49,9 +50,9 @@ class Candidate(NamedTuple):
     num_stages: int
     virtual_stages: int
     num_microbatches: int
-    cuts: tuple[int, ...]            # unit index where each stage after the first begins
+    cuts: tuple[int, ...]  # unit index where each stage after the first begins
     predicted_step_s: float
-    peak_bytes: tuple[int, ...]      # predicted, per slice
+    peak_bytes: tuple[int, ...]  # predicted, per slice
 
     @property
     def label(self) -> str:
@@ -60,9 +61,13 @@ class Candidate(NamedTuple):
 
     def keys(self) -> dict:
         """The config keys that make this candidate (recipes' pipeline section)."""
-        return {"pipeline.schedule": self.schedule, "pipeline.num_stages": self.num_stages,
-                "pipeline.virtual_stages": self.virtual_stages,
-                "pipeline.num_microbatches": self.num_microbatches, "pipeline.cuts": list(self.cuts)}
+        return {
+            "pipeline.schedule": self.schedule,
+            "pipeline.num_stages": self.num_stages,
+            "pipeline.virtual_stages": self.virtual_stages,
+            "pipeline.num_microbatches": self.num_microbatches,
+            "pipeline.cuts": list(self.cuts),
+        }
 
 
 class _Priced(NamedTuple):
@@ -75,15 +80,24 @@ class _Priced(NamedTuple):
     lower_bound_s: float
 
 
-def space(profile: Profile, num_slices: int, batch_size: int, microbatch_counts=None, schedule_names=None,
-          max_virtual_stages: int = 4):
+def space(
+    profile: Profile,
+    num_slices: int,
+    batch_size: int,
+    microbatch_counts=None,
+    schedule_names=None,
+    max_virtual_stages: int = 4,
+):
     """(schedule name, virtual_stages, num_microbatches) of every combination to try: every
     schedule, microbatch counts dividing the batch whose size was profiled, and as many
     stages per slice (each schedule's spec range, an open one up to max_virtual_stages:
     interleaved 2..max_virtual_stages, V schedules 2, others 1) as the units allow."""
     names = list(schedules.SCHEDULES) if schedule_names is None else list(schedule_names)
-    counts = ([m for m in range(1, batch_size + 1) if batch_size % m == 0]
-              if microbatch_counts is None else list(microbatch_counts))
+    counts = (
+        [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+        if microbatch_counts is None
+        else list(microbatch_counts)
+    )
     counts = [m for m in counts if batch_size // m in profile.microbatch_sizes]
     out = []
     for name in names:
@@ -119,25 +133,46 @@ def _price(profile: Profile, name: str, v: int, m: int, num_slices: int, batch_s
             stage = {FORWARD: fs + gap, BACKWARD: bs + gap, WEIGHT: ws + gap}
         stage[FULL_BACKWARD] = bs + ws + gap
         costs.append(stage)
-    updates = [sum(profile.update_s[i, a:z].sum() + gap for a, z in (ranges[k] for k in schedule.stages_on(r)))
-               for r in range(num_slices)]
+    updates = [
+        sum(profile.update_s[i, a:z].sum() + gap for a, z in (ranges[k] for k in schedule.stages_on(r)))
+        for r in range(num_slices)
+    ]
     crossing = [profile.boundary_bytes[i, c] for c in bounds[1:-1]]
     comm_s = profile.transfer_s(max(crossing)) if crossing and num_slices > 1 else 0.0
     resid = [profile.residual_bytes[i, a:z].sum() for a, z in ranges]
     kept = [profile.kept_bytes[i, a:z].sum() for a, z in ranges] if schedule.split_backward else None
     saved = peak_saved_bytes(schedule, resid, kept)
-    state = [sum(2 * profile.param_bytes[a:z].sum() + profile.optimizer_bytes[a:z].sum()
-                 for a, z in (ranges[k] for k in schedule.stages_on(r))) for r in range(num_slices)]
+    state = [
+        sum(
+            2 * profile.param_bytes[a:z].sum() + profile.optimizer_bytes[a:z].sum()
+            for a, z in (ranges[k] for k in schedule.stages_on(r))
+        )
+        for r in range(num_slices)
+    ]
     peak = tuple(int(s + a) for s, a in zip(state, saved))
     backward = BACKWARD if schedule.split_backward else FULL_BACKWARD
-    busy = [m * sum(costs[k][FORWARD] + costs[k][backward] + (costs[k][WEIGHT] if schedule.split_backward else 0.0)
-                    for k in schedule.stages_on(r)) + updates[r] for r in range(num_slices)]
+    busy = [
+        m
+        * sum(
+            costs[k][FORWARD] + costs[k][backward] + (costs[k][WEIGHT] if schedule.split_backward else 0.0)
+            for k in schedule.stages_on(r)
+        )
+        + updates[r]
+        for r in range(num_slices)
+    ]
     return _Priced(schedule, costs, updates, comm_s, bounds, peak, max(busy) + profile.step_overhead_s)
 
 
-def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: float = float("inf"),
-           microbatch_counts=None, schedule_names=None, max_virtual_stages: int = 4,
-           keep: int | None = 10) -> tuple[list[Candidate], list[Candidate]]:
+def search(
+    profile: Profile,
+    num_slices: int,
+    batch_size: int,
+    memory_bytes: float = float("inf"),
+    microbatch_counts=None,
+    schedule_names=None,
+    max_virtual_stages: int = 4,
+    keep: int | None = 10,
+) -> tuple[list[Candidate], list[Candidate]]:
     """(ranked, excluded): the best `keep` candidates that fit `memory_bytes` per slice,
     fastest predicted step first (keep=None: every one, no pruning), and every candidate
     whose predicted peak exceeds the cap (their predicted_step_s is nan: never simulated)."""
@@ -156,7 +191,7 @@ def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: flo
     ranked: list[Candidate] = []
     for p in priced:
         if keep is not None and len(ranked) >= keep and p.lower_bound_s > ranked[keep - 1].predicted_step_s:
-            break      # every later candidate's bound is higher still
+            break  # every later candidate's bound is higher still
         step = shared_step_s(p.schedule, p.costs, p.updates, p.comm_s, profile.core_groups)
         ranked.append(_candidate(p, step + profile.step_overhead_s))
         ranked.sort(key=lambda c: c.predicted_step_s)
@@ -165,5 +200,6 @@ def search(profile: Profile, num_slices: int, batch_size: int, memory_bytes: flo
 
 def _candidate(p: _Priced, step_s: float) -> Candidate:
     s = p.schedule
-    return Candidate(s.name, s.num_stages, s.virtual_stages, s.num_microbatches, tuple(p.bounds[1:-1]),
-                     step_s, p.peak_bytes)
+    return Candidate(
+        s.name, s.num_stages, s.virtual_stages, s.num_microbatches, tuple(p.bounds[1:-1]), step_s, p.peak_bytes
+    )

@@ -2,4 +2,5 @@
 this order: the order cluster.backend lists them). A new backend is a module like these that
 calls mpmd.recipes.registry.register_backend_spec, imported here or named in a config's
 `imports:`."""
+
 from mpmd.recipes.backends import inprocess, local, static, ray, shared  # noqa: F401

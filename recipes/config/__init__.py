@@ -12,10 +12,26 @@ The parts, one idea each:
   loading.py    YAML file <- key=value overrides, key by key checks, validate, dump
   help_text.py  `--help-config`: every key as YAML with its default and description
 """
+
 from mpmd.recipes.config.schema import (  # noqa: F401
-    MATH_KEYS, MESH_AXES, CheckpointConfig, ClusterSection, Config, ConfigError, DataConfig, LogConfig,
-    MeshConfig, ModelSection, OptimizerConfig, PipelineConfig, SliceShape, TrainConfig, TuneConfig,
-    WorkerSection, math_changes)
+    MATH_KEYS,
+    MESH_AXES,
+    CheckpointConfig,
+    ClusterSection,
+    Config,
+    ConfigError,
+    DataConfig,
+    LogConfig,
+    MeshConfig,
+    ModelSection,
+    OptimizerConfig,
+    PipelineConfig,
+    SliceShape,
+    TrainConfig,
+    TuneConfig,
+    WorkerSection,
+    math_changes,
+)
 from mpmd.recipes.config.problems import address_problem  # noqa: F401
 from mpmd.recipes.config.loading import dump, load, validate, values_of  # noqa: F401
 from mpmd.recipes.config.help_text import describe  # noqa: F401

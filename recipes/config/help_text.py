@@ -1,4 +1,5 @@
 """`--help-config`: every key with its default and description, as YAML."""
+
 from __future__ import annotations
 
 import typing
@@ -24,9 +25,11 @@ def _choices(field) -> list[str] | None:
         return list(schedules.SCHEDULES)
     if source == "on_loss":
         from mpmd.train.options import ON_LOSS
+
         return list(ON_LOSS)
     if source == "on_nonfinite":
         from mpmd.train.options import ON_NONFINITE
+
         return list(ON_NONFINITE)
     if typing.get_origin(field.annotation) is Literal:
         return list(typing.get_args(field.annotation))
@@ -55,21 +58,26 @@ def describe(model: type[BaseModel] = Config, indent: str = "", base: type[BaseM
             # A variant's kind (backend) is described as its base section's: every registered one.
             choice = base.model_fields[name] if base is not None and name in base.model_fields else None
             if choice is not None and _choices(choice):
-                field = field.merge_field_infos(field, description=choice.description,
-                                                json_schema_extra=choice.json_schema_extra)
+                field = field.merge_field_infos(
+                    field, description=choice.description, json_schema_extra=choice.json_schema_extra
+                )
             lines.append(_describe_field(name, field, indent))
             continue
         lines.append(f"{indent}{name}:")
-        lines.append(describe(sections[0], indent + "  ", VARIANTS[name][1] if model is Config and name in VARIANTS else None))
+        lines.append(
+            describe(sections[0], indent + "  ", VARIANTS[name][1] if model is Config and name in VARIANTS else None)
+        )
         for other in sections[1:]:
             key = VARIANTS[name][0]
             added = [(k, f) for k, f in other.model_fields.items() if k not in sections[0].model_fields]
             lacks = [k for k in sections[0].model_fields if k not in other.model_fields]
-            lines.append(f"{indent}  # {key}: {other.model_fields[key].default}"
-                         + (f" takes none of {', '.join(lacks)}" if lacks else "")
-                         + (("," if lacks else "") + " adds:" if added else ""))
+            lines.append(
+                f"{indent}  # {key}: {other.model_fields[key].default}"
+                + (f" takes none of {', '.join(lacks)}" if lacks else "")
+                + (("," if lacks else "") + " adds:" if added else "")
+            )
             for k, f in added:
-                inner = sections_of(other, k)       # a section of its own (model.moe)
+                inner = sections_of(other, k)  # a section of its own (model.moe)
                 if inner:
                     lines.append(f"{indent}  #   {k}:  # {f.description}")
                     lines += [f"{indent}  #   {line}" for line in describe(inner[0], "  ").splitlines()]

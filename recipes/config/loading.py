@@ -3,6 +3,7 @@ against the schema (an unknown key is refused with the nearest valid one suggest
 another family or backend takes names those that take it), then validated, every problem
 in one ConfigError; and the resolved config written back (`dump`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,8 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)(?:\.[\d_]*)?[eE][-+]?\d+$"), list("-+0123456789"))
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d[\d_]*)(?:\.[\d_]*)?[eE][-+]?\d+$"), list("-+0123456789")
+)
 
 
 def _parse_value(text: str) -> Any:
@@ -51,7 +52,7 @@ def leaf_keys(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
         keys.append(prefix + name)
         for section in sections_of(model, name):
             keys += [k for k in leaf_keys(section, f"{prefix}{name}.") if k not in keys]
-        for arg in typing.get_args(field.annotation):      # list[Section] | None
+        for arg in typing.get_args(field.annotation):  # list[Section] | None
             entry = (typing.get_args(arg) or (None,))[0] if typing.get_origin(arg) is list else None
             if isinstance(entry, type) and issubclass(entry, BaseModel):
                 keys += leaf_keys(entry, f"{prefix}{name}[].")
@@ -71,13 +72,15 @@ def _not_taken(section: str, chosen: type[BaseModel], values: dict) -> list[str]
         if users and default_elsewhere(section, name, values[name]):
             del values[name]
         elif users:
-            out.append(f"{section}.{name} is only used by {section}.{key}={registry.one_of(users)}, "
-                       f"got {key} '{chosen.model_fields[key].default}'")
+            out.append(
+                f"{section}.{name} is only used by {section}.{key}={registry.one_of(users)}, "
+                f"got {key} '{chosen.model_fields[key].default}'"
+            )
     return out
 
 
 def _unknown_key(key: str) -> ConfigError:
-    index = re.search(r"\[\d+\]", key)     # an entry of a list of sections: mesh.stages[1].x
+    index = re.search(r"\[\d+\]", key)  # an entry of a list of sections: mesh.stages[1].x
     close = difflib.get_close_matches(re.sub(r"\[\d+\]", "[]", key), leaf_keys(), n=1, cutoff=0.6)
     close = [c.replace("[]", index.group(0)) for c in close] if index else close
     hint = f"; did you mean '{close[0]}'?" if close else "; run with --help-config for all keys"
@@ -95,12 +98,15 @@ def _check_keys(values: dict, model: type[BaseModel] = Config, prefix: str = "")
         sections = sections_of(model, key)
         if not sections:
             if isinstance(value, dict) and typing.get_origin(field.annotation) is not dict:
-                raise ConfigError(f"'{prefix}{key}' is a value, not a section: cannot set "
-                                  f"'{prefix}{key}.{next(iter(value), '')}'")
+                raise ConfigError(
+                    f"'{prefix}{key}' is a value, not a section: cannot set '{prefix}{key}.{next(iter(value), '')}'"
+                )
             continue
         if not isinstance(value, dict):
-            raise ConfigError(f"'{prefix}{key}' is a section, not a value: set its keys, "
-                              f"e.g. {prefix}{key}.{next(iter(sections[0].model_fields))}=...")
+            raise ConfigError(
+                f"'{prefix}{key}' is a section, not a value: set its keys, "
+                f"e.g. {prefix}{key}.{next(iter(sections[0].model_fields))}=..."
+            )
         section = sections[0]
         if model is Config and key in VARIANTS:
             try:
@@ -122,17 +128,22 @@ def _set(values: dict, key: str, value: Any) -> None:
         if child is None:
             child = node[section] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"'{'.'.join(sections[:depth + 1])}' is a value, not a section: "
-                              f"cannot set '{key}'")
+            raise ConfigError(f"'{'.'.join(sections[: depth + 1])}' is a value, not a section: cannot set '{key}'")
         node = child
     node[leaf] = value
 
 
-_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-               "string_type": "a string", "list_type": "a list", "dict_type": "a mapping",
-               "model_type": "a mapping", "int_from_float": "an integer"}
-_BOUND_WORDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<",
-                "less_than_equal": "<="}
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "true or false",
+    "string_type": "a string",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "int_from_float": "an integer",
+}
+_BOUND_WORDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
 
 
 def _describe_error(error: dict) -> str:
@@ -158,7 +169,7 @@ def _describe_error(error: dict) -> str:
 def validate(values: dict) -> Config:
     """A nested dict of overrides -> Config, or ConfigError listing every problem. The
     modules under `imports` are imported first: they may register what the rest names."""
-    values = copy.deepcopy(values)     # _check_keys drops keys it ignores
+    values = copy.deepcopy(values)  # _check_keys drops keys it ignores
     imports = values.get("imports", [])
     if isinstance(imports, list) and all(isinstance(name, str) and MODULE.match(name) for name in imports):
         for i, name in enumerate(imports):
@@ -193,11 +204,12 @@ def _read_yaml(path: str | Path) -> dict:
     if values is None:  # an empty file, or only comments: no overrides
         return {}
     if not isinstance(values, dict):
-        raise ConfigError(f"config file '{path}' must hold a mapping of keys to values, "
-                          f"got a {type(values).__name__}")
+        raise ConfigError(f"config file '{path}' must hold a mapping of keys to values, got a {type(values).__name__}")
     # A section with all its keys commented out parses as null: treat it as empty.
-    return {k: ({} if v is None and k in Config.model_fields and k not in ("imports", "run_dir", "seed")
-                else v) for k, v in values.items()}
+    return {
+        k: ({} if v is None and k in Config.model_fields and k not in ("imports", "run_dir", "seed") else v)
+        for k, v in values.items()
+    }
 
 
 def load(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -216,13 +228,13 @@ def values_of(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> 
         key, sep, text = override.partition("=")
         key = key.strip()
         if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*", key):
-            raise ConfigError(f"override {override!r} must look like key=value, "
-                              f"e.g. train.steps=100")
+            raise ConfigError(f"override {override!r} must look like key=value, e.g. train.steps=100")
         try:
             value = _parse_value(text)
         except yaml.YAMLError:
-            raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML "
-                              f"(quote strings that contain ':' or brackets)") from None
+            raise ConfigError(
+                f"override {override!r}: value {text!r} is not valid YAML (quote strings that contain ':' or brackets)"
+            ) from None
         _set(values, key, value)
     return values
 
@@ -234,4 +246,3 @@ def dump(config: Config, path: str | Path) -> Path:
     header = f"# resolved mpmd config (hash {config.hash()}); every key, defaults included\n"
     path.write_text(header + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     return path
-

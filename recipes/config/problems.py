@@ -4,6 +4,7 @@ backend does not take is not here: its section has no such key (loading.py says 
 kinds or backends take it); what a family or backend needs of the other sections is its
 spec's `problems`, and a schedule's rules are mpmd.schedules', found by building it.
 """
+
 from __future__ import annotations
 
 import re
@@ -46,54 +47,78 @@ def cross_field_problems(c: Config) -> list[str]:
     p, t, d, tb = c.pipeline, c.train, c.data, c.tune
     out = []
     if t.batch_size % p.num_microbatches:
-        out.append(f"train.batch_size={t.batch_size} must be divisible by "
-                   f"pipeline.num_microbatches={p.num_microbatches} (equal-sized microbatches)")
+        out.append(
+            f"train.batch_size={t.batch_size} must be divisible by "
+            f"pipeline.num_microbatches={p.num_microbatches} (equal-sized microbatches)"
+        )
     problem = _schedule_problem(p)
     if problem:
         out.append(problem)
-    if p.cuts is not None and (len(p.cuts) != p.num_stages - 1 or p.cuts != sorted(set(p.cuts))
-                               or (p.cuts and p.cuts[0] < 1)):
-        out.append(f"pipeline.cuts={p.cuts} must be {p.num_stages - 1} increasing layer indices >= 1 "
-                   f"(one per stage after the first, pipeline.num_stages={p.num_stages}), or null")
+    if p.cuts is not None and (
+        len(p.cuts) != p.num_stages - 1 or p.cuts != sorted(set(p.cuts)) or (p.cuts and p.cuts[0] < 1)
+    ):
+        out.append(
+            f"pipeline.cuts={p.cuts} must be {p.num_stages - 1} increasing layer indices >= 1 "
+            f"(one per stage after the first, pipeline.num_stages={p.num_stages}), or null"
+        )
     if tb.microbatch_counts is not None:
         bad = [m for m in tb.microbatch_counts if t.batch_size % m]
         if bad or not tb.microbatch_counts:
-            out.append(f"tune.microbatch_counts={tb.microbatch_counts} must be a non-empty list of divisors "
-                       f"of train.batch_size={t.batch_size} "
-                       f"({[m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0]}), or null")
+            out.append(
+                f"tune.microbatch_counts={tb.microbatch_counts} must be a non-empty list of divisors "
+                f"of train.batch_size={t.batch_size} "
+                f"({[m for m in range(1, t.batch_size + 1) if t.batch_size % m == 0]}), or null"
+            )
     if tb.schedule_names is not None and not tb.schedule_names:
         out.append(f"tune.schedule_names must name at least one of {list(schedules.SCHEDULES)}, or be null (all)")
     out += registry.get_model_spec(c.model.kind).problems(c)
     if (d.source == "files") != bool(d.paths):
-        out.append("data.paths must be non-empty when data.source='files' and empty otherwise, "
-                   f"got source '{d.source}' with {len(d.paths)} paths")
+        out.append(
+            "data.paths must be non-empty when data.source='files' and empty otherwise, "
+            f"got source '{d.source}' with {len(d.paths)} paths"
+        )
     if d.source == "jsonl" and d.path is None:
-        out.append("data.path (a .jsonl of prompt/response examples, e.g. `mpmd sft-data -o DIR`'s DIR/train.jsonl) "
-                   "must be given when data.source='jsonl'")
+        out.append(
+            "data.path (a .jsonl of prompt/response examples, e.g. `mpmd sft-data -o DIR`'s DIR/train.jsonl) "
+            "must be given when data.source='jsonl'"
+        )
     elif d.source != "jsonl" and (d.source == "tokens") != (d.path is not None):
-        out.append("data.path (a corpus `mpmd tokenize` wrote) must be given when data.source='tokens' and "
-                   f"only then, got source '{d.source}' with path {d.path!r}")
+        out.append(
+            "data.path (a corpus `mpmd tokenize` wrote) must be given when data.source='tokens' and "
+            f"only then, got source '{d.source}' with path {d.path!r}"
+        )
     if d.eval_path is not None and d.source != "jsonl":
-        out.append(f"data.eval_path holds held-out fine-tuning examples: it needs data.source='jsonl', "
-                   f"got '{d.source}'")
+        out.append(
+            f"data.eval_path holds held-out fine-tuning examples: it needs data.source='jsonl', got '{d.source}'"
+        )
     if t.exact_match and d.source != "jsonl":
-        out.append(f"train.exact_match={t.exact_match} scores held-out prompt/response examples: it needs "
-                   f"data.source='jsonl', got '{d.source}' (or set train.exact_match=0)")
+        out.append(
+            f"train.exact_match={t.exact_match} scores held-out prompt/response examples: it needs "
+            f"data.source='jsonl', got '{d.source}' (or set train.exact_match=0)"
+        )
     if (d.source in ("tokens", "jsonl") or d.tokenizer != "bytes") and not hasattr(c.model, "vocab_size"):
-        out.append(f"data.source='{d.source}' with data.tokenizer={d.tokenizer!r} gives tokens, which "
-                   f"model.kind='{c.model.kind}' does not read (it has no model.vocab_size)")
+        out.append(
+            f"data.source='{d.source}' with data.tokenizer={d.tokenizer!r} gives tokens, which "
+            f"model.kind='{c.model.kind}' does not read (it has no model.vocab_size)"
+        )
     if d.pack and d.source not in ("tokens", "jsonl"):
-        out.append(f"data.pack=true packs the documents of a tokenized corpus or fine-tuning examples: it needs "
-                   f"data.source='tokens' or 'jsonl', got '{d.source}'")
+        out.append(
+            f"data.pack=true packs the documents of a tokenized corpus or fine-tuning examples: it needs "
+            f"data.source='tokens' or 'jsonl', got '{d.source}'"
+        )
     if t.sample_tokens and not t.sample_prompt:
         out.append("train.sample_prompt must be non-empty when train.sample_tokens > 0")
     if c.optimizer.name != "adamw" and c.optimizer.weight_decay:
-        out.append(f"optimizer.weight_decay={c.optimizer.weight_decay} only applies to 'adamw'; "
-                   f"set it to 0 for '{c.optimizer.name}'")
+        out.append(
+            f"optimizer.weight_decay={c.optimizer.weight_decay} only applies to 'adamw'; "
+            f"set it to 0 for '{c.optimizer.name}'"
+        )
     num_slices = max(1, p.num_stages // p.virtual_stages)
     if c.cluster.num_workers is not None and c.cluster.num_workers != num_slices:
-        out.append(f"cluster.num_workers={c.cluster.num_workers} must equal pipeline.num_stages // "
-                   f"pipeline.virtual_stages = {num_slices} (or be null)")
+        out.append(
+            f"cluster.num_workers={c.cluster.num_workers} must equal pipeline.num_stages // "
+            f"pipeline.virtual_stages = {num_slices} (or be null)"
+        )
     out += registry.get_backend_spec(c.cluster.backend).problems(c)
     return out + _mesh_problems(c, num_slices)
 
@@ -105,17 +130,23 @@ def _mesh_problems(c: Config, num_slices: int) -> list[str]:
     (mpmd.runtime.worker.mesh.devices_problem), here before JAX is imported."""
     mesh, cl = c.mesh, c.cluster
     devices = cl.devices_per_worker * cl.processes_per_slice
-    has = (f"cluster.devices_per_worker={devices}" if cl.processes_per_slice == 1 else
-           f"a slice has {devices} (cluster.devices_per_worker={cl.devices_per_worker} x "
-           f"cluster.processes_per_slice={cl.processes_per_slice})")
+    has = (
+        f"cluster.devices_per_worker={devices}"
+        if cl.processes_per_slice == 1
+        else f"a slice has {devices} (cluster.devices_per_worker={cl.devices_per_worker} x "
+        f"cluster.processes_per_slice={cl.processes_per_slice})"
+    )
     out = []
     if mesh.stages is not None and len(mesh.stages) != num_slices:
-        out.append(f"mesh.stages lists {len(mesh.stages)} slice shape(s) but there are {num_slices} slices "
-                   f"(pipeline.num_stages // pipeline.virtual_stages): give one per slice, or none")
+        out.append(
+            f"mesh.stages lists {len(mesh.stages)} slice shape(s) but there are {num_slices} slices "
+            f"(pipeline.num_stages // pipeline.virtual_stages): give one per slice, or none"
+        )
     # A worker owns devices_per_worker devices; an in-process slice takes as many as its mesh.
     elif not registry.get_backend_spec(cl.backend).in_process_devices:
         named = [(f"mesh.stages[{r}]", s) for r, s in enumerate(mesh.stages)] if mesh.stages else [("mesh", mesh)]
-        out += [f"{where}: {p}" for where, shape in named
-                if (p := devices_problem(shape.resolved(devices), devices, has))]
+        out += [
+            f"{where}: {p}" for where, shape in named if (p := devices_problem(shape.resolved(devices), devices, has))
+        ]
     out += [p for name, target in mesh.rules.items() if (p := rule_problem(name, target, f"mesh.rules.{name}"))]
     return out

@@ -35,34 +35,52 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """model.*: the keys every family takes; each family's section (its ModelSpec's, in
     recipes/families/) adds its own, and model.kind picks the section."""
-    kind: str = Field("gpt", description="which model to build (each family's own keys: its section in "
-                                         "recipes/families/)", json_schema_extra={"one_of": "model"})
+
+    kind: str = Field(
+        "gpt",
+        description="which model to build (each family's own keys: its section in recipes/families/)",
+        json_schema_extra={"one_of": "model"},
+    )
 
 
 class DataConfig(_Section):
     source: Literal["stdlib", "files", "synthetic", "tokens", "jsonl"] = Field(
-        "stdlib", description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
-                              "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline; "
-                              "jsonl = fine-tuning examples (data.path: a .jsonl of prompt/response or chat "
-                              "messages, recipes/sft.py), the loss on response tokens only")
+        "stdlib",
+        description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
+        "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline; "
+        "jsonl = fine-tuning examples (data.path: a .jsonl of prompt/response or chat "
+        "messages, recipes/sft.py), the loss on response tokens only",
+    )
     paths: list[str] = Field([], description="files source: file paths, directories or globs")
     path: str | None = Field(
-        None, description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards); "
-                          "jsonl source: the training examples' .jsonl file")
+        None,
+        description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards); "
+        "jsonl source: the training examples' .jsonl file",
+    )
     tokenizer: str = Field(
-        "bytes", description="bytes = one token per UTF-8 byte; or a Hugging Face tokenizer.json (or its "
-                             "directory): model.vocab_size then follows it unless given. The tokens source "
-                             "uses its corpus's tokenizer (a tokenizer given must be the same)")
+        "bytes",
+        description="bytes = one token per UTF-8 byte; or a Hugging Face tokenizer.json (or its "
+        "directory): model.vocab_size then follows it unless given. The tokens source "
+        "uses its corpus's tokenizer (a tokenizer given must be the same)",
+    )
     pack: bool = Field(
-        False, description="tokens source: pack whole documents into rows of model.seq_len (Grain's first-fit "
-                           "packing) with segment_ids and positions, the loss over real tokens only; false = "
-                           "windows of the concatenated documents")
+        False,
+        description="tokens source: pack whole documents into rows of model.seq_len (Grain's first-fit "
+        "packing) with segment_ids and positions, the loss over real tokens only; false = "
+        "windows of the concatenated documents",
+    )
     eval_path: str | None = Field(
-        None, description="jsonl source: the held-out examples' .jsonl (eval loss, train.exact_match); "
-                          "null = the last data.eval_fraction of data.path's examples")
+        None,
+        description="jsonl source: the held-out examples' .jsonl (eval loss, train.exact_match); "
+        "null = the last data.eval_fraction of data.path's examples",
+    )
     eval_fraction: float = Field(
-        0.05, gt=0, lt=1, description="last fraction of the corpus held out for eval (of its bytes or "
-                                     "tokens; of a tokens corpus's windows, or with data.pack its pieces)")
+        0.05,
+        gt=0,
+        lt=1,
+        description="last fraction of the corpus held out for eval (of its bytes or "
+        "tokens; of a tokens corpus's windows, or with data.pack its pieces)",
+    )
     max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
 
 
@@ -73,32 +91,43 @@ class TrainConfig(_Section):
     eval_batches: int = Field(4, gt=0, description="batches averaged per eval")
     sample_tokens: int = Field(200, ge=0, description="sample length in tokens at the end; 0 = none")
     sample_prompt: str = Field("def ", description="text the final sample continues")
-    sample_temperature: float = Field(
-        0.8, ge=0, description="divides the logits before sampling; 0 = greedy (argmax)")
+    sample_temperature: float = Field(0.8, ge=0, description="divides the logits before sampling; 0 = greedy (argmax)")
     sample_top_k: int = Field(40, ge=0, description="sample among the k likeliest tokens; 0 = all")
     exact_match: int = Field(
-        0, ge=0, description="jsonl source: score this many held-out examples by exact match of the greedy "
-                             "continuation of each prompt with its response, before training, at each eval and at "
-                             "the end (metrics.jsonl and the summary); 0 = none")
+        0,
+        ge=0,
+        description="jsonl source: score this many held-out examples by exact match of the greedy "
+        "continuation of each prompt with its response, before training, at each eval and at "
+        "the end (metrics.jsonl and the summary); 0 = none",
+    )
     run_ahead: int = Field(
-        1, ge=0, description="steps sent to the slices ahead of the one running (each queues "
-                             "behind it, hiding the gap between steps); 0 = one step at a time")
+        1,
+        ge=0,
+        description="steps sent to the slices ahead of the one running (each queues "
+        "behind it, hiding the gap between steps); 0 = one step at a time",
+    )
     # Its rules are mpmd.Recovery's (mpmd/train/options.py), checked by building one.
     on_nonfinite: str = Field(
-        "stop", description="a step whose loss or gradient norm is not finite is never committed; then "
-                            "stop = end the run (one error line naming the step, the last committed step "
-                            "kept); rewind = restore the last committed step and go on, once per step "
-                            "(skip is refused: the update is applied on the slices before the loss is known)",
-        json_schema_extra={"one_of": "on_nonfinite"})
+        "stop",
+        description="a step whose loss or gradient norm is not finite is never committed; then "
+        "stop = end the run (one error line naming the step, the last committed step "
+        "kept); rewind = restore the last committed step and go on, once per step "
+        "(skip is refused: the update is applied on the slices before the loss is known)",
+        json_schema_extra={"one_of": "on_nonfinite"},
+    )
     preempt_grace_s: float = Field(
-        30.0, ge=12, description="after a SIGTERM (a scheduler's preemption) the run exits within this many "
-                                 "seconds, exit code 143: it collects the steps in flight and commits a "
-                                 "checkpoint, and when that has not finished 10 s before the end it keeps the "
-                                 "last commit instead (those 10 s stop the workers)")
+        30.0,
+        ge=12,
+        description="after a SIGTERM (a scheduler's preemption) the run exits within this many "
+        "seconds, exit code 143: it collects the steps in flight and commits a "
+        "checkpoint, and when that has not finished 10 s before the end it keeps the "
+        "last commit instead (those 10 s stop the workers)",
+    )
 
     @model_validator(mode="after")
     def _nonfinite_rules(self):
         from mpmd.train.options import Recovery
+
         _record_rules("train", lambda: Recovery(on_nonfinite=self.on_nonfinite))
         return self
 
@@ -109,26 +138,31 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay; adamw only")
     b1: float = Field(0.9, ge=0, lt=1, description="adam beta1; sgd momentum (0 = plain sgd)")
     b2: float = Field(0.95, ge=0, lt=1, description="adam beta2; unused by sgd")
-    warmup_steps: int = Field(
-        20, ge=0, description="linear warmup from 0 to lr over this many steps, then constant")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup from 0 to lr over this many steps, then constant")
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="clip the global gradient norm to this; null = no clipping")
+        1.0, gt=0, description="clip the global gradient norm to this; null = no clipping"
+    )
 
 
 class PipelineConfig(_Section):
     num_stages: int = Field(2, gt=0, description="pipeline stages the model is split into")
     schedule: str = Field(
-        "1f1b", description="order of forward/backward tasks on each slice",
-        json_schema_extra={"one_of": "schedule"})
+        "1f1b", description="order of forward/backward tasks on each slice", json_schema_extra={"one_of": "schedule"}
+    )
     num_microbatches: int = Field(4, gt=0, description="microbatches per global batch")
     virtual_stages: int = Field(
-        1, gt=0, description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
-                             "(their V, the default for them), else 1")
+        1,
+        gt=0,
+        description="stages per slice: >= 2 for interleaved-1f1b, 2 for zb-v and dualpipe-v "
+        "(their V, the default for them), else 1",
+    )
 
     cuts: list[int] | None = Field(
-        None, description="the layer (or, for a custom model's list of stages, the stage) where each "
-                          "pipeline stage after the first begins, increasing; null = cut where the "
-                          "stages' estimated costs balance (`mpmd tune` writes measured ones)")
+        None,
+        description="the layer (or, for a custom model's list of stages, the stage) where each "
+        "pipeline stage after the first begins, increasing; null = cut where the "
+        "stages' estimated costs balance (`mpmd tune` writes measured ones)",
+    )
 
     @field_validator("schedule")
     @classmethod
@@ -137,7 +171,7 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _schedule_default(self):
-        if "virtual_stages" not in self.model_fields_set:     # not given: the schedule's own
+        if "virtual_stages" not in self.model_fields_set:  # not given: the schedule's own
             self.virtual_stages = schedules.default_virtual_stages(self.schedule)
         return self
 
@@ -145,44 +179,71 @@ class PipelineConfig(_Section):
 class ClusterSection(_Section):
     """cluster.*: the keys every backend takes; each backend's section (its BackendSpec's, in
     recipes/backends/) adds its own, and cluster.backend picks the section."""
+
     backend: str = Field(
-        "local", description="where the slices run (each backend's own keys: its section in recipes/backends/): "
-                             "inprocess = threads; local = processes here; static = by address; "
-                             "shared = slices leased from a persistent cluster (`mpmd cluster up`)",
-        json_schema_extra={"one_of": "cluster"})
+        "local",
+        description="where the slices run (each backend's own keys: its section in recipes/backends/): "
+        "inprocess = threads; local = processes here; static = by address; "
+        "shared = slices leased from a persistent cluster (`mpmd cluster up`)",
+        json_schema_extra={"one_of": "cluster"},
+    )
     num_workers: int | None = Field(
-        None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one")
+        None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one"
+    )
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     processes_per_slice: int = Field(
-        1, gt=0, description="local, static, ray: worker processes (one per host) that together own one slice's "
-                             "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice")
+        1,
+        gt=0,
+        description="local, static, ray: worker processes (one per host) that together own one slice's "
+        "mesh of processes_per_slice x devices_per_worker devices; a lost one is a lost slice",
+    )
     step_timeout_s: float | None = Field(
-        None, gt=0, description="abort a step with no progress for this long (a worker is lost); "
-                                "null = max(60 s, 20 x the median recent step time)")
+        None,
+        gt=0,
+        description="abort a step with no progress for this long (a worker is lost); "
+        "null = max(60 s, 20 x the median recent step time)",
+    )
     # Their rules are mpmd.Recovery's (mpmd/train/options.py), checked by building one.
     on_loss: str = Field(
-        "auto", description="a lost worker: replace = a new one or stop; shrink = go on with the same stages "
-                            "on the survivors, back to all slices at a checkpoint once workers can start "
-                            "again; auto = replace if one comes within replace_timeout_s, else shrink",
-        json_schema_extra={"one_of": "on_loss"})
+        "auto",
+        description="a lost worker: replace = a new one or stop; shrink = go on with the same stages "
+        "on the survivors, back to all slices at a checkpoint once workers can start "
+        "again; auto = replace if one comes within replace_timeout_s, else shrink",
+        json_schema_extra={"one_of": "on_loss"},
+    )
     replace_timeout_s: float = Field(
-        60.0, description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try")
+        60.0, description="how long a replacement worker is waited for (on_loss replace or auto); 0 = one try"
+    )
     max_restarts: int = Field(
-        3, ge=0, description="recoveries from lost workers within any restart_window_s seconds before the run "
-                             "gives up (the message names both keys and the last committed step)")
+        3,
+        ge=0,
+        description="recoveries from lost workers within any restart_window_s seconds before the run "
+        "gives up (the message names both keys and the last committed step)",
+    )
     restart_window_s: float | None = Field(
-        3600.0, gt=0, description="the window max_restarts counts in: recoveries older than this many seconds "
-                                  "stop counting, so a long run is not charged for them forever; null = the whole run")
+        3600.0,
+        gt=0,
+        description="the window max_restarts counts in: recoveries older than this many seconds "
+        "stop counting, so a long run is not charged for them forever; null = the whole run",
+    )
     slice_memory_bytes: int | None = Field(
-        None, description="bytes a layout on fewer slices may hold on one slice (parameters, "
-                          "gradients, optimizer state, saved activations); null = not checked")
+        None,
+        description="bytes a layout on fewer slices may hold on one slice (parameters, "
+        "gradients, optimizer state, saved activations); null = not checked",
+    )
 
     def recovery(self, on_nonfinite: str = "stop"):
         """The Trainer's mpmd.Recovery record of these keys (and train.on_nonfinite)."""
         from mpmd.train.options import Recovery
-        return Recovery(on_loss=self.on_loss, replace_timeout_s=self.replace_timeout_s,
-                        max_restarts=self.max_restarts, restart_window_s=self.restart_window_s,
-                        slice_memory_bytes=self.slice_memory_bytes, on_nonfinite=on_nonfinite)
+
+        return Recovery(
+            on_loss=self.on_loss,
+            replace_timeout_s=self.replace_timeout_s,
+            max_restarts=self.max_restarts,
+            restart_window_s=self.restart_window_s,
+            slice_memory_bytes=self.slice_memory_bytes,
+            on_nonfinite=on_nonfinite,
+        )
 
     @model_validator(mode="after")
     def _recovery_rules(self):
@@ -192,39 +253,54 @@ class ClusterSection(_Section):
 
 class WorkerSection(ClusterSection):
     """cluster.*: what the backends whose slices are worker processes add."""
+
     token_file: str | None = Field(
-        None, description="file holding the cluster secret; static needs one, others generate it; "
-                          "shared with cluster.address: the submit token")
+        None,
+        description="file holding the cluster secret; static needs one, others generate it; "
+        "shared with cluster.address: the submit token",
+    )
     failure_timeout_s: float | None = Field(
-        None, gt=0, description="a worker silent this long (no heartbeat answered) is declared lost "
-                                "and replaced; null = the cluster's default (5 s)")
+        None,
+        gt=0,
+        description="a worker silent this long (no heartbeat answered) is declared lost "
+        "and replaced; null = the cluster's default (5 s)",
+    )
     transport: Literal[TRANSPORTS] = Field(
-        "auto", description="the data plane between slices: auto = shared memory between workers on one host, "
-                            "sockets (jax.experimental.transfer) between hosts; socket = sockets always; shm = "
-                            "shared memory always (not with gangs; a start with workers on two hosts fails)")
+        "auto",
+        description="the data plane between slices: auto = shared memory between workers on one host, "
+        "sockets (jax.experimental.transfer) between hosts; socket = sockets always; shm = "
+        "shared memory always (not with gangs; a start with workers on two hosts fails)",
+    )
 
     @model_validator(mode="after")
     def _shm_without_gangs(self):
         if self.transport == "shm" and self.processes_per_slice > 1:
-            raise ValueError(f"cluster.transport=shm cannot serve slices that are gangs (cluster.processes_per_slice="
-                             f"{self.processes_per_slice}): a gang's pieces travel between its processes' hosts "
-                             f"over sockets; use auto (shared memory wherever it can) or socket")
+            raise ValueError(
+                f"cluster.transport=shm cannot serve slices that are gangs (cluster.processes_per_slice="
+                f"{self.processes_per_slice}): a gang's pieces travel between its processes' hosts "
+                f"over sockets; use auto (shared memory wherever it can) or socket"
+            )
         return self
-
 
 
 class TuneConfig(_Section):
     """What `mpmd tune` searches and how it confirms (recipes/tune_cli.py); `mpmd train`
     ignores this section."""
+
     memory_gb: float | None = Field(
-        None, gt=0, description="per-slice memory cap in GiB the predicted peak must fit; null = the "
-                                "device's memory (on CPU: this host's memory / workers)")
+        None,
+        gt=0,
+        description="per-slice memory cap in GiB the predicted peak must fit; null = the "
+        "device's memory (on CPU: this host's memory / workers)",
+    )
     confirm: int = Field(3, ge=0, description="best predicted candidates run for real; 0 = none")
     confirm_steps: int = Field(5, gt=0, description="timed steps per confirmed candidate (after two warm-up steps)")
     microbatch_counts: list[typing.Annotated[int, Field(gt=0)]] | None = Field(
-        None, description="microbatch counts to consider, each dividing train.batch_size; null = every divisor")
+        None, description="microbatch counts to consider, each dividing train.batch_size; null = every divisor"
+    )
     schedule_names: list[str] | None = Field(
-        None, description="schedules to consider; null = all", json_schema_extra={"one_of": "schedule"})
+        None, description="schedules to consider; null = all", json_schema_extra={"one_of": "schedule"}
+    )
     max_virtual_stages: int = Field(4, gt=0, description="most stages per slice interleaved-1f1b may take")
     output: str = Field("tuned.yaml", description="where the winner's config is written")
 
@@ -243,17 +319,27 @@ MESH_AXES = AXES
 
 class SliceShape(_Section):
     """One slice's mesh: data x fsdp x tensor x expert devices (mpmd.stages.sharding.SliceMesh)."""
+
     data: int | None = Field(
-        None, gt=0, description="ways a microbatch is split (data parallel); null = the devices "
-                                "fsdp x tensor x expert leave: max(1, cluster.devices_per_worker // "
-                                "(fsdp x tensor x expert))")
-    fsdp: int = Field(1, gt=0, description="ways a microbatch and the parameter dims the rules put "
-                                           "on fsdp are split (ZeRO-3)")
-    tensor: int = Field(1, gt=0, description="ways the parameter dims the rules put on tensor are "
-                                             "split (Megatron-style)")
-    expert: int = Field(1, gt=0, description="ways a mixture's experts are split (expert parallel: "
-                                             "each device holds num_experts / expert of every MoE "
-                                             "layer's); the dense layers split the microbatch over it")
+        None,
+        gt=0,
+        description="ways a microbatch is split (data parallel); null = the devices "
+        "fsdp x tensor x expert leave: max(1, cluster.devices_per_worker // "
+        "(fsdp x tensor x expert))",
+    )
+    fsdp: int = Field(
+        1, gt=0, description="ways a microbatch and the parameter dims the rules put on fsdp are split (ZeRO-3)"
+    )
+    tensor: int = Field(
+        1, gt=0, description="ways the parameter dims the rules put on tensor are split (Megatron-style)"
+    )
+    expert: int = Field(
+        1,
+        gt=0,
+        description="ways a mixture's experts are split (expert parallel: "
+        "each device holds num_experts / expert of every MoE "
+        "layer's); the dense layers split the microbatch over it",
+    )
 
     def resolved(self, devices_per_worker: int) -> dict[str, int]:
         """{data, fsdp, tensor[, expert]} with data's null replaced (what mpmd.Trainer(mesh=...)
@@ -265,35 +351,52 @@ class SliceShape(_Section):
 
 class MeshConfig(SliceShape):
     stages: list[SliceShape] | None = Field(
-        None, description="one {data, fsdp, tensor, expert} per slice (worker), replacing the shape above "
-                          "for that slice; null = every slice alike")
+        None,
+        description="one {data, fsdp, tensor, expert} per slice (worker), replacing the shape above "
+        "for that slice; null = every slice alike",
+    )
     rules: dict[str, Any] = Field(
-        {}, description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
-                        "overrides mpmd.stages.sharding.RULES")
+        {},
+        description="logical axis name -> mesh axis, list of mesh axes, or null (replicated); "
+        "overrides mpmd.stages.sharding.RULES",
+    )
     fsdp_gather: Literal["per_microbatch", "per_step"] = Field(
-        "per_microbatch", description="where weights laid out on fsdp are gathered: inside every forward and "
-                                      "backward program (per_microbatch), or once a step by gather{k} before a "
-                                      "stage's first forward, kept whole over fsdp until its last backward "
-                                      "(per_step: fewer gathers, fsdp x the sharded weights' memory; needs a "
-                                      "slice with fsdp > 1)")
+        "per_microbatch",
+        description="where weights laid out on fsdp are gathered: inside every forward and "
+        "backward program (per_microbatch), or once a step by gather{k} before a "
+        "stage's first forward, kept whole over fsdp until its last backward "
+        "(per_step: fewer gathers, fsdp x the sharded weights' memory; needs a "
+        "slice with fsdp > 1)",
+    )
 
 
 class CheckpointConfig(_Section):
     """Their rules are mpmd.Checkpointing's (mpmd/train/options.py), checked by building one."""
+
     every: int = Field(50, description="save every N steps and at the end; 0 = end only")
     memory_every: int = Field(
-        0, description="also snapshot every N steps in host memory, copied to a peer slice: "
-                       "a lost worker is restored from it and replays at most N steps; 0 = off")
+        0,
+        description="also snapshot every N steps in host memory, copied to a peer slice: "
+        "a lost worker is restored from it and replays at most N steps; 0 = off",
+    )
     keep: int = Field(2, description="newest committed checkpoints kept on disk")
     max_failed_saves: int = Field(
-        1, description="saves that may fail after a failed one (retries, or saves already "
-                       "in flight) before training stops at the last committed step")
+        1,
+        description="saves that may fail after a failed one (retries, or saves already "
+        "in flight) before training stops at the last committed step",
+    )
 
     def record(self, metadata: dict | None = None):
         """The Trainer's mpmd.Checkpointing record of these keys, with `metadata` in every manifest."""
         from mpmd.train.options import Checkpointing
-        return Checkpointing(every=self.every, keep=self.keep, max_failed_saves=self.max_failed_saves,
-                             memory_every=self.memory_every, metadata=dict(metadata or {}))
+
+        return Checkpointing(
+            every=self.every,
+            keep=self.keep,
+            max_failed_saves=self.max_failed_saves,
+            memory_every=self.memory_every,
+            metadata=dict(metadata or {}),
+        )
 
     @model_validator(mode="after")
     def _checkpointing_rules(self):
@@ -304,31 +407,40 @@ class CheckpointConfig(_Section):
 class LogConfig(_Section):
     every: int = Field(10, gt=0, description="log a line (and flush scalars) every N steps")
     trace_steps: list[typing.Annotated[int, Field(gt=0)]] = Field(
-        [2, 3], description="steps whose per-task timeline is written as a Perfetto trace")
+        [2, 3], description="steps whose per-task timeline is written as a Perfetto trace"
+    )
     tensorboard: bool = Field(True, description="also write scalars to <run_dir>/tb")
     wandb: bool = Field(
-        False, description="also log scalars to Weights & Biases (needs `pip install 'mpmd[wandb]'`), its files "
-                           "under <run_dir>/wandb; with WANDB_MODE=offline nothing is sent (`wandb sync` uploads later)")
+        False,
+        description="also log scalars to Weights & Biases (needs `pip install 'mpmd[wandb]'`), its files "
+        "under <run_dir>/wandb; with WANDB_MODE=offline nothing is sent (`wandb sync` uploads later)",
+    )
     wandb_project: str = Field("mpmd", description="the W&B project log.wandb logs to (the run is named after run_dir)")
     progress: Literal["auto", "bar", "lines"] = Field(
-        "auto", description="auto = tqdm bar on a terminal, log lines otherwise")
+        "auto", description="auto = tqdm bar on a terminal, log lines otherwise"
+    )
     level: Literal["debug", "info", "warning", "error"] = Field(
-        "warning", description="least level of log records on the console (workers' too, one line "
-                               "each); info and up always go to <run_dir>/logs; $MPMD_LOG overrides")
+        "warning",
+        description="least level of log records on the console (workers' too, one line "
+        "each); info and up always go to <run_dir>/logs; $MPMD_LOG overrides",
+    )
 
     @model_validator(mode="after")
     def _wandb_installed(self):
         # Checked with the config, before JAX starts or a worker does, not at the first step.
         if self.wandb and importlib.util.find_spec("wandb") is None:
-            raise ValueError("log.wandb=true needs the wandb package: pip install 'mpmd[wandb]' "
-                             "(or set log.wandb=false)")
+            raise ValueError(
+                "log.wandb=true needs the wandb package: pip install 'mpmd[wandb]' (or set log.wandb=false)"
+            )
         return self
 
 
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # The sections picked by a key inside them: section -> (that key, the registry of its variants).
-VARIANTS = {"model": ("kind", ModelSection, registry.model_specs),
-             "cluster": ("backend", ClusterSection, registry.backend_specs)}
+VARIANTS = {
+    "model": ("kind", ModelSection, registry.model_specs),
+    "cluster": ("backend", ClusterSection, registry.backend_specs),
+}
 
 
 def variant(section: str, values) -> type[BaseModel]:
@@ -361,11 +473,13 @@ def _record_rules(section: str, make) -> None:
 
 class Config(_Section):
     imports: list[str] = Field(
-        [], description="modules imported before the rest of the config is checked, e.g. [my_pkg.my_family]: "
-                        "a module that registers a model family (mpmd.recipes.registry.register_model_spec), "
-                        "a cluster backend (register_backend_spec) or a schedule (mpmd.schedules."
-                        "register_schedule) makes its name valid for model.kind, cluster.backend or "
-                        "pipeline.schedule; the working directory is on the import path")
+        [],
+        description="modules imported before the rest of the config is checked, e.g. [my_pkg.my_family]: "
+        "a module that registers a model family (mpmd.recipes.registry.register_model_spec), "
+        "a cluster backend (register_backend_spec) or a schedule (mpmd.schedules."
+        "register_schedule) makes its name valid for model.kind, cluster.backend or "
+        "pipeline.schedule; the working directory is on the import path",
+    )
     run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
     seed: int = Field(0, description="seeds parameter init and data order")
     # model and cluster: the section of the registered family or backend their kind/backend names.
@@ -439,8 +553,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_check(self) -> "Config":
-        from mpmd.recipes import tokenizer      # imports the config schema: not at the top
-        tokenizer.resolve_vocab_size(self)     # before the checks that read model.vocab_size
+        from mpmd.recipes import tokenizer  # imports the config schema: not at the top
+
+        tokenizer.resolve_vocab_size(self)  # before the checks that read model.vocab_size
         found = problems.cross_field_problems(self)
         if found:
             raise ValueError("\n".join(found))
@@ -465,6 +580,7 @@ def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     has, at the default of a family that has it, is no change (a manifest from before the
     model section was per family records every family's keys); nor is a key of another section
     only one side has, at its default (a manifest from before the key existed)."""
+
     def same(k):
         if k in saved and k in now:
             return saved[k] == now[k]
@@ -476,8 +592,12 @@ def math_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         fields = getattr(Config.model_fields.get(section), "annotation", None)
         field = getattr(fields, "model_fields", {}).get(name)
         return field is not None and field.default == one[k]
-    return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
-            for k in sorted(set(saved) | set(now)) if not same(k)]
+
+    return [
+        f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
+        for k in sorted(set(saved) | set(now))
+        if not same(k)
+    ]
 
 
 def default_elsewhere(section: str, name: str, value) -> bool:
@@ -485,5 +605,7 @@ def default_elsewhere(section: str, name: str, value) -> bool:
     key says nothing the variant without it does not mean (a resolved config from before the
     sections were per kind lists every family's keys at their defaults)."""
     specs = VARIANTS[section][2]()
-    return any(name in spec.section.model_fields and spec.section.model_fields[name].default == value
-               for spec in specs.values())
+    return any(
+        name in spec.section.model_fields and spec.section.model_fields[name].default == value
+        for spec in specs.values()
+    )

@@ -10,6 +10,7 @@ be a function of one pytree (the previous stage's output) with no state mutated 
 Here: a byte embedding, two residual MLP blocks and an LM head, i.e. a position-wise model
 (no attention) that learns the next byte from the current one.
 """
+
 import jax
 from flax import nnx
 
@@ -21,8 +22,7 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab_size: int, d_model: int, rngs: nnx.Rngs):
         # N(0, 0.02) like GPT: keeps the residual stream small next to the blocks' updates.
-        self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs,
-                               embedding_init=nnx.initializers.normal(0.02))
+        self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs, embedding_init=nnx.initializers.normal(0.02))
 
     def __call__(self, tokens):
         return self.embed(tokens)
@@ -54,8 +54,10 @@ class Head(nnx.Module):
 def build(cfg):
     """Four stages sized by the config's model.* keys; pipeline.num_stages must be 4."""
     m, rngs = cfg.model, nnx.Rngs(cfg.seed)
-    stages = [Embed(m.vocab_size, m.d_model, rngs),
-              ResidualMLP(m.d_model, m.mlp_ratio * m.d_model, rngs),
-              ResidualMLP(m.d_model, m.mlp_ratio * m.d_model, rngs),
-              Head(m.d_model, m.vocab_size, rngs)]
+    stages = [
+        Embed(m.vocab_size, m.d_model, rngs),
+        ResidualMLP(m.d_model, m.mlp_ratio * m.d_model, rngs),
+        ResidualMLP(m.d_model, m.mlp_ratio * m.d_model, rngs),
+        Head(m.d_model, m.vocab_size, rngs),
+    ]
     return stages, models.lm_loss

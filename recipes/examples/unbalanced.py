@@ -10,6 +10,7 @@ poor split and the tuner's measured costs matter.
 pipeline.cuts) cut it like a GPT: [HeavyEmbed, model.num_layers x ResidualMLP, HeavyHead].
 Position-wise (no attention), like recipes/examples/custom_stages.py, whose pieces it uses.
 """
+
 from flax import nnx
 
 from mpmd import models
@@ -61,4 +62,6 @@ class Unbalanced(nnx.Module):
 
 def build(cfg):
     m = cfg.model
-    return Unbalanced(m.vocab_size, m.d_model, m.mlp_ratio * m.d_model, m.num_layers, nnx.Rngs(cfg.seed)), models.lm_loss
+    return Unbalanced(
+        m.vocab_size, m.d_model, m.mlp_ratio * m.d_model, m.num_layers, nnx.Rngs(cfg.seed)
+    ), models.lm_loss

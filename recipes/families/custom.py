@@ -5,6 +5,7 @@ cross-entropy on the tokens it trains on (stdlib, files or synthetic tokens). It
 holds the keys such a builder may read (recipes/examples/custom_stages.py reads vocab_size,
 d_model and mlp_ratio). A family used more than once deserves a spec of its own (see
 recipes/families/gpt.py and the config's `imports:`)."""
+
 from __future__ import annotations
 
 import re
@@ -50,12 +51,23 @@ def _split(cfg: Config, built, sample_input):
     of stages is not pipeline.num_stages long."""
     num_stages = cfg.pipeline.num_stages
     if not callable(getattr(built, "layers", None)) and cfg.pipeline.cuts is None and len(built) != num_stages:
-        raise ConfigError(f"model.module={cfg.model.module!r} returned {len(built)} stages but "
-                          f"pipeline.num_stages={num_stages}; set pipeline.num_stages="
-                          f"{len(built)} or return a model with .layers() to be split")
+        raise ConfigError(
+            f"model.module={cfg.model.module!r} returned {len(built)} stages but "
+            f"pipeline.num_stages={num_stages}; set pipeline.num_stages="
+            f"{len(built)} or return a model with .layers() to be split"
+        )
     return None
 
 
-SPEC = register_model_spec(ModelSpec(
-    "custom", CustomSection, build=_build, loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
-    split=_split, problems=_problems))
+SPEC = register_model_spec(
+    ModelSpec(
+        "custom",
+        CustomSection,
+        build=_build,
+        loss=lm_loss,
+        sources=token_sources,
+        tokens_per_example=seq_len,
+        split=_split,
+        problems=_problems,
+    )
+)

@@ -1,5 +1,6 @@
 """model.kind='gpt': the GPT decoder LM (models/gpt.py) on byte tokens; also the decoder
 section and checks that llama (and a custom model's tokens) share."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -12,15 +13,20 @@ from mpmd.recipes.registry import ModelSpec, data_sources, flax_build, layers_pr
 
 class DecoderSection(ModelSection):
     """What every decoder LM here takes."""
+
     vocab_size: int = Field(256, gt=0, description="token vocabulary; 256 = one token per byte")
     d_model: int = Field(64, gt=0, description="residual stream width")
     num_heads: int = Field(2, gt=0, description="attention heads; must divide d_model")
     num_layers: int = Field(4, gt=0, description="transformer blocks")
     seq_len: int = Field(64, ge=2, description="context length in tokens")
     dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="dropout rate after the embedding and on each block's attention and "
-                                         "MLP outputs, each layer with its own RNG stream seeded by `seed` (carried "
-                                         "on its slice as stage state); 0 = none. Evaluation never drops")
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="dropout rate after the embedding and on each block's attention and "
+        "MLP outputs, each layer with its own RNG stream seeded by `seed` (carried "
+        "on its slice as stage state); 0 = none. Evaluation never drops",
+    )
 
 
 class GPTSection(DecoderSection):
@@ -32,8 +38,9 @@ def byte_vocab_problems(cfg: Config) -> list[str]:
     """A model reading the byte corpus needs a token for each of 256 byte values."""
     d, m = cfg.data, cfg.model
     if d.source in ("stdlib", "files", "jsonl") and d.tokenizer == "bytes" and m.vocab_size < 256:
-        return [f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must "
-                f"be >= 256, got {m.vocab_size}"]
+        return [
+            f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must be >= 256, got {m.vocab_size}"
+        ]
     return []
 
 
@@ -65,11 +72,30 @@ def seq_len(cfg: Config) -> int:
 
 def _gpt(cfg: Config, rngs):
     from mpmd import models
+
     m = cfg.model
-    return models.GPT(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len, m.mlp_ratio,
-                      dropout_rate=m.dropout, dropout_seed=cfg.seed, rngs=rngs)
+    return models.GPT(
+        m.vocab_size,
+        m.d_model,
+        m.num_heads,
+        m.num_layers,
+        m.seq_len,
+        m.mlp_ratio,
+        dropout_rate=m.dropout,
+        dropout_seed=cfg.seed,
+        rngs=rngs,
+    )
 
 
-SPEC = register_model_spec(ModelSpec(
-    "gpt", GPTSection, build=flax_build(_gpt), loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
-    samples_text=True, problems=decoder_problems))
+SPEC = register_model_spec(
+    ModelSpec(
+        "gpt",
+        GPTSection,
+        build=flax_build(_gpt),
+        loss=lm_loss,
+        sources=token_sources,
+        tokens_per_example=seq_len,
+        samples_text=True,
+        problems=decoder_problems,
+    )
+)

@@ -1,5 +1,6 @@
 """model.kind='llama': the Llama decoder LM (models/llama.py): grouped-query attention,
 SwiGLU, rotary embeddings, optional tied embeddings (cut at stage marks), bf16, remat."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,33 +16,43 @@ from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
 
 class ComputeSection(ModelSection):
     """How a model computes (a custom builder may read these too)."""
+
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="compute and activation dtype (also what crosses slices); parameters, "
-                               "gradients, optimizer state and the loss stay float32")
+        "float32",
+        description="compute and activation dtype (also what crosses slices); parameters, "
+        "gradients, optimizer state and the loss stay float32",
+    )
     remat: Literal["none", "block", "dots_saveable"] = Field(
-        "none", description="rematerialisation of each block in the backward: none = keep every "
-                            "residual; block = keep only block inputs; dots_saveable = also keep projection "
-                            "outputs (recompute attention, norms, activations)")
+        "none",
+        description="rematerialisation of each block in the backward: none = keep every "
+        "residual; block = keep only block inputs; dots_saveable = also keep projection "
+        "outputs (recompute attention, norms, activations)",
+    )
 
 
 class LlamaSection(DecoderSection, ComputeSection):
     kind: Literal["llama"] = Field("llama", description="which model to build")
     num_kv_heads: int | None = Field(
-        None, gt=0, description="key/value heads (grouped-query attention), dividing num_heads; "
-                                "null = num_heads")
+        None, gt=0, description="key/value heads (grouped-query attention), dividing num_heads; null = num_heads"
+    )
     mlp_dim: int | None = Field(
-        None, gt=0, description="SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64")
+        None, gt=0, description="SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64"
+    )
     tie_embeddings: bool = Field(
-        False, description="the LM head is the token embedding transposed (the model is then cut "
-                           "at stage marks, and the embedding's gradients are summed across the two stages)")
+        False,
+        description="the LM head is the token embedding transposed (the model is then cut "
+        "at stage marks, and the embedding's gradients are summed across the two stages)",
+    )
     rope_theta: float = Field(10_000.0, gt=0, description="rotary embedding base (Llama 3 uses 500000)")
     norm_eps: float = Field(1e-5, gt=0, description="every RMSNorm's epsilon")
     init_from: str | None = Field(
-        None, description="hf:<directory> = start from a Hugging Face Llama's config.json and safetensors "
-                          "(its sizes, GQA, rope_theta, norm_eps and tie_embeddings become these keys: one set "
-                          "otherwise is refused); run:<directory> = from the newest committed checkpoint of "
-                          "another llama run of mpmd train (its config.yaml's sizes, likewise); null = the "
-                          "seeded random init")
+        None,
+        description="hf:<directory> = start from a Hugging Face Llama's config.json and safetensors "
+        "(its sizes, GQA, rope_theta, norm_eps and tie_embeddings become these keys: one set "
+        "otherwise is refused); run:<directory> = from the newest committed checkpoint of "
+        "another llama run of mpmd train (its config.yaml's sizes, likewise); null = the "
+        "seeded random init",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -63,37 +74,45 @@ class LlamaSection(DecoderSection, ComputeSection):
             source, named = hf.CONFIG, lambda key: hf.KEYS.get(key, (key,))[0]
         for key, value in keys.items():
             if key in values and values[key] != value:
-                raise ValueError(f"model.{key}={values[key]!r} disagrees with model.init_from={init_from!r}, "
-                                 f"whose {source} gives {named(key)}={value!r}: leave "
-                                 f"model.{key} out (it comes from there)")
+                raise ValueError(
+                    f"model.{key}={values[key]!r} disagrees with model.init_from={init_from!r}, "
+                    f"whose {source} gives {named(key)}={value!r}: leave "
+                    f"model.{key} out (it comes from there)"
+                )
         seq_len = values.get("seq_len", cls.model_fields["seq_len"].default)
         if longest is not None and isinstance(seq_len, int) and seq_len > longest:
-            raise ValueError(f"model.seq_len={seq_len} exceeds max_position_embeddings={longest} of "
-                             f"model.init_from={values['init_from']!r}: set model.seq_len <= {longest}")
+            raise ValueError(
+                f"model.seq_len={seq_len} exceeds max_position_embeddings={longest} of "
+                f"model.init_from={values['init_from']!r}: set model.seq_len <= {longest}"
+            )
         return {**values, **keys}
 
 
-RUN_PREFIX = "run:"      # model.init_from = "run:<run directory of mpmd train>"
+RUN_PREFIX = "run:"  # model.init_from = "run:<run directory of mpmd train>"
 # The keys a run's config.yaml gives a run started from it: what its parameters' shapes and
 # meaning depend on (hf.KEYS' and rope_theta), not seq_len (rotary positions take any length).
 _RUN_KEYS = (*hf.KEYS, "rope_theta")
 
 
 def _run_directory(init_from: str) -> Path:
-    return Path(init_from[len(RUN_PREFIX):]).expanduser()
+    return Path(init_from[len(RUN_PREFIX) :]).expanduser()
 
 
 def _run_keys(init_from: str) -> dict:
     """The model keys of the llama run `run:<dir>` names; ValueError naming what is wrong."""
     from mpmd.recipes import config
+
     file = _run_directory(init_from) / "config.yaml"
     if not file.is_file():
-        raise ValueError(f"model.init_from={init_from!r}: {file} not found; 'run:<directory>' names a run "
-                         f"directory of mpmd train")
+        raise ValueError(
+            f"model.init_from={init_from!r}: {file} not found; 'run:<directory>' names a run directory of mpmd train"
+        )
     model = config.values_of(file).get("model") or {}
     if model.get("kind") != "llama":
-        raise ValueError(f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a llama starts "
-                         f"only from a llama run")
+        raise ValueError(
+            f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a llama starts "
+            f"only from a llama run"
+        )
     return {key: model[key] for key in _RUN_KEYS if key in model}
 
 
@@ -101,6 +120,7 @@ def _run_params(init_from: str):
     """Mpmd.Trainer's init_params reading the parameters of `run:<dir>`'s newest committed
     checkpoint by path (all of them into this process at the first call: for models one host holds)."""
     from mpmd.train.checkpoints import committed_step, read_leaves
+
     run = _run_directory(init_from)
     try:
         step = committed_step(run.resolve())
@@ -112,6 +132,7 @@ def _run_params(init_from: str):
         if not leaves:
             leaves.update(read_leaves(run, step, prefix="params/")[1])
         return [leaves[f"params/{path}"] for path in paths]
+
     return read
 
 
@@ -119,8 +140,10 @@ def _problems(cfg: Config) -> list[str]:
     m = cfg.model
     out = decoder_problems(cfg)
     if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
-        out.append(f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
-                   f"(rotary embeddings rotate pairs of dimensions)")
+        out.append(
+            f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
+            f"(rotary embeddings rotate pairs of dimensions)"
+        )
     if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
         out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
     return out
@@ -128,11 +151,25 @@ def _problems(cfg: Config) -> list[str]:
 
 def _llama(cfg: Config, rngs):
     from mpmd import models
+
     m = cfg.model
-    return models.Llama(m.vocab_size, m.d_model, m.num_heads, m.num_layers, m.seq_len,
-                        num_kv_heads=m.num_kv_heads, mlp_dim=m.mlp_dim, rope_theta=m.rope_theta,
-                        tie_embeddings=m.tie_embeddings, dtype=m.dtype, remat=m.remat, dropout_rate=m.dropout,
-                        dropout_seed=cfg.seed, norm_eps=m.norm_eps, rngs=rngs)
+    return models.Llama(
+        m.vocab_size,
+        m.d_model,
+        m.num_heads,
+        m.num_layers,
+        m.seq_len,
+        num_kv_heads=m.num_kv_heads,
+        mlp_dim=m.mlp_dim,
+        rope_theta=m.rope_theta,
+        tie_embeddings=m.tie_embeddings,
+        dtype=m.dtype,
+        remat=m.remat,
+        dropout_rate=m.dropout,
+        dropout_seed=cfg.seed,
+        norm_eps=m.norm_eps,
+        rngs=rngs,
+    )
 
 
 def _init_params(cfg: Config):
@@ -155,31 +192,49 @@ def _split(cfg: Config, model, sample_input):
     import mpmd
     from mpmd.stages.costs import layer_costs
     from mpmd.stages.split import balanced_boundaries
+
     num_stages = cfg.pipeline.num_stages
     if cfg.pipeline.cuts is not None:
-        raise ConfigError("pipeline.cuts cannot cut a llama with model.tie_embeddings=true (it is cut at "
-                          "stage marks placed by cost); set pipeline.cuts=null")
+        raise ConfigError(
+            "pipeline.cuts cannot cut a llama with model.tie_embeddings=true (it is cut at "
+            "stage marks placed by cost); set pipeline.cuts=null"
+        )
     if num_stages == 1:
         return [model]
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model))):
-        raise ConfigError("model.tie_embeddings=true cuts the model at stage marks, which needs the model "
-                          "built (mpmd cannot yet cut an abstract model at marks)")
+        raise ConfigError(
+            "model.tie_embeddings=true cuts the model at stage marks, which needs the model "
+            "built (mpmd cannot yet cut an abstract model at marks)"
+        )
     costs, _ = layer_costs(model.all_layers(), sample_input)
     bounds = balanced_boundaries(costs, num_stages)
     model.cut_after([b - 1 for b in bounds[1:-1]], mpmd.stage_boundary)
-    return mpmd.split(model, num_stages, sample_input)   # Stages: they name each leaf by model path
+    return mpmd.split(model, num_stages, sample_input)  # Stages: they name each leaf by model path
 
 
 def _units(cfg: Config, model):
     if cfg.model.tie_embeddings:
-        raise ConfigError("mpmd tune cannot cut a llama with model.tie_embeddings=true (its stages are "
-                          "cut at marks); tune with model.tie_embeddings=false")
+        raise ConfigError(
+            "mpmd tune cannot cut a llama with model.tie_embeddings=true (its stages are "
+            "cut at marks); tune with model.tie_embeddings=false"
+        )
     return None
 
 
-SPEC = register_model_spec(ModelSpec(
-    "llama", LlamaSection, build=flax_build(_llama), loss=lm_loss, sources=token_sources, tokens_per_example=seq_len,
-    split=_split, units=_units, init_params=_init_params,
-    # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
-    can_be_abstract=lambda cfg: not cfg.model.tie_embeddings,
-    samples_text=True, problems=_problems))
+SPEC = register_model_spec(
+    ModelSpec(
+        "llama",
+        LlamaSection,
+        build=flax_build(_llama),
+        loss=lm_loss,
+        sources=token_sources,
+        tokens_per_example=seq_len,
+        split=_split,
+        units=_units,
+        init_params=_init_params,
+        # mpmd cannot yet cut an abstract model at marks: a tied Llama is built for real.
+        can_be_abstract=lambda cfg: not cfg.model.tie_embeddings,
+        samples_text=True,
+        problems=_problems,
+    )
+)

@@ -1,4 +1,5 @@
 """model.kind='mlp': the MLP regressor (models/mlp.py) on synthetic regression data."""
+
 from __future__ import annotations
 
 from typing import Literal
@@ -11,6 +12,7 @@ from mpmd.recipes.registry import ModelSpec, data_sources, flax_build, layers_pr
 
 class WidthsSection(ModelSection):
     """An MLP's widths (a custom builder may read these too)."""
+
     in_features: int = Field(16, gt=0, description="input width")
     hidden_features: int = Field(64, gt=0, description="hidden width")
     out_features: int = Field(4, gt=0, description="output width")
@@ -25,21 +27,27 @@ def _problems(cfg: Config) -> list[str]:
     m, d, t = cfg.model, cfg.data, cfg.train
     out = layers_problems(cfg, m.num_layers + 1, f"{m.num_layers} hidden + output")
     if d.source != "synthetic":
-        out.append(f"model.kind='mlp' regresses synthetic data: data.source must be "
-                   f"'synthetic', got '{d.source}'")
+        out.append(f"model.kind='mlp' regresses synthetic data: data.source must be 'synthetic', got '{d.source}'")
     if t.sample_tokens:
-        out.append(f"model.kind='mlp' cannot sample text: train.sample_tokens must be 0, "
-                   f"got {t.sample_tokens}")
+        out.append(f"model.kind='mlp' cannot sample text: train.sample_tokens must be 0, got {t.sample_tokens}")
     return out
 
 
 def _mlp(cfg: Config, rngs):
     from mpmd import models
+
     m = cfg.model
     return models.MLP(m.in_features, m.hidden_features, m.num_layers, m.out_features, rngs=rngs)
 
 
-SPEC = register_model_spec(ModelSpec(
-    "mlp", MLPSection, build=flax_build(_mlp), loss=models_loss("mse_loss"), sources=data_sources("regression_sources"),
-    tokens_per_example=lambda cfg: 1,      # examples, one "token" each
-    problems=_problems))
+SPEC = register_model_spec(
+    ModelSpec(
+        "mlp",
+        MLPSection,
+        build=flax_build(_mlp),
+        loss=models_loss("mse_loss"),
+        sources=data_sources("regression_sources"),
+        tokens_per_example=lambda cfg: 1,  # examples, one "token" each
+        problems=_problems,
+    )
+)

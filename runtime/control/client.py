@@ -21,6 +21,7 @@ so `replace(slice)` can bring the launcher's new worker to the same point: a spa
 shared cluster's manager leases in the lost one's place (SharedLauncher). State
 (parameters) is not replayed: the caller restores it from a checkpoint.
 """
+
 from __future__ import annotations
 
 import collections
@@ -52,12 +53,14 @@ def __getattr__(name: str):
     # now (they import ControlPlane, so they cannot be imported here at the top).
     if name in ("StaticLauncher", "StaticCluster"):
         from mpmd.runtime.launchers import static
+
         return getattr(static, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _arrays_out(b: wire.Builder, arrays) -> list:
     import numpy as np
+
     return [b.add(np.asarray(a)) for a in arrays]
 
 
@@ -78,12 +81,20 @@ class ControlPlane(RunDispatch):
         the next start.
     """
 
-    def __init__(self, launcher: Launcher, token: str, *, connect_timeout_s: float = 10.0,
-                 failure_timeout_s: float = 5.0, transfer_host: str | None = None,
-                 step_timeout_s: float | None = None, transport: str = "auto"):
+    def __init__(
+        self,
+        launcher: Launcher,
+        token: str,
+        *,
+        connect_timeout_s: float = 10.0,
+        failure_timeout_s: float = 5.0,
+        transfer_host: str | None = None,
+        step_timeout_s: float | None = None,
+        transport: str = "auto",
+    ):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
-        self._watch = RunWatch(self, step_timeout_s)     # waits for runs, aborts them
+        self._watch = RunWatch(self, step_timeout_s)  # waits for runs, aborts them
         self.launcher = launcher
         self._token = token
         self._connect_timeout_s = connect_timeout_s
@@ -91,16 +102,16 @@ class ControlPlane(RunDispatch):
         self._transfer_host = transfer_host
         self.transport = transport
         self.rpc_counts: collections.Counter = collections.Counter()
-        self.clients: list[WorkerClient] = []      # one per slice
-        self._slots: list[int] = []                # per slice: the launcher's slot its worker is in
-        self._free_slots: list[int] = []           # slots whose worker was lost and left out (remove)
-        self._others: list[WorkerClient] = []      # idle workers: heartbeats keep their lease
-        self._shipped: list[dict] = []             # per slice: {"programs": {...}, "plans": {...}}
-        self._transfer: dict[str, str | list[str]] = {}   # slice -> transfer address(es), one per process
-        self._transfer_secret = ""                 # per session, made by start()
-        self._meshes: list[dict] | None = None     # per slice: its mesh shape (None: data = its devices)
+        self.clients: list[WorkerClient] = []  # one per slice
+        self._slots: list[int] = []  # per slice: the launcher's slot its worker is in
+        self._free_slots: list[int] = []  # slots whose worker was lost and left out (remove)
+        self._others: list[WorkerClient] = []  # idle workers: heartbeats keep their lease
+        self._shipped: list[dict] = []  # per slice: {"programs": {...}, "plans": {...}}
+        self._transfer: dict[str, str | list[str]] = {}  # slice -> transfer address(es), one per process
+        self._transfer_secret = ""  # per session, made by start()
+        self._meshes: list[dict] | None = None  # per slice: its mesh shape (None: data = its devices)
         self._pool: ThreadPoolExecutor | None = None
-        self._in_flight = InFlight()               # runs launched, not yet collected
+        self._in_flight = InFlight()  # runs launched, not yet collected
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -215,15 +226,21 @@ class ControlPlane(RunDispatch):
         futs = []
         for m in members:
             host = self._transfer_host or m.address.rpartition(":")[0].strip("[]")
-            setup = verbs.Setup(i, host, self._transfer_secret, self._meshes[i] if self._meshes is not None else None,
-                                versions=compat.versions(), transport=self._transport)
+            setup = verbs.Setup(
+                i,
+                host,
+                self._transfer_secret,
+                self._meshes[i] if self._meshes is not None else None,
+                versions=compat.versions(),
+                transport=self._transport,
+            )
             futs.append((m, send(m, setup)))
         try:
             addresses = [receive(m, "Setup", f)[0].transfer_address for m, f in futs]
-        except WorkerError as e:   # a survivor gone while the slices are set up again (a shrink)
+        except WorkerError as e:  # a survivor gone while the slices are set up again (a shrink)
             if e.code in GONE:
                 raise WorkerLost(i, e.address, str(e)) from None
-            if e.code == grpc.StatusCode.FAILED_PRECONDITION:   # its JAX is not ours
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION:  # its JAX is not ours
                 raise compat.VersionMismatch(f"worker {e.address} (slice {i}): {e.details}") from None
             raise
         return addresses[0] if not isinstance(c, GangClient) else addresses
@@ -237,7 +254,7 @@ class ControlPlane(RunDispatch):
                 try:
                     futs.append((c, send(c, verbs.Empty(), timeout_s=HEARTBEAT_S * 2, verb="Heartbeat")))
                 except WorkerError:
-                    pass             # replaced while we looked
+                    pass  # replaced while we looked
             for c, f in futs:
                 try:
                     progress = receive(c, "Heartbeat", f)[0].progress
@@ -273,7 +290,7 @@ class ControlPlane(RunDispatch):
         same programs and plans; every slice's transfers reconnected. State is not restored.
         WorkerLost if another slice is found gone meanwhile (the new worker is in place).
         `wait_s`: see Cluster.replace."""
-        address = self._new_worker(self._slots[slice_index], wait_s)   # ReplaceUnsupported: nothing changed
+        address = self._new_worker(self._slots[slice_index], wait_s)  # ReplaceUnsupported: nothing changed
         self.clients[slice_index].close()
         c = self._client(address)
         c.wait_ready(self._connect_timeout_s)
@@ -310,8 +327,12 @@ class ControlPlane(RunDispatch):
         b = wire.Builder()
         progs = []
         for name, s in specs.items():
-            entry = {"name": name, "kind": s.kind, "duration_s": s.duration_s,
-                     "outputs": [[[list(x.shape), x.dtype] for x in bundle] for bundle in s.outputs]}
+            entry = {
+                "name": name,
+                "kind": s.kind,
+                "duration_s": s.duration_s,
+                "outputs": [[[list(x.shape), x.dtype] for x in bundle] for bundle in s.outputs],
+            }
             if s.data:
                 entry["data"] = b.add(s.data)
             progs.append(entry)
@@ -322,7 +343,7 @@ class ControlPlane(RunDispatch):
         self._install(slice_index, name, stream)
 
     def _install(self, slice_index: int, name: str, stream) -> None:
-        if isinstance(stream, streams.PackedStream):     # compact bytes; the worker expands them
+        if isinstance(stream, streams.PackedStream):  # compact bytes; the worker expands them
             b = wire.Builder()
             self._call(slice_index, verbs.InstallPlan(name, encoded=b.add(stream.to_bytes())), b.blobs)
         else:
@@ -357,13 +378,15 @@ class ControlPlane(RunDispatch):
         try:
             reply = receive(c, "WaitSaves", fut)[0]
             return {d: (reply.digests or {}).get(d, {}) for d in reply.finalized}
-        except WorkerError as e:      # the worker died while writing: its slice is lost,
-            if e.code in GONE:       # not its checkpoint (as _call reports every other verb)
+        except WorkerError as e:  # the worker died while writing: its slice is lost,
+            if e.code in GONE:  # not its checkpoint (as _call reports every other verb)
                 raise WorkerLost(slice_index, e.address, str(e)) from None
             raise
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None, digests=None) -> None:
-        laid = {n: [instructions.layout_to_json(tuple(l)) for l in ls] for n, ls in layouts.items()} if layouts else None
+        laid = (
+            {n: [instructions.layout_to_json(tuple(l)) for l in ls] for n, ls in layouts.items()} if layouts else None
+        )
         self._call(slice_index, verbs.Restore(items, staged, laid, dict(digests) if digests else None))
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:

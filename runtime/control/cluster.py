@@ -26,6 +26,7 @@ with the last committed checkpoint in its message (no `hasattr` probing, no capa
 flag: whether a replacement exists is only known when one is asked for, e.g. a
 StaticCluster whose spares ran out).
 """
+
 from __future__ import annotations
 
 import time
@@ -86,13 +87,12 @@ class PendingRun:
     its executor's run (InProcessCluster); both have done(), cancel() and exception().
     sent_at: time.monotonic() when it was sent (the control plane's watchdog starts there)."""
 
-    def __init__(self, run: int, collect: Callable[[PendingRun], list[StepResult]], futures: Sequence,
-                 sent_at: float):
+    def __init__(self, run: int, collect: Callable[[PendingRun], list[StepResult]], futures: Sequence, sent_at: float):
         self.run = run
         self.futures = list(futures)
         self.sent_at = sent_at
         self._collect = collect
-        self.discarded: str | None = None      # why, once an earlier run's failure dropped it
+        self.discarded: str | None = None  # why, once an earlier run's failure dropped it
 
     def result(self) -> list[StepResult]:
         if self.discarded is not None:
@@ -144,12 +144,24 @@ class RunDispatch:
 
     _in_flight: InFlight
 
-    def run(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
-            fetch: Mapping[int, Sequence[str]], trace: bool = False) -> list[StepResult]:
+    def run(
+        self,
+        plan: str,
+        run: int,
+        feeds: Mapping[int, Mapping[str, Sequence]],
+        fetch: Mapping[int, Sequence[str]],
+        trace: bool = False,
+    ) -> list[StepResult]:
         return self.launch(plan, run, feeds, fetch, trace).result()
 
-    def launch(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
-               fetch: Mapping[int, Sequence[str]], trace: bool = False) -> PendingRun:
+    def launch(
+        self,
+        plan: str,
+        run: int,
+        feeds: Mapping[int, Mapping[str, Sequence]],
+        fetch: Mapping[int, Sequence[str]],
+        trace: bool = False,
+    ) -> PendingRun:
         """Send run `run` to every slice (its feeds with it) and return; see Cluster.launch."""
         futures = self._send(plan, run, self._in_flight.after(), feeds, fetch, trace)
         return self._in_flight.add(PendingRun(run, self._collect, futures, time.monotonic()))
@@ -161,8 +173,15 @@ class RunDispatch:
         finally:
             self._in_flight.done(run)
 
-    def _send(self, plan: str, run: int, after: int, feeds: Mapping[int, Mapping[str, Sequence]],
-              fetch: Mapping[int, Sequence[str]], trace: bool) -> list:
+    def _send(
+        self,
+        plan: str,
+        run: int,
+        after: int,
+        feeds: Mapping[int, Mapping[str, Sequence]],
+        fetch: Mapping[int, Sequence[str]],
+        trace: bool,
+    ) -> list:
         raise NotImplementedError
 
     def _wait(self, run: PendingRun) -> list[StepResult]:
@@ -213,16 +232,28 @@ class Cluster(Protocol):
     def delete(self, slice_index: int, names: Iterable[str]) -> None:
         """Free buffers; names that do not exist are ignored."""
 
-    def run(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
-            fetch: Mapping[int, Sequence[str]], trace: bool = False) -> list[StepResult]:
+    def run(
+        self,
+        plan: str,
+        run: int,
+        feeds: Mapping[int, Mapping[str, Sequence]],
+        fetch: Mapping[int, Sequence[str]],
+        trace: bool = False,
+    ) -> list[StepResult]:
         """Run plan `plan` on every slice at once, as run id `run` (ids must never repeat:
         transfer keys are prefixed with it). `feeds[slice]` are buffers to put first,
         `fetch[slice]` the buffers to bring back. One StepResult per slice, in slice order.
         An error on any slice aborts the run everywhere; WorkerLost if a slice is gone.
         The same as `launch(...).result()`."""
 
-    def launch(self, plan: str, run: int, feeds: Mapping[int, Mapping[str, Sequence]],
-               fetch: Mapping[int, Sequence[str]], trace: bool = False) -> PendingRun:
+    def launch(
+        self,
+        plan: str,
+        run: int,
+        feeds: Mapping[int, Mapping[str, Sequence]],
+        fetch: Mapping[int, Sequence[str]],
+        trace: bool = False,
+    ) -> PendingRun:
         """Send run `run` and return at once (run-ahead dispatch): each slice runs it after
         the runs launched before it. Collect results oldest first with `.result()`, which
         raises what `run` raises; a failure there aborts and discards every later run in
@@ -239,8 +270,14 @@ class Cluster(Protocol):
         disk; {directory finalized: {key: digest}}. Raises the first write error among them;
         WorkerLost if the slice is lost meanwhile."""
 
-    def restore(self, slice_index: int, items: Mapping, staged: bool = False,
-                layouts: Mapping[str, Sequence] | None = None, digests: Mapping[str, str] | None = None) -> None:
+    def restore(
+        self,
+        slice_index: int,
+        items: Mapping,
+        staged: bool = False,
+        layouts: Mapping[str, Sequence] | None = None,
+        digests: Mapping[str, str] | None = None,
+    ) -> None:
         """Replace buffers with those saved under {directory: [buffer names]}, or built from
         the keys of {directory: {key: [[buffer, index], ...]}} (only those keys are read);
         all or nothing.

@@ -6,6 +6,7 @@ exactly as between processes (only the wire is missing).
 It runs exactly the programs and instruction streams the multi-process clusters run, so the
 two are pinned to identical results by the tests.
 """
+
 from __future__ import annotations
 
 import threading
@@ -65,8 +66,12 @@ class MemoryTransport:
                 out.cancel()
             elif not out.cancelled():
                 # Asynchronous: the copies wait for the producer on the device.
-                out.set_result(tuple(reshard.assemble(parts, s.shape, s.layout, slice_mesh)
-                                     for parts, s in zip(src.result(), specs)))
+                out.set_result(
+                    tuple(
+                        reshard.assemble(parts, s.shape, s.layout, slice_mesh) for parts, s in zip(src.result(), specs)
+                    )
+                )
+
         self._hub.slot(key).add_done_callback(land)
         return out
 
@@ -81,8 +86,10 @@ def meshes_for(shapes, devices=None) -> list[jax.sharding.Mesh]:
         return mesh.bind_all(shapes, devices)
     except ValueError as e:
         need = sum(int(np.prod(mesh.shape_of(s))) for s in shapes)
-        raise ValueError(f"InProcessCluster: {e}. On CPU, get more by setting "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts.") from None
+        raise ValueError(
+            f"InProcessCluster: {e}. On CPU, get more by setting "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} before JAX starts."
+        ) from None
 
 
 class InProcessCluster(RunDispatch):
@@ -95,7 +102,7 @@ class InProcessCluster(RunDispatch):
         self._pool: ThreadPoolExecutor | None = None
         self._hub = _Hub()
         self._in_flight = InFlight()
-        self._removed = 0       # slices removed and not added back
+        self._removed = 0  # slices removed and not added back
 
     @property
     def num_slices(self) -> int:
@@ -147,8 +154,9 @@ class InProcessCluster(RunDispatch):
         return self.executors[slice_index].wait_saves(r.directories)
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None, digests=None) -> None:
-        r = verbs.check(verbs.Restore(items, staged, dict(layouts) if layouts else None,
-                                      dict(digests) if digests else None))
+        r = verbs.check(
+            verbs.Restore(items, staged, dict(layouts) if layouts else None, dict(digests) if digests else None)
+        )
         self.executors[slice_index].restore(r.items, r.staged, r.layouts, r.digests)
 
     def finish_restore(self, slice_index: int, commit: bool) -> None:
@@ -157,24 +165,31 @@ class InProcessCluster(RunDispatch):
     def _send(self, plan, run, after, feeds, fetch, trace) -> list[Future]:
         # The pool runs tasks in submission order, so every task of a run has a thread before
         # any task of a later one: a task waiting for its turn never starves the one it waits for.
-        requests = [verbs.check(verbs.Run(plan, run, after, dict(feeds.get(i) or {}), list(fetch.get(i, ())), trace))
-                    for i in range(len(self.executors))]
-        return [self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
-                for ex, r in zip(self.executors, requests)]
+        requests = [
+            verbs.check(verbs.Run(plan, run, after, dict(feeds.get(i) or {}), list(fetch.get(i, ())), trace))
+            for i in range(len(self.executors))
+        ]
+        return [
+            self._pool.submit(ex.run, r.plan, r.run, r.feeds, tuple(r.fetch), r.trace, r.after)
+            for ex, r in zip(self.executors, requests)
+        ]
 
     def _wait(self, run: PendingRun) -> list[StepResult]:
         def abort():
             newest = self._in_flight.drop_all(f"run {run.run} before it failed")
             for ex in self.executors:
                 ex.abort(newest)
+
         return gather(run.futures, on_error=abort, cleanup=self._hub.clear)
 
     def replace(self, slice_index: int, wait_s: float | None = None) -> None:
         """Always ReplaceUnsupported: a slice here is a thread of this very process, so it is
         never lost on its own (nothing raises WorkerLost) and there is nothing to replace it with."""
-        raise ReplaceUnsupported(f"slice {slice_index} runs inside this process (InProcessCluster); "
-                                 f"an in-process slice cannot be replaced: use LocalCluster, "
-                                 f"StaticCluster or RayCluster for recovery from lost workers")
+        raise ReplaceUnsupported(
+            f"slice {slice_index} runs inside this process (InProcessCluster); "
+            f"an in-process slice cannot be replaced: use LocalCluster, "
+            f"StaticCluster or RayCluster for recovery from lost workers"
+        )
 
     def remove(self, slice_index: int, meshes=None) -> None:
         """Every remaining slice gets a fresh executor (see Cluster.remove). In-process slices

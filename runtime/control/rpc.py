@@ -6,6 +6,7 @@ Whoever talks to a worker or a manager (the control plane, the manager, `mpmd cl
 calls it through these. A gang's slice has a GangClient (runtime/worker/gang.py) with the
 same verbs.
 """
+
 from __future__ import annotations
 
 import collections
@@ -21,8 +22,12 @@ from mpmd.runtime.worker.gang import GangClient
 from mpmd.runtime.worker.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
 
 # gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
-GONE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN}
+GONE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+}
 
 
 class WorkerError(RuntimeError):
@@ -32,27 +37,28 @@ class WorkerError(RuntimeError):
         super().__init__(f"worker {address}: {message}")
         self.address = address
         self.code = code
-        self.details = details        # the worker's own words, for a refusal the caller words itself
+        self.details = details  # the worker's own words, for a refusal the caller words itself
 
 
 class WorkerClient:
     def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
         self.address = address
-        self.service = service           # the gRPC service called: a worker's, or a shared cluster's manager
+        self.service = service  # the gRPC service called: a worker's, or a shared cluster's manager
         self._metadata = ((TOKEN_KEY, token),)
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._counts = rpc_counts
         self._stubs = {}
         self.last_ok = time.monotonic()
-        self.progress: Progress | None = None      # from the last heartbeat
-        self.progress_at = time.monotonic()        # when `progress` last changed
+        self.progress: Progress | None = None  # from the last heartbeat
+        self.progress_at = time.monotonic()  # when `progress` last changed
 
     def wait_ready(self, timeout_s: float) -> None:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
-            raise WorkerError(self.address, f"did not answer within {timeout_s:g} s "
-                                            f"(is `mpmd worker` running and listening there?)") from None
+            raise WorkerError(
+                self.address, f"did not answer within {timeout_s:g} s (is `mpmd worker` running and listening there?)"
+            ) from None
 
     def future(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
         """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
@@ -62,7 +68,7 @@ class WorkerClient:
         self._counts[method] += 1
         try:
             return stub.future(wire.encode(header or {}, list(blobs)), metadata=self._metadata, timeout=timeout_s)
-        except ValueError as e:      # the channel was closed: this client was replaced
+        except ValueError as e:  # the channel was closed: this client was replaced
             raise WorkerError(self.address, f"{method}: {e}") from None
 
     def result(self, method: str, fut):
@@ -71,8 +77,9 @@ class WorkerClient:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ABORTED:
                 raise Aborted(f"worker {self.address}: {e.details()}") from None
-            raise WorkerError(self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code(),
-                              e.details()) from None
+            raise WorkerError(
+                self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code(), e.details()
+            ) from None
         self.last_ok = time.monotonic()
         return wire.decode(reply)
 

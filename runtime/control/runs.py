@@ -12,6 +12,7 @@ doing), and a step in which no slice moves and none finishes for `step_timeout_s
 by a watchdog and reported as WorkerLost for an unfinished slice, preferring one that is not
 merely waiting for a peer, so the Trainer replaces it, restores and replays.
 """
+
 from __future__ import annotations
 
 import collections
@@ -47,12 +48,13 @@ class RunWatch:
 
     def __init__(self, plane: ControlPlane, step_timeout_s: float | None):
         if step_timeout_s is not None and not (isinstance(step_timeout_s, (int, float)) and step_timeout_s > 0):
-            raise ValueError(f"step_timeout_s must be positive or None (derived from step times), "
-                             f"got {step_timeout_s!r}")
+            raise ValueError(
+                f"step_timeout_s must be positive or None (derived from step times), got {step_timeout_s!r}"
+            )
         self._plane = plane
         self.step_timeout_s = step_timeout_s
         self.step_times: collections.deque = collections.deque(maxlen=20)
-        self._collected_at = 0.0                   # monotonic time the last run was collected
+        self._collected_at = 0.0  # monotonic time the last run was collected
 
     def step_timeout(self) -> float:
         """The watchdog's timeout for the next step, in seconds."""
@@ -89,6 +91,7 @@ class RunWatch:
             if not f.cancelled() and f.exception() is not None:
                 failed.append(i)
             changed.set()
+
         for i, f in enumerate(futs):
             f.add_done_callback(lambda f, i=i: done(i, f))
         lost = stalled = None
@@ -115,8 +118,11 @@ class RunWatch:
         lost = lost or self._probe()
         if lost is not None:
             raise WorkerLost(lost[0], clients[lost[0]].address, lost[1])
-        order = failed + [i for i, f in enumerate(futs) if f.done() and not f.cancelled()
-                          and f.exception() is not None and i not in failed]
+        order = failed + [
+            i
+            for i, f in enumerate(futs)
+            if f.done() and not f.cancelled() and f.exception() is not None and i not in failed
+        ]
         root = [i for i in order if futs[i].exception().code() != grpc.StatusCode.ABORTED] or order
         raise self._step_failed(root[0], futs[root[0]].exception())
 
@@ -132,11 +138,14 @@ class RunWatch:
         where = {i: clients[i].progress for i in unfinished}
         busy = [i for i in unfinished if where[i] is None or where[i].run != run or where[i].doing != "recv"]
         blame = (busy or unfinished)[0]
-        at = {i: (f"instruction {p.done} ({p.doing})" if p is not None and p.run == run else "not started")
-              for i, p in where.items()}
-        return blame, (f"run {run} made no progress for {now - max([last_done] + moved):.1f} s "
-                       f"(step_timeout_s={timeout_s:g}); unfinished slices: "
-                       + ", ".join(f"{i} at {a}" for i, a in at.items()))
+        at = {
+            i: (f"instruction {p.done} ({p.doing})" if p is not None and p.run == run else "not started")
+            for i, p in where.items()
+        }
+        return blame, (
+            f"run {run} made no progress for {now - max([last_done] + moved):.1f} s "
+            f"(step_timeout_s={timeout_s:g}); unfinished slices: " + ", ".join(f"{i} at {a}" for i, a in at.items())
+        )
 
     def _step_failed(self, slice_index: int, e: grpc.RpcError) -> Exception:
         """The error a failed Run reply stands for: StepFailed naming slice and instruction."""
@@ -147,10 +156,12 @@ class RunWatch:
         return StepFailed(slice_index, at, f"{e.code().name} from worker {address}: {e.details()}")
 
     def _probe(self) -> tuple[int, str] | None:
-        futs = [send(c, verbs.Empty(), timeout_s=min(2.0, self._plane.failure_timeout_s), verb="Heartbeat")
-                for c in self._plane.clients]
+        futs = [
+            send(c, verbs.Empty(), timeout_s=min(2.0, self._plane.failure_timeout_s), verb="Heartbeat")
+            for c in self._plane.clients
+        ]
         for f in futs:
-            f.exception()          # wait
+            f.exception()  # wait
         return _gone(futs)
 
     def _abort_all(self, run: int, runs=(), lost: int | None = None, abort_lost: bool = False) -> None:
@@ -185,5 +196,11 @@ def _gone(futs) -> tuple[int, str] | None:
 def _step_result(c: WorkerClient, fut) -> StepResult:
     reply, blobs = receive(c, "Run", fut)
     fetched = {n: tuple(wire.blob(blobs, r) for r in refs) for n, refs in reply.fetched.items()}
-    return StepResult(fetched, tuple(Event(*e) for e in reply.events), reply.wall_s, reply.peak_held,
-                      reply.peak_held_bytes, reply.peak_bytes)
+    return StepResult(
+        fetched,
+        tuple(Event(*e) for e in reply.events),
+        reply.wall_s,
+        reply.peak_held,
+        reply.peak_held_bytes,
+        reply.peak_bytes,
+    )

@@ -20,6 +20,7 @@ anything else it prints there) goes to <log_dir>/worker_<slot>.log, and each of 
 is logged here through the logger `mpmd.workers` as "worker <slot> WARNING <message> (see
 <log file>)": with no logging set up, Python prints warnings and errors on stderr.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,10 +32,22 @@ import time
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.control.cluster import ReplaceUnsupported
-from mpmd.runtime.launchers.workers import (START_TIMEOUT_S, check_gpus, check_max_workers, check_processes_per_slice,
-                                            check_worker_args, default_compilation_cache, free_port, num_workers_for, visible_gpus,
-                                            log_relayed, worker_command, worker_env, worker_log_file,
-                                            worker_root)
+from mpmd.runtime.launchers.workers import (
+    START_TIMEOUT_S,
+    check_gpus,
+    check_max_workers,
+    check_processes_per_slice,
+    check_worker_args,
+    default_compilation_cache,
+    free_port,
+    num_workers_for,
+    visible_gpus,
+    log_relayed,
+    worker_command,
+    worker_env,
+    worker_log_file,
+    worker_root,
+)
 from mpmd.runtime.worker.main import LOG_LEVELS, READY, RELAY, cores_for
 
 log = logging.getLogger("mpmd.workers")
@@ -44,26 +57,43 @@ class LocalLauncher:
     """Starts worker processes on this machine (`python -m mpmd.runtime.worker.main`), one per slot,
     each given `token` on its stdin. See LocalCluster for the arguments."""
 
-    def __init__(self, token: str, *, num_workers: int | None = None, devices_per_worker: int = 1,
-                 threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 compilation_cache_dir: str = "", log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None,
-                 processes_per_slice: int = 1, start_timeout_s: float = START_TIMEOUT_S):
+    def __init__(
+        self,
+        token: str,
+        *,
+        num_workers: int | None = None,
+        devices_per_worker: int = 1,
+        threads_per_worker: int = 1,
+        pin: bool = True,
+        host: str = "127.0.0.1",
+        compilation_cache_dir: str = "",
+        log_dir: str | None = None,
+        root: str | None = None,
+        gpus: list | None = None,
+        log_level: str = "warning",
+        max_workers: int | None = None,
+        processes_per_slice: int = 1,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self.processes_per_slice = check_processes_per_slice(processes_per_slice)
-        if not isinstance(start_timeout_s, (int, float)) or isinstance(start_timeout_s, bool) or not start_timeout_s > 0:
+        if (
+            not isinstance(start_timeout_s, (int, float))
+            or isinstance(start_timeout_s, bool)
+            or not start_timeout_s > 0
+        ):
             raise ValueError(f"start_timeout_s must be a positive number of seconds, got {start_timeout_s!r}")
         self.start_timeout_s = float(start_timeout_s)
         self.max_workers = check_max_workers(max_workers)
-        self.started = 0              # processes started so far, replacements included
+        self.started = 0  # processes started so far, replacements included
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
         self.log_level = log_level
         self.gpus = visible_gpus() if gpus is None else check_gpus(gpus)
-        self.cpu_only = gpus is not None and not self.gpus     # gpus=[]: CPU even where GPUs are
+        self.cpu_only = gpus is not None and not self.gpus  # gpus=[]: CPU even where GPUs are
         self.log_dir = log_dir
         self._token = token
-        self.root = root              # the cluster's root=; the workers' is fixed at spawn
+        self.root = root  # the cluster's root=; the workers' is fixed at spawn
         self._running_root: str | None = None
         self.num_workers = num_workers
         self.devices_per_worker = devices_per_worker
@@ -73,8 +103,8 @@ class LocalLauncher:
         self.compilation_cache_dir = compilation_cache_dir
         # Per slot: its address ("host:port"), or one per process of its gang (a tuple).
         self.addresses: list[str | tuple[str, ...]] = []
-        self.gangs: list[list[subprocess.Popen]] = []   # per slot: its processes, process 0 first
-        self._readers: list[threading.Thread] = []     # one per process started: its stdout
+        self.gangs: list[list[subprocess.Popen]] = []  # per slot: its processes, process 0 first
+        self._readers: list[threading.Thread] = []  # one per process started: its stdout
         if num_workers is not None:
             self._check_gpus(num_workers)
 
@@ -90,12 +120,14 @@ class LocalLauncher:
     def start(self, num_slices: int, root: str | None = None) -> list[str]:
         n = num_workers_for(self.num_workers, num_slices, "LocalCluster")
         root = worker_root(self.root, root, self._running_root if self.gangs else None, "LocalCluster")
-        if self.gangs:       # already running: the control plane reuses them from a clean state
+        if self.gangs:  # already running: the control plane reuses them from a clean state
             return list(self.addresses)
         if self.max_workers is not None and n * self.processes_per_slice > self.max_workers:
-            raise ValueError(f"{n * self.processes_per_slice} worker process(es) needed for {num_slices} slice(s) "
-                             f"of {self.processes_per_slice} process(es), but LocalCluster has "
-                             f"max_workers={self.max_workers}")
+            raise ValueError(
+                f"{n * self.processes_per_slice} worker process(es) needed for {num_slices} slice(s) "
+                f"of {self.processes_per_slice} process(es), but LocalCluster has "
+                f"max_workers={self.max_workers}"
+            )
         self._check_gpus(n)
         self._running_root = root
         try:
@@ -115,17 +147,21 @@ class LocalLauncher:
                 old.kill()
             old.wait()
         if self.max_workers is not None and self.started + self.processes_per_slice > self.max_workers:
-            raise ReplaceUnsupported(f"LocalCluster started max_workers={self.max_workers} worker process(es) "
-                                     f"already; none may replace slot {slot}'s")
+            raise ReplaceUnsupported(
+                f"LocalCluster started max_workers={self.max_workers} worker process(es) "
+                f"already; none may replace slot {slot}'s"
+            )
         self.addresses[slot] = address = self._spawn(slot)
         return address
 
     def _check_gpus(self, num_workers: int) -> None:
         need = num_workers * self.processes_per_slice * self.devices_per_worker
         if self.gpus and need > len(self.gpus):
-            raise ValueError(f"{num_workers} worker(s) x devices_per_worker={self.devices_per_worker} need {need} "
-                             f"GPUs, and {len(self.gpus)} are at hand ({','.join(self.gpus)}): two workers never "
-                             f"share a GPU; use fewer devices per worker, or gpus=[] to run on CPU")
+            raise ValueError(
+                f"{num_workers} worker(s) x devices_per_worker={self.devices_per_worker} need {need} "
+                f"GPUs, and {len(self.gpus)} are at hand ({','.join(self.gpus)}): two workers never "
+                f"share a GPU; use fewer devices per worker, or gpus=[] to run on CPU"
+            )
 
     def _spawn(self, slot: int) -> str | tuple[str, ...]:
         """Start slot `slot`'s process, or its gang of processes_per_slice processes sharing a
@@ -133,11 +169,21 @@ class LocalLauncher:
         (a gang reports ready once all its processes joined). A gang that does not form within
         start_timeout_s is stopped whole and named, with the processes that never got ready."""
         k = self.processes_per_slice
-        gang_args = ([] if k == 1 else
-                     ["--coordinator", f"{self.host}:{free_port(self.host)}", "--num-processes", str(k),
-                      "--gang-timeout-s", str(self.start_timeout_s)])
-        started = [self._start_process(slot, j, gang_args + (["--process-id", str(j)] if k > 1 else []))
-                   for j in range(k)]
+        gang_args = (
+            []
+            if k == 1
+            else [
+                "--coordinator",
+                f"{self.host}:{free_port(self.host)}",
+                "--num-processes",
+                str(k),
+                "--gang-timeout-s",
+                str(self.start_timeout_s),
+            ]
+        )
+        started = [
+            self._start_process(slot, j, gang_args + (["--process-id", str(j)] if k > 1 else [])) for j in range(k)
+        ]
         procs = [p for p, _, _ in started]
         if slot < len(self.gangs):
             self.gangs[slot] = procs
@@ -146,8 +192,11 @@ class LocalLauncher:
         deadline = time.monotonic() + self.start_timeout_s
         for _, ready, _ in started:
             ready.wait(max(0.0, deadline - time.monotonic()))
-        missing = [(j, p, "exited before it was ready" if p.poll() is not None else "not ready")
-                   for j, (p, _, lines) in enumerate(started) if not lines]
+        missing = [
+            (j, p, "exited before it was ready" if p.poll() is not None else "not ready")
+            for j, (p, _, lines) in enumerate(started)
+            if not lines
+        ]
         if missing:
             for p in procs:
                 p.kill()
@@ -156,41 +205,61 @@ class LocalLauncher:
             where = f"; see {self._log_file(slot, missing[0][0])}" if self.log_dir is not None else ""
             if k == 1:
                 _, p, why = missing[0]
-                raise RuntimeError(f"worker {slot} (pid {p.pid}) failed to start within start_timeout_s="
-                                   f"{self.start_timeout_s:g} s: {why}{where}")
-            raise RuntimeError(f"slice {slot}'s gang of {k} processes did not form within start_timeout_s="
-                               f"{self.start_timeout_s:g} s: " + ", ".join(
-                                   f"process {j} (pid {p.pid}) {why}" for j, p, why in missing)
-                               + f" (processes of a gang wait for each other){where}")
+                raise RuntimeError(
+                    f"worker {slot} (pid {p.pid}) failed to start within start_timeout_s="
+                    f"{self.start_timeout_s:g} s: {why}{where}"
+                )
+            raise RuntimeError(
+                f"slice {slot}'s gang of {k} processes did not form within start_timeout_s="
+                f"{self.start_timeout_s:g} s: "
+                + ", ".join(f"process {j} (pid {p.pid}) {why}" for j, p, why in missing)
+                + f" (processes of a gang wait for each other){where}"
+            )
         addresses = tuple(lines[0].split()[1] for _, _, lines in started)
         return addresses[0] if k == 1 else addresses
 
     def _start_process(self, slot: int, j: int, extra: list[str]):
         """Start process j of slot `slot`; (process, its ready event, its READY line once read)."""
-        index = slot * self.processes_per_slice + j    # the process's place among all, for cores and GPUs
-        relayed = self.log_dir is not None     # a log file to fill, and the console's share relayed
-        cmd = worker_command(f"{self.host}:0", self._running_root, self.devices_per_worker, token_stdin=True,
-                             cpus=cores_for(index, self.threads_per_worker) if self.pin else None,
-                             log_level=("debug" if self.log_level == "debug" else "info") if relayed else None,
-                             relay_level=self.log_level if relayed else None) + extra
+        index = slot * self.processes_per_slice + j  # the process's place among all, for cores and GPUs
+        relayed = self.log_dir is not None  # a log file to fill, and the console's share relayed
+        cmd = (
+            worker_command(
+                f"{self.host}:0",
+                self._running_root,
+                self.devices_per_worker,
+                token_stdin=True,
+                cpus=cores_for(index, self.threads_per_worker) if self.pin else None,
+                log_level=("debug" if self.log_level == "debug" else "info") if relayed else None,
+                relay_level=self.log_level if relayed else None,
+            )
+            + extra
+        )
         env = worker_env(self.compilation_cache_dir)
-        if self.gpus:         # the slot's own GPUs: a replacement gets the ones it replaces
+        if self.gpus:  # the slot's own GPUs: a replacement gets the ones it replaces
             d = self.devices_per_worker
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[index * d:(index + 1) * d])
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[index * d : (index + 1) * d])
         elif self.cpu_only:
             env["JAX_PLATFORMS"] = "cpu"
         # A session of its own: a Ctrl-C at the terminal reaches the controller only, which
         # finishes its step, checkpoints and closes the cluster; the workers follow it.
         stderr = None
-        if self.log_dir is not None:    # appended to: a replacement continues its slot's log
+        if self.log_dir is not None:  # appended to: a replacement continues its slot's log
             os.makedirs(self.log_dir, exist_ok=True)
             stderr = open(self._log_file(slot, j), "a")
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                    env=env, text=True, bufsize=1, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+            )
         finally:
             if stderr is not None:
-                stderr.close()          # the child has its own copy
+                stderr.close()  # the child has its own copy
         self.started += 1
         proc.stdin.write(self._token + "\n")
         proc.stdin.flush()
@@ -198,8 +267,12 @@ class LocalLauncher:
         # READY line, then the records it relays.
         ready = threading.Event()
         lines: list[str] = []
-        reader = threading.Thread(target=self._read_stdout, args=(proc, slot, ready, lines), daemon=True,
-                                  name=f"mpmd-worker-{slot}.{j}-stdout")
+        reader = threading.Thread(
+            target=self._read_stdout,
+            args=(proc, slot, ready, lines),
+            daemon=True,
+            name=f"mpmd-worker-{slot}.{j}-stdout",
+        )
         reader.start()
         self._readers.append(reader)
         return proc, ready, lines
@@ -215,7 +288,7 @@ class LocalLauncher:
                 lines.append(line)
                 ready.set()
             elif line.startswith(RELAY + " ") and self.log_dir is not None:
-                levelno, _, text = line[len(RELAY) + 1:].rstrip("\n").partition(" ")
+                levelno, _, text = line[len(RELAY) + 1 :].rstrip("\n").partition(" ")
                 log_relayed(slot, int(levelno) if levelno.isdigit() else logging.WARNING, text, self._log_file(slot))
         ready.set()
 
@@ -224,14 +297,14 @@ class LocalLauncher:
         deadline = time.monotonic() + 5.0
         for p in procs:
             try:
-                p.stdin.close()      # the worker also exits on end-of-file
+                p.stdin.close()  # the worker also exits on end-of-file
             except OSError:
                 pass
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()             # by its own pid, never by name
+                p.kill()  # by its own pid, never by name
                 p.wait()
         # Every exited worker's stdout has ended: report what it relayed before the end.
         readers, self._readers = self._readers, []
@@ -276,25 +349,50 @@ class LocalCluster(ControlPlane):
         grow back) may start a process again.
     """
 
-    def __init__(self, num_workers: int | None = None, *, devices_per_worker: int = 1,
-                 threads_per_worker: int = 1, pin: bool = True, host: str = "127.0.0.1",
-                 failure_timeout_s: float = 5.0, compilation_cache_dir: str | None = None,
-                 step_timeout_s: float | None = None, log_dir: str | None = None, root: str | None = None,
-                 gpus: list | None = None, log_level: str = "warning", max_workers: int | None = None,
-                 processes_per_slice: int = 1, start_timeout_s: float = START_TIMEOUT_S,
-                 transport: str = "auto"):
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        *,
+        devices_per_worker: int = 1,
+        threads_per_worker: int = 1,
+        pin: bool = True,
+        host: str = "127.0.0.1",
+        failure_timeout_s: float = 5.0,
+        compilation_cache_dir: str | None = None,
+        step_timeout_s: float | None = None,
+        log_dir: str | None = None,
+        root: str | None = None,
+        gpus: list | None = None,
+        log_level: str = "warning",
+        max_workers: int | None = None,
+        processes_per_slice: int = 1,
+        start_timeout_s: float = START_TIMEOUT_S,
+        transport: str = "auto",
+    ):
         token = new_token()
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
         cache = compilation_cache_dir if compilation_cache_dir is not None else default_compilation_cache()
-        launcher = LocalLauncher(token, num_workers=num_workers, devices_per_worker=devices_per_worker,
-                                 threads_per_worker=threads_per_worker, pin=pin, host=host,
-                                 compilation_cache_dir=cache, log_dir=log_dir, root=root, gpus=gpus,
-                                 log_level=log_level, max_workers=max_workers,
-                                 processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s)
-        super().__init__(launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s,
-                         transport=transport)
+        launcher = LocalLauncher(
+            token,
+            num_workers=num_workers,
+            devices_per_worker=devices_per_worker,
+            threads_per_worker=threads_per_worker,
+            pin=pin,
+            host=host,
+            compilation_cache_dir=cache,
+            log_dir=log_dir,
+            root=root,
+            gpus=gpus,
+            log_level=log_level,
+            max_workers=max_workers,
+            processes_per_slice=processes_per_slice,
+            start_timeout_s=start_timeout_s,
+        )
+        super().__init__(
+            launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s, transport=transport
+        )
 
     @property
     def pids(self) -> list[int]:

@@ -34,6 +34,7 @@ Threads. XLA's flags must be set before JAX is imported in the actor process, an
 actor's module imports JAX (mpmd.runtime.worker.service) as Ray loads the class, so they are set
 through the actor's runtime_env rather than from inside it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -45,16 +46,22 @@ from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.control.cluster import ClusterUnavailable, ReplaceUnsupported
 from mpmd.runtime.launchers import ray_placement as placement
-from mpmd.runtime.launchers.workers import (check_processes_per_slice, check_worker_args, log_relayed, num_workers_for,
-                                            worker_log_file, worker_root)
+from mpmd.runtime.launchers.workers import (
+    check_processes_per_slice,
+    check_worker_args,
+    log_relayed,
+    num_workers_for,
+    worker_log_file,
+    worker_root,
+)
 from mpmd.runtime.worker.main import LOG_LEVELS
 
-RELAY_POLL_S = 1.0           # how often the launcher fetches the actors' records for the console
-RELAY_KEPT = 1000            # records an actor keeps for the console between fetches, the newest
-START_TIMEOUT_S = 120.0      # default start_timeout_s: Ray may have to start a Python process per actor
-CONNECT_TIMEOUT_S = 30.0     # default connect_timeout_s
+RELAY_POLL_S = 1.0  # how often the launcher fetches the actors' records for the console
+RELAY_KEPT = 1000  # records an actor keeps for the console between fetches, the newest
+START_TIMEOUT_S = 120.0  # default start_timeout_s: Ray may have to start a Python process per actor
+CONNECT_TIMEOUT_S = 30.0  # default connect_timeout_s
 INSTALL_HINT = "pip install -e '.[ray]'"
-NODE_IP = "node"    # host= value: listen on the IP of the node the actor lands on
+NODE_IP = "node"  # host= value: listen on the IP of the node the actor lands on
 
 
 class RayMissingError(ImportError):
@@ -65,8 +72,9 @@ def _import_ray():
     try:
         import ray
     except ImportError as e:
-        raise RayMissingError(f"RayCluster needs Ray, which is not installed ({e}); "
-                              f"install the extra with: {INSTALL_HINT}") from e
+        raise RayMissingError(
+            f"RayCluster needs Ray, which is not installed ({e}); install the extra with: {INSTALL_HINT}"
+        ) from e
     return ray
 
 
@@ -77,12 +85,13 @@ def _log_to(path: str, relay_level: str, relayed: collections.deque) -> None:
     in `relayed`, one line each, for the launcher to fetch (_SliceActor.relayed)."""
     import logging
     from mpmd.runtime.worker.main import configure_logging
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     for target in (1, 2):
         os.dup2(fd, target)
     os.close(fd)
-    logging.getLogger().handlers.clear()      # Ray's own handlers write to its files
+    logging.getLogger().handlers.clear()  # Ray's own handlers write to its files
     configure_logging("info", relay_level, sink=lambda levelno, text: relayed.append((levelno, text)))
 
 
@@ -92,11 +101,22 @@ class _SliceActor:
     launcher has given it its gang's coordinator (`join`): JAX's distributed group must be
     formed before anything makes JAX's backend."""
 
-    def __init__(self, token: str, host: str, workdir: str, slot: int, threads: int, root: str,
-                 shared: dict | None = None, gang: bool = False, log_path: str | None = None,
-                 relay_level: str = "warning"):
+    def __init__(
+        self,
+        token: str,
+        host: str,
+        workdir: str,
+        slot: int,
+        threads: int,
+        root: str,
+        shared: dict | None = None,
+        gang: bool = False,
+        log_path: str | None = None,
+        relay_level: str = "warning",
+    ):
         import ray
         from mpmd.runtime.worker.main import cores_for
+
         self._relayed: collections.deque = collections.deque(maxlen=RELAY_KEPT)
         if log_path is not None:
             _log_to(log_path, relay_level, self._relayed)
@@ -118,11 +138,13 @@ class _SliceActor:
     def coordinator(self) -> str:
         """HOST:PORT for the gang's coordinator on this actor's node (its process 0's)."""
         from mpmd.runtime.launchers.workers import free_port
+
         return f"{self._host}:{free_port(self._host)}"
 
     def join(self, coordinator: str, num_processes: int, process_id: int, timeout_s: float) -> tuple[str, int]:
         """Join the gang's JAX distributed group (returns once all have joined), then serve."""
         from mpmd.runtime.worker.gang import join
+
         join(coordinator, num_processes, process_id, timeout_s)
         self._serve()
         return self.ready()
@@ -130,6 +152,7 @@ class _SliceActor:
     def _serve(self) -> None:
         from mpmd.runtime.worker.service import WorkerService
         from mpmd.runtime.worker.main import RPC_THREADS, SHARED_RPC_THREADS, serve
+
         host = self._host
         listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         if not self.shared:
@@ -139,9 +162,16 @@ class _SliceActor:
         # A shared cluster's worker (runtime/manager/core.py), as `mpmd worker --shared`: several
         # jobs' sessions, compiled programs kept across them, a silent job's session closed.
         from mpmd.runtime.worker.compile_cache import CompileCache
+
         shared = self._shared
-        self.service = WorkerService(self._token, self._stop, root=self._root, shared=True, lease_s=shared["lease_s"],
-                                     cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)))
+        self.service = WorkerService(
+            self._token,
+            self._stop,
+            root=self._root,
+            shared=True,
+            lease_s=shared["lease_s"],
+            cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)),
+        )
         self.server, self.address = serve(self.service.handler(), listen, SHARED_RPC_THREADS)
         threading.Thread(target=self._lapse, daemon=True, name="mpmd-lapse").start()
 
@@ -178,12 +208,26 @@ class RayLauncher:
     shared cluster's workers, as `mpmd worker --shared` (runtime/manager/worker_pool.py
     RayWorkerPool)."""
 
-    def __init__(self, token: str, *, num_workers: int | None = None, resources_per_worker: dict | None = None,
-                 address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
-                 host: str | None = None, runtime_env: dict | None = None, root: str | None = None,
-                 gpus: bool = False, shared: dict | None = None, processes_per_slice: int = 1,
-                 start_timeout_s: float = START_TIMEOUT_S, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 log_dir: str | None = None, log_level: str = "warning"):
+    def __init__(
+        self,
+        token: str,
+        *,
+        num_workers: int | None = None,
+        resources_per_worker: dict | None = None,
+        address: str | None = None,
+        devices_per_worker: int = 1,
+        threads_per_worker: int = 1,
+        host: str | None = None,
+        runtime_env: dict | None = None,
+        root: str | None = None,
+        gpus: bool = False,
+        shared: dict | None = None,
+        processes_per_slice: int = 1,
+        start_timeout_s: float = START_TIMEOUT_S,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        log_dir: str | None = None,
+        log_level: str = "warning",
+    ):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self.processes_per_slice = check_processes_per_slice(processes_per_slice)
@@ -191,27 +235,28 @@ class RayLauncher:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.start_timeout_s, self.connect_timeout_s = float(start_timeout_s), float(connect_timeout_s)
-        self.log_dir = log_dir          # worker_<slot>.log there: each actor's stdout and stderr
+        self.log_dir = log_dir  # worker_<slot>.log there: each actor's stdout and stderr
         if log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-        self.log_level = log_level      # an actor's records at this level and up reach the console
+        self.log_level = log_level  # an actor's records at this level and up reach the console
         self._relay_stop = threading.Event()
         self._relay_thread: threading.Thread | None = None
-        self.placement_groups: list = []    # per slot: its placement group
+        self.placement_groups: list = []  # per slot: its placement group
         resources = dict(resources_per_worker or {})
         for k, v in resources.items():
             if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"resources_per_worker must map resource names to amounts >= 0, "
-                                 f"got {k!r}: {v!r}")
+                raise ValueError(f"resources_per_worker must map resource names to amounts >= 0, got {k!r}: {v!r}")
         if runtime_env is not None and not isinstance(runtime_env, dict):
             raise ValueError(f"runtime_env must be a dict (Ray's runtime_env), got {type(runtime_env).__name__}")
         if not isinstance(gpus, bool):
             raise ValueError(f"gpus must be True (each actor reserves devices_per_worker GPUs) or False, got {gpus!r}")
         if gpus and resources.get("GPU", devices_per_worker) != devices_per_worker:
-            raise ValueError(f"gpus=True reserves devices_per_worker={devices_per_worker} GPU(s) per actor, but "
-                             f"resources_per_worker asks for GPU={resources['GPU']}: drop one of the two")
+            raise ValueError(
+                f"gpus=True reserves devices_per_worker={devices_per_worker} GPU(s) per actor, but "
+                f"resources_per_worker asks for GPU={resources['GPU']}: drop one of the two"
+            )
         self._token = token
-        self.shared = shared          # {lease_s, compile_cache_mb}: a shared cluster's workers
+        self.shared = shared  # {lease_s, compile_cache_mb}: a shared cluster's workers
         self.num_workers = num_workers
         self.resources_per_worker = resources
         self.ray_address = address
@@ -220,19 +265,19 @@ class RayLauncher:
         self.gpus = gpus
         self.host = host
         self.runtime_env = dict(runtime_env or {})
-        self.root = root              # the cluster's root=; the actors' is fixed when they start
+        self.root = root  # the cluster's root=; the actors' is fixed when they start
         self._running_root: str | None = None
-        self.addresses: list = []       # per slot: "host:port", or one per process of its gang
-        self.actors: list = []          # Ray actor handles, slot by slot (a gang's k in a row)
+        self.addresses: list = []  # per slot: "host:port", or one per process of its gang
+        self.actors: list = []  # Ray actor handles, slot by slot (a gang's k in a row)
         self.pids: list[int] = []
-        self.pending: dict[int, placement.SlotRequest] = {}   # slot -> a replacement asked of Ray, not ready
+        self.pending: dict[int, placement.SlotRequest] = {}  # slot -> a replacement asked of Ray, not ready
         self._listen_host: str | None = None
         self._started_ray = False
 
     def start(self, num_slices: int, root: str | None = None) -> list[str]:
         n = num_workers_for(self.num_workers, num_slices, "RayCluster")
         root = worker_root(self.root, root, self._running_root if self.actors else None, "RayCluster")
-        if self.actors:      # already running: the control plane reuses them from a clean state
+        if self.actors:  # already running: the control plane reuses them from a clean state
             return list(self.addresses)
         self._running_root = root
         ray = _import_ray()
@@ -247,8 +292,9 @@ class RayLauncher:
             self.addresses = [r.ready[0][0] if k == 1 else tuple(a for a, _ in r.ready) for r in requests]
             if self.log_dir is not None:
                 self._relay_stop = threading.Event()
-                self._relay_thread = threading.Thread(target=self._relay, args=(ray, self._relay_stop), daemon=True,
-                                                      name="mpmd-ray-relay")
+                self._relay_thread = threading.Thread(
+                    target=self._relay, args=(ray, self._relay_stop), daemon=True, name="mpmd-ray-relay"
+                )
                 self._relay_thread.start()
         except BaseException:
             self.stop()
@@ -269,8 +315,10 @@ class RayLauncher:
             # a small machine (XLA runs one thread per worker; oversubscribing is what
             # LocalCluster does too), no dashboard.
             address = "local"
-            kwargs = {"num_cpus": max(os.cpu_count() or 1, n * self.processes_per_slice
-                                      * self._actor_options()["num_cpus"]), "include_dashboard": False}
+            kwargs = {
+                "num_cpus": max(os.cpu_count() or 1, n * self.processes_per_slice * self._actor_options()["num_cpus"]),
+                "include_dashboard": False,
+            }
         else:
             placement.check_reachable(address, self.connect_timeout_s)
         ray.init(address=address, log_to_driver=False, **kwargs)
@@ -281,23 +329,27 @@ class RayLauncher:
         actors of all slots starting at once; else RuntimeError naming what was asked and
         what each node offers (nothing is left asked of Ray)."""
         bundle, k, offers = self._bundle(), self.processes_per_slice, placement.node_offers(ray)
-        if placement.strategy(bundle, n * k, offers) is None:      # the nodes do not hold n * k bundles
+        if placement.strategy(bundle, n * k, offers) is None:  # the nodes do not hold n * k bundles
             raise placement.Unplaceable(
                 f"Ray cannot place {n} slice(s) of {k} worker(s) each asking {bundle}: missing "
-                f"{placement.missing(bundle, n * k, offers)}; {placement.describe_offers(offers, bundle)}")
+                f"{placement.missing(bundle, n * k, offers)}; {placement.describe_offers(offers, bundle)}"
+            )
         requests = [self._request(ray, slot, offers) for slot in range(n)]
         deadline = time.monotonic() + self.start_timeout_s
         try:
-            for r in requests:        # placed, and its actors asked for, slot after slot
+            for r in requests:  # placed, and its actors asked for, slot after slot
                 if not r.advance(deadline - time.monotonic(), 0.0) and r.placed_at is None:
                     raise placement.Unplaceable(
                         f"Ray placed {sum(q.placed_at is not None for q in requests)} of {n} slice(s) within "
                         f"start_timeout_s={self.start_timeout_s:g} s: {r.waiting_for()}; the cluster has "
-                        f"{ray.available_resources()} available; {placement.describe_offers(offers, bundle)}")
-            for r in requests:        # then every slot's actors, started in parallel
+                        f"{ray.available_resources()} available; {placement.describe_offers(offers, bundle)}"
+                    )
+            for r in requests:  # then every slot's actors, started in parallel
                 if not r.advance(0.0, deadline - time.monotonic()):
-                    raise ClusterUnavailable(f"slice {r.slot}'s worker(s) did not start within start_timeout_s="
-                                       f"{self.start_timeout_s:g} s: {r.waiting_for()}")
+                    raise ClusterUnavailable(
+                        f"slice {r.slot}'s worker(s) did not start within start_timeout_s="
+                        f"{self.start_timeout_s:g} s: {r.waiting_for()}"
+                    )
         except placement.StartFailed as e:
             for r in requests:
                 r.cancel()
@@ -331,8 +383,8 @@ class RayLauncher:
         del self.pending[slot]
         k = self.processes_per_slice
         self.placement_groups[slot] = request.group
-        self.actors[slot * k:(slot + 1) * k] = request.actors
-        self.pids[slot * k:(slot + 1) * k] = [p for _, p in request.ready]
+        self.actors[slot * k : (slot + 1) * k] = request.actors
+        self.pids[slot * k : (slot + 1) * k] = [p for _, p in request.ready]
         self.addresses[slot] = request.ready[0][0] if k == 1 else tuple(a for a, _ in request.ready)
         return self.addresses[slot]
 
@@ -354,12 +406,12 @@ class RayLauncher:
         for a in actors:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:       # already gone, or Ray itself is shutting down
+            except Exception:  # already gone, or Ray itself is shutting down
                 pass
         for g in groups:
             try:
                 ray.util.remove_placement_group(g)
-            except Exception:       # Ray itself is shutting down
+            except Exception:  # Ray itself is shutting down
                 pass
         if self._started_ray:
             self._started_ray = False
@@ -370,8 +422,10 @@ class RayLauncher:
         # Ray takes CPU, GPU and memory as keywords, not in `resources`. An actor given GPUs
         # sees only its own (Ray sets its CUDA_VISIBLE_DEVICES).
         res = dict(self.resources_per_worker)
-        opts = {"num_cpus": res.pop("CPU", self.threads_per_worker),
-                "num_gpus": res.pop("GPU", self.devices_per_worker if self.gpus else 0)}
+        opts = {
+            "num_cpus": res.pop("CPU", self.threads_per_worker),
+            "num_gpus": res.pop("GPU", self.devices_per_worker if self.gpus else 0),
+        }
         if "memory" in res:
             opts["memory"] = res.pop("memory")
         opts["resources"] = res
@@ -380,8 +434,12 @@ class RayLauncher:
     def _bundle(self) -> dict:
         """What one actor reserves, as a placement group bundle."""
         opts = self._actor_options()
-        return {"CPU": opts["num_cpus"], **({"GPU": opts["num_gpus"]} if opts["num_gpus"] else {}),
-                **({"memory": opts["memory"]} if "memory" in opts else {}), **opts["resources"]}
+        return {
+            "CPU": opts["num_cpus"],
+            **({"GPU": opts["num_gpus"]} if opts["num_gpus"] else {}),
+            **({"memory": opts["memory"]} if "memory" in opts else {}),
+            **opts["resources"],
+        }
 
     def _request(self, ray, slot: int, offers) -> placement.SlotRequest:
         """Ask Ray for slot `slot`'s group: k bundles spread one per node where at least k
@@ -389,40 +447,61 @@ class RayLauncher:
         the nodes there are cannot hold it now: one may join)."""
         k, bundle = self.processes_per_slice, self._bundle()
         strategy = (placement.strategy(bundle, k, offers) or "PACK") if k > 1 else "PACK"
-        return placement.SlotRequest(ray, slot, bundle, k, strategy, self.start_timeout_s,
-                                     lambda group, j: self._new_actor(ray, slot * k + j, gang=(group, j)))
+        return placement.SlotRequest(
+            ray,
+            slot,
+            bundle,
+            k,
+            strategy,
+            self.start_timeout_s,
+            lambda group, j: self._new_actor(ray, slot * k + j, gang=(group, j)),
+        )
 
     def _kill_slot(self, ray, slot: int) -> None:
         """Kill every actor of the slot and remove its placement group."""
         k = self.processes_per_slice
-        for a in self.actors[slot * k:(slot + 1) * k]:
+        for a in self.actors[slot * k : (slot + 1) * k]:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:       # already gone
+            except Exception:  # already gone
                 pass
         try:
             ray.util.remove_placement_group(self.placement_groups[slot])
-        except Exception:           # already gone
+        except Exception:  # already gone
             pass
 
     def _new_actor(self, ray, slot: int, gang):
         """An actor for process `slot` (its index among all) in bundle gang[1] of group gang[0]."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from mpmd.runtime.worker.main import xla_flags
+
         env = dict(self.runtime_env)
         env_vars = dict(env.get("env_vars") or {})
-        env_vars["XLA_FLAGS"] = xla_flags(self.devices_per_worker,
-                                          env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", "")))
+        env_vars["XLA_FLAGS"] = xla_flags(
+            self.devices_per_worker, env_vars.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+        )
         env["env_vars"] = env_vars
         options = dict(self._actor_options(), max_restarts=0, runtime_env=env)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=gang[0], placement_group_bundle_index=gang[1])
+            placement_group=gang[0], placement_group_bundle_index=gang[1]
+        )
         cls = ray.remote(**options)(_SliceActor)
         k = self.processes_per_slice
-        log_path = (os.path.abspath(worker_log_file(self.log_dir, slot // k, slot % k, k))
-                    if self.log_dir is not None else None)
-        return cls.remote(self._token, self._listen_host, os.getcwd(), slot, self.threads_per_worker,
-                          self._running_root, self.shared, k > 1, log_path, self.log_level)
+        log_path = (
+            os.path.abspath(worker_log_file(self.log_dir, slot // k, slot % k, k)) if self.log_dir is not None else None
+        )
+        return cls.remote(
+            self._token,
+            self._listen_host,
+            os.getcwd(),
+            slot,
+            self.threads_per_worker,
+            self._running_root,
+            self.shared,
+            k > 1,
+            log_path,
+            self.log_level,
+        )
 
     def _relay(self, ray, stop: threading.Event) -> None:
         """Until `stop`: every RELAY_POLL_S, each actor's records for the console logged here
@@ -433,7 +512,7 @@ class RayLauncher:
             for j, ref in asked:
                 try:
                     records = ray.get(ref, timeout=RELAY_POLL_S * 5)
-                except Exception:       # a lost actor (the Trainer replaces it), or Ray shutting down
+                except Exception:  # a lost actor (the Trainer replaces it), or Ray shutting down
                     continue
                 slot, process = divmod(j, k)
                 for levelno, text in records:
@@ -486,22 +565,53 @@ class RayCluster(ControlPlane):
     without waiting, so a narrow run grows back once a node joins.
     """
 
-    def __init__(self, num_workers: int | None = None, *, resources_per_worker: dict | None = None,
-                 address: str | None = None, devices_per_worker: int = 1, threads_per_worker: int = 1,
-                 host: str | None = None, runtime_env: dict | None = None,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S,
-                 failure_timeout_s: float = 5.0, step_timeout_s: float | None = None,
-                 root: str | None = None, gpus: bool = False, processes_per_slice: int = 1,
-                 start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None, log_level: str = "warning",
-                 transport: str = "auto"):
+    def __init__(
+        self,
+        num_workers: int | None = None,
+        *,
+        resources_per_worker: dict | None = None,
+        address: str | None = None,
+        devices_per_worker: int = 1,
+        threads_per_worker: int = 1,
+        host: str | None = None,
+        runtime_env: dict | None = None,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        failure_timeout_s: float = 5.0,
+        step_timeout_s: float | None = None,
+        root: str | None = None,
+        gpus: bool = False,
+        processes_per_slice: int = 1,
+        start_timeout_s: float = START_TIMEOUT_S,
+        log_dir: str | None = None,
+        log_level: str = "warning",
+        transport: str = "auto",
+    ):
         token = new_token()
-        launcher = RayLauncher(token, num_workers=num_workers, resources_per_worker=resources_per_worker,
-                               address=address, devices_per_worker=devices_per_worker,
-                               threads_per_worker=threads_per_worker, host=host, runtime_env=runtime_env, root=root,
-                               gpus=gpus, processes_per_slice=processes_per_slice, start_timeout_s=start_timeout_s,
-                               connect_timeout_s=connect_timeout_s, log_dir=log_dir, log_level=log_level)
-        super().__init__(launcher, token, connect_timeout_s=connect_timeout_s, failure_timeout_s=failure_timeout_s,
-                         step_timeout_s=step_timeout_s, transport=transport)
+        launcher = RayLauncher(
+            token,
+            num_workers=num_workers,
+            resources_per_worker=resources_per_worker,
+            address=address,
+            devices_per_worker=devices_per_worker,
+            threads_per_worker=threads_per_worker,
+            host=host,
+            runtime_env=runtime_env,
+            root=root,
+            gpus=gpus,
+            processes_per_slice=processes_per_slice,
+            start_timeout_s=start_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            log_dir=log_dir,
+            log_level=log_level,
+        )
+        super().__init__(
+            launcher,
+            token,
+            connect_timeout_s=connect_timeout_s,
+            failure_timeout_s=failure_timeout_s,
+            step_timeout_s=step_timeout_s,
+            transport=transport,
+        )
 
     @property
     def actors(self) -> list:
@@ -526,4 +636,4 @@ class RayCluster(ControlPlane):
 
     def gang_pids(self, slot: int) -> list[int]:
         k = self.launcher.processes_per_slice
-        return self.launcher.pids[slot * k:(slot + 1) * k]
+        return self.launcher.pids[slot * k : (slot + 1) * k]

@@ -19,6 +19,7 @@ is asked anyway (a node may join).
 The connection itself: `check_reachable` bounds connecting to a Ray cluster's address by
 cluster.connect_timeout_s, since ray.init retries an unreachable address for minutes.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ import time
 
 from mpmd.runtime.control.cluster import ClusterUnavailable
 
-CONNECT_POLL_S = 0.5     # how often an address that refused is tried again
+CONNECT_POLL_S = 0.5  # how often an address that refused is tried again
 
 
 class Unplaceable(ClusterUnavailable):
@@ -41,9 +42,18 @@ class StartFailed(RuntimeError):
 
 def node_offers(ray) -> list[tuple[str, dict]]:
     """(node IP, total resources) of every live node, Ray's own bookkeeping keys left out."""
-    return [(n["NodeManagerAddress"], {k: v for k, v in n.get("Resources", {}).items() if not k.startswith("node:")
-                                       and k != "object_store_memory"})
-            for n in ray.nodes() if n.get("Alive")]
+    return [
+        (
+            n["NodeManagerAddress"],
+            {
+                k: v
+                for k, v in n.get("Resources", {}).items()
+                if not k.startswith("node:") and k != "object_store_memory"
+            },
+        )
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
 
 
 def bundles_held(bundle: dict, resources: dict) -> int | float:
@@ -62,16 +72,22 @@ def strategy(bundle: dict, k: int, offers: list[tuple[str, dict]]) -> str | None
 
 def describe_offers(offers: list[tuple[str, dict]], bundle: dict) -> str:
     """What each live node offers of the bundle's resources, one `node IP {CPU: 4}` each."""
-    return "; ".join(f"node {ip} {{" + ", ".join(f"{k}: {r.get(k, 0.0):g}" for k in sorted(bundle)) + "}"
-                     for ip, r in offers) or "no live node"
+    return (
+        "; ".join(
+            f"node {ip} {{" + ", ".join(f"{k}: {r.get(k, 0.0):g}" for k in sorted(bundle)) + "}" for ip, r in offers
+        )
+        or "no live node"
+    )
 
 
 def missing(bundle: dict, k: int, offers: list[tuple[str, dict]]) -> str:
     """Which of the bundle's resources the nodes lack for k bundles, and on how many nodes."""
-    short = [f"{name} (needs {amount * k:g} in all, {sum(r.get(name, 0.0) for _, r in offers):g} there; "
-             f"{sum(r.get(name, 0.0) < amount for _, r in offers)} of {len(offers)} node(s) lack {amount:g})"
-             for name, amount in sorted(bundle.items()) if amount > 0
-             and sum(math.floor(r.get(name, 0.0) / amount + 1e-9) for _, r in offers) < k]
+    short = [
+        f"{name} (needs {amount * k:g} in all, {sum(r.get(name, 0.0) for _, r in offers):g} there; "
+        f"{sum(r.get(name, 0.0) < amount for _, r in offers)} of {len(offers)} node(s) lack {amount:g})"
+        for name, amount in sorted(bundle.items())
+        if amount > 0 and sum(math.floor(r.get(name, 0.0) / amount + 1e-9) for _, r in offers) < k
+    ]
     return ", ".join(short) or "a node that holds every resource of one bundle at once"
 
 
@@ -82,7 +98,7 @@ def check_reachable(address: str, timeout_s: float) -> None:
     host, _, port = hostport.rpartition(":")
     host = host.strip("[]")
     if not host or not port.isdigit():
-        return           # not HOST:PORT ("auto" and the like): ray.init resolves and checks it
+        return  # not HOST:PORT ("auto" and the like): ray.init resolves and checks it
     deadline, why = time.monotonic() + timeout_s, "no answer"
     while True:
         left = deadline - time.monotonic()
@@ -95,7 +111,8 @@ def check_reachable(address: str, timeout_s: float) -> None:
             raise ClusterUnavailable(
                 f"cannot reach the Ray cluster at {address} within connect_timeout_s={timeout_s:g} s ({why}): check "
                 f"that its head runs (`ray start --head` there), that the address and port are right (Ray's "
-                f"default port is 6379) and that this machine may connect to it")
+                f"default port is 6379) and that this machine may connect to it"
+            )
         time.sleep(CONNECT_POLL_S)
 
 
@@ -135,26 +152,31 @@ class SlotRequest:
                 return False
             self.placed_at = time.monotonic()
             self.actors = [self._new_actor(self.group, j) for j in range(self.k)]
-            self._refs = ([a.ready.remote() for a in self.actors] if self.k == 1
-                          else [self.actors[0].coordinator.remote()])
+            self._refs = (
+                [a.ready.remote() for a in self.actors] if self.k == 1 else [self.actors[0].coordinator.remote()]
+            )
         from ray.exceptions import RayActorError, RayError
+
         while True:
             deadline = self.placed_at + self._start_timeout_s
             left = min(max(deadline - time.monotonic(), 0.0), max(start_wait_s, 0.0))
             done, _ = ray.wait(self._refs, num_returns=len(self._refs), timeout=left)
             if len(done) < len(self._refs):
                 if time.monotonic() >= deadline:
-                    raise StartFailed(f"its {self.k} actor(s) did not start within start_timeout_s="
-                                      f"{self._start_timeout_s:g} s of being placed")
+                    raise StartFailed(
+                        f"its {self.k} actor(s) did not start within start_timeout_s="
+                        f"{self._start_timeout_s:g} s of being placed"
+                    )
                 return False
             try:
                 values = ray.get(self._refs)
             except (RayActorError, RayError) as e:
                 raise StartFailed(f"an actor died while starting: {' '.join(str(e).split())[:300]}") from None
-            if self.k > 1 and not self._joining:     # process 0 picked the gang's coordinator port
+            if self.k > 1 and not self._joining:  # process 0 picked the gang's coordinator port
                 self._joining = True
-                self._refs = [a.join.remote(values[0], self.k, j, self._start_timeout_s)
-                              for j, a in enumerate(self.actors)]
+                self._refs = [
+                    a.join.remote(values[0], self.k, j, self._start_timeout_s) for j, a in enumerate(self.actors)
+                ]
                 continue
             self.ready = values
             return True
@@ -163,8 +185,10 @@ class SlotRequest:
         """What the request still waits for, for a message."""
         since = time.monotonic() - self.asked_at
         if self.placed_at is None:
-            return (f"Ray has not placed its {self.k} bundle(s) of {self.bundle} ({self.strategy}) in the "
-                    f"{since:.0f} s since it was asked")
+            return (
+                f"Ray has not placed its {self.k} bundle(s) of {self.bundle} ({self.strategy}) in the "
+                f"{since:.0f} s since it was asked"
+            )
         return f"its actor(s) are starting ({time.monotonic() - self.placed_at:.0f} s since placed)"
 
     def cancel(self) -> None:
@@ -172,9 +196,9 @@ class SlotRequest:
         for a in self.actors:
             try:
                 self._ray.kill(a, no_restart=True)
-            except Exception:       # already gone, or Ray itself is shutting down
+            except Exception:  # already gone, or Ray itself is shutting down
                 pass
         try:
             self._ray.util.remove_placement_group(self.group)
-        except Exception:           # Ray itself is shutting down
+        except Exception:  # Ray itself is shutting down
             pass

@@ -1,5 +1,6 @@
 """`static`: workers started elsewhere (`mpmd worker --listen HOST:PORT`), given by address.
 StaticCluster is the one control plane (runtime/control/client.py) over StaticLauncher."""
+
 from __future__ import annotations
 
 from mpmd.runtime.control.client import ControlPlane
@@ -20,19 +21,23 @@ class StaticLauncher:
         # root is not ours to set: each worker was started with its own --root, and refuses
         # a checkpoint directory outside it.
         if len(self.addresses) < num_slices:
-            raise ValueError(f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
-                             f"address(es): {self.addresses}")
+            raise ValueError(
+                f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
+                f"address(es): {self.addresses}"
+            )
         self._spares = list(self.addresses[num_slices:])
         return list(self.addresses)
 
     def replace(self, slot: int, wait_s: float | None = None) -> str:
         if not self._spares:
-            raise ReplaceUnsupported(f"slice {slot} was lost and StaticCluster has no spare address left "
-                                     f"(give more addresses than slices to allow replacement)")
+            raise ReplaceUnsupported(
+                f"slice {slot} was lost and StaticCluster has no spare address left "
+                f"(give more addresses than slices to allow replacement)"
+            )
         return self._spares.pop(0)
 
     def stop(self) -> None:
-        pass          # not ours to stop: the control plane's Shutdown RPC is all they get
+        pass  # not ours to stop: the control plane's Shutdown RPC is all they get
 
 
 class StaticCluster(ControlPlane):
@@ -49,17 +54,33 @@ class StaticCluster(ControlPlane):
     `allow_insecure_token_file` (see read_token_file).
     """
 
-    def __init__(self, addresses, *, token_file: str | None = None, token: str | None = None,
-                 connect_timeout_s: float = 10.0, failure_timeout_s: float = 5.0,
-                 transfer_host: str | None = None, step_timeout_s: float | None = None,
-                 allow_insecure_token_file: bool = False, processes_per_slice: int | None = None,
-                 transport: str = "auto"):
+    def __init__(
+        self,
+        addresses,
+        *,
+        token_file: str | None = None,
+        token: str | None = None,
+        connect_timeout_s: float = 10.0,
+        failure_timeout_s: float = 5.0,
+        transfer_host: str | None = None,
+        step_timeout_s: float | None = None,
+        allow_insecure_token_file: bool = False,
+        processes_per_slice: int | None = None,
+        transport: str = "auto",
+    ):
         addresses = group_addresses(addresses, processes_per_slice)
         if token is None:
             if token_file is None:
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
-            token = read_token_file(token_file, allow_insecure_token_file, "token_file",
-                                    "allow_insecure_token_file=True")
-        super().__init__(StaticLauncher(addresses), token, connect_timeout_s=connect_timeout_s,
-                         failure_timeout_s=failure_timeout_s, transfer_host=transfer_host, step_timeout_s=step_timeout_s,
-                         transport=transport)
+            token = read_token_file(
+                token_file, allow_insecure_token_file, "token_file", "allow_insecure_token_file=True"
+            )
+        super().__init__(
+            StaticLauncher(addresses),
+            token,
+            connect_timeout_s=connect_timeout_s,
+            failure_timeout_s=failure_timeout_s,
+            transfer_host=transfer_host,
+            step_timeout_s=step_timeout_s,
+            transport=transport,
+        )

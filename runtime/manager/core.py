@@ -39,6 +39,7 @@ whose sessions the workers still hold (their Sessions reply), so running jobs ke
 leases (a job's credential derives from the cluster token, so it stays valid); a job the
 workers no longer know is dropped.
 """
+
 from __future__ import annotations
 
 import collections
@@ -59,15 +60,15 @@ from mpmd.runtime.worker.service import ADMIN
 from mpmd.runtime.manager.worker_pool import WorkerPool
 
 SERVICE = verbs.MANAGER_SERVICE
-HEALTH_S = 1.0            # workers are probed (Sessions) this often
-UNREACHABLE_S = 10.0      # a live pid that does not answer for this long is restarted
+HEALTH_S = 1.0  # workers are probed (Sessions) this often
+UNREACHABLE_S = 10.0  # a live pid that does not answer for this long is restarted
 RPC_TIMEOUT_S = 5.0
-MAX_LEASE_S = 60.0        # default --max-lease-s: a silent job holds workers at most this long
+MAX_LEASE_S = 60.0  # default --max-lease-s: a silent job holds workers at most this long
 # A manager started again gives each job it rebuilt this long beyond its lease to renew: the
 # job's channel to the manager that died backs off its reconnects (gRPC's backoff grows to
 # seconds), and a loaded machine may take long to start the new one.
 REJOIN_GRACE_S = 30.0
-KEEP_ENDED = 100          # ended jobs kept in the table (and Status), the newest
+KEEP_ENDED = 100  # ended jobs kept in the table (and Status), the newest
 # Who may call what (the table's caller): "submit" (submit or cluster token), "job" (a job
 # credential, on that job only), "admin" (the cluster token).
 METHODS = {v.name: v.caller for v in verbs.MANAGER_VERBS.values()}
@@ -97,9 +98,9 @@ class Job:
     share: bool
     root: str
     lease_s: float
-    state: str = "queued"                     # queued | leased | released | expired
-    workers: list = field(default_factory=list)   # per slot: the pool slot of its worker
-    submitted: float = field(default_factory=time.time)      # wall-clock times, for Status
+    state: str = "queued"  # queued | leased | released | expired
+    workers: list = field(default_factory=list)  # per slot: the pool slot of its worker
+    submitted: float = field(default_factory=time.time)  # wall-clock times, for Status
     leased_at: float | None = None
     ended_at: float | None = None
     last_seen: float = field(default_factory=time.monotonic, repr=False)
@@ -115,15 +116,23 @@ def _nested(a: str, b: str) -> bool:
 
 
 class Manager:
-    def __init__(self, pool: WorkerPool, *, cluster_token: str, submit_token: str, journal: str,
-                 lease_s: float = 10.0, max_lease_s: float = MAX_LEASE_S):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        *,
+        cluster_token: str,
+        submit_token: str,
+        journal: str,
+        lease_s: float = 10.0,
+        max_lease_s: float = MAX_LEASE_S,
+    ):
         self.pool = pool
         self.cluster_token, self._submit_token = cluster_token, submit_token
         self._journal = journal
         self.lease_s, self.max_lease_s = lease_s, max_lease_s
         self.jobs: dict[str, Job] = {}
-        self.queue: list[str] = []                # job ids, FIFO
-        self.health: dict[int, dict] = {}         # per slot: last Sessions reply, health, since
+        self.queue: list[str] = []  # job ids, FIFO
+        self.health: dict[int, dict] = {}  # per slot: last Sessions reply, health, since
         self._lock = threading.RLock()
         self._clients: dict[int, WorkerClient] = {}
         self._counts: collections.Counter = collections.Counter()
@@ -132,23 +141,31 @@ class Manager:
     # -- the table ---------------------------------------------------------------------------
     def submit(self, name: str, slices: int, share: bool, root: str, lease_s: float, devices=None) -> Job:
         if not isinstance(slices, int) or isinstance(slices, bool) or not 1 <= slices <= len(self.pool.workers):
-            raise ValueError(f"'slices' must be an integer 1..{len(self.pool.workers)} (the cluster's workers), "
-                             f"got {slices!r}")
+            raise ValueError(
+                f"'slices' must be an integer 1..{len(self.pool.workers)} (the cluster's workers), got {slices!r}"
+            )
         if not isinstance(root, str) or not os.path.isabs(root):
-            raise ValueError(f"'root' must be an absolute directory below the cluster root {self.pool.root}, "
-                             f"got {root!r:.200}")
+            raise ValueError(
+                f"'root' must be an absolute directory below the cluster root {self.pool.root}, got {root!r:.200}"
+            )
         real = os.path.realpath(root)
         if os.path.commonpath([real, self.pool.root]) != self.pool.root:
-            raise ValueError(f"'root' {root} is not below the cluster root {self.pool.root}: the workers save "
-                             f"and restore only there; put the run_dir below it")
+            raise ValueError(
+                f"'root' {root} is not below the cluster root {self.pool.root}: the workers save "
+                f"and restore only there; put the run_dir below it"
+            )
         if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not 0 < lease_s <= self.max_lease_s:
-            raise ValueError(f"'lease_s' must be a number of seconds in (0, {self.max_lease_s:g}] (the cluster's "
-                             f"--max-lease-s: a silent job holds its workers at most that long), got {lease_s!r}")
+            raise ValueError(
+                f"'lease_s' must be a number of seconds in (0, {self.max_lease_s:g}] (the cluster's "
+                f"--max-lease-s: a silent job holds its workers at most that long), got {lease_s!r}"
+            )
         d = self.pool.devices_per_worker
         if devices is not None and devices != [d]:
-            raise ValueError(f"the job's slices have {devices} device(s) each (cluster.devices_per_worker, "
-                             f"mesh.*), and this cluster's workers have {d} each: give the job "
-                             f"cluster.devices_per_worker={d}")
+            raise ValueError(
+                f"the job's slices have {devices} device(s) each (cluster.devices_per_worker, "
+                f"mesh.*), and this cluster's workers have {d} each: give the job "
+                f"cluster.devices_per_worker={d}"
+            )
         stem = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:48] or "job"
         with self._lock:
             if self.stopping.is_set():
@@ -159,10 +176,18 @@ class Manager:
             # into another job's run_dir is that run_dir).
             for other in self.jobs.values():
                 if other.state in ("queued", "leased") and _nested(real, other.root):
-                    raise ValueError(f"'root' {real} overlaps job {other.id}'s root {other.root} ({other.name!r:.60}): "
-                                     f"give each job a run_dir of its own, neither inside the other")
-            job = Job(id=credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"), name=str(name)[:200],
-                      slices=slices, share=bool(share), root=real, lease_s=float(lease_s))
+                    raise ValueError(
+                        f"'root' {real} overlaps job {other.id}'s root {other.root} ({other.name!r:.60}): "
+                        f"give each job a run_dir of its own, neither inside the other"
+                    )
+            job = Job(
+                id=credentials.check_job_id(f"{stem}-{secrets.token_hex(4)}"),
+                name=str(name)[:200],
+                slices=slices,
+                share=bool(share),
+                root=real,
+                lease_s=float(lease_s),
+            )
             self.jobs[job.id] = job
             self.queue.append(job.id)
             self._place()
@@ -196,7 +221,7 @@ class Manager:
             job.state, job.ended_at = state, time.time()
             log.info("job %s %s (%s)", job.id, state, job.name)
             ended = [j for j in self.jobs.values() if j.state in ("released", "expired")]
-            for old in ended[:-KEEP_ENDED]:      # a long-lived cluster's table stays small
+            for old in ended[:-KEEP_ENDED]:  # a long-lived cluster's table stays small
                 del self.jobs[old.id]
             self._place()
             self._save()
@@ -207,9 +232,10 @@ class Manager:
         if not isinstance(slot, int) or not 0 <= slot < len(job.workers):
             raise ValueError(f"'slot' must be 0..{len(job.workers) - 1} (the job's slices), got {slot!r}")
         with self._lock:
-            if self.stopping.is_set():     # down() stops the workers: none may start after that
-                raise ShuttingDown("the shared cluster was shut down (mpmd cluster down): no worker replaces "
-                                   f"slot {slot}'s")
+            if self.stopping.is_set():  # down() stops the workers: none may start after that
+                raise ShuttingDown(
+                    f"the shared cluster was shut down (mpmd cluster down): no worker replaces slot {slot}'s"
+                )
             p = job.workers[slot]
             w = self.pool.workers[p]
             if not w.alive() or not self._answers(p):
@@ -233,7 +259,7 @@ class Manager:
             log.info("job %s leased workers %s (%s)", job.id, slots, job.name)
 
     def _fit(self, job: Job) -> list[int] | None:
-        holders = collections.defaultdict(list)         # slot -> jobs holding it
+        holders = collections.defaultdict(list)  # slot -> jobs holding it
         for other in self.jobs.values():
             if other.state == "leased":
                 for s in other.workers:
@@ -244,7 +270,7 @@ class Manager:
             free.sort(key=lambda s: (len(holders[s]), s))
         else:
             free = [s for s in up if not holders[s]]
-        return free[:job.slices] if len(free) >= job.slices else None
+        return free[: job.slices] if len(free) >= job.slices else None
 
     # -- workers -----------------------------------------------------------------------------
     def _client(self, slot: int) -> WorkerClient:
@@ -259,13 +285,13 @@ class Manager:
     def _open_session(self, slot: int, job: Job) -> None:
         try:
             call(self._client(slot), verbs.OpenSession(job.id, job.root, job.lease_s), timeout_s=RPC_TIMEOUT_S)
-        except WorkerError as e:   # the job finds the worker gone and asks for Replace
+        except WorkerError as e:  # the job finds the worker gone and asks for Replace
             log.warning("cannot open job %s's session on worker %d: %s", job.id, slot, e)
 
     def _close_session(self, slot: int, job_id: str) -> None:
         try:
             call(self._client(slot), verbs.CloseSession(job_id), timeout_s=RPC_TIMEOUT_S)
-        except WorkerError as e:   # a worker that is gone holds no session
+        except WorkerError as e:  # a worker that is gone holds no session
             log.warning("cannot close job %s's session on worker %d: %s", job_id, slot, e)
 
     def _answers(self, slot: int) -> bool:
@@ -294,7 +320,9 @@ class Manager:
         replies = {}
         for w in list(self.pool.workers):
             try:
-                replies[w.slot] = verbs.encode(call(self._client(w.slot), verbs.Empty(), timeout_s=2.0, verb="Sessions")[0])
+                replies[w.slot] = verbs.encode(
+                    call(self._client(w.slot), verbs.Empty(), timeout_s=2.0, verb="Sessions")[0]
+                )
             except WorkerError as e:
                 replies[w.slot] = e
         with self._lock:
@@ -318,8 +346,12 @@ class Manager:
             now = time.monotonic()
             for job in list(self.jobs.values()):
                 if job.state in ("queued", "leased") and now - job.last_seen > job.lease_s:
-                    log.warning("job %s silent for %.1f s (lease_s=%g): its lease ends", job.id,
-                                now - job.last_seen, job.lease_s)
+                    log.warning(
+                        "job %s silent for %.1f s (lease_s=%g): its lease ends",
+                        job.id,
+                        now - job.last_seen,
+                        job.lease_s,
+                    )
                     self.end(job, "expired")
 
     def run_background(self) -> None:
@@ -331,8 +363,9 @@ class Manager:
                     if time.monotonic() >= next_probe:
                         self.probe()
                         next_probe = time.monotonic() + HEALTH_S
-                except Exception:      # e.g. a worker that would not restart: try again next round
+                except Exception:  # e.g. a worker that would not restart: try again next round
                     log.exception("manager round failed")
+
         threading.Thread(target=loop, daemon=True, name="mpmd-manager").start()
 
     # -- status and persistence --------------------------------------------------------------
@@ -342,14 +375,32 @@ class Manager:
             for w in self.pool.workers:
                 h = self.health.get(w.slot, {})
                 info = h.get("info") or {}
-                workers.append({"slot": w.slot, "address": w.address, "pid": w.pid, "health": h.get("health", "ok"),
-                                "live_bytes": info.get("live_bytes"), "cache": info.get("cache"),
-                                "sessions": info.get("sessions", [])})
-            jobs = [{"job": j.id, "name": j.name, "state": j.state, "slices": j.slices, "share": j.share,
-                     "position": self.position(j) if j.state in ("queued", "leased") else None,
-                     "workers": j.workers if j.state == "leased" else [], "submitted": j.submitted,
-                     "leased_at": j.leased_at, "ended_at": j.ended_at}
-                    for j in self.jobs.values()]
+                workers.append(
+                    {
+                        "slot": w.slot,
+                        "address": w.address,
+                        "pid": w.pid,
+                        "health": h.get("health", "ok"),
+                        "live_bytes": info.get("live_bytes"),
+                        "cache": info.get("cache"),
+                        "sessions": info.get("sessions", []),
+                    }
+                )
+            jobs = [
+                {
+                    "job": j.id,
+                    "name": j.name,
+                    "state": j.state,
+                    "slices": j.slices,
+                    "share": j.share,
+                    "position": self.position(j) if j.state in ("queued", "leased") else None,
+                    "workers": j.workers if j.state == "leased" else [],
+                    "submitted": j.submitted,
+                    "leased_at": j.leased_at,
+                    "ended_at": j.ended_at,
+                }
+                for j in self.jobs.values()
+            ]
             leases = {j.id: self.addresses(j) for j in self.jobs.values() if j.state == "leased"}
             return {"workers": workers, "jobs": jobs, "leases": leases, "workers_started": self.pool.started}
 
@@ -368,10 +419,12 @@ class Manager:
                 saved = json.load(f)["jobs"]
         except (OSError, ValueError, KeyError):
             saved = []
-        held = collections.defaultdict(set)        # job id -> slots holding its session
+        held = collections.defaultdict(set)  # job id -> slots holding its session
         for w in self.pool.workers:
             try:
-                sessions = call(self._client(w.slot), verbs.Empty(), timeout_s=RPC_TIMEOUT_S, verb="Sessions")[0].sessions
+                sessions = call(self._client(w.slot), verbs.Empty(), timeout_s=RPC_TIMEOUT_S, verb="Sessions")[
+                    0
+                ].sessions
                 for s in sessions:
                     held[s["job"]].add(w.slot)
             except WorkerError as e:
@@ -387,23 +440,45 @@ class Manager:
                 if job.state == "queued":
                     self.queue.append(job.id)
             for job_id, slots in held.items():
-                if job_id not in self.jobs:      # leased after the last journal write
-                    log.warning("job %s: found on workers %s but not in the journal; kept, as sharing",
-                                job_id, sorted(slots))
-                    self.jobs[job_id] = Job(id=job_id, name=job_id, slices=len(slots), share=True,
-                                            root=self.pool.root, lease_s=self.lease_s, state="leased",
-                                            workers=sorted(slots))
+                if job_id not in self.jobs:  # leased after the last journal write
+                    log.warning(
+                        "job %s: found on workers %s but not in the journal; kept, as sharing", job_id, sorted(slots)
+                    )
+                    self.jobs[job_id] = Job(
+                        id=job_id,
+                        name=job_id,
+                        slices=len(slots),
+                        share=True,
+                        root=self.pool.root,
+                        lease_s=self.lease_s,
+                        state="leased",
+                        workers=sorted(slots),
+                    )
                     self.jobs[job_id].last_seen = time.monotonic() + REJOIN_GRACE_S
-            log.info("rebuilt: %d job(s) leased, %d queued", sum(j.state == "leased" for j in self.jobs.values()),
-                     len(self.queue))
+            log.info(
+                "rebuilt: %d job(s) leased, %d queued",
+                sum(j.state == "leased" for j in self.jobs.values()),
+                len(self.queue),
+            )
             self._save()
 
     def write_cluster_file(self) -> None:
-        write_private(self.cluster_file, json.dumps({
-            "manager": self.address, "manager_pid": os.getpid(), "submit_token": self._submit_token,
-            "root": self.pool.root, "dir": self.pool.directory,
-            "devices_per_worker": self.pool.devices_per_worker, "backend": self.pool.backend,
-            "workers": [{"address": w.address, "pid": w.pid} for w in self.pool.workers]}, indent=1))
+        write_private(
+            self.cluster_file,
+            json.dumps(
+                {
+                    "manager": self.address,
+                    "manager_pid": os.getpid(),
+                    "submit_token": self._submit_token,
+                    "root": self.pool.root,
+                    "dir": self.pool.directory,
+                    "devices_per_worker": self.pool.devices_per_worker,
+                    "backend": self.pool.backend,
+                    "workers": [{"address": w.address, "pid": w.pid} for w in self.pool.workers],
+                },
+                indent=1,
+            ),
+        )
 
     # -- the gRPC service --------------------------------------------------------------------
     def principal(self, kind: str, token) -> str | None:
@@ -422,10 +497,15 @@ class Manager:
     def handle(self, method: str, who, r):
         """The reply record to request record `r` of `method` (verbs.MANAGER_VERBS), from `who`."""
         if method == "Submit":
-            job = self.submit(r.name, r.slices, r.share, r.root, self.lease_s if r.lease_s is None else r.lease_s,
-                              r.devices)
-            return verbs.SubmitReply(job.id, credentials.job_credential(self.cluster_token, job.id),
-                                     self.position(job), self.addresses(job) if job.state == "leased" else [])
+            job = self.submit(
+                r.name, r.slices, r.share, r.root, self.lease_s if r.lease_s is None else r.lease_s, r.devices
+            )
+            return verbs.SubmitReply(
+                job.id,
+                credentials.job_credential(self.cluster_token, job.id),
+                self.position(job),
+                self.addresses(job) if job.state == "leased" else [],
+            )
         if method == "Status":
             return verbs.StatusReply(**self.status())
         if method == "Down":

@@ -4,6 +4,7 @@ to the Manager (runtime/manager/core.py, which holds the state and decides) once
 credential fits the verb; POOLS are where the workers can run; main starts the pool (or takes
 over a running one, --rejoin), the Manager and the server.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ from mpmd.runtime.wire import credentials
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.worker.service import TOKEN_KEY
-from mpmd.runtime.manager.core import (MAX_LEASE_S, METHODS, SERVICE, Manager, ShuttingDown, UnknownJob)
+from mpmd.runtime.manager.core import MAX_LEASE_S, METHODS, SERVICE, Manager, ShuttingDown, UnknownJob
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
 
 log = logging.getLogger("mpmd.manager")
@@ -42,11 +43,12 @@ class Handler(grpc.GenericRpcHandler):
             job = credentials.job_of(token, self._m.cluster_token) if isinstance(token, str) else None
 
             def refuse(_unread, context):
-                if job is not None:      # a real job credential, on a verb that is not a job's
+                if job is not None:  # a real job credential, on a verb that is not a job's
                     log.warning("refused %s from %s: job %s's credential may not call it", name, context.peer(), job)
                     context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name}: a job's credential may not call it")
                 log.warning("refused %s from %s: %s credential", name, context.peer(), "wrong" if token else "no")
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{name}: missing or wrong {TOKEN_KEY} for {name}")
+
             return grpc.stream_unary_rpc_method_handler(refuse)
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -65,6 +67,7 @@ class Handler(grpc.GenericRpcHandler):
             except Exception as e:
                 log.exception("%s failed", name)
                 context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+
         return grpc.unary_unary_rpc_method_handler(call)
 
 
@@ -72,6 +75,7 @@ class PoolBackend(NamedTuple):
     """Where a shared cluster's workers run (`mpmd cluster up --backend NAME`): start(args,
     token_file, cluster_token) -> the started pool; rejoins: a manager started again
     (--rejoin) takes over its workers; options: the `mpmd cluster up` options only it reads."""
+
     start: Callable[[argparse.Namespace, str, str], object]
     rejoins: bool
     options: tuple[str, ...] = ()
@@ -79,29 +83,45 @@ class PoolBackend(NamedTuple):
 
 def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
     from mpmd.runtime.launchers.local import default_compilation_cache
-    pool = WorkerPool(directory=args.dir, token_file=token_file, root=os.path.realpath(args.root or os.getcwd()),
-                      devices_per_worker=args.devices_per_worker, compile_cache_mb=args.compile_cache_mb,
-                      compilation_cache_dir=default_compilation_cache())
+
+    pool = WorkerPool(
+        directory=args.dir,
+        token_file=token_file,
+        root=os.path.realpath(args.root or os.getcwd()),
+        devices_per_worker=args.devices_per_worker,
+        compile_cache_mb=args.compile_cache_mb,
+        compilation_cache_dir=default_compilation_cache(),
+    )
     pool.start(args.workers)
     return pool
 
 
 def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
     # Its actors belong to the manager's Ray driver and end with it: nothing to rejoin.
-    pool = RayWorkerPool(directory=args.dir, token=cluster_token, root=os.path.realpath(args.root or os.getcwd()),
-                         devices_per_worker=args.devices_per_worker, ray_address=args.ray_address,
-                         compile_cache_mb=args.compile_cache_mb, lease_s=args.lease_s)
+    pool = RayWorkerPool(
+        directory=args.dir,
+        token=cluster_token,
+        root=os.path.realpath(args.root or os.getcwd()),
+        devices_per_worker=args.devices_per_worker,
+        ray_address=args.ray_address,
+        compile_cache_mb=args.compile_cache_mb,
+        lease_s=args.lease_s,
+    )
     pool.start(args.workers)
     return pool
 
 
-POOLS = {"local": PoolBackend(_local_pool, rejoins=True),
-         "ray": PoolBackend(_ray_pool, rejoins=False, options=("ray_address",))}
+POOLS = {
+    "local": PoolBackend(_local_pool, rejoins=True),
+    "ray": PoolBackend(_ray_pool, rejoins=False, options=("ray_address",)),
+}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpmd.runtime.manager.server", description="A shared cluster's manager "
-                                "(started by `mpmd cluster up`).")
+    p = argparse.ArgumentParser(
+        prog="python -m mpmd.runtime.manager.server",
+        description="A shared cluster's manager (started by `mpmd cluster up`).",
+    )
     p.add_argument("--dir", required=True, help="the cluster's directory (tokens, logs, job table)")
     p.add_argument("--file", required=True, help="the cluster file to write")
     p.add_argument("--listen", default="127.0.0.1:0")
@@ -125,15 +145,25 @@ def main(argv=None) -> int:
     if args.rejoin:
         with open(args.file) as f:
             saved = json.load(f)
-        pool = WorkerPool(directory=args.dir, token_file=token_file, root=saved["root"],
-                          devices_per_worker=saved.get("devices_per_worker", 1), compile_cache_mb=args.compile_cache_mb,
-                          compilation_cache_dir=default_compilation_cache())
+        pool = WorkerPool(
+            directory=args.dir,
+            token_file=token_file,
+            root=saved["root"],
+            devices_per_worker=saved.get("devices_per_worker", 1),
+            compile_cache_mb=args.compile_cache_mb,
+            compilation_cache_dir=default_compilation_cache(),
+        )
         pool.rejoin(saved["workers"])
     else:
         pool = POOLS[args.backend].start(args, token_file, cluster_token)
-    manager = Manager(pool, cluster_token=cluster_token, submit_token=submit_token,
-                      journal=os.path.join(args.dir, "jobs.json"), lease_s=args.lease_s,
-                      max_lease_s=args.max_lease_s)
+    manager = Manager(
+        pool,
+        cluster_token=cluster_token,
+        submit_token=submit_token,
+        journal=os.path.join(args.dir, "jobs.json"),
+        lease_s=args.lease_s,
+        max_lease_s=args.max_lease_s,
+    )
     manager.cluster_file = args.file
     if args.rejoin:
         manager.rebuild()

@@ -7,6 +7,7 @@ process session of its own, and writes its READY line and its log to files under
 cluster's directory. So a manager that dies, or is started again from the cluster file
 (`rejoin`), finds its workers still serving their jobs. Processes are stopped by their pid.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,8 @@ class PoolWorker:
     slot: int
     address: str
     pid: int
-    proc: subprocess.Popen | None = None     # None: started by an earlier manager (rejoined), or a Ray actor
-    local: bool = True                       # its pid is a process of this machine
+    proc: subprocess.Popen | None = None  # None: started by an earlier manager (rejoined), or a Ray actor
+    local: bool = True  # its pid is a process of this machine
 
     def alive(self) -> bool:
         """False once it is known to be gone; a worker on another machine counts as alive
@@ -41,14 +42,23 @@ class WorkerPool:
 
     backend = "local"
 
-    def __init__(self, *, directory: str, token_file: str, root: str, devices_per_worker: int = 1,
-                 host: str = "127.0.0.1", compile_cache_mb: int | None = None, compilation_cache_dir: str = ""):
+    def __init__(
+        self,
+        *,
+        directory: str,
+        token_file: str,
+        root: str,
+        devices_per_worker: int = 1,
+        host: str = "127.0.0.1",
+        compile_cache_mb: int | None = None,
+        compilation_cache_dir: str = "",
+    ):
         self.directory, self.token_file, self.root = directory, token_file, root
         self.devices_per_worker, self.host = devices_per_worker, host
         self.compile_cache_mb = compile_cache_mb
         self.compilation_cache_dir = compilation_cache_dir
         self.workers: list[PoolWorker] = []
-        self.started = 0                     # processes started over the pool's life
+        self.started = 0  # processes started over the pool's life
         os.makedirs(os.path.join(directory, "logs"), exist_ok=True)
 
     def start(self, num_workers: int) -> None:
@@ -99,13 +109,26 @@ class WorkerPool:
         return os.path.join(self.directory, "logs", f"worker_{slot}.out")
 
     def _spawn(self, slot: int) -> subprocess.Popen:
-        cmd = worker_command(f"{self.host}:0", self.root, self.devices_per_worker, token_file=self.token_file,
-                             shared=True, cpus=cores_for(slot, 1), log_level="info",
-                             compile_cache_mb=self.compile_cache_mb)
+        cmd = worker_command(
+            f"{self.host}:0",
+            self.root,
+            self.devices_per_worker,
+            token_file=self.token_file,
+            shared=True,
+            cpus=cores_for(slot, 1),
+            log_level="info",
+            compile_cache_mb=self.compile_cache_mb,
+        )
         self.started += 1
         with open(self._ready_file(slot), "w") as out, open(self.log_file(slot), "a") as err:
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    env=worker_env(self.compilation_cache_dir), start_new_session=True)
+            return subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=worker_env(self.compilation_cache_dir),
+                start_new_session=True,
+            )
 
     def _wait_ready(self, slot: int, proc: subprocess.Popen) -> str:
         """The address the worker prints on its READY line."""
@@ -116,11 +139,15 @@ class WorkerPool:
                     if line.startswith(READY):
                         return line.split()[1]
             if proc.poll() is not None:
-                raise RuntimeError(f"worker {slot} (pid {proc.pid}) exited with {proc.returncode} before it "
-                                   f"was ready; see {self.log_file(slot)}")
+                raise RuntimeError(
+                    f"worker {slot} (pid {proc.pid}) exited with {proc.returncode} before it "
+                    f"was ready; see {self.log_file(slot)}"
+                )
             time.sleep(0.05)
-        raise RuntimeError(f"worker {slot} (pid {proc.pid}) did not report ready within {START_TIMEOUT_S:g} s; "
-                           f"see {self.log_file(slot)}")
+        raise RuntimeError(
+            f"worker {slot} (pid {proc.pid}) did not report ready within {START_TIMEOUT_S:g} s; "
+            f"see {self.log_file(slot)}"
+        )
 
 
 def kill_process(pid: int, proc: subprocess.Popen | None = None) -> None:
@@ -148,15 +175,28 @@ class RayWorkerPool:
 
     backend = "ray"
 
-    def __init__(self, *, directory: str, token: str, root: str, devices_per_worker: int = 1,
-                 ray_address: str | None = None, compile_cache_mb: float | None = None, lease_s: float = 10.0):
+    def __init__(
+        self,
+        *,
+        directory: str,
+        token: str,
+        root: str,
+        devices_per_worker: int = 1,
+        ray_address: str | None = None,
+        compile_cache_mb: float | None = None,
+        lease_s: float = 10.0,
+    ):
         from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
         from mpmd.runtime.launchers.ray import RayLauncher
+
         self.directory, self.root, self.devices_per_worker = directory, root, devices_per_worker
-        shared = {"lease_s": lease_s, "compile_cache_mb": DEFAULT_LIMIT_MB if compile_cache_mb is None
-                  else compile_cache_mb}
-        self.launcher = RayLauncher(token, address=ray_address, devices_per_worker=devices_per_worker, root=root,
-                                   shared=shared)
+        shared = {
+            "lease_s": lease_s,
+            "compile_cache_mb": DEFAULT_LIMIT_MB if compile_cache_mb is None else compile_cache_mb,
+        }
+        self.launcher = RayLauncher(
+            token, address=ray_address, devices_per_worker=devices_per_worker, root=root, shared=shared
+        )
         self.workers: list[PoolWorker] = []
         self.started = 0
 
@@ -177,5 +217,9 @@ class RayWorkerPool:
         return pids
 
     def _worker(self, slot: int, address: str) -> PoolWorker:
-        return PoolWorker(slot, address, self.launcher.pids[slot],
-                          local=address.rpartition(":")[0].strip("[]") in ("127.0.0.1", "::1", "localhost"))
+        return PoolWorker(
+            slot,
+            address,
+            self.launcher.pids[slot],
+            local=address.rpartition(":")[0].strip("[]") in ("127.0.0.1", "::1", "localhost"),
+        )

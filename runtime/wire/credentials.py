@@ -14,6 +14,7 @@ PRF of the id). The "mpmd-job\\0" prefix keeps these MACs apart from any other u
 token as a key. Both kinds travel in the same gRPC metadata key (runtime/worker/service.py
 TOKEN_KEY).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,10 @@ def check_job_id(job_id) -> str:
     """`job_id` if it is 1 to 64 of [a-z0-9-], starting with a letter or digit (it names
     directories and log lines, and sits between dots in a credential); ValueError otherwise."""
     if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
-        raise ValueError(f"a job id must be 1 to 64 characters of a-z, 0-9 and '-', starting with a "
-                         f"letter or digit; got {job_id!r:.80}")
+        raise ValueError(
+            f"a job id must be 1 to 64 characters of a-z, 0-9 and '-', starting with a "
+            f"letter or digit; got {job_id!r:.80}"
+        )
     return job_id
 
 
@@ -48,7 +51,7 @@ def job_of(credential, cluster_token: str) -> str | None:
     None (a malformed string, another cluster's token, another job's MAC, the bare token)."""
     if not isinstance(credential, str) or not credential.startswith(JOB_PREFIX):
         return None
-    job_id, dot, mac = credential[len(JOB_PREFIX):].rpartition(".")
+    job_id, dot, mac = credential[len(JOB_PREFIX) :].rpartition(".")
     if not dot or not _JOB_ID.fullmatch(job_id):
         return None
     # compare_digest on equal-length ASCII: the time taken tells nothing about the MAC.

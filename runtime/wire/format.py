@@ -14,6 +14,7 @@ metadata (`mpmd-token`), not in the frame.
 `decode` checks everything it reads (lengths, dtype names, shapes against sizes) and raises
 ValueError naming what is wrong, so a malformed message gets an error reply.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,23 @@ import struct
 import numpy as np
 
 MAX_HEADER_BYTES = 64 * 2**20
-_DTYPES = {"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-           "float16", "bfloat16", "float32", "float64", "complex64", "complex128"}
+_DTYPES = {
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+}
 
 
 def encode(header: dict, blobs: list) -> bytes:
@@ -35,7 +51,7 @@ def encode(header: dict, blobs: list) -> bytes:
             described.append({"nbytes": len(b)})
             payload.append(bytes(b))
         else:
-            a = np.asarray(b, order="C")      # not ascontiguousarray: it makes a scalar 1-d
+            a = np.asarray(b, order="C")  # not ascontiguousarray: it makes a scalar 1-d
             described.append({"nbytes": a.nbytes, "shape": list(a.shape), "dtype": a.dtype.name})
             payload.append(a.tobytes())
     head = json.dumps({**header, "blobs": described}, separators=(",", ":")).encode()
@@ -50,7 +66,7 @@ def decode(frame: bytes) -> tuple[dict, list]:
     if n > MAX_HEADER_BYTES or 4 + n > len(frame):
         raise ValueError(f"frame header length {n} exceeds the frame ({len(frame)} bytes)")
     try:
-        header = json.loads(frame[4:4 + n].decode())
+        header = json.loads(frame[4 : 4 + n].decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"frame header is not UTF-8 JSON: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("blobs", []), list):
@@ -60,7 +76,7 @@ def decode(frame: bytes) -> tuple[dict, list]:
         nbytes = d.get("nbytes") if isinstance(d, dict) else None
         if not isinstance(nbytes, int) or nbytes < 0 or offset + nbytes > len(frame):
             raise ValueError(f"blob {i}: bad or out-of-frame nbytes {nbytes!r}")
-        raw = frame[offset:offset + nbytes]
+        raw = frame[offset : offset + nbytes]
         offset += nbytes
         if "dtype" not in d:
             blobs.append(raw)
@@ -93,6 +109,7 @@ def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a dtype name, bfloat16 included (ml_dtypes')."""
     if name == "bfloat16":
         import ml_dtypes
+
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

@@ -14,6 +14,7 @@ on-host resharding copy (finer or coarser batch splits, replication over `tensor
 along other axes). Every byte crosses between slices once; what resharding costs beyond
 that stays inside the receiving host.
 """
+
 from __future__ import annotations
 
 import jax
@@ -38,8 +39,8 @@ def cut(a: jax.Array, n: int) -> list[jax.Array]:
     out = []
     for i in range(n):
         piece = by_rows.get((i * rows, rows))
-        if piece is None:   # the sender's shards do not line up with the pieces: slice it
-            piece = jax.device_put(a[i * rows:(i + 1) * rows], _device_of_row(a, i * rows))
+        if piece is None:  # the sender's shards do not line up with the pieces: slice it
+            piece = jax.device_put(a[i * rows : (i + 1) * rows], _device_of_row(a, i * rows))
         out.append(piece)
     return out
 
@@ -59,8 +60,10 @@ def landing(spec_shape, layout: tuple, mesh: jax.sharding.Mesh, n: int) -> list[
         lo, hi = i * rows, (i + 1) * rows
         exact = [d for d, idx in where.items() if _rows(idx, shape) == (lo, hi) and _covers_rest(idx, shape)]
         needs = [d for d, idx in where.items() if _rows(idx, shape)[0] < hi and lo < _rows(idx, shape)[1]]
-        choice = next((d for group in (exact, needs, list(mesh.devices.flat)) for d in group if d not in used),
-                      (needs or exact or [mesh.devices.flat[0]])[0])
+        choice = next(
+            (d for group in (exact, needs, list(mesh.devices.flat)) for d in group if d not in used),
+            (needs or exact or [mesh.devices.flat[0]])[0],
+        )
         used.add(choice)
         out.append(choice)
     return out
@@ -82,7 +85,8 @@ def assemble(pieces: list[jax.Array], shape, layout: tuple, mesh: jax.sharding.M
     where = target.addressable_devices_indices_map(shape)
     if all(_is_piece(idx, shape, rows) for idx in where.values()):
         return jax.make_array_from_single_device_arrays(
-            shape, target, [jax.device_put(pieces[_rows(idx, shape)[0] // rows], d) for d, idx in where.items()])
+            shape, target, [jax.device_put(pieces[_rows(idx, shape)[0] // rows], d) for d, idx in where.items()]
+        )
     holders = [next(iter(p.devices())) for p in pieces]
     if len(set(holders)) == len(pieces):
         split = NamedSharding(compat.mesh(np.asarray(holders, dtype=object), ("pieces",)), PartitionSpec("pieces"))
@@ -136,7 +140,6 @@ def _device_of_row(a: jax.Array, row: int) -> jax.Device:
     return a.addressable_shards[0].device
 
 
-
 # -- gangs: a slice whose mesh spans several processes --------------------------------------
 # Each piece has one owner on the sending gang, by a rule both ends know without a message:
 # piece i of n belongs to sending process i * k // n (k processes). Meshes list process 0's
@@ -176,7 +179,7 @@ def owned_pieces(a: jax.Array, n: int, mesh: jax.sharding.Mesh) -> dict[int, jax
             a = collective(replicated(mesh), a)
         return {0: a.addressable_shards[0].data} if owner(0, 1, k) == rank else {}
     rows = a.shape[0] // n
-    held = {}       # (piece, process) -> a device of that process whose shard is that piece
+    held = {}  # (piece, process) -> a device of that process whose shard is that piece
     for d, idx in a.sharding.devices_indices_map(a.shape).items():
         if _is_piece(idx, a.shape, rows):
             held.setdefault((_rows(idx, a.shape)[0] // rows, d.process_index), d)
@@ -184,7 +187,7 @@ def owned_pieces(a: jax.Array, n: int, mesh: jax.sharding.Mesh) -> dict[int, jax
         by_device = {s.device: s.data for s in a.addressable_shards}
         return {i: by_device[held[(i, rank)]] for i in range(n) if owner(i, n, k) == rank}
     whole = collective(replicated(mesh), a).addressable_shards[0].data
-    return {i: whole[i * rows:(i + 1) * rows] for i in range(n) if owner(i, n, k) == rank}
+    return {i: whole[i * rows : (i + 1) * rows] for i in range(n) if owner(i, n, k) == rank}
 
 
 def wanted_here(shape, layout: tuple, mesh: jax.sharding.Mesh, n: int) -> list[tuple[int, jax.Device]]:
@@ -200,15 +203,17 @@ class Deferred:
     order on every process (the stream's order), never on a waiting thread."""
 
     def __init__(self, parts: list[tuple[dict[int, jax.Array], object]], mesh: jax.sharding.Mesh):
-        self.parts, self.mesh = parts, mesh      # per array: ({piece: landed array}, (spec, n))
+        self.parts, self.mesh = parts, mesh  # per array: ({piece: landed array}, (spec, n))
 
     def __call__(self) -> tuple[jax.Array, ...]:
-        return tuple(assemble_gang(landed, spec.shape, spec.dtype, spec.layout, self.mesh, n)
-                     for landed, (spec, n) in self.parts)
+        return tuple(
+            assemble_gang(landed, spec.shape, spec.dtype, spec.layout, self.mesh, n) for landed, (spec, n) in self.parts
+        )
 
 
-def assemble_gang(landed: dict[int, jax.Array], shape, dtype, layout: tuple, mesh: jax.sharding.Mesh,
-                  n: int) -> jax.Array:
+def assemble_gang(
+    landed: dict[int, jax.Array], shape, dtype, layout: tuple, mesh: jax.sharding.Mesh, n: int
+) -> jax.Array:
     """The array of `shape` laid out as `layout` on the gang's `mesh`, from the pieces that
     landed on this process (`landed`: piece -> array). Shard to shard when every device's
     shard is a piece that landed on its own process; otherwise one jitted program over the
@@ -221,11 +226,18 @@ def assemble_gang(landed: dict[int, jax.Array], shape, dtype, layout: tuple, mes
     lands = landing(shape, layout, mesh, n)
     rows = shape[0] // n if n > 1 else None
     where = target.devices_indices_map(shape)
-    if n > 1 and all(_is_piece(idx, shape, rows) and lands[_rows(idx, shape)[0] // rows].process_index
-                     == d.process_index for d, idx in where.items()):
+    if n > 1 and all(
+        _is_piece(idx, shape, rows) and lands[_rows(idx, shape)[0] // rows].process_index == d.process_index
+        for d, idx in where.items()
+    ):
         return jax.make_array_from_single_device_arrays(
-            shape, target, [jax.device_put(landed[_rows(idx, shape)[0] // rows], d)
-                            for d, idx in target.addressable_devices_indices_map(shape).items()])
+            shape,
+            target,
+            [
+                jax.device_put(landed[_rows(idx, shape)[0] // rows], d)
+                for d, idx in target.addressable_devices_indices_map(shape).items()
+            ],
+        )
     # Each device holds the pieces that landed on it in `depth` slots (zeros where fewer):
     # one array over the whole mesh, split along its stacked axis, that XLA reshapes.
     flat = list(mesh.devices.flat)
@@ -253,8 +265,10 @@ def _gather_program(slots: tuple[int, ...], n: int, target: NamedSharding):
     """A jitted function of the stacked pieces that returns the array in `target`'s layout."""
     key = (slots, n, target)
     if key not in _PROGRAMS:
+
         def put_together(stacked):
             return stacked[slots[0]] if n <= 1 else jnp.concatenate([stacked[s] for s in slots], axis=0)
+
         _PROGRAMS[key] = jax.jit(put_together, out_shardings=target)
     return _PROGRAMS[key]
 

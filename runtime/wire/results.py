@@ -3,6 +3,7 @@ the control plane share (the executor makes them, runtime/worker/; the control p
 in-process cluster hand them to the Trainer, runtime/control/). They live here, below both,
 so neither side imports the other.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -13,8 +14,9 @@ import numpy as np
 class Event(NamedTuple):
     """One traced interval on a slice; times are wall-clock ns (comparable across processes).
     The one definition: the dry run, the control plane and the run log all use this one."""
-    name: str        # a Run's label, "recv <key>" or "send <key>"
-    kind: str        # "run" | "recv" | "send"
+
+    name: str  # a Run's label, "recv <key>" or "send <key>"
+    kind: str  # "run" | "recv" | "send"
     start_ns: int
     end_ns: int
 
@@ -22,7 +24,7 @@ class Event(NamedTuple):
 class StepResult(NamedTuple):
     fetched: dict[str, tuple[np.ndarray, ...]]
     events: tuple[Event, ...]
-    wall_s: float    # time from the step's start to its last fetched array being ready
+    wall_s: float  # time from the step's start to its last fetched array being ready
     # The most receives outstanding at once (posted, their Recv not yet walked) and the most
     # bytes they held at once: what the receive window bounds.
     peak_held: int = 0
@@ -40,6 +42,7 @@ class Aborted(RuntimeError):
 class Progress(NamedTuple):
     """Where a slice's walk stands, for the watchdog: run id, instructions done in it, and
     what it does now ("idle", "run" a program, "recv" waiting for a peer, "fetch")."""
+
     run: int
     done: int
     doing: str

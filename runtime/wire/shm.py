@@ -47,6 +47,7 @@ Messages (JSON lists, one per SOCK_SEQPACKET datagram):
   sender -> receiver: ["data", req, seg, seg_bytes, [[offset, nbytes], ...]] (+ the segment's
                       fd the first time) ["fail", req, why]  ["forget", seg]
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -72,12 +73,14 @@ from mpmd.runtime.wire.staging import Staging
 
 log = logging.getLogger("mpmd.worker")
 
-ALIGN_BYTES = 64                 # each piece's offset: XLA's CPU client aliases 64-byte aligned host memory
-MIN_SEGMENT_BYTES = 2**20        # segments are powers of two from here, so pools serve varied sizes
-FREE_POOL_BYTES = 512 * 2**20    # idle segments a connection keeps mapped for reuse (warm pages)
+ALIGN_BYTES = 64  # each piece's offset: XLA's CPU client aliases 64-byte aligned host memory
+MIN_SEGMENT_BYTES = 2**20  # segments are powers of two from here, so pools serve varied sizes
+FREE_POOL_BYTES = 512 * 2**20  # idle segments a connection keeps mapped for reuse (warm pages)
 HANDSHAKE_TIMEOUT_S = 5.0
 _MAX_MESSAGE_BYTES = 1 << 16
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
 def endpoint(secret: bytes, address: str) -> bytes:
     """The abstract socket name of the worker whose transfer address is `address` in the
     session keyed by `secret`: a worker that is not on this host (or not in this network
@@ -96,7 +99,7 @@ def _send(sock: socket.socket, message: list, fds: tuple[int, ...] = ()) -> None
     if fds:
         socket.send_fds(sock, [data], list(fds))
     else:
-        sock.send(data)      # one datagram: whole, so threads may send without a lock
+        sock.send(data)  # one datagram: whole, so threads may send without a lock
 
 
 def _recv(sock: socket.socket) -> tuple[list, list[int]]:
@@ -129,7 +132,7 @@ class _Segment:
         except BaseException:
             os.close(fd)
             raise
-        self.fd: int | None = fd         # until passed to the receiver, then closed
+        self.fd: int | None = fd  # until passed to the receiver, then closed
         self.id, self.num_bytes = seg_id, num_bytes
 
 
@@ -172,7 +175,7 @@ class _Pool:
     def _trim(self, extra: int) -> list[_Segment]:
         dropped = []
         while self.free and sum(s.num_bytes for s in self.free.values()) + extra > FREE_POOL_BYTES:
-            seg = self.free.pop(min(self.free))          # the oldest first
+            seg = self.free.pop(min(self.free))  # the oldest first
             _unmap(seg.mm)
             dropped.append(seg)
         return dropped
@@ -196,9 +199,9 @@ class ShmServer:
         self._secret, self.address, self.slice_index = secret, address, slice_index
         self.staging = staging or Staging(False)
         self._lock = threading.Lock()
-        self._offered: dict[int, list] = {}                       # id -> arrays, not yet pulled
+        self._offered: dict[int, list] = {}  # id -> arrays, not yet pulled
         self._waiting: dict[int, list[tuple[_Served, int]]] = {}  # id -> pulls before their offer
-        self._peers: dict[int, _Served] = {}                      # receiving slice -> its connection
+        self._peers: dict[int, _Served] = {}  # receiving slice -> its connection
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(endpoint(secret, address))
         self._listener.listen(64)
@@ -214,9 +217,10 @@ class ShmServer:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
-                return             # closed
-            threading.Thread(target=self._admit, args=(sock,), daemon=True,
-                             name=f"mpmd-shm-serve-s{self.slice_index}").start()
+                return  # closed
+            threading.Thread(
+                target=self._admit, args=(sock,), daemon=True, name=f"mpmd-shm-serve-s{self.slice_index}"
+            ).start()
 
     def _admit(self, sock: socket.socket) -> None:
         """Handshake (module docstring), then this connection's messages until it ends."""
@@ -229,12 +233,19 @@ class ShmServer:
             server_nonce = secrets.token_bytes(16)
             _send(sock, ["hello", server_nonce.hex()])
             auth, _ = _recv(sock)
-            if not (isinstance(auth, list) and len(auth) == 4 and auth[0] == "auth" and isinstance(auth[1], int)
-                    and all(isinstance(x, str) for x in auth[2:])):
+            if not (
+                isinstance(auth, list)
+                and len(auth) == 4
+                and auth[0] == "auth"
+                and isinstance(auth[1], int)
+                and all(isinstance(x, str) for x in auth[2:])
+            ):
                 raise PermissionError("its first message was not a handshake")
             _, peer, client_nonce, mac = auth
             client_nonce = bytes.fromhex(client_nonce)
-            if not hmac.compare_digest(mac, _mac(self._secret, b"client", server_nonce, client_nonce, self.address, peer)):
+            if not hmac.compare_digest(
+                mac, _mac(self._secret, b"client", server_nonce, client_nonce, self.address, peer)
+            ):
                 raise PermissionError("it does not hold the session secret")
             sock.settimeout(None)
             served = _Served(self, sock, peer)
@@ -245,7 +256,7 @@ class ShmServer:
             _send(sock, ["ok", _mac(self._secret, b"server", server_nonce, client_nonce, self.address, peer)])
         except (OSError, ValueError, TypeError, PermissionError) as e:
             log.warning("slice %d refused a shared-memory connection: %s", self.slice_index, e)
-            if served is not None:       # registered, but the receiver never heard: not a peer
+            if served is not None:  # registered, but the receiver never heard: not a peer
                 served.close()
             sock.close()
             return
@@ -295,7 +306,7 @@ class ShmServer:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._listener.close()           # the abstract name is gone with it
+        self._listener.close()  # the abstract name is gone with it
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for served in peers:
@@ -317,7 +328,7 @@ class _Served:
         try:
             while True:
                 message, fds = _recv(self.sock)
-                for fd in fds:            # a receiver sends none
+                for fd in fds:  # a receiver sends none
                     os.close(fd)
                 if not message:
                     break
@@ -327,7 +338,7 @@ class _Served:
                     self._forget_segments(self.pool.give_back(int(message[1])))
                 elif message[0] == "cancel":
                     self.server._forget(self)
-        except (OSError, ValueError, TypeError, IndexError, KeyError):    # a malformed message ends it
+        except (OSError, ValueError, TypeError, IndexError, KeyError):  # a malformed message ends it
             pass
         self.close()
 
@@ -362,18 +373,19 @@ class _Served:
                 for h, offset in zip(host, offsets):
                     np.copyto(np.frombuffer(seg.mm, h.dtype, h.size, offset).reshape(h.shape), h)
                 fds = (seg.fd,) if seg.fd is not None else ()
-                _send(self.sock, ["data", req, seg.id, seg.num_bytes,
-                                  [[o, h.nbytes] for o, h in zip(offsets, host)]], fds)
+                _send(
+                    self.sock, ["data", req, seg.id, seg.num_bytes, [[o, h.nbytes] for o, h in zip(offsets, host)]], fds
+                )
                 if fds:
                     os.close(seg.fd)
                     seg.fd = None
             except OSError:
-                break                    # the receiver is gone: read() closes
-            except Exception as e:       # an array that failed to compute, no memory for a segment
+                break  # the receiver is gone: read() closes
+            except Exception as e:  # an array that failed to compute, no memory for a segment
                 if seg is not None:
                     self._forget_segments(self.pool.give_back(seg.id))
                 self.fail(req, f"slice {self.server.slice_index} could not send: {type(e).__name__}: {e}")
-            item = arrays = None         # an idle copy thread holds no arrays
+            item = arrays = None  # an idle copy thread holds no arrays
         self.pool.close()
 
     def close(self) -> None:
@@ -394,8 +406,9 @@ class ShmConnection:
     opened by `connect`; `pull` returns a Future of the arrays."""
 
     @classmethod
-    def connect(cls, secret: bytes, address: str, peer: int, slice_index: int,
-                staging: Staging | None = None) -> "ShmConnection | None":
+    def connect(
+        cls, secret: bytes, address: str, peer: int, slice_index: int, staging: Staging | None = None
+    ) -> "ShmConnection | None":
         """A connection to the worker at `address` if it has an endpoint on this host, None if
         not (another host, or a worker without shared memory). ValueError if something
         answers there without the session secret. `staging`: how what lands goes to the
@@ -410,13 +423,22 @@ class ShmConnection:
             sock.settimeout(HANDSHAKE_TIMEOUT_S)
             (kind, server_nonce), _ = _recv(sock)
             server_nonce, client_nonce = bytes.fromhex(server_nonce), secrets.token_bytes(16)
-            _send(sock, ["auth", slice_index, client_nonce.hex(),
-                         _mac(secret, b"client", server_nonce, client_nonce, address, slice_index)])
+            _send(
+                sock,
+                [
+                    "auth",
+                    slice_index,
+                    client_nonce.hex(),
+                    _mac(secret, b"client", server_nonce, client_nonce, address, slice_index),
+                ],
+            )
             (kind, mac), _ = _recv(sock)
             if kind != "ok" or not hmac.compare_digest(
-                    mac, _mac(secret, b"server", server_nonce, client_nonce, address, slice_index)):
-                raise ValueError(f"the shared-memory endpoint of slice {peer} ({address}) did not "
-                                 f"prove it holds the session secret")
+                mac, _mac(secret, b"server", server_nonce, client_nonce, address, slice_index)
+            ):
+                raise ValueError(
+                    f"the shared-memory endpoint of slice {peer} ({address}) did not prove it holds the session secret"
+                )
             sock.settimeout(None)
         except (OSError, ValueError) as e:
             sock.close()
@@ -429,7 +451,7 @@ class ShmConnection:
         self._lock = threading.Lock()
         self._next_req = 0
         self._pending: dict[int, tuple[concurrent.futures.Future, list]] = {}
-        self._segments: dict[int, mmap.mmap] = {}       # only the reader thread touches it
+        self._segments: dict[int, mmap.mmap] = {}  # only the reader thread touches it
         self.closed = False
         threading.Thread(target=self._read, daemon=True, name=f"mpmd-shm-recv-from{peer}").start()
 
@@ -459,8 +481,10 @@ class ShmConnection:
             pass
 
     def _gone(self) -> RuntimeError:
-        return RuntimeError(f"the shared-memory connection to slice {self.peer} ({self.address}) closed: "
-                            f"its worker is gone or reset its transfers")
+        return RuntimeError(
+            f"the shared-memory connection to slice {self.peer} ({self.address}) closed: "
+            f"its worker is gone or reset its transfers"
+        )
 
     def _fail_all(self, error: Exception) -> None:
         with self._lock:
@@ -486,7 +510,7 @@ class ShmConnection:
                     mm = self._segments.pop(int(message[1]), None)
                     if mm is not None:
                         _unmap(mm)
-        except (OSError, ValueError, TypeError, IndexError, KeyError):    # a malformed message ends it
+        except (OSError, ValueError, TypeError, IndexError, KeyError):  # a malformed message ends it
             pass
         self.close()
 
@@ -503,7 +527,7 @@ class ShmConnection:
             entry = self._pending.pop(req, None)
         mm = self._segments[seg_id]
         sock = self.sock
-        if entry is None:                 # cancelled meanwhile: give the segment straight back
+        if entry is None:  # cancelled meanwhile: give the segment straight back
             _send(sock, ["done", seg_id])
             return
         future, wanted = entry
@@ -522,7 +546,7 @@ class ShmConnection:
                     raise ValueError(f"slice {self.peer} sent {nbytes} bytes for a {w.dtype}{list(w.shape)} array")
                 view = np.frombuffer(region, dtype, int(np.prod(w.shape)), offset).reshape(w.shape)
                 arrays.append(self.staging.to_device(view, w.sharding))
-            region = view = None         # only the arrays hold the segment now
+            region = view = None  # only the arrays hold the segment now
         except Exception as e:
             future.set_exception(e)
             return

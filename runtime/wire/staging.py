@@ -1,6 +1,7 @@
 """How the same-host data plane's bytes cross between device and host memory (runtime/wire/
 shm.py, its docstring's Host staging): on CPU no staging (a device array is host memory); on
 an accelerator through pinned host memory on both ends, with a fallback to pageable."""
+
 from __future__ import annotations
 
 import logging
@@ -34,19 +35,27 @@ class Staging:
         devices = list(devices)
         lacking = [d for d in devices if "pinned_host" not in {m.kind for m in d.addressable_memories()}]
         if staging == "pinned" and lacking:
-            raise ValueError(f"host staging 'pinned': device {lacking[0]} has no pinned host memory "
-                             f"(its memories: {', '.join(m.kind for m in lacking[0].addressable_memories())}); "
-                             f"use auto or pageable")
-        return cls(staging == "pinned" or (not lacking and any(d.platform != "cpu" for d in devices)),
-                   forced=staging == "pinned")
+            raise ValueError(
+                f"host staging 'pinned': device {lacking[0]} has no pinned host memory "
+                f"(its memories: {', '.join(m.kind for m in lacking[0].addressable_memories())}); "
+                f"use auto or pageable"
+            )
+        return cls(
+            staging == "pinned" or (not lacking and any(d.platform != "cpu" for d in devices)),
+            forced=staging == "pinned",
+        )
 
     def _give_up(self, error: Exception) -> None:
         if self.forced:
             raise error
         if self.pinned:
             self.pinned = False
-            log.warning("shared-memory transfers stage through pageable host memory from now on: a copy "
-                        "through pinned host memory failed (%s: %s)", type(error).__name__, error)
+            log.warning(
+                "shared-memory transfers stage through pageable host memory from now on: a copy "
+                "through pinned host memory failed (%s: %s)",
+                type(error).__name__,
+                error,
+            )
 
     def to_host(self, array: jax.Array) -> np.ndarray:
         """The bytes of `array` on the host, for copying into a segment: from a pinned-host

@@ -39,6 +39,7 @@ the same names and arguments in jaxlib 0.11.2 and 0.12.0.1, see runtime/compat.p
   no allowlist, no credential and no TLS; `connect` takes an address only. Bytes cross the
   wire in the clear.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -129,7 +130,7 @@ def _piece_shape(shape, n: int) -> tuple:
 
 
 def _host_port(host: str) -> str:
-    return f"[{host}]:0" if ":" in host else f"{host}:0"   # IPv6 literals need brackets
+    return f"[{host}]:0" if ":" in host else f"{host}:0"  # IPv6 literals need brackets
 
 
 class TransferTransport:
@@ -149,32 +150,47 @@ class TransferTransport:
     and host memory, see runtime/wire/staging.py; auto goes through pinned host memory on
     accelerators. Benchmarks and tests set the others."""
 
-    def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, listen_host: str = "127.0.0.1", *,
-                 secret: bytes, transport: str = "auto", host_staging: str = "auto"):
+    def __init__(
+        self,
+        slice_index: int,
+        mesh: jax.sharding.Mesh,
+        listen_host: str = "127.0.0.1",
+        *,
+        secret: bytes,
+        transport: str = "auto",
+        host_staging: str = "auto",
+    ):
         self._secret = check_secret(secret)
         self.mode = check_transport(transport)
         self._staging = Staging.of(mesh.devices.flat, host_staging)
         self.slice_index = slice_index
         self._mesh = mesh
         if self.mode == "shm" and jax.process_count() > 1:
-            raise ValueError(f"transport 'shm' cannot serve slice {slice_index}: it is a gang of "
-                             f"{jax.process_count()} processes (one per host); use auto or socket")
+            raise ValueError(
+                f"transport 'shm' cannot serve slice {slice_index}: it is a gang of "
+                f"{jax.process_count()} processes (one per host); use auto or socket"
+            )
         # The listening socket and the bulk-data sockets bind to listen_host only (the
         # default bulk address is 0.0.0.0); workers listen on loopback unless told otherwise.
         self._server = transfer.start_transfer_server(
-            mesh.devices.flat[0].client, _host_port(listen_host), [_host_port(listen_host)] * NUM_BULK_SOCKETS,
-            transfer_size=CHUNK_BYTES)
+            mesh.devices.flat[0].client,
+            _host_port(listen_host),
+            [_host_port(listen_host)] * NUM_BULK_SOCKETS,
+            transfer_size=CHUNK_BYTES,
+        )
         self.address: str = self._server.address()
-        self._shm = None                 # shm.ShmServer: serves the same-host slices that pull from this one
+        self._shm = None  # shm.ShmServer: serves the same-host slices that pull from this one
         if self.mode != "socket" and jax.process_count() == 1:
             try:
                 self._shm = shm.ShmServer(self._secret, self.address, slice_index, self._staging)
-            except OSError as e:         # no Unix sockets here: auto does without
+            except OSError as e:  # no Unix sockets here: auto does without
                 if self.mode == "shm":
-                    raise ValueError(f"transport 'shm': slice {slice_index} cannot open its shared-memory "
-                                     f"endpoint ({e}); use auto or socket") from None
-        self._connections: dict[int, list[transfer.TransferConnection]] = {}   # one per process of the peer
-        self._shm_connections: dict[int, shm.ShmConnection] = {}             # peers reached through shm
+                    raise ValueError(
+                        f"transport 'shm': slice {slice_index} cannot open its shared-memory "
+                        f"endpoint ({e}); use auto or socket"
+                    ) from None
+        self._connections: dict[int, list[transfer.TransferConnection]] = {}  # one per process of the peer
+        self._shm_connections: dict[int, shm.ShmConnection] = {}  # peers reached through shm
         self._waiters = _Waiters(f"mpmd-recv-s{slice_index}")
 
     def connect_peers(self, addresses: dict[int, str | list[str]]) -> None:
@@ -186,30 +202,38 @@ class TransferTransport:
             listed = [address] if isinstance(address, str) else list(address)
             old = self._shm_connections.pop(index, None)
             if old is not None and not old.closed and listed == [old.address]:
-                self._shm_connections[index] = old      # the same worker: keep its connection
+                self._shm_connections[index] = old  # the same worker: keep its connection
             elif old is not None:
                 old.close()
             if index == self.slice_index:
-                pass                     # a slice never sends to itself
+                pass  # a slice never sends to itself
             elif index not in self._shm_connections and self._shm is not None and len(listed) == 1:
-                found = shm.ShmConnection.connect(self._secret, listed[0], index, self.slice_index,
-                                                    self._staging)
+                found = shm.ShmConnection.connect(self._secret, listed[0], index, self.slice_index, self._staging)
                 if found is not None:
                     self._shm_connections[index] = found
             if self.mode == "shm" and index != self.slice_index and index not in self._shm_connections:
-                raise ValueError(f"transport 'shm' cannot reach slice {index} at {address}: "
-                                 + ("it is a gang of processes" if len(listed) > 1 else
-                                    "its worker has no shared-memory endpoint on this host (another host?)")
-                                 + "; use transport auto or socket")
+                raise ValueError(
+                    f"transport 'shm' cannot reach slice {index} at {address}: "
+                    + (
+                        "it is a gang of processes"
+                        if len(listed) > 1
+                        else "its worker has no shared-memory endpoint on this host (another host?)"
+                    )
+                    + "; use transport auto or socket"
+                )
             self._connections[index] = [self._server.connect(a) for a in listed]
             if index != self.slice_index:
-                log.info("slice %d receives from slice %d through %s", self.slice_index, index,
-                         ("shared memory, staged through pinned host memory" if self._staging.pinned
-                          else "shared memory")
-                         if index in self._shm_connections else "sockets")
+                log.info(
+                    "slice %d receives from slice %d through %s",
+                    self.slice_index,
+                    index,
+                    ("shared memory, staged through pinned host memory" if self._staging.pinned else "shared memory")
+                    if index in self._shm_connections
+                    else "sockets",
+                )
 
     def path(self, peer: int) -> str:
-        """"shm" or "socket": how transfers from `peer` come to this slice (after connect_peers)."""
+        """ "shm" or "socket": how transfers from `peer` come to this slice (after connect_peers)."""
         return "shm" if peer in self._shm_connections else "socket"
 
     def _gang(self, peer: int) -> bool:
@@ -239,23 +263,28 @@ class TransferTransport:
 
     def recv(self, key: str, src_slice: int, specs: tuple, pieces: tuple[int, ...] = ()) -> concurrent.futures.Future:
         if src_slice not in self._connections and src_slice not in self._shm_connections:
-            raise ValueError(f"slice {self.slice_index} cannot receive {key!r} from slice "
-                             f"{src_slice}: not connected; connected: {sorted(self._connections)}")
+            raise ValueError(
+                f"slice {self.slice_index} cannot receive {key!r} from slice "
+                f"{src_slice}: not connected; connected: {sorted(self._connections)}"
+            )
         counts = _counts(pieces, len(specs))
         if self._gang(src_slice):
             return self._recv_gang(key, src_slice, specs, counts)
-        wanted = []        # one single-device spec per piece, on a device that needs its rows
+        wanted = []  # one single-device spec per piece, on a device that needs its rows
         for s, n in zip(specs, counts):
             if math.prod(s.shape):
-                wanted += [jax.ShapeDtypeStruct(_piece_shape(s.shape, n), s.dtype,
-                                                sharding=jax.sharding.make_single_device_sharding(d))
-                           for d in reshard.landing(s.shape, s.layout, self._mesh, n)]
+                wanted += [
+                    jax.ShapeDtypeStruct(
+                        _piece_shape(s.shape, n), s.dtype, sharding=jax.sharding.make_single_device_sharding(d)
+                    )
+                    for d in reshard.landing(s.shape, s.layout, self._mesh, n)
+                ]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
         uuid = key_to_uuid(key, self._secret)
-        if src_slice in self._shm_connections:      # a Future of the arrays
+        if src_slice in self._shm_connections:  # a Future of the arrays
             pulled = self._shm_connections[src_slice].pull(uuid, wanted) if wanted else ()
-        else:                                       # arrays that become ready as the bytes land
+        else:  # arrays that become ready as the bytes land
             pulled = tuple(self._connections[src_slice][0].pull(uuid, wanted)) if wanted else ()
         mesh = self._mesh
 
@@ -263,9 +292,13 @@ class TransferTransport:
             # Runs once every piece has landed: copying a pulled array that is not ready
             # yet would block the thread posting the receives (and so the step).
             landed = iter(landed)
-            return tuple(reshard.assemble([next(landed) for _ in range(n)], s.shape, s.layout, mesh) if math.prod(s.shape)
-                         else jax.device_put(jnp.zeros(s.shape, s.dtype), _sharding(mesh, s.layout))
-                         for s, n in zip(specs, counts))
+            return tuple(
+                reshard.assemble([next(landed) for _ in range(n)], s.shape, s.layout, mesh)
+                if math.prod(s.shape)
+                else jax.device_put(jnp.zeros(s.shape, s.dtype), _sharding(mesh, s.layout))
+                for s, n in zip(specs, counts)
+            )
+
         return self._waiters.submit(pulled, assemble)
 
     def _recv_gang(self, key: str, src_slice: int, specs: tuple, counts: tuple[int, ...]) -> concurrent.futures.Future:
@@ -276,11 +309,17 @@ class TransferTransport:
         pulled, parts = [], []
         for j, (s, n) in enumerate(zip(specs, counts)):
             here = reshard.wanted_here(s.shape, s.layout, self._mesh, n) if math.prod(s.shape) else []
-            got = [self._connections[src_slice][reshard.owner(i, n, len(senders))].pull(
-                       key_to_uuid(f"{key}#{j}.{i}", self._secret),
-                       [jax.ShapeDtypeStruct(_piece_shape(s.shape, n), s.dtype,
-                                             sharding=jax.sharding.make_single_device_sharding(d))])[0]
-                   for i, d in here]
+            got = [
+                self._connections[src_slice][reshard.owner(i, n, len(senders))].pull(
+                    key_to_uuid(f"{key}#{j}.{i}", self._secret),
+                    [
+                        jax.ShapeDtypeStruct(
+                            _piece_shape(s.shape, n), s.dtype, sharding=jax.sharding.make_single_device_sharding(d)
+                        )
+                    ],
+                )[0]
+                for i, d in here
+            ]
             pulled += got
             parts.append(({i: a for (i, _), a in zip(here, got)}, (s, n)))
         mesh = self._mesh
@@ -291,7 +330,7 @@ class TransferTransport:
         wait on this slice. Pulls this slice posted to others fail when *they* reset. Before a
         step is replayed with the same keys every slice must reset: ids are one-shot, so a
         leftover send or pull of the aborted attempt would otherwise pair with the replay's."""
-        if self._server is not None:     # closed: nothing left to reset
+        if self._server is not None:  # closed: nothing left to reset
             compat.reset_transfers(self._server)
             if self._shm is not None:
                 self._shm.reset()
@@ -305,7 +344,7 @@ class TransferTransport:
         self.reset()
         self._waiters.close()
         self._connections.clear()
-        if self._shm is not None:        # its endpoint, and every segment it lent, go now
+        if self._shm is not None:  # its endpoint, and every segment it lent, go now
             self._shm.close()
         for connection in self._shm_connections.values():
             connection.close()
@@ -333,10 +372,9 @@ class _Waiters:
         future = concurrent.futures.Future()
         with self._lock:
             if self._num_idle:
-                self._num_idle -= 1           # that idle thread takes this item
+                self._num_idle -= 1  # that idle thread takes this item
             else:
-                threading.Thread(target=self._loop, daemon=True,
-                                 name=f"{self._name}-{self._num_threads}").start()
+                threading.Thread(target=self._loop, daemon=True, name=f"{self._name}-{self._num_threads}").start()
                 self._num_threads += 1
         self._queue.put((future, arrays, then))
         return future
@@ -344,13 +382,13 @@ class _Waiters:
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             self._run(*item)
-            item = None          # an idle thread holds no arrays (nor shared memory) of the last receive
+            item = None  # an idle thread holds no arrays (nor shared memory) of the last receive
             with self._lock:
                 self._num_idle += 1
 
     @staticmethod
     def _run(future: concurrent.futures.Future, arrays, then) -> None:
-        if future.set_running_or_notify_cancel():         # False: cancelled while queued
+        if future.set_running_or_notify_cancel():  # False: cancelled while queued
             try:
                 if isinstance(arrays, concurrent.futures.Future):
                     arrays = arrays.result()

@@ -23,6 +23,7 @@ the same way when a field does not match.
 A layout is a PartitionSpec over the mesh axes as JSON (runtime/worker/instructions.py
 layout_to_json).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,8 +54,8 @@ class HelloReply:
 class Setup:
     slice_index: int
     transfer_host: str
-    transfer_secret: str             # hex: keys this session's transfer ids
-    mesh: dict | None = None         # {data, fsdp, tensor} over all of the worker's devices; None: all on data
+    transfer_secret: str  # hex: keys this session's transfer ids
+    mesh: dict | None = None  # {data, fsdp, tensor} over all of the worker's devices; None: all on data
     # {"jax", "jaxlib"}: the controller's (mpmd.runtime.compat.versions); a worker running others
     # refuses the Setup (FAILED_PRECONDITION). mpmd's controller always sends them; a bare
     # client that leaves them out is not checked.
@@ -72,8 +73,10 @@ TRANSPORTS = ("auto", "socket", "shm")
 def check_transport(transport) -> str:
     """`transport` if it names a data plane (cluster.transport); ValueError naming those allowed."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)} (auto: shared memory between "
-                         f"workers on one host, sockets between hosts), got {transport!r:.50}")
+        raise ValueError(
+            f"transport must be one of {', '.join(TRANSPORTS)} (auto: shared memory between "
+            f"workers on one host, sockets between hosts), got {transport!r:.50}"
+        )
     return transport
 
 
@@ -84,12 +87,12 @@ class SetupReply:
 
 @dataclass(frozen=True)
 class Connect:
-    peers: dict                      # {slice: transfer address, or [one per process] for a gang}
+    peers: dict  # {slice: transfer address, or [one per process] for a gang}
 
 
 @dataclass(frozen=True)
 class LoadPrograms:
-    programs: list                   # [{name, kind, data?: blob, duration_s?, outputs?}]
+    programs: list  # [{name, kind, data?: blob, duration_s?, outputs?}]
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,8 @@ class LoadProgramsReply:
 @dataclass(frozen=True)
 class InstallPlan:
     name: str
-    stream: list | None = None       # [instruction as instructions.to_json]
-    encoded: dict | None = None      # blob: streams.PackedStream.to_bytes; the worker expands it
+    stream: list | None = None  # [instruction as instructions.to_json]
+    encoded: dict | None = None  # blob: streams.PackedStream.to_bytes; the worker expands it
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,8 @@ class InstallPlanReply:
 @dataclass(frozen=True)
 class Put:
     name: str
-    arrays: list                     # [blob]
-    layouts: list | None = None      # [layout], one per array; None: replicated
+    arrays: list  # [blob]
+    layouts: list | None = None  # [layout], one per array; None: replicated
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class Get:
 
 @dataclass(frozen=True)
 class GetReply:
-    arrays: dict                     # {name: [blob]}
+    arrays: dict  # {name: [blob]}
 
 
 @dataclass(frozen=True)
@@ -134,17 +137,17 @@ class Delete:
 @dataclass(frozen=True)
 class Run:
     plan: str
-    run: int                         # the run id (never repeats: transfer keys are prefixed with it)
-    after: int = -1                  # the run it waits for here (run-ahead); -1: none
-    feeds: dict = field(default_factory=dict)     # {buffer name: [blob]}
-    fetch: list = field(default_factory=list)     # [buffer name]
+    run: int  # the run id (never repeats: transfer keys are prefixed with it)
+    after: int = -1  # the run it waits for here (run-ahead); -1: none
+    feeds: dict = field(default_factory=dict)  # {buffer name: [blob]}
+    fetch: list = field(default_factory=list)  # [buffer name]
     trace: bool = False
 
 
 @dataclass(frozen=True)
 class RunReply:
-    fetched: dict                    # {buffer name: [blob]}
-    events: list                     # [[name, kind, start_ns, end_ns]]
+    fetched: dict  # {buffer name: [blob]}
+    events: list  # [[name, kind, start_ns, end_ns]]
     wall_s: float
     peak_held: int = 0
     peak_held_bytes: int = 0
@@ -153,8 +156,8 @@ class RunReply:
 
 @dataclass(frozen=True)
 class Save:
-    items: dict                      # {directory: [buffer name] | {key: [buffer, index]}}
-    digests: bool = True             # digest each single array once written (WaitSaves reports them)
+    items: dict  # {directory: [buffer name] | {key: [buffer, index]}}
+    digests: bool = True  # digest each single array once written (WaitSaves reports them)
 
 
 @dataclass(frozen=True)
@@ -165,15 +168,15 @@ class WaitSaves:
 @dataclass(frozen=True)
 class WaitSavesReply:
     finalized: list
-    digests: dict | None = None      # {directory: {key: digest}} of the directories finalized
+    digests: dict | None = None  # {directory: {key: digest}} of the directories finalized
 
 
 @dataclass(frozen=True)
 class Restore:
-    items: dict                      # {directory: [name] | {key: [[buffer, index], ...]}}
+    items: dict  # {directory: [name] | {key: [[buffer, index], ...]}}
     staged: bool = False
-    layouts: dict | None = None      # {buffer: [layout]}
-    digests: dict | None = None      # {key: digest} recorded at the save: a leaf read otherwise is refused
+    layouts: dict | None = None  # {buffer: [layout]}
+    digests: dict | None = None  # {key: digest} recorded at the save: a leaf read otherwise is refused
 
 
 @dataclass(frozen=True)
@@ -184,13 +187,13 @@ class FinishRestore:
 @dataclass(frozen=True)
 class HeartbeatReply:
     pid: int
-    running: bool                    # a run holds the executor's turn
-    progress: list | None = None     # [run id, instructions done, doing]; None: not set up
+    running: bool  # a run holds the executor's turn
+    progress: list | None = None  # [run id, instructions done, doing]; None: not set up
 
 
 @dataclass(frozen=True)
 class Abort:
-    run: int                         # this run and every earlier one
+    run: int  # this run and every earlier one
 
 
 @dataclass(frozen=True)
@@ -223,37 +226,38 @@ class SessionsReply:
 @dataclass(frozen=True)
 class Submit:
     slices: int
-    root: str                        # the job's run_dir's root, below the cluster's
-    name: str = "job"                # shown in `mpmd cluster status`
-    share: bool = False              # time-share workers with other sharing jobs
-    lease_s: float | None = None     # None: the cluster's
-    devices: list | None = None      # devices of each slice's mesh; None: all of a worker's
+    root: str  # the job's run_dir's root, below the cluster's
+    name: str = "job"  # shown in `mpmd cluster status`
+    share: bool = False  # time-share workers with other sharing jobs
+    lease_s: float | None = None  # None: the cluster's
+    devices: list | None = None  # devices of each slice's mesh; None: all of a worker's
 
 
 @dataclass(frozen=True)
 class SubmitReply:
     job: str
-    credential: str                  # the job's: it reaches this job's sessions only
-    position: int                    # 0: leased; else its place in the FIFO queue (1 = next)
-    workers: list = field(default_factory=list)   # [address] once leased
+    credential: str  # the job's: it reaches this job's sessions only
+    position: int  # 0: leased; else its place in the FIFO queue (1 = next)
+    workers: list = field(default_factory=list)  # [address] once leased
 
 
 @dataclass(frozen=True)
 class JobRequest:
     """Wait, Renew and Release: the job that asks (its credential's)."""
+
     job: str
 
 
 @dataclass(frozen=True)
 class WaitReply:
     position: int
-    workers: list                    # [address] once leased
+    workers: list  # [address] once leased
 
 
 @dataclass(frozen=True)
 class Replace:
     job: str
-    slot: int                        # the job's slice whose worker it lost
+    slot: int  # the job's slice whose worker it lost
 
 
 @dataclass(frozen=True)
@@ -263,9 +267,9 @@ class ReplaceReply:
 
 @dataclass(frozen=True)
 class StatusReply:
-    workers: list                    # [{slot, address, pid, health, live_bytes, cache, sessions}]
-    jobs: list                       # [{job, name, state, slices, share, position, workers, ...}]
-    leases: dict                     # {job: [address]}
+    workers: list  # [{slot, address, pid, health, live_bytes, cache, sessions}]
+    jobs: list  # [{job, name, state, slices, share, position, workers, ...}]
+    leases: dict  # {job: [address]}
     workers_started: int
 
 
@@ -274,41 +278,47 @@ class Verb(NamedTuple):
     name: str
     request: type
     reply: type
-    caller: str          # worker verbs: "job", "admin" or "any" (see the module docstring);
-                         # manager verbs: "submit", "job" or "admin" (runtime/manager/core.py)
+    caller: str  # worker verbs: "job", "admin" or "any" (see the module docstring);
+    # manager verbs: "submit", "job" or "admin" (runtime/manager/core.py)
 
 
-VERBS: dict[str, Verb] = {v.name: v for v in (
-    Verb("Hello", Empty, HelloReply, "any"),
-    Verb("Setup", Setup, SetupReply, "job"),
-    Verb("Connect", Connect, Empty, "job"),
-    Verb("LoadPrograms", LoadPrograms, LoadProgramsReply, "job"),
-    Verb("InstallPlan", InstallPlan, InstallPlanReply, "job"),
-    Verb("Put", Put, Empty, "job"),
-    Verb("Get", Get, GetReply, "job"),
-    Verb("Delete", Delete, Empty, "job"),
-    Verb("Run", Run, RunReply, "job"),
-    Verb("Save", Save, Empty, "job"),
-    Verb("WaitSaves", WaitSaves, WaitSavesReply, "job"),
-    Verb("Restore", Restore, Empty, "job"),
-    Verb("FinishRestore", FinishRestore, Empty, "job"),
-    Verb("Heartbeat", Empty, HeartbeatReply, "job"),
-    Verb("Abort", Abort, Empty, "job"),
-    Verb("Shutdown", Empty, Empty, "job"),      # admin too: see runtime/worker/service.py route
-    Verb("OpenSession", OpenSession, Empty, "admin"),
-    Verb("CloseSession", CloseSession, CloseSessionReply, "admin"),
-    Verb("Sessions", Empty, SessionsReply, "admin"),
-)}
+VERBS: dict[str, Verb] = {
+    v.name: v
+    for v in (
+        Verb("Hello", Empty, HelloReply, "any"),
+        Verb("Setup", Setup, SetupReply, "job"),
+        Verb("Connect", Connect, Empty, "job"),
+        Verb("LoadPrograms", LoadPrograms, LoadProgramsReply, "job"),
+        Verb("InstallPlan", InstallPlan, InstallPlanReply, "job"),
+        Verb("Put", Put, Empty, "job"),
+        Verb("Get", Get, GetReply, "job"),
+        Verb("Delete", Delete, Empty, "job"),
+        Verb("Run", Run, RunReply, "job"),
+        Verb("Save", Save, Empty, "job"),
+        Verb("WaitSaves", WaitSaves, WaitSavesReply, "job"),
+        Verb("Restore", Restore, Empty, "job"),
+        Verb("FinishRestore", FinishRestore, Empty, "job"),
+        Verb("Heartbeat", Empty, HeartbeatReply, "job"),
+        Verb("Abort", Abort, Empty, "job"),
+        Verb("Shutdown", Empty, Empty, "job"),  # admin too: see runtime/worker/service.py route
+        Verb("OpenSession", OpenSession, Empty, "admin"),
+        Verb("CloseSession", CloseSession, CloseSessionReply, "admin"),
+        Verb("Sessions", Empty, SessionsReply, "admin"),
+    )
+}
 # The manager's service, mpmd.Manager: the same frames, records and checks.
-MANAGER_VERBS: dict[str, Verb] = {v.name: v for v in (
-    Verb("Submit", Submit, SubmitReply, "submit"),
-    Verb("Status", Empty, StatusReply, "submit"),
-    Verb("Wait", JobRequest, WaitReply, "job"),
-    Verb("Renew", JobRequest, Empty, "job"),
-    Verb("Release", JobRequest, Empty, "job"),
-    Verb("Replace", Replace, ReplaceReply, "job"),
-    Verb("Down", Empty, Empty, "admin"),
-)}
+MANAGER_VERBS: dict[str, Verb] = {
+    v.name: v
+    for v in (
+        Verb("Submit", Submit, SubmitReply, "submit"),
+        Verb("Status", Empty, StatusReply, "submit"),
+        Verb("Wait", JobRequest, WaitReply, "job"),
+        Verb("Renew", JobRequest, Empty, "job"),
+        Verb("Release", JobRequest, Empty, "job"),
+        Verb("Replace", Replace, ReplaceReply, "job"),
+        Verb("Down", Empty, Empty, "admin"),
+    )
+}
 # Each gRPC service's table (runtime/worker/service.py serves the first, the manager the second).
 WORKER_SERVICE = "mpmd.Worker"
 MANAGER_SERVICE = "mpmd.Manager"
@@ -359,8 +369,7 @@ def _decode(record: type, header: dict, what: str):
     fields = _fields(record)
     unknown = sorted(set(header) - set(fields))
     if unknown:
-        raise ValueError(f"{what} has no field {unknown[0]!r}; its fields are "
-                         f"{', '.join(fields) or 'none'}")
+        raise ValueError(f"{what} has no field {unknown[0]!r}; its fields are {', '.join(fields) or 'none'}")
     values = {}
     for name, (kinds, optional, required) in fields.items():
         if name not in header:
@@ -395,8 +404,11 @@ def _fields(record: type) -> dict[str, tuple[tuple[type, ...], bool, bool]]:
     out = {}
     for f in dataclasses.fields(record):
         hint = hints[f.name]
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        args = (
+            typing.get_args(hint)
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
             else (hint,)
+        )
         kinds = tuple(a for a in args if a is not type(None))
         assert kinds and all(k in (bool, int, float, str, list, dict) for k in kinds), (record, f.name, hint)
         required = f.default is _EMPTY and f.default_factory is _EMPTY

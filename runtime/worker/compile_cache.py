@@ -18,6 +18,7 @@ executable is of the same order), least recently used first out. A program large
 bound is still loaded and returned, just not kept. Synthetic "sleep" programs compile
 nothing and are not cached.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,7 +26,7 @@ import hashlib
 import threading
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:      # not imported here: runtime/worker/main.py reads DEFAULT_LIMIT_MB before JAX may load
+if TYPE_CHECKING:  # not imported here: runtime/worker/main.py reads DEFAULT_LIMIT_MB before JAX may load
     import jax
 
     from mpmd.runtime.worker import programs as programs_lib
@@ -36,10 +37,13 @@ DEFAULT_LIMIT_MB = 1024
 def program_key(spec: programs_lib.ProgramSpec, mesh: jax.sharding.Mesh) -> str:
     """sha256 of what a loaded program depends on: kind, bytes, mesh shape, device ids."""
     h = hashlib.sha256()
-    for part in (spec.kind.encode(), spec.data,
-                 repr(tuple(mesh.shape.items())).encode(),
-                 repr(tuple(int(d.id) for d in mesh.devices.flat)).encode()):
-        h.update(len(part).to_bytes(8, "little"))    # length-prefixed: no two splits collide
+    for part in (
+        spec.kind.encode(),
+        spec.data,
+        repr(tuple(mesh.shape.items())).encode(),
+        repr(tuple(int(d.id) for d in mesh.devices.flat)).encode(),
+    ):
+        h.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two splits collide
         h.update(part)
     return h.hexdigest()
 
@@ -61,6 +65,7 @@ class CompileCache:
         """The program `spec` bound to `mesh`: from the cache, or loaded now.
         Raises what programs.load raises for a bad spec (nothing is cached then)."""
         from mpmd.runtime.worker import programs as programs_lib
+
         if spec.kind != "exported":
             return programs_lib.load(spec, mesh)
         key = program_key(spec, mesh)
@@ -88,5 +93,11 @@ class CompileCache:
     def stats(self) -> dict:
         """{programs, bytes, limit_bytes, hits, misses, evictions} (the Sessions RPC's `cache`)."""
         with self._lock:
-            return {"programs": len(self._entries), "bytes": self._bytes, "limit_bytes": self.limit_bytes,
-                    "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+            return {
+                "programs": len(self._entries),
+                "bytes": self._bytes,
+                "limit_bytes": self.limit_bytes,
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": self.evictions,
+            }

@@ -24,6 +24,7 @@ instruction. `progress` tells the controller's watchdog where the walk stands: (
 instructions done, what it is doing), read by the worker's Heartbeat, a few attributes
 written per instruction.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,8 +49,9 @@ if TYPE_CHECKING:
 class Executor:
     """One slice: `mesh` is its devices (runtime/worker/mesh.py); every buffer is laid out on it."""
 
-    def __init__(self, slice_index: int, mesh: jax.sharding.Mesh, transport: Transport,
-                 load=programs_lib.load, agreement=None):
+    def __init__(
+        self, slice_index: int, mesh: jax.sharding.Mesh, transport: Transport, load=programs_lib.load, agreement=None
+    ):
         """load(spec, mesh) -> program: programs_lib.load, or a worker's CompileCache.load
         (runtime/worker/compile_cache.py), which shares loaded programs between sessions.
         agreement: a gang's (runtime/gang.Agreement), None for a slice of one process."""
@@ -62,13 +64,13 @@ class Executor:
         self.programs: dict[str, programs_lib.Program] = {}
         self.plans: dict[str, tuple[Instruction, ...]] = {}
         self.buffers: dict[str, tuple[jax.Array, ...]] = {}
-        self._aborted_upto = -1      # runs with an id <= this are aborted (even if not started yet)
+        self._aborted_upto = -1  # runs with an id <= this are aborted (even if not started yet)
         # Runs take turns: one at a time, each after the run it names (run-ahead dispatch).
         self._turn = threading.Condition()
-        self._finished_upto = -1     # the newest run id that finished here (or was given up)
-        self.busy = False            # a run holds the turn
+        self._finished_upto = -1  # the newest run id that finished here (or was given up)
+        self.busy = False  # a run holds the turn
         self._checkpointer = SliceCheckpointer()
-        self._staged: dict[str, tuple] = {}     # a restore read but not yet bound (finish_restore)
+        self._staged: dict[str, tuple] = {}  # a restore read but not yet bound (finish_restore)
         self.progress = Progress(-1, 0, "idle")
 
     # -- state -----------------------------------------------------------------------
@@ -83,13 +85,17 @@ class Executor:
             stream = stream.expand()
         for i, ins in enumerate(stream):
             if isinstance(ins, Run) and ins.program not in self.programs:
-                raise ValueError(f"plan {name!r} instruction {i} runs unknown program "
-                                 f"{ins.program!r}; loaded: {sorted(self.programs)[:20]}")
+                raise ValueError(
+                    f"plan {name!r} instruction {i} runs unknown program "
+                    f"{ins.program!r}; loaded: {sorted(self.programs)[:20]}"
+                )
             if isinstance(ins, Recv):
                 programs_lib.check_specs(ins.specs, f"plan {name!r} instruction {i} (recv {ins.key!r})")
                 if not -1 <= ins.post_after < i:
-                    raise ValueError(f"plan {name!r} instruction {i} (recv {ins.key!r}) is posted after "
-                                     f"instruction {ins.post_after}; allowed: -1 (at the start) to {i - 1}")
+                    raise ValueError(
+                        f"plan {name!r} instruction {i} (recv {ins.key!r}) is posted after "
+                        f"instruction {ins.post_after}; allowed: -1 (at the start) to {i - 1}"
+                    )
         self.plans[name] = tuple(stream)
         return len(stream)
 
@@ -104,9 +110,12 @@ class Executor:
 
     def _placed(self, arrays, layouts=None) -> tuple[jax.Array, ...]:
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)
-        return tuple(jax.device_put(a, self._sharding(layout)) if isinstance(a, jax.Array)
-                     else reshard.place(a, self._sharding(layout))
-                     for a, layout in zip(arrays, layouts))
+        return tuple(
+            jax.device_put(a, self._sharding(layout))
+            if isinstance(a, jax.Array)
+            else reshard.place(a, self._sharding(layout))
+            for a, layout in zip(arrays, layouts)
+        )
 
     def _sharding(self, layout) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*layout))
@@ -166,8 +175,7 @@ class Executor:
         this slice's mesh, whatever mesh saved it. `digests` ({key: digest}): what each leaf
         read must match (slice_store.Damaged otherwise)."""
         layouts = layouts or {}
-        got = self._checkpointer.restore(items, lambda name, i: self._sharding(_nth(layouts.get(name), i)),
-                                         digests)
+        got = self._checkpointer.restore(items, lambda name, i: self._sharding(_nth(layouts.get(name), i)), digests)
         if staged:
             self._staged = got
         else:
@@ -203,7 +211,7 @@ class Executor:
                 if self._aborted_upto >= run:
                     raise Aborted(f"slice {self.slice_index}: run {run} aborted before it started")
                 self._turn.wait(0.05)
-            if self._aborted_upto >= run:      # e.g. the run after one that failed
+            if self._aborted_upto >= run:  # e.g. the run after one that failed
                 raise Aborted(f"slice {self.slice_index}: run {run} aborted before it started")
             self.busy = True
 
@@ -214,8 +222,15 @@ class Executor:
             self._turn.notify_all()
 
     # -- one run --------------------------------------------------------------------
-    def run(self, plan: str, run: int, feeds: dict[str, tuple] | None = None,
-            fetch: tuple[str, ...] = (), trace: bool = False, after: int = -1) -> StepResult:
+    def run(
+        self,
+        plan: str,
+        run: int,
+        feeds: dict[str, tuple] | None = None,
+        fetch: tuple[str, ...] = (),
+        trace: bool = False,
+        after: int = -1,
+    ) -> StepResult:
         """Run plan `plan` as run id `run`, once run `after` (-1: none) has finished here
         and no other run holds the turn."""
         if plan not in self.plans:
@@ -231,7 +246,9 @@ class Executor:
             raise
         if self.agreement is not None and not self.agreement.decide(run, "start", self._aborted_upto < run):
             self._end_turn(run)
-            raise Aborted(f"slice {self.slice_index}: run {run} aborted by another process of the gang before it started")
+            raise Aborted(
+                f"slice {self.slice_index}: run {run} aborted by another process of the gang before it started"
+            )
         try:
             walked = self._walk(plan, run, staged, fetch, trace)
         finally:
@@ -242,8 +259,14 @@ class Executor:
             fetched = {n: tuple(np.asarray(a) for a in arrays) for n, arrays in walked.fetch.items()}
         except Exception as e:
             self._raise(e, run, f"{plan} fetch {list(fetch)}")
-        return StepResult(fetched, walked.events, (time.time_ns() - walked.t0) / 1e9, walked.held.peak,
-                          walked.held.peak_bytes, walked.peak_bytes)
+        return StepResult(
+            fetched,
+            walked.events,
+            (time.time_ns() - walked.t0) / 1e9,
+            walked.held.peak,
+            walked.held.peak_bytes,
+            walked.peak_bytes,
+        )
 
     def _walk(self, plan: str, run: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
         t0 = time.time_ns()
@@ -251,7 +274,7 @@ class Executor:
         buffers = self.buffers
         buffers.update(staged)
         held = _Held(self.transport, f"{run}:")
-        posts: dict[int, list[Recv]] = {}     # instruction index -> receives posted after it
+        posts: dict[int, list[Recv]] = {}  # instruction index -> receives posted after it
         for ins in stream:
             if isinstance(ins, Recv):
                 if ins.post_after < 0:
@@ -265,7 +288,7 @@ class Executor:
         try:
             for i, ins in enumerate(stream):
                 where = f"{plan}[{i}] {_describe(ins)}"
-                if self._aborted_upto >= run:      # a plan without receives stops here too
+                if self._aborted_upto >= run:  # a plan without receives stops here too
                     raise Aborted(f"slice {self.slice_index}: run aborted at {where}")
                 if isinstance(ins, Run):
                     self.progress = Progress(run, i, "run")
@@ -300,8 +323,7 @@ class Executor:
                         arrays = buffers[ins.src]
                     except KeyError:
                         raise ValueError(f"copies buffer {ins.src!r}, which does not exist") from None
-                    buffers[ins.dst] = tuple(host_copy(a) if ins.memory == "host" else _on_device(a)
-                                             for a in arrays)
+                    buffers[ins.dst] = tuple(host_copy(a) if ins.memory == "host" else _on_device(a) for a in arrays)
                 else:
                     assert isinstance(ins, Delete)
                     buffers.pop(ins.buffer, None)
@@ -322,7 +344,7 @@ class Executor:
         return _Walked(t0, tuple(events), held, peak_bytes, to_fetch)
 
     def _raise(self, e: Exception, run: int, where: str):
-        if self._aborted_upto >= run:      # the echo of an abort (a peer's reset transfer)
+        if self._aborted_upto >= run:  # the echo of an abort (a peer's reset transfer)
             raise Aborted(f"slice {self.slice_index}: run aborted at {where}") from None
         raise StepFailed(self.slice_index, where, f"{type(e).__name__}: {e}") from e
 
@@ -338,7 +360,7 @@ class Executor:
                 except TimeoutError:
                     continue
         except BaseException:
-            if self.agreement is not None:        # the gang's other processes stop here too
+            if self.agreement is not None:  # the gang's other processes stop here too
                 self.agreement.decide(run, str(index), False)
             raise
         if self.agreement is not None and not self.agreement.decide(run, str(index), True):
@@ -350,17 +372,21 @@ class Executor:
 def _on_device(array: jax.Array) -> jax.Array:
     """`array` in device memory (from a host snapshot); on CPU the array itself."""
     kind = array.sharding.memory_kind
-    return array if kind in (None, "device") or all(d.platform == "cpu" for d in array.sharding.device_set) \
+    return (
+        array
+        if kind in (None, "device") or all(d.platform == "cpu" for d in array.sharding.device_set)
         else jax.device_put(array, array.sharding.with_memory_kind("device"))
+    )
 
 
 class _Walked(NamedTuple):
     """A run's walk done, its results maybe still being computed."""
-    t0: int                            # time.time_ns() when the walk began
+
+    t0: int  # time.time_ns() when the walk began
     events: tuple[Event, ...]
     held: _Held
     peak_bytes: int
-    fetch: dict[str, tuple]            # name -> the arrays to bring back
+    fetch: dict[str, tuple]  # name -> the arrays to bring back
 
 
 class _Held:

@@ -15,6 +15,7 @@ process 0 (losses and fetched buffers are replicated, or gathered inside the gan
 see runtime/worker/executor.py). Setup is the control plane's own per process (each has its own
 transfer address), through `members`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,11 +31,17 @@ def join(coordinator: str, num_processes: int, process_id: int, timeout_s: float
     names it) when they do not within `timeout_s`."""
     import jax
     from mpmd.runtime import compat
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # The coordinator (process 0) binds the address given, not every interface (JAX's
     # default): a local gang's stays on loopback. Its service has no credential of its own.
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=max(1, int(timeout_s)), coordinator_bind_address=coordinator)
+    jax.distributed.initialize(
+        coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=max(1, int(timeout_s)),
+        coordinator_bind_address=coordinator,
+    )
     if not compat.GANG_PERSISTENT_CACHE and jax.devices()[0].platform == "cpu":
         # jaxlib 0.12's CPU gangs hang on programs from the persistent cache (compat says
         # why): every process compiles its own, as on a cold cache. Before any compile, when
@@ -45,11 +52,18 @@ def join(coordinator: str, num_processes: int, process_id: int, timeout_s: float
     # two processes and hang both. Barriers through the distributed client touch no device.
     from absl import flags
     import orbax.checkpoint  # noqa: F401  (defines the flag)
+
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     flags.FLAGS.experimental_orbax_use_distributed_barrier = True
-    log.info("joined gang at %s as process %d of %d: %d device(s) in the slice, %d here",
-             coordinator, process_id, num_processes, len(jax.devices()), len(jax.local_devices()))
+    log.info(
+        "joined gang at %s as process %d of %d: %d device(s) in the slice, %d here",
+        coordinator,
+        process_id,
+        num_processes,
+        len(jax.devices()),
+        len(jax.local_devices()),
+    )
 
 
 def leave(wait_s: float) -> None:
@@ -61,14 +75,16 @@ def leave(wait_s: float) -> None:
     all its processes get here together; a peer that is dead never does, so the wait is
     bounded by `wait_s` (then the process exits anyway, as before)."""
     import jax
+
     done = threading.Event()
 
     def shutdown():
         try:
             jax.distributed.shutdown()
-        except Exception as e:           # the service or a peer already gone: nothing to wait for
+        except Exception as e:  # the service or a peer already gone: nothing to wait for
             log.info("left the gang without its shutdown barrier: %s", e)
         done.set()
+
     threading.Thread(target=shutdown, daemon=True, name="mpmd-gang-leave").start()
     if not done.wait(wait_s):
         log.info("a gang peer did not reach shutdown within %.0f s: leaving without it", wait_s)
@@ -115,6 +131,7 @@ class GangFuture:
                     return
                 fired.append(True)
             fn(self)
+
         for f in self.futures:
             f.add_done_callback(member_done)
 
@@ -126,13 +143,13 @@ class GangClient:
     def __init__(self, members: list):
         self.members = members
         self.address = tuple(m.address for m in members)
-        self.service = members[0].service       # a worker's: runtime/wire/verbs.py WORKER_SERVICE
-        self.progress = None                  # process 0's, from the last heartbeat
-        self.progress_at = time.monotonic()   # when `progress` last changed
+        self.service = members[0].service  # a worker's: runtime/wire/verbs.py WORKER_SERVICE
+        self.progress = None  # process 0's, from the last heartbeat
+        self.progress_at = time.monotonic()  # when `progress` last changed
 
     @property
     def last_ok(self) -> float:
-        return min(m.last_ok for m in self.members)     # the gang is as alive as its quietest
+        return min(m.last_ok for m in self.members)  # the gang is as alive as its quietest
 
     def wait_ready(self, timeout_s: float) -> None:
         for m in self.members:
@@ -145,12 +162,12 @@ class GangClient:
         """Process 0's reply once every process answered; at the first failure, the others
         are cancelled (a survivor may wait forever in a collective with the lost one) and
         that failure is raised as a WorkerClient would raise it."""
-        fut.exception()                  # waits: all done, or one failed
+        fut.exception()  # waits: all done, or one failed
         for m, f in zip(self.members, fut.futures):
             if f.done() and not f.cancelled() and f.exception() is not None:
                 for other in fut.futures:
                     other.cancel()
-                m.result(method, f)      # raises
+                m.result(method, f)  # raises
         return [m.result(method, f) for m, f in zip(self.members, fut.futures)][0]
 
     def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
@@ -179,10 +196,11 @@ class Agreement:
     def __init__(self, namespace: str):
         import jax
         from mpmd.runtime import compat
+
         self._client = compat.distributed_client()
         self._rank, self._num_processes = jax.process_index(), jax.process_count()
         self._namespace = namespace
-        self._written: dict[int, list[str]] = {}      # run id -> keys this process wrote
+        self._written: dict[int, list[str]] = {}  # run id -> keys this process wrote
 
     def decide(self, run: int, point: str, go_on: bool) -> bool:
         """Whether every process of the gang goes on past `point` of run `run`."""
@@ -192,8 +210,11 @@ class Agreement:
         self._written.setdefault(run, []).append(f"{key}/{self._rank}")
         if not go_on:
             return False
-        return all(self._client.blocking_key_value_get(f"{key}/{p}", 2**31 - 1) == "1"
-                   for p in range(self._num_processes) if p != self._rank)
+        return all(
+            self._client.blocking_key_value_get(f"{key}/{p}", 2**31 - 1) == "1"
+            for p in range(self._num_processes)
+            if p != self._rank
+        )
 
     def _forget_before(self, run: int) -> None:
         # Keys of runs before the previous one have been read: every peer has since said
@@ -209,38 +230,50 @@ def group_addresses(addresses, processes_per_slice: int | None = None) -> list:
     tuple, process 0 first), from a flat list cut into runs of `processes_per_slice` (None:
     1) or a list of lists (one per slot, all of that length; None: any one length).
     ValueError naming what is wrong."""
-    if processes_per_slice is not None and (not isinstance(processes_per_slice, int)
-                                            or isinstance(processes_per_slice, bool) or processes_per_slice < 1):
+    if processes_per_slice is not None and (
+        not isinstance(processes_per_slice, int) or isinstance(processes_per_slice, bool) or processes_per_slice < 1
+    ):
         raise ValueError(f"processes_per_slice must be a positive integer or None, got {processes_per_slice!r}")
     addresses = list(addresses) if isinstance(addresses, (list, tuple)) else addresses
     is_address = lambda a: isinstance(a, str) and a.rpartition(":")[2].isdigit() and a.rpartition(":")[0] != ""
     if not isinstance(addresses, list) or not addresses:
-        raise ValueError(f"addresses must be a non-empty list of 'host:port' strings, or of lists of them "
-                         f"(one list per slice: its gang's processes), got {addresses!r:.200}")
+        raise ValueError(
+            f"addresses must be a non-empty list of 'host:port' strings, or of lists of them "
+            f"(one list per slice: its gang's processes), got {addresses!r:.200}"
+        )
     if any(isinstance(a, (list, tuple)) for a in addresses):
         if not all(isinstance(a, (list, tuple)) and a for a in addresses):
-            raise ValueError(f"addresses mixes single addresses and lists: give every slice a list of its "
-                             f"processes' 'host:port' (or a flat list with processes_per_slice), got {addresses!r:.200}")
+            raise ValueError(
+                f"addresses mixes single addresses and lists: give every slice a list of its "
+                f"processes' 'host:port' (or a flat list with processes_per_slice), got {addresses!r:.200}"
+            )
         sizes = sorted({len(a) for a in addresses})
         if len(sizes) > 1:
-            raise ValueError(f"every slice's gang must have the same number of processes; the address lists "
-                             f"have {', '.join(map(str, sizes))}")
+            raise ValueError(
+                f"every slice's gang must have the same number of processes; the address lists "
+                f"have {', '.join(map(str, sizes))}"
+            )
         if processes_per_slice not in (None, sizes[0]):
-            raise ValueError(f"processes_per_slice={processes_per_slice} but each address list names "
-                             f"{sizes[0]} process(es)")
+            raise ValueError(
+                f"processes_per_slice={processes_per_slice} but each address list names {sizes[0]} process(es)"
+            )
         groups = [tuple(a) for a in addresses]
     else:
         processes_per_slice = processes_per_slice or 1
         if len(addresses) % processes_per_slice:
-            raise ValueError(f"{len(addresses)} address(es) cannot be cut into gangs of processes_per_slice="
-                             f"{processes_per_slice}: give a multiple of it (process 0 of each gang first)")
-        groups = [tuple(addresses[i:i + processes_per_slice]) for i in range(0, len(addresses), processes_per_slice)]
+            raise ValueError(
+                f"{len(addresses)} address(es) cannot be cut into gangs of processes_per_slice="
+                f"{processes_per_slice}: give a multiple of it (process 0 of each gang first)"
+            )
+        groups = [tuple(addresses[i : i + processes_per_slice]) for i in range(0, len(addresses), processes_per_slice)]
     flat = [a for g in groups for a in g]
     bad = [a for a in flat if not is_address(a)]
     if bad:
         raise ValueError(f"address {bad[0]!r:.100} must be 'host:port'")
     twice = sorted({a for a in flat if flat.count(a) > 1})
     if twice:
-        raise ValueError(f"addresses list {', '.join(twice)} more than once: each worker process serves one "
-                         f"slice's gang or waits as (part of) one spare")
+        raise ValueError(
+            f"addresses list {', '.join(twice)} more than once: each worker process serves one "
+            f"slice's gang or waits as (part of) one spare"
+        )
     return [g[0] if len(g) == 1 else g for g in groups]

@@ -10,6 +10,7 @@ sent over the wire as JSON (see `to_json` / `from_json`); nothing here is pickle
 plans are built, post-processed (Deletes, receive window) and shipped as arrays of
 integers over templates of these records: runtime/worker/streams.py.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Union
@@ -19,6 +20,7 @@ class Spec(NamedTuple):
     """Shape, dtype and layout of one array in a bundle (dtype as a numpy name, e.g.
     'float32'). `layout` is a PartitionSpec as a tuple over the slice's mesh axes (one entry
     per dim: None, an axis name or a tuple of them; () is replicated)."""
+
     shape: tuple[int, ...]
     dtype: str
     layout: tuple = ()
@@ -26,10 +28,11 @@ class Spec(NamedTuple):
 
 class Run(NamedTuple):
     """Run `program` on the input bundles, bind its output bundles to `outputs`."""
+
     program: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    label: str = ""          # what a trace shows, e.g. "F s1 mb3"
+    label: str = ""  # what a trace shows, e.g. "F s1 mb3"
 
 
 class Send(NamedTuple):
@@ -37,6 +40,7 @@ class Send(NamedTuple):
 
     `pieces`: per array, into how many equal parts along axis 0 it crosses the wire (its
     batch shards on the sender; () or 1: whole). The matching Recv names the same."""
+
     buffer: str
     dst: int
     key: str
@@ -52,6 +56,7 @@ class Recv(NamedTuple):
     the step starts); runtime/worker/streams.py `with_recv_window` sets it to bound the receives
     outstanding at once.
     """
+
     buffer: str
     src: int
     key: str
@@ -62,6 +67,7 @@ class Recv(NamedTuple):
 
 class Delete(NamedTuple):
     """Free `buffer` (its last use has passed)."""
+
     buffer: str
 
 
@@ -69,6 +75,7 @@ class Copy(NamedTuple):
     """Bind `dst` to the arrays of `src`, in host memory (`memory="host"`: a snapshot that
     outlives later steps) or on the slice's devices ("device"). On CPU both are the same
     arrays: they are immutable and never donated, so a snapshot costs no copy there."""
+
     src: str
     dst: str
     memory: str = "device"
@@ -143,8 +150,14 @@ def from_json(item: list) -> Instruction:
             ins = Send(_str(fields[0]), _int(fields[1]), _str(fields[2]), *map(_pieces, fields[3:]))
         elif cls is Recv:
             specs = tuple(Spec(tuple(map(_int, s[0])), _str(s[1]), *map(layout_from_json, s[2:3])) for s in fields[3])
-            ins = Recv(_str(fields[0]), _int(fields[1]), _str(fields[2]), specs, *map(_pieces, fields[4:5]),
-                       *map(_int, fields[5:6]))
+            ins = Recv(
+                _str(fields[0]),
+                _int(fields[1]),
+                _str(fields[2]),
+                specs,
+                *map(_pieces, fields[4:5]),
+                *map(_int, fields[5:6]),
+            )
         elif cls is Copy:
             ins = Copy(_str(fields[0]), _str(fields[1]), *map(_str, fields[2:]))
             if ins.memory not in MEMORY_KINDS:

@@ -32,6 +32,7 @@ Threads. XLA's CPU runtime would otherwise use every core in each process, and t
 processes on two cores thrash. Eigen's intra-op pool is switched off and the process can be
 pinned to chosen cores (`--cpus 0,1`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ import time
 from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
 
 READY = "MPMD_WORKER_READY"
-RELAY = "MPMD_LOG"            # a log record relayed on stdout: "MPMD_LOG <levelno> <text>"
+RELAY = "MPMD_LOG"  # a log record relayed on stdout: "MPMD_LOG <levelno> <text>"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # Loggers whose warnings are JAX's backend start-up notes (a GPU or TPU it could use but has no
 # plugin for): about the machine, not the run, and printed by every process that starts JAX.
@@ -56,47 +57,86 @@ STARTUP_LOGGERS = ("jax._src.xla_bridge",)
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="mpmd worker", description="Serve one mpmd slice.")
-    p.add_argument("--listen", default="127.0.0.1:0",
-                   help="HOST:PORT to listen on (default 127.0.0.1:0: loopback, any free port)")
+    p.add_argument(
+        "--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0: loopback, any free port)"
+    )
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--token-file", help="file whose first line is the cluster token")
-    p.add_argument("--allow-insecure-token-file", action="store_true",
-                   help="accept a --token-file that its group or others may read")
-    g.add_argument("--token-stdin", action="store_true",
-                   help="read the token from stdin's first line; exit when stdin closes")
-    p.add_argument("--root", default=None,
-                   help="the only directory tree checkpoint saves and restores may touch; the "
-                        "controller's run_dir must lie below it (default: the current directory)")
-    p.add_argument("--devices", type=int, default=1,
-                   help="devices of this slice's mesh: on CPU, this many host devices; on GPU, the "
-                        "GPUs in CUDA_VISIBLE_DEVICES (LocalCluster gives each worker its own)")
+    p.add_argument(
+        "--allow-insecure-token-file",
+        action="store_true",
+        help="accept a --token-file that its group or others may read",
+    )
+    g.add_argument(
+        "--token-stdin", action="store_true", help="read the token from stdin's first line; exit when stdin closes"
+    )
+    p.add_argument(
+        "--root",
+        default=None,
+        help="the only directory tree checkpoint saves and restores may touch; the "
+        "controller's run_dir must lie below it (default: the current directory)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="devices of this slice's mesh: on CPU, this many host devices; on GPU, the "
+        "GPUs in CUDA_VISIBLE_DEVICES (LocalCluster gives each worker its own)",
+    )
     p.add_argument("--cpus", default="", help="comma-separated cores to pin to (default: no pinning)")
-    p.add_argument("--lease-s", type=float, default=15.0,
-                   help="exit after this long without a word from an attached controller (with "
-                        "--shared: close a job's session after this long without a word from the job, "
-                        "unless its OpenSession names another lease)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                   help="the least level logged to stderr, from every logger (default info)")
-    p.add_argument("--relay-level", default=None, choices=LOG_LEVELS,
-                   help="also print each record at or above this level on stdout as one line "
-                        f"'{RELAY} <levelno> <text>', for the controller that started this worker")
-    p.add_argument("--persist", action="store_true",
-                   help="when the controller's lease lapses, reset and wait for another instead of exiting")
-    p.add_argument("--shared", action="store_true",
-                   help="serve several jobs of a shared cluster, one session each (opened by the cluster "
-                        "manager with the cluster token; each job calls with its own credential); a job's "
-                        "silence closes its session only")
-    p.add_argument("--compile-cache-mb", type=float, default=DEFAULT_LIMIT_MB,
-                   help=f"keep loaded programs, across sessions, up to this many MB of serialized programs "
-                        f"(least recently used out first; default {DEFAULT_LIMIT_MB})")
-    gang = p.add_argument_group("gang", "one process of a slice that spans several processes (hosts): the "
-                                        "slice's processes form one JAX distributed group before serving")
-    gang.add_argument("--coordinator", default="",
-                      help="HOST:PORT of the slice's JAX coordinator (process 0 of the gang serves it)")
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=15.0,
+        help="exit after this long without a word from an attached controller (with "
+        "--shared: close a job's session after this long without a word from the job, "
+        "unless its OpenSession names another lease)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="the least level logged to stderr, from every logger (default info)",
+    )
+    p.add_argument(
+        "--relay-level",
+        default=None,
+        choices=LOG_LEVELS,
+        help="also print each record at or above this level on stdout as one line "
+        f"'{RELAY} <levelno> <text>', for the controller that started this worker",
+    )
+    p.add_argument(
+        "--persist",
+        action="store_true",
+        help="when the controller's lease lapses, reset and wait for another instead of exiting",
+    )
+    p.add_argument(
+        "--shared",
+        action="store_true",
+        help="serve several jobs of a shared cluster, one session each (opened by the cluster "
+        "manager with the cluster token; each job calls with its own credential); a job's "
+        "silence closes its session only",
+    )
+    p.add_argument(
+        "--compile-cache-mb",
+        type=float,
+        default=DEFAULT_LIMIT_MB,
+        help=f"keep loaded programs, across sessions, up to this many MB of serialized programs "
+        f"(least recently used out first; default {DEFAULT_LIMIT_MB})",
+    )
+    gang = p.add_argument_group(
+        "gang",
+        "one process of a slice that spans several processes (hosts): the "
+        "slice's processes form one JAX distributed group before serving",
+    )
+    gang.add_argument(
+        "--coordinator", default="", help="HOST:PORT of the slice's JAX coordinator (process 0 of the gang serves it)"
+    )
     gang.add_argument("--num-processes", type=int, default=1, help="processes in this slice's gang (default 1)")
     gang.add_argument("--process-id", type=int, default=0, help="this process's index in its gang, 0-based")
-    gang.add_argument("--gang-timeout-s", type=float, default=60.0,
-                      help="how long to wait for every process of the gang to join")
+    gang.add_argument(
+        "--gang-timeout-s", type=float, default=60.0, help="how long to wait for every process of the gang to join"
+    )
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error(f"--devices must be a positive integer, got {args.devices}")
@@ -107,8 +147,10 @@ def parse_args(argv):
     if args.shared and args.persist:
         p.error("--persist is for a worker serving one controller; a --shared worker always outlives its jobs")
     if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
-        p.error(f"--process-id must be in 0..--num-processes-1 and --num-processes >= 1, got "
-                f"{args.process_id} of {args.num_processes}")
+        p.error(
+            f"--process-id must be in 0..--num-processes-1 and --num-processes >= 1, got "
+            f"{args.process_id} of {args.num_processes}"
+        )
     if args.num_processes > 1 and not args.coordinator:
         p.error("a gang (--num-processes > 1) needs --coordinator HOST:PORT")
     if args.num_processes > 1 and args.shared:
@@ -119,10 +161,12 @@ def parse_args(argv):
 def xla_flags(devices: int, flags: str = "") -> str:
     """flags with this slice's host device count and Eigen's intra-op pool switched off. (On GPU
     the host count is harmless and unused: the slice's devices are its GPUs.)"""
-    flags = " ".join(f for f in flags.split() if not f.startswith(("--xla_force_host_platform_device_count",
-                                                                   "--xla_cpu_multi_thread_eigen")))
-    return (f"{flags} --xla_force_host_platform_device_count={devices} "
-            f"--xla_cpu_multi_thread_eigen=false").strip()
+    flags = " ".join(
+        f
+        for f in flags.split()
+        if not f.startswith(("--xla_force_host_platform_device_count", "--xla_cpu_multi_thread_eigen"))
+    )
+    return (f"{flags} --xla_force_host_platform_device_count={devices} --xla_cpu_multi_thread_eigen=false").strip()
 
 
 def cores_for(slot: int, threads: int, available=None) -> list[int]:
@@ -147,8 +191,9 @@ def read_token(args) -> str:
         token = sys.stdin.readline().strip()
     else:
         try:
-            token = read_token_file(args.token_file, args.allow_insecure_token_file, "--token-file",
-                                    "--allow-insecure-token-file")
+            token = read_token_file(
+                args.token_file, args.allow_insecure_token_file, "--token-file", "--allow-insecure-token-file"
+            )
         except ValueError as e:
             raise SystemExit(f"error: {e}")
     if len(token) < 16:
@@ -167,9 +212,11 @@ def read_token_file(path: str, allow_insecure: bool, what: str, escape: str) -> 
     except OSError as e:
         raise ValueError(f"cannot read {what} {path!r}: {e.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO) and not allow_insecure:
-        raise ValueError(f"{what} {path!r} has mode {stat.S_IMODE(mode):04o}: its group or others may read "
-                         f"it, and the token is the key to the workers; `chmod 600 {path}` "
-                         f"(or pass {escape} to accept it)")
+        raise ValueError(
+            f"{what} {path!r} has mode {stat.S_IMODE(mode):04o}: its group or others may read "
+            f"it, and the token is the key to the workers; `chmod 600 {path}` "
+            f"(or pass {escape} to accept it)"
+        )
     return token
 
 
@@ -205,7 +252,7 @@ class Relay(logging.Handler):
         try:
             self._sink(record.levelno, one_line(self.format(record)))
         except OSError:
-            pass            # the reader is gone (the controller died): the log file has the record
+            pass  # the reader is gone (the controller died): the log file has the record
         except Exception:
             self.handleError(record)
 
@@ -237,6 +284,7 @@ def main(argv=None) -> int:
     configure_process(args.devices, args.cpus)
     if args.num_processes > 1:
         from mpmd.runtime.worker.gang import join, leave
+
         join(args.coordinator, args.num_processes, args.process_id, args.gang_timeout_s)
 
     from mpmd.runtime.worker.compile_cache import CompileCache
@@ -254,8 +302,14 @@ def main(argv=None) -> int:
             reason.append(why)
             done.set()
 
-    service = WorkerService(token, stop, root=args.root, shared=args.shared, lease_s=args.lease_s,
-                            cache=CompileCache(int(args.compile_cache_mb * 2**20)))
+    service = WorkerService(
+        token,
+        stop,
+        root=args.root,
+        shared=args.shared,
+        lease_s=args.lease_s,
+        cache=CompileCache(int(args.compile_cache_mb * 2**20)),
+    )
     try:
         server, address = serve(service.handler(), args.listen, SHARED_RPC_THREADS if args.shared else RPC_THREADS)
     except OSError as e:
@@ -268,11 +322,14 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: signalled.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: signalled.append("SIGINT"))
     if args.token_stdin:
-        threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")),
-                         daemon=True).start()
+        threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")), daemon=True).start()
     print(f"{READY} {address}", flush=True)
-    logging.info("serving %s on %s; checkpoints confined to %s", "a shared cluster's jobs" if args.shared
-                 else "slice", address, service.root)
+    logging.info(
+        "serving %s on %s; checkpoints confined to %s",
+        "a shared cluster's jobs" if args.shared else "slice",
+        address,
+        service.root,
+    )
     while not done.wait(SIGNAL_POLL_S):
         if signalled:
             stop(signalled[0])
@@ -318,8 +375,9 @@ def serve(handler, listen: str, threads: int = RPC_THREADS):
     from concurrent import futures
     from mpmd.runtime.worker.service import SERVER_OPTIONS
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mpmd-rpc"),
-                         options=SERVER_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mpmd-rpc"), options=SERVER_OPTIONS
+    )
     server.add_generic_rpc_handlers((handler,))
     host = listen.rpartition(":")[0]
     try:
@@ -327,8 +385,9 @@ def serve(handler, listen: str, threads: int = RPC_THREADS):
     except RuntimeError:
         bound = 0
     if not bound:
-        raise OSError(f"cannot listen on {listen!r}: the address is in use (another worker there?) "
-                      f"or not this machine's")
+        raise OSError(
+            f"cannot listen on {listen!r}: the address is in use (another worker there?) or not this machine's"
+        )
     server.start()
     return server, f"{host or '127.0.0.1'}:{bound}"
 

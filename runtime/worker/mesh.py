@@ -3,6 +3,7 @@
 shape to its devices). On the wire a shape is {"data": d, "fsdp": f, "tensor": t, "expert": e}
 (a missing axis is 1). `expert` came last, after the three the runtime had, so that a shape
 written before it, a mapping or a sequence (data, fsdp, tensor), reads as it did."""
+
 from __future__ import annotations
 
 import math
@@ -49,13 +50,13 @@ def devices_problem(shape, devices: int, has: str) -> str | None:
     product = math.prod(sizes)
     if product == devices:
         return None
-    return (f"{describe(sizes)} = {product} devices, but {has}: "
-            f"the axes' product must equal it")
+    return f"{describe(sizes)} = {product} devices, but {has}: the axes' product must equal it"
 
 
 def bind(shape, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
     """The mesh of `shape` over exactly these devices, in order."""
-    from mpmd.runtime import compat     # here, not above: the config checks a mesh against AXES before JAX is imported
+    from mpmd.runtime import compat  # here, not above: the config checks a mesh against AXES before JAX is imported
+
     problem = devices_problem(shape, len(devices), f"this slice has {len(devices)}")
     if problem:
         raise ValueError(f"mesh {problem}")
@@ -66,7 +67,8 @@ def bind_all(shapes, devices: Sequence[jax.Device]) -> list[jax.sharding.Mesh]:
     """Each shape bound to its own run of `devices` (slice 0 the first ones, and so on)."""
     sizes = [int(np.prod(shape_of(s))) for s in shapes]
     if len(devices) < sum(sizes):
-        raise ValueError(f"{len(shapes)} slice(s) of {sizes} device(s) need {sum(sizes)} device(s), "
-                         f"{len(devices)} available")
+        raise ValueError(
+            f"{len(shapes)} slice(s) of {sizes} device(s) need {sum(sizes)} device(s), {len(devices)} available"
+        )
     starts = np.cumsum([0] + sizes)
     return [bind(s, devices[a:b]) for s, a, b in zip(shapes, starts[:-1], starts[1:])]

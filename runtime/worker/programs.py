@@ -18,6 +18,7 @@ the worker. An exported program may only call the targets XLA and jaxlib themsel
 for ordinary ops (ALLOWED_CUSTOM_CALLS); any other is refused at load, naming it. The
 repo's own stage programs (GPT, MLP; sgd, adam, adamw; with clipping) contain none on CPU.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,9 +34,9 @@ from mpmd.runtime.worker.instructions import Spec
 
 
 class ProgramSpec(NamedTuple):
-    kind: str                                   # "exported" | "sleep"
-    data: bytes = b""                           # jax.export serialization, for "exported"
-    duration_s: float = 0.0                     # for "sleep"
+    kind: str  # "exported" | "sleep"
+    data: bytes = b""  # jax.export serialization, for "exported"
+    duration_s: float = 0.0  # for "sleep"
     outputs: tuple[tuple[Spec, ...], ...] = ()  # output bundle specs, for "sleep"
 
 
@@ -48,7 +49,8 @@ ALLOWED_CUSTOM_CALLS = re.compile(
     r"Sharding|SPMDFullToShardShape|SPMDShardToFullShape|annotate_device_placement|shape_assertion"
     r"|AllocateBuffer|ApproxTopK|Eigh|LuDecomposition|ProductOfElementaryHouseholderReflectors|Qr"
     r"|lapack_\w+_ffi|(cusolver|hipsolver)_\w+_ffi|cusparse_gtsv2_ffi|(cu|hip)_threefry2x32_ffi"
-    r"|(cu|hip)_lu_pivots_to_permutation|stablehlo\.dynamic_\w+")
+    r"|(cu|hip)_lu_pivots_to_permutation|stablehlo\.dynamic_\w+"
+)
 _CUSTOM_CALL = re.compile(r'stablehlo\.custom_call\s*@(?:"([^"]*)"|([\w.$-]+))|call_target_name\s*=\s*"([^"]*)"')
 Program = Callable[..., tuple]
 
@@ -96,12 +98,15 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
             check_specs(bundle, "sleep program output")
         # Outputs are made once: a synthetic program's outputs carry no information.
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        outs = tuple(tuple(reshard.place(np.zeros(s.shape, wire.numpy_dtype(s.dtype)), replicated) for s in bundle)
-                     for bundle in spec.outputs)
+        outs = tuple(
+            tuple(reshard.place(np.zeros(s.shape, wire.numpy_dtype(s.dtype)), replicated) for s in bundle)
+            for bundle in spec.outputs
+        )
 
         def run(*_bundles):
             time.sleep(spec.duration_s)
             return outs
+
         return run
     raise ValueError(f"unknown program kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
 
@@ -130,5 +135,7 @@ def check_custom_calls(mlir_text: str) -> None:
     for m in _CUSTOM_CALL.finditer(mlir_text):
         target = next(t for t in m.groups() if t is not None)
         if not ALLOWED_CUSTOM_CALLS.fullmatch(target):
-            raise ValueError(f"program calls custom-call target {target!r}, which workers refuse: only "
-                             f"targets XLA emits for ordinary ops are allowed (no host callbacks)")
+            raise ValueError(
+                f"program calls custom-call target {target!r}, which workers refuse: only "
+                f"targets XLA emits for ordinary ops are allowed (no host callbacks)"
+            )

@@ -49,6 +49,7 @@ Run that fails at an instruction answers INVALID_ARGUMENT (a bad plan) or INTERN
 program that raised) with trailing metadata naming the slice and the instruction, which
 the controller raises as mpmd.runtime.control.cluster.StepFailed.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,13 +89,23 @@ SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0), ("grpc.max_concurrent
 # Trailing metadata of a failed Run: which slice and instruction (UTF-8; "-bin": any bytes).
 FAILED_SLICE_KEY, FAILED_AT_KEY = "mpmd-failed-slice", "mpmd-failed-at-bin"
 # Errors that mean "this request is malformed" whichever handler raised them.
-_BAD_REQUEST = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, struct.error,
-                json.JSONDecodeError)
+_BAD_REQUEST = (
+    ValueError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    IndexError,
+    OverflowError,
+    struct.error,
+    json.JSONDecodeError,
+)
 log = logging.getLogger("mpmd.worker")
 
 
 ADMIN_METHODS = tuple(v.name for v in verbs.VERBS.values() if v.caller == "admin")
 METHODS = tuple(verbs.VERBS)
+
+
 class _Admin:
     """The caller holding the cluster token: a sentinel no job id can equal (a job may well
     be called "admin")."""
@@ -114,8 +125,15 @@ class WorkerService:
     a session (a plain worker's lease is watched by runtime/worker/main.py). cache: the compiled
     programs kept across sessions (default: a CompileCache of the default size)."""
 
-    def __init__(self, token: str, on_shutdown, root: str | None = None, shared: bool = False,
-                 lease_s: float = 15.0, cache: CompileCache | None = None):
+    def __init__(
+        self,
+        token: str,
+        on_shutdown,
+        root: str | None = None,
+        shared: bool = False,
+        lease_s: float = 15.0,
+        cache: CompileCache | None = None,
+    ):
         self._token = token
         self.root = os.path.realpath(root if root is not None else os.getcwd())
         self._on_shutdown = on_shutdown
@@ -123,7 +141,7 @@ class WorkerService:
         self.shared = shared
         self.cache = cache if cache is not None else CompileCache()
         self.sessions = SessionTable(self.root, lease_s)
-        self._solo = Session(None, self.root, lease_s)     # a plain worker's only session
+        self._solo = Session(None, self.root, lease_s)  # a plain worker's only session
 
     # A plain worker's session, as runtime/worker/main.py and runtime/launchers/ray.py see it.
     @property
@@ -150,23 +168,26 @@ class WorkerService:
 
     def Setup(self, s: Session, r: verbs.Setup, b):
         from mpmd.runtime.wire.transport import TransferTransport, check_secret
-        if r.versions is not None:     # before anything is touched: programs must not cross versions
+
+        if r.versions is not None:  # before anything is touched: programs must not cross versions
             compat.check_versions(r.versions)
-        try:     # checked before the session is touched; never echoed
+        try:  # checked before the session is touched; never echoed
             secret = check_secret(bytes.fromhex(r.transfer_secret))
         except ValueError:
             raise ValueError("'transfer_secret' must be 16 to 64 bytes as a hex string") from None
         mode = verbs.check_transport(r.transport or "auto")
         shape = mesh.shape_of(r.mesh or {"data": len(jax.devices())})
         slice_mesh = mesh.bind(shape, jax.devices())
-        if s.transport is not None:     # its port and table go before the new server starts
+        if s.transport is not None:  # its port and table go before the new server starts
             s.transport.close()
-        transport = TransferTransport(r.slice_index, slice_mesh, listen_host=r.transfer_host, secret=secret,
-                                      transport=mode)
+        transport = TransferTransport(
+            r.slice_index, slice_mesh, listen_host=r.transfer_host, secret=secret, transport=mode
+        )
         agreement = None
-        if jax.process_count() > 1:     # a gang (runtime/worker/gang.py): one namespace per session and slice
+        if jax.process_count() > 1:  # a gang (runtime/worker/gang.py): one namespace per session and slice
             from mpmd.runtime.worker.gang import Agreement
             from mpmd.runtime.wire.transport import key_to_uuid
+
             agreement = Agreement(f"mpmd/{key_to_uuid(f'gang{r.slice_index}', secret):016x}")
         s.attach(Executor(r.slice_index, slice_mesh, transport, load=self.cache.load, agreement=agreement), transport)
         return verbs.SetupReply(transport.address), []
@@ -175,12 +196,14 @@ class WorkerService:
         peers = r.peers
         address = lambda v: isinstance(v, str) and v.rpartition(":")[2].isdigit()
         if not all(address(v) or (isinstance(v, list) and v and all(map(address, v))) for v in peers.values()):
-            raise ValueError(f"Connect needs 'peers': {{slice index: 'host:port' transfer address, or a list "
-                             f"of them (a gang: one per process)}}, got {peers!r:.200}")
+            raise ValueError(
+                f"Connect needs 'peers': {{slice index: 'host:port' transfer address, or a list "
+                f"of them (a gang: one per process)}}, got {peers!r:.200}"
+            )
         peers = {int(k): v for k, v in peers.items()}
         try:
             _exec(s).transport.connect_peers(peers)
-        except RuntimeError as e:      # XLA's own refusal of an address
+        except RuntimeError as e:  # XLA's own refusal of an address
             raise ValueError(f"cannot connect to peers {peers}: {e}") from None
         return verbs.Empty(), []
 
@@ -191,7 +214,9 @@ class WorkerService:
                 raise ValueError(f"LoadPrograms 'programs' entries must be objects, got {p!r:.50}")
             outputs = tuple(tuple(Spec(tuple(x), d) for x, d in bundle) for bundle in p.get("outputs", []))
             data = wire.blob(b, p["data"], bytes) if "data" in p else b""
-            specs[_str(p, "name")] = programs.ProgramSpec(_str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs)
+            specs[_str(p, "name")] = programs.ProgramSpec(
+                _str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs
+            )
         _exec(s).load_programs(specs)
         return verbs.LoadProgramsReply(len(specs)), []
 
@@ -226,8 +251,14 @@ class WorkerService:
         result = _exec(s).run(r.plan, r.run, feeds, tuple(str(n) for n in r.fetch), r.trace, r.after)
         out = wire.Builder()
         fetched = {n: [out.add(a) for a in arrays] for n, arrays in result.fetched.items()}
-        return verbs.RunReply(fetched, [list(e) for e in result.events], result.wall_s, result.peak_held,
-                              result.peak_held_bytes, result.peak_bytes), out.blobs
+        return verbs.RunReply(
+            fetched,
+            [list(e) for e in result.events],
+            result.wall_s,
+            result.peak_held,
+            result.peak_held_bytes,
+            result.peak_bytes,
+        ), out.blobs
 
     def Save(self, s, r: verbs.Save, b):
         _exec(s).save(self._confine(s, _items(r.items)), digests=r.digests)
@@ -272,7 +303,7 @@ class WorkerService:
         return verbs.Empty(), []
 
     def Shutdown(self, s, r: verbs.Empty, b):
-        if s is not None and self.shared:      # a job leaving: its session only
+        if s is not None and self.shared:  # a job leaving: its session only
             self.sessions.close(s.job)
             log.info("job %s shut its session down", s.job)
             return verbs.Empty(), []
@@ -293,9 +324,14 @@ class WorkerService:
 
     def Sessions(self, s, r: verbs.Empty, b):
         sessions = self.sessions.all() if self.shared else [self._solo] if self.attached else []
-        idle = all(x.executor is None for x in sessions)      # then a leftover is a leak: collect it
-        return verbs.SessionsReply(os.getpid(), len(jax.devices()), live_bytes(collect=idle),
-                                   [x.describe() for x in sessions], self.cache.stats()), []
+        idle = all(x.executor is None for x in sessions)  # then a leftover is a leak: collect it
+        return verbs.SessionsReply(
+            os.getpid(),
+            len(jax.devices()),
+            live_bytes(collect=idle),
+            [x.describe() for x in sessions],
+            self.cache.stats(),
+        ), []
 
     def reset(self) -> None:
         """A plain worker: drop the slice (buffers, programs, transfer server) and wait for a
@@ -336,16 +372,18 @@ class WorkerService:
 
     def route(self, name: str, caller) -> tuple[Session | None, str | None]:
         """(the session a call acts on, None) or (None, why it is refused)."""
-        if verbs.VERBS[name].caller == "any":       # Hello
+        if verbs.VERBS[name].caller == "any":  # Hello
             return None, None
         if name in ADMIN_METHODS:
-            return None, (None if caller is ADMIN else
-                          f"{name} is the cluster manager's (the cluster token), not a job's")
+            return None, (
+                None if caller is ADMIN else f"{name} is the cluster manager's (the cluster token), not a job's"
+            )
         if not self.shared:
             return self._solo, None
         if caller is ADMIN:
-            return None, (None if name == "Shutdown" else
-                          f"{name} acts on a job's session: call it with that job's credential")
+            return None, (
+                None if name == "Shutdown" else f"{name} acts on a job's session: call it with that job's credential"
+            )
         session = self.sessions.get(caller)
         if session is None:
             return None, f"no session for job {caller} on this worker"
@@ -354,7 +392,13 @@ class WorkerService:
     def wrap(self, name: str, session: Session | None, caller):
         method = getattr(self, name)
         # Whom a log line names: a shared worker's caller; a plain worker has only one.
-        who = f" (job {caller})" if caller is not None and caller is not ADMIN else " (the manager)" if self.shared else ""
+        who = (
+            f" (job {caller})"
+            if caller is not None and caller is not ADMIN
+            else " (the manager)"
+            if self.shared
+            else ""
+        )
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
             if session is not None:
@@ -367,19 +411,22 @@ class WorkerService:
                 context.abort(grpc.StatusCode.ABORTED, f"{name}: {e}")
             except StepFailed as e:
                 bad_plan = isinstance(e.__cause__, _BAD_REQUEST)
-                (log.warning if bad_plan else log.error)("%s failed%s: %s\n%s", name, who, e,
-                                                         "" if bad_plan else traceback.format_exc())
-                context.set_trailing_metadata(((FAILED_SLICE_KEY, str(e.slice_index)),
-                                               (FAILED_AT_KEY, e.instruction.encode())))
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad_plan else grpc.StatusCode.INTERNAL,
-                              e.message)
-            except compat.VersionMismatch as e:   # info: the controller says it, in one line
-                log.info("refused %s from %s: %s", name, _caller_name(caller if self.shared else None,
-                                                                    context.peer()), e)
+                (log.warning if bad_plan else log.error)(
+                    "%s failed%s: %s\n%s", name, who, e, "" if bad_plan else traceback.format_exc()
+                )
+                context.set_trailing_metadata(
+                    ((FAILED_SLICE_KEY, str(e.slice_index)), (FAILED_AT_KEY, e.instruction.encode()))
+                )
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT if bad_plan else grpc.StatusCode.INTERNAL, e.message)
+            except compat.VersionMismatch as e:  # info: the controller says it, in one line
+                log.info(
+                    "refused %s from %s: %s", name, _caller_name(caller if self.shared else None, context.peer()), e
+                )
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             except OutsideRoot as e:
-                log.warning("refused %s from %s: %s", name, _caller_name(caller if self.shared else None,
-                                                                       context.peer()), e)
+                log.warning(
+                    "refused %s from %s: %s", name, _caller_name(caller if self.shared else None, context.peer()), e
+                )
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
             except _BAD_REQUEST as e:
                 log.warning("bad %s request%s: %s", name, who, e)
@@ -387,14 +434,16 @@ class WorkerService:
             except Exception as e:
                 log.error("%s failed%s:\n%s", name, who, traceback.format_exc())
                 context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+
         return call
 
 
 def _exec(s: Session) -> Executor:
     executor = s.executor
     if executor is None:
-        raise ValueError("worker is not set up: call Setup first" if not s.closed else
-                         f"the session of {s.name} was closed")
+        raise ValueError(
+            "worker is not set up: call Setup first" if not s.closed else f"the session of {s.name} was closed"
+        )
     return executor
 
 
@@ -415,8 +464,13 @@ class _Handler(grpc.GenericRpcHandler):
         caller = self._service.caller(details.invocation_metadata)
         if caller is None:
             token = dict(details.invocation_metadata or ()).get(TOKEN_KEY)
-            return _refusal(name, None, f"{'wrong' if token else 'missing'} token", grpc.StatusCode.UNAUTHENTICATED,
-                            f"missing or wrong {TOKEN_KEY}")
+            return _refusal(
+                name,
+                None,
+                f"{'wrong' if token else 'missing'} token",
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"missing or wrong {TOKEN_KEY}",
+            )
         session, why = self._service.route(name, caller)
         if why is not None:
             return _refusal(name, caller, why, grpc.StatusCode.PERMISSION_DENIED)
@@ -427,9 +481,11 @@ def _refusal(name: str, caller, why: str, code: grpc.StatusCode, told: str | Non
     """A handler that refuses `name` without reading its body, and logs who and why (a
     caller without a valid credential is named by its address only). `told`: what the
     caller is told, if not `why`."""
+
     def refuse(_unread_requests, context: grpc.ServicerContext):
         log.warning("refused %s from %s: %s", name, _caller_name(caller, context.peer()), why)
         context.abort(code, f"{name}: {told or why}")
+
     return grpc.stream_unary_rpc_method_handler(refuse)
 
 
@@ -448,15 +504,23 @@ def _items(items: dict) -> dict:
         elif isinstance(entries, dict):
             out[str(d)] = {str(k): _targets(v) for k, v in entries.items()}
         else:
-            raise ValueError(f"'items' entry of {str(d)!r} must be a list of buffer names or "
-                             f"{{key: [buffer, index]}}, got {type(entries).__name__}")
+            raise ValueError(
+                f"'items' entry of {str(d)!r} must be a list of buffer names or "
+                f"{{key: [buffer, index]}}, got {type(entries).__name__}"
+            )
     return out
 
 
 def _targets(v):
     """[buffer, index] (a Save's key) or [[buffer, index], ...] (a Restore's)."""
-    pair = lambda p: (isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                      and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] >= 0)
+    pair = lambda p: (
+        isinstance(p, list)
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], int)
+        and not isinstance(p[1], bool)
+        and p[1] >= 0
+    )
     if pair(v):
         return (v[0], v[1])
     if isinstance(v, list) and v and all(pair(p) for p in v):

@@ -14,6 +14,7 @@ in its session, so no name of one job can reach another's state:
 A session not called by its job for `lease_s` is closed by the worker (the job heartbeats
 every ~0.5 s); closing aborts its runs and lets go of everything it holds.
 """
+
 from __future__ import annotations
 
 import gc
@@ -32,11 +33,11 @@ class Session:
 
     def __init__(self, job: str | None, root: str, lease_s: float):
         self.job, self.root, self.lease_s = job, root, lease_s
-        self.executor = None           # mpmd.runtime.worker.executor.Executor, from Setup
-        self.transport = None          # its TransferTransport
+        self.executor = None  # mpmd.runtime.worker.executor.Executor, from Setup
+        self.transport = None  # its TransferTransport
         self.last_contact = time.monotonic()
         self.closed = False
-        self.lock = threading.Lock()   # Setup and close replace the executor and transport
+        self.lock = threading.Lock()  # Setup and close replace the executor and transport
 
     @property
     def name(self) -> str:
@@ -72,10 +73,15 @@ class Session:
         """{job, root, buffers, bytes, plans, idle_s, lease_s} (an entry of the Sessions RPC)."""
         ex = self.executor
         buffers = dict(ex.buffers) if ex is not None else {}
-        return {"job": self.job, "root": self.root, "buffers": len(buffers),
-                "bytes": sum(a.nbytes for bundle in buffers.values() for a in bundle),
-                "plans": len(ex.plans) if ex is not None else 0, "idle_s": round(self.idle_s(), 3),
-                "lease_s": self.lease_s}
+        return {
+            "job": self.job,
+            "root": self.root,
+            "buffers": len(buffers),
+            "bytes": sum(a.nbytes for bundle in buffers.values() for a in bundle),
+            "plans": len(ex.plans) if ex is not None else 0,
+            "idle_s": round(self.idle_s(), 3),
+            "lease_s": self.lease_s,
+        }
 
 
 def _drop(executor, transport) -> None:
@@ -110,12 +116,16 @@ class SessionTable:
         another job's, a lease that is not a positive number of seconds."""
         check_job_id(job)
         if not isinstance(root, str) or not os.path.isabs(root):
-            raise ValueError(f"OpenSession 'root' must be an absolute directory below the worker's root "
-                             f"{self.root}, got {root!r:.200}")
+            raise ValueError(
+                f"OpenSession 'root' must be an absolute directory below the worker's root "
+                f"{self.root}, got {root!r:.200}"
+            )
         real = os.path.realpath(root)
         if real == self.root or os.path.commonpath([real, self.root]) != self.root:
-            raise ValueError(f"OpenSession 'root' {root!r} (really {real}) is not below the worker's root "
-                             f"{self.root}: a job's directories must lie inside the worker's")
+            raise ValueError(
+                f"OpenSession 'root' {root!r} (really {real}) is not below the worker's root "
+                f"{self.root}: a job's directories must lie inside the worker's"
+            )
         lease_s = self.default_lease_s if lease_s is None else lease_s
         if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s < math.inf:
             raise ValueError(f"OpenSession 'lease_s' must be a positive number of seconds, got {lease_s!r:.50}")
@@ -123,13 +133,17 @@ class SessionTable:
             session = self._sessions.get(job)
             if session is not None:
                 if session.root != real:
-                    raise ValueError(f"job {job} already has a session here with root {session.root}, not "
-                                     f"{real}: CloseSession it first")
+                    raise ValueError(
+                        f"job {job} already has a session here with root {session.root}, not "
+                        f"{real}: CloseSession it first"
+                    )
             else:
                 for other in self._sessions.values():
                     if os.path.commonpath([real, other.root]) in (real, other.root):
-                        raise ValueError(f"OpenSession 'root' {real} overlaps job {other.job}'s root "
-                                         f"{other.root}: each job's directories must be its own")
+                        raise ValueError(
+                            f"OpenSession 'root' {real} overlaps job {other.job}'s root "
+                            f"{other.root}: each job's directories must be its own"
+                        )
                 session = self._sessions[job] = Session(job, real, float(lease_s))
             session.lease_s = float(lease_s)
             session.touch()

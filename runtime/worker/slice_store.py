@@ -30,6 +30,7 @@ Orbax deletes one thing on its own, `<directory>.orbax-checkpoint-tmp` (an earli
 leftover), which lies beside the directory: inside the root too, since the directory must be
 strictly below it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,18 +46,17 @@ import jax
 
 log = logging.getLogger("mpmd.checkpoint")
 MANIFEST = "manifest.json"
-MANIFEST_DIGEST = "manifest.sha256"   # hex sha256 of manifest.json's bytes
+MANIFEST_DIGEST = "manifest.sha256"  # hex sha256 of manifest.json's bytes
 # A leaf's digest: "<algorithm>:<hex>" of its bytes in C order. CRC-32 (zlib, ~2.4 GB/s on
 # one core here, against ~0.9 for sha256) is what saves write: the threat is accidental damage
 # (bit rot, torn writes), which it catches (every burst of <= 32 bits, else all but 2**-32),
 # not an adversary, who could rewrite any digest alike. A restore checks a leaf with the
 # algorithm its digest names, so sha256 digests verify too.
 DIGEST = "crc32"
-_HASHES = {"crc32": lambda data: f"{zlib.crc32(data):08x}",
-           "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+_HASHES = {"crc32": lambda data: f"{zlib.crc32(data):08x}", "sha256": lambda data: hashlib.sha256(data).hexdigest()}
 
 
-ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"   # what Orbax appends to a directory it is writing
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # what Orbax appends to a directory it is writing
 
 
 # Orbax keeps process-wide state: two saves running at once in one process (slices of the
@@ -75,9 +75,10 @@ def host_copy(array: jax.Array) -> jax.Array:
 
 
 def digest(array, algorithm: str = DIGEST) -> str | None:
-    """"<algorithm>:<hex>" of `array`'s bytes in C order (the host bytes Orbax writes and
+    """ "<algorithm>:<hex>" of `array`'s bytes in C order (the host bytes Orbax writes and
     reads back), or None when no one process holds all of it (a leaf spread over a gang)."""
     import numpy as np
+
     if not isinstance(array, jax.Array) or array.is_fully_addressable:
         host = np.asarray(array)
     elif array.sharding.is_fully_replicated:
@@ -119,11 +120,14 @@ def confine(items: dict[str, list[str]], root: str, whose: str = WORKER_ROOT) ->
         real = os.path.realpath(directory)
         for path in (real, os.path.realpath(real + ORBAX_TMP_SUFFIX)):
             if path == real_root or os.path.commonpath([path, real_root]) != real_root:
-                why = ("a worker saves and restores only below the root it was started with "
-                       "(mpmd worker --root DIR)" if whose == WORKER_ROOT else
-                       "a job's session saves and restores only below the root its OpenSession gave")
-                raise OutsideRoot(f"checkpoint directory {directory!r} (really {path}) is outside "
-                                  f"{whose} {real_root}: {why}")
+                why = (
+                    "a worker saves and restores only below the root it was started with (mpmd worker --root DIR)"
+                    if whose == WORKER_ROOT
+                    else "a job's session saves and restores only below the root its OpenSession gave"
+                )
+                raise OutsideRoot(
+                    f"checkpoint directory {directory!r} (really {path}) is outside {whose} {real_root}: {why}"
+                )
         out[real] = names
     return out
 
@@ -142,7 +146,7 @@ class SliceCheckpointer:
 
     def __init__(self, max_queued: int = 2):
         self._cond = threading.Condition()
-        self._queue: list[tuple[str, dict]] = []        # (directory, host tree), oldest first
+        self._queue: list[tuple[str, dict]] = []  # (directory, host tree), oldest first
         self._writing: str | None = None
         self._done: dict[str, BaseException | dict] = {}  # directory -> {key: digest} (finalized) or error
         self._max_queued = max_queued
@@ -155,8 +159,10 @@ class SliceCheckpointer:
         write (and, with `digests`, the digest of each single array); blocks while the queue
         is full."""
         for directory, entries in items.items():
-            tree = {key: [host_copy(a) for a in v] if isinstance(v, (list, tuple)) else host_copy(v)
-                    for key, v in entries.items()}
+            tree = {
+                key: [host_copy(a) for a in v] if isinstance(v, (list, tuple)) else host_copy(v)
+                for key, v in entries.items()
+            }
             with self._cond:
                 while len(self._queue) + (self._writing is not None) >= self._max_queued:
                     self._cond.wait()
@@ -169,28 +175,30 @@ class SliceCheckpointer:
 
     def _write_loop(self) -> None:
         import orbax.checkpoint as ocp
+
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
-                if not self._queue:          # closed, and every queued save written
+                if not self._queue:  # closed, and every queued save written
                     self._writer = None
                     return
                 directory, tree, digests = self._queue.pop(0)
                 self._writing = directory
             outcome: BaseException | dict = {}
             try:
-                with _ORBAX:   # one Orbax write at a time in a process (see _ORBAX)
+                with _ORBAX:  # one Orbax write at a time in a process (see _ORBAX)
                     if self._checkpointer is None:
                         self._checkpointer = ocp.StandardCheckpointer()
                     # An AsyncCheckpointer: save returns once the write started, so wait for
                     # its finalize (the rename that makes the part look complete) here.
                     self._checkpointer.save(os.path.abspath(directory), tree)
                     self._checkpointer.wait_until_finished()
-                if digests:   # of the snapshot written, outside the Orbax lock
-                    outcome = {key: d for key, a in tree.items()
-                               if not isinstance(a, list) and (d := digest(a)) is not None}
-            except BaseException as e:   # ENOSPC, EROFS, ...: reported by wait, not raised here
+                if digests:  # of the snapshot written, outside the Orbax lock
+                    outcome = {
+                        key: d for key, a in tree.items() if not isinstance(a, list) and (d := digest(a)) is not None
+                    }
+            except BaseException as e:  # ENOSPC, EROFS, ...: reported by wait, not raised here
                 outcome = e
             with self._cond:
                 self._writing = None
@@ -215,8 +223,11 @@ class SliceCheckpointer:
         error among them (the others' outcomes are dropped: the caller discards the step)."""
         with self._cond:
             queued = {item[0] for item in self._queue}
-            wanted = set(directories) if directories is not None else (
-                set(self._done) | queued | ({self._writing} if self._writing else set()))
+            wanted = (
+                set(directories)
+                if directories is not None
+                else (set(self._done) | queued | ({self._writing} if self._writing else set()))
+            )
             unknown = wanted - set(self._done) - queued - {self._writing}
             if unknown:
                 raise ValueError(f"no save of {sorted(unknown)} was started on this slice")
@@ -245,9 +256,11 @@ class SliceCheckpointer:
                 for key, array in self._read(directory, wanted, sharding_of).items():
                     expected = (digests or {}).get(key)
                     if expected is not None and (got := _check(array, expected)) is not None:
-                        raise Damaged(f"checkpoint part {directory}: leaf {key!r} does not match the digest "
-                                      f"recorded at its save (read {got[:19]}, saved {expected[:19]}): the "
-                                      f"data on disk is damaged")
+                        raise Damaged(
+                            f"checkpoint part {directory}: leaf {key!r} does not match the digest "
+                            f"recorded at its save (read {got[:19]}, saved {expected[:19]}): the "
+                            f"data on disk is damaged"
+                        )
                     for buffer, index in wanted[key]:
                         keyed.setdefault(buffer, {})[index] = _laid_out(array, sharding_of(buffer, index))
             else:
@@ -258,8 +271,10 @@ class SliceCheckpointer:
                     out[name] = tuple(tree[name])
         for buffer, arrays in keyed.items():
             if sorted(arrays) != list(range(len(arrays))) or buffer in out:
-                raise ValueError(f"restore of buffer {buffer!r} names arrays {sorted(arrays)}: each of "
-                                 f"0..n-1 exactly once, from one kind of entry")
+                raise ValueError(
+                    f"restore of buffer {buffer!r} names arrays {sorted(arrays)}: each of "
+                    f"0..n-1 exactly once, from one kind of entry"
+                )
             out[buffer] = tuple(arrays[i] for i in range(len(arrays)))
         return out
 
@@ -267,6 +282,7 @@ class SliceCheckpointer:
         """The saved tree of `directory`: all of it (keys None; bundles laid out by name), or
         only `keys` ({key: [[buffer, index], ...]}), each laid out as its first target."""
         import orbax.checkpoint as ocp
+
         if not os.path.isdir(directory):
             raise ValueError(f"checkpoint part {directory} does not exist")
         path = os.path.abspath(directory)
@@ -276,28 +292,35 @@ class SliceCheckpointer:
                 # sharding names a topology this process may not have).
                 meta = ck.metadata(path).item_metadata
                 meta = getattr(meta, "tree", meta)
-            except Exception as e:   # Orbax/tensorstore raise assorted errors on damaged files
+            except Exception as e:  # Orbax/tensorstore raise assorted errors on damaged files
                 raise _unreadable(directory, e) from None
             if keys is None:
-                target = {name: [_spec(m, sharding_of(name, i)) for i, m in enumerate(leaves)]
-                          for name, leaves in meta.items()}
+                target = {
+                    name: [_spec(m, sharding_of(name, i)) for i, m in enumerate(leaves)]
+                    for name, leaves in meta.items()
+                }
             else:
                 missing = sorted(set(keys) - set(meta))
                 if missing:
-                    raise ValueError(f"checkpoint part {directory} has no leaf {missing[0]!r} "
-                                     f"({len(missing)} missing)")
+                    raise ValueError(f"checkpoint part {directory} has no leaf {missing[0]!r} ({len(missing)} missing)")
                 target = {key: _spec(meta[key], sharding_of(*targets[0])) for key, targets in keys.items()}
             try:
-                return ck.restore(path, args=ocp.args.PyTreeRestore(
-                    item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                    partial_restore=keys is not None))
+                return ck.restore(
+                    path,
+                    args=ocp.args.PyTreeRestore(
+                        item=target,
+                        restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                        partial_restore=keys is not None,
+                    ),
+                )
             except Exception as e:
                 raise _unreadable(directory, e) from None
 
 
 def _unreadable(directory: str, e: Exception) -> ValueError:
-    return ValueError(f"checkpoint part {directory} is unreadable: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}")
+    return ValueError(
+        f"checkpoint part {directory} is unreadable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    )
 
 
 def _spec(meta, sharding) -> jax.ShapeDtypeStruct:
@@ -362,7 +385,7 @@ class CheckpointStore:
             expected = _read_digest(self.step_dir(step) / MANIFEST_DIGEST)
         except FileNotFoundError:
             return None, None
-        except (OSError, ValueError) as e:   # ValueError: not JSON, or not UTF-8 at all
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 at all
             return None, f"{path} is unreadable: {type(e).__name__}: {str(e)[:120]}"
         if expected is not None and hashlib.sha256(raw).hexdigest() != expected:
             return None, f"{path} does not match its digest in {MANIFEST_DIGEST} (damaged)"
@@ -432,8 +455,11 @@ class CheckpointStore:
 def is_good(manifest: dict | None) -> bool:
     """Whether a committed step's manifest says its loss was finite and records its leaves'
     digests: a state worth keeping whatever came after it."""
-    return bool(manifest and manifest.get("finite") is True
-                and all("digest" in leaf for leaf in manifest.get("leaves", {}).values()))
+    return bool(
+        manifest
+        and manifest.get("finite") is True
+        and all("digest" in leaf for leaf in manifest.get("leaves", {}).values())
+    )
 
 
 def _read_digest(path: Path) -> str | None:

@@ -16,6 +16,7 @@ ValueError naming what is malformed) and expands them into instruction records o
 the plan is installed. A `PackedStream` also reads as the sequence of its final instructions
 (len, indexing, iterating, ==), expanded on demand.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,7 +27,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mpmd.runtime.worker.instructions import Copy, Delete, Instruction, Recv, Run, Send, buffers_read, buffers_written, from_json, to_json
+from mpmd.runtime.worker.instructions import (
+    Copy,
+    Delete,
+    Instruction,
+    Recv,
+    Run,
+    Send,
+    buffers_read,
+    buffers_written,
+    from_json,
+    to_json,
+)
 
 FIELDS = ("k", "j", "q")
 COLUMNS = ("op", "k", "j", "q", "peer", "post")
@@ -37,7 +49,7 @@ _ROW_BYTES = 4 * len(COLUMNS)
 def template_fields(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(literal pieces, field names) of a template string; ValueError unless every field is
     a bare {k}, {j} or {q} (no attribute, index, conversion or format spec)."""
-    literals, fields = [""], []     # literals[i] comes before fields[i]; one more than fields
+    literals, fields = [""], []  # literals[i] comes before fields[i]; one more than fields
     try:
         parsed = list(string.Formatter().parse(text))
     except ValueError as e:
@@ -47,8 +59,10 @@ def template_fields(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if field is None:
             continue
         if field not in FIELDS or spec or conversion:
-            raise ValueError(f"template {text!r:.80} names field {{{field}{'!' + conversion if conversion else ''}"
-                             f"{':' + spec if spec else ''}}}; allowed: {{k}}, {{j}}, {{q}}")
+            raise ValueError(
+                f"template {text!r:.80} names field {{{field}{'!' + conversion if conversion else ''}"
+                f"{':' + spec if spec else ''}}}; allowed: {{k}}, {{j}}, {{q}}"
+            )
         fields.append(field)
         literals.append("")
     return tuple(literals), tuple(fields)
@@ -94,7 +108,8 @@ class PackedStream(Sequence):
     def __init__(self, templates, op, k, j, q, peer, post, keep=None, window=None):
         self.templates = tuple(templates)
         self.op, self.k, self.j, self.q, self.peer, self.post = (
-            np.asarray(c, dtype=np.int32) for c in (op, k, j, q, peer, post))
+            np.asarray(c, dtype=np.int32) for c in (op, k, j, q, peer, post)
+        )
         assert all(len(c) == len(self.op) for c in (self.k, self.j, self.q, self.peer, self.post))
         self.keep = tuple(sorted(keep)) if keep is not None else None
         self.window = _check_window(window) if window is not None else None
@@ -191,15 +206,18 @@ class PackedStream(Sequence):
     def template_mask(self, predicate) -> np.ndarray:
         """Per row: whether `predicate(instruction)` holds for an instruction its template makes
         (fields 0), e.g. to drop every row of some kinds of program."""
-        hit = np.array([bool(predicate(_maker(t)(dict.fromkeys(FIELDS, 0), 0, -1))) for t in self.templates]
-                       + [False], dtype=bool)
+        hit = np.array(
+            [bool(predicate(_maker(t)(dict.fromkeys(FIELDS, 0), 0, -1))) for t in self.templates] + [False], dtype=bool
+        )
         return hit[self.op]
 
     # -- the wire ---------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         """Magic, header length, JSON header (the templates), then the columns as int32 rows."""
-        rest = json.dumps({"rows": len(self.op), "keep": None if self.keep is None else list(self.keep),
-                           "window": self.window}, separators=(",", ":"))
+        rest = json.dumps(
+            {"rows": len(self.op), "keep": None if self.keep is None else list(self.keep), "window": self.window},
+            separators=(",", ":"),
+        )
         header = ('{"templates":[' + ",".join(map(_template_json, self.templates)) + "]," + rest[1:]).encode()
         body = b"".join(c.astype("<i4", copy=False).tobytes() for c in self.columns())
         return _MAGIC + len(header).to_bytes(8, "little") + header + body
@@ -215,17 +233,20 @@ def _template_json(template: Instruction) -> str:
 def from_bytes(data: bytes) -> PackedStream:
     """Inverse of `PackedStream.to_bytes`, checked: ValueError naming what is malformed."""
     if not isinstance(data, (bytes, bytearray, memoryview)) or bytes(data[:8]) != _MAGIC or len(data) < 16:
-        raise ValueError("an encoded instruction stream must start with the magic "
-                         f"{_MAGIC!r} and a header length")
+        raise ValueError(f"an encoded instruction stream must start with the magic {_MAGIC!r} and a header length")
     size = int.from_bytes(data[8:16], "little")
     if 16 + size > len(data):
         raise ValueError(f"encoded stream header of {size} bytes runs past the payload ({len(data)} bytes)")
     try:
-        header = json.loads(bytes(data[16:16 + size]))
+        header = json.loads(bytes(data[16 : 16 + size]))
     except ValueError as e:
         raise ValueError(f"encoded stream header is not JSON: {e}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("templates"), list) \
-            or not isinstance(header.get("rows"), int) or header["rows"] < 0:
+    if (
+        not isinstance(header, dict)
+        or not isinstance(header.get("templates"), list)
+        or not isinstance(header.get("rows"), int)
+        or header["rows"] < 0
+    ):
         raise ValueError("encoded stream header must be {\"templates\": [...], \"rows\": n >= 0}")
     keep, window = header.get("keep"), header.get("window")
     if keep is not None and not (isinstance(keep, list) and all(isinstance(x, str) for x in keep)):
@@ -242,37 +263,44 @@ def from_bytes(data: bytes) -> PackedStream:
             except ValueError as e:
                 raise ValueError(f"template {n}: {e}") from None
     rows = header["rows"]
-    body = memoryview(data)[16 + size:]
+    body = memoryview(data)[16 + size :]
     if len(body) != rows * _ROW_BYTES:
-        raise ValueError(f"encoded stream of {rows} rows needs {rows * _ROW_BYTES} bytes of columns, "
-                         f"got {len(body)}")
+        raise ValueError(f"encoded stream of {rows} rows needs {rows * _ROW_BYTES} bytes of columns, got {len(body)}")
     cols = np.frombuffer(body, dtype="<i4").reshape(len(COLUMNS), rows).astype(np.int32)
     op, k, j, q, peer, post = cols
     if rows and not (op.min() >= 0 and op.max() < len(templates)):
-        raise ValueError(f"encoded stream row {int(np.flatnonzero((op < 0) | (op >= len(templates)))[0])} "
-                         f"names a template outside 0..{len(templates) - 1}")
+        raise ValueError(
+            f"encoded stream row {int(np.flatnonzero((op < 0) | (op >= len(templates)))[0])} "
+            f"names a template outside 0..{len(templates) - 1}"
+        )
     for name, c in (("k", k), ("j", j), ("q", q)):
         if rows and c.min() < 0:
-            raise ValueError(f"encoded stream row {int(np.argmax(c < 0))}: field {name} must be >= 0, got {int(c.min())}")
+            raise ValueError(
+                f"encoded stream row {int(np.argmax(c < 0))}: field {name} must be >= 0, got {int(c.min())}"
+            )
     moves = np.array([isinstance(t, (Send, Recv)) for t in templates] + [False], dtype=bool)[op]
     if np.any(moves & (peer < 0)):
-        raise ValueError(f"encoded stream row {int(np.argmax(moves & (peer < 0)))}: a send or receive "
-                         f"needs a peer slice >= 0")
+        raise ValueError(
+            f"encoded stream row {int(np.argmax(moves & (peer < 0)))}: a send or receive needs a peer slice >= 0"
+        )
     if window is None:
         # Marks already made must point back into the stream (the executor refuses them
         # too, but here the message names the row).
         recv = np.array([isinstance(t, Recv) for t in templates] + [False], dtype=bool)[op]
         bad = recv & ((post < -1) | (post >= np.arange(rows)))
         if np.any(bad):
-            raise ValueError(f"encoded stream row {int(np.argmax(bad))}: a receive posted after row "
-                             f"{int(post[np.argmax(bad)])}; allowed: -1 (at the start) to the row before it")
+            raise ValueError(
+                f"encoded stream row {int(np.argmax(bad))}: a receive posted after row "
+                f"{int(post[np.argmax(bad)])}; allowed: -1 (at the start) to the row before it"
+            )
     return PackedStream(templates, op, k, j, q, peer, post, keep=keep, window=window)
 
 
 def _check_window(window) -> int:
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ValueError(f"the receive window must be a positive integer (receives outstanding at once), "
-                         f"got {window!r}")
+        raise ValueError(
+            f"the receive window must be a positive integer (receives outstanding at once), got {window!r}"
+        )
     return window
 
 
@@ -318,12 +346,13 @@ def with_deletes(stream, keep) -> PackedStream:
                 values[i] = cols[src][rows] if isinstance(src, int) else src[0]
             found.setdefault(literals, []).append((rows * width + s, np.full(len(rows), len(pairs), np.int64), values))
             pairs.append((t, s))
-        for literals, at, values in written_out:     # all of a family's written-out names at once
+        for literals, at, values in written_out:  # all of a family's written-out names at once
             if literals in kept_whole:
                 continue
             ids = np.arange(len(pairs), len(pairs) + len(at), dtype=np.int64)
-            found.setdefault(literals, []).append(((rows[:, None] * width + at).ravel(), np.tile(ids, len(rows)),
-                                                   np.tile(values, (1, len(rows)))))
+            found.setdefault(literals, []).append(
+                ((rows[:, None] * width + at).ravel(), np.tile(ids, len(rows)), np.tile(values, (1, len(rows))))
+            )
             pairs += [(t, s) for s in at.tolist()]
     flats, pair_ids = [], []
     for literals, parts in found.items():
@@ -339,7 +368,7 @@ def with_deletes(stream, keep) -> PackedStream:
             kept = encode(np.array(exact, np.int64).reshape(len(exact), -1).T)
             final &= ~np.isin(key, kept)
         for pattern in patterns.get(literals, ()):
-            if None in pattern:         # every buffer that agrees where the entry has numbers
+            if None in pattern:  # every buffer that agrees where the entry has numbers
                 hit = np.ones(len(flat), bool)
                 for i, v in enumerate(pattern):
                     if v is not None:
@@ -348,8 +377,9 @@ def with_deletes(stream, keep) -> PackedStream:
         flats.append(flat[final])
         pair_ids.append(pair[final])
     # In row order, then slot order: one sort of (occurrence, pair) packed in an integer.
-    both = np.sort(np.concatenate(flats) * (len(pairs) + 1) + np.concatenate(pair_ids)) if flats \
-        else np.zeros(0, np.int64)
+    both = (
+        np.sort(np.concatenate(flats) * (len(pairs) + 1) + np.concatenate(pair_ids)) if flats else np.zeros(0, np.int64)
+    )
     pair = both % (len(pairs) + 1)
     after = both // (len(pairs) + 1) // width
     # A Delete template per (template, slot) that frees something: the slot's own text,
@@ -383,9 +413,14 @@ def _slot_plan(template: Instruction):
             with_fields.append((s, literals, sources))
         else:
             written_out.setdefault(literals, []).append((s, [src[0] for src in sources]))
-    return with_fields, [(literals, np.array([s for s, _ in group], np.int64),
-                          np.array([v for _, v in group], np.int64).reshape(len(group), -1).T)
-                         for literals, group in written_out.items()]
+    return with_fields, [
+        (
+            literals,
+            np.array([s for s, _ in group], np.int64),
+            np.array([v for _, v in group], np.int64).reshape(len(group), -1).T,
+        )
+        for literals, group in written_out.items()
+    ]
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -396,7 +431,7 @@ def _canonical(text: str) -> tuple[tuple[str, ...], tuple]:
     pieces, sources = [], []
     current = ""
     for i, literal in enumerate(literals):
-        split = _NUMBER.split(literal)          # text, number, text, ...
+        split = _NUMBER.split(literal)  # text, number, text, ...
         current += split[0]
         for number, rest in zip(split[1::2], split[2::2]):
             pieces.append(current)
@@ -427,7 +462,7 @@ def _dense_key(values: np.ndarray):
         code = np.cumsum(present, dtype=np.int32) - 1
         codes.append((present, code))
         span = int(code[-1] + 1)
-        key = key * span + (code[v] if span < len(present) else v)   # no gaps: the value is its code
+        key = key * span + (code[v] if span < len(present) else v)  # no gaps: the value is its code
         size *= span
 
     def encode(other: np.ndarray) -> np.ndarray:
@@ -438,6 +473,7 @@ def _dense_key(values: np.ndarray):
             seen &= (other[i] == v) & present[v]
             k = k * int(code[-1] + 1) + code[v]
         return np.where(seen, k, -1)
+
     return key, size, encode
 
 
@@ -454,5 +490,5 @@ def with_recv_window(stream, window: int) -> PackedStream:
     post = enc.post.copy()
     post[at[:window]] = -1
     if len(at) > window:
-        post[at[window:]] = at[:len(at) - window]
+        post[at[window:]] = at[: len(at) - window]
     return PackedStream(enc.templates, enc.op, enc.k, enc.j, enc.q, enc.peer, post)

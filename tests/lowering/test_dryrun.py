@@ -4,6 +4,7 @@ The measured step must cost about what the simulator predicts (loose bounds: thi
 behaviour, not speed), every task of the schedule must run in the schedule's order for its
 declared time, and a multi-process cluster must get one Run RPC per worker per step.
 """
+
 import statistics
 
 import pytest
@@ -13,7 +14,7 @@ from mpmd.schedules import core as schedules
 from mpmd.lowering.dryrun import dry_run
 from mpmd.runtime.worker.instructions import Recv, Spec
 
-COSTS = {"F": 0.005, "B": 0.010, "W": 0.005}       # seconds
+COSTS = {"F": 0.005, "B": 0.010, "W": 0.005}  # seconds
 ACTIVATION_BYTES = 16 * 2**10
 P, M = 2, 4
 
@@ -23,8 +24,11 @@ def expected_labels(schedule) -> list[list[str]]:
     split backward, which has no program: its input is data), then the updates."""
     out = []
     for r, tasks in enumerate(schedule.slices):
-        labels = [f"{t.kind} s{t.stage} mb{t.microbatch}" for t in tasks
-                  if not (schedule.split_backward and t.kind == "B" and t.stage == 0)]
+        labels = [
+            f"{t.kind} s{t.stage} mb{t.microbatch}"
+            for t in tasks
+            if not (schedule.split_backward and t.kind == "B" and t.stage == 0)
+        ]
         out.append(labels + [f"U s{k}" for k in range(schedule.num_stages) if k % len(schedule.slices) == r])
     return out
 
@@ -73,7 +77,7 @@ def test_dry_run_on_worker_processes(workers):
         schedule = schedules.make(name, P, M)
         before = workers.rpc_counts["Run"]
         result = dry_run(schedule, COSTS, ACTIVATION_BYTES, workers, steps=3, warmup_steps=1)
-        assert workers.rpc_counts["Run"] - before == P * 4     # one per worker per step
+        assert workers.rpc_counts["Run"] - before == P * 4  # one per worker per step
         check(schedule, result)
 
 
@@ -84,6 +88,7 @@ def test_per_stage_costs_interleaving_and_clipping():
 
     def cost(task):
         return COSTS[task.kind] * (2 if task.stage == 3 else 1)
+
     cluster = mpmd.InProcessCluster()
     try:
         result = dry_run(schedule, cost, ACTIVATION_BYTES, cluster, steps=2, clip=True)
@@ -104,8 +109,7 @@ def test_reduce_and_gather_tasks_of_a_mesh_slice_run_once_a_step():
     schedule = schedules.make("1f1b", P, M)
     cluster = mpmd.InProcessCluster()
     try:
-        result = dry_run(schedule, COSTS, ACTIVATION_BYTES, cluster, steps=1, warmup_steps=0,
-                         reduce=True, gather=True)
+        result = dry_run(schedule, COSTS, ACTIVATION_BYTES, cluster, steps=1, warmup_steps=0, reduce=True, gather=True)
     finally:
         cluster.close()
     for k, events in enumerate(result.events[0]):

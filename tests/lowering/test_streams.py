@@ -1,6 +1,7 @@
 """PackedStream instruction streams (runtime/worker/streams.py) and the array lowering (mpmd/lowering/core.py):
 the same instructions as the object lowering they replaced (tests/support/lowering_reference.py),
 for every schedule, and a wire form that a worker checks before it expands anything."""
+
 import itertools
 import json
 
@@ -33,8 +34,17 @@ def _canonical(stream) -> list:
     return out
 
 
-CASES = [("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 3, 6, 2),
-         ("zb-h1", 3, 4, 1), ("zb-v", 2, 4, 2), ("zb-v", 3, 8, 2), ("dualpipe-v", 2, 8, 2), ("dualpipe-v", 4, 8, 2)]
+CASES = [
+    ("gpipe", 3, 5, 1),
+    ("1f1b", 4, 6, 1),
+    ("interleaved-1f1b", 2, 4, 2),
+    ("interleaved-1f1b", 3, 6, 2),
+    ("zb-h1", 3, 4, 1),
+    ("zb-v", 2, 4, 2),
+    ("zb-v", 3, 8, 2),
+    ("dualpipe-v", 2, 8, 2),
+    ("dualpipe-v", 4, 8, 2),
+]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -66,12 +76,19 @@ def test_encoded_lowering_equals_the_object_lowering(name, p, m, v):
 def test_deletes_know_a_buffer_by_its_numbers_whatever_names_it():
     # Written through field q, read through k, and once as a written-out name: one buffer.
     t = [Run("f{k}", ("x/{j}",), ("a{q}/{j}",)), Run("g{k}", ("a{k}/{j}",), ("y{k}",)), Run("h", ("a1/0", "y1"), ())]
-    enc = streams.PackedStream(t, [0, 1, 0, 1, 2], [0, 1, 0, 1, 0], [0, 0, 1, 1, 0], [1, 0, 1, 0, 0],
-                          [0] * 5, [-1] * 5)
+    enc = streams.PackedStream(t, [0, 1, 0, 1, 2], [0, 1, 0, 1, 0], [0, 0, 1, 1, 0], [1, 0, 1, 0, 0], [0] * 5, [-1] * 5)
     done = list(streams.with_deletes(enc, {"y{k}"}))
-    assert done == [Run("f0", ("x/0",), ("a1/0",)), Delete("x/0"), Run("g1", ("a1/0",), ("y1",)),
-                    Run("f0", ("x/1",), ("a1/1",)), Delete("x/1"), Run("g1", ("a1/1",), ("y1",)), Delete("a1/1"),
-                    Run("h", ("a1/0", "y1"), ()), Delete("a1/0")]
+    assert done == [
+        Run("f0", ("x/0",), ("a1/0",)),
+        Delete("x/0"),
+        Run("g1", ("a1/0",), ("y1",)),
+        Run("f0", ("x/1",), ("a1/1",)),
+        Delete("x/1"),
+        Run("g1", ("a1/1",), ("y1",)),
+        Delete("a1/1"),
+        Run("h", ("a1/0", "y1"), ()),
+        Delete("a1/0"),
+    ]
     assert list(streams.with_deletes(enc, {"y1", "a1/0"}))[-1] == Run("h", ("a1/0", "y1"), ())
 
 
@@ -101,25 +118,30 @@ def _raw(header: dict, rows: int = 0) -> bytes:
 RUN = ["run", "f", [], []]
 
 
-@pytest.mark.parametrize("payload,match", [
-    (b"junk", "must start with the magic"),
-    (streams._MAGIC + (10**6).to_bytes(8, "little") + b"{}", "runs past the payload"),
-    (streams._MAGIC + (2).to_bytes(8, "little") + b"[]", "header must be"),
-    (_payload([Run("f{k.__class__}", (), ())], 1), r"names field \{k.__class__\}; allowed"),
-    (_payload([Run("f{k:>9}", (), ())], 1), "names field"),
-    (_payload([Run("f{", (), ())], 1), "malformed"),
-    (_payload([Send("a{k}", 0, "act{k}")], 1)[:-4], "needs 24 bytes of columns, got 20"),
-    (_payload([Run("f", (), ())], 2, [[0, 1], [0, 0], [0, 0], [0, 0], [0, 0], [-1, -1]]),
-     "row 1 names a template outside 0..0"),
-    (_payload([Run("f{j}", (), ())], 1, [[0], [0], [-3], [0], [0], [-1]]), "field j must be >= 0"),
-    (_payload([Send("a", 0, "act")], 1, [[0], [0], [0], [0], [-1], [-1]]), "needs a peer slice >= 0"),
-    (_payload([Recv("a", 0, "k", ACT)], 1, [[0], [0], [0], [0], [1], [0]]), "posted after row 0"),
-    (_raw({"templates": [RUN], "rows": 1, "window": 0}, 1), "receive window must be a positive"),
-    (_raw({"templates": [RUN], "rows": 1, "keep": [3]}, 1), "'keep' must be null or a list"),
-    (_raw({"templates": [RUN], "rows": 1, "keep": ["p{k!r}"]}, 1), "names field"),
-    (_raw({"templates": [["jump"]], "rows": 0}), "kind in"),
-    (_raw({"templates": [RUN], "rows": -1}), "header must be"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        (b"junk", "must start with the magic"),
+        (streams._MAGIC + (10**6).to_bytes(8, "little") + b"{}", "runs past the payload"),
+        (streams._MAGIC + (2).to_bytes(8, "little") + b"[]", "header must be"),
+        (_payload([Run("f{k.__class__}", (), ())], 1), r"names field \{k.__class__\}; allowed"),
+        (_payload([Run("f{k:>9}", (), ())], 1), "names field"),
+        (_payload([Run("f{", (), ())], 1), "malformed"),
+        (_payload([Send("a{k}", 0, "act{k}")], 1)[:-4], "needs 24 bytes of columns, got 20"),
+        (
+            _payload([Run("f", (), ())], 2, [[0, 1], [0, 0], [0, 0], [0, 0], [0, 0], [-1, -1]]),
+            "row 1 names a template outside 0..0",
+        ),
+        (_payload([Run("f{j}", (), ())], 1, [[0], [0], [-3], [0], [0], [-1]]), "field j must be >= 0"),
+        (_payload([Send("a", 0, "act")], 1, [[0], [0], [0], [0], [-1], [-1]]), "needs a peer slice >= 0"),
+        (_payload([Recv("a", 0, "k", ACT)], 1, [[0], [0], [0], [0], [1], [0]]), "posted after row 0"),
+        (_raw({"templates": [RUN], "rows": 1, "window": 0}, 1), "receive window must be a positive"),
+        (_raw({"templates": [RUN], "rows": 1, "keep": [3]}, 1), "'keep' must be null or a list"),
+        (_raw({"templates": [RUN], "rows": 1, "keep": ["p{k!r}"]}, 1), "names field"),
+        (_raw({"templates": [["jump"]], "rows": 0}), "kind in"),
+        (_raw({"templates": [RUN], "rows": -1}), "header must be"),
+    ],
+)
 def test_a_malformed_encoded_stream_is_refused_naming_what(payload, match):
     with pytest.raises(ValueError, match=match):
         streams.from_bytes(payload)
@@ -127,8 +149,9 @@ def test_a_malformed_encoded_stream_is_refused_naming_what(payload, match):
 
 def test_an_encoded_stream_survives_the_wire_bit_for_bit():
     schedule = schedules.make("zb-v", 4, 4)
-    enc = lowering.train_streams(schedule, lowering.Transfers.plain([ACT] * 5), True, [[(0, 0), (3, 0)]],
-                                 {(0, 3): (ACT, ()), (3, 0): (ACT, ())})[0].finishing({"p{k}", "o{k}"}, 2)
+    enc = lowering.train_streams(
+        schedule, lowering.Transfers.plain([ACT] * 5), True, [[(0, 0), (3, 0)]], {(0, 3): (ACT, ()), (3, 0): (ACT, ())}
+    )[0].finishing({"p{k}", "o{k}"}, 2)
     back = streams.from_bytes(enc.to_bytes())
     assert back.templates == enc.templates and (back.keep, back.window) == (enc.keep, enc.window)
     assert all(np.array_equal(a, b) for a, b in zip(back.columns(), enc.columns()))

@@ -3,6 +3,7 @@ own training forward: every new token of a cached greedy decoding is the argmax 
 forward of its window, and its logits are that forward's within 1e-5 (float32), for the GPT
 and the Llama (grouped-query attention, rotary positions), tied, with dropout (eval mode), and
 across a window shift. The reference is nnx's plain `model(tokens)`, unjitted and unpadded."""
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,8 +17,9 @@ MODELS = {
     "gpt": lambda: models.GPT(VOCAB, 16, 2, 2, SEQ, rngs=nnx.Rngs(0)),
     "gpt-dropout": lambda: models.GPT(VOCAB, 16, 2, 2, SEQ, dropout_rate=0.3, dropout_seed=3, rngs=nnx.Rngs(1)),
     "llama-gqa": lambda: Llama(VOCAB, 16, 4, 2, SEQ, num_kv_heads=2, rngs=nnx.Rngs(2)),
-    "llama-tied-dropout": lambda: Llama(VOCAB, 16, 2, 2, SEQ, tie_embeddings=True, dropout_rate=0.3,
-                                        dropout_seed=3, rngs=nnx.Rngs(3)),
+    "llama-tied-dropout": lambda: Llama(
+        VOCAB, 16, 2, 2, SEQ, tie_embeddings=True, dropout_rate=0.3, dropout_seed=3, rngs=nnx.Rngs(3)
+    ),
 }
 PROMPT = [3, 1, 4, 1, 5]
 # 5 + 20 tokens through a window of 12: cached steps, then two shifts (each a fresh prefill).
@@ -32,7 +34,7 @@ def full_forward_logits(model, tokens: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("name", MODELS)
 def test_cached_greedy_decoding_is_the_full_forwards_argmax_at_every_step(name):
     model = MODELS[name]()
-    decoder = decoding.Decoder(model)     # puts the model in eval mode: the reference drops nothing either
+    decoder = decoding.Decoder(model)  # puts the model in eval mode: the reference drops nothing either
     tokens, start, shifts = list(PROMPT), 0, 0
     for i, (token, logits) in enumerate(decoder.stream(PROMPT, lambda l: int(np.argmax(l)))):
         if i == NUM_NEW:
@@ -52,7 +54,7 @@ def test_a_window_holds_at_most_seq_len_tokens_and_shifts_to_its_newest_half():
     for n in range(1, 40):
         starts.append(decoding.window_start(starts[-1], n, SEQ))
         assert 1 <= n - starts[-1] <= SEQ
-    assert sorted(set(starts)) == [0, 7, 14, 21, 28]    # SEQ + 1 tokens -> the newest SEQ // 2 (6)
+    assert sorted(set(starts)) == [0, 7, 14, 21, 28]  # SEQ + 1 tokens -> the newest SEQ // 2 (6)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama-gqa"])
@@ -65,10 +67,12 @@ def test_sampled_decoding_with_and_without_the_cache_draws_the_same_tokens(name)
     def draw(cache: bool, seed: int) -> list[int]:
         rng = np.random.default_rng(seed)
         return decoder.generate(prompt, 16, lambda l: decoding.next_token(l, 1.0, 8, rng), cache=cache)
+
     assert draw(True, 0) == draw(False, 0)
     assert draw(True, 0) != draw(True, 1)
     assert decoder.generate(prompt, 16, lambda l: int(np.argmax(l))) == decoder.generate(
-        prompt[-SEQ:], 16, lambda l: int(np.argmax(l)))
+        prompt[-SEQ:], 16, lambda l: int(np.argmax(l))
+    )
 
 
 def test_models_without_a_cache_and_empty_prompts_are_refused():
@@ -80,12 +84,13 @@ def test_models_without_a_cache_and_empty_prompts_are_refused():
 
 def test_sampling_is_seeded_and_follows_temperature_and_top_k():
     logits = np.random.default_rng(0).normal(size=VOCAB) * 2
-    draw = lambda seed, t, k: [decoding.next_token(logits, t, k, rng) for rng in [np.random.default_rng(seed)]
-                               for _ in range(64)]
-    assert draw(1, 0.8, 5) == draw(1, 0.8, 5)                   # reproducible per seed
+    draw = lambda seed, t, k: [
+        decoding.next_token(logits, t, k, rng) for rng in [np.random.default_rng(seed)] for _ in range(64)
+    ]
+    assert draw(1, 0.8, 5) == draw(1, 0.8, 5)  # reproducible per seed
     assert draw(1, 0.8, 5) != draw(2, 0.8, 5)
-    assert set(draw(1, 0.0, 0)) == {int(np.argmax(logits))}     # temperature 0: greedy
-    assert set(draw(1, 1.0, 1)) == {int(np.argmax(logits))}     # top-1: greedy
+    assert set(draw(1, 0.0, 0)) == {int(np.argmax(logits))}  # temperature 0: greedy
+    assert set(draw(1, 1.0, 1)) == {int(np.argmax(logits))}  # top-1: greedy
     assert set(draw(1, 5.0, 3)) <= set(np.argsort(logits)[-3:].tolist())
     # a higher temperature spreads the draws over more tokens
     assert len(set(draw(1, 5.0, 0))) > len(set(draw(1, 0.3, 0)))

@@ -3,6 +3,7 @@ layer draws from its own RNG stream, which the pipeline carries on the layer's s
 pipelined run draws the masks NNX itself draws stepping through microbatches 0..m-1 in order.
 The reference is NNX's own training of the same model (tests/support/workloads.nnx_reference).
 """
+
 import jax
 import numpy as np
 import pytest
@@ -17,15 +18,18 @@ from tests.support import workloads as wl
 VOCAB, SEQ, RATE = 32, 8, 0.2
 MODELS = {
     "gpt": lambda rate=RATE: models.GPT(VOCAB, 16, 2, 2, SEQ, dropout_rate=rate, dropout_seed=5, rngs=nnx.Rngs(0)),
-    "llama-remat": lambda rate=RATE: Llama(VOCAB, 16, 2, 2, SEQ, remat="block", dropout_rate=rate, dropout_seed=5,
-                                           rngs=nnx.Rngs(0)),
+    "llama-remat": lambda rate=RATE: Llama(
+        VOCAB, 16, 2, 2, SEQ, remat="block", dropout_rate=rate, dropout_seed=5, rngs=nnx.Rngs(0)
+    ),
 }
 
 
 def token_batches(steps: int = 3, rows: int = 16, seed: int = 4) -> list[tuple]:
     rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32), rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32))
-            for _ in range(steps)]
+    return [
+        (rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32), rng.integers(0, VOCAB, (rows, SEQ)).astype(np.int32))
+        for _ in range(steps)
+    ]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -36,8 +40,13 @@ def test_pipelined_dropout_trains_as_nnx_does(name):
     data, m = token_batches(), 4
     want_losses, want_params, model = wl.nnx_reference(lambda: MODELS[name]().layers(), models.lm_loss, data, m)
     stages = mpmd.split(mpmd.abstract(MODELS[name]), num_stages=3)
-    with mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), wl.sgd(), schedule="zb-h1", num_microbatches=m,
-                      cluster=mpmd.InProcessCluster()) as t:
+    with mpmd.Trainer(
+        mpmd.Pipeline(stages, models.lm_loss),
+        wl.sgd(),
+        schedule="zb-h1",
+        num_microbatches=m,
+        cluster=mpmd.InProcessCluster(),
+    ) as t:
         losses = [t.step(x, y)["loss"] for x, y in data]
         params, state = [np.asarray(l) for s in t.params() for l in jax.tree.leaves(s)], t.state()
         x, y = data[0]

@@ -6,6 +6,7 @@ Every pipelined run is compared with plain unpipelined JAX training of the same 
 same precision (tests/support/reference.py), with SGD + momentum: Adam's update is nearly invariant
 to gradient scale and would hide a wrong gradient.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,8 +35,9 @@ M = 4
 
 
 def make_llama(dtype="float32", remat="none", **kw):
-    return lambda: models.Llama(VOCAB, D, HEADS, BLOCKS, SEQ, num_kv_heads=KV_HEADS, dtype=dtype, remat=remat,
-                                rngs=nnx.Rngs(0), **kw)
+    return lambda: models.Llama(
+        VOCAB, D, HEADS, BLOCKS, SEQ, num_kv_heads=KV_HEADS, dtype=dtype, remat=remat, rngs=nnx.Rngs(0), **kw
+    )
 
 
 def sgd():
@@ -43,21 +45,23 @@ def sgd():
 
 
 def data():
-    return reference.batches()     # 3 batches of 8 rows of 8 tokens below 32
+    return reference.batches()  # 3 batches of 8 rows of 8 tokens below 32
 
 
 @pytest.fixture(scope="module")
 def unpipelined():
     """dtype -> (losses, first-step grads, final params) of plain JAX training."""
-    return {dtype: reference.train(make_llama(dtype), models.lm_loss, data(), sgd())
-            for dtype in ("float32", "bfloat16")}
+    return {
+        dtype: reference.train(make_llama(dtype), models.lm_loss, data(), sgd()) for dtype in ("float32", "bfloat16")
+    }
 
 
 def run(make, schedule="1f1b", num_stages=2, v=None, mesh=None):
     """(losses, first-step grads, final params, trainer's lowering) of the pipelined model."""
     pipe = mpmd.Pipeline(mpmd.split(make(), num_stages), models.lm_loss)
-    with mpmd.Trainer(pipe, sgd(), schedule=schedule, num_microbatches=M, virtual_stages=v, mesh=mesh,
-                      cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipe, sgd(), schedule=schedule, num_microbatches=M, virtual_stages=v, mesh=mesh, cluster=mpmd.InProcessCluster()
+    ) as trainer:
         batches = data()
         _, grads = trainer.grads(*batches[0])
         losses = [trainer.step(x, y)["loss"] for x, y in batches]
@@ -79,11 +83,12 @@ def test_layers_are_the_model_causal_grouped_and_float32_out():
         for layer in model.layers():
             x = layer(x)
         return x
-    forward = nnx.jit(lambda model, x: model(x))     # op by op, even this model takes seconds
+
+    forward = nnx.jit(lambda model, x: model(x))  # op by op, even this model takes seconds
     logits = forward(model, x)
     np.testing.assert_array_equal(logits, by_layers(model, x))
     assert logits.shape == (8, SEQ, VOCAB) and logits.dtype == jnp.float32
-    assert model.layers()[0](x).dtype == jnp.bfloat16            # activations in the compute dtype
+    assert model.layers()[0](x).dtype == jnp.bfloat16  # activations in the compute dtype
     assert all(l.dtype == jnp.float32 for l in jax.tree.leaves(nnx.state(model, nnx.Param)))
     attn = model.blocks[0].attn
     assert attn.q.kernel.shape == (D, D) and attn.k.kernel.shape == (D, D * KV_HEADS // HEADS)
@@ -108,8 +113,9 @@ def test_float32_pipeline_matches_unpipelined(unpipelined, name, stages, v):
     reference.assert_leaves_close(params, want[2], 1e-5, "parameters")
 
 
-@pytest.mark.parametrize("name,stages,v", [("gpipe", 2, None), ("1f1b", 2, None), ("zb-h1", 2, None),
-                                           ("interleaved-1f1b", 4, 2)])
+@pytest.mark.parametrize(
+    "name,stages,v", [("gpipe", 2, None), ("1f1b", 2, None), ("zb-h1", 2, None), ("interleaved-1f1b", 4, 2)]
+)
 def test_bfloat16_pipeline_matches_unpipelined_bfloat16(unpipelined, name, stages, v):
     """Tolerances. bfloat16 keeps 8 significant bits: each rounding is off by up to 2^-9 ~ 0.2%.
     Microbatching changes which values are rounded (a matmul over 2 rows instead of 8 rounds
@@ -141,8 +147,11 @@ def test_tensor_parallel_mesh_lays_out_heads_and_matches(unpipelined):
     reference.assert_leaves_close(grads, want[1], 1e-5, "gradients")
     reference.assert_leaves_close(params, want[2], 1e-5, "parameters")
     pipe = trainer.pipeline
-    layouts = [(path, layout) for k, fn in enumerate(pipe.fns)
-               for path, layout in zip(sharding.param_paths(fn), trainer.layout.params[k])]
+    layouts = [
+        (path, layout)
+        for k, fn in enumerate(pipe.fns)
+        for path, layout in zip(sharding.param_paths(fn), trainer.layout.params[k])
+    ]
     layout_of = lambda suffix: {layout for path, layout in layouts if path.endswith(suffix)}
     assert layout_of("attn/q/kernel") == {P(None, "tensor")}
     assert layout_of("attn/k/kernel") == {P(None, None)}
@@ -164,8 +173,9 @@ def test_remat_keeps_gradients_and_cuts_saved_activations():
         model = make_llama(remat=remat)()
         grads[remat] = jax.tree.leaves(nnx.jit(nnx.grad(lambda m: models.lm_loss(m(x), y)))(model))
     for remat in ("block", "dots_saveable"):
-        reference.assert_leaves_close([np.asarray(g) for g in grads[remat]],
-                                      [np.asarray(g) for g in grads["none"]], 1e-6, f"{remat} gradients")
+        reference.assert_leaves_close(
+            [np.asarray(g) for g in grads[remat]], [np.asarray(g) for g in grads["none"]], 1e-6, f"{remat} gradients"
+        )
     # Bytes each stage's forward program stores per microbatch for its backward.
     for dtype in ("float32", "bfloat16"):
         saved = {remat: _residual_bytes(remat, dtype) for remat in ("none", "block", "dots_saveable")}
@@ -180,23 +190,23 @@ def test_tied_embeddings_are_cut_at_marks_and_train_like_the_unpipelined_model()
     with pytest.raises(ValueError, match="cannot be cut by layers"):
         mpmd.split(make(), 2)
 
-    class Whole:       # the tied model as one layer, for reference.train
+    class Whole:  # the tied model as one layer, for reference.train
         def layers(self):
             return [make()]
 
     want = reference.train(Whole, models.lm_loss, data(), sgd())
     model = make()
-    model.cut_after([1], mpmd.stage_boundary)        # embed + block 0 | block 1 + head
+    model.cut_after([1], mpmd.stage_boundary)  # embed + block 0 | block 1 + head
     stages = mpmd.split(model, 2)
     pipe = mpmd.Pipeline(stages, models.lm_loss)
-    assert len(pipe.shared) == 1                      # the token table, in both stages
+    assert len(pipe.shared) == 1  # the token table, in both stages
     with mpmd.Trainer(pipe, sgd(), num_microbatches=M, cluster=mpmd.InProcessCluster()) as trainer:
         losses = [trainer.step(x, y)["loss"] for x, y in data()]
         params = trainer.params()
     np.testing.assert_allclose(losses, want[0], rtol=1e-5)
     (a, i), (b, j) = pipe.shared[0]
     first, last = jax.tree.leaves(params[a])[i], jax.tree.leaves(params[b])[j]
-    np.testing.assert_array_equal(first, last)        # the two copies stayed one weight
+    np.testing.assert_array_equal(first, last)  # the two copies stayed one weight
     table = jax.tree.leaves(nnx.state(make().embed, nnx.Param))[0]
     trained = next(p for p in want[2] if p.shape == table.shape)
     reference.assert_leaves_close([np.asarray(first)], [trained], 1e-5, "tied embedding")
@@ -209,7 +219,7 @@ def test_llama_1b_dry_run_prints_size_memory_and_step_without_allocating(capsys)
     for m in summary["slices"]:
         # float32 parameters and gradients, two float32 Adam moments (and step counts)
         assert m["params"] == m["grads"] > 0 and 0 <= m["optimizer"] - 2 * m["params"] < 1024
-        assert 0 < m["activations"] < m["params"]     # remat block: only block inputs are kept
+        assert 0 < m["activations"] < m["params"]  # remat block: only block inputs are kept
     assert summary["step_s"] > 0 and 0 < summary["bubble"] < 1
     text = plan.describe(summary)
     assert f"parameters: {summary['num_params']:,}" in text and "predicted step:" in text

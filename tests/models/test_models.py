@@ -66,10 +66,14 @@ def test_mlp_layers_compose_to_model_exactly():
     np.testing.assert_array_equal(model(x), _apply_layers(model, x))
 
 
-@pytest.mark.parametrize("make_model, make_input", [
-    (_gpt, _tokens),
-    (lambda: MLP(3, 8, 2, 2, rngs=nnx.Rngs(0)), lambda: jnp.ones((2, 3))),
-], ids=["gpt", "mlp"])
+@pytest.mark.parametrize(
+    "make_model, make_input",
+    [
+        (_gpt, _tokens),
+        (lambda: MLP(3, 8, 2, 2, rngs=nnx.Rngs(0)), lambda: jnp.ones((2, 3))),
+    ],
+    ids=["gpt", "mlp"],
+)
 def test_layer_params_are_exactly_the_model_params(make_model, make_input):
     model, x = make_model(), make_input()
     per_layer = [_num_param_leaves(layer) for layer in model.layers()]
@@ -126,17 +130,19 @@ def test_mlp_adamw_reduces_loss_on_repeated_batch():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(d_model=15),              # not divisible by num_heads=2
-    dict(num_heads=0),
-    dict(num_layers=0),
-    dict(vocab_size=-1),
-    dict(seq_len=0),
-    dict(mlp_ratio=0),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(d_model=15),  # not divisible by num_heads=2
+        dict(num_heads=0),
+        dict(num_layers=0),
+        dict(vocab_size=-1),
+        dict(seq_len=0),
+        dict(mlp_ratio=0),
+    ],
+)
 def test_gpt_rejects_bad_arguments(kwargs):
-    args = dict(vocab_size=VOCAB, d_model=D_MODEL, num_heads=NUM_HEADS,
-                num_layers=NUM_LAYERS, seq_len=SEQ_LEN) | kwargs
+    args = dict(vocab_size=VOCAB, d_model=D_MODEL, num_heads=NUM_HEADS, num_layers=NUM_LAYERS, seq_len=SEQ_LEN) | kwargs
     with pytest.raises(ValueError):
         GPT(**args, rngs=nnx.Rngs(0))
 

@@ -4,6 +4,7 @@ the MoE Llama pipelined over 2 slices trains equal to the unpipelined model with
 losses (SGD with momentum, float32, within 1e-5), on real worker processes, also with its
 experts split over a slice's `expert` mesh axis (tokens dispatched by all-to-all), through a
 worker's SIGKILL and a checkpoint resumed on another mesh."""
+
 import math
 
 import jax
@@ -26,8 +27,8 @@ def test_queue_places_are_rank_major_then_token_order():
     # 4 tokens' top-2 experts of 3: every first choice is served before any second one.
     experts = jnp.array([[0, 1], [0, 2], [0, 1], [1, 0]])
     np.testing.assert_array_equal(positions_in_experts(experts, 3), [[0, 1], [1, 0], [2, 2], [0, 3]])
-    assert capacity(4, 3, 2, 0.75) == 2           # ceil(0.75 x 4 x 2 / 3)
-    assert capacity(4, 3, 2, None) == 4           # dropless: every token could pick one expert
+    assert capacity(4, 3, 2, 0.75) == 2  # ceil(0.75 x 4 x 2 / 3)
+    assert capacity(4, 3, 2, None) == 4  # dropless: every token could pick one expert
 
 
 def _layer(router, capacity_factor, top_k=1, num_experts=2):
@@ -50,7 +51,7 @@ def test_capacity_drops_and_counts_exactly_the_tokens_over_it():
     layer = _layer([[2.0, -2.0], [-2.0, 2.0]], 1.0)
     y, _ = layer.apply(jnp.asarray(x)[None])
     y = np.asarray(y[0])
-    p = 1 / (1 + math.exp(-4.0))                    # softmax of (2, -2)
+    p = 1 / (1 + math.exp(-4.0))  # softmax of (2, -2)
     for t in range(3):
         np.testing.assert_allclose(y[t], p * _swiglu(layer, 0, x[t]), rtol=1e-6)
     np.testing.assert_array_equal(y[3:5], 0.0)
@@ -79,7 +80,7 @@ def test_top2_capacity_drops_the_second_choices_first():
     np.testing.assert_array_equal(layer.dropped[...], [2, 1, 0])
     np.testing.assert_array_equal(y[0, 2], 0.0)
     w = np.exp(logits[3]) / np.exp(logits[3]).sum()
-    top = w[[1, 0]] / w[[1, 0]].sum()                                  # renormalised over its top 2
+    top = w[[1, 0]] / w[[1, 0]].sum()  # renormalised over its top 2
     np.testing.assert_allclose(y[0, 3], top[0] * _swiglu(layer, 1, x[3]), rtol=1e-5)
     dropless = MoE(3, 4, 3, 2, capacity_factor=None, rngs=nnx.Rngs(1))
     dropless.router[...] = jnp.eye(3)
@@ -96,7 +97,7 @@ def test_auxiliary_losses_are_the_switch_and_z_loss_formulas():
     uniform = jnp.full((8, 4), 0.25)
     assert float(balance_loss(uniform, jnp.array([[0, 1], [2, 3]] * 4), 4)) == pytest.approx(1.0)
     lse = np.log(np.exp(np.asarray(logits)).sum(-1))
-    np.testing.assert_allclose(z_loss(logits), np.mean(lse ** 2), rtol=1e-6)
+    np.testing.assert_allclose(z_loss(logits), np.mean(lse**2), rtol=1e-6)
 
 
 def _pipelined(schedule, m, v, cluster, data, make=tiny.make_model, **layout):
@@ -105,12 +106,23 @@ def _pipelined(schedule, m, v, cluster, data, make=tiny.make_model, **layout):
     mesh and rules."""
     model = make()
     stages = mpmd.split(model, 2 * v, model.sample_input(tiny.BATCH // m))
-    trainer = mpmd.Trainer(mpmd.Pipeline(stages, mpmd.models.lm_loss), tiny.sgd(), schedule=schedule,
-                           num_microbatches=m, virtual_stages=v, cluster=cluster, **layout)
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(stages, mpmd.models.lm_loss),
+        tiny.sgd(),
+        schedule=schedule,
+        num_microbatches=m,
+        virtual_stages=v,
+        cluster=cluster,
+        **layout,
+    )
     try:
         metrics = [trainer.step(x, y) for x, y in data]
-        return ([r["loss"] for r in metrics], [r["aux_loss"] for r in metrics],
-                ref.stage_leaves(trainer.params()), trainer.state())
+        return (
+            [r["loss"] for r in metrics],
+            [r["aux_loss"] for r in metrics],
+            ref.stage_leaves(trainer.params()),
+            trainer.state(),
+        )
     finally:
         trainer.close(close_cluster=not isinstance(cluster, mpmd.LocalCluster))
 
@@ -129,7 +141,7 @@ def _check(got, m, data, make=tiny.make_model):
     assert 0 < dropped < routed
 
 
-@pytest.mark.slow      # a training run against the reference: outside the fast loop, like the grids
+@pytest.mark.slow  # a training run against the reference: outside the fast loop, like the grids
 def test_pipelined_in_process_equals_unpipelined():
     data = tiny.batches()
     _check(_pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data), 4, data)
@@ -147,7 +159,7 @@ def test_pipelined_on_workers_equals_unpipelined(workers, schedule, v, m):
     _check(_pipelined(schedule, m, v, workers, data), m, data)
 
 
-@pytest.mark.slow      # a training run against the reference
+@pytest.mark.slow  # a training run against the reference
 @pytest.mark.parametrize("layout", [{"tensor": 2}, {"tensor": 2, "data": 2}], ids=["tensor2", "tensor2-data2"])
 def test_experts_laid_out_along_a_mesh_axis_train_equal(layout):
     """Each slice of 2 (or 4: data=2 as well) devices holds half of every MoE block's experts
@@ -156,7 +168,9 @@ def test_experts_laid_out_along_a_mesh_axis_train_equal(layout):
     model."""
     mesh, rules = sharding.SliceMesh(tensor=2), sharding.check_rules({"expert": "tensor"})
     # The experts' dimension is split; the expert's width (mlp, also on tensor) then is not.
-    assert sharding.param_layout(("expert", "embed", "mlp"), (4, 16, 16), mesh, rules, "gate") == P("tensor", None, None)
+    assert sharding.param_layout(("expert", "embed", "mlp"), (4, 16, 16), mesh, rules, "gate") == P(
+        "tensor", None, None
+    )
     assert sharding.param_layout(("embed", "expert"), (16, 4), mesh, rules, "router") == P(None, "tensor")
     data = tiny.batches()
     got = _pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data, mesh=layout, rules={"expert": "tensor"})
@@ -168,9 +182,17 @@ def _train(run_dir, data, mesh=None, rules=None, num_devices=1):
     `data`, saving every 2 steps under run_dir and resuming from its last checkpoint."""
     model = tiny.make_model()
     stages = mpmd.split(model, 2, model.sample_input(tiny.BATCH // 4))
-    trainer = mpmd.Trainer(mpmd.Pipeline(stages, mpmd.models.lm_loss), tiny.sgd(), schedule="1f1b",
-                           num_microbatches=4, cluster=mpmd.InProcessCluster(), mesh=mesh, rules=rules,
-                           run_dir=str(run_dir), checkpoint=mpmd.Checkpointing(every=2, asynchronous=False))
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(stages, mpmd.models.lm_loss),
+        tiny.sgd(),
+        schedule="1f1b",
+        num_microbatches=4,
+        cluster=mpmd.InProcessCluster(),
+        mesh=mesh,
+        rules=rules,
+        run_dir=str(run_dir),
+        checkpoint=mpmd.Checkpointing(every=2, asynchronous=False),
+    )
     try:
         start = trainer.resumed[0] if trainer.resumed is not None else 0
         losses = [trainer.step(x, y)["loss"] for x, y in data[start:]]
@@ -179,7 +201,7 @@ def _train(run_dir, data, mesh=None, rules=None, num_devices=1):
         trainer.close()
 
 
-@pytest.mark.slow      # training runs and Orbax checkpoints
+@pytest.mark.slow  # training runs and Orbax checkpoints
 def test_a_checkpoint_with_experts_split_resumes_with_them_replicated(tmp_path):
     """Saved after 2 steps with the experts split over tensor=2, resumed on one device per
     slice (experts whole): the next 2 steps' losses follow the uninterrupted run's within 1e-6,
@@ -202,10 +224,13 @@ def test_split_prices_an_moe_block_by_the_compute_its_dispatch_does():
     from mpmd.models.llama import Block
     from mpmd.models.moe import MoEBlock
     from mpmd.stages.costs import layer_costs
+
     d, width, experts, k = 32, 32, 8, 2
     blocks = [Block(d, 2, 2, k * width, rngs=nnx.Rngs(0)), Block(d, 2, 2, experts * width, rngs=nnx.Rngs(0))]
-    blocks += [MoEBlock(d, 2, 2, MoE(d, width, experts, k, capacity_factor=c, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(0))
-               for c in (1.0, None)]
+    blocks += [
+        MoEBlock(d, 2, 2, MoE(d, width, experts, k, capacity_factor=c, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(0))
+        for c in (1.0, None)
+    ]
     (active, every, capped, dropless), unit = layer_costs(blocks, jnp.zeros((4, 32, d)))
     assert unit == "flops"
     assert active < capped < 1.3 * active < every
@@ -224,8 +249,10 @@ def test_sigmoid_router_and_shared_expert():
     scores = 1 / (1 + np.exp(-logits))
     top = np.argsort(-scores, axis=-1)[:, :2]
     weights = np.take_along_axis(scores, top, -1) / np.take_along_axis(scores, top, -1).sum(-1, keepdims=True)
-    want = sum(weights[:, j:j + 1] * np.stack([_swiglu(routed, e, np.asarray(x[0, t])) for t, e in enumerate(top[:, j])])
-               for j in range(2))
+    want = sum(
+        weights[:, j : j + 1] * np.stack([_swiglu(routed, e, np.asarray(x[0, t])) for t, e in enumerate(top[:, j])])
+        for j in range(2)
+    )
     y, _ = routed.apply(x)
     np.testing.assert_allclose(y[0], want, rtol=1e-5, atol=1e-6)
     y_both, _ = both.apply(x)
@@ -237,6 +264,7 @@ def test_moe_dry_run_counts_total_and_active_parameters(capsys):
     of the 4, so half of those are inactive."""
     from mpmd.recipes import train_cli
     from tests.support.processes import ROOT
+
     assert train_cli.main([str(ROOT / "configs/moe_tiny.yaml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     total = int(out.split("parameters: ")[1].split(" ")[0].replace(",", ""))
@@ -248,10 +276,17 @@ def _run_on(workers, run_dir, fault=None):
     """(losses by step, final parameters, routing counts) of 5 steps of the MoE Llama (GPipe,
     m=4, a checkpoint every 2 steps) on the shared workers, replaying after a recovery."""
     from tests.support import recovery_runs
+
     model = tiny.make_model()
-    trainer = mpmd.Trainer(mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(2)), mpmd.models.lm_loss),
-                           tiny.sgd(), "gpipe", num_microbatches=4, cluster=workers, run_dir=str(run_dir),
-                           checkpoint=mpmd.Checkpointing(every=2))
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(2)), mpmd.models.lm_loss),
+        tiny.sgd(),
+        "gpipe",
+        num_microbatches=4,
+        cluster=workers,
+        run_dir=str(run_dir),
+        checkpoint=mpmd.Checkpointing(every=2),
+    )
     try:
         tokens = [x for x, _ in tiny.batches(steps=5)]
         losses, params, rewinds = recovery_runs.train(trainer, tokens, fault, steps=5)
@@ -261,12 +296,13 @@ def _run_on(workers, run_dir, fault=None):
         trainer.close(close_cluster=False)
 
 
-@pytest.mark.slow      # kills a real worker
+@pytest.mark.slow  # kills a real worker
 def test_a_worker_killed_mid_run_recovers_bitwise(workers, tmp_path):
     """SIGKILL to slice 1's worker before step 4: the run comes back from step 2's checkpoint
     and ends with the uninterrupted run's losses, parameters and routing counts, bit for bit."""
     import signal
     from tests.support import recovery_runs
+
     want = _run_on(workers, tmp_path / "whole")
     got = _run_on(workers, tmp_path / "killed", recovery_runs.kill_once(3, signal.SIGKILL))
     assert got[3] == 1 and want[3] == 0
@@ -279,18 +315,30 @@ def test_remat_keeps_the_loss_the_aux_loss_and_the_gradients():
     """Under remat the MoE block adds its auxiliary loss outside jax.checkpoint: the same
     objective and gradients as without remat."""
     from mpmd.models.moe import MoELlama
+
     x, y = tiny.batches(steps=1)[0]
 
     def value_and_grad(remat):
-        model = MoELlama(tiny.VOCAB, tiny.D, tiny.HEADS, tiny.BLOCKS, tiny.SEQ, every=2, remat=remat,
-                         moe={**tiny.MOE, "add_loss": mpmd.add_loss}, rngs=nnx.Rngs(0))
+        model = MoELlama(
+            tiny.VOCAB,
+            tiny.D,
+            tiny.HEADS,
+            tiny.BLOCKS,
+            tiny.SEQ,
+            every=2,
+            remat=remat,
+            moe={**tiny.MOE, "add_loss": mpmd.add_loss},
+            rngs=nnx.Rngs(0),
+        )
 
         def objective(model):
             with mpmd.collect_losses() as aux:
                 logits = model(x)
             return mpmd.models.lm_loss(logits, y) + sum(aux), sum(aux)
+
         (loss, aux), grads = nnx.jit(nnx.value_and_grad(objective, has_aux=True))(model)
         return float(loss), float(aux), [np.asarray(g) for g in jax.tree.leaves(grads)]
+
     plain, remat = value_and_grad("none"), value_and_grad("block")
     assert plain[1] > 0
     np.testing.assert_allclose(remat[:2], plain[:2], rtol=1e-6)
@@ -304,9 +352,12 @@ def test_expert_axis_lays_out_experts_and_dispatch_buffers():
     leave (data) and its experts on expert, the tokens' groups on all batch axes; outside one
     it is the identity."""
     from mpmd.stages import constraints
+
     mesh, rules = sharding.slice_mesh({"data": 2, "expert": 2}), sharding.RULES
     assert mesh.size == 4 and mesh.batch_ways == 4
-    assert sharding.param_layout(("expert", "embed", "mlp"), (4, 16, 16), mesh, rules, "gate") == P("expert", None, None)
+    assert sharding.param_layout(("expert", "embed", "mlp"), (4, 16, 16), mesh, rules, "gate") == P(
+        "expert", None, None
+    )
     assert sharding.batch_layout((8, 8), mesh) == P(("data", "expert"))
     layout = constraints.activation_layout
     assert layout(("batch", None, None), (4, 8, 16), mesh, rules) == P(("data", "expert"), None, None)
@@ -362,20 +413,23 @@ def test_expert_parallel_dispatch_is_an_all_to_all():
     from jax.sharding import NamedSharding
     from mpmd.runtime.worker import mesh as worker_mesh
     from mpmd.stages import constraints
+
     slice_mesh = sharding.slice_mesh({"data": 2, "expert": 2})
     devices = worker_mesh.bind(slice_mesh, jax.devices()[:4])
 
     def all_to_alls(groups):
         layer = MoE(16, 16, 4, 2, capacity_factor=1.0, groups=groups, constrain=mpmd.constrain, rngs=nnx.Rngs(0))
-        layer.eval()        # counts nothing: only the parameters are traced
+        layer.eval()  # counts nothing: only the parameters are traced
         graph, params, rest = nnx.split(layer, nnx.Param, ...)
 
         def objective(params, x):
             y, aux = nnx.merge(graph, params, rest).apply(x)
             return jnp.sum(y) + aux
+
         x = jax.device_put(jnp.ones((8, 8, 16)), NamedSharding(devices, P(("data", "expert"))))
         with constraints.laid_out_on(slice_mesh, sharding.RULES):
             return jax.jit(jax.grad(objective)).lower(params, x).compile().as_text().count("all-to-all")
+
     assert all_to_alls(4) > 0
     assert all_to_alls(1) == 0
 
@@ -388,12 +442,18 @@ def _grouped(groups):
 # expert axis, one case (a V at m = 1: the groups of the smallest microbatch over 4
 # devices); its 1F1B m = 4 twin was dropped on 2026-12-04 (the slowest case of the module,
 # 28 s): 1F1B at m = 4 runs on expert=2 above, and data=2 x expert=2 below.
-@pytest.mark.slow      # training runs against the reference, on workers of 2 and 4 devices
-@pytest.mark.parametrize("mesh,schedule,v,m", [
-    ({"expert": 2}, "1f1b", 1, 4), ({"expert": 2}, "gpipe", 1, 1),
-    ({"expert": 2}, "zb-v", 2, 4), ({"expert": 2}, "zb-v", 2, 1),
-    ({"expert": 2, "data": 2}, "zb-v", 2, 1),
-], ids=["expert2-1f1b-m4", "expert2-gpipe-m1", "expert2-zbv-m4", "expert2-zbv-m1", "expert2xdata2-zbv-m1"])
+@pytest.mark.slow  # training runs against the reference, on workers of 2 and 4 devices
+@pytest.mark.parametrize(
+    "mesh,schedule,v,m",
+    [
+        ({"expert": 2}, "1f1b", 1, 4),
+        ({"expert": 2}, "gpipe", 1, 1),
+        ({"expert": 2}, "zb-v", 2, 4),
+        ({"expert": 2}, "zb-v", 2, 1),
+        ({"expert": 2, "data": 2}, "zb-v", 2, 1),
+    ],
+    ids=["expert2-1f1b-m4", "expert2-gpipe-m1", "expert2-zbv-m4", "expert2-zbv-m1", "expert2xdata2-zbv-m1"],
+)
 def test_expert_parallel_slices_on_workers_equal_unpipelined(multi_device_workers, mesh, schedule, v, m):
     """Every slice holds half of each MoE block's experts on its expert axis, the tokens in
     groups (one per device the microbatch is split over) sent to them by all-to-all: the same
@@ -409,11 +469,18 @@ def _train_on(cluster, run_dir, data, mesh, fault=None):
     (1F1B, m=2, a checkpoint every 2 steps, synchronous) trained to len(data) steps on `cluster`
     with `mesh`, resuming from run_dir's last checkpoint and replaying after a recovery."""
     from tests.support import recovery_runs
+
     model = _grouped(2)()
-    trainer = mpmd.Trainer(mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(tiny.BATCH // 2)),
-                                         mpmd.models.lm_loss), tiny.sgd(), "1f1b", num_microbatches=2,
-                           cluster=cluster, mesh=mesh, run_dir=str(run_dir),
-                           checkpoint=mpmd.Checkpointing(every=2, asynchronous=False))
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(tiny.BATCH // 2)), mpmd.models.lm_loss),
+        tiny.sgd(),
+        "1f1b",
+        num_microbatches=2,
+        cluster=cluster,
+        mesh=mesh,
+        run_dir=str(run_dir),
+        checkpoint=mpmd.Checkpointing(every=2, asynchronous=False),
+    )
     try:
         tokens = [x for x, _ in data]
         losses, params, rewinds = recovery_runs.train(trainer, tokens, fault, steps=len(tokens))
@@ -423,13 +490,14 @@ def _train_on(cluster, run_dir, data, mesh, fault=None):
         trainer.close(close_cluster=False)
 
 
-@pytest.mark.slow      # kills a real worker of an expert-parallel slice
+@pytest.mark.slow  # kills a real worker of an expert-parallel slice
 def test_an_expert_parallel_worker_killed_mid_run_recovers_bitwise(multi_device_workers, tmp_path):
     """SIGKILL to slice 1's worker (expert=2: it holds half of each expert block's experts)
     before step 4: the run comes back from step 2's checkpoint, sharded by expert, and ends with
     the uninterrupted run's losses, parameters and routing counts, bit for bit."""
     import signal
     from tests.support import recovery_runs
+
     cluster, data = multi_device_workers(2), tiny.batches(steps=5)
     want = _train_on(cluster, tmp_path / "whole", data, {"expert": 2})
     got = _train_on(cluster, tmp_path / "killed", data, {"expert": 2}, recovery_runs.kill_once(3, signal.SIGKILL))
@@ -439,7 +507,7 @@ def test_an_expert_parallel_worker_killed_mid_run_recovers_bitwise(multi_device_
     assert sum(int(c.sum()) for c in got[2]) > 0
 
 
-@pytest.mark.slow      # training runs and Orbax checkpoints on workers
+@pytest.mark.slow  # training runs and Orbax checkpoints on workers
 def test_a_checkpoint_sharded_by_expert_resumes_on_one_device(multi_device_workers, tmp_path):
     """Saved after 2 steps on slices of expert=2 (each device's checkpoint shard half of the
     experts), resumed on slices of one device each (experts whole): the next 2 steps' losses
@@ -458,12 +526,16 @@ def test_config_takes_mesh_expert_and_checks_groups():
     count rule names it; model.moe.groups must divide a microbatch's tokens."""
     from mpmd.recipes import config
     from mpmd.recipes.config import ConfigError
+
     moe = ["model.kind=moe", "model.d_model=32", "model.num_heads=2", "model.moe.num_experts=4"]
     cfg = config.load(None, moe + ["cluster.devices_per_worker=4", "mesh.expert=2", "model.moe.groups=4"])
     assert cfg.slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1, "expert": 2}] * 2 and cfg.num_devices == 8
     assert sharding.slice_meshes(cfg.slice_shapes(), 2, 4)[0] == sharding.SliceMesh(data=2, expert=2)
-    with pytest.raises(ConfigError, match=r"mesh: data=1 x fsdp=1 x tensor=1 x expert=2 = 2 devices, "
-                                          r"but cluster.devices_per_worker=1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mesh: data=1 x fsdp=1 x tensor=1 x expert=2 = 2 devices, "
+        r"but cluster.devices_per_worker=1",
+    ):
         config.load(None, moe + ["mesh.expert=2"])
     with pytest.raises(ConfigError, match=r"model.moe.groups=3 must divide the 1024 tokens of a microbatch"):
         config.load(None, moe + ["model.moe.groups=3", "train.batch_size=16", "model.seq_len=256"])

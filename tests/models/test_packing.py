@@ -5,6 +5,7 @@ through the pipeline on such batches equals the unpipelined model trained on the
 mean loss and with the token-weighted one over a loss mask (models.masked_lm_loss); each side
 input reaches only the stages whose layers take it.
 """
+
 import jax
 import numpy as np
 import optax
@@ -49,13 +50,14 @@ def assert_each_document_alone(model, tokens, packed):
     where = [(r, start, n) for r, row in enumerate(DOCS) for start, n in zip(np.cumsum((0,) + row), row)]
     alone = np.zeros((len(where), SEQ), np.int32)
     for i, (r, start, n) in enumerate(where):
-        alone[i, :n] = tokens[r, start:start + n]
+        alone[i, :n] = tokens[r, start : start + n]
     alone = np.asarray(model(alone))
     for i, (r, start, n) in enumerate(where):
-        np.testing.assert_allclose(packed[r, start:start + n], alone[i, :n], rtol=1e-5, atol=1e-5,
-                                   err_msg=f"row {r}, document at {start}")
-        if start:   # unpacked, the row's later documents see the earlier ones
-            assert not np.allclose(unpacked[r, start:start + n], alone[i, :n], atol=1e-3)
+        np.testing.assert_allclose(
+            packed[r, start : start + n], alone[i, :n], rtol=1e-5, atol=1e-5, err_msg=f"row {r}, document at {start}"
+        )
+        if start:  # unpacked, the row's later documents see the earlier ones
+            assert not np.allclose(unpacked[r, start : start + n], alone[i, :n], atol=1e-3)
 
 
 def packed_rows() -> dict:
@@ -80,8 +82,9 @@ def test_pipelined_over_two_workers_each_document_gets_its_logits_alone(name, wo
     rows = packed_rows()
     pipe = mpmd.Pipeline(mpmd.split(MODELS[name](), num_stages=2), models.masked_lm_loss)
     batch = {**rows, "targets": rows["inputs"], "loss_mask": np.ones(rows["inputs"].shape, np.float32)}
-    with mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=3, cluster=workers,
-                      run_dir=tmp_path) as trainer:
+    with mpmd.Trainer(
+        pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=3, cluster=workers, run_dir=tmp_path
+    ) as trainer:
         (packed,) = trainer.predict(batch)
     assert packed.dtype == np.float32
     assert_each_document_alone(MODELS[name](), rows["inputs"], np.asarray(packed))
@@ -97,9 +100,14 @@ def packed_batches(steps: int = ref.STEPS, seed: int = 2) -> list[dict]:
             cuts = np.sort(rng.choice(np.arange(1, SEQ), rng.integers(0, 3), replace=False))
             rows.append(np.diff([0, *cuts, SEQ]))
         segment_ids, positions = packing(rows)
-        out.append({"inputs": rng.integers(0, VOCAB, (ref.BATCH, SEQ)).astype(np.int32),
-                    "targets": rng.integers(0, VOCAB, (ref.BATCH, SEQ)).astype(np.int32),
-                    "segment_ids": segment_ids, "positions": positions})
+        out.append(
+            {
+                "inputs": rng.integers(0, VOCAB, (ref.BATCH, SEQ)).astype(np.int32),
+                "targets": rng.integers(0, VOCAB, (ref.BATCH, SEQ)).astype(np.int32),
+                "segment_ids": segment_ids,
+                "positions": positions,
+            }
+        )
     return out
 
 
@@ -111,8 +119,9 @@ def with_loss_mask(data: list[dict]) -> list[dict]:
     """The batches with a loss_mask: 0 on padding at each row's end (0 to SEQ - 1 tokens), so
     the microbatches hold different numbers of real tokens."""
     rng = np.random.default_rng(3)
-    return [{**b, "loss_mask": (np.arange(SEQ) < rng.integers(1, SEQ + 1, (ref.BATCH, 1))).astype(np.float32)}
-            for b in data]
+    return [
+        {**b, "loss_mask": (np.arange(SEQ) < rng.integers(1, SEQ + 1, (ref.BATCH, 1))).astype(np.float32)} for b in data
+    ]
 
 
 def masked_objective(logits, batch):
@@ -128,23 +137,27 @@ def unpipelined(data, loss=packed_loss) -> tuple[list, dict, dict]:
     paths = [path_string(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
     def objective(params, batch):
-        logits = nnx.merge(graphdef, params, rest)(batch["inputs"], segment_ids=batch["segment_ids"],
-                                                   positions=batch["positions"])
+        logits = nnx.merge(graphdef, params, rest)(
+            batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+        )
         return loss(logits, batch)
+
     losses, grads, final = ref.descend(objective, params, [(b,) for b in data], wl.sgd())
     return losses, dict(zip(paths, grads)), dict(zip(paths, final))
 
 
-@pytest.mark.parametrize("schedule,v,num_stages,weighted", [("1f1b", None, 3, False), ("zb-v", 2, 4, False),
-                                                            ("1f1b", None, 3, True)])
+@pytest.mark.parametrize(
+    "schedule,v,num_stages,weighted", [("1f1b", None, 3, False), ("zb-v", 2, 4, False), ("1f1b", None, 3, True)]
+)
 def test_pipelined_packed_training_equals_the_unpipelined_model(schedule, v, num_stages, weighted):
     data = with_loss_mask(packed_batches()) if weighted else packed_batches()
     split = lambda: mpmd.split(ref.make_gpt(), num_stages=num_stages)
     paths = [p for stage in split().param_paths for p in stage]
     want_losses, want_grads, want_params = unpipelined(data, masked_objective if weighted else packed_loss)
-    assert sorted(paths) == sorted(want_grads)          # the split's leaves are the model's
-    losses, grads, params, _ = wl.pipelined(split, models.masked_lm_loss if weighted else packed_loss, data, 4,
-                                            schedule, virtual_stages=v)
+    assert sorted(paths) == sorted(want_grads)  # the split's leaves are the model's
+    losses, grads, params, _ = wl.pipelined(
+        split, models.masked_lm_loss if weighted else packed_loss, data, 4, schedule, virtual_stages=v
+    )
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
     ref.assert_leaves_close(grads, [want_grads[p] for p in paths], 1e-5, "first-step gradients")
     ref.assert_leaves_close(params, [want_params[p] for p in paths], 1e-5, "parameters after 3 steps")
@@ -164,15 +177,21 @@ def test_each_side_input_goes_only_to_the_stages_whose_layers_take_it():
     for r, stream in enumerate(streams):
         reads = {n for ins in stream if isinstance(ins, Run) for n in ins.inputs}
         assert {n for n in reads if names.parse_buffer(n).kind == "side"} == (
-            {names.side(r, j) for j in range(2)} if r < 2 else set()), r
+            {names.side(r, j) for j in range(2)} if r < 2 else set()
+        ), r
         moved = [ins for ins in stream if isinstance(ins, (Send, Recv)) and hasattr(ins, "buffer")]
         assert not any(names.parse_buffer(ins.buffer).kind == "side" for ins in moved)
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
-@pytest.mark.parametrize("key,value", [("segment_ids", np.zeros((3, SEQ), np.int32)),
-                                       ("positions", np.zeros((2, SEQ - 1), np.int32)),
-                                       ("positions", np.zeros((2, SEQ), np.float32))])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("segment_ids", np.zeros((3, SEQ), np.int32)),
+        ("positions", np.zeros((2, SEQ - 1), np.int32)),
+        ("positions", np.zeros((2, SEQ), np.float32)),
+    ],
+)
 def test_refuses_ids_that_are_not_one_integer_per_token(name, key, value):
     with pytest.raises(ValueError, match=rf"{key} must be integers of shape \[batch, time\] = \(2, {SEQ}\)"):
         MODELS[name]()(np.zeros((2, SEQ), np.int32), **{key: value})

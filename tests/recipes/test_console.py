@@ -1,6 +1,7 @@
 """The console of `mpmd train`: progress, the workers' warnings (one line each, naming the
 slice and its log file) and the summary; Orbax's, absl's and JAX's logging go to the log files
 under <run_dir>/logs, and MPMD_LOG=debug brings them back to the console."""
+
 import logging
 import re
 
@@ -13,10 +14,18 @@ from mpmd.runtime.control.client import WorkerClient, WorkerError
 from mpmd.runtime.worker.main import on_console
 from tests.support.processes import TINY_GPT, Controller
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
-ARGS = ["configs/gpt_tiny.yaml", "train.steps=20", *TINY_GPT, "log.every=5", "cluster.backend=local",
-        "train.sample_tokens=4", "log.tensorboard=false", "checkpoint.every=10"]
+ARGS = [
+    "configs/gpt_tiny.yaml",
+    "train.steps=20",
+    *TINY_GPT,
+    "log.every=5",
+    "cluster.backend=local",
+    "train.sample_tokens=4",
+    "log.tensorboard=false",
+    "checkpoint.every=10",
+]
 # JAX_PLATFORMS unset (as a user has it): JAX tries its other backends and says so at start-up.
 ENV = {"JAX_PLATFORMS": ""}
 # What Orbax logs when a slice saves (its logger is absl's), as a worker's log file has it.
@@ -61,7 +70,7 @@ def test_worker_logs_hold_what_the_console_does_not(quiet_run):
         assert re.search(r"worker\[\d+\] INFO serving slice on ", log), log[:2000]
         assert ORBAX.search(log), f"no Orbax line in worker_{n}.log:\n{log[:2000]}"
         assert "shutting down" in log
-    if "Unable to initialize backend" in logs[0]:       # JAX's start-up, where it has other backends to try
+    if "Unable to initialize backend" in logs[0]:  # JAX's start-up, where it has other backends to try
         assert "INFO Unable to initialize backend 'tpu'" in logs[0]
 
 
@@ -70,9 +79,10 @@ def test_a_worker_warning_is_one_console_line_naming_slice_and_log(quiet_run):
     log_file = run_dir / "logs" / "worker_1.log"
     lines = [line for line in err.splitlines() if "refused Heartbeat" in line]
     assert len(lines) == 1, err
-    assert re.fullmatch(rf"worker 1 WARNING refused Heartbeat from \S+: wrong token \(see {re.escape(str(log_file))}\)",
-                        lines[0]), lines[0]
-    assert "WARNING refused Heartbeat" in log_file.read_text()          # the worker's own account
+    assert re.fullmatch(
+        rf"worker 1 WARNING refused Heartbeat from \S+: wrong token \(see {re.escape(str(log_file))}\)", lines[0]
+    ), lines[0]
+    assert "WARNING refused Heartbeat" in log_file.read_text()  # the worker's own account
     assert lines[0] in (run_dir / "logs" / "controller.log").read_text()
 
 
@@ -80,24 +90,29 @@ def test_controller_log_holds_the_progress_with_times(quiet_run):
     run_dir, out, _ = quiet_run
     log = (run_dir / "logs" / "controller.log").read_text()
     shown = [line for line in out.splitlines() if line.startswith("step ")]
-    assert len(shown) == 4, out                        # log.every=5 of 20 steps
+    assert len(shown) == 4, out  # log.every=5 of 20 steps
     for line in shown:
         assert re.search(rf"^\S+ \S+ INFO mpmd.progress: {re.escape(line)}$", log, re.M), log
 
 
 def test_mpmd_log_debug_brings_it_all_back(tmp_path):
     run_dir = tmp_path / "debug"
-    ctl = Controller(run_dir, [*ARGS, "train.steps=2", "train.sample_tokens=0", "checkpoint.every=0"],
-                     env={**ENV, "MPMD_LOG": "debug"})
+    ctl = Controller(
+        run_dir,
+        [*ARGS, "train.steps=2", "train.sample_tokens=0", "checkpoint.every=0"],
+        env={**ENV, "MPMD_LOG": "debug"},
+    )
     out = ctl.succeed()
     err = ctl.stderr_path.read_text()
     assert "done: 2 steps" in out
     log_0 = run_dir / "logs" / "worker_0.log"
-    assert re.search(rf"^worker 0 INFO serving slice on \S+; .*\(see {re.escape(str(log_0))}\)$", err, re.M), err[-3000:]
+    assert re.search(rf"^worker 0 INFO serving slice on \S+; .*\(see {re.escape(str(log_0))}\)$", err, re.M), err[
+        -3000:
+    ]
     assert re.search(r"^worker 1 (INFO|DEBUG) .*(orbax|[Ss]ave checkpoint)", err, re.M), err[-3000:]
     assert "worker 1 INFO shutting down" in err
     assert re.search(r"^(INFO|DEBUG) jax\.", err, re.M), "the controller's own JAX logging"
-    assert "DEBUG" in log_0.read_text()                  # the workers log at debug too
+    assert "DEBUG" in log_0.read_text()  # the workers log at debug too
 
 
 def test_console_filter_by_level_and_for_jax_start_up_notes():
@@ -105,8 +120,9 @@ def test_console_filter_by_level_and_for_jax_start_up_notes():
     record = logging.LogRecord("mpmd.worker", logging.WARNING, __file__, 1, "refused", None, None)
     assert on_console(record, logging.WARNING) and not on_console(record, logging.ERROR)
     # JAX's backend start-up notes (a TPU without libtpu, ...) only at info and below.
-    startup = logging.LogRecord("jax._src.xla_bridge", logging.WARNING, __file__, 1, "A Google TPU may be present",
-                                None, None)
+    startup = logging.LogRecord(
+        "jax._src.xla_bridge", logging.WARNING, __file__, 1, "A Google TPU may be present", None, None
+    )
     assert not on_console(startup, logging.WARNING) and on_console(startup, logging.INFO)
 
 

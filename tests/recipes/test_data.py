@@ -42,12 +42,10 @@ def test_stdlib_corpus_is_sorted_nonempty_code_without_tests():
 
 
 def test_files_source_expands_globs_and_directories_and_names_missing_paths(text_files):
-    files = data.corpus_files(_files_cfg(text_files / "part*.txt", text_files / "sub",
-                                         text_files / "part0.txt"))
+    files = data.corpus_files(_files_cfg(text_files / "part*.txt", text_files / "sub", text_files / "part0.txt"))
     assert [f.name for f in files] == ["part0.txt", "part1.txt", "part2.txt", "more.md"]
     with pytest.raises(ValueError, match=r"no file found for '.*nope\.txt', '.*\*\.rst'"):
-        data.corpus_files(_files_cfg(text_files / "part0.txt", text_files / "nope.txt",
-                                     text_files / "*.rst"))
+        data.corpus_files(_files_cfg(text_files / "part0.txt", text_files / "nope.txt", text_files / "*.rst"))
 
 
 def test_train_and_eval_split_by_position_and_targets_shift_inputs(text_files):
@@ -136,20 +134,19 @@ def test_encode_decode():
 
 # ---- run_log --------------------------------------------------------------------------------
 
+
 def test_metrics_log_appends_replaces_and_truncates(tmp_path):
     log = run_log.MetricsLog(tmp_path)
     for step in (1, 2, 3):
         log.write(step, {"loss": np.float32(4.0 - step), "tokens": np.int64(step * 10)})
     log.write(2, {"loss": 9.5})  # the step ran again (after a recovery): its line is replaced
-    assert [(r["step"], r["loss"]) for r in run_log.read(tmp_path)] == [(1, 3.0), (2, 9.5),
-                                                                      (3, 1.0)]
+    assert [(r["step"], r["loss"]) for r in run_log.read(tmp_path)] == [(1, 3.0), (2, 9.5), (3, 1.0)]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
     log.truncate_after(1)  # resumed from the checkpoint at step 1
     log.write(2, {"loss": 2.5})
     reopened = run_log.MetricsLog(tmp_path)  # a restarted controller sees the same history
     reopened.write(3, {"loss": 1.5})
-    assert [(r["step"], r["loss"]) for r in run_log.read(tmp_path)] == [(1, 3.0), (2, 2.5),
-                                                                      (3, 1.5)]
+    assert [(r["step"], r["loss"]) for r in run_log.read(tmp_path)] == [(1, 3.0), (2, 2.5), (3, 1.5)]
     with (tmp_path / "metrics.jsonl").open("a") as f:
         f.write('{"step": 4, "lo')  # a crash mid-append: step 4 never counted
     assert [r["step"] for r in run_log.MetricsLog(tmp_path).records()] == [1, 2, 3]
@@ -162,12 +159,13 @@ def tensorboard_scalars(tb_dir) -> list[tuple[int, str, float]]:
     import struct
 
     from tensorboardX.proto.event_pb2 import Event as TBEvent
+
     out = []
     for path in sorted(tb_dir.glob("events.out.tfevents.*")):
         raw, at = path.read_bytes(), 0
         while at < len(raw):
             (length,) = struct.unpack_from("<Q", raw, at)
-            event = TBEvent.FromString(raw[at + 12:at + 12 + length])
+            event = TBEvent.FromString(raw[at + 12 : at + 12 + length])
             at += 12 + length + 4
             out += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
     return out
@@ -186,24 +184,28 @@ def test_tensorboard_does_not_import_torch_and_leaves_it_importable(tmp_path):
     start); run_log imports it with torch hidden, and torch imports normally afterwards."""
     import subprocess
     import sys
-    code = ("import importlib.util, sys\n"
-            "from mpmd.recipes import run_log\n"
-            "tb = run_log.TensorBoard(sys.argv[1]); tb.write(1, {'loss': 1.0}); tb.close()\n"
-            "print('torch' in sys.modules)\n"
-            "if importlib.util.find_spec('torch'):\n"
-            "    import torch; print(torch.ones(2).sum().item())\n")
+
+    code = (
+        "import importlib.util, sys\n"
+        "from mpmd.recipes import run_log\n"
+        "tb = run_log.TensorBoard(sys.argv[1]); tb.write(1, {'loss': 1.0}); tb.close()\n"
+        "print('torch' in sys.modules)\n"
+        "if importlib.util.find_spec('torch'):\n"
+        "    import torch; print(torch.ones(2).sum().item())\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.split()
-    assert lines[0] == "False", proc.stdout          # not imported, and no None left in its place
+    assert lines[0] == "False", proc.stdout  # not imported, and no None left in its place
     assert lines[1:] in ([], ["2.0"]), proc.stdout
     assert tensorboard_scalars(tmp_path / "tb") == [(1, "loss", 1.0)]
 
 
 def test_progress_lines_mode_logs_every_n_steps():
     out = io.StringIO()
-    progress = run_log.Progress(total_steps=20, tokens_per_step=1024, mode="auto", every=10,
-                                stream=out)  # a StringIO is no TTY: auto means lines
+    progress = run_log.Progress(
+        total_steps=20, tokens_per_step=1024, mode="auto", every=10, stream=out
+    )  # a StringIO is no TTY: auto means lines
     for step in range(1, 21):
         metrics = {"loss": 3.0 / step, "bubble": 0.21}
         if step == 10:
@@ -228,7 +230,7 @@ def test_progress_lines_give_an_eta_without_the_first_step(monkeypatch):
     out = io.StringIO()
     progress = run_log.Progress(total_steps=100, tokens_per_step=10, mode="lines", every=10, stream=out)
     for step in range(1, 101):
-        clock[0] = 30.0 + 2.0 * (step - 1)    # step 1 (compiling) took 30 s, every other 2 s
+        clock[0] = 30.0 + 2.0 * (step - 1)  # step 1 (compiling) took 30 s, every other 2 s
         progress.update(step, {"loss": 1.0})
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("step 10/100 loss 1.00 tok/s ") and lines[0].endswith(" eta 3m00s")  # 90 x 2 s
@@ -239,11 +241,14 @@ def test_progress_lines_give_an_eta_without_the_first_step(monkeypatch):
 def test_trace_has_every_slice_and_loads_as_json(tmp_path):
     base = 1_000_000_000
     events = {
-        2: [[Event("F0", "run", base, base + 2000)],
-            [("recv", "recv", base + 500, base + 2500), ("F1", "run", base + 2500, base + 4000)]],
-        3: [[Event("F0", "run", base + 9000, base + 9500),
-             Event("s", "send", base + 9500, base + 9600)],
-            [Event("F1", "run", base + 10_000, base + 11_000)]],
+        2: [
+            [Event("F0", "run", base, base + 2000)],
+            [("recv", "recv", base + 500, base + 2500), ("F1", "run", base + 2500, base + 4000)],
+        ],
+        3: [
+            [Event("F0", "run", base + 9000, base + 9500), Event("s", "send", base + 9500, base + 9600)],
+            [Event("F1", "run", base + 10_000, base + 11_000)],
+        ],
     }
     path = run_log.write_trace(tmp_path / "traces" / "steps.json", events)
     trace = json.loads(path.read_text())["traceEvents"]
@@ -259,8 +264,10 @@ def test_trace_has_every_slice_and_loads_as_json(tmp_path):
 
 def test_measured_bubble_on_hand_made_timelines():
     # GPipe forward, p = 2 slices, m = 2 microbatches, unit cost: bubble (p-1)/(m+p-1) = 1/3.
-    gpipe = [[("F0", "run", 0, 1), ("F1", "run", 1, 2)],
-             [("F0", "run", 1, 2), ("F1", "run", 2, 3), ("r", "recv", 0, 1)]]
+    gpipe = [
+        [("F0", "run", 0, 1), ("F1", "run", 1, 2)],
+        [("F0", "run", 1, 2), ("F1", "run", 2, 3), ("r", "recv", 0, 1)],
+    ]
     assert run_log.measured_bubble(gpipe) == pytest.approx(1 / 3)
     # Overlapping run events on a slice count once; an idle slice counts as all bubble.
     overlapping = [[("a", "run", 0, 10), ("b", "run", 5, 10), ("c", "run", 20, 40)], []]

@@ -3,6 +3,7 @@
 committed, every worker of every gang gone after it, and the same command resuming to the
 end with the per-step losses and final state of an uninterrupted run of the same mesh
 (bitwise; the uninterrupted run is the in-process cluster's, 2 devices per slice)."""
+
 import os
 import signal
 import uuid
@@ -14,13 +15,25 @@ from tests.support import xla
 from tests.support.processes import Controller, wait_gone
 from tests.recipes.test_resume_cli import TAG, final_state, metrics, tagged
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 STEPS, EVERY = 6, 2
-OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
-             f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",
-             f"checkpoint.every={EVERY}", "log.progress=lines", "log.every=1", "log.trace_steps=[]",
-             "log.tensorboard=false", "data.max_bytes=300000", "mesh.data=2"]
+OVERRIDES = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.seq_len=32",
+    "train.batch_size=8",
+    f"train.steps={STEPS}",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    f"checkpoint.every={EVERY}",
+    "log.progress=lines",
+    "log.every=1",
+    "log.trace_steps=[]",
+    "log.tensorboard=false",
+    "data.max_bytes=300000",
+    "mesh.data=2",
+]
 GANG = ["cluster.processes_per_slice=2"]
 # Same mesh, one process: the in-process cluster gives each slice 2 of the controller's host devices.
 IN_PROCESS = ["cluster.backend=inprocess"]
@@ -38,7 +51,7 @@ def test_gang_run_killed_then_resumed_equals_an_uninterrupted_run(tmp_path):
         ctl.wait_for_step(3)
         ctl.wait_for_commit()
         workers = ctl.workers()
-        assert len(workers) == 4, workers          # 2 slices x 2 processes
+        assert len(workers) == 4, workers  # 2 slices x 2 processes
         os.kill(ctl.proc.pid, signal.SIGKILL)
     finally:
         if ctl.proc.poll() is None:

@@ -1,6 +1,7 @@
 """The registries (mpmd.recipes.registry, mpmd.schedules.register_schedule): a model family, a
 cluster backend and a schedule registered from outside mpmd are accepted by the config, built
 by the recipe, searched by the tuner and trained by `mpmd train`, with no other file changed."""
+
 import json
 
 import numpy as np
@@ -17,23 +18,26 @@ from tests.support.processes import mpmd_train
 @pytest.fixture
 def wedge():
     """A schedule registered by this test (GPipe's order under its own name), gone after it."""
-    spec = schedules.register_schedule(schedules.ScheduleSpec(
-        "wedge", lambda S, m, v: schedules.gpipe(S, m)._replace(name="wedge")))
+    spec = schedules.register_schedule(
+        schedules.ScheduleSpec("wedge", lambda S, m, v: schedules.gpipe(S, m)._replace(name="wedge"))
+    )
     yield spec
     del schedules.SCHEDULES["wedge"]
 
 
 def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_path):
     path = tmp_path / "ramp.yaml"
-    path.write_text(f"# a ramp regressor on threads, its schedule registered too\n"
-                    f"imports: [tests.support.registrations]\n"
-                    f"run_dir: {tmp_path / 'run'}\n"
-                    f"model: {{kind: ramp, width: 4, depth: 3}}\n"
-                    f"data: {{source: synthetic}}\n"
-                    f"train: {{steps: 3, batch_size: 8, sample_tokens: 0, eval_every: 0}}\n"
-                    f"pipeline: {{schedule: all-forward-first, num_stages: 2}}\n"
-                    f"cluster: {{backend: threads, label: here}}\n"
-                    f"log: {{tensorboard: false, trace_steps: []}}\n")
+    path.write_text(
+        f"# a ramp regressor on threads, its schedule registered too\n"
+        f"imports: [tests.support.registrations]\n"
+        f"run_dir: {tmp_path / 'run'}\n"
+        f"model: {{kind: ramp, width: 4, depth: 3}}\n"
+        f"data: {{source: synthetic}}\n"
+        f"train: {{steps: 3, batch_size: 8, sample_tokens: 0, eval_every: 0}}\n"
+        f"pipeline: {{schedule: all-forward-first, num_stages: 2}}\n"
+        f"cluster: {{backend: threads, label: here}}\n"
+        f"log: {{tensorboard: false, trace_steps: []}}\n"
+    )
     out = mpmd_train(path)
     assert out.returncode == 0, out.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -45,16 +49,24 @@ def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_p
     assert resolved["cluster"]["label"] == "here" and "max_workers" not in resolved["cluster"]
     # Without the module nothing knows them: the kind is refused by name, listing the known ones.
     assert "ramp" not in registry.model_specs()
-    with pytest.raises(ConfigError, match="model.kind must be one of 'gpt', 'llama', 'moe', 'mlp' or 'custom', got 'ramp'"):
+    with pytest.raises(
+        ConfigError, match="model.kind must be one of 'gpt', 'llama', 'moe', 'mlp' or 'custom', got 'ramp'"
+    ):
         config.load(path, ["imports=[]"])
 
 
 def test_a_family_or_backend_key_is_refused_naming_who_takes_it():
-    with pytest.raises(ConfigError, match=r"model.tie_embeddings is only used by model.kind='llama' or 'moe', got kind 'mlp'"):
-        config.load(None, ["model.kind=mlp", "data.source=synthetic", "train.sample_tokens=0",
-                           "model.tie_embeddings=true"])
-    with pytest.raises(ConfigError, match=r"cluster.max_workers is only used by cluster.backend='local', "
-                                          r"got backend 'static'"):
+    with pytest.raises(
+        ConfigError, match=r"model.tie_embeddings is only used by model.kind='llama' or 'moe', got kind 'mlp'"
+    ):
+        config.load(
+            None, ["model.kind=mlp", "data.source=synthetic", "train.sample_tokens=0", "model.tie_embeddings=true"]
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"cluster.max_workers is only used by cluster.backend='local', "
+        r"got backend 'static'",
+    ):
         config.load(None, ["cluster.backend=static", "cluster.max_workers=3"])
     with pytest.raises(ConfigError, match=r"imports: cannot import 'no_such_module_here'|imports\[0\]: cannot import"):
         config.load(None, ["imports=[no_such_module_here]"])
@@ -79,18 +91,31 @@ def test_a_schedule_spec_with_traits_that_do_not_hold_together_is_refused():
     with pytest.raises(ValueError, match="already registered"):
         schedules.register_schedule(schedules.ScheduleSpec("1f1b", schedules.SCHEDULES["1f1b"].build))
     with pytest.raises(ValueError, match="placement 'loop' or 'v'"):
-        schedules.register_schedule(schedules.ScheduleSpec("sideways", schedules.SCHEDULES["1f1b"].build,
-                                                           placement="sideways"))
+        schedules.register_schedule(
+            schedules.ScheduleSpec("sideways", schedules.SCHEDULES["1f1b"].build, placement="sideways")
+        )
     assert "sideways" not in schedules.SCHEDULES
 
 
 def _flat_profile(num_units: int, sizes):
     """A Profile with every unit costing the same at every microbatch size."""
     from mpmd.tuner.profile import Profile
+
     n, u = len(sizes), num_units
     ones = np.ones((n, u))
-    return Profile(microbatch_sizes=tuple(sizes), forward_s=ones * 1e-3, input_grad_s=ones * 1e-3,
-                   weight_grad_s=ones * 1e-3, update_s=ones * 1e-4, residual_bytes=ones * 1e3,
-                   kept_bytes=ones * 1e2, boundary_bytes=np.ones((n, u + 1)) * 1e3, param_bytes=np.ones(u) * 1e3,
-                   optimizer_bytes=np.ones(u) * 2e3, latency_s=1e-4, bytes_per_s=1e9, task_gap_s=1e-5,
-                   step_overhead_s=1e-3)
+    return Profile(
+        microbatch_sizes=tuple(sizes),
+        forward_s=ones * 1e-3,
+        input_grad_s=ones * 1e-3,
+        weight_grad_s=ones * 1e-3,
+        update_s=ones * 1e-4,
+        residual_bytes=ones * 1e3,
+        kept_bytes=ones * 1e2,
+        boundary_bytes=np.ones((n, u + 1)) * 1e3,
+        param_bytes=np.ones(u) * 1e3,
+        optimizer_bytes=np.ones(u) * 2e3,
+        latency_s=1e-4,
+        bytes_per_s=1e9,
+        task_gap_s=1e-5,
+        step_overhead_s=1e-3,
+    )

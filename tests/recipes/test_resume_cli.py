@@ -5,6 +5,7 @@ SIGKILLed controller takes its workers with it, and a SIGTERMed one commits a fi
 checkpoint and exits 143 (a preemption: the scheduler should run it again); either way the same command then finishes the run with exactly the
 final state and per-step losses of an uninterrupted one (bitwise), and leaves no process.
 """
+
 import os
 import re
 import shutil
@@ -22,14 +23,25 @@ from mpmd.recipes.train import batch_crc32
 from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import Controller, processes_tagged, wait_gone
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 STEPS, EVERY = 12, 3
-OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
-             f"train.steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0",
-             f"checkpoint.every={EVERY}", "log.progress=lines", "log.every=1", "log.trace_steps=[]",
-             "log.tensorboard=false", "data.max_bytes=300000"]
-TAG = "MPMD_TEST_RESUME_CLI"   # marks every process a test starts, workers included (inherited env)
+OVERRIDES = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.seq_len=32",
+    "train.batch_size=8",
+    f"train.steps={STEPS}",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    f"checkpoint.every={EVERY}",
+    "log.progress=lines",
+    "log.every=1",
+    "log.trace_steps=[]",
+    "log.tensorboard=false",
+    "data.max_bytes=300000",
+]
+TAG = "MPMD_TEST_RESUME_CLI"  # marks every process a test starts, workers included (inherited env)
 
 
 def controller(run_dir: Path, tag: str) -> Controller:
@@ -93,8 +105,11 @@ def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(refer
         if ctl.proc.poll() is None:
             ctl.proc.kill()
     assert rc == preempt.PREEMPTED_EXIT == 143, out
-    m = re.search(r"stopped by SIGTERM after step (\d+); checkpoint committed, resume with the same command "
-                  r"\(exit code 143\)", out)
+    m = re.search(
+        r"stopped by SIGTERM after step (\d+); checkpoint committed, resume with the same command "
+        r"\(exit code 143\)",
+        out,
+    )
     assert m, out
     stopped_at = int(m.group(1))
     assert 5 <= stopped_at < STEPS
@@ -106,7 +121,7 @@ def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(refer
     ctl = controller(run_dir, tag)
     try:
         ctl.wait_for_step(stopped_at + 2)
-        ctl.wait_for_commit()     # a checkpoint to resume from (saves commit in the background)
+        ctl.wait_for_commit()  # a checkpoint to resume from (saves commit in the background)
         workers = ctl.workers()
         assert len(workers) == 2, workers
         os.kill(ctl.proc.pid, signal.SIGKILL)
@@ -133,8 +148,11 @@ def test_controller_sigtermed_with_a_hung_worker_exits_within_its_grace(tmp_path
     10 s before the grace runs out the controller gives up on it, keeps its last commit, stops
     every worker (the stopped one killed) and exits 143, saying which step it kept."""
     run_dir, tag = tmp_path / "g", uuid.uuid4().hex
-    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "train.preempt_grace_s=12",
-                               "cluster.failure_timeout_s=60"], {TAG: tag})
+    ctl = Controller(
+        run_dir,
+        ["configs/gpt_tiny.yaml", *OVERRIDES, "train.preempt_grace_s=12", "cluster.failure_timeout_s=60"],
+        {TAG: tag},
+    )
     try:
         ctl.wait_for_step(4)
         committed = ctl.wait_for_commit()
@@ -151,9 +169,11 @@ def test_controller_sigtermed_with_a_hung_worker_exits_within_its_grace(tmp_path
     assert rc == 143, out
     kept = CheckpointStore(run_dir).committed()[-1]
     assert kept >= committed
-    assert (f"stopped by SIGTERM: the 12 s grace after SIGTERM ran out before the steps in flight were "
-            f"collected and committed; kept the last committed checkpoint, step {kept}; resume with the "
-            f"same command (exit code 143)") in out, out
+    assert (
+        f"stopped by SIGTERM: the 12 s grace after SIGTERM ran out before the steps in flight were "
+        f"collected and committed; kept the last committed checkpoint, step {kept}; resume with the "
+        f"same command (exit code 143)"
+    ) in out, out
     assert wait_gone(tagged(tag)) == []
 
 
@@ -165,8 +185,9 @@ def test_resumes_on_another_stage_count(reference, tmp_path):
     shutil.copytree(reference[2], run_dir)
     shutil.rmtree(run_dir / "checkpoints" / str(STEPS))
     assert CheckpointStore(run_dir).committed()[-1] == STEPS - EVERY
-    out = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "pipeline.num_stages=4",
-                               "cluster.num_workers=4"], {TAG: tag}).succeed()
+    out = Controller(
+        run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, "pipeline.num_stages=4", "cluster.num_workers=4"], {TAG: tag}
+    ).succeed()
     assert f"resumed from {run_dir}/checkpoints/{STEPS - EVERY}" in out
     line = next(l for l in out.splitlines() if "layout changed:" in l)
     assert "2 stages on 2 slices, 1f1b" in line and "-> 4 stages on 4 slices, 1f1b" in line, line
@@ -216,7 +237,7 @@ def test_worker_lost_without_replacement_goes_on_and_reports_goodput(reference, 
     reduced width), and the summary prints them."""
     run_dir, tag = tmp_path / "s", uuid.uuid4().hex
     out = kill_worker_after_step(run_dir, tag, ["cluster.max_workers=2", "cluster.replace_timeout_s=0"], 7)
-    print(out)        # shown if an assertion below fails
+    print(out)  # shown if an assertion below fails
     assert_same_as_reference(run_dir, reference)
     records = metrics(run_dir)
     (change,) = [c for r in records for c in r.get("layout_changes", [])]

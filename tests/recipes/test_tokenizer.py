@@ -2,6 +2,7 @@
 own coding; a trained byte-level BPE encodes as the Hugging Face `tokenizers` library itself
 does; model.vocab_size follows the tokenizer; a run's tokenizer is read back from its run
 directory."""
+
 import json
 import shutil
 import sysconfig
@@ -37,16 +38,16 @@ def test_bytes_is_the_byte_corpus_coding():
 
 
 def test_a_trained_bpe_encodes_as_the_tokenizers_library_does(trained):
-    tok = tokenizer.load(str(trained))                     # the directory
+    tok = tokenizer.load(str(trained))  # the directory
     same = tokenizer.load(str(trained / "tokenizer.json"))  # or the file
     reference = tokenizers.Tokenizer.from_file(str(trained / "tokenizer.json"))
     assert tok.vocab_size == same.vocab_size == reference.get_vocab_size() == 300
     assert tok.eos_id == reference.token_to_id("<|endoftext|>") is not None
-    text = (STDLIB / "json" / "scanner.py").read_text()    # not trained on
+    text = (STDLIB / "json" / "scanner.py").read_text()  # not trained on
     ids = tok.encode(text)
     assert ids.dtype == np.int32 and list(ids) == reference.encode(text, add_special_tokens=False).ids
     assert len(ids) < len(text.encode()) / 1.4, "merges shorten the text"
-    assert tok.decode(ids) == text and tok.decode(tok.encode(TEXT)) == TEXT   # byte-level: any text
+    assert tok.decode(ids) == text and tok.decode(tok.encode(TEXT)) == TEXT  # byte-level: any text
     assert [list(a) for a in tok.encode_batch([text, TEXT])] == [list(ids), list(tok.encode(TEXT))]
     # Ids past the tokenizer's (the model's padded rows) decode to U+FFFD, the rest as they are.
     assert tok.decode([*tok.encode("ab"), 299 + 50, *tok.encode("cd")]) == "ab\ufffdcd"
@@ -70,11 +71,17 @@ def test_tokenizer_config_names_the_eos_token(trained, tmp_path):
     assert tokenizer.load(str(tmp_path)).eos_id == tokenizer.load(str(trained)).eos_id
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda d: str(d / "nope"), r"does not exist; give 'bytes', a tokenizer.json"),
-    (lambda d: str(d), r"the directory .* holds no tokenizer.json"),
-    (lambda d: (d / "t.json").write_text('{"x": 1}') and str(d / "t.json"), r"is not a Hugging Face tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda d: str(d / "nope"), r"does not exist; give 'bytes', a tokenizer.json"),
+        (lambda d: str(d), r"the directory .* holds no tokenizer.json"),
+        (
+            lambda d: (d / "t.json").write_text('{"x": 1}') and str(d / "t.json"),
+            r"is not a Hugging Face tokenizer.json",
+        ),
+    ],
+)
 def test_refuses_what_is_no_tokenizer(tmp_path, make, match):
     with pytest.raises(ConfigError, match=match):
         tokenizer.load(make(tmp_path))
@@ -116,8 +123,10 @@ def test_a_config_from_before_the_tokenizer_keys_has_the_same_math():
 def test_the_byte_corpus_through_a_tokenizer(trained):
     """data.source=files with a BPE: each file's tokens, then the end-of-text token."""
     files = [STDLIB / "json" / "decoder.py", STDLIB / "textwrap.py"]
-    cfg = config.load("configs/gpt_tiny.yaml", ["data.source=files", f"data.paths={[str(f) for f in files]}",
-                                                f"data.tokenizer={trained}"])
+    cfg = config.load(
+        "configs/gpt_tiny.yaml",
+        ["data.source=files", f"data.paths={[str(f) for f in files]}", f"data.tokenizer={trained}"],
+    )
     train, eval_ = data.token_sources(cfg)
     tok = tokenizer.load(str(trained))
     want = np.concatenate([np.append(tok.encode(f.read_text()), tok.eos_id) for f in files])

@@ -1,6 +1,7 @@
 """recipes/tokens.py and `mpmd tokenize`: a tokenized corpus written in shards and read back
 memory-mapped, document by document exactly the tokenizer's encoding; a changed or damaged
 corpus is refused by name."""
+
 import json
 import sysconfig
 from pathlib import Path
@@ -23,8 +24,10 @@ def texts_of(files) -> list[str]:
 @pytest.fixture(scope="module")
 def corpus_dir(trained, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("corpus")
-    assert tokenize_cli.main([*map(str, FILES), "-o", str(out), "--tokenizer", str(trained),
-                              "--shard-tokens", "3000"]) == 0
+    assert (
+        tokenize_cli.main([*map(str, FILES), "-o", str(out), "--tokenizer", str(trained), "--shard-tokens", "3000"])
+        == 0
+    )
     return out
 
 
@@ -70,8 +73,19 @@ def test_the_same_files_and_tokenizer_give_the_same_hash(corpus_dir, trained, tm
 
 def test_tokenize_a_configs_files(trained, tmp_path):  # noqa: F811
     out = tmp_path / "c"
-    assert tokenize_cli.main(["configs/gpt_tiny.yaml", "data.source=files", f"data.paths={[str(f) for f in FILES]}",
-                              f"data.tokenizer={trained}", "-o", str(out)]) == 0
+    assert (
+        tokenize_cli.main(
+            [
+                "configs/gpt_tiny.yaml",
+                "data.source=files",
+                f"data.paths={[str(f) for f in FILES]}",
+                f"data.tokenizer={trained}",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert tokens.Corpus(out).num_documents == len(FILES)
     assert tokens.Corpus(out).tokenizer().hash == tokenizer.load(str(trained)).hash
 
@@ -79,7 +93,9 @@ def test_tokenize_a_configs_files(trained, tmp_path):  # noqa: F811
 def test_refuses_a_missing_changed_or_truncated_corpus(corpus_dir, tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"data.path='.*nope' does not exist: give the directory `mpmd tokenize"):
         tokens.Corpus(tmp_path / "nope")
-    with pytest.raises(ConfigError, match=r"data.path \(a corpus `mpmd tokenize` wrote\) must be given when data.source=.tokens."):
+    with pytest.raises(
+        ConfigError, match=r"data.path \(a corpus `mpmd tokenize` wrote\) must be given when data.source=.tokens."
+    ):
         config.load("configs/gpt_tiny.yaml", ["data.source=tokens"])
     with pytest.raises(ConfigError, match=r"data.pack=true packs the documents of a tokenized corpus"):
         config.load("configs/gpt_tiny.yaml", ["data.pack=true"])

@@ -1,4 +1,5 @@
 """`mpmd train` end to end, as the real command in a subprocess, on tiny configs."""
+
 import json
 import sys
 
@@ -8,15 +9,22 @@ from mpmd.recipes import config
 from mpmd.recipes import run_log
 from tests.support.processes import ROOT, TINY_GPT, mpmd_train
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gpt") / "run"
-    proc = mpmd_train("configs/gpt_tiny.yaml", "cluster.backend=inprocess", "train.steps=6",
-                      "train.eval_every=3", "log.trace_steps=[2]", "train.sample_tokens=8",
-                      f"run_dir={run_dir}", *TINY_GPT)
+    proc = mpmd_train(
+        "configs/gpt_tiny.yaml",
+        "cluster.backend=inprocess",
+        "train.steps=6",
+        "train.eval_every=3",
+        "log.trace_steps=[2]",
+        "train.sample_tokens=8",
+        f"run_dir={run_dir}",
+        *TINY_GPT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -55,23 +63,27 @@ def test_gpt_run_writes_trace_tensorboard_and_sample(gpt_run):
 
 def test_bad_config_exits_2_and_starts_nothing(tmp_path):
     run_dir = tmp_path / "never"
-    proc = mpmd_train("configs/gpt_tiny.yaml", "train.steps=0", "train.bacth_size=4",
-                      f"run_dir={run_dir}")
+    proc = mpmd_train("configs/gpt_tiny.yaml", "train.steps=0", "train.bacth_size=4", f"run_dir={run_dir}")
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ")
     assert "train.bacth_size" in proc.stderr and "train.batch_size" in proc.stderr
     assert not run_dir.exists()
-    proc = mpmd_train("configs/gpt_tiny.yaml", "pipeline.num_microbatches=3",
-                      f"run_dir={run_dir}")
+    proc = mpmd_train("configs/gpt_tiny.yaml", "pipeline.num_microbatches=3", f"run_dir={run_dir}")
     assert proc.returncode == 2 and "divisible by pipeline.num_microbatches=3" in proc.stderr
     assert not run_dir.exists()
 
 
 def test_custom_stages_config_trains(tmp_path):
     run_dir = tmp_path / "custom"
-    proc = mpmd_train("configs/custom_stages.yaml", "train.steps=3", "model.d_model=16",
-                      "train.batch_size=8", "data.max_bytes=300000", "log.tensorboard=false",
-                      f"run_dir={run_dir}")
+    proc = mpmd_train(
+        "configs/custom_stages.yaml",
+        "train.steps=3",
+        "model.d_model=16",
+        "train.batch_size=8",
+        "data.max_bytes=300000",
+        "log.tensorboard=false",
+        f"run_dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = run_log.read(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -84,9 +96,16 @@ def test_custom_stage_count_mismatch_is_a_config_error(capsys, tmp_path):
     # In this process: the command's exit 2 on a ConfigError, before anything starts, is
     # test_bad_config_exits_2_and_starts_nothing's (and tests/recipes/test_mesh_cli.py's).
     from mpmd.recipes import train_cli
+
     run_dir = tmp_path / "custom"
-    status = train_cli.main([str(ROOT / "configs/custom_stages.yaml"), "pipeline.num_stages=2",
-                             "data.max_bytes=300000", f"run_dir={run_dir}"])
+    status = train_cli.main(
+        [
+            str(ROOT / "configs/custom_stages.yaml"),
+            "pipeline.num_stages=2",
+            "data.max_bytes=300000",
+            f"run_dir={run_dir}",
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2, err[-3000:]
     assert err.startswith("error: ") and "returned 4 stages but pipeline.num_stages=2" in err
@@ -95,8 +114,7 @@ def test_custom_stage_count_mismatch_is_a_config_error(capsys, tmp_path):
 
 def test_mlp_config_trains(tmp_path):
     run_dir = tmp_path / "mlp"
-    proc = mpmd_train("configs/mlp.yaml", "train.steps=4", "train.eval_every=2",
-                      f"run_dir={run_dir}")
+    proc = mpmd_train("configs/mlp.yaml", "train.steps=4", "train.eval_every=2", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = run_log.read(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -110,17 +128,19 @@ def test_a_bug_while_building_is_an_error_not_a_config_error(monkeypatch, tmp_pa
 
     def broken_optimizer(cfg):
         raise ValueError("a bug in the recipe")
+
     monkeypatch.setattr(train, "build_optimizer", broken_optimizer)
     run_dir = tmp_path / "bug"
     with pytest.raises(ValueError, match="a bug in the recipe") as error:
         train_cli.main([str(ROOT / "configs/mlp.yaml"), f"run_dir={run_dir}"])
-    assert not isinstance(error.value, config.ConfigError)   # a traceback, not "error: ..."
+    assert not isinstance(error.value, config.ConfigError)  # a traceback, not "error: ..."
     assert not run_dir.exists()
 
 
 def test_missing_ray_is_a_one_line_error_naming_the_install(monkeypatch, capsys, tmp_path):
     from mpmd.recipes import train_cli
-    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` now fails
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
     run_dir = tmp_path / "ray"
     status = train_cli.main([str(ROOT / "configs/mlp.yaml"), "cluster.backend=ray", f"run_dir={run_dir}"])
     err = capsys.readouterr().err
@@ -134,23 +154,39 @@ def test_too_few_devices_for_inprocess_is_a_config_error():
     import jax
 
     from mpmd.recipes import train
+
     n = len(jax.devices()) + 1
-    cfg = config.load(None, ["cluster.backend=inprocess", f"model.num_layers={n}", f"pipeline.num_stages={n}",
-                             f"pipeline.num_microbatches={n}", f"train.batch_size={n}"])
+    cfg = config.load(
+        None,
+        [
+            "cluster.backend=inprocess",
+            f"model.num_layers={n}",
+            f"pipeline.num_stages={n}",
+            f"pipeline.num_microbatches={n}",
+            f"train.batch_size={n}",
+        ],
+    )
     with pytest.raises(config.ConfigError, match=rf"cluster.backend='inprocess': .*device_count={n}"):
         train.build_cluster(cfg)
 
 
 def test_a_rerun_with_fewer_steps_than_the_run_holds_says_why_it_trains_none(gpt_run, tmp_path):
     import shutil
+
     run_dir = tmp_path / "run"
-    shutil.copytree(gpt_run[0], run_dir)       # the fixture's run stays as its tests read it
-    proc = mpmd_train("configs/gpt_tiny.yaml", "cluster.backend=inprocess", "train.steps=4",
-                      "train.sample_tokens=0", f"run_dir={run_dir}", *TINY_GPT)
+    shutil.copytree(gpt_run[0], run_dir)  # the fixture's run stays as its tests read it
+    proc = mpmd_train(
+        "configs/gpt_tiny.yaml",
+        "cluster.backend=inprocess",
+        "train.steps=4",
+        "train.sample_tokens=0",
+        f"run_dir={run_dir}",
+        *TINY_GPT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nothing to train: the run is at step 6 and train.steps=4" in proc.stdout + proc.stderr
     assert "done: 0 steps" in proc.stdout
-    assert [r["step"] for r in run_log.read(run_dir)] == [1, 2, 3, 4, 5, 6]   # nothing dropped
+    assert [r["step"] for r in run_log.read(run_dir)] == [1, 2, 3, 4, 5, 6]  # nothing dropped
 
 
 def test_moe_tiny_logs_aux_loss_dropped_tokens_and_expert_load(tmp_path):
@@ -158,9 +194,19 @@ def test_moe_tiny_logs_aux_loss_dropped_tokens_and_expert_load(tmp_path):
     loss), each eval step the routing of the steps since the previous one, and the run ends
     with a sample."""
     run_dir = tmp_path / "moe"
-    proc = mpmd_train("configs/moe_tiny.yaml", "cluster.backend=inprocess", "train.steps=4", "train.eval_every=2",
-                      "train.sample_tokens=8", f"run_dir={run_dir}", *TINY_GPT[1:], "model.d_model=48",
-                      "model.num_layers=4", "model.moe.expert_mlp_dim=32", timeout=300)
+    proc = mpmd_train(
+        "configs/moe_tiny.yaml",
+        "cluster.backend=inprocess",
+        "train.steps=4",
+        "train.eval_every=2",
+        "train.sample_tokens=8",
+        f"run_dir={run_dir}",
+        *TINY_GPT[1:],
+        "model.d_model=48",
+        "model.num_layers=4",
+        "model.moe.expert_mlp_dim=32",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = run_log.read(run_dir)
     assert all(0 < r["aux_loss"] < r["loss"] for r in records)
@@ -170,8 +216,10 @@ def test_moe_tiny_logs_aux_loss_dropped_tokens_and_expert_load(tmp_path):
     for r in routed:
         # Both MoE blocks (blocks 1 and 3), each expert's share of what its block routed.
         assert sorted(r["expert_load"]) == ["blocks.1.mlp", "blocks.3.mlp"]
-        assert all(sum(load) == pytest.approx(1.0, abs=1e-3) and len(load) == cfg.model.moe.num_experts
-                   for load in r["expert_load"].values())
+        assert all(
+            sum(load) == pytest.approx(1.0, abs=1e-3) and len(load) == cfg.model.moe.num_experts
+            for load in r["expert_load"].values()
+        )
         assert 0 <= r["dropped_fraction"] < 1 and r["tokens_dropped"] >= 0
     assert "done: 4 steps" in proc.stdout
     # The end-of-run sample decodes through the MoE blocks (eval mode: nothing counted).

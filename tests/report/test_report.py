@@ -2,6 +2,7 @@
 SIGKILLed once (replaced; the run recovers), then the same command with two more steps
 (a resume), a report taken while the run is going and the one `mpmd train` writes at its
 end, checked against the run's own files and in a real browser (Debian's chromium, headless)."""
+
 import json
 import shutil
 import signal
@@ -20,13 +21,25 @@ from mpmd.schedules import core as schedules
 from mpmd.schedules.simulate import simulate
 from tests.support.processes import Controller, mpmd_command, processes_tagged, wait_gone
 
-pytestmark = pytest.mark.slow      # real worker processes and a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes and a controller subprocess (tests/README.md)
 
 STEPS, TRACED, KILL_AFTER, MORE = 10, [2, 3], 6, 2
-OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
-             f"train.steps={STEPS}", "train.eval_every=5", "train.eval_batches=2", "train.sample_tokens=0",
-             "checkpoint.every=3", "log.progress=lines", "log.every=1", f"log.trace_steps={TRACED}",
-             "log.tensorboard=false", "data.max_bytes=300000"]
+OVERRIDES = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.seq_len=32",
+    "train.batch_size=8",
+    f"train.steps={STEPS}",
+    "train.eval_every=5",
+    "train.eval_batches=2",
+    "train.sample_tokens=0",
+    "checkpoint.every=3",
+    "log.progress=lines",
+    "log.every=1",
+    f"log.trace_steps={TRACED}",
+    "log.tensorboard=false",
+    "data.max_bytes=300000",
+]
 TAG = "MPMD_TEST_REPORT"
 
 
@@ -84,7 +97,9 @@ def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     assert c.measured_makespan_s == pytest.approx(makespan_us / 1e6, rel=1e-9)
     forwards = [e["dur"] for e in runs if e["name"].startswith("F s1 ")]
     assert c.costs[1]["F"] == pytest.approx(sum(forwards) / len(forwards) / 1e6, rel=1e-9)
-    assert sorted(s.name for spans in c.measured for s in spans) == sorted(e["name"] for e in _trace_events(run.run_dir, c.step))
+    assert sorted(s.name for spans in c.measured for s in spans) == sorted(
+        e["name"] for e in _trace_events(run.run_dir, c.step)
+    )
     # The simulated timeline is the simulator's for the configured schedule at those costs.
     sim = simulate(schedules.make("1f1b", 2, 4), c.costs, c.comm_s)
     for spans, want in zip(c.simulated, sim.spans):
@@ -110,7 +125,7 @@ def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     assert all(m.measured_peak_bytes > m.predicted["params"] for m in r.memory)
 
     # Config: which keys the file and the command line set; layout, versions, checkpoints, logs.
-    assert r.config_file == "configs/gpt_tiny.yaml" and r.overrides[:len(OVERRIDES)] == OVERRIDES
+    assert r.config_file == "configs/gpt_tiny.yaml" and r.overrides[: len(OVERRIDES)] == OVERRIDES
     src = r.config_sources
     assert (src["train.steps"], src["train.sample_prompt"], src["model.kind"]) == ("command line", "file", "default")
     assert r.layout["placement"] == [0, 1] and r.checkpoints[-1] == STEPS + MORE
@@ -118,8 +133,18 @@ def test_report_of_the_run_holds_its_metrics_traces_goodput_and_memory(run):
     assert {l.name for l in r.logs} >= {"worker_0.log", "worker_1.log", "controller.log"}
 
     page = (run.run_dir / "report.html").read_text()
-    for region in ("loss", "loss-time", "lr", "grad-norm", "tokens-per-s", "step-time", "timeline",
-                   "goodput-bars", "goodput-timeline", "memory"):
+    for region in (
+        "loss",
+        "loss-time",
+        "lr",
+        "grad-norm",
+        "tokens-per-s",
+        "step-time",
+        "timeline",
+        "goodput-bars",
+        "goodput-timeline",
+        "memory",
+    ):
         assert f"data-region='{region}'" in page, region
     assert f"{c.makespan_ratio:.2f}×" in page and f"{c.measured_bubble:.1%}" in page
     assert "recovered:" in page and "resumed from the checkpoint of step" in page
@@ -141,22 +166,35 @@ def test_report_command_writes_the_page_and_refuses_what_is_not_a_run(run, tmp_p
     c = mpmd.report.load(run.run_dir, step=2).pipeline
     assert f"step 2 (1f1b, 2 slices, m=4): makespan measured {c.measured_makespan_s * 1e3:.2f} ms" in proc.stdout
     assert "Pipeline: step 2 measured" in out.read_text()
-    for args, message in (([tmp_path / "nowhere"], "does not exist"),
-                          ([tmp_path], "holds no metrics.jsonl"),
-                          ([run.run_dir, "--step", 7], "step 7 was not traced")):
+    for args, message in (
+        ([tmp_path / "nowhere"], "does not exist"),
+        ([tmp_path], "holds no metrics.jsonl"),
+        ([run.run_dir, "--step", 7], "step 7 was not traced"),
+    ):
         proc = mpmd_command("report", *args)
         assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
 
 
 CHROMIUM = shutil.which("chromium")
-_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-          "--window-size=1400,4000", "--enable-logging=stderr", "--v=0"]
+_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,4000",
+    "--enable-logging=stderr",
+    "--v=0",
+]
 
 
 def _chromium(profile: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian: apt-get install -y chromium)")
@@ -164,6 +202,7 @@ def test_the_page_renders_in_a_headless_browser(run, tmp_path):
     """The page loads without script errors, and the screenshot shows the curves, the timelines,
     goodput and memory where the page says they are."""
     from PIL import Image
+
     url = (run.run_dir / "report.html").as_uri()
     dom = _chromium(tmp_path / "p1", "--dump-dom", url)
     assert dom.returncode == 0 and "Uncaught" not in dom.stderr, dom.stderr[-2000:]
@@ -173,9 +212,15 @@ def test_the_page_renders_in_a_headless_browser(run, tmp_path):
     assert proc.returncode == 0 and "Uncaught" not in proc.stderr, proc.stderr[-2000:]
     image = Image.open(shot).convert("RGB")
     # Each region holds its own colours: the loss curve's blue, the timelines' F and B boxes, ...
-    expect = {"loss": ["#4c78a8"], "lr": ["#54a24b"], "grad-norm": ["#b279a2"], "tokens-per-s": ["#e45756"],
-              "timeline": ["#4c78a8", "#9ecae9", "#54a24b", "#a1d99b"], "goodput-bars": ["#e45756"],
-              "memory": ["#54a24b", "#4c78a8"]}
+    expect = {
+        "loss": ["#4c78a8"],
+        "lr": ["#54a24b"],
+        "grad-norm": ["#b279a2"],
+        "tokens-per-s": ["#e45756"],
+        "timeline": ["#4c78a8", "#9ecae9", "#54a24b", "#a1d99b"],
+        "goodput-bars": ["#e45756"],
+        "memory": ["#54a24b", "#4c78a8"],
+    }
     for name, colours in expect.items():
         left, top, width, height = regions[name]
         assert width > 100 and height > 50 and top + height <= image.height, (name, regions[name])
@@ -184,5 +229,5 @@ def test_the_page_renders_in_a_headless_browser(run, tmp_path):
         inked = sum(n for c, n in counts.items() if c != (255, 255, 255))
         assert inked > 0.01 * width * height, (name, inked)
         for colour in colours:
-            rgb = tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+            rgb = tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5))
             assert counts.get(rgb, 0) > 20, (name, colour, "not drawn")

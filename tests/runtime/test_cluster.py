@@ -2,6 +2,7 @@
 as declared and has the attributes it declares, every launcher those of `Launcher`, and replacement either brings up a new worker or says, with ReplaceUnsupported,
 that it cannot.
 """
+
 import importlib.util
 import inspect
 
@@ -21,8 +22,12 @@ HAVE_RAY = importlib.util.find_spec("ray") is not None
 
 def clusters():
     # Constructing starts nothing: no process, no Ray instance, no call to a manager.
-    made = [mpmd.InProcessCluster(), mpmd.StaticCluster(["127.0.0.1:1"], token="t"),
-            mpmd.LocalCluster(num_workers=2), SharedCluster(address="127.0.0.1:1", submit_token="0" * 32)]
+    made = [
+        mpmd.InProcessCluster(),
+        mpmd.StaticCluster(["127.0.0.1:1"], token="t"),
+        mpmd.LocalCluster(num_workers=2),
+        SharedCluster(address="127.0.0.1:1", submit_token="0" * 32),
+    ]
     if HAVE_RAY:
         made.append(mpmd.RayCluster(num_workers=2))
     return made
@@ -32,14 +37,18 @@ def launchers():
     made = [StaticLauncher(["127.0.0.1:1"]), LocalLauncher(new_token()), SharedLauncher("127.0.0.1:1", "0" * 32)]
     if HAVE_RAY:
         from mpmd.runtime.launchers.ray import RayLauncher
+
         made.append(RayLauncher(new_token()))
     return made
 
 
 def declared(protocol) -> dict:
     """The verbs (functions) and attributes (properties) a protocol declares."""
-    return {n: v for n, v in vars(protocol).items()
-            if not n.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))}
+    return {
+        n: v
+        for n, v in vars(protocol).items()
+        if not n.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))
+    }
 
 
 def shape(fn) -> list:
@@ -71,15 +80,16 @@ def test_a_cluster_that_starts_its_own_workers_knows_its_slices_devices():
     # What the Trainer checks a mesh against before any worker starts.
     assert mpmd.LocalCluster(devices_per_worker=2, processes_per_slice=2).devices_per_slice == 4
     with pytest.raises(sharding.LayoutError, match="slice 0: mesh .* but each slice has 4"):
-        sharding.slice_meshes({"data": 2}, 2, mpmd.LocalCluster(devices_per_worker=2, processes_per_slice=2)
-                              .devices_per_slice)
+        sharding.slice_meshes(
+            {"data": 2}, 2, mpmd.LocalCluster(devices_per_worker=2, processes_per_slice=2).devices_per_slice
+        )
 
 
 @pytest.mark.parametrize("launcher", launchers(), ids=lambda c: type(c).__name__)
 def test_every_launcher_takes_each_verb_as_the_protocol_declares_it(launcher):
     for name, verb in declared(Launcher).items():
         assert shape(getattr(type(launcher), name)) == shape(verb), f"{type(launcher).__name__}.{name}"
-    assert isinstance(launcher.addresses, list)      # the one attribute it declares
+    assert isinstance(launcher.addresses, list)  # the one attribute it declares
 
 
 def test_a_cluster_refuses_an_unknown_transport_naming_those_allowed():
@@ -90,12 +100,13 @@ def test_a_cluster_refuses_an_unknown_transport_naming_those_allowed():
     assert cluster.transport == "auto"
     with pytest.raises(ValueError, match=allowed):
         cluster.transport = "rdma"
-    cluster.transport = "shm"            # what the next start asks of the workers
+    cluster.transport = "shm"  # what the next start asks of the workers
     assert cluster.transport == "shm"
 
 
 def test_worker_lost_is_still_importable_from_client():
     from mpmd.runtime.control import client
+
     assert client.WorkerLost is WorkerLost is mpmd.WorkerLost
 
 

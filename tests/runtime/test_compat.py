@@ -2,6 +2,7 @@
 spelt differently across the supported range. Each test runs the branch of the version this
 process runs; CI runs the suite on jax 0.10.2, 0.11.2 and 0.12.x (.ci/run), so every branch
 is exercised on the version it serves."""
+
 import json
 import os
 import subprocess
@@ -26,8 +27,9 @@ OTHER = {"jax": "0.9.2", "jaxlib": "0.9.2"}
 
 def test_versions_are_what_this_process_runs():
     import jaxlib
+
     assert compat.versions() == {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
-    compat.check_versions(compat.versions())       # the same: no error
+    compat.check_versions(compat.versions())  # the same: no error
 
 
 def test_other_versions_are_refused_naming_both_sides():
@@ -47,8 +49,9 @@ def test_new_jaxpr_keeps_constvars_apart_from_invars():
     closed = jax.make_jaxpr(lambda x: x * c + 1.0)(jnp.ones(3))
     jaxpr, consts = compat.closed_parts(closed)
     assert len(consts) == 1 and len(jaxpr.constvars) == 1
-    rebuilt = compat.new_jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, jaxpr.eqns, jaxpr.effects,
-                               jaxpr.debug_info, consts)
+    rebuilt = compat.new_jaxpr(
+        jaxpr.constvars, jaxpr.invars, jaxpr.outvars, jaxpr.eqns, jaxpr.effects, jaxpr.debug_info, consts
+    )
     assert rebuilt.constvars == jaxpr.constvars and rebuilt.invars == jaxpr.invars
     (out,) = jax.core.eval_jaxpr(rebuilt, consts, jnp.full(3, 2.0))
     assert out.tolist() == [1.0, 3.0, 5.0]
@@ -67,9 +70,11 @@ def test_a_worker_on_other_versions_is_refused_at_setup(monkeypatch, capsys, tmp
     # The controller (this process) says it runs other versions; the workers are real
     # processes on this machine's JAX, so each refuses Setup and `mpmd train` ends in one line.
     from mpmd.recipes import train_cli
+
     monkeypatch.setattr(compat, "versions", lambda: dict(OTHER))
-    status = train_cli.main([str(ROOT / "configs/gpt_tiny.yaml"), f"run_dir={tmp_path / 'run'}", "train.steps=1",
-                             *TINY_GPT])
+    status = train_cli.main(
+        [str(ROOT / "configs/gpt_tiny.yaml"), f"run_dir={tmp_path / 'run'}", "train.steps=1", *TINY_GPT]
+    )
     err = capsys.readouterr().err.strip()
     assert status == 2, err
     assert len(err.splitlines()) == 1, err
@@ -81,6 +86,7 @@ def test_meshes_are_built_with_auto_axes():
     # From jax 0.11 an AbstractMesh defaults to Explicit axes and a Mesh over devices to Auto;
     # a program exported for the one then refuses to run on the other.
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
     assert compat.abstract_mesh((1, 2), ("a", "b")).axis_types == (AxisType.Auto, AxisType.Auto)
     mesh = compat.mesh(np.asarray(jax.devices()[:2]).reshape(1, 2), ("a", "b"))
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
@@ -96,27 +102,44 @@ def test_compile_fast_flags_are_ones_this_xla_knows():
     # XLA aborts a process whose XLA_FLAGS name a flag it does not know; jaxlib 0.11 removed
     # --xla_cpu_use_fusion_emitters.
     env = dict(os.environ, XLA_FLAGS=compat.XLA_CPU_COMPILE_FAST, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import jax; print(jax.numpy.ones(3).sum())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-500:]
     assert ("--xla_cpu_use_fusion_emitters=false" in compat.XLA_CPU_COMPILE_FAST) == (compat.JAXLIB_VERSION < (0, 11))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not OTHER_PYTHON, reason="MPMD_OTHER_PYTHON names no Python of a venv on other JAX versions "
-                                            "(.ci/run sets it on the newer side)")
+@pytest.mark.skipif(
+    not OTHER_PYTHON,
+    reason="MPMD_OTHER_PYTHON names no Python of a venv on other JAX versions (.ci/run sets it on the newer side)",
+)
 def test_a_worker_of_another_venv_is_refused_naming_both_versions(tmp_path, capsys):
     # Two real venvs: workers started by hand on the other venv's Python (other jax and
     # jaxlib), this process's controller on its own; `mpmd train` ends in one line at Setup.
     from mpmd.recipes import train_cli
+
     probe = "import json; from mpmd.runtime import compat; print(json.dumps(compat.versions()))"
-    theirs = json.loads(subprocess.run([OTHER_PYTHON, "-c", probe], capture_output=True, text=True, check=True,
-                                       timeout=120).stdout)
+    theirs = json.loads(
+        subprocess.run([OTHER_PYTHON, "-c", probe], capture_output=True, text=True, check=True, timeout=120).stdout
+    )
     assert theirs != compat.versions(), f"MPMD_OTHER_PYTHON runs this process's versions too: {theirs}"
     with StandaloneWorkers(tmp_path, 2, shared=False, python=OTHER_PYTHON) as workers:
-        status = train_cli.main([str(ROOT / "configs/gpt_tiny.yaml"), f"run_dir={workers.root / 'run'}", "train.steps=1",
-                                 "cluster.backend=static", f"cluster.addresses={json.dumps(workers.addresses)}",
-                                 f"cluster.token_file={tmp_path / 'token'}", *TINY_GPT])
+        status = train_cli.main(
+            [
+                str(ROOT / "configs/gpt_tiny.yaml"),
+                f"run_dir={workers.root / 'run'}",
+                "train.steps=1",
+                "cluster.backend=static",
+                f"cluster.addresses={json.dumps(workers.addresses)}",
+                f"cluster.token_file={tmp_path / 'token'}",
+                *TINY_GPT,
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert status == 2, err
     assert len(err.splitlines()) == 1, err

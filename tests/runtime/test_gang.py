@@ -5,6 +5,7 @@ relative 1e-5, 3 steps) with the slice's mesh on `data` and on `tensor`; and the
 on "2 processes x 1 device" and "1 process x 2 devices" per slice gives bitwise equal losses
 (a reduction over two devices adds the same two numbers in either case).
 """
+
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from mpmd.runtime.launchers.workers import free_port
 from tests.support.processes import ROOT, wait_gone
 from tests.runtime.test_mesh_slices import assert_matches, run
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +79,12 @@ def test_two_processes_of_one_device_equal_one_process_of_two_bitwise(gang_data2
 
 def test_a_gang_that_cannot_form_in_time_is_named_and_stopped():
     cluster = mpmd.LocalCluster(num_workers=1, processes_per_slice=2, start_timeout_s=0.05)
-    with pytest.raises(RuntimeError, match=r"slice 0's gang of 2 processes did not form within "
-                                           r"start_timeout_s=0.05 s: process 0 \(pid \d+\) not ready, "
-                                           r"process 1 \(pid \d+\) not ready") as error:
+    with pytest.raises(
+        RuntimeError,
+        match=r"slice 0's gang of 2 processes did not form within "
+        r"start_timeout_s=0.05 s: process 0 \(pid \d+\) not ready, "
+        r"process 1 \(pid \d+\) not ready",
+    ) as error:
         cluster.start(1)
     named = [int(p) for p in re.findall(r"pid (\d+)", str(error.value))]
     assert len(named) == 2 and wait_gone(named) == [], "a process of the gang that did not form is left"
@@ -103,8 +107,15 @@ def test_losing_one_process_loses_its_slice_whose_gang_is_replaced_whole(gang, g
 def test_a_replaced_gang_comes_back_from_the_in_memory_tier(gang, gang_root, uninterrupted_data2):
     """The same with checkpoint snapshots in memory every step (mpmd/train/snapshots.py): the new
     gang gets its state from its peer slice's copy, sent gang to gang."""
-    assert lose_one_process_of_slice_1(gang, gang_root / "run_memory", uninterrupted_data2,
-                                      checkpoint=mpmd.Checkpointing(every=recovery_runs.EVERY, memory_every=1)) == "memory"
+    assert (
+        lose_one_process_of_slice_1(
+            gang,
+            gang_root / "run_memory",
+            uninterrupted_data2,
+            checkpoint=mpmd.Checkpointing(every=recovery_runs.EVERY, memory_every=1),
+        )
+        == "memory"
+    )
 
 
 def lose_one_process_of_slice_1(cluster, run_dir, want, **trainer_kw) -> str:
@@ -115,14 +126,16 @@ def lose_one_process_of_slice_1(cluster, run_dir, want, **trainer_kw) -> str:
 
     def kill_process_1_of_slice_1(i, trainer):
         if i == 3 and not killed:
-            trainer.checkpoints.wait()     # step 2 committed (saves are written in the background)
+            trainer.checkpoints.wait()  # step 2 committed (saves are written in the background)
             killed.append(old_gang[1])
             os.kill(old_gang[1], signal.SIGKILL)
+
     killed = []
     trainer = recovery_runs.make_trainer(cluster, run_dir, mesh={"data": 2}, **trainer_kw)
     try:
-        losses, params, rewinds = recovery_runs.train(trainer, recovery_runs.data(), kill_process_1_of_slice_1,
-                                                      steps=recovery_runs.GANG_STEPS)
+        losses, params, rewinds = recovery_runs.train(
+            trainer, recovery_runs.data(), kill_process_1_of_slice_1, steps=recovery_runs.GANG_STEPS
+        )
     finally:
         trainer.close(close_cluster=False)
     assert killed and rewinds == 1
@@ -142,20 +155,42 @@ def test_static_gangs_of_mpmd_worker_processes(gang_data2, tmp_path):
     os.chmod(token_file, 0o600)
     procs = []
     try:
-        for _ in range(2):           # two slices, each a gang with its own coordinator
+        for _ in range(2):  # two slices, each a gang with its own coordinator
             coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-            procs += [subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
-                                        "--token-file", str(token_file), "--root", str(tmp_path),
-                                        "--coordinator", coordinator, "--num-processes", "2",
-                                        "--process-id", str(j)],
-                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                      for j in range(2)]
-        lines = [p.stdout.readline() for p in procs]      # ready once its whole gang has joined
+            procs += [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "mpmd.recipes.cli",
+                        "worker",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--token-file",
+                        str(token_file),
+                        "--root",
+                        str(tmp_path),
+                        "--coordinator",
+                        coordinator,
+                        "--num-processes",
+                        "2",
+                        "--process-id",
+                        str(j),
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+                for j in range(2)
+            ]
+        lines = [p.stdout.readline() for p in procs]  # ready once its whole gang has joined
         assert all(line.startswith("MPMD_WORKER_READY") for line in lines), lines
-        cluster = mpmd.StaticCluster([line.split()[1] for line in lines], token_file=str(token_file),
-                                     processes_per_slice=2)
+        cluster = mpmd.StaticCluster(
+            [line.split()[1] for line in lines], token_file=str(token_file), processes_per_slice=2
+        )
         assert run(cluster, {"data": 2}, "1f1b", steps=2)[0] == gang_data2[0][0][:2]
-        for p in procs:   # closing the cluster shuts every process of every gang down
+        for p in procs:  # closing the cluster shuts every process of every gang down
             assert p.wait(timeout=10) == 0
     finally:
         for p in procs:
@@ -164,14 +199,17 @@ def test_static_gangs_of_mpmd_worker_processes(gang_data2, tmp_path):
             p.wait()
 
 
-@pytest.mark.parametrize("addresses,k,error", [
-    ([["a:1", "b:2"], ["c:3"]], None, "the address lists have 1, 2"),
-    (["a:1", "b:2", "c:3"], 2, "3 address(es) cannot be cut into gangs of processes_per_slice=2"),
-    ([["a:1", "b:2"], ["c:3", "a:1"]], 2, "list a:1 more than once"),
-    ([["a:1", "b:2"], "c:3"], None, "mixes single addresses and lists"),
-    ([["a:1", "b"]], 2, "address 'b' must be 'host:port'"),
-    ([["a:1", "b:2"]], 3, "processes_per_slice=3 but each address list names 2"),
-])
+@pytest.mark.parametrize(
+    "addresses,k,error",
+    [
+        ([["a:1", "b:2"], ["c:3"]], None, "the address lists have 1, 2"),
+        (["a:1", "b:2", "c:3"], 2, "3 address(es) cannot be cut into gangs of processes_per_slice=2"),
+        ([["a:1", "b:2"], ["c:3", "a:1"]], 2, "list a:1 more than once"),
+        ([["a:1", "b:2"], "c:3"], None, "mixes single addresses and lists"),
+        ([["a:1", "b"]], 2, "address 'b' must be 'host:port'"),
+        ([["a:1", "b:2"]], 3, "processes_per_slice=3 but each address list names 2"),
+    ],
+)
 def test_static_gang_addresses_are_checked(addresses, k, error):
     with pytest.raises(ValueError, match=re.escape(error)):
         mpmd.StaticCluster(addresses, token="t" * 32, processes_per_slice=k)
@@ -180,31 +218,47 @@ def test_static_gang_addresses_are_checked(addresses, k, error):
 STATIC = ["cluster.backend=static", "cluster.token_file=/secure/token"]
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3"]'],
-     "cluster.addresses: 3 address(es) cannot be cut into gangs of processes_per_slice=2"),
-    (['cluster.addresses=[["a:1","b:2"],["c:3"]]'], "cluster.addresses: every slice's gang must have the same"),
-    (['cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'], "processes_per_slice=1 but each address list names 2"),
-    (["cluster.processes_per_slice=2", 'cluster.addresses=[["a:1","b:2"]]'], "needs cluster.addresses with one gang (the 'host:port' of each "
-                                           "of its processes) per slice (2), got 1"),
-    (["cluster.backend=inprocess", "cluster.processes_per_slice=2"],
-     "cluster.processes_per_slice=2 needs worker processes: cluster.backend 'local', 'static' or 'ray'"),
-    (["cluster.processes_per_slice=2", "mesh.data=4"],
-     "but a slice has 2 (cluster.devices_per_worker=1 x cluster.processes_per_slice=2)"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3"]'],
+            "cluster.addresses: 3 address(es) cannot be cut into gangs of processes_per_slice=2",
+        ),
+        (['cluster.addresses=[["a:1","b:2"],["c:3"]]'], "cluster.addresses: every slice's gang must have the same"),
+        (['cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'], "processes_per_slice=1 but each address list names 2"),
+        (
+            ["cluster.processes_per_slice=2", 'cluster.addresses=[["a:1","b:2"]]'],
+            "needs cluster.addresses with one gang (the 'host:port' of each of its processes) per slice (2), got 1",
+        ),
+        (
+            ["cluster.backend=inprocess", "cluster.processes_per_slice=2"],
+            "cluster.processes_per_slice=2 needs worker processes: cluster.backend 'local', 'static' or 'ray'",
+        ),
+        (
+            ["cluster.processes_per_slice=2", "mesh.data=4"],
+            "but a slice has 2 (cluster.devices_per_worker=1 x cluster.processes_per_slice=2)",
+        ),
+    ],
+)
 def test_gang_config_errors_name_the_key(overrides, message):
     from mpmd.recipes import config
+
     with pytest.raises(ValueError, match=re.escape(message)):
         config.load(None, (STATIC if "cluster.backend=inprocess" not in overrides else []) + overrides)
 
 
 def test_gang_configs_that_are_accepted():
     from mpmd.recipes import config
-    grouped = config.load(None, STATIC + ["cluster.processes_per_slice=2",
-                                          'cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]'])
+
+    grouped = config.load(
+        None, STATIC + ["cluster.processes_per_slice=2", 'cluster.addresses=[["a:1","b:2"],["c:3","d:4"]]']
+    )
     flat = config.load(None, STATIC + ["cluster.processes_per_slice=2", 'cluster.addresses=["a:1","b:2","c:3","d:4"]'])
     assert len(grouped.cluster.addresses) == 2 and len(flat.cluster.addresses) == 4
-    assert config.load(None, ["cluster.processes_per_slice=2"]).slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1}] * 2
+    assert (
+        config.load(None, ["cluster.processes_per_slice=2"]).slice_shapes() == [{"data": 2, "fsdp": 1, "tensor": 1}] * 2
+    )
 
 
 def test_gang_trains_real_workloads_like_unpipelined_jax(gang):
@@ -213,10 +267,22 @@ def test_gang_trains_real_workloads_like_unpipelined_jax(gang):
     and batch statistics (the statistics span both processes' batch shards)."""
     from tests.support import workloads as wl
     from tests.train.test_workloads import assert_equal_to_reference
+
     data = wl.batches(m=4)
-    assert_equal_to_reference(wl.pipelined(wl.mixed_stages, wl.masked_loss, data, 4, "interleaved-1f1b",
-                                           cluster=gang, virtual_stages=2, mesh={"data": 2}, close=False),
-                              wl.reference(wl.mixed_stages, wl.masked_loss, data, 4))
+    assert_equal_to_reference(
+        wl.pipelined(
+            wl.mixed_stages,
+            wl.masked_loss,
+            data,
+            4,
+            "interleaved-1f1b",
+            cluster=gang,
+            virtual_stages=2,
+            mesh={"data": 2},
+            close=False,
+        ),
+        wl.reference(wl.mixed_stages, wl.masked_loss, data, 4),
+    )
     pairs = wl.float_batches()
     want_losses, want_params, _ = wl.nnx_reference(wl.stateful_stages, wl.square_loss, pairs, 4)
     pipe = mpmd.Pipeline(mpmd.split(wl.NoisyModel(), num_stages=2), wl.square_loss)

@@ -2,6 +2,7 @@
 of its own, on a local Ray instance. One actor of slice 1 SIGKILLed mid-run: the slice's
 placement group is removed and reserved again for a new gang, and the run ends as an
 uninterrupted one does (the same checks as tests/runtime/test_gang.py's local gangs)."""
+
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
@@ -10,7 +11,7 @@ import mpmd  # noqa: E402
 from tests.support.processes import wait_gone  # noqa: E402
 from tests.runtime.test_gang import lose_one_process_of_slice_1  # noqa: E402
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 
 def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path, uninterrupted_data2):

@@ -3,6 +3,7 @@
 It must give exactly what the in-process cluster gives (bitwise: same compiled programs,
 same threading), over every schedule, for split and for hand-written stages.
 """
+
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from tests.support.processes import alive, wait_gone
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train
 from tests.support.user_stages import UserModel, token_batches
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,9 +67,11 @@ def test_same_as_inprocess(cluster, name, p):
 
 def _shm_segments(pids) -> list[int]:
     """Per worker: the shared-memory segments (runtime/wire/shm.py) it maps now."""
+
     def count(pid):
         with open(f"/proc/{pid}/maps") as f:
             return len({line.split()[5] for line in f if "memfd:mpmd-shm" in line})
+
     return [count(pid) for pid in pids]
 
 
@@ -79,11 +82,12 @@ def test_training_over_shared_memory_is_bitwise_training_over_sockets(cluster):
     data = batches()
 
     def run(transport):
-        cluster.transport = transport          # from the next start: the Trainer's
+        cluster.transport = transport  # from the next start: the Trainer's
         try:
             return train(make, "1f1b", 4, 1, cluster, data), _shm_segments(cluster.pids)
         finally:
             cluster.transport = "auto"
+
     over_shm, mapped_shm = run("shm")
     # The socket run's Setup ended the shm session: nothing of it is left mapped.
     over_socket, mapped_socket = run("socket")
@@ -103,7 +107,7 @@ def test_one_run_rpc_per_worker_per_step(cluster):
     trainer = mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=8, cluster=cluster)
     try:
         x, y = batches()[0]
-        trainer.step(x, y)           # compiles and ships programs
+        trainer.step(x, y)  # compiles and ships programs
         before = dict(cluster.rpc_counts)
         for _ in range(3):
             trainer.step(x, y)
@@ -122,10 +126,24 @@ def test_unreachable_worker_fails_fast_naming_it():
 
 
 def start_worker(token_file, *extra):
-    os.chmod(token_file, 0o600)       # a token file others may read is refused
-    proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
-                             "--token-file", str(token_file), *extra],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    os.chmod(token_file, 0o600)  # a token file others may read is refused
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mpmd.recipes.cli",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            str(token_file),
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.startswith("MPMD_WORKER_READY"), line + proc.stderr.read()
     return proc, line.split()[1]
@@ -156,12 +174,13 @@ def test_static_cluster_with_mpmd_worker_processes(static_workers):
     data = batches()[:2]
     static = train(make, "1f1b", 4, 1, mpmd.StaticCluster(addrs, token_file=str(token_file)), data)
     assert_same(static, train(make, "1f1b", 4, 1, mpmd.InProcessCluster(), data))
-    for p in procs:   # closing the cluster shuts its workers down
+    for p in procs:  # closing the cluster shuts its workers down
         assert p.wait(timeout=10) == 0
 
 
 def raw_call(address, method, body: bytes, token=None):
     import grpc
+
     with grpc.insecure_channel(address) as ch:
         md = (("mpmd-token", token),) if token is not None else ()
         return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=5)
@@ -170,6 +189,7 @@ def raw_call(address, method, body: bytes, token=None):
 def test_token_is_required_and_bad_messages_get_errors(static_workers):
     import grpc
     from mpmd.runtime.wire import format as wire
+
     token_file, addrs, procs = static_workers
     token = token_file.read_text().strip()
     addr = addrs[0]
@@ -178,18 +198,28 @@ def test_token_is_required_and_bad_messages_get_errors(static_workers):
         with pytest.raises(grpc.RpcError) as e:
             raw_call(addr, "Hello", hello, bad)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    for body, why in [(b"\x00\x00", "shorter than its 4-byte header"),
-                      (b"\x00\x00\x00\x05notjs", "not UTF-8 JSON"),
-                      (wire.encode({"slice_index": "zero"}, []), "'slice_index' must be an integer"),
-                      (b"\x00\x00\x00\x02{}junk", "trailing bytes")]:
+    for body, why in [
+        (b"\x00\x00", "shorter than its 4-byte header"),
+        (b"\x00\x00\x00\x05notjs", "not UTF-8 JSON"),
+        (wire.encode({"slice_index": "zero"}, []), "'slice_index' must be an integer"),
+        (b"\x00\x00\x00\x02{}junk", "trailing bytes"),
+    ]:
         with pytest.raises(grpc.RpcError) as e:
             raw_call(addr, "Setup", body, token)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:   # a program that is not a jax.export serialization
-        raw_call(addr, "Setup", wire.encode({"slice_index": 0, "transfer_host": "127.0.0.1",
-                                            "transfer_secret": "ab" * 16}, []), token)
-        raw_call(addr, "LoadPrograms", wire.encode({"programs": [{"name": "f", "kind": "exported",
-                                                                  "data": {"$blob": 0}}]}, [b"garbage"]), token)
+    with pytest.raises(grpc.RpcError) as e:  # a program that is not a jax.export serialization
+        raw_call(
+            addr,
+            "Setup",
+            wire.encode({"slice_index": 0, "transfer_host": "127.0.0.1", "transfer_secret": "ab" * 16}, []),
+            token,
+        )
+        raw_call(
+            addr,
+            "LoadPrograms",
+            wire.encode({"programs": [{"name": "f", "kind": "exported", "data": {"$blob": 0}}]}, [b"garbage"]),
+            token,
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # The worker keeps serving after all of that.
     header, _ = wire.decode(raw_call(addr, "Hello", hello, token))
@@ -209,8 +239,13 @@ time.sleep(600)
 
 
 def test_workers_exit_when_controller_is_killed():
-    ctl = subprocess.Popen([sys.executable, "-c", CONTROLLER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                           env={**os.environ, "PYTHONPATH": ROOT})
+    ctl = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     try:
         pids = [int(p) for p in ctl.stdout.readline().split()]
         assert len(pids) == 2 and all(alive(p) for p in pids)

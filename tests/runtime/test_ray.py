@@ -4,6 +4,7 @@ They must train exactly like the in-process cluster; an actor killed under a run
 must be noticed (by the failed RPC at once, by the heartbeat when idle) and replaced by a
 new actor in its slot, after which training goes on exactly as if nothing had happened.
 """
+
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from tests.support import reference  # noqa: E402
 from tests.support.processes import TINY_GPT, alive, mpmd_train, wait_gone  # noqa: E402
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train  # noqa: E402
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 
 def make_pipeline():
@@ -87,7 +88,7 @@ def test_killed_actors_are_detected_and_replaced(cluster, inprocess):
         address, pid = kill(cluster, 0)
         with pytest.raises(mpmd.Rewound, match=rf"slice 0 \(worker {re.escape(address)}\) lost: UNAVAILABLE") as e:
             trainer.step(*data[1])
-        assert e.value.step == 0                    # no checkpoint: back to the initial state
+        assert e.value.step == 0  # no checkpoint: back to the initial state
         assert cluster.pids[0] != pid and alive(cluster.pids[0])
         assert cluster.addresses[0].startswith("127.0.0.1:")
 
@@ -131,18 +132,23 @@ def test_a_sigtermed_actor_is_a_lost_worker(cluster, inprocess):
 def test_without_ray_says_how_to_install(monkeypatch):
     from mpmd.recipes import config
     from mpmd.recipes import train as recipe
+
     cfg = config.load(None, ["cluster.backend=ray"])
-    assert isinstance(recipe.build_cluster(cfg), mpmd.RayCluster)   # the recipe's arguments fit
-    monkeypatch.setitem(sys.modules, "ray", None)                    # `import ray` now fails
+    assert isinstance(recipe.build_cluster(cfg), mpmd.RayCluster)  # the recipe's arguments fit
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]'"):
         mpmd.RayCluster(num_workers=2)
     # An ImportError only (not a ValueError posing as a bad value): callers that want a
     # friendly message catch RayMissingError by name.
     from mpmd.runtime.launchers.ray import RayMissingError
+
     assert not issubclass(RayMissingError, ValueError)
     # The recipe reports it as a bad choice of cluster.backend, naming the install command.
-    with pytest.raises(config.ConfigError, match=r"cluster\.backend='ray'.*RayCluster needs Ray.*"
-                                                 r"pip install -e '\.\[ray\]'"):
+    with pytest.raises(
+        config.ConfigError,
+        match=r"cluster\.backend='ray'.*RayCluster needs Ray.*"
+        r"pip install -e '\.\[ray\]'",
+    ):
         recipe.build_cluster(cfg)
 
 
@@ -163,9 +169,17 @@ def test_mpmd_train_on_ray_gives_the_local_losses(tmp_path):
     losses = {}
     for backend in ("local", "ray"):
         run_dir = tmp_path / backend
-        proc = mpmd_train("configs/gpt_tiny.yaml", f"cluster.backend={backend}", "train.steps=4",
-                          "train.eval_every=0", "train.sample_tokens=0", "log.trace_steps=[]",
-                          f"run_dir={run_dir}", *TINY_GPT, timeout=240)
+        proc = mpmd_train(
+            "configs/gpt_tiny.yaml",
+            f"cluster.backend={backend}",
+            "train.steps=4",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            "log.trace_steps=[]",
+            f"run_dir={run_dir}",
+            *TINY_GPT,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses[backend] = [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["local"]) == 4

@@ -9,6 +9,7 @@ node joins; each run ends bitwise as the uninterrupted one. Gangs spread one pro
 node only over nodes that hold a bundle (the 0-CPU head does not), else a refusal naming
 what is missing. A dead cluster.address ends `mpmd train` with one line.
 """
+
 import logging
 import re
 import time
@@ -25,7 +26,7 @@ from tests.support.processes import TINY_GPT, mpmd_train, wait_gone  # noqa: E40
 from tests.support.ray_nodes import RayNodes  # noqa: E402
 from tests.support.recovery_runs import EVERY, assert_same_run, run_with_fault  # noqa: E402
 
-pytestmark = pytest.mark.slow      # real Ray nodes, worker actors, SIGKILL (tests/README.md)
+pytestmark = pytest.mark.slow  # real Ray nodes, worker actors, SIGKILL (tests/README.md)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,14 @@ def nodes():
 
 
 def ray_cluster(nodes, tmp_path, **kw):
-    return mpmd.RayCluster(num_workers=2, address=nodes.address, failure_timeout_s=2.0, root=str(tmp_path),
-                           log_dir=str(tmp_path / "logs"), **kw)
+    return mpmd.RayCluster(
+        num_workers=2,
+        address=nodes.address,
+        failure_timeout_s=2.0,
+        root=str(tmp_path),
+        log_dir=str(tmp_path / "logs"),
+        **kw,
+    )
 
 
 def keep_two_nodes(nodes) -> None:
@@ -78,9 +85,9 @@ class NodeLoss:
     def __init__(self, nodes, kill_at: int, add_at: int | None = None, started_at: int | None = None):
         self.nodes, self.kill_at, self.add_at, self.started_at = nodes, kill_at, add_at, started_at
         self.fired: list[int] = []
-        self.placed: list[int | None] = []      # the node of each slice's worker, at batch 0
+        self.placed: list[int | None] = []  # the node of each slice's worker, at batch 0
         self.slices_seen: list[int] = []
-        self.pending_group = None               # the replacement's placement group, as first asked
+        self.pending_group = None  # the replacement's placement group, as first asked
 
     def __call__(self, i, trainer):
         cluster = trainer.cluster
@@ -113,16 +120,21 @@ def test_one_slice_per_node_and_a_lost_node_replaced_on_the_spare(nodes, uninter
     fault = NodeLoss(nodes, kill_at=3)
     caplog.set_level(logging.WARNING, logger="mpmd.workers")
     try:
-        got = run_with_fault(tmp_path, fault, cluster=cluster,
-                             trainer_kw=dict(recovery=mpmd.Recovery(on_loss="replace", replace_timeout_s=60)))
+        got = run_with_fault(
+            tmp_path,
+            fault,
+            cluster=cluster,
+            trainer_kw=dict(recovery=mpmd.Recovery(on_loss="replace", replace_timeout_s=60)),
+        )
         new_node = nodes.node_of(cluster.pids[1])
         relayed = warn_worker_0(cluster, caplog)
     finally:
         cluster.close()
     log_0 = tmp_path / "logs" / "worker_0.log"
-    assert re.fullmatch(rf"worker 0 WARNING refused Heartbeat from \S+: wrong token \(see {re.escape(str(log_0))}\)",
-                        relayed), relayed
-    assert "WARNING refused Heartbeat" in log_0.read_text()      # the worker's own account
+    assert re.fullmatch(
+        rf"worker 0 WARNING refused Heartbeat from \S+: wrong token \(see {re.escape(str(log_0))}\)", relayed
+    ), relayed
+    assert "WARNING refused Heartbeat" in log_0.read_text()  # the worker's own account
     assert_same_run(got, uninterrupted)
     assert None not in fault.placed and len(set(fault.placed)) == 2, fault.placed
     (left,) = spare - set(fault.placed)
@@ -141,15 +153,20 @@ def test_no_spare_shrinks_then_grows_back_when_a_node_joins(nodes, uninterrupted
     cluster = ray_cluster(nodes, tmp_path)
     fault = NodeLoss(nodes, kill_at=1, add_at=2, started_at=3)
     try:
-        got = run_with_fault(tmp_path, fault, cluster=cluster,
-                             trainer_kw=dict(recovery=mpmd.Recovery(on_loss="auto", replace_timeout_s=3)))
+        got = run_with_fault(
+            tmp_path,
+            fault,
+            cluster=cluster,
+            trainer_kw=dict(recovery=mpmd.Recovery(on_loss="auto", replace_timeout_s=3)),
+        )
         trainer = run_with_fault.trainer
         grown_group = cluster.placement_groups[1]
     finally:
         cluster.close()
     assert_same_run(got, uninterrupted)
-    assert [(c["step"], c["num_slices"]) for c in trainer.layout_changes] == [(0, 1), (2 * EVERY, 2)], \
+    assert [(c["step"], c["num_slices"]) for c in trainer.layout_changes] == [(0, 1), (2 * EVERY, 2)], (
         trainer.layout_changes
+    )
     # batches 0-1 on 2 slices, the kill, batches 0-3 again on 1, then 4-7 on 2
     assert fault.slices_seen == [2, 2] + [1] * 4 + [2] * 4, fault.slices_seen
     assert grown_group.id == fault.pending_group.id, "the replacement was asked of Ray more than once"
@@ -174,8 +191,11 @@ def test_gangs_spread_over_nodes_that_hold_a_bundle(nodes, tmp_path):
     finally:
         cluster.close()
     three = mpmd.RayCluster(num_workers=1, processes_per_slice=3, address=nodes.address, root=str(tmp_path))
-    with pytest.raises(ClusterUnavailable, match=r"cannot place 1 slice\(s\) of 3 worker\(s\).*missing CPU "
-                                                 r"\(needs 3 in all, 2 there; 1 of 3 node\(s\) lack 1\).*CPU: 0") as e:
+    with pytest.raises(
+        ClusterUnavailable,
+        match=r"cannot place 1 slice\(s\) of 3 worker\(s\).*missing CPU "
+        r"\(needs 3 in all, 2 there; 1 of 3 node\(s\) lack 1\).*CPU: 0",
+    ) as e:
         three.start(1)
     assert "\n" not in str(e.value)
     three.close()
@@ -185,10 +205,18 @@ def test_a_dead_address_fails_within_connect_timeout_in_one_line(tmp_path):
     """`mpmd train` on a cluster.address nothing listens on: exit 1, one line naming the
     address and what to check, no traceback."""
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    proc = mpmd_train("configs/gpt_tiny.yaml", "cluster.backend=ray", f"cluster.address={address}",
-                      "cluster.connect_timeout_s=2", f"run_dir={tmp_path / 'run'}", *TINY_GPT, timeout=240)
+    proc = mpmd_train(
+        "configs/gpt_tiny.yaml",
+        "cluster.backend=ray",
+        f"cluster.address={address}",
+        "cluster.connect_timeout_s=2",
+        f"run_dir={tmp_path / 'run'}",
+        *TINY_GPT,
+        timeout=240,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert lines[-1].startswith(f"error: cannot reach the Ray cluster at {address} within connect_timeout_s=2 s"), \
+    assert lines[-1].startswith(f"error: cannot reach the Ray cluster at {address} within connect_timeout_s=2 s"), (
         proc.stderr[-3000:]
+    )
     assert "ray start --head" in lines[-1] and "Traceback" not in proc.stderr, proc.stderr[-3000:]

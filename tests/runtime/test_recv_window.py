@@ -1,6 +1,7 @@
 """The receive window: a slice posts a receive only once the one `window` receives before it
 has been used, so the received data it holds but has not used never exceeds the schedule's
 own peak of live activations; and nothing computed changes."""
+
 import math
 
 import jax
@@ -22,17 +23,28 @@ from tests.support.reference import BATCH, batches, make_gpt
 # Many training runs against the unpipelined model, each seconds: outside the fast loop.
 pytestmark = pytest.mark.slow
 
-UNBOUNDED = 10**6     # every receive posted when the step starts (the runtime before the window)
+UNBOUNDED = 10**6  # every receive posted when the step starts (the runtime before the window)
 
 
 def traced_run(name: str, p: int, m: int, recv_window=None):
     """(losses, final leaves, the last step's per-slice "held" and "peak_bytes") of the small
     GPT on `p` in-process slices, every step traced."""
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=p), models.lm_loss)
-    with mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), name, num_microbatches=m, recv_window=recv_window,
-                      cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipe,
+        optax.sgd(0.1, momentum=0.9),
+        name,
+        num_microbatches=m,
+        recv_window=recv_window,
+        cluster=mpmd.InProcessCluster(),
+    ) as trainer:
         outs = [trainer.step(x, y, trace=True) for x, y in batches()[:2]]
-        return [o["loss"] for o in outs], reference.stage_leaves(trainer.params()), outs[-1]["held"], outs[-1]["peak_bytes"]
+        return (
+            [o["loss"] for o in outs],
+            reference.stage_leaves(trainer.params()),
+            outs[-1]["held"],
+            outs[-1]["peak_bytes"],
+        )
 
 
 def largest_transfer_bytes(p: int, m: int) -> int:
@@ -59,15 +71,17 @@ def test_received_but_unused_data_stays_within_the_schedules_bound(name, p, m):
     assert free_peak[0] > peak_bytes[0]
     # Only when receives are posted changes: the run is the same, bit for bit.
     reference.assert_same((losses, params), (free_losses, free_params))
-    print(f"{name} p={p} m={m}: held per slice (count, bytes) {held} bound {bound} x {act_bytes} B; "
-          f"peak bytes {peak_bytes}, unbounded {free_held} {free_peak}")
+    print(
+        f"{name} p={p} m={m}: held per slice (count, bytes) {held} bound {bound} x {act_bytes} B; "
+        f"peak bytes {peak_bytes}, unbounded {free_held} {free_peak}"
+    )
 
 
 def outstanding(stream) -> int:
     """The most receives posted and not yet walked at once, walking `stream` as the executor does."""
     posted, most = set(), 0
     for i, ins in enumerate([None] + list(stream)):
-        i -= 1          # -1: the step's start
+        i -= 1  # -1: the step's start
         posted |= {j for j, r in enumerate(stream) if isinstance(r, Recv) and r.post_after == i}
         if isinstance(ins, Recv):
             assert stream.index(ins) in posted, f"instruction {i} walked before it was posted"
@@ -78,8 +92,9 @@ def outstanding(stream) -> int:
 
 def test_with_recv_window_marks_and_wire_form():
     act = (Spec((4, 8), "float32"),)
-    stream = [Recv(f"a{j}", 0, f"act/{j}", act) if j % 2 == 0 else Run("f", (f"a{j - 1}",), (f"y{j}",))
-              for j in range(12)] + [Send("y1", 0, "out"), Delete("y1")]
+    stream = [
+        Recv(f"a{j}", 0, f"act/{j}", act) if j % 2 == 0 else Run("f", (f"a{j - 1}",), (f"y{j}",)) for j in range(12)
+    ] + [Send("y1", 0, "out"), Delete("y1")]
     for window in (1, 2, 3, 100):
         marked = list(streams.with_recv_window(stream, window))
         assert outstanding(marked) == min(window, 6)
@@ -95,6 +110,7 @@ def test_with_recv_window_marks_and_wire_form():
 def test_a_receive_posted_after_its_use_is_refused():
     from mpmd.runtime.worker.executor import Executor
     from mpmd.runtime.control.inprocess import MemoryTransport, _Hub, meshes_for
+
     mesh = meshes_for([(1, 1, 1)])[0]
     ex = Executor(0, mesh, MemoryTransport(_Hub(), mesh))
     with pytest.raises(ValueError, match=r"instruction 0 \(recv 'k'\) is posted after instruction 0"):

@@ -1,5 +1,6 @@
 """Who may touch a cluster: the data plane keyed by the session's secret, checkpoint paths
 confined to the worker's root. Real worker processes, real gRPC, a real stranger process."""
+
 import hashlib
 import json
 import os
@@ -21,11 +22,11 @@ from mpmd.runtime.control.cluster import StepFailed
 from mpmd.runtime.wire.transport import key_to_uuid
 from tests.support.reference import BATCH, D, SEQ, batches, make_gpt, train_pipeline
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 ROOT = Path(__file__).resolve().parents[2]
-M = 4                      # microbatches
-STEPS_TIMEOUT_S = 120      # the 3 steps take ~5 s; a stolen activation stalls them for good
+M = 4  # microbatches
+STEPS_TIMEOUT_S = 120  # the 3 steps take ~5 s; a stolen activation stalls them for good
 
 # A process with JAX but no token and no secret: it connects to the workers' transfer
 # servers and pulls, before the step, every id an unkeyed hash of the step's predictable
@@ -113,12 +114,15 @@ def _shm_endpoints(pids) -> list[str]:
             except FileNotFoundError:
                 continue
             if link.startswith("socket:["):
-                inodes.add(link[len("socket:["):-1])
+                inodes.add(link[len("socket:[") : -1])
     with open("/proc/net/unix") as f:
         rows = [line.split() for line in f]
     # Flags 00010000: listening (an accepted connection shows its listener's name too).
-    return [r[7][1:] for r in rows
-            if len(r) == 8 and r[6] in inodes and r[3] == "00010000" and r[7].startswith("@mpmd-shm-")]
+    return [
+        r[7][1:]
+        for r in rows
+        if len(r) == 8 and r[6] in inodes and r[3] == "00010000" and r[7].startswith("@mpmd-shm-")
+    ]
 
 
 def test_transfer_ids_are_keyed_by_the_secret():
@@ -136,8 +140,9 @@ def test_a_stranger_on_the_data_plane_gets_nothing_and_delays_nothing(tmp_path, 
     cluster = workers
     cluster.transport = path
     try:
-        trainer = mpmd.Trainer(make(), optax.adamw(1e-3), "gpipe", num_microbatches=M, cluster=cluster,
-                               run_dir=tmp_path)
+        trainer = mpmd.Trainer(
+            make(), optax.adamw(1e-3), "gpipe", num_microbatches=M, cluster=cluster, run_dir=tmp_path
+        )
     finally:
         cluster.transport = "auto"
     attacker, hung = None, True
@@ -145,23 +150,30 @@ def test_a_stranger_on_the_data_plane_gets_nothing_and_delays_nothing(tmp_path, 
         # What a port scan of the host would find (the test reads it instead of scanning),
         # or on the shared-memory path what /proc/net/unix shows of the workers.
         targets = list(cluster._transfer.values()) if path == "socket" else _shm_endpoints(cluster.pids)
-        keys = [f"{run}:{kind}{k}/{j}" for run in range(12) for kind in ("act", "grad")
-                for k in range(2) for j in range(M)]
+        keys = [
+            f"{run}:{kind}{k}/{j}" for run in range(12) for kind in ("act", "grad") for k in range(2) for j in range(M)
+        ]
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
         script = ATTACKER if path == "socket" else ATTACKER_SHM
-        attacker = subprocess.Popen([sys.executable, "-c", script, json.dumps([targets, keys, [BATCH // M, SEQ, D]])],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        attacker = subprocess.Popen(
+            [sys.executable, "-c", script, json.dumps([targets, keys, [BATCH // M, SEQ, D]])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         assert attacker.stdout.readline().startswith("posted"), "the attacker did not post its pulls"
         losses = []
-        stepping = threading.Thread(target=lambda: losses.extend(trainer.step(x, y)["loss"] for x, y in data),
-                                    daemon=True)
+        stepping = threading.Thread(
+            target=lambda: losses.extend(trainer.step(x, y)["loss"] for x, y in data), daemon=True
+        )
         stepping.start()
         stepping.join(STEPS_TIMEOUT_S)
         attacker.stdin.write("report\n")
         attacker.stdin.flush()
         report = json.loads(attacker.stdout.readline())
         hung = stepping.is_alive()
-        if hung:                 # unblock the stolen transfer's receiver: its peers are gone
+        if hung:  # unblock the stolen transfer's receiver: its peers are gone
             for p in cluster.procs:
                 p.kill()
     finally:
@@ -172,7 +184,7 @@ def test_a_stranger_on_the_data_plane_gets_nothing_and_delays_nothing(tmp_path, 
             trainer.close(close_cluster=False)
     if path == "socket":
         assert report == {"received": 0, "posted": 3 * len(keys) * len(targets)}
-    else:   # both workers' endpoints, every attempt refused: no data, no segment
+    else:  # both workers' endpoints, every attempt refused: no data, no segment
         assert report == {"endpoints": 2, "data": 0, "fds": 0, "closed": 4}
     assert not hung, f"the steps did not finish within {STEPS_TIMEOUT_S} s"
     reference, _ = train_pipeline(make, "gpipe", M, 1, mpmd.InProcessCluster(), data)
@@ -189,10 +201,25 @@ def rooted_worker(tmp_path_factory):
     outside.mkdir()
     token_file = base / "token"
     token_file.write_text("confine-token-0123456789abcdef\n")
-    token_file.chmod(0o600)      # workers refuse a token file others may read
-    proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
-                             "--token-file", str(token_file), "--root", str(root)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    token_file.chmod(0o600)  # workers refuse a token file others may read
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mpmd.recipes.cli",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--token-file",
+            str(token_file),
+            "--root",
+            str(root),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     cluster = None
     try:
         line = proc.stdout.readline()
@@ -225,13 +252,15 @@ def test_save_and_restore_stay_below_the_workers_root(rooted_worker):
     (root / "link").symlink_to(outside)
     (root / "planted.orbax-checkpoint-tmp").symlink_to(victim)
     before = sorted(p.name for p in outside.rglob("*"))
-    escapes = [outside / "abs",                          # absolute, elsewhere
-               os.path.relpath(outside / "rel", ROOT),   # relative to the worker's cwd: ../..
-               str(root / ".." / "outside" / "dots"),    # through ..
-               root / "link" / "sym",                    # through a symlink inside the root
-               outside / "victim",                       # Orbax would clear victim.orbax-checkpoint-tmp
-               root / "planted",                         # ... which a symlink in the root points at
-               root]                                     # the root itself (Orbax's tmp lies beside it)
+    escapes = [
+        outside / "abs",  # absolute, elsewhere
+        os.path.relpath(outside / "rel", ROOT),  # relative to the worker's cwd: ../..
+        str(root / ".." / "outside" / "dots"),  # through ..
+        root / "link" / "sym",  # through a symlink inside the root
+        outside / "victim",  # Orbax would clear victim.orbax-checkpoint-tmp
+        root / "planted",  # ... which a symlink in the root points at
+        root,
+    ]  # the root itself (Orbax's tmp lies beside it)
     for directory in escapes:
         refused(lambda: cluster.save(0, {str(directory): ["w"]}), directory, root)
     assert cluster.wait_saves(0) == {}
@@ -255,7 +284,7 @@ def test_a_local_cluster_refuses_a_run_dir_outside_its_root(tmp_path):
     try:
         with pytest.raises(ValueError, match=r"confined to .*runs, which does not hold .*elsewhere"):
             cluster.start(1, root=str(tmp_path / "elsewhere"))
-        assert cluster.pids == []            # refused before anything started
+        assert cluster.pids == []  # refused before anything started
         cluster.start(1, root=str(tmp_path / "runs" / "a"))
         with pytest.raises(ValueError, match="confined to"):
             cluster.start(1, root=str(tmp_path))
@@ -271,31 +300,35 @@ def test_setup_needs_a_session_secret_and_never_echoes_it(rooted_worker):
             cluster.clients[0].call("Setup", setup if secret is None else {**setup, "transfer_secret": secret})
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "'transfer_secret' must be" in str(e.value)
         assert secret is None or str(secret) not in str(e.value)
-    with pytest.raises(WorkerError) as e:      # a data plane it does not have: refused before anything is touched
+    with pytest.raises(WorkerError) as e:  # a data plane it does not have: refused before anything is touched
         cluster.clients[0].call("Setup", {**setup, "transfer_secret": "ab" * 16, "transport": "rdma"})
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "transport must be one of auto, socket, shm" in str(e.value) and "'rdma'" in str(e.value)
-    cluster.get(0, ["w"])            # the session it was set up with is untouched
+    cluster.get(0, ["w"])  # the session it was set up with is untouched
 
 
 def test_an_encoded_plan_is_checked_by_the_worker_before_anything_is_installed(rooted_worker):
     from mpmd.runtime.worker import streams
     from mpmd.runtime.wire import format as wire
     from mpmd.runtime.worker.instructions import Copy, Delete
+
     cluster, _, _ = rooted_worker
     # A plan over templates with fields, shipped as bytes: the worker expands it and runs it.
-    plan = streams.PackedStream([Copy("w", "c{k}/{j}"), Delete("c{k}/{j}")], [0, 0, 1], [3, 4, 4], [1, 1, 1],
-                           [0] * 3, [0] * 3, [-1] * 3)
+    plan = streams.PackedStream(
+        [Copy("w", "c{k}/{j}"), Delete("c{k}/{j}")], [0, 0, 1], [3, 4, 4], [1, 1, 1], [0] * 3, [0] * 3, [-1] * 3
+    )
     cluster.install_plan(0, "copies", plan)
     cluster.run("copies", 1, {}, {0: ("c3/1",)})
     np.testing.assert_array_equal(cluster.get(0, ["c3/1"])["c3/1"][0], np.arange(6, dtype=np.float32))
     with pytest.raises(WorkerError, match="no buffer"):
-        cluster.get(0, ["c4/1"])                      # copied, then deleted by the plan
+        cluster.get(0, ["c4/1"])  # copied, then deleted by the plan
     # Malformed bytes are refused as a bad request, naming what is wrong; nothing installed.
     bad = plan.with_templates(lambda t: t._replace(dst="c{k.__class__}") if isinstance(t, Copy) else t)
-    for payload, match in ((b"MPMDSTR1" + bytes(4), "must start with the magic"),
-                           (bad.to_bytes(), r"names field \{k.__class__\}"),
-                           (plan.to_bytes()[:-3], "bytes of columns")):
+    for payload, match in (
+        (b"MPMDSTR1" + bytes(4), "must start with the magic"),
+        (bad.to_bytes(), r"names field \{k.__class__\}"),
+        (plan.to_bytes()[:-3], "bytes of columns"),
+    ):
         b = wire.Builder()
         with pytest.raises(WorkerError, match=match) as e:
             cluster.clients[0].call("InstallPlan", {"name": "bad", "encoded": b.add(payload)}, b.blobs)

@@ -4,6 +4,7 @@ memory; compiled programs shared between jobs. Two real shared worker processes,
 real Orbax on disk; jobs drive them through the ordinary control plane (StaticCluster) with
 their credential as the token.
 """
+
 import threading
 import time
 
@@ -24,10 +25,10 @@ from mpmd.runtime.wire.credentials import check_job_id, job_credential, job_of
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 from tests.support.processes import StandaloneWorkers, wait_gone
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 B, D = 8, 16
-LEASE_S = 1.5            # the lapse test's session lease
+LEASE_S = 1.5  # the lapse test's session lease
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +65,17 @@ def first(w, x):
 
 def second(w, y):
     z = jnp.tanh(y[0] @ w[0])
-    return (z,), (w[0] - 0.1 * y[0].T @ z,)        # the weight moves: state carries across steps
+    return (z,), (w[0] - 0.1 * y[0].T @ z,)  # the weight moves: state carries across steps
 
 
-SPECS = {"first": programs.exported(first, (W_SPEC,), (X_SPEC,)),
-         "second": programs.exported(second, (W_SPEC,), (X_SPEC,))}
-PLANS = {0: [Run("first", ("w0", "x"), ("y",)), Send("y", 1, "y")],
-         1: [Recv("y", 0, "y", Y_SPECS), Run("second", ("w1", "y"), ("z", "w1"))]}
+SPECS = {
+    "first": programs.exported(first, (W_SPEC,), (X_SPEC,)),
+    "second": programs.exported(second, (W_SPEC,), (X_SPEC,)),
+}
+PLANS = {
+    0: [Run("first", ("w0", "x"), ("y",)), Send("y", 1, "y")],
+    1: [Recv("y", 0, "y", Y_SPECS), Run("second", ("w1", "y"), ("z", "w1"))],
+}
 RNG = np.random.default_rng(0)
 W0, W1 = (RNG.standard_normal((D, D)).astype(np.float32) / 4 for _ in range(2))
 XS = [RNG.standard_normal((B, D)).astype(np.float32) for _ in range(3)]
@@ -99,8 +104,9 @@ def test_two_sessions_at_once_get_bitwise_what_one_alone_gets(shared):
     def run(name):
         try:
             got[name] = train(jobs[name])
-        except Exception as e:        # noqa: BLE001 -- reported below
+        except Exception as e:  # noqa: BLE001 -- reported below
             errors.append(e)
+
     threads = [threading.Thread(target=run, args=(n,)) for n in jobs]
     try:
         for t in threads:
@@ -144,8 +150,11 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
         a_raw.call("Abort", {"run": 10**9})
         assert pending.result()[0].fetched["out"][0].shape == (4,)
         # Admin RPCs need the cluster token; the cluster token does not act on a job's session.
-        for method, header in (("Sessions", {}), ("OpenSession", {"job": "iso-a", "root": str(shared.root / "x")}),
-                               ("CloseSession", {"job": "iso-b"})):
+        for method, header in (
+            ("Sessions", {}),
+            ("OpenSession", {"job": "iso-a", "root": str(shared.root / "x")}),
+            ("CloseSession", {"job": "iso-b"}),
+        ):
             code, message = refusal(lambda: a_raw.call(method, header))
             assert code == grpc.StatusCode.PERMISSION_DENIED and "cluster manager's" in message
             assert shared.logged(0, f"refused {method} from job iso-a ")
@@ -164,7 +173,7 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
         time.sleep(0.2)
         assert shared.admin(0, "CloseSession", {"job": "iso-a"}) == {"freed": True}
         with pytest.raises(grpc.RpcError) as e:
-            running.result(timeout=1.5)                         # not the 2 s the plan would take
+            running.result(timeout=1.5)  # not the 2 s the plan would take
         assert e.value.code() == grpc.StatusCode.ABORTED
         # B is untouched by all of it.
         np.testing.assert_array_equal(b.get(0, ["secret"])["secret"][0], np.arange(4))
@@ -176,10 +185,10 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
 
 def test_a_forged_credential_is_refused_before_anything(shared):
     shared.open("forge-b")
-    other_key = job_credential("x" * 32, "forge-b")                        # made with the wrong key
+    other_key = job_credential("x" * 32, "forge-b")  # made with the wrong key
     a_mac = shared.credential("forge-a").rpartition(".")[2]
-    borrowed = f"job.forge-b.{a_mac}"                                      # B's name, A's MAC
-    near_token = shared.token[:-1] + ("1" if shared.token.endswith("0") else "0")     # one character off
+    borrowed = f"job.forge-b.{a_mac}"  # B's name, A's MAC
+    near_token = shared.token[:-1] + ("1" if shared.token.endswith("0") else "0")  # one character off
     for credential in (other_key, borrowed, "job.forge-b", near_token):
         code, _ = refusal(lambda: shared.client(0, credential).call("Heartbeat"))
         assert code == grpc.StatusCode.UNAUTHENTICATED, credential
@@ -216,23 +225,26 @@ def test_credentials_verify_only_their_own_job():
 
 
 def test_open_session_refuses_what_would_break_confinement(shared, tmp_path):
-    bad = [({"job": "Bad!", "root": str(shared.root / "q")}, "job id must be"),
-           ({"job": "ok", "root": "relative/dir"}, "absolute directory"),
-           ({"job": "ok", "root": str(tmp_path)}, "not below the worker's root"),
-           ({"job": "ok", "root": str(shared.root)}, "not below the worker's root"),
-           ({"job": "ok", "root": str(shared.root / "q"), "lease_s": 0}, "positive number of seconds")]
+    bad = [
+        ({"job": "Bad!", "root": str(shared.root / "q")}, "job id must be"),
+        ({"job": "ok", "root": "relative/dir"}, "absolute directory"),
+        ({"job": "ok", "root": str(tmp_path)}, "not below the worker's root"),
+        ({"job": "ok", "root": str(shared.root)}, "not below the worker's root"),
+        ({"job": "ok", "root": str(shared.root / "q"), "lease_s": 0}, "positive number of seconds"),
+    ]
     for header, match in bad:
         code, message = refusal(lambda: shared.admin(0, "OpenSession", header))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and match in message, message
     shared.admin(0, "OpenSession", {"job": "outer", "root": str(shared.root / "outer")})
     try:
-        code, message = refusal(lambda: shared.admin(0, "OpenSession", {"job": "inner",
-                                                                        "root": str(shared.root / "outer" / "in")}))
+        code, message = refusal(
+            lambda: shared.admin(0, "OpenSession", {"job": "inner", "root": str(shared.root / "outer" / "in")})
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "overlaps job outer's root" in message
-        shared.admin(0, "OpenSession", {"job": "outer", "root": str(shared.root / "outer")})      # idempotent
+        shared.admin(0, "OpenSession", {"job": "outer", "root": str(shared.root / "outer")})  # idempotent
     finally:
         assert shared.admin(0, "CloseSession", {"job": "outer"}) == {"freed": True}
-        assert shared.admin(0, "CloseSession", {"job": "outer"}) == {"freed": False}      # already gone
+        assert shared.admin(0, "CloseSession", {"job": "outer"}) == {"freed": False}  # already gone
 
 
 def test_save_and_restore_stay_inside_the_sessions_root(shared, tmp_path):
@@ -249,7 +261,9 @@ def test_save_and_restore_stay_inside_the_sessions_root(shared, tmp_path):
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside job root-a's root" in message, message
         code, message = refusal(lambda: a.restore(0, {b_dir: ["w"]}))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside job root-a's root" in message
-        assert shared.logged(0, "refused Save from job root-a ") and shared.logged(0, "refused Restore from job root-a ")
+        assert shared.logged(0, "refused Save from job root-a ") and shared.logged(
+            0, "refused Restore from job root-a "
+        )
         assert sorted(p.relative_to(shared.root) for p in shared.root.rglob("*")) == before
         # Inside its own root a job saves and restores as any controller does.
         a_dir = str(shared.root / "root-a" / "ckpt")
@@ -268,21 +282,23 @@ def test_a_silent_sessions_memory_is_freed_within_its_lease(shared):
     shared.admin(1, "OpenSession", {"job": "quiet", "root": str(shared.root / "quiet"), "lease_s": LEASE_S})
     job = shared.client(1, shared.credential("quiet"))
     job.call("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1", "transfer_secret": "ab" * 16})
-    big = np.ones((1024, 1024), np.float32)                    # 4 MiB
+    big = np.ones((1024, 1024), np.float32)  # 4 MiB
     for n in range(4):
         job.call("Put", {"name": f"b{n}", "arrays": [{"$blob": 0}]}, [big])
     held = shared.admin(1, "Sessions")
     mine = [s for s in held["sessions"] if s["job"] == "quiet"]
     assert mine and mine[0]["buffers"] == 4 and mine[0]["bytes"] == 4 * big.nbytes
     assert held["live_bytes"] >= before + 4 * big.nbytes
-    job.close()                                                # the job goes silent
+    job.close()  # the job goes silent
     deadline = time.monotonic() + LEASE_S + 3.0
     while time.monotonic() < deadline and any(s["job"] == "quiet" for s in shared.admin(1, "Sessions")["sessions"]):
         time.sleep(0.2)
     after = shared.admin(1, "Sessions")
     assert not any(s["job"] == "quiet" for s in after["sessions"]), "the silent job's session outlived its lease"
-    print(f"\nlive bytes on the worker: {before} before the session, {held['live_bytes']} with it, "
-          f"{after['live_bytes']} after its lease lapsed")
+    print(
+        f"\nlive bytes on the worker: {before} before the session, {held['live_bytes']} with it, "
+        f"{after['live_bytes']} after its lease lapsed"
+    )
     assert abs(after["live_bytes"] - before) <= 0.1 * before, (before, after["live_bytes"])
     assert shared.logged(1, "job quiet silent for")
     code, message = refusal(lambda: shared.client(1, shared.credential("quiet")).call("Heartbeat"))
@@ -308,14 +324,18 @@ def test_a_second_job_loading_the_same_programs_hits_the_cache(shared):
             client.call("Setup", {"slice_index": 0, "transfer_host": "127.0.0.1", "transfer_secret": "cd" * 16})
             stats = shared.admin(0, "Sessions")["cache"]
             t0 = time.perf_counter()
-            client.call("LoadPrograms", {"programs": [{"name": "deep", "kind": "exported", "data": {"$blob": 0}}]},
-                        [spec["deep"].data])
+            client.call(
+                "LoadPrograms",
+                {"programs": [{"name": "deep", "kind": "exported", "data": {"$blob": 0}}]},
+                [spec["deep"].data],
+            )
             t1 = time.perf_counter()
             client.call("InstallPlan", {"name": "p", "stream": [instructions.to_json(Run("deep", ("w", "x"), ("y",)))]})
             client.call("Put", {"name": "w", "arrays": [{"$blob": 0}]}, [W0])
             t2 = time.perf_counter()
-            h, blobs = client.call("Run", {"plan": "p", "run": 0, "feeds": {"x": [{"$blob": 0}]}, "fetch": ["y"]},
-                                   [XS[0]])
+            h, blobs = client.call(
+                "Run", {"plan": "p", "run": 0, "feeds": {"x": [{"$blob": 0}]}, "fetch": ["y"]}, [XS[0]]
+            )
             t3 = time.perf_counter()
             results.append(wire.blob(blobs, h["fetched"]["y"][0]))
             after = shared.admin(0, "Sessions")["cache"]
@@ -328,22 +348,30 @@ def test_a_second_job_loading_the_same_programs_hits_the_cache(shared):
                 shared.admin(i, "CloseSession", {"job": job})
     np.testing.assert_array_equal(results[0], results[1])
     assert after["programs"] >= 1 and after["bytes"] >= len(spec["deep"].data)
-    print(f"\nLoadPrograms + first Run of a {len(spec['deep'].data)}-byte program: first job "
-          f"{timings[0][0] * 1e3:.1f} + {timings[0][1] * 1e3:.0f} ms, second job (cache hit) "
-          f"{timings[1][0] * 1e3:.1f} + {timings[1][1] * 1e3:.0f} ms; first Run ratio "
-          f"{timings[0][1] / timings[1][1]:.1f}x")
+    print(
+        f"\nLoadPrograms + first Run of a {len(spec['deep'].data)}-byte program: first job "
+        f"{timings[0][0] * 1e3:.1f} + {timings[0][1] * 1e3:.0f} ms, second job (cache hit) "
+        f"{timings[1][0] * 1e3:.1f} + {timings[1][1] * 1e3:.0f} ms; first Run ratio "
+        f"{timings[0][1] / timings[1][1]:.1f}x"
+    )
 
 
 def test_the_compile_cache_evicts_least_recently_used_under_its_bound():
     mesh = compat.mesh(np.array(jax.devices()[:1]), ("data",))
     specs = [programs.exported(lambda b, k=k: ((b[0] * k,),), (X_SPEC,)) for k in (2.0, 3.0, 4.0)]
-    cache = CompileCache(limit_bytes=len(specs[0].data) + len(specs[1].data) + 8)    # room for two
+    cache = CompileCache(limit_bytes=len(specs[0].data) + len(specs[1].data) + 8)  # room for two
     first = cache.load(specs[0], mesh)
     cache.load(specs[1], mesh)
-    assert cache.load(specs[0], mesh) is first                  # a hit; specs[1] is now the oldest
-    cache.load(specs[2], mesh)                                  # evicts specs[1]
-    assert cache.stats() == {"programs": 2, "bytes": len(specs[0].data) + len(specs[2].data),
-                             "limit_bytes": cache.limit_bytes, "hits": 1, "misses": 3, "evictions": 1}
+    assert cache.load(specs[0], mesh) is first  # a hit; specs[1] is now the oldest
+    cache.load(specs[2], mesh)  # evicts specs[1]
+    assert cache.stats() == {
+        "programs": 2,
+        "bytes": len(specs[0].data) + len(specs[2].data),
+        "limit_bytes": cache.limit_bytes,
+        "hits": 1,
+        "misses": 3,
+        "evictions": 1,
+    }
     assert cache.load(specs[0], mesh) is first and cache.load(specs[1], mesh) is not first
     assert (cache.hits, cache.misses) == (2, 4)
     with pytest.raises(ValueError, match="compile cache's limit"):
@@ -358,7 +386,7 @@ def test_a_plain_worker_keeps_compiled_programs_across_setups(tmp_path):
         cluster = mpmd.StaticCluster(plain.addresses, token=plain.token)
         try:
             for _ in range(2):
-                cluster.start(1)                     # a fresh executor: nothing shipped survives
+                cluster.start(1)  # a fresh executor: nothing shipped survives
                 cluster.load_programs(0, spec)
                 cluster.install_plan(0, "p", [Run("deep", ("w", "x"), ("y",))])
                 cluster.put(0, "w", [W0])

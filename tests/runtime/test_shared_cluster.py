@@ -10,6 +10,7 @@ jumps the queue or shares a worker with an exclusive job; a job's credential sto
 cluster; `down` leaves a process; bad input is accepted. Last, a cluster of its own on Ray
 (`--backend ray`), when Ray is installed.
 """
+
 import collections
 import json
 import os
@@ -29,22 +30,42 @@ from mpmd.runtime.wire.credentials import job_credential
 from mpmd.runtime.launchers.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
 from tests.support.processes import ROOT, Controller, alive, processes_tagged, wait_gone
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
-LEASE_S = 5.0    # short, for a fast cleanup check; long enough for a loaded machine
-JOB = ["configs/gpt_tiny.yaml", "model.d_model=32", "model.num_layers=2", "model.seq_len=16", "train.batch_size=8",
-       "train.steps=4", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0", "log.progress=lines",
-       "log.every=1", "log.trace_steps=[]", "log.tensorboard=false", "data.max_bytes=300000",
-       "cluster.backend=shared", f"cluster.lease_s={LEASE_S}"]
+LEASE_S = 5.0  # short, for a fast cleanup check; long enough for a loaded machine
+JOB = [
+    "configs/gpt_tiny.yaml",
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.seq_len=16",
+    "train.batch_size=8",
+    "train.steps=4",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "checkpoint.every=0",
+    "log.progress=lines",
+    "log.every=1",
+    "log.trace_steps=[]",
+    "log.tensorboard=false",
+    "data.max_bytes=300000",
+    "cluster.backend=shared",
+    f"cluster.lease_s={LEASE_S}",
+]
 
 
-TAG = "MPMD_TEST_SHARED_CLUSTER"    # marks every process a cluster starts (inherited env)
+TAG = "MPMD_TEST_SHARED_CLUSTER"  # marks every process a cluster starts (inherited env)
 
 
 def cluster(*args, timeout=120, tag="module"):
     env = dict(os.environ, JAX_PLATFORMS="cpu", **{TAG: tag})
-    return subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", "cluster", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mpmd.recipes.cli", "cluster", *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class Shared:
@@ -52,8 +73,9 @@ class Shared:
 
     def __init__(self, tmp: Path):
         self.tmp, self.file = tmp, tmp / "cluster.json"
-        up = cluster("up", "--workers", 2, "--dir", tmp / "cl", "--file", self.file, "--root", tmp,
-                     "--lease-s", LEASE_S)
+        up = cluster(
+            "up", "--workers", 2, "--dir", tmp / "cl", "--file", self.file, "--root", tmp, "--lease-s", LEASE_S
+        )
         assert up.returncode == 0, up.stdout + up.stderr
         assert "cluster up: manager" in up.stdout
         self.saved = json.loads(self.file.read_text())
@@ -99,7 +121,7 @@ def sessions(status: dict) -> list[list[str]]:
 def shared(tmp_path_factory):
     s = Shared(tmp_path_factory.mktemp("shared"))
     yield s
-    if s.file.exists():                 # test_down did not run (or failed): stop it anyway
+    if s.file.exists():  # test_down did not run (or failed): stop it anyway
         cluster("down", "--file", s.file)
 
 
@@ -122,15 +144,20 @@ def test_sharing_jobs_match_the_job_alone_a_killed_one_is_cleaned_up_and_program
         compiled[name] = [{k: x[k] - y[k] for k in ("hits", "misses")} for x, y in zip(after, before)]
         alone[name] = losses(shared.tmp / f"{name}_alone")
         first_step[name] = run_log.read(shared.tmp / f"{name}_alone")[0]["step_s"]
-    print(f"first step: {first_step['a']:.3f} s (programs compiled), {first_step['b']:.3f} s (from the cache); "
-          f"cache hits/misses per worker: first run {compiled['a']}, second run {compiled['b']}")
-    assert all(d["misses"] > 0 for d in compiled["a"]) and all(d["misses"] == 0 and d["hits"] > 0
-                                                                for d in compiled["b"]), compiled
-    assert alone["a"] != alone["b"]      # else a mix-up between the two could not show
+    print(
+        f"first step: {first_step['a']:.3f} s (programs compiled), {first_step['b']:.3f} s (from the cache); "
+        f"cache hits/misses per worker: first run {compiled['a']}, second run {compiled['b']}"
+    )
+    assert all(d["misses"] > 0 for d in compiled["a"]) and all(
+        d["misses"] == 0 and d["hits"] > 0 for d in compiled["b"]
+    ), compiled
+    assert alone["a"] != alone["b"]  # else a mix-up between the two could not show
     idle = shared.wait_for(lambda s: not any(w["sessions"] for w in s["workers"]))
     before = [w["live_bytes"] for w in idle["workers"]]
-    jobs = {name: shared.job(name, f"seed={seed}", "train.steps=1000" if name == "k" else "train.steps=4")
-            for name, seed in (("a", 0), ("b", 1), ("k", 2))}
+    jobs = {
+        name: shared.job(name, f"seed={seed}", "train.steps=1000" if name == "k" else "train.steps=4")
+        for name, seed in (("a", 0), ("b", 1), ("k", 2))
+    }
     jobs["k"].wait_for_step(1)
     k_id = {j["name"]: j["job"] for j in shared.status()["jobs"]}["k"]
     jobs["k"].proc.send_signal(signal.SIGKILL)
@@ -141,10 +168,18 @@ def test_sharing_jobs_match_the_job_alone_a_killed_one_is_cleaned_up_and_program
     # Sessions, lease and live bytes are waited for together: a probe may see the sessions gone
     # a moment before the last freed buffer (a leak still fails: the bytes never come back).
     back = lambda s: all(abs(w["live_bytes"] - b) <= 0.1 * max(b, 1) for w, b in zip(s["workers"], before))
-    status = shared.wait_for(lambda s: not any(w["sessions"] for w in s["workers"]) and back(s) and
-                             {j["job"]: j["state"] for j in s["jobs"]}[k_id] == "expired", timeout_s=2 * LEASE_S)
-    print(f"killed job's sessions gone and lease expired, seen {time.monotonic() - killed_at:.1f} s after the "
-          f"kill (first looked once a and b had finished; lease_s={LEASE_S:g})")
+    status = shared.wait_for(
+        lambda s: (
+            not any(w["sessions"] for w in s["workers"])
+            and back(s)
+            and {j["job"]: j["state"] for j in s["jobs"]}[k_id] == "expired"
+        ),
+        timeout_s=2 * LEASE_S,
+    )
+    print(
+        f"killed job's sessions gone and lease expired, seen {time.monotonic() - killed_at:.1f} s after the "
+        f"kill (first looked once a and b had finished; lease_s={LEASE_S:g})"
+    )
     for w, b in zip(status["workers"], before):
         assert abs(w["live_bytes"] - b) <= 0.1 * max(b, 1), (w["live_bytes"], b)
 
@@ -168,7 +203,7 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     jobs = {j["name"]: j for j in status["jobs"]}
     assert jobs["x"]["state"] == "leased" and jobs["y"]["state"] == "queued" and jobs["y"]["position"] == 1, jobs
     at = len(run_log.read(shared.tmp / "x"))
-    first.wait_for_step(at + 2)          # x still trains under the new manager
+    first.wait_for_step(at + 2)  # x still trains under the new manager
     # A worker lost under x: x asks the (restarted) manager for Replace, which restarts that
     # worker in its slot, and x recovers from its last checkpoint and goes on.
     lost = json.loads(shared.file.read_text())["workers"][1]["pid"]
@@ -201,8 +236,11 @@ def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_
         return c.call(method, header)[0]
 
     def submit(name, slices, share):
-        h = call(saved["submit_token"], "Submit", {"name": name, "slices": slices, "share": share,
-                                                   "root": str(shared.tmp / name)})
+        h = call(
+            saved["submit_token"],
+            "Submit",
+            {"name": name, "slices": slices, "share": share, "root": str(shared.tmp / name)},
+        )
         return {"job": h["job"], "credential": h["credential"], "position": h["position"]}
 
     def wait(job):
@@ -217,7 +255,9 @@ def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_
         assert (e1["position"], s1["position"], s2["position"]) == (0, 1, 2)
         release(e1)
         assert wait(s1)["position"] == 0 and len(wait(s2)["workers"]) == 1
-        shared.wait_for(lambda s: sorted(j for w in sessions(s) for j in w) == sorted([s1["job"], s1["job"], s2["job"]]))
+        shared.wait_for(
+            lambda s: sorted(j for w in sessions(s) for j in w) == sorted([s1["job"], s1["job"], s2["job"]])
+        )
         release(s1)
         e2 = submit("e2", 1, False)
         assert e2["position"] == 0 and wait(e2)["workers"] != wait(s2)["workers"]
@@ -240,16 +280,20 @@ def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
         with pytest.raises(config.ConfigError) as e:
             config.load("configs/gpt_tiny.yaml", ["cluster.backend=shared", *overrides])
         return str(e.value)
+
     assert "not both" in problems("cluster.file=f.json", "cluster.address=127.0.0.1:5000")
     assert "cluster.token_file" in problems("cluster.address=127.0.0.1:5000")
     assert "lease_s" in problems("cluster.lease_s=0.5")
-    assert "only used by cluster.backend='shared'" in str(pytest.raises(
-        config.ConfigError, config.load, "configs/gpt_tiny.yaml", ["cluster.share=true"]).value)
-    for args, says in ((["up", "--workers", "0"], "--workers must be a positive integer"),
-                       (["up", "--workers", "2", "--backend", "slurm"], "allowed: local"),
-                       (["up", "--workers", "2", "--listen", "nowhere"], "--listen must be HOST:PORT"),
-                       (["up", "--workers", "2", "--file", shared.file], "still runs"),
-                       (["status", "--file", tmp_path / "none.json"], "not found")):
+    assert "only used by cluster.backend='shared'" in str(
+        pytest.raises(config.ConfigError, config.load, "configs/gpt_tiny.yaml", ["cluster.share=true"]).value
+    )
+    for args, says in (
+        (["up", "--workers", "0"], "--workers must be a positive integer"),
+        (["up", "--workers", "2", "--backend", "slurm"], "allowed: local"),
+        (["up", "--workers", "2", "--listen", "nowhere"], "--listen must be HOST:PORT"),
+        (["up", "--workers", "2", "--file", shared.file], "still runs"),
+        (["status", "--file", tmp_path / "none.json"], "not found"),
+    ):
         out = cluster(*args)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
     # A run_dir outside the cluster's root: the manager refuses the job, nothing starts.
@@ -281,14 +325,19 @@ def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refu
         (shared.tmp / "holder" / "checkpoints").mkdir(parents=True)
         link = shared.tmp / "link"
         link.symlink_to(shared.tmp / "holder" / "checkpoints")
-        with pytest.raises(JobRefused, match=rf"'root' {shared.tmp}/holder/checkpoints overlaps job {holder.job}'s root"):
+        with pytest.raises(
+            JobRefused, match=rf"'root' {shared.tmp}/holder/checkpoints overlaps job {holder.job}'s root"
+        ):
             SharedLauncher(saved["manager"], saved["submit_token"]).start(1, str(link))
         job = Controller(link, [*JOB, f"cluster.file={shared.file}"])
         rc, _ = job.finish()
         err = job.stderr_path.read_text().strip().splitlines()
         assert rc == 2 and len(err) == 1 and f"overlaps job {holder.job}'s root" in err[0], err
-        with pytest.raises(JobRefused, match=r"'lease_s' must be a number of seconds in \(0, 60\] \(the cluster's "
-                                             r"--max-lease-s"):
+        with pytest.raises(
+            JobRefused,
+            match=r"'lease_s' must be a number of seconds in \(0, 60\] \(the cluster's "
+            r"--max-lease-s",
+        ):
             SharedLauncher(saved["manager"], saved["submit_token"], lease_s=3600).start(1, str(shared.tmp / "long"))
     finally:
         holder.stop()
@@ -302,8 +351,9 @@ def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(
     cluster_token = (shared.tmp / "cl" / "cluster.token").read_text().strip()
     assert cluster_token not in shared.file.read_text()
     saved = json.loads(shared.file.read_text())
-    mine = WorkerClient(saved["manager"], job_credential(cluster_token, "mine-1"), collections.Counter(),
-                        MANAGER_SERVICE)
+    mine = WorkerClient(
+        saved["manager"], job_credential(cluster_token, "mine-1"), collections.Counter(), MANAGER_SERVICE
+    )
     try:
         for method, header in (("Down", {}), ("Release", {"job": "theirs-1"}), ("Submit", {"slices": 1})):
             with pytest.raises(WorkerError, match="PERMISSION_DENIED"):
@@ -334,10 +384,12 @@ def test_down_while_a_job_trains_ends_the_job_in_one_line_and_leaves_no_process(
         if job.proc.poll() is None:
             job.proc.kill()
     from mpmd.runtime.worker.slice_store import CheckpointStore
+
     last = CheckpointStore(shared.tmp / "d").committed()[-1]
     err = job.stderr_path.read_text().strip().splitlines()
-    assert rc == 1 and err[-1] == (f"error: the shared cluster was shut down; last committed checkpoint: "
-                                   f"step {last}"), err[-5:]
+    assert rc == 1 and err[-1] == (
+        f"error: the shared cluster was shut down; last committed checkpoint: step {last}"
+    ), err[-5:]
 
 
 def test_a_ray_backed_cluster_leases_its_actors_and_down_leaves_no_process(tmp_path):
@@ -346,8 +398,20 @@ def test_a_ray_backed_cluster_leases_its_actors_and_down_leaves_no_process(tmp_p
     actors, Ray's own processes and the manager."""
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install -e '.[ray]'")
     file = tmp_path / "ray.json"
-    up = cluster("up", "--backend", "ray", "--workers", 2, "--dir", tmp_path / "cl", "--file", file, "--root",
-                 tmp_path, tag="ray")
+    up = cluster(
+        "up",
+        "--backend",
+        "ray",
+        "--workers",
+        2,
+        "--dir",
+        tmp_path / "cl",
+        "--file",
+        file,
+        "--root",
+        tmp_path,
+        tag="ray",
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     try:
         saved = json.loads(file.read_text())

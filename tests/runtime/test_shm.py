@@ -3,6 +3,7 @@ which path, what is left mapped after close() and after a SIGKILL of either side
 a refused `shm` says. The transfers themselves are tested over both paths in test_transport.py;
 training over shm against socket, and a stranger without the secret, with real workers in
 test_multiprocess.py and test_security.py; a SIGKILL of a real worker at the end here."""
+
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ from mpmd import models
 from tests.runtime.test_transport import start_pair
 from tests.support.reference import batches, make_gpt
 
-pytestmark = pytest.mark.slow      # real worker processes (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes (tests/README.md)
 
 GONE_TIMEOUT_S = 10
 
@@ -60,9 +61,11 @@ def test_shm_is_refused_where_a_peer_has_no_shared_memory_endpoint():
     # Worker 1 runs the socket path only, as a worker on another host would look from here.
     workers = start_pair(transports=("shm", "socket"))
     try:
-        assert workers[0].error == ("transport 'shm' cannot reach slice 1 at " + workers[1].address + ": its worker "
-                                    "has no shared-memory endpoint on this host (another host?); use transport auto "
-                                    "or socket")
+        assert workers[0].error == (
+            "transport 'shm' cannot reach slice 1 at " + workers[1].address + ": its worker "
+            "has no shared-memory endpoint on this host (another host?); use transport auto "
+            "or socket"
+        )
         assert workers[1].path == "socket"
     finally:
         for w in workers:
@@ -73,7 +76,7 @@ def test_close_leaves_no_segment_no_fd_and_no_endpoint():
     workers = start_pair("shm")
     try:
         _exchange(workers, "a", keep=True)
-        _exchange(workers, "b", keep=True)        # two in flight each way: two segments
+        _exchange(workers, "b", keep=True)  # two in flight each way: two segments
         assert all(len(w("segments")["maps"]) >= 3 for w in workers)
         closed = [w("close") for w in workers]
         assert closed == [{"listening": False, "maps": [], "fds": []}] * 2
@@ -112,10 +115,10 @@ def test_sigkill_of_either_side_frees_the_survivors_segments(victim):
         # stays mapped only while the arrays made from it live, and keeps its bytes.
         got = _segments_until(survivor, lambda s: all(f"-to{victim}-" not in m for m in s["maps"]))
         # Segment 1 both times: the warm-up's came back to its sender's pool when its arrays died.
-        kept = f"mpmd-shm-s{victim}-to{1 - victim}-1"      # (Python's mmap holds an fd of its own)
+        kept = f"mpmd-shm-s{victim}-to{1 - victim}-1"  # (Python's mmap holds an fd of its own)
         assert got == {"maps": [kept], "fds": [f"/memfd:{kept} (deleted)"]}
         assert _segments_until(survivor, lambda s: not s["maps"], drop=True) == {"maps": [], "fds": []}
-        assert digests[1 - victim]                 # read while its sender was alive: bitwise as sent
+        assert digests[1 - victim]  # read while its sender was alive: bitwise as sent
     finally:
         for w in workers:
             w.kill()
@@ -141,8 +144,9 @@ def test_a_sigkilled_workers_peer_keeps_no_shared_memory(workers, tmp_path, vict
     nothing was ever put in /dev/shm."""
     cluster = workers
     make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
-    trainer = mpmd.Trainer(make(), optax.sgd(0.05, momentum=0.9), "1f1b", num_microbatches=4,
-                           cluster=cluster, run_dir=tmp_path)
+    trainer = mpmd.Trainer(
+        make(), optax.sgd(0.05, momentum=0.9), "1f1b", num_microbatches=4, cluster=cluster, run_dir=tmp_path
+    )
     try:
         x, y = batches()[0]
         trainer.step(x, y)

@@ -2,6 +2,7 @@
 --token-file --root`), one SIGKILLed between steps; the run ends exactly like an uninterrupted
 one. And the config's cluster keys reach the cluster objects (`cluster.spares`, `address`,
 `resources`, `failure_timeout_s`)."""
+
 import importlib.util
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from mpmd.runtime.worker.main import READY, cores_for
 from tests.support.processes import ROOT, wait_gone
 from tests.support.recovery_runs import assert_same_run, data, make_trainer, train
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 TOKEN = "static-spares-token-0123456789abcdef"
 
@@ -26,16 +27,33 @@ def static_workers(tmp_path):
     """Three `mpmd worker`s confined to tmp_path: ([addresses], [processes], token file)."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    token_file.chmod(0o600)         # workers refuse a token file others may read
+    token_file.chmod(0o600)  # workers refuse a token file others may read
     procs, addresses = [], []
     try:
         for i in range(3):
             with open(tmp_path / f"worker_{i}.log", "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "mpmd.recipes.cli", "worker", "--listen", "127.0.0.1:0",
-                     "--token-file", str(token_file), "--root", str(tmp_path),
-                     "--cpus", ",".join(map(str, cores_for(i, 1)))],
-                    cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "mpmd.recipes.cli",
+                            "worker",
+                            "--listen",
+                            "127.0.0.1:0",
+                            "--token-file",
+                            str(token_file),
+                            "--root",
+                            str(tmp_path),
+                            "--cpus",
+                            ",".join(map(str, cores_for(i, 1))),
+                        ],
+                        cwd=ROOT,
+                        stdout=subprocess.PIPE,
+                        stderr=log,
+                        text=True,
+                    )
+                )
         for p in procs:
             line = p.stdout.readline()
             assert line.startswith(READY), line
@@ -44,7 +62,7 @@ def static_workers(tmp_path):
     finally:
         for p in procs:
             if p.poll() is None and wait_gone([p.pid], timeout_s=5.0):
-                p.kill()            # by its own pid
+                p.kill()  # by its own pid
             p.wait()
 
 
@@ -58,7 +76,7 @@ def test_static_cluster_replaces_a_killed_worker_by_its_spare(static_workers, un
     def kill_slice_1(i, trainer):
         if i == 5 and not killed:
             victim = process_at[trainer.cluster.clients[1].address]
-            victim.kill()          # SIGKILL
+            victim.kill()  # SIGKILL
             killed.append(victim)
 
     trainer = make_trainer(cluster, tmp_path / "run")
@@ -73,8 +91,14 @@ def test_static_cluster_replaces_a_killed_worker_by_its_spare(static_workers, un
 
 
 def test_static_without_spares_still_refuses_to_replace(tmp_path):
-    cfg = config.load(None, ["cluster.backend=static", "cluster.addresses=['127.0.0.1:7001', '127.0.0.1:7002']",
-                             f"cluster.token_file={tmp_path / 'token'}"])
+    cfg = config.load(
+        None,
+        [
+            "cluster.backend=static",
+            "cluster.addresses=['127.0.0.1:7001', '127.0.0.1:7002']",
+            f"cluster.token_file={tmp_path / 'token'}",
+        ],
+    )
     (tmp_path / "token").write_text(TOKEN)
     (tmp_path / "token").chmod(0o600)
     cluster = recipe.build_cluster(cfg)
@@ -87,22 +111,38 @@ def test_config_cluster_keys_reach_the_clusters(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    static = recipe.build_cluster(config.load(None, [
-        "cluster.backend=static", "cluster.addresses=['127.0.0.1:7001', '127.0.0.1:7002']",
-        "cluster.spares=['127.0.0.1:7003']", f"cluster.token_file={token}", "cluster.failure_timeout_s=2.5",
-        "cluster.transport=socket"]))
+    static = recipe.build_cluster(
+        config.load(
+            None,
+            [
+                "cluster.backend=static",
+                "cluster.addresses=['127.0.0.1:7001', '127.0.0.1:7002']",
+                "cluster.spares=['127.0.0.1:7003']",
+                f"cluster.token_file={token}",
+                "cluster.failure_timeout_s=2.5",
+                "cluster.transport=socket",
+            ],
+        )
+    )
     assert static.launcher.start(2) == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
     assert static.launcher.replace(1) == "127.0.0.1:7003"
     assert static.failure_timeout_s == 2.5 and static.transport == "socket"
     local = recipe.build_cluster(config.load(None, ["cluster.failure_timeout_s=7", "log.level=error"]))
     assert local.failure_timeout_s == 7 and local.launcher.log_level == "error" and local.transport == "auto"
     assert recipe.build_cluster(config.load(None, ["cluster.transport=shm"])).transport == "shm"
-    assert recipe.build_cluster(config.load(None, [])).failure_timeout_s == 5.0    # null: the cluster's default
+    assert recipe.build_cluster(config.load(None, [])).failure_timeout_s == 5.0  # null: the cluster's default
     if importlib.util.find_spec("ray") is None:
         return
-    ray = recipe.build_cluster(config.load(None, ["cluster.backend=ray", "cluster.address=auto",
-                                                  "cluster.resources={CPU: 1, GPU: 0}",
-                                                  "cluster.failure_timeout_s=9"]))
+    ray = recipe.build_cluster(
+        config.load(
+            None,
+            [
+                "cluster.backend=ray",
+                "cluster.address=auto",
+                "cluster.resources={CPU: 1, GPU: 0}",
+                "cluster.failure_timeout_s=9",
+            ],
+        )
+    )
     assert ray.launcher.ray_address == "auto" and ray.failure_timeout_s == 9
     assert ray.launcher._actor_options() == {"num_cpus": 1, "num_gpus": 0, "resources": {}}
-

@@ -8,6 +8,7 @@ line; it answers one JSON line. Payloads are made from a seed on the sender, and
 report a SHA-256 of the raw bytes and shapes, so equality is bitwise (the float32 payload is
 random bit patterns, NaN payloads included).
 """
+
 import json
 import os
 import select
@@ -21,7 +22,7 @@ import pytest
 
 from tests.support import xla
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,12 +118,16 @@ for line in sys.stdin:
 
 class Worker:
     def __init__(self, slice_index: int, transport: str = "auto"):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-                   XLA_FLAGS=xla.flags())
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), XLA_FLAGS=xla.flags())
         cpu = slice_index % os.cpu_count()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(slice_index), transport, str(cpu)], env=env, cwd=REPO, text=True,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            [sys.executable, "-c", WORKER, str(slice_index), transport, str(cpu)],
+            env=env,
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
         self.address = self._read(timeout_s=60)["address"]
 
     def _read(self, timeout_s: float = 20) -> dict:
@@ -144,7 +149,7 @@ class Worker:
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()
-            except OSError:              # stdin's buffer could not be flushed: the worker is gone
+            except OSError:  # stdin's buffer could not be flushed: the worker is gone
                 pass
 
 
@@ -190,7 +195,7 @@ def test_recv_posted_before_send_waits_for_it(pair, src, dst):
     key = f"step1/s{src}->s{dst}/mb0/act"
     pair[dst]("recv", key=key, src=src)
     time.sleep(0.3)
-    assert pair[dst]("done", key=key) == {"done": False}   # waiting, not failed
+    assert pair[dst]("done", key=key) == {"done": False}  # waiting, not failed
     sent = pair[src]("send", key=key, dst=dst, seed=src * 10 + 2)
     assert pair[dst]("wait", key=key) == {"digest": sent["digest"], "on_device": True}
 
@@ -201,11 +206,13 @@ def test_many_in_flight_both_ways_out_of_order(pair):
     def key(src, mb):
         return f"step2/s{src}->s{1 - src}/mb{mb}/act"
 
-    for src, mb in items:              # odd microbatches: receive posted before the send
+    for src, mb in items:  # odd microbatches: receive posted before the send
         if mb % 2:
             pair[1 - src]("recv", key=key(src, mb), src=src)
-    sent = {(src, mb): pair[src]("send", key=key(src, mb), dst=1 - src, seed=100 + 10 * src + mb)
-            for src, mb in reversed(items)}
+    sent = {
+        (src, mb): pair[src]("send", key=key(src, mb), dst=1 - src, seed=100 + 10 * src + mb)
+        for src, mb in reversed(items)
+    }
     for src, mb in items:
         if not mb % 2:
             pair[1 - src]("recv", key=key(src, mb), src=src)

@@ -2,6 +2,7 @@
 the control plane sends are the table's records, and a header that does not match its verb's
 record is refused by the table, naming the verb and the field. Over real gRPC to a real
 worker: tests/runtime/test_control_faults.py."""
+
 import dataclasses
 import typing
 
@@ -26,14 +27,20 @@ def test_every_record_field_has_a_wire_type():
     for verb in [*verbs.VERBS.values(), *verbs.MANAGER_VERBS.values()]:
         for record in (verb.request, verb.reply):
             assert dataclasses.is_dataclass(record)
-            verbs._fields(record)     # asserts each field is one of the JSON types the table checks
+            verbs._fields(record)  # asserts each field is one of the JSON types the table checks
 
 
 def test_a_request_round_trips_through_its_header():
     sent = verbs.Run("train", 12, after=11, feeds={"x": [{"$blob": 0}]}, fetch=["loss/0"], trace=True)
     header = verbs.encode(sent)
-    assert header == {"plan": "train", "run": 12, "after": 11, "feeds": {"x": [{"$blob": 0}]},
-                      "fetch": ["loss/0"], "trace": True}
+    assert header == {
+        "plan": "train",
+        "run": 12,
+        "after": 11,
+        "feeds": {"x": [{"$blob": 0}]},
+        "fetch": ["loss/0"],
+        "trace": True,
+    }
     assert verbs.decode_request(verbs.verb_of(sent), header) == sent
     # Optional fields left None are not sent, and come back as None.
     put = verbs.Put("w", [{"$blob": 0}])
@@ -43,16 +50,19 @@ def test_a_request_round_trips_through_its_header():
     assert verbs.decode_request("OpenSession", {"job": "j", "root": "/r", "lease_s": 2}).lease_s == 2
 
 
-@pytest.mark.parametrize("verb,header,says", [
-    ("Run", {"plan": "p"}, "Run request field 'run' must be an integer; it is missing"),
-    ("Run", {"plan": "p", "run": 1.5}, "Run request field 'run' must be an integer, got float"),
-    ("Run", {"plan": "p", "run": False}, "Run request field 'run' must be an integer, got bool"),
-    ("Run", {"plan": "p", "run": 1, "fetch": "loss"}, "Run request field 'fetch' must be a list, got str"),
-    ("Run", {"plan": "p", "run": 1, "stepp": 1}, "Run request has no field 'stepp'; its fields are plan, run,"),
-    ("WaitSaves", {"directories": "d"}, "WaitSaves request field 'directories' must be a list or null"),
-    ("Heartbeat", {"now": 1}, "Heartbeat request has no field 'now'; its fields are none"),
-    ("Teleport", {}, "no verb 'Teleport'; the verbs are Hello, Setup,"),
-])
+@pytest.mark.parametrize(
+    "verb,header,says",
+    [
+        ("Run", {"plan": "p"}, "Run request field 'run' must be an integer; it is missing"),
+        ("Run", {"plan": "p", "run": 1.5}, "Run request field 'run' must be an integer, got float"),
+        ("Run", {"plan": "p", "run": False}, "Run request field 'run' must be an integer, got bool"),
+        ("Run", {"plan": "p", "run": 1, "fetch": "loss"}, "Run request field 'fetch' must be a list, got str"),
+        ("Run", {"plan": "p", "run": 1, "stepp": 1}, "Run request has no field 'stepp'; its fields are plan, run,"),
+        ("WaitSaves", {"directories": "d"}, "WaitSaves request field 'directories' must be a list or null"),
+        ("Heartbeat", {"now": 1}, "Heartbeat request has no field 'now'; its fields are none"),
+        ("Teleport", {}, "no verb 'Teleport'; the verbs are Hello, Setup,"),
+    ],
+)
 def test_the_table_refuses_a_header_that_does_not_match_the_verb(verb, header, says):
     with pytest.raises(ValueError) as e:
         verbs.decode_request(verb, header)
@@ -65,9 +75,9 @@ def test_a_reply_is_checked_too():
     assert verbs.decode_reply("Heartbeat", {"pid": 1, "running": False}).progress is None
 
 
-
 def test_a_record_is_checked_before_it_is_sent_and_in_process_too():
     import mpmd
+
     with pytest.raises(ValueError, match="Run record field 'run' must be an integer, got str"):
         verbs.encode(verbs.Run("train", "12"))
     cluster = mpmd.InProcessCluster()
@@ -81,21 +91,26 @@ def test_a_record_is_checked_before_it_is_sent_and_in_process_too():
         cluster.close()
 
 
-@pytest.mark.parametrize("request_of", [
-    lambda c: c.put(0, 7, [np.zeros(2, np.float32)]),
-    lambda c: c.install_plan(0, ("train",), []),
-    lambda c: c.save(0, ["params"]),
-    lambda c: c.restore(0, {}, staged="no"),
-    lambda c: c.finish_restore(0, commit="yes"),
-], ids=["Put", "InstallPlan", "Save", "Restore", "FinishRestore"])
+@pytest.mark.parametrize(
+    "request_of",
+    [
+        lambda c: c.put(0, 7, [np.zeros(2, np.float32)]),
+        lambda c: c.install_plan(0, ("train",), []),
+        lambda c: c.save(0, ["params"]),
+        lambda c: c.restore(0, {}, staged="no"),
+        lambda c: c.finish_restore(0, commit="yes"),
+    ],
+    ids=["Put", "InstallPlan", "Save", "Restore", "FinishRestore"],
+)
 def test_the_in_process_cluster_checks_every_verb_against_the_table(request_of):
     import mpmd
+
     cluster = mpmd.InProcessCluster()
     cluster.start(1)
     try:
         with pytest.raises(ValueError, match=r"^\w+ record field '\w+' must be"):
             request_of(cluster)
-        assert cluster.executors[0].buffers == {}     # refused before the slice saw it
+        assert cluster.executors[0].buffers == {}  # refused before the slice saw it
     finally:
         cluster.close()
 
@@ -103,18 +118,22 @@ def test_the_in_process_cluster_checks_every_verb_against_the_table(request_of):
 # -- the shared cluster's manager: a second table in the same style ---------------------------
 def test_the_manager_serves_exactly_its_table():
     from mpmd.runtime.manager import core
+
     assert core.METHODS == {n: v.caller for n, v in verbs.MANAGER_VERBS.items()}
     assert core.SERVICE == verbs.MANAGER_SERVICE and verbs.TABLES[core.SERVICE] is verbs.MANAGER_VERBS
     assert set(core.METHODS) == {"Submit", "Status", "Wait", "Renew", "Release", "Replace", "Down"}
 
 
-@pytest.mark.parametrize("verb,header,says", [
-    ("Submit", {"root": "/r"}, "Submit request field 'slices' must be an integer; it is missing"),
-    ("Submit", {"slices": "2", "root": "/r"}, "Submit request field 'slices' must be an integer, got str"),
-    ("Submit", {"slices": 1, "root": "/r", "priority": 9}, "Submit request has no field 'priority'"),
-    ("Wait", {}, "Wait request field 'job' must be a string; it is missing"),
-    ("Replace", {"job": "j-1", "slot": None}, "Replace request field 'slot' must be an integer, got NoneType"),
-])
+@pytest.mark.parametrize(
+    "verb,header,says",
+    [
+        ("Submit", {"root": "/r"}, "Submit request field 'slices' must be an integer; it is missing"),
+        ("Submit", {"slices": "2", "root": "/r"}, "Submit request field 'slices' must be an integer, got str"),
+        ("Submit", {"slices": 1, "root": "/r", "priority": 9}, "Submit request has no field 'priority'"),
+        ("Wait", {}, "Wait request field 'job' must be a string; it is missing"),
+        ("Replace", {"job": "j-1", "slot": None}, "Replace request field 'slot' must be an integer, got NoneType"),
+    ],
+)
 def test_the_manager_table_refuses_a_header_that_does_not_match_the_verb(verb, header, says):
     with pytest.raises(ValueError) as e:
         verbs.decode_request(verb, header, verbs.MANAGER_VERBS)
@@ -132,6 +151,7 @@ def test_the_manager_answers_a_request_missing_a_field_invalid_argument_naming_i
     from mpmd.runtime.manager import core, server
     from mpmd.runtime.wire import format as wire
     from mpmd.runtime.worker.service import TOKEN_KEY
+
     pool = types.SimpleNamespace(workers=[], root=str(tmp_path), devices_per_worker=1)
     manager = core.Manager(pool, cluster_token="c" * 32, submit_token="s" * 32, journal=str(tmp_path / "jobs.json"))
 
@@ -145,6 +165,7 @@ def test_the_manager_answers_a_request_missing_a_field_invalid_argument_naming_i
 
         def peer(self):
             return "test"
+
     details = types.SimpleNamespace(method=f"/{core.SERVICE}/Submit", invocation_metadata=((TOKEN_KEY, "s" * 32),))
     handler = server.Handler(manager).service(details)
     context = Context()
@@ -152,5 +173,4 @@ def test_the_manager_answers_a_request_missing_a_field_invalid_argument_naming_i
         handler.unary_unary(wire.encode({"name": "x", "root": str(tmp_path)}, []), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert context.details == "Submit: Submit request field 'slices' must be an integer; it is missing"
-    assert manager.jobs == {}          # nothing was queued
-
+    assert manager.jobs == {}  # nothing was queued

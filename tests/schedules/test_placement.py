@@ -1,4 +1,5 @@
 """Placement is data: a schedule carries stage -> slice, and everything downstream reads it."""
+
 import numpy as np
 import optax
 import pytest
@@ -22,8 +23,10 @@ def make_gpt():
 
 def batches(steps=3):
     rng = np.random.default_rng(3)
-    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)) for _ in range(steps)]
+    return [
+        (rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32), rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
+        for _ in range(steps)
+    ]
 
 
 def sgd():
@@ -46,8 +49,9 @@ def test_gpipe_on_a_v_runs_and_matches_unpipelined():
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
     data = batches()
     ref_losses, _, ref_params = reference.train(make_gpt, models.lm_loss, data, sgd(), max_grad_norm=1.0)
-    with mpmd.Trainer(pipe, optimizer=sgd(), schedule=schedule, max_grad_norm=1.0,
-                      cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipe, optimizer=sgd(), schedule=schedule, max_grad_norm=1.0, cluster=mpmd.InProcessCluster()
+    ) as trainer:
         assert trainer.num_slices == 2 and trainer.placement == (0, 1, 1, 0)
         # Forward-only plans follow the same placement.
         assert trainer.evaluate(*data[0]) == pytest.approx(ref_losses[0], rel=1e-5)
@@ -75,11 +79,14 @@ def test_a_permuted_placement_moves_every_stage():
     assert simulate(swapped).makespan == simulate(base).makespan
 
 
-@pytest.mark.parametrize("placement,match", [
-    ((0, 1, 1), "placement to give a slice index >= 0 for each of the 4 stages"),
-    ((0, -1, 1, 0), "placement to give a slice index"),
-    ((0, 2, 2, 0), r"leaves slice\(s\) \[1\] without a stage"),
-])
+@pytest.mark.parametrize(
+    "placement,match",
+    [
+        ((0, 1, 1), "placement to give a slice index >= 0 for each of the 4 stages"),
+        ((0, -1, 1, 0), "placement to give a slice index"),
+        ((0, 2, 2, 0), r"leaves slice\(s\) \[1\] without a stage"),
+    ],
+)
 def test_bad_placement_is_refused(placement, match):
     with pytest.raises(ValueError, match=match):
         schedules.gpipe(4, 2, placement=placement)
@@ -87,8 +94,11 @@ def test_bad_placement_is_refused(placement, match):
 
 def test_validator_reads_the_placement():
     schedule = schedules.gpipe(4, 2, placement=(0, 1, 1, 0))
-    with pytest.raises(ScheduleError, match=r"wrong slice: F\(stage=3, mb=0\) at slice 0, position 2; "
-                                            r"stage 3 belongs on slice 1"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"wrong slice: F\(stage=3, mb=0\) at slice 0, position 2; "
+        r"stage 3 belongs on slice 1",
+    ):
         schedules.validate(schedule._replace(placement=(0, 0, 1, 1)))
     with pytest.raises(ScheduleError, match=r"placement \(0, 1, 5, 0\) must give each"):
         schedules.validate(schedule._replace(placement=(0, 1, 5, 0)))
@@ -97,8 +107,7 @@ def test_validator_reads_the_placement():
 def test_trainer_checks_a_given_schedule_against_its_pipeline():
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
     schedule = schedules.gpipe(4, M, placement=schedules.v_placement(4, 2))
-    with pytest.raises(ValueError, match="num_microbatches=8 disagrees with the given schedule's "
-                                         "num_microbatches=4"):
+    with pytest.raises(ValueError, match="num_microbatches=8 disagrees with the given schedule's num_microbatches=4"):
         mpmd.Trainer(pipe, optimizer=sgd(), schedule=schedule, num_microbatches=8)
     with pytest.raises(ValueError, match="is for 2 stages, the pipeline has 4"):
         mpmd.Trainer(pipe, optimizer=sgd(), schedule=schedules.make("1f1b", 2, 4))

@@ -51,7 +51,7 @@ def test_bubble_formulas_with_default_costs(name, p, m, v):
         "zb-v": (p - 1) / (6 * m + p - 1),
         "dualpipe-v": (p - 1) / (6 * m + p - 1),
     }[name]
-    if name in V_SCHEDULES and m < 2 * p - 1:   # built for 2p-1 microbatches, some dropped
+    if name in V_SCHEDULES and m < 2 * p - 1:  # built for 2p-1 microbatches, some dropped
         assert sim.bubble_fraction > expected
     else:
         assert sim.bubble_fraction == pytest.approx(expected, abs=1e-12)
@@ -69,12 +69,12 @@ def test_v_schedules_near_zero_bubble_at_1f1b_memory(p):
     zb_v = simulate(schedules.make("zb-v", 2 * p, m), UNIT)
     dualpipe_v = simulate(schedules.make("dualpipe-v", 2 * p, m), UNIT)
     work = 6 * m
-    assert one_f_one_b.makespan == work + 6 * (p - 1)     # 1F1B idles 3(p-1) tasks of 2 units
+    assert one_f_one_b.makespan == work + 6 * (p - 1)  # 1F1B idles 3(p-1) tasks of 2 units
     assert zb_h1.makespan == work + 2 * (p - 1)
     assert zb_v.makespan == dualpipe_v.makespan == work + (p - 1)
-    assert zb_v.peak_live_activations == (2 * p,) * p           # = 1F1B's p, in half stages
+    assert zb_v.peak_live_activations == (2 * p,) * p  # = 1F1B's p, in half stages
     assert max(one_f_one_b.peak_live_activations) == p
-    assert max(dualpipe_v.peak_live_activations) == 2 * p + 1   # one more: its F&B pairs
+    assert max(dualpipe_v.peak_live_activations) == 2 * p + 1  # one more: its F&B pairs
     sched = schedules.make("zb-v", 2 * p, m)
     assert sched.placement == schedules.v_placement(2 * p, p) and sched.virtual_stages == 2
     assert sched.stages_on(0) == (0, 2 * p - 1)
@@ -92,10 +92,14 @@ def test_v_schedules_with_fewer_microbatches_than_their_shape(name):
 @pytest.mark.parametrize("costs", [{"F": 1, "B": 2, "W": 0}, {"F": 2, "B": 1, "W": 0.5}])
 def test_bubble_formulas_do_not_depend_on_cost_ratio(costs):
     p, m, v = 4, 8, 2
-    for name, expected in (("gpipe", (p - 1) / (m + p - 1)), ("1f1b", (p - 1) / (m + p - 1)),
-                           ("interleaved-1f1b", (p - 1) / (v * m + p - 1))):
-        sim = simulate(schedules.make(name, p * (v if "interleaved" in name else 1), m,
-                                      v if "interleaved" in name else 1), costs)
+    for name, expected in (
+        ("gpipe", (p - 1) / (m + p - 1)),
+        ("1f1b", (p - 1) / (m + p - 1)),
+        ("interleaved-1f1b", (p - 1) / (v * m + p - 1)),
+    ):
+        sim = simulate(
+            schedules.make(name, p * (v if "interleaved" in name else 1), m, v if "interleaved" in name else 1), costs
+        )
         assert sim.bubble_fraction == pytest.approx(expected), name
 
 
@@ -103,8 +107,9 @@ def test_zb_h1_beats_1f1b_with_equal_work():
     one_f_one_b = simulate(schedules.make("1f1b", 4, 8), UNIT)
     zb = simulate(schedules.make("zb-h1", 4, 8), UNIT)
     # Same total work: a full backward costs B + W.
-    assert sum(e - s for row in zb.spans for _, s, e in row) == \
-        sum(e - s for row in one_f_one_b.spans for _, s, e in row)
+    assert sum(e - s for row in zb.spans for _, s, e in row) == sum(
+        e - s for row in one_f_one_b.spans for _, s, e in row
+    )
     assert zb.bubble_fraction < one_f_one_b.bubble_fraction
     assert zb.makespan < one_f_one_b.makespan
     # ... at the same peak memory as 1F1B: p microbatches alive.
@@ -121,8 +126,7 @@ def test_comm_latency_adds_to_critical_path():
     p, m = 4, 8
     base = simulate(schedules.make("gpipe", p, m)).makespan
     # GPipe's critical path crosses p-1 slice boundaries going forward and p-1 coming back.
-    assert simulate(schedules.make("gpipe", p, m), comm_s=0.5).makespan == \
-        pytest.approx(base + 2 * (p - 1) * 0.5)
+    assert simulate(schedules.make("gpipe", p, m), comm_s=0.5).makespan == pytest.approx(base + 2 * (p - 1) * 0.5)
 
 
 def test_per_stage_costs_callable():
@@ -133,10 +137,13 @@ def test_per_stage_costs_callable():
     assert busy == [4 * 3.0, 4 * 6.0]
 
 
-@pytest.mark.parametrize("costs,match", [
-    ({"F": 1, "B": 1}, "exactly the keys"),
-    ({"F": 1, "B": -1, "W": 0}, r"costs\['B'\] must be a number >= 0"),
-])
+@pytest.mark.parametrize(
+    "costs,match",
+    [
+        ({"F": 1, "B": 1}, "exactly the keys"),
+        ({"F": 1, "B": -1, "W": 0}, r"costs\['B'\] must be a number >= 0"),
+    ],
+)
 def test_bad_costs(costs, match):
     with pytest.raises(ValueError, match=match):
         simulate(schedules.make("1f1b", 2, 2), costs)
@@ -152,9 +159,11 @@ def test_validator_rejects_backward_before_its_forward():
     schedule = schedules.make("1f1b", 2, 2)
     tasks = list(schedule.slices[1])  # slice 1: F0 B0 F1 B1
     tasks[0], tasks[1] = tasks[1], tasks[0]
-    with pytest.raises(ScheduleError,
-                       match=r"slice 1 waits at B\(stage=1, mb=0\), which needs "
-                             r"F\(stage=1, mb=0\) not yet run"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"slice 1 waits at B\(stage=1, mb=0\), which needs "
+        r"F\(stage=1, mb=0\) not yet run",
+    ):
         schedules.validate(_replace_slice(schedule, 1, tasks))
 
 
@@ -178,8 +187,10 @@ def test_validator_rejects_cycle_between_slices():
     # Slice 0 runs mb 1 first, slice 1 runs mb 0 first: B(1, mb=0) waits for F(1, 0) which
     # waits for F(0, 0), queued on slice 0 behind B(0, 1), which needs B(1, 1) behind B(1, 0).
     f, b = "F", "B"
-    slices = ((Task(0, 1, f), Task(0, 1, b), Task(0, 0, f), Task(0, 0, b)),
-              (Task(1, 1, f), Task(1, 0, f), Task(1, 0, b), Task(1, 1, b)))
+    slices = (
+        (Task(0, 1, f), Task(0, 1, b), Task(0, 0, f), Task(0, 0, b)),
+        (Task(1, 1, f), Task(1, 0, f), Task(1, 0, b), Task(1, 1, b)),
+    )
     broken = Schedule("broken", 2, 2, 1, False, slices, placement=(0, 1))
     with pytest.raises(ScheduleError) as info:
         schedules.validate(broken)
@@ -191,31 +202,49 @@ def test_validator_rejects_cycle_between_slices():
         simulate(broken)
 
 
-@pytest.mark.parametrize("args,message", [
-    (("pipedream", 4, 8), "unknown schedule 'pipedream'; known schedules: 1f1b, dualpipe-v, "
-                          "gpipe, interleaved-1f1b, zb-h1, zb-v"),
-    (("zb-v", 6, 8, 1), "schedule 'zb-v' supports only virtual_stages=2 (it holds two stages "
-                        "per slice, a V), got 1"),
-    (("dualpipe-v", 5, 8), "schedule 'dualpipe-v' puts two stages on each slice (a V), so it "
-                           "needs an even num_stages, got 5"),
-    (("1f1b", 4, 8, 2), "schedule '1f1b' supports only virtual_stages=1, got 2; only "
-                        "'interleaved-1f1b' takes virtual stages"),
-    (("interleaved-1f1b", 4, 8, 1), "schedule 'interleaved-1f1b' needs virtual_stages >= 2"),
-    (("interleaved-1f1b", 6, 8, 4), "schedule 'interleaved-1f1b' needs num_stages divisible "
-                                    "by virtual_stages (4), got num_stages=6"),
-    (("interleaved-1f1b", 8, 2, 2), "schedule 'interleaved-1f1b' needs num_microbatches >= "
-                                    "number of pipeline slices (4), got 2"),
-    (("interleaved-1f1b", 8, 6, 2), "schedule 'interleaved-1f1b' needs num_microbatches to be "
-                                    "a multiple of the number of pipeline slices (4), got 6"),
-    (("1f1b", 4, 2), "schedule '1f1b' needs num_microbatches >= number of pipeline slices "
-                     "(4), got 2"),
-    (("zb-h1", 4, 3), "schedule 'zb-h1' needs num_microbatches >= number of pipeline slices "
-                      "(4), got 3"),
-    (("gpipe", 0, 4), "schedule 'gpipe' needs num_stages to be an integer >= 1, got 0"),
-    (("gpipe", 4, -1), "schedule 'gpipe' needs num_microbatches to be an integer >= 1, got -1"),
-    (("interleaved-1f1b", 4, 4, 0), "schedule 'interleaved-1f1b' needs virtual_stages to be "
-                                    "an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ("pipedream", 4, 8),
+            "unknown schedule 'pipedream'; known schedules: 1f1b, dualpipe-v, gpipe, interleaved-1f1b, zb-h1, zb-v",
+        ),
+        (
+            ("zb-v", 6, 8, 1),
+            "schedule 'zb-v' supports only virtual_stages=2 (it holds two stages per slice, a V), got 1",
+        ),
+        (
+            ("dualpipe-v", 5, 8),
+            "schedule 'dualpipe-v' puts two stages on each slice (a V), so it needs an even num_stages, got 5",
+        ),
+        (
+            ("1f1b", 4, 8, 2),
+            "schedule '1f1b' supports only virtual_stages=1, got 2; only 'interleaved-1f1b' takes virtual stages",
+        ),
+        (("interleaved-1f1b", 4, 8, 1), "schedule 'interleaved-1f1b' needs virtual_stages >= 2"),
+        (
+            ("interleaved-1f1b", 6, 8, 4),
+            "schedule 'interleaved-1f1b' needs num_stages divisible by virtual_stages (4), got num_stages=6",
+        ),
+        (
+            ("interleaved-1f1b", 8, 2, 2),
+            "schedule 'interleaved-1f1b' needs num_microbatches >= number of pipeline slices (4), got 2",
+        ),
+        (
+            ("interleaved-1f1b", 8, 6, 2),
+            "schedule 'interleaved-1f1b' needs num_microbatches to be "
+            "a multiple of the number of pipeline slices (4), got 6",
+        ),
+        (("1f1b", 4, 2), "schedule '1f1b' needs num_microbatches >= number of pipeline slices (4), got 2"),
+        (("zb-h1", 4, 3), "schedule 'zb-h1' needs num_microbatches >= number of pipeline slices (4), got 3"),
+        (("gpipe", 0, 4), "schedule 'gpipe' needs num_stages to be an integer >= 1, got 0"),
+        (("gpipe", 4, -1), "schedule 'gpipe' needs num_microbatches to be an integer >= 1, got -1"),
+        (
+            ("interleaved-1f1b", 4, 4, 0),
+            "schedule 'interleaved-1f1b' needs virtual_stages to be an integer >= 1, got 0",
+        ),
+    ],
+)
 def test_make_errors(args, message):
     with pytest.raises(ValueError) as info:
         schedules.make(*args)
@@ -236,8 +265,7 @@ def test_large_schedule_validates_and_simulates(name):
 
 def test_cli_prints_summary_and_writes_svg(tmp_path, capsys):
     out = tmp_path / "zb.svg"
-    assert main(["zb-h1", "--stages", "4", "--microbatches", "8", "-o", str(out),
-                 "--costs", "1,1,1"]) == 0
+    assert main(["zb-h1", "--stages", "4", "--microbatches", "8", "-o", str(out), "--costs", "1,1,1"]) == 0
     printed = capsys.readouterr().out
     assert "makespan:          27" in printed
     assert "peak live activations per slice: 4 4 4 4" in printed
@@ -249,36 +277,44 @@ def test_cli_prints_summary_and_writes_svg(tmp_path, capsys):
 
 
 def test_cli_reports_make_errors(tmp_path, capsys):
-    assert main(["1f1b", "--stages", "4", "--microbatches", "2",
-                 "-o", str(tmp_path / "x.svg")]) == 2
+    assert main(["1f1b", "--stages", "4", "--microbatches", "2", "-o", str(tmp_path / "x.svg")]) == 2
     assert capsys.readouterr().err.startswith(
-        "error: schedule '1f1b' needs num_microbatches >= number of pipeline slices (4)")
+        "error: schedule '1f1b' needs num_microbatches >= number of pipeline slices (4)"
+    )
     assert not (tmp_path / "x.svg").exists()
 
 
 def _per_task_costs(costs):
     # The per-task price the reference simulation uses: a full backward is B + W when the
     # schedule does not split it (as mpmd.schedules.simulate prices it).
-    return lambda split: (lambda task: costs[task.stage][task.kind] +
-                          (costs[task.stage]["W"] if task.kind == "B" and not split else 0.0))
+    return lambda split: (
+        lambda task: costs[task.stage][task.kind] + (costs[task.stage]["W"] if task.kind == "B" and not split else 0.0)
+    )
 
 
-@pytest.mark.parametrize("name,p,m,v", [("1f1b", 64, 512, 1), ("zb-v", 64, 128, 2)] +
-                         [(name, p, m, 2 if name in ("interleaved-1f1b",) + V_SCHEDULES else 1)
-                          for name in schedules.SCHEDULES for p, m in ((3, 6), (4, 8))])
+@pytest.mark.parametrize(
+    "name,p,m,v",
+    [("1f1b", 64, 512, 1), ("zb-v", 64, 128, 2)]
+    + [
+        (name, p, m, 2 if name in ("interleaved-1f1b",) + V_SCHEDULES else 1)
+        for name in schedules.SCHEDULES
+        for p, m in ((3, 6), (4, 8))
+    ],
+)
 def test_array_walk_equals_per_task_definition(name, p, m, v):
     # Uneven per-stage costs and a transfer latency, so every dependency matters; the
     # vectorised walk must give the per-task simulation's timeline bit for bit.
     import random
 
     from tests.support import schedule_reference
+
     schedule = schedules.make(name, p * v, m, v)
     rng = random.Random(p * m)
-    costs = [{"F": rng.uniform(0.5, 1.5), "B": rng.uniform(0.5, 2), "W": rng.uniform(0, 1)}
-             for _ in range(p * v)]
+    costs = [{"F": rng.uniform(0.5, 1.5), "B": rng.uniform(0.5, 2), "W": rng.uniform(0, 1)} for _ in range(p * v)]
     sim = simulate(schedule, costs, comm_s=0.25)
     makespan, busy, spans, peaks = schedule_reference.simulate(
-        schedule, _per_task_costs(costs)(schedule.split_backward), comm_s=0.25)
+        schedule, _per_task_costs(costs)(schedule.split_backward), comm_s=0.25
+    )
     assert sim.makespan == makespan
     assert sim.bubble_fraction_per_slice == tuple(1 - b / makespan for b in busy)
     assert sim.peak_live_activations == peaks
@@ -289,12 +325,13 @@ def test_array_walk_equals_per_task_definition(name, p, m, v):
 def test_array_walk_finds_what_the_per_task_walk_finds():
     # Swapping two tasks of a valid schedule: both walks agree on valid or deadlocked.
     from tests.support import schedule_reference
+
     base = schedules.make("zb-v", 6, 5)
     verdicts = set()
     for r in range(base.num_slices):
         tasks = list(base.slices[r])
         for i in range(0, len(tasks) - 1, 2):
-            swapped = tasks[:i] + [tasks[i + 1], tasks[i]] + tasks[i + 2:]
+            swapped = tasks[:i] + [tasks[i + 1], tasks[i]] + tasks[i + 2 :]
             broken = _replace_slice(base, r, swapped)
             try:
                 schedule_reference.execution_order(broken)

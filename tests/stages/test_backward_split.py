@@ -2,6 +2,7 @@
 B + W costs one full backward by XLA's cost analysis, B's kept values live from B to W and
 are counted, and split-backward training equals unpipelined training under SGD + momentum
 (Adam would hide a wrong gradient scale) with clipping, remat and tied weights."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,8 +32,16 @@ LLAMA = dict(vocab_size=32, d_model=16, num_heads=4, num_blocks=2, seq_len=8, nu
 
 def _llama(**kw):
     a = LLAMA
-    return models.Llama(a["vocab_size"], a["d_model"], a["num_heads"], a["num_blocks"], a["seq_len"],
-                        num_kv_heads=a["num_kv_heads"], rngs=nnx.Rngs(0), **kw)
+    return models.Llama(
+        a["vocab_size"],
+        a["d_model"],
+        a["num_heads"],
+        a["num_blocks"],
+        a["seq_len"],
+        num_kv_heads=a["num_kv_heads"],
+        rngs=nnx.Rngs(0),
+        **kw,
+    )
 
 
 def _gpt():
@@ -57,7 +66,7 @@ def _remat_llama():
 def test_b_plus_w_costs_one_full_backward(make):
     pipe, x, y = make()
     flops = stage_costs.measure(pipe, x, y, flops_only=True)
-    assert flops[0]["B"] == 0          # the first stage's input is data: W does it all
+    assert flops[0]["B"] == 0  # the first stage's input is data: W does it all
     for k, c in enumerate(flops):
         assert c["B"] + c["W"] <= 1.05 * c["BW"], (k, c)
         if k > 0:
@@ -71,8 +80,10 @@ def _user_stage(p, x):
     activations, a remat block and a scan (control flow is split whole, not per op)."""
     w, b, u = p
     h = jax.nn.gelu(x @ w + b)
-    h = jax.checkpoint(lambda h: jax.nn.relu(h @ w.T) * jnp.tanh(h @ w.T),
-                       policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)(h)
+    h = jax.checkpoint(
+        lambda h: jax.nn.relu(h @ w.T) * jnp.tanh(h @ w.T),
+        policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    )(h)
     h, _ = jax.lax.scan(lambda c, s: (jnp.sin(c * s), None), h, u)
     return h @ w
 
@@ -86,8 +97,9 @@ def test_split_is_exact_for_any_stage_function():
     leaves, tree = jax.tree.flatten(vjp)
 
     def backward(*a):
-        dp, dx = jax.tree.unflatten(tree, list(a[:len(leaves)]))(a[-1])
+        dp, dx = jax.tree.unflatten(tree, list(a[: len(leaves)]))(a[-1])
         return (*dp, dx)
+
     args = (*leaves, g)
     parts = backward_split.split(backward, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args), 3)
     assert parts.num_input_grads == 1 and parts.kept
@@ -101,13 +113,14 @@ def test_split_is_exact_for_any_stage_function():
 
 # -- B's kept values: named, freed when W runs, counted in memory ---------------------------
 
+
 def test_kept_bytes_count_from_b_until_w():
     schedule = schedules.make("zb-h1", 2, 4)
     # slice 1 runs F B F B W F B W F B W W: at most two microbatches' residuals and two kept
     # sets at once; slice 0 (the first stage) keeps nothing.
     assert peak_saved_bytes(schedule, [100, 100], [0, 1]) == (200, 202)
     assert peak_saved_bytes(schedule, [100, 100]) == (200, 200)
-    one_f_one_b = schedules.make("1f1b", 2, 4)       # no split: nothing is kept between B and W
+    one_f_one_b = schedules.make("1f1b", 2, 4)  # no split: nothing is kept between B and W
     assert peak_saved_bytes(one_f_one_b, [100, 100], [0, 1]) == peak_saved_bytes(one_f_one_b, [100, 100]) == (200, 100)
     with pytest.raises(ValueError, match="kept_bytes has 1 entries; the schedule has 2 stages"):
         peak_saved_bytes(schedule, [100, 100], [1])
@@ -131,8 +144,8 @@ def _check_kept_lifetimes(lowered, num_stages):
                 assert ins.outputs == (names.cotangent(k - 1, j), kept)
                 users = [n for n, later in enumerate(stream) if kept in getattr(later, "inputs", ())]
                 assert len(users) == 1 and stream[users[0]].label == f"W s{k} mb{j}", users
-                after = stream[users[0] + 1:]
-                freed = after[:next((n for n, i in enumerate(after) if not isinstance(i, Delete)), len(after))]
+                after = stream[users[0] + 1 :]
+                freed = after[: next((n for n, i in enumerate(after) if not isinstance(i, Delete)), len(after))]
                 assert Delete(kept) in freed, freed
                 seen += 1
     assert seen == (num_stages - 1) * 4
@@ -147,8 +160,9 @@ def test_zb_h1_with_clipping_equals_unpipelined_under_sgd_momentum():
     data = reference.batches()
     want = reference.train(reference.make_gpt, models.lm_loss, data, sgd(), max_grad_norm=CLIP)
     pipe = mpmd.Pipeline(mpmd.split(reference.make_gpt(), num_stages=3), models.lm_loss)
-    with mpmd.Trainer(pipe, sgd(), schedule="zb-h1", num_microbatches=4, max_grad_norm=CLIP,
-                      cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipe, sgd(), schedule="zb-h1", num_microbatches=4, max_grad_norm=CLIP, cluster=mpmd.InProcessCluster()
+    ) as trainer:
         loss, grads = trainer.grads(*data[0])
         _check_kept_lifetimes(trainer.lowered, 3)
         metrics = [trainer.step(x, y) for x, y in data]
@@ -177,20 +191,21 @@ def test_zb_h1_with_remat_equals_unpipelined(remat):
 def test_zb_h1_with_tied_embedding_and_clipping_equals_unpipelined():
     make = lambda: _llama(tie_embeddings=True)
 
-    class Whole:       # the tied model as one layer, for reference.train
+    class Whole:  # the tied model as one layer, for reference.train
         def layers(self):
             return [make()]
 
     data = reference.batches()
     want = reference.train(Whole, models.lm_loss, data, sgd(), max_grad_norm=CLIP)
     model = make()
-    model.cut_after([1], mpmd.stage_boundary)        # embed + block 0 | block 1 + head (tied)
+    model.cut_after([1], mpmd.stage_boundary)  # embed + block 0 | block 1 + head (tied)
     stages = mpmd.split(model, 2)
     pipe = mpmd.Pipeline(stages, models.lm_loss)
     assert len(pipe.shared) == 1
     in_stage_order = lambda leaves: [leaves[i] for s in stages for i in s.param_index]
-    with mpmd.Trainer(pipe, sgd(), schedule="zb-h1", num_microbatches=4, max_grad_norm=CLIP,
-                      cluster=mpmd.InProcessCluster()) as trainer:
+    with mpmd.Trainer(
+        pipe, sgd(), schedule="zb-h1", num_microbatches=4, max_grad_norm=CLIP, cluster=mpmd.InProcessCluster()
+    ) as trainer:
         _, grads = trainer.grads(*data[0])
         metrics = [trainer.step(x, y) for x, y in data]
         params = reference.stage_leaves(trainer.params())

@@ -1,4 +1,5 @@
 """Task costs: measured from the pipeline's own programs; the full backward priced as itself."""
+
 import jax
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def test_measure_prices_each_program(measured):
         assert c["F"] > 0 and c["W"] > 0 and c["BW"] > 0
         # A backward costs at least its weight-gradient part.
         assert c["BW"] >= c["W"] * 0.99
-    assert measured[0]["B"] == 0.0          # the first stage's input is data: no input gradient
+    assert measured[0]["B"] == 0.0  # the first stage's input is data: no input gradient
     assert measured[1]["B"] > 0
 
 
@@ -43,10 +44,14 @@ def test_simulator_prices_the_full_backward_as_measured(measured):
 
 def test_bw_key_overrides_b_plus_w():
     schedule = schedules.make("gpipe", 2, 2)
-    assert simulate(schedule, {"F": 1, "B": 1, "W": 1}).makespan == simulate(
-        schedule, {"F": 1, "B": 1, "W": 1, "BW": 2}).makespan
-    assert simulate(schedule, {"F": 1, "B": 1, "W": 1, "BW": 1}).makespan < simulate(
-        schedule, {"F": 1, "B": 1, "W": 1}).makespan
+    assert (
+        simulate(schedule, {"F": 1, "B": 1, "W": 1}).makespan
+        == simulate(schedule, {"F": 1, "B": 1, "W": 1, "BW": 2}).makespan
+    )
+    assert (
+        simulate(schedule, {"F": 1, "B": 1, "W": 1, "BW": 1}).makespan
+        < simulate(schedule, {"F": 1, "B": 1, "W": 1}).makespan
+    )
     with pytest.raises(ValueError, match=r"costs\[1\]\['BW'\] must be a number >= 0"):
         simulate(schedule, [{"F": 1, "B": 1, "W": 1}, {"F": 1, "B": 1, "W": 1, "BW": -1}])
 
@@ -55,8 +60,7 @@ def test_schedule_cli_takes_bw_and_says_what_zb_assumes(tmp_path, capsys):
     out = tmp_path / "zb.svg"
     assert main(["zb-h1", "--stages", "2", "--microbatches", "4", "-o", str(out)]) == 0
     assert "assumes B + W = one full backward" in capsys.readouterr().out
-    assert main(["zb-h1", "--stages", "2", "--microbatches", "4", "--costs", "1,0.5,1,1",
-                 "-o", str(out)]) == 0
+    assert main(["zb-h1", "--stages", "2", "--microbatches", "4", "--costs", "1,0.5,1,1", "-o", str(out)]) == 0
     assert "assumes" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["1f1b", "--stages", "2", "--microbatches", "4", "--costs", "1,1"])

@@ -4,6 +4,7 @@ pg{k}, the memory the dry run counts, and what is refused.
 
 Equivalence with unpipelined JAX (in-process and on worker processes) is
 tests/runtime/test_mesh_slices.py's, with the other mesh runs."""
+
 import jax
 import numpy as np
 import pytest
@@ -28,13 +29,27 @@ def _gathers(mode: str):
     """Per slice: (all-gathered arrays per program kind in one step, the number of parameter
     leaves on fsdp, the training stream) of the small GPT on fsdp=2 slices under 1F1B."""
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
-    with mpmd.Trainer(pipe, sgd(), schedule="1f1b", num_microbatches=M, max_grad_norm=1.0, mesh={"fsdp": 2},
-                      cluster=mpmd.InProcessCluster(), fsdp_gather=mode) as trainer:
+    with mpmd.Trainer(
+        pipe,
+        sgd(),
+        schedule="1f1b",
+        num_microbatches=M,
+        max_grad_norm=1.0,
+        mesh={"fsdp": 2},
+        cluster=mpmd.InProcessCluster(),
+        fsdp_gather=mode,
+    ) as trainer:
         trainer.step(*reference.batches()[0])
         lowered, layout = trainer.lowered, trainer.programs.layout
         devices = bind(tuple(SliceMesh(fsdp=2)), jax.devices()[:2])
-        return [(step_collectives(lowered, r, devices, GATHERS), sum(map(gather.sharded, layout.params[r])),
-                 list(lowered.train[r])) for r in range(2)]
+        return [
+            (
+                step_collectives(lowered, r, devices, GATHERS),
+                sum(map(gather.sharded, layout.params[r])),
+                list(lowered.train[r]),
+            )
+            for r in range(2)
+        ]
 
 
 def test_per_step_gathers_each_sharded_weight_once_a_step_not_in_every_program():
@@ -48,8 +63,11 @@ def test_per_step_gathers_each_sharded_weight_once_a_step_not_in_every_program()
         assert kinds.count("gather") == 1 and kinds.index("gather") < kinds.index("fwd")
         # The training programs take pg{k}; it is deleted after the stage's last backward.
         pg = names.gathered(r)
-        assert all(pg in i.inputs and names.params(r) not in i.inputs for i in runs
-                   if names.parse_program(i.program).kind in ("fwd", "bwd_first", "bwd_acc"))
+        assert all(
+            pg in i.inputs and names.params(r) not in i.inputs
+            for i in runs
+            if names.parse_program(i.program).kind in ("fwd", "bwd_first", "bwd_acc")
+        )
         last_use = max(n for n, i in enumerate(stream) if isinstance(i, Run) and pg in i.inputs)
         assert names.parse_program(stream[last_use].program).kind == "bwd_acc"
         deleted = [n for n, i in enumerate(stream) if isinstance(i, Delete) and i.buffer == pg]
@@ -70,17 +88,26 @@ def test_packed_gather_equals_each_leaf_gathered_bitwise(mesh):
     split two ways, over tensor, or not at all are left to out_shardings: every leaf comes
     out in its gathered layout with the same bits as gathered on its own."""
     from jax.sharding import NamedSharding
+
     sm = SliceMesh(**mesh)
-    devices = bind(tuple(sm), jax.devices()[:sm.size])
+    devices = bind(tuple(sm), jax.devices()[: sm.size])
     tensor = "tensor" if sm.tensor > 1 else None
-    leaves = [((12, 8), "float32", P("fsdp")), ((8, 12), "float32", P(None, "fsdp")),
-              ((4, 8, 6), "float32", P(None, "fsdp", None)), ((6, 4), "bfloat16", P("fsdp")),
-              ((4, 6), "bfloat16", P(None, "fsdp")), ((8, 8), "float32", P("fsdp", tensor)),
-              ((8,), "float32", P(tensor)), ((5,), "float32", P())]
+    leaves = [
+        ((12, 8), "float32", P("fsdp")),
+        ((8, 12), "float32", P(None, "fsdp")),
+        ((4, 8, 6), "float32", P(None, "fsdp", None)),
+        ((6, 4), "bfloat16", P("fsdp")),
+        ((4, 6), "bfloat16", P(None, "fsdp")),
+        ((8, 8), "float32", P("fsdp", tensor)),
+        ((8,), "float32", P(tensor)),
+        ((5,), "float32", P()),
+    ]
     layouts = [lay for _, _, lay in leaves]
     rng = np.random.default_rng(0)
-    args = [jax.device_put(rng.normal(size=shape).astype(dtype), NamedSharding(devices, lay))
-            for shape, dtype, lay in leaves]
+    args = [
+        jax.device_put(rng.normal(size=shape).astype(dtype), NamedSharding(devices, lay))
+        for shape, dtype, lay in leaves
+    ]
     outs = tuple(NamedSharding(devices, gather.gathered_layout(lay)) for lay in layouts)
     packed = jax.jit(lambda p: gather.gathered(p, layouts, devices), out_shardings=outs)(args)
     for p, a, o in zip(packed, args, outs):
@@ -101,17 +128,29 @@ def test_bad_fsdp_gather_is_refused_naming_what_is_allowed():
         mpmd.Trainer(pipe, sgd(), num_microbatches=M, cluster=mpmd.InProcessCluster(), fsdp_gather="once")
     # per_step without a slice that has fsdp > 1 would do nothing: refused, before any worker.
     with pytest.raises(LayoutError, match="no slice has fsdp > 1"):
-        mpmd.Trainer(pipe, sgd(), num_microbatches=M, mesh={"data": 2}, cluster=mpmd.InProcessCluster(),
-                     fsdp_gather="per_step")
+        mpmd.Trainer(
+            pipe, sgd(), num_microbatches=M, mesh={"data": 2}, cluster=mpmd.InProcessCluster(), fsdp_gather="per_step"
+        )
     # fsdp > 1, but the rules put no parameter on it.
     with pytest.raises(LayoutError, match="no parameter lies on fsdp"):
-        mpmd.Trainer(pipe, sgd(), num_microbatches=M, mesh={"fsdp": 2}, rules={"embed": None},
-                     cluster=mpmd.InProcessCluster(), fsdp_gather="per_step")
+        mpmd.Trainer(
+            pipe,
+            sgd(),
+            num_microbatches=M,
+            mesh={"fsdp": 2},
+            rules={"embed": None},
+            cluster=mpmd.InProcessCluster(),
+            fsdp_gather="per_step",
+        )
 
 
 def _dry_run(*overrides):
-    return plan.dry_run(config.load("configs/gpt_tiny.yaml", ["mesh.fsdp=2", "cluster.devices_per_worker=2",
-                                                              "pipeline.num_microbatches=2", *overrides]))
+    return plan.dry_run(
+        config.load(
+            "configs/gpt_tiny.yaml",
+            ["mesh.fsdp=2", "cluster.devices_per_worker=2", "pipeline.num_microbatches=2", *overrides],
+        )
+    )
 
 
 def test_config_refuses_unknown_mode_and_per_step_without_fsdp():
@@ -139,6 +178,7 @@ def test_dry_run_memory_grows_by_the_gathered_weights():
 def test_simulator_holds_gathered_weights_from_first_forward_to_last_backward():
     from mpmd.schedules import core as schedules
     from mpmd.schedules.simulate import peak_saved_bytes
+
     schedule = schedules.make("1f1b", 2, 4)
     plain = peak_saved_bytes(schedule, [1.0, 1.0])
     held = peak_saved_bytes(schedule, [1.0, 1.0], gathered_bytes=[100.0, 10.0])

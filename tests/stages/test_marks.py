@@ -1,5 +1,6 @@
 """Stage marks: mpmd.stage_boundary is the identity in plain JAX, and mpmd.split cuts a marked
 model into stages that compose to the model, forward and backward, and train like it."""
+
 import collections
 
 import jax
@@ -34,15 +35,23 @@ def global_leaves(model):
 
 # -- the mark itself -----------------------------------------------------------------------
 
+
 def test_stage_boundary_is_identity_under_jit_grad_vmap():
     def f(x, mark):
         tree = {"a": x, "b": 2 * x}
         tree = mark(tree)
         return jnp.sum(jnp.sin(tree["a"]) * tree["b"])
+
     marked, plain = (lambda x: f(x, mpmd.stage_boundary)), (lambda x: f(x, lambda t: t))
     x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
-    for transform in (lambda g: g, jax.jit, jax.grad, lambda g: jax.jit(jax.grad(g)), jax.vmap,
-                      lambda g: jax.vmap(jax.grad(g))):
+    for transform in (
+        lambda g: g,
+        jax.jit,
+        jax.grad,
+        lambda g: jax.jit(jax.grad(g)),
+        jax.vmap,
+        lambda g: jax.vmap(jax.grad(g)),
+    ):
         np.testing.assert_array_equal(transform(marked)(x), transform(plain)(x))
     _, tangent = jax.jvp(marked, (x,), (jnp.ones_like(x),))
     assert tangent == jax.jvp(plain, (x,), (jnp.ones_like(x),))[1]
@@ -63,6 +72,7 @@ def test_marked_model_runs_like_unmarked():
 
 # -- cutting -------------------------------------------------------------------------------
 
+
 def test_split_at_marks_composes_to_the_model():
     model = MarkedGPT(rngs=nnx.Rngs(0))
     x = tokens()
@@ -71,8 +81,9 @@ def test_split_at_marks_composes_to_the_model():
     leaves = [s.param_leaves for s in stages]
     # Same ops in the same order, evaluated one by one: bit-identical.
     np.testing.assert_array_equal(compose(stages, leaves, x), model(x))
-    ops = lambda jaxpr: collections.Counter(e.primitive.name for e in jaxpr.eqns
-                                            if e.primitive.name != "stage_boundary")
+    ops = lambda jaxpr: collections.Counter(
+        e.primitive.name for e in jaxpr.eqns if e.primitive.name != "stage_boundary"
+    )
     assert ops(jax.make_jaxpr(lambda x: compose(stages, leaves, x))(x)) == ops(jax.make_jaxpr(model)(x))
     # A batch size other than the traced one re-cuts the model for that shape.
     np.testing.assert_array_equal(compose(stages, leaves, tokens(5)), model(tokens(5)))
@@ -83,7 +94,7 @@ def test_split_at_marks_composes_to_the_model():
 
 def test_tied_weight_lives_on_both_stages_that_use_it():
     model = MarkedGPT(rngs=nnx.Rngs(0))
-    stages = mpmd.split(model)                      # sample input from model.sample_input()
+    stages = mpmd.split(model)  # sample input from model.sample_input()
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(nnx.state(model, nnx.Param))]
     tied = paths.index("['embed']['embedding'].value")
     assert tied in stages[0].param_index and tied in stages[2].param_index
@@ -137,9 +148,9 @@ def test_marks_in_nested_module_and_skip_over_a_whole_stage():
     h1 = jax.nn.gelu(model.inp(x))
     out0 = stages[0].apply(leaves[0], x)
     out1 = stages[1].apply(leaves[1], out0)
-    np.testing.assert_array_equal(out0[1], h1)       # after Down's own mark: (h2, h1)
-    np.testing.assert_array_equal(out1[1], h1)       # h1 skips the bottleneck stage
-    assert stages[1].param_index == (4, 5)           # only `mid` (bias, kernel) lives there
+    np.testing.assert_array_equal(out0[1], h1)  # after Down's own mark: (h2, h1)
+    np.testing.assert_array_equal(out1[1], h1)  # h1 skips the bottleneck stage
+    assert stages[1].param_index == (4, 5)  # only `mid` (bias, kernel) lives there
 
 
 def test_side_inputs_and_aux_losses_compose_to_the_model():
@@ -160,8 +171,8 @@ def test_side_inputs_and_aux_losses_compose_to_the_model():
                 h = s.apply(s.param_leaves, h, **{k: side[k] for k, _ in s.keywords if k in side})
             got_aux.append(added)
         np.testing.assert_array_equal(h, want)
-        assert [len(a) for a in got_aux] == [0, 1, 0]             # the term belongs to stage 1
-        np.testing.assert_allclose(got_aux[1][0], want_aux[0], rtol=1e-6)    # eager mean: another rounding
+        assert [len(a) for a in got_aux] == [0, 1, 0]  # the term belongs to stage 1
+        np.testing.assert_allclose(got_aux[1][0], want_aux[0], rtol=1e-6)  # eager mean: another rounding
 
 
 class WeightPenalty(nnx.Module):
@@ -195,12 +206,14 @@ def test_aux_loss_of_parameters_alone_belongs_to_the_stage_it_is_added_in():
         with mpmd.collect_losses() as added:
             out = m(x)
         return jnp.sum(out) + sum(added)
+
     got = jax.grad(pipelined)([s.param_leaves for s in stages])
     assert counts == [0, 2]
-    want = jax.tree.leaves(nnx.grad(plain)(model))        # global leaf order: stage 0's, then stage 1's
+    want = jax.tree.leaves(nnx.grad(plain)(model))  # global leaf order: stage 0's, then stage 1's
     assert [i for s in stages for i in s.param_index] == list(range(len(want)))
-    reference.assert_leaves_close([np.asarray(g) for ls in got for g in ls], [np.asarray(w) for w in want],
-                                  rtol=1e-6, what="gradients")
+    reference.assert_leaves_close(
+        [np.asarray(g) for ls in got for g in ls], [np.asarray(w) for w in want], rtol=1e-6, what="gradients"
+    )
 
 
 class JittedMark(nnx.Module):
@@ -225,6 +238,7 @@ def test_mark_inside_jit_and_num_stages_agreeing_with_marks():
 
 # -- errors --------------------------------------------------------------------------------
 
+
 class Marked(nnx.Module):
     def __init__(self, body):
         self.a, self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 4, rngs=nnx.Rngs(1))
@@ -234,15 +248,23 @@ class Marked(nnx.Module):
         return self.body(self, x)
 
 
-@pytest.mark.parametrize("body,match", [
-    (lambda m, x: m.b(mpmd.stage_boundary(mpmd.stage_boundary(m.a(x)))), r"leave stage 1 empty.*two marks"),
-    (lambda m, x: m.b(m.a(mpmd.stage_boundary(x))), r"leave stage 0 empty.*raw input"),
-    (lambda m, x: mpmd.stage_boundary(m.b(m.a(x))), r"leave stage 1 empty.*output"),
-    (lambda m, x: jax.lax.cond(x.sum() > 0, lambda h: mpmd.stage_boundary(m.a(h)), m.b, x),
-     r"stage_boundary inside lax.cond is not supported: a stage cannot end in only one branch"),
-    (lambda m, x: jax.lax.scan(lambda c, _: (mpmd.stage_boundary(m.a(c)), None), x, None, length=2)[0],
-     r"stage_boundary inside lax.scan is not supported"),
-], ids=["consecutive", "raw-input", "on-output", "cond", "scan"])
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        (lambda m, x: m.b(mpmd.stage_boundary(mpmd.stage_boundary(m.a(x)))), r"leave stage 1 empty.*two marks"),
+        (lambda m, x: m.b(m.a(mpmd.stage_boundary(x))), r"leave stage 0 empty.*raw input"),
+        (lambda m, x: mpmd.stage_boundary(m.b(m.a(x))), r"leave stage 1 empty.*output"),
+        (
+            lambda m, x: jax.lax.cond(x.sum() > 0, lambda h: mpmd.stage_boundary(m.a(h)), m.b, x),
+            r"stage_boundary inside lax.cond is not supported: a stage cannot end in only one branch",
+        ),
+        (
+            lambda m, x: jax.lax.scan(lambda c, _: (mpmd.stage_boundary(m.a(c)), None), x, None, length=2)[0],
+            r"stage_boundary inside lax.scan is not supported",
+        ),
+    ],
+    ids=["consecutive", "raw-input", "on-output", "cond", "scan"],
+)
 def test_bad_marks(body, match):
     with pytest.raises(ValueError, match=match):
         mpmd.split(Marked(body), sample_input=jnp.ones((2, 4)))
@@ -250,13 +272,19 @@ def test_bad_marks(body, match):
 
 def test_split_errors():
     linear, x = nnx.Linear(4, 4, rngs=nnx.Rngs(0)), jnp.ones((2, 4))
-    with pytest.raises(ValueError, match=r"no mpmd.stage_boundary marks found in Linear; add marks or pass "
-                                         r"num_stages=\.\.\. for a model exposing \.layers\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"no mpmd.stage_boundary marks found in Linear; add marks or pass "
+        r"num_stages=\.\.\. for a model exposing \.layers\(\)",
+    ):
         mpmd.split(linear, sample_input=x)
     with pytest.raises(ValueError, match=r"needs a sample input"):
         mpmd.split(linear)
-    with pytest.raises(ValueError, match=r"MarkedGPT has 2 mpmd.stage_boundary marks, which make 3 stages, "
-                                         r"but num_stages=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"MarkedGPT has 2 mpmd.stage_boundary marks, which make 3 stages, "
+        r"but num_stages=4",
+    ):
         mpmd.split(MarkedGPT(rngs=nnx.Rngs(0)), num_stages=4)
 
 
@@ -272,12 +300,16 @@ class SharedDropout(nnx.Module):
 
 
 def test_refuses_state_shared_by_two_stages():
-    with pytest.raises(ValueError, match=r"the state variable drop.rngs.count is read or changed by several "
-                                         r"stages \(\[0, 1\]\).*their own nnx.Rngs stream"):
+    with pytest.raises(
+        ValueError,
+        match=r"the state variable drop.rngs.count is read or changed by several "
+        r"stages \(\[0, 1\]\).*their own nnx.Rngs stream",
+    ):
         mpmd.split(SharedDropout(), sample_input=jnp.ones((2, 4)))
 
 
 # -- training through the Trainer ------------------------------------------------------------
+
 
 def batches(batch=BATCH):
     return [(np.asarray(tokens(batch, 2 * i)), np.asarray(tokens(batch, 2 * i + 1))) for i in range(STEPS)]
@@ -302,8 +334,9 @@ def plain_training(make_model, optimizer=None, max_grad_norm=None, batch=BATCH):
     return losses, first, [np.asarray(l) for l in leaves]
 
 
-def check_trains_like_plain_jax(make_model, schedule="1f1b", cluster=None, max_grad_norm=None,
-                                 optimizer=None, num_microbatches=3, batch=BATCH):
+def check_trains_like_plain_jax(
+    make_model, schedule="1f1b", cluster=None, max_grad_norm=None, optimizer=None, num_microbatches=3, batch=BATCH
+):
     optimizer = optimizer or optax.adamw(LR)
     ref_losses, ref_grads, ref_params = plain_training(make_model, optimizer, max_grad_norm, batch)
     stages = mpmd.split(make_model())
@@ -311,9 +344,15 @@ def check_trains_like_plain_jax(make_model, schedule="1f1b", cluster=None, max_g
     in_stage_order = lambda ref: [ref[i] for s in stages for i in s.param_index]
     pipe = mpmd.Pipeline(stages, models.lm_loss)
     v = 3 if schedule == "interleaved-1f1b" else 2 if schedule in ("zb-v", "dualpipe-v") else 1
-    with mpmd.Trainer(pipe, optimizer=optimizer, schedule=schedule, num_microbatches=num_microbatches,
-                      cluster=cluster or mpmd.InProcessCluster(), virtual_stages=v,
-                      max_grad_norm=max_grad_norm) as trainer:
+    with mpmd.Trainer(
+        pipe,
+        optimizer=optimizer,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        cluster=cluster or mpmd.InProcessCluster(),
+        virtual_stages=v,
+        max_grad_norm=max_grad_norm,
+    ) as trainer:
         assert trainer.num_slices == pipe.num_stages // v
         data = batches(batch)
         loss, grads = trainer.grads(*data[0])
@@ -354,14 +393,16 @@ def test_tied_marked_model_on_a_v_with_clipping(schedule, p, m):
     # momentum and a clip that triggers, so a wrong clip factor or a gradient counted twice
     # in the norm shows.
     make = lambda: MarkedGPT(num_blocks=2 * p - 1, boundaries=tuple(range(2 * p - 1)), rngs=nnx.Rngs(0))
-    pipe = check_trains_like_plain_jax(make, schedule, max_grad_norm=0.05, optimizer=optax.sgd(0.1, momentum=0.9),
-                                       num_microbatches=m, batch=8)
+    pipe = check_trains_like_plain_jax(
+        make, schedule, max_grad_norm=0.05, optimizer=optax.sgd(0.1, momentum=0.9), num_microbatches=m, batch=8
+    )
     assert pipe.num_stages == 2 * p and [sorted(k for k, _ in g) for g in pipe.shared] == [[0, 2 * p - 1]]
 
 
 def test_tied_marked_model_global_norm_counts_shared_weight_once():
-    check_trains_like_plain_jax(lambda: MarkedGPT(rngs=nnx.Rngs(0)), "1f1b", max_grad_norm=0.05,
-                                optimizer=optax.sgd(0.1))
+    check_trains_like_plain_jax(
+        lambda: MarkedGPT(rngs=nnx.Rngs(0)), "1f1b", max_grad_norm=0.05, optimizer=optax.sgd(0.1)
+    )
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """One name for each buffer, transfer key and program: built and parsed in mpmd/stages/names.py."""
+
 import pytest
 
 from mpmd.lowering import core as lowering
@@ -7,20 +8,23 @@ from mpmd.schedules import core as schedules
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 
 
-@pytest.mark.parametrize("make,parsed", [
-    (lambda: names.params(3), ("params", 3, None, None)),
-    (lambda: names.opt_state(0), ("opt_state", 0, None, None)),
-    (lambda: names.grads(12), ("grads", 12, None, None)),
-    (lambda: names.sqnorm(2), ("sqnorm", 2, None, None)),
-    (lambda: names.shared(1), ("shared", 1, None, None)),
-    (lambda: names.inputs(7), ("input", None, 7, None)),
-    (lambda: names.targets(7), ("target", None, 7, None)),
-    (lambda: names.loss(5), ("loss", None, 5, None)),
-    (lambda: names.output(5), ("output", None, 5, None)),
-    (lambda: names.activation(2, 9), ("activation", 2, 9, None)),
-    (lambda: names.residuals(2, 9), ("residuals", 2, 9, None)),
-    (lambda: names.cotangent(10, 11), ("cotangent", 10, 11, None)),
-])
+@pytest.mark.parametrize(
+    "make,parsed",
+    [
+        (lambda: names.params(3), ("params", 3, None, None)),
+        (lambda: names.opt_state(0), ("opt_state", 0, None, None)),
+        (lambda: names.grads(12), ("grads", 12, None, None)),
+        (lambda: names.sqnorm(2), ("sqnorm", 2, None, None)),
+        (lambda: names.shared(1), ("shared", 1, None, None)),
+        (lambda: names.inputs(7), ("input", None, 7, None)),
+        (lambda: names.targets(7), ("target", None, 7, None)),
+        (lambda: names.loss(5), ("loss", None, 5, None)),
+        (lambda: names.output(5), ("output", None, 5, None)),
+        (lambda: names.activation(2, 9), ("activation", 2, 9, None)),
+        (lambda: names.residuals(2, 9), ("residuals", 2, 9, None)),
+        (lambda: names.cotangent(10, 11), ("cotangent", 10, 11, None)),
+    ],
+)
 def test_buffer_names_round_trip(make, parsed):
     name = make()
     assert tuple(names.parse_buffer(name))[:4] == parsed
@@ -60,7 +64,7 @@ def test_every_name_a_lowered_plan_uses_parses(name, p, m, v):
     S = schedule.num_stages
     shared = [[(0, 0), (S - 1, 0)]]
     act = [(Spec((2,), "float32"),)] * (S + 1)
-    parts = {(0, S - 1): (act[0], ()), (S - 1, 0): (act[0], ())}    # (sender, receiver) -> specs, pieces
+    parts = {(0, S - 1): (act[0], ()), (S - 1, 0): (act[0], ())}  # (sender, receiver) -> specs, pieces
     streams = lowering.train_streams(schedule, lowering.Transfers.plain(act), True, shared, parts)
     seen = set()
     for stream in streams:
@@ -72,5 +76,18 @@ def test_every_name_a_lowered_plan_uses_parses(name, p, m, v):
             elif isinstance(ins, (Send, Recv)):
                 seen.add(names.parse_key(ins.key).kind)
                 seen.add(names.parse_buffer(ins.buffer).kind)
-    assert {"fwd", "update", "sqnorm", "shared_out", "shared_in", "act", "grad", "sqnorm_to",
-            "shared_to", "activation", "cotangent", "residuals", "grads"} <= seen
+    assert {
+        "fwd",
+        "update",
+        "sqnorm",
+        "shared_out",
+        "shared_in",
+        "act",
+        "grad",
+        "sqnorm_to",
+        "shared_to",
+        "activation",
+        "cotangent",
+        "residuals",
+        "grads",
+    } <= seen

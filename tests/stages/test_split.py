@@ -1,4 +1,5 @@
 """Automatic stage boundaries: the slowest stage is as cheap as any contiguous split allows."""
+
 import itertools
 
 import jax
@@ -23,8 +24,10 @@ def brute_force_best(costs, num_stages):
     return best
 
 
-@pytest.mark.parametrize("costs,num_stages", [([1, 1, 1, 1], 2), ([5, 1, 1, 1, 1, 1], 3),
-                                              ([0.1, 4, 4, 4, 4, 0.5], 4), ([3, 1, 4, 1, 5, 9, 2, 6], 3)])
+@pytest.mark.parametrize(
+    "costs,num_stages",
+    [([1, 1, 1, 1], 2), ([5, 1, 1, 1, 1, 1], 3), ([0.1, 4, 4, 4, 4, 0.5], 4), ([3, 1, 4, 1, 5, 9, 2, 6], 3)],
+)
 def test_boundaries_minimise_the_slowest_stage(costs, num_stages):
     bounds = balanced_boundaries(costs, num_stages)
     assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == num_stages + 1

@@ -1,4 +1,5 @@
 """Pipelines of hand-written stages and of the MLP train like their unpipelined model."""
+
 import jax
 import numpy as np
 import optax
@@ -29,13 +30,15 @@ def test_user_written_stages(name):
 def test_mlp(name, p):
     make = lambda: models.MLP(5, 16, 3, 2, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    data = [(rng.normal(size=(12, 5)).astype(np.float32), rng.normal(size=(12, 2)).astype(np.float32))
-            for _ in range(3)]
+    data = [
+        (rng.normal(size=(12, 5)).astype(np.float32), rng.normal(size=(12, 2)).astype(np.float32)) for _ in range(3)
+    ]
     ref_losses, ref_grads, ref_params = reference.train(make, models.mse_loss, data, optax.adamw(1e-3))
     v = 2 if name == "interleaved-1f1b" else 1
     pipe = mpmd.Pipeline(mpmd.split(make(), num_stages=p * v), models.mse_loss)
-    with mpmd.Trainer(pipe, optax.adamw(1e-3), schedule=name, num_microbatches=p * 2 if v > 1 else 3,
-                      virtual_stages=v) as trainer:
+    with mpmd.Trainer(
+        pipe, optax.adamw(1e-3), schedule=name, num_microbatches=p * 2 if v > 1 else 3, virtual_stages=v
+    ) as trainer:
         _, grads = trainer.grads(*data[0])
         reference.assert_leaves_close(reference.stage_leaves(grads), ref_grads, 1e-5, what="gradients")
         losses = [trainer.step(x, y)["loss"] for x, y in data]

@@ -1,6 +1,7 @@
 """Collectives counted in the compiled programs of one training step's plan: each Run's
 program compiled for a slice's mesh, its collectives of the given kinds counted, times the
 runs (tests/stages/test_partials.py counts reductions, tests/stages/test_gather.py gathers)."""
+
 import re
 
 import jax
@@ -11,7 +12,7 @@ from mpmd.stages import names
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 GATHERS = ("all-gather",)
-_ARRAY = re.compile(r"\w+\[(\d[\d,]*)\]")     # an array type with at least one dimension
+_ARRAY = re.compile(r"\w+\[(\d[\d,]*)\]")  # an array type with at least one dimension
 
 
 def collective_arrays(hlo: str, ops) -> int:
@@ -25,7 +26,9 @@ def compile_program(spec, mesh):
     """An exported program compiled for `mesh` (the slice's devices), on arguments laid out as
     it takes them: what a worker runs, to read its HLO or its output shardings."""
     exp = jax.export.deserialize(bytearray(spec.data))
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, exp.in_shardings_jax(mesh))]
+    args = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(exp.in_avals, exp.in_shardings_jax(mesh))
+    ]
     bundles, _ = jax.tree.unflatten(exp.in_tree, args)
     return programs.load(spec, mesh).lower(*bundles).compile()
 

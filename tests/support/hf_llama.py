@@ -4,22 +4,55 @@ logits: the reference the import and export tests hold mpmd to.
 Each case covers what the mapping must get right: grouped-query attention with a non-default
 RoPE theta and RMSNorm epsilon, tied embeddings, a sharded checkpoint (index.json) in bfloat16.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-VOCAB = 256            # byte tokens: the recipes' stdlib corpus trains on them
+VOCAB = 256  # byte tokens: the recipes' stdlib corpus trains on them
 SEQ_LEN = 16
 
 CASES = {
     # name: (LlamaConfig keywords, save_pretrained keywords)
-    "gqa": (dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, rope_theta=500_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False), {}),
-    "tied": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, rope_theta=10_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True), {}),
-    "sharded_bf16": (dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=1, rope_theta=250_000.0, tie_word_embeddings=False, dtype="bfloat16"),
-                     dict(max_shard_size="20KB")),
+    "gqa": (
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_theta=500_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        {},
+    ),
+    "tied": (
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            rope_theta=10_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        {},
+    ),
+    "sharded_bf16": (
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            rope_theta=250_000.0,
+            tie_word_embeddings=False,
+            dtype="bfloat16",
+        ),
+        dict(max_shard_size="20KB"),
+    ),
 }
 
 
@@ -27,6 +60,7 @@ def make(case: str, out_dir, seed: int = 0):
     """Saves the case's random LlamaForCausalLM to out_dir; returns the torch model (float32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     config_kw, save_kw = CASES[case]
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=2 * SEQ_LEN, **config_kw)
@@ -45,6 +79,7 @@ def make(case: str, out_dir, seed: int = 0):
 def logits(model, tokens: np.ndarray) -> np.ndarray:
     """float32 logits [B, T, V] of transformers' own forward (its default attention)."""
     import torch
+
     with torch.no_grad():
         return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
@@ -52,6 +87,7 @@ def logits(model, tokens: np.ndarray) -> np.ndarray:
 def load_logits(hf_dir, tokens: np.ndarray) -> np.ndarray:
     """Logits of the directory as transformers.LlamaForCausalLM.from_pretrained loads it."""
     from transformers import LlamaForCausalLM
+
     return logits(LlamaForCausalLM.from_pretrained(hf_dir, dtype="float32").eval(), tokens)
 
 

@@ -2,6 +2,7 @@
 
 They live with the tests, not in models/, because models/ knows nothing of mpmd.
 """
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,14 +21,18 @@ class MarkedGPT(nnx.Module):
       every boundary.
     """
 
-    def __init__(self, vocab=32, d_model=16, num_heads=2, num_blocks=4, seq_len=8, boundaries=(1, 3),
-                 tie=True, *, rngs: nnx.Rngs):
+    def __init__(
+        self, vocab=32, d_model=16, num_heads=2, num_blocks=4, seq_len=8, boundaries=(1, 3), tie=True, *, rngs: nnx.Rngs
+    ):
         self.embed = nnx.Embed(vocab, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
         self.position = nnx.Embed(seq_len, d_model, embedding_init=_EMBED_INIT, rngs=rngs)
         self.blocks = nnx.List([Block(d_model, num_heads, rngs=rngs) for _ in range(num_blocks)])
         self.ln = nnx.LayerNorm(d_model, rngs=rngs)
-        self.head = None if tie else nnx.Linear(d_model, vocab, use_bias=False,
-                                                kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.head = (
+            None
+            if tie
+            else nnx.Linear(d_model, vocab, use_bias=False, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        )
         self.boundaries = tuple(boundaries)
         self.seq_len = seq_len
 

@@ -3,6 +3,7 @@ model stepping through the microbatches in order, each microbatch's objective it
 next-token loss plus the auxiliary losses its MoE blocks add (mpmd.collect_losses), averaged
 over the microbatches; SGD with momentum, float32. Capacity is per call, so the reference
 routes per microbatch as the pipeline does."""
+
 from __future__ import annotations
 
 import jax
@@ -28,8 +29,10 @@ def make_model(**overrides) -> MoELlama:
 
 def batches(steps: int = STEPS, seed: int = 1) -> list[tuple]:
     rng = np.random.default_rng(seed)
-    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)) for _ in range(steps)]
+    return [
+        (rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32), rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
+        for _ in range(steps)
+    ]
 
 
 def sgd():

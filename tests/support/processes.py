@@ -1,6 +1,7 @@
 """Helpers for tests that start real processes: worker liveness, the `mpmd train` command
 (run to the end, or in the background as a Controller), and `mpmd worker` processes started
 by hand (shared ones driven as a cluster manager would)."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,19 @@ from pathlib import Path
 from mpmd.runtime.launchers.workers import process_alive as alive
 from tests.support import xla
 
-ROOT = Path(__file__).resolve().parents[2]     # the repository (this file is tests/support/processes.py)
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file is tests/support/processes.py)
 # Small enough that a run is mostly process start-up; data.max_bytes keeps corpus reading short.
-TINY_GPT = ["model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.seq_len=16",
-            "train.batch_size=8", "train.eval_batches=2", "data.max_bytes=300000",
-            "log.progress=lines", "log.every=1"]
+TINY_GPT = [
+    "model.d_model=32",
+    "model.num_heads=2",
+    "model.num_layers=2",
+    "model.seq_len=16",
+    "train.batch_size=8",
+    "train.eval_batches=2",
+    "data.max_bytes=300000",
+    "log.progress=lines",
+    "log.every=1",
+]
 
 
 def children(pid: int) -> list[int]:
@@ -32,7 +41,7 @@ def children(pid: int) -> list[int]:
     for task in tasks:
         try:
             pids += [int(p) for p in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):   # a thread that ended since the listing
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended since the listing
             continue
     return pids
 
@@ -55,7 +64,7 @@ def processes_tagged(name: str, value: str) -> list[int]:
                 if f"{name}={value}".encode() in (d / "environ").read_bytes().split(b"\0") and alive(int(d.name)):
                     found.append(int(d.name))
             except (OSError, ProcessLookupError):
-                pass     # gone, or not ours
+                pass  # gone, or not ours
     return found
 
 
@@ -69,8 +78,14 @@ def mpmd_command(command: str, *args, timeout=120):
     env = dict(os.environ)  # carries conftest's JAX compilation cache settings
     env["XLA_FLAGS"] = xla.flags(4, eigen_threads=True)
     env["JAX_PLATFORMS"] = "cpu"
-    return subprocess.run([sys.executable, "-m", "mpmd.recipes.cli", command, *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mpmd.recipes.cli", command, *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class Controller:
@@ -80,14 +95,20 @@ class Controller:
     controller (and workers inheriting it) once full."""
 
     def __init__(self, run_dir: Path, args, env: dict | None = None):
-        full_env = dict(os.environ)   # carries conftest's XLA_FLAGS and JAX compilation cache settings
+        full_env = dict(os.environ)  # carries conftest's XLA_FLAGS and JAX compilation cache settings
         full_env["JAX_PLATFORMS"] = "cpu"
         full_env.update(env or {})
         self.run_dir = run_dir
         self.stderr_path = run_dir.parent / f"{run_dir.name}.stderr"
         with open(self.stderr_path, "a") as stderr:
-            self.proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "train", *args, f"run_dir={run_dir}"],
-                                         cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mpmd.recipes.cli", "train", *args, f"run_dir={run_dir}"],
+                cwd=ROOT,
+                env=full_env,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                text=True,
+            )
         self.lines: queue.Queue = queue.Queue()
         self.stdout: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -112,6 +133,7 @@ class Controller:
         """Until a checkpoint is committed in the run directory (saves are written in the
         background: a step's progress line comes before its commit); the newest step."""
         from mpmd.runtime.worker.slice_store import CheckpointStore
+
         deadline = time.monotonic() + timeout_s
         while not (committed := CheckpointStore(self.run_dir).committed()):
             assert time.monotonic() < deadline, f"no checkpoint committed in {self.run_dir} within {timeout_s} s"
@@ -149,9 +171,18 @@ class StandaloneWorkers:
     compiles; `cpus[i]` pins worker i; `python` runs them on another venv's Python. A context manager: on exit a Shutdown with the cluster
     token stops them (killed if they linger)."""
 
-    def __init__(self, base: Path, num: int, shared: bool = True, disk_cache: bool = True, cpus=None,
-                 lease_s: float = 30.0, python: str | None = None):
+    def __init__(
+        self,
+        base: Path,
+        num: int,
+        shared: bool = True,
+        disk_cache: bool = True,
+        cpus=None,
+        lease_s: float = 30.0,
+        python: str | None = None,
+    ):
         import secrets
+
         self.token = secrets.token_hex(16)
         self.root = base / "root"
         self.root.mkdir()
@@ -161,18 +192,38 @@ class StandaloneWorkers:
         env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
         if not disk_cache:
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
-        if python:       # another venv's: its XLA may not know this process's XLA_FLAGS
+        if python:  # another venv's: its XLA may not know this process's XLA_FLAGS
             env.pop("XLA_FLAGS", None)
         self.logs = [base / f"worker_{i}.log" for i in range(num)]
         self.procs = []
         for i, log in enumerate(self.logs):
             pin = ["--cpus", str(cpus[i])] if cpus else []
             with open(log, "w") as stderr:
-                self.procs.append(subprocess.Popen(
-                    [python or sys.executable, "-m", "mpmd.recipes.cli", "worker", *(["--shared"] if shared else []), "--listen",
-                     "127.0.0.1:0", "--token-file", str(token_file), "--root", str(self.root), "--lease-s",
-                     str(lease_s), *pin],
-                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            python or sys.executable,
+                            "-m",
+                            "mpmd.recipes.cli",
+                            "worker",
+                            *(["--shared"] if shared else []),
+                            "--listen",
+                            "127.0.0.1:0",
+                            "--token-file",
+                            str(token_file),
+                            "--root",
+                            str(self.root),
+                            "--lease-s",
+                            str(lease_s),
+                            *pin,
+                        ],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=subprocess.PIPE,
+                        stderr=stderr,
+                        text=True,
+                    )
+                )
         self.addresses = []
         for p in self.procs:
             line = p.stdout.readline()
@@ -190,6 +241,7 @@ class StandaloneWorkers:
     def client(self, i: int, credential: str | None = None):
         import collections
         from mpmd.runtime.control.client import WorkerClient
+
         return WorkerClient(self.addresses[i], credential or self.token, collections.Counter())
 
     def admin(self, i: int, method: str, header=None) -> dict:
@@ -207,12 +259,14 @@ class StandaloneWorkers:
 
     def credential(self, job: str) -> str:
         from mpmd.runtime.wire.credentials import job_credential
+
         return job_credential(self.token, job)
 
     def job(self, name: str):
         """Job `name`'s control plane over every worker (its sessions opened as the manager
         would), not started yet."""
         import mpmd
+
         self.open(name)
         return mpmd.StaticCluster(self.addresses, token=self.credential(name))
 
@@ -227,6 +281,7 @@ class StandaloneWorkers:
 
     def close(self) -> None:
         from mpmd.runtime.control.client import WorkerError
+
         for i, p in enumerate(self.procs):
             if p.poll() is None and i < len(self.addresses):
                 try:

@@ -8,6 +8,7 @@ meets another Ray user of the machine; Ray's token authentication is off
 (RAY_AUTH_MODE=disabled: loopback only, see README's Ray section), and the head declares a
 node dead after about two seconds of failed health checks (Ray's default is ~15 s).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,14 @@ import time
 from mpmd.runtime.launchers.workers import free_port
 
 # Ray's own knobs, for every process of the cluster and for the driver that joins it.
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-       "RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "500",
-       "RAY_health_check_timeout_ms": "500", "RAY_health_check_failure_threshold": "3"}
+ENV = {
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "500",
+    "RAY_health_check_failure_threshold": "3",
+}
 START_TIMEOUT_S = 120.0
 
 
@@ -38,14 +44,22 @@ class RayNodes:
         self.temp_dir = tempfile.mkdtemp(prefix="mpmd-ray-")
         self.env = {**os.environ, **ENV}
         self._saved_env = {k: os.environ.get(k) for k in ENV}
-        os.environ.update(ENV)        # the driver (this process) joins as the nodes do
+        os.environ.update(ENV)  # the driver (this process) joins as the nodes do
         self.port = free_port("127.0.0.1")
         self.address = f"127.0.0.1:{self.port}"
-        self.nodes: list[subprocess.Popen] = []     # the head first
+        self.nodes: list[subprocess.Popen] = []  # the head first
         try:
-            self._start(["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
-                         f"--temp-dir={self.temp_dir}", f"--ray-client-server-port={free_port('127.0.0.1')}"],
-                        expect=1)
+            self._start(
+                [
+                    "--head",
+                    f"--port={self.port}",
+                    "--num-cpus=0",
+                    "--include-dashboard=false",
+                    f"--temp-dir={self.temp_dir}",
+                    f"--ray-client-server-port={free_port('127.0.0.1')}",
+                ],
+                expect=1,
+            )
             for _ in range(num_nodes):
                 self.add(cpus_per_node)
         except BaseException:
@@ -67,8 +81,10 @@ class RayNodes:
         deadline = time.monotonic() + timeout_s
         while self._count_alive() != len(self.alive()):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the head still counts {self._count_alive()} node(s) alive, "
-                                   f"{len(self.alive())} running, after {timeout_s:g} s")
+                raise RuntimeError(
+                    f"the head still counts {self._count_alive()} node(s) alive, "
+                    f"{len(self.alive())} running, after {timeout_s:g} s"
+                )
             time.sleep(0.2)
 
     def alive(self) -> list[subprocess.Popen]:
@@ -84,23 +100,29 @@ class RayNodes:
                     fields = f.read().rpartition(")")[2].split()
             except OSError:
                 return None
-            if int(fields[2]) in groups:     # pgrp
+            if int(fields[2]) in groups:  # pgrp
                 return int(fields[2])
-            pid = int(fields[1])             # ppid
+            pid = int(fields[1])  # ppid
         return None
 
     def _start(self, args: list[str], expect: int) -> subprocess.Popen:
         # `ray` beside this interpreter: the venv's, whatever PATH says.
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        proc = subprocess.Popen([ray, "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--block",
-                                 *args], env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [ray, "start", "--node-ip-address=127.0.0.1", "--disable-usage-stats", "--block", *args],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.nodes.append(proc)
         deadline = time.monotonic() + START_TIMEOUT_S
         while self._count_alive() < expect:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"`ray start {' '.join(args)}` did not join within {START_TIMEOUT_S:g} s "
-                                   f"(exit code {proc.poll()}); Ray's logs: {self.temp_dir}")
+                raise RuntimeError(
+                    f"`ray start {' '.join(args)}` did not join within {START_TIMEOUT_S:g} s "
+                    f"(exit code {proc.poll()}); Ray's logs: {self.temp_dir}"
+                )
             time.sleep(0.5)
         return proc
 
@@ -108,6 +130,7 @@ class RayNodes:
         """Nodes the head counts alive, asked through this process's own Ray connection (made
         once the head answers: RayCluster then joins it rather than connecting again)."""
         import ray
+
         if not ray.is_initialized():
             try:
                 ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
@@ -117,6 +140,7 @@ class RayNodes:
 
     def close(self) -> None:
         import ray
+
         if ray.is_initialized():
             ray.shutdown()
         for p in reversed(self.nodes):
@@ -132,5 +156,3 @@ class RayNodes:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-

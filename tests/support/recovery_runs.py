@@ -1,6 +1,7 @@
 """Runs of a small pipeline with and without injected faults, shared by the fault tests
 (tests/train/test_recovery.py, tests/runtime/test_control_faults.py); the uninterrupted runs are fixtures
 in conftest.py."""
+
 import collections
 import functools
 import os
@@ -65,9 +66,16 @@ def data():
 def make_trainer(cluster, run_dir, spin=None, checkpoint=None, num_stages=2, schedule="gpipe", **kw):
     """The Trainer of make_pipe(spin, num_stages); `checkpoint` (an mpmd.Checkpointing)
     defaults to a checkpoint every EVERY steps."""
-    return mpmd.Trainer(make_pipe(spin, num_stages), optax.adamw(1e-3), schedule, num_microbatches=4,
-                        cluster=cluster, run_dir=run_dir,
-                        checkpoint=checkpoint if checkpoint is not None else mpmd.Checkpointing(every=EVERY), **kw)
+    return mpmd.Trainer(
+        make_pipe(spin, num_stages),
+        optax.adamw(1e-3),
+        schedule,
+        num_microbatches=4,
+        cluster=cluster,
+        run_dir=run_dir,
+        checkpoint=checkpoint if checkpoint is not None else mpmd.Checkpointing(every=EVERY),
+        **kw,
+    )
 
 
 def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
@@ -80,15 +88,20 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
     rewind's message (it names what was lost and why)."""
     train.rewound = []
     losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
-    pending = collections.deque()      # (batch index, start_ns, PendingStep), oldest first
+    pending = collections.deque()  # (batch index, start_ns, PendingStep), oldest first
     while i < steps or pending:
         try:
             if i < steps and len(pending) <= ahead:
                 if fault is not None:
                     fault(i, trainer)
                 start_ns = time.time_ns()
-                pending.append((i, start_ns, trainer.submit(batches[i], batches[i], data_state={"i": i + 1},
-                                                            trace=traces is not None)))
+                pending.append(
+                    (
+                        i,
+                        start_ns,
+                        trainer.submit(batches[i], batches[i], data_state={"i": i + 1}, trace=traces is not None),
+                    )
+                )
                 i += 1
                 continue
             batch, start_ns, step = pending.popleft()
@@ -98,7 +111,7 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
             train.rewound.append(str(e))
             i = e.data_state["i"] if e.data_state else 0
             losses = {s: l for s, l in losses.items() if s <= e.step}
-            pending.clear()            # discarded with the failed step: nothing of them landed
+            pending.clear()  # discarded with the failed step: nothing of them landed
             continue
         if traces is not None:
             traces.append((batch, start_ns, trainer.cluster.pids[1], out["events"]))
@@ -108,8 +121,8 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
 
 # Per phase, the Spin that stretches slice 1's forward ("F") or backward ("B") phase: ~4 x 0.12 CPU s.
 SPIN = {"F": (9000, 0), "B": (0, 9000)}
-GANG_STEPS = 5   # the gang tests: a checkpoint every 2 steps; killed before step 4 is sent: back to step 2's commit
-SPIN_STEPS = 4   # a spinning step is slow: killed in step 4, the run replays steps 3 and 4
+GANG_STEPS = 5  # the gang tests: a checkpoint every 2 steps; killed before step 4 is sent: back to step 2's commit
+SPIN_STEPS = 4  # a spinning step is slow: killed in step 4, the run replays steps 3 and 4
 
 
 def assert_same_run(got, want):
@@ -119,16 +132,19 @@ def assert_same_run(got, want):
 
 def kill_once(at_step, sig, slice_index=1):
     """A fault that sends `sig` to a worker just before batch `at_step` is stepped."""
+
     def fault(i, trainer):
         if i == at_step and not fault.fired:
             fault.fired.append(trainer.cluster.pids[slice_index])
             os.kill(fault.fired[0], sig)
+
     fault.fired = []
     return fault
 
 
-def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, ahead=0, trainer_kw=None,
-                   **cluster_kw):
+def run_with_fault(
+    tmp_path, fault, spin=None, traces=None, cluster=None, steps=STEPS, ahead=0, trainer_kw=None, **cluster_kw
+):
     """train() a Trainer of make_trainer with `fault` on `cluster`, a shared one (the
     `workers` fixture) that stays up: every worker the fault killed must be gone and every
     slice served by a live worker. Without one, on a LocalCluster(**cluster_kw) of its own,
@@ -139,7 +155,7 @@ def run_with_fault(tmp_path, fault, spin=None, traces=None, cluster=None, steps=
     try:
         result = train(trainer, data(), fault, traces, steps, ahead)
         pids = list(cluster.pids)
-        run_with_fault.trainer = trainer     # for the caller's checks of how it recovered
+        run_with_fault.trainer = trainer  # for the caller's checks of how it recovered
     finally:
         trainer.close(close_cluster=own)
     fired = list(getattr(fault, "fired", []))

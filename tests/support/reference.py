@@ -1,6 +1,7 @@
 """Unpipelined training of the same model in plain JAX, the reference every pipeline must equal,
 and the small models, data and comparisons the test modules share (no test module imports
 another: pytest would collect the imported tests twice)."""
+
 from __future__ import annotations
 
 import jax
@@ -21,8 +22,10 @@ def make_gpt():
 
 def batches():
     rng = np.random.default_rng(1)
-    return [(rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32),
-             rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)) for _ in range(STEPS)]
+    return [
+        (rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32), rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32))
+        for _ in range(STEPS)
+    ]
 
 
 def layer_leaves(model) -> list[np.ndarray]:
@@ -99,8 +102,9 @@ def assert_leaves_close(got, want, rtol, what="parameters"):
 def train_pipeline(pipe_factory, schedule, m, v, cluster, data):
     """(per-step losses, final per-stage leaves) of a pipeline trained with AdamW on `cluster`;
     a LocalCluster is left running for the next test."""
-    trainer = mpmd.Trainer(pipe_factory(), optax.adamw(1e-3), schedule=schedule, num_microbatches=m,
-                           virtual_stages=v, cluster=cluster)
+    trainer = mpmd.Trainer(
+        pipe_factory(), optax.adamw(1e-3), schedule=schedule, num_microbatches=m, virtual_stages=v, cluster=cluster
+    )
     try:
         losses = [trainer.step(x, y)["loss"] for x, y in data]
         return losses, stage_leaves(trainer.params())

@@ -1,4 +1,5 @@
 """Hand-written stages (not made by mpmd.split), and the token data they train on."""
+
 import jax
 import numpy as np
 from flax import nnx
@@ -36,8 +37,12 @@ class UserModel:
 
     def __init__(self):
         rngs = nnx.Rngs(3)
-        self.stages = [EmbedStage(32, 12, rngs), WidenStage(12, 20, rngs), WidenStage(20, 28, rngs),
-                       HeadStage(28, 32, rngs)]
+        self.stages = [
+            EmbedStage(32, 12, rngs),
+            WidenStage(12, 20, rngs),
+            WidenStage(20, 28, rngs),
+            HeadStage(28, 32, rngs),
+        ]
 
     def layers(self):
         return self.stages
@@ -45,5 +50,7 @@ class UserModel:
 
 def token_batches(steps=3, batch=8, seq=6):
     rng = np.random.default_rng(7)
-    return [(rng.integers(0, 32, (batch, seq)).astype(np.int32),
-             rng.integers(0, 32, (batch, seq)).astype(np.int32)) for _ in range(steps)]
+    return [
+        (rng.integers(0, 32, (batch, seq)).astype(np.int32), rng.integers(0, 32, (batch, seq)).astype(np.int32))
+        for _ in range(steps)
+    ]

@@ -3,6 +3,7 @@ JAX reference each must equal: a token-masked loss over microbatches holding ver
 numbers of real tokens, a side input (positions) that only a middle stage reads, integer and
 boolean values crossing cuts, an auxiliary loss added inside a stage; the same in one model cut
 at stage marks."""
+
 from __future__ import annotations
 
 import jax
@@ -35,7 +36,7 @@ class Carry(nnx.Module):
         self.l = nnx.Linear(D, D, rngs=nnx.Rngs(seed))
 
     def __call__(self, x):
-        keep = x[..., 0] > -0.5                                   # bool [b, T], from the data
+        keep = x[..., 0] > -0.5  # bool [b, T], from the data
         positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32)[::-1], x.shape[:2])
         return jnp.tanh(self.l(x)), keep, positions
 
@@ -77,14 +78,14 @@ class MarkedMasked(nnx.Module):
 
     def __call__(self, x, *, mask, positions=None, segment_ids=None):
         h = mpmd.stage_boundary(jnp.tanh(self.a(x)))
-        keep = jnp.where(mask, 1.0, 0.5)[..., None]             # depends on the side input only
+        keep = jnp.where(mask, 1.0, 0.5)[..., None]  # depends on the side input only
         h = h * keep
         mpmd.add_loss(0.05 * jnp.mean(jnp.square(h)))
         h = mpmd.stage_boundary(jnp.tanh(self.b(h)))
         if positions is not None:
             h = h + self.table[...][positions]
         if segment_ids is not None:
-            h = h * 0.0                                           # never here: no batch names it
+            h = h * 0.0  # never here: no batch names it
         return jnp.tanh(self.c(h))
 
 
@@ -124,9 +125,14 @@ def batches(steps: int = STEPS, m: int = 4, seed: int = 0) -> list[dict]:
         keep = rng.random((BATCH, T)) < (np.linspace(1.0, 0.0, BATCH) ** 3)[:, None]
         keep[-1, 0] = True
         positions = np.stack([rng.permutation(T) for _ in range(BATCH)]).astype(np.int32)
-        out.append({"inputs": rng.normal(size=(BATCH, T, D)).astype(np.float32),
-                    "targets": rng.normal(size=(BATCH, T, D)).astype(np.float32),
-                    "mask": keep, "positions": positions})
+        out.append(
+            {
+                "inputs": rng.normal(size=(BATCH, T, D)).astype(np.float32),
+                "targets": rng.normal(size=(BATCH, T, D)).astype(np.float32),
+                "mask": keep,
+                "positions": positions,
+            }
+        )
     return out
 
 
@@ -156,7 +162,7 @@ def reference(make_stages, loss_fn, data, m: int, steps: int = STEPS):
         value = loss_fn(out, batch)
         main = value[0] / value[1] if isinstance(value, tuple) else value
         aux = 0.0
-        for j in range(m):     # auxiliary losses: per microbatch, averaged
+        for j in range(m):  # auxiliary losses: per microbatch, averaged
             mb = jax.tree.map(lambda a: jnp.split(a, m)[j], batch)
             _, terms = forward(params, mb)
             aux = aux + sum(terms) / m if terms else aux
@@ -165,13 +171,30 @@ def reference(make_stages, loss_fn, data, m: int, steps: int = STEPS):
     return reference_training.descend(objective, params, [(b,) for b in data[:steps]], sgd())
 
 
-def pipelined(make_stages, loss_fn, data, m: int, schedule: str, cluster=None, steps: int = STEPS,
-              virtual_stages=None, mesh=None, close: bool = True):
+def pipelined(
+    make_stages,
+    loss_fn,
+    data,
+    m: int,
+    schedule: str,
+    cluster=None,
+    steps: int = STEPS,
+    virtual_stages=None,
+    mesh=None,
+    close: bool = True,
+):
     """(losses, first-step gradients, final parameters, last metrics) of the same stages
     pipelined (one stage per slice, or virtual_stages per slice)."""
     pipe = mpmd.Pipeline(make_stages(), loss_fn)
-    trainer = mpmd.Trainer(pipe, sgd(), schedule=schedule, num_microbatches=m, virtual_stages=virtual_stages,
-                           mesh=mesh, cluster=cluster or mpmd.InProcessCluster())
+    trainer = mpmd.Trainer(
+        pipe,
+        sgd(),
+        schedule=schedule,
+        num_microbatches=m,
+        virtual_stages=virtual_stages,
+        mesh=mesh,
+        cluster=cluster or mpmd.InProcessCluster(),
+    )
     try:
         _, grads = trainer.grads(data[0])
         metrics = [trainer.step(batch) for batch in data[:steps]]
@@ -243,8 +266,10 @@ def float_batches(steps: int = STEPS, batch: int = 64, seed: int = 3) -> list[tu
     """(inputs, targets) pairs; 64 rows, so each of 8 microbatches holds 8 (batch statistics of
     few rows amplify rounding: 4 rows came within 1e-5 of the tolerance)."""
     rng = np.random.default_rng(seed)
-    return [(rng.normal(size=(batch, D)).astype(np.float32), rng.normal(size=(batch, D)).astype(np.float32))
-            for _ in range(steps)]
+    return [
+        (rng.normal(size=(batch, D)).astype(np.float32), rng.normal(size=(batch, D)).astype(np.float32))
+        for _ in range(steps)
+    ]
 
 
 def nnx_reference(make_layers, loss_fn, data, m: int, steps: int = STEPS):

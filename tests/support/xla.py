@@ -19,6 +19,7 @@ and real runs keep XLA's defaults: nothing outside tests/ sets these. jaxlib 0.1
 second flag (`mpmd.runtime.compat.XLA_CPU_COMPILE_FAST` holds what each version takes), so
 there -O0 is the whole of it.
 """
+
 SINGLE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
@@ -26,6 +27,7 @@ def flags(devices: int | None = None, *, eigen_threads: bool = False) -> str:
     """XLA_FLAGS for a test process: the compile-fast flags, `devices` host devices (None: XLA's default
     of one), Eigen's intra-op threads off unless `eigen_threads`."""
     parts = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
-    from mpmd.runtime import compat   # imports jax: here, so that conftest sets JAX's environment first
+    from mpmd.runtime import compat  # imports jax: here, so that conftest sets JAX's environment first
+
     parts += [] if eigen_threads else [SINGLE_THREAD]
     return " ".join(parts + [compat.XLA_CPU_COMPILE_FAST])

@@ -5,6 +5,7 @@ in-process backend: the faults here are files, not processes. Disks are real: a 
 mounted small fills up for real, and one remounted read-only refuses writes with EROFS
 (these need root, as the test machine's user is; they skip otherwise).
 """
+
 import os
 import re
 import shutil
@@ -25,12 +26,24 @@ from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support import reference
 from tests.support.processes import ROOT, mpmd_train, wait_gone
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
-OVERRIDES = ["model.d_model=32", "model.num_layers=2", "model.seq_len=32", "train.batch_size=8",
-             "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=2", "checkpoint.keep=3",
-             "log.progress=lines", "log.every=1", "log.trace_steps=[]", "log.tensorboard=false",
-             "data.max_bytes=300000", "cluster.backend=inprocess"]
+OVERRIDES = [
+    "model.d_model=32",
+    "model.num_layers=2",
+    "model.seq_len=32",
+    "train.batch_size=8",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "checkpoint.every=2",
+    "checkpoint.keep=3",
+    "log.progress=lines",
+    "log.every=1",
+    "log.trace_steps=[]",
+    "log.tensorboard=false",
+    "data.max_bytes=300000",
+    "cluster.backend=inprocess",
+]
 
 
 def cli(run_dir, *extra, config="configs/gpt_tiny.yaml"):
@@ -64,8 +77,11 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
 
 def damage_data(step_dir: Path, slice_index: int) -> None:
     """Truncate every array file of one slice's Orbax checkpoint."""
-    files = [f for f in (step_dir / f"slice_{slice_index}").rglob("*") if f.is_file() and f.stat().st_size > 0
-             and "d" in f.parts[-2:-1]]
+    files = [
+        f
+        for f in (step_dir / f"slice_{slice_index}").rglob("*")
+        if f.is_file() and f.stat().st_size > 0 and "d" in f.parts[-2:-1]
+    ]
     assert files
     for f in files:
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -95,15 +111,21 @@ def test_restore_is_all_or_nothing(tmp_path):
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, reference.VOCAB, (8, reference.SEQ)).astype(np.int32) for _ in range(8)]
     pipe = mpmd.Pipeline(mpmd.split(reference.make_gpt(), num_stages=2), mpmd_loss())
-    trainer = mpmd.Trainer(pipe, optax.adamw(1e-3), "gpipe", num_microbatches=4,
-                           cluster=mpmd.InProcessCluster(), run_dir=tmp_path,
-                           checkpoint=mpmd.Checkpointing(every=2, keep=3, asynchronous=False))
+    trainer = mpmd.Trainer(
+        pipe,
+        optax.adamw(1e-3),
+        "gpipe",
+        num_microbatches=4,
+        cluster=mpmd.InProcessCluster(),
+        run_dir=tmp_path,
+        checkpoint=mpmd.Checkpointing(every=2, keep=3, asynchronous=False),
+    )
     with trainer:
         params = {}
         for i in range(6):
             trainer.step(batches[i], batches[i])
             params[trainer.step_count] = trainer.params()
-        trainer.checkpoint_every = 0     # no more saves: the steps below only change state
+        trainer.checkpoint_every = 0  # no more saves: the steps below only change state
         ck = tmp_path / "checkpoints"
         shutil.rmtree(ck / "6" / "slice_1")
         damage_data(ck / "4", 1)
@@ -128,6 +150,7 @@ def test_restore_is_all_or_nothing(tmp_path):
 
 def mpmd_loss():
     from mpmd import models
+
     return models.lm_loss
 
 
@@ -157,8 +180,9 @@ def test_damaged_steps_are_moved_aside_resaved_and_not_pruned(six_steps, tmp_pat
 def test_resume_with_changed_math_is_refused_unless_allowed(six_steps, tmp_path):
     run_dir = copy_of(six_steps, tmp_path)
     config_before = (run_dir / "config.yaml").read_bytes()
-    rc, out, err = cli(run_dir, "train.steps=8", "optimizer.name=sgd", "optimizer.weight_decay=0",
-                       "seed=1", "optimizer.lr=0.1")
+    rc, out, err = cli(
+        run_dir, "train.steps=8", "optimizer.name=sgd", "optimizer.weight_decay=0", "seed=1", "optimizer.lr=0.1"
+    )
     assert rc == 2, err[-3000:]
     line = error_line(err)
     for key in ("optimizer.name: 'adamw' -> 'sgd'", "seed: 0 -> 1", "optimizer.lr: 0.003 -> 0.1"):
@@ -249,17 +273,27 @@ def test_summary_counts_distinct_steps_after_a_recovery(tmp_path):
     are replayed, and the summary still counts each step once."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     args = [a for a in OVERRIDES if not a.startswith("cluster.")] + [
-        "train.steps=10", "cluster.backend=local", f"run_dir={tmp_path / 'rec'}"]
-    proc = subprocess.Popen([sys.executable, "-m", "mpmd.recipes.cli", "train", "configs/gpt_tiny.yaml", *args],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        "train.steps=10",
+        "cluster.backend=local",
+        f"run_dir={tmp_path / 'rec'}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mpmd.recipes.cli", "train", "configs/gpt_tiny.yaml", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         out = []
         for line in proc.stdout:
             out.append(line)
             if line.startswith("step 5/"):
                 break
-        workers = [int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir()
-                   for p in (task / "children").read_text().split()]
+        workers = [
+            int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir() for p in (task / "children").read_text().split()
+        ]
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         out += proc.stdout.readlines()

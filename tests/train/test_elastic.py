@@ -5,6 +5,7 @@ Real worker processes, real SIGKILL, real Orbax. The same stages and microbatche
 every layout and each stage accumulates its microbatches in the same order, so the losses
 must equal an uninterrupted run's (asserted to 1e-6 relative; they come out bitwise here).
 """
+
 import itertools
 import math
 import os
@@ -37,8 +38,7 @@ def uninterrupted4(tmp_path_factory):
 
 def assert_close_run(got, want):
     assert got[0].keys() == want[0].keys()
-    np.testing.assert_allclose([got[0][k] for k in sorted(got[0])], [want[0][k] for k in sorted(want[0])],
-                               rtol=1e-6)
+    np.testing.assert_allclose([got[0][k] for k in sorted(got[0])], [want[0][k] for k in sorted(want[0])], rtol=1e-6)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
@@ -52,7 +52,7 @@ class Faults:
         self.kill_at, self.capacity_at = kill_at, capacity_at
         self.fired: list[int] = []
         self.survivors: list[int] = []
-        self.slices_seen: list[int] = []      # the cluster's slice count before each batch
+        self.slices_seen: list[int] = []  # the cluster's slice count before each batch
 
     def __call__(self, i, trainer):
         self.slices_seen.append(trainer.cluster.num_slices)
@@ -75,8 +75,12 @@ def test_lost_worker_without_replacement_shrinks_then_grows_back(uninterrupted4,
     and goes on; capacity returns before step 6, and at the step 6 checkpoint the run is on
     4 slices again. Losses and final parameters equal the uninterrupted 4-slice run's."""
     faults = Faults(kill_at=3, capacity_at=5)
-    got = run_with_fault(tmp_path, faults, max_workers=4,
-                         trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="auto", replace_timeout_s=0)))
+    got = run_with_fault(
+        tmp_path,
+        faults,
+        max_workers=4,
+        trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="auto", replace_timeout_s=0)),
+    )
     trainer = run_with_fault.trainer
     assert_close_run(got, uninterrupted4)
     changes = [(c["step"], c["num_slices"]) for c in trainer.layout_changes]
@@ -94,8 +98,14 @@ def test_shrink_finishes_on_the_survivors(uninterrupted4, tmp_path):
     persistent checkpoint onto 3 slices, rebuilds the in-memory ring over them and ends
     there, with the same losses."""
     faults = Faults(kill_at=5)
-    got = run_with_fault(tmp_path, faults, max_workers=4, trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="shrink"),
-                                                                            checkpoint=mpmd.Checkpointing(every=EVERY, memory_every=1)))
+    got = run_with_fault(
+        tmp_path,
+        faults,
+        max_workers=4,
+        trainer_kw=dict(
+            **FOUR, recovery=mpmd.Recovery(on_loss="shrink"), checkpoint=mpmd.Checkpointing(every=EVERY, memory_every=1)
+        ),
+    )
     trainer = run_with_fault.trainer
     assert_close_run(got, uninterrupted4)
     assert faults.slices_seen[-1] == 3 and trainer.num_slices == 3
@@ -122,8 +132,9 @@ def test_no_replacement_and_no_fit_stop_naming_slice_and_commit(on_loss, tmp_pat
     committed step; no process is left."""
     extra = {"slice_memory_bytes": _budget_of_two_slices()} if on_loss == "shrink" else {}
     cluster = mpmd.LocalCluster(max_workers=2)
-    trainer = make_trainer(cluster, tmp_path, schedule="1f1b",
-                           recovery=mpmd.Recovery(on_loss=on_loss, replace_timeout_s=0, **extra))
+    trainer = make_trainer(
+        cluster, tmp_path, schedule="1f1b", recovery=mpmd.Recovery(on_loss=on_loss, replace_timeout_s=0, **extra)
+    )
     faults = Faults(kill_at=3)
     try:
         with pytest.raises(RuntimeError) as e:
@@ -139,16 +150,18 @@ def test_no_replacement_and_no_fit_stop_naming_slice_and_commit(on_loss, tmp_pat
 
 def test_bad_elastic_arguments_are_value_errors():
     pipe = make_pipe()
-    for kw, what in ((dict(on_loss="grow"), "on_loss must be one of"),
-                     (dict(replace_timeout_s=-1), "replace_timeout_s must be"),
-                     (dict(replace_timeout_s=math.inf), "replace_timeout_s must be"),
-                     (dict(slice_memory_bytes=0), "slice_memory_bytes must be")):
+    for kw, what in (
+        (dict(on_loss="grow"), "on_loss must be one of"),
+        (dict(replace_timeout_s=-1), "replace_timeout_s must be"),
+        (dict(replace_timeout_s=math.inf), "replace_timeout_s must be"),
+        (dict(slice_memory_bytes=0), "slice_memory_bytes must be"),
+    ):
         with pytest.raises(ValueError, match=what):
             mpmd.Recovery(**kw)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_workers must be"):
             mpmd.LocalCluster(max_workers=bad)
-    with pytest.raises(ValueError, match="max_workers=1"):      # before any worker starts
+    with pytest.raises(ValueError, match="max_workers=1"):  # before any worker starts
         mpmd.Trainer(pipe, optax.sgd(0.1), num_microbatches=2, cluster=mpmd.LocalCluster(max_workers=1))
 
 
@@ -190,7 +203,7 @@ def test_balanced_cut_minimises_the_costliest_block():
         block = lambda pl: max(sum(c for c, r in zip(costs, pl) if r == q) for q in range(p))
         brute = min(block(elastic._from_cuts(S, cuts)) for cuts in itertools.combinations(range(1, S), p - 1))
         assert math.isclose(block(elastic._balanced(costs, p)), brute)
-    (placement,) = elastic.block_placements([1.0] * 40, 20)        # C(39, 19) cuts: the balanced one
+    (placement,) = elastic.block_placements([1.0] * 40, 20)  # C(39, 19) cuts: the balanced one
     assert placement == tuple(k // 2 for k in range(40))
 
 
@@ -198,13 +211,14 @@ def test_inprocess_cluster_remove_and_add_renumber_fresh_slices():
     """The Cluster verbs a shrink and a grow back use, on threads: slices after the removed
     one move down, every slice starts afresh, and add undoes a remove only."""
     from mpmd.runtime.control.cluster import ReplaceUnsupported
+
     cluster = InProcessCluster()
     cluster.start(3)
     try:
         cluster.put(2, "x", [np.ones(2, np.float32)])
         cluster.remove(1)
         assert cluster.num_slices == 2
-        with pytest.raises(Exception, match="x"):       # fresh: nothing stored survives
+        with pytest.raises(Exception, match="x"):  # fresh: nothing stored survives
             cluster.get(1, ["x"])
         cluster.add()
         assert cluster.num_slices == 3
@@ -231,16 +245,20 @@ def test_a_second_loss_without_replacement_shrinks_again_at_once(uninterrupted4,
             fault.fired.append(cluster.pids[1])
             remove = cluster.remove
 
-            def killing_remove(*args, **kw):   # the next loss lands in the middle of the first's shrink
+            def killing_remove(*args, **kw):  # the next loss lands in the middle of the first's shrink
                 if not second:
                     second.append(cluster.pids[2])
                     os.kill(second[0], signal.SIGKILL)
                     wait_gone(second)
                 return remove(*args, **kw)
+
             cluster.remove = killing_remove
             os.kill(fault.fired[0], signal.SIGKILL)
+
     fault.fired = []
-    got = run_with_fault(tmp_path, fault, max_workers=4, trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="auto")))
+    got = run_with_fault(
+        tmp_path, fault, max_workers=4, trainer_kw=dict(**FOUR, recovery=mpmd.Recovery(on_loss="auto"))
+    )
     trainer = run_with_fault.trainer
     assert second and wait_gone(second) == []
     assert_close_run(got, uninterrupted4)

@@ -1,4 +1,5 @@
 """Every argument the frontend rejects, with a message that names what is allowed."""
+
 import numpy as np
 import optax
 import pytest
@@ -23,7 +24,9 @@ def tokens(batch):
 
 def test_batch_not_divisible_by_microbatches():
     with mpmd.Trainer(pipe(2), optax.sgd(0.1), schedule="1f1b", num_microbatches=4) as trainer:
-        with pytest.raises(ValueError, match=r"batch size 6 is not divisible by num_microbatches=4.*allowed.*\[1, 2, 3, 6\]"):
+        with pytest.raises(
+            ValueError, match=r"batch size 6 is not divisible by num_microbatches=4.*allowed.*\[1, 2, 3, 6\]"
+        ):
             trainer.step(tokens(6), tokens(6))
 
 
@@ -80,9 +83,15 @@ def test_stage_must_be_a_module():
 
 def test_too_few_devices_says_how_to_get_more():
     import jax
+
     with pytest.raises(ValueError, match=r"xla_force_host_platform_device_count=4"):
-        mpmd.Trainer(pipe(4), optax.sgd(0.1), schedule="gpipe", num_microbatches=4,
-                     cluster=mpmd.InProcessCluster(devices=jax.devices()[:2]))
+        mpmd.Trainer(
+            pipe(4),
+            optax.sgd(0.1),
+            schedule="gpipe",
+            num_microbatches=4,
+            cluster=mpmd.InProcessCluster(devices=jax.devices()[:2]),
+        )
 
 
 def test_nonscalar_loss():

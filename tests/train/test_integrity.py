@@ -6,6 +6,7 @@ found on restore by the digests recorded at commit: the step is set aside and th
 resumed, bitwise as an uninterrupted run. A step whose loss is not finite is never
 committed, and pruning keeps the newest good step whatever came after it.
 """
+
 import json
 import logging
 import re
@@ -32,12 +33,14 @@ def flip_bit_in_stored_leaf(run_dir: Path, step: int) -> str:
     find (a bit flipped in Orbax's files themselves mostly breaks their zstd frames, which
     tensorstore refuses before any digest is checked). The leaf's name."""
     import tensorstore as ts
+
     manifest = CheckpointStore(run_dir).manifest(step)
     _, leaves = read_leaves(run_dir, step)
     name = max(leaves, key=lambda k: (leaves[k].nbytes, k))
     part = run_dir / "checkpoints" / str(step) / manifest["leaves"][name]["part"]
-    stored = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{part}",
-                                                    "path": f"{name}/"}}).result()
+    stored = ts.open(
+        {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{part}", "path": f"{name}/"}}
+    ).result()
     values = np.array(stored.read().result())
     assert np.array_equal(values, leaves[name])
     flat = values.reshape(-1).view(np.uint32)
@@ -61,7 +64,7 @@ def resume_to_the_end(run_dir, cluster) -> tuple:
     return resumed, losses, params
 
 
-@pytest.mark.slow     # real worker processes
+@pytest.mark.slow  # real worker processes
 def test_flipped_bit_in_data_is_set_aside_and_the_older_step_resumed(uninterrupted, workers, tmp_path, caplog):
     """One bit of the largest leaf flipped where step 6 stores it: restore finds the leaf
     does not match its digest, warns naming the step, the slice's part and the leaf, sets step
@@ -132,11 +135,18 @@ def test_pruning_keeps_the_newest_good_step(tmp_path):
 def linear_trainer(run_dir, on_nonfinite):
     """Two nnx.Linear stages on float inputs (a batch can hold a NaN), a checkpoint every step."""
     rngs = nnx.Rngs(0)
-    pipe = mpmd.Pipeline([nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)],
-                         lambda out, y: jnp.mean((out - y) ** 2))
-    return mpmd.Trainer(pipe, optax.sgd(0.1), num_microbatches=2, max_grad_norm=1.0, run_dir=run_dir,
-                        checkpoint=mpmd.Checkpointing(every=1, keep=1),
-                        recovery=mpmd.Recovery(on_nonfinite=on_nonfinite))
+    pipe = mpmd.Pipeline(
+        [nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)], lambda out, y: jnp.mean((out - y) ** 2)
+    )
+    return mpmd.Trainer(
+        pipe,
+        optax.sgd(0.1),
+        num_microbatches=2,
+        max_grad_norm=1.0,
+        run_dir=run_dir,
+        checkpoint=mpmd.Checkpointing(every=1, keep=1),
+        recovery=mpmd.Recovery(on_nonfinite=on_nonfinite),
+    )
 
 
 def float_batches(n):
@@ -181,7 +191,7 @@ def test_nonfinite_step_rewinds_once(tmp_path):
         assert t.step_count == 4
         assert all(np.array_equal(a, b) for a, b in zip(jax_leaves(t.params()), want))
         with pytest.raises(mpmd.Rewound):
-            t.step(bad, bad)       # step 5, rewound to 4
+            t.step(bad, bad)  # step 5, rewound to 4
         with pytest.raises(mpmd.NonFinite, match="step 5 .* again after a rewind"):
             t.step(bad, bad)
     assert CheckpointStore(tmp_path / "run").committed() == [4]
@@ -189,6 +199,7 @@ def test_nonfinite_step_rewinds_once(tmp_path):
 
 def jax_leaves(tree):
     import jax
+
     return jax.tree.leaves(tree)
 
 
@@ -198,16 +209,32 @@ def test_on_nonfinite_skip_is_refused_in_config():
     assert config.load(None, ["train.on_nonfinite=rewind"]).train.on_nonfinite == "rewind"
 
 
-@pytest.mark.slow     # a controller subprocess
+@pytest.mark.slow  # a controller subprocess
 def test_nan_run_stops_with_one_error_line_and_keeps_the_good_step(tmp_path):
     """`mpmd train` at a learning rate of 1e30 with a checkpoint every step and keep=1: the
     loss turns non-finite, the run ends with one error line naming that step, and the step
     before it, the last committed one, is still on disk."""
-    p = mpmd_train("configs/gpt_tiny.yaml", "model.d_model=32", "model.num_layers=2", "model.seq_len=32",
-                   "train.batch_size=8", "train.eval_every=0", "train.sample_tokens=0", "train.steps=20",
-                   "optimizer.lr=1e30", "optimizer.warmup_steps=0", "checkpoint.every=1", "checkpoint.keep=1",
-                   "log.progress=lines", "log.trace_steps=[]", "log.tensorboard=false",
-                   "data.max_bytes=300000", "cluster.backend=inprocess", f"run_dir={tmp_path}", timeout=240)
+    p = mpmd_train(
+        "configs/gpt_tiny.yaml",
+        "model.d_model=32",
+        "model.num_layers=2",
+        "model.seq_len=32",
+        "train.batch_size=8",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        "train.steps=20",
+        "optimizer.lr=1e30",
+        "optimizer.warmup_steps=0",
+        "checkpoint.every=1",
+        "checkpoint.keep=1",
+        "log.progress=lines",
+        "log.trace_steps=[]",
+        "log.tensorboard=false",
+        "data.max_bytes=300000",
+        "cluster.backend=inprocess",
+        f"run_dir={tmp_path}",
+        timeout=240,
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     lines = [l for l in p.stderr.splitlines() if l.startswith("error: ")]
     assert len(lines) == 1, p.stderr[-3000:]
@@ -216,4 +243,4 @@ def test_nan_run_stops_with_one_error_line_and_keeps_the_good_step(tmp_path):
     store = CheckpointStore(tmp_path)
     assert store.committed() == [step - 1]
     assert store.manifest(step - 1)["finite"] is True
-    read_leaves(tmp_path, step - 1)    # its digests verify
+    read_leaves(tmp_path, step - 1)  # its digests verify

@@ -11,6 +11,7 @@ and 4; then a Trainer on layout B resumes A's step-2 checkpoint and trains steps
     gradients over the microbatches in the same order and run the same per-layer math, and
     on this CPU (Eigen's threads off) the runs agree to the bit. The test asserts what holds.
 """
+
 import json
 import shutil
 
@@ -25,10 +26,14 @@ import mpmd
 from tests.support import recovery_runs
 from tests.support.marked_models import MarkedGPT
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
-LAYOUTS = {"2x1f1b": (2, "1f1b", 1), "4x1f1b": (4, "1f1b", 1), "2xzbh1": (2, "zb-h1", 1),
-           "4xinterleaved": (4, "interleaved-1f1b", 2)}
+LAYOUTS = {
+    "2x1f1b": (2, "1f1b", 1),
+    "4x1f1b": (4, "1f1b", 1),
+    "2xzbh1": (2, "zb-h1", 1),
+    "4xinterleaved": (4, "interleaved-1f1b", 2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +48,16 @@ def make_trainer(cluster, run_dir, layout, model=None, optimizer=None, num_micro
     num_stages, schedule, virtual = LAYOUTS[layout] if isinstance(layout, str) else layout
     model = model or models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0))
     stages = mpmd.split(model) if isinstance(model, MarkedGPT) else mpmd.split(model, num_stages=num_stages)
-    return mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer or optax.sgd(0.1, momentum=0.9), schedule,
-                        num_microbatches=num_microbatches, virtual_stages=virtual, cluster=cluster,
-                        run_dir=str(run_dir), checkpoint=mpmd.Checkpointing(every=2, keep=2))
+    return mpmd.Trainer(
+        mpmd.Pipeline(stages, models.lm_loss),
+        optimizer or optax.sgd(0.1, momentum=0.9),
+        schedule,
+        num_microbatches=num_microbatches,
+        virtual_stages=virtual,
+        cluster=cluster,
+        run_dir=str(run_dir),
+        checkpoint=mpmd.Checkpointing(every=2, keep=2),
+    )
 
 
 def by_path(trainer) -> dict:
@@ -99,14 +111,17 @@ def refs(cluster):
     return {layout: reference(cluster, layout) for layout in ("2x1f1b", "4x1f1b")}
 
 
-@pytest.mark.parametrize("saved, resumed", [("2x1f1b", "4x1f1b"), ("4x1f1b", "2x1f1b"), ("2x1f1b", "2xzbh1"),
-                                            ("4x1f1b", "4xinterleaved")])
+@pytest.mark.parametrize(
+    "saved, resumed", [("2x1f1b", "4x1f1b"), ("4x1f1b", "2x1f1b"), ("2x1f1b", "2xzbh1"), ("4x1f1b", "4xinterleaved")]
+)
 def test_resume_on_another_layout_continues_the_same_training(cluster, refs, saved, resumed):
     ref_dir, ref_losses, ref_params = refs[saved]
     trainer = resume_from_step_2(cluster, ref_dir, f"{saved}-to-{resumed}", resumed)
     try:
         assert trainer.resumed == (2, {"i": 2})
-        assert trainer.layout_change and trainer.layout_change.split(" -> ")[0] != trainer.layout_change.split(" -> ")[1]
+        assert (
+            trainer.layout_change and trainer.layout_change.split(" -> ")[0] != trainer.layout_change.split(" -> ")[1]
+        )
         restored = by_path(trainer)
         assert sorted(restored) == sorted(ref_params)
         assert all(np.array_equal(restored[p], ref_params[p]) for p in ref_params), "restore is not exact"
@@ -126,26 +141,31 @@ def test_tied_weight_is_stored_once_and_resumes_on_another_stage_count(cluster):
     ref_dir, ref_losses, ref_params = reference(cluster, (3, "1f1b", 1), three)
     manifest = json.loads((ref_dir / "checkpoints" / "2" / "manifest.json").read_text())
     tied = [n for n in manifest["leaves"] if n.endswith("embed.embedding")]
-    assert sorted(tied) == ["opt/0.trace/embed.embedding", "params/embed.embedding"], tied   # once each
+    assert sorted(tied) == ["opt/0.trace/embed.embedding", "params/embed.embedding"], tied  # once each
     assert {manifest["leaves"][n]["part"] for n in tied} == {"slice_0"}
     trainer = resume_from_step_2(cluster, ref_dir, "tied-3-to-2", (2, "1f1b", 1), model=two)
     try:
         assert trainer.pipeline.shared, "the resumed pipeline shares the embedding between its two stages"
-        restored = by_path(trainer)          # asserts the two copies are bitwise equal
+        restored = by_path(trainer)  # asserts the two copies are bitwise equal
         assert all(np.array_equal(restored[p], ref_params[p]) for p in ref_params)
         losses = run(trainer, range(2, 4))
-        by_path(trainer)                     # still equal after two updates
+        by_path(trainer)  # still equal after two updates
     finally:
         trainer.close(close_cluster=False)
     np.testing.assert_allclose(losses, ref_losses[2:], rtol=1e-6)
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"num_microbatches": 8}, r"other settings that change the math \(num_microbatches: 4 -> 8\)"),
-    ({"optimizer": optax.adamw(1e-3)}, r"another model or optimizer state.*opt/0\.mu/"),
-    ({"model": models.GPT(64, 32, 2, 4, 32, rngs=nnx.Rngs(0))},
-     r"another model.*opt/0\.trace/blocks\.0\.attn\.out\.bias saved \(64,\) float32, now \(32,\)"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"num_microbatches": 8}, r"other settings that change the math \(num_microbatches: 4 -> 8\)"),
+        ({"optimizer": optax.adamw(1e-3)}, r"another model or optimizer state.*opt/0\.mu/"),
+        (
+            {"model": models.GPT(64, 32, 2, 4, 32, rngs=nnx.Rngs(0))},
+            r"another model.*opt/0\.trace/blocks\.0\.attn\.out\.bias saved \(64,\) float32, now \(32,\)",
+        ),
+    ],
+)
 def test_a_resume_that_changes_the_math_is_refused(cluster, refs, change, match):
     c, root = cluster
     with pytest.raises(ValueError, match=match):
@@ -156,7 +176,9 @@ def test_a_changed_global_batch_is_refused_at_the_first_step(cluster, refs):
     trainer = resume_from_step_2(cluster, refs["2x1f1b"][0], "refused-batch", "2x1f1b")
     try:
         x = recovery_runs.data()[2][:8]
-        with pytest.raises(ValueError, match=r"global batch is 8x32 int32, 8x32 int32 .* trained on 16x32 int32, 16x32 int32"):
+        with pytest.raises(
+            ValueError, match=r"global batch is 8x32 int32, 8x32 int32 .* trained on 16x32 int32, 16x32 int32"
+        ):
             trainer.step(x, x)
     finally:
         trainer.close(close_cluster=False)
@@ -166,16 +188,24 @@ def test_stages_without_model_paths_refuse_another_stage_count(cluster):
     c, root = cluster
     layers = models.GPT(64, 64, 2, 4, 32, rngs=nnx.Rngs(0)).layers()
     pipe = lambda cuts: mpmd.Pipeline([nnx.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:])], models.lm_loss)
-    trainer = mpmd.Trainer(pipe([0, 3, 6]), optax.sgd(0.1), "1f1b", num_microbatches=4, cluster=c,
-                           run_dir=str(root / "modules"), checkpoint=mpmd.Checkpointing(every=1))
+    trainer = mpmd.Trainer(
+        pipe([0, 3, 6]),
+        optax.sgd(0.1),
+        "1f1b",
+        num_microbatches=4,
+        cluster=c,
+        run_dir=str(root / "modules"),
+        checkpoint=mpmd.Checkpointing(every=1),
+    )
     try:
         assert trainer.pipeline.scoped_paths
         run(trainer, range(1))
     finally:
         trainer.close(close_cluster=False)
     with pytest.raises(ValueError, match=r"saved with 2 stages, this run has 3: stages given as plain nnx.Modules"):
-        mpmd.Trainer(pipe([0, 2, 4, 6]), optax.sgd(0.1), "1f1b", num_microbatches=4, cluster=c,
-                     run_dir=str(root / "modules"))
+        mpmd.Trainer(
+            pipe([0, 2, 4, 6]), optax.sgd(0.1), "1f1b", num_microbatches=4, cluster=c, run_dir=str(root / "modules")
+        )
 
 
 def test_a_checkpoint_from_before_keyed_leaves_restores_only_on_its_layout(cluster):
@@ -196,14 +226,22 @@ def test_a_checkpoint_from_before_keyed_leaves_restores_only_on_its_layout(clust
             c.save(r, {str(step_dir / f"stage_{k}"): [f"p{k}", f"o{k}"]})
         for r in range(trainer.num_slices):
             c.wait_saves(r)
-        old = {"num_stages": 2, "num_slices": 2, "schedule": "1f1b", "virtual_stages": 1,
-               "params": [[list(l.shape) for l in fn.param_leaves] for fn in trainer.pipeline.fns]}
+        old = {
+            "num_stages": 2,
+            "num_slices": 2,
+            "schedule": "1f1b",
+            "virtual_stages": 1,
+            "params": [[list(l.shape) for l in fn.param_leaves] for fn in trainer.pipeline.fns],
+        }
         store.commit(2, {"partition": old, "data_state": {"i": 2}})
         want = run(trainer, range(2, 4))
     finally:
         trainer.close(close_cluster=False)
-    with pytest.raises(ValueError, match=r"saved before checkpoints were keyed by parameter path.*restores only "
-                                         r"onto the layout that saved it"):
+    with pytest.raises(
+        ValueError,
+        match=r"saved before checkpoints were keyed by parameter path.*restores only "
+        r"onto the layout that saved it",
+    ):
         make_trainer(c, run_dir, "4x1f1b")
     trainer = make_trainer(c, run_dir, "2x1f1b")
     try:

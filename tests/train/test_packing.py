@@ -1,6 +1,7 @@
 """A stage's state packed into one array per dtype and back (mpmd/train/packing.py), through
 the exported programs a worker loads: bitwise for every dtype, shape and layout, on one device
 and on meshes whose leaves are split, replicated or both; each byte packed once."""
+
 import jax
 import numpy as np
 import pytest
@@ -17,13 +18,27 @@ from mpmd.train import packing
 # bfloat16 vector, an int32 scalar (an optimizer's count), an empty leaf, a float32 scalar
 # and a leaf whose size no replica count divides (7 x 5 = 35 elements).
 BUNDLES = (
-    (Spec((4, 6), "float32", (None, "tensor")), Spec((), "int32"), Spec((3,), "bfloat16"),
-     Spec((0, 5), "float32"), Spec((8, 3), "float32", (("data", "fsdp"),)), Spec((7, 5), "float32")),
-    (Spec((4,), "int32", ("data",)), Spec((), "float32"), Spec((2, 2, 2), "bfloat16", (None, "fsdp")),
-     Spec((6,), "bool")),
+    (
+        Spec((4, 6), "float32", (None, "tensor")),
+        Spec((), "int32"),
+        Spec((3,), "bfloat16"),
+        Spec((0, 5), "float32"),
+        Spec((8, 3), "float32", (("data", "fsdp"),)),
+        Spec((7, 5), "float32"),
+    ),
+    (
+        Spec((4,), "int32", ("data",)),
+        Spec((), "float32"),
+        Spec((2, 2, 2), "bfloat16", (None, "fsdp")),
+        Spec((6,), "bool"),
+    ),
 )
-MESHES = [sharding.SliceMesh(), sharding.SliceMesh(data=2), sharding.SliceMesh(fsdp=2, tensor=2),
-          sharding.SliceMesh(data=2, fsdp=2, tensor=2)]
+MESHES = [
+    sharding.SliceMesh(),
+    sharding.SliceMesh(data=2),
+    sharding.SliceMesh(fsdp=2, tensor=2),
+    sharding.SliceMesh(data=2, fsdp=2, tensor=2),
+]
 
 
 def _fit(spec: Spec, mesh: sharding.SliceMesh) -> Spec:
@@ -39,21 +54,30 @@ def _fit(spec: Spec, mesh: sharding.SliceMesh) -> Spec:
 
 
 def _device_mesh(mesh: sharding.SliceMesh) -> jax.sharding.Mesh:
-    return compat.mesh(np.asarray(jax.devices()[:mesh.size]).reshape(tuple(mesh)), sharding.AXES)
+    return compat.mesh(np.asarray(jax.devices()[: mesh.size]).reshape(tuple(mesh)), sharding.AXES)
 
 
 def _state(specs, devices: jax.sharding.Mesh, seed: int = 0) -> list[tuple[jax.Array, ...]]:
     rng = np.random.default_rng(seed)
-    return [tuple(jax.device_put((rng.standard_normal(s.shape) * 1e3).astype(wire.numpy_dtype(s.dtype)),
-                                 NamedSharding(devices, PartitionSpec(*s.layout))) for s in bundle)
-            for bundle in specs]
+    return [
+        tuple(
+            jax.device_put(
+                (rng.standard_normal(s.shape) * 1e3).astype(wire.numpy_dtype(s.dtype)),
+                NamedSharding(devices, PartitionSpec(*s.layout)),
+            )
+            for s in bundle
+        )
+        for bundle in specs
+    ]
 
 
 def _bits(a) -> bytes:
     return np.ascontiguousarray(np.asarray(a)).tobytes()
 
 
-@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(f"{a}{n}" for a, n in zip(sharding.AXES, m) if n > 1) or "one")
+@pytest.mark.parametrize(
+    "mesh", MESHES, ids=lambda m: "x".join(f"{a}{n}" for a, n in zip(sharding.AXES, m) if n > 1) or "one"
+)
 def test_pack_then_unpack_is_bitwise_through_the_exported_programs(mesh):
     specs = tuple(tuple(_fit(s, mesh) for s in bundle) for bundle in BUNDLES)
     layout = packing.packing(specs, mesh)
@@ -64,8 +88,9 @@ def test_pack_then_unpack_is_bitwise_through_the_exported_programs(mesh):
     # One array per dtype, in order of first appearance, D rows split over every device.
     assert [str(a.dtype) for a in packed] == ["float32", "int32", "bfloat16", "bool"]
     assert [a.shape for a in packed] == [s.shape for s in layout.packed_specs]
-    assert all(a.sharding.spec == PartitionSpec(sharding.AXES) and len(a.sharding.device_set) == mesh.size
-               for a in packed)
+    assert all(
+        a.sharding.spec == PartitionSpec(sharding.AXES) and len(a.sharding.device_set) == mesh.size for a in packed
+    )
     back = unpack(packed)
     for want_bundle, got_bundle in zip(state, back):
         assert len(got_bundle) == len(want_bundle)
@@ -83,8 +108,11 @@ def test_every_byte_is_packed_once(mesh):
     layout = packing.packing(specs, mesh)
     sizes = dict(zip(sharding.AXES, mesh))
     state = sum(int(np.prod(s.shape)) * wire.numpy_dtype(s.dtype).itemsize for b in specs for s in b)
-    padding = sum((int(np.prod([sizes[a] for a in p.replicas])) - 1) * wire.numpy_dtype(s.dtype).itemsize
-                  for b, parts in zip(specs, layout.parts) for s, p in zip(b, parts))
+    padding = sum(
+        (int(np.prod([sizes[a] for a in p.replicas])) - 1) * wire.numpy_dtype(s.dtype).itemsize
+        for b, parts in zip(specs, layout.parts)
+        for s, p in zip(b, parts)
+    )
     assert state <= wire.nbytes(layout.packed_specs) <= state + padding
     assert layout.pieces == (mesh.size,) * len(layout.dtypes)
 

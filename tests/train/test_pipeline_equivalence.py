@@ -1,4 +1,5 @@
 """Every schedule trains exactly like the unpipelined model: loss, gradients, parameters."""
+
 import jax
 import numpy as np
 import optax
@@ -11,6 +12,7 @@ from tests.support.reference import batches, make_gpt
 
 # Many training runs against the unpipelined model, each seconds: outside the fast loop.
 pytestmark = pytest.mark.slow
+
 
 # SGD with momentum, not Adam: Adam divides each update by the gradient's own running size,
 # so a near-zero gradient's rounding becomes a full-size update and a leaf near zero (a
@@ -60,8 +62,7 @@ def check_trainer(trainer, ref, rtol_grad=1e-5):
     data = batches()
     loss, grads = trainer.grads(*data[0])
     assert loss == pytest.approx(ref_losses[0], rel=1e-5)
-    reference.assert_leaves_close(reference.stage_leaves(grads), ref_grads, rtol=rtol_grad,
-                                  what="gradients")
+    reference.assert_leaves_close(reference.stage_leaves(grads), ref_grads, rtol=rtol_grad, what="gradients")
     losses = [trainer.step(x, y)["loss"] for x, y in data]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     reference.assert_leaves_close(reference.stage_leaves(trainer.params()), ref_params, rtol=1e-5)
@@ -71,24 +72,34 @@ def check_trainer(trainer, ref, rtol_grad=1e-5):
 def test_schedule_matches_unpipelined(gpt_reference, name, p, m, v):
     stages = mpmd.split(make_gpt(), num_stages=p * v)
     pipe = mpmd.Pipeline(stages, models.lm_loss)
-    with mpmd.Trainer(pipe, optimizer=optimizer(), schedule=name, num_microbatches=m,
-                      cluster=mpmd.InProcessCluster(), virtual_stages=v) as trainer:
+    with mpmd.Trainer(
+        pipe,
+        optimizer=optimizer(),
+        schedule=name,
+        num_microbatches=m,
+        cluster=mpmd.InProcessCluster(),
+        virtual_stages=v,
+    ) as trainer:
         assert trainer.num_slices == p
         check_trainer(trainer, gpt_reference)
 
 
-CLIP = 0.2   # between the stage norms: at every step two stages' norms are above it, two below half of it
+CLIP = 0.2  # between the stage norms: at every step two stages' norms are above it, two below half of it
 
 
 def recording_norms(norms: list, stage_of_layer: list[int]) -> optax.GradientTransformation:
     """Passes gradients through unchanged, appending (per-stage norms, global norm) to `norms`.
 
     reference.train applies the optimizer outside jit, so the values are concrete."""
+
     def update(grads, state, params=None):
-        per_stage = [float(optax.tree.norm([g for g, s in zip(grads, stage_of_layer) if s == k]))
-                     for k in range(max(stage_of_layer) + 1)]
+        per_stage = [
+            float(optax.tree.norm([g for g, s in zip(grads, stage_of_layer) if s == k]))
+            for k in range(max(stage_of_layer) + 1)
+        ]
         norms.append((per_stage, float(optax.tree.norm(grads))))
         return grads, state
+
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
@@ -96,8 +107,9 @@ def clip_each_stage(max_norm: float, stage_of_layer: list[int]) -> optax.Gradien
     """The trap: every stage's gradient clipped by its own global norm, on the unpipelined
     params (one nnx.State per layer), as a pipeline that skipped the cross-stage reduction would."""
     labels = lambda params: [jax.tree.map(lambda _: f"stage{s}", p) for p, s in zip(params, stage_of_layer)]
-    return optax.multi_transform({f"stage{k}": optax.clip_by_global_norm(max_norm) for k in set(stage_of_layer)},
-                                 labels)
+    return optax.multi_transform(
+        {f"stage{k}": optax.clip_by_global_norm(max_norm) for k in set(stage_of_layer)}, labels
+    )
 
 
 # A split backward and a plain one. The V schedules with clipping (SGD with momentum, a clip
@@ -113,13 +125,21 @@ def test_global_norm_clipping_matches_optax(name):
     stages = mpmd.split(make_gpt(), num_stages=4)
     stage_of_layer = [k for k, stage in enumerate(stages) for _ in stage.layers]
     seen_global, seen_per_stage = [], []
-    ref = reference.train(make_gpt, models.lm_loss, data,
-                          optax.chain(recording_norms(seen_global, stage_of_layer), optax.clip_by_global_norm(CLIP), sgd))
-    per_stage = reference.train(make_gpt, models.lm_loss, data,
-                                optax.chain(recording_norms(seen_per_stage, stage_of_layer),
-                                            clip_each_stage(CLIP, stage_of_layer), sgd))
-    with mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optimizer=sgd, schedule=name, num_microbatches=4,
-                      max_grad_norm=CLIP) as trainer:
+    ref = reference.train(
+        make_gpt,
+        models.lm_loss,
+        data,
+        optax.chain(recording_norms(seen_global, stage_of_layer), optax.clip_by_global_norm(CLIP), sgd),
+    )
+    per_stage = reference.train(
+        make_gpt,
+        models.lm_loss,
+        data,
+        optax.chain(recording_norms(seen_per_stage, stage_of_layer), clip_each_stage(CLIP, stage_of_layer), sgd),
+    )
+    with mpmd.Trainer(
+        mpmd.Pipeline(stages, models.lm_loss), optimizer=sgd, schedule=name, num_microbatches=4, max_grad_norm=CLIP
+    ) as trainer:
         norms = [trainer.step(x, y)["grad_norm"] for x, y in data]
         got = reference.stage_leaves(trainer.params())
     # The pipeline reports the global norm (not any one stage's) and updates as optax's global clip.

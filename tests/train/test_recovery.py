@@ -4,6 +4,7 @@ Every scenario ends with exactly the parameters of an uninterrupted run (bitwise
 in-process and multi-process runtimes run the same programs with the same threading) and
 leaves no process behind.
 """
+
 import os
 import shutil
 import signal
@@ -16,9 +17,21 @@ import pytest
 import mpmd
 from tests.support import reference
 from tests.support.processes import alive, wait_gone
-from tests.support.recovery_runs import EVERY, SPIN, SPIN_STEPS, STEPS, assert_same_run, data, kill_once, make_trainer, run_with_fault, train
+from tests.support.recovery_runs import (
+    EVERY,
+    SPIN,
+    SPIN_STEPS,
+    STEPS,
+    assert_same_run,
+    data,
+    kill_once,
+    make_trainer,
+    run_with_fault,
+    train,
+)
 
-pytestmark = pytest.mark.slow      # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+
 
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds process `pid` has used, all threads (fields 14, 15 of /proc/pid/stat)."""
@@ -41,7 +54,7 @@ class CpuLog:
             try:
                 pid = cluster.pids[slice_index]
                 self.samples.append((time.time_ns(), pid, cpu_s(pid)))
-            except (OSError, ValueError, IndexError):   # no worker yet, or it just died
+            except (OSError, ValueError, IndexError):  # no worker yet, or it just died
                 pass
 
     def at(self, pid: int, t_ns: int) -> float:
@@ -79,6 +92,7 @@ def kill_in_phase(at_step, phase, traces, cpu: CpuLog, slice_index=1):
     of its `phase` in the traced step before (`fault.threshold_s`). A spinning phase is the
     only place a worker burns that much CPU, however loaded the machine is. `fault.offset_s`
     records the kill's wall-clock offset after the step was sent."""
+
     def fault(i, trainer):
         if i == at_step - 1 and trainer.checkpoints is not None:
             # The traced step before runs with no checkpoint write beside it in the worker
@@ -98,7 +112,9 @@ def kill_in_phase(at_step, phase, traces, cpu: CpuLog, slice_index=1):
                 fault.offset_s = (time.time_ns() - start_ns) / 1e9
                 fault.reached = cpu_s(pid) - base >= fault.threshold_s
                 os.kill(pid, signal.SIGKILL)
+
             threading.Thread(target=kill, daemon=True).start()
+
     fault.fired, fault.threshold_s, fault.offset_s, fault.reached = [], None, None, False
     return fault
 
@@ -125,9 +141,11 @@ def test_worker_sigkilled_mid_step(uninterrupted_spin, workers, tmp_path, phase)
     replayed = [t for t in traces if t[0] == at_step][-1]
     assert before[2] != replayed[2], "the replayed step should run on the replacement worker"
     assert fault.reached, "the kill came from the thread's deadline, not from the CPU mark"
-    print(f"{phase}: killed after {fault.threshold_s:.3f} CPU s, {fault.offset_s * 1e3:.0f} ms into the step; "
-          f"phase CPU windows (s) before/replayed: {[phase_cpu(t, phase, cpu) for t in (before, replayed)]}; "
-          f"wall windows (ms): {[[round((x - t[1]) / 1e6) for x in phase_window(t, phase, 1)] for t in (before, replayed)]}")
+    print(
+        f"{phase}: killed after {fault.threshold_s:.3f} CPU s, {fault.offset_s * 1e3:.0f} ms into the step; "
+        f"phase CPU windows (s) before/replayed: {[phase_cpu(t, phase, cpu) for t in (before, replayed)]}; "
+        f"wall windows (ms): {[[round((x - t[1]) / 1e6) for x in phase_window(t, phase, 1)] for t in (before, replayed)]}"
+    )
     assert_same_run((losses, params), uninterrupted_spin(phase))
 
 
@@ -137,6 +155,7 @@ def test_worker_sigkilled_during_async_save(uninterrupted, workers, tmp_path):
         if i == 2 * EVERY and not fault.fired:
             fault.fired.append(trainer.cluster.pids[0])
             os.kill(fault.fired[0], signal.SIGKILL)
+
     fault.fired = []
     losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
     assert rewinds == 1
@@ -150,7 +169,7 @@ def test_worker_lost_before_a_waited_save_commits(uninterrupted, workers, tmp_pa
     final step, with the uninterrupted run's losses and parameters."""
     batches = data()
     cluster = workers
-    trainer = make_trainer(cluster, tmp_path, checkpoint=mpmd.Checkpointing(every=3))     # commits steps 3 and 6, not 8
+    trainer = make_trainer(cluster, tmp_path, checkpoint=mpmd.Checkpointing(every=3))  # commits steps 3 and 6, not 8
     wait_saves = cluster.wait_saves
 
     def killing_wait_saves(r, directories):
@@ -158,12 +177,13 @@ def test_worker_lost_before_a_waited_save_commits(uninterrupted, workers, tmp_pa
             killed.append(cluster.pids[1])
             os.kill(killed[0], signal.SIGKILL)
         return wait_saves(r, directories)
+
     killed = []
     try:
         losses = {}
         for i in range(STEPS):
             losses[i + 1] = trainer.step(batches[i], batches[i], data_state={"i": i + 1})["loss"]
-        trainer.checkpoints.wait()         # step 6 committed: only the final save meets the fault
+        trainer.checkpoints.wait()  # step 6 committed: only the final save meets the fault
         cluster.wait_saves = killing_wait_saves
         with pytest.raises(mpmd.Rewound) as rewound:
             trainer.save(data_state={"i": STEPS}, wait=True)
@@ -184,7 +204,7 @@ def test_worker_lost_before_a_waited_save_commits(uninterrupted, workers, tmp_pa
 
 def test_worker_sigstopped_is_declared_lost(uninterrupted, workers, tmp_path):
     fault = kill_once(3, signal.SIGSTOP)
-    workers.failure_timeout_s = 2.0        # the fixture puts the default back
+    workers.failure_timeout_s = 2.0  # the fixture puts the default back
     losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
     assert rewinds == 1
     # Declared lost by its silence (failure_timeout_s), not by the step watchdog.
@@ -232,6 +252,7 @@ def _stop_after(n):
     def fault(i, trainer):
         if i == n:
             raise _Stop
+
     return fault
 
 
@@ -251,7 +272,7 @@ def test_restart_budget_counts_only_recoveries_within_its_window(tmp_path):
         trainer.step(batches[0], batches[0])
         trainer.step(batches[1], batches[1], data_state={"i": 2})
         trainer.checkpoints.wait()
-        for k in (1, 2):   # each loss recovered: the one before it fell out of the window
+        for k in (1, 2):  # each loss recovered: the one before it fell out of the window
             os.kill(cluster.pids[1], signal.SIGKILL)
             with pytest.raises(mpmd.Rewound):
                 trainer.step(batches[2], batches[2])
@@ -261,9 +282,12 @@ def test_restart_budget_counts_only_recoveries_within_its_window(tmp_path):
         os.kill(cluster.pids[1], signal.SIGKILL)
         with pytest.raises(mpmd.Rewound):
             trainer.step(batches[3], batches[3])
-        os.kill(cluster.pids[1], signal.SIGKILL)   # within the window of the last recovery
-        with pytest.raises(RuntimeError, match=r"giving up after 1 recoveries within 3 s "
-                                               r"\(max_restarts=1, restart_window_s=3.0\); last committed"):
+        os.kill(cluster.pids[1], signal.SIGKILL)  # within the window of the last recovery
+        with pytest.raises(
+            RuntimeError,
+            match=r"giving up after 1 recoveries within 3 s "
+            r"\(max_restarts=1, restart_window_s=3.0\); last committed",
+        ):
             trainer.step(batches[3], batches[3])
     finally:
         pids = list(cluster.pids)
@@ -280,7 +304,9 @@ def test_gives_up_after_max_restarts(tmp_path):
         trainer.step(batches[1], batches[1], data_state={"i": 2})
         trainer.checkpoints.wait()
         os.kill(cluster.pids[1], signal.SIGKILL)
-        with pytest.raises(RuntimeError, match=r"slice 1 .* lost.*giving up after 0 recoveries.*last committed checkpoint: step 2"):
+        with pytest.raises(
+            RuntimeError, match=r"slice 1 .* lost.*giving up after 0 recoveries.*last committed checkpoint: step 2"
+        ):
             trainer.step(batches[2], batches[2])
     finally:
         pids = list(cluster.pids)

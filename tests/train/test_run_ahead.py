@@ -1,5 +1,6 @@
 """Run-ahead dispatch (Trainer.submit, train.run_ahead): sending step N+1 while step N runs
 changes nothing that is computed, saved, logged or recovered."""
+
 import collections
 import signal
 
@@ -17,16 +18,23 @@ from tests.support.processes import TINY_GPT
 from tests.support.recovery_runs import assert_same_run, kill_once, run_with_fault
 from tests.support.reference import batches, make_gpt
 
-EVERY = 3     # checkpoint cadence: step 3's save must not see step 4's update
+EVERY = 3  # checkpoint cadence: step 3's save must not see step 4's update
 
 
 def train_ahead(ahead: int, run_dir, cluster=None):
     """(losses, final leaves, most steps in flight, params restored from step 3's checkpoint)
     of the small GPT under 1F1B with SGD + momentum, `ahead` steps sent beyond the oldest."""
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
-    with mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4,
-                      cluster=cluster or mpmd.InProcessCluster(), run_ahead=ahead, run_dir=run_dir,
-                      checkpoint=mpmd.Checkpointing(every=EVERY, keep=5)) as trainer:
+    with mpmd.Trainer(
+        pipe,
+        optax.sgd(0.1, momentum=0.9),
+        "1f1b",
+        num_microbatches=4,
+        cluster=cluster or mpmd.InProcessCluster(),
+        run_ahead=ahead,
+        run_dir=run_dir,
+        checkpoint=mpmd.Checkpointing(every=EVERY, keep=5),
+    ) as trainer:
         pending, losses, most = collections.deque(), [], 0
         for x, y in batches() * 2:
             pending.append(trainer.submit(x, y))
@@ -42,12 +50,14 @@ def train_ahead(ahead: int, run_dir, cluster=None):
 def restored_at(run_dir, step: int):
     """The parameters of `run_dir`'s checkpoint of `step` (older ones moved aside to reach it)."""
     import shutil
+
     ck = run_dir / "checkpoints"
     for newer in [p for p in ck.iterdir() if p.name.isdigit() and int(p.name) > step]:
         shutil.rmtree(newer)
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
-    with mpmd.Trainer(pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4,
-                      cluster=mpmd.InProcessCluster(), run_dir=run_dir) as trainer:
+    with mpmd.Trainer(
+        pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4, cluster=mpmd.InProcessCluster(), run_dir=run_dir
+    ) as trainer:
         assert trainer.resumed[0] == step
         return reference.stage_leaves(trainer.params())
 
@@ -103,11 +113,20 @@ def test_recipe_run_ahead_logs_the_same_run(tmp_path):
     evals (each after its own step), the same final checkpoint."""
     logged = {}
     for ahead in (0, 1):
-        cfg = config.load("configs/gpt_tiny.yaml", ["cluster.backend=inprocess", "train.steps=5",
-                                                    "train.eval_every=2", "checkpoint.every=3",
-                                                    "train.sample_tokens=0", "log.tensorboard=false",
-                                                    f"train.run_ahead={ahead}", f"run_dir={tmp_path / str(ahead)}",
-                                                    *TINY_GPT])
+        cfg = config.load(
+            "configs/gpt_tiny.yaml",
+            [
+                "cluster.backend=inprocess",
+                "train.steps=5",
+                "train.eval_every=2",
+                "checkpoint.every=3",
+                "train.sample_tokens=0",
+                "log.tensorboard=false",
+                f"train.run_ahead={ahead}",
+                f"run_dir={tmp_path / str(ahead)}",
+                *TINY_GPT,
+            ],
+        )
         summary = train_recipe.run(cfg)
         logged[ahead] = (run_log.read(tmp_path / str(ahead)), summary)
     (sync, s0), (ahead, s1) = logged[0], logged[1]

@@ -7,6 +7,7 @@ microbatches 0..m-1 in order with the same nnx.Rngs (SGD with momentum, float32,
 of each leaf's scale), for every schedule; evaluation runs in eval mode; a resumed or recovered
 run continues the same streams.
 """
+
 import signal
 
 import jax
@@ -24,8 +25,15 @@ FAST = [("zb-v", 2, 8)]
 
 
 def trainer(stages, schedule="1f1b", m=4, v=None, **kw):
-    return mpmd.Trainer(mpmd.Pipeline(stages, wl.square_loss), wl.sgd(), schedule=schedule, num_microbatches=m,
-                        virtual_stages=v, cluster=kw.pop("cluster", None) or mpmd.InProcessCluster(), **kw)
+    return mpmd.Trainer(
+        mpmd.Pipeline(stages, wl.square_loss),
+        wl.sgd(),
+        schedule=schedule,
+        num_microbatches=m,
+        virtual_stages=v,
+        cluster=kw.pop("cluster", None) or mpmd.InProcessCluster(),
+        **kw,
+    )
 
 
 def leaves(per_stage):
@@ -38,18 +46,29 @@ def assert_state_like_nnx(state, model):
     for k, layer in enumerate(model.layers):
         assert int(state[k]["drop.rngs.count"]) == int(layer.drop.rngs.count[...]), k
         if layer.norm is not None:
-            ref.assert_leaves_close([state[k]["norm.mean"], state[k]["norm.var"]],
-                                    [np.asarray(layer.norm.mean[...]), np.asarray(layer.norm.var[...])], RTOL,
-                                    f"stage {k} batch statistics")
+            ref.assert_leaves_close(
+                [state[k]["norm.mean"], state[k]["norm.var"]],
+                [np.asarray(layer.norm.mean[...]), np.asarray(layer.norm.var[...])],
+                RTOL,
+                f"stage {k} batch statistics",
+            )
 
 
 # Every schedule at m=4, and m=1 where a schedule allows fewer microbatches than slices; m=8
 # for zb-v only (FAST): a stage's stream advances once per forward in microbatch order, which
 # m=8 only repeats for longer (m=8 for the other four was dropped on 2026-12-04 for the
 # suite's time).
-@pytest.mark.parametrize("schedule,v,m", FAST + [pytest.param(s, v, m, marks=pytest.mark.slow)
-                                                 for s, v in SCHEDULES for m in (1, 4)
-                                                 if m > 1 or s in ("gpipe", "zb-v") if (s, v, m) not in FAST])
+@pytest.mark.parametrize(
+    "schedule,v,m",
+    FAST
+    + [
+        pytest.param(s, v, m, marks=pytest.mark.slow)
+        for s, v in SCHEDULES
+        for m in (1, 4)
+        if m > 1 or s in ("gpipe", "zb-v")
+        if (s, v, m) not in FAST
+    ],
+)
 def test_dropout_and_batch_statistics_train_as_nnx_does(schedule, v, m):
     data = wl.float_batches()
     want_losses, want_params, model = wl.nnx_reference(wl.stateful_stages, wl.square_loss, data, m)
@@ -90,9 +109,12 @@ def test_a_model_cut_at_marks_carries_each_stages_state():
     for k, block in enumerate(blocks):
         assert int(state[k][f"blocks.{k}.drop.rngs.count"]) == int(block.drop.rngs.count[...]) == m * len(data)
         if block.norm is not None:
-            ref.assert_leaves_close([state[k][p] for p in stats(k)],
-                                    [np.asarray(block.norm.mean[...]), np.asarray(block.norm.var[...])], RTOL,
-                                    f"stage {k} batch statistics")
+            ref.assert_leaves_close(
+                [state[k][p] for p in stats(k)],
+                [np.asarray(block.norm.mean[...]), np.asarray(block.norm.var[...])],
+                RTOL,
+                f"stage {k} batch statistics",
+            )
     model.eval()
     np.testing.assert_allclose(evaluated, float(wl.square_loss(model(x), y)), rtol=RTOL)
     ref.assert_leaves_close([predicted], [np.asarray(model(x))], 1e-4, "predictions")
@@ -102,12 +124,16 @@ def test_dropout_runs_are_bitwise_repeatable():
     def run():
         with trainer(wl.stateful_stages(), "zb-h1", 4) as t:
             return [t.step(x, y)["loss"] for x, y in wl.float_batches()], leaves(t.params())
+
     a, b = run(), run()
     assert a[0] == b[0] and all(np.array_equal(p, q) for p, q in zip(a[1], b[1]))
 
 
-@pytest.mark.parametrize("make_stages", [wl.stateful_stages, pytest.param(wl.marked_stateful_stages, marks=pytest.mark.slow)],
-                         ids=["layers", "marked"])
+@pytest.mark.parametrize(
+    "make_stages",
+    [wl.stateful_stages, pytest.param(wl.marked_stateful_stages, marks=pytest.mark.slow)],
+    ids=["layers", "marked"],
+)
 def test_resume_continues_the_streams(tmp_path, make_stages):
     """Saved after step 2 and resumed: step 3 lands where an uninterrupted run's does, bitwise,
     stage state included (for stages cut at marks too)."""
@@ -137,6 +163,7 @@ def test_resume_on_another_stage_count_continues_the_streams(tmp_path):
 
     def keyed(state):
         return {n: v for s in state for n, v in s.items()}
+
     with trainer(split(4)) as t:
         want = [t.step(x, y)["loss"] for x, y in data], leaves(t.params()), t.state()
     with trainer(split(4), run_dir=tmp_path, checkpoint=mpmd.Checkpointing(every=1)) as t:
@@ -166,7 +193,7 @@ def test_an_abstract_model_creates_its_stage_state_on_the_slices():
     ref.assert_leaves_close(got_params, want_params, RTOL)
     for a, b in zip(got_state, want_state):
         assert a.keys() == b.keys()
-        for n in a:   # keys and counts exactly; statistics within RTOL
+        for n in a:  # keys and counts exactly; statistics within RTOL
             if n.endswith(("key", "count")):
                 assert np.array_equal(a[n], b[n]), n
             else:
@@ -176,8 +203,9 @@ def test_an_abstract_model_creates_its_stage_state_on_the_slices():
 # -- on worker processes, through a SIGKILL ----------------------------------------------------
 def _fault_run(cluster, tmp_path, checkpoint, fault=None):
     data = [x for x, _ in wl.float_batches(steps=6)]
-    t = trainer(mpmd.split(wl.NoisyModel(), num_stages=2), "1f1b", 4, cluster=cluster, run_dir=tmp_path,
-                checkpoint=checkpoint)
+    t = trainer(
+        mpmd.split(wl.NoisyModel(), num_stages=2), "1f1b", 4, cluster=cluster, run_dir=tmp_path, checkpoint=checkpoint
+    )
     try:
         losses, params, rewinds = recovery_runs.train(t, data, fault, steps=6)
         return losses, params, t.state(), rewinds
@@ -191,8 +219,7 @@ def test_a_killed_worker_recovers_to_the_uninterrupted_run(workers, tmp_path, ti
     """SIGKILL slice 1's worker before step 4 (of 6): restored from the last commit (every 2
     steps) or from the in-memory snapshot (every step), replayed, it ends bitwise where the
     uninterrupted run ends: losses, parameters, RNG counts and batch statistics."""
-    checkpoint = (mpmd.Checkpointing(every=2) if tier == "persistent"
-                  else mpmd.Checkpointing(every=0, memory_every=1))
+    checkpoint = mpmd.Checkpointing(every=2) if tier == "persistent" else mpmd.Checkpointing(every=0, memory_every=1)
     want = _fault_run(workers, tmp_path / "clean", checkpoint)
     got = _fault_run(workers, tmp_path / "killed", checkpoint, recovery_runs.kill_once(3, signal.SIGKILL))
     assert got[3] == 1 and want[3] == 0

@@ -6,6 +6,7 @@ stage; and the refusals, each naming what was wrong.
 
 The fast loop runs a few schedules; the full grid (every schedule x m in {1, 4, 8}) is slow.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +22,13 @@ from tests.support import workloads as wl
 RTOL = 1e-5
 SCHEDULES = [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", 2), ("zb-h1", None), ("zb-v", 2)]
 FAST = [("1f1b", None, 4), ("zb-v", 2, 8)]
-GRID = [pytest.param(s, v, m, marks=pytest.mark.slow) for s, v in SCHEDULES for m in (1, 4, 8)
-                                                 if m > 1 or s in ("gpipe", "zb-v")
-        if (s, v, m) not in FAST]
+GRID = [
+    pytest.param(s, v, m, marks=pytest.mark.slow)
+    for s, v in SCHEDULES
+    for m in (1, 4, 8)
+    if m > 1 or s in ("gpipe", "zb-v")
+    if (s, v, m) not in FAST
+]
 
 
 def assert_equal_to_reference(got, want):
@@ -36,11 +41,10 @@ def assert_equal_to_reference(got, want):
 @pytest.mark.parametrize("schedule,v,m", FAST + GRID)
 def test_masked_loss_is_the_weighted_mean_over_the_whole_batch(schedule, v, m):
     data = wl.batches(m=m)
-    counts = [int(b["mask"][j * (wl.BATCH // m):(j + 1) * (wl.BATCH // m)].sum()) for b in data[:1] for j in range(m)]
-    assert m == 1 or max(counts) > 4 * min(counts), counts      # very different token counts
+    counts = [int(b["mask"][j * (wl.BATCH // m) : (j + 1) * (wl.BATCH // m)].sum()) for b in data[:1] for j in range(m)]
+    assert m == 1 or max(counts) > 4 * min(counts), counts  # very different token counts
     want = wl.reference(wl.masked_stages, wl.masked_loss, data, m)
-    assert_equal_to_reference(wl.pipelined(wl.masked_stages, wl.masked_loss, data, m, schedule, virtual_stages=v),
-                              want)
+    assert_equal_to_reference(wl.pipelined(wl.masked_stages, wl.masked_loss, data, m, schedule, virtual_stages=v), want)
 
 
 def test_mean_of_microbatch_means_is_not_the_objective():
@@ -51,15 +55,23 @@ def test_mean_of_microbatch_means_is_not_the_objective():
     def per_microbatch_mean(out, batch):
         total, count = wl.masked_loss(out, batch)
         return total / jnp.maximum(count, 1.0)
+
     want = wl.reference(wl.masked_stages, wl.masked_loss, data, 4)
     losses, grads, _, _ = wl.pipelined(wl.masked_stages, per_microbatch_mean, data, 4, "1f1b")
     assert ref.max_leaf_error(grads, want[1]) > 0.05
 
 
-@pytest.mark.parametrize("schedule,v,m", [("interleaved-1f1b", 2, 4)]
-                         + [pytest.param(s, v, m, marks=pytest.mark.slow) for s, v in SCHEDULES for m in (1, 4, 8)
-                                                 if m > 1 or s in ("gpipe", "zb-v")
-                            if (s, m) != ("interleaved-1f1b", 4)])
+@pytest.mark.parametrize(
+    "schedule,v,m",
+    [("interleaved-1f1b", 2, 4)]
+    + [
+        pytest.param(s, v, m, marks=pytest.mark.slow)
+        for s, v in SCHEDULES
+        for m in (1, 4, 8)
+        if m > 1 or s in ("gpipe", "zb-v")
+        if (s, m) != ("interleaved-1f1b", 4)
+    ],
+)
 def test_side_inputs_ints_across_cuts_and_aux_losses(schedule, v, m):
     data = wl.batches(m=m)
     want = wl.reference(wl.mixed_stages, wl.masked_loss, data, m)
@@ -79,8 +91,7 @@ def test_on_a_data_parallel_mesh_slice():
     """data=2 inside each slice: the weight and the loss sum run over both batch shards."""
     data = wl.batches(m=4)
     want = wl.reference(wl.mixed_stages, wl.masked_loss, data, 4)
-    assert_equal_to_reference(wl.pipelined(wl.mixed_stages, wl.masked_loss, data, 4, "1f1b",
-                                           mesh={"data": 2}), want)
+    assert_equal_to_reference(wl.pipelined(wl.mixed_stages, wl.masked_loss, data, 4, "1f1b", mesh={"data": 2}), want)
 
 
 def test_side_input_goes_straight_to_the_stage_that_reads_it():
@@ -106,7 +117,7 @@ def test_side_input_goes_straight_to_the_stage_that_reads_it():
 def marked_reference(data, m):
     """The unpipelined MarkedMasked's (losses, grads, params), leaves in the stages' order."""
     losses, grads, params = wl.reference(lambda: [wl.MarkedMasked()], wl.masked_loss, data, m)
-    order = [i for s in wl.marked_stages() for i in s.param_index]     # the global leaf of each stage leaf
+    order = [i for s in wl.marked_stages() for i in s.param_index]  # the global leaf of each stage leaf
     return losses, [grads[i] for i in order], [params[i] for i in order]
 
 
@@ -125,9 +136,14 @@ def test_marked_side_inputs_go_straight_to_the_stages_that_read_them():
     stages = wl.marked_stages()
     assert [s.keywords for s in stages] == [(), (("mask", True),), (("positions", False),)]
     batch = wl.batches(steps=1, m=2)[0]
-    assert len(stages[0].apply(stages[0].param_leaves, batch["inputs"])) == 1     # h alone crosses 0 -> 1
-    with mpmd.Trainer(mpmd.Pipeline(stages, wl.masked_loss), wl.sgd(), schedule="gpipe", num_microbatches=2,
-                      cluster=mpmd.InProcessCluster()) as t:
+    assert len(stages[0].apply(stages[0].param_leaves, batch["inputs"])) == 1  # h alone crosses 0 -> 1
+    with mpmd.Trainer(
+        mpmd.Pipeline(stages, wl.masked_loss),
+        wl.sgd(),
+        schedule="gpipe",
+        num_microbatches=2,
+        cluster=mpmd.InProcessCluster(),
+    ) as t:
         # Forward-only plans feed the side inputs too; an evaluation's loss has no aux term.
         want = wl.MarkedMasked()(batch["inputs"], mask=batch["mask"], positions=batch["positions"])
         (predicted,) = t.predict(batch)
@@ -155,25 +171,32 @@ def test_pair_shorthand_is_the_batch_dict():
     from mpmd import models
 
     def run(as_dict):
-        pipe = mpmd.Pipeline(mpmd.split(model(), num_stages=2), models.lm_loss if not as_dict
-                             else (lambda out, b: models.lm_loss(out, b["targets"])))
+        pipe = mpmd.Pipeline(
+            mpmd.split(model(), num_stages=2),
+            models.lm_loss if not as_dict else (lambda out, b: models.lm_loss(out, b["targets"])),
+        )
         with mpmd.Trainer(pipe, wl.sgd(), num_microbatches=2, cluster=mpmd.InProcessCluster()) as t:
             loss = t.step({"inputs": x, "targets": y} if as_dict else x, None if as_dict else y)["loss"]
             return loss, ref.stage_leaves(t.params())
+
     a, b = run(False), run(True)
     assert a[0] == b[0] and all(np.array_equal(p, q) for p, q in zip(a[1], b[1]))
 
 
 # -- refusals --------------------------------------------------------------------------------
 def _trainer(stages, loss=wl.masked_loss, m=2):
-    return mpmd.Trainer(mpmd.Pipeline(stages, loss), wl.sgd(), schedule="gpipe", num_microbatches=m,
-                        cluster=mpmd.InProcessCluster())
+    return mpmd.Trainer(
+        mpmd.Pipeline(stages, loss), wl.sgd(), schedule="gpipe", num_microbatches=m, cluster=mpmd.InProcessCluster()
+    )
 
 
 def test_refuses_a_side_input_that_is_no_batch_key():
     batch = wl.batches(steps=1)[0]
     del batch["positions"]
-    with _trainer(wl.mixed_stages()) as t, pytest.raises(ValueError, match=r"stage 2 \(Positional\).*'positions'.*no key"):
+    with (
+        _trainer(wl.mixed_stages()) as t,
+        pytest.raises(ValueError, match=r"stage 2 \(Positional\).*'positions'.*no key"),
+    ):
         t.step(batch)
 
 
@@ -192,6 +215,7 @@ def test_refuses_a_batch_without_inputs():
 def test_refuses_a_weight_that_depends_on_the_outputs():
     def bad(out, batch):
         return jnp.sum(out), jnp.sum(out > 0)
+
     with _trainer(wl.masked_stages(), bad) as t, pytest.raises(ValueError, match="weight that depends on the model"):
         t.step(wl.batches(steps=1)[0])
 
@@ -216,6 +240,7 @@ def test_refuses_host_callbacks_naming_the_stage(stage, primitive):
 
 class Drifting(wl.Dense):
     """Changes a parameter in its forward (a running value kept in an nnx.Param)."""
+
     def __call__(self, x):
         self.l.bias[...] = self.l.bias[...] * 0.9
         return super().__call__(x)
@@ -223,6 +248,7 @@ class Drifting(wl.Dense):
 
 class Rematted(wl.Dense):
     """nnx.remat hands every parameter back through its checkpoint unchanged: no change."""
+
     def __call__(self, x):
         return nnx.remat(lambda m, x: wl.Dense.__call__(m, x))(self, x)
 
@@ -245,8 +271,9 @@ def test_on_worker_processes_equal_in_process(workers):
     0 -> 1 with its bool and int leaves crosses between them, the side input is fed to slice
     0 where stage 2 lies): bitwise the in-process run."""
     data = wl.batches(m=4)
-    remote = wl.pipelined(wl.mixed_stages, wl.masked_loss, data, 4, "interleaved-1f1b", cluster=workers,
-                          virtual_stages=2, close=False)
+    remote = wl.pipelined(
+        wl.mixed_stages, wl.masked_loss, data, 4, "interleaved-1f1b", cluster=workers, virtual_stages=2, close=False
+    )
     local = wl.pipelined(wl.mixed_stages, wl.masked_loss, data, 4, "interleaved-1f1b", virtual_stages=2)
     assert remote[0] == local[0]
     for a, b in zip(remote[1] + remote[2], local[1] + local[2]):
