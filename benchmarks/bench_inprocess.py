@@ -37,6 +37,7 @@ from flax import nnx  # noqa: E402
 from mpmd import models  # noqa: E402
 import mpmd  # noqa: E402
 from mpmd.schedules import core as schedules  # noqa: E402
+from mpmd.schedules import timeline  # noqa: E402
 from mpmd.schedules.simulate import simulate  # noqa: E402
 
 VOCAB, D_MODEL, HEADS, LAYERS, SEQ, BATCH = 256, 256, 4, 4, 128, 16
@@ -138,7 +139,7 @@ def schedule_times(num_microbatches: int, num_repeats: int) -> None:
         for _ in range(num_repeats):
             start = time.perf_counter()
             schedule = schedules.make(name, num_stages, num_microbatches, v)
-            schedules.validate(schedule)
+            timeline.validate(schedule)
             sim = simulate(schedule)
             times.append(time.perf_counter() - start)
         best = min(times)

@@ -53,6 +53,7 @@ def _clocks() -> tuple[float, float]:
 def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: int) -> dict:
     """One case, in this process; returns its figures."""
     from mpmd.schedules import core as schedules
+    from mpmd.schedules import timeline
     from mpmd.schedules.simulate import simulate
 
     num_stages = num_slices * virtual_stages
@@ -66,7 +67,7 @@ def run_case(name: str, num_slices: int, num_microbatches: int, virtual_stages: 
 
     schedule = schedules.make(name, num_stages, num_microbatches, virtual_stages)
     phase("make")
-    schedules.validate(schedule)
+    timeline.validate(schedule)
     phase("validate")
     sim = simulate(schedule)
     phase("simulate")

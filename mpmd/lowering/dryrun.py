@@ -37,6 +37,7 @@ import numpy as np
 from mpmd.lowering import core as lowering
 from mpmd.stages import names
 from mpmd.schedules import core as schedules
+from mpmd.schedules import timeline
 from mpmd.schedules.simulate import FULL_BACKWARD, Simulation, cost_function, simulate
 from mpmd.runtime.worker import programs
 from mpmd.runtime.wire.results import Event
@@ -103,7 +104,7 @@ def dry_run(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    schedules.validate(schedule)
+    timeline.validate(schedule)
     cost = _per_stage_costs(schedule, costs)
     S, P, placement = schedule.num_stages, len(schedule.slices), schedule.placement
 

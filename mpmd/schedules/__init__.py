@@ -10,17 +10,16 @@ from mpmd.schedules.core import (
     Task,
     default_virtual_stages,
     dualpipe_v,
-    execution_order,
     gpipe,
     interleaved_one_f_one_b,
     make,
     one_f_one_b,
     register_schedule,
     schedule_spec,
-    validate,
     zb_h1,
     zb_v,
 )
+from mpmd.schedules.timeline import execution_order, validate
 
 __all__ = [
     "SCHEDULES",

@@ -43,22 +43,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from mpmd.schedules.task_arrays import KIND_CODES, TaskArrays, occurrence_rank
+from mpmd.schedules.task_arrays import BACKWARD, FORWARD, KIND_CODES, WEIGHT, Task, TaskArrays, occurrence_rank
 
-FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 _F, _B, _W = (KIND_CODES[k] for k in (FORWARD, BACKWARD, WEIGHT))
-
-
-class Task(NamedTuple):
-    stage: int  # global stage index 0..num_stages-1
-    microbatch: int
-    # "F" forward, "B" backward, "W" weight gradient. In a schedule with split_backward=False
-    # "B" is the full backward (input and weight gradients) and there are no "W" tasks; with
-    # split_backward=True "B" is the input gradient only and "W" the weight gradient.
-    kind: str
-
-    def __str__(self) -> str:
-        return f"{self.kind}(stage={self.stage}, mb={self.microbatch})"
 
 
 class Schedule(NamedTuple):
@@ -553,33 +540,3 @@ def make(name: str, num_stages: int, num_microbatches: int, virtual_stages: int 
         and schedule.placement == place(num_stages, schedule.num_slices)
     ), (spec, schedule.name)
     return schedule
-
-
-# ---------------------------------------------------------------------------------------
-# Validation: one vectorised walk (mpmd.schedules.timeline) checks placement, completeness and
-# deadlock freedom; it imports this module, hence the imports inside the functions.
-
-
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError naming the offending task unless `schedule` is complete, places
-    every task on its slice and can run to the end without deadlock."""
-    from mpmd.schedules import timeline
-
-    timeline.walk(schedule)
-
-
-def execution_order(schedule: Schedule) -> list[Task]:
-    """Validate `schedule` and return all its tasks in an order that respects every
-    dependency and every slice's own order (a run of the schedule with unbounded speed):
-    by the round of the walk each ran in, then by slice. One Task object per task, so for
-    small schedules; the simulator and lowering read the arrays instead."""
-    from mpmd.schedules import timeline
-    from mpmd.schedules.task_arrays import KINDS
-
-    run = timeline.walk(schedule, record_rounds=True)
-    tasks = run.tasks
-    order = np.lexsort((tasks.slice_of_each(), run.rounds))
-    return [
-        Task(s, j, KINDS[k])
-        for s, j, k in zip(tasks.stage[order].tolist(), tasks.microbatch[order].tolist(), tasks.kind[order].tolist())
-    ]

@@ -16,11 +16,25 @@ index the validator and simulator use for per-task tables.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-KINDS = ("F", "B", "W")
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+KINDS = (FORWARD, BACKWARD, WEIGHT)
 KIND_CODES = {kind: code for code, kind in enumerate(KINDS)}
+
+
+class Task(NamedTuple):
+    stage: int  # global stage index 0..num_stages-1
+    microbatch: int
+    # "F" forward, "B" backward, "W" weight gradient. In a schedule with split_backward=False
+    # "B" is the full backward (input and weight gradients) and there are no "W" tasks; with
+    # split_backward=True "B" is the input gradient only and "W" the weight gradient.
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}(stage={self.stage}, mb={self.microbatch})"
 
 
 class TaskArrays(Sequence):
@@ -65,8 +79,6 @@ class TaskArrays(Sequence):
     def __getitem__(self, r):
         if isinstance(r, slice):
             return tuple(self[i] for i in range(*r.indices(len(self))))
-        from mpmd.schedules.core import Task  # schedules imports this module
-
         r = range(len(self))[r]
         a, b = int(self.offsets[r]), int(self.offsets[r + 1])
         return tuple(

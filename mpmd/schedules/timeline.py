@@ -280,3 +280,23 @@ def _deadlock_message(schedule: Schedule, tasks: TaskArrays, end, pos, stuck) ->
                 )
                 break
     return "deadlock: " + "; ".join(parts)
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError naming the offending task unless `schedule` is complete, places
+    every task on its slice and can run to the end without deadlock."""
+    walk(schedule)
+
+
+def execution_order(schedule: Schedule) -> list[Task]:
+    """Validate `schedule` and return all its tasks in an order that respects every
+    dependency and every slice's own order (a run of the schedule with unbounded speed):
+    by the round of the walk each ran in, then by slice. One Task object per task, so for
+    small schedules; the simulator and lowering read the arrays instead."""
+    run = walk(schedule, record_rounds=True)
+    tasks = run.tasks
+    order = np.lexsort((tasks.slice_of_each(), run.rounds))
+    return [
+        Task(s, j, KINDS[k])
+        for s, j, k in zip(tasks.stage[order].tolist(), tasks.microbatch[order].tolist(), tasks.kind[order].tolist())
+    ]

@@ -23,6 +23,8 @@ import math
 from typing import NamedTuple
 
 from mpmd.schedules import core as schedules
+
+from mpmd.schedules import timeline
 from mpmd.schedules.simulate import simulate
 from mpmd.stages.costs import slice_memory
 
@@ -92,7 +94,7 @@ def candidates(
     for placement in block_placements(stage_costs, num_slices):
         for make in (schedules.one_f_one_b, schedules.gpipe):
             schedule = make(num_stages, num_microbatches, placement=placement)
-            schedules.validate(schedule)
+            timeline.validate(schedule)
             peak = (
                 max(s["total"] for s in slice_memory(schedule, per_stage_bytes))
                 if per_stage_bytes is not None

@@ -34,6 +34,7 @@ import optax
 
 from mpmd.runtime.control.cluster import Cluster, WorkerLost
 from mpmd.schedules import core as schedules
+from mpmd.schedules import timeline
 from mpmd.stages import batch as batches
 from mpmd.lowering import core as lowering
 from mpmd.stages import gather, names, sharding
@@ -425,7 +426,7 @@ def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> sc
             raise ValueError(
                 f"schedule {schedule.name!r} is for {schedule.num_stages} stages, the pipeline has {num_stages}"
             )
-        schedules.validate(schedule)
+        timeline.validate(schedule)
         return schedule
     num_microbatches = 1 if num_microbatches is None else num_microbatches
     if virtual_stages is None:
@@ -438,5 +439,5 @@ def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> sc
             f"allowed virtual_stages: {[v for v in range(1, num_stages + 1) if num_stages % v == 0]}"
         )
     built = schedules.make(schedule, num_stages, num_microbatches, virtual_stages)
-    schedules.validate(built)
+    timeline.validate(built)
     return built

@@ -48,16 +48,6 @@ from mpmd.runtime.worker.gang import GangClient
 HEARTBEAT_S = 0.5
 
 
-def __getattr__(name: str):
-    # StaticLauncher and StaticCluster were defined here; they live with the other launchers
-    # now (they import ControlPlane, so they cannot be imported here at the top).
-    if name in ("StaticLauncher", "StaticCluster"):
-        from mpmd.runtime.launchers import static
-
-        return getattr(static, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _arrays_out(b: wire.Builder, arrays) -> list:
     import numpy as np
 

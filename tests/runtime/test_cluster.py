@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mpmd
-from mpmd.runtime.control.client import StaticLauncher, new_token
+from mpmd.runtime.control.client import new_token
+from mpmd.runtime.launchers.static import StaticLauncher
 from mpmd.runtime.control.cluster import Cluster, Launcher, ReplaceUnsupported, WorkerLost
 from mpmd.runtime.launchers.local import LocalLauncher
 from mpmd.runtime.launchers.shared import SharedCluster, SharedLauncher

@@ -9,6 +9,7 @@ from mpmd import models
 import mpmd
 from mpmd.lowering import core as lowering
 from mpmd.schedules import core as schedules
+from mpmd.schedules import timeline
 from mpmd.schedules.core import ScheduleError
 from mpmd.schedules.simulate import simulate
 from mpmd.runtime.worker.instructions import Recv, Send, Spec
@@ -70,7 +71,7 @@ def test_a_permuted_placement_moves_every_stage():
     # Same schedule, slices swapped: stage 0 on slice 1. Streams swap with it.
     base = schedules.make("1f1b", 2, 4)
     swapped = base._replace(slices=base.slices[::-1], placement=(1, 0))
-    schedules.validate(swapped)
+    timeline.validate(swapped)
     act = [(Spec((4,), "float32"),)] * 3
     plain = lowering.Transfers.plain(act)
     a, b = lowering.train_streams(base, plain, False), lowering.train_streams(swapped, plain, False)
@@ -99,9 +100,9 @@ def test_validator_reads_the_placement():
         match=r"wrong slice: F\(stage=3, mb=0\) at slice 0, position 2; "
         r"stage 3 belongs on slice 1",
     ):
-        schedules.validate(schedule._replace(placement=(0, 0, 1, 1)))
+        timeline.validate(schedule._replace(placement=(0, 0, 1, 1)))
     with pytest.raises(ScheduleError, match=r"placement \(0, 1, 5, 0\) must give each"):
-        schedules.validate(schedule._replace(placement=(0, 1, 5, 0)))
+        timeline.validate(schedule._replace(placement=(0, 1, 5, 0)))
 
 
 def test_trainer_checks_a_given_schedule_against_its_pipeline():

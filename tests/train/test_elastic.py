@@ -19,6 +19,7 @@ import pytest
 import mpmd
 from mpmd.train import elastic
 from mpmd.schedules import core as schedules
+from mpmd.schedules import timeline
 from mpmd.stages import costs as stage_costs
 from mpmd.schedules.simulate import simulate
 from mpmd.runtime.control.inprocess import InProcessCluster
@@ -174,7 +175,7 @@ def test_1f1b_over_stage_blocks_is_valid_and_bounded():
             for placement in elastic.block_placements([1.0] * S, p):
                 for m in (1, 2, 5):
                     sched = schedules.one_f_one_b(S, m, placement=placement)
-                    schedules.validate(sched)
+                    timeline.validate(sched)
                     peak = simulate(sched).peak_live_activations
                     for r in range(p):
                         assert peak[r] <= (p - r) * placement.count(r), (placement, m, r, peak)
