@@ -8,7 +8,7 @@ of `mpmd train` (recipes/train.py `sample`) both decode through `continue_text`.
                                            200, temperature=0)
 
 Where it runs: on the controller, with no worker. The parameters are read from every slice's
-Orbax directory of the checkpoint (mpmd.train.checkpoints.read_leaves) into this process and
+Orbax directory of the checkpoint (mpmd.train.checkpoint_reader.read_leaves) into this process and
 the model is built whole here, so a model must fit one host's memory to generate; decoding
 pipelined over the slices is not built yet.
 
@@ -69,7 +69,7 @@ def load_run(run_dir: str, step: int | None = None) -> tuple[Config, int | None,
         raise ConfigError(f"{str(run_dir)!r} has no config.yaml: not a run directory of `mpmd train`")
     cfg = config_lib.load(root / "config.yaml")
     check_can_generate(cfg)
-    from mpmd.train.checkpoints import committed_step, read_leaves
+    from mpmd.train.checkpoint_reader import committed_step, read_leaves
 
     try:
         step = committed_step(run_dir, step)

@@ -119,7 +119,7 @@ def _run_keys(init_from: str) -> dict:
 def _run_params(init_from: str):
     """Mpmd.Trainer's init_params reading the parameters of `run:<dir>`'s newest committed
     checkpoint by path (all of them into this process at the first call: for models one host holds)."""
-    from mpmd.train.checkpoints import committed_step, read_leaves
+    from mpmd.train.checkpoint_reader import committed_step, read_leaves
 
     run = _run_directory(init_from)
     try:

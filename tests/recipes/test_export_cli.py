@@ -60,7 +60,7 @@ def test_training_starts_from_the_imported_weights(trained):
 
 @pytest.mark.parametrize("step", [None, 1])
 def test_export_loads_in_transformers_and_reads_back_bitwise(trained, tmp_path, capsys, step):
-    from mpmd.train.checkpoints import read_leaves
+    from mpmd.train.checkpoint_reader import read_leaves
 
     cfg, _, _ = trained
     out = tmp_path / "exported"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpmd.train.checkpoints import read_leaves
+from mpmd.train.checkpoint_reader import read_leaves
 from mpmd.recipes import config, grain_data, preempt, run_log, tokenizer, tokens
 from mpmd.recipes.train import batch_crc32
 from mpmd.runtime.worker.slice_store import CheckpointStore
