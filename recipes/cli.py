@@ -28,11 +28,31 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """'mpmd X (jax Y, jaxlib Z, Python P)': what a bug report needs first."""
+    import platform
+    from importlib import metadata
+
+    def of(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"mpmd {of('mpmd')} (jax {of('jax')}, jaxlib {of('jaxlib')}, Python {platform.python_version()})"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version())
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:10s} {doc}" for name, (_, doc) in COMMANDS.items()]
-        msg = "usage: mpmd COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines)
+        msg = (
+            "usage: mpmd COMMAND [ARGS]    (mpmd COMMAND --help: its arguments; mpmd --version)\n\ncommands:\n"
+            + "\n".join(lines)
+        )
         if argv and argv[0] not in ("-h", "--help"):
             print(f"error: unknown command {argv[0]!r}; allowed: {', '.join(COMMANDS)}\n\n{msg}", file=sys.stderr)
             return 2

@@ -34,6 +34,7 @@ import time
 from mpmd.runtime.launchers.workers import process_alive
 from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
 from mpmd.runtime.manager.server import POOLS
+from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
 
 # Where a shared cluster's workers may run: the manager's table of worker pools.
 BACKENDS = tuple(POOLS)
@@ -41,13 +42,29 @@ UP_TIMEOUT_S = 120.0
 LISTEN_DEFAULT = "127.0.0.1:0"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mpmd cluster", description="A persistent cluster that several jobs share.")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mpmd cluster",
+        description="A persistent cluster that several jobs share (mpmd cluster VERB --help: its options).",
+        epilog="example:\n  mpmd cluster up --workers 2\n  mpmd train configs/gpt_tiny.yaml cluster.backend=shared\n"
+        "  mpmd cluster status\n  mpmd cluster down",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="verb", required=True)
-    up = sub.add_parser("up", help="start the manager and its workers (detached)")
+    up = sub.add_parser(
+        "up",
+        help="start the manager and its workers (detached)",
+        description="Start the cluster manager and its workers as detached processes; print the manager's\n"
+        "address and return. Writes DIR/ (the cluster and submit tokens, 0600; logs; the job table)\n"
+        "and the cluster file F (0600): what jobs read to submit.",
+        epilog="examples:\n  mpmd cluster up --workers 4\n"
+        "  mpmd cluster up --workers 2 --devices-per-worker 2 --listen 0.0.0.0:7000 --root /data/runs\n"
+        "  mpmd cluster up --rejoin          # a manager again over the cluster file's workers",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     up.add_argument("--workers", type=int, help="worker processes (one slice each); not with --rejoin")
-    up.add_argument("--devices-per-worker", type=int, default=1, help="devices of each worker's mesh")
-    up.add_argument("--backend", default="local", help=f"where workers run: {', '.join(BACKENDS)}")
+    up.add_argument("--devices-per-worker", type=int, default=1, help="devices of each worker's mesh (default 1)")
+    up.add_argument("--backend", default="local", help=f"where workers run: {', '.join(BACKENDS)} (default local)")
     up.add_argument(
         "--ray-address",
         default=None,
@@ -58,16 +75,25 @@ def _parser() -> argparse.ArgumentParser:
         default=LISTEN_DEFAULT,
         help="the manager's HOST:PORT (default loopback, any port; with --rejoin: the one it had)",
     )
-    up.add_argument("--dir", default=".mpmd-cluster", help="the cluster's directory: tokens, logs, job table")
+    up.add_argument(
+        "--dir",
+        default=".mpmd-cluster",
+        help="the cluster's directory: tokens, logs, job table (default .mpmd-cluster)",
+    )
     up.add_argument("--root", default=None, help="the directory every job's run_dir must lie below (default: cwd)")
-    up.add_argument("--lease-s", type=float, default=10.0, help="default lease of a job (seconds)")
+    up.add_argument("--lease-s", type=float, default=10.0, help="default lease of a job, seconds (default 10)")
     up.add_argument(
         "--max-lease-s",
         type=float,
         default=60.0,
-        help="the longest lease a job may ask (seconds): a silent job holds workers at most this long",
+        help="the longest lease a job may ask, seconds: a silent job holds workers at most this long (default 60)",
     )
-    up.add_argument("--compile-cache-mb", type=int, default=None, help="each worker's compiled-program cache")
+    up.add_argument(
+        "--compile-cache-mb",
+        type=int,
+        default=None,
+        help=f"each worker's compiled-program cache, MB (default {DEFAULT_LIMIT_MB})",
+    )
     up.add_argument("--rejoin", action="store_true", help="start a manager again over the cluster file's workers")
     for s in [up] + [
         sub.add_parser(v, help=h)
@@ -301,7 +327,7 @@ def down(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         if args.verb == "up":
             check_up(args)

@@ -7,7 +7,7 @@ trained with one) that `transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)` 
     mpmd export runs/llama_tiny --hf exported/step_200 --step 200
 
 The model's keys come from the run's resolved config (RUN_DIR/config.yaml), its parameters
-from the checkpoint's `params/` leaves, read here by path (mpmd.train.checkpoints.read_leaves):
+from the checkpoint's `params/` leaves, read here by path (mpmd.train.checkpoint_reader.read_leaves):
 the optimizer state is not read. `export_hf` checks everything before it reads a tensor (a run
 directory, a committed step, model.kind llama, an OUT_DIR that does not exist or is empty) and
 raises ExportError naming what was wrong; `main` prints it as one line and exits 2 (1 when
@@ -49,7 +49,7 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
         cfg = config.validate(values)
     except config.ConfigError as e:
         raise ExportError(f"{run / 'config.yaml'}: {e}") from None
-    from mpmd.train.checkpoints import committed_step, read_leaves
+    from mpmd.train.checkpoint_reader import committed_step, read_leaves
 
     try:
         step = committed_step(run, step)
@@ -76,7 +76,7 @@ def model_keys(model, params: dict) -> dict:
     return keys
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd export",
         description="Write a run's committed checkpoint as a Hugging Face Llama directory.",
@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         out = export_hf(args.run_dir, args.hf, args.step)
     except (ExportError, hf.HFError) as e:

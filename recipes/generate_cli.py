@@ -29,7 +29,7 @@ def _non_negative(kind):
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd generate",
         description="Continue a prompt with the model of a run directory of `mpmd train`.",
@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     from mpmd.recipes.config import ConfigError
     from mpmd.recipes import generate  # imports JAX on use only
 

@@ -62,7 +62,7 @@ def write(out_dir, train: list[dict], heldout: list[dict]) -> tuple[Path, Path]:
     return paths
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd sft-data",
         description="Write a generated fine-tuning data set "
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.train < 1 or args.heldout < 1:
         print(f"error: --train and --heldout must be >= 1, got {args.train} and {args.heldout}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from pathlib import Path
 from mpmd.recipes.config import ConfigError
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd tokenize",
         description="Tokenize text files into shards data.source=tokens reads.",
@@ -69,7 +69,7 @@ def _files_and_tokenizer(args) -> tuple[list, str]:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     from mpmd.recipes import tokenizer, tokens
 
     try:

@@ -13,7 +13,7 @@ import sys
 from mpmd.recipes.config import ConfigError
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd tokenizer",
         description="Make a tokenizer from your own text files (nothing is downloaded).",
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     from mpmd.recipes import tokenizer
 
     try:

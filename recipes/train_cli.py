@@ -20,7 +20,7 @@ from mpmd.recipes import config
 from mpmd.recipes import console
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd train",
         description="Train a model with MPMD pipeline parallelism from a YAML config.",
@@ -74,7 +74,7 @@ def _ensure_host_devices(num_devices: int) -> None:
 
 def main(argv=None) -> int:
     # intermixed: `mpmd train C --dry-run key=value` takes the override after the flag too
-    args = _parser().parse_intermixed_args(argv)
+    args = parser().parse_intermixed_args(argv)
     if args.help_config:
         print(config.describe())
         return 0

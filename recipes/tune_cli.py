@@ -25,11 +25,18 @@ from mpmd.recipes import console
 from mpmd.recipes import registry
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    keys = "\n".join("  tune." + line for line in config.describe(config.TuneConfig).splitlines())
     parser = argparse.ArgumentParser(
         prog="mpmd tune",
-        description="Choose the pipeline split, schedule, microbatches and virtual stages from measured costs.",
-        epilog="example: mpmd tune configs/gpt_small.yaml tune.memory_gb=2 tune.confirm=3",
+        description="Choose the pipeline split, schedule, microbatches and virtual stages from costs\n"
+        "measured on the config's own cluster; print the confirmed candidates (predicted against\n"
+        "measured step and memory) and write the winner as a config mpmd train takes as is: the\n"
+        "input config with the chosen pipeline.* keys, to tune.output (never overwritten).",
+        epilog=f"tune.* keys (default, meaning):\n{keys}\n\nexample:\n"
+        "  mpmd tune configs/gpt_small.yaml tune.memory_gb=2 tune.confirm=3 tune.output=small_tuned.yaml\n"
+        "  mpmd train small_tuned.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", metavar="CONFIG", help="YAML file of overrides of the defaults")
     parser.add_argument("overrides", metavar="key=value", nargs="*", help="dotted-key overrides of the file")
@@ -57,7 +64,7 @@ def tuned_values(values: dict, keys: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    args = parser().parse_intermixed_args(argv)
     try:
         values = config.values_of(args.config, args.overrides)
         cfg = config.validate(values)

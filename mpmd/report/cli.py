@@ -15,7 +15,7 @@ from mpmd.report.html import REPORT_FILE, write
 from mpmd.report.load import load
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd report",
         description="One self-contained HTML page of a run: curves, measured vs simulated pipeline, "
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         report = load(args.run_dir, args.step)
     except ValueError as e:

@@ -1,11 +1,11 @@
-"""`mpmd schedule NAME --stages P --microbatches M ...`: simulate a schedule and draw it.
+"""`mpmd schedule NAME --stages P --microbatches M [-o OUT.svg]`: simulate a schedule (and draw it when asked).
 
 `main(argv)` takes the arguments after the word `schedule` and returns the exit status:
 0 on success, 2 when the schedule or costs are impossible (message "error: ..." on stderr).
 Malformed command lines exit 2 through argparse, as usual.
 
 Past SUMMARY_SLICES slices the per-slice figures are summarised (min / median / max)
-instead of listed, and the SVG shows what mpmd.schedules.render can draw (a sample of the slices; no
+instead of listed, and the SVG (-o) shows what mpmd.schedules.render can draw (a sample of the slices; no
 picture at all past its box limit, saying so): `mpmd schedule zb-v --stages 2048
 --microbatches 8192` prints a few lines in seconds.
 """
@@ -39,9 +39,14 @@ def _range(spec) -> str:
     return f">= {least}" if most is None else str(least) if least == most else f"{least}..{most}"
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mpmd schedule", description="Simulate a pipeline schedule: makespan, bubble and live activations."
+        prog="mpmd schedule",
+        description="Simulate a pipeline schedule: makespan, bubble and live activations. Nothing is "
+        "written unless -o names a file for the timeline picture.",
+        epilog="examples:\n  mpmd schedule 1f1b --stages 4 --microbatches 8\n"
+        "  mpmd schedule zb-h1 --stages 4 --microbatches 8 --costs 1,1.1,0.9 -o zb.svg",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("name", metavar="NAME", help=f"schedule: {', '.join(sorted(schedules.SCHEDULES))}")
     parser.add_argument(
@@ -66,22 +71,23 @@ def _parser() -> argparse.ArgumentParser:
         "task, and optionally of one full backward (default B+W); default "
         "1,1,1. Measure a pipeline's own with mpmd.stages.costs.measure",
     )
-    parser.add_argument("-o", "--output", metavar="OUT.svg", help="write the timeline as SVG here (default NAME.svg)")
+    parser.add_argument(
+        "-o", "--output", metavar="OUT.svg", help="also draw the timeline as SVG into this file (default: no picture)"
+    )
     return parser
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         schedule = schedules.make(args.name, args.stages, args.microbatches, args.virtual_stages)
         simulation = simulate(schedule, args.costs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    output = args.output or f"{args.name}.svg"
-    why_not = not_drawable(simulation)
-    if why_not is None:
-        render_svg(schedule, simulation, output)
+    why_not = not_drawable(simulation) if args.output else None
+    if args.output and why_not is None:
+        render_svg(schedule, simulation, args.output)
     print(
         f"schedule:          {schedule.name}  (stages={schedule.num_stages}, "
         f"slices={len(schedule.slices)}, microbatches={schedule.num_microbatches}, "
@@ -96,7 +102,8 @@ def main(argv=None) -> int:
             "note:              assumes B + W = one full backward; pass measured --costs "
             "F,B,W,BW (mpmd.stages.costs.measure) for figures of a pipeline of mpmd itself"
         )
-    print(f"wrote {output}" if why_not is None else f"svg not written: {why_not}")
+    if args.output:
+        print(f"wrote {args.output}" if why_not is None else f"svg not written: {why_not}")
     return 0
 
 

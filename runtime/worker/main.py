@@ -55,7 +55,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 STARTUP_LOGGERS = ("jax._src.xla_bridge",)
 
 
-def parse_args(argv):
+def parser() -> argparse.ArgumentParser:
+    """`mpmd worker`'s arguments (docs/reference/cli.md is made from it)."""
     p = argparse.ArgumentParser(prog="mpmd worker", description="Serve one mpmd slice.")
     p.add_argument(
         "--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0: loopback, any free port)"
@@ -137,6 +138,11 @@ def parse_args(argv):
     gang.add_argument(
         "--gang-timeout-s", type=float, default=60.0, help="how long to wait for every process of the gang to join"
     )
+    return p
+
+
+def parse_args(argv):
+    p = parser()
     args = p.parse_args(argv)
     if args.devices < 1:
         p.error(f"--devices must be a positive integer, got {args.devices}")

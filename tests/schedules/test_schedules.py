@@ -5,6 +5,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from mpmd.schedules import core as schedules
+
+from mpmd.schedules import timeline
 from mpmd.schedules.cli import main
 from mpmd.schedules.core import Schedule, ScheduleError, Task
 from mpmd.schedules.simulate import simulate
@@ -30,7 +32,7 @@ def _grid():
 @pytest.mark.parametrize("name,p,m,v", list(_grid()))
 def test_every_schedule_validates(name, p, m, v):
     schedule = schedules.make(name, p * v, m, v)
-    schedules.validate(schedule)
+    timeline.validate(schedule)
     assert len(schedule.slices) == p
     kinds_per_pair = 3 if schedule.split_backward else 2
     assert sum(map(len, schedule.slices)) == p * v * m * kinds_per_pair
@@ -85,7 +87,7 @@ def test_v_schedules_with_fewer_microbatches_than_their_shape(name):
     # Built for 2p-1 microbatches with the extra ones dropped: still complete and valid.
     for m in (1, 2, 3):
         schedule = schedules.make(name, 8, m)
-        schedules.validate(schedule)
+        timeline.validate(schedule)
         assert sum(map(len, schedule.slices)) == 8 * m * 3
 
 
@@ -164,23 +166,23 @@ def test_validator_rejects_backward_before_its_forward():
         match=r"slice 1 waits at B\(stage=1, mb=0\), which needs "
         r"F\(stage=1, mb=0\) not yet run",
     ):
-        schedules.validate(_replace_slice(schedule, 1, tasks))
+        timeline.validate(_replace_slice(schedule, 1, tasks))
 
 
 def test_validator_rejects_missing_and_misplaced_tasks():
     schedule = schedules.make("1f1b", 2, 2)
     with pytest.raises(ScheduleError, match=r"missing tasks: B\(stage=0, mb=1\)"):
-        schedules.validate(_replace_slice(schedule, 0, schedule.slices[0][:-1]))
+        timeline.validate(_replace_slice(schedule, 0, schedule.slices[0][:-1]))
     with pytest.raises(ScheduleError, match=r"wrong slice: F\(stage=1, mb=0\) at slice 0"):
-        schedules.validate(_replace_slice(schedule, 0, schedule.slices[0] + (Task(1, 0, "F"),)))
+        timeline.validate(_replace_slice(schedule, 0, schedule.slices[0] + (Task(1, 0, "F"),)))
     with pytest.raises(ScheduleError, match=r"duplicate task F\(stage=0, mb=0\)"):
-        schedules.validate(_replace_slice(schedule, 0, schedule.slices[0] + (Task(0, 0, "F"),)))
+        timeline.validate(_replace_slice(schedule, 0, schedule.slices[0] + (Task(0, 0, "F"),)))
     with pytest.raises(ScheduleError, match="W tasks appear only in schedules with split"):
-        schedules.validate(_replace_slice(schedule, 0, schedule.slices[0] + (Task(0, 0, "W"),)))
+        timeline.validate(_replace_slice(schedule, 0, schedule.slices[0] + (Task(0, 0, "W"),)))
     zb = schedules.make("zb-h1", 2, 2)
     no_w = tuple(t for t in zb.slices[1] if t.kind != "W")
     with pytest.raises(ScheduleError, match=r"missing tasks: W\(stage=1, mb=0\)"):
-        schedules.validate(_replace_slice(zb, 1, no_w))
+        timeline.validate(_replace_slice(zb, 1, no_w))
 
 
 def test_validator_rejects_cycle_between_slices():
@@ -193,7 +195,7 @@ def test_validator_rejects_cycle_between_slices():
     )
     broken = Schedule("broken", 2, 2, 1, False, slices, placement=(0, 1))
     with pytest.raises(ScheduleError) as info:
-        schedules.validate(broken)
+        timeline.validate(broken)
     message = str(info.value)
     assert message.startswith("deadlock: ")
     assert "slice 0 waits at B(stage=0, mb=1), which needs B(stage=1, mb=1)" in message
@@ -252,7 +254,7 @@ def test_make_errors(args, message):
 
 
 def test_gpipe_accepts_fewer_microbatches_than_slices():
-    schedules.validate(schedules.make("gpipe", 8, 2))
+    timeline.validate(schedules.make("gpipe", 8, 2))
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
@@ -274,6 +276,15 @@ def test_cli_prints_summary_and_writes_svg(tmp_path, capsys):
     rects = root.findall("{http://www.w3.org/2000/svg}rect")
     assert len(rects) == 4 * 8 * 3 + 3  # one per task, plus the legend
     assert "zb-h1" in "".join(root.itertext())
+
+
+def test_cli_writes_nothing_unless_asked(tmp_path, monkeypatch, capsys):
+    """Without -o the summary is printed and no file appears (not NAME.svg in the cwd)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["1f1b", "--stages", "2", "--microbatches", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "makespan:" in printed and "svg" not in printed
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_reports_make_errors(tmp_path, capsys):
@@ -319,7 +330,7 @@ def test_array_walk_equals_per_task_definition(name, p, m, v):
     assert sim.bubble_fraction_per_slice == tuple(1 - b / makespan for b in busy)
     assert sim.peak_live_activations == peaks
     assert tuple(sim.spans) == spans
-    assert set(schedules.execution_order(schedule)) == set(schedule_reference.execution_order(schedule))
+    assert set(timeline.execution_order(schedule)) == set(schedule_reference.execution_order(schedule))
 
 
 def test_array_walk_finds_what_the_per_task_walk_finds():
@@ -339,7 +350,7 @@ def test_array_walk_finds_what_the_per_task_walk_finds():
             except ScheduleError:
                 expected = False
             try:
-                schedules.validate(broken)
+                timeline.validate(broken)
                 got = True
             except ScheduleError as e:
                 assert str(e).startswith("deadlock: slice ")

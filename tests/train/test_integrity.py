@@ -22,7 +22,7 @@ import mpmd
 from mpmd.recipes import config
 from mpmd.runtime.control.inprocess import InProcessCluster
 from mpmd.runtime.worker.slice_store import MANIFEST_DIGEST, CheckpointStore
-from mpmd.train.checkpoints import read_leaves
+from mpmd.train.checkpoint_reader import read_leaves
 from tests.support import recovery_runs
 from tests.support.processes import mpmd_train
 
