@@ -4,7 +4,7 @@ step waits for its batch, as a fraction of the step.
     .venv/bin/python benchmarks/bench_data.py [--tokens 20000000] [--steps 8] [--skip-train]
 
 a. A corpus of --tokens byte tokens (documents of 50..4,000 bytes of random words, written by
-   recipes/tokens.py as `mpmd tokenize` writes it, in shards of 10^7 tokens) is opened (its
+   recipes/data/tokens.py as `mpmd tokenize` writes it, in shards of 10^7 tokens) is opened (its
    index read and its shards memory-mapped: the time does not grow with its size) and read by
    the loader configs/gpt_small.yaml's batches take (32 rows of 128 + 1 tokens): batches/s and
    tokens/s of the Grain pipeline alone (shuffled windows; packed documents), after a warm-up
@@ -36,7 +36,8 @@ WORDS = ["the", "model", "pipeline", "stage", "slice", "token", "batch", "grain"
 
 def write_corpus(out: Path, num_tokens: int) -> Path:
     """~num_tokens byte tokens in documents of 50..4,000 bytes, as a .jsonl then tokenized."""
-    from mpmd.recipes import tokenizer, tokens
+    from mpmd.recipes.data import tokenizer
+    from mpmd.recipes.data import tokens
 
     rng = np.random.default_rng(0)
     words = np.array(WORDS)
@@ -55,7 +56,8 @@ def write_corpus(out: Path, num_tokens: int) -> Path:
 def pipeline_alone(corpus: Path, pack: bool, num_batches: int = 200) -> dict:
     import grain  # noqa: F401  (its import, and JAX's under it, is no part of opening a corpus)
 
-    from mpmd.recipes import config, grain_data
+    from mpmd.recipes import config
+    from mpmd.recipes.data import grain as grain_data
 
     t0 = time.perf_counter()
     cfg = config.load(
@@ -75,7 +77,10 @@ def pipeline_alone(corpus: Path, pack: bool, num_batches: int = 200) -> dict:
 
 def data_wait(corpus: Path, steps: int, run_dir: Path) -> dict:
     """Trains gpt_small on the corpus, timing every train_loader.next() of the loop."""
-    from mpmd.recipes import config, grain_data, run_log, train
+    from mpmd.recipes import config
+    from mpmd.recipes.data import grain as grain_data
+    from mpmd.recipes.run import run_log
+    from mpmd.recipes.run import train
 
     waits: list[float] = []
     make = grain_data.loaders
@@ -138,7 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         corpus = write_corpus(Path(tmp), args.tokens)
-        from mpmd.recipes import tokens
+        from mpmd.recipes.data import tokens
 
         c = tokens.Corpus(corpus)
         print(

@@ -6,7 +6,7 @@ window per token (`--no-cache`), side by side in one run.
 
 Per config: a run directory made by one training step (`mpmd train CONFIG train.steps=1` on
 the in-process backend; the weights' values do not change the cost), then what `mpmd generate
-RUN_DIR` runs: the checkpoint restored on this process (recipes/generate.py), both programs
+RUN_DIR` runs: the checkpoint restored on this process (recipes/run/generate.py), both programs
 of each variant compiled first (not timed), then `--tokens` new tokens from the prompt
 "def __init__(self" sampled at the run's temperature and top-k, timed per variant, the two
 alternating within each of `--rounds` rounds; medians. The tokens are checked to be the same
@@ -37,7 +37,8 @@ VARIANTS = {"key-value cache": True, "full forward per token": False}
 
 def make_run(config_name: str, run_dir: str) -> None:
     """One training step of configs/<config_name>.yaml, so run_dir holds a committed checkpoint."""
-    from mpmd.recipes import config, train
+    from mpmd.recipes import config
+    from mpmd.recipes.run import train
 
     cfg = config.load(
         str(cpu_setup.REPO / "configs" / f"{config_name}.yaml"),
@@ -61,7 +62,7 @@ def make_run(config_name: str, run_dir: str) -> None:
 def measure(run_dir: str, num_tokens: int, rounds: int) -> dict:
     """variant -> (median s for num_tokens tokens, their tokens); plus the run's config."""
     from mpmd.models import decoding
-    from mpmd.recipes import generate
+    from mpmd.recipes.run import generate
 
     cfg, _, model = generate.load_run(run_dir)
     tokenizer = generate.tokenizer_of(run_dir)

@@ -54,7 +54,7 @@ def make_trainer(name: str, cluster):
     import mpmd
     from mpmd.recipes import config
     from mpmd.recipes.registry import get_model_spec
-    from mpmd.recipes.train import build_optimizer
+    from mpmd.recipes.run.build import build_optimizer
 
     cfg = config.load(
         str(REPO / "configs" / f"{name}.yaml"),

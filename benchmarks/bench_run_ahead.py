@@ -52,8 +52,8 @@ def build(backend: str, run_dir: str):
     """The Trainer and training loader `mpmd train configs/gpt_tiny.yaml` would build."""
     import mpmd
     from mpmd.recipes import config
-    from mpmd.recipes import data
-    from mpmd.recipes import train as recipe
+    from mpmd.recipes.data import loaders as data
+    from mpmd.recipes.run import build
 
     cfg = config.load(
         REPO / "configs/gpt_tiny.yaml", [f"cluster.backend={backend}", f"run_dir={run_dir}", "checkpoint.every=0"]
@@ -61,13 +61,13 @@ def build(backend: str, run_dir: str):
     loader, _ = data.make_loaders(cfg)
     p = cfg.pipeline
     sample = loader.batch_at(0)[0][: cfg.train.batch_size // p.num_microbatches]
-    stages, loss_fn = recipe.build_model(cfg, sample)
+    stages, loss_fn = build.build_model(cfg, sample)
     trainer = mpmd.Trainer(
         mpmd.Pipeline(stages, loss_fn, sample_input=sample),
-        recipe.build_optimizer(cfg),
+        build.build_optimizer(cfg),
         schedule=p.schedule,
         num_microbatches=p.num_microbatches,
-        cluster=recipe.build_cluster(cfg),
+        cluster=build.build_cluster(cfg),
         max_grad_norm=cfg.optimizer.max_grad_norm,
         run_ahead=max(DEPTHS),
     )

@@ -37,17 +37,17 @@ def build(workers, job: str, run_dir: str):
     """Job `job`'s Trainer (gpt_tiny, as `mpmd train` builds it) on the shared workers, and its loader."""
     import mpmd
     from mpmd.recipes import config
-    from mpmd.recipes import data
-    from mpmd.recipes import train as recipe
+    from mpmd.recipes.data import loaders as data
+    from mpmd.recipes.run import build
 
     cfg = config.load(REPO / "configs/gpt_tiny.yaml", [f"run_dir={run_dir}", "checkpoint.every=0"])
     loader, _ = data.make_loaders(cfg)
     p = cfg.pipeline
     sample = loader.batch_at(0)[0][: cfg.train.batch_size // p.num_microbatches]
-    stages, loss_fn = recipe.build_model(cfg, sample)
+    stages, loss_fn = build.build_model(cfg, sample)
     trainer = mpmd.Trainer(
         mpmd.Pipeline(stages, loss_fn, sample_input=sample),
-        recipe.build_optimizer(cfg),
+        build.build_optimizer(cfg),
         schedule=p.schedule,
         num_microbatches=p.num_microbatches,
         cluster=workers.job(job),

@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.support, as when run from the repository root
 
-from mpmd.recipes import run_log  # noqa: E402
+from mpmd.recipes.run import run_log  # noqa: E402
 from mpmd.runtime.worker.slice_store import CheckpointStore  # noqa: E402
 from tests.support.processes import children, wait_gone  # noqa: E402
 

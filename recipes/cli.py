@@ -5,25 +5,31 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "train": ("mpmd.recipes.train_cli", "train a model from a YAML config and key=value overrides"),
-    "generate": ("mpmd.recipes.generate_cli", "continue a prompt with a trained run's model (key-value cache)"),
-    "tune": ("mpmd.recipes.tune_cli", "pick the split, schedule, microbatches and virtual stages from measured costs"),
+    "train": ("mpmd.recipes.commands.train", "train a model from a YAML config and key=value overrides"),
+    "generate": ("mpmd.recipes.commands.generate", "continue a prompt with a trained run's model (key-value cache)"),
+    "tune": (
+        "mpmd.recipes.commands.tune",
+        "pick the split, schedule, microbatches and virtual stages from measured costs",
+    ),
     "tokenizer": (
-        "mpmd.recipes.tokenizer_cli",
+        "mpmd.recipes.commands.tokenizer",
         "make a byte-level BPE tokenizer from your text files: mpmd tokenizer train",
     ),
-    "tokenize": ("mpmd.recipes.tokenize_cli", "tokenize text files into a corpus data.source=tokens trains from"),
+    "tokenize": ("mpmd.recipes.commands.tokenize", "tokenize text files into a corpus data.source=tokens trains from"),
     "sft-data": (
-        "mpmd.recipes.sft_data_cli",
+        "mpmd.recipes.commands.sft_data",
         "write a generated fine-tuning data set (jsonl) data.source=jsonl trains on",
     ),
     "schedule": ("mpmd.schedules.cli", "simulate a pipeline schedule and draw its timeline"),
     "report": ("mpmd.report.cli", "one HTML page of a run: curves, measured vs simulated pipeline, goodput, memory"),
     "export": (
-        "mpmd.recipes.export_cli",
+        "mpmd.recipes.commands.export",
         "write a run's checkpoint as a Hugging Face Llama: mpmd export RUN_DIR --hf OUT_DIR",
     ),
-    "cluster": ("mpmd.recipes.cluster_cli", "a persistent cluster several jobs share: mpmd cluster up|status|down"),
+    "cluster": (
+        "mpmd.recipes.commands.cluster",
+        "a persistent cluster several jobs share: mpmd cluster up|status|down",
+    ),
     "worker": ("mpmd.runtime.worker.main", "serve one slice: mpmd worker --listen HOST:PORT --token-file F"),
 }
 

@@ -3,7 +3,7 @@
 After torchtitan's `register_train_spec(TrainSpec(...))`: a family is a `ModelSpec` (its
 config section, how to build it, how it splits into stages, the data it trains on and its
 loss), a backend a `BackendSpec` (its config section and how it builds its Cluster). The
-config schema, the recipe (recipes/train.py), the data (recipes/data.py) and the planner ask
+config schema, the recipe (recipes/run/train.py), the data (recipes/data/loaders.py) and the planner ask
 `get_model_spec(cfg.model.kind)` / `get_backend_spec(cfg.cluster.backend)`; nothing else in
 the tree names a family or a backend. The built-in ones are registered by the modules of
 recipes/families/ and recipes/backends/; a user's own by a module the config lists under
@@ -32,7 +32,7 @@ class ModelSpec:
     (built, loss_fn); `abstract`: shapes only (mpmd.abstract), where can_be_abstract(cfg).
     loss(cfg) -> the loss_fn(outputs, targets) used when build gives none. split(cfg, built,
     sample_input) -> the stages, or None for the usual split (pipeline.cuts, else balanced by
-    cost; recipes.train.split_stages); units(cfg, built) -> what `mpmd tune` cuts stages from,
+    cost; recipes.run.build.split_stages); units(cfg, built) -> what `mpmd tune` cuts stages from,
     or None for `.layers()` / the list. sources(cfg) -> (train, eval) data sources
     (recipes.data). tokens_per_example(cfg): what one example counts for in tokens/s.
     samples_text: its logits decode to bytes, so a run ends with a sample. rules: logical
@@ -116,10 +116,10 @@ def models_loss(name: str) -> Callable[["Config"], Callable]:
 
 
 def data_sources(name: str) -> Callable[["Config"], tuple]:
-    """A ModelSpec.sources: mpmd.recipes.data.<name>(cfg) (token_sources, regression_sources)."""
+    """A ModelSpec.sources: mpmd.recipes.data.loaders.<name>(cfg) (token_sources, regression_sources)."""
 
     def sources(cfg: "Config"):
-        from mpmd.recipes import data
+        from mpmd.recipes.data import loaders as data
 
         return getattr(data, name)(cfg)
 

@@ -12,7 +12,7 @@ written once, when the run starts (a resumed run rewrites it), holds
   alone): per stage and per slice, bytes of parameters, gradients, optimizer state and saved
   activations at the schedule's peak;
 - "tokenizer": {spec, hash, vocab_size, eos_id} of what the run encodes text with, its file
-  copied beside as tokenizer.json unless bytes (mpmd.recipes.tokenizer.run_tokenizer).
+  copied beside as tokenizer.json unless bytes (mpmd.recipes.data.tokenizer.run_tokenizer).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def write_run_info(
     layout=None,
 ) -> Path:
     """Writes <run_dir>/run.json (see the module doc); returns its path. `tokenizer`: what
-    the run encodes text with (mpmd.recipes.tokenizer.run_tokenizer reads it back)."""
+    the run encodes text with (mpmd.recipes.data.tokenizer.run_tokenizer reads it back)."""
     file_values = {}
     if config_file is not None and Path(config_file).is_file():
         file_values = yaml.safe_load(Path(config_file).read_text()) or {}

@@ -1,6 +1,6 @@
 """A run's trace.json read back: per traced step, each slice's timed tasks and receives.
 
-trace.json (written by mpmd.recipes.run_log.write_trace) is Chrome-trace JSON: one process
+trace.json (written by mpmd.recipes.run.run_log.write_trace) is Chrome-trace JSON: one process
 per slice, one "X" event per traced interval with its step in args, times in microseconds
 after the run's earliest traced event. Here each step's events become seconds after that
 step's own first event, so two steps (or a measured and a simulated timeline) share an axis

@@ -58,7 +58,7 @@ class Trainer:
     option records (mpmd/train/options.py), their defaults when None. `init_params(paths)`
     -> arrays: each stage's initial parameters by their names (`pipeline.param_paths[k]`,
     e.g. `blocks.3.mlp.up.kernel`), in place of the stages' own values or seeded init
-    (e.g. `mpmd.recipes.hf.open(dir).read`: pretrained weights, read stage by stage); a
+    (e.g. `mpmd.recipes.families.hf.open(dir).read`: pretrained weights, read stage by stage); a
     recovery with nothing saved yet starts from them again."""
 
     def __init__(
@@ -84,7 +84,7 @@ class Trainer:
         if init_params is not None and not callable(init_params):
             raise ValueError(
                 f"init_params must be a function from a stage's parameter paths to their arrays "
-                f"(e.g. mpmd.recipes.hf.open(dir).read) or None, got {type(init_params).__name__}"
+                f"(e.g. mpmd.recipes.families.hf.open(dir).read) or None, got {type(init_params).__name__}"
             )
         built = _schedule(schedule, pipeline.num_stages, num_microbatches, virtual_stages)
         self.pipeline, self.optimizer, self.max_grad_norm = pipeline, optimizer, max_grad_norm

@@ -45,11 +45,11 @@ def _problems(cfg: Config) -> list[str]:
 
 def _build(cfg: Config, timeouts: dict):
     import mpmd
-    from mpmd.recipes import console
+    from mpmd.recipes.run import console
 
     c = cfg.cluster
     # Workers' logs and tracebacks go to <run_dir>/logs/worker_<slot>.log; their records at
-    # the console level come back one line each (recipes/console.py).
+    # the console level come back one line each (recipes/run/console.py).
     return mpmd.LocalCluster(
         num_workers=cfg.num_workers,
         devices_per_worker=c.devices_per_worker,

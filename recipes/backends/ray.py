@@ -48,14 +48,14 @@ def _problems(cfg: Config) -> list[str]:
 
 def _build(cfg: Config, timeouts: dict):
     # Ray is optional: without it RayCluster raises RayMissingError (an ImportError), which
-    # says how to install it; recipes/train.py reports it as this key's problem.
+    # says how to install it; recipes/run/train.py reports it as this key's problem.
     from pathlib import Path
     import mpmd
-    from mpmd.recipes import console
+    from mpmd.recipes.run import console
 
     c = cfg.cluster
     # Each actor's output goes to <run_dir>/logs/worker_<slot>.log, never through Ray to the
-    # console; its records at the console level come back one line each (recipes/console.py).
+    # console; its records at the console level come back one line each (recipes/run/console.py).
     return mpmd.RayCluster(
         num_workers=cfg.num_workers,
         devices_per_worker=c.devices_per_worker,

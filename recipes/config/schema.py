@@ -49,7 +49,7 @@ class DataConfig(_Section):
         description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
         "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline; "
         "jsonl = fine-tuning examples (data.path: a .jsonl of prompt/response or chat "
-        "messages, recipes/sft.py), the loss on response tokens only",
+        "messages, recipes/data/sft.py), the loss on response tokens only",
     )
     paths: list[str] = Field([], description="files source: file paths, directories or globs")
     path: str | None = Field(
@@ -284,7 +284,7 @@ class WorkerSection(ClusterSection):
 
 
 class TuneConfig(_Section):
-    """What `mpmd tune` searches and how it confirms (recipes/tune_cli.py); `mpmd train`
+    """What `mpmd tune` searches and how it confirms (recipes/commands/tune.py); `mpmd train`
     ignores this section."""
 
     memory_gb: float | None = Field(
@@ -553,7 +553,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _cross_check(self) -> "Config":
-        from mpmd.recipes import tokenizer  # imports the config schema: not at the top
+        from mpmd.recipes.data import tokenizer  # imports the config schema: not at the top
 
         tokenizer.resolve_vocab_size(self)  # before the checks that read model.vocab_size
         found = problems.cross_field_problems(self)

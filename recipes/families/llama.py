@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from mpmd.recipes import hf
+from mpmd.recipes.families import hf
 from mpmd.recipes.config import Config, ConfigError, ModelSection
 from mpmd.recipes.families.gpt import DecoderSection, decoder_problems, lm_loss, seq_len, token_sources
 from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec

@@ -18,7 +18,7 @@ Nothing is pickled: the header is JSON, so decoding it runs no code.
 Callers: "job" verbs act on a job's session (a plain worker's one session), "admin" verbs
 are the shared cluster's manager's (the cluster token), "any" takes any valid credential.
 The manager's own service has a second table in the same style (MANAGER_VERBS): what a job
-and `mpmd cluster` ask of it (runtime/launchers/shared.py, recipes/cluster_cli.py), refused
+and `mpmd cluster` ask of it (runtime/launchers/shared.py, recipes/commands/cluster.py), refused
 the same way when a field does not match.
 A layout is a PartitionSpec over the mesh axes as JSON (runtime/worker/instructions.py
 layout_to_json).

@@ -20,8 +20,8 @@ import mpmd
 from mpmd.stages import sharding
 from mpmd.stages import costs as stage_costs
 from mpmd.recipes import config
-from mpmd.recipes import plan
-from mpmd.recipes import train_cli
+from mpmd.recipes.run import plan
+from mpmd.recipes.commands import train as train_cli
 from mpmd.runtime.worker.instructions import Recv
 from tests.support import reference
 from tests.support.processes import ROOT

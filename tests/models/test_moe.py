@@ -262,7 +262,7 @@ def test_sigmoid_router_and_shared_expert():
 def test_moe_dry_run_counts_total_and_active_parameters(capsys):
     """configs/moe_tiny.yaml: 2 MoE blocks of 4 experts x 3 x 96 x 128 weights; a token uses 2
     of the 4, so half of those are inactive."""
-    from mpmd.recipes import train_cli
+    from mpmd.recipes.commands import train as train_cli
     from tests.support.processes import ROOT
 
     assert train_cli.main([str(ROOT / "configs/moe_tiny.yaml"), "--dry-run"]) == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import mpmd
-from mpmd.recipes import run_log
+from mpmd.recipes.run import run_log
 from mpmd.report import record
 from mpmd.report.load import CAUSES
 from mpmd.schedules import core as schedules

@@ -69,7 +69,7 @@ def test_a_nested_call_is_one_of_the_call_primitives():
 def test_a_worker_on_other_versions_is_refused_at_setup(monkeypatch, capsys, tmp_path):
     # The controller (this process) says it runs other versions; the workers are real
     # processes on this machine's JAX, so each refuses Setup and `mpmd train` ends in one line.
-    from mpmd.recipes import train_cli
+    from mpmd.recipes.commands import train as train_cli
 
     monkeypatch.setattr(compat, "versions", lambda: dict(OTHER))
     status = train_cli.main(
@@ -121,7 +121,7 @@ def test_compile_fast_flags_are_ones_this_xla_knows():
 def test_a_worker_of_another_venv_is_refused_naming_both_versions(tmp_path, capsys):
     # Two real venvs: workers started by hand on the other venv's Python (other jax and
     # jaxlib), this process's controller on its own; `mpmd train` ends in one line at Setup.
-    from mpmd.recipes import train_cli
+    from mpmd.recipes.commands import train as train_cli
 
     probe = "import json; from mpmd.runtime import compat; print(json.dumps(compat.versions()))"
     theirs = json.loads(

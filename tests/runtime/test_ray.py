@@ -131,10 +131,10 @@ def test_a_sigtermed_actor_is_a_lost_worker(cluster, inprocess):
 
 def test_without_ray_says_how_to_install(monkeypatch):
     from mpmd.recipes import config
-    from mpmd.recipes import train as recipe
+    from mpmd.recipes.run import build
 
     cfg = config.load(None, ["cluster.backend=ray"])
-    assert isinstance(recipe.build_cluster(cfg), mpmd.RayCluster)  # the recipe's arguments fit
+    assert isinstance(build.build_cluster(cfg), mpmd.RayCluster)  # the recipe's arguments fit
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails
     with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]'"):
         mpmd.RayCluster(num_workers=2)
@@ -149,7 +149,7 @@ def test_without_ray_says_how_to_install(monkeypatch):
         match=r"cluster\.backend='ray'.*RayCluster needs Ray.*"
         r"pip install -e '\.\[ray\]'",
     ):
-        recipe.build_cluster(cfg)
+        build.build_cluster(cfg)
 
 
 def test_bad_arguments_fail_before_ray_starts():

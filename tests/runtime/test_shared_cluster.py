@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from mpmd.recipes import config
-from mpmd.recipes import run_log
+from mpmd.recipes.run import run_log
 from mpmd.runtime.control.client import WorkerClient, WorkerError
 from mpmd.runtime.wire.credentials import job_credential
 from mpmd.runtime.launchers.shared import MANAGER_SERVICE, JobRefused, SharedLauncher

@@ -11,7 +11,7 @@ import pytest
 
 import mpmd
 from mpmd.recipes import config
-from mpmd.recipes import train as recipe
+from mpmd.recipes.run import build
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 from mpmd.runtime.worker.main import READY, cores_for
 from tests.support.processes import ROOT, wait_gone
@@ -101,7 +101,7 @@ def test_static_without_spares_still_refuses_to_replace(tmp_path):
     )
     (tmp_path / "token").write_text(TOKEN)
     (tmp_path / "token").chmod(0o600)
-    cluster = recipe.build_cluster(cfg)
+    cluster = build.build_cluster(cfg)
     cluster.launcher.start(2)
     with pytest.raises(ReplaceUnsupported, match="no spare address left"):
         cluster.launcher.replace(1)
@@ -111,7 +111,7 @@ def test_config_cluster_keys_reach_the_clusters(tmp_path):
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    static = recipe.build_cluster(
+    static = build.build_cluster(
         config.load(
             None,
             [
@@ -127,13 +127,13 @@ def test_config_cluster_keys_reach_the_clusters(tmp_path):
     assert static.launcher.start(2) == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
     assert static.launcher.replace(1) == "127.0.0.1:7003"
     assert static.failure_timeout_s == 2.5 and static.transport == "socket"
-    local = recipe.build_cluster(config.load(None, ["cluster.failure_timeout_s=7", "log.level=error"]))
+    local = build.build_cluster(config.load(None, ["cluster.failure_timeout_s=7", "log.level=error"]))
     assert local.failure_timeout_s == 7 and local.launcher.log_level == "error" and local.transport == "auto"
-    assert recipe.build_cluster(config.load(None, ["cluster.transport=shm"])).transport == "shm"
-    assert recipe.build_cluster(config.load(None, [])).failure_timeout_s == 5.0  # null: the cluster's default
+    assert build.build_cluster(config.load(None, ["cluster.transport=shm"])).transport == "shm"
+    assert build.build_cluster(config.load(None, [])).failure_timeout_s == 5.0  # null: the cluster's default
     if importlib.util.find_spec("ray") is None:
         return
-    ray = recipe.build_cluster(
+    ray = build.build_cluster(
         config.load(
             None,
             [

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import models
-from mpmd.recipes import config, plan
+from mpmd.recipes import config
+from mpmd.recipes.run import plan
 from mpmd.recipes.config import ConfigError
 from mpmd.runtime.worker.instructions import Delete, Run
 from mpmd.runtime.worker.mesh import bind

@@ -35,7 +35,7 @@ def _ramp(cfg: Config, rngs):
 
 
 def _sources(cfg: Config):
-    from mpmd.recipes import data
+    from mpmd.recipes.data import loaders as data
 
     return data.SyntheticRegression(cfg.model.width, 2, 0), data.SyntheticRegression(cfg.model.width, 2, 1)
 

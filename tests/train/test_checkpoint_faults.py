@@ -21,7 +21,7 @@ import pytest
 
 import mpmd
 from mpmd.train.checkpoints import CheckpointError
-from mpmd.recipes import run_log
+from mpmd.recipes.run import run_log
 from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support import reference
 from tests.support.processes import ROOT, mpmd_train, wait_gone

@@ -11,8 +11,8 @@ import pytest
 from mpmd import models
 import mpmd
 from mpmd.recipes import config
-from mpmd.recipes import run_log
-from mpmd.recipes import train as train_recipe
+from mpmd.recipes.run import run_log
+from mpmd.recipes.run import train as train_recipe
 from tests.support import reference
 from tests.support.processes import TINY_GPT
 from tests.support.recovery_runs import assert_same_run, kill_once, run_with_fault

@@ -11,7 +11,7 @@ from mpmd.schedules.simulate import simulate
 from mpmd.stages.split import balanced_boundaries
 from mpmd.tuner.profile import Profile
 from mpmd.tuner.search import search, space
-from mpmd.recipes import run_log
+from mpmd.recipes.run import run_log
 from tests.support.processes import TINY_GPT, mpmd_command, mpmd_train
 
 MiB = 2**20

@@ -1,0 +1,1 @@
+"""The `mpmd` command's subcommands: each parses its arguments and calls the library."""

@@ -1,0 +1,1 @@
+"""Data sources and what feeds them: loaders, tokenizers, tokenized corpora, fine-tuning sets."""
