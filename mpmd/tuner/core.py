@@ -5,7 +5,7 @@ cluster.
     result = mpmd.tune(model.layers(), models.lm_loss, optax.adamw(1e-3), inputs, targets,
                        cluster=mpmd.LocalCluster(num_workers=2), num_slices=2)
     best = result.ranked[0]          # a Candidate: schedule, num_stages, virtual_stages, ...
-    stages = mpmd.split.cut(model.layers(), best.cuts)
+    stages = mpmd.stages.split.cut(model.layers(), best.cuts)
 
 Three passes, each its own module: profile the units on the cluster (mpmd/tuner/profile.py),
 search the space with the simulator (mpmd/tuner/search.py), then run the `confirm` best for a
