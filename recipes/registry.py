@@ -1,13 +1,16 @@
-"""The recipe's registries: model families and cluster backends, each one registration.
+"""The recipe's registries: model families, data sources and cluster backends, each one
+registration.
 
 After torchtitan's `register_train_spec(TrainSpec(...))`: a family is a `ModelSpec` (its
-config section, how to build it, how it splits into stages, the data it trains on and its
-loss), a backend a `BackendSpec` (its config section and how it builds its Cluster). The
-config schema, the recipe (recipes/run/train.py), the data (recipes/data/loaders.py) and the planner ask
-`get_model_spec(cfg.model.kind)` / `get_backend_spec(cfg.cluster.backend)`; nothing else in
-the tree names a family or a backend. The built-in ones are registered by the modules of
-recipes/families/ and recipes/backends/; a user's own by a module the config lists under
-`imports:` (recipes/config/loading.py loads them before it validates).
+config section, how to build it, how it splits into stages, the kinds of data it reads and
+its loss), a data source a `DataSourceSpec` (its config section, its loaders, what it records
+in every manifest and needs of the tokenizer), a backend a `BackendSpec` (its config section
+and how it builds its Cluster). The config schema, the recipe (recipes/run/), the commands
+and the planner ask `get_model_spec(cfg.model.kind)`, `get_data_source(cfg.data.source)`,
+`get_backend_spec(cfg.cluster.backend)`; nothing else in the tree names a family, a source
+or a backend. The built-in ones are registered by recipes/families/, recipes/data/sources.py
+and recipes/backends/; a user's own by a module the config lists under `imports:`
+(recipes/config/loading.py loads them before it validates).
 
 Nothing here imports JAX: a config is checked before JAX is imported, so a spec's section and
 problems are plain pydantic and Python, and its builders import what they need when called.
@@ -22,6 +25,12 @@ if TYPE_CHECKING:
     from mpmd.recipes.config import Config
 
 
+# The kinds of data a source gives and a family reads.
+TOKEN_WINDOWS = "token windows"  # (inputs, targets) int32 [batch, seq_len]: a sequence and the next tokens
+PROMPT_RESPONSE = "prompt/response rows"  # a batch dict with a loss_mask over the response tokens
+REGRESSION = "regression pairs"  # (x, y) float32 [batch, in_features], [batch, out_features]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """A model family.
@@ -33,8 +42,8 @@ class ModelSpec:
     loss(cfg) -> the loss_fn(outputs, targets) used when build gives none. split(cfg, built,
     sample_input) -> the stages, or None for the usual split (pipeline.cuts, else balanced by
     cost; recipes.run.build.split_stages); units(cfg, built) -> what `mpmd tune` cuts stages from,
-    or None for `.layers()` / the list. sources(cfg) -> (train, eval) data sources
-    (recipes.data). tokens_per_example(cfg): what one example counts for in tokens/s.
+    or None for `.layers()` / the list. reads: the kinds of data it trains on, in order of
+    preference (a data source that gives none of them is refused). tokens_per_example(cfg): what one example counts for in tokens/s.
     samples_text: its logits decode to bytes, so a run ends with a sample. rules: logical
     axis -> mesh axis its parameters need beyond mpmd.stages.sharding.RULES (mesh.rules
     override them). problems(cfg) -> sentences naming what is wrong across sections (a
@@ -51,7 +60,6 @@ class ModelSpec:
     section: type
     build: Callable[["Config", bool], Any]
     loss: Callable[["Config"], Callable]
-    sources: Callable[["Config"], tuple]
     tokens_per_example: Callable[["Config"], int]
     split: Callable[["Config", Any, Any], list | None] = lambda cfg, built, sample_input: None
     units: Callable[["Config", Any], list | None] = lambda cfg, built: None
@@ -62,6 +70,41 @@ class ModelSpec:
     state_metrics: Callable[["Config"], Callable | None] = lambda cfg: None
     active_params: Callable[["Config", dict], int | None] = lambda cfg, sizes: None
     init_params: Callable[["Config"], Callable | None] = lambda cfg: None
+    reads: tuple[str, ...] = (TOKEN_WINDOWS,)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSourceSpec:
+    """A data source.
+
+    name: data.source's value. section: the pydantic section of data.* keys it takes (a
+    recipes.config.DataSection whose `source` is Literal[name]). gives: the kinds of data it
+    can give (TOKEN_WINDOWS, ...); the family's `reads` picks one. loaders(cfg, kind) ->
+    (train, eval) loaders at position 0 of that kind, each with batch_at(i), next(), state()
+    and restore(state) (recipes/data/loaders.py Loader). metadata(cfg) -> what every
+    manifest records of the data beyond the config's values (a corpus's or tokenizer's
+    content hash), so a resume on other data is refused. tokenizer(cfg) -> the tokenizer
+    the source itself fixes (a tokenized corpus's), None where data.tokenizer says.
+    problems(cfg) -> sentences naming what is wrong. text: its tokens decode to text (a run
+    ends with a sample). byte_text: with data.tokenizer=bytes its tokens are the bytes 0..255.
+    files(section) -> the text files it reads (what `mpmd tokenize` takes), None if it reads
+    none. masks_loss(cfg): its batches carry a loss_mask (the loss is token-weighted).
+    batch_digests: each step's batch CRC-32 goes into metrics.jsonl. held_out_examples: it
+    holds prompt/response examples train.exact_match can score."""
+
+    name: str
+    section: type
+    gives: tuple[str, ...]
+    loaders: Callable[["Config", str], tuple]
+    metadata: Callable[["Config"], dict] = lambda cfg: {}
+    tokenizer: Callable[["Config"], Any] | None = None
+    problems: Callable[["Config"], list[str]] = lambda cfg: []
+    text: bool = False
+    byte_text: bool = False
+    files: Callable[[Any], list] | None = None
+    masks_loss: Callable[["Config"], bool] = lambda cfg: False
+    batch_digests: bool = False
+    held_out_examples: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +158,6 @@ def models_loss(name: str) -> Callable[["Config"], Callable]:
     return loss
 
 
-def data_sources(name: str) -> Callable[["Config"], tuple]:
-    """A ModelSpec.sources: mpmd.recipes.data.loaders.<name>(cfg) (token_sources, regression_sources)."""
-
-    def sources(cfg: "Config"):
-        from mpmd.recipes.data import loaders as data
-
-        return getattr(data, name)(cfg)
-
-    return sources
-
-
 def layers_problems(cfg: "Config", num_layers: int, layers: str) -> list[str]:
     """A pipeline cannot have more stages than the model has layers (`layers` says which)."""
     p = cfg.pipeline.num_stages
@@ -135,6 +167,7 @@ def layers_problems(cfg: "Config", num_layers: int, layers: str) -> list[str]:
 
 
 _MODELS: dict[str, ModelSpec] = {}
+_SOURCES: dict[str, DataSourceSpec] = {}
 _BACKENDS: dict[str, BackendSpec] = {}
 
 
@@ -143,7 +176,7 @@ def _register(table: dict, spec, what: str, key: str):
     if not isinstance(name, str) or not name:
         raise ValueError(f"a {what}'s name must be a non-empty string, got {name!r}")
     if name in table and table[name] != spec:
-        raise ValueError(f"{what} {name!r} is already registered (by {table[name].build.__module__})")
+        raise ValueError(f"{what} {name!r} is already registered (by {table[name].section.__module__})")
     field = spec.section.model_fields.get(key)
     if field is None or field.default != name:
         raise ValueError(f"{what} {name!r}: its section {spec.section.__name__} must have {key} = {name!r}")
@@ -156,6 +189,11 @@ def register_model_spec(spec: ModelSpec) -> ModelSpec:
     return _register(_MODELS, spec, "model family", "kind")
 
 
+def register_data_source(spec: DataSourceSpec) -> DataSourceSpec:
+    """Makes data.source=spec.name valid everywhere; ValueError if the name is taken."""
+    return _register(_SOURCES, spec, "data source", "source")
+
+
 def register_backend_spec(spec: BackendSpec) -> BackendSpec:
     """Makes cluster.backend=spec.name valid everywhere; ValueError if the name is taken."""
     return _register(_BACKENDS, spec, "cluster backend", "backend")
@@ -164,12 +202,19 @@ def register_backend_spec(spec: BackendSpec) -> BackendSpec:
 def _builtins() -> None:
     import mpmd.recipes.backends  # noqa: F401  (registers inprocess, local, static, ray, shared)
     import mpmd.recipes.families  # noqa: F401  (registers gpt, llama, mlp, custom)
+    import mpmd.recipes.data.sources  # noqa: F401  (registers stdlib, files, synthetic, tokens, jsonl)
 
 
 def model_specs() -> dict[str, ModelSpec]:
     """name -> spec of every family, in registration order."""
     _builtins()
     return dict(_MODELS)
+
+
+def data_sources() -> dict[str, DataSourceSpec]:
+    """name -> spec of every data source, in registration order."""
+    _builtins()
+    return dict(_SOURCES)
 
 
 def backend_specs() -> dict[str, BackendSpec]:
@@ -183,6 +228,27 @@ def get_model_spec(kind: str) -> ModelSpec:
     if kind not in specs:
         raise ValueError(f"model.kind must be one of {one_of(specs)}, got {kind!r}")
     return specs[kind]
+
+
+def get_data_source(source: str) -> DataSourceSpec:
+    specs = data_sources()
+    if source not in specs:
+        raise ValueError(f"data.source must be one of {one_of(specs)}, got {source!r}")
+    return specs[source]
+
+
+def data_kind(cfg: "Config") -> str:
+    """The kind of data cfg's family reads from cfg's source (the first of the family's
+    `reads` the source gives); ValueError naming both when there is none."""
+    spec, source = get_model_spec(cfg.model.kind), get_data_source(cfg.data.source)
+    for kind in spec.reads:
+        if kind in source.gives:
+            return kind
+    fits = [name for name, s in data_sources().items() if set(s.gives) & set(spec.reads)]
+    raise ValueError(
+        f"data.source='{source.name}' gives {' or '.join(source.gives)}, which model.kind='{spec.name}' "
+        f"does not read (it reads {' or '.join(spec.reads)}): data.source must be {one_of(fits)}"
+    )
 
 
 def get_backend_spec(backend: str) -> BackendSpec:

@@ -57,16 +57,17 @@ def _files_and_tokenizer(args) -> tuple[list, str]:
     first = Path(args.inputs[0])
     if first.suffix not in (".yaml", ".yml"):
         return args.inputs, args.tokenizer or "bytes"
-    from mpmd.recipes import config
-    from mpmd.recipes.data import loaders as data
+    from mpmd.recipes import config, registry
 
     cfg = config.load(first, args.inputs[1:])
-    if cfg.data.source != "files":
+    files = registry.get_data_source(cfg.data.source).files
+    if files is None:
+        readers = [name for name, spec in registry.data_sources().items() if spec.files is not None]
         raise ConfigError(
-            f"{first}: mpmd tokenize reads a config's data.paths, which needs data.source='files', "
-            f"got '{cfg.data.source}'"
+            f"{first}: mpmd tokenize reads the text files of a config's data source, which needs "
+            f"data.source={registry.one_of(readers)}, got '{cfg.data.source}'"
         )
-    return data.corpus_files(cfg.data), args.tokenizer or cfg.data.tokenizer
+    return files(cfg.data), args.tokenizer or cfg.data.tokenizer
 
 
 def main(argv=None) -> int:

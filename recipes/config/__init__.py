@@ -20,7 +20,7 @@ from mpmd.recipes.config.schema import (  # noqa: F401
     ClusterSection,
     Config,
     ConfigError,
-    DataConfig,
+    DataSection,
     LogConfig,
     MeshConfig,
     ModelSection,

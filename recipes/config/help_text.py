@@ -21,6 +21,8 @@ def _choices(field) -> list[str] | None:
         return list(registry.model_specs())
     if source == "cluster":
         return list(registry.backend_specs())
+    if source == "data":
+        return list(registry.data_sources())
     if source == "schedule":
         return list(schedules.SCHEDULES)
     if source == "on_loss":

@@ -72,39 +72,22 @@ def cross_field_problems(c: Config) -> list[str]:
     if tb.schedule_names is not None and not tb.schedule_names:
         out.append(f"tune.schedule_names must name at least one of {list(schedules.SCHEDULES)}, or be null (all)")
     out += registry.get_model_spec(c.model.kind).problems(c)
-    if (d.source == "files") != bool(d.paths):
-        out.append(
-            "data.paths must be non-empty when data.source='files' and empty otherwise, "
-            f"got source '{d.source}' with {len(d.paths)} paths"
-        )
-    if d.source == "jsonl" and d.path is None:
-        out.append(
-            "data.path (a .jsonl of prompt/response examples, e.g. `mpmd sft-data -o DIR`'s DIR/train.jsonl) "
-            "must be given when data.source='jsonl'"
-        )
-    elif d.source != "jsonl" and (d.source == "tokens") != (d.path is not None):
-        out.append(
-            "data.path (a corpus `mpmd tokenize` wrote) must be given when data.source='tokens' and "
-            f"only then, got source '{d.source}' with path {d.path!r}"
-        )
-    if d.eval_path is not None and d.source != "jsonl":
-        out.append(
-            f"data.eval_path holds held-out fine-tuning examples: it needs data.source='jsonl', got '{d.source}'"
-        )
-    if t.exact_match and d.source != "jsonl":
+    source = registry.get_data_source(d.source)
+    try:
+        registry.data_kind(c)
+    except ValueError as e:
+        out.append(str(e))
+    out += source.problems(c)
+    if t.exact_match and not source.held_out_examples:
+        holders = [name for name, s in registry.data_sources().items() if s.held_out_examples]
         out.append(
             f"train.exact_match={t.exact_match} scores held-out prompt/response examples: it needs "
-            f"data.source='jsonl', got '{d.source}' (or set train.exact_match=0)"
+            f"data.source={registry.one_of(holders)}, got '{d.source}' (or set train.exact_match=0)"
         )
-    if (d.source in ("tokens", "jsonl") or d.tokenizer != "bytes") and not hasattr(c.model, "vocab_size"):
+    if d.tokenizer != "bytes" and not hasattr(c.model, "vocab_size"):
         out.append(
-            f"data.source='{d.source}' with data.tokenizer={d.tokenizer!r} gives tokens, which "
-            f"model.kind='{c.model.kind}' does not read (it has no model.vocab_size)"
-        )
-    if d.pack and d.source not in ("tokens", "jsonl"):
-        out.append(
-            f"data.pack=true packs the documents of a tokenized corpus or fine-tuning examples: it needs "
-            f"data.source='tokens' or 'jsonl', got '{d.source}'"
+            f"data.tokenizer={d.tokenizer!r} gives tokens, which model.kind='{c.model.kind}' does not read "
+            f"(it has no model.vocab_size)"
         )
     if t.sample_tokens and not t.sample_prompt:
         out.append("train.sample_prompt must be non-empty when train.sample_tokens > 0")

@@ -43,19 +43,17 @@ class ModelSection(_Section):
     )
 
 
-class DataConfig(_Section):
-    source: Literal["stdlib", "files", "synthetic", "tokens", "jsonl"] = Field(
+class DataSection(_Section):
+    """data.*: the keys every source takes. Each registered source (recipes/data/sources.py,
+    mpmd.recipes.registry.register_data_source) is a subclass adding its own."""
+
+    source: str = Field(
         "stdlib",
-        description="stdlib = this Python's own .py files as bytes; no download; files = data.paths; "
-        "tokens = a corpus `mpmd tokenize` wrote (data.path), read through a Grain pipeline; "
-        "jsonl = fine-tuning examples (data.path: a .jsonl of prompt/response or chat "
-        "messages, recipes/data/sft.py), the loss on response tokens only",
-    )
-    paths: list[str] = Field([], description="files source: file paths, directories or globs")
-    path: str | None = Field(
-        None,
-        description="tokens source: the directory `mpmd tokenize` wrote (index.json and its shards); "
-        "jsonl source: the training examples' .jsonl file",
+        description="where the training data comes from (each source's own keys: recipes/data/sources.py): "
+        "stdlib = this Python's own .py files as bytes, no download; files = data.paths; "
+        "synthetic = seeded random data; tokens = a corpus `mpmd tokenize` wrote, through Grain; "
+        "jsonl = fine-tuning examples, the loss on response tokens only",
+        json_schema_extra={"one_of": "data"},
     )
     tokenizer: str = Field(
         "bytes",
@@ -63,25 +61,6 @@ class DataConfig(_Section):
         "directory): model.vocab_size then follows it unless given. The tokens source "
         "uses its corpus's tokenizer (a tokenizer given must be the same)",
     )
-    pack: bool = Field(
-        False,
-        description="tokens source: pack whole documents into rows of model.seq_len (Grain's first-fit "
-        "packing) with segment_ids and positions, the loss over real tokens only; false = "
-        "windows of the concatenated documents",
-    )
-    eval_path: str | None = Field(
-        None,
-        description="jsonl source: the held-out examples' .jsonl (eval loss, train.exact_match); "
-        "null = the last data.eval_fraction of data.path's examples",
-    )
-    eval_fraction: float = Field(
-        0.05,
-        gt=0,
-        lt=1,
-        description="last fraction of the corpus held out for eval (of its bytes or "
-        "tokens; of a tokens corpus's windows, or with data.pack its pieces)",
-    )
-    max_bytes: int = Field(8_000_000, gt=0, description="byte corpus cap, keeps startup fast")
 
 
 class TrainConfig(_Section):
@@ -440,12 +419,14 @@ MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 VARIANTS = {
     "model": ("kind", ModelSection, registry.model_specs),
     "cluster": ("backend", ClusterSection, registry.backend_specs),
+    "data": ("source", DataSection, registry.data_sources),
 }
 
 
 def variant(section: str, values) -> type[BaseModel]:
     """The section class for the values given (a dict, or a section already built): the
-    registered spec's of its kind (model) or backend (cluster); ValueError naming those known."""
+    registered spec's of its kind (model), source (data) or backend (cluster); ValueError
+    naming those known."""
     key, base, specs = VARIANTS[section]
     if isinstance(values, BaseModel):
         return type(values)
@@ -482,9 +463,10 @@ class Config(_Section):
     )
     run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
     seed: int = Field(0, description="seeds parameter init and data order")
-    # model and cluster: the section of the registered family or backend their kind/backend names.
+    # model, data and cluster: the section of the registered family, source or backend that
+    # their kind, source or backend names.
     model: SerializeAsAny[ModelSection] = Field(default_factory=lambda: variant("model", {})())
-    data: DataConfig = DataConfig()
+    data: SerializeAsAny[DataSection] = Field(default_factory=lambda: variant("data", {})())
     train: TrainConfig = TrainConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     pipeline: PipelineConfig = PipelineConfig()
@@ -494,7 +476,7 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
 
-    @field_validator("model", "cluster", mode="before")
+    @field_validator("model", "data", "cluster", mode="before")
     @classmethod
     def _registered_section(cls, values, info):
         section = variant(info.field_name, values)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mpmd.recipes.config import Config, ConfigError, DataConfig
+from mpmd.recipes.config import Config, ConfigError
 
 # Directory names under the stdlib that are not "the standard library's own code".
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -35,37 +35,38 @@ class Source(Protocol):
     def batch(self, seed: int, index: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def corpus_files(cfg_data: DataConfig) -> list[Path]:
-    """The files a byte corpus reads, in a deterministic order."""
-    if cfg_data.source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = []
-        for folder, subfolders, names in os.walk(root):
-            subfolders[:] = [d for d in subfolders if d not in _STDLIB_SKIP]  # prune, not filter
-            files += [Path(folder, n) for n in names if n.endswith(".py")]
-        files.sort(key=lambda p: p.relative_to(root).as_posix())
-        if not files:
-            raise ConfigError(
-                f"data.source='stdlib' found no .py files under {root}; use data.source='files' with data.paths"
-            )
-        return files
-    if cfg_data.source == "files":
-        files, seen, missing = [], set(), []
-        for entry in cfg_data.paths:
-            if glob.has_magic(entry):
-                found = [Path(p) for p in sorted(glob.glob(entry, recursive=True))]
-                found = [p for p in found if p.is_file()]
-            elif Path(entry).is_dir():
-                found = sorted(p for p in Path(entry).rglob("*") if p.is_file())
-            else:
-                found = [Path(entry)] if Path(entry).is_file() else []
-            if not found:
-                missing.append(entry)
-            files += [p for p in found if not (p in seen or seen.add(p))]
-        if missing:
-            raise ConfigError("data.paths: no file found for " + ", ".join(map(repr, missing)))
-        return files
-    raise ValueError(f"data.source='{cfg_data.source}' has no files; only 'stdlib' and 'files' do")
+def stdlib_files() -> list[Path]:
+    """This Python's standard library's own .py files, in a deterministic order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _STDLIB_SKIP]  # prune, not filter
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise ConfigError(
+            f"data.source='stdlib' found no .py files under {root}; use data.source='files' with data.paths"
+        )
+    return files
+
+
+def listed_files(paths: list[str]) -> list[Path]:
+    """The files data.paths names (paths, directories, globs), in order, each once."""
+    files, seen, missing = [], set(), []
+    for entry in paths:
+        if glob.has_magic(entry):
+            found = [Path(p) for p in sorted(glob.glob(entry, recursive=True))]
+            found = [p for p in found if p.is_file()]
+        elif Path(entry).is_dir():
+            found = sorted(p for p in Path(entry).rglob("*") if p.is_file())
+        else:
+            found = [Path(entry)] if Path(entry).is_file() else []
+        if not found:
+            missing.append(entry)
+        files += [p for p in found if not (p in seen or seen.add(p))]
+    if missing:
+        raise ConfigError("data.paths: no file found for " + ", ".join(map(repr, missing)))
+    return files
 
 
 class Shuffled:
@@ -217,50 +218,27 @@ class Loader:
         return cls(source, state["batch_size"], state["seed"], position=state["position"])
 
 
-def make_sources(cfg: Config) -> tuple[Source, Source]:
-    """(train, eval) sources for a config: what model.kind's family trains on (its spec's
-    sources: token_sources or regression_sources below, or its own)."""
-    from mpmd.recipes import registry
-
-    return registry.get_model_spec(cfg.model.kind).sources(cfg)
+def synthetic_token_sources(vocab_size: int, seq_len: int) -> tuple[Source, Source]:
+    """(train, eval) uniform random token windows of seq_len."""
+    return SyntheticTokens(vocab_size, seq_len, _TRAIN), SyntheticTokens(vocab_size, seq_len, _EVAL)
 
 
-def token_sources(cfg: Config) -> tuple[Source, Source]:
-    """Byte tokens of the stdlib or of data.paths, or synthetic tokens of model.vocab_size;
-    windows of model.seq_len."""
-    m = cfg.model
-    if cfg.data.source == "synthetic":
-        return (SyntheticTokens(m.vocab_size, m.seq_len, _TRAIN), SyntheticTokens(m.vocab_size, m.seq_len, _EVAL))
-    from mpmd.recipes.data import tokenizer
-
-    tok = None if cfg.data.tokenizer == tokenizer.BYTES else tokenizer.load(cfg.data.tokenizer)
-    corpus = ByteCorpus(corpus_files(cfg.data), m.seq_len, cfg.data.eval_fraction, cfg.data.max_bytes, tok)
-    return corpus.train, corpus.eval
+def regression_sources(in_features: int, out_features: int) -> tuple[Source, Source]:
+    """(train, eval) of the synthetic regression task from in_features to out_features."""
+    return SyntheticRegression(in_features, out_features, _TRAIN), SyntheticRegression(in_features, out_features, _EVAL)
 
 
-def regression_sources(cfg: Config) -> tuple[Source, Source]:
-    """The synthetic regression task from model.in_features to model.out_features."""
-    m = cfg.model
-    return (
-        SyntheticRegression(m.in_features, m.out_features, _TRAIN),
-        SyntheticRegression(m.in_features, m.out_features, _EVAL),
-    )
+def loaders_of(cfg: Config, train: Source, eval_: Source) -> tuple["Loader", "Loader"]:
+    """(train, eval) loaders over two sources at train.batch_size, seeded by the run's seed."""
+    return Loader(train, cfg.train.batch_size, cfg.seed), Loader(eval_, cfg.train.batch_size, cfg.seed)
 
 
 def make_loaders(cfg: Config) -> tuple[Loader, Loader]:
-    """(train, eval) loaders at position 0; eval reads its first train.eval_batches batches.
-    data.source='tokens' reads its corpus through Grain (recipes/data/grain.py), 'jsonl' its
-    prompt/response examples (recipes/data/sft.py)."""
-    if cfg.data.source == "tokens":
-        from mpmd.recipes.data import grain as grain_data
+    """(train, eval) loaders at position 0 of data.source (its spec, recipes/data/sources.py),
+    of the kind model.kind's family reads; eval reads its first train.eval_batches batches."""
+    from mpmd.recipes import registry
 
-        return grain_data.loaders(cfg)
-    if cfg.data.source == "jsonl":  # prompt/response examples (recipes/data/sft.py)
-        from mpmd.recipes.data import sft
-
-        return sft.loaders(cfg)
-    train, eval_ = make_sources(cfg)
-    return (Loader(train, cfg.train.batch_size, cfg.seed), Loader(eval_, cfg.train.batch_size, cfg.seed))
+    return registry.get_data_source(cfg.data.source).loaders(cfg, registry.data_kind(cfg))
 
 
 def encode(text: str) -> np.ndarray:

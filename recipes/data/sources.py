@@ -215,7 +215,6 @@ register_data_source(
         masks_loss=_packed,
         batch_digests=True,
         problems=_corpus_problems,
-        dry_run=False,
     )
 )
 register_data_source(
@@ -230,6 +229,5 @@ register_data_source(
         masks_loss=lambda cfg: True,
         held_out_examples=True,
         problems=_examples_problems,
-        dry_run=False,
     )
 )

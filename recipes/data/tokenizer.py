@@ -253,12 +253,19 @@ def train_bpe(files: list[str | Path], vocab_size: int, out_dir: str | Path, min
 
 
 # -- a config's tokenizer --------------------------------------------------------------------
-def of_config(cfg) -> Tokenizer:
-    """The tokenizer a config trains with: data.tokenizer, or with data.source='tokens' its
-    corpus's (a data.tokenizer given must then be that one, by content)."""
-    d = cfg.data
-    if d.source != "tokens":
-        return load(d.tokenizer)
+def of_config(cfg) -> Tokenizer | None:
+    """The tokenizer a config trains with: the one its data source fixes (a tokenized
+    corpus's), else data.tokenizer. None only while the source cannot tell yet (a tokens
+    source without data.path: a problem of the config's own)."""
+    from mpmd.recipes import registry
+
+    own = registry.get_data_source(cfg.data.source).tokenizer
+    return load(cfg.data.tokenizer) if own is None else own(cfg)
+
+
+def of_corpus(d) -> Tokenizer:
+    """A tokenized corpus's tokenizer (data section `d`: data.path); a data.tokenizer given
+    must be that one, by content."""
     from mpmd.recipes.data import tokens
 
     tok = tokens.Corpus(d.path).tokenizer()
@@ -273,13 +280,16 @@ def of_config(cfg) -> Tokenizer:
 def resolve_vocab_size(cfg) -> None:
     """model.vocab_size follows the config's tokenizer when not given (the tokenizer's size
     padded to vocab_multiple of the slices' tensor ways); a given one too small is refused.
-    The bytes tokenizer outside the tokens source changes nothing (256 stays the default)."""
+    The bytes tokenizer of a source that fixes none changes nothing (256 stays the default)."""
+    from mpmd.recipes import registry
+
     d = cfg.data
-    if not hasattr(cfg.model, "vocab_size") or (d.tokenizer == BYTES and d.source != "tokens"):
+    fixed = registry.get_data_source(d.source).tokenizer is not None
+    if not hasattr(cfg.model, "vocab_size") or (d.tokenizer == BYTES and not fixed):
         return
-    if d.source == "tokens" and d.path is None:
-        return  # the problem is cross_field_problems' to name
     tok = of_config(cfg)
+    if tok is None:
+        return  # the problem is cross_field_problems' to name
     if "vocab_size" in cfg.model.model_fields_set:
         problem = vocab_problem(tok, cfg.model.vocab_size)
         if problem:

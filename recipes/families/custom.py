@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from mpmd.recipes.config import Config, ConfigError
-from mpmd.recipes.families.gpt import GPTSection, byte_vocab_problems, lm_loss, seq_len, token_sources
+from mpmd.recipes.families.gpt import GPTSection, byte_vocab_problems, lm_loss, seq_len, LM_READS
 from mpmd.recipes.families.llama import ComputeSection
 from mpmd.recipes.families.mlp import WidthsSection
 from mpmd.recipes.registry import ModelSpec, import_module, register_model_spec
@@ -65,7 +65,7 @@ SPEC = register_model_spec(
         CustomSection,
         build=_build,
         loss=lm_loss,
-        sources=token_sources,
+        reads=LM_READS,
         tokens_per_example=seq_len,
         split=_split,
         problems=_problems,

@@ -8,7 +8,16 @@ from typing import Literal
 from pydantic import Field
 
 from mpmd.recipes.config import Config, ModelSection
-from mpmd.recipes.registry import ModelSpec, data_sources, flax_build, layers_problems, models_loss, register_model_spec
+from mpmd.recipes import registry
+from mpmd.recipes.registry import (
+    PROMPT_RESPONSE,
+    TOKEN_WINDOWS,
+    ModelSpec,
+    flax_build,
+    layers_problems,
+    models_loss,
+    register_model_spec,
+)
 
 
 class DecoderSection(ModelSection):
@@ -35,9 +44,9 @@ class GPTSection(DecoderSection):
 
 
 def byte_vocab_problems(cfg: Config) -> list[str]:
-    """A model reading the byte corpus needs a token for each of 256 byte values."""
+    """A model reading text as bytes needs a token for each of 256 byte values."""
     d, m = cfg.data, cfg.model
-    if d.source in ("stdlib", "files", "jsonl") and d.tokenizer == "bytes" and m.vocab_size < 256:
+    if registry.get_data_source(d.source).byte_text and d.tokenizer == "bytes" and m.vocab_size < 256:
         return [
             f"data.source='{d.source}' yields byte tokens 0..255: model.vocab_size must be >= 256, got {m.vocab_size}"
         ]
@@ -54,16 +63,14 @@ def decoder_problems(cfg: Config) -> list[str]:
 
 
 # What every decoder LM here trains on, and how: next-token cross-entropy on token sequences;
-# on packed rows (data.pack) and fine-tuning examples (data.source=jsonl: the response tokens)
-# token-weighted, over the tokens of loss_mask only.
+# on batches whose source masks the loss (packed rows, fine-tuning examples: the response
+# tokens) token-weighted, over the tokens of loss_mask only.
 _mean_loss, _masked_loss = models_loss("lm_loss"), models_loss("masked_lm_loss")
+LM_READS = (TOKEN_WINDOWS, PROMPT_RESPONSE)
 
 
 def lm_loss(cfg: Config):
-    return (_masked_loss if cfg.data.pack or cfg.data.source == "jsonl" else _mean_loss)(cfg)
-
-
-token_sources = data_sources("token_sources")
+    return (_masked_loss if registry.get_data_source(cfg.data.source).masks_loss(cfg) else _mean_loss)(cfg)
 
 
 def seq_len(cfg: Config) -> int:
@@ -93,7 +100,7 @@ SPEC = register_model_spec(
         GPTSection,
         build=flax_build(_gpt),
         loss=lm_loss,
-        sources=token_sources,
+        reads=LM_READS,
         tokens_per_example=seq_len,
         samples_text=True,
         problems=decoder_problems,

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from mpmd.recipes.families import hf
 from mpmd.recipes.config import Config, ConfigError, ModelSection
-from mpmd.recipes.families.gpt import DecoderSection, decoder_problems, lm_loss, seq_len, token_sources
+from mpmd.recipes.families.gpt import DecoderSection, decoder_problems, lm_loss, seq_len, LM_READS
 from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
 
 
@@ -227,7 +227,7 @@ SPEC = register_model_spec(
         LlamaSection,
         build=flax_build(_llama),
         loss=lm_loss,
-        sources=token_sources,
+        reads=LM_READS,
         tokens_per_example=seq_len,
         split=_split,
         units=_units,

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from mpmd.recipes.config import Config, ModelSection
-from mpmd.recipes.registry import ModelSpec, data_sources, flax_build, layers_problems, models_loss, register_model_spec
+from mpmd.recipes.registry import REGRESSION, ModelSpec, flax_build, layers_problems, models_loss, register_model_spec
 
 
 class WidthsSection(ModelSection):
@@ -24,10 +24,8 @@ class MLPSection(WidthsSection):
 
 
 def _problems(cfg: Config) -> list[str]:
-    m, d, t = cfg.model, cfg.data, cfg.train
+    m, t = cfg.model, cfg.train
     out = layers_problems(cfg, m.num_layers + 1, f"{m.num_layers} hidden + output")
-    if d.source != "synthetic":
-        out.append(f"model.kind='mlp' regresses synthetic data: data.source must be 'synthetic', got '{d.source}'")
     if t.sample_tokens:
         out.append(f"model.kind='mlp' cannot sample text: train.sample_tokens must be 0, got {t.sample_tokens}")
     return out
@@ -46,7 +44,7 @@ SPEC = register_model_spec(
         MLPSection,
         build=flax_build(_mlp),
         loss=models_loss("mse_loss"),
-        sources=data_sources("regression_sources"),
+        reads=(REGRESSION,),
         tokens_per_example=lambda cfg: 1,  # examples, one "token" each
         problems=_problems,
     )

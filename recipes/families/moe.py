@@ -11,7 +11,7 @@ from pydantic import Field
 
 from mpmd.recipes.config import Config
 from mpmd.recipes.config.schema import _Section
-from mpmd.recipes.families.gpt import lm_loss, seq_len, token_sources
+from mpmd.recipes.families.gpt import lm_loss, seq_len, LM_READS
 from mpmd.recipes.families.llama import LlamaSection, _problems as llama_problems
 from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
 
@@ -186,7 +186,7 @@ SPEC = register_model_spec(
         MoELlamaSection,
         build=flax_build(_moe),
         loss=lm_loss,
-        sources=token_sources,
+        reads=LM_READS,
         tokens_per_example=seq_len,
         samples_text=True,
         problems=_problems,

@@ -39,16 +39,11 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     if not tflops > 0:
         raise ValueError(f"tflops must be a positive number, got {tflops!r}")
     p = cfg.pipeline
-    if cfg.data.pack:
+    if registry.get_data_source(cfg.data.source).masks_loss(cfg):  # batch dicts with a loss_mask
         raise ConfigError(
-            "--dry-run does not yet size a run with data.pack=true; size it with data.pack=false "
-            "(the same shapes and parameters)"
-        )
-    if cfg.data.source == "jsonl":  # batch dicts with a loss_mask, as packing's
-        raise ConfigError(
-            "--dry-run does not yet size a run with data.source='jsonl'; size it with "
-            "data.source=synthetic data.path=null data.eval_path=null train.exact_match=0 (the same "
-            "shapes and parameters)"
+            f"--dry-run does not yet size a run whose batches carry a loss mask (data.source='{cfg.data.source}'"
+            + (", data.pack=true" if getattr(cfg.data, "pack", False) else "")
+            + "); size it with data.source=synthetic train.exact_match=0 (the same shapes and parameters)"
         )
     train_loader, _ = data.make_loaders(cfg)
     inputs, targets = train_loader.batch_at(0)

@@ -37,7 +37,7 @@ class StepRecords:
         # when nothing runs ahead of the step, so the state is the step's own.
         self._read_state = registry.get_model_spec(cfg.model.kind).state_metrics(cfg)
         # step -> CRC-32 of its batch, for the data sources that record which data each step read.
-        self._digests: dict[int, int] | None = {} if cfg.data.source == "tokens" else None
+        self._digests: dict[int, int] | None = {} if registry.get_data_source(cfg.data.source).batch_digests else None
 
     def sent(self, step: int, batch) -> None:
         """Step `step` was sent with `batch`."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mpmd.recipes import config as config_lib
+from mpmd.recipes import registry
 from mpmd.recipes.config import Config, ConfigError
-from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.runtime.worker.slice_store import CheckpointStore
 
 
@@ -41,20 +41,10 @@ def resume_metadata(cfg: Config, allow_config_change: bool = False) -> dict:
 
 
 def data_metadata(cfg: Config) -> dict:
-    """What every manifest records of the data beyond the config's values: the tokenizer's
-    content hash (a tokenizer other than bytes) and the tokenized corpus's (data.source=tokens).
-    Nothing for the byte tokenizer on the byte corpus or synthetic data."""
-    if cfg.data.source == "tokens":
-        from mpmd.recipes.data import grain as grain_data
-
-        return grain_data.metadata(cfg)
-    if cfg.data.source == "jsonl":
-        from mpmd.recipes.data import sft
-
-        return sft.metadata(cfg)
-    if cfg.data.tokenizer != tokenizer_lib.BYTES:
-        return {"tokenizer_hash": tokenizer_lib.load(cfg.data.tokenizer).hash}
-    return {}
+    """What every manifest records of the data beyond the config's values: data.source's
+    (the tokenizer's content hash for a tokenizer other than bytes; a tokenized corpus's or
+    fine-tuning set's hash). Nothing for bytes on the byte corpus or synthetic data."""
+    return registry.get_data_source(cfg.data.source).metadata(cfg)
 
 
 def _check_data_unchanged(cfg: Config, saved: dict, now: dict, allow_config_change: bool) -> None:

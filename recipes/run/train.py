@@ -90,7 +90,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build.build_optimizer(cfg)
     metadata = resume_metadata(cfg, allow_config_change)
-    if cfg.data.source == "tokens" or cfg.data.tokenizer != tokenizer_lib.BYTES:
+    if registry.get_data_source(cfg.data.source).tokenizer is not None or cfg.data.tokenizer != tokenizer_lib.BYTES:
         print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
     build.check_layout(cfg, pipeline, optimizer)
     cluster = build.build_cluster(cfg)  # checks the cluster keys; starts nothing yet
@@ -254,11 +254,12 @@ def _final_sample(cfg: Config, trainer: mpmd.Trainer, sinks: Sinks):
     t = cfg.train
     if not t.sample_tokens:
         return None
-    if not registry.get_model_spec(cfg.model.kind).samples_text or cfg.data.source == "synthetic":
-        # Only a language model trained on bytes has logits that decode to text.
+    if not registry.get_model_spec(cfg.model.kind).samples_text or not registry.get_data_source(cfg.data.source).text:
+        # Only a language model trained on text has logits that decode to text.
         texts = [name for name, spec in registry.model_specs().items() if spec.samples_text]
+        sources = [name for name, spec in registry.data_sources().items() if spec.text]
         sinks.message(
-            f"sample skipped: needs model.kind={registry.one_of(texts)} on text data "
+            f"sample skipped: needs model.kind={registry.one_of(texts)} on data.source={registry.one_of(sources)} "
             f"(got '{cfg.model.kind}' on '{cfg.data.source}')"
         )
         return None

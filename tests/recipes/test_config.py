@@ -173,8 +173,11 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
         (["cluster.on_loss=never"], "cluster.on_loss must be one of 'replace', 'shrink', 'auto'"),  # mpmd.Recovery's
         (["cluster.replace_timeout_s=-1"], "cluster.replace_timeout_s must be a finite number of seconds >= 0"),
         (["cluster.slice_memory_bytes=0"], "cluster.slice_memory_bytes must be a positive integer"),
-        (["data.source=files"], "data.paths must be non-empty when data.source='files'"),
-        (["model.kind=mlp"], "data.source must be 'synthetic', got 'stdlib'"),
+        (["data.source=files"], "data.paths must name at least one file, directory or glob when data.source='files'"),
+        (
+            ["model.kind=mlp"],
+            "model.kind='mlp' does not read (it reads regression pairs): data.source must be 'synthetic'",
+        ),
         (["model.kind=custom"], "model.kind='custom' needs model.module='package.module:function'"),
         (["model.vocab_size=100"], "model.vocab_size must be >= 256, got 100"),
         (["optimizer.name=sgd"], "optimizer.weight_decay=0.01 only applies to 'adamw'"),
@@ -336,6 +339,7 @@ def test_every_shipped_yaml_loads_and_holds_only_overrides(path):
     defaults = Config().model_dump()
     defaults["model"] = {**type(cfg.model)().model_dump(), "kind": defaults["model"]["kind"]}
     defaults["cluster"] = {**type(cfg.cluster)().model_dump(), "backend": defaults["cluster"]["backend"]}
+    defaults["data"] = {**type(cfg.data)().model_dump(), "source": defaults["data"]["source"]}
     for key in _leaf_keys(yaml.safe_load(path.read_text())):
         *sections, leaf = key.split(".")
         default, value = defaults, cfg.model_dump()

@@ -1,6 +1,7 @@
 """The registries (mpmd.recipes.registry, mpmd.schedules.register_schedule): a model family, a
-cluster backend and a schedule registered from outside mpmd are accepted by the config, built
-by the recipe, searched by the tuner and trained by `mpmd train`, with no other file changed."""
+data source, a cluster backend and a schedule registered from outside mpmd are accepted by the
+config, built by the recipe, searched by the tuner and trained by `mpmd train`, with no other
+file changed."""
 
 import json
 
@@ -25,32 +26,61 @@ def wedge():
     del schedules.SCHEDULES["wedge"]
 
 
-def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_path):
-    path = tmp_path / "ramp.yaml"
-    path.write_text(
-        f"# a ramp regressor on threads, its schedule registered too\n"
-        f"imports: [tests.support.registrations]\n"
-        f"run_dir: {tmp_path / 'run'}\n"
-        f"model: {{kind: ramp, width: 4, depth: 3}}\n"
-        f"data: {{source: synthetic}}\n"
-        f"train: {{steps: 3, batch_size: 8, sample_tokens: 0, eval_every: 0}}\n"
-        f"pipeline: {{schedule: all-forward-first, num_stages: 2}}\n"
-        f"cluster: {{backend: threads, label: here}}\n"
-        f"log: {{tensorboard: false, trace_steps: []}}\n"
-    )
+def train_registered(path, *sections: str):
+    """`mpmd train` a config of tests.support.registrations' names with `sections` (YAML lines)
+    into <path's folder>/run: (its finite losses, its resolved config read as YAML: loading it
+    here would register them in this process too, and the completed process)."""
+    run_dir = path.parent / "run"
+    path.write_text("\n".join(["imports: [tests.support.registrations]", f"run_dir: {run_dir}", *sections]) + "\n")
     out = mpmd_train(path)
     assert out.returncode == 0, out.stderr
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 3 and all(np.isfinite(losses))
-    # The resolved config holds the family's and the backend's own sections (read as YAML: loading
-    # it here would register them in this process too).
-    resolved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(losses)), losses
+    return losses, yaml.safe_load((run_dir / "config.yaml").read_text()), out
+
+
+def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_path):
+    path = tmp_path / "ramp.yaml"
+    losses, resolved, _ = train_registered(
+        path,
+        "model: {kind: ramp, width: 4, depth: 3}",
+        "data: {source: synthetic}",
+        "train: {steps: 3, batch_size: 8, sample_tokens: 0, eval_every: 0}",
+        "pipeline: {schedule: all-forward-first, num_stages: 2}",
+        "cluster: {backend: threads, label: here}",
+        "log: {tensorboard: false, trace_steps: []}",
+    )
+    assert len(losses) == 3
+    # The resolved config holds the family's and the backend's own sections.
     assert resolved["model"] == {"kind": "ramp", "width": 4, "depth": 3}
     assert resolved["cluster"]["label"] == "here" and "max_workers" not in resolved["cluster"]
     # Without the module nothing knows them: the kind is refused by name, listing the known ones.
     assert "ramp" not in registry.model_specs()
     with pytest.raises(
         ConfigError, match="model.kind must be one of 'gpt', 'llama', 'moe', 'mlp' or 'custom', got 'ramp'"
+    ):
+        config.load(path, ["imports=[]"])
+
+
+def test_a_registered_data_source_trains_through_mpmd_train(tmp_path):
+    """A source of counting rows: its own key (data.start) is taken, a gpt trains on it, the
+    run ends with a sample (its tokens are not text: text=False) skipped, naming why."""
+    path = tmp_path / "counting.yaml"
+    losses, resolved, out = train_registered(
+        path,
+        "model: {kind: gpt, d_model: 16, num_heads: 2, num_layers: 2, seq_len: 8}",
+        "data: {source: counting, start: 3}",
+        "train: {steps: 4, batch_size: 8, eval_every: 0}",
+        "cluster: {backend: inprocess}",
+        "log: {tensorboard: false, trace_steps: []}",
+    )
+    assert len(losses) == 4
+    assert "sample skipped: needs model.kind=" in out.stdout + out.stderr
+    assert resolved["data"] == {"source": "counting", "tokenizer": "bytes", "start": 3}
+    assert "counting" not in registry.data_sources()
+    with pytest.raises(
+        ConfigError,
+        match="data.source must be one of 'stdlib', 'files', 'synthetic', 'tokens' or 'jsonl', got 'counting'",
     ):
         config.load(path, ["imports=[]"])
 
@@ -68,6 +98,16 @@ def test_a_family_or_backend_key_is_refused_naming_who_takes_it():
         r"got backend 'static'",
     ):
         config.load(None, ["cluster.backend=static", "cluster.max_workers=3"])
+    with pytest.raises(
+        ConfigError, match=r"data.pack is only used by data.source='tokens' or 'jsonl', got source 'files'"
+    ):
+        config.load(None, ["data.source=files", "data.paths=[configs]", "data.pack=true"])
+    with pytest.raises(
+        ConfigError,
+        match=r"data.source='stdlib' gives token windows, which model.kind='mlp' does not read \(it reads "
+        r"regression pairs\): data.source must be 'synthetic'",
+    ):
+        config.load(None, ["model.kind=mlp", "train.sample_tokens=0"])
     with pytest.raises(ConfigError, match=r"imports: cannot import 'no_such_module_here'|imports\[0\]: cannot import"):
         config.load(None, ["imports=[no_such_module_here]"])
 

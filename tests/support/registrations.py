@@ -1,23 +1,30 @@
-"""A model family, a cluster backend and a schedule registered from outside mpmd, the way a
-user's module does it; a config loads this module with `imports: [tests.support.registrations]`
-(tests/recipes/test_registries.py). Nothing in mpmd names them: if a registry stops being the one place
-the recipe, the config or the tuner asks, a run naming them fails."""
+"""A model family, a data source, a cluster backend and a schedule registered from outside
+mpmd, the way a user's module does it; a config loads this module with `imports:
+[tests.support.registrations]` (tests/recipes/test_registries.py). Nothing in mpmd names them:
+if a registry stops being the one place the recipe, the config or the tuner asks, a run naming
+them fails."""
 
 from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 from pydantic import Field
 
 from mpmd import schedules
-from mpmd.recipes.config import ClusterSection, Config, ModelSection
+from mpmd.recipes.config import ClusterSection, Config, DataSection, ModelSection
+from mpmd.recipes.data.loaders import loaders_of
 from mpmd.recipes.registry import (
+    REGRESSION,
+    TOKEN_WINDOWS,
     BackendSpec,
+    DataSourceSpec,
     ModelSpec,
     flax_build,
     layers_problems,
     models_loss,
     register_backend_spec,
+    register_data_source,
     register_model_spec,
 )
 
@@ -27,17 +34,15 @@ class RampSection(ModelSection):
     width: int = Field(8, gt=0, description="input and hidden width")
     depth: int = Field(2, gt=0, description="hidden layers")
 
+    # What the synthetic source's regression pairs are sized by.
+    in_features = property(lambda self: self.width)
+    out_features = property(lambda self: 2)
+
 
 def _ramp(cfg: Config, rngs):
     from mpmd import models
 
     return models.MLP(cfg.model.width, cfg.model.width, cfg.model.depth, 2, rngs=rngs)
-
-
-def _sources(cfg: Config):
-    from mpmd.recipes.data import loaders as data
-
-    return data.SyntheticRegression(cfg.model.width, 2, 0), data.SyntheticRegression(cfg.model.width, 2, 1)
 
 
 def _problems(cfg: Config) -> list[str]:
@@ -50,7 +55,7 @@ RAMP = register_model_spec(
         RampSection,
         build=flax_build(_ramp),
         loss=models_loss("mse_loss"),
-        sources=_sources,
+        reads=(REGRESSION,),
         tokens_per_example=lambda cfg: 1,
         problems=_problems,
     )
@@ -82,3 +87,30 @@ def gpipe_named(name: str):
 
 if "all-forward-first" not in schedules.SCHEDULES:
     schedules.register_schedule(schedules.ScheduleSpec("all-forward-first", gpipe_named("all-forward-first")))
+
+
+class CountingData(DataSection):
+    source: Literal["counting"] = Field("counting", description="where the training data comes from")
+    start: int = Field(0, ge=0, description="the first token of every row")
+
+
+class Counting:
+    """Rows start, start + 1, ... (mod the vocabulary): a pure function of the batch index."""
+
+    num_examples = None
+
+    def __init__(self, start, vocab_size, seq_len):
+        self.start, self.vocab_size, self.seq_len = start, vocab_size, seq_len
+
+    def batch(self, seed, index, batch_size):
+        rows = (self.start + index + np.arange(batch_size)[:, None] + np.arange(self.seq_len + 1)) % self.vocab_size
+        rows = rows.astype(np.int32)
+        return rows[:, :-1], rows[:, 1:]
+
+
+def _loaders(cfg, kind):
+    m = cfg.model
+    return loaders_of(cfg, Counting(cfg.data.start, m.vocab_size, m.seq_len), Counting(1, m.vocab_size, m.seq_len))
+
+
+COUNTING = register_data_source(DataSourceSpec("counting", CountingData, gives=(TOKEN_WINDOWS,), loaders=_loaders))

@@ -123,13 +123,13 @@ def test_mlp_config_trains(tmp_path):
 
 
 def test_a_bug_while_building_is_an_error_not_a_config_error(monkeypatch, tmp_path):
-    from mpmd.recipes.run import train
+    from mpmd.recipes.run import build
     from mpmd.recipes.commands import train as train_cli
 
     def broken_optimizer(cfg):
         raise ValueError("a bug in the recipe")
 
-    monkeypatch.setattr(train, "build_optimizer", broken_optimizer)
+    monkeypatch.setattr(build, "build_optimizer", broken_optimizer)
     run_dir = tmp_path / "bug"
     with pytest.raises(ValueError, match="a bug in the recipe") as error:
         train_cli.main([str(ROOT / "configs/mlp.yaml"), f"run_dir={run_dir}"])

@@ -206,7 +206,8 @@ def test_resumes_on_another_stage_count(reference, tmp_path):
 def kill_worker_after_step(run_dir: Path, tag: str, overrides: list[str], step: int) -> str:
     """Run gpt_tiny with `overrides`, SIGKILL worker 1 once step `step` is printed, and return
     the stdout of the run finishing."""
-    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *OVERRIDES, *overrides], {TAG: tag})
+    base = TOKEN_OVERRIDES if "data.source=tokens" in overrides else OVERRIDES
+    ctl = Controller(run_dir, ["configs/gpt_tiny.yaml", *base, *overrides], {TAG: tag})
     try:
         ctl.wait_for_step(step)
         workers = ctl.workers()
@@ -282,13 +283,15 @@ def token_corpus(tmp_path_factory) -> Path:
     return root / "corpus"
 
 
+# data.max_bytes is the byte corpus's key: a tokens source refuses it.
 TOKEN_ARGS = ["data.source=tokens", "data.eval_fraction=0.1"]
+TOKEN_OVERRIDES = [o for o in OVERRIDES if not o.startswith("data.max_bytes=")]
 
 
 @pytest.fixture(scope="module")
 def token_reference(token_corpus, tmp_path_factory):
     """The uninterrupted tokens run: (args, final state, per-step metrics, its run_dir, stdout)."""
-    args = ["configs/gpt_tiny.yaml", *OVERRIDES, *TOKEN_ARGS, f"data.path={token_corpus}"]
+    args = ["configs/gpt_tiny.yaml", *TOKEN_OVERRIDES, *TOKEN_ARGS, f"data.path={token_corpus}"]
     run_dir, tag = tmp_path_factory.mktemp("tokens_run") / "want", uuid.uuid4().hex
     out = Controller(run_dir, args, {TAG: tag}).succeed()
     assert wait_gone(tagged(tag)) == []
@@ -358,7 +361,7 @@ def test_a_resume_on_another_corpus_is_refused(token_corpus, tmp_path):
     before any worker starts."""
     corpus = tmp_path / "corpus"
     shutil.copytree(token_corpus, corpus)
-    args = ["configs/gpt_tiny.yaml", *OVERRIDES, *TOKEN_ARGS, f"data.path={corpus}", "train.steps=3"]
+    args = ["configs/gpt_tiny.yaml", *TOKEN_OVERRIDES, *TOKEN_ARGS, f"data.path={corpus}", "train.steps=3"]
     run_dir, tag = tmp_path / "r", uuid.uuid4().hex
     Controller(run_dir, args, {TAG: tag}).succeed()
     before = tokens.Corpus(corpus).hash

@@ -29,7 +29,7 @@ def _files_cfg(*paths):
 
 
 def test_stdlib_corpus_is_sorted_nonempty_code_without_tests():
-    files = data.corpus_files(config.DataConfig())
+    files = data.stdlib_files()
     root = files[0].parent  # __future__.py sorts first and sits at the stdlib root
     relative = [f.relative_to(root).as_posix() for f in files]
     assert len(files) > 100 and {"os.py", "json/__init__.py"} <= set(relative)
@@ -42,14 +42,14 @@ def test_stdlib_corpus_is_sorted_nonempty_code_without_tests():
 
 
 def test_files_source_expands_globs_and_directories_and_names_missing_paths(text_files):
-    files = data.corpus_files(_files_cfg(text_files / "part*.txt", text_files / "sub", text_files / "part0.txt"))
+    files = data.listed_files(_files_cfg(text_files / "part*.txt", text_files / "sub", text_files / "part0.txt").paths)
     assert [f.name for f in files] == ["part0.txt", "part1.txt", "part2.txt", "more.md"]
     with pytest.raises(ValueError, match=r"no file found for '.*nope\.txt', '.*\*\.rst'"):
-        data.corpus_files(_files_cfg(text_files / "part0.txt", text_files / "nope.txt", text_files / "*.rst"))
+        data.listed_files(_files_cfg(text_files / "part0.txt", text_files / "nope.txt", text_files / "*.rst").paths)
 
 
 def test_train_and_eval_split_by_position_and_targets_shift_inputs(text_files):
-    files = data.corpus_files(_files_cfg(text_files / "part*.txt"))
+    files = data.listed_files(_files_cfg(text_files / "part*.txt").paths)
     corpus = data.ByteCorpus(files, seq_len=16, eval_fraction=0.1)
     full = b"".join(f.read_bytes() for f in files)
     assert corpus.train.tokens.tobytes() + corpus.eval.tokens.tobytes() == full
@@ -67,7 +67,7 @@ def test_train_and_eval_split_by_position_and_targets_shift_inputs(text_files):
 
 
 def test_batches_are_deterministic_and_an_epoch_visits_every_window_once(text_files):
-    corpus = data.ByteCorpus(data.corpus_files(_files_cfg(text_files / "part*.txt")), 16, 0.1)
+    corpus = data.ByteCorpus(data.listed_files(_files_cfg(text_files / "part*.txt").paths), 16, 0.1)
     a, b = data.Loader(corpus.train, 8, seed=3), data.Loader(corpus.train, 8, seed=3)
     for _ in range(5):
         np.testing.assert_array_equal(a.next()[0], b.next()[0])
@@ -85,7 +85,7 @@ def test_batches_are_deterministic_and_an_epoch_visits_every_window_once(text_fi
 @pytest.mark.parametrize("source", ["bytes", "tokens", "regression"])
 def test_seek_and_state_resume_exactly(source, text_files):
     if source == "bytes":
-        split = data.ByteCorpus(data.corpus_files(_files_cfg(text_files)), 16, 0.1).train
+        split = data.ByteCorpus(data.listed_files(_files_cfg(text_files).paths), 16, 0.1).train
     elif source == "tokens":
         split = data.SyntheticTokens(vocab_size=50, seq_len=8)
     else:
@@ -121,7 +121,7 @@ def test_synthetic_sources(tmp_path):
 
 
 def test_loader_rejects_a_batch_larger_than_the_split(text_files):
-    corpus = data.ByteCorpus(data.corpus_files(_files_cfg(text_files / "part0.txt")), 16, 0.1)
+    corpus = data.ByteCorpus(data.listed_files(_files_cfg(text_files / "part0.txt").paths), 16, 0.1)
     with pytest.raises(ValueError, match="fewer than batch_size=64"):
         data.Loader(corpus.eval, 64, seed=0)
 

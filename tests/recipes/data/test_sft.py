@@ -126,7 +126,7 @@ def test_missing_files_long_examples_and_misplaced_keys_are_refused(tmp_path):
         sft.Rows.of(sft.read(path), BYTES, seq_len=16)
     with pytest.raises(ConfigError, match="train.exact_match=5 .* needs data.source='jsonl'"):
         config.load("configs/gpt_tiny.yaml", ["train.exact_match=5"])
-    with pytest.raises(ConfigError, match="data.eval_path .* needs data.source='jsonl'"):
+    with pytest.raises(ConfigError, match="data.eval_path is only used by data.source='jsonl', got source 'stdlib'"):
         config.load("configs/gpt_tiny.yaml", [f"data.eval_path={path}"])
     with pytest.raises(ConfigError, match="data.path .*mpmd sft-data.* must be given when data.source='jsonl'"):
         config.load("configs/gpt_tiny.yaml", ["data.source=jsonl"])

@@ -112,13 +112,17 @@ def test_model_vocab_size_follows_the_tokenizer(trained):
 
 
 def test_a_config_from_before_the_tokenizer_keys_has_the_same_math():
-    """A checkpoint's math lacks data.tokenizer, data.path, data.pack: at their defaults they
-    are no change, so a run from before them resumes."""
+    """A checkpoint's math lacks data.tokenizer, or (from before the data section was per
+    source) holds every source's keys: at their defaults they are no change, so a run from
+    before them resumes."""
     cfg = config.load("configs/gpt_tiny.yaml")
     now = cfg.math()
-    saved = {k: v for k, v in now.items() if k not in ("data.tokenizer", "data.path", "data.pack")}
-    assert len(saved) == len(now) - 3
+    saved = {k: v for k, v in now.items() if k != "data.tokenizer"}
+    assert len(saved) == len(now) - 1
     assert config.math_changes(saved, now) == []
+    flat = {**now, "data.paths": [], "data.path": None, "data.pack": False, "data.eval_path": None}
+    assert config.math_changes(flat, now) == []
+    assert config.math_changes({**flat, "data.pack": True}, now) == ["data.pack: True -> '(unset)'"]
     changed = config.load("configs/gpt_tiny.yaml", ["data.tokenizer=bytes", "data.eval_fraction=0.1"]).math()
     assert config.math_changes(saved, changed) == ["data.eval_fraction: 0.05 -> 0.1"]
 
@@ -130,7 +134,7 @@ def test_the_byte_corpus_through_a_tokenizer(trained):
         "configs/gpt_tiny.yaml",
         ["data.source=files", f"data.paths={[str(f) for f in files]}", f"data.tokenizer={trained}"],
     )
-    train, eval_ = data.token_sources(cfg)
+    train, eval_ = (loader.source for loader in data.make_loaders(cfg))
     tok = tokenizer.load(str(trained))
     want = np.concatenate([np.append(tok.encode(f.read_text()), tok.eos_id) for f in files])
     np.testing.assert_array_equal(np.concatenate([train.tokens, eval_.tokens]), want)

@@ -100,9 +100,9 @@ def test_refuses_a_missing_changed_or_truncated_corpus(corpus_dir, tmp_path, cap
         ConfigError, match=r"data.path \(a corpus `mpmd tokenize` wrote\) must be given when data.source=.tokens."
     ):
         config.load("configs/gpt_tiny.yaml", ["data.source=tokens"])
-    with pytest.raises(ConfigError, match=r"data.pack=true packs the documents of a tokenized corpus"):
+    with pytest.raises(ConfigError, match=r"data.pack is only used by data.source='tokens' or 'jsonl'"):
         config.load("configs/gpt_tiny.yaml", ["data.pack=true"])
-    with pytest.raises(ConfigError, match=r"gives tokens, which model.kind='mlp' does not read"):
+    with pytest.raises(ConfigError, match=r"gives token windows, which model.kind='mlp' does not read"):
         config.load("configs/mlp.yaml", ["data.source=tokens", f"data.path={corpus_dir}"])
     copy = tmp_path / "copy"
     copy.mkdir()
