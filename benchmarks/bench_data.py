@@ -4,8 +4,9 @@ step waits for its batch, as a fraction of the step.
     .venv/bin/python benchmarks/bench_data.py [--tokens 20000000] [--steps 8] [--skip-train]
 
 a. A corpus of --tokens byte tokens (documents of 50..4,000 bytes of random words, written by
-   recipes/data/tokens.py as `mpmd tokenize` writes it, in shards of 10^7 tokens) is opened (its
-   index read and its shards memory-mapped: the time does not grow with its size) and read by
+   recipes/data/tokens.py as `mpmd tokenize` writes it, in shards of 10^7 tokens) is opened
+   with its index alone (the time does not grow with its size) and with every shard verified
+   against its digest (what a run's loaders do: one read of the corpus), and read by
    the loader configs/gpt_small.yaml's batches take (32 rows of 128 + 1 tokens): batches/s and
    tokens/s of the Grain pipeline alone (shuffled windows; packed documents), after a warm-up
    of 3 batches, over 200 batches each.
@@ -145,10 +146,18 @@ def main() -> None:
         corpus = write_corpus(Path(tmp), args.tokens)
         from mpmd.recipes.data import tokens
 
-        c = tokens.Corpus(corpus)
+        written_s = time.perf_counter() - t0
+        opens = {}
+        for verify in (False, True, False, True):  # interleaved, the second of each kept (files cached)
+            t0 = time.perf_counter()
+            c = tokens.Corpus(corpus, verify=verify)
+            opens[verify] = time.perf_counter() - t0
+        size = sum((corpus / s[k]).stat().st_size for s in c.index["shards"] for k in ("tokens", "offsets"))
         print(
             f"a. corpus: {c.num_tokens:,} tokens, {c.num_documents:,} documents, {len(c.index['shards'])} shards "
-            f"(written in {time.perf_counter() - t0:.1f} s)"
+            f"(written in {written_s:.1f} s)\n"
+            f"   opened: index only {opens[False] * 1e3:.1f} ms; with every shard's sha256 and offsets verified "
+            f"{opens[True] * 1e3:.0f} ms ({size / opens[True] / 1e9:.2f} GB/s of {size / 1e6:.0f} MB, page cache warm)"
         )
         for pack in (False, True):
             r = pipeline_alone(corpus, pack)

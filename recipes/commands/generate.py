@@ -15,15 +15,23 @@ Runs on this process alone: no worker starts.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
 
 def _non_negative(kind):
+    """An argparse type: a finite number of `kind`, 0 or more (argparse turns the error into
+    one usage line and exit 2)."""
+    what = "a whole number" if kind is int else "a finite number"
+
     def parse(text: str):
-        value = kind(text)
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what} >= 0, got {text!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"must be {what} >= 0, got {text!r}")
         return value
 
     return parse
@@ -67,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         help="the committed checkpoint to restore (default: the newest)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="seeds the sampling (default: the run's seed)")
+    parser.add_argument(
+        "--seed", type=_non_negative(int), default=None, help="seeds the sampling, >= 0 (default: the run's seed)"
+    )
     parser.add_argument(
         "--no-cache",
         action="store_true",

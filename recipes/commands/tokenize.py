@@ -34,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
         "--output",
         required=True,
         metavar="DIR",
-        help="writes DIR/index.json, DIR/shard-*.tokens|offsets (and DIR/tokenizer.json)",
+        help="writes DIR/index.json, DIR/shard-*.tokens|offsets and DIR/tokenizer-*.json; a corpus "
+        "already there is replaced only once the new one is whole",
     )
     parser.add_argument(
         "--tokenizer",

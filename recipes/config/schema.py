@@ -310,7 +310,7 @@ class Config(_Section):
         "pipeline.schedule; the working directory is on the import path",
     )
     run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
-    seed: int = Field(0, description="seeds parameter init and data order")
+    seed: int = Field(0, ge=0, description="seeds parameter init and data order")
     # model, data and cluster: the section of the registered family, source or backend that
     # their kind, source or backend names.
     model: SerializeAsAny[ModelSection] = Field(default_factory=lambda: variant("model", {})())

@@ -268,7 +268,7 @@ def of_corpus(d) -> Tokenizer:
     must be that one, by content."""
     from mpmd.recipes.data import tokens
 
-    tok = tokens.Corpus(d.path).tokenizer()
+    tok = tokens.Corpus(d.path, verify=False).tokenizer()  # the run's loaders verify the shards
     if "tokenizer" in d.model_fields_set and d.tokenizer != tok.spec and load(d.tokenizer).hash != tok.hash:
         raise ConfigError(
             f"data.tokenizer={d.tokenizer!r} is not the tokenizer the corpus data.path={d.path!r} "

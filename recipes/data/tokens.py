@@ -4,15 +4,17 @@ The format (a directory), memory-mapped so that a corpus of 10^8 tokens starts i
 milliseconds and is never read into memory whole:
 
     index.json            {"format": "mpmd-tokens", "version": 1, "dtype": "uint8"|"uint16"|"uint32",
-                           "tokenizer": {"spec", "hash", "vocab_size", "eos_id"},
+                           "tokenizer": {"spec", "hash", "vocab_size", "eos_id", "file"},
                            "num_documents", "num_tokens",
                            "shards": [{"tokens", "offsets", "num_documents", "num_tokens", "sha256"}],
                            "hash": 12 hex digits of sha256 over the rest of the index}
-    tokenizer.json        the tokenizer's own file (none for bytes)
-    shard-00000.tokens    the shard's tokens, little-endian `dtype`, documents back to back, each
-                          followed by the tokenizer's end-of-text token when it has one
-    shard-00000.offsets   little-endian int64 [num_documents + 1]: document j of the shard is
-                          tokens[offsets[j]:offsets[j + 1]]
+    tokenizer-HASH.json   the tokenizer's own file (none for bytes); its name is the index's
+                          tokenizer.file (a corpus written before that key: tokenizer.json)
+    shard-00000-DIGEST.tokens   the shard's tokens, little-endian `dtype`, documents back to back,
+                          each followed by the tokenizer's end-of-text token when it has one
+                          (DIGEST: 12 hex digits of the shard's sha256)
+    shard-00000-DIGEST.offsets  little-endian int64 [num_documents + 1]: document j of the
+                          shard is tokens[offsets[j]:offsets[j + 1]]
 
 A document is a file, or a line of a .jsonl file (its `text` field). The index's hash covers
 each shard's sha256 (taken as it was written), so a corpus tokenized again from other files or
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -74,17 +77,24 @@ def write(
     text_key: str = "text",
 ) -> dict:
     """Tokenizes the files' documents into a corpus at out_dir (the format above); returns
-    its index. A shard is closed once it holds shard_tokens tokens (documents are not cut)."""
+    its index. A shard is closed once it holds shard_tokens tokens (documents are not cut).
+
+    A corpus already at out_dir stays whole until the new one is: every file is written
+    under a new name (its digest in it), index.json is replaced last in one rename (the
+    commit), and only then are the old corpus's files removed. A write that fails on bad
+    input removes what it wrote; one killed midway leaves `*.partial` files, which the next
+    write to the directory removes."""
     if not files:
         raise ConfigError("no files to tokenize")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"-o {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    if (out / INDEX).exists():
-        (out / INDEX).unlink()  # a half-written corpus has no index: nothing reads it
     dtype = token_dtype(tok.vocab_size)
     eos = [] if tok.eos_id is None else [tok.eos_id]
     shards, writer = [], None
     pending: list[str] = []
+    written: list[Path] = []  # published under their final names, not yet in an index
 
     def flush():
         nonlocal writer
@@ -93,40 +103,97 @@ def write(
                 writer = _ShardWriter(out, len(shards), dtype)
             writer.add(np.concatenate([ids, np.asarray(eos, np.int32)]) if eos else ids)
             if writer.num_tokens >= shard_tokens:
-                shards.append(writer.close())
+                shards.append(writer.close(written))
                 writer = None
         pending.clear()
 
-    for text in documents(files, text_key):
-        pending.append(text)
-        if len(pending) == _DOCS_PER_BATCH:
-            flush()
-    flush()
-    if writer is not None:
-        shards.append(writer.close())
-    text = tok.to_json()
-    if text is not None:
-        (out / tokenizer_lib.TOKENIZER_FILE).write_text(text, encoding="utf-8")
-    index = {
-        "format": FORMAT,
-        "version": VERSION,
-        "dtype": dtype.name,
-        "tokenizer": {"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
-        "num_documents": sum(s["num_documents"] for s in shards),
-        "num_tokens": sum(s["num_tokens"] for s in shards),
-        "shards": shards,
-    }
-    index["hash"] = _index_hash(index)
-    tmp = out / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    tmp.replace(out / INDEX)  # the index last: a corpus is whole once it has one
+    try:
+        for text in documents(files, text_key):
+            pending.append(text)
+            if len(pending) == _DOCS_PER_BATCH:
+                flush()
+        flush()
+        if writer is not None:
+            shards.append(writer.close(written))
+            writer = None
+        described = {"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+        text = tok.to_json()
+        if text is not None:
+            described["file"] = f"tokenizer-{tok.hash}.json"
+            written.append(_publish(out / described["file"], text.encode("utf-8")))
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": dtype.name,
+            "tokenizer": described,
+            "num_documents": sum(s["num_documents"] for s in shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards),
+            "shards": shards,
+        }
+        index["hash"] = _index_hash(index)
+        _publish(out / INDEX, json.dumps(index, indent=1).encode())  # the commit
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        keep = _referenced(out)  # the corpus that was there (none if there was none)
+        for path in written:
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+        raise
+    _remove_unreferenced(out, _referenced(out))
     return index
 
 
+_PARTIAL = ".partial"  # a file being written; renamed to its final name when whole
+
+
+def _publish(path: Path, data: bytes) -> Path:
+    """Writes data to path through a partial file and one rename, so a reader sees the
+    old file or the whole new one."""
+    tmp = path.with_name(path.name + _PARTIAL)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def _referenced(out: Path) -> set[str]:
+    """The file names the directory's index.json refers to (empty without a readable one)."""
+    try:
+        index = json.loads((out / INDEX).read_text())
+        described = index["tokenizer"]
+        names = {INDEX}
+        if described["hash"] != tokenizer_lib.BYTES:  # a corpus older than the "file" key has tokenizer.json
+            names.add(described.get("file", tokenizer_lib.TOKENIZER_FILE))
+        for shard in index["shards"]:
+            names.update((shard["tokens"], shard["offsets"]))
+        return names
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
+def _remove_unreferenced(out: Path, keep: set[str]) -> None:
+    """Removes what a corpus writer left in out that the index does not name: an older
+    corpus's shards and tokenizer, and partial files of a write that was killed."""
+    for path in out.iterdir():
+        name = path.name
+        shard = name.startswith("shard-") and name.endswith((".tokens", ".offsets", ".tokens" + _PARTIAL))
+        tokenizer = name.startswith("tokenizer") and name.endswith((".json", ".json" + _PARTIAL))
+        ours = shard or tokenizer or name == INDEX + _PARTIAL
+        if ours and name not in keep and path.is_file():
+            path.unlink(missing_ok=True)
+
+
 class _ShardWriter:
+    """One shard, written to partial files and renamed to names carrying its digest when
+    closed: a name that no older corpus in the directory uses unless it holds the same bytes."""
+
     def __init__(self, out: Path, number: int, dtype: np.dtype):
-        self.names = f"shard-{number:05d}.tokens", f"shard-{number:05d}.offsets"
-        self.file = open(out / self.names[0], "wb")
+        self.stem = f"shard-{number:05d}"
+        self.partial = out / f"{self.stem}.tokens{_PARTIAL}"
+        self.file = open(self.partial, "wb")
         self.out, self.dtype, self.offsets, self.num_tokens = out, dtype, [0], 0
         self.sha = hashlib.sha256()
 
@@ -137,18 +204,52 @@ class _ShardWriter:
         self.num_tokens += len(ids)
         self.offsets.append(self.num_tokens)
 
-    def close(self) -> dict:
+    def close(self, written: list[Path]) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
         self.file.close()
         offsets = np.asarray(self.offsets, "<i8").tobytes()
-        (self.out / self.names[1]).write_bytes(offsets)
         self.sha.update(offsets)
+        digest = self.sha.hexdigest()
+        names = f"{self.stem}-{digest[:12]}.tokens", f"{self.stem}-{digest[:12]}.offsets"
+        os.replace(self.partial, self.out / names[0])
+        written.append(self.out / names[0])
+        written.append(_publish(self.out / names[1], offsets))
         return {
-            "tokens": self.names[0],
-            "offsets": self.names[1],
+            "tokens": names[0],
+            "offsets": names[1],
             "num_documents": len(self.offsets) - 1,
             "num_tokens": self.num_tokens,
-            "sha256": self.sha.hexdigest(),
+            "sha256": digest,
         }
+
+    def abandon(self) -> None:
+        self.file.close()
+        self.partial.unlink(missing_ok=True)
+
+
+_HASH_BLOCK = 16 << 20
+
+
+def _check_counts(index: dict, index_file: Path) -> None:
+    """The index's shapes and totals agree with each other (ConfigError naming what does not)."""
+    try:
+        shards = index["shards"]
+        counts = [(int(s["num_tokens"]), int(s["num_documents"])) for s in shards]
+        fine = all(isinstance(s["tokens"], str) and isinstance(s["offsets"], str) for s in shards)
+        fine = fine and all(t >= 0 and d >= 0 for t, d in counts)
+        np.dtype(index["dtype"])
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(
+            f"{index_file}: not an index `mpmd tokenize` writes (a field is missing or mistyped)"
+        ) from None
+    for file in (n for s in shards for n in (s["tokens"], s["offsets"])):
+        if Path(file).name != file or file.startswith("."):
+            fine = False
+    if not fine:
+        raise ConfigError(f"{index_file}: shard entries must name files in the corpus and count from 0 up")
+    if sum(t for t, _ in counts) != index.get("num_tokens") or sum(d for _, d in counts) != index.get("num_documents"):
+        raise ConfigError(f"{index_file}: num_tokens or num_documents is not the sum of its shards'")
 
 
 def _index_hash(index: dict) -> str:
@@ -157,10 +258,11 @@ def _index_hash(index: dict) -> str:
 
 
 class Corpus:
-    """A corpus directory opened for reading: its index checked, its shards memory-mapped
-    (nothing is read until asked for)."""
+    """A corpus directory opened for reading: its index checked, every shard's bytes against
+    the digest the index recorded and its offsets against its tokens (`verify`, one read of
+    the corpus at ~1 GB/s a core; see docs/benchmarks.md), then memory-mapped."""
 
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, verify: bool = True):
         if path is None:
             raise ConfigError("data.source='tokens' needs data.path: the directory `mpmd tokenize` wrote")
         self.path = Path(path)
@@ -181,6 +283,7 @@ class Corpus:
         self.index, self.hash = index, index["hash"]
         self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
         self.num_tokens, self.num_documents = index["num_tokens"], index["num_documents"]
+        _check_counts(index, index_file)
         for shard in index["shards"]:
             for key, size in (
                 ("tokens", shard["num_tokens"] * self.dtype.itemsize),
@@ -191,20 +294,53 @@ class Corpus:
                     raise ConfigError(
                         f"{file}: missing or not {size} bytes as {index_file} says; tokenize the corpus again"
                     )
+        if verify:
+            self.verify()
         # Where each shard's tokens start in the concatenation of all of them.
         self.starts = np.cumsum([0] + [s["num_tokens"] for s in index["shards"]])
         self._maps: dict[int, np.ndarray] = {}
+
+    def verify(self) -> None:
+        """Each shard's sha256 recomputed and compared with the index's, its offsets checked
+        to start at 0, never decrease and end at its token count: ConfigError naming the
+        first file that disagrees. Shards are hashed on threads (hashlib lets go of the GIL)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        shards = self.index["shards"]
+        with ThreadPoolExecutor(min(len(shards), os.cpu_count() or 1) or 1) as pool:
+            for shard, digest in zip(shards, pool.map(self._digest, shards)):
+                if digest != shard["sha256"]:
+                    raise ConfigError(
+                        f"{self.path / shard['tokens']}: its bytes (or its offsets') do not match the sha256 "
+                        f"{self.path / INDEX} recorded: the file changed after `mpmd tokenize` wrote it; "
+                        "tokenize the corpus again"
+                    )
+        for shard in shards:
+            offsets = np.fromfile(self.path / shard["offsets"], "<i8")
+            if offsets[0] != 0 or offsets[-1] != shard["num_tokens"] or np.any(np.diff(offsets) < 0):
+                raise ConfigError(
+                    f"{self.path / shard['offsets']}: document offsets must start at 0, never decrease and end "
+                    f"at the shard's {shard['num_tokens']} tokens; tokenize the corpus again"
+                )
+
+    def _digest(self, shard: dict) -> str:
+        sha = hashlib.sha256()
+        with open(self.path / shard["tokens"], "rb") as f:
+            while block := f.read(_HASH_BLOCK):
+                sha.update(block)
+        sha.update((self.path / shard["offsets"]).read_bytes())
+        return sha.hexdigest()
 
     def tokenizer(self) -> tokenizer_lib.Tokenizer:
         """The tokenizer the corpus was written with (its copy here), checked by hash."""
         want = self.index["tokenizer"]["hash"]
         if want == tokenizer_lib.BYTES:
             return tokenizer_lib.ByteTokenizer()
-        tok = tokenizer_lib.load(str(self.path / tokenizer_lib.TOKENIZER_FILE))
+        file = self.path / self.index["tokenizer"].get("file", tokenizer_lib.TOKENIZER_FILE)
+        tok = tokenizer_lib.load(str(file))
         if tok.hash != want:
             raise ConfigError(
-                f"{self.path / tokenizer_lib.TOKENIZER_FILE} has hash {tok.hash}, but the corpus "
-                f"was tokenized with {want}: tokenize it again"
+                f"{file} has hash {tok.hash}, but the corpus was tokenized with {want}: tokenize it again"
             )
         return tok
 

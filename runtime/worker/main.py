@@ -36,6 +36,7 @@ pinned to chosen cores (`--cpus 0,1`).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -327,6 +328,9 @@ def main(argv=None) -> int:
     signalled = []
     signal.signal(signal.SIGTERM, lambda *_: signalled.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: signalled.append("SIGINT"))
+    # `kill -USR1 <pid>` prints every thread's stack on stderr (the worker's log) and goes on:
+    # how to see where a worker that seems hung is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.token_stdin:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")), daemon=True).start()
     print(f"{READY} {address}", flush=True)

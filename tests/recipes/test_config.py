@@ -89,6 +89,7 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
         (["model.num_kv_heads=1"], "model.num_kv_heads is only used by model.kind='llama'"),
         (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
         (["train.sample_temperature=-1"], "train.sample_temperature must be >= 0"),
+        (["seed=-5"], "seed must be >= 0"),
         (["pipeline.schedule=1F1B"], "'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1', 'zb-v' or 'dualpipe-v'"),
         (
             ["pipeline.schedule=zb-v", "pipeline.num_stages=4", "pipeline.virtual_stages=1"],

@@ -128,3 +128,23 @@ def test_a_tied_llama_with_dropout_generates_its_end_of_run_sample(tmp_path):
         generate.continue_text(model, generate.tokenizer_of(str(run_dir)), PROMPT, NEW, 0.0)[0].encode()
         == (run_dir / "sample.txt").read_bytes()
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "inf"], "argument --temperature: must be a finite number >= 0, got 'inf'"),
+        (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got 'nan'"),
+        (["--temperature", "-0.5"], "argument --temperature: must be a finite number >= 0, got '-0.5'"),
+        (["--seed", "-5"], "argument --seed: must be a whole number >= 0, got '-5'"),
+        (["--top-k", "2.5"], "argument --top-k: must be a whole number >= 0, got '2.5'"),
+        (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be a whole number >= 0, got '-1'"),
+    ],
+)
+def test_numeric_arguments_are_range_checked_when_parsed(args, message, capsys):
+    from mpmd.recipes.commands import generate as generate_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        generate_cli.parser().parse_args(["runs/x", "--prompt", "x", *args])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"mpmd generate: error: {message}"

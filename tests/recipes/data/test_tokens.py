@@ -2,8 +2,14 @@
 memory-mapped, document by document exactly the tokenizer's encoding; a changed or damaged
 corpus is refused by name."""
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -114,9 +120,120 @@ def test_refuses_a_missing_changed_or_truncated_corpus(corpus_dir, tmp_path, cap
     with pytest.raises(ConfigError, match=r"was changed after `mpmd tokenize` wrote it"):
         tokens.Corpus(copy)
     (copy / "index.json").write_bytes((corpus_dir / "index.json").read_bytes())
-    shard = copy / "shard-00001.tokens"
+    shard = copy / index["shards"][1]["tokens"]
     shard.write_bytes(shard.read_bytes()[:-2])
-    with pytest.raises(ConfigError, match=r"shard-00001.tokens: missing or not \d+ bytes"):
+    with pytest.raises(ConfigError, match=r"shard-00001-[0-9a-f]{12}.tokens: missing or not \d+ bytes"):
         tokens.Corpus(copy)
     assert tokenize_cli.main([str(tmp_path / "none.txt"), "-o", str(tmp_path / "x")]) == 2
     assert "text file '" in capsys.readouterr().err
+
+
+def copy_of(corpus_dir: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in corpus_dir.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+def rewrite_index(corpus: Path, change) -> None:
+    """Changes the index and recomputes its hash, as someone who knows the format would."""
+    index = json.loads((corpus / "index.json").read_text())
+    change(index)
+    index["hash"] = tokens._index_hash(index)
+    (corpus / "index.json").write_text(json.dumps(index))
+
+
+def test_rotted_shard_bytes_and_lying_counts_or_offsets_are_refused_by_name(corpus_dir, tmp_path):
+    # Bytes rotted in place, ids still in the vocabulary, the size unchanged: only the digest sees it.
+    rotted = copy_of(corpus_dir, tmp_path / "rotted")
+    name = json.loads((rotted / "index.json").read_text())["shards"][0]["tokens"]
+    raw = bytearray((rotted / name).read_bytes())
+    raw[100], raw[101] = raw[101], raw[100] ^ 1
+    (rotted / name).write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=rf"{name}: its bytes \(or its offsets'\) do not match the sha256"):
+        tokens.Corpus(rotted)
+    assert tokens.Corpus(rotted, verify=False).hash  # the index alone still reads (manifests, resume checks)
+    # Totals that are not the sum of the shards', the index's hash recomputed.
+    counts = copy_of(corpus_dir, tmp_path / "counts")
+    rewrite_index(counts, lambda i: i.update(num_documents=i["num_documents"] + 1))
+    with pytest.raises(ConfigError, match=r"num_tokens or num_documents is not the sum of its shards'"):
+        tokens.Corpus(counts)
+    # An offsets file of the right size that lies, its shard digest and the index hash recomputed.
+    lying = copy_of(corpus_dir, tmp_path / "lying")
+    shard = json.loads((lying / "index.json").read_text())["shards"][0]
+    offsets = np.fromfile(lying / shard["offsets"], "<i8")
+    offsets[0] = 7  # document 0 would start mid-document
+    (lying / shard["offsets"]).write_bytes(offsets.tobytes())
+    sha = hashlib.sha256((lying / shard["tokens"]).read_bytes() + offsets.tobytes()).hexdigest()
+    rewrite_index(lying, lambda i: i["shards"][0].update(sha256=sha))
+    with pytest.raises(ConfigError, match=rf"{shard['offsets']}: document offsets must start at 0, never decrease"):
+        tokens.Corpus(lying)
+    # A shard entry naming a file outside the corpus.
+    outside = copy_of(corpus_dir, tmp_path / "outside")
+    rewrite_index(outside, lambda i: i["shards"][0].update(tokens="../rotted/" + name))
+    with pytest.raises(ConfigError, match=r"shard entries must name files in the corpus"):
+        tokens.Corpus(outside)
+
+
+def snapshot(directory: Path) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(directory.iterdir())}
+
+
+def test_a_failed_tokenize_leaves_the_corpus_it_would_replace_as_it_was(corpus_dir, tmp_path, capsys):
+    good = copy_of(corpus_dir, tmp_path / "good")
+    before = snapshot(good)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"caf\xe9 \xff\xfe not UTF-8")
+    # The bad file last: the good ones are tokenized and written first, then the write fails.
+    assert tokenize_cli.main([*map(str, FILES), str(bad), "-o", str(good), "--shard-tokens", "3000"]) == 2
+    assert "bad.txt" in capsys.readouterr().err
+    assert snapshot(good) == before, "a failed tokenize changed the corpus it would have replaced"
+    assert tokens.Corpus(good).num_documents == len(FILES)
+    # A good write replaces it whole and leaves nothing of the old corpus behind.
+    assert tokenize_cli.main([*map(str, FILES[:2]), "-o", str(good)]) == 0
+    corpus = tokens.Corpus(good)
+    assert corpus.num_documents == 2 and corpus.tokenizer().hash == "bytes"
+    assert sorted(f.name for f in good.iterdir()) == sorted(tokens._referenced(good))
+
+
+KILLED_MID_WRITE = """
+import os, sys, time
+from pathlib import Path
+from mpmd.recipes.data import tokenizer, tokens
+
+closes = []
+close = tokens._ShardWriter.close
+def close_then_wait(self, written):
+    got = close(self, written)
+    closes.append(got)
+    if len(closes) == 2:  # two new shards published, the index not yet
+        Path(sys.argv[2]).write_text("mid-write")
+        time.sleep(60)
+    return got
+tokens._ShardWriter.close = close_then_wait
+files = sys.argv[3:]
+tokens.write(files, sys.argv[1], tokenizer.load("bytes"), shard_tokens=3000)
+"""
+
+
+def test_a_tokenize_killed_mid_write_leaves_the_old_corpus_and_the_next_cleans_up(corpus_dir, tmp_path):
+    good = copy_of(corpus_dir, tmp_path / "good")
+    before = snapshot(good)
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(good), str(marker), *map(str, FILES)])
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the writer never got mid-write"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    left = set(snapshot(good)) - set(before)
+    assert left, "the killed write had published shards of its own"
+    assert {n: b for n, b in snapshot(good).items() if n in before} == before
+    assert tokens.Corpus(good).hash == json.loads(before["index.json"])["hash"]
+    tokens.write(FILES[:1], good, tokenizer.load("bytes"))
+    assert sorted(f.name for f in good.iterdir()) == sorted(tokens._referenced(good))
+    assert tokens.Corpus(good).num_documents == 1
