@@ -32,8 +32,11 @@ d. per-instruction overhead: zero-duration programs, 1f1b, m = 32, on the 2 work
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
+import threading
 import subprocess
 import sys
 import tempfile
@@ -58,6 +61,13 @@ def parse_args(argv=None):
         help="tiny models and sizes: checks every section end to end in about a minute of compute",
     )
     p.add_argument("--out", default="gpu_suite.json", help="where the JSON goes")
+    p.add_argument(
+        "--section-limit-s",
+        type=float,
+        default=None,
+        help="a section running longer prints every thread's stack and ends the suite, exit 3 "
+        "(default 240 with --tiny, else 900)",
+    )
     p.add_argument("--plain-llama", action="store_true", help=argparse.SUPPRESS)  # section b's baseline process
     return p.parse_args(argv)
 
@@ -75,6 +85,45 @@ def set_platform(cpu: bool) -> None:
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+
+
+# -- a stalled section -----------------------------------------------------------------------
+WORKER_PIDS: set[int] = set()  # the workers started here and still running
+
+
+class Watchdog:
+    """A section that runs past `limit_s` prints where everything waits and ends the suite:
+    every worker's threads (SIGUSR1: runtime/worker/main.py), then this process's, exit 3. A
+    hang then leaves its stacks in the output instead of a silent timeout."""
+
+    def __init__(self, limit_s: float):
+        self.limit_s, self.timer = limit_s, None
+
+    def arm(self, section: str) -> None:
+        self.disarm()
+        self.timer = threading.Timer(self.limit_s, self._fire, (section,))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _fire(self, section: str) -> None:
+        print(
+            f"gpu_suite: section {section!r} ran past {self.limit_s:.0f} s; every thread's stack follows",
+            file=sys.stderr,
+            flush=True,
+        )
+        for pid in sorted(WORKER_PIDS):
+            print(f"gpu_suite: worker pid {pid}'s stacks:", file=sys.stderr, flush=True)
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+        print("gpu_suite: this process's stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(sys.stderr, all_threads=True)
+        for pid in WORKER_PIDS:
+            os.kill(pid, signal.SIGKILL)
+        os._exit(3)
 
 
 # -- workers sharing the one device ----------------------------------------------------------
@@ -108,6 +157,7 @@ class SharedWorkers:
             proc.stdin.write(token + "\n")  # stdin stays open: a worker whose stdin closes stops
             proc.stdin.flush()
             self.procs.append(proc)
+            WORKER_PIDS.add(proc.pid)
         for proc in self.procs:
             line = proc.stdout.readline().split()
             if not line or line[0] != READY:
@@ -126,6 +176,7 @@ class SharedWorkers:
             proc.stdin.close()
         for proc in self.procs:
             proc.wait(timeout=30)
+            WORKER_PIDS.discard(proc.pid)
 
 
 # -- models and the unpipelined reference ----------------------------------------------------
@@ -425,13 +476,16 @@ def overhead(workers, tiny: bool) -> list[dict]:
     return rows
 
 
-def run_section(name: str, fn, rows: list) -> None:
+def run_section(name: str, fn, rows: list, watchdog: Watchdog) -> None:
     t0 = time.perf_counter()
+    watchdog.arm(name)
     try:
         got = fn()
     except Exception as e:  # one broken section must not cost the GPU run the others
         traceback.print_exc()  # the whole of it on stderr; the row keeps the gist
         got = [{"section": name, "case": "(failed)", "error": f"{type(e).__name__}: {e}"[:400]}]
+    finally:
+        watchdog.disarm()
     for r in got:
         r["section_s"] = round(time.perf_counter() - t0, 1)
     rows.extend(got)
@@ -466,13 +520,15 @@ def main(argv=None) -> int:
     }
     print(" ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     rows: list = []
+    # A tiny section takes under a minute here; the GPU's whole suite is budgeted at 8.
+    watchdog = Watchdog(args.section_limit_s or (240.0 if args.tiny else 900.0))
     with tempfile.TemporaryDirectory() as root:
-        run_section("b. llama", lambda: llama(root, args.tiny, args.cpu), rows)
+        run_section("b. llama", lambda: llama(root, args.tiny, args.cpu), rows, watchdog)
         workers = SharedWorkers(2, root)
         try:
-            run_section("a. equivalence", lambda: equivalence(workers, args.tiny), rows)
-            run_section("c. transfer", lambda: transfers(workers, args.tiny, args.cpu), rows)
-            run_section("d. overhead", lambda: overhead(workers, args.tiny), rows)
+            run_section("a. equivalence", lambda: equivalence(workers, args.tiny), rows, watchdog)
+            run_section("c. transfer", lambda: transfers(workers, args.tiny, args.cpu), rows, watchdog)
+            run_section("d. overhead", lambda: overhead(workers, args.tiny), rows, watchdog)
         finally:
             workers.close()
     header["total_s"] = round(time.time() - started, 1)

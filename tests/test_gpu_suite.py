@@ -24,7 +24,8 @@ def test_gpu_suite_runs_every_section_on_cpu_at_tiny_sizes(tmp_path):
         timeout=900,
         cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # A stalled section exits 3 with every thread's stack on stderr (gpu_suite.Watchdog): keep them.
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-30000:]
     result = json.loads(out.read_text())
     assert result["platform"] == "cpu" and result["tiny"] is True
     rows = result["rows"]

@@ -35,6 +35,7 @@ from mpmd.runtime.launchers.workers import process_alive
 from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
 from mpmd.runtime.manager.server import POOLS
 from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
+from mpmd.recipes.commands.arguments import non_negative, positive
 
 # Where a shared cluster's workers may run: the manager's table of worker pools.
 BACKENDS = tuple(POOLS)
@@ -62,8 +63,10 @@ def parser() -> argparse.ArgumentParser:
         "  mpmd cluster up --rejoin          # a manager again over the cluster file's workers",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    up.add_argument("--workers", type=int, help="worker processes (one slice each); not with --rejoin")
-    up.add_argument("--devices-per-worker", type=int, default=1, help="devices of each worker's mesh (default 1)")
+    up.add_argument("--workers", type=positive(int), help="worker processes (one slice each); not with --rejoin")
+    up.add_argument(
+        "--devices-per-worker", type=positive(int), default=1, help="devices of each worker's mesh (default 1)"
+    )
     up.add_argument("--backend", default="local", help=f"where workers run: {', '.join(BACKENDS)} (default local)")
     up.add_argument(
         "--ray-address",
@@ -81,16 +84,18 @@ def parser() -> argparse.ArgumentParser:
         help="the cluster's directory: tokens, logs, job table (default .mpmd-cluster)",
     )
     up.add_argument("--root", default=None, help="the directory every job's run_dir must lie below (default: cwd)")
-    up.add_argument("--lease-s", type=float, default=10.0, help="default lease of a job, seconds (default 10)")
+    up.add_argument(
+        "--lease-s", type=positive(float), default=10.0, help="default lease of a job, seconds (default 10)"
+    )
     up.add_argument(
         "--max-lease-s",
-        type=float,
+        type=positive(float),
         default=60.0,
         help="the longest lease a job may ask, seconds: a silent job holds workers at most this long (default 60)",
     )
     up.add_argument(
         "--compile-cache-mb",
-        type=int,
+        type=non_negative(int),
         default=None,
         help=f"each worker's compiled-program cache, MB (default {DEFAULT_LIMIT_MB})",
     )

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from mpmd.recipes.families import hf
+from mpmd.recipes.commands.arguments import non_negative
 
 PARAMS = "params/"  # the checkpoint's parameter leaves (mpmd/stages/leaf_paths.py)
 
@@ -32,7 +33,8 @@ class ExportError(ValueError):
 
 def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     """Writes committed `step` (default the newest) of the llama run in `run_dir` to `out_dir`
-    as a Hugging Face model directory; returns out_dir. ExportError on bad input."""
+    as a Hugging Face model directory, as private as the run (its run_dir_mode); returns
+    out_dir. ExportError on bad input."""
     from mpmd.recipes import config
 
     run, out = Path(run_dir), Path(out_dir)
@@ -64,7 +66,8 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     # The run's own tokenizer goes with it (none for bytes), so `mpmd generate hf:OUT_DIR` decodes alike.
     from mpmd.recipes.data import tokenizer
 
-    return hf.save(out, model_keys(cfg.model, params), params, tokenizer.run_tokenizer(run).to_json())
+    tok = tokenizer.run_tokenizer(run).to_json()
+    return hf.save(out, model_keys(cfg.model, params), params, tok, mode=int(cfg.run_dir_mode, 8))
 
 
 def model_keys(model, params: dict) -> dict:
@@ -89,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="directory to write config.json and model.safetensors into; must not exist or be empty",
     )
-    parser.add_argument("--step", type=int, metavar="N", help="a committed step (default: the newest)")
+    parser.add_argument("--step", type=non_negative(int), metavar="N", help="a committed step (default: the newest)")
     return parser
 
 

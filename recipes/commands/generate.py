@@ -15,26 +15,9 @@ Runs on this process alone: no worker starts.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-
-
-def _non_negative(kind):
-    """An argparse type: a finite number of `kind`, 0 or more (argparse turns the error into
-    one usage line and exit 2)."""
-    what = "a whole number" if kind is int else "a finite number"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what} >= 0, got {text!r}") from None
-        if not math.isfinite(value) or value < 0:
-            raise argparse.ArgumentTypeError(f"must be {what} >= 0, got {text!r}")
-        return value
-
-    return parse
+from mpmd.recipes.commands.arguments import non_negative
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,31 +35,31 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument(
-        "--max-new-tokens", type=_non_negative(int), default=200, metavar="N", help="tokens to generate (default 200)"
+        "--max-new-tokens", type=non_negative(int), default=200, metavar="N", help="tokens to generate (default 200)"
     )
     parser.add_argument(
         "--temperature",
-        type=_non_negative(float),
+        type=non_negative(float),
         default=None,
         metavar="T",
         help="divides the logits before sampling; 0 = greedy (default: the run's train.sample_temperature)",
     )
     parser.add_argument(
         "--top-k",
-        type=_non_negative(int),
+        type=non_negative(int),
         default=None,
         metavar="K",
         help="sample among the K likeliest tokens; 0 = all (default: the run's train.sample_top_k)",
     )
     parser.add_argument(
         "--step",
-        type=_non_negative(int),
+        type=non_negative(int),
         default=None,
         metavar="S",
         help="the committed checkpoint to restore (default: the newest)",
     )
     parser.add_argument(
-        "--seed", type=_non_negative(int), default=None, help="seeds the sampling, >= 0 (default: the run's seed)"
+        "--seed", type=non_negative(int), default=None, help="seeds the sampling, >= 0 (default: the run's seed)"
     )
     parser.add_argument(
         "--no-cache",

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from mpmd.recipes.commands.arguments import non_negative, positive
 
 
 def _add(rng: np.random.Generator) -> tuple[str, str]:
@@ -73,9 +74,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--task", default="reverse", choices=sorted(TASKS), help="what the examples ask (default reverse)"
     )
-    parser.add_argument("--train", type=int, default=4000, metavar="N", help="training examples (default 4000)")
-    parser.add_argument("--heldout", type=int, default=200, metavar="N", help="held-out examples (default 200)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the examples (default 0)")
+    parser.add_argument(
+        "--train", type=positive(int), default=4000, metavar="N", help="training examples (default 4000)"
+    )
+    parser.add_argument(
+        "--heldout", type=non_negative(int), default=200, metavar="N", help="held-out examples (default 200)"
+    )
+    parser.add_argument("--seed", type=non_negative(int), default=0, help="seeds the examples (default 0)")
     return parser
 
 

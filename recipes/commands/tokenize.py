@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from mpmd.recipes.config import ConfigError
+from mpmd.recipes.commands.arguments import positive
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--shard-tokens",
-        type=int,
+        type=positive(int),
         default=None,
         metavar="N",
         help="tokens per shard, at least (documents are not cut; default 100,000,000)",

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from mpmd.recipes.config import ConfigError
+from mpmd.recipes.commands.arguments import positive
 
 
 def parser() -> argparse.ArgumentParser:
@@ -24,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("files", metavar="FILES", nargs="+", help="UTF-8 text files to learn merges from")
     train.add_argument(
         "--vocab-size",
-        type=int,
+        type=positive(int),
         required=True,
         metavar="N",
         help="tokens in all: 256 bytes, <|endoftext|> and N - 257 merges (at most)",
@@ -32,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--output", required=True, metavar="DIR", help="writes DIR/tokenizer.json")
     train.add_argument(
         "--min-frequency",
-        type=int,
+        type=positive(int),
         default=2,
         metavar="K",
         help="a pair merges only if it occurs at least K times (default 2)",

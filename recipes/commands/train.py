@@ -18,6 +18,7 @@ import sys
 
 from mpmd.recipes import config
 from mpmd.recipes.run import console
+from mpmd.recipes.commands.arguments import positive
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tflops",
-        type=float,
+        type=positive(float),
         default=400.0,
         metavar="T",
         help="with --dry-run: sustained TFLOP/s per slice the predicted step time assumes (default 400)",

@@ -156,6 +156,9 @@ def _describe_error(error: dict) -> str:
         return str(ctx.get("error", error["msg"]))
     if kind == "extra_forbidden":
         return str(_unknown_key(key))
+    if kind == "int_too_large":  # recipes/config/sections.py's _ints_fit_int64, at the section
+        key = f"{key}.{ctx['key']}" if key else ctx["key"]
+        return f"{key}={ctx['value']} is beyond any size a run can have (at most 2**63 - 1)"
     if kind in _TYPE_WORDS:
         return f"{key} must be {_TYPE_WORDS[kind]}, got {got!r}"
     if kind == "literal_error":

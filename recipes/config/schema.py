@@ -310,6 +310,12 @@ class Config(_Section):
         "pipeline.schedule; the working directory is on the import path",
     )
     run_dir: str = Field("runs/default", description="checkpoints, metrics, traces, config go here")
+    run_dir_mode: str = Field(
+        "0700",
+        description="permissions of run_dir and what the run writes in it (octal, as chmod takes them): "
+        "0700 = its owner only; 0750 lets the owner's group read it (a team sharing a group). The "
+        "owner always has rwx; others may never write",
+    )
     seed: int = Field(0, ge=0, description="seeds parameter init and data order")
     # model, data and cluster: the section of the registered family, source or backend that
     # their kind, source or backend names.
@@ -323,6 +329,20 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
+
+    @field_validator("run_dir_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, value):
+        # YAML reads an unquoted 0750 as the integer 488 (octal): take it as the octal it was.
+        text = format(value, "04o") if isinstance(value, int) and not isinstance(value, bool) else value
+        if not isinstance(text, str) or not re.fullmatch(r"0?[0-7]{3}", text):
+            raise ValueError(f"run_dir_mode must be an octal mode like '0700' or '0750', got {value!r}")
+        mode = int(text, 8)
+        if mode & 0o700 != 0o700 or mode & 0o002:
+            raise ValueError(
+                f"run_dir_mode={text!r}: its owner must keep rwx (0700) and others may not write (no 0002)"
+            )
+        return format(mode, "04o")
 
     @field_validator("model", "data", "cluster", mode="before")
     @classmethod

@@ -5,6 +5,7 @@ ConfigError. recipes/config/schema.py assembles them into the Config."""
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from mpmd.recipes import registry
 from mpmd.runtime.wire.verbs import TRANSPORTS
@@ -14,9 +15,23 @@ class ConfigError(ValueError):
     """A config the user wrote is invalid; the message names the key and what is allowed."""
 
 
+INT_LIMIT = 2**63 - 1  # every integer key fits an int64 (shapes, counts, byte sizes, seeds)
+
+
 class _Section(BaseModel):
     # strict: YAML already gives typed values, so "5" for an int is a mistake, not a coercion.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # No key takes a NaN or an infinity (YAML's .nan, .inf): null is how a key says "none".
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ints_fit_int64(cls, values):
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+                    # recipes/config/loading.py's _describe_error puts the section before the key
+                    raise PydanticCustomError("int_too_large", "too large", {"key": key, "value": value})
+        return values
 
 
 class ModelSection(_Section):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -235,6 +236,8 @@ def train_bpe(files: list[str | Path], vocab_size: int, out_dir: str | Path, min
     missing = [str(f) for f in files if not Path(f).is_file()]
     if missing or not files:
         raise ConfigError(f"no such file: {', '.join(missing)}" if missing else "no files to train on")
+    for file in files:  # every input read and checked before anything is written
+        _check_utf8(Path(file))
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -245,11 +248,37 @@ def train_bpe(files: list[str | Path], vocab_size: int, out_dir: str | Path, min
         initial_alphabet=alphabet,
         show_progress=False,
     )
-    tok.train([str(f) for f in files], trainer)
+    try:
+        tok.train([str(f) for f in files], trainer)
+    except Exception as e:  # the Rust trainer's own error, one line
+        raise ConfigError(f"training the tokenizer failed: {e}") from None
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"-o {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / TOKENIZER_FILE))
+    partial = out / (TOKENIZER_FILE + ".partial")
+    tok.save(str(partial))
+    os.replace(partial, out / TOKENIZER_FILE)  # a tokenizer.json already there stays whole until then
     return out / TOKENIZER_FILE
+
+
+def _check_utf8(file: Path, block: int = 1 << 24) -> None:
+    """ConfigError naming the file and byte where it stops being UTF-8 (read in blocks)."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    try:
+        with open(file, "rb") as f:
+            while True:
+                data = f.read(block)
+                decoder.decode(data, final=not data)
+                if not data:
+                    return
+                offset += len(data)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"text file '{file}' is not UTF-8 text (byte {offset + e.start}: {e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read text file '{file}': {e.strerror or e}") from None
 
 
 # -- a config's tokenizer --------------------------------------------------------------------

@@ -24,7 +24,7 @@ _MODULE_FN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 class CustomSection(GPTSection, ComputeSection, WidthsSection):
     kind: Literal["custom"] = Field("custom", description="which model to build")
-    num_layers: int = Field(4, gt=0, description="layers, for the builder to read")
+    num_layers: int = Field(4, gt=0, le=2**12, description="layers, for the builder to read")
     module: str | None = Field(None, description="'package.module:function' that builds a list of nnx stages")
 
 

@@ -23,11 +23,11 @@ from mpmd.recipes.registry import (
 class DecoderSection(ModelSection):
     """What every decoder LM here takes."""
 
-    vocab_size: int = Field(256, gt=0, description="token vocabulary; 256 = one token per byte")
-    d_model: int = Field(64, gt=0, description="residual stream width")
-    num_heads: int = Field(2, gt=0, description="attention heads; must divide d_model")
-    num_layers: int = Field(4, gt=0, description="transformer blocks")
-    seq_len: int = Field(64, ge=2, description="context length in tokens")
+    vocab_size: int = Field(256, gt=0, le=2**24, description="token vocabulary; 256 = one token per byte")
+    d_model: int = Field(64, gt=0, le=2**18, description="residual stream width")
+    num_heads: int = Field(2, gt=0, le=2**12, description="attention heads; must divide d_model")
+    num_layers: int = Field(4, gt=0, le=2**12, description="transformer blocks")
+    seq_len: int = Field(64, ge=2, le=2**24, description="context length in tokens")
     dropout: float = Field(
         0.0,
         ge=0.0,
@@ -40,7 +40,7 @@ class DecoderSection(ModelSection):
 
 class GPTSection(DecoderSection):
     kind: Literal["gpt"] = Field("gpt", description="which model to build")
-    mlp_ratio: int = Field(4, gt=0, description="feed-forward width as a multiple of d_model")
+    mlp_ratio: int = Field(4, gt=0, le=64, description="feed-forward width as a multiple of d_model")
 
 
 def byte_vocab_problems(cfg: Config) -> list[str]:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpmd.recipes.config.sections import ConfigError
+
 PREFIX = "hf:"  # model.init_from = "hf:<directory>"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -70,8 +72,9 @@ _OUTER = {
 }
 
 
-class HFError(ValueError):
-    """A Hugging Face directory mpmd cannot read as a Llama; the message names the file and key."""
+class HFError(ConfigError):
+    """A Hugging Face directory mpmd cannot read as a Llama; the message names the file and key
+    (a ConfigError: the commands print it as one line and exit 2)."""
 
 
 def directory_of(init_from: str) -> Path:
@@ -135,6 +138,67 @@ def model_keys(hf_dir) -> dict:
         )
     out["rope_theta"] = rope_theta_of(c, path)
     return out
+
+
+def tensor_shapes(keys: dict) -> dict[str, tuple[int, ...]]:
+    """Each Hugging Face tensor's shape ([out, in] for a projection) that a Llama of model.*
+    `keys` has, by tensor name, layer 0's and the outer ones (every layer's are layer 0's)."""
+    d, heads, kv, vocab, mlp = (keys[k] for k in ("d_model", "num_heads", "num_kv_heads", "vocab_size", "mlp_dim"))
+    head_dim = d // heads
+    layer = {
+        "self_attn.q_proj.weight": (heads * head_dim, d),
+        "self_attn.k_proj.weight": (kv * head_dim, d),
+        "self_attn.v_proj.weight": (kv * head_dim, d),
+        "self_attn.o_proj.weight": (d, heads * head_dim),
+        "mlp.gate_proj.weight": (mlp, d),
+        "mlp.up_proj.weight": (mlp, d),
+        "mlp.down_proj.weight": (d, mlp),
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+    }
+    outer = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
+    if not keys["tie_embeddings"]:
+        outer["lm_head.weight"] = (vocab, d)
+    return {**outer, **{f"model.layers.0.{name}": shape for name, shape in layer.items()}}
+
+
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def check_tensors(hf_dir, keys: dict) -> None:
+    """The directory's tensors against what config.json says (`keys`, model_keys'), from the
+    safetensors headers alone, before any model is built: the layers are there, no more and no
+    fewer, and every tensor has its name, shape and a float dtype. HFError naming the first
+    that disagrees; absurd sizes in config.json fail here in milliseconds."""
+    weights = Weights(hf_dir)
+    path = Path(hf_dir) / CONFIG
+    layers = {
+        int(name.split(".")[2])
+        for name in weights.files
+        if name.startswith("model.layers.") and name.split(".")[2].isdigit()
+    }
+    if layers != set(range(len(layers))) or len(layers) != keys["num_layers"]:
+        raise HFError(
+            f"{path} says num_hidden_layers={keys['num_layers']}, but {weights.dir}'s tensors are of "
+            f"{len(layers)} layers{'' if layers == set(range(len(layers))) else ' (not numbered 0 up)'}"
+        )
+    want = tensor_shapes(keys)
+    for layer in range(keys["num_layers"]):
+        for name, shape in want.items():
+            if layer and not name.startswith("model.layers.0."):
+                continue
+            name = name.replace("model.layers.0.", f"model.layers.{layer}.", 1)
+            if name not in weights.files:
+                raise HFError(f"{weights.dir} has no tensor {name!r}, which {path} implies")
+            dtype, got = weights.header(name)
+            if dtype not in _FLOAT_DTYPES:
+                raise HFError(
+                    f"tensor {name!r} in {weights.files[name]} is {dtype}; a weight must be one of {_FLOAT_DTYPES}"
+                )
+            if tuple(got) != shape:
+                raise HFError(
+                    f"tensor {name!r} in {weights.files[name]} has shape {list(got)}, but {path} implies {list(shape)}"
+                )
 
 
 def max_positions(hf_dir) -> int | None:
@@ -204,6 +268,7 @@ class Weights:
 
     def __init__(self, hf_dir):
         self.dir = Path(hf_dir)
+        self._headers: dict[Path, dict] = {}
         index, single = self.dir / INDEX, self.dir / WEIGHTS
         if index.is_file():
             try:
@@ -220,15 +285,39 @@ class Weights:
             )
 
     def read(self, paths) -> list[np.ndarray]:
-        """The float32 array of each model path, as models/llama.py lays it out."""
+        """The float32 array of each model path, as models/llama.py lays it out. HFError
+        naming the tensor that holds a NaN or an infinity."""
         out = []
         for path in paths:
             name, transposed = tensor_name(path)
             if name not in self.files:
                 raise HFError(f"{self.dir} has no tensor {name!r} (model parameter {path})")
             array = _read_tensor(self.files[name], name).astype(np.float32)
+            if not np.isfinite(array).all():
+                bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+                raise HFError(
+                    f"tensor {name!r} in {self.files[name]} holds {bad} NaN or infinite value(s) of "
+                    f"{array.size}: the weights are damaged; nothing was trained or generated from them"
+                )
             out.append(np.ascontiguousarray(array.T) if transposed else array)
         return out
+
+    def header(self, name: str) -> tuple[str, list[int]]:
+        """(safetensors dtype, shape) of a tensor, from its file's header (no data read)."""
+        from safetensors import SafetensorError, safe_open
+
+        file = self.files[name]
+        if file not in self._headers:
+            try:
+                with safe_open(str(file), "np") as f:
+                    self._headers[file] = {
+                        n: (f.get_slice(n).get_dtype(), f.get_slice(n).get_shape()) for n in f.keys()
+                    }
+            except (OSError, SafetensorError) as e:
+                raise HFError(f"cannot read {file}: {e}") from None
+        if name not in self._headers[file]:
+            raise HFError(f"{file} holds no tensor {name!r}, which {self.dir / INDEX} says it does")
+        return self._headers[file][name]
 
 
 def open(hf_dir) -> Weights:  # noqa: A001  (hf.open, as safetensors' safe_open)
@@ -241,18 +330,22 @@ def load(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     are a llama section's (`{"kind": "llama", **keys}` validates as one), seq_len set to
     max_position_embeddings where config.json has it."""
     keys, longest = model_keys(hf_dir), max_positions(hf_dir)
+    check_tensors(hf_dir, keys)
     if longest is not None:
         keys["seq_len"] = longest
     paths = param_paths(keys["num_layers"], keys["tie_embeddings"])
     return keys, dict(zip(paths, Weights(hf_dir).read(paths)))
 
 
-def save(out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str | None = None) -> Path:
+def save(
+    out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str | None = None, mode: int = 0o700
+) -> Path:
     """Writes config.json and model.safetensors (float32) of a Llama with model.* `keys` and
     `params` ({model path: array}), and tokenizer.json where given (its text), into `out_dir`,
     which must not exist or be empty (HFError):
     the files are written beside it and renamed into place, so nothing half-written is left
-    under that name and nothing is overwritten."""
+    under that name and nothing is overwritten. The directory gets `mode` (default: its
+    owner's only)."""
     from safetensors.numpy import save_file
 
     out = check_new(out_dir)
@@ -267,8 +360,11 @@ def save(out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str
         name, transposed = tensor_name(path)
         array = np.asarray(params[path], np.float32)
         tensors[name] = np.ascontiguousarray(array.T if transposed else array)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    staging.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
+    staging = out.parent / f"{_partial_prefix(out)}{os.getpid()}"
+    staging.mkdir()
+    os.chmod(staging, mode)  # the directory is the gate: 0700, its owner's only, whatever the umask
     try:
         save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
         (staging / CONFIG).write_text(json.dumps(hf_config(keys), indent=2) + "\n")
@@ -283,9 +379,36 @@ def save(out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str
     return out
 
 
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.partial-"
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Removes the staging directories beside `out` that an export killed before its rename
+    left (`.NAME.partial-PID` of a PID no longer running); returns them."""
+    removed = []
+    for staging in out.parent.glob(f"{_partial_prefix(out)}*"):
+        pid = staging.name[len(_partial_prefix(out)) :]
+        if not pid.isdigit() or staging.is_symlink() or not staging.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its writer still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's live process
+        shutil.rmtree(staging, ignore_errors=True)
+        removed.append(staging)
+    return removed
+
+
 def check_new(out_dir) -> Path:
-    """`out_dir` as a Path when it does not exist or is an empty directory; HFError otherwise."""
+    """`out_dir` as a Path when it does not exist or is an empty directory (not a symbolic
+    link: the rename would not land where it points); HFError otherwise."""
     out = Path(out_dir)
+    if out.is_symlink():
+        raise HFError(f"{out} is a symbolic link; name a new directory (nothing is written through a link)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFError(f"{out} exists and is not an empty directory; nothing is overwritten: name a new one")
     return out

@@ -33,10 +33,13 @@ class ComputeSection(ModelSection):
 class LlamaSection(DecoderSection, ComputeSection):
     kind: Literal["llama"] = Field("llama", description="which model to build")
     num_kv_heads: int | None = Field(
-        None, gt=0, description="key/value heads (grouped-query attention), dividing num_heads; null = num_heads"
+        None,
+        gt=0,
+        le=2**12,
+        description="key/value heads (grouped-query attention), dividing num_heads; null = num_heads",
     )
     mlp_dim: int | None = Field(
-        None, gt=0, description="SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64"
+        None, gt=0, le=2**20, description="SwiGLU hidden width; null = 8/3 x d_model rounded up to a multiple of 64"
     )
     tie_embeddings: bool = Field(
         False,
@@ -69,6 +72,7 @@ class LlamaSection(DecoderSection, ComputeSection):
             hf_dir = hf.directory_of(init_from)
             try:
                 keys, longest = hf.model_keys(hf_dir), hf.max_positions(hf_dir)
+                hf.check_tensors(hf_dir, keys)  # before any model is built from the keys
             except hf.HFError as e:
                 raise ValueError(f"model.init_from={init_from!r}: {e}") from None
             source, named = hf.CONFIG, lambda key: hf.KEYS.get(key, (key,))[0]

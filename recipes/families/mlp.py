@@ -13,14 +13,14 @@ from mpmd.recipes.registry import REGRESSION, ModelSpec, flax_build, layers_prob
 class WidthsSection(ModelSection):
     """An MLP's widths (a custom builder may read these too)."""
 
-    in_features: int = Field(16, gt=0, description="input width")
-    hidden_features: int = Field(64, gt=0, description="hidden width")
-    out_features: int = Field(4, gt=0, description="output width")
+    in_features: int = Field(16, gt=0, le=2**20, description="input width")
+    hidden_features: int = Field(64, gt=0, le=2**20, description="hidden width")
+    out_features: int = Field(4, gt=0, le=2**20, description="output width")
 
 
 class MLPSection(WidthsSection):
     kind: Literal["mlp"] = Field("mlp", description="which model to build")
-    num_layers: int = Field(4, gt=0, description="hidden layers")
+    num_layers: int = Field(4, gt=0, le=2**12, description="hidden layers")
 
 
 def _problems(cfg: Config) -> list[str]:

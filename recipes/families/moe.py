@@ -19,12 +19,13 @@ from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
 class MoESection(_Section):
     """model.moe.*: the experts and their routing."""
 
-    num_experts: int = Field(8, ge=2, description="routed SwiGLU experts in each MoE block")
+    num_experts: int = Field(8, ge=2, le=2**14, description="routed SwiGLU experts in each MoE block")
     top_k: int = Field(2, gt=0, description="experts each token is sent to; at most num_experts")
     every: int = Field(1, gt=0, description="every k-th block (k, 2k, ... counting from 1) is an MoE block; 1 = all")
     expert_mlp_dim: int | None = Field(
         None,
         gt=0,
+        le=2**20,
         description="each expert's SwiGLU width; null = model.mlp_dim (itself 8/3 x d_model rounded up to 64 "
         "when null)",
     )
@@ -41,7 +42,7 @@ class MoESection(_Section):
     )
     renormalize: bool = Field(True, description="softmax router: renormalise a token's top_k weights to sum 1")
     shared_mlp_dim: int | None = Field(
-        None, gt=0, description="width of a shared SwiGLU expert every token goes through; null = none"
+        None, gt=0, le=2**20, description="width of a shared SwiGLU expert every token goes through; null = none"
     )
     balance_coef: float = Field(
         0.01, ge=0, description="weight of the Switch/GShard load-balancing loss E x sum_e f_e P_e of each MoE block"

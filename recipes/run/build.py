@@ -140,12 +140,20 @@ def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recover
     return cfg.checkpoint.record(metadata), cfg.cluster.recovery(cfg.train.on_nonfinite)
 
 
-def check_run_dir(run_dir: str) -> None:
+def check_run_dir(run_dir: str, mode: str = "0700") -> None:
     """run_dir and its checkpoints/ must be directories this process can write in; made if
-    missing. Found here, before any worker starts, not when the first checkpoint fails."""
+    missing. Found here, before any worker starts, not when the first checkpoint fails.
+
+    Both get `mode` (run_dir_mode; 0700: the owner's only) whatever the umask, and this
+    process's umask becomes the mode's complement, so that what the run writes (files 0600
+    under 0700) and the local workers it starts (they inherit the umask) follow it."""
+    bits = int(mode, 8)
+    os.umask(0o777 & ~bits)
     for d in (Path(run_dir), Path(run_dir) / "checkpoints"):
         try:
             d.mkdir(parents=True, exist_ok=True)
+            if d.stat().st_uid == os.getuid():
+                os.chmod(d, bits)
             probe = d / f".write-test-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()

@@ -94,7 +94,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
     build.check_layout(cfg, pipeline, optimizer)
     cluster = build.build_cluster(cfg)  # checks the cluster keys; starts nothing yet
-    build.check_run_dir(cfg.run_dir)  # the first thing written, once the config is known good
+    build.check_run_dir(cfg.run_dir, cfg.run_dir_mode)  # the first thing written, once the config is known good
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
         # A shared cluster's manager may refuse the job (JobRefused).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -294,3 +295,18 @@ class StandaloneWorkers:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def sigkill_at_marker(code: str, args, marker: Path, timeout_s: float = 120.0) -> None:
+    """Runs `python -c code *args`, waits until it creates `marker` (the script writes it at
+    the point to be killed, then sleeps), and SIGKILLs it there."""
+    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)])
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the script never reached its marker"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()

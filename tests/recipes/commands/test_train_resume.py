@@ -94,6 +94,15 @@ def assert_same_as_reference(run_dir: Path, reference):
     assert [r["loss"] for r in got_metrics] == [r["loss"] for r in want_metrics]
 
 
+def test_what_the_controller_and_its_workers_wrote_is_the_owners_only(reference):
+    run_dir = reference[2]
+    paths = [run_dir, *run_dir.rglob("*")]
+    assert any("checkpoints" in p.parts and p.is_file() for p in paths), "the workers' checkpoint files"
+    assert any(p.name.startswith("worker_") for p in paths), "the workers' logs"
+    opened = {str(p.relative_to(run_dir)): oct(p.lstat().st_mode & 0o777) for p in paths if p.lstat().st_mode & 0o077}
+    assert opened == {}, f"readable by others than the owner: {opened}"
+
+
 def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(reference, tmp_path):
     """One run stopped twice: SIGTERMed after step 5, the controller commits a final
     checkpoint (off the checkpoint.every grid or not) and exits 143; the same command resumes

@@ -97,6 +97,21 @@ def test_the_cli_refuses_a_vocabulary_below_the_bytes(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+def test_training_on_a_file_that_is_not_utf8_is_one_line_and_keeps_the_tokenizer_there(trained, tmp_path, capsys):
+    out = tmp_path / "tok"
+    out.mkdir()
+    before = (trained / "tokenizer.json").read_bytes()
+    (out / "tokenizer.json").write_bytes(before)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"good text " * 100 + b"\xff\xfe")
+    argv = ["train", str(STDLIB / "textwrap.py"), str(bad), "--vocab-size", "300", "-o", str(out)]
+    assert tokenizer_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: text file '{bad}' is not UTF-8 text (byte 1000: invalid start byte)"], err
+    assert (out / "tokenizer.json").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["tokenizer.json"]
+
+
 def test_model_vocab_size_follows_the_tokenizer(trained):
     cfg = config.load("configs/gpt_tiny.yaml", [f"data.tokenizer={trained}"])
     assert cfg.model.vocab_size == 384, "300 rounded up to a multiple of 128"

@@ -4,12 +4,7 @@ corpus is refused by name."""
 
 import hashlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +15,7 @@ from mpmd.recipes.commands import tokenize as tokenize_cli
 from mpmd.recipes.data import tokenizer
 from mpmd.recipes.data import tokens
 from mpmd.recipes.config import ConfigError
+from tests.support.processes import sigkill_at_marker
 from tests.recipes.data.test_tokenizer import trained  # noqa: F401  (the fixture: a 300-token BPE)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -220,16 +216,7 @@ def test_a_tokenize_killed_mid_write_leaves_the_old_corpus_and_the_next_cleans_u
     good = copy_of(corpus_dir, tmp_path / "good")
     before = snapshot(good)
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(good), str(marker), *map(str, FILES)])
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the writer never got mid-write"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    sigkill_at_marker(KILLED_MID_WRITE, [good, marker, *FILES], marker)
     left = set(snapshot(good)) - set(before)
     assert left, "the killed write had published shards of its own"
     assert {n: b for n, b in snapshot(good).items() if n in before} == before

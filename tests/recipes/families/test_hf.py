@@ -4,6 +4,9 @@ read into mpmd, held to transformers' own logits; unpipelined here, pipelined on
 processes in the slow tests (tests/recipes/commands/test_export.py holds the way out)."""
 
 import json
+import re
+import os
+import time
 
 import jax
 import numpy as np
@@ -14,6 +17,7 @@ from mpmd.recipes import config, registry
 from mpmd.recipes.families import hf
 from mpmd.stages.leaf_paths import path_string
 from tests.support import hf_llama
+from tests.support.processes import sigkill_at_marker
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,45 @@ def test_save_then_load_is_bitwise(hf_models, tmp_path):
     assert all(written[n].tobytes() == original[n].tobytes() for n in original), "the very tensors"
 
 
+KILLED_SAVE = """
+import sys, time
+from pathlib import Path
+import safetensors.numpy
+from mpmd.recipes.families import hf
+
+save_file = safetensors.numpy.save_file
+def save_then_wait(*args, **kwargs):
+    save_file(*args, **kwargs)
+    Path(sys.argv[3]).write_text("weights written")
+    time.sleep(60)  # killed here: before the rename
+safetensors.numpy.save_file = save_then_wait
+keys, params = hf.load(sys.argv[1])
+hf.save(sys.argv[2], keys, params)
+"""
+
+
+def test_an_export_killed_before_its_rename_leaves_no_output_and_the_next_cleans_up(hf_models, tmp_path):
+    hf_dir, _ = hf_models["gqa"]
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    sigkill_at_marker(KILLED_SAVE, [hf_dir, out, marker], marker)
+    assert not out.exists()
+    (stale,) = tmp_path.glob(".out.partial-*")
+    live = tmp_path / f".out.partial-{os.getppid()}"  # a writer still running: left alone
+    live.mkdir()
+    keys, params = hf.load(hf_dir)
+    hf.save(out, keys, params)
+    assert not stale.exists() and live.is_dir()
+    assert hf.load(out)[0] == keys
+    # A symbolic link as the output, dangling or to an empty directory, is refused by name.
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "nowhere", tmp_path / "empty"):
+        link = tmp_path / f"link_{target.name}"
+        link.symlink_to(target)
+        with pytest.raises(hf.HFError, match=rf"{link} is a symbolic link; name a new directory"):
+            hf.save(link, keys, params)
+    assert not any((tmp_path / "empty").iterdir())
+
+
 def test_a_key_that_disagrees_with_config_json_is_refused(hf_models):
     hf_dir = hf_models["gqa"][0]
     with pytest.raises(config.ConfigError, match=r"model.d_model=64 disagrees with model.init_from=.*hidden_size=32"):
@@ -140,6 +183,98 @@ def test_a_missing_tensor_names_the_parameter(hf_models, tmp_path):
         r"blocks.2.mlp.up.kernel\)",
     ):
         hf.open(tmp_path).read(["blocks.2.mlp.up.kernel"])
+
+
+def broken_copy(hf_dir, to, config_change=None, tensors_change=None):
+    """A copy of a Hugging Face directory with config.json and/or its tensors changed."""
+    from safetensors.numpy import load_file, save_file
+
+    to.mkdir()
+    c = json.loads((hf_dir / hf.CONFIG).read_text())
+    (to / hf.CONFIG).write_text(json.dumps({**c, **(config_change or {})}))
+    tensors = load_file(str(hf_dir / hf.WEIGHTS))
+    if tensors_change:
+        tensors_change(tensors)
+    save_file(tensors, str(to / hf.WEIGHTS), metadata={"format": "pt"})
+    return to
+
+
+def test_tensors_are_checked_against_config_json_before_any_model_is_built(hf_models, tmp_path):
+    hf_dir = hf_models["gqa"][0]
+    up = "model.layers.1.mlp.up_proj.weight"
+    cases = [
+        ({"num_hidden_layers": 10**6}, None, r"says num_hidden_layers=1000000, but .* tensors are of 3 layers"),
+        (
+            {"hidden_size": 600_000_000, "head_dim": None},
+            None,
+            r"'model.embed_tokens.weight' .* has shape \[256, 32\], but .* implies \[256, 600000000\]",
+        ),
+        (
+            None,
+            lambda t: t.update({up: t[up][:, :-1]}),
+            rf"tensor '{up}' .* has shape \[48, 31\], but .* implies \[48, 32\]",
+        ),
+        (None, lambda t: t.update({up: t[up].astype(np.int32)}), rf"tensor '{up}' .* is I32; a weight must be one of"),
+    ]
+    for k, (config_change, tensors_change, message) in enumerate(cases):
+        d = broken_copy(hf_dir, tmp_path / f"case{k}", config_change, tensors_change)
+        t0 = time.perf_counter()
+        with pytest.raises(config.ConfigError, match=message):
+            llama_config(d)
+        assert time.perf_counter() - t0 < 5, "refused from the headers, no model built"
+    truncated = broken_copy(hf_dir, tmp_path / "truncated")
+    raw = (truncated / hf.WEIGHTS).read_bytes()
+    (truncated / hf.WEIGHTS).write_bytes(raw[:40])
+    with pytest.raises(config.ConfigError, match=r"cannot read .*model.safetensors"):
+        llama_config(truncated)
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(hf_models, tmp_path):
+    hf_dir = hf_models["gqa"][0]
+    q = "model.layers.0.self_attn.q_proj.weight"
+
+    def poison(t):
+        t[q] = t[q].copy()
+        t[q][3, 5], t[q][0, 0] = np.nan, np.inf
+
+    d = broken_copy(hf_dir, tmp_path / "nan", tensors_change=poison)
+    llama_config(d)  # the headers are fine: the values are read stage by stage, and checked then
+    with pytest.raises(config.ConfigError, match=rf"tensor '{q}' in .* holds 2 NaN or infinite value\(s\) of 1024"):
+        hf.open(d).read(["blocks.0.attn.q.kernel"])
+    with pytest.raises(config.ConfigError, match=rf"tensor '{q}' .* holds 2 NaN"):
+        hf.load(d)
+
+
+@pytest.mark.slow  # starts `mpmd train` and `mpmd generate` four times
+def test_train_and_generate_refuse_damaged_weights_in_one_line_exit_2(hf_models, tmp_path):
+    from tests.support.processes import mpmd_command
+
+    hf_dir = hf_models["gqa"][0]
+    q = "model.layers.1.self_attn.q_proj.weight"
+    nan = broken_copy(hf_dir, tmp_path / "nan", tensors_change=lambda t: t.update({q: t[q] * np.nan}))
+    short = broken_copy(hf_dir, tmp_path / "short", tensors_change=lambda t: t.update({q: t[q][:-1]}))
+    (tmp_path / "llama.yaml").write_text("model:\n  kind: llama\n")
+    run = [
+        tmp_path / "llama.yaml",
+        f"model.seq_len={hf_llama.SEQ_LEN}",
+        "data.source=synthetic",
+        "train.steps=1",
+        "train.sample_tokens=0",
+        "cluster.num_workers=2",
+    ]
+    for d, message in [
+        (nan, rf"tensor '{q}' in .* holds 1024 NaN"),
+        (short, rf"tensor '{q}' in .* has shape \[31, 32\]"),
+    ]:
+        for command, args in [
+            ("train", [*run, f"model.init_from=hf:{d}", f"run_dir={tmp_path / ('run_' + d.name)}"]),
+            ("generate", [f"hf:{d}", "--prompt", "x"]),
+        ]:
+            proc = mpmd_command(command, *args)
+            lines = proc.stderr.strip().splitlines()
+            errors = [line for line in lines if line.startswith("error: ")]
+            assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+            assert re.search(message, errors[0]), errors[0]
 
 
 FROM_CONFIG = "from model.init_from"
