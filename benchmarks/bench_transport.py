@@ -55,6 +55,10 @@ def worker(slice_index: int, path: str, sizes_mb: tuple[int, ...] = SIZES_MB) ->
     print(json.dumps({"address": transport.address}), flush=True)
     transport.connect_peers({peer: json.loads(sys.stdin.readline())["address"]})
     assert transport.path(peer) == mode, (transport.path(peer), mode)
+    # A sender picks shared memory for a peer once that peer has connected to it: as the
+    # controller does (every Connect returns before any step), both wait until both are.
+    print(json.dumps({"connected": True}), flush=True)
+    sys.stdin.readline()
     results = {}
     for size_mb in sizes_mb:
         spec = (Spec((size_mb * 2**20 // 4,), "float32"),)
@@ -143,6 +147,11 @@ def one_way_by_size(path: str, platform: str = "cpu", sizes_mb: tuple[int, ...] 
         for p, peer_line in zip(procs, reversed(addresses)):
             p.stdin.write(peer_line)
             p.stdin.flush()
+        for p in procs:  # both connected before either sends
+            p.stdout.readline()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
         one_way_s = {int(k): v for k, v in json.loads(procs[0].stdout.readline()).items()}
         procs[1].stdout.readline()
         for p in procs:
@@ -185,6 +194,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where it waits
         # Pinned by itself, before JAX starts: a preexec_fn would run Python in a child forked
         # from a parent with JAX's and gRPC's threads (gpu_suite.py), where it can crash.
         os.sched_setaffinity(0, {int(sys.argv[5])})

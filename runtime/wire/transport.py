@@ -244,7 +244,11 @@ class TransferTransport:
 
     def send(self, key: str, arrays: tuple[jax.Array, ...], dst_slice: int, pieces: tuple[int, ...] = ()) -> None:
         # The receiver pulls by key. Arrays still being computed are fine; the server serves
-        # them once they are ready.
+        # them once they are ready. The path is shared memory if dst_slice has connected to
+        # this worker's endpoint, so every receiver's connect_peers must have returned before
+        # the first send (the controller's Connects all return before any Run): a send made
+        # earlier goes by socket while the receiver pulls through shared memory, and waits
+        # forever (benchmarks/bench_transport.py once raced so).
         counts = _counts(pieces, len(arrays))
         if self._shm is not None and self._shm.serves(dst_slice):
             offered = [p for a, n in zip(arrays, counts) if a.size for p in reshard.cut(a, n)]
