@@ -124,10 +124,8 @@ def check_up(args) -> None:
     if args.rejoin:
         if args.workers is not None:
             raise ValueError("--rejoin takes the workers of the cluster file; do not give --workers")
-    elif args.workers is None or args.workers < 1:
-        raise ValueError(f"--workers must be a positive integer (worker processes, one slice each), got {args.workers}")
-    if args.devices_per_worker < 1:
-        raise ValueError(f"--devices-per-worker must be a positive integer, got {args.devices_per_worker}")
+    elif args.workers is None:  # its range is checked as it is parsed (commands/arguments.py)
+        raise ValueError("--workers N is needed: worker processes, one slice each")
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"--listen must be HOST:PORT with port 0..65535 (0: any free one), got {args.listen!r}")

@@ -288,7 +288,8 @@ def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
         pytest.raises(config.ConfigError, config.load, "configs/gpt_tiny.yaml", ["cluster.share=true"]).value
     )
     for args, says in (
-        (["up", "--workers", "0"], "--workers must be a positive integer"),
+        (["up", "--workers", "0"], "argument --workers: must be a whole number > 0, got '0'"),
+        (["up"], "--workers N is needed"),
         (["up", "--workers", "2", "--backend", "slurm"], "allowed: local"),
         (["up", "--workers", "2", "--listen", "nowhere"], "--listen must be HOST:PORT"),
         (["up", "--workers", "2", "--file", shared.file], "still runs"),
