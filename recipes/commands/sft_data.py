@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 from mpmd.recipes.commands.arguments import non_negative, positive
+from mpmd.recipes.files import publish
 
 
 def _add(rng: np.random.Generator) -> tuple[str, str]:
@@ -56,10 +57,9 @@ def make(task: str, num_train: int, num_heldout: int, seed: int = 0) -> tuple[li
 
 def write(out_dir, train: list[dict], heldout: list[dict]) -> tuple[Path, Path]:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.jsonl", out / "heldout.jsonl"
-    for path, examples in zip(paths, (train, heldout)):
-        path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    for path, examples in zip(paths, (train, heldout)):  # each replaced whole, or left as it was
+        publish(path, "".join(json.dumps(e) + "\n" for e in examples))
     return paths
 
 

@@ -23,6 +23,7 @@ import yaml
 from mpmd.recipes import config
 from mpmd.recipes.run import console
 from mpmd.recipes import registry
+from mpmd.recipes.files import publish
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,12 +104,11 @@ def main(argv=None) -> int:
     )
     tuned = tuned_values(values, best.keys())
     config.validate(tuned)  # what mpmd train will load
-    output.parent.mkdir(parents=True, exist_ok=True)
     header = (
         f"# mpmd tune {args.config} {' '.join(args.overrides)}\n# winner: {best.label}, predicted "
         f"{best.predicted_step_s * 1e3:.1f} ms per step\n"
     )
-    output.write_text(header + yaml.safe_dump(tuned, sort_keys=False))
+    publish(output, header + yaml.safe_dump(tuned, sort_keys=False))  # a config already there: whole or new
     print(f"wrote {output}: mpmd train {output}")
     return 0
 

@@ -244,8 +244,7 @@ def values_of(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> 
 
 def dump(config: Config, path: str | Path) -> Path:
     """Writes the fully resolved config as YAML that `load` reads back to an equal Config."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from mpmd.recipes.files import publish
+
     header = f"# resolved mpmd config (hash {config.hash()}); every key, defaults included\n"
-    path.write_text(header + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    return path
+    return publish(path, header + yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

@@ -37,6 +37,7 @@ import numpy as np
 from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.recipes.config.loading import read_text
 from mpmd.recipes.config.schema import ConfigError
+from mpmd.recipes.files import PARTIAL, publish
 
 INDEX = "index.json"
 FORMAT, VERSION = "mpmd-tokens", 1
@@ -120,7 +121,7 @@ def write(
         text = tok.to_json()
         if text is not None:
             described["file"] = f"tokenizer-{tok.hash}.json"
-            written.append(_publish(out / described["file"], text.encode("utf-8")))
+            written.append(publish(out / described["file"], text.encode("utf-8")))
         index = {
             "format": FORMAT,
             "version": VERSION,
@@ -131,7 +132,7 @@ def write(
             "shards": shards,
         }
         index["hash"] = _index_hash(index)
-        _publish(out / INDEX, json.dumps(index, indent=1).encode())  # the commit
+        publish(out / INDEX, json.dumps(index, indent=1).encode())  # the commit
     except BaseException:
         if writer is not None:
             writer.abandon()
@@ -142,21 +143,6 @@ def write(
         raise
     _remove_unreferenced(out, _referenced(out))
     return index
-
-
-_PARTIAL = ".partial"  # a file being written; renamed to its final name when whole
-
-
-def _publish(path: Path, data: bytes) -> Path:
-    """Writes data to path through a partial file and one rename, so a reader sees the
-    old file or the whole new one."""
-    tmp = path.with_name(path.name + _PARTIAL)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
 
 
 def _referenced(out: Path) -> set[str]:
@@ -179,9 +165,9 @@ def _remove_unreferenced(out: Path, keep: set[str]) -> None:
     corpus's shards and tokenizer, and partial files of a write that was killed."""
     for path in out.iterdir():
         name = path.name
-        shard = name.startswith("shard-") and name.endswith((".tokens", ".offsets", ".tokens" + _PARTIAL))
-        tokenizer = name.startswith("tokenizer") and name.endswith((".json", ".json" + _PARTIAL))
-        ours = shard or tokenizer or name == INDEX + _PARTIAL
+        shard = name.startswith("shard-") and name.endswith((".tokens", ".offsets", ".tokens" + PARTIAL))
+        tokenizer = name.startswith("tokenizer") and name.endswith((".json", ".json" + PARTIAL))
+        ours = shard or tokenizer or name == INDEX + PARTIAL
         if ours and name not in keep and path.is_file():
             path.unlink(missing_ok=True)
 
@@ -192,7 +178,7 @@ class _ShardWriter:
 
     def __init__(self, out: Path, number: int, dtype: np.dtype):
         self.stem = f"shard-{number:05d}"
-        self.partial = out / f"{self.stem}.tokens{_PARTIAL}"
+        self.partial = out / f"{self.stem}.tokens{PARTIAL}"
         self.file = open(self.partial, "wb")
         self.out, self.dtype, self.offsets, self.num_tokens = out, dtype, [0], 0
         self.sha = hashlib.sha256()
@@ -214,7 +200,7 @@ class _ShardWriter:
         names = f"{self.stem}-{digest[:12]}.tokens", f"{self.stem}-{digest[:12]}.offsets"
         os.replace(self.partial, self.out / names[0])
         written.append(self.out / names[0])
-        written.append(_publish(self.out / names[1], offsets))
+        written.append(publish(self.out / names[1], offsets))
         return {
             "tokens": names[0],
             "offsets": names[1],
