@@ -22,6 +22,7 @@ Any other error is a bug and stays itself.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from pathlib import Path
 
@@ -89,12 +90,21 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     stages, loss_fn = build.build_model(cfg, sample_input, abstract=init_params is not None)
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build.build_optimizer(cfg)
-    metadata = resume_metadata(cfg, allow_config_change)
     if registry.get_data_source(cfg.data.source).tokenizer is not None or cfg.data.tokenizer != tokenizer_lib.BYTES:
         print(tokenizer_lib.vocab_note(tokenizer_lib.of_config(cfg), cfg.model.vocab_size))
-    build.check_layout(cfg, pipeline, optimizer)
+    layout = build.check_layout(cfg, pipeline, optimizer)
     cluster = build.build_cluster(cfg)  # checks the cluster keys; starts nothing yet
-    build.check_run_dir(cfg.run_dir, cfg.run_dir_mode)  # the first thing written, once the config is known good
+    # A shared cluster's job claims its run_dir first: one that overlaps another job's is
+    # refused before anything under it is read (resume_metadata) or written.
+    if hasattr(cluster, "claim"):
+        with build.config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
+            cluster.claim(len(layout.meshes), os.path.abspath(cfg.run_dir), layout.meshes)
+    try:
+        metadata = resume_metadata(cfg, allow_config_change)
+        build.check_run_dir(cfg.run_dir, cfg.run_dir_mode)  # the first thing written, once the config is known good
+    except BaseException:
+        cluster.close()
+        raise
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     try:
         # A shared cluster's manager may refuse the job (JobRefused).

@@ -105,14 +105,12 @@ class SharedLauncher:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def start(self, num_slices: int, root: str | None = None) -> list[str]:
+    def submit(self, num_slices: int, root: str | None = None) -> None:
+        """Submits the job (its run directory `root` claimed: the manager refuses one that
+        overlaps another live job's) without waiting for its lease; `start` waits. A job
+        already submitted: nothing."""
         if self.job is not None:
-            if len(self.addresses) != num_slices:
-                raise JobRefused(
-                    f"this job leased {len(self.addresses)} slice(s), not {num_slices}: a shared "
-                    f"cluster's job keeps the slices it was given"
-                )
-            return list(self.addresses)
+            return
         root = os.path.realpath(root or os.getcwd())
         submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE)
         try:
@@ -129,7 +127,23 @@ class SharedLauncher:
             submit.close()
         self.job, self.credential = h.job, h.credential
         self._manager = WorkerClient(self.address_of_manager, self.credential, self._counts, MANAGER_SERVICE)
-        t0, position, workers = time.monotonic(), h.position, h.workers
+        self._submitted = (num_slices, h.position, h.workers)
+
+    def start(self, num_slices: int, root: str | None = None) -> list[str]:
+        if self.job is not None and self.addresses:
+            if len(self.addresses) != num_slices:
+                raise JobRefused(
+                    f"this job leased {len(self.addresses)} slice(s), not {num_slices}: a shared "
+                    f"cluster's job keeps the slices it was given"
+                )
+            return list(self.addresses)
+        self.submit(num_slices, root)
+        submitted, position, workers = self._submitted
+        if submitted != num_slices:
+            why = f"job {self.job} was submitted for {submitted} slice(s), not {num_slices}"
+            self.stop()
+            raise JobRefused(why)
+        t0 = time.monotonic()
         shown = None
         while position:
             if position != shown:
@@ -243,6 +257,19 @@ class SharedCluster(ControlPlane):
         super().__init__(
             launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s, transport=transport
         )
+
+    def claim(self, num_slices: int, root: str, meshes=None) -> None:
+        """Submits the job for `root` (the run directory) before anything under it is read or
+        written: the manager refuses a root that overlaps another live job's (JobRefused),
+        and a refused job has touched nothing of the other's. `start` then waits for the
+        lease. Other clusters have nothing to claim."""
+        if meshes is not None:  # the manager refuses slices its workers' devices cannot hold
+            self.launcher.devices = sorted({math.prod(mesh.shape_of(m)) for m in meshes})
+        try:
+            self.launcher.submit(num_slices, root)
+        except BaseException:
+            self.launcher.stop()
+            raise
 
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         if meshes is not None:  # the manager refuses slices its workers' devices cannot hold

@@ -330,10 +330,19 @@ def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refu
             JobRefused, match=rf"'root' {shared.tmp}/holder/checkpoints overlaps job {holder.job}'s root"
         ):
             SharedLauncher(saved["manager"], saved["submit_token"]).start(1, str(link))
+        (shared.tmp / "holder" / "config.yaml").write_text("seed: 0\n")  # the holder's own files
+        (shared.tmp / "holder" / "checkpoints" / "5").mkdir()
+        tree = lambda: {
+            str(p.relative_to(shared.tmp / "holder")): (p.is_dir(), p.stat().st_mtime_ns, p.stat().st_size)
+            for p in (shared.tmp / "holder").rglob("*")
+        }
+        before = tree()
         job = Controller(link, [*JOB, f"cluster.file={shared.file}"])
         rc, _ = job.finish()
         err = job.stderr_path.read_text().strip().splitlines()
         assert rc == 2 and len(err) == 1 and f"overlaps job {holder.job}'s root" in err[0], err
+        # Refused before its controller read or wrote anything there: no probe, log or chmod.
+        assert tree() == before
         with pytest.raises(
             JobRefused,
             match=r"'lease_s' must be a number of seconds in \(0, 60\] \(the cluster's "
