@@ -51,6 +51,7 @@ KEYS = {
     "tie_embeddings": ("tie_word_embeddings", False),
 }
 DEFAULT_ROPE_THETA = 10_000.0
+_INT_KEYS = ("vocab_size", "d_model", "num_heads", "num_layers", "num_kv_heads", "mlp_dim")
 
 # A block's parameter (path after blocks.<i>.) -> its tensor after model.layers.<i>., and
 # whether the kernel is the tensor transposed.
@@ -129,6 +130,8 @@ def model_keys(hf_dir) -> dict:
             value = c.get("num_attention_heads")
         if value is None:
             raise HFError(f"{path} has no {theirs!r} (model.{ours})")
+        if ours in _INT_KEYS and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise HFError(f"{path}: {theirs}={value!r} must be a positive integer (model.{ours})")
         out[ours] = float(value) if ours == "norm_eps" else value
     head_dim = c.get("head_dim")
     if head_dim is not None and head_dim * out["num_heads"] != out["d_model"]:

@@ -159,6 +159,8 @@ def test_bad_directories_are_refused_by_name(hf_models, tmp_path):
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope type 'llama3'"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"head_dim": 16}, "head_dim=16"),
+        ({"hidden_size": 6e8}, "hidden_size=600000000.0 must be a positive integer"),
+        ({"num_hidden_layers": "many"}, "num_hidden_layers='many' must be a positive integer"),
     ]:
         d = tmp_path / message.split()[0].replace("'", "")
         d.mkdir()
