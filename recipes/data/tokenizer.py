@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
 from mpmd.recipes.config.schema import ConfigError
+from mpmd.recipes.files import publish
 
 BYTES = "bytes"
 TOKENIZER_FILE = "tokenizer.json"  # the Hugging Face `tokenizers` serialisation
@@ -255,11 +255,8 @@ def train_bpe(files: list[str | Path], vocab_size: int, out_dir: str | Path, min
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"-o {out}: exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / (TOKENIZER_FILE + ".partial")
-    tok.save(str(partial))
-    os.replace(partial, out / TOKENIZER_FILE)  # a tokenizer.json already there stays whole until then
-    return out / TOKENIZER_FILE
+    # What save() writes; a tokenizer.json already there stays whole until the rename.
+    return publish(out / TOKENIZER_FILE, tok.to_str(pretty=True))
 
 
 def _check_utf8(file: Path, block: int = 1 << 24) -> None:
