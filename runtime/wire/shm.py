@@ -372,6 +372,13 @@ class _Served:
                 self._forget_segments(dropped)
                 for h, offset in zip(host, offsets):
                     np.copyto(np.frombuffer(seg.mm, h.dtype, h.size, offset).reshape(h.shape), h)
+            except Exception as e:  # an array that failed to compute; no memory or fd for a segment
+                if seg is not None:
+                    self._forget_segments(self.pool.give_back(seg.id))
+                self.fail(req, f"slice {self.server.slice_index} could not send: {type(e).__name__}: {e}")
+                item = arrays = host = None
+                continue
+            try:
                 fds = (seg.fd,) if seg.fd is not None else ()
                 _send(
                     self.sock, ["data", req, seg.id, seg.num_bytes, [[o, h.nbytes] for o, h in zip(offsets, host)]], fds
@@ -380,12 +387,11 @@ class _Served:
                     os.close(seg.fd)
                     seg.fd = None
             except OSError:
-                break  # the receiver is gone: read() closes
-            except Exception as e:  # an array that failed to compute, no memory for a segment
-                if seg is not None:
-                    self._forget_segments(self.pool.give_back(seg.id))
-                self.fail(req, f"slice {self.server.slice_index} could not send: {type(e).__name__}: {e}")
-            item = arrays = None  # an idle copy thread holds no arrays
+                # The connection is broken: end it on both sides, so that the receiver's
+                # pulls fail (the step fails and is recovered) instead of waiting forever.
+                self.close()
+                break
+            item = arrays = host = None  # an idle copy thread holds no arrays
         self.pool.close()
 
     def close(self) -> None:
@@ -512,7 +518,10 @@ class ShmConnection:
                         _unmap(mm)
         except (OSError, ValueError, TypeError, IndexError, KeyError):  # a malformed message ends it
             pass
-        self.close()
+        except Exception:  # anything else ends it too, said: never a reader gone with pulls waiting
+            log.exception("the shared-memory connection from slice %d (%s) failed", self.peer, self.address)
+        finally:
+            self.close()  # fails the pulls still waiting
 
     def _land(self, req: int, seg_id: int, seg_bytes: int, pieces: list, fds: list[int]) -> None:
         if fds:

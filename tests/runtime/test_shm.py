@@ -57,6 +57,23 @@ def test_auto_picks_shared_memory_on_one_host_and_socket_leaves_it_alone():
                 w.kill()
 
 
+def test_a_segment_that_cannot_be_made_fails_that_transfer_and_the_next_goes_through():
+    """No memory (or fd) for a segment is that transfer's failure, said to the receiver; the
+    connection stays up for the next one, never a pull waiting forever."""
+    workers = start_pair("shm")
+    try:
+        _exchange(workers, "warmup")
+        workers[0]("fail_next_segment")
+        workers[0]("send", key="k1", dst=1, seed=1)
+        workers[1]("recv", key="k1", src=0)
+        got = workers[1]("wait", key="k1", timeout_s=10)
+        assert "could not send: OSError" in got.get("error", ""), got
+        _exchange(workers, "after")
+    finally:
+        for w in workers:
+            w.kill()
+
+
 def test_shm_is_refused_where_a_peer_has_no_shared_memory_endpoint():
     # Worker 1 runs the socket path only, as a worker on another host would look from here.
     workers = start_pair(transports=("shm", "socket"))

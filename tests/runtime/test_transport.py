@@ -103,6 +103,14 @@ for line in sys.stdin:
     elif op == "reset":
         transport.reset()
         reply()
+    elif op == "fail_next_segment":  # the next segment this sender takes: out of memory
+        from mpmd.runtime.wire import shm
+        take = shm._Pool.take
+        def take_once(self, *args, _take=take):
+            shm._Pool.take = _take
+            raise OSError(12, "Cannot allocate memory")
+        shm._Pool.take = take_once
+        reply()
     elif op == "close":
         transport.close()
         kept.clear()
