@@ -294,28 +294,31 @@ class Corpus:
 
         shards = self.index["shards"]
         with ThreadPoolExecutor(min(len(shards), os.cpu_count() or 1) or 1) as pool:
-            for shard, digest in zip(shards, pool.map(self._digest, shards)):
-                if digest != shard["sha256"]:
-                    raise ConfigError(
-                        f"{self.path / shard['tokens']}: its bytes (or its offsets') do not match the sha256 "
-                        f"{self.path / INDEX} recorded: the file changed after `mpmd tokenize` wrote it; "
-                        "tokenize the corpus again"
-                    )
-        for shard in shards:
-            offsets = np.fromfile(self.path / shard["offsets"], "<i8")
+            read = list(pool.map(self._digest, shards))
+        for shard, (digest, _) in zip(shards, read):
+            if digest != shard["sha256"]:
+                raise ConfigError(
+                    f"{self.path / shard['tokens']}: its bytes (or its offsets') do not match the sha256 "
+                    f"{self.path / INDEX} recorded: the file changed after `mpmd tokenize` wrote it; "
+                    "tokenize the corpus again"
+                )
+        for shard, (_, raw) in zip(shards, read):
+            offsets = np.frombuffer(raw, "<i8")
             if offsets[0] != 0 or offsets[-1] != shard["num_tokens"] or np.any(np.diff(offsets) < 0):
                 raise ConfigError(
                     f"{self.path / shard['offsets']}: document offsets must start at 0, never decrease and end "
                     f"at the shard's {shard['num_tokens']} tokens; tokenize the corpus again"
                 )
 
-    def _digest(self, shard: dict) -> str:
+    def _digest(self, shard: dict) -> tuple[str, bytes]:
+        """(sha256 of the shard's tokens and offsets, the offsets' bytes): one read of each."""
         sha = hashlib.sha256()
         with open(self.path / shard["tokens"], "rb") as f:
             while block := f.read(_HASH_BLOCK):
                 sha.update(block)
-        sha.update((self.path / shard["offsets"]).read_bytes())
-        return sha.hexdigest()
+        offsets = (self.path / shard["offsets"]).read_bytes()
+        sha.update(offsets)
+        return sha.hexdigest(), offsets
 
     def tokenizer(self) -> tokenizer_lib.Tokenizer:
         """The tokenizer the corpus was written with (its copy here), checked by hash."""

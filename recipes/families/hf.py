@@ -143,26 +143,26 @@ def model_keys(hf_dir) -> dict:
     return out
 
 
-def tensor_shapes(keys: dict) -> dict[str, tuple[int, ...]]:
-    """Each Hugging Face tensor's shape ([out, in] for a projection) that a Llama of model.*
-    `keys` has, by tensor name, layer 0's and the outer ones (every layer's are layer 0's)."""
+def _hf_shapes(keys: dict) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face tensor's shape ([out, in] for a projection) of each Llama parameter of
+    model.* `keys`, by its model path without the layer (`blocks.<i>.`), as _BLOCK and _OUTER
+    name them."""
     d, heads, kv, vocab, mlp = (keys[k] for k in ("d_model", "num_heads", "num_kv_heads", "vocab_size", "mlp_dim"))
     head_dim = d // heads
-    layer = {
-        "self_attn.q_proj.weight": (heads * head_dim, d),
-        "self_attn.k_proj.weight": (kv * head_dim, d),
-        "self_attn.v_proj.weight": (kv * head_dim, d),
-        "self_attn.o_proj.weight": (d, heads * head_dim),
-        "mlp.gate_proj.weight": (mlp, d),
-        "mlp.up_proj.weight": (mlp, d),
-        "mlp.down_proj.weight": (d, mlp),
-        "input_layernorm.weight": (d,),
-        "post_attention_layernorm.weight": (d,),
+    return {
+        "attn.q.kernel": (heads * head_dim, d),
+        "attn.k.kernel": (kv * head_dim, d),
+        "attn.v.kernel": (kv * head_dim, d),
+        "attn.out.kernel": (d, heads * head_dim),
+        "mlp.gate.kernel": (mlp, d),
+        "mlp.up.kernel": (mlp, d),
+        "mlp.down.kernel": (d, mlp),
+        "attn_norm.scale": (d,),
+        "mlp_norm.scale": (d,),
+        "embed.token.embedding": (vocab, d),
+        "head.norm.scale": (d,),
+        "head.lm_head.kernel": (vocab, d),
     }
-    outer = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,)}
-    if not keys["tie_embeddings"]:
-        outer["lm_head.weight"] = (vocab, d)
-    return {**outer, **{f"model.layers.0.{name}": shape for name, shape in layer.items()}}
 
 
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -185,23 +185,22 @@ def check_tensors(hf_dir, keys: dict) -> None:
             f"{path} says num_hidden_layers={keys['num_layers']}, but {weights.dir}'s tensors are of "
             f"{len(layers)} layers{'' if layers == set(range(len(layers))) else ' (not numbered 0 up)'}"
         )
-    want = tensor_shapes(keys)
-    for layer in range(keys["num_layers"]):
-        for name, shape in want.items():
-            if layer and not name.startswith("model.layers.0."):
-                continue
-            name = name.replace("model.layers.0.", f"model.layers.{layer}.", 1)
-            if name not in weights.files:
-                raise HFError(f"{weights.dir} has no tensor {name!r}, which {path} implies")
-            dtype, got = weights.header(name)
-            if dtype not in _FLOAT_DTYPES:
-                raise HFError(
-                    f"tensor {name!r} in {weights.files[name]} is {dtype}; a weight must be one of {_FLOAT_DTYPES}"
-                )
-            if tuple(got) != shape:
-                raise HFError(
-                    f"tensor {name!r} in {weights.files[name]} has shape {list(got)}, but {path} implies {list(shape)}"
-                )
+    shapes = _hf_shapes(keys)
+    # The layer count is the files' now: every parameter's path is cheap to list.
+    for param in param_paths(keys["num_layers"], keys["tie_embeddings"]):
+        name, _ = tensor_name(param)
+        shape = shapes[param.split(".", 2)[2] if param.startswith("blocks.") else param]
+        if name not in weights.files:
+            raise HFError(f"{weights.dir} has no tensor {name!r}, which {path} implies")
+        dtype, got = weights.header(name)
+        if dtype not in _FLOAT_DTYPES:
+            raise HFError(
+                f"tensor {name!r} in {weights.files[name]} is {dtype}; a weight must be one of {_FLOAT_DTYPES}"
+            )
+        if tuple(got) != shape:
+            raise HFError(
+                f"tensor {name!r} in {weights.files[name]} has shape {list(got)}, but {path} implies {list(shape)}"
+            )
 
 
 def max_positions(hf_dir) -> int | None:
@@ -296,8 +295,9 @@ class Weights:
             if name not in self.files:
                 raise HFError(f"{self.dir} has no tensor {name!r} (model parameter {path})")
             array = _read_tensor(self.files[name], name).astype(np.float32)
-            if not np.isfinite(array).all():
-                bad = int(np.size(array) - np.count_nonzero(np.isfinite(array)))
+            finite = np.isfinite(array)
+            if not finite.all():
+                bad = int(array.size - np.count_nonzero(finite))
                 raise HFError(
                     f"tensor {name!r} in {self.files[name]} holds {bad} NaN or infinite value(s) of "
                     f"{array.size}: the weights are damaged; nothing was trained or generated from them"

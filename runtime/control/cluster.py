@@ -191,7 +191,10 @@ class RunDispatch:
 @runtime_checkable
 class Cluster(Protocol):
     """What the Trainer may call. Every verb but `start`, `run` and `close` addresses one
-    slice; all are synchronous unless said otherwise."""
+    slice; all are synchronous unless said otherwise. A cluster that must reserve the run
+    directory before anything under it is touched also has `claim(num_slices, root, meshes)`
+    (SharedCluster: the manager refuses a root another live job holds); recipes/run/train.py
+    calls it where it exists."""
 
     @property
     def num_slices(self) -> int:
