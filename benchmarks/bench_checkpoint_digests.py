@@ -57,7 +57,7 @@ def make_trainer(cluster, run_dir, gpt, digests: bool):
     return mpmd.Trainer(
         pipe,
         optax.adamw(3e-4),
-        "1f1b",
+        schedule="1f1b",
         num_microbatches=4,
         cluster=cluster,
         run_dir=str(run_dir),

@@ -86,7 +86,7 @@ def make_trainer(cluster, run_dir: Path, gpt: dict, num_stages: int, steps: int,
     return mpmd.Trainer(
         pipe,
         optax.adamw(3e-4),
-        "1f1b",
+        schedule="1f1b",
         num_microbatches=M,
         cluster=cluster,
         run_dir=run_dir,

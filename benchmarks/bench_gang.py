@@ -62,7 +62,13 @@ def make_trainer(cluster, run_dir=None, checkpoint_every=0, mesh=None, **kw):
     if run_dir:
         kw.update(run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=checkpoint_every))
     return mpmd.Trainer(
-        pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4, mesh=mesh or {"data": 2}, cluster=cluster, **kw
+        pipe,
+        optax.sgd(0.1, momentum=0.9),
+        schedule="1f1b",
+        num_microbatches=4,
+        mesh=mesh or {"data": 2},
+        cluster=cluster,
+        **kw,
     )
 
 
@@ -108,7 +114,9 @@ def per_step(steps: int, rounds: int) -> None:
 
 def gather(steps: int, rounds: int) -> None:
     trainers = {
-        mode: make_trainer(mpmd.LocalCluster(num_workers=2, processes_per_slice=2), mesh={"fsdp": 2}, fsdp_gather=mode)
+        mode: make_trainer(
+            mpmd.LocalCluster(num_workers=2, processes_per_slice=2), mesh=mpmd.Mesh({"fsdp": 2}, fsdp_gather=mode)
+        )
         for mode in ("per_microbatch", "per_step")
     }
     med, losses = alternate(trainers, steps, rounds)

@@ -54,7 +54,7 @@ def make_trainer(cluster, run_dir, gpt, layout):
     return mpmd.Trainer(
         pipe,
         optax.adamw(3e-4),
-        schedule,
+        schedule=schedule,
         num_microbatches=4,
         virtual_stages=virtual,
         cluster=cluster,

@@ -106,9 +106,8 @@ def make_trainer(cluster, mesh, fsdp_gather="per_microbatch"):
         optax.adamw(LR),
         schedule="1f1b",
         num_microbatches=GPT_M,
-        mesh=mesh,
+        mesh=mpmd.Mesh(mesh, fsdp_gather=fsdp_gather),
         cluster=cluster,
-        fsdp_gather=fsdp_gather,
     )
 
 

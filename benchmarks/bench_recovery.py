@@ -85,7 +85,7 @@ def make_trainer(cluster, **kw):
     from flax import nnx
 
     pipe = mpmd.Pipeline(mpmd.split(models.GPT(**GPT, rngs=nnx.Rngs(0)), num_stages=2), models.lm_loss)
-    return mpmd.Trainer(pipe, optax.adamw(LR), "1f1b", num_microbatches=M, cluster=cluster, **kw)
+    return mpmd.Trainer(pipe, optax.adamw(LR), schedule="1f1b", num_microbatches=M, cluster=cluster, **kw)
 
 
 def batches(n: int = 4) -> list[np.ndarray]:

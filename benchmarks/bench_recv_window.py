@@ -53,7 +53,7 @@ def traced(name: str, p: int, m: int, v: int, recv_window):
     with mpmd.Trainer(
         pipeline(p * v),
         optax.adamw(1e-3),
-        name,
+        schedule=name,
         num_microbatches=m,
         virtual_stages=v,
         recv_window=recv_window,

@@ -1,6 +1,7 @@
 """Import structure: the schedule tools load without JAX, the package's public names load
 lazily, and mpmd's modules import in any order (their imports form a DAG)."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def test_schedule_command_does_not_import_jax(tmp_path):
         ("Trainer", "mpmd.train.trainer"),
         ("Checkpointing", "mpmd.train.options"),
         ("Recovery", "mpmd.train.options"),
+        ("Mesh", "mpmd.train.layout"),
         ("split", "mpmd.stages.split"),
         ("stage_boundary", "mpmd.stages.marks"),
         ("tune", "mpmd.tuner.core"),
@@ -69,6 +71,7 @@ def test_public_names_are_exactly_all():
             "Trainer",
             "Checkpointing",
             "Recovery",
+            "Mesh",
             "split",
             "stage_boundary",
             "add_loss",
@@ -144,3 +147,93 @@ def test_every_package_folder_is_installed_under_mpmd():
             f"assert importlib.util.find_spec({top!r}) is None, 'a top-level {top} is installed'",
         )
         assert proc.returncode == 0, proc.stderr
+
+
+def _modules() -> dict[str, Path]:
+    """mpmd's modules by dotted name (runtime/, models/, recipes/ as mpmd.runtime, ...)."""
+    import tomllib
+
+    dirs = {"mpmd": "mpmd", **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]}
+    mods = {}
+    for pkg, folder in dirs.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in f.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            if pkg == "mpmd" and parts and f"mpmd.{parts[0]}" in dirs:
+                continue
+            mods[".".join([pkg, *parts])] = f
+    return mods
+
+
+def _imports(path: Path, name: str, mods, inside_functions: bool) -> set[str]:
+    """The mpmd modules `path` imports: at its top level, or anywhere but under `if
+    TYPE_CHECKING:`; `mpmd` itself (its names load lazily) left out."""
+
+    def found(module: str) -> str | None:
+        while module and module not in mods:
+            module = module.rpartition(".")[0]
+        return module if module not in ("", "mpmd", name) else None
+
+    def walk(nodes):
+        for n in nodes:
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                continue
+            yield n
+            if inside_functions:
+                yield from walk(ast.iter_child_nodes(n))
+
+    out = set()
+    for n in walk(ast.parse(path.read_text()).body):
+        if isinstance(n, ast.Import):
+            out |= {found(a.name) for a in n.names}
+        elif isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(here[: len(here) - n.level + 1] + ([n.module] if n.module else []))
+            out |= {found(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base) for a in n.names}
+    return out - {None}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+                on.discard(part[-1])
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_modules_import_each_other_without_cycles():
+    """At their top level mpmd's modules form a DAG. Counting the imports inside functions
+    too, the only cycle is the recipes' registry, which imports a family, data source or
+    backend when it is first named (and they import the registry to register)."""
+    mods = _modules()
+    top = {m: _imports(p, m, mods, inside_functions=False) for m, p in mods.items()}
+    assert _cycles(top) == []
+    deep = {m: _imports(p, m, mods, inside_functions=True) for m, p in mods.items()}
+    cycles = _cycles(deep)
+    assert all(all(m.startswith("mpmd.recipes.") for m in c) and "mpmd.recipes.registry" in c for c in cycles), cycles

@@ -13,10 +13,10 @@ reorder the checkpoint verbs; this costs one step's overlap every `Checkpointing
 steps). An in-memory snapshot is sent right behind its step, one in flight at a time.
 
 A lost slice discards the steps in flight behind the one that failed: none of their updates
-is kept, none of their metrics is returned; the Trainer's `on_lost` (its recovery) raises
+is kept, none of their metrics is returned; `events.lost` (the Trainer's recovery) raises
 the Rewound that says where to resume. A step whose loss or gradient norm is not finite is
 never saved: the steps in flight behind it run out and are discarded (nothing may see the
-slices while they run), and `on_nonfinite(step, metrics)` raises what the Trainer's
+slices while they run), and `events.nonfinite(step, metrics)` raises what the Trainer's
 Recovery.on_nonfinite says (NonFinite, or Rewound after a rewind). Steps are counted here:
 `step_count` is the updates applied so far, `rewind` puts it back after a restore.
 """
@@ -24,7 +24,7 @@ Recovery.on_nonfinite says (NonFinite, or Rewound after a rewind). Steps are cou
 from __future__ import annotations
 
 import time
-from typing import Callable, NoReturn
+from typing import NoReturn, Protocol
 
 import jax
 import numpy as np
@@ -34,31 +34,32 @@ from mpmd.stages import batch as batches
 from mpmd.stages import names
 
 
+class StepEvents(Protocol):
+    """What becomes of each step the dispatcher collects, loses or finds not finite; the
+    Trainer's recovery policy (mpmd/train/relayout.py) implements it."""
+
+    def collected(self, step: int, step_s: float, data_state, save: bool, retry: bool) -> None:
+        """Step `step` was collected `step_s` after it started; `save` when it is a checkpoint
+        step (`retry`: a failed save's retry, to be waited for)."""
+
+    def lost(self, lost: WorkerLost, failed_since: float) -> NoReturn:
+        """A slice was lost (`failed_since`: perf_counter when the failed attempt started):
+        recover and raise Rewound."""
+
+    def nonfinite(self, step: int, metrics: dict) -> NoReturn:
+        """Step `step`'s loss or gradient norm is not finite (it is never saved): raise."""
+
+
 class Dispatcher:
     """Steps of `programs` (mpmd/train/programs.py) on its slices; `checkpointer` says which
-    steps save (mpmd/train/checkpointer.py). Hooks: `on_lost(lost, failed_since)` recovers
-    after a lost slice and raises Rewound (`failed_since`: perf_counter when the failed
-    attempt started); `on_collected(step_s, data_state, save, retry)` runs after every
-    collected step, `save` when it is a checkpoint step (`retry`: a failed save's retry, to
-    be waited for); `on_nonfinite(step, metrics)` after a step whose loss or gradient norm
-    is not finite (never saved), and raises."""
+    steps save (mpmd/train/checkpointer.py); `events` (StepEvents, set once by the Trainer)
+    hears what became of each step."""
 
-    def __init__(
-        self,
-        programs,
-        checkpointer,
-        num_microbatches: int,
-        num_stages: int,
-        max_grad_norm,
-        run_ahead: int,
-        on_lost: Callable[[WorkerLost, float], NoReturn],
-        on_collected: Callable[[float, object, bool, bool], None],
-        on_nonfinite: Callable[[int, dict], NoReturn],
-    ):
+    def __init__(self, programs, checkpointer, num_microbatches: int, num_stages: int, max_grad_norm, run_ahead: int):
         self._programs, self._checkpointer = programs, checkpointer
         self.num_microbatches, self._num_stages, self._max_grad_norm = num_microbatches, num_stages, max_grad_norm
         self.run_ahead = run_ahead
-        self._on_lost, self._on_collected, self._on_nonfinite = on_lost, on_collected, on_nonfinite
+        self.events: StepEvents | None = None
         self.finite = True  # the state at hand comes from steps whose loss and grad norm were finite
         self._pending: list[PendingStep] = []  # submitted, not yet collected; oldest first
         self._last_collected_at = 0.0  # perf_counter when the last step was collected
@@ -99,7 +100,7 @@ class Dispatcher:
             launched = self._launch("train", batch, pair, trace)
         except WorkerLost as e:  # shipping programs (the first step of a layout) found a slice gone
             self._discard()
-            self._on_lost(e, time.perf_counter())
+            self.events.lost(e, time.perf_counter())
         snapshot = None
         if self._checkpointer.memory_due(number):
             # Sent right behind its step, so every slice snapshots the state after it before
@@ -136,8 +137,8 @@ class Dispatcher:
         self._discard()
 
     def _finish(self, pending: PendingStep) -> dict:
-        """Collect `pending` (the oldest step in flight), count its update and run the
-        on_collected hook (the checkpoint it triggers). Rewound after a lost slice."""
+        """Collect `pending` (the oldest step in flight), count its update and tell `events`
+        (the checkpoint it triggers). Rewound after a lost slice."""
         assert self._pending and self._pending[0] is pending, "steps are collected oldest first"
         self._attempted = pending.number
         try:
@@ -146,7 +147,7 @@ class Dispatcher:
                 self._checkpointer.finish_snapshot(pending.snapshot)
         except WorkerLost as e:
             self._discard()
-            self._on_lost(e, max(pending.submitted_at, self._last_collected_at))
+            self.events.lost(e, max(pending.submitted_at, self._last_collected_at))
         except BaseException:
             self._discard()
             raise
@@ -159,12 +160,12 @@ class Dispatcher:
         if not finite(metrics):  # never saved; the steps behind it run out, unused
             self.finite = False
             self._drain()
-            self._on_nonfinite(self._step, metrics)
+            self.events.nonfinite(self._step, metrics)
         # A retry is a save of the state at hand: only once no later step is in flight.
         retry = not self._pending and self._checkpointer.retry_due()
         save = retry or self._checkpointer.due(self._step)
         assert not (save and self._pending), "a checkpoint step is never run ahead of"
-        self._on_collected(self._last_step_s, pending.data_state, save, retry)
+        self.events.collected(self._step, self._last_step_s, pending.data_state, save, retry)
         tiers = (["memory"] if pending.snapshot is not None else []) + (["persistent"] if save else [])
         if tiers:
             metrics["checkpoint"] = tiers
@@ -200,7 +201,7 @@ class Dispatcher:
             t0 = time.perf_counter()
             results = launched.result()
         except WorkerLost as e:
-            self._on_lost(e, t0)
+            self.events.lost(e, t0)
         self._last_step_s = time.perf_counter() - t0
         return results
 

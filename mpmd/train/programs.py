@@ -31,28 +31,25 @@ PLANS = ("train", "grads", "eval", "predict", "init")  # installed per microbatc
 
 
 class Programs:
-    """What the slices of `cluster` hold for `pipeline` under the layout in force; `rules`:
-    the checked logical-axis rules (mpmd/stages/sharding.py)."""
+    """What the slices of `cluster` hold for `pipeline` under the layout in force, starting
+    from `run` (mpmd/train/layout.py: the schedule, each slice's mesh, every stage's
+    layouts, the checked logical-axis rules and where FSDP weights are gathered)."""
 
     def __init__(
         self,
         pipeline,
         optimizer,
-        max_grad_norm,
-        recv_window: int | None,
         cluster,
-        rules: dict,
-        schedule: schedules.Schedule,
-        meshes,
+        run,
+        *,
+        max_grad_norm=None,
+        recv_window: int | None = None,
         init_params=None,
-        fsdp_gather: str = "per_microbatch",
     ):
         self.pipeline, self.optimizer, self.cluster = pipeline, optimizer, cluster
         self._init_params = init_params  # a stage's parameter paths -> their initial arrays, or None
-        self._max_grad_norm, self._recv_window, self._rules = max_grad_norm, recv_window, rules
-        self._fsdp_gather = fsdp_gather  # where FSDP weights are gathered (mpmd/stages/gather.py)
-        self._schedule = schedule
-        self._layout = self.layout_for(schedule, meshes)
+        self._max_grad_norm, self._recv_window = max_grad_norm, recv_window
+        self._schedule, self._layout = run.schedule, run.layout
         self._compiled: dict = {}  # microbatch shapes -> (name suffix, Lowered), shipped to the slices
         self._lowerings: dict = {}  # (schedule, placement, meshes, microbatch shapes) -> Lowered
         self._lowered = None  # the Lowered of the shapes compiled last
@@ -81,9 +78,8 @@ class Programs:
     def layout_for(self, schedule: schedules.Schedule, meshes) -> lowering.Layout:
         """Every stage's state laid out on `meshes` under `schedule`'s placement; ValueError
         naming a parameter a mesh axis does not divide."""
-        return lowering.layout(
-            self.pipeline, self.optimizer, meshes, schedule.placement, self._rules, self._fsdp_gather
-        )
+        lay = self._layout
+        return lowering.layout(self.pipeline, self.optimizer, meshes, schedule.placement, lay.rules, lay.fsdp_gather)
 
     def move_to(self, schedule: schedules.Schedule, layout: lowering.Layout) -> None:
         """The cluster was resized to `schedule`'s slices, each started afresh: nothing shipped

@@ -7,7 +7,7 @@ without it: the same stages and microbatches on the survivors, in the layout mpm
 prices fastest among those that fit slice_memory_bytes; "auto" (default) replaces if a
 worker comes in time, else shrinks. Either way every slice is then restored from the newest
 saved state (the in-memory snapshot when one survives, else the last committed checkpoint,
-else the initial state) and `recover` raises Rewound, which says where to resume. A slice
+else the initial state) and `lost` raises Rewound, which says where to resume. A slice
 lost while recovering is handled alike; each recovery counts against max_restarts.
 
 A shrunk run asks for a worker again at each checkpoint boundary and, once one comes, moves
@@ -15,9 +15,12 @@ back to the configured layout from that checkpoint (`grow_back`). Each move is l
 line and kept in `changes`; `goodput()` adds up the time lost to failures and the time run
 at reduced width.
 
-The layout in force is the Trainer's Programs' (mpmd/train/programs.py): a move resizes the
-cluster, then tells the programs and the checkpoint coordinator (mpmd/train/checkpointer.py);
-the step count is the dispatcher's (mpmd/train/dispatch.py), rewound after a restore.
+The policy is the dispatcher's StepEvents (mpmd/train/dispatch.py): it hears of every step
+collected (the goodput books; at a checkpoint step the save, and a try to grow back), lost
+(`lost`: recover) or not finite (`nonfinite`: stop or rewind). The layout in force is the
+Trainer's Programs' (mpmd/train/programs.py): a move resizes the cluster, then tells the
+programs and the checkpoint coordinator (mpmd/train/checkpointer.py); the step count is the
+dispatcher's, rewound after a restore.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class RecoveryPolicy:
             self._restart_times.popleft()
         return len(self._restart_times)
 
-    def recover(self, lost: WorkerLost, failed_since: float):
+    def lost(self, lost: WorkerLost, failed_since: float):
         """Replace the lost slice, or go on without it (on_loss), restore every slice from the
         newest state saved, rewind the step count and raise Rewound. `failed_since`: when the
         attempt that failed started (perf_counter)."""
@@ -211,14 +214,36 @@ class RecoveryPolicy:
         """Steps up to `until` are replays of lost work."""
         self._replay_until = max(self._replay_until, until)
 
-    def collected(self, step: int, step_s: float) -> None:
+    def collected(self, step: int, step_s: float, data_state, save: bool, retry: bool) -> None:
         """Step `step` was collected after `step_s`: a replay is lost time, and so is the first
-        step after a grow back (it compiled the programs on every slice: part of the move)."""
+        step after a grow back (it compiled the programs on every slice: part of the move). At
+        a checkpoint step (`save`), its save (waited for when it is a failed save's `retry`)
+        and, on fewer slices than configured, a try to grow back."""
         if step <= self._replay_until:
             self._lost["replayed_s"] += step_s
         elif self._grown:
             self._lost["relayout_s"] += step_s
         self._grown = False
+        if save:
+            self.save(step, data_state, wait=retry)
+            if self.narrow:
+                self.grow_back(data_state)
+
+    def save(self, step: int, data_state, extra: dict | None = None, wait: bool = False) -> None:
+        """Checkpoint the (finite) state after `step` (Checkpointer.save); a slice lost while
+        saving is recovered from (Rewound)."""
+        try:
+            self._checkpointer.save(step, data_state, {**(extra or {}), "finite": True}, wait=wait)
+        except WorkerLost as e:
+            self.lost(e, time.perf_counter())
+
+    def nonfinite(self, step: int, metrics: dict):
+        """After a step whose loss or gradient norm is not finite (never saved): Rewound after
+        a rewind (on_nonfinite="rewind"), else NonFinite, once the saves before it landed."""
+        if self.options.on_nonfinite == "rewind":
+            self.rewind(step, metrics)
+        self._checkpointer.wait()  # the saves before it land: they are what is kept
+        raise NonFinite(step, metrics, self._checkpointer.latest())
 
     def goodput(self) -> dict:
         """Time lost to failures and run at reduced width, so far, in seconds: "failures";
@@ -352,7 +377,7 @@ class RecoveryPolicy:
             log.info("still on %d slice(s): %s", self._programs.num_slices, e)
             return
         except WorkerLost as e:
-            self.recover(e, t0)
+            self.lost(e, t0)
         self._programs.state_restored()
         if step != step_now:  # the newest commit did not restore: an older one did
             self._replays(step_now)

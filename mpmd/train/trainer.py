@@ -25,24 +25,21 @@ configured by the option records `checkpoint=mpmd.Checkpointing(...)` and
 from __future__ import annotations
 
 import os
-import time
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 import optax
 
-from mpmd.runtime.control.cluster import Cluster, WorkerLost
+from mpmd.runtime.control.cluster import Cluster
 from mpmd.schedules import core as schedules
-from mpmd.schedules import timeline
 from mpmd.stages import batch as batches
-from mpmd.lowering import core as lowering
-from mpmd.stages import gather, names, sharding
+from mpmd.stages import names
 from mpmd.stages.pipeline import Pipeline
 from mpmd.train import relayout
 from mpmd.train.checkpointer import Checkpointer
-from mpmd.train.checkpoints import NonFinite
 from mpmd.train.dispatch import Dispatcher, PendingStep
+from mpmd.train.layout import Mesh, RunLayout, run_layout
 from mpmd.train.options import Checkpointing, Recovery
 from mpmd.train.programs import Programs
 
@@ -50,30 +47,32 @@ from mpmd.train.programs import Programs
 class Trainer:
     """Trains `pipeline` with `optimizer` under `schedule` (a name, with num_microbatches and
     virtual_stages, or a Schedule given as data) on `cluster` (default: in-process slices).
-    `max_grad_norm`: global-norm clipping; `run_dir`: where checkpoints are written and a
-    run resumes from; `mesh`, `rules`: each slice's mesh and the logical-axis rules
-    (mpmd/stages/sharding.py); `fsdp_gather`: "per_microbatch" or "per_step", where FSDP-
-    sharded weights are gathered (mpmd/stages/gather.py; per_step needs a slice with fsdp > 1); `run_ahead`: steps sent beyond the oldest in flight;
-    `recv_window`: receives a slice posts ahead of use; `checkpoint`, `recovery`: the
-    option records (mpmd/train/options.py), their defaults when None. `init_params(paths)`
-    -> arrays: each stage's initial parameters by their names (`pipeline.param_paths[k]`,
-    e.g. `blocks.3.mlp.up.kernel`), in place of the stages' own values or seeded init
-    (e.g. `mpmd.recipes.families.hf.open(dir).read`: pretrained weights, read stage by stage); a
+    Every argument after the optimizer is a keyword. `mesh`: each slice's mesh, the
+    logical-axis rules and where FSDP weights are gathered, an mpmd.Mesh or its shape alone
+    (mpmd/train/layout.py); `layout`: a layout already checked by
+    mpmd.train.layout.run_layout, in place of schedule, num_microbatches, virtual_stages and
+    mesh; `max_grad_norm`: global-norm clipping; `run_dir`: where checkpoints are written and
+    a run resumes from; `run_ahead`: steps sent beyond the oldest in flight; `recv_window`:
+    receives a slice posts ahead of use; `checkpoint`, `recovery`: the option records
+    (mpmd/train/options.py), their defaults when None. `init_params(paths)` -> arrays: each
+    stage's initial parameters by their names (`pipeline.param_paths[k]`, e.g.
+    `blocks.3.mlp.up.kernel`), in place of the stages' own values or seeded init (e.g.
+    `mpmd.recipes.families.hf.open(dir).read`: pretrained weights, read stage by stage); a
     recovery with nothing saved yet starts from them again."""
 
     def __init__(
         self,
         pipeline: Pipeline,
         optimizer: optax.GradientTransformation,
-        schedule: str | schedules.Schedule = "1f1b",
+        *,
+        schedule: str | schedules.Schedule | None = None,
         num_microbatches: int | None = None,
-        cluster: Cluster | None = None,
         virtual_stages: int | None = None,
+        mesh: Mesh | dict | list | None = None,
+        layout: RunLayout | None = None,
+        cluster: Cluster | None = None,
         max_grad_norm: float | None = None,
         run_dir=None,
-        mesh=None,
-        rules: dict | None = None,
-        fsdp_gather: str = "per_microbatch",
         run_ahead: int = 1,
         recv_window: int | None = None,
         checkpoint: Checkpointing | None = None,
@@ -86,30 +85,27 @@ class Trainer:
                 f"init_params must be a function from a stage's parameter paths to their arrays "
                 f"(e.g. mpmd.recipes.families.hf.open(dir).read) or None, got {type(init_params).__name__}"
             )
-        built = _schedule(schedule, pipeline.num_stages, num_microbatches, virtual_stages)
-        self.pipeline, self.optimizer, self.max_grad_norm = pipeline, optimizer, max_grad_norm
-        self.num_microbatches, self.run_ahead, self.recv_window = built.num_microbatches, run_ahead, recv_window
         if cluster is None:
             from mpmd.runtime.control.inprocess import InProcessCluster
 
             cluster = InProcessCluster()
-        self.cluster = cluster
         # Each slice's mesh and every stage's layouts, checked before any worker starts.
-        meshes = sharding.slice_meshes(mesh, built.num_slices, cluster.devices_per_slice)
-        gather.check_mode(fsdp_gather)
+        run = _run_layout(
+            pipeline, optimizer, layout, cluster.devices_per_slice, schedule, num_microbatches, virtual_stages, mesh
+        )
+        built = run.schedule
+        self.pipeline, self.optimizer, self.max_grad_norm = pipeline, optimizer, max_grad_norm
+        self.num_microbatches, self.run_ahead, self.recv_window = built.num_microbatches, run_ahead, recv_window
+        self.cluster = cluster
         self.programs = Programs(
             pipeline,
             optimizer,
-            max_grad_norm,
-            recv_window,
             cluster,
-            sharding.check_rules(rules),
-            built,
-            meshes,
-            init_params,
-            fsdp_gather,
+            run,
+            max_grad_norm=max_grad_norm,
+            recv_window=recv_window,
+            init_params=init_params,
         )
-        lowering.check_gather(self.programs.layout, built.placement)
         # What a restored run must match beyond its leaves (the math); how it is laid out is
         # free to differ from the checkpoint's.
         partition = {"num_microbatches": self.num_microbatches, "max_grad_norm": max_grad_norm}
@@ -121,29 +117,30 @@ class Trainer:
             optimizer,
             partition,
             built.placement,
-            self.programs.layout,
-            relayout.layout_record(built, meshes),
+            run.layout,
+            relayout.layout_record(built, run.meshes),
         )
         self.dispatcher = Dispatcher(
-            self.programs,
-            self.checkpointer,
-            self.num_microbatches,
-            pipeline.num_stages,
-            max_grad_norm,
-            run_ahead,
-            self._recover,
-            self._collected,
-            self._nonfinite,
+            self.programs, self.checkpointer, self.num_microbatches, pipeline.num_stages, max_grad_norm, run_ahead
         )
         # The layout asked for; a lost slice without replacement moves the run onto fewer
         # slices (mpmd/train/elastic.py) and a checkpoint boundary moves it back once it can.
+        # It hears of every collected, lost or non-finite step (dispatch.StepEvents).
         self.recovery = relayout.RecoveryPolicy(
-            recovery or Recovery(), cluster, self.programs, self.checkpointer, self.dispatcher, (built, meshes)
+            recovery or Recovery(),
+            cluster,
+            self.programs,
+            self.checkpointer,
+            self.dispatcher,
+            (built, list(run.meshes)),
         )
+        self.dispatcher.events = self.recovery
         self._closed = False
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
-        cluster.start(built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None, meshes=meshes)
+        cluster.start(
+            built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None, meshes=list(run.meshes)
+        )
         try:
             # A run that resumes reads no pretrained weights: its checkpoint replaces them (and
             # one that exists but does not restore stops the run, never a start from them).
@@ -219,31 +216,7 @@ class Trainer:
                 f"norm was not finite: it is never saved (the last committed step is "
                 f"{self.checkpointer.latest()})"
             )
-        try:
-            self.checkpointer.save(self.step_count, data_state, {**extra, "finite": True}, wait=wait)
-        except WorkerLost as e:
-            self._recover(e, time.perf_counter())
-
-    def _collected(self, step_s: float, data_state, save: bool, retry: bool) -> None:
-        """After every collected step (the dispatcher's hook): the goodput books, and at a
-        checkpoint step its save and, on fewer slices than configured, a try to grow back."""
-        self.recovery.collected(self.step_count, step_s)
-        if save:
-            self.save(data_state, wait=retry)
-            if self.recovery.narrow:
-                self.recovery.grow_back(data_state)
-
-    def _nonfinite(self, step: int, metrics: dict):
-        """The dispatcher's hook after a step whose loss or gradient norm is not finite (not
-        saved): NonFinite (on_nonfinite="stop"), or Rewound after a rewind."""
-        if self.recovery.options.on_nonfinite == "rewind":
-            self.recovery.rewind(step, metrics)
-        self.checkpointer.wait()  # the saves before it land: they are what is kept
-        raise NonFinite(step, metrics, self.checkpointer.latest())
-
-    def _recover(self, lost: WorkerLost, failed_since: float):
-        """The dispatcher's hook after a lost slice: RecoveryPolicy.recover raises Rewound."""
-        self.recovery.recover(lost, failed_since)
+        self.recovery.save(self.step_count, data_state, extra, wait=wait)
 
     # -- other plans -------------------------------------------------------------------------
     def grads(self, batch, targets=None) -> tuple[float, list]:
@@ -412,32 +385,22 @@ def _check_args(pipeline, optimizer, max_grad_norm, run_ahead, recv_window, chec
         )
 
 
-def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> schedules.Schedule:
-    """The validated schedule: built by name, or a Schedule given as data (its own placement),
-    which must fit the pipeline and agree with any counts also given."""
-    if isinstance(schedule, schedules.Schedule):
-        for field, given in (("num_microbatches", num_microbatches), ("virtual_stages", virtual_stages)):
-            if given is not None and given != getattr(schedule, field):
-                raise ValueError(
-                    f"{field}={given!r} disagrees with the given schedule's "
-                    f"{field}={getattr(schedule, field)}; leave it out"
-                )
-        if schedule.num_stages != num_stages:
-            raise ValueError(
-                f"schedule {schedule.name!r} is for {schedule.num_stages} stages, the pipeline has {num_stages}"
-            )
-        timeline.validate(schedule)
-        return schedule
-    num_microbatches = 1 if num_microbatches is None else num_microbatches
-    if virtual_stages is None:
-        virtual_stages = schedules.default_virtual_stages(schedule) if isinstance(schedule, str) else 1
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    if not isinstance(virtual_stages, int) or virtual_stages < 1 or num_stages % virtual_stages:
+def _run_layout(
+    pipeline, optimizer, layout, devices_per_slice, schedule, num_microbatches, virtual_stages, mesh
+) -> RunLayout:
+    """The given checked layout (then nothing else may say where things go), or the one made
+    from schedule, its counts and mesh; either on the cluster's `devices_per_slice`."""
+    if layout is None:
+        schedule = "1f1b" if schedule is None else schedule
+        return run_layout(pipeline, optimizer, schedule, num_microbatches, virtual_stages, mesh, devices_per_slice)
+    if not isinstance(layout, RunLayout):
         raise ValueError(
-            f"num_stages ({num_stages}) must be divisible by virtual_stages ({virtual_stages}); "
-            f"allowed virtual_stages: {[v for v in range(1, num_stages + 1) if num_stages % v == 0]}"
+            f"layout must be what mpmd.train.layout.run_layout returns, or None, got {type(layout).__name__}"
         )
-    built = schedules.make(schedule, num_stages, num_microbatches, virtual_stages)
-    timeline.validate(built)
-    return built
+    given = {"schedule": schedule, "num_microbatches": num_microbatches, "virtual_stages": virtual_stages, "mesh": mesh}
+    if named := [k for k, v in given.items() if v is not None]:
+        raise ValueError(f"give layout= or {', '.join(named)}, not both: the layout already says them")
+    if len(layout.layout.params) != pipeline.num_stages:
+        raise ValueError(f"layout is for {len(layout.layout.params)} stages, the pipeline has {pipeline.num_stages}")
+    layout.check_devices(devices_per_slice)
+    return layout

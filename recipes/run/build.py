@@ -13,14 +13,12 @@ from typing import Callable
 import optax
 
 import mpmd
-from mpmd.lowering import core as lowering
 from mpmd.recipes import registry
 from mpmd.recipes.config import Config, ConfigError
 from mpmd.runtime.launchers.ray import RayMissingError
-from mpmd.schedules import core as schedules
-from mpmd.stages import sharding
 from mpmd.stages.sharding import LayoutError
 from mpmd.stages.split import cut
+from mpmd.train.layout import Mesh, RunLayout, run_layout
 from mpmd.train.options import Checkpointing, Recovery
 
 
@@ -162,19 +160,15 @@ def check_run_dir(run_dir: str, mode: str = "0700") -> None:
             raise ConfigError(f"run_dir={run_dir!r}: cannot write in {d}{where}: {e.strerror or e}") from None
 
 
-def check_layout(cfg: Config, pipeline, optimizer):
-    """The run's mpmd.lowering.core.Layout; ConfigError naming the parameter a mesh cannot lay
-    out (an axis that does not divide its dimension, a logical axis without a rule), or a
+def check_layout(cfg: Config, pipeline, optimizer) -> RunLayout:
+    """The run's checked layout (mpmd/train/layout.py: the schedule, each slice's mesh, every
+    stage's layouts), as the Trainer takes it; ConfigError naming the parameter a mesh cannot
+    lay out (an axis that does not divide its dimension, a logical axis without a rule), or a
     mesh.fsdp_gather=per_step with nothing to gather, before any worker starts."""
     p = cfg.pipeline
+    mesh = Mesh(cfg.slice_shapes(), layout_rules(cfg), cfg.mesh.fsdp_gather)
     with config_problem("mesh", (LayoutError,)):
-        placement = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages).placement
-        meshes = sharding.slice_meshes(cfg.slice_shapes(), max(placement) + 1)
-        lay = lowering.layout(
-            pipeline, optimizer, meshes, placement, sharding.check_rules(layout_rules(cfg) or {}), cfg.mesh.fsdp_gather
-        )
-        lowering.check_gather(lay, placement)
-    return lay
+        return run_layout(pipeline, optimizer, p.schedule, p.num_microbatches, p.virtual_stages, mesh)
 
 
 def layout_rules(cfg: Config) -> dict | None:

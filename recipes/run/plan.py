@@ -23,7 +23,6 @@ import numpy as np
 
 import mpmd
 from mpmd.lowering import dryrun
-from mpmd.schedules import core as schedules
 from mpmd.stages import costs as stage_costs
 from mpmd.schedules.simulate import simulate
 from mpmd.stages.specs import spec
@@ -53,9 +52,9 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     stages, loss_fn = build_model(cfg, inputs[:micro], abstract=True)
     pipeline = mpmd.Pipeline(stages, loss_fn)
     optimizer = build_optimizer(cfg)
-    layout = check_layout(cfg, pipeline, optimizer)
-    schedule = schedules.make(p.schedule, pipeline.num_stages, p.num_microbatches, p.virtual_stages)
-    per_stage = stage_costs.memory(pipeline, optimizer, in_spec, tgt_spec, layout=layout, placement=schedule.placement)
+    run = check_layout(cfg, pipeline, optimizer)
+    schedule = run.schedule
+    per_stage = stage_costs.memory(pipeline, optimizer, in_spec, tgt_spec, layout=run.layout, placement=run.placement)
     costs = stage_costs.measure(pipeline, in_spec, tgt_spec)
     simulation = simulate(schedule, dryrun.executed_costs(schedule, costs))
     # Shared weights (a tied embedding) sit in several stages but are one parameter.

@@ -98,7 +98,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     # refused before anything under it is read (resume_metadata) or written.
     if hasattr(cluster, "claim"):
         with build.config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
-            cluster.claim(len(layout.meshes), os.path.abspath(cfg.run_dir), layout.meshes)
+            cluster.claim(len(layout.meshes), os.path.abspath(cfg.run_dir), list(layout.meshes))
     try:
         metadata = resume_metadata(cfg, allow_config_change)
         build.check_run_dir(cfg.run_dir, cfg.run_dir_mode)  # the first thing written, once the config is known good
@@ -113,16 +113,11 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
             trainer = mpmd.Trainer(
                 pipeline,
                 optimizer,
-                schedule=p.schedule,
-                num_microbatches=p.num_microbatches,
+                layout=layout,
                 cluster=cluster,
-                virtual_stages=p.virtual_stages,
                 max_grad_norm=cfg.optimizer.max_grad_norm,
                 run_dir=cfg.run_dir,
                 run_ahead=cfg.train.run_ahead,
-                mesh=cfg.slice_shapes(),
-                rules=build.layout_rules(cfg),
-                fsdp_gather=cfg.mesh.fsdp_gather,
                 checkpoint=ckpt,
                 recovery=recovery,
                 init_params=init_params,

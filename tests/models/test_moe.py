@@ -103,7 +103,7 @@ def test_auxiliary_losses_are_the_switch_and_z_loss_formulas():
 def _pipelined(schedule, m, v, cluster, data, make=tiny.make_model, **layout):
     """(losses, aux losses, final parameter leaves, routing state) of the MoE Llama (`make`)
     cut into 2 stages per slice (v per slice) and trained on `cluster`; `layout`: the Trainer's
-    mesh and rules."""
+    mesh."""
     model = make()
     stages = mpmd.split(model, 2 * v, model.sample_input(tiny.BATCH // m))
     trainer = mpmd.Trainer(
@@ -173,7 +173,7 @@ def test_experts_laid_out_along_a_mesh_axis_train_equal(layout):
     )
     assert sharding.param_layout(("embed", "expert"), (16, 4), mesh, rules, "router") == P(None, "tensor")
     data = tiny.batches()
-    got = _pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data, mesh=layout, rules={"expert": "tensor"})
+    got = _pipelined("1f1b", 4, 1, mpmd.InProcessCluster(), data, mesh=mpmd.Mesh(layout, rules={"expert": "tensor"}))
     _check(got, 4, data)
 
 
@@ -188,8 +188,7 @@ def _train(run_dir, data, mesh=None, rules=None, num_devices=1):
         schedule="1f1b",
         num_microbatches=4,
         cluster=mpmd.InProcessCluster(),
-        mesh=mesh,
-        rules=rules,
+        mesh=mpmd.Mesh(mesh, rules=rules),
         run_dir=str(run_dir),
         checkpoint=mpmd.Checkpointing(every=2, asynchronous=False),
     )
@@ -281,7 +280,7 @@ def _run_on(workers, run_dir, fault=None):
     trainer = mpmd.Trainer(
         mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(2)), mpmd.models.lm_loss),
         tiny.sgd(),
-        "gpipe",
+        schedule="gpipe",
         num_microbatches=4,
         cluster=workers,
         run_dir=str(run_dir),
@@ -474,7 +473,7 @@ def _train_on(cluster, run_dir, data, mesh, fault=None):
     trainer = mpmd.Trainer(
         mpmd.Pipeline(mpmd.split(model, 2, model.sample_input(tiny.BATCH // 2)), mpmd.models.lm_loss),
         tiny.sgd(),
-        "1f1b",
+        schedule="1f1b",
         num_microbatches=2,
         cluster=cluster,
         mesh=mesh,

@@ -124,7 +124,7 @@ def test_a_stage_out_of_memory_on_its_worker_ends_the_step_with_step_failed(clus
     rngs = nnx.Rngs(0)
     pipe = mpmd.Pipeline([OutOfMemoryEmbed(64, 16, rngs), Head(64, 16, rngs)], models.lm_loss)
     x = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
-    trainer = mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=2, cluster=cluster)
+    trainer = mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=2, cluster=cluster)
     try:
         # Dispatch is asynchronous: slice 0's forward is sent on before it has run, and its
         # error surfaces where its output is first waited for, slice 1's receive, which

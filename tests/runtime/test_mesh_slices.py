@@ -51,9 +51,8 @@ def run(
         num_microbatches=M,
         virtual_stages=virtual_stages,
         max_grad_norm=1.0,
-        mesh=mesh,
+        mesh=mpmd.Mesh(mesh, fsdp_gather=fsdp_gather),
         cluster=cluster,
-        fsdp_gather=fsdp_gather,
     )
     try:
         batches = data(steps)

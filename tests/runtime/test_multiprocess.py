@@ -104,7 +104,7 @@ def test_user_stages_same_as_inprocess(cluster):
 
 def test_one_run_rpc_per_worker_per_step(cluster):
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=4), models.lm_loss)
-    trainer = mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=8, cluster=cluster)
+    trainer = mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=8, cluster=cluster)
     try:
         x, y = batches()[0]
         trainer.step(x, y)  # compiles and ships programs
@@ -274,7 +274,9 @@ def test_abstract_model_is_initialised_on_its_slices(cluster):
     model = mpmd.abstract(make)
     assert all(isinstance(l, jax.ShapeDtypeStruct) for l in jax.tree.leaves(nnx.state(model, nnx.Param)))
     stages = mpmd.split(model, num_stages=4)
-    trainer = mpmd.Trainer(mpmd.Pipeline(stages, models.lm_loss), optax.sgd(0.1), "1f1b", 4, cluster=cluster)
+    trainer = mpmd.Trainer(
+        mpmd.Pipeline(stages, models.lm_loss), optax.sgd(0.1), schedule="1f1b", num_microbatches=4, cluster=cluster
+    )
     try:
         got = reference.stage_leaves(trainer.params())
     finally:
@@ -287,4 +289,4 @@ def test_abstract_model_is_initialised_on_its_slices(cluster):
 def test_abstract_stage_not_built_by_mpmd_is_rejected():
     stage = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"was not built by mpmd.abstract"):
-        mpmd.Trainer(mpmd.Pipeline([stage], models.mse_loss), optax.sgd(0.1), "gpipe", 1)
+        mpmd.Trainer(mpmd.Pipeline([stage], models.mse_loss), optax.sgd(0.1), schedule="gpipe", num_microbatches=1)

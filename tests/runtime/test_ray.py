@@ -30,7 +30,7 @@ def make_pipeline():
 
 
 def make_trainer(cluster):
-    return mpmd.Trainer(make_pipeline(), optax.adamw(1e-3), "1f1b", num_microbatches=4, cluster=cluster)
+    return mpmd.Trainer(make_pipeline(), optax.adamw(1e-3), schedule="1f1b", num_microbatches=4, cluster=cluster)
 
 
 def train_steps(trainer, data):

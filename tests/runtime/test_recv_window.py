@@ -33,7 +33,7 @@ def traced_run(name: str, p: int, m: int, recv_window=None):
     with mpmd.Trainer(
         pipe,
         optax.sgd(0.1, momentum=0.9),
-        name,
+        schedule=name,
         num_microbatches=m,
         recv_window=recv_window,
         cluster=mpmd.InProcessCluster(),
@@ -120,4 +120,4 @@ def test_a_receive_posted_after_its_use_is_refused():
 def test_recv_window_must_be_positive():
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     with pytest.raises(ValueError, match="recv_window must be a positive integer"):
-        mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=2, recv_window=0)
+        mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=2, recv_window=0)

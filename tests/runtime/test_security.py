@@ -141,7 +141,7 @@ def test_a_stranger_on_the_data_plane_gets_nothing_and_delays_nothing(tmp_path, 
     cluster.transport = path
     try:
         trainer = mpmd.Trainer(
-            make(), optax.adamw(1e-3), "gpipe", num_microbatches=M, cluster=cluster, run_dir=tmp_path
+            make(), optax.adamw(1e-3), schedule="gpipe", num_microbatches=M, cluster=cluster, run_dir=tmp_path
         )
     finally:
         cluster.transport = "auto"

@@ -162,7 +162,7 @@ def test_a_sigkilled_workers_peer_keeps_no_shared_memory(workers, tmp_path, vict
     cluster = workers
     make = lambda: mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     trainer = mpmd.Trainer(
-        make(), optax.sgd(0.05, momentum=0.9), "1f1b", num_microbatches=4, cluster=cluster, run_dir=tmp_path
+        make(), optax.sgd(0.05, momentum=0.9), schedule="1f1b", num_microbatches=4, cluster=cluster, run_dir=tmp_path
     )
     try:
         x, y = batches()[0]

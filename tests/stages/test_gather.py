@@ -36,9 +36,8 @@ def _gathers(mode: str):
         schedule="1f1b",
         num_microbatches=M,
         max_grad_norm=1.0,
-        mesh={"fsdp": 2},
+        mesh=mpmd.Mesh({"fsdp": 2}, fsdp_gather=mode),
         cluster=mpmd.InProcessCluster(),
-        fsdp_gather=mode,
     ) as trainer:
         trainer.step(*reference.batches()[0])
         lowered, layout = trainer.lowered, trainer.programs.layout
@@ -126,11 +125,17 @@ def test_gathered_layout_takes_only_fsdp_out():
 def test_bad_fsdp_gather_is_refused_naming_what_is_allowed():
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     with pytest.raises(ValueError, match=r"fsdp_gather must be one of \['per_microbatch', 'per_step'\], got 'once'"):
-        mpmd.Trainer(pipe, sgd(), num_microbatches=M, cluster=mpmd.InProcessCluster(), fsdp_gather="once")
+        mpmd.Trainer(
+            pipe, sgd(), num_microbatches=M, cluster=mpmd.InProcessCluster(), mesh=mpmd.Mesh(fsdp_gather="once")
+        )
     # per_step without a slice that has fsdp > 1 would do nothing: refused, before any worker.
     with pytest.raises(LayoutError, match="no slice has fsdp > 1"):
         mpmd.Trainer(
-            pipe, sgd(), num_microbatches=M, mesh={"data": 2}, cluster=mpmd.InProcessCluster(), fsdp_gather="per_step"
+            pipe,
+            sgd(),
+            num_microbatches=M,
+            mesh=mpmd.Mesh({"data": 2}, fsdp_gather="per_step"),
+            cluster=mpmd.InProcessCluster(),
         )
     # fsdp > 1, but the rules put no parameter on it.
     with pytest.raises(LayoutError, match="no parameter lies on fsdp"):
@@ -138,10 +143,8 @@ def test_bad_fsdp_gather_is_refused_naming_what_is_allowed():
             pipe,
             sgd(),
             num_microbatches=M,
-            mesh={"fsdp": 2},
-            rules={"embed": None},
+            mesh=mpmd.Mesh({"fsdp": 2}, rules={"embed": None}, fsdp_gather="per_step"),
             cluster=mpmd.InProcessCluster(),
-            fsdp_gather="per_step",
         )
 
 

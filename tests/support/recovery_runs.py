@@ -69,7 +69,7 @@ def make_trainer(cluster, run_dir, spin=None, checkpoint=None, num_stages=2, sch
     return mpmd.Trainer(
         make_pipe(spin, num_stages),
         optax.adamw(1e-3),
-        schedule,
+        schedule=schedule,
         num_microbatches=4,
         cluster=cluster,
         run_dir=run_dir,

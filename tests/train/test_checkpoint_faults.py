@@ -114,7 +114,7 @@ def test_restore_is_all_or_nothing(tmp_path):
     trainer = mpmd.Trainer(
         pipe,
         optax.adamw(1e-3),
-        "gpipe",
+        schedule="gpipe",
         num_microbatches=4,
         cluster=mpmd.InProcessCluster(),
         run_dir=tmp_path,

@@ -71,7 +71,9 @@ def test_stage_output_does_not_fit_next_stage():
     with pytest.raises(ValueError, match=r"stage 2 \(WidenStage\) cannot take stage 1's output float32\[2, 8, 20\]"):
         mpmd.Pipeline(bad, models.lm_loss, sample_input=tokens(2))
     # Without a sample input the same check runs at the first step, before any work is dispatched.
-    with mpmd.Trainer(mpmd.Pipeline(bad, models.lm_loss), optax.sgd(0.1), "gpipe", num_microbatches=2) as trainer:
+    with mpmd.Trainer(
+        mpmd.Pipeline(bad, models.lm_loss), optax.sgd(0.1), schedule="gpipe", num_microbatches=2
+    ) as trainer:
         with pytest.raises(ValueError, match=r"stage 2 \(WidenStage\) cannot take stage 1's output"):
             trainer.step(tokens(4), tokens(4))
 

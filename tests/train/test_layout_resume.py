@@ -51,7 +51,7 @@ def make_trainer(cluster, run_dir, layout, model=None, optimizer=None, num_micro
     return mpmd.Trainer(
         mpmd.Pipeline(stages, models.lm_loss),
         optimizer or optax.sgd(0.1, momentum=0.9),
-        schedule,
+        schedule=schedule,
         num_microbatches=num_microbatches,
         virtual_stages=virtual,
         cluster=cluster,
@@ -191,7 +191,7 @@ def test_stages_without_model_paths_refuse_another_stage_count(cluster):
     trainer = mpmd.Trainer(
         pipe([0, 3, 6]),
         optax.sgd(0.1),
-        "1f1b",
+        schedule="1f1b",
         num_microbatches=4,
         cluster=c,
         run_dir=str(root / "modules"),
@@ -204,7 +204,12 @@ def test_stages_without_model_paths_refuse_another_stage_count(cluster):
         trainer.close(close_cluster=False)
     with pytest.raises(ValueError, match=r"saved with 2 stages, this run has 3: stages given as plain nnx.Modules"):
         mpmd.Trainer(
-            pipe([0, 2, 4, 6]), optax.sgd(0.1), "1f1b", num_microbatches=4, cluster=c, run_dir=str(root / "modules")
+            pipe([0, 2, 4, 6]),
+            optax.sgd(0.1),
+            schedule="1f1b",
+            num_microbatches=4,
+            cluster=c,
+            run_dir=str(root / "modules"),
         )
 
 

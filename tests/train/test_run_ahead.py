@@ -28,7 +28,7 @@ def train_ahead(ahead: int, run_dir, cluster=None):
     with mpmd.Trainer(
         pipe,
         optax.sgd(0.1, momentum=0.9),
-        "1f1b",
+        schedule="1f1b",
         num_microbatches=4,
         cluster=cluster or mpmd.InProcessCluster(),
         run_ahead=ahead,
@@ -56,7 +56,12 @@ def restored_at(run_dir, step: int):
         shutil.rmtree(newer)
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     with mpmd.Trainer(
-        pipe, optax.sgd(0.1, momentum=0.9), "1f1b", num_microbatches=4, cluster=mpmd.InProcessCluster(), run_dir=run_dir
+        pipe,
+        optax.sgd(0.1, momentum=0.9),
+        schedule="1f1b",
+        num_microbatches=4,
+        cluster=mpmd.InProcessCluster(),
+        run_dir=run_dir,
     ) as trainer:
         assert trainer.resumed[0] == step
         return reference.stage_leaves(trainer.params())
@@ -140,6 +145,6 @@ def test_run_ahead_must_be_a_non_negative_integer():
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="run_ahead must be a non-negative integer"):
-            mpmd.Trainer(pipe, optax.sgd(0.1), "1f1b", num_microbatches=2, run_ahead=bad)
+            mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=2, run_ahead=bad)
     with pytest.raises(config.ConfigError, match="train.run_ahead"):
         config.load("configs/gpt_tiny.yaml", ["train.run_ahead=-1"])

@@ -3,12 +3,15 @@ underscored attributes, and its options arrive as records checked once (mpmd.Che
 mpmd.Recovery)."""
 
 import ast
+import inspect
 from pathlib import Path
 
 import optax
 import pytest
 
 import mpmd
+from mpmd.train.dispatch import StepEvents
+from mpmd.train.relayout import RecoveryPolicy
 from tests.support.recovery_runs import make_pipe
 
 TRAIN = Path(__file__).resolve().parents[2] / "mpmd" / "train"
@@ -97,6 +100,9 @@ def test_a_non_record_option_is_a_value_error_naming_the_record(kw, allowed):
         (lambda: mpmd.Recovery(max_restarts=-1), "max_restarts must be a non-negative integer"),
         (lambda: mpmd.Recovery(restart_window_s=0), "restart_window_s must be a finite number of seconds > 0"),
         (lambda: mpmd.Recovery(restart_window_s=float("inf")), "restart_window_s must be a finite number"),
+        (lambda: mpmd.Mesh(fsdp_gather="once"), r"fsdp_gather must be one of \['per_microbatch', 'per_step'\]"),
+        (lambda: mpmd.Mesh(rules=[("embed", None)]), "rules must be a dict of logical axis"),
+        (lambda: mpmd.Mesh("data"), "mesh shape must be None, a dict of axis sizes"),
     ],
 )
 def test_records_check_their_fields_when_made(make, says):
@@ -107,3 +113,19 @@ def test_records_check_their_fields_when_made(make, says):
 def test_periodic_checkpoints_need_a_run_dir():
     with pytest.raises(ValueError, match=r"Checkpointing\(every=2\) needs run_dir"):
         mpmd.Trainer(make_pipe(), optax.sgd(0.1), num_microbatches=2, checkpoint=mpmd.Checkpointing(every=2))
+
+
+def test_everything_after_the_optimizer_is_a_keyword():
+    with pytest.raises(TypeError, match="positional"):
+        mpmd.Trainer(make_pipe(), optax.sgd(0.1), "1f1b", 2)
+
+
+def test_the_dispatcher_tells_the_recovery_policy_through_step_events():
+    """The dispatcher has no callbacks into the Trainer: what becomes of a step goes to one
+    StepEvents object, the recovery policy, whose methods take what the protocol's do."""
+    with mpmd.Trainer(make_pipe(), optax.sgd(0.1), num_microbatches=2) as trainer:
+        assert trainer.dispatcher.events is trainer.recovery
+    for name in ("collected", "lost", "nonfinite"):
+        want = inspect.signature(getattr(StepEvents, name))
+        got = inspect.signature(getattr(RecoveryPolicy, name))
+        assert list(got.parameters) == list(want.parameters), name
