@@ -31,14 +31,17 @@ def empty(batch: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype) -
     return LayerCache(zeros, zeros)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, start) -> tuple[jax.Array, LayerCache]:
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, start, window: int | None = None
+) -> tuple[jax.Array, LayerCache]:
     """(attended [B, T, H * Dh], the cache with k and v written at slots start .. start+T-1).
 
     q [B, T, H, Dh] (rotated already where the model rotates), k and v [B, T, KV, Dh]; query
     head h uses key/value head h // (H / KV) (grouped-query attention; KV = H for plain
     multi-head). `start`: the window position of the first new token, an int or a traced
     int32 scalar (one compiled step serves every position). Scores and softmax in float32,
-    scaled by 1/sqrt(Dh), as the models' training attention computes them.
+    scaled by 1/sqrt(Dh), as the models' training attention computes them. `window`: a query
+    sees only the last this many slots, itself included (sliding-window attention).
     """
     batch, num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
@@ -51,7 +54,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, start) -
         jnp.float32(head_dim)
     )
     # Query t sits at position start + t and sees slots 0 .. start + t: [Tq, S].
-    visible = jnp.arange(num_slots)[None, :] <= (start + jnp.arange(num_new))[:, None]
+    at = (start + jnp.arange(num_new))[:, None]
+    visible = jnp.arange(num_slots)[None, :] <= at
+    if window is not None:
+        visible = visible & (jnp.arange(num_slots)[None, :] > at - window)
     scores = jnp.where(visible, scores, jnp.finfo(scores.dtype).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, values)

@@ -37,6 +37,7 @@ both end stages and sums its gradients (mpmd.Pipeline.shared). models/ imports n
 the mark comes in as an argument.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -71,16 +72,91 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _rms_norm(d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs):
+def _rms_norm(d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs, axis: str | None = "embed"):
     # flax computes the mean square in float32 whatever the input dtype.
     return nnx.RMSNorm(
-        d_model, epsilon=epsilon, dtype=dtype, scale_init=axes(nnx.initializers.ones_init(), "embed"), rngs=rngs
+        d_model, epsilon=epsilon, dtype=dtype, scale_init=axes(nnx.initializers.ones_init(), axis), rngs=rngs
     )
 
 
-def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Scaled rotary frequencies, as Hugging Face's `rope_parameters` name them: "linear"
+    divides every frequency by `factor`; "llama3" (Llama 3.1 and later) divides the low ones
+    by `factor`, keeps the high ones and blends between, by wavelength against
+    `original_max_position_embeddings` / `low_freq_factor` and / `high_freq_factor`."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {', '.join(ROPE_TYPES)}, got {self.rope_type!r}")
+        if not self.factor > 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor!r}")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor!r} and {self.high_freq_factor!r}"
+            )
+
+    def scaled(self, inv_freq: jax.Array) -> jax.Array:
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        old = self.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+        divided = jnp.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        blended = (1 - smooth) * divided / self.factor + smooth * divided
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, blended, divided)
+
+
+ROPE_TYPES = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionVariant:
+    """What sets a family's attention apart from the plain Llama's (all off: Llama 2, or
+    Llama 3.0). `head_dim`: per head, when not d_model / num_heads (Mistral-Nemo, Qwen 3);
+    `qkv_bias`: biases on the q, k and v projections (Qwen 2.5); `qk_norm`: an RMSNorm over
+    each head of q and of k before the rotation (Qwen 3); `rope_scaling`: RopeScaling or None;
+    `sliding_window`: a query attends only to the last this many positions, itself included
+    (Mistral 7B v0.1), None: all before it."""
+
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        if self.head_dim is not None and (
+            isinstance(self.head_dim, bool)
+            or not isinstance(self.head_dim, int)
+            or self.head_dim < 2
+            or self.head_dim % 2
+        ):
+            raise ValueError(f"head_dim must be an even integer >= 2 (rotary pairs) or None, got {self.head_dim!r}")
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+
+
+PLAIN = AttentionVariant()
+
+
+def rotary(
+    x: jax.Array, theta: float, positions: jax.Array | None = None, scaling: RopeScaling | None = None
+) -> jax.Array:
     """Rotary position embedding of x [B, T, H, Dh] (Dh even) at positions 0..T-1, or at
-    `positions` (int [B, T]: each row's own, for packed documents).
+    `positions` (int [B, T]: each row's own, for packed documents); frequencies scaled as
+    `scaling` says (None: not).
 
     Pairs (i, i + Dh/2) rotate by angle t * theta^(-2i/Dh) (the GPT-NeoX / Hugging Face Llama
     layout), so q.k depends only on the positions' difference. Angles in float32: bf16 has
@@ -88,6 +164,8 @@ def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> ja
     """
     num_steps, head_dim = x.shape[1], x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)  # [Dh/2]
+    if scaling is not None:
+        inv_freq = scaling.scaled(inv_freq)
     if positions is None:
         angles = jnp.arange(num_steps, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, Dh/2]
         cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
@@ -134,8 +212,9 @@ class Embed(nnx.Module):
 
 class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary positions: num_heads query heads, in
-    groups of num_heads // num_kv_heads sharing one key/value head. `segment_ids` and
-    `positions` [B, T]: packed rows (module doc)."""
+    groups of num_heads // num_kv_heads sharing one key/value head; `variant`: a family's
+    differences (AttentionVariant). `segment_ids` and `positions` [B, T]: packed rows
+    (module doc)."""
 
     def __init__(
         self,
@@ -144,40 +223,57 @@ class Attention(nnx.Module):
         num_kv_heads: int,
         rope_theta: float = 10_000.0,
         dtype="float32",
+        variant: AttentionVariant = PLAIN,
+        norm_eps: float = 1e-5,
         *,
         rngs: nnx.Rngs,
     ):
         _require_positive(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
-        if d_model % num_heads or (d_model // num_heads) % 2:
+        if variant.head_dim is None and (d_model % num_heads or (d_model // num_heads) % 2):
             raise ValueError(
                 f"d_model={d_model} must be num_heads={num_heads} x an even head size "
-                f"(rotary embeddings rotate pairs of dimensions)"
+                f"(rotary embeddings rotate pairs of dimensions), or head_dim given"
             )
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
         self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
-        head_dim = d_model // num_heads
+        self.variant = variant
+        self.head_dim = head_dim = variant.head_dim or d_model // num_heads
         dtype = _compute_dtype(dtype)
-        proj = lambda d_out, names: _linear(d_model, d_out, names, use_bias=False, dtype=dtype, rngs=rngs)
+        bias = variant.qkv_bias
+        proj = lambda d_out, names: _linear(d_model, d_out, names, use_bias=bias, dtype=dtype, rngs=rngs)
         self.q = proj(num_heads * head_dim, ("embed", "heads"))
         self.k = proj(num_kv_heads * head_dim, ("embed", "kv"))
         self.v = proj(num_kv_heads * head_dim, ("embed", "kv"))
         self.out = _linear(num_heads * head_dim, d_model, ("heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        if variant.qk_norm:
+            self.q_norm = _rms_norm(head_dim, dtype, norm_eps, rngs=rngs, axis=None)
+            self.k_norm = _rms_norm(head_dim, dtype, norm_eps, rngs=rngs, axis=None)
+
+    def _heads(self, x: jax.Array, positions) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B, T, H, Dh] and k [B, T, KV, Dh] normed (qk_norm) and rotated, v [B, T, KV, Dh]."""
+        batch, num_steps, _ = x.shape
+        q = self.q(x).reshape(batch, num_steps, self.num_heads, self.head_dim)
+        k = self.k(x).reshape(batch, num_steps, self.num_kv_heads, self.head_dim)
+        if self.variant.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        scaling = self.variant.rope_scaling
+        q, k = rotary(q, self.rope_theta, positions, scaling), rotary(k, self.rope_theta, positions, scaling)
+        return q, k, self.v(x).reshape(batch, num_steps, self.num_kv_heads, self.head_dim)
 
     def __call__(
         self, x: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
     ) -> jax.Array:
-        batch, num_steps, d_model = x.shape
-        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
-        head_dim = d_model // self.num_heads
-        q = rotary(self.q(x).reshape(batch, num_steps, self.num_heads, head_dim), self.rope_theta, positions)
-        k = rotary(self.k(x).reshape(batch, num_steps, kv, head_dim), self.rope_theta, positions)
-        v = self.v(x).reshape(batch, num_steps, kv, head_dim)
+        batch, num_steps, _ = x.shape
+        kv, group, head_dim = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q, k, v = self._heads(x, positions)
         # Query head h = g_kv * group + j uses key/value head g_kv: [B, T, KV, G, Dh].
         q = q.reshape(batch, num_steps, kv, group, head_dim)
         # Scores [B, KV, G, Tq, Tk] in float32, scaled by 1/sqrt(Dh) (variance independent of Dh).
         scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
         mask = attention_mask(batch, num_steps, segment_ids)
+        if self.variant.sliding_window is not None:
+            mask = mask & ~jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool), -self.variant.sliding_window)
         mask = mask if segment_ids is None else mask[:, None, None]  # [B, 1, 1, Tq, Tk]: every head
         # Every row keeps its diagonal; a finite minimum (not -inf) keeps gradients NaN-free.
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
@@ -186,19 +282,13 @@ class Attention(nnx.Module):
         return self.out(attended.reshape(batch, num_steps, self.num_heads * head_dim))
 
     def empty_cache(self, batch: int, num_slots: int) -> kv_cache.LayerCache:
-        head_dim = self.q.in_features // self.num_heads
-        return kv_cache.empty(batch, num_slots, self.num_kv_heads, head_dim, self.q.dtype or jnp.float32)
+        return kv_cache.empty(batch, num_slots, self.num_kv_heads, self.head_dim, self.q.dtype or jnp.float32)
 
     def decode(self, x: jax.Array, cache: kv_cache.LayerCache, start) -> tuple[jax.Array, kv_cache.LayerCache]:
         """(output [B, T, D], cache) of T new tokens at window positions start.. (rotated at
         those positions) attending to the cached keys and to themselves (models/kv_cache.py)."""
-        batch, num_new, d_model = x.shape
-        head_dim = d_model // self.num_heads
-        at = kv_cache.positions(batch, num_new, start)
-        q = rotary(self.q(x).reshape(batch, num_new, self.num_heads, head_dim), self.rope_theta, at)
-        k = rotary(self.k(x).reshape(batch, num_new, self.num_kv_heads, head_dim), self.rope_theta, at)
-        v = self.v(x).reshape(batch, num_new, self.num_kv_heads, head_dim)
-        attended, cache = kv_cache.attend(q, k, v, cache, start)
+        q, k, v = self._heads(x, kv_cache.positions(x.shape[0], x.shape[1], start))
+        attended, cache = kv_cache.attend(q, k, v, cache, start, self.variant.sliding_window)
         return self.out(attended), cache
 
 
@@ -232,6 +322,7 @@ class Block(nnx.Module):
         remat: str = "none",
         drop: nnx.Dropout | None = None,
         norm_eps: float = 1e-5,
+        variant: AttentionVariant = PLAIN,
         *,
         rngs: nnx.Rngs,
     ):
@@ -239,7 +330,7 @@ class Block(nnx.Module):
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
         self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
-        self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, rngs=rngs)
+        self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, variant, norm_eps, rngs=rngs)
         self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
         self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
         self.drop = drop
@@ -309,6 +400,8 @@ class Llama(nnx.Module):
     """Decoder-only LM: Embed, num_layers Blocks, Head. tokens [B, T] -> float32 logits [B, T, V].
 
     `norm_eps`: every RMSNorm's epsilon (Hugging Face Llamas use 1e-6 or 1e-5).
+    `attention`: a family's differences in attention (AttentionVariant: head_dim, biases,
+    q/k norms, scaled rotary frequencies, a sliding window; Mistral, Qwen 2.5 and 3).
     `mlp_dim` None: the SwiGLU width whose three matrices hold about as many weights as a
     4 x d_model GELU MLP's two (8/3 x d_model), rounded up to a multiple of 64.
     `stage_ends`/`mark`: `mark(x)` is applied to the activation after each layer index in
@@ -333,6 +426,7 @@ class Llama(nnx.Module):
         dropout_rate: float = 0.0,
         dropout_seed: int = 0,
         norm_eps: float = 1e-5,
+        attention: AttentionVariant = PLAIN,
         *,
         rngs: nnx.Rngs,
     ):
@@ -355,6 +449,7 @@ class Llama(nnx.Module):
                     remat,
                     dropout(dropout_rate, dropout_seed, i + 1),
                     norm_eps,
+                    attention,
                     rngs=rngs,
                 )
                 for i in range(num_layers)

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mpmd.models.gpt import _dropped, _require_positive, axes
-from mpmd.models.llama import REMAT_POLICIES, Block, Llama, SwiGLU, _compute_dtype
+from mpmd.models.llama import PLAIN, REMAT_POLICIES, AttentionVariant, Block, Llama, SwiGLU, _compute_dtype
 
 ROUTERS = ("softmax", "sigmoid")
 
@@ -230,11 +230,14 @@ class MoEBlock(Block):
         remat: str = "none",
         drop: nnx.Dropout | None = None,
         norm_eps: float = 1e-5,
+        variant: AttentionVariant = PLAIN,
         *,
         rngs: nnx.Rngs,
     ):
         # Block makes a dense SwiGLU that the MoE replaces (width 1: negligible).
-        super().__init__(d_model, num_heads, num_kv_heads, 1, rope_theta, dtype, remat, drop, norm_eps, rngs=rngs)
+        super().__init__(
+            d_model, num_heads, num_kv_heads, 1, rope_theta, dtype, remat, drop, norm_eps, variant, rngs=rngs
+        )
         self.mlp = moe
 
     def forward(self, x, segment_ids=None, positions=None):
@@ -287,6 +290,7 @@ class MoELlama(Llama):
                 remat,
                 dense.drop,
                 llama.get("norm_eps", 1e-5),
+                llama.get("attention", PLAIN),
                 rngs=rngs,
             )
 

@@ -42,8 +42,10 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
         raise ExportError(f"{run} is not a run directory: it has no config.yaml (mpmd train writes one)")
     values = config.values_of(run / "config.yaml")
     kind = (values.get("model") or {}).get("kind")
-    if kind != "llama":
-        raise ExportError(f"{run} trained model.kind={kind!r}; mpmd export --hf writes only model.kind 'llama'")
+    if kind not in hf.FAMILIES:
+        raise ExportError(
+            f"{run} trained model.kind={kind!r}; mpmd export --hf writes model.kind {', '.join(map(repr, hf.FAMILIES))}"
+        )
     # The sizes are in the resolved config already: the directory it was initialised from
     # need not be there any more.
     values["model"]["init_from"] = None

@@ -220,8 +220,40 @@ def load(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Confi
 
     Values are parsed as YAML: `train.steps=5`, `optimizer.max_grad_norm=null`,
     `log.trace_steps=[1,2]`, `log.tensorboard=false`, `optimizer.lr=1e-3`.
+
+    With model.init_from set, the model keys that it gives (the family section's FROM_INIT:
+    sizes and the like) yield to it where the file wrote them (the file is a recipe for
+    random init too); one line on stderr names them. Typed as an override, such a key must
+    agree with what init_from gives.
     """
-    return validate(values_of(path, overrides))
+    values = values_of(path, overrides)
+    if dropped := yield_to_init_from(values, overrides):
+        import sys
+
+        print(
+            f"model.init_from={values['model']['init_from']!r} gives {', '.join(f'model.{k}' for k in dropped)}: "
+            f"{path}'s values for them are not used",
+            file=sys.stderr,
+        )
+    return validate(values)
+
+
+def yield_to_init_from(values: dict, overrides: typing.Sequence[str]) -> list[str]:
+    """Removes from `values` the model keys model.init_from gives (its section's FROM_INIT)
+    that no override typed; returns them. Nothing without init_from or an unknown kind (the
+    validation then says what is wrong)."""
+    model = values.get("model")
+    if not isinstance(model, dict) or model.get("init_from") is None:
+        return []
+    try:
+        section = variant("model", model)
+    except ValueError:
+        return []
+    typed = {o.partition("=")[0].strip() for o in overrides}
+    dropped = [k for k in getattr(section, "FROM_INIT", ()) if k in model and f"model.{k}" not in typed]
+    for key in dropped:
+        del model[key]
+    return dropped
 
 
 def values_of(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> dict:

@@ -56,8 +56,11 @@ def byte_vocab_problems(cfg: Config) -> list[str]:
 def decoder_problems(cfg: Config) -> list[str]:
     m = cfg.model
     out = []
-    if m.d_model % m.num_heads:
-        out.append(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}")
+    if m.d_model % m.num_heads and getattr(m, "head_dim", None) is None:
+        out.append(
+            f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}"
+            + (" (or model.head_dim given)" if "head_dim" in type(m).model_fields else "")
+        )
     out += layers_problems(cfg, m.num_layers + 2, f"embed + {m.num_layers} blocks + head")
     return out + byte_vocab_problems(cfg)
 

@@ -1,5 +1,8 @@
-"""Hugging Face Llama checkpoints in and out: config.json <-> the llama family's model.* keys,
-safetensors tensors <-> the Llama's parameters by model path (models/llama.py).
+"""Hugging Face decoder checkpoints in and out (Llama 2 and 3.x, Mistral, Qwen 2.5, Qwen 3):
+config.json <-> the family's model.* keys, safetensors tensors <-> the parameters of
+models/llama.py's decoder by model path. FAMILIES is the table, one row per family: its
+model.kind, model_type and architecture, and which of the decoder's switches config.json
+sets (models/llama.py AttentionVariant).
 
     keys, params = hf.load("tiny_llama")     # {model.* key: value}, {param path: float32 np.ndarray}
     weights = hf.open("tiny_llama")          # lazily: weights.read(["blocks.0.attn.q.kernel", ...])
@@ -14,15 +17,16 @@ The mapping is exact, no permutation: Hugging Face's LlamaAttention rotates q an
 theta^(-2i/head_dim), which is models/llama.rotary's layout; its query head h reads key/value
 head h // (num_heads / num_kv_heads) (repeat_kv), as ours does; a torch Linear's weight is
 [out, in] where an nnx.Linear's kernel is [in, out] (transposed both ways, so a round trip is
-bitwise). What models/llama.py cannot compute is refused by name: rope scaling (Llama 3.1's
-"llama3", linear, dynamic, yarn), biases, an activation other than SiLU, a head_dim other
-than hidden_size / num_attention_heads.
+bitwise). What models/llama.py cannot compute is refused by name: rope scaling other than
+"llama3" and "linear" (dynamic, yarn, longrope), biases other than Qwen 2.5's on q, k and v,
+an activation other than SiLU, Qwen's per-layer sliding windows.
 
 Nothing here imports JAX: the config's check reads config.json before JAX starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -36,7 +40,32 @@ PREFIX = "hf:"  # model.init_from = "hf:<directory>"
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-ARCHITECTURE = "LlamaForCausalLM"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One Hugging Face family the decoder computes: `kind` (model.kind), `model_type` and
+    `architecture` (config.json's), `fixed` (model.* switches the family always has), and
+    whether config.json's `sliding_window` applies to every layer (`window`: Mistral's) or
+    is refused unless `use_sliding_window` is false (Qwen's, per layer)."""
+
+    kind: str
+    model_type: str
+    architecture: str
+    fixed: dict = dataclasses.field(default_factory=dict)
+    window: str = "none"  # "none" (no such key), "all" (every layer), "qwen" (use_sliding_window)
+
+
+FAMILIES = {
+    f.kind: f
+    for f in (
+        Family("llama", "llama", "LlamaForCausalLM"),
+        Family("mistral", "mistral", "MistralForCausalLM", window="all"),
+        Family("qwen2", "qwen2", "Qwen2ForCausalLM", {"qkv_bias": True}, window="qwen"),
+        Family("qwen3", "qwen3", "Qwen3ForCausalLM", {"qk_norm": True}, window="qwen"),
+    )
+}
+ARCHITECTURE = FAMILIES["llama"].architecture
 
 # model.* key -> config.json key, and config.json's default when the key is absent (those of
 # transformers' LlamaConfig). rope_theta has its own rule (rope_theta_of).
@@ -52,6 +81,14 @@ KEYS = {
 }
 DEFAULT_ROPE_THETA = 10_000.0
 _INT_KEYS = ("vocab_size", "d_model", "num_heads", "num_layers", "num_kv_heads", "mlp_dim")
+# The rope scaling keys (model.rope_*) <- rope_parameters' names, and their defaults.
+ROPE_KEYS = {
+    "rope_factor": ("factor", 1.0),
+    "rope_low_freq_factor": ("low_freq_factor", 1.0),
+    "rope_high_freq_factor": ("high_freq_factor", 4.0),
+    "rope_original_max_positions": ("original_max_position_embeddings", 8192),
+}
+ROPE_TYPES = ("default", "linear", "llama3")
 
 # A block's parameter (path after blocks.<i>.) -> its tensor after model.layers.<i>., and
 # whether the kernel is the tensor transposed.
@@ -66,6 +103,17 @@ _BLOCK = {
     "attn_norm.scale": ("input_layernorm.weight", False),
     "mlp_norm.scale": ("post_attention_layernorm.weight", False),
 }
+# Present only where the family's switches say (qkv_bias, qk_norm).
+_BIASES = {
+    "attn.q.bias": ("self_attn.q_proj.bias", False),
+    "attn.k.bias": ("self_attn.k_proj.bias", False),
+    "attn.v.bias": ("self_attn.v_proj.bias", False),
+}
+_QK_NORMS = {
+    "attn.q_norm.scale": ("self_attn.q_norm.weight", False),
+    "attn.k_norm.scale": ("self_attn.k_norm.weight", False),
+}
+_OPTIONAL = {**_BIASES, **_QK_NORMS}
 _OUTER = {
     "embed.token.embedding": ("model.embed_tokens.weight", False),
     "head.norm.scale": ("model.norm.weight", False),
@@ -105,21 +153,34 @@ def read_config(hf_dir) -> dict:
     return values
 
 
-def model_keys(hf_dir) -> dict:
-    """The llama family's model.* keys config.json sets: sizes, GQA, RoPE theta, RMSNorm
-    epsilon, tied embeddings (not seq_len: max_positions says how long it may be). HFError
-    naming the key of what models/llama.py cannot compute."""
+def family_of(hf_dir) -> Family:
+    """The row of FAMILIES config.json's model_type (or architectures) names; HFError naming
+    the ones mpmd reads otherwise."""
     c, path = read_config(hf_dir), Path(hf_dir) / CONFIG
-    if c.get("model_type") != "llama" and ARCHITECTURE not in (c.get("architectures") or ()):
-        raise HFError(
-            f"{path}: model_type={c.get('model_type')!r}, architectures={c.get('architectures')!r}; "
-            f"mpmd imports only model_type 'llama' ({ARCHITECTURE})"
-        )
+    for family in FAMILIES.values():
+        if c.get("model_type") == family.model_type or family.architecture in (c.get("architectures") or ()):
+            return family
+    known = ", ".join(f"{f.model_type!r} ({f.architecture})" for f in FAMILIES.values())
+    raise HFError(
+        f"{path}: model_type={c.get('model_type')!r}, architectures={c.get('architectures')!r}; "
+        f"mpmd imports model_type {known}"
+    )
+
+
+def model_keys(hf_dir) -> dict:
+    """The family's model.* keys config.json sets: sizes, GQA, head_dim, RoPE theta and
+    scaling, RMSNorm epsilon, tied embeddings, the family's switches, a sliding window (not
+    seq_len: max_positions says how long it may be). HFError naming the key of what
+    models/llama.py cannot compute."""
+    c, path = read_config(hf_dir), Path(hf_dir) / CONFIG
+    family = family_of(hf_dir)
     refused = {
         "hidden_act": ("silu", c.get("hidden_act", "silu") != "silu"),
         "attention_bias": (False, bool(c.get("attention_bias", False))),
         "mlp_bias": (False, bool(c.get("mlp_bias", False))),
     }
+    if family.window == "qwen":
+        refused["use_sliding_window"] = (False, bool(c.get("use_sliding_window", False)))
     for key, (allowed, bad) in refused.items():
         if bad:
             raise HFError(f"{path}: {key}={c[key]!r}; models/llama.py computes only {key}={allowed!r}")
@@ -134,12 +195,25 @@ def model_keys(hf_dir) -> dict:
             raise HFError(f"{path}: {theirs}={value!r} must be a positive integer (model.{ours})")
         out[ours] = float(value) if ours == "norm_eps" else value
     head_dim = c.get("head_dim")
-    if head_dim is not None and head_dim * out["num_heads"] != out["d_model"]:
+    if head_dim is not None and (
+        isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2
+    ):
+        raise HFError(f"{path}: head_dim={head_dim!r} must be an even integer >= 2 (rotary pairs)")
+    # head_dim is kept only where it is not hidden_size / num_attention_heads.
+    out["head_dim"] = None if head_dim is None or head_dim * out["num_heads"] == out["d_model"] else head_dim
+    if out["head_dim"] is None and (out["d_model"] % out["num_heads"] or (out["d_model"] // out["num_heads"]) % 2):
         raise HFError(
-            f"{path}: head_dim={head_dim} but hidden_size / num_attention_heads = "
-            f"{out['d_model']} / {out['num_heads']}; models/llama.py needs them equal"
+            f"{path}: hidden_size / num_attention_heads = {out['d_model']} / {out['num_heads']} is no "
+            f"even head size, and config.json gives no head_dim"
         )
+    out["qkv_bias"] = bool(family.fixed.get("qkv_bias", False))
+    out["qk_norm"] = bool(family.fixed.get("qk_norm", False))
+    window = c.get("sliding_window") if family.window == "all" else None
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise HFError(f"{path}: sliding_window={window!r} must be a positive integer or null")
+    out["sliding_window"] = window
     out["rope_theta"] = rope_theta_of(c, path)
+    out.update(rope_scaling_of(c, path))
     return out
 
 
@@ -148,8 +222,13 @@ def _hf_shapes(keys: dict) -> dict[str, tuple[int, ...]]:
     model.* `keys`, by its model path without the layer (`blocks.<i>.`), as _BLOCK and _OUTER
     name them."""
     d, heads, kv, vocab, mlp = (keys[k] for k in ("d_model", "num_heads", "num_kv_heads", "vocab_size", "mlp_dim"))
-    head_dim = d // heads
+    head_dim = keys.get("head_dim") or d // heads
     return {
+        "attn.q.bias": (heads * head_dim,),
+        "attn.k.bias": (kv * head_dim,),
+        "attn.v.bias": (kv * head_dim,),
+        "attn.q_norm.scale": (head_dim,),
+        "attn.k_norm.scale": (head_dim,),
         "attn.q.kernel": (heads * head_dim, d),
         "attn.k.kernel": (kv * head_dim, d),
         "attn.v.kernel": (kv * head_dim, d),
@@ -187,7 +266,7 @@ def check_tensors(hf_dir, keys: dict) -> None:
         )
     shapes = _hf_shapes(keys)
     # The layer count is the files' now: every parameter's path is cheap to list.
-    for param in param_paths(keys["num_layers"], keys["tie_embeddings"]):
+    for param in param_paths(keys):
         name, _ = tensor_name(param)
         shape = shapes[param.split(".", 2)[2] if param.startswith("blocks.") else param]
         if name not in weights.files:
@@ -208,47 +287,81 @@ def max_positions(hf_dir) -> int | None:
     return read_config(hf_dir).get("max_position_embeddings")
 
 
-def rope_theta_of(c: dict, path) -> float:
-    """RoPE's base: `rope_parameters.rope_theta` (transformers >= 5) or `rope_theta`; HFError
-    for any rope type but the plain one (scaled frequencies are not models/llama.rotary's)."""
+def _rope_parameters(c: dict) -> dict:
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    rope = rope if isinstance(rope, dict) else {"rope_type": rope}
+    return rope if isinstance(rope, dict) else {"rope_type": rope}
+
+
+def rope_theta_of(c: dict, path) -> float:
+    """RoPE's base: `rope_parameters.rope_theta` (transformers >= 5) or `rope_theta`."""
+    return float(_rope_parameters(c).get("rope_theta", c.get("rope_theta", DEFAULT_ROPE_THETA)))
+
+
+def rope_scaling_of(c: dict, path) -> dict:
+    """model.rope_type and, scaled, its model.rope_* factors (ROPE_KEYS) from config.json's
+    `rope_parameters` (transformers >= 5) or `rope_scaling`; HFError naming a rope type
+    models/llama.py does not compute (dynamic, yarn, longrope, ...)."""
+    rope = _rope_parameters(c)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
+    if kind not in ROPE_TYPES:
         raise HFError(
             f"{path}: rope type {kind!r} ({'rope_parameters' if 'rope_parameters' in c else 'rope_scaling'}); "
-            f"models/llama.py computes only the default rotary embedding (no scaling)"
+            f"models/llama.py computes the rope types {', '.join(map(repr, ROPE_TYPES))}"
         )
-    return float(rope.get("rope_theta", c.get("rope_theta", DEFAULT_ROPE_THETA)))
+    out = {"rope_type": kind}
+    if kind == "default":
+        return out
+    for ours, (theirs, default) in ROPE_KEYS.items():
+        value = rope.get(theirs, default if kind == "llama3" or ours == "rope_factor" else None)
+        if ours == "rope_factor" and theirs not in rope:
+            raise HFError(f"{path}: rope type {kind!r} without a 'factor'")
+        if value is not None:
+            out[ours] = value
+    return out
 
 
-def hf_config(keys: dict) -> dict:
-    """config.json for a LlamaForCausalLM of the llama model.* keys `keys` (mlp_dim and
-    num_kv_heads resolved: not None), float32 weights; max_position_embeddings = seq_len.
-    RoPE's theta and the dtype are written as transformers 5 names them and, beside, as 4.x
-    did (rope_theta, torch_dtype), so either reads them."""
+def hf_config(keys: dict, kind: str = "llama") -> dict:
+    """config.json for model.kind `kind`'s family (FAMILIES) of the model.* keys `keys`
+    (mlp_dim and num_kv_heads resolved: not None), float32 weights; max_position_embeddings
+    = seq_len. RoPE's theta and the dtype are written as transformers 5 names them and,
+    beside, as 4.x did (rope_theta, torch_dtype), so either reads them."""
+    family = FAMILIES[kind]
     theta = float(keys["rope_theta"])
+    rope = {"rope_type": keys.get("rope_type", "default"), "rope_theta": theta}
+    if rope["rope_type"] != "default":
+        rope.update({theirs: keys[ours] for ours, (theirs, _) in ROPE_KEYS.items() if keys.get(ours) is not None})
+        if rope["rope_type"] == "linear":
+            rope = {k: v for k, v in rope.items() if k in ("rope_type", "rope_theta", "factor")}
     out = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
         "dtype": "float32",
         "torch_dtype": "float32",
-        "head_dim": keys["d_model"] // keys["num_heads"],
+        "head_dim": keys.get("head_dim") or keys["d_model"] // keys["num_heads"],
         "max_position_embeddings": keys["seq_len"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
         "rope_theta": theta,
     }
+    if family.window == "all":
+        out["sliding_window"] = keys.get("sliding_window")
+    elif family.window == "qwen":
+        out["use_sliding_window"] = False
     out.update({theirs: keys[ours] for ours, (theirs, _) in KEYS.items()})
     return out
 
 
-def param_paths(num_layers: int, tie_embeddings: bool) -> list[str]:
-    """Every parameter's model path of a Llama of these sizes (a tied one has no lm_head)."""
-    blocks = [f"blocks.{i}.{p}" for i in range(num_layers) for p in _BLOCK]
-    return ["embed.token.embedding", *blocks, "head.norm.scale", *([] if tie_embeddings else ["head.lm_head.kernel"])]
+def param_paths(keys: dict) -> list[str]:
+    """Every parameter's model path of a decoder of model.* `keys` (num_layers,
+    tie_embeddings: a tied one has no lm_head; qkv_bias, qk_norm: their tensors)."""
+    block = [*_BLOCK]
+    block += [*_BIASES] if keys.get("qkv_bias") else []
+    block += [*_QK_NORMS] if keys.get("qk_norm") else []
+    blocks = [f"blocks.{i}.{p}" for i in range(keys["num_layers"]) for p in block]
+    tied = keys["tie_embeddings"]
+    return ["embed.token.embedding", *blocks, "head.norm.scale", *([] if tied else ["head.lm_head.kernel"])]
 
 
 def tensor_name(path: str) -> tuple[str, bool]:
@@ -258,8 +371,8 @@ def tensor_name(path: str) -> tuple[str, bool]:
         return _OUTER[path]
     head, _, rest = path.partition(".")
     index, _, inner = rest.partition(".")
-    if head == "blocks" and index.isdigit() and inner in _BLOCK:
-        name, transposed = _BLOCK[inner]
+    if head == "blocks" and index.isdigit() and (inner in _BLOCK or inner in _OPTIONAL):
+        name, transposed = _BLOCK.get(inner) or _OPTIONAL[inner]
         return f"model.layers.{index}.{name}", transposed
     raise HFError(f"{path!r} is not a parameter of models/llama.py's Llama")
 
@@ -330,21 +443,22 @@ def open(hf_dir) -> Weights:  # noqa: A001  (hf.open, as safetensors' safe_open)
 def load(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     """(model.* keys of config.json, {model path: float32 array} of every parameter): the
     whole model in this process, for small models, tools and `mpmd generate hf:DIR`. The keys
-    are a llama section's (`{"kind": "llama", **keys}` validates as one), seq_len set to
+    are the family's section's (`{"kind": family_of(hf_dir).kind, **keys}` validates as one), seq_len set to
     max_position_embeddings where config.json has it."""
     keys, longest = model_keys(hf_dir), max_positions(hf_dir)
     check_tensors(hf_dir, keys)
     if longest is not None:
         keys["seq_len"] = longest
-    paths = param_paths(keys["num_layers"], keys["tie_embeddings"])
+    paths = param_paths(keys)
     return keys, dict(zip(paths, Weights(hf_dir).read(paths)))
 
 
 def save(
     out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str | None = None, mode: int = 0o700
 ) -> Path:
-    """Writes config.json and model.safetensors (float32) of a Llama with model.* `keys` and
-    `params` ({model path: array}), and tokenizer.json where given (its text), into `out_dir`,
+    """Writes config.json and model.safetensors (float32) of the decoder with model.* `keys`
+    (keys["kind"]: the family whose format is written, default llama) and `params`
+    ({model path: array}), and tokenizer.json where given (its text), into `out_dir`,
     which must not exist or be empty (HFError):
     the files are written beside it and renamed into place, so nothing half-written is left
     under that name and nothing is overwritten. The directory gets `mode` (default: its
@@ -352,7 +466,7 @@ def save(
     from safetensors.numpy import save_file
 
     out = check_new(out_dir)
-    expected = param_paths(keys["num_layers"], keys["tie_embeddings"])
+    expected = param_paths(keys)
     if sorted(expected) != sorted(params):
         missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
         raise HFError(
@@ -370,7 +484,7 @@ def save(
     os.chmod(staging, mode)  # the directory is the gate: 0700, its owner's only, whatever the umask
     try:
         save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
-        (staging / CONFIG).write_text(json.dumps(hf_config(keys), indent=2) + "\n")
+        (staging / CONFIG).write_text(json.dumps(hf_config(keys, keys.get("kind", "llama")), indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         if out.exists():

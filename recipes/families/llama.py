@@ -1,10 +1,15 @@
-"""model.kind='llama': the Llama decoder LM (models/llama.py): grouped-query attention,
-SwiGLU, rotary embeddings, optional tied embeddings (cut at stage marks), bf16, remat."""
+"""model.kind='llama', 'mistral', 'qwen2', 'qwen3': the decoder LM of models/llama.py
+(grouped-query attention, SwiGLU, rotary embeddings, optional tied embeddings cut at stage
+marks, bf16, remat) and the families that are it with a few switches (AttentionVariant):
+Mistral (a head_dim of its own, a sliding window), Qwen 2.5 (biases on q, k and v), Qwen 3
+(RMSNorm on each head of q and k); Llama 3.1+'s scaled rotary frequencies for any of them.
+Each kind reads and writes its own Hugging Face format (mpmd/recipes/families/hf.py
+FAMILIES)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -31,6 +36,28 @@ class ComputeSection(ModelSection):
 
 
 class LlamaSection(DecoderSection, ComputeSection):
+    # The keys model.init_from gives; a recipe file's values for them yield to it
+    # (mpmd.recipes.config.loading.yield_to_init_from).
+    FROM_INIT: ClassVar[tuple[str, ...]] = (
+        "vocab_size",
+        "d_model",
+        "num_heads",
+        "num_layers",
+        "num_kv_heads",
+        "mlp_dim",
+        "norm_eps",
+        "tie_embeddings",
+        "rope_theta",
+        "rope_type",
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_positions",
+        "head_dim",
+        "qkv_bias",
+        "qk_norm",
+        "sliding_window",
+    )
     kind: Literal["llama"] = Field("llama", description="which model to build")
     num_kv_heads: int | None = Field(
         None,
@@ -47,6 +74,25 @@ class LlamaSection(DecoderSection, ComputeSection):
         "at stage marks, and the embedding's gradients are summed across the two stages)",
     )
     rope_theta: float = Field(10_000.0, gt=0, description="rotary embedding base (Llama 3 uses 500000)")
+    rope_type: Literal["default", "linear", "llama3"] = Field(
+        "default",
+        description="rotary frequencies: default; linear = all divided by rope_factor; llama3 = "
+        "Llama 3.1's (low ones divided by rope_factor, high ones kept, blended between)",
+    )
+    rope_factor: float = Field(1.0, gt=0, le=2**20, description="rope_type linear/llama3: the scaling factor")
+    rope_low_freq_factor: float = Field(1.0, gt=0, le=2**20, description="rope_type llama3: low_freq_factor")
+    rope_high_freq_factor: float = Field(4.0, gt=0, le=2**20, description="rope_type llama3: high_freq_factor")
+    rope_original_max_positions: int = Field(
+        8192, gt=0, le=2**24, description="rope_type llama3: the context length the model was pretrained at"
+    )
+    head_dim: int | None = Field(
+        None, gt=0, le=2**12, description="width of each attention head; null = d_model / num_heads"
+    )
+    qkv_bias: bool = Field(False, description="biases on the q, k and v projections (Qwen 2.5)")
+    qk_norm: bool = Field(False, description="an RMSNorm over each head of q and of k (Qwen 3)")
+    sliding_window: int | None = Field(
+        None, gt=0, le=2**24, description="each position attends to at most this many (itself included); null = all"
+    )
     norm_eps: float = Field(1e-5, gt=0, description="every RMSNorm's epsilon")
     init_from: str | None = Field(
         None,
@@ -66,11 +112,19 @@ class LlamaSection(DecoderSection, ComputeSection):
             return values
         init_from = values["init_from"]
         if isinstance(init_from, str) and init_from.startswith(RUN_PREFIX):
-            keys, longest, source = _run_keys(init_from), None, "config.yaml"
+            kind = values.get("kind", cls.model_fields["kind"].default)
+            keys, longest, source = _run_keys(init_from, kind), None, "config.yaml"
             named = lambda key: f"model.{key}"
         else:
             hf_dir = hf.directory_of(init_from)
+            kind = values.get("kind", cls.model_fields["kind"].default)
             try:
+                family = hf.family_of(hf_dir)
+                if kind != family.kind:
+                    raise ValueError(
+                        f"model.init_from={init_from!r} is a {family.architecture} (model_type "
+                        f"{family.model_type!r}): set model.kind={family.kind}, not {kind!r}"
+                    )
                 keys, longest = hf.model_keys(hf_dir), hf.max_positions(hf_dir)
                 hf.check_tensors(hf_dir, keys)  # before any model is built from the keys
             except hf.HFError as e:
@@ -94,15 +148,15 @@ class LlamaSection(DecoderSection, ComputeSection):
 
 RUN_PREFIX = "run:"  # model.init_from = "run:<run directory of mpmd train>"
 # The keys a run's config.yaml gives a run started from it: what its parameters' shapes and
-# meaning depend on (hf.KEYS' and rope_theta), not seq_len (rotary positions take any length).
-_RUN_KEYS = (*hf.KEYS, "rope_theta")
+# meaning depend on, not seq_len (rotary positions take any length).
+_RUN_KEYS = LlamaSection.FROM_INIT
 
 
 def _run_directory(init_from: str) -> Path:
     return Path(init_from[len(RUN_PREFIX) :]).expanduser()
 
 
-def _run_keys(init_from: str) -> dict:
+def _run_keys(init_from: str, kind: str = "llama") -> dict:
     """The model keys of the llama run `run:<dir>` names; ValueError naming what is wrong."""
     from mpmd.recipes import config
 
@@ -112,10 +166,10 @@ def _run_keys(init_from: str) -> dict:
             f"model.init_from={init_from!r}: {file} not found; 'run:<directory>' names a run directory of mpmd train"
         )
     model = config.values_of(file).get("model") or {}
-    if model.get("kind") != "llama":
+    if model.get("kind") != kind:
         raise ValueError(
-            f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a llama starts "
-            f"only from a llama run"
+            f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a {kind} starts "
+            f"only from a {kind} run"
         )
     return {key: model[key] for key in _RUN_KEYS if key in model}
 
@@ -143,14 +197,33 @@ def _run_params(init_from: str):
 def _problems(cfg: Config) -> list[str]:
     m = cfg.model
     out = decoder_problems(cfg)
-    if not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
+    if m.head_dim is not None and m.head_dim % 2:
+        out.append(f"model.head_dim={m.head_dim} must be even (rotary embeddings rotate pairs of dimensions)")
+    if m.head_dim is None and not m.d_model % m.num_heads and (m.d_model // m.num_heads) % 2:
         out.append(
             f"model.d_model / model.num_heads = {m.d_model // m.num_heads} must be even "
             f"(rotary embeddings rotate pairs of dimensions)"
         )
+    if m.rope_type == "llama3" and not m.rope_low_freq_factor < m.rope_high_freq_factor:
+        out.append(
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be less than "
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} (rope_type llama3)"
+        )
     if m.num_kv_heads is not None and m.num_heads % m.num_kv_heads:
         out.append(f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
     return out
+
+
+def attention_variant(m):
+    """models/llama.py's AttentionVariant of a llama-like model section."""
+    from mpmd.models.llama import AttentionVariant, RopeScaling
+
+    scaling = None
+    if m.rope_type != "default":
+        scaling = RopeScaling(
+            m.rope_type, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions
+        )
+    return AttentionVariant(m.head_dim, m.qkv_bias, m.qk_norm, scaling, m.sliding_window)
 
 
 def _llama(cfg: Config, rngs):
@@ -172,6 +245,7 @@ def _llama(cfg: Config, rngs):
         dropout_rate=m.dropout,
         dropout_seed=cfg.seed,
         norm_eps=m.norm_eps,
+        attention=attention_variant(m),
         rngs=rngs,
     )
 
@@ -225,10 +299,24 @@ def _units(cfg: Config, model):
     return None
 
 
-SPEC = register_model_spec(
-    ModelSpec(
-        "llama",
-        LlamaSection,
+class MistralSection(LlamaSection):
+    kind: Literal["mistral"] = Field("mistral", description="which model to build")
+
+
+class Qwen2Section(LlamaSection):
+    kind: Literal["qwen2"] = Field("qwen2", description="which model to build")
+    qkv_bias: bool = Field(True, description="biases on the q, k and v projections (Qwen 2.5)")
+
+
+class Qwen3Section(LlamaSection):
+    kind: Literal["qwen3"] = Field("qwen3", description="which model to build")
+    qk_norm: bool = Field(True, description="an RMSNorm over each head of q and of k (Qwen 3)")
+
+
+def _spec(kind: str, section) -> ModelSpec:
+    return ModelSpec(
+        kind,
+        section,
         build=flax_build(_llama),
         loss=lm_loss,
         reads=LM_READS,
@@ -241,4 +329,8 @@ SPEC = register_model_spec(
         samples_text=True,
         problems=_problems,
     )
-)
+
+
+SPEC = register_model_spec(_spec("llama", LlamaSection))
+for _kind, _section in (("mistral", MistralSection), ("qwen2", Qwen2Section), ("qwen3", Qwen3Section)):
+    register_model_spec(_spec(_kind, _section))

@@ -12,7 +12,7 @@ from pydantic import Field
 from mpmd.recipes.config import Config
 from mpmd.recipes.config.schema import _Section
 from mpmd.recipes.families.gpt import lm_loss, seq_len, LM_READS
-from mpmd.recipes.families.llama import LlamaSection, _problems as llama_problems
+from mpmd.recipes.families.llama import LlamaSection, _problems as llama_problems, attention_variant
 from mpmd.recipes.registry import ModelSpec, flax_build, register_model_spec
 
 
@@ -131,6 +131,7 @@ def _moe(cfg: Config, rngs):
         dropout_rate=m.dropout,
         dropout_seed=cfg.seed,
         norm_eps=m.norm_eps,
+        attention=attention_variant(m),
         rngs=rngs,
     )
 

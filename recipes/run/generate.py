@@ -97,7 +97,11 @@ def load_hf(spec: str) -> tuple[Config, object]:
             f"{spec!r} has no {tokenizer.TOKENIZER_FILE} and vocab_size={keys['vocab_size']}, fewer "
             f"than the 256 byte tokens: put the model's tokenizer.json in {hf_dir}"
         )
-    model = {"kind": "llama", "init_from": spec, "seq_len": min(keys.get("seq_len", HF_MAX_WINDOW), HF_MAX_WINDOW)}
+    model = {
+        "kind": hf.family_of(hf_dir).kind,
+        "init_from": spec,
+        "seq_len": min(keys.get("seq_len", HF_MAX_WINDOW), HF_MAX_WINDOW),
+    }
     # The synthetic source reads no files: the config describes the model and its tokenizer only.
     data = {"source": "synthetic", **({"tokenizer": str(hf_dir)} if has_tokenizer else {})}
     cfg = config_lib.validate({"model": model, "data": data})

@@ -78,14 +78,23 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
         (["train.steps=2.5"], "train.steps must be an integer, got 2.5"),
         (["log.tensorboard=3"], "log.tensorboard must be true or false, got 3"),
         (["log.trace_steps=[1, x]"], "log.trace_steps[1] must be an integer, got 'x'"),
-        (["model.kind=gtp"], "model.kind must be one of 'gpt', 'llama', 'moe', 'mlp' or 'custom', got 'gtp'"),
+        (
+            ["model.kind=gtp"],
+            "model.kind must be one of 'gpt', 'llama', 'mistral', 'qwen2', 'qwen3', 'moe', 'mlp' or 'custom', got 'gtp'",
+        ),
         (
             ["model.kind=llama", "model.num_heads=4", "model.num_kv_heads=3"],
             "model.num_kv_heads=3 must divide model.num_heads=4",
         ),
         (["model.kind=llama", "model.d_model=66"], "model.d_model / model.num_heads = 33 must be even"),
-        (["model.dtype=bfloat16"], "model.dtype is only used by model.kind='llama', 'moe' or 'custom', got kind 'gpt'"),
-        (["model.remat=block"], "model.remat is only used by model.kind='llama', 'moe' or 'custom', got kind 'gpt'"),
+        (
+            ["model.dtype=bfloat16"],
+            "model.dtype is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'moe' or 'custom', got kind 'gpt'",
+        ),
+        (
+            ["model.remat=block"],
+            "model.remat is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'moe' or 'custom', got kind 'gpt'",
+        ),
         (["model.num_kv_heads=1"], "model.num_kv_heads is only used by model.kind='llama'"),
         (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
         (["train.sample_temperature=-1"], "train.sample_temperature must be >= 0"),
@@ -383,5 +392,8 @@ def test_a_flat_resolved_config_from_before_per_kind_sections_still_loads_and_re
     assert config.math_changes({**Config().math(), "model.num_kv_heads": 2}, Config().math()) == [
         "model.num_kv_heads: 2 -> '(unset)'"
     ]
-    with pytest.raises(ConfigError, match="model.dtype is only used by model.kind='llama', 'moe' or 'custom'"):
+    with pytest.raises(
+        ConfigError,
+        match="model.dtype is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'moe' or 'custom'",
+    ):
         config.load(path, ["model.dtype=bfloat16"])

@@ -57,7 +57,8 @@ def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_p
     # Without the module nothing knows them: the kind is refused by name, listing the known ones.
     assert "ramp" not in registry.model_specs()
     with pytest.raises(
-        ConfigError, match="model.kind must be one of 'gpt', 'llama', 'moe', 'mlp' or 'custom', got 'ramp'"
+        ConfigError,
+        match="model.kind must be one of 'gpt', 'llama', 'mistral', 'qwen2', 'qwen3', 'moe', 'mlp' or 'custom', got 'ramp'",
     ):
         config.load(path, ["imports=[]"])
 
@@ -87,7 +88,8 @@ def test_a_registered_data_source_trains_through_mpmd_train(tmp_path):
 
 def test_a_family_or_backend_key_is_refused_naming_who_takes_it():
     with pytest.raises(
-        ConfigError, match=r"model.tie_embeddings is only used by model.kind='llama' or 'moe', got kind 'mlp'"
+        ConfigError,
+        match=r"model.tie_embeddings is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3' or 'moe', got kind 'mlp'",
     ):
         config.load(
             None, ["model.kind=mlp", "data.source=synthetic", "train.sample_tokens=0", "model.tie_embeddings=true"]

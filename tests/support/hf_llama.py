@@ -1,8 +1,12 @@
-"""Tiny random Hugging Face Llamas made here with transformers (nothing downloaded), and their
-logits: the reference the import and export tests hold mpmd to.
+"""Tiny random Hugging Face decoders made here with transformers (nothing downloaded), and
+their logits: the reference the import and export tests hold mpmd to.
 
-Each case covers what the mapping must get right: grouped-query attention with a non-default
-RoPE theta and RMSNorm epsilon, tied embeddings, a sharded checkpoint (index.json) in bfloat16.
+Each Llama case covers what the mapping must get right: grouped-query attention with a
+non-default RoPE theta and RMSNorm epsilon, tied embeddings, a sharded checkpoint
+(index.json) in bfloat16. FAMILY_CASES holds one model of each other family, each with what
+sets it apart: Llama 3.1's scaled rotary frequencies (all three bands in use), Mistral's own
+head_dim and a sliding window shorter than the sequence, Qwen 2.5's q/k/v biases (tied,
+as its small models are), Qwen 3's per-head q/k norms with a head_dim of its own.
 """
 
 from __future__ import annotations
@@ -56,19 +60,56 @@ CASES = {
 }
 
 
-def make(case: str, out_dir, seed: int = 0):
-    """Saves the case's random LlamaForCausalLM to out_dir; returns the torch model (float32)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+_SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+FAMILY_CASES = {
+    # name: (model_type, config keywords)
+    "llama31": (
+        "llama",
+        dict(
+            _SMALL,
+            rope_parameters=dict(
+                # head_dim 8: wavelengths 6.3, 63, 628 and 6283 positions, against 16 / 2 = 8
+                # and 16 / 0.1 = 160: one kept, one blended, two divided by the factor.
+                rope_type="llama3",
+                rope_theta=10_000.0,
+                factor=8.0,
+                low_freq_factor=0.1,
+                high_freq_factor=2.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "mistral": ("mistral", dict(_SMALL, head_dim=16, sliding_window=6, rope_theta=1_000_000.0)),
+    "qwen2": ("qwen2", dict(_SMALL, tie_word_embeddings=True, rope_theta=1_000_000.0)),
+    "qwen3": ("qwen3", dict(_SMALL, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
 
-    config_kw, save_kw = CASES[case]
+
+def _classes(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoConfig.for_model(model_type).__class__, AutoModelForCausalLM
+
+
+def make(case: str, out_dir, seed: int = 0):
+    """Saves the case's random model (CASES: a LlamaForCausalLM; FAMILY_CASES: its family's)
+    to out_dir; returns the torch model (float32)."""
+    import torch
+
+    if case in FAMILY_CASES:
+        model_type, config_kw = FAMILY_CASES[case]
+        save_kw = {}
+    else:
+        (model_type, (config_kw, save_kw)) = "llama", CASES[case]
+    config_class, model_class = _classes(model_type)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=2 * SEQ_LEN, **config_kw)
-    model = LlamaForCausalLM(config)
-    # Norm weights start at 1: perturb them so a norm mapped wrongly shows in the logits.
+    config = config_class(vocab_size=VOCAB, max_position_embeddings=2 * SEQ_LEN, **config_kw)
+    model = model_class.from_config(config)
+    # Norm weights start at 1 and biases at 0: perturb them so one mapped wrongly shows in
+    # the logits.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
     if "dtype" in config_kw:
         model = model.to(getattr(torch, config_kw["dtype"]))
@@ -85,10 +126,11 @@ def logits(model, tokens: np.ndarray) -> np.ndarray:
 
 
 def load_logits(hf_dir, tokens: np.ndarray) -> np.ndarray:
-    """Logits of the directory as transformers.LlamaForCausalLM.from_pretrained loads it."""
-    from transformers import LlamaForCausalLM
+    """Logits of the directory as transformers.AutoModelForCausalLM.from_pretrained loads it
+    (the family config.json names)."""
+    from transformers import AutoModelForCausalLM
 
-    return logits(LlamaForCausalLM.from_pretrained(hf_dir, dtype="float32").eval(), tokens)
+    return logits(AutoModelForCausalLM.from_pretrained(hf_dir, dtype="float32").eval(), tokens)
 
 
 def tokens(batch: int = 4, seed: int = 1) -> np.ndarray:

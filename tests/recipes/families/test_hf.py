@@ -155,14 +155,16 @@ def test_bad_directories_are_refused_by_name(hf_models, tmp_path):
         config.load(None, ["model.kind=gpt", f"model.init_from=hf:{hf_models['gqa'][0]}"])
     base = json.loads((hf_models["gqa"][0] / hf.CONFIG).read_text())
     for change, message in [
-        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type 'llama'"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope type 'llama3'"),
+        ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "set model.kind=mistral, not 'llama'"),
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "mpmd imports model_type 'llama'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope type 'llama3' without a 'factor'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ({"attention_bias": True}, "attention_bias=True"),
-        ({"head_dim": 16}, "head_dim=16"),
+        ({"head_dim": 7}, "head_dim=7"),
         ({"hidden_size": 6e8}, "hidden_size=600000000.0 must be a positive integer"),
         ({"num_hidden_layers": "many"}, "num_hidden_layers='many' must be a positive integer"),
     ]:
-        d = tmp_path / message.split()[0].replace("'", "")
+        d = tmp_path / re.sub(r"\W+", "_", message)
         d.mkdir()
         (d / hf.CONFIG).write_text(json.dumps({**base, **change}))
         with pytest.raises(config.ConfigError, match=message):

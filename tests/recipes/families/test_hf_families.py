@@ -1,0 +1,186 @@
+"""The Hugging Face families beside Llama 2 (mpmd/recipes/families/hf.py FAMILIES): Llama 3.1's
+scaled rotary frequencies, Mistral, Qwen 2.5 and Qwen 3, each a tiny random model made here by
+transformers (tests/support/hf_llama.py FAMILY_CASES; nothing downloaded). Held to
+transformers: the logits, greedy decoding with the key-value cache, the export read back by
+from_pretrained; held to unpipelined JAX: a 2-stage pipelined fine-tuning step."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+from flax import nnx
+
+import mpmd
+from mpmd.recipes import config, registry
+from mpmd.recipes.families import hf
+from mpmd.recipes.commands.generate import main as generate_main
+from mpmd.stages.leaf_paths import path_string
+from tests.support import hf_llama
+
+CASES = list(hf_llama.FAMILY_CASES)
+KIND = {"llama31": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """case -> (its directory, transformers' float32 model)."""
+    out = {}
+    for case in CASES:
+        d = tmp_path_factory.mktemp(case)
+        out[case] = d, hf_llama.make(case, d)
+    return out
+
+
+def family_config(case, hf_dir, *overrides):
+    return config.load(
+        None,
+        [f"model.kind={KIND[case]}", f"model.init_from=hf:{hf_dir}", f"model.seq_len={hf_llama.SEQ_LEN}", *overrides],
+    )
+
+
+def built(cfg, params: dict) -> nnx.Module:
+    """The recipe's model of `cfg` (unpipelined NNX) holding `params` by model path."""
+    model = registry.get_model_spec(cfg.model.kind).build(cfg, False)
+    flat, tree = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
+    assert sorted(path_string(kp) for kp, _ in flat) == sorted(params), "every parameter, once"
+    nnx.update(model, jax.tree.unflatten(tree, [params[path_string(kp)] for kp, _ in flat]))
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_config_json_gives_the_family_and_its_switches(families, case):
+    hf_dir, _ = families[case]
+    m = family_config(case, hf_dir).model
+    assert m.kind == KIND[case] and hf.family_of(hf_dir).kind == KIND[case]
+    switches = {
+        "llama31": dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=0.1, rope_original_max_positions=16),
+        "mistral": dict(head_dim=16, sliding_window=6),
+        "qwen2": dict(qkv_bias=True, tie_embeddings=True),
+        "qwen3": dict(qk_norm=True, head_dim=16),
+    }[case]
+    assert {k: getattr(m, k) for k in switches} == switches
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_equal_transformers(families, case):
+    hf_dir, reference = families[case]
+    _, params = hf.load(hf_dir)
+    tokens = hf_llama.tokens()
+    got = np.asarray(built(family_config(case, hf_dir), params)(tokens))
+    assert hf_llama.relative_error(got, hf_llama.logits(reference, tokens)) < 1e-4
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_is_the_family_format_bitwise_and_transformers_reads_it(families, case, tmp_path):
+    hf_dir, reference = families[case]
+    keys, params = hf.load(hf_dir)
+    out = hf.save(tmp_path / "out", {**keys, "kind": KIND[case]}, params)
+    written = json.loads((out / hf.CONFIG).read_text())
+    family = hf.FAMILIES[KIND[case]]
+    assert written["model_type"] == family.model_type and written["architectures"] == [family.architecture]
+    again_keys, again = hf.load(out)
+    assert again_keys == keys and sorted(again) == sorted(params)
+    assert all(again[p].tobytes() == params[p].tobytes() for p in params), "import -> export -> import is bitwise"
+    tokens = hf_llama.tokens()
+    assert hf_llama.relative_error(hf_llama.load_logits(out, tokens), hf_llama.logits(reference, tokens)) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_generate_draws_transformers_tokens(families, case, capsys):
+    """27 positions: past Mistral's window of 6, so the cache's window is exercised."""
+    hf_dir, reference = families[case]
+    prompt, new = "def f(x", 20
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(
+        torch.tensor([list(prompt.encode())]), max_new_tokens=new, do_sample=False, pad_token_id=0
+    )[0].tolist()
+    args = [f"hf:{hf_dir}", "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0"]
+    assert generate_main(args) == 0
+    assert capsys.readouterr().out == bytes(want).decode("utf-8", errors="replace") + "\n"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_pipelined_fine_tuning_step_equals_the_unpipelined_one(families, case):
+    """2 stages (1F1B, m=2) from the directory's weights, two SGD-with-momentum steps: losses
+    and every updated parameter as jax.grad of the whole model gives them."""
+    from mpmd.recipes.run import build
+
+    hf_dir, _ = families[case]
+    cfg = family_config(case, hf_dir, "pipeline.num_stages=2")
+    keys, params = hf.load(hf_dir)
+    sgd = optax.sgd(0.05, momentum=0.9)
+    rng = np.random.default_rng(3)
+    data = [rng.integers(0, hf_llama.VOCAB, (4, hf_llama.SEQ_LEN + 1), dtype=np.int32) for _ in range(2)]
+    batches = [(d[:, :-1], d[:, 1:]) for d in data]
+
+    stages, loss_fn = build.build_model(cfg, batches[0][0][:2], abstract=True)
+    pipe = mpmd.Pipeline(stages, loss_fn, sample_input=batches[0][0][:2])
+    init = registry.get_model_spec(cfg.model.kind).init_params(cfg)
+    with mpmd.Trainer(pipe, sgd, schedule="1f1b", num_microbatches=2, init_params=init) as trainer:
+        losses = [trainer.step(x, y)["loss"] for x, y in batches]
+        got = {
+            path: np.asarray(leaf)
+            for paths, state in zip(pipe.param_paths, trainer.params())
+            for path, leaf in zip(paths, jax.tree.leaves(state))
+        }
+
+    model = built(cfg, params)
+    graph, state, rest = nnx.split(model, nnx.Param, ...)
+    objective = lambda p, x, y: mpmd.models.lm_loss(nnx.merge(graph, p, rest)(x), y)
+    opt_state = sgd.init(state)
+    want_losses = []
+    for x, y in batches:
+        loss, grads = jax.value_and_grad(objective)(state, x, y)
+        updates, opt_state = sgd.update(grads, opt_state, state)
+        state = optax.apply_updates(state, updates)
+        want_losses.append(float(loss))
+    want = {path_string(kp): np.asarray(v) for kp, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert set(got) == set(want)
+    for path in want:
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_a_directory_of_another_family_names_the_kind_to_use(families):
+    hf_dir, _ = families["qwen2"]
+    with pytest.raises(config.ConfigError, match=r"is a Qwen2ForCausalLM \(model_type 'qwen2'\): set model.kind=qwen2"):
+        config.load(None, ["model.kind=llama", f"model.init_from=hf:{hf_dir}", "model.seq_len=16"])
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}}, "rope type 'linear' without a 'factor'"),
+        ({"use_sliding_window": True}, "use_sliding_window=True; models/llama.py computes only"),
+        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "mpmd imports model_type 'llama'"),
+        ({"head_dim": 7}, "head_dim=7 must be an even integer"),
+    ],
+)
+def test_what_the_decoder_cannot_compute_is_refused_by_name(families, tmp_path, change, says):
+    import shutil
+
+    hf_dir, _ = families["qwen2"]
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    c = json.loads((broken / hf.CONFIG).read_text())
+    c.update(change)
+    (broken / hf.CONFIG).write_text(json.dumps(c))
+    with pytest.raises(hf.HFError, match=says):
+        hf.load(broken)
+
+
+def test_a_recipe_files_sizes_yield_to_init_from_and_a_typed_one_must_agree(families, capsys):
+    """configs/qwen2_tiny.yaml sets d_model 96 for random init; started from a 32-wide Qwen 2.5,
+    config.json's sizes win and one line says which; typed on the command line, 96 is refused."""
+    hf_dir, _ = families["qwen2"]
+    cfg = config.load("configs/qwen2_tiny.yaml", [f"model.init_from=hf:{hf_dir}", "model.seq_len=16"])
+    assert (cfg.model.d_model, cfg.model.num_heads, cfg.model.rope_theta) == (32, 4, 1_000_000.0)
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "gives model.d_model, model.num_heads, model.num_kv_heads" in said
+    assert "configs/qwen2_tiny.yaml's values for them are not used" in said
+    with pytest.raises(config.ConfigError, match=r"model.d_model=96 disagrees with model.init_from"):
+        config.load("configs/qwen2_tiny.yaml", [f"model.init_from=hf:{hf_dir}", "model.seq_len=16", "model.d_model=96"])
