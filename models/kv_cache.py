@@ -32,7 +32,13 @@ def empty(batch: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype) -
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerCache, start, window: int | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: LayerCache,
+    start,
+    window: int | None = None,
+    query_scale: float | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """(attended [B, T, H * Dh], the cache with k and v written at slots start .. start+T-1).
 
@@ -41,7 +47,8 @@ def attend(
     multi-head). `start`: the window position of the first new token, an int or a traced
     int32 scalar (one compiled step serves every position). Scores and softmax in float32,
     scaled by 1/sqrt(Dh), as the models' training attention computes them. `window`: a query
-    sees only the last this many slots, itself included (sliding-window attention).
+    sees only the last this many slots, itself included (sliding-window attention);
+    `query_scale`: scores scaled by its inverse square root in place of Dh's.
     """
     batch, num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
@@ -51,7 +58,7 @@ def attend(
     num_slots = keys.shape[1]
     q = q.reshape(batch, num_new, num_kv, group, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, keys, preferred_element_type=jnp.float32) / jnp.sqrt(
-        jnp.float32(head_dim)
+        jnp.float32(query_scale or head_dim)
     )
     # Query t sits at position start + t and sees slots 0 .. start + t: [Tq, S].
     at = (start + jnp.arange(num_new))[:, None]

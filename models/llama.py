@@ -72,7 +72,25 @@ def _compute_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def _rms_norm(d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs, axis: str | None = "embed"):
+class OffsetRMSNorm(nnx.Module):
+    """RMSNorm scaling by (1 + scale), scale starting at 0 (Gemma's): the statistics and the
+    product in float32, the result in `dtype`."""
+
+    def __init__(self, dim: int, epsilon: float, dtype, axis: str | None, *, rngs: nnx.Rngs):
+        self.epsilon, self.dtype = epsilon, dtype
+        self.scale = nnx.Param(axes(nnx.initializers.zeros_init(), axis)(rngs.params(), (dim,), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+        return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(self.dtype or x.dtype)
+
+
+def _rms_norm(
+    d_model: int, dtype, epsilon: float = 1e-5, *, rngs: nnx.Rngs, axis: str | None = "embed", offset: bool = False
+):
+    if offset:
+        return OffsetRMSNorm(d_model, epsilon, dtype, axis, rngs=rngs)
     # flax computes the mean square in float32 whatever the input dtype.
     return nnx.RMSNorm(
         d_model, epsilon=epsilon, dtype=dtype, scale_init=axes(nnx.initializers.ones_init(), axis), rngs=rngs
@@ -126,13 +144,17 @@ class AttentionVariant:
     `qkv_bias`: biases on the q, k and v projections (Qwen 2.5); `qk_norm`: an RMSNorm over
     each head of q and of k before the rotation (Qwen 3); `rope_scaling`: RopeScaling or None;
     `sliding_window`: a query attends only to the last this many positions, itself included
-    (Mistral 7B v0.1), None: all before it."""
+    (Mistral 7B v0.1), None: all before it; `rope_theta`: this layer's rotary base in place of
+    the model's (Gemma's local layers); `query_scale`: scores scaled by query_scale^-0.5 in
+    place of head_dim^-0.5 (Gemma's query_pre_attn_scalar)."""
 
     head_dim: int | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    rope_theta: float | None = None
+    query_scale: float | None = None
 
     def __post_init__(self):
         if self.head_dim is not None and (
@@ -149,6 +171,29 @@ class AttentionVariant:
 
 
 PLAIN = AttentionVariant()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStyle:
+    """What sets a family's blocks apart from the Llama's, model-wide (all off: Llama's).
+    `norm_offset`: every RMSNorm scales by (1 + w), w starting at 0; `activation`: the gated
+    MLP's, "silu" or "gelu_tanh"; `sandwich`: a norm after the attention and one after the
+    MLP too, each before its residual add; `embed_scale`: the token embedding times
+    sqrt(d_model). Gemma 3 has all four."""
+
+    norm_offset: bool = False
+    activation: str = "silu"
+    sandwich: bool = False
+    embed_scale: bool = False
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+LLAMA = BlockStyle()
+GEMMA = BlockStyle(norm_offset=True, activation="gelu_tanh", sandwich=True, embed_scale=True)
 
 
 def rotary(
@@ -188,11 +233,14 @@ class Embed(nnx.Module):
         seq_len: int,
         dtype="float32",
         drop: nnx.Dropout | None = None,
+        scaled: bool = False,
         *,
         rngs: nnx.Rngs,
     ):
         _require_positive(vocab_size=vocab_size, d_model=d_model, seq_len=seq_len)
         self.seq_len = seq_len
+        # Gemma's: the embedding times sqrt(d_model) (BlockStyle.embed_scale).
+        self.scale = math.sqrt(d_model) if scaled else None
         self.token = nnx.Embed(
             vocab_size,
             d_model,
@@ -207,7 +255,10 @@ class Embed(nnx.Module):
             raise ValueError(f"tokens must have shape [batch, time], got {tokens.shape}")
         if tokens.shape[1] > self.seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's seq_len={self.seq_len}")
-        return _dropped(self.drop, self.token(tokens))
+        x = self.token(tokens)
+        if self.scale is not None:
+            x = x * jnp.asarray(self.scale, jnp.float32).astype(x.dtype)
+        return _dropped(self.drop, x)
 
 
 class Attention(nnx.Module):
@@ -225,6 +276,7 @@ class Attention(nnx.Module):
         dtype="float32",
         variant: AttentionVariant = PLAIN,
         norm_eps: float = 1e-5,
+        norm_offset: bool = False,
         *,
         rngs: nnx.Rngs,
     ):
@@ -236,7 +288,8 @@ class Attention(nnx.Module):
             )
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-        self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.rope_theta = variant.rope_theta if variant.rope_theta is not None else rope_theta
         self.variant = variant
         self.head_dim = head_dim = variant.head_dim or d_model // num_heads
         dtype = _compute_dtype(dtype)
@@ -247,8 +300,8 @@ class Attention(nnx.Module):
         self.v = proj(num_kv_heads * head_dim, ("embed", "kv"))
         self.out = _linear(num_heads * head_dim, d_model, ("heads", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
         if variant.qk_norm:
-            self.q_norm = _rms_norm(head_dim, dtype, norm_eps, rngs=rngs, axis=None)
-            self.k_norm = _rms_norm(head_dim, dtype, norm_eps, rngs=rngs, axis=None)
+            self.q_norm = _rms_norm(head_dim, dtype, norm_eps, rngs=rngs, axis=None, offset=norm_offset)
+            self.k_norm = _rms_norm(head_dim, dtype, norm_eps, rngs=rngs, axis=None, offset=norm_offset)
 
     def _heads(self, x: jax.Array, positions) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, T, H, Dh] and k [B, T, KV, Dh] normed (qk_norm) and rotated, v [B, T, KV, Dh]."""
@@ -270,7 +323,9 @@ class Attention(nnx.Module):
         # Query head h = g_kv * group + j uses key/value head g_kv: [B, T, KV, G, Dh].
         q = q.reshape(batch, num_steps, kv, group, head_dim)
         # Scores [B, KV, G, Tq, Tk] in float32, scaled by 1/sqrt(Dh) (variance independent of Dh).
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(head_dim)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) / math.sqrt(
+            self.variant.query_scale or head_dim
+        )
         mask = attention_mask(batch, num_steps, segment_ids)
         if self.variant.sliding_window is not None:
             mask = mask & ~jnp.tril(jnp.ones((num_steps, num_steps), dtype=bool), -self.variant.sliding_window)
@@ -288,28 +343,31 @@ class Attention(nnx.Module):
         """(output [B, T, D], cache) of T new tokens at window positions start.. (rotated at
         those positions) attending to the cached keys and to themselves (models/kv_cache.py)."""
         q, k, v = self._heads(x, kv_cache.positions(x.shape[0], x.shape[1], start))
-        attended, cache = kv_cache.attend(q, k, v, cache, start, self.variant.sliding_window)
+        attended, cache = kv_cache.attend(q, k, v, cache, start, self.variant.sliding_window, self.variant.query_scale)
         return self.out(attended), cache
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(gate(x)) * up(x)): D -> mlp_dim -> D."""
+    """down(act(gate(x)) * up(x)): D -> mlp_dim -> D; act SiLU (or `activation`: ACTIVATIONS')."""
 
-    def __init__(self, d_model: int, mlp_dim: int, dtype="float32", *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, mlp_dim: int, dtype="float32", activation: str = "silu", *, rngs: nnx.Rngs):
         _require_positive(d_model=d_model, mlp_dim=mlp_dim)
         dtype = _compute_dtype(dtype)
         self.gate = _linear(d_model, mlp_dim, ("embed", "mlp"), use_bias=False, dtype=dtype, rngs=rngs)
         self.up = _linear(d_model, mlp_dim, ("embed", "mlp"), use_bias=False, dtype=dtype, rngs=rngs)
         self.down = _linear(mlp_dim, d_model, ("mlp", "embed"), use_bias=False, dtype=dtype, rngs=rngs)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
 class Block(nnx.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); [B, T, D] -> [B, T, D],
     rematerialised in the backward pass as `remat` says (REMAT_POLICIES). `drop`: residual
-    dropout on the attention's and the MLP's outputs (a recompute redraws the same masks)."""
+    dropout on the attention's and the MLP's outputs (a recompute redraws the same masks).
+    `variant`: its attention's (AttentionVariant); `style`: BlockStyle (with `sandwich`,
+    x + post_norm(attn(norm(x))) and likewise for the MLP)."""
 
     def __init__(
         self,
@@ -323,23 +381,35 @@ class Block(nnx.Module):
         drop: nnx.Dropout | None = None,
         norm_eps: float = 1e-5,
         variant: AttentionVariant = PLAIN,
+        style: BlockStyle = LLAMA,
         *,
         rngs: nnx.Rngs,
     ):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
         self.remat = remat
-        self.attn_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
-        self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, variant, norm_eps, rngs=rngs)
-        self.mlp_norm = _rms_norm(d_model, _compute_dtype(dtype), norm_eps, rngs=rngs)
-        self.mlp = SwiGLU(d_model, mlp_dim, dtype, rngs=rngs)
+        dt, offset = _compute_dtype(dtype), style.norm_offset
+        self.attn_norm = _rms_norm(d_model, dt, norm_eps, rngs=rngs, offset=offset)
+        self.attn = Attention(d_model, num_heads, num_kv_heads, rope_theta, dtype, variant, norm_eps, offset, rngs=rngs)
+        self.mlp_norm = _rms_norm(d_model, dt, norm_eps, rngs=rngs, offset=offset)
+        self.mlp = SwiGLU(d_model, mlp_dim, dtype, style.activation, rngs=rngs)
+        if style.sandwich:
+            self.post_attn_norm = _rms_norm(d_model, dt, norm_eps, rngs=rngs, offset=offset)
+            self.post_mlp_norm = _rms_norm(d_model, dt, norm_eps, rngs=rngs, offset=offset)
+        self.sandwich = style.sandwich
         self.drop = drop
+
+    def _residual(self, x: jax.Array, y: jax.Array, post: str) -> jax.Array:
+        """x + y, y normed by the block's `post` norm first where it has one (sandwich)."""
+        return x + _dropped(self.drop, getattr(self, post)(y) if self.sandwich else y)
 
     def forward(
         self, x: jax.Array, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
     ) -> jax.Array:
-        x = x + _dropped(self.drop, self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions))
-        return x + _dropped(self.drop, self.mlp(self.mlp_norm(x)))
+        x = self._residual(
+            x, self.attn(self.attn_norm(x), segment_ids=segment_ids, positions=positions), "post_attn_norm"
+        )
+        return self._residual(x, self.mlp(self.mlp_norm(x)), "post_mlp_norm")
 
     def __call__(
         self, x: jax.Array, *, segment_ids: jax.Array | None = None, positions: jax.Array | None = None
@@ -352,8 +422,8 @@ class Block(nnx.Module):
         """forward for T new tokens at window positions start.., with the attention's cache
         (no remat: decoding takes no gradient)."""
         attended, cache = self.attn.decode(self.attn_norm(x), cache, start)
-        x = x + _dropped(self.drop, attended)
-        return x + _dropped(self.drop, self.mlp(self.mlp_norm(x))), cache
+        x = self._residual(x, attended, "post_attn_norm")
+        return self._residual(x, self.mlp(self.mlp_norm(x)), "post_mlp_norm"), cache
 
 
 class Head(nnx.Module):
@@ -367,12 +437,13 @@ class Head(nnx.Module):
         dtype="float32",
         tied: Embed | None = None,
         norm_eps: float = 1e-5,
+        norm_offset: bool = False,
         *,
         rngs: nnx.Rngs,
     ):
         _require_positive(d_model=d_model, vocab_size=vocab_size)
         self.dtype = _compute_dtype(dtype)
-        self.norm = _rms_norm(d_model, self.dtype, norm_eps, rngs=rngs)
+        self.norm = _rms_norm(d_model, self.dtype, norm_eps, rngs=rngs, offset=norm_offset)
         # A shared nnx.Param: nnx.state lists it once, with the embedding.
         self.table = tied.token.embedding if tied is not None else None
         # Small init (0.02): unit-scale initial logits start the loss above ln(vocab_size).
@@ -401,7 +472,9 @@ class Llama(nnx.Module):
 
     `norm_eps`: every RMSNorm's epsilon (Hugging Face Llamas use 1e-6 or 1e-5).
     `attention`: a family's differences in attention (AttentionVariant: head_dim, biases,
-    q/k norms, scaled rotary frequencies, a sliding window; Mistral, Qwen 2.5 and 3).
+    q/k norms, scaled rotary frequencies, a sliding window; Mistral, Qwen 2.5 and 3), or one
+    per block (Gemma 3's local and global layers); `style`: its blocks' (BlockStyle: Gemma's
+    (1 + w) norms, GELU, sandwich norms, scaled embedding).
     `mlp_dim` None: the SwiGLU width whose three matrices hold about as many weights as a
     4 x d_model GELU MLP's two (8/3 x d_model), rounded up to a multiple of 64.
     `stage_ends`/`mark`: `mark(x)` is applied to the activation after each layer index in
@@ -426,7 +499,8 @@ class Llama(nnx.Module):
         dropout_rate: float = 0.0,
         dropout_seed: int = 0,
         norm_eps: float = 1e-5,
-        attention: AttentionVariant = PLAIN,
+        attention: AttentionVariant | tuple = PLAIN,
+        style: BlockStyle = LLAMA,
         *,
         rngs: nnx.Rngs,
     ):
@@ -435,7 +509,13 @@ class Llama(nnx.Module):
         )
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         mlp_dim = mlp_dim if mlp_dim is not None else math.ceil(8 * d_model / 3 / 64) * 64
-        self.embed = Embed(vocab_size, d_model, seq_len, dtype, dropout(dropout_rate, dropout_seed, 0), rngs=rngs)
+        variants = (attention,) * num_layers if isinstance(attention, AttentionVariant) else tuple(attention)
+        if len(variants) != num_layers or not all(isinstance(v, AttentionVariant) for v in variants):
+            raise ValueError(
+                f"attention must be one AttentionVariant or one per block ({num_layers}), got {attention!r}"
+            )
+        drop0 = dropout(dropout_rate, dropout_seed, 0)
+        self.embed = Embed(vocab_size, d_model, seq_len, dtype, drop0, style.embed_scale, rngs=rngs)
         # nnx.List: flax 0.12 tracks the params of modules held this way, not in plain lists.
         self.blocks = nnx.List(
             [
@@ -449,15 +529,15 @@ class Llama(nnx.Module):
                     remat,
                     dropout(dropout_rate, dropout_seed, i + 1),
                     norm_eps,
-                    attention,
+                    variants[i],
+                    style,
                     rngs=rngs,
                 )
                 for i in range(num_layers)
             ]
         )
-        self.head = Head(
-            d_model, vocab_size, dtype, tied=self.embed if tie_embeddings else None, norm_eps=norm_eps, rngs=rngs
-        )
+        tied = self.embed if tie_embeddings else None
+        self.head = Head(d_model, vocab_size, dtype, tied, norm_eps, style.norm_offset, rngs=rngs)
         self.seq_len, self.tie_embeddings = seq_len, tie_embeddings
         self.cut_after(stage_ends, mark)
 

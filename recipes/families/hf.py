@@ -53,7 +53,12 @@ class Family:
     model_type: str
     architecture: str
     fixed: dict = dataclasses.field(default_factory=dict)
-    window: str = "none"  # "none" (no such key), "all" (every layer), "qwen" (use_sliding_window)
+    window: str = "none"  # "none" (no such key), "all" (every layer), "qwen" (use_sliding_window), "gemma"
+    # model path (after blocks.<i>.) -> tensor (after model.layers.<i>.) where not _BLOCK's
+    renamed: dict = dataclasses.field(default_factory=dict)
+    # config.json defaults where not LlamaConfig's (KEYS)
+    defaults: dict = dataclasses.field(default_factory=dict)
+    activation: tuple[str, str] = ("hidden_act", "silu")  # config.json's key and the one value read
 
 
 FAMILIES = {
@@ -63,8 +68,25 @@ FAMILIES = {
         Family("mistral", "mistral", "MistralForCausalLM", window="all"),
         Family("qwen2", "qwen2", "Qwen2ForCausalLM", {"qkv_bias": True}, window="qwen"),
         Family("qwen3", "qwen3", "Qwen3ForCausalLM", {"qk_norm": True}, window="qwen"),
+        Family(
+            "gemma3",
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            {"qk_norm": True},
+            window="gemma",
+            renamed={
+                "mlp_norm.scale": "pre_feedforward_layernorm.weight",
+                "post_attn_norm.scale": "post_attention_layernorm.weight",
+                "post_mlp_norm.scale": "post_feedforward_layernorm.weight",
+            },
+            defaults={"tie_word_embeddings": True},
+            activation=("hidden_activation", "gelu_pytorch_tanh"),
+        ),
     )
 }
+# Gemma 3's keys (model.* <- config.json, default): its query scale, local layers' window and
+# rotary base, and which layers are global (every global_every-th: layer_types).
+GEMMA_KEYS = {"query_scale": ("query_pre_attn_scalar", 256), "sliding_window": ("sliding_window", 4096)}
 ARCHITECTURE = FAMILIES["llama"].architecture
 
 # model.* key -> config.json key, and config.json's default when the key is absent (those of
@@ -113,7 +135,11 @@ _QK_NORMS = {
     "attn.q_norm.scale": ("self_attn.q_norm.weight", False),
     "attn.k_norm.scale": ("self_attn.k_norm.weight", False),
 }
-_OPTIONAL = {**_BIASES, **_QK_NORMS}
+_SANDWICH = {
+    "post_attn_norm.scale": ("post_attention_layernorm.weight", False),
+    "post_mlp_norm.scale": ("post_feedforward_layernorm.weight", False),
+}
+_OPTIONAL = {**_BIASES, **_QK_NORMS, **_SANDWICH}
 _OUTER = {
     "embed.token.embedding": ("model.embed_tokens.weight", False),
     "head.norm.scale": ("model.norm.weight", False),
@@ -168,25 +194,30 @@ def family_of(hf_dir) -> Family:
 
 
 def model_keys(hf_dir) -> dict:
-    """The family's model.* keys config.json sets: sizes, GQA, head_dim, RoPE theta and
-    scaling, RMSNorm epsilon, tied embeddings, the family's switches, a sliding window (not
-    seq_len: max_positions says how long it may be). HFError naming the key of what
-    models/llama.py cannot compute."""
+    """The family's model.* keys config.json sets, with "kind" (the family's): sizes, GQA,
+    head_dim, RoPE theta and scaling, RMSNorm epsilon, tied embeddings, the family's switches,
+    a sliding window, Gemma 3's layer pattern (not seq_len: max_positions says how long it may
+    be). HFError naming the key of what models/llama.py cannot compute."""
     c, path = read_config(hf_dir), Path(hf_dir) / CONFIG
     family = family_of(hf_dir)
+    act_key, act = family.activation
     refused = {
-        "hidden_act": ("silu", c.get("hidden_act", "silu") != "silu"),
+        act_key: (act, c.get(act_key, act) != act),
         "attention_bias": (False, bool(c.get("attention_bias", False))),
         "mlp_bias": (False, bool(c.get("mlp_bias", False))),
     }
     if family.window == "qwen":
         refused["use_sliding_window"] = (False, bool(c.get("use_sliding_window", False)))
+    if family.window == "gemma":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            refused[key] = (None, c.get(key) is not None)
+        refused["use_bidirectional_attention"] = (False, bool(c.get("use_bidirectional_attention", False)))
     for key, (allowed, bad) in refused.items():
         if bad:
             raise HFError(f"{path}: {key}={c[key]!r}; models/llama.py computes only {key}={allowed!r}")
-    out = {}
+    out = {"kind": family.kind}
     for ours, (theirs, default) in KEYS.items():
-        value = c.get(theirs, default)
+        value = c.get(theirs, family.defaults.get(theirs, default))
         if value is None and ours == "num_kv_heads":
             value = c.get("num_attention_heads")
         if value is None:
@@ -212,8 +243,49 @@ def model_keys(hf_dir) -> dict:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise HFError(f"{path}: sliding_window={window!r} must be a positive integer or null")
     out["sliding_window"] = window
+    if family.window == "gemma":
+        out.update(_gemma_keys(c, path, out["num_layers"]))
+        return out
     out["rope_theta"] = rope_theta_of(c, path)
     out.update(rope_scaling_of(c, path))
+    return out
+
+
+def _gemma_keys(c: dict, path, num_layers: int) -> dict:
+    """Gemma 3's: query_scale, the local layers' sliding_window and rope_local_theta, the
+    global ones' rope_theta and scaling, and global_every (every global_every-th layer is
+    global, as layer_types says; HFError for any other pattern)."""
+    out = {}
+    for ours, (theirs, default) in GEMMA_KEYS.items():
+        value = c.get(theirs, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise HFError(f"{path}: {theirs}={value!r} must be a positive number (model.{ours})")
+        out[ours] = float(value) if ours == "query_scale" else value
+    types = c.get("layer_types")
+    every = c.get("sliding_window_pattern", 6)
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise HFError(f"{path}: layer_types must list one type per layer ({num_layers}), got {types!r}")
+        globals_ = [i for i, t in enumerate(types) if t == "full_attention"]
+        every = globals_[0] + 1 if globals_ else max(every, num_layers + 1)
+        want = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(num_layers)]
+        if types != want:
+            raise HFError(
+                f"{path}: layer_types {types} is not every n-th layer global (full_attention), the "
+                f"rest sliding_attention; models/llama.py computes only that pattern"
+            )
+    out["global_every"] = every
+    rope = c.get("rope_parameters")
+    if isinstance(rope, dict) and "full_attention" in rope:
+        full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    else:  # transformers 4.x: rope_theta, rope_scaling (global layers), rope_local_base_freq
+        full = {**(c.get("rope_scaling") or {}), "rope_theta": c.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": c.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise HFError(f"{path}: the sliding_attention layers' rope type {local.get('rope_type')!r}; only 'default'")
+    out["rope_theta"] = float(full.get("rope_theta", 1_000_000.0))
+    out["rope_local_theta"] = float(local.get("rope_theta", 10_000.0))
+    out.update(rope_scaling_of({"rope_parameters": full}, path))
     return out
 
 
@@ -229,6 +301,8 @@ def _hf_shapes(keys: dict) -> dict[str, tuple[int, ...]]:
         "attn.v.bias": (kv * head_dim,),
         "attn.q_norm.scale": (head_dim,),
         "attn.k_norm.scale": (head_dim,),
+        "post_attn_norm.scale": (d,),
+        "post_mlp_norm.scale": (d,),
         "attn.q.kernel": (heads * head_dim, d),
         "attn.k.kernel": (kv * head_dim, d),
         "attn.v.kernel": (kv * head_dim, d),
@@ -266,8 +340,9 @@ def check_tensors(hf_dir, keys: dict) -> None:
         )
     shapes = _hf_shapes(keys)
     # The layer count is the files' now: every parameter's path is cheap to list.
+    kind = keys.get("kind", "llama")
     for param in param_paths(keys):
-        name, _ = tensor_name(param)
+        name, _ = tensor_name(param, kind)
         shape = shapes[param.split(".", 2)[2] if param.startswith("blocks.") else param]
         if name not in weights.files:
             raise HFError(f"{weights.dir} has no tensor {name!r}, which {path} implies")
@@ -320,7 +395,7 @@ def rope_scaling_of(c: dict, path) -> dict:
     return out
 
 
-def hf_config(keys: dict, kind: str = "llama") -> dict:
+def hf_config(keys: dict, kind: str = "llama") -> dict:  # noqa: C901
     """config.json for model.kind `kind`'s family (FAMILIES) of the model.* keys `keys`
     (mlp_dim and num_kv_heads resolved: not None), float32 weights; max_position_embeddings
     = seq_len. RoPE's theta and the dtype are written as transformers 5 names them and,
@@ -335,7 +410,7 @@ def hf_config(keys: dict, kind: str = "llama") -> dict:
     out = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
-        "hidden_act": "silu",
+        family.activation[0]: family.activation[1],
         "attention_bias": False,
         "mlp_bias": False,
         "dtype": "float32",
@@ -349,32 +424,49 @@ def hf_config(keys: dict, kind: str = "llama") -> dict:
         out["sliding_window"] = keys.get("sliding_window")
     elif family.window == "qwen":
         out["use_sliding_window"] = False
+    elif family.window == "gemma":
+        every, n = keys["global_every"], keys["num_layers"]
+        out["layer_types"] = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+        out["sliding_window_pattern"] = every
+        out["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(keys["rope_local_theta"])},
+        }
+        out["rope_local_base_freq"] = float(keys["rope_local_theta"])
+        out.update({theirs: keys[ours] for ours, (theirs, _) in GEMMA_KEYS.items()})
+        scalar = float(keys["query_scale"])  # transformers' Gemma3TextConfig takes an int where it is one
+        out["query_pre_attn_scalar"] = int(scalar) if scalar.is_integer() else scalar
+        out.update(final_logit_softcapping=None, attn_logit_softcapping=None)
     out.update({theirs: keys[ours] for ours, (theirs, _) in KEYS.items()})
     return out
 
 
 def param_paths(keys: dict) -> list[str]:
     """Every parameter's model path of a decoder of model.* `keys` (num_layers,
-    tie_embeddings: a tied one has no lm_head; qkv_bias, qk_norm: their tensors)."""
+    tie_embeddings: a tied one has no lm_head; qkv_bias, qk_norm, and a family whose tensors
+    include sandwich norms: their tensors)."""
+    family = FAMILIES[keys.get("kind", "llama")]
     block = [*_BLOCK]
     block += [*_BIASES] if keys.get("qkv_bias") else []
     block += [*_QK_NORMS] if keys.get("qk_norm") else []
+    block += [p for p in _SANDWICH if p in family.renamed]
     blocks = [f"blocks.{i}.{p}" for i in range(keys["num_layers"]) for p in block]
     tied = keys["tie_embeddings"]
     return ["embed.token.embedding", *blocks, "head.norm.scale", *([] if tied else ["head.lm_head.kernel"])]
 
 
-def tensor_name(path: str) -> tuple[str, bool]:
-    """(Hugging Face tensor name, transposed) of a Llama parameter's model path; HFError for
-    a path that is no Llama parameter."""
+def tensor_name(path: str, kind: str = "llama") -> tuple[str, bool]:
+    """(Hugging Face tensor name, transposed) of a parameter's model path in model.kind
+    `kind`'s format; HFError for a path that is no parameter of the decoder."""
     if path in _OUTER:
         return _OUTER[path]
     head, _, rest = path.partition(".")
     index, _, inner = rest.partition(".")
     if head == "blocks" and index.isdigit() and (inner in _BLOCK or inner in _OPTIONAL):
-        name, transposed = _BLOCK.get(inner) or _OPTIONAL[inner]
+        renamed = FAMILIES[kind].renamed.get(inner)
+        name, transposed = (renamed, False) if renamed else (_BLOCK.get(inner) or _OPTIONAL[inner])
         return f"model.layers.{index}.{name}", transposed
-    raise HFError(f"{path!r} is not a parameter of models/llama.py's Llama")
+    raise HFError(f"{path!r} is not a parameter of models/llama.py's decoder")
 
 
 class Weights:
@@ -383,6 +475,7 @@ class Weights:
 
     def __init__(self, hf_dir):
         self.dir = Path(hf_dir)
+        self.kind = family_of(hf_dir).kind
         self._headers: dict[Path, dict] = {}
         index, single = self.dir / INDEX, self.dir / WEIGHTS
         if index.is_file():
@@ -404,7 +497,7 @@ class Weights:
         naming the tensor that holds a NaN or an infinity."""
         out = []
         for path in paths:
-            name, transposed = tensor_name(path)
+            name, transposed = tensor_name(path, self.kind)
             if name not in self.files:
                 raise HFError(f"{self.dir} has no tensor {name!r} (model parameter {path})")
             array = _read_tensor(self.files[name], name).astype(np.float32)
@@ -474,7 +567,7 @@ def save(
         )
     tensors = {}
     for path in expected:
-        name, transposed = tensor_name(path)
+        name, transposed = tensor_name(path, keys.get("kind", "llama"))
         array = np.asarray(params[path], np.float32)
         tensors[name] = np.ascontiguousarray(array.T if transposed else array)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -113,7 +113,7 @@ class LlamaSection(DecoderSection, ComputeSection):
         init_from = values["init_from"]
         if isinstance(init_from, str) and init_from.startswith(RUN_PREFIX):
             kind = values.get("kind", cls.model_fields["kind"].default)
-            keys, longest, source = _run_keys(init_from, kind), None, "config.yaml"
+            keys, longest, source = _run_keys(init_from, kind, cls.FROM_INIT), None, "config.yaml"
             named = lambda key: f"model.{key}"
         else:
             hf_dir = hf.directory_of(init_from)
@@ -156,7 +156,7 @@ def _run_directory(init_from: str) -> Path:
     return Path(init_from[len(RUN_PREFIX) :]).expanduser()
 
 
-def _run_keys(init_from: str, kind: str = "llama") -> dict:
+def _run_keys(init_from: str, kind: str = "llama", keys: tuple = ()) -> dict:
     """The model keys of the llama run `run:<dir>` names; ValueError naming what is wrong."""
     from mpmd.recipes import config
 
@@ -171,7 +171,7 @@ def _run_keys(init_from: str, kind: str = "llama") -> dict:
             f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a {kind} starts "
             f"only from a {kind} run"
         )
-    return {key: model[key] for key in _RUN_KEYS if key in model}
+    return {key: model[key] for key in keys or _RUN_KEYS if key in model}
 
 
 def _run_params(init_from: str):
@@ -215,7 +215,8 @@ def _problems(cfg: Config) -> list[str]:
 
 
 def attention_variant(m):
-    """models/llama.py's AttentionVariant of a llama-like model section."""
+    """models/llama.py's AttentionVariant of a llama-like model section: one for every block,
+    or (gemma3) a tuple of one per block, local and global."""
     from mpmd.models.llama import AttentionVariant, RopeScaling
 
     scaling = None
@@ -223,7 +224,20 @@ def attention_variant(m):
         scaling = RopeScaling(
             m.rope_type, m.rope_factor, m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_positions
         )
-    return AttentionVariant(m.head_dim, m.qkv_bias, m.qk_norm, scaling, m.sliding_window)
+    if m.kind != "gemma3":
+        return AttentionVariant(m.head_dim, m.qkv_bias, m.qk_norm, scaling, m.sliding_window)
+    local = AttentionVariant(
+        m.head_dim, m.qkv_bias, m.qk_norm, None, m.sliding_window, m.rope_local_theta, m.query_scale
+    )
+    full = AttentionVariant(m.head_dim, m.qkv_bias, m.qk_norm, scaling, None, None, m.query_scale)
+    return tuple(full if (i + 1) % m.global_every == 0 else local for i in range(m.num_layers))
+
+
+def block_style(m):
+    """models/llama.py's BlockStyle of the section's kind (Gemma's, or the Llama's)."""
+    from mpmd.models import llama
+
+    return llama.GEMMA if m.kind == "gemma3" else llama.LLAMA
 
 
 def _llama(cfg: Config, rngs):
@@ -246,6 +260,7 @@ def _llama(cfg: Config, rngs):
         dropout_seed=cfg.seed,
         norm_eps=m.norm_eps,
         attention=attention_variant(m),
+        style=block_style(m),
         rngs=rngs,
     )
 
@@ -313,6 +328,27 @@ class Qwen3Section(LlamaSection):
     qk_norm: bool = Field(True, description="an RMSNorm over each head of q and of k (Qwen 3)")
 
 
+class Gemma3Section(LlamaSection):
+    """Gemma 3 (text): the decoder with (1 + w) RMSNorms, GELU-tanh, a norm after the attention
+    and the MLP too, the embedding scaled by sqrt(d_model), q/k norms, and local layers (a
+    sliding window, their own rotary base) with every global_every-th layer global."""
+
+    FROM_INIT: ClassVar[tuple[str, ...]] = (*LlamaSection.FROM_INIT, "query_scale", "global_every", "rope_local_theta")
+    kind: Literal["gemma3"] = Field("gemma3", description="which model to build")
+    qk_norm: bool = Field(True, description="an RMSNorm over each head of q and of k")
+    rope_theta: float = Field(1_000_000.0, gt=0, description="the global layers' rotary base")
+    rope_local_theta: float = Field(10_000.0, gt=0, description="the local (sliding-window) layers' rotary base")
+    sliding_window: int | None = Field(
+        512, gt=0, le=2**24, description="the local layers' window: each position attends to this many"
+    )
+    global_every: int = Field(
+        6, gt=0, le=4096, description="every global_every-th layer is global (full attention), the rest local"
+    )
+    query_scale: float = Field(
+        256.0, gt=0, description="attention scores are scaled by query_scale^-0.5 (query_pre_attn_scalar)"
+    )
+
+
 def _spec(kind: str, section) -> ModelSpec:
     return ModelSpec(
         kind,
@@ -332,5 +368,10 @@ def _spec(kind: str, section) -> ModelSpec:
 
 
 SPEC = register_model_spec(_spec("llama", LlamaSection))
-for _kind, _section in (("mistral", MistralSection), ("qwen2", Qwen2Section), ("qwen3", Qwen3Section)):
+for _kind, _section in (
+    ("mistral", MistralSection),
+    ("qwen2", Qwen2Section),
+    ("qwen3", Qwen3Section),
+    ("gemma3", Gemma3Section),
+):
     register_model_spec(_spec(_kind, _section))

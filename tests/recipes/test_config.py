@@ -80,7 +80,7 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
         (["log.trace_steps=[1, x]"], "log.trace_steps[1] must be an integer, got 'x'"),
         (
             ["model.kind=gtp"],
-            "model.kind must be one of 'gpt', 'llama', 'mistral', 'qwen2', 'qwen3', 'moe', 'mlp' or 'custom', got 'gtp'",
+            "model.kind must be one of 'gpt', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3', 'moe', 'mlp' or 'custom', got 'gtp'",
         ),
         (
             ["model.kind=llama", "model.num_heads=4", "model.num_kv_heads=3"],
@@ -89,11 +89,11 @@ def test_overrides_beat_the_file_and_later_overrides_win(tmp_path):
         (["model.kind=llama", "model.d_model=66"], "model.d_model / model.num_heads = 33 must be even"),
         (
             ["model.dtype=bfloat16"],
-            "model.dtype is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'moe' or 'custom', got kind 'gpt'",
+            "model.dtype is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'gemma3', 'moe' or 'custom', got kind 'gpt'",
         ),
         (
             ["model.remat=block"],
-            "model.remat is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'moe' or 'custom', got kind 'gpt'",
+            "model.remat is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'gemma3', 'moe' or 'custom', got kind 'gpt'",
         ),
         (["model.num_kv_heads=1"], "model.num_kv_heads is only used by model.kind='llama'"),
         (["model.kind=llama", "model.dtype=float16"], "model.dtype must be one of 'float32' or 'bfloat16'"),
@@ -394,6 +394,6 @@ def test_a_flat_resolved_config_from_before_per_kind_sections_still_loads_and_re
     ]
     with pytest.raises(
         ConfigError,
-        match="model.dtype is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'moe' or 'custom'",
+        match="model.dtype is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'gemma3', 'moe' or 'custom'",
     ):
         config.load(path, ["model.dtype=bfloat16"])

@@ -58,7 +58,7 @@ def test_a_registered_family_backend_and_schedule_train_through_mpmd_train(tmp_p
     assert "ramp" not in registry.model_specs()
     with pytest.raises(
         ConfigError,
-        match="model.kind must be one of 'gpt', 'llama', 'mistral', 'qwen2', 'qwen3', 'moe', 'mlp' or 'custom', got 'ramp'",
+        match="model.kind must be one of 'gpt', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3', 'moe', 'mlp' or 'custom', got 'ramp'",
     ):
         config.load(path, ["imports=[]"])
 
@@ -89,7 +89,7 @@ def test_a_registered_data_source_trains_through_mpmd_train(tmp_path):
 def test_a_family_or_backend_key_is_refused_naming_who_takes_it():
     with pytest.raises(
         ConfigError,
-        match=r"model.tie_embeddings is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3' or 'moe', got kind 'mlp'",
+        match=r"model.tie_embeddings is only used by model.kind='llama', 'mistral', 'qwen2', 'qwen3', 'gemma3' or 'moe', got kind 'mlp'",
     ):
         config.load(
             None, ["model.kind=mlp", "data.source=synthetic", "train.sample_tokens=0", "model.tie_embeddings=true"]

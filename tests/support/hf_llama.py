@@ -6,7 +6,8 @@ non-default RoPE theta and RMSNorm epsilon, tied embeddings, a sharded checkpoin
 (index.json) in bfloat16. FAMILY_CASES holds one model of each other family, each with what
 sets it apart: Llama 3.1's scaled rotary frequencies (all three bands in use), Mistral's own
 head_dim and a sliding window shorter than the sequence, Qwen 2.5's q/k/v biases (tied,
-as its small models are), Qwen 3's per-head q/k norms with a head_dim of its own.
+as its small models are), Qwen 3's per-head q/k norms with a head_dim of its own, Gemma 3's local and global layers
+(its (1 + w) norms, GELU, sandwich norms, scaled embedding, query scale).
 """
 
 from __future__ import annotations
@@ -82,6 +83,23 @@ FAMILY_CASES = {
     "mistral": ("mistral", dict(_SMALL, head_dim=16, sliding_window=6, rope_theta=1_000_000.0)),
     "qwen2": ("qwen2", dict(_SMALL, tie_word_embeddings=True, rope_theta=1_000_000.0)),
     "qwen3": ("qwen3", dict(_SMALL, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # Layers 1 and 3 local (a window of 6, base 10^4), 2 and 4 global (linear scaling by 2).
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            _SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 

@@ -181,6 +181,7 @@ def test_a_missing_tensor_names_the_parameter(hf_models, tmp_path):
     tensors = load_file(str(hf_dir / hf.WEIGHTS))
     del tensors["model.layers.2.mlp.up_proj.weight"]
     save_file(tensors, str(tmp_path / hf.WEIGHTS))
+    (tmp_path / hf.CONFIG).write_bytes((hf_dir / hf.CONFIG).read_bytes())
     with pytest.raises(
         hf.HFError,
         match=r"no tensor 'model.layers.2.mlp.up_proj.weight' \(model parameter "

@@ -1,5 +1,5 @@
 """The Hugging Face families beside Llama 2 (mpmd/recipes/families/hf.py FAMILIES): Llama 3.1's
-scaled rotary frequencies, Mistral, Qwen 2.5 and Qwen 3, each a tiny random model made here by
+scaled rotary frequencies, Mistral, Qwen 2.5, Qwen 3 and Gemma 3 (text), each a tiny random model made here by
 transformers (tests/support/hf_llama.py FAMILY_CASES; nothing downloaded). Held to
 transformers: the logits, greedy decoding with the key-value cache, the export read back by
 from_pretrained; held to unpipelined JAX: a 2-stage pipelined fine-tuning step."""
@@ -18,10 +18,10 @@ from mpmd.recipes import config, registry
 from mpmd.recipes.families import hf
 from mpmd.recipes.commands.generate import main as generate_main
 from mpmd.stages.leaf_paths import path_string
-from tests.support import hf_llama
+from tests.support import hf_llama, reference
 
 CASES = list(hf_llama.FAMILY_CASES)
-KIND = {"llama31": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+KIND = {"llama31": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,7 @@ def test_config_json_gives_the_family_and_its_switches(families, case):
         "mistral": dict(head_dim=16, sliding_window=6),
         "qwen2": dict(qkv_bias=True, tie_embeddings=True),
         "qwen3": dict(qk_norm=True, head_dim=16),
+        "gemma3": dict(global_every=2, query_scale=12.0, sliding_window=6, rope_local_theta=1e4, rope_factor=2.0),
     }[case]
     assert {k: getattr(m, k) for k in switches} == switches
 
@@ -90,7 +91,7 @@ def test_export_is_the_family_format_bitwise_and_transformers_reads_it(families,
 
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generate_draws_transformers_tokens(families, case, capsys):
-    """27 positions: past Mistral's window of 6, so the cache's window is exercised."""
+    """27 positions: past Mistral's and Gemma's window of 6, so the cache's window is exercised."""
     hf_dir, reference = families[case]
     prompt, new = "def f(x", 20
     reference.generation_config.eos_token_id = None
@@ -140,8 +141,8 @@ def test_a_pipelined_fine_tuning_step_equals_the_unpipelined_one(families, case)
     want = {path_string(kp): np.asarray(v) for kp, v in jax.tree_util.tree_flatten_with_path(state)[0]}
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert set(got) == set(want)
-    for path in want:
-        np.testing.assert_allclose(got[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+    paths = sorted(want)  # each within 1e-5 of its leaf's largest magnitude (reference.assert_leaves_close)
+    reference.assert_leaves_close([got[p] for p in paths], [want[p] for p in paths], 1e-5)
 
 
 def test_a_directory_of_another_family_names_the_kind_to_use(families):
