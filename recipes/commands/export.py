@@ -18,6 +18,7 @@ written beside itself and renamed into place (mpmd.recipes.families.hf.save): no
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class ExportError(ValueError):
     """What `mpmd export` was given cannot be exported; the message says what and what is allowed."""
 
 
-def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
+def export_hf(run_dir, out_dir, step: int | None = None, max_shard_bytes: int = hf.SHARD_BYTES) -> Path:
     """Writes committed `step` (default the newest) of the llama run in `run_dir` to `out_dir`
     as a Hugging Face model directory, as private as the run (its run_dir_mode); returns
     out_dir. ExportError on bad input."""
@@ -69,7 +70,8 @@ def export_hf(run_dir, out_dir, step: int | None = None) -> Path:
     from mpmd.recipes.data import tokenizer
 
     tok = tokenizer.run_tokenizer(run).to_json()
-    return hf.save(out, model_keys(cfg.model, params), params, tok, mode=int(cfg.run_dir_mode, 8))
+    keys = model_keys(cfg.model, params)
+    return hf.save(out, keys, params, tok, mode=int(cfg.run_dir_mode, 8), max_shard_bytes=max_shard_bytes)
 
 
 def model_keys(model, params: dict) -> dict:
@@ -84,7 +86,8 @@ def model_keys(model, params: dict) -> dict:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpmd export",
-        description="Write a run's committed checkpoint as a Hugging Face Llama directory.",
+        description="Write a run's committed checkpoint as a Hugging Face model directory in its "
+        "family's format (llama, mistral, qwen2, qwen3, gemma3).",
         epilog="example: mpmd export runs/llama_tiny --hf exported/llama_tiny",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (mpmd train's run_dir)")
@@ -95,20 +98,40 @@ def parser() -> argparse.ArgumentParser:
         help="directory to write config.json and model.safetensors into; must not exist or be empty",
     )
     parser.add_argument("--step", type=non_negative(int), metavar="N", help="a committed step (default: the newest)")
+    parser.add_argument(
+        "--max-shard-size",
+        type=byte_size,
+        default=hf.SHARD_BYTES,
+        metavar="SIZE",
+        help="weights above this go into shards listed in model.safetensors.index.json, as "
+        "save_pretrained does (bytes, or with KB, MB, GB: 1000-based; default 5GB)",
+    )
     return parser
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def byte_size(text: str) -> int:
+    """'5GB', '500MB', '20KB' or a count of bytes (1000-based, as transformers' max_shard_size)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B|B)?\s*", text.upper())
+    if not match or float(match.group(1)) * _UNITS[match.group(2) or ""] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: a positive number of bytes, or with KB, MB, GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
-        out = export_hf(args.run_dir, args.hf, args.step)
+        out = export_hf(args.run_dir, args.hf, args.step, args.max_shard_size)
     except (ExportError, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # OUT_DIR's parent not writable, a full disk: nothing is left half-written
         print(f"error: cannot write {args.hf}: {e.strerror or e}", file=sys.stderr)
         return 1
-    print(f"wrote {out / hf.CONFIG} and {out / hf.WEIGHTS}")
+    weights = out / (hf.INDEX if (out / hf.INDEX).exists() else hf.WEIGHTS)
+    print(f"wrote {out / hf.CONFIG} and {weights}")
     return 0
 
 

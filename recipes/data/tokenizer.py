@@ -52,6 +52,10 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(t) for t in texts]
 
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt's tokens: bytes have no special tokens."""
+        return self.encode(text)
+
     def decode(self, tokens) -> str:
         from mpmd.recipes.data import loaders as data
 
@@ -80,6 +84,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """A prompt's tokens as transformers' tokenizer of the same directory makes them: with
+        the special tokens its tokenizer.json's post-processor adds (Llama 3's
+        <|begin_of_text|>, Gemma's <bos>). Training text is `encode`d without them."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=True).ids, dtype=np.int32)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Many texts at once, over the library's threads."""
@@ -131,22 +141,32 @@ def load(spec: str) -> Tokenizer:
     return HFTokenizer(file, text, _eos_id(file, text))
 
 
+def _added(text: str) -> dict[str, int]:
+    try:
+        return {t["content"]: t["id"] for t in json.loads(text).get("added_tokens", [])}
+    except (ValueError, AttributeError, TypeError, KeyError):
+        return {}
+
+
+def _config_token(file: Path, key: str):
+    """tokenizer_config.json's `key` beside the file (a token's content for *_token keys), or None."""
+    config = file.with_name("tokenizer_config.json")
+    if not config.is_file():
+        return None
+    try:
+        value = json.loads(config.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value.get("content") if isinstance(value, dict) else value
+
+
 def _eos_id(file: Path, text: str) -> int | None:
     """The end-of-text token's id: tokenizer_config.json's eos_token beside the file, else the
     first added token with one of the usual names; None when there is none."""
-    try:
-        added = {t["content"]: t["id"] for t in json.loads(text).get("added_tokens", [])}
-    except (ValueError, AttributeError, TypeError, KeyError):
-        added = {}
-    config = file.with_name("tokenizer_config.json")
-    if config.is_file():
-        try:
-            eos = json.loads(config.read_text()).get("eos_token")
-        except (OSError, ValueError):
-            eos = None
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        if eos in added:
-            return added[eos]
+    added = _added(text)
+    eos = _config_token(file, "eos_token")
+    if eos in added:
+        return added[eos]
     return next((added[name] for name in _EOS_NAMES if name in added), None)
 
 

@@ -529,6 +529,19 @@ class Weights:
         return self._headers[file][name]
 
 
+def dtype_note(hf_dir) -> str | None:
+    """One line saying the directory's weights are not all float32 and are read as float32 (the
+    run's parameters are float32 whatever model.dtype computes in); None when they are."""
+    weights = Weights(hf_dir)
+    dtypes = sorted({weights.header(name)[0] for name in weights.files})
+    if dtypes == ["F32"]:
+        return None
+    return (
+        f"hf:{weights.dir} holds {', '.join(dtypes)} weights: read as float32, the run's parameter "
+        f"dtype (model.dtype sets what it computes in)"
+    )
+
+
 def open(hf_dir) -> Weights:  # noqa: A001  (hf.open, as safetensors' safe_open)
     return Weights(hf_dir)
 
@@ -546,13 +559,36 @@ def load(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     return keys, dict(zip(paths, Weights(hf_dir).read(paths)))
 
 
+SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default (max_shard_size="5GB")
+
+
+def shards(tensors: dict[str, np.ndarray], max_bytes: int) -> list[list[str]]:
+    """The tensor names in files of at most `max_bytes` each, in order (a tensor larger than
+    that has a file of its own)."""
+    out, size = [[]], 0
+    for name, array in tensors.items():
+        if out[-1] and size + array.nbytes > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += array.nbytes
+    return out
+
+
 def save(
-    out_dir, keys: dict, params: dict[str, np.ndarray], tokenizer_json: str | None = None, mode: int = 0o700
+    out_dir,
+    keys: dict,
+    params: dict[str, np.ndarray],
+    tokenizer_json: str | None = None,
+    mode: int = 0o700,
+    max_shard_bytes: int = SHARD_BYTES,
 ) -> Path:
-    """Writes config.json and model.safetensors (float32) of the decoder with model.* `keys`
+    """Writes config.json and the float32 weights of the decoder with model.* `keys`
     (keys["kind"]: the family whose format is written, default llama) and `params`
     ({model path: array}), and tokenizer.json where given (its text), into `out_dir`,
-    which must not exist or be empty (HFError):
+    which must not exist or be empty (HFError). The weights are model.safetensors, or above
+    `max_shard_bytes` shards model-0000k-of-0000n.safetensors listed in
+    model.safetensors.index.json, as save_pretrained writes them.
     the files are written beside it and renamed into place, so nothing half-written is left
     under that name and nothing is overwritten. The directory gets `mode` (default: its
     owner's only)."""
@@ -576,7 +612,18 @@ def save(
     staging.mkdir()
     os.chmod(staging, mode)  # the directory is the gate: 0700, its owner's only, whatever the umask
     try:
-        save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        parts = shards(tensors, max_shard_bytes)
+        if len(parts) == 1:
+            save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for k, names in enumerate(parts, 1):
+                file = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+                save_file({n: tensors[n] for n in names}, str(staging / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, file))
+            total = sum(a.nbytes for a in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (staging / CONFIG).write_text(json.dumps(hf_config(keys, keys.get("kind", "llama")), indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")

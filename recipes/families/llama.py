@@ -271,7 +271,11 @@ def _init_params(cfg: Config):
     init_from = cfg.model.init_from
     if init_from is None:
         return None
-    return _run_params(init_from) if init_from.startswith(RUN_PREFIX) else hf.open(hf.directory_of(init_from)).read
+    if init_from.startswith(RUN_PREFIX):
+        return _run_params(init_from)
+    if note := hf.dtype_note(hf.directory_of(init_from)):
+        print(note)
+    return hf.open(hf.directory_of(init_from)).read
 
 
 def _split(cfg: Config, model, sample_input):

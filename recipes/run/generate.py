@@ -22,6 +22,8 @@ was padded past the tokenizer's (model.vocab_size) draws only among the tokenize
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 import numpy as np
 
@@ -89,8 +91,11 @@ def load_hf(spec: str) -> tuple[Config, object]:
     try:
         hf_dir = hf.directory_of(spec)
         keys, params = hf.load(hf_dir)
+        note = hf.dtype_note(hf_dir)
     except hf.HFError as e:
         raise ConfigError(f"{spec!r}: {e}") from None
+    if note:
+        print(note, file=sys.stderr)
     has_tokenizer = (hf_dir / tokenizer.TOKENIZER_FILE).is_file()
     if not has_tokenizer and keys["vocab_size"] < 256:
         raise ConfigError(
@@ -192,9 +197,12 @@ def continue_text(
     timing of `mpmd generate`)."""
     from mpmd.models import decoding
 
-    tokens = np.asarray(tokenizer.encode(prompt)).reshape(-1)
-    if len(tokens) == 0:
+    tokens = np.asarray(tokenizer.encode_prompt(prompt)).reshape(-1)
+    plain = np.asarray(tokenizer.encode(prompt)).reshape(-1)
+    if len(plain) == 0:
         raise ConfigError("the prompt is empty: give some text to continue (--prompt)")
+    # The special tokens the tokenizer puts before the prompt (a BOS) are not printed.
+    lead = len(tokens) - len(plain) if np.array_equal(tokens[len(tokens) - len(plain) :], plain) else 0
     rng = np.random.default_rng(seed)
     decoder = decoder or decoding.Decoder(model)
     # The model's rows past the tokenizer's vocabulary (padding for the mesh) decode to nothing.
@@ -205,7 +213,7 @@ def continue_text(
         lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng),
         cache=cache,
     )
-    return tokenizer.decode([*tokens.tolist(), *new]), len(new)
+    return tokenizer.decode([*tokens[lead:].tolist(), *new]), len(new)
 
 
 def sample_of(trainer, cfg, prompt: str, num_tokens: int) -> str:

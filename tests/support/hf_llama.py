@@ -109,7 +109,7 @@ def _classes(model_type: str):
     return AutoConfig.for_model(model_type).__class__, AutoModelForCausalLM
 
 
-def make(case: str, out_dir, seed: int = 0):
+def make(case: str, out_dir, seed: int = 0, vocab: int = VOCAB):
     """Saves the case's random model (CASES: a LlamaForCausalLM; FAMILY_CASES: its family's)
     to out_dir; returns the torch model (float32)."""
     import torch
@@ -121,7 +121,7 @@ def make(case: str, out_dir, seed: int = 0):
         (model_type, (config_kw, save_kw)) = "llama", CASES[case]
     config_class, model_class = _classes(model_type)
     torch.manual_seed(seed)
-    config = config_class(vocab_size=VOCAB, max_position_embeddings=2 * SEQ_LEN, **config_kw)
+    config = config_class(vocab_size=vocab, max_position_embeddings=2 * SEQ_LEN, **config_kw)
     model = model_class.from_config(config)
     # Norm weights start at 1 and biases at 0: perturb them so one mapped wrongly shows in
     # the logits.

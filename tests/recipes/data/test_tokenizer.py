@@ -155,3 +155,47 @@ def test_the_byte_corpus_through_a_tokenizer(trained):
     np.testing.assert_array_equal(np.concatenate([train.tokens, eval_.tokens]), want)
     inputs, targets = train.batch(0, 0, 4)
     assert inputs.shape == (4, 64) and inputs.max() < 300
+
+
+def _with_bos(trained, out: Path, post_processor: bool, add_bos_token) -> Path:
+    """The trained BPE with a <|begin_of_text|> token: put first by its post-processor (Llama
+    3's tokenizer.json) or not, and tokenizer_config.json's add_bos_token as given."""
+    tok = tokenizers.Tokenizer.from_file(str(trained / "tokenizer.json"))
+    tok.add_special_tokens(["<|begin_of_text|>"])
+    if post_processor:
+        bos = tok.token_to_id("<|begin_of_text|>")
+        tok.post_processor = tokenizers.processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+        )
+    out.mkdir()
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize(
+    "post_processor, add_bos_token, bos_first",
+    # transformers 5 follows the post-processor; add_bos_token does not change a tokenizer.json's
+    [(True, None, True), (True, False, True), (False, True, False), (False, None, False)],
+)
+def test_a_prompt_starts_with_bos_as_transformers_tokenizer_makes_it(
+    trained, tmp_path, post_processor, add_bos_token, bos_first
+):
+    """`mpmd generate`'s prompt tokens are what transformers' AutoTokenizer gives for the same
+    directory (its input_ids); the text printed leaves the BOS out."""
+    from transformers import AutoTokenizer
+
+    d = _with_bos(trained, tmp_path / "tok", post_processor, add_bos_token)
+    ours = tokenizer.load(str(d))
+    want = AutoTokenizer.from_pretrained(str(d))(TEXT)["input_ids"]
+    got = ours.encode_prompt(TEXT).tolist()
+    assert got == want
+    assert (got[0] == ours._tok.token_to_id("<|begin_of_text|>")) == bos_first
+    assert ours.encode(TEXT).tolist() == got[1:] if bos_first else got  # training data: no BOS

@@ -81,6 +81,13 @@ def test_bfloat16_shards_read_exactly(hf_models):
     np.testing.assert_array_equal(params["head.lm_head.kernel"], want["lm_head.weight"].numpy().T)
 
 
+def test_weights_not_in_float32_are_said_in_one_line(hf_models, capsys):
+    for case, says in (("sharded_bf16", "holds BF16 weights: read as float32"), ("gqa", None)):
+        registry.get_model_spec("llama").init_params(llama_config(hf_models[case][0]))
+        out = capsys.readouterr().out
+        assert (says in out and out.count("\n") == 1) if says else out == ""
+
+
 def test_save_then_load_is_bitwise(hf_models, tmp_path):
     from safetensors.numpy import load_file
 

@@ -185,3 +185,62 @@ def test_a_recipe_files_sizes_yield_to_init_from_and_a_typed_one_must_agree(fami
     assert "configs/qwen2_tiny.yaml's values for them are not used" in said
     with pytest.raises(config.ConfigError, match=r"model.d_model=96 disagrees with model.init_from"):
         config.load("configs/qwen2_tiny.yaml", [f"model.init_from=hf:{hf_dir}", "model.seq_len=16", "model.d_model=96"])
+
+
+def test_an_export_above_the_shard_size_is_sharded_as_save_pretrained_does(families, tmp_path):
+    """20 KB shards: several files and an index; transformers loads it, hf.load reads it back
+    bitwise; `mpmd export --max-shard-size` takes the same sizes transformers does."""
+    from mpmd.recipes.commands.export import byte_size
+
+    hf_dir, reference = families["qwen3"]
+    keys, params = hf.load(hf_dir)
+    out = hf.save(tmp_path / "out", keys, params, max_shard_bytes=byte_size("20KB"))
+    index = json.loads((out / hf.INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (out / hf.WEIGHTS).exists()
+    shared = [f for f in files if list(index["weight_map"].values()).count(f) > 1]
+    assert shared and all((out / f).stat().st_size <= 20_000 + 4096 for f in shared)  # + its header
+    again_keys, again = hf.load(out)
+    assert again_keys == keys and all(again[p].tobytes() == params[p].tobytes() for p in params)
+    tokens = hf_llama.tokens()
+    assert hf_llama.relative_error(hf_llama.load_logits(out, tokens), hf_llama.logits(reference, tokens)) < 1e-5
+    with pytest.raises(Exception, match="is not a size"):
+        byte_size("5XB")
+
+
+def test_generate_starts_the_prompt_as_the_models_tokenizer_does(tmp_path, capsys):
+    """A Llama 3.1 whose tokenizer.json puts <|begin_of_text|> first (its post-processor):
+    `mpmd generate hf:DIR` feeds the prompt with it, as transformers' tokenizer does, draws
+    transformers' greedy tokens, and prints the text without it."""
+    import sysconfig
+
+    import tokenizers
+    from transformers import AutoTokenizer
+
+    from mpmd.recipes.commands import tokenizer as tokenizer_cli
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    assert tokenizer_cli.main(["train", f"{stdlib}/textwrap.py", "--vocab-size", "300", "-o", str(tmp_path)]) == 0
+    capsys.readouterr()
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.add_special_tokens(["<|begin_of_text|>"])
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    hf_dir = tmp_path / "model"
+    reference = hf_llama.make("llama31", hf_dir, vocab=320)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    theirs = AutoTokenizer.from_pretrained(str(hf_dir))
+    prompt, new = "def wrap(text", 12
+    ids = theirs(prompt)["input_ids"]
+    assert ids[0] == bos
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=0)[0].tolist()
+    args = [f"hf:{hf_dir}", "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0"]
+    assert generate_main(args) == 0
+    assert capsys.readouterr().out == theirs.decode(want[1:], skip_special_tokens=False) + "\n"
