@@ -28,6 +28,7 @@ from mpmd.stages import abstract, names
 from mpmd.stages import batch as batches
 
 PLANS = ("train", "grads", "eval", "predict", "init")  # installed per microbatch shape
+PUT_BYTES = 64 << 20  # init_params' arrays are read and sent in parts of at most this
 
 
 class Programs:
@@ -129,27 +130,27 @@ class Programs:
         for k, (fn, stage) in enumerate(zip(self.pipeline.fns, self.pipeline.stages)):
             r = self.placement[k]
             state = fn.state is not None
-            given = self._given_params(k) if pretrained else None
+            given = self._init_params is not None and pretrained
             concrete = not abstract.is_abstract(fn.param_leaves)
-            if given is not None or concrete:
-                self.cluster.put(
-                    r,
-                    names.params(k),
-                    fn.param_leaves if given is None else given,
-                    [tuple(p) for p in self._layout.params[k]],
-                )
+            layouts = [tuple(p) for p in self._layout.params[k]]
+            if given:
+                # Read and sent in parts of at most PUT_BYTES: the controller holds one part
+                # (and its message) at a time, never a whole stage.
+                for i, (start, arrays) in enumerate(self._given_params(k)):
+                    part = layouts[start : start + len(arrays)]
+                    self.cluster.put(r, names.params(k), arrays, part, append=i > 0)
+            elif concrete:
+                self.cluster.put(r, names.params(k), fn.param_leaves, layouts)
             if concrete:
                 if state:  # stage state: replicated on the slice's mesh
                     self.cluster.put(r, names.stage_state(k), fn.state.leaves, [()] * len(fn.state.leaves))
                 continue
-            if given is None or state:
+            if not given or state:
                 # Created on the slice by the model's seeded init, parameters already sharded
                 # (unless given), stage state (replicated) with them.
                 init = names.program("init_params", k)
                 mesh = self._layout.meshes[r].abstract()
-                shardings = (
-                    [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]] if given is None else None
-                )
+                shardings = [jax.sharding.NamedSharding(mesh, p) for p in self._layout.params[k]] if not given else None
                 replicated = (
                     [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(fn.state.leaves)
                     if state
@@ -158,29 +159,40 @@ class Programs:
                 self.cluster.load_programs(
                     r, {init: abstract.init_program(stage, fn.param_tree, shardings, replicated)}
                 )
-                made = ((names.params(k),) if given is None else ()) + ((names.stage_state(k),) if state else ())
+                made = ((names.params(k),) if not given else ()) + ((names.stage_state(k),) if state else ())
                 plans.setdefault(r, []).append(Run(init, (), made, f"init params s{k}"))
         if plans:
             for r in range(self.num_slices):
                 self.cluster.install_plan(r, "init_params", plans.get(r, []))
             self.run_setup("init_params")
 
-    def _given_params(self, k: int) -> list | None:
-        """Stage k's initial parameters from init_params, checked against the stage's own
-        shapes and dtypes (ValueError naming the first that differs); None without it."""
-        if self._init_params is None:
-            return None
+    def _given_params(self, k: int):
+        """Stage k's initial parameters from init_params, in parts of at most PUT_BYTES (a
+        larger leaf alone): (index of the part's first leaf, its arrays), each checked against
+        the stage's own shapes and dtypes (ValueError naming the first that differs)."""
         fn, paths = self.pipeline.fns[k], self.pipeline.param_paths[k]
-        given = [np.asarray(a) for a in self._init_params(tuple(paths))]
-        if len(given) != len(paths):
-            raise ValueError(f"init_params gave {len(given)} arrays for stage {k}'s {len(paths)} parameters")
-        for path, array, leaf in zip(paths, given, fn.param_leaves):
-            if array.shape != tuple(leaf.shape) or array.dtype != leaf.dtype:
+        sizes = [int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize for leaf in fn.param_leaves]
+        if not paths:
+            yield 0, []  # a stage without parameters still binds its (empty) buffer
+        start = 0
+        while start < len(paths):
+            end, size = start + 1, sizes[start]
+            while end < len(paths) and size + sizes[end] <= PUT_BYTES:
+                size, end = size + sizes[end], end + 1
+            given = [np.asarray(a) for a in self._init_params(tuple(paths[start:end]))]
+            if len(given) != end - start:
                 raise ValueError(
-                    f"init_params gave {path} as {array.dtype.name}{list(array.shape)}; stage {k} "
-                    f"holds it as {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+                    f"init_params gave {len(given)} arrays for {end - start} parameters of stage {k} "
+                    f"({paths[start]}...)"
                 )
-        return given
+            for path, array, leaf in zip(paths[start:end], given, fn.param_leaves[start:end]):
+                if array.shape != tuple(leaf.shape) or array.dtype != leaf.dtype:
+                    raise ValueError(
+                        f"init_params gave {path} as {array.dtype.name}{list(array.shape)}; stage {k} "
+                        f"holds it as {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+                    )
+            yield start, given
+            start = end
 
     def reset_state(self) -> None:
         """Back to the initial state: the initial parameters again, and fresh optimizer state

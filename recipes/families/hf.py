@@ -500,7 +500,7 @@ class Weights:
             name, transposed = tensor_name(path, self.kind)
             if name not in self.files:
                 raise HFError(f"{self.dir} has no tensor {name!r} (model parameter {path})")
-            array = _read_tensor(self.files[name], name).astype(np.float32)
+            array = _read_tensor(self.files[name], name).astype(np.float32, copy=False)
             finite = np.isfinite(array)
             if not finite.all():
                 bad = int(array.size - np.count_nonzero(finite))

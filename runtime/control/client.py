@@ -339,11 +339,11 @@ class ControlPlane(RunDispatch):
         else:
             self._call(slice_index, verbs.InstallPlan(name, stream=[instructions.to_json(i) for i in stream]))
 
-    def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
+    def put(self, slice_index: int, name: str, arrays, layouts=None, append: bool = False) -> None:
         b = wire.Builder()
         refs = _arrays_out(b, arrays)
         laid = [instructions.layout_to_json(tuple(l)) for l in layouts] if layouts is not None else None
-        self._call(slice_index, verbs.Put(name, refs, laid), b.blobs)
+        self._call(slice_index, verbs.Put(name, refs, laid, append or None), b.blobs)
 
     def get(self, slice_index: int, names) -> dict:
         reply, blobs = self._call(slice_index, verbs.Get(list(names)))

@@ -225,9 +225,12 @@ class Cluster(Protocol):
         stream (runtime/worker/streams.py: it travels as compact bytes and the worker finishes and
         expands it); ValueError if it runs a program not loaded."""
 
-    def put(self, slice_index: int, name: str, arrays: Sequence, layouts: Sequence | None = None) -> None:
+    def put(
+        self, slice_index: int, name: str, arrays: Sequence, layouts: Sequence | None = None, append: bool = False
+    ) -> None:
         """Store host arrays as buffer `name` on the slice's mesh, each laid out as its entry
-        of `layouts` (a PartitionSpec as a tuple; default: replicated)."""
+        of `layouts` (a PartitionSpec as a tuple; default: replicated); with `append`, after
+        the arrays it holds (a large buffer sent in parts, so no one message holds it all)."""
 
     def get(self, slice_index: int, names: Iterable[str]) -> dict[str, tuple[np.ndarray, ...]]:
         """Copy buffers back to the host; an error naming any buffer that does not exist."""

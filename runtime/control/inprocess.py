@@ -135,9 +135,9 @@ class InProcessCluster(RunDispatch):
         r = verbs.check(verbs.InstallPlan(name, stream=None if packed else list(stream)))
         self.executors[slice_index].install_plan(r.name, stream if packed else r.stream)
 
-    def put(self, slice_index: int, name: str, arrays, layouts=None) -> None:
-        r = verbs.check(verbs.Put(name, list(arrays), list(layouts) if layouts is not None else None))
-        self.executors[slice_index].put(r.name, r.arrays, r.layouts)
+    def put(self, slice_index: int, name: str, arrays, layouts=None, append: bool = False) -> None:
+        r = verbs.check(verbs.Put(name, list(arrays), list(layouts) if layouts is not None else None, append or None))
+        self.executors[slice_index].put(r.name, r.arrays, r.layouts, bool(r.append))
 
     def get(self, slice_index: int, names) -> dict:
         return self.executors[slice_index].get(verbs.check(verbs.Get(list(names))).names)

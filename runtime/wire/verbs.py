@@ -117,6 +117,7 @@ class Put:
     name: str
     arrays: list  # [blob]
     layouts: list | None = None  # [layout], one per array; None: replicated
+    append: bool | None = None  # True: after the arrays `name` holds (a large buffer sent in parts)
 
 
 @dataclass(frozen=True)

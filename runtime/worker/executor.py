@@ -99,14 +99,18 @@ class Executor:
         self.plans[name] = tuple(stream)
         return len(stream)
 
-    def put(self, name: str, arrays, layouts=None) -> None:
+    def put(self, name: str, arrays, layouts=None, append: bool = False) -> None:
         """Bind `name` to `arrays`, each laid out as its entry of `layouts` (a PartitionSpec
-        tuple; default: replicated on the slice's devices)."""
+        tuple; default: replicated on the slice's devices); with `append`, after the arrays
+        `name` holds already (KeyError when it holds none)."""
         arrays = list(arrays)
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)
         if len(layouts) != len(arrays):
             raise ValueError(f"put {name!r}: {len(arrays)} array(s) but {len(layouts)} layout(s)")
-        self.buffers[name] = self._placed(arrays, layouts)
+        if append and name not in self.buffers:
+            raise KeyError(f"put {name!r} append: slice {self.slice_index} holds no such buffer to append to")
+        placed = self._placed(arrays, layouts)
+        self.buffers[name] = (*self.buffers[name], *placed) if append else placed
 
     def _placed(self, arrays, layouts=None) -> tuple[jax.Array, ...]:
         layouts = list(layouts) if layouts is not None else [()] * len(arrays)

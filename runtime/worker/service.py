@@ -231,7 +231,7 @@ class WorkerService:
 
     def Put(self, s, r: verbs.Put, b):
         layouts = [instructions.layout_from_json(l) for l in r.layouts] if r.layouts is not None else None
-        _exec(s).put(r.name, [wire.blob(b, ref) for ref in r.arrays], layouts)
+        _exec(s).put(r.name, [wire.blob(b, ref) for ref in r.arrays], layouts, bool(r.append))
         return verbs.Empty(), []
 
     def Get(self, s, r: verbs.Get, b):

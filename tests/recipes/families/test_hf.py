@@ -401,3 +401,35 @@ def test_a_resumed_run_reads_no_pretrained_weights(hf_models, tmp_path):
         assert resumed.resumed[0] == 0
         got = resumed.params()
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)))
+
+
+def test_pretrained_weights_travel_in_parts_and_land_whole(hf_models, monkeypatch):
+    """With parts of one leaf each (programs.PUT_BYTES), every stage's parameters reach its
+    slice as a first Put and appended ones, and the slices hold the imported tensors bitwise:
+    the controller never holds a whole stage (benchmarks/bench_hf_import.py measures it)."""
+    from mpmd.runtime.control.inprocess import InProcessCluster
+    from mpmd.stages import names
+    from mpmd.train import programs
+
+    class Counting(InProcessCluster):
+        def __init__(self):
+            super().__init__()
+            self.puts = []
+
+        def put(self, slice_index, name, arrays, layouts=None, append=False):
+            self.puts.append((name, len(arrays), append))
+            super().put(slice_index, name, arrays, layouts, append)
+
+    monkeypatch.setattr(programs, "PUT_BYTES", 1)
+    hf_dir = hf_models["gqa"][0]
+    cfg = llama_config(hf_dir, "pipeline.num_stages=2")
+    _, want = hf.load(hf_dir)
+    cluster = Counting()
+    with pipelined_trainer(cfg, cluster, None) as trainer:
+        params, paths = trainer.params(), trainer.pipeline.param_paths
+    for k, stage in enumerate(params):
+        sent = [p for p in cluster.puts if p[0] == names.params(k)]
+        assert len(sent) == len(paths[k]) and all(n == 1 for _, n, _ in sent)
+        assert [a for _, _, a in sent] == [False] + [True] * (len(paths[k]) - 1)
+        for path, leaf in zip(paths[k], jax.tree.leaves(stage)):
+            assert np.asarray(leaf).tobytes() == want[path].tobytes(), path
