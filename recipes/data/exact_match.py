@@ -40,12 +40,39 @@ def answer(decoder, tok, example: sft.Example) -> str:
     return tok.decode(out)
 
 
+def answers_chat(decoder, tok, example: sft.Example) -> bool:
+    """A chat rendered by the tokenizer's chat template: whether the greedy continuation of
+    everything before its last assistant span is that span's tokens, exactly."""
+    from mpmd.models import decoding
+
+    ids, trained = sft.encode(example, tok)
+    end = int(np.flatnonzero(trained)[-1]) + 1
+    start = end
+    while start > 0 and trained[start - 1]:
+        start -= 1
+    want = ids[start:end].tolist()
+    vocab_size = tok.vocab_size
+    out: list[int] = []
+    for token, _ in decoder.stream(ids[:start], lambda logits: decoding.next_token(logits[:vocab_size], 0, 0, None)):
+        out.append(token)
+        if len(out) == len(want) or out[-1] != want[len(out) - 1]:
+            break
+    return out == want
+
+
 def score(model, tok, examples: list[sft.Example]) -> float:
-    """The fraction of `examples` whose greedy answer (`answer`) is their response."""
+    """The fraction of `examples` whose greedy answer (`answer`) is their response; a chat
+    rendered by a chat template: whose last assistant span it reproduces (`answers_chat`)."""
     from mpmd.models import decoding
 
     decoder = decoding.Decoder(model)
-    hits = [answer(decoder, tok, ex).strip() == ex.response.strip() for ex in examples]
+    templated = getattr(tok, "chat_template", None) is not None
+    hits = [
+        answers_chat(decoder, tok, ex)
+        if templated and ex.messages is not None
+        else answer(decoder, tok, ex).strip() == ex.response.strip()
+        for ex in examples
+    ]
     return float(np.mean(hits))
 
 

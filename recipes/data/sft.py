@@ -7,8 +7,10 @@ whose loss counts the response tokens only.
 
 A line of the file is one JSON object: `{"prompt": str, "response": str}`, or
 `{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}` with at least one
-assistant message. A chat is rendered as `<role>: <content>\\n` per message; the assistant's
-contents (and their end marker) are trained, everything else is context. A bad line is refused
+assistant message. A chat is rendered by the tokenizer's own chat template where its
+tokenizer_config.json has one (recipes/data/chat.py: the assistant spans are trained, as
+transformers' return_assistant_tokens_mask marks them), else as `<role>: <content>\\n` per
+message, the assistant's contents (and their end marker) trained, everything else context. A bad line is refused
 with a ConfigError naming the file, the line and the field.
 
 Each example ends with an end marker the model learns to emit after a response: the tokenizer's
@@ -36,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from mpmd.recipes.config import Config, ConfigError
+from mpmd.recipes.data import chat
 from mpmd.recipes.data.loaders import Loader, Shuffled
 from mpmd.recipes.registry import one_of
 
@@ -48,6 +51,9 @@ class Example:
 
     segments: tuple[tuple[str, bool], ...]
     where: str  # "file:line", for messages naming it
+    # A chat's messages as (role, content): rendered by the tokenizer's chat template where it
+    # has one (recipes/data/chat.py), else as `segments`.
+    messages: tuple[tuple[str, str], ...] | None = None
 
     @property
     def response(self) -> str:
@@ -89,7 +95,7 @@ def parse(record, where: str) -> Example:
                 segments.append((f"{role}: {content}\n", False))
         if not any(trained for _, trained in segments):
             raise ConfigError(f"{where}: messages has no 'assistant' message: nothing to train on")
-        return Example(tuple(segments), where)
+        return Example(tuple(segments), where, tuple((m["role"], m["content"]) for m in messages))
     for field in ("prompt", "response"):
         if field not in record:
             raise ConfigError(
@@ -134,8 +140,13 @@ def end_marker(tok) -> list[int]:
 
 
 def encode(example: Example, tok) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [n] int32, trained [n] bool) of an example: each segment encoded alone (so the
-    prompt's tokens are those scoring feeds), a trained segment followed by the end marker."""
+    """(tokens [n] int32, trained [n] bool) of an example: a chat rendered by the tokenizer's
+    chat template, its assistant spans trained (recipes/data/chat.py); otherwise each segment
+    encoded alone (so the prompt's tokens are those scoring feeds), a trained segment
+    followed by the end marker."""
+    template = getattr(tok, "chat_template", None)
+    if example.messages is not None and template is not None:
+        return chat.encode(template, [{"role": r, "content": c} for r, c in example.messages], tok)
     ids, trained = [], []
     for text, is_response in example.segments:
         part = [int(t) for t in tok.encode(text)] + (end_marker(tok) if is_response else [])

@@ -43,6 +43,7 @@ class ByteTokenizer:
     encode / decode, so a bytes run is bitwise what it was before tokenizers existed)."""
 
     spec, vocab_size, eos_id, hash = BYTES, 256, None, BYTES
+    chat_template = None  # bytes have no chat template: chats render as recipes/data/sft.py does
 
     def encode(self, text: str) -> np.ndarray:
         from mpmd.recipes.data import loaders as data
@@ -81,9 +82,36 @@ class HFTokenizer:
         self.eos_id = eos_id
         self.hash = content_hash(text)
         self._text = text
+        self._path = path
+        self._chat = None  # the compiled chat template (False: none), read when first asked
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, each token's character span in `text`), no special tokens added (those in the
+        text, such as a chat template's <|im_start|>, are kept whole)."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return list(e.ids), [tuple(o) for o in e.offsets]
+
+    @property
+    def chat_template(self):
+        """tokenizer_config.json's chat template beside the file, compiled (recipes/data/chat.py
+        Template), or None where it has none."""
+        if self._chat is None:
+            text = _config_token(self._path, "chat_template")
+            if isinstance(text, list):  # [{"name", "template"}]: the default one
+                text = next(
+                    (t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None
+                )
+            if isinstance(text, str):
+                from mpmd.recipes.data import chat
+
+                bos, eos = _config_token(self._path, "bos_token"), _config_token(self._path, "eos_token")
+                self._chat = chat.Template(text, bos, eos)
+            else:
+                self._chat = False
+        return self._chat or None
 
     def encode_prompt(self, text: str) -> np.ndarray:
         """A prompt's tokens as transformers' tokenizer of the same directory makes them: with

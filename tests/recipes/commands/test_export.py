@@ -101,8 +101,9 @@ def test_bad_input_is_one_error_line_and_overwrites_nothing(trained, tmp_path, c
     assert [p.name for p in full.iterdir()] == ["notes.txt"] and (full / "notes.txt").read_text() == "mine"
     gpt_run = tmp_path / "gpt_run"
     config.dump(config.load(None, []), gpt_run / "config.yaml")
-    assert "trained model.kind='gpt'; mpmd export --hf writes model.kind 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3'" in _refused(
-        capsys, [str(gpt_run), "--hf", out]
+    assert (
+        "trained model.kind='gpt'; mpmd export --hf writes model.kind 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma3'"
+        in _refused(capsys, [str(gpt_run), "--hf", out])
     )
     fresh = tmp_path / "fresh_run"
     config.dump(cfg, fresh / "config.yaml")
