@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
         "run_dir",
         metavar="RUN_DIR",
         help="a run directory of `mpmd train` (its config.yaml "
-        "and checkpoints/), or hf:DIR, a Hugging Face Llama "
+        "and checkpoints/), or hf:DIR, a Hugging Face model "
         "directory (config.json, safetensors, tokenizer.json)",
     )
     parser.add_argument("--prompt", required=True, help="text to continue")
@@ -60,6 +60,12 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed", type=non_negative(int), default=None, help="seeds the sampling, >= 0 (default: the run's seed)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message: rendered with the tokenizer's chat template "
+        "(tokenizer_config.json), the reply printed up to its end-of-text token",
     )
     parser.add_argument(
         "--no-cache",
@@ -95,6 +101,7 @@ def main(argv=None) -> int:
             cfg.seed if args.seed is None else args.seed,
             cache=not args.no_cache,
             decoder=decoder,
+            chat=args.chat,
         )
         t2 = time.perf_counter()
     except ConfigError as e:

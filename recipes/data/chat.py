@@ -100,6 +100,11 @@ class Template:
         return text, spans
 
 
+def reply_prompt(template: Template, text: str) -> str:
+    """A user message `text`, rendered for the assistant's reply (add_generation_prompt)."""
+    return _unmark(template.render([{"role": "user", "content": text}], add_generation_prompt=True))[0]
+
+
 def _unmark(marked: str) -> tuple[str, list[tuple[int, int]]]:
     """(the text without generation markers, the spans they enclosed in it)."""
     text, spans, start = [], [], None

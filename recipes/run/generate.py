@@ -190,6 +190,7 @@ def continue_text(
     seed: int = 0,
     cache: bool = True,
     decoder=None,
+    chat: bool = False,
 ) -> tuple[str, int]:
     """(the prompt and its continuation by num_tokens tokens, as text; num_tokens), each token
     drawn by mpmd.models.decoding.next_token from a numpy generator seeded by `seed` (temperature
@@ -197,6 +198,8 @@ def continue_text(
     timing of `mpmd generate`)."""
     from mpmd.models import decoding
 
+    if chat:
+        return chat_reply(model, tokenizer, prompt, num_tokens, temperature, top_k, seed, cache, decoder)
     tokens = np.asarray(tokenizer.encode_prompt(prompt)).reshape(-1)
     plain = np.asarray(tokenizer.encode(prompt)).reshape(-1)
     if len(plain) == 0:
@@ -214,6 +217,34 @@ def continue_text(
         cache=cache,
     )
     return tokenizer.decode([*tokens[lead:].tolist(), *new]), len(new)
+
+
+def chat_reply(model, tokenizer, message, num_tokens, temperature, top_k=0, seed=0, cache=True, decoder=None):
+    """(the assistant's reply to a user `message`, its tokens): the message rendered by the
+    tokenizer's chat template for a reply (recipes/data/chat.py), tokens drawn as
+    `continue_text` draws them until the end-of-text token (not printed) or num_tokens."""
+    from mpmd.models import decoding
+    from mpmd.recipes.data import chat
+
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise ConfigError(
+            "--chat needs a tokenizer with a chat_template in its tokenizer_config.json "
+            f"(this one: {getattr(tokenizer, 'spec', tokenizer)}); without --chat the prompt is continued as text"
+        )
+    tokens, _ = tokenizer.encode_with_offsets(chat.reply_prompt(template, message))
+    rng = np.random.default_rng(seed)
+    decoder = decoder or decoding.Decoder(model)
+    vocab_size = tokenizer.vocab_size
+    new: list[int] = []
+    pick = lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng)
+    for token, _ in decoder.stream(tokens, pick, cache=cache) if num_tokens > 0 else ():
+        if token == tokenizer.eos_id:
+            break
+        new.append(token)
+        if len(new) == num_tokens:
+            break
+    return tokenizer.decode(new), len(new)
 
 
 def sample_of(trainer, cfg, prompt: str, num_tokens: int) -> str:

@@ -140,3 +140,42 @@ def test_chat_sft_trains_on_the_templates_assistant_tokens_only(chat_dir, tmp_pa
         assert not mask[len(ids) - 1 :].any()  # the padding after it
     summary = train.run(cfg)
     assert summary["steps"] == 2
+
+
+def test_generate_chat_replies_as_transformers_does(chat_dir, tmp_path, capsys):
+    """`mpmd generate hf:DIR --chat --temperature 0`: the message rendered by the template for
+    a reply, transformers' greedy tokens up to <|im_end|> (left out), decoded."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from mpmd.recipes.commands.generate import main
+    from tests.support import hf_llama
+
+    hf_dir = tmp_path / "model"
+    reference = hf_llama.make("qwen2", hf_dir, vocab=384)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(chat_dir / name, hf_dir / name)
+    theirs = AutoTokenizer.from_pretrained(str(hf_dir))
+    message = "2 + 3?"
+    ids = theirs.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    im_end = theirs.convert_tokens_to_ids("<|im_end|>")
+    out = reference.generate(
+        torch.tensor([ids]),
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=im_end,
+        suppress_tokens=list(range(len(theirs), 384)),
+    )[0].tolist()[len(ids) :]
+    reply = out[: out.index(im_end)] if im_end in out else out
+    capsys.readouterr()
+    args = [f"hf:{hf_dir}", "--chat", "--prompt", message, "--max-new-tokens", "12", "--temperature", "0"]
+    assert main(args) == 0
+    assert capsys.readouterr().out == theirs.decode(reply) + "\n"
+    # Without a chat template, --chat is one error line.
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert main(args) == 2
+    assert "--chat needs a tokenizer with a chat_template" in capsys.readouterr().err
