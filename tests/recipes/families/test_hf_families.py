@@ -75,7 +75,7 @@ def test_logits_equal_transformers(families, case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_export_is_the_family_format_bitwise_and_transformers_reads_it(families, case, tmp_path):
+def test_export_is_the_family_format_bitwise_and_transformers_reads_it(families, case, tmp_path, capsys):
     hf_dir, reference = families[case]
     keys, params = hf.load(hf_dir)
     out = hf.save(tmp_path / "out", {**keys, "kind": KIND[case]}, params)
@@ -87,6 +87,17 @@ def test_export_is_the_family_format_bitwise_and_transformers_reads_it(families,
     assert all(again[p].tobytes() == params[p].tobytes() for p in params), "import -> export -> import is bitwise"
     tokens = hf_llama.tokens()
     assert hf_llama.relative_error(hf_llama.load_logits(out, tokens), hf_llama.logits(reference, tokens)) < 1e-5
+    # transformers' greedy continuation of the export is mpmd's of it.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype="float32").eval()
+    exported.generation_config.eos_token_id = None
+    prompt = "def f(x"
+    want = exported.generate(torch.tensor([list(prompt.encode())]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    args = [f"hf:{out}", "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"]
+    capsys.readouterr()
+    assert generate_main(args) == 0
+    assert capsys.readouterr().out == bytes(want[0].tolist()).decode("utf-8", errors="replace") + "\n"
 
 
 @pytest.mark.parametrize("case", CASES)
