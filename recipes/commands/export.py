@@ -69,9 +69,32 @@ def export_hf(run_dir, out_dir, step: int | None = None, max_shard_bytes: int = 
     # The run's own tokenizer goes with it (none for bytes), so `mpmd generate hf:OUT_DIR` decodes alike.
     from mpmd.recipes.data import tokenizer
 
-    tok = tokenizer.run_tokenizer(run).to_json()
+    run_tok = tokenizer.run_tokenizer(run)
     keys = model_keys(cfg.model, params)
-    return hf.save(out, keys, params, tok, mode=int(cfg.run_dir_mode, 8), max_shard_bytes=max_shard_bytes)
+    extra = tokenizer_files(cfg.data.tokenizer, run_tok.hash)
+    return hf.save(out, keys, params, run_tok.to_json(), int(cfg.run_dir_mode, 8), max_shard_bytes, extra_files=extra)
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def tokenizer_files(spec: str, run_hash: str) -> dict[str, bytes]:
+    """The files beside the run's tokenizer.json that say how it is used (its chat template,
+    BOS/EOS, generation defaults): copied into the export where they are still there and the
+    tokenizer.json beside them is the run's (same hash); {} otherwise (bytes, or moved)."""
+    from mpmd.recipes.config import ConfigError
+    from mpmd.recipes.data import tokenizer
+
+    if spec == tokenizer.BYTES:
+        return {}
+    path = Path(spec).expanduser()
+    folder = path if path.is_dir() else path.parent
+    try:
+        if tokenizer.load(str(path)).hash != run_hash:
+            return {}
+        return {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+    except (OSError, ConfigError):
+        return {}
 
 
 def model_keys(model, params: dict) -> dict:

@@ -582,13 +582,15 @@ def save(
     tokenizer_json: str | None = None,
     mode: int = 0o700,
     max_shard_bytes: int = SHARD_BYTES,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Writes config.json and the float32 weights of the decoder with model.* `keys`
     (keys["kind"]: the family whose format is written, default llama) and `params`
     ({model path: array}), and tokenizer.json where given (its text), into `out_dir`,
     which must not exist or be empty (HFError). The weights are model.safetensors, or above
     `max_shard_bytes` shards model-0000k-of-0000n.safetensors listed in
-    model.safetensors.index.json, as save_pretrained writes them.
+    model.safetensors.index.json, as save_pretrained writes them. `extra_files`: {name: bytes}
+    written beside (the tokenizer's tokenizer_config.json, ...).
     the files are written beside it and renamed into place, so nothing half-written is left
     under that name and nothing is overwritten. The directory gets `mode` (default: its
     owner's only)."""
@@ -627,6 +629,10 @@ def save(
         (staging / CONFIG).write_text(json.dumps(hf_config(keys, keys.get("kind", "llama")), indent=2) + "\n")
         if tokenizer_json is not None:
             (staging / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        for name, data in (extra_files or {}).items():
+            if Path(name).name != name or name in (CONFIG, WEIGHTS, INDEX, "tokenizer.json"):
+                raise HFError(f"extra file {name!r}: a plain file name other than the model's own files")
+            (staging / name).write_bytes(data)
         if out.exists():
             out.rmdir()  # empty, checked above
         staging.rename(out)

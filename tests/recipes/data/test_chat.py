@@ -92,7 +92,7 @@ def test_chat_sft_trains_on_the_templates_assistant_tokens_only(chat_dir, tmp_pa
     """data.source=jsonl with {"messages": ...} lines and a tokenizer with a chat template: each
     row's loss mask is 1 exactly on the targets that are assistant tokens (as transformers marks
     them), and `mpmd train` runs it through a 2-stage pipeline, scoring held-out chats by their
-    last assistant span."""
+    last assistant span; `mpmd export` takes the template along."""
     from transformers import AutoTokenizer
 
     from mpmd.recipes import config
@@ -119,7 +119,7 @@ def test_chat_sft_trains_on_the_templates_assistant_tokens_only(chat_dir, tmp_pa
             "cluster.backend=inprocess",
             "log.trace_steps=[]",
             "log.tensorboard=false",
-            "checkpoint.every=0",
+            "checkpoint.every=2",
             f"run_dir={tmp_path / 'run'}",
         ],
     )
@@ -140,6 +140,12 @@ def test_chat_sft_trains_on_the_templates_assistant_tokens_only(chat_dir, tmp_pa
         assert not mask[len(ids) - 1 :].any()  # the padding after it
     summary = train.run(cfg)
     assert summary["steps"] == 2
+    # The export carries the tokenizer's config (its chat template) beside the run's tokenizer.
+    from mpmd.recipes.commands.export import export_hf
+
+    out = export_hf(cfg.run_dir, tmp_path / "exported")
+    assert (out / "tokenizer_config.json").read_bytes() == (chat_dir / "tokenizer_config.json").read_bytes()
+    assert tokenizer.load(str(out)).chat_template is not None
 
 
 def test_generate_chat_replies_as_transformers_does(chat_dir, tmp_path, capsys):
