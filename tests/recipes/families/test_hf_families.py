@@ -259,3 +259,44 @@ def test_generate_starts_the_prompt_as_the_models_tokenizer_does(tmp_path, capsy
     args = [f"hf:{hf_dir}", "--prompt", prompt, "--max-new-tokens", str(new), "--temperature", "0"]
     assert generate_main(args) == 0
     assert capsys.readouterr().out == theirs.decode(want[1:], skip_special_tokens=False) + "\n"
+
+
+@pytest.mark.slow  # five whole `mpmd train` runs (in-process), ~10 s each
+@pytest.mark.parametrize("case", CASES)
+def test_each_familys_fine_tuning_recipe_starts_from_its_checkpoint(families, case, tmp_path, capsys):
+    """configs/<kind>_finetune.yaml with model.init_from=hf:DIR: config.json sets the sizes (the
+    recipe's seq_len stays), and its first step's loss is the objective at the imported
+    weights: the run's first loss equals the unpipelined model's on the same batch."""
+    from mpmd.recipes.data import loaders as data
+    from mpmd.recipes.run import run_log, train
+
+    hf_dir, _ = families[case]
+    lines = [{"prompt": f"rev {w}:", "response": w[::-1]} for w in ("abc", "kqz", "mpd", "fla")]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = config.load(
+        f"configs/{KIND[case]}_finetune.yaml",
+        [
+            f"model.init_from=hf:{hf_dir}",
+            f"data.path={tmp_path / 'train.jsonl'}",
+            "data.eval_path=null",
+            "data.eval_fraction=0.5",
+            f"model.seq_len={hf_llama.SEQ_LEN}",
+            "train.steps=1",
+            "train.batch_size=2",
+            "train.exact_match=0",
+            "train.eval_every=0",
+            "pipeline.num_microbatches=2",
+            "cluster.backend=inprocess",
+            "log.trace_steps=[]",
+            "log.tensorboard=false",
+            "checkpoint.every=0",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert (cfg.model.kind, cfg.model.d_model) == (KIND[case], 32)
+    batch = data.make_loaders(cfg)[0].batch_at(0)
+    train.run(cfg)
+    _, params = hf.load(hf_dir)
+    logits = built(cfg, params)(batch["inputs"])
+    loss_sum, weight = mpmd.models.masked_lm_loss(logits, batch)
+    assert run_log.read(cfg.run_dir)[0]["loss"] == pytest.approx(float(loss_sum / weight), rel=1e-5)
