@@ -118,12 +118,17 @@ class Decoder:
             else:
                 logits, kv = self.step(token, kv, len(tokens) - 1 - start)
 
-    def generate(self, prompt, num_tokens: int, pick: Callable[[np.ndarray], int], cache: bool = True) -> list[int]:
-        """The next num_tokens tokens after `prompt` (ints), each `pick`ed from its logits."""
+    def generate(
+        self, prompt, num_tokens: int, pick: Callable[[np.ndarray], int], cache: bool = True, stop: int | None = None
+    ) -> list[int]:
+        """The next num_tokens tokens after `prompt` (ints), each `pick`ed from its logits;
+        fewer when `stop` is picked first (it ends the list, not in it)."""
         if num_tokens <= 0:
             return []
         out = []
         for token, _ in self.stream(prompt, pick, cache):
+            if token == stop:
+                return out
             out.append(token)
             if len(out) == num_tokens:
                 return out

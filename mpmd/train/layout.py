@@ -59,12 +59,16 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class RunLayout:
-    """A checked layout: `schedule` (stages -> slices and the order of tasks), `meshes` (one
-    SliceMesh per slice) and `layout` (every stage's state on its slice's mesh)."""
+    """A checked layout: `schedule` (stages -> slices and the order of tasks) and `layout`
+    (each slice's mesh and every stage's state laid out on it)."""
 
     schedule: schedules.Schedule
-    meshes: tuple
     layout: lowering.Layout
+
+    @property
+    def meshes(self) -> tuple:
+        """One SliceMesh per slice (the layout's)."""
+        return tuple(self.layout.meshes)
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -74,7 +78,7 @@ class RunLayout:
     def check_devices(self, devices_per_slice: int | None) -> None:
         """LayoutError naming the slice whose mesh does not use exactly `devices_per_slice`
         devices (a cluster's; None: not known, nothing to check)."""
-        sharding.slice_meshes(list(self.meshes), len(self.meshes), devices_per_slice)
+        sharding.slice_meshes(self.layout.meshes, len(self.layout.meshes), devices_per_slice)
 
 
 def run_layout(
@@ -95,7 +99,7 @@ def run_layout(
     meshes = sharding.slice_meshes(m.shape, built.num_slices, devices_per_slice)
     lay = lowering.layout(pipeline, optimizer, meshes, built.placement, sharding.check_rules(m.rules), m.fsdp_gather)
     lowering.check_gather(lay, built.placement)
-    return RunLayout(built, tuple(meshes), lay)
+    return RunLayout(built, lay)
 
 
 def _schedule(schedule, num_stages: int, num_microbatches, virtual_stages) -> schedules.Schedule:

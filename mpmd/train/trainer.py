@@ -118,7 +118,7 @@ class Trainer:
             partition,
             built.placement,
             run.layout,
-            relayout.layout_record(built, run.meshes),
+            relayout.layout_record(built, run.layout.meshes),
         )
         self.dispatcher = Dispatcher(
             self.programs, self.checkpointer, self.num_microbatches, pipeline.num_stages, max_grad_norm, run_ahead
@@ -132,14 +132,14 @@ class Trainer:
             self.programs,
             self.checkpointer,
             self.dispatcher,
-            (built, list(run.meshes)),
+            (built, run.layout.meshes),
         )
         self.dispatcher.events = self.recovery
         self._closed = False
         # The workers may save and restore only below run_dir (a cluster that starts its own
         # workers confines them to it).
         cluster.start(
-            built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None, meshes=list(run.meshes)
+            built.num_slices, root=os.path.abspath(run_dir) if run_dir is not None else None, meshes=run.layout.meshes
         )
         try:
             # A run that resumes reads no pretrained weights: its checkpoint replaces them (and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -228,8 +229,6 @@ def load(path: str | Path | None, overrides: typing.Sequence[str] = ()) -> Confi
     """
     values = values_of(path, overrides)
     if dropped := yield_to_init_from(values, overrides):
-        import sys
-
         print(
             f"model.init_from={values['model']['init_from']!r} gives {', '.join(f'model.{k}' for k in dropped)}: "
             f"{path}'s values for them are not used",

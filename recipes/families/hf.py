@@ -143,6 +143,17 @@ class Weights:
             out.append(np.ascontiguousarray(array.T) if transposed else array)
         return out
 
+    def dtype_note(self) -> str | None:
+        """One line saying the weights are not all float32 and are read as float32 (the run's
+        parameters are float32 whatever model.dtype computes in); None when they are."""
+        dtypes = sorted({self.header(name)[0] for name in self.files})
+        if dtypes == ["F32"]:
+            return None
+        return (
+            f"hf:{self.dir} holds {', '.join(dtypes)} weights: read as float32, the run's parameter "
+            f"dtype (model.dtype sets what it computes in)"
+        )
+
     def header(self, name: str) -> tuple[str, list[int]]:
         """(safetensors dtype, shape) of a tensor, from its file's header (no data read)."""
         from safetensors import SafetensorError, safe_open
@@ -159,19 +170,6 @@ class Weights:
         if name not in self._headers[file]:
             raise HFError(f"{file} holds no tensor {name!r}, which {self.dir / INDEX} says it does")
         return self._headers[file][name]
-
-
-def dtype_note(hf_dir) -> str | None:
-    """One line saying the directory's weights are not all float32 and are read as float32 (the
-    run's parameters are float32 whatever model.dtype computes in); None when they are."""
-    weights = Weights(hf_dir)
-    dtypes = sorted({weights.header(name)[0] for name in weights.files})
-    if dtypes == ["F32"]:
-        return None
-    return (
-        f"hf:{weights.dir} holds {', '.join(dtypes)} weights: read as float32, the run's parameter "
-        f"dtype (model.dtype sets what it computes in)"
-    )
 
 
 def open(hf_dir) -> Weights:  # noqa: A001  (hf.open, as safetensors' safe_open)

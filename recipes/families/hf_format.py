@@ -36,6 +36,7 @@ class Family:
     window: str = "none"  # "none" (no such key), "all" (every layer), "qwen" (use_sliding_window), "gemma"
     # model path (after blocks.<i>.) -> tensor (after model.layers.<i>.) where not _BLOCK's
     renamed: dict = dataclasses.field(default_factory=dict)
+    sandwich: bool = False  # its blocks have the norms after attention and MLP (_SANDWICH)
     # config.json defaults where not LlamaConfig's (KEYS)
     defaults: dict = dataclasses.field(default_factory=dict)
     activation: tuple[str, str] = ("hidden_act", "silu")  # config.json's key and the one value read
@@ -54,11 +55,8 @@ FAMILIES = {
             "Gemma3ForCausalLM",
             {"qk_norm": True},
             window="gemma",
-            renamed={
-                "mlp_norm.scale": "pre_feedforward_layernorm.weight",
-                "post_attn_norm.scale": "post_attention_layernorm.weight",
-                "post_mlp_norm.scale": "post_feedforward_layernorm.weight",
-            },
+            renamed={"mlp_norm.scale": "pre_feedforward_layernorm.weight"},
+            sandwich=True,
             defaults={"tie_word_embeddings": True},
             activation=("hidden_activation", "gelu_pytorch_tanh"),
         ),
@@ -390,7 +388,7 @@ def param_paths(keys: dict) -> list[str]:
     block = [*_BLOCK]
     block += [*_BIASES] if keys.get("qkv_bias") else []
     block += [*_QK_NORMS] if keys.get("qk_norm") else []
-    block += [p for p in _SANDWICH if p in family.renamed]
+    block += [*_SANDWICH] if family.sandwich else []
     blocks = [f"blocks.{i}.{p}" for i in range(keys["num_layers"]) for p in block]
     tied = keys["tie_embeddings"]
     return ["embed.token.embedding", *blocks, "head.norm.scale", *([] if tied else ["head.lm_head.kernel"])]

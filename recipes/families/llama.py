@@ -36,8 +36,9 @@ class ComputeSection(ModelSection):
 
 
 class LlamaSection(DecoderSection, ComputeSection):
-    # The keys model.init_from gives; a recipe file's values for them yield to it
-    # (mpmd.recipes.config.loading.yield_to_init_from).
+    # The keys model.init_from gives (config.json's, or a run's config.yaml's: what the
+    # parameters' shapes and meaning depend on, not seq_len: rotary positions take any
+    # length); a recipe file's values for them yield to it (loading.yield_to_init_from).
     FROM_INIT: ClassVar[tuple[str, ...]] = (
         "vocab_size",
         "d_model",
@@ -111,13 +112,12 @@ class LlamaSection(DecoderSection, ComputeSection):
         if not isinstance(values, dict) or values.get("init_from") is None:
             return values
         init_from = values["init_from"]
+        kind = values.get("kind", cls.model_fields["kind"].default)
         if isinstance(init_from, str) and init_from.startswith(RUN_PREFIX):
-            kind = values.get("kind", cls.model_fields["kind"].default)
             keys, longest, source = _run_keys(init_from, kind, cls.FROM_INIT), None, "config.yaml"
             named = lambda key: f"model.{key}"
         else:
             hf_dir = hf.directory_of(init_from)
-            kind = values.get("kind", cls.model_fields["kind"].default)
             try:
                 family = hf.family_of(hf_dir)
                 if kind != family.kind:
@@ -147,17 +147,14 @@ class LlamaSection(DecoderSection, ComputeSection):
 
 
 RUN_PREFIX = "run:"  # model.init_from = "run:<run directory of mpmd train>"
-# The keys a run's config.yaml gives a run started from it: what its parameters' shapes and
-# meaning depend on, not seq_len (rotary positions take any length).
-_RUN_KEYS = LlamaSection.FROM_INIT
 
 
 def _run_directory(init_from: str) -> Path:
     return Path(init_from[len(RUN_PREFIX) :]).expanduser()
 
 
-def _run_keys(init_from: str, kind: str = "llama", keys: tuple = ()) -> dict:
-    """The model keys of the llama run `run:<dir>` names; ValueError naming what is wrong."""
+def _run_keys(init_from: str, kind: str, keys: tuple[str, ...]) -> dict:
+    """The model `keys` of the `kind` run `run:<dir>` names; ValueError naming what is wrong."""
     from mpmd.recipes import config
 
     file = _run_directory(init_from) / "config.yaml"
@@ -171,7 +168,7 @@ def _run_keys(init_from: str, kind: str = "llama", keys: tuple = ()) -> dict:
             f"model.init_from={init_from!r} trained model.kind={model.get('kind')!r}; a {kind} starts "
             f"only from a {kind} run"
         )
-    return {key: model[key] for key in keys or _RUN_KEYS if key in model}
+    return {key: model[key] for key in keys if key in model}
 
 
 def _run_params(init_from: str):
@@ -273,9 +270,10 @@ def _init_params(cfg: Config):
         return None
     if init_from.startswith(RUN_PREFIX):
         return _run_params(init_from)
-    if note := hf.dtype_note(hf.directory_of(init_from)):
+    weights = hf.open(hf.directory_of(init_from))
+    if note := weights.dtype_note():
         print(note)
-    return hf.open(hf.directory_of(init_from)).read
+    return weights.read
 
 
 def _split(cfg: Config, model, sample_input):

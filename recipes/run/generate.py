@@ -91,7 +91,7 @@ def load_hf(spec: str) -> tuple[Config, object]:
     try:
         hf_dir = hf.directory_of(spec)
         keys, params = hf.load(hf_dir)
-        note = hf.dtype_note(hf_dir)
+        note = hf.open(hf_dir).dtype_note()
     except hf.HFError as e:
         raise ConfigError(f"{spec!r}: {e}") from None
     if note:
@@ -103,7 +103,7 @@ def load_hf(spec: str) -> tuple[Config, object]:
             f"than the 256 byte tokens: put the model's tokenizer.json in {hf_dir}"
         )
     model = {
-        "kind": hf.family_of(hf_dir).kind,
+        "kind": keys["kind"],
         "init_from": spec,
         "seq_len": min(keys.get("seq_len", HF_MAX_WINDOW), HF_MAX_WINDOW),
     }
@@ -195,17 +195,22 @@ def continue_text(
     """(the prompt and its continuation by num_tokens tokens, as text; num_tokens), each token
     drawn by mpmd.models.decoding.next_token from a numpy generator seeded by `seed` (temperature
     0: greedy) among the tokenizer's ids. `decoder`: a Decoder of `model` already compiled (the
-    timing of `mpmd generate`)."""
+    timing of `mpmd generate`). `chat`: the prompt is a user message rendered by the
+    tokenizer's chat template, and the text is the reply alone, up to its end-of-text token."""
     from mpmd.models import decoding
 
     if chat:
-        return chat_reply(model, tokenizer, prompt, num_tokens, temperature, top_k, seed, cache, decoder)
-    tokens = np.asarray(tokenizer.encode_prompt(prompt)).reshape(-1)
-    plain = np.asarray(tokenizer.encode(prompt)).reshape(-1)
-    if len(plain) == 0:
-        raise ConfigError("the prompt is empty: give some text to continue (--prompt)")
-    # The special tokens the tokenizer puts before the prompt (a BOS) are not printed.
-    lead = len(tokens) - len(plain) if np.array_equal(tokens[len(tokens) - len(plain) :], plain) else 0
+        # A user message, rendered for the reply: the reply alone is printed, up to the
+        # end-of-text token.
+        tokens, stop = np.asarray(_chat_tokens(tokenizer, prompt)), tokenizer.eos_id
+        lead = len(tokens)
+    else:
+        tokens, stop = np.asarray(tokenizer.encode_prompt(prompt)).reshape(-1), None
+        plain = np.asarray(tokenizer.encode(prompt)).reshape(-1)
+        if len(plain) == 0:
+            raise ConfigError("the prompt is empty: give some text to continue (--prompt)")
+        # The special tokens the tokenizer puts before the prompt (a BOS) are not printed.
+        lead = len(tokens) - len(plain) if np.array_equal(tokens[len(tokens) - len(plain) :], plain) else 0
     rng = np.random.default_rng(seed)
     decoder = decoder or decoding.Decoder(model)
     # The model's rows past the tokenizer's vocabulary (padding for the mesh) decode to nothing.
@@ -215,15 +220,14 @@ def continue_text(
         num_tokens,
         lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng),
         cache=cache,
+        stop=stop,
     )
     return tokenizer.decode([*tokens[lead:].tolist(), *new]), len(new)
 
 
-def chat_reply(model, tokenizer, message, num_tokens, temperature, top_k=0, seed=0, cache=True, decoder=None):
-    """(the assistant's reply to a user `message`, its tokens): the message rendered by the
-    tokenizer's chat template for a reply (recipes/data/chat.py), tokens drawn as
-    `continue_text` draws them until the end-of-text token (not printed) or num_tokens."""
-    from mpmd.models import decoding
+def _chat_tokens(tokenizer, message: str) -> list[int]:
+    """A user `message` rendered by the tokenizer's chat template for the assistant's reply
+    (recipes/data/chat.py), as tokens; ConfigError for a tokenizer without a template."""
     from mpmd.recipes.data import chat
 
     template = getattr(tokenizer, "chat_template", None)
@@ -232,19 +236,7 @@ def chat_reply(model, tokenizer, message, num_tokens, temperature, top_k=0, seed
             "--chat needs a tokenizer with a chat_template in its tokenizer_config.json "
             f"(this one: {getattr(tokenizer, 'spec', tokenizer)}); without --chat the prompt is continued as text"
         )
-    tokens, _ = tokenizer.encode_with_offsets(chat.reply_prompt(template, message))
-    rng = np.random.default_rng(seed)
-    decoder = decoder or decoding.Decoder(model)
-    vocab_size = tokenizer.vocab_size
-    new: list[int] = []
-    pick = lambda logits: decoding.next_token(logits[:vocab_size], temperature, top_k, rng)
-    for token, _ in decoder.stream(tokens, pick, cache=cache) if num_tokens > 0 else ():
-        if token == tokenizer.eos_id:
-            break
-        new.append(token)
-        if len(new) == num_tokens:
-            break
-    return tokenizer.decode(new), len(new)
+    return tokenizer.encode_with_offsets(chat.reply_prompt(template, message))[0]
 
 
 def sample_of(trainer, cfg, prompt: str, num_tokens: int) -> str:
