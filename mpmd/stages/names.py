@@ -95,7 +95,10 @@ PROGRAMS = (
     "unpack",
 )
 STAGE_DIR = "stage_{k}"  # a stage's directory inside a checkpoint step (before leaves were keyed)
-SLICE_DIR = "slice_{r}"  # a slice's directory of keyed leaves inside a checkpoint step
+# A slice's directory of keyed leaves inside a checkpoint step, named for the generation of
+# the control plane that wrote it (runtime/control/client.py, "Generations"); checkpoints from
+# before generations have "slice_{r}" alone. The manifest names each leaf's directory.
+SLICE_DIR = "slice_{r}.{tag}"
 
 
 class Name(NamedTuple):
@@ -280,5 +283,6 @@ def stage_dir(k: int) -> str:
     return STAGE_DIR.format(k=k)
 
 
-def slice_dir(r: int) -> str:
-    return SLICE_DIR.format(r=r)
+def slice_dir(r: int, tag: str) -> str:
+    """Slice r's directory in a checkpoint step written in generation `tag`."""
+    return SLICE_DIR.format(r=r, tag=tag)

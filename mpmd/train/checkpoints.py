@@ -3,8 +3,9 @@
 Every parameter and optimizer-state leaf is saved under its name (mpmd/stages/leaf_paths.py:
 `params/blocks.3.mlp.up.kernel`, `opt/0.mu/blocks.3.mlp.up.kernel`, `opt/0.count`), once
 (a tied weight held by two stages is saved by the first), by the slice that holds it, into
-that slice's own Orbax directory `<run_dir>/checkpoints/<step>/slice_<r>/`. The step is
-committed by its manifest once every slice has finalized its saves (runtime/worker/slice_store.py);
+that slice's own Orbax directory `<run_dir>/checkpoints/<step>/slice_<r>.<generation>/`. The
+step is committed by its manifest once every slice has finalized its saves
+(runtime/worker/slice_store.py), and only by the controller;
 the manifest records, per leaf, its shape, dtype and directory, plus the data position, the
 step, what the math depends on (`partition`: microbatch count, clipping) and the layout
 that saved it. Restore reads, on each slice of the new layout, just the leaves its stages
@@ -35,6 +36,13 @@ slice that saved it, the leaf and the step; moved aside once an older step resto
 step saved before digests were recorded restores unverified, with a line saying so. The
 manifest also records whether the step's loss and gradient norm were finite (`finite`);
 pruning keeps the newest finite, digested step whatever came after it.
+
+Fencing. A part's directory is named for the cluster's generation when the save began
+(`generation_tag`: runtime/control/client.py, "Generations"), and the manifest names the
+directories it commits. A worker that was declared lost and replaced but still runs (a
+"zombie": stopped, cut off, then back) finishes its write, if at all, into a directory of
+its own generation, which no manifest names: it can never replace a part the controller
+committed, nor share Orbax's temporary directory with the worker that replaced it.
 
 A save that fails (a full or read-only disk) is retried once with the state at hand, then
 raises CheckpointError: training stops after the last committed step instead of computing
@@ -164,19 +172,21 @@ class StageCheckpoints:
                     out.setdefault(name, (buffer, i, k))
         return out
 
-    def _items(self, step: int, slice_index: int) -> dict[str, dict[str, tuple[str, int]]]:
-        """{this slice's directory: {leaf name: (buffer, index)}} of the leaves it saves."""
-        d = self.store.step_dir(step) / names.slice_dir(slice_index)
+    def _items(self, step: int, slice_index: int, tag: str) -> dict[str, dict[str, tuple[str, int]]]:
+        """{this slice's directory: {leaf name: (buffer, index)}} of the leaves it saves
+        (in generation `tag`)."""
+        d = self.store.step_dir(step) / names.slice_dir(slice_index, tag)
         mine = {name: (b, i) for name, (b, i, k) in self._owner.items() if self.placement[k] == slice_index}
         return {str(d): mine} if mine else {}
 
-    def _leaf_table(self) -> dict[str, dict]:
-        """The manifest's record of every leaf: shape, dtype, and the directory holding it."""
+    def _leaf_table(self, tag: str) -> dict[str, dict]:
+        """The manifest's record of every leaf: shape, dtype, and the directory holding it
+        (written in generation `tag`)."""
         return {
             name: {
                 "shape": list(self.names.specs[name][0]),
                 "dtype": self.names.specs[name][1],
-                "part": names.slice_dir(self.placement[k]),
+                "part": names.slice_dir(self.placement[k], tag),
             }
             for name, (_, _, k) in sorted(self._owner.items())
         }
@@ -258,7 +268,8 @@ class StageCheckpoints:
             self._failed(step, e)
             return
         # Every slice snapshots at once; each returns as soon as its arrays are in host memory.
-        items = {r: self._items(step, r) for r in range(self.num_slices)}
+        tag = self.cluster.generation_tag  # one generation's directories for the whole step
+        items = {r: self._items(step, r, tag) for r in range(self.num_slices)}
         futures = {r: self._save_pool.submit(self.cluster.save, r, items[r], self.digests) for r in items}
         errors = {r: f.exception() for r, f in futures.items()}
         lost = [e for e in errors.values() if isinstance(e, WorkerLost)]
@@ -274,7 +285,7 @@ class StageCheckpoints:
             "format": FORMAT,
             "partition": self.partition,
             "layout": self.layout,
-            "leaves": self._leaf_table(),
+            "leaves": self._leaf_table(tag),
             "scoped": self.names.scoped,
             "data_state": data_state,
             **extra,

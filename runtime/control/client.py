@@ -15,6 +15,14 @@ Failure detection. Every worker is pinged every HEARTBEAT_S; a slice is declared
 it has not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off), or when an
 RPC to it fails for transport reasons (process gone). What a run does then: runs.py.
 
+Generations. The control plane's view of its workers has a generation: a number that grows
+with every start, replacement, shrink and grow, each time past every generation a worker of
+it reports having seen (Hello), so a controller started again is newer than the one before
+it. Every RPC carries it (runtime/worker/service.py, "Generations"): a worker refuses calls of
+an older generation than it was admitted in, and keys its transfers with it; checkpoint
+parts are written to directories named for it (`generation_tag`), so a worker left behind
+in an older generation can never write where the current one commits.
+
 Replacement. The control plane remembers what it shipped to each slice (programs, plans),
 so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
 (StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher), a worker the
@@ -46,6 +54,21 @@ from mpmd.runtime.wire.results import Aborted, Progress, StepResult
 from mpmd.runtime.worker.gang import GangClient
 
 HEARTBEAT_S = 0.5
+
+
+def _settled(fut, timeout_s: float) -> bool:
+    """Whether an RPC's future (a gRPC one, or a gang's) is done, waiting up to `timeout_s`."""
+    try:
+        fut.exception(timeout=timeout_s)
+    except (grpc.FutureTimeoutError, TimeoutError):
+        return False
+    except grpc.FutureCancelledError:
+        pass
+    return True
+
+
+def _addresses(c) -> tuple:
+    return c.address if isinstance(c.address, tuple) else (c.address,)
 
 
 def _arrays_out(b: wire.Builder, arrays) -> list:
@@ -101,6 +124,8 @@ class ControlPlane(RunDispatch):
         self._transfer_secret = ""  # per session, made by start()
         self._meshes: list[dict] | None = None  # per slice: its mesh shape (None: data = its devices)
         self._pool: ThreadPoolExecutor | None = None
+        self.generation = 0  # see "Generations" above
+        self._incarnation = secrets.token_hex(3)  # this control plane's, in generation_tag
         self._in_flight = InFlight()  # runs launched, not yet collected
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -155,9 +180,33 @@ class ControlPlane(RunDispatch):
         self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="mpmd-heartbeat")
         self._heartbeat.start()
 
+    @property
+    def generation_tag(self) -> str:
+        """The current generation as a name ("g<generation>-<this control plane's nonce>"):
+        what a checkpoint part written in it is named for."""
+        return f"g{self.generation}-{self._incarnation}"
+
+    def _advance(self, newcomers) -> None:
+        """Start a new generation: past this one and past every generation that `newcomers`
+        (clients about to be set up) report having seen; every client makes its calls in
+        it from now on."""
+        seen = [
+            call(c, verbs.Empty(), timeout_s=self._connect_timeout_s, verb="Hello")[0].generation for c in newcomers
+        ]
+        self.generation = max([self.generation, *(g or 0 for g in seen)]) + 1
+        for c in self.clients + self._others:
+            c.generation = self.generation
+
     def _set_up_all(self) -> None:
         """Give every slice a fresh executor and transfer server under its index and connect
-        them all: nothing shipped or stored before survives."""
+        them all, in a new generation: nothing shipped or stored before survives."""
+        try:
+            self._advance(self.clients)
+        except WorkerError as e:
+            i = next((i for i, c in enumerate(self.clients) if e.address in _addresses(c)), 0)
+            if e.code in GONE:
+                raise WorkerLost(i, e.address, str(e)) from None
+            raise
         self._shipped = [{"programs": {}, "plans": {}} for _ in self.clients]
         self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
         for i in range(len(self.clients)):
@@ -230,7 +279,7 @@ class ControlPlane(RunDispatch):
         except WorkerError as e:  # a survivor gone while the slices are set up again (a shrink)
             if e.code in GONE:
                 raise WorkerLost(i, e.address, str(e)) from None
-            if e.code == grpc.StatusCode.FAILED_PRECONDITION:  # its JAX is not ours
+            if e.code == grpc.StatusCode.FAILED_PRECONDITION and "stale generation" not in e.details:  # its JAX
                 raise compat.VersionMismatch(f"worker {e.address} (slice {i}): {e.details}") from None
             raise
         return addresses[0] if not isinstance(c, GangClient) else addresses
@@ -285,6 +334,8 @@ class ControlPlane(RunDispatch):
         c = self._client(address)
         c.wait_ready(self._connect_timeout_s)
         self.clients[slice_index] = c
+        # A new generation: the lost worker, should it come back, is fenced out of it.
+        self._advance([c])
         self._transfer[str(slice_index)] = self._setup(slice_index, c)
         shipped = self._shipped[slice_index]
         if shipped["programs"]:
@@ -357,21 +408,8 @@ class ControlPlane(RunDispatch):
 
     def wait_saves(self, slice_index: int, directories=None) -> dict[str, dict[str, str]]:
         """Blocks while the slice writes (that may take long) but not past its loss."""
-        c = self.clients[slice_index]
-        fut = send(c, verbs.WaitSaves(None if directories is None else list(directories)))
-        while not fut.done():
-            time.sleep(0.05)
-            lost = self.lost_slice()
-            if lost is not None and lost[0] == slice_index:
-                fut.cancel()
-                raise WorkerLost(slice_index, c.address, lost[1])
-        try:
-            reply = receive(c, "WaitSaves", fut)[0]
-            return {d: (reply.digests or {}).get(d, {}) for d in reply.finalized}
-        except WorkerError as e:  # the worker died while writing: its slice is lost,
-            if e.code in GONE:  # not its checkpoint (as _call reports every other verb)
-                raise WorkerLost(slice_index, e.address, str(e)) from None
-            raise
+        reply = self._call(slice_index, verbs.WaitSaves(None if directories is None else list(directories)))[0]
+        return {d: (reply.digests or {}).get(d, {}) for d in reply.finalized}
 
     def restore(self, slice_index: int, items: dict, staged: bool = False, layouts=None, digests=None) -> None:
         laid = (
@@ -395,10 +433,19 @@ class ControlPlane(RunDispatch):
 
     def _call(self, slice_index: int, request, blobs=()):
         """The RPC of a request record to a slice: (reply record, blobs); a worker that is not
-        there anymore is reported as WorkerLost."""
+        there anymore is reported as WorkerLost, and so is one that stops answering its
+        heartbeats while the call waits (stopped, hung or cut off: the call would otherwise
+        wait for it forever)."""
         c = self.clients[slice_index]
+        verb = verbs.verb_of(request)
         try:
-            return call(c, request, blobs)
+            fut = send(c, request, blobs, verb=verb)
+            while not _settled(fut, HEARTBEAT_S):
+                lost = self.lost_slice()
+                if lost is not None and lost[0] == slice_index:
+                    fut.cancel()
+                    raise WorkerLost(slice_index, c.address, f"{verb} unanswered: {lost[1]}")
+            return receive(c, verb, fut)
         except WorkerError as e:
             if e.code in GONE:
                 raise WorkerLost(slice_index, e.address, str(e)) from None

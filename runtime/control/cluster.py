@@ -208,6 +208,12 @@ class Cluster(Protocol):
         (InProcess: a run of this process's devices) or it is known only to workers started
         elsewhere (Static, Shared: a worker refuses a mesh its devices do not fit)."""
 
+    @property
+    def generation_tag(self) -> str:
+        """The current generation of the cluster's view of its workers, as a name (a new one
+        at every start, replacement, shrink and grow: runtime/control/client.py,
+        "Generations"); checkpoint parts are written to directories named for it."""
+
     def start(self, num_slices: int, root: str | None = None, meshes: Sequence | None = None) -> None:
         """Give every slice 0..num_slices-1 a fresh executor. ValueError if the cluster has
         too few workers (or devices) for that many. `root`: the directory the run saves

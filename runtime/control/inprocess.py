@@ -9,6 +9,7 @@ two are pinned to identical results by the tests.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -103,6 +104,8 @@ class InProcessCluster(RunDispatch):
         self._hub = _Hub()
         self._in_flight = InFlight()
         self._removed = 0  # slices removed and not added back
+        self._generation = 0  # a start, a shrink or a grow: as a ControlPlane counts them
+        self._incarnation = secrets.token_hex(3)
 
     @property
     def num_slices(self) -> int:
@@ -113,12 +116,19 @@ class InProcessCluster(RunDispatch):
         """None: each slice takes the mesh `start` gives it, from this process's devices."""
         return None
 
+    @property
+    def generation_tag(self) -> str:
+        """As ControlPlane's (the name checkpoint parts are written under); in-process slices
+        are never left behind, but their checkpoints are laid out the same way."""
+        return f"g{self._generation}-{self._incarnation}"
+
     def start(self, num_slices: int, root: str | None = None, meshes=None) -> None:
         # root is not enforced: in-process slices are this process, with its own rights.
         if self.executors:
             raise RuntimeError("this InProcessCluster is already started; make a new one per Trainer")
         self._shapes = list(meshes) if meshes is not None else [(1, 1, 1)] * num_slices
         bound = meshes_for(self._shapes, self._devices)
+        self._generation += 1
         self.executors = [Executor(i, m, MemoryTransport(self._hub, m)) for i, m in enumerate(bound)]
         self._pool = ThreadPoolExecutor(2 * num_slices, thread_name_prefix="mpmd-slice")
 

@@ -19,7 +19,7 @@ from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.results import Aborted, Progress
 from mpmd.runtime.worker.gang import GangClient
-from mpmd.runtime.worker.service import GRPC_OPTIONS, SERVICE, TOKEN_KEY
+from mpmd.runtime.worker.service import GENERATION_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
 
 # gRPC codes that mean "the worker is not there", as opposed to "it refused the request".
 GONE = {
@@ -44,6 +44,7 @@ class WorkerClient:
     def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
         self.address = address
         self.service = service  # the gRPC service called: a worker's, or a shared cluster's manager
+        self._token = token
         self._metadata = ((TOKEN_KEY, token),)
         self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         self._counts = rpc_counts
@@ -51,6 +52,16 @@ class WorkerClient:
         self.last_ok = time.monotonic()
         self.progress: Progress | None = None  # from the last heartbeat
         self.progress_at = time.monotonic()  # when `progress` last changed
+
+    @property
+    def generation(self) -> int:
+        """The generation every call is made in (metadata `mpmd-generation`: see
+        runtime/worker/service.py, "Generations"); 0 until the control plane sets one."""
+        return int(dict(self._metadata).get(GENERATION_KEY, 0))
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        self._metadata = ((TOKEN_KEY, self._token), (GENERATION_KEY, str(int(value))))
 
     def wait_ready(self, timeout_s: float) -> None:
         try:

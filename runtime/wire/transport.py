@@ -146,6 +146,11 @@ class TransferTransport:
     and the sender learns it from the receiver's authenticated connection, so both ends agree
     before the first transfer.
 
+    `generation`: the generation of the controller's view this slice was admitted in
+    (runtime/worker/service.py, "Generations"); transfer ids are keyed with it as well, so a
+    slice left in an older generation (a worker replaced but still running) pairs with no
+    transfer of the current one. connect_peers moves it to the controller's newest.
+
     `host_staging` (auto | pinned | pageable): how shared-memory transfers cross between device
     and host memory, see runtime/wire/staging.py; auto goes through pinned host memory on
     accelerators. Benchmarks and tests set the others."""
@@ -159,8 +164,10 @@ class TransferTransport:
         secret: bytes,
         transport: str = "auto",
         host_staging: str = "auto",
+        generation: int = 0,
     ):
         self._secret = check_secret(secret)
+        self.generation = generation
         self.mode = check_transport(transport)
         self._staging = Staging.of(mesh.devices.flat, host_staging)
         self.slice_index = slice_index
@@ -193,11 +200,14 @@ class TransferTransport:
         self._shm_connections: dict[int, shm.ShmConnection] = {}  # peers reached through shm
         self._waiters = _Waiters(f"mpmd-recv-s{slice_index}")
 
-    def connect_peers(self, addresses: dict[int, str | list[str]]) -> None:
+    def connect_peers(self, addresses: dict[int, str | list[str]], generation: int | None = None) -> None:
         """Connect to the slices this one receives from (slice index -> `address`, or one
         per process for a gang). Socket connections are lazy and retried by the API, so peers
         may still be starting; a shared-memory connection is made now (the peer's Setup
-        has returned: its endpoint is up)."""
+        has returned: its endpoint is up). `generation`: the controller's generation from now
+        on (runtime/worker/service.py, "Generations"); it keys every transfer id."""
+        if generation is not None:
+            self.generation = generation
         for index, address in addresses.items():
             listed = [address] if isinstance(address, str) else list(address)
             old = self._shm_connections.pop(index, None)
@@ -232,6 +242,10 @@ class TransferTransport:
                     else "sockets",
                 )
 
+    def _uuid(self, key: str) -> int:
+        """The transfer id of plan key `key` in this session and generation."""
+        return key_to_uuid(f"g{self.generation}/{key}" if self.generation else key, self._secret)
+
     def path(self, peer: int) -> str:
         """ "shm" or "socket": how transfers from `peer` come to this slice (after connect_peers)."""
         return "shm" if peer in self._shm_connections else "socket"
@@ -253,17 +267,17 @@ class TransferTransport:
         if self._shm is not None and self._shm.serves(dst_slice):
             offered = [p for a, n in zip(arrays, counts) if a.size for p in reshard.cut(a, n)]
             if offered:
-                self._shm.await_pull(key_to_uuid(key, self._secret), offered)
+                self._shm.await_pull(self._uuid(key), offered)
             return
         if self._gang(dst_slice):
             for j, (a, n) in enumerate(zip(arrays, counts)):
                 if a.size:
                     for i, piece in reshard.owned_pieces(a, n, self._mesh).items():
-                        self._server.await_pull(key_to_uuid(f"{key}#{j}.{i}", self._secret), [piece])
+                        self._server.await_pull(self._uuid(f"{key}#{j}.{i}"), [piece])
             return
         offered = [p for a, n in zip(arrays, counts) if a.size for p in reshard.cut(a, n)]
         if offered:
-            self._server.await_pull(key_to_uuid(key, self._secret), offered)
+            self._server.await_pull(self._uuid(key), offered)
 
     def recv(self, key: str, src_slice: int, specs: tuple, pieces: tuple[int, ...] = ()) -> concurrent.futures.Future:
         if src_slice not in self._connections and src_slice not in self._shm_connections:
@@ -285,7 +299,7 @@ class TransferTransport:
                 ]
         # pull only posts the request (microseconds), so it runs here: the bytes flow as soon
         # as the sender offers them, while the caller goes on computing.
-        uuid = key_to_uuid(key, self._secret)
+        uuid = self._uuid(key)
         if src_slice in self._shm_connections:  # a Future of the arrays
             pulled = self._shm_connections[src_slice].pull(uuid, wanted) if wanted else ()
         else:  # arrays that become ready as the bytes land
@@ -315,7 +329,7 @@ class TransferTransport:
             here = reshard.wanted_here(s.shape, s.layout, self._mesh, n) if math.prod(s.shape) else []
             got = [
                 self._connections[src_slice][reshard.owner(i, n, len(senders))].pull(
-                    key_to_uuid(f"{key}#{j}.{i}", self._secret),
+                    self._uuid(f"{key}#{j}.{i}"),
                     [
                         jax.ShapeDtypeStruct(
                             _piece_shape(s.shape, n), s.dtype, sharding=jax.sharding.make_single_device_sharding(d)

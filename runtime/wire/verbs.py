@@ -48,6 +48,7 @@ class HelloReply:
     devices: int
     platform: str
     shared: bool
+    generation: int | None = None  # the caller's session's (runtime/worker/service.py "Generations")
 
 
 @dataclass(frozen=True)

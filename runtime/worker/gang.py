@@ -151,6 +151,15 @@ class GangClient:
     def last_ok(self) -> float:
         return min(m.last_ok for m in self.members)  # the gang is as alive as its quietest
 
+    @property
+    def generation(self) -> int:
+        return self.members[0].generation
+
+    @generation.setter
+    def generation(self, value: int) -> None:
+        for m in self.members:
+            m.generation = value
+
     def wait_ready(self, timeout_s: float) -> None:
         for m in self.members:
             m.wait_ready(timeout_s)

@@ -22,6 +22,17 @@ there before a handler here runs. What they do:
   Heartbeat    -> pid, whether a run holds the executor, progress: [run id, instructions done, doing]
   Abort        run `run` and every earlier one (running or not yet arrived) raise at their next wait
   Shutdown
+Generations (fencing). Every call carries, in metadata `mpmd-generation`, the generation of
+the controller's view it was made in (absent: 0). A replacement, shrink, grow or controller
+restart starts a new generation (runtime/control/client.py); Setup and Connect move a session
+to theirs, and a call of an older generation than the session's is refused
+(FAILED_PRECONDITION, "stale generation ...") from its metadata, before its body is read: a
+controller that was superseded cannot drive a worker another one admitted. The data plane's
+transfer ids are keyed with the generation too (runtime/wire/transport.py), so a worker left
+behind in an older one (a "zombie": stopped, cut off, then back) neither pulls nor offers
+anything the current generation exchanges; its checkpoint writes go to directories named
+for its generation, which the controller never commits (mpmd/train/checkpoints.py).
+
 Every call must carry the cluster token in metadata `mpmd-token`; a call without it, or
 with a wrong one, is refused (UNAUTHENTICATED) and logged, from its metadata alone, before
 its body is read: the refusing handler takes the request as a stream it never reads, so a
@@ -79,6 +90,8 @@ from mpmd.runtime.worker.sessions import Session, SessionTable, live_bytes
 
 SERVICE = verbs.WORKER_SERVICE
 TOKEN_KEY = "mpmd-token"
+# The generation the caller's controller admitted this worker in (see "Generations" above).
+GENERATION_KEY = "mpmd-generation"
 # Shipped programs and activations can be large; gRPC's 4 MB default would refuse them.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
 # The server's own: a port another process listens on is refused, not shared (with
@@ -164,7 +177,8 @@ class WorkerService:
     # -- handlers: (session, request record, blobs) -> (reply record, blobs) -------------------
     # Each request was checked against its verb's record (runtime/wire/verbs.py) first.
     def Hello(self, s, r: verbs.Empty, b):
-        return verbs.HelloReply(os.getpid(), len(jax.devices()), self.device.platform, self.shared), []
+        generation = s.generation if s is not None else None
+        return verbs.HelloReply(os.getpid(), len(jax.devices()), self.device.platform, self.shared, generation), []
 
     def Setup(self, s: Session, r: verbs.Setup, b):
         from mpmd.runtime.wire.transport import TransferTransport, check_secret
@@ -181,7 +195,12 @@ class WorkerService:
         if s.transport is not None:  # its port and table go before the new server starts
             s.transport.close()
         transport = TransferTransport(
-            r.slice_index, slice_mesh, listen_host=r.transfer_host, secret=secret, transport=mode
+            r.slice_index,
+            slice_mesh,
+            listen_host=r.transfer_host,
+            secret=secret,
+            transport=mode,
+            generation=s.generation,
         )
         agreement = None
         if jax.process_count() > 1:  # a gang (runtime/worker/gang.py): one namespace per session and slice
@@ -202,7 +221,7 @@ class WorkerService:
             )
         peers = {int(k): v for k, v in peers.items()}
         try:
-            _exec(s).transport.connect_peers(peers)
+            _exec(s).transport.connect_peers(peers, generation=s.generation)
         except RuntimeError as e:  # XLA's own refusal of an address
             raise ValueError(f"cannot connect to peers {peers}: {e}") from None
         return verbs.Empty(), []
@@ -337,7 +356,8 @@ class WorkerService:
         """A plain worker: drop the slice (buffers, programs, transfer server) and wait for a
         controller."""
         self._solo.close()
-        self._solo = Session(None, self.root, self._solo.lease_s)
+        old, self._solo = self._solo, Session(None, self.root, self._solo.lease_s)
+        self._solo.generation = old.generation  # a later controller must still be newer
 
     def close(self) -> None:
         """Close every session (the worker is stopping)."""
@@ -372,8 +392,8 @@ class WorkerService:
 
     def route(self, name: str, caller) -> tuple[Session | None, str | None]:
         """(the session a call acts on, None) or (None, why it is refused)."""
-        if verbs.VERBS[name].caller == "any":  # Hello
-            return None, None
+        if verbs.VERBS[name].caller == "any":  # Hello: it reports the caller's session's generation
+            return (self._solo if not self.shared else self.sessions.get(caller) if caller is not ADMIN else None), None
         if name in ADMIN_METHODS:
             return None, (
                 None if caller is ADMIN else f"{name} is the cluster manager's (the cluster token), not a job's"
@@ -401,7 +421,7 @@ class WorkerService:
         )
 
         def call(request: bytes, context: grpc.ServicerContext) -> bytes:
-            if session is not None:
+            if session is not None and name != "Hello":
                 session.touch()
             try:
                 header, blobs = wire.decode(request)
@@ -474,7 +494,17 @@ class _Handler(grpc.GenericRpcHandler):
         session, why = self._service.route(name, caller)
         if why is not None:
             return _refusal(name, caller, why, grpc.StatusCode.PERMISSION_DENIED)
+        if session is not None and name != "Hello":
+            stale = session.admit(name, generation_of(details.invocation_metadata))
+            if stale is not None:
+                return _refusal(name, caller, stale, grpc.StatusCode.FAILED_PRECONDITION)
         return grpc.unary_unary_rpc_method_handler(self._service.wrap(name, session, caller))
+
+
+def generation_of(metadata) -> int:
+    """The generation a call's metadata names (0 when absent or not a non-negative integer)."""
+    value = dict(metadata or ()).get(GENERATION_KEY, "0")
+    return int(value) if isinstance(value, str) and value.isdigit() and len(value) <= 20 else 0
 
 
 def _refusal(name: str, caller, why: str, code: grpc.StatusCode, told: str | None = None):

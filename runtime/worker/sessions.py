@@ -38,6 +38,7 @@ class Session:
         self.last_contact = time.monotonic()
         self.closed = False
         self.lock = threading.Lock()  # Setup and close replace the executor and transport
+        self.generation = 0  # the newest generation a Setup or Connect admitted it in
 
     @property
     def name(self) -> str:
@@ -48,6 +49,20 @@ class Session:
 
     def idle_s(self) -> float:
         return time.monotonic() - self.last_contact
+
+    def admit(self, verb: str, generation: int) -> str | None:
+        """Why a call of `verb` made in `generation` is refused (one older than this session's:
+        its controller was superseded), or None; Setup and Connect move the session to a newer
+        generation (runtime/worker/service.py, "Generations")."""
+        with self.lock:
+            if generation < self.generation:
+                return (
+                    f"stale generation {generation}: {self.name} admitted this worker in generation "
+                    f"{self.generation} (a newer controller or a replacement took over)"
+                )
+            if verb in ("Setup", "Connect"):
+                self.generation = generation
+        return None
 
     def attach(self, executor, transport) -> None:
         """Setup: the new executor and transport replace the old ones (closed)."""

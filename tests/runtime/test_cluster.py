@@ -71,8 +71,9 @@ def test_every_backend_takes_each_verb_as_the_protocol_declares_it(cluster):
 @pytest.mark.parametrize("cluster", clusters(), ids=lambda c: type(c).__name__)
 def test_every_backend_has_every_attribute_the_trainer_reads(cluster):
     attributes = {n for n, v in declared(Cluster).items() if isinstance(v, property)}
-    assert attributes == {"num_slices", "devices_per_slice"}
+    assert attributes == {"num_slices", "devices_per_slice", "generation_tag"}
     assert cluster.num_slices == 0
+    assert isinstance(cluster.generation_tag, str) and cluster.generation_tag.startswith("g")
     expected = {"LocalCluster": 1, "RayCluster": 1}.get(type(cluster).__name__)
     assert cluster.devices_per_slice == expected, type(cluster).__name__
 

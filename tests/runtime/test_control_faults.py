@@ -262,10 +262,12 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def raw_call(address, method, body: bytes, token=None, timeout=30):
+def raw_call(address, method, body: bytes, token=None, timeout=30, generation=0):
+    """One call as a bare client makes it; `generation`: the control plane's (a call of an
+    older one than the worker's is refused before its body is read: runtime/worker/service.py)."""
     opts = [("grpc.max_send_message_length", 2**31 - 1)]
     with grpc.insecure_channel(address, options=opts) as ch:
-        md = (("mpmd-token", token),) if token is not None else ()
+        md = (("mpmd-token", token), ("mpmd-generation", str(generation))) if token is not None else ()
         return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=timeout)
 
 
@@ -354,7 +356,7 @@ def test_a_program_calling_a_host_callback_target_is_refused_at_load(cluster):
         {"programs": [{"name": "cb", "kind": "exported", "data": {"$blob": 0}}]}, [bytes(exp.serialize())]
     )
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(cluster.addresses[0], "LoadPrograms", body, cluster._token)
+        raw_call(cluster.addresses[0], "LoadPrograms", body, cluster._token, generation=cluster.generation)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"custom-call target '{target}'" in e.value.details()
     run_ok(cluster)
@@ -387,7 +389,9 @@ def test_a_program_calling_a_host_callback_target_is_refused_at_load(cluster):
 )
 def test_malformed_requests_get_invalid_argument(cluster, method, header, blobs):
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(cluster.addresses[1], method, wire.encode(header, blobs), cluster._token)
+        raw_call(
+            cluster.addresses[1], method, wire.encode(header, blobs), cluster._token, generation=cluster.generation
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     header, _ = wire.decode(raw_call(cluster.addresses[1], "Hello", wire.encode({}, []), cluster._token))
     assert header["pid"] == cluster.pids[1]  # still serving
@@ -410,7 +414,7 @@ def test_a_request_that_does_not_match_its_verb_is_refused_naming_verb_and_field
     # Checked by the one table of verbs (runtime/wire/verbs.py) before any handler runs:
     # a real worker answers INVALID_ARGUMENT, its slice's state untouched, and serves on.
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(cluster.addresses[1], method, wire.encode(header, []), cluster._token)
+        raw_call(cluster.addresses[1], method, wire.encode(header, []), cluster._token, generation=cluster.generation)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in e.value.details()
     run_ok(cluster)

@@ -132,6 +132,7 @@ def test_one_jobs_credential_reaches_only_its_own_session(shared, tmp_path):
     try:
         b.put(0, "secret", [np.arange(4, dtype=np.float32)])
         a_raw = shared.client(0, shared.credential("iso-a"))
+        a_raw.generation = a.generation  # a's own calls: an older generation would be refused as stale
         # A names B's buffer: its own session has none; its Put and Delete land in its own.
         code, message = refusal(lambda: a_raw.call("Get", {"names": ["secret"]}))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "no buffer" in message

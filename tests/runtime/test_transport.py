@@ -103,6 +103,9 @@ for line in sys.stdin:
     elif op == "reset":
         transport.reset()
         reply()
+    elif op == "generation":
+        transport.generation = req["generation"]
+        reply()
     elif op == "fail_next_segment":  # the next segment this sender takes: out of memory
         from mpmd.runtime.wire import shm
         take = shm._Pool.take
@@ -226,6 +229,26 @@ def test_many_in_flight_both_ways_out_of_order(pair):
             pair[1 - src]("recv", key=key(src, mb), src=src)
     for src, mb in items:
         assert pair[1 - src]("wait", key=key(src, mb))["digest"] == sent[src, mb]["digest"]
+
+
+def test_a_sender_of_an_older_generation_pairs_with_nothing(pair):
+    """Fencing (runtime/worker/service.py, "Generations"): the receiver is in generation 2, a
+    sender left in generation 1 (a replaced worker still running) offers the very key it
+    waits for: nothing lands. The same key offered in generation 2 does."""
+    key = "step9/s0->s1/mb0/act"
+    try:
+        pair[0]("generation", generation=1)
+        pair[1]("generation", generation=2)
+        pair[1]("recv", key=key, src=0)
+        pair[0]("send", key=key, dst=1, seed=91)
+        time.sleep(0.5)
+        assert pair[1]("done", key=key) == {"done": False}
+        pair[0]("generation", generation=2)
+        sent = pair[0]("send", key=key, dst=1, seed=92)
+        assert pair[1]("wait", key=key)["digest"] == sent["digest"]
+    finally:
+        for w in pair:
+            w("generation", generation=0)
 
 
 def test_reset_fails_the_pulls_waiting_on_this_slice(pair):

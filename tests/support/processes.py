@@ -4,6 +4,7 @@ by hand (shared ones driven as a cluster manager would)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import re
@@ -89,13 +90,35 @@ def mpmd_command(command: str, *args, timeout=120):
     )
 
 
+def tiny_gpt_run(steps: int, every: int) -> list[str]:
+    """The overrides of configs/gpt_tiny.yaml that the recipe-level fault tests train with: a
+    two-layer model of width 32 on 300 KB of text, `steps` steps, a checkpoint every `every`,
+    one progress line per step, no eval, sample, trace or TensorBoard."""
+    return [
+        "model.d_model=32",
+        "model.num_layers=2",
+        "model.seq_len=32",
+        "train.batch_size=8",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        f"checkpoint.every={every}",
+        "log.progress=lines",
+        "log.every=1",
+        "log.trace_steps=[]",
+        "log.tensorboard=false",
+        "data.max_bytes=300000",
+    ]
+
+
 class Controller:
     """`python -m mpmd.recipes.cli train ARGS run_dir=RUN_DIR` in the background (on the CPU, with
-    `env` added to this process's environment); its stdout lines arrive on a queue. stderr
-    goes to RUN_DIR.stderr beside the run directory: a pipe nobody drains would block the
-    controller (and workers inheriting it) once full."""
+        `env` added to this process's environment; `prefix`: argv it runs under, e.g. `ip netns
+    exec HOST` from tests/support/netns.py); its stdout lines arrive on a queue. stderr
+        goes to RUN_DIR.stderr beside the run directory: a pipe nobody drains would block the
+        controller (and workers inheriting it) once full."""
 
-    def __init__(self, run_dir: Path, args, env: dict | None = None):
+    def __init__(self, run_dir: Path, args, env: dict | None = None, prefix=()):
         full_env = dict(os.environ)  # carries conftest's XLA_FLAGS and JAX compilation cache settings
         full_env["JAX_PLATFORMS"] = "cpu"
         full_env.update(env or {})
@@ -103,7 +126,7 @@ class Controller:
         self.stderr_path = run_dir.parent / f"{run_dir.name}.stderr"
         with open(self.stderr_path, "a") as stderr:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mpmd.recipes.cli", "train", *args, f"run_dir={run_dir}"],
+                [*prefix, sys.executable, "-m", "mpmd.recipes.cli", "train", *args, f"run_dir={run_dir}"],
                 cwd=ROOT,
                 env=full_env,
                 stdout=subprocess.PIPE,
@@ -169,8 +192,10 @@ class StandaloneWorkers:
     `base` (token file, root, worker_<i>.log), reached as the cluster manager reaches them
     (the cluster token) or as a job does (its credential). disk_cache=False starts them
     without JAX's compilation cache on disk, so a miss of their own compile cache really
-    compiles; `cpus[i]` pins worker i; `python` runs them on another venv's Python. A context manager: on exit a Shutdown with the cluster
-    token stops them (killed if they linger)."""
+    compiles; `cpus[i]` pins worker i; `python` runs them on another venv's Python; `hosts` (a
+    tests/support/netns.Hosts) starts worker i inside host `on[i]`, listening on its address.
+    A context manager: on exit a Shutdown with the cluster token stops them (killed if they
+    linger; inside hosts, which this process cannot reach, killed at once, by pid)."""
 
     def __init__(
         self,
@@ -181,6 +206,8 @@ class StandaloneWorkers:
         cpus=None,
         lease_s: float = 30.0,
         python: str | None = None,
+        hosts=None,
+        on=None,
     ):
         import secrets
 
@@ -197,11 +224,14 @@ class StandaloneWorkers:
             env.pop("XLA_FLAGS", None)
         self.logs = [base / f"worker_{i}.log" for i in range(num)]
         self.procs = []
+        self.hosts = hosts
         for i, log in enumerate(self.logs):
             pin = ["--cpus", str(cpus[i])] if cpus else []
+            listen = f"{hosts.addresses[on[i]]}:0" if hosts is not None else "127.0.0.1:0"
+            start = functools.partial(hosts.popen, on[i]) if hosts is not None else subprocess.Popen
             with open(log, "w") as stderr:
                 self.procs.append(
-                    subprocess.Popen(
+                    start(
                         [
                             python or sys.executable,
                             "-m",
@@ -209,7 +239,7 @@ class StandaloneWorkers:
                             "worker",
                             *(["--shared"] if shared else []),
                             "--listen",
-                            "127.0.0.1:0",
+                            listen,
                             "--token-file",
                             str(token_file),
                             "--root",
@@ -284,7 +314,10 @@ class StandaloneWorkers:
         from mpmd.runtime.control.client import WorkerError
 
         for i, p in enumerate(self.procs):
-            if p.poll() is None and i < len(self.addresses):
+            if self.hosts is not None:  # out of this process's reach
+                if p.poll() is None:
+                    p.kill()  # SIGKILL, which a stopped process takes too
+            elif p.poll() is None and i < len(self.addresses):
                 try:
                     self.admin(i, "Shutdown")
                 except WorkerError:

@@ -125,6 +125,17 @@ GANG_STEPS = 5  # the gang tests: a checkpoint every 2 steps; killed before step
 SPIN_STEPS = 4  # a spinning step is slow: killed in step 4, the run replays steps 3 and 4
 
 
+def slice_part(step_dir, r: int):
+    """Slice r's part of a checkpoint step: the directory its manifest names for it
+    (`slice_<r>.<generation>`)."""
+    import json
+
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    parts = {leaf["part"] for leaf in manifest["leaves"].values() if leaf["part"].startswith(f"slice_{r}.")}
+    assert len(parts) == 1, parts
+    return step_dir / parts.pop()
+
+
 def assert_same_run(got, want):
     assert got[0] == want[0], "per-step losses differ from the uninterrupted run"
     assert all(np.array_equal(a, b) for a, b in zip(got[1], want[1])), "final parameters differ"

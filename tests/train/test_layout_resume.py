@@ -142,7 +142,7 @@ def test_tied_weight_is_stored_once_and_resumes_on_another_stage_count(cluster):
     manifest = json.loads((ref_dir / "checkpoints" / "2" / "manifest.json").read_text())
     tied = [n for n in manifest["leaves"] if n.endswith("embed.embedding")]
     assert sorted(tied) == ["opt/0.trace/embed.embedding", "params/embed.embedding"], tied  # once each
-    assert {manifest["leaves"][n]["part"] for n in tied} == {"slice_0"}
+    assert {manifest["leaves"][n]["part"].split(".")[0] for n in tied} == {"slice_0"}
     trainer = resume_from_step_2(cluster, ref_dir, "tied-3-to-2", (2, "1f1b", 1), model=two)
     try:
         assert trainer.pipeline.shared, "the resumed pipeline shares the embedding between its two stages"

@@ -27,6 +27,7 @@ from tests.support.recovery_runs import (
     kill_once,
     make_trainer,
     run_with_fault,
+    slice_part,
     train,
 )
 
@@ -231,10 +232,10 @@ def test_newest_checkpoint_damaged_falls_back(uninterrupted, workers, tmp_path, 
     ck = tmp_path / "checkpoints"
     assert sorted(int(p.name) for p in ck.iterdir()) == [2, 4, 6]
     # Truncate every data file of step 6's slice 0.
-    for f in (ck / "6" / "slice_0").rglob("*"):
+    for f in slice_part(ck / "6", 0).rglob("*"):
         if f.is_file() and f.stat().st_size > 0 and "d" in f.parts[-2:-1]:
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    shutil.rmtree(ck / "4" / "slice_1")
+    shutil.rmtree(slice_part(ck / "4", 1))
     with caplog.at_level("WARNING", logger="mpmd"):
         trainer = make_trainer(workers, tmp_path)
         try:

@@ -12,28 +12,13 @@ import pytest
 
 from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support import xla
-from tests.support.processes import Controller, wait_gone
+from tests.support.processes import Controller, tiny_gpt_run, wait_gone
 from tests.recipes.commands.test_train_resume import TAG, final_state, metrics, tagged
 
 pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 STEPS, EVERY = 6, 2
-OVERRIDES = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.seq_len=32",
-    "train.batch_size=8",
-    f"train.steps={STEPS}",
-    "train.eval_every=0",
-    "train.sample_tokens=0",
-    f"checkpoint.every={EVERY}",
-    "log.progress=lines",
-    "log.every=1",
-    "log.trace_steps=[]",
-    "log.tensorboard=false",
-    "data.max_bytes=300000",
-    "mesh.data=2",
-]
+OVERRIDES = [*tiny_gpt_run(STEPS, EVERY), "mesh.data=2"]
 GANG = ["cluster.processes_per_slice=2"]
 # Same mesh, one process: the in-process cluster gives each slice 2 of the controller's host devices.
 IN_PROCESS = ["cluster.backend=inprocess"]

@@ -26,26 +26,12 @@ from mpmd.recipes.data import tokenizer
 from mpmd.recipes.data import tokens
 from mpmd.recipes.run.records import batch_crc32
 from mpmd.runtime.worker.slice_store import CheckpointStore
-from tests.support.processes import Controller, processes_tagged, wait_gone
+from tests.support.processes import Controller, processes_tagged, tiny_gpt_run, wait_gone
 
 pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
 
 STEPS, EVERY = 12, 3
-OVERRIDES = [
-    "model.d_model=32",
-    "model.num_layers=2",
-    "model.seq_len=32",
-    "train.batch_size=8",
-    f"train.steps={STEPS}",
-    "train.eval_every=0",
-    "train.sample_tokens=0",
-    f"checkpoint.every={EVERY}",
-    "log.progress=lines",
-    "log.every=1",
-    "log.trace_steps=[]",
-    "log.tensorboard=false",
-    "data.max_bytes=300000",
-]
+OVERRIDES = tiny_gpt_run(STEPS, EVERY)
 TAG = "MPMD_TEST_RESUME_CLI"  # marks every process a test starts, workers included (inherited env)
 
 
