@@ -33,6 +33,7 @@ shared cluster's manager leases in the lost one's place (SharedLauncher). State
 from __future__ import annotations
 
 import collections
+import logging
 import secrets
 import threading
 import time
@@ -54,6 +55,8 @@ from mpmd.runtime.wire.results import Aborted, Progress, StepResult
 from mpmd.runtime.worker.gang import GangClient
 
 HEARTBEAT_S = 0.5
+READMIT_PROBE_S = 1.0  # how long replace() waits for a lost worker's answer before looking again
+log = logging.getLogger("mpmd")
 
 
 def _settled(fut, timeout_s: float) -> bool:
@@ -329,7 +332,12 @@ class ControlPlane(RunDispatch):
         same programs and plans; every slice's transfers reconnected. State is not restored.
         WorkerLost if another slice is found gone meanwhile (the new worker is in place).
         `wait_s`: see Cluster.replace."""
-        address = self._new_worker(self._slots[slice_index], wait_s)  # ReplaceUnsupported: nothing changed
+        try:
+            address = self._new_worker(self._slots[slice_index], wait_s)
+        except ReplaceUnsupported as e:  # nothing changed; the lost worker itself, if it is back
+            if not self.launcher.readmits:
+                raise
+            address = self._readmit(slice_index, e)
         self.clients[slice_index].close()
         c = self._client(address)
         c.wait_ready(self._connect_timeout_s)
@@ -352,6 +360,30 @@ class ControlPlane(RunDispatch):
                 gone.append(e)
         if gone:
             raise gone[0]
+
+    def _readmit(self, slice_index: int, why: ReplaceUnsupported):
+        """The lost worker of `slice_index` when it answers again (a partition healed, a pause
+        ended, a worker restarted at its address): it serves the slice again, in the new
+        generation replace() starts. ReplaceUnsupported (retry: it may still come) if not."""
+        old = self.clients[slice_index].address
+        address = list(old) if isinstance(old, tuple) else old
+        probe = self._client(address)
+        try:
+            probe.wait_ready(READMIT_PROBE_S)
+            call(probe, verbs.Empty(), timeout_s=READMIT_PROBE_S, verb="Hello")
+        except WorkerError:
+            raise ReplaceUnsupported(
+                f"{why}; the lost worker {old} does not answer (yet: it may be cut off or paused)", retry=True
+            ) from None
+        finally:
+            probe.close()
+        log.warning(
+            "slice %d: its lost worker %s answers again (a partition healed or a pause ended); taken back "
+            "in a new generation",
+            slice_index,
+            old,
+        )
+        return address
 
     def _new_worker(self, slot: int, wait_s: float | None) -> str:
         """The launcher's new worker for `slot`; an idle spare it hands over stops being idle."""

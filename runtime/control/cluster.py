@@ -337,6 +337,13 @@ class Launcher(Protocol):
     addresses: list
     """Every worker (or gang) this launcher knows, by slot (spares included)."""
 
+    readmits: bool
+    """Whether a lost worker of its slots may come back to serve again (workers started
+    elsewhere: a partition healed, a pause ended, the operator restarted it at the same
+    address): then, with no other worker to hand out, the control plane takes the lost one
+    back once it answers, in a new generation. False where the launcher stops lost workers
+    itself (local, Ray) or leases replacements (a shared cluster)."""
+
     def start(self, num_slices: int, root: str | None = None) -> list[str]:
         """Make sure at least `num_slices` workers are up and return all their addresses: the
         first `num_slices` serve slices, the rest are idle spares. ValueError (before starting
@@ -346,7 +353,8 @@ class Launcher(Protocol):
 
     def replace(self, slot: int, wait_s: float | None = None) -> str:
         """The address of a worker to take over slot `slot`, whose worker was lost (the old
-        one must not come back and act on stale state). ReplaceUnsupported if there is none.
+        one must not come back and act on stale state: the control plane fences it out by
+        generation, runtime/control/client.py). ReplaceUnsupported if there is none.
         `wait_s`: how long a launcher whose capacity may free up (Ray) waits for it; 0 only
         looks (a grow-back probe), None is the launcher's own start timeout. Launchers that
         start or hand out a worker at once (local, static, shared) have nothing to wait for."""

@@ -57,6 +57,8 @@ class LocalLauncher:
     """Starts worker processes on this machine (`python -m mpmd.runtime.worker.main`), one per slot,
     each given `token` on its stdin. See LocalCluster for the arguments."""
 
+    readmits = False  # a lost worker is stopped (or its lease given back), never taken back
+
     def __init__(
         self,
         token: str,

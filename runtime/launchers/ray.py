@@ -208,6 +208,8 @@ class RayLauncher:
     shared cluster's workers, as `mpmd worker --shared` (runtime/manager/worker_pool.py
     RayWorkerPool)."""
 
+    readmits = False  # a lost worker is stopped (or its lease given back), never taken back
+
     def __init__(
         self,
         token: str,

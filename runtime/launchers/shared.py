@@ -66,6 +66,8 @@ class SharedLauncher:
     jobs; lease_s: silence after which the manager ends the lease (None: the cluster's
     default); on_wait(position): called while queued, whenever the position changes."""
 
+    readmits = False  # a lost worker is stopped (or its lease given back), never taken back
+
     def __init__(
         self,
         address: str,

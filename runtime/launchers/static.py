@@ -11,7 +11,10 @@ from mpmd.runtime.worker.main import read_token_file
 
 class StaticLauncher:
     """Workers started elsewhere (`mpmd worker --listen HOST:PORT`), given by address. Slices
-    take the first addresses; the others are spares, each replacing one lost slice."""
+    take the first addresses; the others are spares, each replacing one lost slice. With no
+    spare left, a lost worker that answers again is taken back (readmits)."""
+
+    readmits = True
 
     def __init__(self, addresses: list[str]):
         self.addresses = addresses

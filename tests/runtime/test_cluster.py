@@ -91,7 +91,8 @@ def test_a_cluster_that_starts_its_own_workers_knows_its_slices_devices():
 def test_every_launcher_takes_each_verb_as_the_protocol_declares_it(launcher):
     for name, verb in declared(Launcher).items():
         assert shape(getattr(type(launcher), name)) == shape(verb), f"{type(launcher).__name__}.{name}"
-    assert isinstance(launcher.addresses, list)  # the one attribute it declares
+    assert isinstance(launcher.addresses, list)  # the attributes it declares
+    assert launcher.readmits is (type(launcher).__name__ == "StaticLauncher")
 
 
 def test_a_cluster_refuses_an_unknown_transport_naming_those_allowed():

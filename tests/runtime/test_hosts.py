@@ -8,6 +8,8 @@ network namespaces of their own, each with its own address, joined by a bridge.
   host; its link is restored while it still runs (a zombie: its lease has not lapsed) and it
   disturbs nothing: the run ends with the losses of an uninterrupted one, every committed
   step names only the new generation's parts, and the zombie leaves once its lease lapses.
+- The controller cut off from every worker, with no spare: the static cluster waits for the
+  lost worker, takes it back once the link returns, and the run goes on with both slices.
 """
 
 import json
@@ -122,3 +124,32 @@ def test_a_worker_cut_off_is_replaced_and_once_back_disturbs_nothing(tmp_path, r
         assert len({p.split(".", 1)[1] for p in parts}) == 1, parts  # one generation per step
         if step > 4:  # after the replacement: not the first generation
             assert all(not p.split(".", 1)[1].startswith("g1-") for p in parts), (step, parts)
+
+
+def test_the_controller_cut_off_from_every_worker_waits_then_goes_on_with_them(tmp_path, reference):
+    """Host 0 (the controller) loses its link for 4 s after step 6, with no spare: every slice
+    falls silent, the first is declared lost (failure_timeout_s=2), and with nothing else to
+    hand out the static cluster waits for the lost worker to answer again
+    (cluster.replace_timeout_s), takes it back in a new generation, restores and replays.
+    Both workers serve to the end, the run keeps its two slices, its losses are the
+    uninterrupted run's."""
+    with netns.Hosts(3) as hosts:
+        with StandaloneWorkers(tmp_path, 2, shared=False, hosts=hosts, on=[1, 2], lease_s=LEASE_S) as workers:
+            run_dir = workers.root / "run"
+            run = Controller(
+                run_dir,
+                ["configs/gpt_tiny.yaml", *OVERRIDES, *static(workers, [0, 1], failure_timeout_s=2)],
+                prefix=["ip", "netns", "exec", hosts.names[0]],
+            )
+            run.wait_for_step(6)
+            hosts.cut(0)
+            time.sleep(4)
+            hosts.restore(0)
+            out = run.succeed()
+            assert [p.wait(timeout=10) for p in workers.procs] == [0, 0]
+            # Both served to the end: the controller shut them down, neither left on its own.
+            assert all("shutting down: controller asked" in log.read_text() for log in workers.logs)
+            assert "answers again" in run.stderr_path.read_text()
+    assert "recovered" in out and "continuing on 1 slice" not in out, out[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == sorted(reference) and all(got[s] == reference[s] for s in got), (got, reference)
