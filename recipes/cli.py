@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = {
@@ -48,6 +49,24 @@ def version() -> str:
     return f"mpmd {of('mpmd')} (jax {of('jax')}, jaxlib {of('jaxlib')}, Python {platform.python_version()})"
 
 
+# Commands whose own process compiles (the model's initialisation, the stages' lowering, the
+# decoder): they use JAX's persistent compilation cache, as the workers do.
+COMPILING = ("train", "generate", "tune", "export")
+
+
+def use_compilation_cache() -> None:
+    """JAX's persistent compilation cache for this process, before JAX is imported: the
+    directory the workers use (runtime/launchers/workers.py default_compilation_cache:
+    $JAX_COMPILATION_CACHE_DIR, else ~/.cache/mpmd/jax), every program cached however fast it
+    compiled (a run's many small ones are what a restart pays for). A JAX_COMPILATION_CACHE_DIR
+    set in the environment is kept as it is ("" switches the cache off)."""
+    from mpmd.runtime.launchers.workers import default_compilation_cache
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = default_compilation_cache()
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
@@ -66,6 +85,8 @@ def main(argv=None) -> int:
         return 0
     import importlib
 
+    if argv[0] in COMPILING:
+        use_compilation_cache()
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
 
 

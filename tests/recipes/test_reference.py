@@ -33,3 +33,21 @@ def test_version_names_mpmd_jax_and_python():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("mpmd 0.") and f"jax {jax.__version__}" in out.stdout
     assert f"Python {sys.version_info.major}.{sys.version_info.minor}." in out.stdout
+
+
+def test_compiling_commands_use_the_workers_compilation_cache(monkeypatch, tmp_path):
+    """`mpmd train` (and generate, tune, export) caches its own compiles where the workers
+    cache theirs, before JAX starts; a directory the environment names, even "" (off), stays."""
+    from mpmd.runtime.launchers.workers import default_compilation_cache
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cli.use_compilation_cache()
+    assert default_compilation_cache() == str(tmp_path / "mpmd" / "jax")
+    assert cli.os.environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mpmd" / "jax")
+    assert cli.os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+    cli.use_compilation_cache()
+    assert cli.os.environ["JAX_COMPILATION_CACHE_DIR"] == ""
+    assert set(cli.COMPILING) <= set(cli.COMMANDS)
