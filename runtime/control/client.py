@@ -70,10 +70,6 @@ def _settled(fut, timeout_s: float) -> bool:
     return True
 
 
-def _addresses(c) -> tuple:
-    return c.address if isinstance(c.address, tuple) else (c.address,)
-
-
 def _arrays_out(b: wire.Builder, arrays) -> list:
     import numpy as np
 
@@ -190,12 +186,10 @@ class ControlPlane(RunDispatch):
         return f"g{self.generation}-{self._incarnation}"
 
     def _advance(self, newcomers) -> None:
-        """Start a new generation: past this one and past every generation that `newcomers`
-        (clients about to be set up) report having seen; every client makes its calls in
+        """Start a new generation: past this one and past every generation that the slices
+        `newcomers` (about to be set up) report having seen; every client makes its calls in
         it from now on."""
-        seen = [
-            call(c, verbs.Empty(), timeout_s=self._connect_timeout_s, verb="Hello")[0].generation for c in newcomers
-        ]
+        seen = [self._call(i, verbs.Empty(), verb="Hello")[0].generation for i in newcomers]
         self.generation = max([self.generation, *(g or 0 for g in seen)]) + 1
         for c in self.clients + self._others:
             c.generation = self.generation
@@ -203,13 +197,7 @@ class ControlPlane(RunDispatch):
     def _set_up_all(self) -> None:
         """Give every slice a fresh executor and transfer server under its index and connect
         them all, in a new generation: nothing shipped or stored before survives."""
-        try:
-            self._advance(self.clients)
-        except WorkerError as e:
-            i = next((i for i, c in enumerate(self.clients) if e.address in _addresses(c)), 0)
-            if e.code in GONE:
-                raise WorkerLost(i, e.address, str(e)) from None
-            raise
+        self._advance(range(len(self.clients)))
         self._shipped = [{"programs": {}, "plans": {}} for _ in self.clients]
         self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
         for i in range(len(self.clients)):
@@ -333,17 +321,16 @@ class ControlPlane(RunDispatch):
         WorkerLost if another slice is found gone meanwhile (the new worker is in place).
         `wait_s`: see Cluster.replace."""
         try:
-            address = self._new_worker(self._slots[slice_index], wait_s)
+            c = self._client(self._new_worker(self._slots[slice_index], wait_s))
         except ReplaceUnsupported as e:  # nothing changed; the lost worker itself, if it is back
             if not self.launcher.readmits:
                 raise
-            address = self._readmit(slice_index, e)
+            c = self._readmit(slice_index, e)
         self.clients[slice_index].close()
-        c = self._client(address)
         c.wait_ready(self._connect_timeout_s)
         self.clients[slice_index] = c
         # A new generation: the lost worker, should it come back, is fenced out of it.
-        self._advance([c])
+        self._advance([slice_index])
         self._transfer[str(slice_index)] = self._setup(slice_index, c)
         shipped = self._shipped[slice_index]
         if shipped["programs"]:
@@ -361,29 +348,28 @@ class ControlPlane(RunDispatch):
         if gone:
             raise gone[0]
 
-    def _readmit(self, slice_index: int, why: ReplaceUnsupported):
-        """The lost worker of `slice_index` when it answers again (a partition healed, a pause
-        ended, a worker restarted at its address): it serves the slice again, in the new
-        generation replace() starts. ReplaceUnsupported (retry: it may still come) if not."""
+    def _readmit(self, slice_index: int, why: ReplaceUnsupported) -> WorkerClient | GangClient:
+        """A client of the lost worker of `slice_index` once it answers again (a partition
+        healed, a pause ended, a worker restarted at its address): it serves the slice again,
+        in the new generation replace() starts. ReplaceUnsupported (retry: it may still come)
+        if not."""
         old = self.clients[slice_index].address
-        address = list(old) if isinstance(old, tuple) else old
-        probe = self._client(address)
+        probe = self._client(list(old) if isinstance(old, tuple) else old)
         try:
             probe.wait_ready(READMIT_PROBE_S)
             call(probe, verbs.Empty(), timeout_s=READMIT_PROBE_S, verb="Hello")
         except WorkerError:
+            probe.close()
             raise ReplaceUnsupported(
                 f"{why}; the lost worker {old} does not answer (yet: it may be cut off or paused)", retry=True
             ) from None
-        finally:
-            probe.close()
         log.warning(
             "slice %d: its lost worker %s answers again (a partition healed or a pause ended); taken back "
             "in a new generation",
             slice_index,
             old,
         )
-        return address
+        return probe
 
     def _new_worker(self, slot: int, wait_s: float | None) -> str:
         """The launcher's new worker for `slot`; an idle spare it hands over stops being idle."""
@@ -463,13 +449,13 @@ class ControlPlane(RunDispatch):
     def _wait(self, run: PendingRun) -> list[StepResult]:
         return self._watch.wait(run, self._in_flight)
 
-    def _call(self, slice_index: int, request, blobs=()):
+    def _call(self, slice_index: int, request, blobs=(), verb: str | None = None):
         """The RPC of a request record to a slice: (reply record, blobs); a worker that is not
         there anymore is reported as WorkerLost, and so is one that stops answering its
         heartbeats while the call waits (stopped, hung or cut off: the call would otherwise
-        wait for it forever)."""
+        wait for it forever). `verb`: as in rpc.send, for a record several verbs take."""
         c = self.clients[slice_index]
-        verb = verbs.verb_of(request)
+        verb = verb or verbs.verb_of(request)
         try:
             fut = send(c, request, blobs, verb=verb)
             while not _settled(fut, HEARTBEAT_S):

@@ -70,6 +70,7 @@ class WorkerClient:
             raise WorkerError(
                 self.address, f"did not answer within {timeout_s:g} s (is `mpmd worker` running and listening there?)"
             ) from None
+        self.last_ok = time.monotonic()  # it answered: its silence counts from now
 
     def future(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
         """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""

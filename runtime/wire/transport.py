@@ -244,7 +244,7 @@ class TransferTransport:
 
     def _uuid(self, key: str) -> int:
         """The transfer id of plan key `key` in this session and generation."""
-        return key_to_uuid(f"g{self.generation}/{key}" if self.generation else key, self._secret)
+        return key_to_uuid(f"g{self.generation}/{key}", self._secret)
 
     def path(self, peer: int) -> str:
         """ "shm" or "socket": how transfers from `peer` come to this slice (after connect_peers)."""

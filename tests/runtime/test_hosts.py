@@ -12,7 +12,6 @@ network namespaces of their own, each with its own address, joined by a bridge.
   lost worker, takes it back once the link returns, and the run goes on with both slices.
 """
 
-import json
 import re
 import time
 
@@ -118,9 +117,7 @@ def test_a_worker_cut_off_is_replaced_and_once_back_disturbs_nothing(tmp_path, r
     assert sorted(got) == sorted(reference) and all(got[s] == reference[s] for s in got), (got, reference)
     store = CheckpointStore(run_dir)
     for step in store.committed():
-        parts = {
-            leaf["part"] for leaf in json.loads((store.step_dir(step) / "manifest.json").read_text())["leaves"].values()
-        }
+        parts = {leaf["part"] for leaf in store.manifest(step)["leaves"].values()}
         assert len({p.split(".", 1)[1] for p in parts}) == 1, parts  # one generation per step
         if step > 4:  # after the replacement: not the first generation
             assert all(not p.split(".", 1)[1].startswith("g1-") for p in parts), (step, parts)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import time
 
@@ -91,15 +90,11 @@ class Hosts:
         _ip("link", "set", self.links[i], "up")
 
     def close(self) -> None:
-        """Stop every process started here (SIGKILL by pid, also SIGCONT in case it was
-        stopped), then remove the namespaces, links and bridge."""
+        """Stop every process started here (SIGKILL by pid, which a stopped process takes too),
+        then remove the namespaces, links and bridge."""
         for p in self.procs:
             if p.poll() is None:
-                for sig in (signal.SIGKILL, signal.SIGCONT):
-                    try:
-                        os.kill(p.pid, sig)
-                    except ProcessLookupError:
-                        pass
+                p.kill()
         for p in self.procs:
             try:
                 p.wait(timeout=10)
