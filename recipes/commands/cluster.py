@@ -1,4 +1,5 @@
-"""`mpmd cluster up|status|down`: a persistent cluster that several jobs share.
+"""`mpmd cluster up|status|down`: a persistent cluster that several jobs share;
+`mpmd cluster certs DIR`: certificates for workers started by hand.
 
   mpmd cluster up --workers N [--devices-per-worker D] [--backend local|ray] [--ray-address A]
                   [--listen HOST:PORT]
@@ -6,13 +7,16 @@
                   [--compile-cache-mb M] [--rejoin]
   mpmd cluster status [--file F] [--json]
   mpmd cluster down [--file F]
+  mpmd cluster certs DIR
 
 `up` writes two secrets into DIR (default .mpmd-cluster), each 0600: the cluster token (the
 manager's and workers' own) and the submit token (what users hold); it starts the manager
 (runtime/manager/core.py) as a detached process, which starts and owns the N workers and writes
 the cluster file F (default ./mpmd-cluster.json, 0600: the manager's address, the submit
 token, the workers' addresses and pids, the root); `up` prints the address and returns,
-and the cluster lives on. With --rejoin it starts a manager again over the workers of an
+and the cluster lives on. Unless --no-tls, `up` also makes the cluster's own certificate
+authority in DIR/tls (runtime/wire/tls.py): the manager, the workers and every job speak
+mutual TLS, and the cluster file names the directory. With --rejoin it starts a manager again over the workers of an
 existing cluster file (after the manager died): running jobs keep their leases.
 Jobs: `mpmd train CONFIG cluster.backend=shared` (cluster.file, or cluster.address).
 `down` stops the workers and the manager and waits until every one of their pids is gone,
@@ -27,6 +31,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +40,7 @@ from mpmd.runtime.launchers.workers import process_alive
 from mpmd.runtime.launchers.shared import DEFAULT_CLUSTER_FILE, MANAGER_SERVICE, read_cluster_file
 from mpmd.runtime.manager.server import POOLS
 from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
+from mpmd.runtime.wire.tls import FILES as TLS_FILES, TLS_DIR, load as load_tls, make as make_tls
 from mpmd.recipes.commands.arguments import non_negative, positive
 
 # Where a shared cluster's workers may run: the manager's table of worker pools.
@@ -100,6 +106,24 @@ def parser() -> argparse.ArgumentParser:
         help=f"each worker's compiled-program cache, MB (default {DEFAULT_LIMIT_MB})",
     )
     up.add_argument("--rejoin", action="store_true", help="start a manager again over the cluster file's workers")
+    up.add_argument(
+        "--no-tls",
+        action="store_true",
+        help="serve the manager and workers in the clear (default: mutual TLS with an authority made "
+        "for this cluster, its certificates in DIR/tls; jobs find them through the cluster file)",
+    )
+    certs = sub.add_parser(
+        "certs",
+        help="make a cluster's certificate authority and member certificate (for static workers)",
+        description="Make a new certificate authority and one member certificate signed by it in DIR\n"
+        "(ca.pem, cert.pem, key.pem 0600; the authority's key is not kept). Give DIR to every worker\n"
+        "(`mpmd worker --tls DIR`) and to the controller (cluster.tls=DIR): every control channel is\n"
+        "then mutual TLS, and a peer without a certificate of this authority is refused.",
+        epilog="example:\n  mpmd cluster certs ~/.mpmd-tls\n  mpmd worker --listen 10.0.0.2:7000 --token-file T --tls ~/.mpmd-tls\n"
+        "  mpmd train configs/gpt_tiny.yaml cluster.backend=static cluster.tls=~/.mpmd-tls ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    certs.add_argument("dir", help="an empty or new directory (made 0700); existing certificates are never replaced")
     for s in [up] + [
         sub.add_parser(v, help=h)
         for v, h in (("status", "workers, jobs, leases, memory, cache"), ("down", "stop the workers and the manager"))
@@ -176,6 +200,11 @@ def up(args) -> int:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         for name in ("cluster.token", "submit.token"):
             _write_secret(os.path.join(directory, name), secrets.token_hex(16))
+        # A new cluster, a new authority: the last one's certificates (if any) go with its tokens.
+        tls_dir = os.path.join(directory, TLS_DIR)
+        shutil.rmtree(tls_dir, ignore_errors=True)
+        if not args.no_tls:
+            make_tls(tls_dir)
     started_at = os.path.getmtime(cluster_file) if os.path.exists(cluster_file) else None
     cmd = [
         sys.executable,
@@ -249,7 +278,8 @@ def _manager(saved: dict, token: str):
     from mpmd.runtime.control.rpc import WorkerClient
     import collections
 
-    return WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
+    tls = load_tls(saved["tls"], "the cluster file's tls") if saved.get("tls") else None
+    return WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE, tls)
 
 
 def status(args) -> int:
@@ -335,6 +365,10 @@ def main(argv=None) -> int:
         if args.verb == "up":
             check_up(args)
             return up(args)
+        if args.verb == "certs":
+            made = make_tls(args.dir)
+            print(f"wrote {', '.join(os.path.join(made.directory, n) for n in TLS_FILES)}")
+            return 0
         return status(args) if args.verb == "status" else down(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,7 +4,7 @@ ConfigError. recipes/config/schema.py assembles them into the Config."""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from mpmd.recipes import registry
@@ -154,12 +154,25 @@ class WorkerSection(ClusterSection):
         description="a worker silent this long (no heartbeat answered) is declared lost "
         "and replaced; null = the cluster's default (5 s)",
     )
+    tls: str = Field(
+        "auto",
+        description="mutual TLS on every control channel (docs/security.md): auto = an authority made "
+        "for the run (local, ray), the cluster file's certificates (shared), in the clear (static: "
+        "give the directory its workers were started with, `mpmd worker --tls DIR`); off = in the "
+        "clear (also false); a directory = the certificates there (ca.pem, cert.pem, key.pem; `mpmd cluster certs DIR`)",
+    )
     transport: Literal[TRANSPORTS] = Field(
         "auto",
         description="the data plane between slices: auto = shared memory between workers on one host, "
         "sockets (jax.experimental.transfer) between hosts; socket = sockets always; shm = "
         "shared memory always (not with gangs; a start with workers on two hosts fails)",
     )
+
+    @field_validator("tls", mode="before")
+    @classmethod
+    def _tls_switch(cls, v):
+        # YAML reads `off` and `false` as False (and `on` as True): the switch, not a directory.
+        return {False: "off", True: "auto"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _shm_without_gangs(self):

@@ -128,6 +128,8 @@ def build_cluster(cfg: Config):
         )
         if hasattr(c, "transport"):  # the backends whose slices are worker processes
             timeouts["transport"] = c.transport
+            if c.tls != "auto":  # auto: the backend's own default (its cluster class's tls=)
+                timeouts["tls"] = False if c.tls == "off" else os.path.expanduser(c.tls)
         return registry.get_backend_spec(c.backend).build(cfg, timeouts)
 
 

@@ -52,6 +52,7 @@ from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, Replace
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, receive, send  # noqa: F401
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
 from mpmd.runtime.wire.results import Aborted, Progress, StepResult
+from mpmd.runtime.wire.tls import Tls
 from mpmd.runtime.worker.gang import GangClient
 
 HEARTBEAT_S = 0.5
@@ -80,6 +81,9 @@ class ControlPlane(RunDispatch):
     """The Cluster protocol over gRPC workers that `launcher` starts and stops.
 
     token: the secret the launcher's workers hold (every RPC carries it).
+    tls: the cluster's certificates (runtime/wire/tls.py): every channel to a worker is then
+        mutual TLS, and a worker without a certificate of the same authority is refused at
+        the handshake; None: in the clear.
     connect_timeout_s: how long a new worker may take to answer its first RPC.
     failure_timeout_s: a slice silent this long (no heartbeat answered) is declared lost.
     transfer_host: where workers' data-plane servers listen; None: the host of each
@@ -103,12 +107,14 @@ class ControlPlane(RunDispatch):
         transfer_host: str | None = None,
         step_timeout_s: float | None = None,
         transport: str = "auto",
+        tls: Tls | None = None,
     ):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
         self._watch = RunWatch(self, step_timeout_s)  # waits for runs, aborts them
         self.launcher = launcher
         self._token = token
+        self.tls = tls  # every channel's mutual TLS (runtime/wire/tls.py); None: in the clear
         self._connect_timeout_s = connect_timeout_s
         self.failure_timeout_s = failure_timeout_s
         self._transfer_host = transfer_host
@@ -246,8 +252,8 @@ class ControlPlane(RunDispatch):
         """A client for a slice's worker ("host:port"), or for its gang (one address per
         process: runtime/worker/gang.py)."""
         if isinstance(address, (list, tuple)):
-            return GangClient([WorkerClient(a, self._token, self.rpc_counts) for a in address])
-        return WorkerClient(address, self._token, self.rpc_counts)
+            return GangClient([WorkerClient(a, self._token, self.rpc_counts, tls=self.tls) for a in address])
+        return WorkerClient(address, self._token, self.rpc_counts, tls=self.tls)
 
     def _setup(self, i: int, c: WorkerClient | GangClient) -> str | list[str]:
         """Set slice i up on its worker, or on every process of its gang (each listening for

@@ -18,6 +18,7 @@ import grpc
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.results import Aborted, Progress
+from mpmd.runtime.wire.tls import CHANNEL_OPTIONS, Tls
 from mpmd.runtime.worker.gang import GangClient
 from mpmd.runtime.worker.service import GENERATION_KEY, GRPC_OPTIONS, SERVICE, TOKEN_KEY
 
@@ -41,12 +42,19 @@ class WorkerError(RuntimeError):
 
 
 class WorkerClient:
-    def __init__(self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE):
+    def __init__(
+        self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE, tls: Tls | None = None
+    ):
         self.address = address
         self.service = service  # the gRPC service called: a worker's, or a shared cluster's manager
         self._token = token
         self._metadata = ((TOKEN_KEY, token),)
-        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.tls = tls  # mutual TLS (runtime/wire/tls.py), else the clear
+        self._channel = (
+            grpc.secure_channel(address, tls.channel_credentials(), options=[*GRPC_OPTIONS, *CHANNEL_OPTIONS])
+            if tls
+            else grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        )
         self._counts = rpc_counts
         self._stubs = {}
         self.last_ok = time.monotonic()
@@ -67,10 +75,18 @@ class WorkerClient:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
+            # A TLS handshake refused either way looks the same from here: a channel that never connects.
             raise WorkerError(
-                self.address, f"did not answer within {timeout_s:g} s (is `mpmd worker` running and listening there?)"
+                self.address,
+                f"did not answer within {timeout_s:g} s (is `mpmd worker` running and listening "
+                f"there?; {self._tls_hint()})",
             ) from None
         self.last_ok = time.monotonic()  # it answered: its silence counts from now
+
+    def _tls_hint(self) -> str:
+        if self.tls:
+            return "this client speaks mutual TLS: does the server serve it (--tls) with a certificate of the same authority?"
+        return "this client speaks in the clear: does the server serve TLS (--tls, cluster.tls)?"
 
     def future(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
         """Start an RPC; `.result()` of the returned gRPC future gives the reply frame."""
@@ -89,8 +105,12 @@ class WorkerClient:
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.ABORTED:
                 raise Aborted(f"worker {self.address}: {e.details()}") from None
+            details = e.details() or ""
+            # A handshake one side refused: the server closes the socket on a client in the
+            # clear; TLS says "handshake" when the certificates or the protocols disagree.
+            hint = f" ({self._tls_hint()})" if "Socket closed" in details or "andshake" in details else ""
             raise WorkerError(
-                self.address, f"{method} failed: {e.code().name}: {e.details()}", e.code(), e.details()
+                self.address, f"{method} failed: {e.code().name}: {details}{hint}", e.code(), details
             ) from None
         self.last_ok = time.monotonic()
         return wire.decode(reply)

@@ -31,6 +31,7 @@ import time
 
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
+from mpmd.runtime.wire.tls import Tls, cluster_tls, to_line
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 from mpmd.runtime.launchers.workers import (
     START_TIMEOUT_S,
@@ -76,6 +77,7 @@ class LocalLauncher:
         max_workers: int | None = None,
         processes_per_slice: int = 1,
         start_timeout_s: float = START_TIMEOUT_S,
+        tls: Tls | None = None,
     ):
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         self.processes_per_slice = check_processes_per_slice(processes_per_slice)
@@ -95,6 +97,7 @@ class LocalLauncher:
         self.cpu_only = gpus is not None and not self.gpus  # gpus=[]: CPU even where GPUs are
         self.log_dir = log_dir
         self._token = token
+        self.tls = tls  # given to each worker: on its stdin, or as its directory
         self.root = root  # the cluster's root=; the workers' is fixed at spawn
         self._running_root: str | None = None
         self.num_workers = num_workers
@@ -233,6 +236,7 @@ class LocalLauncher:
                 cpus=cores_for(index, self.threads_per_worker) if self.pin else None,
                 log_level=("debug" if self.log_level == "debug" else "info") if relayed else None,
                 relay_level=self.log_level if relayed else None,
+                tls=(self.tls.directory or "-") if self.tls else None,
             )
             + extra
         )
@@ -264,6 +268,8 @@ class LocalLauncher:
                 stderr.close()  # the child has its own copy
         self.started += 1
         proc.stdin.write(self._token + "\n")
+        if self.tls and not self.tls.directory:
+            proc.stdin.write(to_line(self.tls) + "\n")
         proc.stdin.flush()
         # Read stdout to its end, so a chatty worker never blocks on a full pipe: first its
         # READY line, then the records it relays.
@@ -344,6 +350,10 @@ class LocalCluster(ControlPlane):
     start_timeout_s: how long a worker, or every process of a gang, may take to get ready.
     transport: the data plane between slices, auto | socket | shm (see ControlPlane); auto
         moves every transfer through shared memory here, except a gang's.
+    tls: mutual TLS on every control channel (runtime/wire/tls.py). True: an authority made
+        for this cluster alone, in memory, its certificates handed to each worker on its
+        stdin; a directory: the certificates there (ca.pem, cert.pem, key.pem); False: in
+        the clear (loopback only, where nobody but root can read the wire).
     max_workers: the most worker processes started over the cluster's life, replacements
         included (None: no limit). Once spent, a lost worker is not replaced (replace raises
         ReplaceUnsupported): a run then shrinks or stops (Trainer on_loss). Raising
@@ -370,8 +380,10 @@ class LocalCluster(ControlPlane):
         processes_per_slice: int = 1,
         start_timeout_s: float = START_TIMEOUT_S,
         transport: str = "auto",
+        tls: bool | str = True,
     ):
         token = new_token()
+        tls = cluster_tls(tls)
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
@@ -391,9 +403,15 @@ class LocalCluster(ControlPlane):
             max_workers=max_workers,
             processes_per_slice=processes_per_slice,
             start_timeout_s=start_timeout_s,
+            tls=tls,
         )
         super().__init__(
-            launcher, token, failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s, transport=transport
+            launcher,
+            token,
+            failure_timeout_s=failure_timeout_s,
+            step_timeout_s=step_timeout_s,
+            transport=transport,
+            tls=tls,
         )
 
     @property

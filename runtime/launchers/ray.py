@@ -44,6 +44,7 @@ import time
 
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
+from mpmd.runtime.wire.tls import Tls, cluster_tls
 from mpmd.runtime.control.cluster import ClusterUnavailable, ReplaceUnsupported
 from mpmd.runtime.launchers import ray_placement as placement
 from mpmd.runtime.launchers.workers import (
@@ -113,6 +114,7 @@ class _SliceActor:
         gang: bool = False,
         log_path: str | None = None,
         relay_level: str = "warning",
+        tls=None,
     ):
         import ray
         from mpmd.runtime.worker.main import cores_for
@@ -129,7 +131,7 @@ class _SliceActor:
             os.chdir(workdir)
         if host == NODE_IP:
             host = ray.util.get_node_ip_address()
-        self._token, self._host, self._root = token, host, root
+        self._token, self._host, self._root, self._tls = token, host, root, tls
         self.shared = shared is not None
         self._shared = shared
         if not gang:
@@ -157,7 +159,7 @@ class _SliceActor:
         listen = f"[{host}]:0" if ":" in host else f"{host}:0"
         if not self.shared:
             self.service = WorkerService(self._token, self._stop, root=self._root)
-            self.server, self.address = serve(self.service.handler(), listen, RPC_THREADS)
+            self.server, self.address = serve(self.service.handler(), listen, RPC_THREADS, self._tls)
             return
         # A shared cluster's worker (runtime/manager/core.py), as `mpmd worker --shared`: several
         # jobs' sessions, compiled programs kept across them, a silent job's session closed.
@@ -172,7 +174,7 @@ class _SliceActor:
             lease_s=shared["lease_s"],
             cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)),
         )
-        self.server, self.address = serve(self.service.handler(), listen, SHARED_RPC_THREADS)
+        self.server, self.address = serve(self.service.handler(), listen, SHARED_RPC_THREADS, self._tls)
         threading.Thread(target=self._lapse, daemon=True, name="mpmd-lapse").start()
 
     def _lapse(self) -> None:
@@ -229,6 +231,7 @@ class RayLauncher:
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         log_dir: str | None = None,
         log_level: str = "warning",
+        tls: Tls | None = None,
     ):
         _import_ray()
         check_worker_args(num_workers, devices_per_worker, threads_per_worker)
@@ -258,6 +261,7 @@ class RayLauncher:
                 f"resources_per_worker asks for GPU={resources['GPU']}: drop one of the two"
             )
         self._token = token
+        self.tls = tls  # each actor's certificates: a constructor argument, as the token
         self.shared = shared  # {lease_s, compile_cache_mb}: a shared cluster's workers
         self.num_workers = num_workers
         self.resources_per_worker = resources
@@ -503,6 +507,7 @@ class RayLauncher:
             k > 1,
             log_path,
             self.log_level,
+            self.tls,
         )
 
     def _relay(self, ray, stop: threading.Event) -> None:
@@ -557,6 +562,9 @@ class RayCluster(ControlPlane):
     connect_timeout_s: how long connecting to `address` may take (it fails with one line,
         ClusterUnavailable, naming it), and a new worker its first answer.
     start_timeout_s: how long the first start may take to place and start every worker.
+    tls: mutual TLS on every control channel, as for LocalCluster (True: an authority made
+        for this cluster, its certificates an actor's constructor argument, as the token is:
+        they cross Ray's own channels, which Ray's TLS settings cover or not).
     log_dir: each actor's stdout and stderr go to <log_dir>/worker_<slot>.log (None: Ray's
         own log files); Ray never forwards them to this console, and each of its records at
         `log_level` and up comes back as one line "worker <slot> WARNING ... (see <log>)"
@@ -587,8 +595,10 @@ class RayCluster(ControlPlane):
         log_dir: str | None = None,
         log_level: str = "warning",
         transport: str = "auto",
+        tls: bool | str = True,
     ):
         token = new_token()
+        tls = cluster_tls(tls)
         launcher = RayLauncher(
             token,
             num_workers=num_workers,
@@ -605,6 +615,7 @@ class RayCluster(ControlPlane):
             connect_timeout_s=connect_timeout_s,
             log_dir=log_dir,
             log_level=log_level,
+            tls=tls,
         )
         super().__init__(
             launcher,
@@ -613,6 +624,7 @@ class RayCluster(ControlPlane):
             failure_timeout_s=failure_timeout_s,
             step_timeout_s=step_timeout_s,
             transport=transport,
+            tls=tls,
         )
 
     @property

@@ -28,6 +28,7 @@ from mpmd.runtime.wire import verbs
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import WorkerClient, WorkerError, call
 from mpmd.runtime.control.cluster import ClusterGone, ReplaceUnsupported
+from mpmd.runtime.wire.tls import Tls, cluster_tls
 
 MANAGER_SERVICE = verbs.MANAGER_SERVICE  # the manager's (runtime/manager/core.py); its verbs: verbs.MANAGER_VERBS
 DEFAULT_CLUSTER_FILE = "mpmd-cluster.json"
@@ -79,6 +80,7 @@ class SharedLauncher:
         on_wait=None,
         wait_timeout_s: float | None = None,
         cluster_file: str | None = None,
+        tls: Tls | None = None,
     ):
         if not isinstance(address, str) or not address.rpartition(":")[2].isdigit():
             raise ValueError(f"address must be the manager's 'host:port', got {address!r}")
@@ -91,6 +93,7 @@ class SharedLauncher:
             )
         self.address_of_manager = address
         self._submit_token = submit_token
+        self.tls = tls  # the cluster's certificates: the manager's channel is mutual TLS too
         self.name, self.share, self.lease_s = name, bool(share), lease_s
         self.on_wait = on_wait or (
             lambda position: log.info("waiting for the shared cluster: position %d in its queue", position)
@@ -114,7 +117,7 @@ class SharedLauncher:
         if self.job is not None:
             return
         root = os.path.realpath(root or os.getcwd())
-        submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE)
+        submit = WorkerClient(self.address_of_manager, self._submit_token, self._counts, MANAGER_SERVICE, self.tls)
         try:
             h = call(
                 submit,
@@ -128,7 +131,7 @@ class SharedLauncher:
         finally:
             submit.close()
         self.job, self.credential = h.job, h.credential
-        self._manager = WorkerClient(self.address_of_manager, self.credential, self._counts, MANAGER_SERVICE)
+        self._manager = WorkerClient(self.address_of_manager, self.credential, self._counts, MANAGER_SERVICE, self.tls)
         self._submitted = (num_slices, h.position, h.workers)
 
     def start(self, num_slices: int, root: str | None = None) -> list[str]:
@@ -223,7 +226,9 @@ class SharedLauncher:
 
 class SharedCluster(ControlPlane):
     """A job's cluster on a shared cluster's leased workers (see SharedLauncher for the
-    arguments; `cluster_file` instead of `address` + `submit_token` reads both from it)."""
+    arguments; `cluster_file` instead of `address` + `submit_token` reads both from it, and
+    the directory of the cluster's certificates too). `tls`: that directory (with `address`),
+    or False: in the clear whatever the cluster file says."""
 
     def __init__(
         self,
@@ -238,12 +243,18 @@ class SharedCluster(ControlPlane):
         failure_timeout_s: float = 5.0,
         step_timeout_s: float | None = None,
         transport: str = "auto",
+        tls: str | bool | None = None,
     ):
+        if tls is True:
+            raise ValueError("a shared cluster's certificates are made by `mpmd cluster up`: give tls= their directory")
         if cluster_file is not None:
             if address is not None or submit_token is not None:
                 raise ValueError("give cluster_file, or address and submit_token, not both")
             data = read_cluster_file(cluster_file)
             address, submit_token = data["manager"], data["submit_token"]
+            if tls is None:
+                tls = data.get("tls")
+        tls = cluster_tls(tls, "the shared cluster's tls")
         if address is None or not submit_token:
             raise ValueError("SharedCluster needs the manager's address and the submit token (or cluster_file)")
         launcher = SharedLauncher(
@@ -254,10 +265,16 @@ class SharedCluster(ControlPlane):
             lease_s=lease_s,
             on_wait=on_wait,
             cluster_file=cluster_file and os.path.abspath(cluster_file),
+            tls=tls,
         )
         # The token is the job's credential, known once the manager accepted the job.
         super().__init__(
-            launcher, "", failure_timeout_s=failure_timeout_s, step_timeout_s=step_timeout_s, transport=transport
+            launcher,
+            "",
+            failure_timeout_s=failure_timeout_s,
+            step_timeout_s=step_timeout_s,
+            transport=transport,
+            tls=tls,
         )
 
     def claim(self, num_slices: int, root: str, meshes=None) -> None:

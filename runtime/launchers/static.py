@@ -7,6 +7,7 @@ from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.cluster import ReplaceUnsupported
 from mpmd.runtime.worker.gang import group_addresses
 from mpmd.runtime.worker.main import read_token_file
+from mpmd.runtime.wire.tls import cluster_tls
 
 
 class StaticLauncher:
@@ -54,7 +55,9 @@ class StaticCluster(ControlPlane):
     --process-id j`, HOST0:PORT a free port on process 0's host.
     The first `num_slices` addresses serve slices; the others are spares that replace a
     lost slice. A token file that its group or others may read is refused unless
-    `allow_insecure_token_file` (see read_token_file).
+    `allow_insecure_token_file` (see read_token_file). `tls`: the directory of certificates
+    the workers were started with (`mpmd worker --tls DIR`; `mpmd cluster certs DIR` makes
+    them): every channel is then mutual TLS; None: in the clear.
     """
 
     def __init__(
@@ -70,8 +73,15 @@ class StaticCluster(ControlPlane):
         allow_insecure_token_file: bool = False,
         processes_per_slice: int | None = None,
         transport: str = "auto",
+        tls: str | None = None,
     ):
         addresses = group_addresses(addresses, processes_per_slice)
+        if tls is True:
+            raise ValueError(
+                "a static cluster's workers were started with their certificates (`mpmd worker --tls DIR`): "
+                "give tls= that directory (or None: in the clear)"
+            )
+        tls = cluster_tls(tls)
         if token is None:
             if token_file is None:
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")
@@ -86,4 +96,5 @@ class StaticCluster(ControlPlane):
             transfer_host=transfer_host,
             step_timeout_s=step_timeout_s,
             transport=transport,
+            tls=tls,
         )

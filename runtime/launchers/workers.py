@@ -158,12 +158,14 @@ def worker_command(
     log_level: str | None = None,
     relay_level: str | None = None,
     compile_cache_mb: float | None = None,
+    tls: str | None = None,
 ) -> list[str]:
     """The command line of one worker process (`python -m mpmd.runtime.worker.main`, the
     same code as this checkout: see worker_env): serving on `listen`, confined to `root`,
     owning `devices` devices. Its token comes on stdin (`token_stdin`) or from `token_file`
     (exactly one). cpus: the cores to pin it to (None: not pinned); log_level,
-    relay_level, compile_cache_mb: the worker's flags of those names (None: its default)."""
+    relay_level, compile_cache_mb, tls: the worker's flags of those names (None: its default;
+    tls "-": the certificates follow the token on stdin)."""
     assert token_stdin != (token_file is not None), "a worker reads its token from stdin or from a file"
     cmd = [
         sys.executable,
@@ -187,6 +189,8 @@ def worker_command(
         cmd += ["--relay-level", relay_level]
     if compile_cache_mb is not None:
         cmd += ["--compile-cache-mb", str(compile_cache_mb)]
+    if tls is not None:
+        cmd += ["--tls", tls]
     return cmd
 
 

@@ -279,7 +279,7 @@ class Manager:
         if c is None or c.address != address:
             if c is not None:
                 c.close()
-            c = self._clients[slot] = WorkerClient(address, self.cluster_token, self._counts)
+            c = self._clients[slot] = WorkerClient(address, self.cluster_token, self._counts, tls=self.pool.tls)
         return c
 
     def _open_session(self, slot: int, job: Job) -> None:
@@ -474,6 +474,8 @@ class Manager:
                     "dir": self.pool.directory,
                     "devices_per_worker": self.pool.devices_per_worker,
                     "backend": self.pool.backend,
+                    # The certificates every job and `mpmd cluster` command speaks to it with.
+                    "tls": self.pool.tls.directory if self.pool.tls else None,
                     "workers": [{"address": w.address, "pid": w.pid} for w in self.pool.workers],
                 },
                 indent=1,

@@ -22,6 +22,7 @@ from mpmd.runtime.wire import verbs
 from mpmd.runtime.worker.service import TOKEN_KEY
 from mpmd.runtime.manager.core import MAX_LEASE_S, METHODS, SERVICE, Manager, ShuttingDown, UnknownJob
 from mpmd.runtime.manager.worker_pool import RayWorkerPool, WorkerPool
+from mpmd.runtime.wire.tls import TLS_DIR, load as load_tls
 
 log = logging.getLogger("mpmd.manager")
 
@@ -73,15 +74,16 @@ class Handler(grpc.GenericRpcHandler):
 
 class PoolBackend(NamedTuple):
     """Where a shared cluster's workers run (`mpmd cluster up --backend NAME`): start(args,
-    token_file, cluster_token) -> the started pool; rejoins: a manager started again
+    token_file, cluster_token, tls) -> the started pool (tls: the cluster's certificates,
+    runtime/wire/tls.py, or None); rejoins: a manager started again
     (--rejoin) takes over its workers; options: the `mpmd cluster up` options only it reads."""
 
-    start: Callable[[argparse.Namespace, str, str], object]
+    start: Callable[[argparse.Namespace, str, str, object], object]
     rejoins: bool
     options: tuple[str, ...] = ()
 
 
-def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
+def _local_pool(args, token_file: str, cluster_token: str, tls) -> WorkerPool:
     from mpmd.runtime.launchers.local import default_compilation_cache
 
     pool = WorkerPool(
@@ -91,12 +93,13 @@ def _local_pool(args, token_file: str, cluster_token: str) -> WorkerPool:
         devices_per_worker=args.devices_per_worker,
         compile_cache_mb=args.compile_cache_mb,
         compilation_cache_dir=default_compilation_cache(),
+        tls=tls,
     )
     pool.start(args.workers)
     return pool
 
 
-def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
+def _ray_pool(args, token_file: str, cluster_token: str, tls) -> RayWorkerPool:
     # Its actors belong to the manager's Ray driver and end with it: nothing to rejoin.
     pool = RayWorkerPool(
         directory=args.dir,
@@ -106,6 +109,7 @@ def _ray_pool(args, token_file: str, cluster_token: str) -> RayWorkerPool:
         ray_address=args.ray_address,
         compile_cache_mb=args.compile_cache_mb,
         lease_s=args.lease_s,
+        tls=tls,
     )
     pool.start(args.workers)
     return pool
@@ -142,6 +146,9 @@ def main(argv=None) -> int:
     token_file = os.path.join(args.dir, "cluster.token")
     cluster_token = read_token_file(token_file, False, "cluster token file", "(none)")
     submit_token = read_token_file(os.path.join(args.dir, "submit.token"), False, "submit token file", "(none)")
+    # `mpmd cluster up` made the cluster's certificates there unless --no-tls (runtime/wire/tls.py).
+    tls_dir = os.path.join(args.dir, TLS_DIR)
+    tls = load_tls(tls_dir, "the cluster's certificates") if os.path.isdir(tls_dir) else None
     if args.rejoin:
         with open(args.file) as f:
             saved = json.load(f)
@@ -152,10 +159,11 @@ def main(argv=None) -> int:
             devices_per_worker=saved.get("devices_per_worker", 1),
             compile_cache_mb=args.compile_cache_mb,
             compilation_cache_dir=default_compilation_cache(),
+            tls=tls,
         )
         pool.rejoin(saved["workers"])
     else:
-        pool = POOLS[args.backend].start(args, token_file, cluster_token)
+        pool = POOLS[args.backend].start(args, token_file, cluster_token, tls)
     manager = Manager(
         pool,
         cluster_token=cluster_token,
@@ -168,7 +176,7 @@ def main(argv=None) -> int:
     if args.rejoin:
         manager.rebuild()
     try:
-        manager.server, manager.address = serve(Handler(manager), args.listen)
+        manager.server, manager.address = serve(Handler(manager), args.listen, tls=tls)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         pool.stop()

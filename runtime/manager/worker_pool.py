@@ -38,7 +38,9 @@ class PoolWorker:
 
 class WorkerPool:
     """directory: the cluster's directory (token file, logs/). token_file: the cluster
-    token's 0600 file. root: the workers' --root (every job's run_dir must lie below it)."""
+    token's 0600 file. root: the workers' --root (every job's run_dir must lie below it).
+    tls: the cluster's certificates (runtime/wire/tls.py; each worker gets --tls with their
+    directory), or None: in the clear."""
 
     backend = "local"
 
@@ -52,8 +54,10 @@ class WorkerPool:
         host: str = "127.0.0.1",
         compile_cache_mb: int | None = None,
         compilation_cache_dir: str = "",
+        tls=None,
     ):
         self.directory, self.token_file, self.root = directory, token_file, root
+        self.tls = tls  # the cluster's certificates (runtime/wire/tls.py), read from their directory
         self.devices_per_worker, self.host = devices_per_worker, host
         self.compile_cache_mb = compile_cache_mb
         self.compilation_cache_dir = compilation_cache_dir
@@ -118,6 +122,7 @@ class WorkerPool:
             cpus=cores_for(slot, 1),
             log_level="info",
             compile_cache_mb=self.compile_cache_mb,
+            tls=self.tls.directory if self.tls else None,
         )
         self.started += 1
         with open(self._ready_file(slot), "w") as out, open(self.log_file(slot), "a") as err:
@@ -185,6 +190,7 @@ class RayWorkerPool:
         ray_address: str | None = None,
         compile_cache_mb: float | None = None,
         lease_s: float = 10.0,
+        tls=None,
     ):
         from mpmd.runtime.worker.compile_cache import DEFAULT_LIMIT_MB
         from mpmd.runtime.launchers.ray import RayLauncher
@@ -194,8 +200,9 @@ class RayWorkerPool:
             "lease_s": lease_s,
             "compile_cache_mb": DEFAULT_LIMIT_MB if compile_cache_mb is None else compile_cache_mb,
         }
+        self.tls = tls
         self.launcher = RayLauncher(
-            token, address=ray_address, devices_per_worker=devices_per_worker, root=root, shared=shared
+            token, address=ray_address, devices_per_worker=devices_per_worker, root=root, shared=shared, tls=tls
         )
         self.workers: list[PoolWorker] = []
         self.started = 0

@@ -73,6 +73,15 @@ def parser() -> argparse.ArgumentParser:
         "--token-stdin", action="store_true", help="read the token from stdin's first line; exit when stdin closes"
     )
     p.add_argument(
+        "--tls",
+        default=None,
+        metavar="DIR",
+        help="serve over mutual TLS with the cluster's certificates in DIR (ca.pem, cert.pem, "
+        "key.pem; `mpmd cluster certs DIR` makes them; '-': one line on stdin after the token, "
+        "as a launcher gives them): only a caller holding a certificate of the same authority "
+        "gets past the handshake (default: in the clear)",
+    )
+    p.add_argument(
         "--root",
         default=None,
         help="the only directory tree checkpoint saves and restores may touch; the "
@@ -160,6 +169,8 @@ def parse_args(argv):
         )
     if args.num_processes > 1 and not args.coordinator:
         p.error("a gang (--num-processes > 1) needs --coordinator HOST:PORT")
+    if args.tls == "-" and not args.token_stdin:
+        p.error("--tls - reads the certificates from stdin after the token: it needs --token-stdin")
     if args.num_processes > 1 and args.shared:
         p.error("a --shared worker serves a slice of one process; gangs (--num-processes > 1) are not shared")
     return args
@@ -206,6 +217,19 @@ def read_token(args) -> str:
     if len(token) < 16:
         raise SystemExit("error: the token must be at least 16 characters")
     return token
+
+
+def read_tls(directory: str | None):
+    """The Tls of --tls DIR (runtime/wire/tls.py), None without it; exits with one error line
+    naming what is missing or wrong."""
+    if directory is None:
+        return None
+    from mpmd.runtime.wire.tls import from_line, load
+
+    try:
+        return from_line(sys.stdin.readline()) if directory == "-" else load(directory, "--tls")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
 
 
 def read_token_file(path: str, allow_insecure: bool, what: str, escape: str) -> str:
@@ -288,6 +312,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level, args.relay_level)
     token = read_token(args)
+    tls = read_tls(args.tls)
     configure_process(args.devices, args.cpus)
     if args.num_processes > 1:
         from mpmd.runtime.worker.gang import join, leave
@@ -318,7 +343,7 @@ def main(argv=None) -> int:
         cache=CompileCache(int(args.compile_cache_mb * 2**20)),
     )
     try:
-        server, address = serve(service.handler(), args.listen, SHARED_RPC_THREADS if args.shared else RPC_THREADS)
+        server, address = serve(service.handler(), args.listen, SHARED_RPC_THREADS if args.shared else RPC_THREADS, tls)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -335,9 +360,10 @@ def main(argv=None) -> int:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")), daemon=True).start()
     print(f"{READY} {address}", flush=True)
     logging.info(
-        "serving %s on %s; checkpoints confined to %s",
+        "serving %s on %s; %s; checkpoints confined to %s",
         "a shared cluster's jobs" if args.shared else "slice",
         address,
+        "mutual TLS" if tls else "in the clear",
         service.root,
     )
     while not done.wait(SIGNAL_POLL_S):
@@ -376,11 +402,13 @@ GANG_LEAVE_WAIT_S = 3.0
 RPC_THREADS, SHARED_RPC_THREADS = 8, 32
 
 
-def serve(handler, listen: str, threads: int = RPC_THREADS):
+def serve(handler, listen: str, threads: int = RPC_THREADS, tls=None):
     """Serve `handler` (a grpc.GenericRpcHandler: a WorkerService's .handler(), or the cluster
     manager's) over gRPC on listen (HOST:PORT, port 0 = any free one) with `threads` RPC
-    threads; returns (started server, "host:port"). Raises OSError if it cannot bind. Shared
-    by this process's main, the Ray actor of runtime/launchers/ray.py and runtime/manager/core.py."""
+    threads, over mutual TLS with `tls` (runtime/wire/tls.py: only a client holding a
+    certificate of the cluster's authority gets past the handshake), else in the clear;
+    returns (started server, "host:port"). Raises OSError if it cannot bind. Shared by this
+    process's main, the Ray actor of runtime/launchers/ray.py and runtime/manager/core.py."""
     import grpc
     from concurrent import futures
     from mpmd.runtime.worker.service import SERVER_OPTIONS
@@ -391,7 +419,7 @@ def serve(handler, listen: str, threads: int = RPC_THREADS):
     server.add_generic_rpc_handlers((handler,))
     host = listen.rpartition(":")[0]
     try:
-        bound = server.add_insecure_port(listen)
+        bound = server.add_secure_port(listen, tls.server_credentials()) if tls else server.add_insecure_port(listen)
     except RuntimeError:
         bound = 0
     if not bound:

@@ -21,6 +21,7 @@ from mpmd import models
 import mpmd
 from mpmd.runtime.worker import programs
 from mpmd.runtime.wire import format as wire
+from mpmd.runtime.wire.tls import CHANNEL_OPTIONS
 from mpmd.runtime.control.cluster import StepFailed, WorkerLost
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 from tests.support.processes import ROOT, mpmd_train
@@ -262,11 +263,16 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def raw_call(address, method, body: bytes, token=None, timeout=30, generation=0):
+def raw_call(address, method, body: bytes, token=None, timeout=30, generation=0, tls=None):
     """One call as a bare client makes it; `generation`: the control plane's (a call of an
-    older one than the worker's is refused before its body is read: runtime/worker/service.py)."""
+    older one than the worker's is refused before its body is read: runtime/worker/service.py);
+    `tls`: the cluster's certificates (runtime/wire/tls.py), which its workers ask for."""
     opts = [("grpc.max_send_message_length", 2**31 - 1)]
-    with grpc.insecure_channel(address, options=opts) as ch:
+    with (
+        grpc.secure_channel(address, tls.channel_credentials(), options=[*opts, *CHANNEL_OPTIONS])
+        if tls
+        else grpc.insecure_channel(address, options=opts)
+    ) as ch:
         md = (("mpmd-token", token), ("mpmd-generation", str(generation))) if token is not None else ()
         return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=timeout)
 
@@ -283,7 +289,7 @@ def test_unauthenticated_big_requests_are_refused_before_their_body_is_read(clus
 
     def send():
         try:
-            raw_call(address, "Put", body)
+            raw_call(address, "Put", body, tls=cluster.tls)
         except grpc.RpcError as e:
             codes.append(e.code())
 
@@ -356,7 +362,9 @@ def test_a_program_calling_a_host_callback_target_is_refused_at_load(cluster):
         {"programs": [{"name": "cb", "kind": "exported", "data": {"$blob": 0}}]}, [bytes(exp.serialize())]
     )
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(cluster.addresses[0], "LoadPrograms", body, cluster._token, generation=cluster.generation)
+        raw_call(
+            cluster.addresses[0], "LoadPrograms", body, cluster._token, generation=cluster.generation, tls=cluster.tls
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"custom-call target '{target}'" in e.value.details()
     run_ok(cluster)
@@ -390,10 +398,17 @@ def test_a_program_calling_a_host_callback_target_is_refused_at_load(cluster):
 def test_malformed_requests_get_invalid_argument(cluster, method, header, blobs):
     with pytest.raises(grpc.RpcError) as e:
         raw_call(
-            cluster.addresses[1], method, wire.encode(header, blobs), cluster._token, generation=cluster.generation
+            cluster.addresses[1],
+            method,
+            wire.encode(header, blobs),
+            cluster._token,
+            generation=cluster.generation,
+            tls=cluster.tls,
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-    header, _ = wire.decode(raw_call(cluster.addresses[1], "Hello", wire.encode({}, []), cluster._token))
+    header, _ = wire.decode(
+        raw_call(cluster.addresses[1], "Hello", wire.encode({}, []), cluster._token, tls=cluster.tls)
+    )
     assert header["pid"] == cluster.pids[1]  # still serving
 
 
@@ -414,7 +429,14 @@ def test_a_request_that_does_not_match_its_verb_is_refused_naming_verb_and_field
     # Checked by the one table of verbs (runtime/wire/verbs.py) before any handler runs:
     # a real worker answers INVALID_ARGUMENT, its slice's state untouched, and serves on.
     with pytest.raises(grpc.RpcError) as e:
-        raw_call(cluster.addresses[1], method, wire.encode(header, []), cluster._token, generation=cluster.generation)
+        raw_call(
+            cluster.addresses[1],
+            method,
+            wire.encode(header, []),
+            cluster._token,
+            generation=cluster.generation,
+            tls=cluster.tls,
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert says in e.value.details()
     run_ok(cluster)

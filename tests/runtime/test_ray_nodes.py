@@ -61,7 +61,7 @@ def keep_two_nodes(nodes) -> None:
 def warn_worker_0(cluster, caplog) -> str:
     """Send slice 0's worker one RPC with a wrong token (it logs a warning); the one console
     line it came back as (logger mpmd.workers)."""
-    intruder = WorkerClient(cluster.addresses[0], "not-the-token-0123456789", {"Heartbeat": 0})
+    intruder = WorkerClient(cluster.addresses[0], "not-the-token-0123456789", {"Heartbeat": 0}, tls=cluster.tls)
     try:
         with pytest.raises(WorkerError):
             intruder.call("Heartbeat", timeout_s=10)

@@ -27,6 +27,7 @@ from mpmd.recipes import config
 from mpmd.recipes.run import run_log
 from mpmd.runtime.control.client import WorkerClient, WorkerError
 from mpmd.runtime.wire.credentials import job_credential
+from mpmd.runtime.wire.tls import load
 from mpmd.runtime.launchers.shared import MANAGER_SERVICE, JobRefused, SharedLauncher
 from tests.support.processes import ROOT, Controller, alive, processes_tagged, wait_gone
 
@@ -231,7 +232,7 @@ def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_
     clients = []
 
     def call(token, method, header):
-        c = WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE)
+        c = WorkerClient(saved["manager"], token, collections.Counter(), MANAGER_SERVICE, load(saved["tls"]))
         clients.append(c)
         return c.call(method, header)[0]
 
@@ -304,10 +305,10 @@ def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
     # The manager's own refusals, asked directly: more slices than workers, a wrong submit token.
     saved = json.loads(shared.file.read_text())
     with pytest.raises(JobRefused, match=r"'slices' must be an integer 1\.\.2"):
-        SharedLauncher(saved["manager"], saved["submit_token"]).start(3, str(shared.tmp))
+        SharedLauncher(saved["manager"], saved["submit_token"], tls=load(saved["tls"])).start(3, str(shared.tmp))
     with pytest.raises(JobRefused, match="UNAUTHENTICATED"):
-        SharedLauncher(saved["manager"], "0" * 32).start(1, str(shared.tmp))
-    two_device_slices = SharedLauncher(saved["manager"], saved["submit_token"])
+        SharedLauncher(saved["manager"], "0" * 32, tls=load(saved["tls"])).start(1, str(shared.tmp))
+    two_device_slices = SharedLauncher(saved["manager"], saved["submit_token"], tls=load(saved["tls"]))
     two_device_slices.devices = [2]
     with pytest.raises(JobRefused, match="give the job cluster.devices_per_worker=1"):
         two_device_slices.start(1, str(shared.tmp))
@@ -320,7 +321,7 @@ def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refu
     refused at Submit, and `mpmd train` says why in one line. A lease longer than the
     cluster's --max-lease-s (60 s by default) is refused, naming the bound."""
     saved = json.loads(shared.file.read_text())
-    holder = SharedLauncher(saved["manager"], saved["submit_token"], name="holder")
+    holder = SharedLauncher(saved["manager"], saved["submit_token"], tls=load(saved["tls"]), name="holder")
     holder.start(1, str(shared.tmp / "holder"))
     try:
         (shared.tmp / "holder" / "checkpoints").mkdir(parents=True)
@@ -329,7 +330,7 @@ def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refu
         with pytest.raises(
             JobRefused, match=rf"'root' {shared.tmp}/holder/checkpoints overlaps job {holder.job}'s root"
         ):
-            SharedLauncher(saved["manager"], saved["submit_token"]).start(1, str(link))
+            SharedLauncher(saved["manager"], saved["submit_token"], tls=load(saved["tls"])).start(1, str(link))
         (shared.tmp / "holder" / "config.yaml").write_text("seed: 0\n")  # the holder's own files
         (shared.tmp / "holder" / "checkpoints" / "5").mkdir()
         tree = lambda: {
@@ -348,7 +349,9 @@ def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refu
             match=r"'lease_s' must be a number of seconds in \(0, 60\] \(the cluster's "
             r"--max-lease-s",
         ):
-            SharedLauncher(saved["manager"], saved["submit_token"], lease_s=3600).start(1, str(shared.tmp / "long"))
+            SharedLauncher(saved["manager"], saved["submit_token"], tls=load(saved["tls"]), lease_s=3600).start(
+                1, str(shared.tmp / "long")
+            )
     finally:
         holder.stop()
     assert not [j for j in shared.status()["jobs"] if j["state"] in ("queued", "leased")]
@@ -362,7 +365,11 @@ def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(
     assert cluster_token not in shared.file.read_text()
     saved = json.loads(shared.file.read_text())
     mine = WorkerClient(
-        saved["manager"], job_credential(cluster_token, "mine-1"), collections.Counter(), MANAGER_SERVICE
+        saved["manager"],
+        job_credential(cluster_token, "mine-1"),
+        collections.Counter(),
+        MANAGER_SERVICE,
+        load(saved["tls"]),
     )
     try:
         for method, header in (("Down", {}), ("Release", {"job": "theirs-1"}), ("Submit", {"slices": 1})):
@@ -426,7 +433,7 @@ def test_a_ray_backed_cluster_leases_its_actors_and_down_leaves_no_process(tmp_p
     try:
         saved = json.loads(file.read_text())
         assert saved["backend"] == "ray" and len(saved["workers"]) == 2
-        job = SharedLauncher(saved["manager"], saved["submit_token"], name="on-ray")
+        job = SharedLauncher(saved["manager"], saved["submit_token"], tls=load(saved["tls"]), name="on-ray")
         addresses = job.start(2, str(tmp_path / "run"))
         assert sorted(addresses) == sorted(w["address"] for w in saved["workers"])
         wait_for(file, lambda s: sessions(s) == [[job.job]] * 2)

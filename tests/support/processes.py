@@ -193,7 +193,8 @@ class StandaloneWorkers:
     (the cluster token) or as a job does (its credential). disk_cache=False starts them
     without JAX's compilation cache on disk, so a miss of their own compile cache really
     compiles; `cpus[i]` pins worker i; `python` runs them on another venv's Python; `hosts` (a
-    tests/support/netns.Hosts) starts worker i inside host `on[i]`, listening on its address.
+    tests/support/netns.Hosts) starts worker i inside host `on[i]`, listening on its address;
+    `tls`: a directory of certificates (runtime/wire/tls.py) they serve mutual TLS with.
     A context manager: on exit a Shutdown with the cluster token stops them (killed if they
     linger; inside hosts, which this process cannot reach, killed at once, by pid)."""
 
@@ -208,8 +209,10 @@ class StandaloneWorkers:
         python: str | None = None,
         hosts=None,
         on=None,
+        tls: str | None = None,
     ):
         import secrets
+        from mpmd.runtime.wire.tls import load
 
         self.token = secrets.token_hex(16)
         self.root = base / "root"
@@ -222,6 +225,7 @@ class StandaloneWorkers:
             env.pop("JAX_COMPILATION_CACHE_DIR", None)
         if python:  # another venv's: its XLA may not know this process's XLA_FLAGS
             env.pop("XLA_FLAGS", None)
+        self.tls = load(tls) if tls else None  # the certificates they serve with (--tls DIR)
         self.logs = [base / f"worker_{i}.log" for i in range(num)]
         self.procs = []
         self.hosts = hosts
@@ -247,6 +251,7 @@ class StandaloneWorkers:
                             "--lease-s",
                             str(lease_s),
                             *pin,
+                            *(["--tls", str(tls)] if tls else []),
                         ],
                         cwd=ROOT,
                         env=env,
@@ -273,7 +278,7 @@ class StandaloneWorkers:
         import collections
         from mpmd.runtime.control.client import WorkerClient
 
-        return WorkerClient(self.addresses[i], credential or self.token, collections.Counter())
+        return WorkerClient(self.addresses[i], credential or self.token, collections.Counter(), tls=self.tls)
 
     def admin(self, i: int, method: str, header=None) -> dict:
         """The reply header of the admin RPC `method` to worker i."""

@@ -25,6 +25,9 @@ ARGS = [
     "train.sample_tokens=4",
     "log.tensorboard=false",
     "checkpoint.every=10",
+    # In the clear, so that a caller with a wrong token reaches the token check (with the
+    # default mutual TLS a stranger is refused at the handshake, before anything is logged).
+    "cluster.tls=off",
 ]
 # JAX_PLATFORMS unset (as a user has it): JAX tries its other backends and says so at start-up.
 ENV = {"JAX_PLATFORMS": ""}
@@ -33,7 +36,7 @@ ORBAX = re.compile(r"INFO .*(orbax|[Ss]ave checkpoint)")
 
 
 def serving_address(log: str) -> str:
-    return re.search(r"INFO serving slice on (\S+);", log).group(1)
+    return re.search(r"INFO serving slice on (\S+); in the clear;", log).group(1)
 
 
 @pytest.fixture(scope="module")
