@@ -1,7 +1,11 @@
 """A soak: one long gpt_tiny run through `mpmd train` under faults injected at random steps,
 against the same run uninterrupted; every step's loss must come out bitwise equal.
 
-    .venv/bin/python benchmarks/soak.py [--steps 2000] [--seed 0] [--mean-gap 50] [--keep DIR]
+    .venv/bin/python benchmarks/soak.py [--steps 2000] [--seed 0] [--mean-gap 50] [--keep DIR] [--hosts]
+
+With --hosts (root) the runs are on several hosts made of network namespaces instead, with
+their own faults: partitions, zombies, and workers restarted by hand (benchmarks/soak_hosts.py
+says which); the rest of this note describes the default, local bed.
 
 Both runs are the real CLI (a controller subprocess, 2 local worker processes, real gRPC and
 Orbax), gpt_tiny with a checkpoint every 10 steps, no eval or sample. The faulted run is
@@ -22,7 +26,8 @@ A fault is injected only once the current controller has logged two steps of its
 while it starts). At the end it prints the faults per kind, controller restarts, recoveries
 in place, steps logged twice (replayed), goodput (the uninterrupted run's wall time over the
 faulted one's, restarts and compilation included), and every step whose loss differs.
-Exit status 0 when all N losses match and every controller ended as its fault says.
+Exit status 0 when all N losses match, every controller ended as its fault says, and every
+committed checkpoint is readable and written by one generation.
 """
 
 from __future__ import annotations
@@ -66,16 +71,84 @@ def overrides(steps: int, run_dir: Path) -> list[str]:
     ]
 
 
-def start(steps: int, run_dir: Path, log: Path) -> subprocess.Popen:
+def start(steps: int, run_dir: Path, log: Path, extra=(), prefix=()) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with open(log, "a") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "mpmd.recipes.cli", "train", "configs/gpt_tiny.yaml", *overrides(steps, run_dir)],
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "mpmd.recipes.cli",
+                "train",
+                "configs/gpt_tiny.yaml",
+                *overrides(steps, run_dir),
+                *extra,
+            ],
             cwd=REPO,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+class LocalBed:
+    """The controller and its two local workers on this host, as `mpmd train` starts them."""
+
+    kinds = KINDS
+
+    def __init__(self, disk: Disk):
+        self.disk = disk
+        if not disk.mounted:
+            self.kinds = tuple(k for k in KINDS if k != "full-disk")
+
+    def start(self, steps: int, run_dir: Path, log: Path) -> subprocess.Popen:
+        return start(steps, run_dir, log)
+
+    def busy(self) -> bool:
+        return False
+
+    def tick(self) -> None:
+        pass
+
+    def inject(self, kind: str, proc: subprocess.Popen, run_dir: Path, rng, problems: list) -> tuple[bool, str | None]:
+        """(injected, the fault that ends this controller or None)."""
+        workers = children(proc.pid)
+        if kind.startswith("worker") and workers:
+            os.kill(rng.choice(workers), signal.SIGKILL if kind == "worker-kill" else signal.SIGTERM)
+            return True, None
+        if kind == "full-disk" and self.disk.mounted:
+            self.disk.fill()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                problems.append("the run went on for 60 s on a full disk")
+            self.disk.free()
+            return True, kind
+        return controller_fault(kind, proc, run_dir, workers, problems)
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+def controller_fault(kind: str, proc, run_dir: Path, workers, problems: list) -> tuple[bool, str | None]:
+    """The faults that end the controller, whatever the bed: (injected, ended by). A bit is
+    flipped only while two steps are committed: the one before the flipped one is what the
+    run resumes from (with one, a second flip in a row would leave nothing to resume)."""
+    if kind == "corrupt" and len(committed(run_dir)) < 2:
+        return False, None
+    if kind in ("controller-kill", "corrupt"):
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if workers and wait_gone(workers, 20.0):
+            problems.append(f"workers {workers} outlived their SIGKILLed controller")
+        if kind == "corrupt":
+            print(f"  corrupt: {flip_bit(run_dir)}", flush=True)
+        return True, kind
+    if kind == "controller-term":
+        os.kill(proc.pid, signal.SIGTERM)
+        return True, kind
+    return False, None
 
 
 def logged_steps(run_dir: Path) -> int:
@@ -153,7 +226,7 @@ def plan(seed: int, steps: int, mean_gap: float, kinds: tuple[str, ...]) -> list
         out.append((max(1, int(at)), cycle.pop()))
 
 
-def faulted_run(steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, str]], disk: Disk, rng) -> dict:
+def faulted_run(bed, steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, str]], rng) -> dict:
     pending = collections.deque(faults)
     injected: collections.Counter = collections.Counter()
     ends: list[tuple[str | None, int]] = []  # (the fault that ended a controller, its exit status)
@@ -163,38 +236,19 @@ def faulted_run(steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, s
         segment += 1
         log = logs / f"controller_{segment}.log"
         first = logged_steps(run_dir)
-        proc = start(steps, run_dir, log)
+        proc = bed.start(steps, run_dir, log)
         ended_by = None
         while proc.poll() is None:
+            bed.tick()
             now = logged_steps(run_dir)
-            if ended_by is None and pending and now >= pending[0][0] and now >= first + 2:
-                _, kind = pending.popleft()
-                workers = children(proc.pid)
-                if kind.startswith("worker") and workers:
-                    os.kill(rng.choice(workers), signal.SIGKILL if kind == "worker-kill" else signal.SIGTERM)
-                elif kind in ("controller-kill", "corrupt"):
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    if wait_gone(workers, 20.0):
-                        problems.append(f"workers {workers} outlived their SIGKILLed controller")
-                    if kind == "corrupt":
-                        print(f"  corrupt: {flip_bit(run_dir)}", flush=True)
-                    ended_by = kind
-                elif kind == "controller-term":
-                    os.kill(proc.pid, signal.SIGTERM)
-                    ended_by = kind
-                elif kind == "full-disk" and disk.mounted:
-                    disk.fill()
-                    try:
-                        proc.wait(timeout=60)
-                        ended_by = kind
-                    except subprocess.TimeoutExpired:
-                        problems.append("the run went on for 60 s on a full disk")
-                    disk.free()
-                else:
-                    continue
-                injected[kind] += 1
-                print(f"  step {now}: {kind}", flush=True)
+            if ended_by is None and pending and now >= pending[0][0] and now >= first + 2 and not bed.busy():
+                at, kind = pending.popleft()
+                done, ended_by = bed.inject(kind, proc, run_dir, rng, problems)
+                if done:
+                    injected[kind] += 1
+                    print(f"  step {now}: {kind}", flush=True)
+                else:  # not now (nothing to hit yet): at the next look
+                    pending.appendleft((at, kind))
             time.sleep(0.1)
         rc = proc.wait()
         ends.append((ended_by, rc))
@@ -220,6 +274,19 @@ def faulted_run(steps: int, run_dir: Path, logs: Path, faults: list[tuple[int, s
     }
 
 
+def verify_checkpoints(run_dir: Path) -> list[str]:
+    """What is wrong with the committed checkpoints: a damaged step, or a step whose parts
+    come from more than one generation (runtime/worker/slice_store.py)."""
+    store = CheckpointStore(run_dir)
+    out = [f"step {step} damaged: {why}" for step, why in store.damaged().items()]
+    for step in store.committed():
+        parts = {leaf["part"] for leaf in store.manifest(step)["leaves"].values()}
+        tags = {p.split(".", 1)[1] if "." in p else "" for p in parts}
+        if len(tags) > 1:
+            out.append(f"step {step} committed parts of several generations: {sorted(parts)}")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2000)
@@ -227,20 +294,32 @@ def main() -> int:
     p.add_argument("--mean-gap", type=float, default=50.0, help="mean steps between faults")
     p.add_argument("--disk-mb", type=int, default=96, help="size of the faulted run's tmpfs")
     p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run on network namespaces (benchmarks/soak_hosts.py): static workers on hosts of their "
+        "own, the controller on another, mutual TLS, and partition and zombie faults (needs root)",
+    )
+    p.add_argument(
         "--keep", type=Path, default=None, help="where both runs' records go (default: a new temporary directory)"
     )
     args = p.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="mpmd-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     disk = Disk(work / "faulted", args.disk_mb)
-    kinds = KINDS if disk.mounted else tuple(k for k in KINDS if k != "full-disk")
+    if args.hosts:
+        from benchmarks.soak_hosts import HostBed
+
+        bed = HostBed(work, disk)
+    else:
+        bed = LocalBed(disk)
+    kinds = bed.kinds
     if not disk.mounted:
         print(f"full-disk faults skipped: cannot mount a tmpfs ({disk.why})")
     try:
         faults = plan(args.seed, args.steps, args.mean_gap, kinds)
         print(f"uninterrupted run: {args.steps} steps")
         t0 = time.monotonic()
-        ref = start(args.steps, work / "reference", work / "reference.log")
+        ref = bed.start(args.steps, work / "reference", work / "reference.log")
         if ref.wait() != 0:
             print(f"the uninterrupted run failed: see {work / 'reference.log'}")
             return 1
@@ -249,11 +328,12 @@ def main() -> int:
         logs = work / "faulted_logs"
         logs.mkdir(exist_ok=True)
         t0 = time.monotonic()
-        got = faulted_run(args.steps, disk.path / "run", logs, faults, disk, random.Random(args.seed + 1))
+        got = faulted_run(bed, args.steps, disk.path / "run", logs, faults, random.Random(args.seed + 1))
         faulted_s = time.monotonic() - t0
         want, have = losses(work / "reference"), losses(disk.path / "run")
         mismatch = [s for s in range(1, args.steps + 1) if have.get(s) != want.get(s)]
         order_ok = sorted(have) == list(range(1, args.steps + 1))
+        got["problems"] += verify_checkpoints(disk.path / "run")
     finally:
         if disk.mounted and (disk.path / "run").exists():
             # The faulted run's records (not its checkpoints) onto the real disk before the tmpfs goes.
@@ -263,7 +343,7 @@ def main() -> int:
                 dirs_exist_ok=True,
                 ignore=shutil.ignore_patterns("checkpoints"),
             )
-        disk.close()
+        bed.close()
     injected = got["injected"]
     print(
         f"\nsteps {args.steps}, seed {args.seed}, faults injected {sum(injected.values())}: "
