@@ -321,8 +321,13 @@ class StageCheckpoints:
                 with self._cond:
                     self.failed_saves = 0
                     self._lost_commits = {s: e for s, e in self._lost_commits.items() if s > step}
-                    if self._failure is not None and self._failure[0] < step:
+                    superseded = self._failure if self._failure is not None and self._failure[0] < step else None
+                    if superseded is not None:
                         self._failure = None  # a newer step is committed: nothing to retry
+                if superseded is not None:  # no retry will say it: say it here
+                    log.warning(
+                        "checkpoint of step %d failed (%s); step %d is committed in its place", *superseded, step
+                    )
                 try:
                     self.store.prune(self.keep)
                 except OSError as e:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import numpy as np
 
+from mpmd.runtime.worker import failpoints
 from mpmd.runtime.worker import programs as programs_lib
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import format as wire
@@ -178,6 +179,8 @@ class Executor:
         `layouts` ({buffer: [layout per array]}; default replicated) lays each array out on
         this slice's mesh, whatever mesh saved it. `digests` ({key: digest}): what each leaf
         read must match (slice_store.Damaged otherwise)."""
+        if failpoints.armed:
+            failpoints.hit("restore", f"reading {sorted(items)}")
         layouts = layouts or {}
         got = self._checkpointer.restore(items, lambda name, i: self._sharding(_nth(layouts.get(name), i)), digests)
         if staged:
@@ -321,12 +324,16 @@ class Executor:
                     if trace:
                         events.append(Event(f"recv {ins.key}", "recv", start, time.time_ns()))
                 elif isinstance(ins, Send):
+                    if failpoints.armed:
+                        failpoints.hit("transfer", f"run {run}: {where}")
                     self.transport.send(prefix + ins.key, buffers[ins.buffer], ins.dst, ins.pieces)
                 elif isinstance(ins, Copy):
                     try:
                         arrays = buffers[ins.src]
                     except KeyError:
                         raise ValueError(f"copies buffer {ins.src!r}, which does not exist") from None
+                    if ins.memory == "host" and failpoints.armed:
+                        failpoints.hit("snapshot", f"run {run}: {where}")
                     buffers[ins.dst] = tuple(host_copy(a) if ins.memory == "host" else _on_device(a) for a in arrays)
                 else:
                     assert isinstance(ins, Delete)

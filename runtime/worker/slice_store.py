@@ -44,6 +44,8 @@ from pathlib import Path
 
 import jax
 
+from mpmd.runtime.worker import failpoints
+
 log = logging.getLogger("mpmd.checkpoint")
 MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest.sha256"  # hex sha256 of manifest.json's bytes
@@ -185,6 +187,8 @@ class SliceCheckpointer:
                     return
                 directory, tree, digests = self._queue.pop(0)
                 self._writing = directory
+            if failpoints.armed:
+                failpoints.hit("save", f"writing {directory}")
             outcome: BaseException | dict = {}
             try:
                 with _ORBAX:  # one Orbax write at a time in a process (see _ORBAX)

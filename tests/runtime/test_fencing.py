@@ -4,7 +4,6 @@ was declared lost and replaced but still runs (a zombie: SIGSTOPped during a sav
 once its replacement has committed that step) writes nothing the run commits, and leaves on
 its own."""
 
-import datetime
 import os
 import signal
 import time
@@ -16,8 +15,8 @@ import mpmd
 from mpmd.runtime.control.rpc import WorkerError, call
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.worker.slice_store import CheckpointStore
-from tests.support.processes import StandaloneWorkers
-from tests.support.recovery_runs import STEPS, assert_same_run, data, make_trainer, train
+from tests.support.processes import StandaloneWorkers, logged_at
+from tests.support.recovery_runs import STEPS, assert_commits_verify, assert_same_run, data, make_trainer, train
 
 pytestmark = pytest.mark.slow  # real worker processes (tests/README.md)
 
@@ -107,22 +106,6 @@ def test_a_zombie_worker_writes_nothing_the_run_commits_and_leaves(tmp_path, uni
     # directory). Once back, it wrote there (or failed to, its directory having been cleared).
     stale = os.path.basename(stopped[0][0])
     assert live and stale not in live and stale.split(".")[0] in {p.split(".")[0] for p in live}, (stale, live)
-    after = [line for line in log.splitlines() if stale in line and _logged_at(line) >= resumed[0] - 0.5]
+    after = [line for line in log.splitlines() if stale in line and logged_at(line) >= resumed[0] - 0.5]
     assert after, f"the zombie did nothing with {stale} once SIGCONTed:\n{log[-3000:]}"
-    store = CheckpointStore(run_dir)
-    for step in store.committed():
-        manifest_path = store.step_dir(step) / "manifest.json"
-        parts = {leaf["part"] for leaf in store.manifest(step)["leaves"].values()}
-        assert stale not in parts
-        committed_at = manifest_path.stat().st_mtime_ns
-        for part in parts:
-            for f in [store.step_dir(step) / part, *(store.step_dir(step) / part).rglob("*")]:
-                assert f.stat().st_mtime_ns <= committed_at, f"{f} was written after step {step} was committed"
-
-
-def _logged_at(line: str) -> float:
-    """The time a worker's log line was written ("2026-12-06 22:21:16,298 worker[..] ..."), or 0."""
-    try:
-        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    except ValueError:
-        return 0.0
+    assert_commits_verify(run_dir, stale=[stopped[0][0]])

@@ -11,6 +11,11 @@ started inside a host by `popen(i, argv)` (`ip netns exec`), remembered by pid a
 by pid on close, which then deletes every namespace, link and the bridge, whatever happened
 (a context manager; `skip_unless_root` skips where namespaces cannot be made).
 
+Inside host i this machine's hostname names host i's address, as a real host's name names its
+own (`ip netns exec` mounts /etc/netns/<name>/hosts over /etc/hosts): a gang's gloo collectives
+(runtime/worker/gang.py) listen on the address the hostname resolves to, which here would
+otherwise be loopback, out of the other hosts' reach.
+
 A namespace shares this machine's filesystem, /dev/shm and pid space; its abstract Unix
 sockets are its own (they belong to the network namespace), so mpmd's shared-memory
 endpoints (runtime/wire/shm.py), which are abstract sockets, are reachable only from the
@@ -22,8 +27,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +74,9 @@ class Hosts:
                 _ip("link", "set", f"{link}p", "name", "eth0", ns=name)
                 _ip("addr", "add", f"{address}/24", "dev", "eth0", ns=name)
                 _ip("link", "set", "eth0", "up", ns=name)
+                etc = Path("/etc/netns") / name
+                etc.mkdir(parents=True, exist_ok=True)
+                (etc / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{address} {socket.gethostname()}\n")
         except BaseException:
             self.close()
             raise
@@ -104,6 +115,7 @@ class Hosts:
             _ip("link", "delete", link, check=False)
         for name in self.names:
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
         _ip("link", "delete", self.bridge, check=False)
         deadline = time.monotonic() + 5
         while any(os.path.exists(f"/run/netns/{name}") for name in self.names) and time.monotonic() < deadline:

@@ -56,6 +56,16 @@ def wait_gone(pids, timeout_s=10.0) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def logged_at(line: str) -> float:
+    """The time a worker's log line was written ("2026-12-06 22:21:16,298 worker[..] ..."), or 0."""
+    import datetime
+
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return 0.0
+
+
 def processes_tagged(name: str, value: str) -> list[int]:
     """Live processes whose environment holds name=value (inherited by everything a test's
     process starts, whoever their parent is now)."""
@@ -144,23 +154,35 @@ class Controller:
 
     def wait_for_step(self, step: int, timeout_s: float = 90.0) -> None:
         """Until the progress line of `step` (or a later one) is printed."""
+        self.wait_for(
+            lambda line: (m := re.match(r"step (\d+)/", line)) and int(m.group(1)) >= step, f"step {step}", timeout_s
+        )
+
+    def wait_for(self, wanted, what: str, timeout_s: float = 90.0) -> str:
+        """The first stdout line from now on for which `wanted(line)` holds (`what` names it
+        in the failure)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, f"the run ended before step {step}:\n{''.join(self.stdout)}"
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {what} within {timeout_s} s:\n{''.join(self.stdout)[-3000:]}") from None
+            assert line is not None, f"the run ended before {what}:\n{''.join(self.stdout)[-3000:]}"
             self.stdout.append(line)
-            m = re.match(r"step (\d+)/", line)
-            if m and int(m.group(1)) >= step:
-                return
+            if wanted(line):
+                return line
 
-    def wait_for_commit(self, timeout_s: float = 60.0) -> int:
-        """Until a checkpoint is committed in the run directory (saves are written in the
-        background: a step's progress line comes before its commit); the newest step."""
+    def wait_for_commit(self, timeout_s: float = 60.0, step: int | None = None) -> int:
+        """Until a checkpoint (of `step`, if given) is committed in the run directory (saves
+        are written in the background: a step's progress line comes before its commit); the
+        newest step."""
         from mpmd.runtime.worker.slice_store import CheckpointStore
 
         deadline = time.monotonic() + timeout_s
-        while not (committed := CheckpointStore(self.run_dir).committed()):
-            assert time.monotonic() < deadline, f"no checkpoint committed in {self.run_dir} within {timeout_s} s"
+        while not (committed := CheckpointStore(self.run_dir).committed()) or step not in (None, *committed):
+            assert time.monotonic() < deadline, (
+                f"no checkpoint{'' if step is None else f' of step {step}'} committed in {self.run_dir} within {timeout_s} s"
+            )
             time.sleep(0.05)
         return committed[-1]
 
@@ -195,6 +217,9 @@ class StandaloneWorkers:
     compiles; `cpus[i]` pins worker i; `python` runs them on another venv's Python; `hosts` (a
     tests/support/netns.Hosts) starts worker i inside host `on[i]`, listening on its address;
     `tls`: a directory of certificates (runtime/wire/tls.py) they serve mutual TLS with.
+    `env_of[i]` is added to worker i's environment (e.g. runtime/worker/failpoints.py's
+    MPMD_FAILPOINTS); with `processes_per_slice` k > 1, workers k*j .. k*j+k-1 are gang j's
+    processes (`--coordinator` on process 0's address, `--num-processes k --process-id`).
     A context manager: on exit a Shutdown with the cluster token stops them (killed if they
     linger; inside hosts, which this process cannot reach, killed at once, by pid)."""
 
@@ -210,8 +235,12 @@ class StandaloneWorkers:
         hosts=None,
         on=None,
         tls: str | None = None,
+        env_of=None,
+        processes_per_slice: int = 1,
     ):
         import secrets
+
+        from mpmd.runtime.launchers.workers import free_port
         from mpmd.runtime.wire.tls import load
 
         self.token = secrets.token_hex(16)
@@ -229,10 +258,24 @@ class StandaloneWorkers:
         self.logs = [base / f"worker_{i}.log" for i in range(num)]
         self.procs = []
         self.hosts = hosts
+        host_of = lambda i: hosts.addresses[on[i]] if hosts is not None else "127.0.0.1"
+        gang = []
         for i, log in enumerate(self.logs):
             pin = ["--cpus", str(cpus[i])] if cpus else []
-            listen = f"{hosts.addresses[on[i]]}:0" if hosts is not None else "127.0.0.1:0"
+            listen = f"{host_of(i)}:0"
             start = functools.partial(hosts.popen, on[i]) if hosts is not None else subprocess.Popen
+            if processes_per_slice > 1:
+                j = i % processes_per_slice
+                if j == 0:  # a free port here is free in a namespace of its own too
+                    coordinator = f"{host_of(i)}:{free_port('127.0.0.1')}"
+                gang = [
+                    "--coordinator",
+                    coordinator,
+                    "--num-processes",
+                    str(processes_per_slice),
+                    "--process-id",
+                    str(j),
+                ]
             with open(log, "w") as stderr:
                 self.procs.append(
                     start(
@@ -252,9 +295,10 @@ class StandaloneWorkers:
                             str(lease_s),
                             *pin,
                             *(["--tls", str(tls)] if tls else []),
+                            *gang,
                         ],
                         cwd=ROOT,
-                        env=env,
+                        env={**env, **(env_of or {}).get(i, {})},
                         stdout=subprocess.PIPE,
                         stderr=stderr,
                         text=True,

@@ -1,6 +1,7 @@
 """Runs of a small pipeline with and without injected faults, shared by the fault tests
 (tests/train/test_recovery.py, tests/runtime/test_control_faults.py); the uninterrupted runs are fixtures
-in conftest.py."""
+in conftest.py. And what every fault test checks of the checkpoints a faulty run committed
+(assert_commits_verify: tests/runtime/test_fencing.py, tests/runtime/test_hosts.py)."""
 
 import collections
 import functools
@@ -134,6 +135,41 @@ def slice_part(step_dir, r: int):
     parts = {leaf["part"] for leaf in manifest["leaves"].values() if leaf["part"].startswith(f"slice_{r}.")}
     assert len(parts) == 1, parts
     return step_dir / parts.pop()
+
+
+def assert_commits_verify(run_dir, stale=()) -> dict[int, set[str]]:
+    """Every committed step of `run_dir` verifies, and holds nothing a worker left behind in an
+    older generation (a zombie) wrote: no step is damaged; each step's parts are of one
+    generation (`slice_<r>.<generation>`); none is a directory in `stale` (where a zombie was
+    told to write); nothing in a part was written after the step's manifest; and every leaf
+    reads back with the digest its manifest records. {step: its parts}."""
+    from mpmd.runtime.worker.slice_store import CheckpointStore, SliceCheckpointer
+
+    store = CheckpointStore(run_dir)
+    assert store.damaged() == {}, store.damaged()
+    stale = {os.path.realpath(d) for d in stale}
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    found = {}
+    for step in store.committed():
+        manifest = store.manifest(step)
+        parts = {leaf["part"] for leaf in manifest["leaves"].values()}
+        generations = {p.partition(".")[2] for p in parts}
+        assert len(generations) == 1 and "" not in generations, (
+            f"step {step}'s parts are not of one generation: {parts}"
+        )
+        paths = {p: store.step_dir(step) / p for p in parts}
+        told = stale & {os.path.realpath(d) for d in paths.values()}
+        assert not told, f"step {step} commits {sorted(told)}, where a worker left behind was told to write"
+        committed_at = (store.step_dir(step) / "manifest.json").stat().st_mtime_ns
+        for d in paths.values():
+            for f in [d, *d.rglob("*")]:
+                assert f.stat().st_mtime_ns <= committed_at, f"{f} was written after step {step} was committed"
+        for part, d in paths.items():
+            leaves = {k: leaf.get("digest") for k, leaf in manifest["leaves"].items() if leaf["part"] == part}
+            assert None not in leaves.values(), f"step {step}'s part {part} has leaves without digests"
+            SliceCheckpointer().restore({str(d): {k: [(k, 0)] for k in leaves}}, lambda *_: device, leaves)
+        found[step] = parts
+    return found
 
 
 def assert_same_run(got, want):
