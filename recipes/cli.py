@@ -83,8 +83,13 @@ def main(argv=None) -> int:
             return 2
         print(msg)
         return 0
+    import faulthandler
     import importlib
+    import signal
 
+    # `kill -USR1 <pid>` prints every thread's stack on stderr and goes on (as a worker does):
+    # how to see where a controller that seems hung is waiting.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if argv[0] in COMPILING:
         use_compilation_cache()
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

@@ -315,10 +315,18 @@ class ControlPlane(RunDispatch):
 
     def lost_slice(self) -> tuple[int, str] | None:
         """(slice, why) of a slice silent for longer than failure_timeout_s, if any."""
-        now = time.monotonic()
-        for i, c in enumerate(self.clients):
-            if now - c.last_ok > self.failure_timeout_s:
-                return i, f"no answer for {now - c.last_ok:.1f} s (failure_timeout_s={self.failure_timeout_s:g})"
+        for i in range(len(self.clients)):
+            why = self._silent(i)
+            if why is not None:
+                return i, why
+        return None
+
+    def _silent(self, slice_index: int) -> str | None:
+        """Why slice `slice_index` counts as lost (silent for longer than failure_timeout_s),
+        else None."""
+        silent_s = time.monotonic() - self.clients[slice_index].last_ok
+        if silent_s > self.failure_timeout_s:
+            return f"no answer for {silent_s:.1f} s (failure_timeout_s={self.failure_timeout_s:g})"
         return None
 
     def replace(self, slice_index: int, wait_s: float | None = None) -> None:
@@ -465,10 +473,12 @@ class ControlPlane(RunDispatch):
         try:
             fut = send(c, request, blobs, verb=verb)
             while not _settled(fut, HEARTBEAT_S):
-                lost = self.lost_slice()
-                if lost is not None and lost[0] == slice_index:
+                # This slice's own silence: with every slice silent (the controller cut off from
+                # all of them), the first lost one is slice 0, and a call to another would wait on.
+                why = self._silent(slice_index)
+                if why is not None:
                     fut.cancel()
-                    raise WorkerLost(slice_index, c.address, f"{verb} unanswered: {lost[1]}")
+                    raise WorkerLost(slice_index, c.address, f"{verb} unanswered: {why}")
             return receive(c, verb, fut)
         except WorkerError as e:
             if e.code in GONE:

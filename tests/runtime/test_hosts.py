@@ -33,6 +33,7 @@ import pytest
 
 from mpmd.recipes.run import run_log
 from mpmd.runtime.worker import failpoints
+from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support import netns
 from tests.support.processes import ROOT, Controller, StandaloneWorkers, logged_at, tiny_gpt_run
 from tests.support.recovery_runs import assert_commits_verify
@@ -180,6 +181,34 @@ def test_the_controller_cut_off_from_every_worker_waits_then_goes_on_with_them(t
             assert all("shutting down: controller asked" in log.read_text() for log in workers.logs)
             assert "recovered" in out and "continuing on 1 slice" not in out, out[-3000:]
     assert_same_losses(run_dir, reference)
+
+
+def test_the_controller_cut_off_stops_cleanly_when_told_not_to_wait_and_resumes_after(tmp_path, reference):
+    """The same cut, with cluster.on_loss=replace and replace_timeout_s=1: the lost worker is
+    not back within the second the run may wait, so it stops, with one line naming the last
+    committed step, and commits nothing it did not finish. Run again once the link is back,
+    over the same workers (the new controller's generation supersedes the old one's), it
+    resumes from that step and ends with the uninterrupted run's losses."""
+    with netns.Hosts(3) as hosts:
+        with StandaloneWorkers(tmp_path, 2, shared=False, hosts=hosts, on=[1, 2], lease_s=LEASE_S) as workers:
+            run_dir = workers.root / "run"
+            args = static(workers, [0, 1], failure_timeout_s=2, on_loss="replace", replace_timeout_s=1)
+            run = train_on_host_0(hosts, run_dir, *args)
+            run.wait_for_commit()
+            hosts.cut(0)
+            rc, out = run.finish()
+            hosts.restore(0)
+            err = run.stderr_path.read_text()
+            assert rc == 1, (rc, out[-2000:], err[-3000:])
+            committed = CheckpointStore(run_dir).committed()
+            assert committed and f"last committed checkpoint: step {committed[-1]}" in err, err[-3000:]
+            assert_commits_verify(run_dir)
+            again = train_on_host_0(hosts, run_dir, *args)
+            out = again.succeed()
+            assert f"resumed from {run_dir / 'checkpoints' / str(committed[-1])}" in out + again.stderr_path.read_text()
+            assert [p.wait(timeout=10) for p in workers.procs] == [0, 0]
+    assert_same_losses(run_dir, reference)
+    assert_commits_verify(run_dir)
 
 
 class Row(NamedTuple):
