@@ -27,7 +27,8 @@ while it starts). At the end it prints the faults per kind, controller restarts,
 in place, steps logged twice (replayed), goodput (the uninterrupted run's wall time over the
 faulted one's, restarts and compilation included), and every step whose loss differs.
 Exit status 0 when all N losses match, every controller ended as its fault says, and every
-committed checkpoint is readable and written by one generation.
+committed checkpoint verifies (tests/support/recovery_runs.py assert_commits_verify: one
+generation per step, nothing newer than its manifest, every leaf's digest read back).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.support, as when run from the repository root
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the checkpoint check at the end reads leaves back
 
 from mpmd.recipes.run import run_log  # noqa: E402
 from mpmd.runtime.worker.slice_store import CheckpointStore  # noqa: E402
@@ -275,16 +277,16 @@ def faulted_run(bed, steps: int, run_dir: Path, logs: Path, faults: list[tuple[i
 
 
 def verify_checkpoints(run_dir: Path) -> list[str]:
-    """What is wrong with the committed checkpoints: a damaged step, or a step whose parts
-    come from more than one generation (runtime/worker/slice_store.py)."""
-    store = CheckpointStore(run_dir)
-    out = [f"step {step} damaged: {why}" for step, why in store.damaged().items()]
-    for step in store.committed():
-        parts = {leaf["part"] for leaf in store.manifest(step)["leaves"].values()}
-        tags = {p.split(".", 1)[1] if "." in p else "" for p in parts}
-        if len(tags) > 1:
-            out.append(f"step {step} committed parts of several generations: {sorted(parts)}")
-    return out
+    """What is wrong with the committed checkpoints, as the fault tests check them
+    (tests/support/recovery_runs.py assert_commits_verify): a damaged step, parts of several
+    generations, a part written after its manifest, a leaf whose digest does not read back."""
+    from tests.support.recovery_runs import assert_commits_verify
+
+    try:
+        assert_commits_verify(run_dir)
+    except AssertionError as e:
+        return [f"committed checkpoints: {e}"]
+    return []
 
 
 def main() -> int:
