@@ -245,8 +245,6 @@ class SharedCluster(ControlPlane):
         transport: str = "auto",
         tls: str | bool | None = None,
     ):
-        if tls is True:
-            raise ValueError("a shared cluster's certificates are made by `mpmd cluster up`: give tls= their directory")
         if cluster_file is not None:
             if address is not None or submit_token is not None:
                 raise ValueError("give cluster_file, or address and submit_token, not both")
@@ -254,7 +252,11 @@ class SharedCluster(ControlPlane):
             address, submit_token = data["manager"], data["submit_token"]
             if tls is None:
                 tls = data.get("tls")
-        tls = cluster_tls(tls, "the shared cluster's tls")
+        tls = cluster_tls(
+            tls,
+            "the shared cluster's tls",
+            given_only="a shared cluster's certificates are made by `mpmd cluster up`: give tls= their directory",
+        )
         if address is None or not submit_token:
             raise ValueError("SharedCluster needs the manager's address and the submit token (or cluster_file)")
         launcher = SharedLauncher(

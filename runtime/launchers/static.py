@@ -76,12 +76,11 @@ class StaticCluster(ControlPlane):
         tls: str | None = None,
     ):
         addresses = group_addresses(addresses, processes_per_slice)
-        if tls is True:
-            raise ValueError(
-                "a static cluster's workers were started with their certificates (`mpmd worker --tls DIR`): "
-                "give tls= that directory (or None: in the clear)"
-            )
-        tls = cluster_tls(tls)
+        tls = cluster_tls(
+            tls,
+            given_only="a static cluster's workers were started with their certificates (`mpmd worker --tls DIR`): "
+            "give tls= that directory (or None: in the clear)",
+        )
         if token is None:
             if token_file is None:
                 raise ValueError("StaticCluster needs token_file (the file the workers were given) or token")

@@ -58,10 +58,14 @@ class Tls:
         )
 
 
-def cluster_tls(tls, key: str = "tls") -> Tls | None:
+def cluster_tls(tls, key: str = "tls", given_only: str | None = None) -> Tls | None:
     """A launcher's `tls=` argument as a Tls: True makes a new authority (in memory), a
-    directory is loaded, False or None is the clear; ValueError naming `key` otherwise."""
+    directory is loaded, False or None is the clear; ValueError naming `key` otherwise.
+    `given_only`: for a cluster whose certificates come from elsewhere, the ValueError that
+    refuses True (why a new authority cannot serve, and what to give instead)."""
     if tls is True:
+        if given_only:
+            raise ValueError(given_only)
         return authority()
     if tls is False or tls is None:
         return None

@@ -21,10 +21,9 @@ from mpmd import models
 import mpmd
 from mpmd.runtime.worker import programs
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.wire.tls import CHANNEL_OPTIONS
 from mpmd.runtime.control.cluster import StepFailed, WorkerLost
 from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
-from tests.support.processes import ROOT, mpmd_train
+from tests.support.processes import ROOT, mpmd_train, raw_call
 from tests.support.recovery_runs import assert_same_run, run_with_fault, train
 
 pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
@@ -261,20 +260,6 @@ def test_watchdog_recovery_ends_like_an_uninterrupted_run(tmp_path, uninterrupte
 def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-
-def raw_call(address, method, body: bytes, token=None, timeout=30, generation=0, tls=None):
-    """One call as a bare client makes it; `generation`: the control plane's (a call of an
-    older one than the worker's is refused before its body is read: runtime/worker/service.py);
-    `tls`: the cluster's certificates (runtime/wire/tls.py), which its workers ask for."""
-    opts = [("grpc.max_send_message_length", 2**31 - 1)]
-    with (
-        grpc.secure_channel(address, tls.channel_credentials(), options=[*opts, *CHANNEL_OPTIONS])
-        if tls
-        else grpc.insecure_channel(address, options=opts)
-    ) as ch:
-        md = (("mpmd-token", token), ("mpmd-generation", str(generation))) if token is not None else ()
-        return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=timeout)
 
 
 def test_unauthenticated_big_requests_are_refused_before_their_body_is_read(cluster):

@@ -4,6 +4,7 @@ It must give exactly what the in-process cluster gives (bitwise: same compiled p
 same threading), over every schedule, for split and for hand-written stages.
 """
 
+import functools
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from flax import nnx
 
 from mpmd import models
 import mpmd
-from tests.support import reference
+from tests.support import processes, reference
 from tests.support.processes import alive, wait_gone
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train
 from tests.support.user_stages import UserModel, token_batches
@@ -178,12 +179,8 @@ def test_static_cluster_with_mpmd_worker_processes(static_workers):
         assert p.wait(timeout=10) == 0
 
 
-def raw_call(address, method, body: bytes, token=None):
-    import grpc
-
-    with grpc.insecure_channel(address) as ch:
-        md = (("mpmd-token", token),) if token is not None else ()
-        return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=5)
+# These static workers answer at once: a call that waits 5 s is a failure.
+raw_call = functools.partial(processes.raw_call, timeout=5)
 
 
 def test_token_is_required_and_bad_messages_get_errors(static_workers):

@@ -100,6 +100,25 @@ def mpmd_command(command: str, *args, timeout=120):
     )
 
 
+def raw_call(address, method, body: bytes, token=None, timeout=30.0, generation=0, tls=None):
+    """One call to a worker as a bare gRPC client makes it, no mpmd client in between: the
+    token (if any) and `generation` in its metadata (a call of an older generation than the
+    worker's is refused before its body is read: runtime/worker/service.py), over mutual TLS
+    with `tls` (the cluster's certificates, runtime/wire/tls.py), else in the clear. The reply's
+    bytes; grpc.RpcError as the worker answered."""
+    import grpc
+    from mpmd.runtime.wire.tls import CHANNEL_OPTIONS
+
+    opts = [("grpc.max_send_message_length", 2**31 - 1)]
+    with (
+        grpc.secure_channel(address, tls.channel_credentials(), options=[*opts, *CHANNEL_OPTIONS])
+        if tls
+        else grpc.insecure_channel(address, options=opts)
+    ) as ch:
+        md = (("mpmd-token", token), ("mpmd-generation", str(generation))) if token is not None else ()
+        return ch.unary_unary(f"/mpmd.Worker/{method}")(body, metadata=md, timeout=timeout)
+
+
 def tiny_gpt_run(steps: int, every: int) -> list[str]:
     """The overrides of configs/gpt_tiny.yaml that the recipe-level fault tests train with: a
     two-layer model of width 32 on 300 KB of text, `steps` steps, a checkpoint every `every`,
