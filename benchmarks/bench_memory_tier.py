@@ -49,21 +49,16 @@ def median_step(config: str, steps: int, extra: list[str], run_dir: Path) -> flo
     return statistics.median(r["step_s"] for r in run_log.read(run_dir) if r["step"] > 10)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+def measure(config: str, rounds: int, steps: int, overrides: list[str]) -> list[float]:
+    """Per round, the median step with the tier over the median without; printed as it goes."""
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
         n = 0
-        for r in range(args.rounds):
+        for r in range(rounds):
             got = {}
             for case in list(CASES) if r % 2 else list(reversed(CASES)):
                 n += 1
-                got[case] = median_step(args.config, args.steps, [*args.overrides, *CASES[case]], Path(tmp) / f"r{n}")
+                got[case] = median_step(config, steps, [*overrides, *CASES[case]], Path(tmp) / f"r{n}")
             ratios.append(got["memory_every=1"] / got["without"])
             print(
                 f"round {r}: memory_every=1 {got['memory_every=1'] * 1e3:.1f} ms, without {got['without'] * 1e3:.1f} "
@@ -71,9 +66,20 @@ def main() -> None:
                 flush=True,
             )
     print(
-        f"memory_every=1 / without: median {statistics.median(ratios):.3f}x "
+        f"memory_every=1 / without ({config}): median {statistics.median(ratios):.3f}x "
         f"(min {min(ratios):.3f}, max {max(ratios):.3f}) over {len(ratios)} rounds"
     )
+    return ratios
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--config", default="configs/gpt_tiny.yaml")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    measure(args.config, args.rounds, args.steps, args.overrides)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,38 @@
 """Recovery after a lost worker, part by part, and what checkpointing costs a step.
 
-    .venv/bin/python benchmarks/bench_recovery.py [--quick] [--model tiny|small|both] [--only recovery|cost|snapshot]
+    .venv/bin/python benchmarks/bench_recovery.py [--quick] [--model tiny|small|both]
+        [--only recovery|cost|snapshot|tier]
 
 Model: the tiny GPT recipe's (vocab 256, d_model 64, 2 heads, 4 layers, seq 64, batch 16)
 or with --model small gpt_small's (d_model 256, 4 heads, 8 layers, seq 128, batch 32), 2 stages,
 1F1B, 4 microbatches, adamw, LocalCluster(num_workers=2) (real processes, gRPC),
 checkpoints in a temporary run_dir.
 
-a. Recovery, checkpoint_every=5, with the persistent tier only and with the in-memory tier
-   too (memory_every=1; a row notes it if a recovery restored from another tier). Worker 1
-   gets a signal (by pid) halfway through a step:
+a. Recovery, checkpoint_every=5, side by side: the persistent tier only; the in-memory tier
+   too (memory_every=1; a row notes it if a recovery restored from another tier); the same
+   with a hot spare (hot_spares=1: the loss is taken over by a warm worker); and a slice
+   served by a gang of two processes (mesh data=2), with a hot spare gang. Slice 1's worker
+   (a gang's last process) gets a signal (by pid) halfway through a step:
    SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: declared
    lost after failure_timeout_s, LocalCluster's default 5 s). Rounds alternate the two
    signals; medians over rounds. The parts, in order:
      detect  signal -> WorkerLost: signal to Rewound caught, minus the parts below that
              happen between them (replace, restore; trainer.recovery_s)
      spawn   the old process killed and reaped, a new one started and reporting ready
+             (0 with a hot spare: the spare takes over, and its own replacement starts
+             in the background once a step went through)
      setup   connect, Setup, every slice's Connect to the new peer table (and waiting for a
              checkpoint commit in flight, if any)
      ship    the lost slice's programs and plans sent again (compiled later, on first Run)
      restore every slice restored: from the last committed checkpoint, or (memory tier)
              survivors from their own snapshot and the new worker from its peer's copy
              (then a fresh snapshot, so the new worker holds its peer's copy again)
-     1st     the first step after recovery: the new worker compiles its programs on its
-             first Run; "of it compile" = 1st - the median steady step
+     1st     the first step after recovery: a new worker compiles its programs on its
+             first Run; "of it compile" = 1st - the median steady step; "compiles" the
+             executables XLA built in it, every slice together (0 with a hot spare)
      replay  the other steps computed again: (replayed - 1) x the steady step
-   total = detect + spawn + setup + ship + restore + 1st step + replay. Goal: < 10 s for SIGKILL.
+   total = detect + spawn + setup + ship + restore + 1st step + replay. Goals: < 10 s for
+   SIGKILL; < 0.3 s with a hot spare and the in-memory tier.
    spawn/setup/ship are timed by a LocalCluster subclass defined here (benchmark only).
 b. Checkpoint cost per step, a save every step: no checkpointing vs the in-memory tier
    (memory_every=1: each slice's snapshot, and its copy sent to the peer slice, in the step;
@@ -39,6 +46,8 @@ b. Checkpoint cost per step, a save every step: no checkpointing vs the in-memor
    trainer.step (the save is inside it), its ratio to no checkpointing, and the median
    snapshot (blocking part) and finalize (write + commit) times from last_save_s (the
    memory tier's snapshot from trainer.memory.last_snapshot_s).
+c. The in-memory tier's cost as a user pays it: `mpmd train configs/gpt_<model>.yaml` with
+   checkpoint.memory_every=1 against without, rounds alternating (bench_memory_tier.py).
 
 Workers inherit this process's stderr; it is sent to a log file (path printed) so Orbax's
 INFO lines do not bury the tables. The load average is printed at the start and end: on a
@@ -75,6 +84,7 @@ MODEL = "gpt_tiny"
 M, LR, EVERY = 4, 3e-4, 5
 TIERS = {"persistent": {}, "memory": {"memory_every": 1}}  # the mpmd.Checkpointing arguments of each
 GOAL_S = 10.0
+HOT_GOAL_S = 0.3  # a SIGKILL with a hot spare and the in-memory tier (issue 56)
 PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
 
 
@@ -133,7 +143,8 @@ def timed_cluster(**kw):
         def _new_worker(self, slice_index, wait_s):
             t0 = time.perf_counter()
             address = super()._new_worker(slice_index, wait_s)
-            self.parts["spawn"] += time.perf_counter() - t0
+            if self._in_replace and threading.current_thread() is threading.main_thread():
+                self.parts["spawn"] += time.perf_counter() - t0  # not a hot spare started behind
             return address
 
         def _load(self, slice_index, specs):
@@ -156,7 +167,7 @@ def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
     import mpmd
 
     cluster = trainer.cluster
-    pid = cluster.pids[1]
+    pid = cluster.slice_pids(1)[-1]  # its last process, for a gang
     sent = []
 
     def send():
@@ -181,31 +192,54 @@ def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:
         "setup": rec["replace_s"] - parts["spawn"] - parts["ship"],
         "restore": rec["restore_s"],
     }
-    out["first"] = timed_step(trainer, data[0])
+    t0 = time.perf_counter()
+    first = trainer.step(data[0], data[0])
+    out["first"] = time.perf_counter() - t0
+    out["compiles"] = first.get("compiles", 0)  # executables built in it, every slice together
     return out
 
 
-def recovery(run_dir: Path, num_rounds: int) -> None:
-    """Per tier (persistent only; plus the in-memory tier every step), the signals' rounds.
-    Each loss comes in the 3rd step after a persistent commit: the persistent tier replays
-    3 steps, the memory tier only the failed one. "replay" is those steps' time
-    (replayed x the steady step) and counts in the total."""
+# The setups side by side: (name, mpmd.Checkpointing arguments, LocalCluster arguments, the
+# Trainer's mesh). "gang": each slice two processes of one device (a mesh of 2 on data).
+SETUPS = (
+    ("persistent", {}, {}, None),
+    ("memory", {"memory_every": 1}, {}, None),
+    ("memory+hot", {"memory_every": 1}, {"hot_spares": 1}, None),
+    ("gang+hot", {"memory_every": 1}, {"hot_spares": 1, "processes_per_slice": 2}, {"data": 2}),
+)
+
+
+def wait_for_spares(cluster, timeout_s: float = 300.0) -> None:
+    """Until the cluster holds its hot spares again, warm (one is started after each loss)."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.spares.ready < cluster.hot_spares and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def recovery(run_dir: Path, num_rounds: int, setups=SETUPS) -> None:
+    """Per setup (persistent tier only; plus the in-memory tier every step; plus a hot spare;
+    a gang slice with a hot spare), the signals' rounds. Each loss comes in the 3rd step after
+    a persistent commit: the persistent tier replays 3 steps, the memory tier only the failed
+    one. "replay" is those steps' time (replayed x the setup's steady step) and counts in the
+    total. With a hot spare, each loss waits until the spare started after the last is warm."""
     import mpmd
 
     signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
     data = batches()
     results: dict[tuple, list[dict]] = {}
-    steady: list[float] = []
+    steady: dict[str, list[float]] = {}
     pids, failure_timeout_s = [], None
-    for tier, kw in TIERS.items():
-        cluster = timed_cluster(num_workers=2)
+    for name_setup, kw, cluster_kw, mesh in setups:
+        cluster = timed_cluster(num_workers=2, **cluster_kw)
         failure_timeout_s = cluster.failure_timeout_s
         trainer = make_trainer(
             cluster,
-            run_dir=run_dir / tier,
+            run_dir=run_dir / name_setup,
             checkpoint=mpmd.Checkpointing(every=EVERY, **kw),
             recovery=mpmd.Recovery(max_restarts=10**6),
+            **({"mesh": mesh} if mesh else {}),
         )
+        steady[name_setup] = []
         try:
             for x in data[:2]:
                 timed_step(trainer, x)  # compile
@@ -216,44 +250,51 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
                     while trainer.step_count < EVERY or trainer.step_count % EVERY != 0:
                         timed_step(trainer, data[trainer.step_count % len(data)])
                     trainer.checkpoints.wait()
+                    wait_for_spares(cluster)
                     recent = [timed_step(trainer, data[j]) for j in range(2)]
-                    steady += recent
+                    steady[name_setup] += recent
                     row = lose_worker(trainer, data, sig, med(recent))
                     row["replayed"] = trainer.recovery_s["replayed"]
                     row["tier"] = trainer.recovery_s["tier"]
-                    results.setdefault((tier, name), []).append(row)
-                    steady.append(timed_step(trainer, data[1]))
+                    row["hot"] = cluster.spares.promoted
+                    results.setdefault((name_setup, name), []).append(row)
+                    steady[name_setup].append(timed_step(trainer, data[1]))
             pids += list(cluster.pids)
         finally:
             trainer.close()
-    steady_s = med(steady)
     print(
-        f"\na. recovery of worker 1 (2 slices, 1f1b, m={M}, batch {BATCH}, checkpoint_every={EVERY}, "
+        f"\na. recovery of slice 1 (2 slices, 1f1b, m={M}, batch {BATCH}, checkpoint_every={EVERY}, "
         f"failure_timeout_s={failure_timeout_s:g}); medians over {num_rounds} round(s), seconds"
     )
     print(
-        f"{'tier':>10} {'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} "
-        f"{'1st step':>9} {'(compile)':>10} {'replayed':>9} {'replay':>7} {'total':>6}  goal < {GOAL_S:g} s"
+        f"{'setup':>10} {'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} "
+        f"{'1st step':>9} {'(compile)':>10} {'compiles':>9} {'replayed':>9} {'replay':>7} {'total':>6}  "
+        f"goal < {GOAL_S:g} s; {HOT_GOAL_S:g} s with a hot spare"
     )
-    for (tier, name), rows in results.items():
+    for (name_setup, name), rows in results.items():
+        steady_s = med(steady[name_setup])
         for r in rows:
             r["replay"] = max(r["replayed"] - 1, 0) * steady_s  # the 1st step is timed already
-        m = {p: med([r[p] for r in rows]) for p in PARTS + ("replay", "replayed")}
+        m = {p: med([r[p] for r in rows]) for p in PARTS + ("replay", "replayed", "compiles")}
+        tier = "persistent" if name_setup == "persistent" else "memory"
         used = sorted({r["tier"] for r in rows})
         total = med([sum(r[p] for p in PARTS + ("replay",)) for r in rows])
+        goal = HOT_GOAL_S if "hot" in name_setup and name == "SIGKILL" else GOAL_S
         verdict = (
-            ("met" if total < GOAL_S else "MISSED")
+            ("met" if total < goal else "MISSED")
             if name == "SIGKILL"
             else f"(detect bounded by failure_timeout_s {failure_timeout_s:g} s)"
         )
         print(
-            f"{tier:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
-            f"{m['restore']:>8.3f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} {m['replayed']:>9.0f} "
-            f"{m['replay']:>7.2f} {total:>6.2f}  {verdict}{'' if used == [tier] else f' restored from {used}'}"
+            f"{name_setup:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} "
+            f"{m['ship']:>6.3f} {m['restore']:>8.3f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} "
+            f"{m['compiles']:>9.0f} {m['replayed']:>9.0f} {m['replay']:>7.2f} {total:>6.2f}  {verdict}"
+            f"{'' if used == [tier] else f' restored from {used}'}"
         )
     print(
-        f"steady step {steady_s * 1e3:.0f} ms (median of {len(steady)}); "
-        f"worker processes left: {len([p for p in pids if process_alive(p)])}"
+        "steady step "
+        + ", ".join(f"{k} {med(v) * 1e3:.0f} ms" for k, v in steady.items())
+        + f" (medians); worker processes left: {len([p for p in pids if process_alive(p)])}"
     )
 
 
@@ -360,15 +401,19 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("recovery", "cost", "snapshot"),
-        help="run one part (snapshot: the cost part's none, memory and per-array rows)",
+        choices=("recovery", "cost", "snapshot", "tier"),
+        help="run one part (snapshot: the cost part's none, memory and per-array rows; tier: c. alone)",
     )
     args = parser.parse_args()
     global GPT, BATCH, MODEL
     import jax
     from mpmd.runtime.launchers.workers import default_compilation_cache
 
-    n = dict(rounds=1, ck_rounds=2, ck_steps=4) if args.quick else dict(rounds=3, ck_rounds=4, ck_steps=8)
+    n = (
+        dict(rounds=1, ck_rounds=2, ck_steps=4, tier_rounds=1)
+        if args.quick
+        else dict(rounds=3, ck_rounds=4, ck_steps=8, tier_rounds=4)
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as tmp:
         print(
@@ -390,6 +435,11 @@ def main() -> None:
                 checkpoint_cost(
                     Path(tmp) / model / "cost", n["ck_rounds"], n["ck_steps"], ("none", "memory", "per-array")
                 )
+            if args.only in (None, "tier"):
+                import bench_memory_tier
+
+                print(f"\nc. the in-memory tier's cost through `mpmd train configs/{MODEL}.yaml`", flush=True)
+                bench_memory_tier.measure(f"configs/{MODEL}.yaml", n["tier_rounds"], 40, [])
     print(f"\ntotal {time.perf_counter() - start:.0f} s, load average at end {os.getloadavg()[0]:.2f}")
 
 

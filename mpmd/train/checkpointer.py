@@ -157,6 +157,22 @@ class Checkpointer:
         if self.persistent is not None:
             self.persistent.wait()
 
+    def settle(self, lost: BaseException) -> None:
+        """Before recovering from `lost` (a WorkerLost): the persistent saves in flight commit
+        (or fail) first, unless the in-memory tier holds a step at least as new as each of
+        them: then restoring cannot want them, and they are abandoned to finish in the
+        background (StageCheckpoints.abandon: a survivor's write of a step the lost slice
+        never finished takes as long as a save, up to a second here, for a step nobody will
+        restore). restore_newest still waits for them if the memory tier does not restore
+        after all (restore_latest waits)."""
+        if self.persistent is None:
+            return
+        gen = self.memory.restorable() if self.memory is not None else None
+        if gen is None or any(step > gen.step for step in self.persistent.steps_in_flight()):
+            self.persistent.wait()
+        else:
+            self.persistent.abandon(lost)
+
     # -- recovery ------------------------------------------------------------------------------
     def replaced(self, slice_index: int) -> None:
         """A slice was given a new worker: the snapshots and copies it held are gone."""

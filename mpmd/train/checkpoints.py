@@ -162,6 +162,8 @@ class StageCheckpoints:
         # step -> WorkerLost of a step whose commit a lost slice prevented: a save waited for
         # raises it (its state went with the slice: the caller recovers and saves again).
         self._lost_commits: dict[int, BaseException] = {}
+        # step -> the WorkerLost a recovery gave up on it for without waiting (abandon).
+        self._abandoned: dict[int, BaseException] = {}
 
     def _owners(self) -> dict[str, tuple[str, int, int]]:
         """{leaf name: (buffer, index, stage)} of the first stage holding each leaf: who saves it."""
@@ -212,7 +214,7 @@ class StageCheckpoints:
         the state at hand until max_failed_saves retries are spent; then CheckpointError."""
         while True:
             self._check_failures()
-            if step not in self.store.committed() and step not in self._in_flight_steps():
+            if step not in self.store.committed() and step not in self.steps_in_flight():
                 with self._cond:
                     while len(self._in_flight) >= self.max_in_flight:
                         self._cond.wait()
@@ -256,9 +258,20 @@ class StageCheckpoints:
             self.failed_saves += 1
             self._failure = (step, why)
 
-    def _in_flight_steps(self) -> list[int]:
+    def steps_in_flight(self) -> list[int]:
         with self._cond:
             return [item[0] for item in self._in_flight]
+
+    def abandon(self, lost: BaseException) -> None:
+        """A slice's worker was lost (`lost`, a WorkerLost) and the run recovers without waiting
+        for the saves in flight: none of them can commit (the lost worker will never say its
+        part is finalized), and the slice's replacement, asked for a part it never started,
+        counts as the loss, not as a failed save. They leave the queue in the background, once
+        the survivors' writes end (a failed step's directory is removed only when nobody
+        writes it)."""
+        with self._cond:
+            for item in self._in_flight:
+                self._abandoned[item[0]] = lost
 
     def _save(self, step: int, data_state, extra: dict) -> None:
         t0 = time.perf_counter()
@@ -309,7 +322,18 @@ class StageCheckpoints:
                     self._cond.wait()
                 step, started, manifest, t1 = self._in_flight[0]
             try:
-                digests = self._wait_all(started, raise_first=True)
+                try:
+                    digests = self._wait_all(started, raise_first=True)
+                except Exception as e:
+                    with self._cond:
+                        abandoned = self._abandoned.get(step)
+                    if abandoned is not None and not isinstance(e, WorkerLost):
+                        # Asked of the lost slice's replacement, which never started it.
+                        raise abandoned from e
+                    raise
+                finally:
+                    with self._cond:
+                        self._abandoned.pop(step, None)
                 self.store.commit(step, with_digests(manifest, digests))
             except WorkerLost as e:  # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)

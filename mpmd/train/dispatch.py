@@ -232,8 +232,10 @@ class Dispatcher:
 
     def metrics(self, results, trace: bool) -> dict:
         """{"step", "loss", "step_s"}, "aux_loss" when stages add auxiliary losses (included in
-        "loss"), "grad_norm" when clipping, and with `trace` the events and peaks of every
-        slice (Trainer.step). The loss is the mean over microbatches, or a weighted loss's
+        "loss"), "grad_norm" when clipping, "compiles" when a slice compiled during the step
+        (its first, or the first after a replacement without a warm spare: executables XLA
+        built, all slices together), and with `trace` the events and peaks of every slice
+        (Trainer.step). The loss is the mean over microbatches, or a weighted loss's
         sum(loss_sum) / sum(weight) over the step."""
         m, placement = self.num_microbatches, self._programs.placement
         io = self._programs.lowered.io
@@ -263,6 +265,9 @@ class Dispatcher:
         if self._max_grad_norm is not None and names.sqnorm(0) in results[0].fetched:
             sq = [results[0].fetched[names.sqnorm(k)][0] for k in range(self._num_stages)]
             metrics["grad_norm"] = float(np.sqrt(np.sum(np.asarray(sq, np.float64))))
+        compiles = sum(r.compiles for r in results)
+        if compiles:
+            metrics["compiles"] = compiles
         if trace:
             metrics["events"] = [r.events for r in results]
             metrics["held"] = [(r.peak_held, r.peak_held_bytes) for r in results]

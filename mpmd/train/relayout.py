@@ -112,7 +112,7 @@ class RecoveryPolicy:
         moved = []  # the layouts moved to (a slice may go while moving)
         while True:
             self.restarts += 1
-            self._checkpointer.wait()  # a save in flight commits (or fails) first
+            self._checkpointer.settle(lost)  # a save in flight commits (or fails) first, if it matters
             last = self._checkpointer.latest()
             committed = f"last committed checkpoint: {'step ' + str(last) if last is not None else 'none'}"
             recent = self._recent_restarts()
@@ -131,6 +131,7 @@ class RecoveryPolicy:
                 finally:
                     replace_s += time.perf_counter() - t1
                 if not replaced:
+                    self._checkpointer.wait()  # a relayout moves no save in flight
                     t1 = time.perf_counter()
                     try:
                         moved.append(self._shrink(lost, committed))

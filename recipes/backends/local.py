@@ -28,17 +28,18 @@ class LocalSection(ProcessesSection):
     max_workers: int | None = Field(
         None,
         gt=0,
-        description="the most worker processes started over the run, replacements "
-        "included; null = no limit (a lost worker is always replaced)",
+        description="the most worker processes started over the run, replacements and hot "
+        "spares included; null = no limit (a lost worker is always replaced)",
     )
 
 
 def _problems(cfg: Config) -> list[str]:
     cl = cfg.cluster
-    if cl.max_workers is not None and cl.max_workers < cfg.num_workers:
+    need = (cfg.num_workers + cl.hot_spares) * cl.processes_per_slice
+    if cl.max_workers is not None and cl.max_workers < need:
         return [
-            f"cluster.max_workers={cl.max_workers} must be at least the {cfg.num_workers} worker(s) the "
-            f"slices need (or null)"
+            f"cluster.max_workers={cl.max_workers} must be at least the {need} worker process(es) the "
+            f"slices{' and cluster.hot_spares' if cl.hot_spares else ''} need (or null)"
         ]
     return []
 

@@ -54,6 +54,11 @@ def _problems(cfg: Config) -> list[str]:
             else f"cluster.backend='static' needs cluster.addresses with one gang (the 'host:port' of each "
             f"of its processes) per slice ({num_slices}), got {num_slots}"
         )
+    if cl.hot_spares > len(cl.spares) and not ganged:
+        out.append(
+            f"cluster.hot_spares={cl.hot_spares} needs as many workers in cluster.spares (the hot spares "
+            f"are the first of them), got {len(cl.spares)}"
+        )
     if not cl.token_file:
         out.append("cluster.backend='static' needs cluster.token_file (the secret the workers were started with)")
     for key in ("addresses", "spares"):

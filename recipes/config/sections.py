@@ -161,6 +161,14 @@ class WorkerSection(ClusterSection):
         "give the directory its workers were started with, `mpmd worker --tls DIR`); off = in the "
         "clear (also false); a directory = the certificates there (ca.pem, cert.pem, key.pem; `mpmd cluster certs DIR`)",
     )
+    hot_spares: int = Field(
+        0,
+        ge=0,
+        description="workers beyond the slices' kept warm, their programs compiled for any slice "
+        "(docs/fault-tolerance.md): a lost slice is taken over by one with nothing to start or "
+        "compile, and another is started (local, ray) or warmed (static: the next of "
+        "cluster.spares) in the background",
+    )
     transport: Literal[TRANSPORTS] = Field(
         "auto",
         description="the data plane between slices: auto = shared memory between workers on one host, "

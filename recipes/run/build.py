@@ -130,6 +130,8 @@ def build_cluster(cfg: Config):
             timeouts["transport"] = c.transport
             if c.tls != "auto":  # auto: the backend's own default (its cluster class's tls=)
                 timeouts["tls"] = False if c.tls == "off" else os.path.expanduser(c.tls)
+            if c.hot_spares:
+                timeouts["hot_spares"] = c.hot_spares
         return registry.get_backend_spec(c.backend).build(cfg, timeouts)
 
 

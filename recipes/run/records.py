@@ -65,6 +65,8 @@ class StepRecords:
             record["grad_norm"] = out["grad_norm"]
         if "aux_loss" in out:  # the stages' auxiliary losses, included in "loss"
             record["aux_loss"] = out["aux_loss"]
+        if "compiles" in out:  # a step that compiled: the first, or one after a recovery
+            record["compiles"] = out["compiles"]
         if "checkpoint" in out:  # the tiers this step was saved to
             record["checkpoint"] = out["checkpoint"]
         if "events" in out:

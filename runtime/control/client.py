@@ -26,8 +26,10 @@ in an older generation can never write where the current one commits.
 Replacement. The control plane remembers what it shipped to each slice (programs, plans),
 so `replace(slice)` can bring the launcher's new worker to the same point: a spare address
 (StaticLauncher), a new process (LocalLauncher), a new actor (RayLauncher), a worker the
-shared cluster's manager leases in the lost one's place (SharedLauncher). State
-(parameters) is not replayed: the caller restores it from a checkpoint.
+shared cluster's manager leases in the lost one's place (SharedLauncher). With hot spares
+(runtime/control/spares.py) a warm spare takes the slice instead, and the launcher's new
+worker becomes a spare in the background. State (parameters) is not replayed: the caller
+restores it from a checkpoint.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, receive, send  # noqa: F401
+from mpmd.runtime.control.spares import HotSpares
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
 from mpmd.runtime.wire.results import Aborted, Progress, StepResult
 from mpmd.runtime.wire.tls import Tls
@@ -69,6 +72,23 @@ def _settled(fut, timeout_s: float) -> bool:
     except grpc.FutureCancelledError:
         pass
     return True
+
+
+def _program_entries(specs: dict) -> tuple[list, list]:
+    """LoadPrograms' (and Warm's) `programs` entries for {name: ProgramSpec}, and their blobs."""
+    b = wire.Builder()
+    entries = []
+    for name, s in specs.items():
+        entry = {
+            "name": name,
+            "kind": s.kind,
+            "duration_s": s.duration_s,
+            "outputs": [[[list(x.shape), x.dtype] for x in bundle] for bundle in s.outputs],
+        }
+        if s.data:
+            entry["data"] = b.add(s.data)
+        entries.append(entry)
+    return entries, b.blobs
 
 
 def _arrays_out(b: wire.Builder, arrays) -> list:
@@ -95,6 +115,9 @@ class ControlPlane(RunDispatch):
         "socket" = sockets always; "shm" = shared memory always (a pair that cannot, a gang or
         workers on two hosts, fails the start with a ValueError). Settable: it applies from
         the next start.
+    hot_spares: workers beyond the slices kept warm (runtime/control/spares.py): the launcher
+        starts num_slices + hot_spares; a lost slice is taken over by one with nothing to
+        spawn or compile, and another is started in the background to restore the count.
     """
 
     def __init__(
@@ -108,6 +131,7 @@ class ControlPlane(RunDispatch):
         step_timeout_s: float | None = None,
         transport: str = "auto",
         tls: Tls | None = None,
+        hot_spares: int = 0,
     ):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
@@ -134,6 +158,25 @@ class ControlPlane(RunDispatch):
         self._in_flight = InFlight()  # runs launched, not yet collected
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self._launching = threading.Lock()  # one launcher call at a time (a spare starts in the background)
+        self.spares = HotSpares(
+            hot_spares,
+            client_of=self._client,
+            new_worker=self._spare_worker,
+            warm_request=self._warm_request,
+            num_slices=lambda: len(self.clients),
+            generation=lambda: self.generation,
+            connect_timeout_s=connect_timeout_s,
+        )
+
+    @property
+    def hot_spares(self) -> int:
+        return self.spares.count
+
+    def slot_of(self, slice_index: int) -> int:
+        """The launcher slot whose worker serves slice `slice_index` now (a promoted hot spare
+        serves from its own slot)."""
+        return self._slots[slice_index]
 
     @property
     def transport(self) -> str:
@@ -165,18 +208,21 @@ class ControlPlane(RunDispatch):
 
         Each start makes a new data-plane secret for the session (runtime/wire/transport.py): a
         worker it is sent to keys its transfer ids with it, so no one else can pull them."""
-        addresses = self.launcher.start(num_slices, root=root)
+        hot = self.spares.count
+        with self._launching:
+            addresses = self.launcher.start(num_slices + hot, root=root)
         self._meshes = [dict(zip(mesh.AXES, mesh.shape_of(m))) for m in meshes] if meshes is not None else None
         self._transfer_secret = secrets.token_bytes(32).hex()
         if self.clients:
             self._detach()
         self._in_flight = InFlight()
         self.clients = [self._client(a) for a in addresses[:num_slices]]
-        self._others = [self._client(a) for a in addresses[num_slices:]]
+        self._others = [self._client(a) for a in addresses[num_slices + hot :]]
         self._slots, self._free_slots = list(range(num_slices)), []
         self._pool = ThreadPoolExecutor(max(2 * num_slices, 2), thread_name_prefix="mpmd-ctl")
         try:
             list(self._pool.map(lambda c: c.wait_ready(self._connect_timeout_s), self.clients))
+            self.spares.attach([(s, addresses[s]) for s in range(num_slices, num_slices + hot)])
             self._set_up_all()
         except BaseException:
             self.close()
@@ -197,14 +243,16 @@ class ControlPlane(RunDispatch):
         it from now on."""
         seen = [self._call(i, verbs.Empty(), verb="Hello")[0].generation for i in newcomers]
         self.generation = max([self.generation, *(g or 0 for g in seen)]) + 1
-        for c in self.clients + self._others:
+        for c in self.clients + self._others + self.spares.clients:
             c.generation = self.generation
 
     def _set_up_all(self) -> None:
         """Give every slice a fresh executor and transfer server under its index and connect
         them all, in a new generation: nothing shipped or stored before survives."""
         self._advance(range(len(self.clients)))
-        self._shipped = [{"programs": {}, "plans": {}} for _ in self.clients]
+        # Per slice: what a replacement is given again, and the calls its programs compiled
+        # for ({program: [signature]}, from its runs: what a hot spare warms).
+        self._shipped = [{"programs": {}, "plans": {}, "signatures": {}} for _ in self.clients]
         self._transfer = {str(i): self._setup(i, c) for i, c in enumerate(self.clients)}
         for i in range(len(self.clients)):
             self._call(i, verbs.Connect(self._transfer))
@@ -286,7 +334,7 @@ class ControlPlane(RunDispatch):
         # One future per worker per round, so a hung worker does not delay the others' pings.
         while not self._stop.wait(HEARTBEAT_S):
             futs = []
-            for c in list(self.clients) + list(self._others):
+            for c in list(self.clients) + list(self._others) + self.spares.clients:
                 try:
                     futs.append((c, send(c, verbs.Empty(), timeout_s=HEARTBEAT_S * 2, verb="Heartbeat")))
                 except WorkerError:
@@ -334,12 +382,19 @@ class ControlPlane(RunDispatch):
         same programs and plans; every slice's transfers reconnected. State is not restored.
         WorkerLost if another slice is found gone meanwhile (the new worker is in place).
         `wait_s`: see Cluster.replace."""
-        try:
-            c = self._client(self._new_worker(self._slots[slice_index], wait_s))
-        except ReplaceUnsupported as e:  # nothing changed; the lost worker itself, if it is back
-            if not self.launcher.readmits:
-                raise
-            c = self._readmit(slice_index, e)
+        spare = self.spares.take(alive=lambda c: time.monotonic() - c.last_ok < self.failure_timeout_s)
+        if spare is not None:  # warm: nothing to start, its programs compiled
+            c, lost_slot = spare.client, self._slots[slice_index]
+            self._slots[slice_index] = spare.slot
+            self.spares.top_up(lost_slot)
+            log.info("slice %d: hot spare %s takes over (slot %d)", slice_index, c.address, spare.slot)
+        else:
+            try:
+                c = self._client(self._new_worker(self._slots[slice_index], wait_s))
+            except ReplaceUnsupported as e:  # nothing changed; the lost worker itself, if it is back
+                if not self.launcher.readmits:
+                    raise
+                c = self._readmit(slice_index, e)
         self.clients[slice_index].close()
         c.wait_ready(self._connect_timeout_s)
         self.clients[slice_index] = c
@@ -387,29 +442,44 @@ class ControlPlane(RunDispatch):
 
     def _new_worker(self, slot: int, wait_s: float | None) -> str:
         """The launcher's new worker for `slot`; an idle spare it hands over stops being idle."""
-        address = self.launcher.replace(slot, wait_s=wait_s)
+        with self._launching:
+            address = self.launcher.replace(slot, wait_s=wait_s)
         self._others = [o for o in self._others if o.address != address]
         return address
+
+    def _spare_worker(self, slot: int) -> str:
+        """A new hot spare in `slot` (its lost worker's): the launcher's, waiting for capacity
+        as long as its own start timeout allows."""
+        return self._new_worker(slot, None)
+
+    def _warm_request(self, slice_index: int, compiled: dict | None = None):
+        """(verbs.Warm, blobs) of slice `slice_index`'s programs for its mesh, each for the calls
+        the slice compiled so far; with `compiled` ({program: [signature]}, a run's), those
+        programs for those calls only ([]: for the layouts it was exported with). None if
+        there is nothing to warm."""
+        if slice_index >= len(self._shipped):
+            return None
+        shipped = self._shipped[slice_index]
+        signatures = compiled if compiled is not None else shipped["signatures"]
+        names = compiled.keys() if compiled is not None else shipped["programs"].keys()
+        specs = {n: shipped["programs"][n] for n in names if n in shipped["programs"]}
+        if not specs:
+            return None
+        entries, blobs = _program_entries(specs)
+        mesh_shape = self._meshes[slice_index] if self._meshes is not None else None
+        return verbs.Warm(entries, mesh_shape, {n: signatures[n] for n in specs if signatures.get(n)} or None), blobs
 
     # -- the cluster verbs -------------------------------------------------------------------
     def load_programs(self, slice_index: int, specs: dict) -> None:
         self._shipped[slice_index]["programs"].update(specs)
+        for name in specs:  # a program loaded again is compiled again
+            self._shipped[slice_index]["signatures"].pop(name, None)
         self._load(slice_index, specs)
+        self.spares.warm(slice_index, {name: [] for name in specs})  # [] : as exported
 
     def _load(self, slice_index: int, specs: dict) -> None:
-        b = wire.Builder()
-        progs = []
-        for name, s in specs.items():
-            entry = {
-                "name": name,
-                "kind": s.kind,
-                "duration_s": s.duration_s,
-                "outputs": [[[list(x.shape), x.dtype] for x in bundle] for bundle in s.outputs],
-            }
-            if s.data:
-                entry["data"] = b.add(s.data)
-            progs.append(entry)
-        self._call(slice_index, verbs.LoadPrograms(progs), b.blobs)
+        entries, blobs = _program_entries(specs)
+        self._call(slice_index, verbs.LoadPrograms(entries), blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
         self._shipped[slice_index]["plans"][name] = stream if isinstance(stream, streams.PackedStream) else list(stream)
@@ -461,7 +531,14 @@ class ControlPlane(RunDispatch):
         return futs
 
     def _wait(self, run: PendingRun) -> list[StepResult]:
-        return self._watch.wait(run, self._in_flight)
+        results = self._watch.wait(run, self._in_flight)
+        for i, r in enumerate(results):
+            if r.compiled:  # calls a slice compiled for: the spares compile them too
+                for name, calls in r.compiled.items():
+                    self._shipped[i]["signatures"].setdefault(name, []).extend(calls)
+                self.spares.warm(i, r.compiled)
+        self.spares.went_on()  # a spare owed since a loss starts now, not during the recovery
+        return results
 
     def _call(self, slice_index: int, request, blobs=(), verb: str | None = None):
         """The RPC of a request record to a slice: (reply record, blobs); a worker that is not
@@ -491,6 +568,7 @@ class ControlPlane(RunDispatch):
         if self._heartbeat is not None:
             self._heartbeat.join()
             self._heartbeat = None
+        self.spares.close()
         for c in self.clients + self._others:
             c.close()
         self.clients, self._others = [], []
@@ -501,7 +579,11 @@ class ControlPlane(RunDispatch):
     def close(self) -> None:
         """Shut the workers down (a worker started with --persist resets instead), then let the
         launcher stop what it started."""
-        futs = [(c, send(c, verbs.Empty(), timeout_s=2.0, verb="Shutdown")) for c in self.clients + self._others]
+        self.spares.stop()  # waits for a spare being started: the launcher stops it too
+        futs = [
+            (c, send(c, verbs.Empty(), timeout_s=2.0, verb="Shutdown"))
+            for c in self.clients + self._others + self.spares.clients
+        ]
         for c, f in futs:
             try:
                 receive(c, "Shutdown", f)

@@ -203,4 +203,6 @@ def _step_result(c: WorkerClient, fut) -> StepResult:
         reply.peak_held,
         reply.peak_held_bytes,
         reply.peak_bytes,
+        reply.compiles,
+        reply.compiled,
     )

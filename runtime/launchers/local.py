@@ -29,6 +29,7 @@ import subprocess
 import threading
 import time
 
+from mpmd.runtime.control.spares import check_count
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.wire.tls import Tls, cluster_tls, to_line
@@ -354,8 +355,11 @@ class LocalCluster(ControlPlane):
         for this cluster alone, in memory, its certificates handed to each worker on its
         stdin; a directory: the certificates there (ca.pem, cert.pem, key.pem); False: in
         the clear (loopback only, where nobody but root can read the wire).
+    hot_spares: processes started beyond the slices' and kept warm, their programs compiled
+        for any slice (runtime/control/spares.py): a lost slice is taken over by one (no
+        spawn, no compile in its first step), and a new one starts in the background.
     max_workers: the most worker processes started over the cluster's life, replacements
-        included (None: no limit). Once spent, a lost worker is not replaced (replace raises
+        and hot spares included (None: no limit). Once spent, a lost worker is not replaced (replace raises
         ReplaceUnsupported): a run then shrinks or stops (Trainer on_loss). Raising
         `max_workers` later is capacity coming back: the next replacement (or a shrunk run's
         grow back) may start a process again.
@@ -381,9 +385,13 @@ class LocalCluster(ControlPlane):
         start_timeout_s: float = START_TIMEOUT_S,
         transport: str = "auto",
         tls: bool | str = True,
+        hot_spares: int = 0,
     ):
         token = new_token()
         tls = cluster_tls(tls)
+        check_worker_args(num_workers, devices_per_worker, threads_per_worker)
+        if num_workers is not None:  # the launcher starts the slices' and the spares'
+            num_workers += check_count(hot_spares)
         # Workers keep compiled programs in JAX's persistent cache: a replacement worker, or
         # the next run of the same recipe, loads them instead of compiling again (compiling
         # was ~3 of the ~4 s a recovery took).
@@ -412,6 +420,7 @@ class LocalCluster(ControlPlane):
             step_timeout_s=step_timeout_s,
             transport=transport,
             tls=tls,
+            hot_spares=hot_spares,
         )
 
     @property
@@ -438,6 +447,10 @@ class LocalCluster(ControlPlane):
     def gang_pids(self, slot: int) -> list[int]:
         """The pids of slot `slot`'s processes (its gang), process 0 first."""
         return [p.pid for p in self.launcher.gangs[slot]]
+
+    def slice_pids(self, slice_index: int) -> list[int]:
+        """The pids of the process(es) serving slice `slice_index` now, process 0 first."""
+        return self.gang_pids(self.slot_of(slice_index))
 
     @property
     def max_workers(self) -> int | None:

@@ -43,6 +43,7 @@ import os
 import threading
 import time
 
+from mpmd.runtime.control.spares import check_count
 from mpmd.runtime.control.client import ControlPlane
 from mpmd.runtime.control.rpc import new_token
 from mpmd.runtime.wire.tls import Tls, cluster_tls
@@ -446,6 +447,9 @@ class RayCluster(ControlPlane):
         own log files); Ray never forwards them to this console, and each of its records at
         `log_level` and up comes back as one line "worker <slot> WARNING ... (see <log>)"
         (logger mpmd.workers), as from a LocalCluster's workers.
+    hot_spares: actors started beyond the slices' and kept warm, as for LocalCluster
+        (runtime/control/spares.py): a lost slice is taken over by one at once, and a new
+        actor starts in the background.
     A lost slice is replaced by a new actor in the same slot (`replace(slice_index)`, which
     the Trainer calls when it recovers); spare workers are not needed. A replacement Ray
     cannot place now stays asked for (no capacity is asked twice) and is looked at again
@@ -473,12 +477,14 @@ class RayCluster(ControlPlane):
         log_level: str = "warning",
         transport: str = "auto",
         tls: bool | str = True,
+        hot_spares: int = 0,
     ):
         token = new_token()
         tls = cluster_tls(tls)
+        check_worker_args(num_workers, devices_per_worker, threads_per_worker)
         launcher = RayLauncher(
             token,
-            num_workers=num_workers,
+            num_workers=num_workers + check_count(hot_spares) if num_workers is not None else None,
             resources_per_worker=resources_per_worker,
             address=address,
             devices_per_worker=devices_per_worker,
@@ -502,6 +508,7 @@ class RayCluster(ControlPlane):
             step_timeout_s=step_timeout_s,
             transport=transport,
             tls=tls,
+            hot_spares=hot_spares,
         )
 
     @property

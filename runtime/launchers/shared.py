@@ -228,7 +228,9 @@ class SharedCluster(ControlPlane):
     """A job's cluster on a shared cluster's leased workers (see SharedLauncher for the
     arguments; `cluster_file` instead of `address` + `submit_token` reads both from it, and
     the directory of the cluster's certificates too). `tls`: that directory (with `address`),
-    or False: in the clear whatever the cluster file says."""
+    or False: in the clear whatever the cluster file says. `hot_spares`: workers leased beyond
+    the slices' and kept warm (runtime/control/spares.py); the job is submitted for the slices
+    and them together, and a spare promoted is replaced by a new lease in the background."""
 
     def __init__(
         self,
@@ -244,6 +246,7 @@ class SharedCluster(ControlPlane):
         step_timeout_s: float | None = None,
         transport: str = "auto",
         tls: str | bool | None = None,
+        hot_spares: int = 0,
     ):
         if cluster_file is not None:
             if address is not None or submit_token is not None:
@@ -277,6 +280,7 @@ class SharedCluster(ControlPlane):
             step_timeout_s=step_timeout_s,
             transport=transport,
             tls=tls,
+            hot_spares=hot_spares,
         )
 
     def claim(self, num_slices: int, root: str, meshes=None) -> None:
@@ -287,7 +291,7 @@ class SharedCluster(ControlPlane):
         if meshes is not None:  # the manager refuses slices its workers' devices cannot hold
             self.launcher.devices = sorted({math.prod(mesh.shape_of(m)) for m in meshes})
         try:
-            self.launcher.submit(num_slices, root)
+            self.launcher.submit(num_slices + self.hot_spares, root)
         except BaseException:
             self.launcher.stop()
             raise
@@ -296,7 +300,7 @@ class SharedCluster(ControlPlane):
         if meshes is not None:  # the manager refuses slices its workers' devices cannot hold
             self.launcher.devices = sorted({math.prod(mesh.shape_of(m)) for m in meshes})
         try:
-            self.launcher.start(num_slices, root=root)
+            self.launcher.start(num_slices + self.hot_spares, root=root)
             self._token = self.launcher.credential
             super().start(num_slices, root, meshes)
         except BaseException:

@@ -26,7 +26,7 @@ class StaticLauncher:
         # a checkpoint directory outside it.
         if len(self.addresses) < num_slices:
             raise ValueError(
-                f"{num_slices} slices need {num_slices} workers, got {len(self.addresses)} "
+                f"{num_slices} workers needed (the slices', and hot spares'), got {len(self.addresses)} "
                 f"address(es): {self.addresses}"
             )
         self._spares = list(self.addresses[num_slices:])
@@ -58,6 +58,10 @@ class StaticCluster(ControlPlane):
     `allow_insecure_token_file` (see read_token_file). `tls`: the directory of certificates
     the workers were started with (`mpmd worker --tls DIR`; `mpmd cluster certs DIR` makes
     them): every channel is then mutual TLS; None: in the clear.
+    hot_spares: how many of the addresses after the slices' are kept warm (runtime/control/
+    spares.py): a lost slice is taken over by one with nothing to compile, and the next
+    address left (a cold spare) is warmed in its place; the addresses must number at least
+    the slices plus hot_spares.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class StaticCluster(ControlPlane):
         processes_per_slice: int | None = None,
         transport: str = "auto",
         tls: str | None = None,
+        hot_spares: int = 0,
     ):
         addresses = group_addresses(addresses, processes_per_slice)
         tls = cluster_tls(
@@ -96,4 +101,5 @@ class StaticCluster(ControlPlane):
             step_timeout_s=step_timeout_s,
             transport=transport,
             tls=tls,
+            hot_spares=hot_spares,
         )

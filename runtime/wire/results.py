@@ -33,6 +33,11 @@ class StepResult(NamedTuple):
     # at once, looked at between instructions (what the slice's memory for data peaks at,
     # XLA's temporaries and sends not yet pulled aside).
     peak_bytes: int = 0
+    # Executables XLA built in the slice's process during the run (0 once its programs are
+    # warm: runtime/worker/compile_cache.py backend_compiles), and for which program calls:
+    # {program: [signature]} (runtime/worker/programs.py signature; what a hot spare warms).
+    compiles: int = 0
+    compiled: dict | None = None
 
 
 class Aborted(RuntimeError):

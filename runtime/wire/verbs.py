@@ -102,6 +102,24 @@ class LoadProgramsReply:
 
 
 @dataclass(frozen=True)
+class Warm:
+    """Load programs into the worker's compile cache and compile them, for the mesh a slice
+    would give it, without a slice: what makes an idle worker a hot spare."""
+
+    programs: list  # as LoadPrograms'
+    mesh: dict | None = None  # as Setup's
+    # {program: [signature]} (runtime/worker/programs.py signature): the calls to compile for;
+    # a program not named is compiled for the layouts it was exported with.
+    signatures: dict | None = None
+
+
+@dataclass(frozen=True)
+class WarmReply:
+    loaded: int
+    compiled: int  # executables XLA built for them (0: every one was warm already)
+
+
+@dataclass(frozen=True)
 class InstallPlan:
     name: str
     stream: list | None = None  # [instruction as instructions.to_json]
@@ -154,6 +172,8 @@ class RunReply:
     peak_held: int = 0
     peak_held_bytes: int = 0
     peak_bytes: int = 0
+    compiles: int = 0  # executables XLA built in the worker's process during the run
+    compiled: dict | None = None  # {program: [signature]} of the calls that compiled (StepResult)
 
 
 @dataclass(frozen=True)
@@ -291,6 +311,7 @@ VERBS: dict[str, Verb] = {
         Verb("Setup", Setup, SetupReply, "job"),
         Verb("Connect", Connect, Empty, "job"),
         Verb("LoadPrograms", LoadPrograms, LoadProgramsReply, "job"),
+        Verb("Warm", Warm, WarmReply, "job"),
         Verb("InstallPlan", InstallPlan, InstallPlanReply, "job"),
         Verb("Put", Put, Empty, "job"),
         Verb("Get", Get, GetReply, "job"),

@@ -32,6 +32,44 @@ if TYPE_CHECKING:  # not imported here: runtime/worker/main.py reads DEFAULT_LIM
     from mpmd.runtime.worker import programs as programs_lib
 
 DEFAULT_LIMIT_MB = 1024
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+_compiled = threading.local()  # .n: executables XLA built on this thread (backend_compiles)
+_listening = False
+_counting = threading.Lock()
+
+
+def backend_compiles() -> int:
+    """How many executables XLA has built on the calling thread: JAX's own event for each
+    backend compile, which it records on the thread that compiles (a jit compiles where it is
+    called), counted by a listener registered on the first call, so callers compare two
+    readings. Per thread, so a run counts its own compiles and not those of a thread beside
+    it (Orbax's writer slicing arrays for a save). A load from JAX's persistent disk cache
+    counts too: that is a cost a program already in this cache (warm) does not pay."""
+    global _listening
+    if not _listening:
+        with _counting:
+            if not _listening:
+                import jax
+
+                def count(event: str, _duration_s: float, **_kwargs) -> None:
+                    if event == _COMPILE_EVENT:
+                        _compiled.n = getattr(_compiled, "n", 0) + 1
+
+                jax.monitoring.register_event_duration_secs_listener(count)
+                _listening = True
+    return getattr(_compiled, "n", 0)
+    with _counting:
+        if not _listening:
+            import jax
+
+            def count(event: str, _duration_s: float, **_kwargs) -> None:
+                global _compiles
+                if event == _COMPILE_EVENT:
+                    _compiles += 1
+
+            jax.monitoring.register_event_duration_secs_listener(count)
+            _listening = True
+        return _compiles
 
 
 def program_key(spec: programs_lib.ProgramSpec, mesh: jax.sharding.Mesh) -> str:

@@ -39,6 +39,7 @@ from mpmd.runtime.worker import programs as programs_lib
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire.results import Aborted, Event, Progress, StepFailed, StepResult
+from mpmd.runtime.worker.compile_cache import backend_compiles
 from mpmd.runtime.worker.slice_store import SliceCheckpointer, host_copy
 from mpmd.runtime.worker.instructions import Copy, Delete, Instruction, Recv, Run, Send
 from mpmd.runtime.worker.streams import PackedStream
@@ -256,6 +257,7 @@ class Executor:
             raise Aborted(
                 f"slice {self.slice_index}: run {run} aborted by another process of the gang before it started"
             )
+        compiles_before = backend_compiles()
         try:
             walked = self._walk(plan, run, staged, fetch, trace)
         finally:
@@ -273,6 +275,8 @@ class Executor:
             walked.held.peak,
             walked.held.peak_bytes,
             walked.peak_bytes,
+            backend_compiles() - compiles_before,
+            walked.compiled,
         )
 
     def _walk(self, plan: str, run: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:
@@ -290,6 +294,7 @@ class Executor:
                     posts.setdefault(ins.post_after, []).append(ins)
         prefix = held.prefix
         events: list[Event] = []
+        compiled: dict[str, list] = {}  # program -> the signatures of its calls that compiled
         where = "start"
         peak_bytes = _bound_bytes(buffers) + held.bytes if trace else 0
         try:
@@ -304,7 +309,10 @@ class Executor:
                     except KeyError as e:
                         raise ValueError(f"reads buffer {e.args[0]!r}, which does not exist") from None
                     start = time.time_ns() if trace else 0
+                    before = backend_compiles()
                     outs = self.programs[ins.program](*args)
+                    if backend_compiles() != before:  # a call it had not compiled for: a spare warms it
+                        compiled.setdefault(ins.program, []).append(programs_lib.signature(args))
                     assert len(outs) == len(ins.outputs), (ins, len(outs))
                     for name, bundle in zip(ins.outputs, outs):
                         buffers[name] = tuple(bundle)
@@ -352,7 +360,7 @@ class Executor:
         finally:
             held.cancel()
             self.progress = Progress(run, len(stream), "idle")
-        return _Walked(t0, tuple(events), held, peak_bytes, to_fetch)
+        return _Walked(t0, tuple(events), held, peak_bytes, to_fetch, compiled)
 
     def _raise(self, e: Exception, run: int, where: str):
         if self._aborted_upto >= run:  # the echo of an abort (a peer's reset transfer)
@@ -398,6 +406,7 @@ class _Walked(NamedTuple):
     held: _Held
     peak_bytes: int
     fetch: dict[str, tuple]  # name -> the arrays to bring back
+    compiled: dict[str, list]  # program -> signatures of its calls that compiled (programs.signature)
 
 
 class _Held:

@@ -30,7 +30,7 @@ import numpy as np
 
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import format as wire
-from mpmd.runtime.worker.instructions import Spec
+from mpmd.runtime.worker.instructions import Spec, layout_from_json, layout_to_json
 
 
 class ProgramSpec(NamedTuple):
@@ -109,6 +109,59 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
 
         return run
     raise ValueError(f"unknown program kind {spec.kind!r}; allowed: {', '.join(KINDS)}")
+
+
+def signature(bundles) -> list:
+    """The argument bundles of a program call as JSON: per bundle, per array [shape, dtype,
+    layout (its PartitionSpec on the slice's mesh as instructions.layout_to_json; None: not
+    laid out by name)]: what a jit keys its executables on (with weak types, which a
+    stage's buffers do not have), so a hot spare can compile for exactly the calls a slice
+    made (warm)."""
+    return [
+        [
+            [
+                list(a.shape),
+                str(a.dtype),
+                layout_to_json(tuple(a.sharding.spec)) if isinstance(a.sharding, jax.sharding.NamedSharding) else None,
+            ]
+            for a in bundle
+        ]
+        for bundle in bundles
+    ]
+
+
+def warm(program: Program, spec: ProgramSpec, mesh: jax.sharding.Mesh, signatures=None) -> int:
+    """Compile a loaded program ahead of its first real call (a hot spare: Warm): call it on
+    zeros for each of `signatures` (as `signature` gives them: the calls a slice compiled
+    for), or with none given, once laid out as it was exported to take its arguments
+    (unsharded ones replicated), every array committed to `mesh` as the executor commits
+    its buffers, so the jit holds the executables a run's calls look up. The calls made
+    ("sleep" and no-output programs have nothing to compile: 0)."""
+    if spec.kind != "exported":
+        return 0
+    exp = jax.export.deserialize(bytearray(spec.data))
+    if not exp.out_avals and exp.nr_devices == 1:
+        return 0
+    sharding = lambda layout: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*layout))
+    if not signatures:
+        shardings = [s if s is not None else sharding(()) for s in exp.in_shardings_jax(mesh)]
+        flat = [reshard.place(np.zeros(a.shape, a.dtype), s) for a, s in zip(exp.in_avals, shardings)]
+        args, kwargs = jax.tree.unflatten(exp.in_tree, flat)
+        jax.block_until_ready(program(*args, **kwargs))
+        return 1
+    for bundles in signatures:
+        args = [
+            tuple(
+                reshard.place(
+                    np.zeros(tuple(shape), wire.numpy_dtype(dtype)),
+                    sharding(layout_from_json(layout) if layout is not None else ()),
+                )
+                for shape, dtype, layout in bundle
+            )
+            for bundle in bundles
+        ]
+        jax.block_until_ready(program(*args))
+    return len(signatures)
 
 
 # The largest array a spec from the network may ask a worker to make or receive: XLA aborts

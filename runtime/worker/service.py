@@ -82,7 +82,7 @@ from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.worker.slice_store import WORKER_ROOT, OutsideRoot, confine
 from mpmd.runtime.wire.results import Aborted, StepFailed
-from mpmd.runtime.worker.compile_cache import CompileCache
+from mpmd.runtime.worker.compile_cache import CompileCache, backend_compiles
 from mpmd.runtime.wire.credentials import is_cluster_token, job_of
 from mpmd.runtime.worker.executor import Executor
 from mpmd.runtime.worker.instructions import Spec
@@ -227,17 +227,27 @@ class WorkerService:
         return verbs.Empty(), []
 
     def LoadPrograms(self, s, r: verbs.LoadPrograms, b):
-        specs = {}
-        for p in r.programs:
-            if not isinstance(p, dict):
-                raise ValueError(f"LoadPrograms 'programs' entries must be objects, got {p!r:.50}")
-            outputs = tuple(tuple(Spec(tuple(x), d) for x, d in bundle) for bundle in p.get("outputs", []))
-            data = wire.blob(b, p["data"], bytes) if "data" in p else b""
-            specs[_str(p, "name")] = programs.ProgramSpec(
-                _str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs
-            )
+        specs = _program_specs(r.programs, b)
         _exec(s).load_programs(specs)
         return verbs.LoadProgramsReply(len(specs)), []
+
+    def Warm(self, s, r: verbs.Warm, b):
+        """Load and compile programs for a mesh of this worker's devices, no slice needed: a
+        hot spare's programs, so the slice it is promoted to runs its first step without
+        compiling (its LoadPrograms then finds them in the cache)."""
+        specs = _program_specs(r.programs, b)
+        signatures = r.signatures or {}
+        if not all(isinstance(v, list) for v in signatures.values()):
+            raise ValueError("Warm 'signatures' must be {program: [signature, ...]}")
+        slice_mesh = mesh.bind(mesh.shape_of(r.mesh or {"data": len(jax.devices())}), jax.devices())
+        before = backend_compiles()
+        for name, spec in specs.items():
+            program = self.cache.load(spec, slice_mesh)
+            try:
+                programs.warm(program, spec, slice_mesh, signatures.get(name))
+            except (TypeError, ValueError, IndexError) as e:  # a signature that does not fit it
+                raise ValueError(f"cannot warm program {name!r} for the signatures given: {e}") from None
+        return verbs.WarmReply(len(specs), backend_compiles() - before), []
 
     def InstallPlan(self, s, r: verbs.InstallPlan, b):
         if (r.encoded is None) == (r.stream is None):
@@ -277,6 +287,8 @@ class WorkerService:
             result.peak_held,
             result.peak_held_bytes,
             result.peak_bytes,
+            result.compiles,
+            result.compiled or None,
         ), out.blobs
 
     def Save(self, s, r: verbs.Save, b):
@@ -556,6 +568,18 @@ def _targets(v):
     if isinstance(v, list) and v and all(pair(p) for p in v):
         return [(p[0], p[1]) for p in v]
     raise ValueError(f"a keyed checkpoint entry must be [buffer, index] or [[buffer, index], ...], got {v!r:.80}")
+
+
+def _program_specs(entries: list, b) -> dict[str, programs.ProgramSpec]:
+    """LoadPrograms' and Warm's `programs` entries as specs by name."""
+    specs = {}
+    for p in entries:
+        if not isinstance(p, dict):
+            raise ValueError(f"'programs' entries must be objects, got {p!r:.50}")
+        outputs = tuple(tuple(Spec(tuple(x), d) for x, d in bundle) for bundle in p.get("outputs", []))
+        data = wire.blob(b, p["data"], bytes) if "data" in p else b""
+        specs[_str(p, "name")] = programs.ProgramSpec(_str(p, "kind"), data, float(p.get("duration_s", 0.0)), outputs)
+    return specs
 
 
 def _str(h: dict, key: str) -> str:

@@ -129,7 +129,7 @@ def test_static_launcher_hands_out_each_spare_once():
     assert launcher.replace(0) == "127.0.0.1:3"
     with pytest.raises(ReplaceUnsupported, match="no spare address left"):
         launcher.replace(1)
-    with pytest.raises(ValueError, match="3 slices need 3 workers, got 2"):
+    with pytest.raises(ValueError, match="3 workers needed .the slices., and hot spares.., got 2"):
         StaticLauncher(["127.0.0.1:1", "127.0.0.1:2"]).start(3)
 
 

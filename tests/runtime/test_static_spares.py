@@ -66,11 +66,14 @@ def static_workers(tmp_path):
             p.wait()
 
 
-def test_static_cluster_replaces_a_killed_worker_by_its_spare(static_workers, uninterrupted, tmp_path):
+@pytest.mark.parametrize("hot_spares", [0, 1], ids=["cold", "hot"])
+def test_static_cluster_replaces_a_killed_worker_by_its_spare(static_workers, uninterrupted, tmp_path, hot_spares):
+    """Cold: the spare is set up when the loss comes (and compiles in its first step); hot
+    (cluster.hot_spares=1): it was warmed with every slice's programs, and compiles nothing."""
     addresses, procs, token_file = static_workers
     process_at = dict(zip(addresses, procs))
     # As `cluster.addresses` (the two slices) + `cluster.spares` (the third) make it.
-    cluster = mpmd.StaticCluster(addresses, token_file=token_file)
+    cluster = mpmd.StaticCluster(addresses, token_file=token_file, hot_spares=hot_spares)
     killed = []
 
     def kill_slice_1(i, trainer):
@@ -83,6 +86,9 @@ def test_static_cluster_replaces_a_killed_worker_by_its_spare(static_workers, un
     try:
         losses, params, rewinds = train(trainer, data(), kill_slice_1)
         assert trainer.cluster.clients[1].address == addresses[2], "slice 1 now runs on the spare"
+        compiles = train.compiles[train.compiles.index(None) + 1]
+        assert (compiles == 0) == bool(hot_spares), f"{compiles} compiled after the loss"
+        assert cluster.spares.promoted == hot_spares
     finally:
         trainer.close()
     assert rewinds == 1 and trainer.restarts == 1
@@ -121,14 +127,19 @@ def test_config_cluster_keys_reach_the_clusters(tmp_path):
                 f"cluster.token_file={token}",
                 "cluster.failure_timeout_s=2.5",
                 "cluster.transport=socket",
+                "cluster.hot_spares=1",
             ],
         )
     )
+    assert static.hot_spares == 1
     assert static.launcher.start(2) == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
     assert static.launcher.replace(1) == "127.0.0.1:7003"
     assert static.failure_timeout_s == 2.5 and static.transport == "socket"
     local = build.build_cluster(config.load(None, ["cluster.failure_timeout_s=7", "log.level=error"]))
     assert local.failure_timeout_s == 7 and local.launcher.log_level == "error" and local.transport == "auto"
+    assert local.hot_spares == 0
+    hot = build.build_cluster(config.load(None, ["cluster.hot_spares=2"]))
+    assert hot.hot_spares == 2 and hot.launcher.num_workers == 4  # gpt_tiny's 2 slices and 2 spares
     assert build.build_cluster(config.load(None, ["cluster.transport=shm"])).transport == "shm"
     assert build.build_cluster(config.load(None, [])).failure_timeout_s == 5.0  # null: the cluster's default
     if importlib.util.find_spec("ray") is None:

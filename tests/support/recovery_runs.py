@@ -86,8 +86,9 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
     completed step is traced and appended to it as (i, start_ns, slice 1's worker pid,
     per-slice events), start_ns taken just before the step is sent.
     Returns ({step: loss}, final params, number of rewinds); `train.rewound` then holds each
-    rewind's message (it names what was lost and why)."""
-    train.rewound = []
+    rewind's message (it names what was lost and why), and `train.compiles` the executables
+    every slice built in each collected step, in the order collected, a rewind as None."""
+    train.rewound, train.compiles = [], []
     losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
     pending = collections.deque()  # (batch index, start_ns, PendingStep), oldest first
     while i < steps or pending:
@@ -110,6 +111,7 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
         except mpmd.Rewound as e:
             rewinds += 1
             train.rewound.append(str(e))
+            train.compiles.append(None)
             i = e.data_state["i"] if e.data_state else 0
             losses = {s: l for s, l in losses.items() if s <= e.step}
             pending.clear()  # discarded with the failed step: nothing of them landed
@@ -117,6 +119,7 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
         if traces is not None:
             traces.append((batch, start_ns, trainer.cluster.pids[1], out["events"]))
         losses[out["step"]] = out["loss"]
+        train.compiles.append(out.get("compiles", 0))
     return losses, reference.stage_leaves(trainer.params()), rewinds
 
 
