@@ -184,3 +184,31 @@ def test_mpmd_train_on_ray_gives_the_local_losses(tmp_path):
         losses[backend] = [json.loads(l)["loss"] for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["local"]) == 4
     assert losses["ray"] == losses["local"]
+
+
+def test_a_hot_spare_actor_takes_a_killed_actors_slice_without_compiling(ray_instance, inprocess):
+    """cluster.hot_spares on Ray: a third actor, warmed; the killed actor's slice goes to it, its
+    first step compiles nothing, and a new spare actor restores the count."""
+    cluster = mpmd.RayCluster(num_workers=2, hot_spares=1)
+    trainer = make_trainer(cluster)
+    data = batches()
+    try:
+        trainer.step(*data[0])
+        deadline = time.monotonic() + 120
+        while cluster.spares.ready < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spare_pid = cluster.pids[2]
+        kill(cluster, 1)
+        with pytest.raises(mpmd.Rewound, match=r"slice 1 \(worker .*\) lost"):
+            trainer.step(*data[1])
+        assert cluster.slot_of(1) == 2 and cluster.pids[2] == spare_pid and cluster.spares.promoted == 1
+        first = trainer.step(*data[0])  # from the initial state again (no checkpoint)
+        assert "compiles" not in first and first["loss"] == inprocess[0][0], first
+        while cluster.spares.ready < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert cluster.spares.started == 1 and alive(cluster.pids[1])
+        assert_same(train_steps(trainer, data[1:]), (inprocess[0][1:], inprocess[1]))
+        pids = list(cluster.pids)
+    finally:
+        trainer.close()
+    assert wait_gone(pids) == [], "a worker or spare actor outlived its cluster"
