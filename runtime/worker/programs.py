@@ -114,15 +114,15 @@ def load(spec: ProgramSpec, mesh: jax.sharding.Mesh) -> Program:
 def signature(bundles) -> list:
     """The argument bundles of a program call as JSON: per bundle, per array [shape, dtype,
     layout (its PartitionSpec on the slice's mesh as instructions.layout_to_json; None: not
-    laid out by name)]: what a jit keys its executables on (with weak types, which a
-    stage's buffers do not have), so a hot spare can compile for exactly the calls a slice
-    made (warm)."""
+    laid out by name), weak type]: what a jit keys its executables on, so a hot spare can
+    compile for exactly the calls a slice made (warm)."""
     return [
         [
             [
                 list(a.shape),
                 str(a.dtype),
                 layout_to_json(tuple(a.sharding.spec)) if isinstance(a.sharding, jax.sharding.NamedSharding) else None,
+                bool(getattr(a, "weak_type", False)),
             ]
             for a in bundle
         ]
@@ -152,16 +152,24 @@ def warm(program: Program, spec: ProgramSpec, mesh: jax.sharding.Mesh, signature
     for bundles in signatures:
         args = [
             tuple(
-                reshard.place(
-                    np.zeros(tuple(shape), wire.numpy_dtype(dtype)),
-                    sharding(layout_from_json(layout) if layout is not None else ()),
-                )
-                for shape, dtype, layout in bundle
+                _zeros(shape, dtype, sharding(layout_from_json(layout) if layout is not None else ()), weak)
+                for shape, dtype, layout, weak in bundle
             )
             for bundle in bundles
         ]
         jax.block_until_ready(program(*args))
     return len(signatures)
+
+
+def _zeros(shape, dtype: str, sharding, weak: bool) -> jax.Array:
+    """Zeros of a signature's array committed to `sharding`, weakly typed where it was (a
+    value born of a Python scalar): made by a jit of lax.full, which every process of a gang
+    runs alike, so the array is the gang's."""
+    np_dtype = wire.numpy_dtype(dtype)
+    scalar = {"i": 0, "f": 0.0, "c": 0j}.get(np_dtype.kind) if weak else None
+    if scalar is not None and jax.numpy.result_type(scalar) == np_dtype:
+        return jax.jit(lambda: jax.lax.full(tuple(shape), scalar), out_shardings=sharding)()
+    return reshard.place(np.zeros(tuple(shape), np_dtype), sharding)
 
 
 # The largest array a spec from the network may ask a worker to make or receive: XLA aborts
