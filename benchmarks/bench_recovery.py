@@ -10,8 +10,9 @@ checkpoints in a temporary run_dir.
 a. Recovery, checkpoint_every=5, with the persistent tier only and with the in-memory tier
    too (memory_every=1; a row notes it if a recovery restored from another tier). Worker 1
    gets a signal (by pid) halfway through a step:
-   SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: declared
-   lost after failure_timeout_s, LocalCluster's default 5 s). Rounds alternate the two
+   SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: its heartbeat
+   goes unanswered and its probe finds no process answering, runtime/control/heartbeat.py;
+   failure_timeout_s, LocalCluster's default 5 s, only bounds it). Rounds alternate the two
    signals; medians over rounds. The parts, in order:
      detect  signal -> WorkerLost: signal to Rewound caught, minus the parts below that
              happen between them (replace, restore; trainer.recovery_s)
@@ -25,7 +26,8 @@ a. Recovery, checkpoint_every=5, with the persistent tier only and with the in-m
      1st     the first step after recovery: the new worker compiles its programs on its
              first Run; "of it compile" = 1st - the median steady step
      replay  the other steps computed again: (replayed - 1) x the steady step
-   total = detect + spawn + setup + ship + restore + 1st step + replay. Goal: < 10 s for SIGKILL.
+   total = detect + spawn + setup + ship + restore + 1st step + replay. Goals: < 10 s for SIGKILL,
+   <= 1 s for SIGSTOP (issue 56: with a hot spare; the row says whether detect alone is < 1 s).
    spawn/setup/ship are timed by a LocalCluster subclass defined here (benchmark only).
 b. Checkpoint cost per step, a save every step: no checkpointing vs the in-memory tier
    (memory_every=1: each slice's snapshot, and its copy sent to the peer slice, in the step;
@@ -75,6 +77,7 @@ MODEL = "gpt_tiny"
 M, LR, EVERY = 4, 3e-4, 5
 TIERS = {"persistent": {}, "memory": {"memory_every": 1}}  # the mpmd.Checkpointing arguments of each
 GOAL_S = 10.0
+SIGSTOP_GOAL_S = 1.0
 PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
 
 
@@ -244,7 +247,8 @@ def recovery(run_dir: Path, num_rounds: int) -> None:
         verdict = (
             ("met" if total < GOAL_S else "MISSED")
             if name == "SIGKILL"
-            else f"(detect bounded by failure_timeout_s {failure_timeout_s:g} s)"
+            else f"SIGSTOP goal <= {SIGSTOP_GOAL_S:g} s: {'met' if total <= SIGSTOP_GOAL_S else 'MISSED'} "
+            f"(detect {'<' if m['detect'] < SIGSTOP_GOAL_S else '>='} {SIGSTOP_GOAL_S:g} s)"
         )
         print(
             f"{tier:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} {m['ship']:>6.3f} "
