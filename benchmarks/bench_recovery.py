@@ -13,8 +13,9 @@ a. Recovery, checkpoint_every=5, side by side: the persistent tier only; the in-
    with a hot spare (hot_spares=1: the loss is taken over by a warm worker); and a slice
    served by a gang of two processes (mesh data=2), with a hot spare gang. Slice 1's worker
    (a gang's last process) gets a signal (by pid) halfway through a step:
-   SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: declared
-   lost after failure_timeout_s, LocalCluster's default 5 s). Rounds alternate the two
+   SIGKILL (the process is gone: its RPCs fail at once) and SIGSTOP (it hangs: its heartbeat
+   goes unanswered and its probe finds no process answering, runtime/control/heartbeat.py;
+   failure_timeout_s, LocalCluster's default 5 s, only bounds it). Rounds alternate the two
    signals; medians over rounds. The parts, in order:
      detect  signal -> WorkerLost: signal to Rewound caught, minus the parts below that
              happen between them (replace, restore; trainer.recovery_s)
@@ -32,7 +33,7 @@ a. Recovery, checkpoint_every=5, side by side: the persistent tier only; the in-
              executables XLA built in it, every slice together (0 with a hot spare)
      replay  the other steps computed again: (replayed - 1) x the steady step
    total = detect + spawn + setup + ship + restore + 1st step + replay. Goals: < 10 s for
-   SIGKILL; < 0.3 s with a hot spare and the in-memory tier.
+   SIGKILL; with a hot spare and the in-memory tier < 0.3 s for SIGKILL, <= 1 s for SIGSTOP.
    spawn/setup/ship are timed by a LocalCluster subclass defined here (benchmark only).
 b. Checkpoint cost per step, a save every step: no checkpointing vs the in-memory tier
    (memory_every=1: each slice's snapshot, and its copy sent to the peer slice, in the step;
@@ -85,6 +86,7 @@ M, LR, EVERY = 4, 3e-4, 5
 TIERS = {"persistent": {}, "memory": {"memory_every": 1}}  # the mpmd.Checkpointing arguments of each
 GOAL_S = 10.0
 HOT_GOAL_S = 0.3  # a SIGKILL with a hot spare and the in-memory tier (issue 56)
+SIGSTOP_GOAL_S = 1.0
 PARTS = ("detect", "spawn", "setup", "ship", "restore", "first")
 
 
@@ -283,7 +285,8 @@ def recovery(run_dir: Path, num_rounds: int, setups=SETUPS) -> None:
         verdict = (
             ("met" if total < goal else "MISSED")
             if name == "SIGKILL"
-            else f"(detect bounded by failure_timeout_s {failure_timeout_s:g} s)"
+            else f"SIGSTOP goal <= {SIGSTOP_GOAL_S:g} s: {'met' if total <= SIGSTOP_GOAL_S else 'MISSED'} "
+            f"(detect {'<' if m['detect'] < SIGSTOP_GOAL_S else '>='} {SIGSTOP_GOAL_S:g} s)"
         )
         print(
             f"{name_setup:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} "

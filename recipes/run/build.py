@@ -132,7 +132,10 @@ def build_cluster(cfg: Config):
                 timeouts["tls"] = False if c.tls == "off" else os.path.expanduser(c.tls)
             if c.hot_spares:
                 timeouts["hot_spares"] = c.hot_spares
-        return registry.get_backend_spec(c.backend).build(cfg, timeouts)
+        cluster = registry.get_backend_spec(c.backend).build(cfg, timeouts)
+    if hasattr(c, "probe_timeout_s") and hasattr(cluster, "probe_timeout_s"):
+        cluster.probe_timeout_s = c.probe_timeout_s  # the control plane's (runtime/control/heartbeat.py)
+    return cluster
 
 
 def trainer_options(cfg: Config, metadata: dict) -> tuple[Checkpointing, Recovery]:

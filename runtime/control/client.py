@@ -11,9 +11,11 @@ cluster's manager). Its parts: a client per worker and the typed verb helpers
 `run` sends each worker ONE Run RPC per step, all in parallel, carrying the feeds that
 slice needs; activations then flow slice to slice over the data plane, never through here.
 
-Failure detection. Every worker is pinged every HEARTBEAT_S; a slice is declared lost when
-it has not answered a heartbeat for `failure_timeout_s` (hung, stopped, cut off), or when an
-RPC to it fails for transport reasons (process gone). What a run does then: runs.py.
+Failure detection. Every worker is sent a heartbeat every HEARTBEAT_S; a slice is declared
+lost when an RPC to it fails for transport reasons (process gone), when a worker whose
+heartbeat went unanswered fails its probe (hung, stopped, cut off: runtime/control/heartbeat.py,
+in well under a second), or when it has not answered a heartbeat for `failure_timeout_s`
+whatever its probes said. What a run does then: runs.py.
 
 Generations. The control plane's view of its workers has a generation: a number that grows
 with every start, replacement, shrink and grow, each time past every generation a worker of
@@ -51,14 +53,14 @@ from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
+from mpmd.runtime.control.heartbeat import HEARTBEAT_S, PROBE_TIMEOUT_S, Heartbeats
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, receive, send  # noqa: F401
 from mpmd.runtime.control.spares import HotSpares
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
-from mpmd.runtime.wire.results import Aborted, Progress, StepResult
+from mpmd.runtime.wire.results import Aborted, StepResult
 from mpmd.runtime.wire.tls import Tls
 from mpmd.runtime.worker.gang import GangClient
 
-HEARTBEAT_S = 0.5
 READMIT_PROBE_S = 1.0  # how long replace() waits for a lost worker's answer before looking again
 log = logging.getLogger("mpmd")
 
@@ -105,7 +107,12 @@ class ControlPlane(RunDispatch):
         mutual TLS, and a worker without a certificate of the same authority is refused at
         the handshake; None: in the clear.
     connect_timeout_s: how long a new worker may take to answer its first RPC.
-    failure_timeout_s: a slice silent this long (no heartbeat answered) is declared lost.
+    failure_timeout_s: a slice silent this long (no heartbeat answered) is declared lost,
+        whatever its probes said: the bound on finding a hung worker.
+    probe_timeout_s: a worker whose heartbeat is unanswered is probed (runtime/control/heartbeat.py):
+        a new connection must be up, and its HTTP/2 ping acknowledged by gRPC's own threads,
+        each within this many seconds, else the worker is hung and its slice lost; None: no
+        probes, failure_timeout_s alone. Settable.
     transfer_host: where workers' data-plane servers listen; None: the host of each
         worker's gRPC address.
     step_timeout_s: a step in which no slice advances for this long is aborted (watchdog);
@@ -132,6 +139,7 @@ class ControlPlane(RunDispatch):
         transport: str = "auto",
         tls: Tls | None = None,
         hot_spares: int = 0,
+        probe_timeout_s: float | None = PROBE_TIMEOUT_S,
     ):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
@@ -168,6 +176,7 @@ class ControlPlane(RunDispatch):
             generation=lambda: self.generation,
             connect_timeout_s=connect_timeout_s,
         )
+        self.heartbeats = Heartbeats(probe_timeout_s)  # their rounds, probes and verdicts
 
     @property
     def hot_spares(self) -> int:
@@ -177,6 +186,14 @@ class ControlPlane(RunDispatch):
         """The launcher slot whose worker serves slice `slice_index` now (a promoted hot spare
         serves from its own slot)."""
         return self._slots[slice_index]
+
+    @property
+    def probe_timeout_s(self) -> float | None:
+        return self.heartbeats.probe_timeout_s
+
+    @probe_timeout_s.setter
+    def probe_timeout_s(self, value: float | None) -> None:
+        self.heartbeats.probe_timeout_s = value
 
     @property
     def transport(self) -> str:
@@ -330,24 +347,10 @@ class ControlPlane(RunDispatch):
         return addresses[0] if not isinstance(c, GangClient) else addresses
 
     def _beat(self) -> None:
-        # Keeps the workers' lease alive and feeds failure detection (WorkerClient.last_ok).
-        # One future per worker per round, so a hung worker does not delay the others' pings.
-        while not self._stop.wait(HEARTBEAT_S):
-            futs = []
-            for c in list(self.clients) + list(self._others) + self.spares.clients:
-                try:
-                    futs.append((c, send(c, verbs.Empty(), timeout_s=HEARTBEAT_S * 2, verb="Heartbeat")))
-                except WorkerError:
-                    pass  # replaced while we looked
-            for c, f in futs:
-                try:
-                    progress = receive(c, "Heartbeat", f)[0].progress
-                except (WorkerError, Aborted):
-                    continue
-                if isinstance(progress, list) and len(progress) == 3:
-                    progress = Progress(*progress)
-                    if progress != c.progress:
-                        c.progress, c.progress_at = progress, time.monotonic()
+        # Keeps the workers' lease alive and feeds failure detection (WorkerClient.last_ok, the
+        # heartbeats' verdicts). A hung worker delays no other's heartbeat: see heartbeat.py.
+        while not self._stop.wait(self.heartbeats.period_s(len(self.clients) + len(self._others) + self.spares.count)):
+            self.heartbeats.round(list(self.clients) + list(self._others) + self.spares.clients)
 
     def step_timeout(self) -> float:
         """The watchdog's timeout for the next step, in seconds (runtime/control/runs.py)."""
@@ -362,7 +365,7 @@ class ControlPlane(RunDispatch):
         self._watch.step_timeout_s = value
 
     def lost_slice(self) -> tuple[int, str] | None:
-        """(slice, why) of a slice silent for longer than failure_timeout_s, if any."""
+        """(slice, why) of a slice found hung or silent for longer than failure_timeout_s, if any."""
         for i in range(len(self.clients)):
             why = self._silent(i)
             if why is not None:
@@ -370,9 +373,13 @@ class ControlPlane(RunDispatch):
         return None
 
     def _silent(self, slice_index: int) -> str | None:
-        """Why slice `slice_index` counts as lost (silent for longer than failure_timeout_s),
-        else None."""
-        silent_s = time.monotonic() - self.clients[slice_index].last_ok
+        """Why slice `slice_index` counts as lost (hung by its probe, or silent for longer than
+        failure_timeout_s), else None."""
+        c = self.clients[slice_index]
+        hung = self.heartbeats.hung(c)
+        if hung is not None:
+            return hung
+        silent_s = time.monotonic() - c.last_ok
         if silent_s > self.failure_timeout_s:
             return f"no answer for {silent_s:.1f} s (failure_timeout_s={self.failure_timeout_s:g})"
         return None
@@ -382,7 +389,9 @@ class ControlPlane(RunDispatch):
         same programs and plans; every slice's transfers reconnected. State is not restored.
         WorkerLost if another slice is found gone meanwhile (the new worker is in place).
         `wait_s`: see Cluster.replace."""
-        spare = self.spares.take(alive=lambda c: time.monotonic() - c.last_ok < self.failure_timeout_s)
+        spare = self.spares.take(
+            alive=lambda c: self.heartbeats.hung(c) is None and time.monotonic() - c.last_ok < self.failure_timeout_s
+        )
         if spare is not None:  # warm: nothing to start, its programs compiled
             c, lost_slot = spare.client, self._slots[slice_index]
             self._slots[slice_index] = spare.slot
@@ -569,6 +578,7 @@ class ControlPlane(RunDispatch):
             self._heartbeat.join()
             self._heartbeat = None
         self.spares.close()
+        self.heartbeats.close()
         for c in self.clients + self._others:
             c.close()
         self.clients, self._others = [], []

@@ -43,17 +43,24 @@ class WorkerError(RuntimeError):
 
 class WorkerClient:
     def __init__(
-        self, address: str, token: str, rpc_counts: collections.Counter, service: str = SERVICE, tls: Tls | None = None
+        self,
+        address: str,
+        token: str,
+        rpc_counts: collections.Counter,
+        service: str = SERVICE,
+        tls: Tls | None = None,
+        options=(),
     ):
+        """options: gRPC channel options beside GRPC_OPTIONS (see sibling)."""
         self.address = address
         self.service = service  # the gRPC service called: a worker's, or a shared cluster's manager
         self._token = token
         self._metadata = ((TOKEN_KEY, token),)
         self.tls = tls  # mutual TLS (runtime/wire/tls.py), else the clear
         self._channel = (
-            grpc.secure_channel(address, tls.channel_credentials(), options=[*GRPC_OPTIONS, *CHANNEL_OPTIONS])
+            grpc.secure_channel(address, tls.channel_credentials(), options=[*GRPC_OPTIONS, *CHANNEL_OPTIONS, *options])
             if tls
-            else grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            else grpc.insecure_channel(address, options=[*GRPC_OPTIONS, *options])
         )
         self._counts = rpc_counts
         self._stubs = {}
@@ -117,6 +124,17 @@ class WorkerClient:
 
     def call(self, method: str, header: dict | None = None, blobs=(), timeout_s: float | None = None):
         return self.result(method, self.future(method, header, blobs, timeout_s))
+
+    def ready_future(self):
+        """A future done once this client's channel is connected (grpc.channel_ready_future)."""
+        return grpc.channel_ready_future(self._channel)
+
+    def sibling(self, options) -> WorkerClient:
+        """A client of the same worker, with the same token, generation and TLS, on a channel
+        of its own with the gRPC channel `options` added (runtime/control/heartbeat.py's probe)."""
+        c = WorkerClient(self.address, self._token, self._counts, self.service, self.tls, options)
+        c.generation = self.generation
+        return c
 
     def close(self) -> None:
         self._channel.close()

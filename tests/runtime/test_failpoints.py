@@ -10,9 +10,9 @@ from mpmd.runtime.worker import failpoints
 
 def test_a_spec_arms_each_point_at_its_hits():
     assert failpoints.parse("") == {}
-    assert failpoints.parse("save@2=pause:12, transfer@40=pause:0.5,save@5=pause:1") == {
-        "save": {2: 12.0, 5: 1.0},
-        "transfer": {40: 0.5},
+    assert failpoints.parse("save@2=pause:12, transfer@40=pause:0.5,save@5=busy:1") == {
+        "save": {2: ("pause", 12.0), 5: ("busy", 1.0)},
+        "transfer": {40: ("pause", 0.5)},
     }
 
 

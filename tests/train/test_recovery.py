@@ -203,14 +203,47 @@ def test_worker_lost_before_a_waited_save_commits(uninterrupted, workers, tmp_pa
     assert_same_run((losses, params), uninterrupted)
 
 
-def test_worker_sigstopped_is_declared_lost(uninterrupted, workers, tmp_path):
+def test_worker_sigstopped_is_found_hung_and_replaced(uninterrupted, workers, tmp_path):
+    """A SIGSTOPped worker is found hung by its heartbeat's probe (runtime/control/heartbeat.py),
+    long before failure_timeout_s (30 s here), replaced, and the run ends as the uninterrupted one."""
     fault = kill_once(3, signal.SIGSTOP)
-    workers.failure_timeout_s = 2.0  # the fixture puts the default back
-    losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
+    workers.failure_timeout_s = 30.0  # the fixture puts the default back
+    try:
+        losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
+    finally:
+        _kill_if_stopped(fault.fired)
     assert rewinds == 1
-    # Declared lost by its silence (failure_timeout_s), not by the step watchdog.
-    assert "(failure_timeout_s=2)" in train.rewound[0], train.rewound
+    # Declared lost by its probe, not by its silence (failure_timeout_s) nor the step watchdog.
+    assert "lost: hung: its heartbeat unanswered for" in train.rewound[0], train.rewound
+    assert "failure_timeout_s=30" not in train.rewound[0], train.rewound
     assert_same_run((losses, params), uninterrupted)
+
+
+def test_busy_worker_is_not_declared_lost(uninterrupted, tmp_path, monkeypatch):
+    """Both workers hold their GIL for 3 s in step 2 (failpoint busy: no RPC answered, the
+    process running on): their heartbeats go unanswered far past the probes' suspicion, the
+    probes find them busy, and no worker is lost; the run ends as the uninterrupted one."""
+    monkeypatch.setenv("MPMD_FAILPOINTS", "transfer@6=busy:3")  # the workers started below inherit it
+    losses, params, rewinds = run_with_fault(
+        tmp_path, None, root=str(tmp_path), failure_timeout_s=30.0, log_dir=str(tmp_path / "logs")
+    )
+    assert rewinds == 0, train.rewound
+    assert run_with_fault.trainer.cluster.heartbeats.busy > 0, "no probe found a worker alive but busy"
+    logs = "".join(f.read_text() for f in (tmp_path / "logs").iterdir())
+    assert "failpoint transfer reached (hit 6" in logs and "busy, holding the GIL, 3 s" in logs, logs[-2000:]
+    assert_same_run((losses, params), uninterrupted)
+
+
+def _kill_if_stopped(pids):
+    """SIGKILL each of `pids` still alive and stopped (a test's SIGSTOPped worker that was not replaced)."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stopped = f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except FileNotFoundError:
+            continue
+        if stopped:
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_worker_sigtermed_is_a_lost_worker(uninterrupted, workers, tmp_path):

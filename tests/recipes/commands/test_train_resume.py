@@ -143,14 +143,20 @@ def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(refer
 
 
 def test_controller_sigtermed_with_a_hung_worker_exits_within_its_grace(tmp_path):
-    """A worker SIGSTOPped (a hung host: its silence is not declared a loss for 60 s), then
+    """A worker SIGSTOPped (a hung host: with no probes, its silence is not declared a loss for 60 s), then
     the controller SIGTERMed with train.preempt_grace_s=12: the step in flight never ends, so
     10 s before the grace runs out the controller gives up on it, keeps its last commit, stops
     every worker (the stopped one killed) and exits 143, saying which step it kept."""
     run_dir, tag = tmp_path / "g", uuid.uuid4().hex
     ctl = Controller(
         run_dir,
-        ["configs/gpt_tiny.yaml", *OVERRIDES, "train.preempt_grace_s=12", "cluster.failure_timeout_s=60"],
+        [
+            "configs/gpt_tiny.yaml",
+            *OVERRIDES,
+            "train.preempt_grace_s=12",
+            "cluster.failure_timeout_s=60",
+            "cluster.probe_timeout_s=null",
+        ],
         {TAG: tag},
     )
     try:
