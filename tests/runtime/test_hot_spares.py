@@ -53,13 +53,13 @@ def run_and_check(cluster, tmp_path, fault, want, steps=recovery_runs.STEPS, **t
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_a_lost_worker_is_taken_over_by_a_warm_spare(uninterrupted, tmp_path, sig):
-    """SIGSTOP: the stopped worker is found hung by its probe (long before failure_timeout_s),
+    """SIGSTOP: the stopped worker is found hung by its heartbeat probe (long before failure_timeout_s),
     and the spare started in its slot stops it for good (SIGKILL by its pid)."""
     cluster = mpmd.LocalCluster(hot_spares=1, failure_timeout_s=30.0)
     run_and_check(cluster, tmp_path, recovery_runs.kill_once(5, sig), uninterrupted)
     assert cluster.spares.started == 1
     if sig == signal.SIGSTOP:
-        assert "found hung" in recovery_runs.train.rewound[0], recovery_runs.train.rewound
+        assert "lost: hung: its heartbeat unanswered" in recovery_runs.train.rewound[0], recovery_runs.train.rewound
 
 
 def test_a_gang_slice_is_taken_over_by_a_warm_spare_gang(uninterrupted_data2, tmp_path):
