@@ -1,4 +1,4 @@
-"""The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd sft-data`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
+"""The `mpmd` command: `mpmd train`, `mpmd generate`, `mpmd tune`, `mpmd plan`, `mpmd tokenizer`, `mpmd tokenize`, `mpmd sft-data`, `mpmd export`, `mpmd worker`, `mpmd schedule`, `mpmd report`, `mpmd cluster`. Logic lives in modules."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ COMMANDS = {
     "tune": (
         "mpmd.recipes.commands.tune",
         "pick the split, schedule, microbatches and virtual stages from measured costs",
+    ),
+    "plan": (
+        "mpmd.recipes.commands.plan",
+        "goodput under failures and the checkpoint intervals that maximise it: mpmd plan goodput CONFIG",
     ),
     "tokenizer": (
         "mpmd.recipes.commands.tokenizer",

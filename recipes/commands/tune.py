@@ -21,26 +21,25 @@ from pathlib import Path
 import yaml
 
 from mpmd.recipes import config
+from mpmd.recipes.commands.arguments import config_arguments, section_keys
 from mpmd.recipes.run import console
 from mpmd.recipes import registry
 from mpmd.recipes.files import publish
 
 
 def parser() -> argparse.ArgumentParser:
-    keys = "\n".join("  tune." + line for line in config.describe(config.TuneConfig).splitlines())
     parser = argparse.ArgumentParser(
         prog="mpmd tune",
         description="Choose the pipeline split, schedule, microbatches and virtual stages from costs\n"
         "measured on the config's own cluster; print the confirmed candidates (predicted against\n"
         "measured step and memory) and write the winner as a config mpmd train takes as is: the\n"
         "input config with the chosen pipeline.* keys, to tune.output (never overwritten).",
-        epilog=f"tune.* keys (default, meaning):\n{keys}\n\nexample:\n"
+        epilog=f"{section_keys('tune', config.TuneConfig)}\n\nexample:\n"
         "  mpmd tune configs/gpt_small.yaml tune.memory_gb=2 tune.confirm=3 tune.output=small_tuned.yaml\n"
         "  mpmd train small_tuned.yaml",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("config", metavar="CONFIG", help="YAML file of overrides of the defaults")
-    parser.add_argument("overrides", metavar="key=value", nargs="*", help="dotted-key overrides of the file")
+    config_arguments(parser)
     return parser
 
 

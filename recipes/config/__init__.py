@@ -26,6 +26,7 @@ from mpmd.recipes.config.schema import (  # noqa: F401
     ModelSection,
     OptimizerConfig,
     PipelineConfig,
+    PlanConfig,
     SliceShape,
     TrainConfig,
     TuneConfig,

@@ -154,6 +154,59 @@ class TuneConfig(_Section):
         return names
 
 
+class PlanConfig(_Section):
+    """What `mpmd plan goodput` simulates (recipes/commands/plan.py, mpmd/tuner/goodput.py);
+    `mpmd train` ignores this section. A cost left null is what plan.from_run's records
+    measured, else gpt_tiny's on 4 local workers of this project's development machine."""
+
+    num_slices: int | None = Field(
+        None, gt=0, le=2**20, description="slices of the run planned; null = the config's workers"
+    )
+    slices_per_host: int = Field(
+        1,
+        gt=0,
+        le=2**20,
+        description="slices on one host: its loss takes them all, and with 2 or more the in-memory tier "
+        "too (a slice's copy is on the next slice); a gang (cluster.processes_per_slice) is a slice over that many hosts",
+    )
+    mtbf_h: float = Field(
+        1000.0,
+        gt=0,
+        description="mean hours between failures of one host, the controller's too (Llama 3's 16k-GPU "
+        "run saw about 6,000 h per 8-GPU host)",
+    )
+    wall_h: float = Field(24.0, gt=0, description="the run's wall time in hours")
+    hot_spares: int | None = Field(
+        None,
+        ge=0,
+        le=2**10,
+        description="warm spare workers; null = cluster.hot_spares where the config has it, else 0",
+    )
+    replace_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="seconds until a new worker can be had after a loss (0 = at once, as locally); "
+        "past cluster.replace_timeout_s, on_loss auto shrinks",
+    )
+    from_run: str | None = Field(
+        None, description="a run directory whose metrics.jsonl gives the costs it measured (mpmd/report/costs.py)"
+    )
+    seed: int = Field(0, ge=0, description="seeds the failures drawn")
+    step_s: float | None = Field(None, gt=0, description="seconds of a step without a save")
+    save_s: float | None = Field(None, ge=0, description="seconds a persistent save adds (checkpoint.every)")
+    snapshot_s: float | None = Field(
+        None, ge=0, description="seconds an in-memory snapshot adds (checkpoint.memory_every)"
+    )
+    detect_s: float | None = Field(None, ge=0, description="seconds from a loss until it is declared")
+    spawn_s: float | None = Field(None, ge=0, description="seconds to start a new worker, set it up, ship its programs")
+    promote_s: float | None = Field(None, ge=0, description="seconds for a warm hot spare to take a lost slice's place")
+    restore_s: float | None = Field(None, ge=0, description="seconds to restore every slice from the persistent tier")
+    memory_restore_s: float | None = Field(
+        None, ge=0, description="seconds to restore every slice from the in-memory tier"
+    )
+    compile_s: float | None = Field(None, ge=0, description="seconds the first step on a new worker adds (it compiles)")
+
+
 # The mesh axes of every slice, in order: defined once, in the runtime (which imports JAX only to
 # bind a mesh to devices), so a config is checked against them before JAX is imported.
 MESH_AXES = AXES
@@ -329,6 +382,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
+    plan: PlanConfig = PlanConfig()
 
     @field_validator("run_dir_mode", mode="before")
     @classmethod

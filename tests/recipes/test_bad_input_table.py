@@ -59,6 +59,7 @@ COMMANDS = {
     "train": ["configs/gpt_tiny.yaml"],
     "generate": ["runs/x", "--prompt", "x"],
     "tune": ["configs/gpt_tiny.yaml"],
+    "plan": ["goodput", "configs/gpt_tiny.yaml"],
     "tokenizer": ["train", "a.txt", "--vocab-size", "300", "-o", "out"],
     "tokenize": ["a.txt", "-o", "out"],
     "sft_data": ["-o", "out"],
