@@ -223,7 +223,9 @@ def recovery(run_dir: Path, num_rounds: int, setups=SETUPS) -> None:
     a gang slice with a hot spare), the signals' rounds. Each loss comes in the 3rd step after
     a persistent commit: the persistent tier replays 3 steps, the memory tier only the failed
     one. "replay" is those steps' time (replayed x the setup's steady step) and counts in the
-    total. With a hot spare, each loss waits until the spare started after the last is warm."""
+    total. With a hot spare, each loss waits until the spare started after the last is warm;
+    the steady step is timed only then (the 2 steps before each loss), not while a new spare
+    starts and compiles beside the run on the same cores."""
     import mpmd
 
     signals = {"SIGKILL": signal.SIGKILL, "SIGSTOP": signal.SIGSTOP}
@@ -260,7 +262,6 @@ def recovery(run_dir: Path, num_rounds: int, setups=SETUPS) -> None:
                     row["tier"] = trainer.recovery_s["tier"]
                     row["hot"] = cluster.spares.promoted
                     results.setdefault((name_setup, name), []).append(row)
-                    steady[name_setup].append(timed_step(trainer, data[1]))
             pids += list(cluster.pids)
         finally:
             trainer.close()
@@ -271,7 +272,7 @@ def recovery(run_dir: Path, num_rounds: int, setups=SETUPS) -> None:
     print(
         f"{'setup':>10} {'signal':>8} {'detect':>7} {'spawn':>6} {'setup':>6} {'ship':>6} {'restore':>8} "
         f"{'1st step':>9} {'(compile)':>10} {'compiles':>9} {'replayed':>9} {'replay':>7} {'total':>6}  "
-        f"goal < {GOAL_S:g} s; {HOT_GOAL_S:g} s with a hot spare"
+        f"goal: {GOAL_S:g} s; memory+hot {HOT_GOAL_S:g} s (SIGKILL), {SIGSTOP_GOAL_S:g} s (SIGSTOP)"
     )
     for (name_setup, name), rows in results.items():
         steady_s = med(steady[name_setup])
@@ -281,13 +282,11 @@ def recovery(run_dir: Path, num_rounds: int, setups=SETUPS) -> None:
         tier = "persistent" if name_setup == "persistent" else "memory"
         used = sorted({r["tier"] for r in rows})
         total = med([sum(r[p] for p in PARTS + ("replay",)) for r in rows])
-        goal = HOT_GOAL_S if "hot" in name_setup and name == "SIGKILL" else GOAL_S
-        verdict = (
-            ("met" if total < goal else "MISSED")
-            if name == "SIGKILL"
-            else f"SIGSTOP goal <= {SIGSTOP_GOAL_S:g} s: {'met' if total <= SIGSTOP_GOAL_S else 'MISSED'} "
-            f"(detect {'<' if m['detect'] < SIGSTOP_GOAL_S else '>='} {SIGSTOP_GOAL_S:g} s)"
-        )
+        # The issue's goals are for gpt_tiny with the in-memory tier and a hot spare; every
+        # other row is held to the general one.
+        hot = name_setup == "memory+hot"
+        goal = (HOT_GOAL_S if name == "SIGKILL" else SIGSTOP_GOAL_S) if hot else GOAL_S
+        verdict = f"{'met' if total <= goal else 'MISSED'} (goal {goal:g} s)"
         print(
             f"{name_setup:>10} {name:>8} {m['detect']:>7.2f} {m['spawn']:>6.2f} {m['setup']:>6.2f} "
             f"{m['ship']:>6.3f} {m['restore']:>8.3f} {m['first']:>9.2f} {m['first'] - steady_s:>10.2f} "

@@ -395,6 +395,7 @@ class ControlPlane(RunDispatch):
         if spare is not None:  # warm: nothing to start, its programs compiled
             c, lost_slot = spare.client, self._slots[slice_index]
             self._slots[slice_index] = spare.slot
+            self.launcher.serves(spare.slot, slice_index)
             self.spares.top_up(lost_slot)
             log.info("slice %d: hot spare %s takes over (slot %d)", slice_index, c.address, spare.slot)
         else:

@@ -359,5 +359,10 @@ class Launcher(Protocol):
         looks (a grow-back probe), None is the launcher's own start timeout. Launchers that
         start or hand out a worker at once (local, static, shared) have nothing to wait for."""
 
+    def serves(self, slot: int, slice_index: int) -> None:
+        """The worker in `slot` now serves slice `slice_index` (a hot spare promoted). A
+        launcher that places workers by slice moves it there (LocalLauncher: the slice's
+        cores); the others have nothing to do."""
+
     def stop(self) -> None:
         """Stop every worker this launcher started (after the control plane's Shutdown RPC)."""

@@ -301,6 +301,20 @@ class LocalLauncher:
                 log_relayed(slot, int(levelno) if levelno.isdigit() else logging.WARNING, text, self._log_file(slot))
         ready.set()
 
+    def serves(self, slot: int, slice_index: int) -> None:
+        """Pin slot `slot`'s processes (a hot spare promoted) to the cores of slice
+        `slice_index`'s: as many as any worker's, so it computes alike bit for bit, and
+        not shared with another slice's (a spare's own cores may be)."""
+        if not self.pin:
+            return
+        for j, proc in enumerate(self.gangs[slot]):
+            cores = cores_for(slice_index * self.processes_per_slice + j, self.threads_per_worker)
+            try:
+                for task in os.listdir(f"/proc/{proc.pid}/task"):  # every thread of it
+                    os.sched_setaffinity(int(task), cores)
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # gone: its loss is found as any other
+
     def stop(self) -> None:
         procs, self.gangs = self.procs, []
         deadline = time.monotonic() + 5.0

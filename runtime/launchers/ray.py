@@ -272,6 +272,9 @@ class RayLauncher:
         self.addresses[slot] = request.ready[0][0] if k == 1 else tuple(a for a, _ in request.ready)
         return self.addresses[slot]
 
+    def serves(self, slot: int, slice_index: int) -> None:
+        pass  # nothing placed by slice here (Launcher.serves)
+
     def stop(self) -> None:
         """Kill the actors (and any asked for that are not ready); disconnect from Ray only if
         start() called ray.init."""

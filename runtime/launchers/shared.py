@@ -209,6 +209,9 @@ class SharedLauncher:
         self.addresses[slot] = address
         return address
 
+    def serves(self, slot: int, slice_index: int) -> None:
+        pass  # nothing placed by slice here (Launcher.serves)
+
     def stop(self) -> None:
         self._stop.set()
         if self._renewer is not None:

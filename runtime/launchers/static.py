@@ -40,6 +40,9 @@ class StaticLauncher:
             )
         return self._spares.pop(0)
 
+    def serves(self, slot: int, slice_index: int) -> None:
+        pass  # nothing placed by slice here (Launcher.serves)
+
     def stop(self) -> None:
         pass  # not ours to stop: the control plane's Shutdown RPC is all they get
 
