@@ -100,7 +100,11 @@ def measured(run_dir: str | Path) -> dict:
     """The costs run_dir's records measure (see the module docstring), by Costs' field names;
     a cost the run did not exercise (no recovery, no snapshot) is left out. ValueError when
     run_dir holds no metrics."""
-    metrics = load_report(run_dir).metrics
+    report = load_report(run_dir)
+    metrics = report.metrics
+    # A run with hot spares replaced its lost workers by promoting one: what it measured is a
+    # promotion, not a spawn.
+    hot = bool(((report.config or {}).get("cluster") or {}).get("hot_spares"))
     intervals = _intervals(metrics)
     plain = [dt for _, dt in intervals if dt is not None]
     if not plain:
@@ -118,7 +122,7 @@ def measured(run_dir: str | Path) -> dict:
     if totals and totals["failures"]:
         per_failure = {key: totals[key] / totals["failures"] for key in ("aborted_s", "replace_s", "restore_s")}
         out["detect_s"] = max(per_failure["aborted_s"] - step_s / 2, 0.0)
-        out["spawn_s"] = per_failure["replace_s"]
+        out["promote_s" if hot else "spawn_s"] = per_failure["replace_s"]
         names = {"persistent": "restore_s", "memory": "memory_restore_s"}
         if len(alone) == 1:  # every recovery the records show came from one tier: the mean is its
             out[names[next(iter(alone))]] = per_failure["restore_s"]

@@ -89,7 +89,7 @@ class Costs(NamedTuple):
     snapshot_s: float = 0.005  # added by an in-memory snapshot (checkpoint.memory_every)
     detect_s: float = 0.05  # a loss until it is declared (a SIGKILL: the RPC fails at once)
     spawn_s: float = 0.6  # a new worker started, set up and its programs shipped
-    promote_s: float = 0.05  # a warm hot spare takes a lost slice's place
+    promote_s: float = 0.035  # a warm hot spare takes a lost slice's place (bench_recovery: setup + ship)
     restore_s: float = 0.5  # every slice back from the persistent tier
     memory_restore_s: float = 0.13  # every slice back from the in-memory tier
     compile_s: float = 0.28  # the first step on a new worker (or after a relayout), over a step

@@ -71,3 +71,10 @@ def test_a_run_without_recoveries_gives_what_it_measured_only(tmp_path):
 
 def test_the_memory_tier_is_named_as_the_trainer_names_it():
     assert MEMORY_TIER == TIERS["memory"]
+
+
+def test_a_run_with_hot_spares_measured_promotions_not_spawns(tmp_path):
+    write_run(tmp_path / "run")
+    (tmp_path / "run" / "config.yaml").write_text("cluster:\n  hot_spares: 1\n")
+    got = measured(tmp_path / "run")
+    assert got["promote_s"] == pytest.approx(0.6) and "spawn_s" not in got

@@ -380,6 +380,40 @@ def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(
     assert all(alive(p) for p in shared.pids())
 
 
+def test_a_hot_spare_leased_beside_a_slice_takes_it_over_and_is_leased_again(shared):
+    """cluster.hot_spares=1, one slice: the job leases both workers, one as its warm spare.
+    The worker serving the slice is SIGKILLed: the spare takes the slice over, the first step
+    after compiles nothing, and the manager restarts the lost worker, which the job leases as
+    its new spare. The losses are those of the same job without a spare, uninterrupted."""
+    one = ["pipeline.num_stages=1", "train.steps=12", "checkpoint.memory_every=1"]
+    ref = shared.job("hs_ref", *one, share=False)
+    ref.succeed()
+    job = shared.job("hs", *one, "cluster.hot_spares=1", "train.steps=100000", share=False)
+    try:
+        job.wait_for_step(2)
+        status = shared.wait_for(lambda s: any(j["name"] == "hs" and j["state"] == "leased" for j in s["jobs"]))
+        leased = next(j for j in status["jobs"] if j["name"] == "hs")["workers"]
+        assert len(leased) == 2, leased  # the slice's worker, then the spare
+        job_id = next(j for j in status["jobs"] if j["name"] == "hs")["job"]
+        lost = status["workers"][leased[0]]["pid"]
+        os.kill(lost, signal.SIGKILL)
+        # Restarted by the manager, and leased to the job again as its spare (its session there).
+        shared.wait_for(lambda s: s["workers"][leased[0]]["pid"] != lost and job_id in sessions(s)[leased[0]], 60)
+        job.wait_for_step(len(run_log.read(shared.tmp / "hs")) + 12)
+        job.proc.send_signal(signal.SIGTERM)
+        rc, out = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert rc == 143 and "recovered from slice 0" in out, out
+    records = run_log.read(shared.tmp / "hs")
+    after = next(r for r in records if "recovered" in r)
+    assert "compiles" not in after, after
+    assert losses(shared.tmp / "hs")[:12] == losses(shared.tmp / "hs_ref")
+    # Released with the job: no session of it is left on the workers.
+    shared.wait_for(lambda s: not any(job_id in x for x in sessions(s)), timeout_s=30)
+
+
 def test_down_while_a_job_trains_ends_the_job_in_one_line_and_leaves_no_process(shared):
     """`mpmd cluster down` under a training job: the manager refuses the job's Replace for
     the workers it stops, so no new worker starts; `down` returns once every process is

@@ -37,7 +37,7 @@ def test_costs_are_given_keys_else_measured_by_plan_from_run_else_the_defaults(t
     write_run(tmp_path / "run")
     rc, out, err = plan(capsys, f"plan.from_run={tmp_path / 'run'}", "plan.spawn_s=7", "plan.mtbf_h=100")
     assert rc == 0, err
-    assert "step 0.1 (measured)" in out and "spawn 7 (given)" in out and "promote 0.05 (default)" in out
+    assert "step 0.1 (measured)" in out and "spawn 7 (given)" in out and "promote 0.035 (default)" in out
 
 
 @pytest.mark.parametrize(
