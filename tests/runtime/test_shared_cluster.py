@@ -418,8 +418,11 @@ def test_down_while_a_job_trains_ends_the_job_in_one_line_and_leaves_no_process(
     """`mpmd cluster down` under a training job: the manager refuses the job's Replace for
     the workers it stops, so no new worker starts; `down` returns once every process is
     gone and only then removes the cluster file; the job ends within seconds with one line
-    naming its last committed step."""
-    job = shared.job("d", "train.steps=100000", "checkpoint.every=2", share=False)
+    naming its last committed step. The job runs one slice and a hot spare on the two
+    workers: `down` leaves no spare running either."""
+    job = shared.job(
+        "d", "train.steps=100000", "checkpoint.every=2", "pipeline.num_stages=1", "cluster.hot_spares=1", share=False
+    )
     try:
         job.wait_for_step(3)
         job.wait_for_commit()
