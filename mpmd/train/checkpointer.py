@@ -17,7 +17,7 @@ import logging
 from mpmd.lowering import core as lowering
 from mpmd.stages import leaf_paths, names
 from mpmd.train import snapshots
-from mpmd.train.checkpoints import StageCheckpoints, layout_change
+from mpmd.train.checkpoints import LAYOUT_KEYS, StageCheckpoints, describe_layout
 from mpmd.train.options import Checkpointing
 
 log = logging.getLogger("mpmd")
@@ -223,3 +223,13 @@ class Checkpointer:
                 self._launch,
                 layout.meshes,
             )
+
+
+def layout_change(manifest: dict, layout: dict) -> str | None:
+    """'from -> to' when `manifest` was saved on another layout than `layout`, else None."""
+    saved = manifest.get("layout")
+    if saved is None and "format" not in manifest:
+        saved = manifest.get("partition", {})
+    if saved is None or all(saved.get(k) == layout.get(k) for k in LAYOUT_KEYS if k in saved):
+        return None
+    return f"{describe_layout(saved)} -> {describe_layout(layout)}"

@@ -263,12 +263,9 @@ class StageCheckpoints:
             return [item[0] for item in self._in_flight]
 
     def abandon(self, lost: BaseException) -> None:
-        """A slice's worker was lost (`lost`, a WorkerLost) and the run recovers without waiting
-        for the saves in flight: none of them can commit (the lost worker will never say its
-        part is finalized), and the slice's replacement, asked for a part it never started,
-        counts as the loss, not as a failed save. They leave the queue in the background, once
-        the survivors' writes end (a failed step's directory is removed only when nobody
-        writes it)."""
+        """The run recovers from `lost` (a WorkerLost) without waiting for the saves in flight:
+        none can commit, and the lost slice's replacement, asked for a part it never started,
+        counts as `lost`, not as a failed save. They leave the queue in the background."""
         with self._cond:
             for item in self._in_flight:
                 self._abandoned[item[0]] = lost
@@ -322,18 +319,7 @@ class StageCheckpoints:
                     self._cond.wait()
                 step, started, manifest, t1 = self._in_flight[0]
             try:
-                try:
-                    digests = self._wait_all(started, raise_first=True)
-                except Exception as e:
-                    with self._cond:
-                        abandoned = self._abandoned.get(step)
-                    if abandoned is not None and not isinstance(e, WorkerLost):
-                        # Asked of the lost slice's replacement, which never started it.
-                        raise abandoned from e
-                    raise
-                finally:
-                    with self._cond:
-                        self._abandoned.pop(step, None)
+                digests = self._wait_all(started, raise_first=True, step=step)
                 self.store.commit(step, with_digests(manifest, digests))
             except WorkerLost as e:  # a slice died while writing: this step stays uncommitted
                 log.warning("checkpoint of step %d not committed: %s", step, e)
@@ -361,13 +347,15 @@ class StageCheckpoints:
                 self._in_flight.popleft()
                 self._cond.notify_all()
 
-    def _wait_all(self, started: dict[int, list[str]], raise_first: bool = False) -> dict[str, str]:
+    def _wait_all(self, started: dict[int, list[str]], raise_first: bool = False, step=None) -> dict[str, str]:
         """Until every slice's saves of these directories are finalized or failed (the slices
         concurrently): {leaf name: digest} of all of them; the first error, if asked, once
         all are done: a failed step is removed only when nobody writes it."""
         futures = [self._wait_pool.submit(self.cluster.wait_saves, r, dirs) for r, dirs in started.items()]
         errors = [f.exception() for f in futures]
-        lost = [e for e in errors if isinstance(e, WorkerLost)]
+        with self._cond:  # an abandoned step's error is the loss it was abandoned for
+            abandoned = self._abandoned.pop(step, None)
+        lost = [e for e in errors if isinstance(e, WorkerLost)] or ([abandoned] if abandoned and any(errors) else [])
         first = (lost or [e for e in errors if e is not None] or [None])[0]
         if raise_first and first is not None:
             raise first
@@ -557,7 +545,9 @@ class StageCheckpoints:
 
         # Every slice reads its leaves at once (each from the directories that hold them).
         errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]
-        lost = [e for e in errors if isinstance(e, WorkerLost)]
+        with self._cond:  # an abandoned step's error is the loss it was abandoned for
+            abandoned = self._abandoned.pop(step, None)
+        lost = [e for e in errors if isinstance(e, WorkerLost)] or ([abandoned] if abandoned and any(errors) else [])
         if lost:
             raise lost[0]  # the slice is gone, not the checkpoint
         failed = [e for e in errors if e is not None]
@@ -578,16 +568,6 @@ def with_digests(manifest: dict, digests: dict[str, str]) -> dict:
         for name, leaf in manifest["leaves"].items()
     }
     return {**manifest, "leaves": leaves}
-
-
-def layout_change(manifest: dict, layout: dict) -> str | None:
-    """'from -> to' when `manifest` was saved on another layout than `layout`, else None."""
-    saved = manifest.get("layout")
-    if saved is None and "format" not in manifest:
-        saved = manifest.get("partition", {})
-    if saved is None or all(saved.get(k) == layout.get(k) for k in LAYOUT_KEYS if k in saved):
-        return None
-    return f"{describe_layout(saved)} -> {describe_layout(layout)}"
 
 
 def describe_layout(layout: dict) -> str:

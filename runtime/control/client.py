@@ -54,7 +54,7 @@ from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
 from mpmd.runtime.control.heartbeat import HEARTBEAT_S, PROBE_TIMEOUT_S, Heartbeats
-from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, receive, send  # noqa: F401
+from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, program_entries, receive, send  # noqa: F401
 from mpmd.runtime.control.spares import HotSpares
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
 from mpmd.runtime.wire.results import Aborted, StepResult
@@ -74,23 +74,6 @@ def _settled(fut, timeout_s: float) -> bool:
     except grpc.FutureCancelledError:
         pass
     return True
-
-
-def _program_entries(specs: dict) -> tuple[list, list]:
-    """LoadPrograms' (and Warm's) `programs` entries for {name: ProgramSpec}, and their blobs."""
-    b = wire.Builder()
-    entries = []
-    for name, s in specs.items():
-        entry = {
-            "name": name,
-            "kind": s.kind,
-            "duration_s": s.duration_s,
-            "outputs": [[[list(x.shape), x.dtype] for x in bundle] for bundle in s.outputs],
-        }
-        if s.data:
-            entry["data"] = b.add(s.data)
-        entries.append(entry)
-    return entries, b.blobs
 
 
 def _arrays_out(b: wire.Builder, arrays) -> list:
@@ -406,8 +389,15 @@ class ControlPlane(RunDispatch):
                     raise
                 c = self._readmit(slice_index, e)
         self.clients[slice_index].close()
-        c.wait_ready(self._connect_timeout_s)
-        self.clients[slice_index] = c
+        self.clients[slice_index] = c  # never a closed client in the list, whatever comes next
+        try:
+            c.wait_ready(self._connect_timeout_s)
+        except WorkerError as e:
+            if spare is None:
+                raise
+            # The spare went too (a host lost whole, a cluster going down): lost as the slice
+            # is, so the caller asks again, of the next spare or of the launcher for its slot.
+            raise WorkerLost(slice_index, c.address, f"the hot spare taking it over does not answer: {e}") from None
         # A new generation: the lost worker, should it come back, is fenced out of it.
         self._advance([slice_index])
         self._transfer[str(slice_index)] = self._setup(slice_index, c)
@@ -475,7 +465,7 @@ class ControlPlane(RunDispatch):
         specs = {n: shipped["programs"][n] for n in names if n in shipped["programs"]}
         if not specs:
             return None
-        entries, blobs = _program_entries(specs)
+        entries, blobs = program_entries(specs)
         mesh_shape = self._meshes[slice_index] if self._meshes is not None else None
         return verbs.Warm(entries, mesh_shape, {n: signatures[n] for n in specs if signatures.get(n)} or None), blobs
 
@@ -488,7 +478,7 @@ class ControlPlane(RunDispatch):
         self.spares.warm(slice_index, {name: [] for name in specs})  # [] : as exported
 
     def _load(self, slice_index: int, specs: dict) -> None:
-        entries, blobs = _program_entries(specs)
+        entries, blobs = program_entries(specs)
         self._call(slice_index, verbs.LoadPrograms(entries), blobs)
 
     def install_plan(self, slice_index: int, name: str, stream) -> None:
@@ -591,10 +581,12 @@ class ControlPlane(RunDispatch):
         """Shut the workers down (a worker started with --persist resets instead), then let the
         launcher stop what it started."""
         self.spares.stop()  # waits for a spare being started: the launcher stops it too
-        futs = [
-            (c, send(c, verbs.Empty(), timeout_s=2.0, verb="Shutdown"))
-            for c in self.clients + self._others + self.spares.clients
-        ]
+        futs = []
+        for c in self.clients + self._others + self.spares.clients:
+            try:
+                futs.append((c, send(c, verbs.Empty(), timeout_s=2.0, verb="Shutdown")))
+            except WorkerError:  # its channel closed already: nothing to tell it
+                pass
         for c, f in futs:
             try:
                 receive(c, "Shutdown", f)

@@ -162,3 +162,20 @@ def call(client: WorkerClient | GangClient, request, blobs=(), timeout_s: float 
 
 def new_token() -> str:
     return secrets.token_hex(16)
+
+
+def program_entries(specs: dict) -> tuple[list, list]:
+    """LoadPrograms' (and Warm's) `programs` entries for {name: ProgramSpec}, and their blobs."""
+    b = wire.Builder()
+    entries = []
+    for name, s in specs.items():
+        entry = {
+            "name": name,
+            "kind": s.kind,
+            "duration_s": s.duration_s,
+            "outputs": [[[list(x.shape), x.dtype] for x in bundle] for bundle in s.outputs],
+        }
+        if s.data:
+            entry["data"] = b.add(s.data)
+        entries.append(entry)
+    return entries, b.blobs

@@ -6,6 +6,7 @@ launcher to fetch. Nothing here runs in the controller's process."""
 from __future__ import annotations
 
 import collections
+import atexit
 import os
 import threading
 import time
@@ -95,6 +96,7 @@ class SliceActor:
         if not self.shared:
             self.service = WorkerService(self._token, self._stop, root=self._root)
             self.server, self.address = serve(self.service.handler(), listen, RPC_THREADS, self._tls)
+            self._stop_at_exit()
             return
         # A shared cluster's worker (runtime/manager/core.py), as `mpmd worker --shared`: several
         # jobs' sessions, compiled programs kept across them, a silent job's session closed.
@@ -110,7 +112,15 @@ class SliceActor:
             cache=CompileCache(int(shared["compile_cache_mb"] * 2**20)),
         )
         self.server, self.address = serve(self.service.handler(), listen, SHARED_RPC_THREADS, self._tls)
+        self._stop_at_exit()
         threading.Thread(target=self._lapse, daemon=True, name="mpmd-lapse").start()
+
+    def _stop_at_exit(self) -> None:
+        """Stop serving, at once, when the actor's process exits (a SIGTERM: Ray raises
+        SystemExit): left to the interpreter's last collection, the server's teardown could
+        wait as long as the controller's heartbeats and probes kept arriving (10 a second),
+        and the process with it."""
+        atexit.register(self.server.stop, None)
 
     def _lapse(self) -> None:
         while True:

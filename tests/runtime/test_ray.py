@@ -189,7 +189,8 @@ def test_mpmd_train_on_ray_gives_the_local_losses(tmp_path):
 def test_a_hot_spare_actor_takes_a_killed_actors_slice_without_compiling(ray_instance, inprocess):
     """cluster.hot_spares on Ray: a third actor, warmed; the killed actor's slice goes to it, its
     first step compiles nothing, and a new spare actor restores the count."""
-    cluster = mpmd.RayCluster(num_workers=2, hot_spares=1)
+    # Half a CPU each: beside the module's cluster (2 actors of one), within the 4 Ray was given.
+    cluster = mpmd.RayCluster(num_workers=2, hot_spares=1, resources_per_worker={"CPU": 0.5})
     trainer = make_trainer(cluster)
     data = batches()
     try:
