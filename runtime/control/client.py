@@ -358,7 +358,10 @@ class ControlPlane(RunDispatch):
     def _silent(self, slice_index: int) -> str | None:
         """Why slice `slice_index` counts as lost (hung by its probe, or silent for longer than
         failure_timeout_s), else None."""
-        c = self.clients[slice_index]
+        return self._lost_why(self.clients[slice_index])
+
+    def _lost_why(self, c) -> str | None:
+        """Why the worker of client `c` (a slice's, or a hot spare's) counts as lost, else None."""
         hung = self.heartbeats.hung(c)
         if hung is not None:
             return hung
@@ -372,9 +375,7 @@ class ControlPlane(RunDispatch):
         same programs and plans; every slice's transfers reconnected. State is not restored.
         WorkerLost if another slice is found gone meanwhile (the new worker is in place).
         `wait_s`: see Cluster.replace."""
-        spare = self.spares.take(
-            alive=lambda c: self.heartbeats.hung(c) is None and time.monotonic() - c.last_ok < self.failure_timeout_s
-        )
+        spare = self.spares.take(alive=lambda c: self._lost_why(c) is None)
         if spare is not None:  # warm: nothing to start, its programs compiled
             c, lost_slot = spare.client, self._slots[slice_index]
             self._slots[slice_index] = spare.slot
@@ -533,7 +534,7 @@ class ControlPlane(RunDispatch):
     def _wait(self, run: PendingRun) -> list[StepResult]:
         results = self._watch.wait(run, self._in_flight)
         for i, r in enumerate(results):
-            if r.compiled:  # calls a slice compiled for: the spares compile them too
+            if r.compiled and self.spares.count:  # calls a slice compiled for: the spares compile them too
                 for name, calls in r.compiled.items():
                     self._shipped[i]["signatures"].setdefault(name, []).extend(calls)
                 self.spares.warm(i, r.compiled)
