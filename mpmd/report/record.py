@@ -62,13 +62,18 @@ def predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets,
 
     if isinstance(micro_inputs, dict):  # one microbatch of a batch dict (micro_targets unused)
         feeds = batches.plan(pipeline, {k: spec(v) for k, v in micro_inputs.items()}, pair=False)
-        per_stage = costs.memory(
-            pipeline, optimizer, None, None, feeds=feeds, layout=layout, placement=schedule.placement
-        )
+        micro = (None, None)
     else:
-        per_stage = costs.memory(
-            pipeline, optimizer, spec(micro_inputs), spec(micro_targets), layout=layout, placement=schedule.placement
-        )
+        feeds, micro = None, (spec(micro_inputs), spec(micro_targets))
+    per_stage = costs.memory(
+        pipeline,
+        optimizer,
+        *micro,
+        feeds=feeds,
+        layout=layout,
+        placement=schedule.placement,
+        split_backward=schedule.split_backward,
+    )
     return {"stages": per_stage, "slices": costs.slice_memory(schedule, per_stage)}
 
 

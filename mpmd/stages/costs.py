@@ -144,7 +144,14 @@ def _nbytes(specs) -> int:
 
 
 def memory(
-    pipe: Pipeline, optimizer, micro_input_spec, micro_target_spec, feeds=None, layout=None, placement=None
+    pipe: Pipeline,
+    optimizer,
+    micro_input_spec,
+    micro_target_spec,
+    feeds=None,
+    layout=None,
+    placement=None,
+    split_backward: bool = True,
 ) -> list[dict]:
     """Per stage, bytes: {"params", "grads" (the accumulated gradient, like params),
     "optimizer" (optax state), "residuals" (saved by one microbatch's forward for its backward:
@@ -156,10 +163,14 @@ def memory(
     however they are sharded. With `layout` (mpmd.lowering.core.Layout, stage k on slice
     `placement[k]`), what fsdp holds whole per device is counted fsdp times: the gathered
     weights (fsdp x the leaves on fsdp), and the gradients a stage accumulates unreduced until
-    reduce{k} (mpmd/stages/partials.py: a leaf on fsdp is whole on each device until then)."""
+    reduce{k} (mpmd/stages/partials.py: a leaf on fsdp is whole on each device until then).
+    "kept" is 0 unless `split_backward` (a schedule whose W tasks run apart from B), which
+    traces each stage's backward besides its forward."""
     out = []
     for k, fn, shapes, first, last, loss, batch in _stage_shapes(pipe, micro_input_spec, micro_target_spec, feeds):
-        stage = dict(fn=fn, shapes=shapes, first=first, last=last, loss_fn=loss)
+        residuals, kept = stage_programs.saved_specs(
+            fn, shapes, first=first, last=last, loss_fn=loss, split_backward=split_backward
+        )
         opt = jax.eval_shape(optimizer.init, jax.tree.unflatten(fn.param_tree, list(shapes.params)))
         grads, gathered = _nbytes(shapes.params), 0
         if layout is not None:
@@ -174,8 +185,8 @@ def memory(
                 "params": _nbytes(shapes.params),
                 "grads": grads,
                 "optimizer": _nbytes(opt),
-                "residuals": _nbytes(stage_programs.residual_specs(**stage)),
-                "kept": _nbytes(stage_programs.kept_specs(**stage)),
+                "residuals": _nbytes(residuals),
+                "kept": _nbytes(kept),
                 "gathered": gathered,
             }
         )

@@ -207,6 +207,7 @@ class Pipeline:
         self.fns = [s if isinstance(s, StageFn) else stage_fn(s) for s in stages]
         self.shared = shared_params(self.fns)
         self.param_paths, self.scoped_paths = stage_param_paths(self.fns, model_paths)
+        self._traced: dict = {}  # activation_specs by (input, side inputs) specs
         # With side inputs a stage cannot be traced before a batch gives their shapes.
         if sample_input is not None and not any(required for fn in self.fns for _, required in fn.keywords):
             self.activation_specs(jax.tree.map(_spec, sample_input))
@@ -219,8 +220,24 @@ class Pipeline:
         """Abstract input of every stage plus the last output: specs[i] enters stage i.
         `side_specs`: per stage, {batch key: spec} of its side inputs (None: none).
 
-        Raises ValueError naming the stage whose input does not fit.
+        Raises ValueError naming the stage whose input does not fit. Traced once per distinct
+        `(input_spec, side_specs)`: the lowering, the cost model, the memory estimate and the
+        batch plan ask alike.
         """
+        leaves, tree = jax.tree.flatten((input_spec, side_specs))
+        try:
+            key = (tree, tuple(leaves))
+            hash(key)
+        except TypeError:  # a leaf that is not a spec: traced every time
+            key = None
+        if key is not None and key in self._traced:
+            return list(self._traced[key])
+        specs = self._activation_specs(input_spec, side_specs)
+        if key is not None:
+            self._traced[key] = tuple(specs)
+        return specs
+
+    def _activation_specs(self, input_spec, side_specs) -> list:
         specs = [input_spec]
         for i, fn in enumerate(self.fns):
             param_specs = tuple(jax.tree.map(_spec, fn.param_leaves))

@@ -54,7 +54,15 @@ def dry_run(cfg: Config, tflops: float = 400.0) -> dict:
     optimizer = build_optimizer(cfg)
     run = check_layout(cfg, pipeline, optimizer)
     schedule = run.schedule
-    per_stage = stage_costs.memory(pipeline, optimizer, in_spec, tgt_spec, layout=run.layout, placement=run.placement)
+    per_stage = stage_costs.memory(
+        pipeline,
+        optimizer,
+        in_spec,
+        tgt_spec,
+        layout=run.layout,
+        placement=run.placement,
+        split_backward=schedule.split_backward,
+    )
     costs = stage_costs.measure(pipeline, in_spec, tgt_spec)
     simulation = simulate(schedule, dryrun.executed_costs(schedule, costs))
     # Shared weights (a tied embedding) sit in several stages but are one parameter.

@@ -53,7 +53,7 @@ from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
-from mpmd.runtime.control.heartbeat import HEARTBEAT_S, Heartbeats
+from mpmd.runtime.control.heartbeat import HEARTBEAT_S, PROBE_TIMEOUT_S, Heartbeats
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, program_entries, receive, send  # noqa: F401
 from mpmd.runtime.control.spares import HotSpares
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
@@ -122,7 +122,7 @@ class ControlPlane(RunDispatch):
         transport: str = "auto",
         tls: Tls | None = None,
         hot_spares: int = 0,
-        probe_timeout_s: float | None = None,
+        probe_timeout_s: float | None = PROBE_TIMEOUT_S,
     ):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")
@@ -534,10 +534,14 @@ class ControlPlane(RunDispatch):
     def _wait(self, run: PendingRun) -> list[StepResult]:
         results = self._watch.wait(run, self._in_flight)
         for i, r in enumerate(results):
-            if r.compiled and self.spares.count:  # calls a slice compiled for: the spares compile them too
-                for name, calls in r.compiled.items():
-                    self._shipped[i]["signatures"].setdefault(name, []).extend(calls)
-                self.spares.warm(i, r.compiled)
+            if r.compiled and self.spares.count:  # calls a slice made anew: the spares compile them too
+                known = self._shipped[i]["signatures"]
+                new = {n: [c for c in calls if c not in known.get(n, [])] for n, calls in r.compiled.items()}
+                new = {n: calls for n, calls in new.items() if calls}
+                for name, calls in new.items():
+                    known.setdefault(name, []).extend(calls)
+                if new:
+                    self.spares.warm(i, new)
         self.spares.went_on()  # a spare owed since a loss starts now, not during the recovery
         return results
 
@@ -580,10 +584,18 @@ class ControlPlane(RunDispatch):
 
     def close(self) -> None:
         """Shut the workers down (a worker started with --persist resets instead), then let the
-        launcher stop what it started."""
+        launcher stop what it started.
+
+        A worker that counts as lost (hung, or silent past failure_timeout_s) is sent nothing:
+        across a partition the kernel keeps a Shutdown written to a dead link and delivers it
+        when the link comes back, by then perhaps to a worker a newer controller has taken over
+        but not yet admitted (nothing to fence it by). Its launcher stops it (local, Ray), or
+        its lease lapses and it leaves on its own (static, shared)."""
         self.spares.stop()  # waits for a spare being started: the launcher stops it too
         futs = []
         for c in self.clients + self._others + self.spares.clients:
+            if self._lost_why(c) is not None:
+                continue
             try:
                 futs.append((c, send(c, verbs.Empty(), timeout_s=2.0, verb="Shutdown")))
             except WorkerError:  # its channel closed already: nothing to tell it

@@ -34,8 +34,9 @@ class StepResult(NamedTuple):
     # XLA's temporaries and sends not yet pulled aside).
     peak_bytes: int = 0
     # Executables XLA built in the slice's process during the run (0 once its programs are
-    # warm: runtime/worker/compile_cache.py backend_compiles), and for which program calls:
-    # {program: [signature]} (runtime/worker/programs.py signature; what a hot spare warms).
+    # warm: runtime/worker/compile_cache.py backend_compiles), and the program calls a hot
+    # spare warms: {program: [signature]} of each program's first call since it was loaded and
+    # of every call that compiled (runtime/worker/programs.py signature).
     compiles: int = 0
     compiled: dict | None = None
 

@@ -173,7 +173,7 @@ class RunReply:
     peak_held_bytes: int = 0
     peak_bytes: int = 0
     compiles: int = 0  # executables XLA built in the worker's process during the run
-    compiled: dict | None = None  # {program: [signature]} of the calls that compiled (StepResult)
+    compiled: dict | None = None  # {program: [signature]} of first calls and calls that compiled (StepResult)
 
 
 @dataclass(frozen=True)

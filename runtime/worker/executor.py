@@ -64,6 +64,10 @@ class Executor:
         # A gang's (runtime/gang.Agreement): its processes stop a run together or not at all.
         self.agreement = agreement
         self.programs: dict[str, programs_lib.Program] = {}
+        # Programs called since they were loaded: a program's first call reports its
+        # signature whether it compiled or not (the executable may be cached from an earlier
+        # session on this worker, and a hot spare still needs it).
+        self._called: set[str] = set()
         self.plans: dict[str, tuple[Instruction, ...]] = {}
         self.buffers: dict[str, tuple[jax.Array, ...]] = {}
         self._aborted_upto = -1  # runs with an id <= this are aborted (even if not started yet)
@@ -79,6 +83,7 @@ class Executor:
     def load_programs(self, specs: dict[str, programs_lib.ProgramSpec]) -> None:
         for name, spec in specs.items():
             self.programs[name] = self._load(spec, self.mesh)
+            self._called.discard(name)
 
     def install_plan(self, name: str, stream) -> int:
         """Install a list of instructions or an encoded stream (runtime/worker/streams.py, finished
@@ -209,6 +214,7 @@ class Executor:
         instruction); saves already queued are still written."""
         self.abort(2**62)
         self.buffers, self._staged, self.plans, self.programs = {}, {}, {}, {}
+        self._called = set()
         self._checkpointer.close()
 
     def _take_turn(self, run: int, after: int) -> None:
@@ -294,7 +300,7 @@ class Executor:
                     posts.setdefault(ins.post_after, []).append(ins)
         prefix = held.prefix
         events: list[Event] = []
-        compiled: dict[str, list] = {}  # program -> the signatures of its calls that compiled
+        compiled: dict[str, list] = {}  # program -> signatures of its calls a hot spare is to warm
         where = "start"
         peak_bytes = _bound_bytes(buffers) + held.bytes if trace else 0
         try:
@@ -311,7 +317,9 @@ class Executor:
                     start = time.time_ns() if trace else 0
                     before = backend_compiles()
                     outs = self.programs[ins.program](*args)
-                    if backend_compiles() != before:  # a call it had not compiled for: a spare warms it
+                    # A call it had not compiled for, or its first: a hot spare warms it.
+                    if backend_compiles() != before or ins.program not in self._called:
+                        self._called.add(ins.program)
                         compiled.setdefault(ins.program, []).append(programs_lib.signature(args))
                     assert len(outs) == len(ins.outputs), (ins, len(outs))
                     for name, bundle in zip(ins.outputs, outs):
@@ -406,7 +414,7 @@ class _Walked(NamedTuple):
     held: _Held
     peak_bytes: int
     fetch: dict[str, tuple]  # name -> the arrays to bring back
-    compiled: dict[str, list]  # program -> signatures of its calls that compiled (programs.signature)
+    compiled: dict[str, list]  # program -> signatures of its first call and of calls that compiled
 
 
 class _Held:

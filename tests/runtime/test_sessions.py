@@ -381,17 +381,23 @@ def test_the_compile_cache_evicts_least_recently_used_under_its_bound():
 
 def test_a_plain_worker_keeps_compiled_programs_across_setups(tmp_path):
     # The cache serves a worker of one controller too: a re-Setup (a restart, a recovery)
-    # gets its programs back without compiling them again.
+    # gets its programs back without compiling them again. Each session's first call of a
+    # program reports its signature all the same (what a hot spare is warmed with), and a
+    # second call of the same signature reports nothing.
     spec = {"deep": programs.exported(deep, (W_SPEC,), (X_SPEC,))}
     with StandaloneWorkers(tmp_path, 1, shared=False, disk_cache=False) as plain:
         cluster = mpmd.StaticCluster(plain.addresses, token=plain.token)
         try:
+            reported, compiles = [], []
             for _ in range(2):
                 cluster.start(1)  # a fresh executor: nothing shipped survives
                 cluster.load_programs(0, spec)
                 cluster.install_plan(0, "p", [Run("deep", ("w", "x"), ("y",))])
                 cluster.put(0, "w", [W0])
-                cluster.run("p", 0, {0: {"x": [XS[0]]}}, {0: ["y"]})
+                for run in range(2):
+                    (result,) = cluster.run("p", run, {0: {"x": [XS[0]]}}, {0: ["y"]})
+                    reported.append(sorted(result.compiled or {}))
+                    compiles.append(result.compiles)
             stats = plain.admin(0, "Sessions")
             # OpenSession is a shared worker's; a plain one says so.
             code, message = refusal(lambda: plain.admin(0, "OpenSession", {"job": "x", "root": str(plain.root / "x")}))
@@ -399,4 +405,6 @@ def test_a_plain_worker_keeps_compiled_programs_across_setups(tmp_path):
             cluster.close()
         assert [s["job"] for s in stats["sessions"]] == [None]
         assert (stats["cache"]["hits"], stats["cache"]["misses"]) == (1, 1), stats["cache"]
+        assert reported == [["deep"], [], ["deep"], []], reported
+        assert compiles[0] > 0 and compiles[1:] == [0, 0, 0], compiles
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs a shared worker" in message

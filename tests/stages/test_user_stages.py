@@ -54,3 +54,25 @@ def test_params_are_host_arrays_per_stage():
     assert isinstance(params[1], nnx.State)
     assert all(isinstance(l, np.ndarray) for l in jax.tree.leaves(params))
     assert params[1]["proj"]["kernel"].shape == (12, 20)
+
+
+def test_activation_specs_are_traced_once_per_input_spec():
+    """The lowering, the cost model, the memory estimate and the batch plan all ask a
+    Pipeline for its activation specs: each distinct input is traced once, and a different
+    one is traced anew, with its own answer."""
+    traced = []
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jax.numpy.ones((3,)))
+
+        def __call__(self, x):
+            traced.append(x.shape)
+            return x * self.w
+
+    pipe = mpmd.Pipeline([Scale(), Scale()], models.mse_loss)
+    small, big = jax.ShapeDtypeStruct((2, 3), np.float32), jax.ShapeDtypeStruct((5, 3), np.float32)
+    first = pipe.activation_specs(small)
+    assert pipe.activation_specs(small) == first and len(traced) == 2
+    assert [s.shape for s in pipe.activation_specs(big)] == [(5, 3)] * 3 and len(traced) == 4
+    assert pipe.activation_specs(jax.ShapeDtypeStruct((2, 3), np.float32)) == first and len(traced) == 4
