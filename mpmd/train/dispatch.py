@@ -234,7 +234,8 @@ class Dispatcher:
         """{"step", "loss", "step_s"}, "aux_loss" when stages add auxiliary losses (included in
         "loss"), "grad_norm" when clipping, "compiles" when a slice compiled during the step
         (its first, or the first after a replacement without a warm spare: executables XLA
-        built, all slices together), and with `trace` the events and peaks of every slice
+        built or loaded from JAX's persistent compilation cache, all slices together;
+        "cache_loads": how many of them were loaded), and with `trace` the events and peaks of every slice
         (Trainer.step). The loss is the mean over microbatches, or a weighted loss's
         sum(loss_sum) / sum(weight) over the step."""
         m, placement = self.num_microbatches, self._programs.placement
@@ -268,6 +269,9 @@ class Dispatcher:
         compiles = sum(r.compiles for r in results)
         if compiles:
             metrics["compiles"] = compiles
+            loads = sum(r.cache_loads for r in results)
+            if loads:  # of them, executables loaded from JAX's persistent compilation cache
+                metrics["cache_loads"] = loads
         if trace:
             metrics["events"] = [r.events for r in results]
             metrics["held"] = [(r.peak_held, r.peak_held_bytes) for r in results]

@@ -67,6 +67,8 @@ class StepRecords:
             record["aux_loss"] = out["aux_loss"]
         if "compiles" in out:  # a step that compiled: the first, or one after a recovery
             record["compiles"] = out["compiles"]
+            if "cache_loads" in out:  # of them, loaded from the persistent compilation cache
+                record["cache_loads"] = out["cache_loads"]
         if "checkpoint" in out:  # the tiers this step was saved to
             record["checkpoint"] = out["checkpoint"]
         if "events" in out:

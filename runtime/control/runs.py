@@ -205,4 +205,5 @@ def _step_result(c: WorkerClient, fut) -> StepResult:
         reply.peak_bytes,
         reply.compiles,
         reply.compiled,
+        reply.cache_loads,
     )

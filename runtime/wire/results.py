@@ -39,6 +39,10 @@ class StepResult(NamedTuple):
     # of every call that compiled (runtime/worker/programs.py signature).
     compiles: int = 0
     compiled: dict | None = None
+    # Of `compiles`, the executables loaded from JAX's persistent compilation cache rather
+    # than compiled (a resumed run's or a new worker's first step, on a machine that ran the
+    # same programs before: compile_cache.persistent_loads).
+    cache_loads: int = 0
 
 
 class Aborted(RuntimeError):

@@ -174,6 +174,7 @@ class RunReply:
     peak_bytes: int = 0
     compiles: int = 0  # executables XLA built in the worker's process during the run
     compiled: dict | None = None  # {program: [signature]} of first calls and calls that compiled (StepResult)
+    cache_loads: int = 0  # of compiles, loads from JAX's persistent compilation cache
 
 
 @dataclass(frozen=True)

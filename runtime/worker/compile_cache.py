@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # not imported here: runtime/worker/main.py reads DEFAULT_LIM
 
 DEFAULT_LIMIT_MB = 1024
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
-_compiled = threading.local()  # .n: executables XLA built on this thread (backend_compiles)
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # a load from the persistent cache, within the above
+_compiled = threading.local()  # .n: executables acquired on this thread; .hits: of them, disk loads
 _listening = False
 _counting = threading.Lock()
 
@@ -44,7 +45,20 @@ def backend_compiles() -> int:
     called), counted by a listener registered on the first call, so callers compare two
     readings. Per thread, so a run counts its own compiles and not those of a thread beside
     it (Orbax's writer slicing arrays for a save). A load from JAX's persistent disk cache
-    counts too: that is a cost a program already in this cache (warm) does not pay."""
+    counts too (JAX times the load as it times a compile): that is a cost a program already
+    in this cache (warm) does not pay; persistent_loads() tells how many of them it was."""
+    _listen()
+    return getattr(_compiled, "n", 0)
+
+
+def persistent_loads() -> int:
+    """How many of backend_compiles() on the calling thread were loads from JAX's persistent
+    compilation cache (its own cache-hit event), not compiles: compare two readings."""
+    _listen()
+    return getattr(_compiled, "hits", 0)
+
+
+def _listen() -> None:
     global _listening
     if not _listening:
         with _counting:
@@ -55,21 +69,13 @@ def backend_compiles() -> int:
                     if event == _COMPILE_EVENT:
                         _compiled.n = getattr(_compiled, "n", 0) + 1
 
+                def hit(event: str, **_kwargs) -> None:
+                    if event == _HIT_EVENT:
+                        _compiled.hits = getattr(_compiled, "hits", 0) + 1
+
                 jax.monitoring.register_event_duration_secs_listener(count)
+                jax.monitoring.register_event_listener(hit)
                 _listening = True
-    return getattr(_compiled, "n", 0)
-    with _counting:
-        if not _listening:
-            import jax
-
-            def count(event: str, _duration_s: float, **_kwargs) -> None:
-                global _compiles
-                if event == _COMPILE_EVENT:
-                    _compiles += 1
-
-            jax.monitoring.register_event_duration_secs_listener(count)
-            _listening = True
-        return _compiles
 
 
 def program_key(spec: programs_lib.ProgramSpec, mesh: jax.sharding.Mesh) -> str:

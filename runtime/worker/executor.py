@@ -39,7 +39,7 @@ from mpmd.runtime.worker import programs as programs_lib
 from mpmd.runtime.wire import reshard
 from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire.results import Aborted, Event, Progress, StepFailed, StepResult
-from mpmd.runtime.worker.compile_cache import backend_compiles
+from mpmd.runtime.worker.compile_cache import backend_compiles, persistent_loads
 from mpmd.runtime.worker.slice_store import SliceCheckpointer, host_copy
 from mpmd.runtime.worker.instructions import Copy, Delete, Instruction, Recv, Run, Send
 from mpmd.runtime.worker.streams import PackedStream
@@ -263,7 +263,7 @@ class Executor:
             raise Aborted(
                 f"slice {self.slice_index}: run {run} aborted by another process of the gang before it started"
             )
-        compiles_before = backend_compiles()
+        compiles_before, loads_before = backend_compiles(), persistent_loads()
         try:
             walked = self._walk(plan, run, staged, fetch, trace)
         finally:
@@ -283,6 +283,7 @@ class Executor:
             walked.peak_bytes,
             backend_compiles() - compiles_before,
             walked.compiled,
+            persistent_loads() - loads_before,
         )
 
     def _walk(self, plan: str, run: int, staged: dict, fetch: tuple[str, ...], trace: bool) -> _Walked:

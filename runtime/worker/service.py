@@ -289,6 +289,7 @@ class WorkerService:
             result.peak_bytes,
             result.compiles,
             result.compiled or None,
+            result.cache_loads,
         ), out.blobs
 
     def Save(self, s, r: verbs.Save, b):

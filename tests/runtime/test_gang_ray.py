@@ -9,6 +9,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install -
 
 import mpmd  # noqa: E402
 from tests.support.processes import wait_gone  # noqa: E402
+from tests.support.ray_nodes import RayNodes  # noqa: E402
 from tests.runtime.test_gang import lose_one_process_of_slice_1  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow  # real worker processes or a controller subproces
 
 def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path, uninterrupted_data2):
     assert not ray.is_initialized()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    nodes = RayNodes(0, head_cpus=4)  # its own process (tests/support/ray_nodes.py)
     try:
         cluster = mpmd.RayCluster(num_workers=2, processes_per_slice=2, failure_timeout_s=3.0, root=str(tmp_path))
         try:
@@ -31,4 +32,4 @@ def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path, uninterru
             cluster.close()
         assert wait_gone(pids) == [], "gang actors outlived their cluster"
     finally:
-        ray.shutdown()
+        nodes.close()

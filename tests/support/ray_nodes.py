@@ -7,6 +7,12 @@ Ray's session files go to a temp dir of the cluster's own (`--temp-dir`), so not
 meets another Ray user of the machine; Ray's token authentication is off
 (RAY_AUTH_MODE=disabled: loopback only, see README's Ray section), and the head declares a
 node dead after about two seconds of failed health checks (Ray's default is ~15 s).
+
+`RayNodes(0, head_cpus=4)` is the one-machine Ray instance of tests/runtime/test_ray.py and
+test_gang_ray.py: started by `ray start` in a process of its own rather than by `ray.init`
+in the test's process, whose raylet Ray forks with a Python preexec_fn from a process that
+runs JAX's and gRPC's threads (once in a full suite run, 2026-12-07, the fork died with a
+segfault and took the pytest worker with it; the module's later starts then timed out).
 """
 
 from __future__ import annotations
@@ -34,13 +40,13 @@ START_TIMEOUT_S = 120.0
 
 
 class RayNodes:
-    """`RayNodes(num_nodes, cpus_per_node)`: the head (0 CPUs) and that many nodes, each a
-    `ray start --block` process group; `address` to join it. `add(cpus)` starts one more
+    """`RayNodes(num_nodes, cpus_per_node)`: the head (`head_cpus`, 0 by default) and that
+    many nodes, each a `ray start --block` process group; `address` to join it. `add(cpus)` starts one more
     node and returns its pid (the group's); `kill(pid)` SIGKILLs a node's group; `close()`
     stops them all, by process group. This process stays connected to it as Ray's driver
     (a RayCluster made here joins that connection)."""
 
-    def __init__(self, num_nodes: int, cpus_per_node: int = 1):
+    def __init__(self, num_nodes: int, cpus_per_node: int = 1, head_cpus: int = 0):
         self.temp_dir = tempfile.mkdtemp(prefix="mpmd-ray-")
         self.env = {**os.environ, **ENV}
         self._saved_env = {k: os.environ.get(k) for k in ENV}
@@ -53,7 +59,7 @@ class RayNodes:
                 [
                     "--head",
                     f"--port={self.port}",
-                    "--num-cpus=0",
+                    f"--num-cpus={head_cpus}",
                     "--include-dashboard=false",
                     f"--temp-dir={self.temp_dir}",
                     f"--ray-client-server-port={free_port('127.0.0.1')}",

@@ -140,6 +140,11 @@ def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(refer
     assert f"resumed from {run_dir}/checkpoints/{killed_at}" in out
     assert_same_as_reference(run_dir, reference)
     assert wait_gone(tagged(tag)) == []
+    # A resumed run's first step compiles nothing: its new workers load every executable
+    # the first run compiled from JAX's persistent compilation cache.
+    for step in (stopped_at + 1, killed_at + 1):
+        first = next(r for r in metrics(run_dir) if r["step"] == step)
+        assert first.get("cache_loads", 0) > 0 and first["compiles"] == first["cache_loads"], first
 
 
 def test_controller_sigtermed_with_a_hung_worker_exits_within_its_grace(tmp_path):
