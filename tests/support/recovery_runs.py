@@ -200,7 +200,10 @@ def run_with_fault(
     slice served by a live worker. Without one, on a LocalCluster(**cluster_kw) of its own,
     closed with the Trainer: then no worker may be left."""
     own = cluster is None
+    probe_timeout_s = cluster_kw.pop("probe_timeout_s", None)  # set on the control plane, not a launcher
     cluster = mpmd.LocalCluster(**cluster_kw) if own else cluster
+    if own and probe_timeout_s is not None:
+        cluster.probe_timeout_s = probe_timeout_s
     trainer = make_trainer(cluster, tmp_path, spin, **(trainer_kw or {}))
     try:
         result = train(trainer, data(), fault, traces, steps, ahead)

@@ -208,9 +208,11 @@ def test_worker_sigstopped_is_found_hung_and_replaced(uninterrupted, workers, tm
     long before failure_timeout_s (30 s here), replaced, and the run ends as the uninterrupted one."""
     fault = kill_once(3, signal.SIGSTOP)
     workers.failure_timeout_s = 30.0  # the fixture puts the default back
+    workers.probe_timeout_s = 0.3  # probes are off by default
     try:
         losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
     finally:
+        workers.probe_timeout_s = None
         _kill_if_stopped(fault.fired)
     assert rewinds == 1
     # Declared lost by its probe, not by its silence (failure_timeout_s) nor the step watchdog.
@@ -225,7 +227,12 @@ def test_busy_worker_is_not_declared_lost(uninterrupted, tmp_path, monkeypatch):
     probes find them busy, and no worker is lost; the run ends as the uninterrupted one."""
     monkeypatch.setenv("MPMD_FAILPOINTS", "transfer@6=busy:3")  # the workers started below inherit it
     losses, params, rewinds = run_with_fault(
-        tmp_path, None, root=str(tmp_path), failure_timeout_s=30.0, log_dir=str(tmp_path / "logs")
+        tmp_path,
+        None,
+        root=str(tmp_path),
+        failure_timeout_s=30.0,
+        log_dir=str(tmp_path / "logs"),
+        probe_timeout_s=0.3,
     )
     assert rewinds == 0, train.rewound
     assert run_with_fault.trainer.cluster.heartbeats.busy > 0, "no probe found a worker alive but busy"
