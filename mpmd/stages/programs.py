@@ -317,26 +317,15 @@ def _scalar_like(spec) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((), jnp.float32, sharding=getattr(spec, "sharding", None))
 
 
-def residual_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool, loss_fn: Callable | None) -> tuple:
-    """ShapeDtypeStructs of what stage k's forward stores for its backward, per microbatch
-    (its vjp residuals minus its own parameters): the saved activations that
-    rematerialisation trades for recomputation. Traced only: nothing is allocated."""
-    return saved_specs(fn, shapes, first=first, last=last, loss_fn=loss_fn, split_backward=False)[0]
-
-
-def kept_specs(fn: StageFn, shapes: StageShapes, *, first: bool, last: bool, loss_fn: Callable | None) -> tuple:
-    """ShapeDtypeStructs of what stage k's B keeps for its W per microbatch in a split-backward
-    schedule (mpmd/stages/backward_split.py): held from B until W runs, on top of the residuals.
-    Empty for the first stage, whose B does nothing. Traced only."""
-    return saved_specs(fn, shapes, first=first, last=last, loss_fn=loss_fn)[1]
-
-
 def saved_specs(
     fn: StageFn, shapes: StageShapes, *, first: bool, last: bool, loss_fn: Callable | None, split_backward: bool = True
 ) -> tuple[tuple, tuple]:
-    """(residual_specs, kept_specs) from one trace of the stage's forward; kept_specs is empty
-    unless `split_backward` (only a split backward keeps anything from B for W, and finding
-    out traces the backward too)."""
+    """ShapeDtypeStructs, per microbatch, of (residuals, kept), traced only (nothing is
+    allocated): what stage k's forward stores for its backward (its vjp residuals minus its
+    own parameters: the saved activations rematerialisation trades for recomputation), and
+    what its B keeps for its W in a split-backward schedule (mpmd/stages/backward_split.py),
+    held from B until W runs. `kept` is empty for the first stage (its B does nothing) and
+    unless `split_backward` (finding it out traces the backward too)."""
     _, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, 1)
     if first or not split_backward:
         return res_specs, ()

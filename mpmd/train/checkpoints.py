@@ -347,15 +347,21 @@ class StageCheckpoints:
                 self._in_flight.popleft()
                 self._cond.notify_all()
 
+    def _losses(self, step, errors: list) -> list:
+        """The WorkerLosts among the slices' `errors` for `step`; where there is none but some
+        error, and the step was abandoned (abandon), the loss it was abandoned for: the lost
+        slice's replacement was asked for a part it never started."""
+        with self._cond:
+            abandoned = self._abandoned.pop(step, None)
+        return [e for e in errors if isinstance(e, WorkerLost)] or ([abandoned] if abandoned and any(errors) else [])
+
     def _wait_all(self, started: dict[int, list[str]], raise_first: bool = False, step=None) -> dict[str, str]:
         """Until every slice's saves of these directories are finalized or failed (the slices
         concurrently): {leaf name: digest} of all of them; the first error, if asked, once
         all are done: a failed step is removed only when nobody writes it."""
         futures = [self._wait_pool.submit(self.cluster.wait_saves, r, dirs) for r, dirs in started.items()]
         errors = [f.exception() for f in futures]
-        with self._cond:  # an abandoned step's error is the loss it was abandoned for
-            abandoned = self._abandoned.pop(step, None)
-        lost = [e for e in errors if isinstance(e, WorkerLost)] or ([abandoned] if abandoned and any(errors) else [])
+        lost = self._losses(step, errors)
         first = (lost or [e for e in errors if e is not None] or [None])[0]
         if raise_first and first is not None:
             raise first
@@ -545,9 +551,7 @@ class StageCheckpoints:
 
         # Every slice reads its leaves at once (each from the directories that hold them).
         errors = [f.exception() for f in [self._save_pool.submit(read, r) for r in slices]]
-        with self._cond:  # an abandoned step's error is the loss it was abandoned for
-            abandoned = self._abandoned.pop(step, None)
-        lost = [e for e in errors if isinstance(e, WorkerLost)] or ([abandoned] if abandoned and any(errors) else [])
+        lost = self._losses(step, errors)
         if lost:
             raise lost[0]  # the slice is gone, not the checkpoint
         failed = [e for e in errors if e is not None]

@@ -55,7 +55,7 @@ from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
 from mpmd.runtime.control.heartbeat import HEARTBEAT_S, Heartbeats
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, program_entries, receive, send  # noqa: F401
-from mpmd.runtime.control.spares import HotSpares
+from mpmd.runtime.control.spares import HotSpares, new_calls
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
 from mpmd.runtime.wire.results import Aborted, StepResult
 from mpmd.runtime.wire.tls import Tls
@@ -350,18 +350,14 @@ class ControlPlane(RunDispatch):
     def lost_slice(self) -> tuple[int, str] | None:
         """(slice, why) of a slice found hung or silent for longer than failure_timeout_s, if any."""
         for i in range(len(self.clients)):
-            why = self._silent(i)
+            why = self._lost_why(self.clients[i])
             if why is not None:
                 return i, why
         return None
 
-    def _silent(self, slice_index: int) -> str | None:
-        """Why slice `slice_index` counts as lost (hung by its probe, or silent for longer than
-        failure_timeout_s), else None."""
-        return self._lost_why(self.clients[slice_index])
-
     def _lost_why(self, c) -> str | None:
-        """Why the worker of client `c` (a slice's, or a hot spare's) counts as lost, else None."""
+        """Why the worker of client `c` (a slice's, or a hot spare's) counts as lost (hung by
+        its probe, or silent for longer than failure_timeout_s), else None."""
         hung = self.heartbeats.hung(c)
         if hung is not None:
             return hung
@@ -535,11 +531,7 @@ class ControlPlane(RunDispatch):
         results = self._watch.wait(run, self._in_flight)
         for i, r in enumerate(results):
             if r.compiled and self.spares.count:  # calls a slice made anew: the spares compile them too
-                known = self._shipped[i]["signatures"]
-                new = {n: [c for c in calls if c not in known.get(n, [])] for n, calls in r.compiled.items()}
-                new = {n: calls for n, calls in new.items() if calls}
-                for name, calls in new.items():
-                    known.setdefault(name, []).extend(calls)
+                new = new_calls(self._shipped[i]["signatures"], r.compiled)
                 if new:
                     self.spares.warm(i, new)
         self.spares.went_on()  # a spare owed since a loss starts now, not during the recovery
@@ -557,7 +549,7 @@ class ControlPlane(RunDispatch):
             while not _settled(fut, HEARTBEAT_S):
                 # This slice's own silence: with every slice silent (the controller cut off from
                 # all of them), the first lost one is slice 0, and a call to another would wait on.
-                why = self._silent(slice_index)
+                why = self._lost_why(self.clients[slice_index])
                 if why is not None:
                     fut.cancel()
                     raise WorkerLost(slice_index, c.address, f"{verb} unanswered: {why}")
@@ -584,9 +576,7 @@ class ControlPlane(RunDispatch):
 
     def close(self) -> None:
         """Shut the workers down (a worker started with --persist resets instead), then let the
-        launcher stop what it started.
-
-        A worker that counts as lost (hung, or silent past failure_timeout_s) is sent nothing:
+        launcher stop what it started. A worker that counts as lost (_lost_why) is sent nothing:
         across a partition the kernel keeps a Shutdown written to a dead link and delivers it
         when the link comes back, by then perhaps to a worker a newer controller has taken over
         but not yet admitted (nothing to fence it by). Its launcher stops it (local, Ray), or

@@ -40,6 +40,16 @@ def check_count(count) -> int:
     return count
 
 
+def new_calls(known: dict, compiled: dict) -> dict:
+    """Of a run's calls {program: [signature]}, those not in `known` (the calls a slice made
+    so far, the same shape), now added to it: what the spares have yet to warm."""
+    new = {n: [c for c in calls if c not in known.get(n, [])] for n, calls in compiled.items()}
+    new = {n: calls for n, calls in new.items() if calls}
+    for name, calls in new.items():
+        known.setdefault(name, []).extend(calls)
+    return new
+
+
 class Spare:
     """One hot spare: the launcher slot it is in, its client, and its warms not yet done."""
 
