@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts worker processes and a plain-JAX subprocess
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # starts worker processes and a plain-JAX subprocess
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
 

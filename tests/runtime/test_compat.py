@@ -16,6 +16,8 @@ import pytest
 from mpmd.runtime import compat
 from tests.support.processes import ROOT, TINY_GPT, StandaloneWorkers
 
+pytestmark = pytest.mark.every_jax  # what each JAX version is told and refused
+
 # The Python of another venv with mpmd installed on other JAX versions (.ci/run sets it on the
 # newer side to the Python 3.11 venv of jax 0.10.2), whose workers this process's controller
 # must refuse.

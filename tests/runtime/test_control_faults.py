@@ -26,7 +26,7 @@ from mpmd.runtime.worker.instructions import Recv, Run, Send, Spec
 from tests.support.processes import ROOT, mpmd_train, raw_call
 from tests.support.recovery_runs import assert_same_run, run_with_fault, train
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # worker processes or a controller (tests/README.md)
 
 F32_4 = (Spec((4,), "float32"),)
 run_ids = itertools.count(10_000)  # run ids never repeat on a cluster

@@ -18,7 +18,7 @@ from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support.processes import StandaloneWorkers, logged_at
 from tests.support.recovery_runs import STEPS, assert_commits_verify, assert_same_run, data, make_trainer, train
 
-pytestmark = pytest.mark.slow  # real worker processes (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # real worker processes (tests/README.md)
 
 LEASE_S = 20.0  # the zombie's lease: long enough that it finishes its save once SIGCONTed
 

@@ -22,7 +22,7 @@ from mpmd.runtime.launchers.workers import free_port
 from tests.support.processes import ROOT, wait_gone
 from tests.runtime.test_mesh_slices import assert_matches, run
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]  # worker processes or a controller (tests/README.md)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tests.support.processes import wait_gone  # noqa: E402
 from tests.support.ray_nodes import RayNodes  # noqa: E402
 from tests.runtime.test_gang import lose_one_process_of_slice_1  # noqa: E402
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # worker processes or a controller (tests/README.md)
 
 
 def test_an_actor_killed_replaces_its_slices_placement_group(tmp_path, uninterrupted_data2):

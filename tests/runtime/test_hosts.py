@@ -38,7 +38,7 @@ from tests.support import netns
 from tests.support.processes import ROOT, Controller, StandaloneWorkers, logged_at, tiny_gpt_run
 from tests.support.recovery_runs import assert_commits_verify
 
-pytestmark = pytest.mark.slow  # real worker processes in network namespaces (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # real worker processes in network namespaces (tests/README.md)
 
 STEPS, EVERY = 16, 4
 OVERRIDES = tiny_gpt_run(STEPS, EVERY)

@@ -14,7 +14,7 @@ import mpmd
 from tests.support import recovery_runs
 from tests.support.processes import alive, wait_gone
 
-pytestmark = pytest.mark.slow  # real worker processes (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]  # real worker processes (tests/README.md)
 
 MEMORY = mpmd.Checkpointing(every=recovery_runs.EVERY, memory_every=1)
 

@@ -25,7 +25,7 @@ from tests.support.marked_models import MarkedGPT
 from tests.support.user_stages import UserModel, token_batches
 
 # Many training runs against the unpipelined model, each seconds: outside the fast loop.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]
 
 M, RTOL = 4, 1e-5
 make_gpt = reference.make_gpt  # 32-token vocabulary, width 16, 6 blocks, 8 positions

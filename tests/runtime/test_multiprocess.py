@@ -23,7 +23,7 @@ from tests.support.processes import alive, wait_gone
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train
 from tests.support.user_stages import UserModel, token_batches
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]  # worker processes or a controller (tests/README.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -23,7 +23,7 @@ from tests.support.processes import TINY_GPT, alive, mpmd_train, wait_gone  # no
 from tests.support.ray_nodes import RayNodes  # noqa: E402
 from tests.support.reference import assert_same, batches, make_gpt, train_pipeline as train  # noqa: E402
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # worker processes or a controller (tests/README.md)
 
 
 def make_pipeline():

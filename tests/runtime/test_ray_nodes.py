@@ -26,7 +26,7 @@ from tests.support.processes import TINY_GPT, mpmd_train, wait_gone  # noqa: E40
 from tests.support.ray_nodes import RayNodes  # noqa: E402
 from tests.support.recovery_runs import EVERY, assert_same_run, run_with_fault  # noqa: E402
 
-pytestmark = pytest.mark.slow  # real Ray nodes, worker actors, SIGKILL (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # real Ray nodes, worker actors, SIGKILL (tests/README.md)
 
 
 @pytest.fixture(scope="module")

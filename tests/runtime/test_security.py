@@ -22,7 +22,7 @@ from mpmd.runtime.control.cluster import StepFailed
 from mpmd.runtime.wire.transport import key_to_uuid
 from tests.support.reference import BATCH, D, SEQ, batches, make_gpt, train_pipeline
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # worker processes or a controller (tests/README.md)
 
 ROOT = Path(__file__).resolve().parents[2]
 M = 4  # microbatches

@@ -130,6 +130,7 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in run_log.read(run_dir)]
 
 
+@pytest.mark.every_jax  # counts compiles of programs cached from another job
 def test_sharing_jobs_match_the_job_alone_a_killed_one_is_cleaned_up_and_programs_are_cached(shared):
     """Jobs a (seed 0) and b (seed 1) alone, one after the other, then a, b and a third
     sharing job k at once on the same two workers; k is SIGKILLed after its first step. a
@@ -185,6 +186,7 @@ def test_sharing_jobs_match_the_job_alone_a_killed_one_is_cleaned_up_and_program
         assert abs(w["live_bytes"] - b) <= 0.1 * max(b, 1), (w["live_bytes"], b)
 
 
+@pytest.mark.platform
 def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared):
     """x holds both workers; y queues at position 1 (printed). The manager is SIGKILLed and
     started again from the cluster file: it rebuilds x's lease and y's place from its workers
@@ -221,6 +223,7 @@ def test_without_share_a_job_waits_in_the_queue_across_a_manager_restart(shared)
     assert jobs["y"]["leased_at"] >= jobs["x"]["ended_at"]
 
 
+@pytest.mark.platform
 def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_jobs(shared):
     """Leases asked of the real manager directly (no controllers; each lease opens the job's
     session on its workers). e1 takes one worker exclusively; s1 (sharing, 2 slices) waits for
@@ -276,6 +279,7 @@ def test_placement_is_strict_fifo_gang_and_sharing_jobs_share_only_with_sharing_
             c.close()
 
 
+@pytest.mark.platform
 def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
     def problems(*overrides):
         with pytest.raises(config.ConfigError) as e:
@@ -315,6 +319,7 @@ def test_bad_input_is_refused_with_what_is_allowed(shared, tmp_path):
     assert not [j for j in shared.status()["jobs"] if j["state"] in ("queued", "leased")]
 
 
+@pytest.mark.platform
 def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refused_at_submit(shared, tmp_path):
     """The manager checks a job's root against every live job's, whichever workers they are
     on and through symlinks: a run_dir that is a symlink into another job's checkpoints is
@@ -357,6 +362,7 @@ def test_a_job_whose_root_overlaps_a_live_job_or_whose_lease_is_too_long_is_refu
     assert not [j for j in shared.status()["jobs"] if j["state"] in ("queued", "leased")]
 
 
+@pytest.mark.platform
 def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(shared):
     """The cluster file (0600) holds the submit token, not the cluster token; a job's
     credential may not stop the cluster nor touch another job."""
@@ -380,6 +386,7 @@ def test_the_cluster_token_stays_with_the_manager_and_a_job_acts_on_itself_only(
     assert all(alive(p) for p in shared.pids())
 
 
+@pytest.mark.every_jax  # no compile after a takeover (jax 0.12's weak types)
 def test_a_hot_spare_leased_beside_a_slice_takes_it_over_and_is_leased_again(shared):
     """cluster.hot_spares=1, one slice: the job leases both workers, one as its warm spare.
     The worker serving the slice is SIGKILLed: the spare takes the slice over, the first step
@@ -414,6 +421,7 @@ def test_a_hot_spare_leased_beside_a_slice_takes_it_over_and_is_leased_again(sha
     shared.wait_for(lambda s: not any(job_id in x for x in sessions(s)), timeout_s=30)
 
 
+@pytest.mark.platform
 def test_down_while_a_job_trains_ends_the_job_in_one_line_and_leaves_no_process(shared):
     """`mpmd cluster down` under a training job: the manager refuses the job's Replace for
     the workers it stops, so no new worker starts; `down` returns once every process is
@@ -446,6 +454,7 @@ def test_down_while_a_job_trains_ends_the_job_in_one_line_and_leaves_no_process(
     ), err[-5:]
 
 
+@pytest.mark.platform
 def test_a_ray_backed_cluster_leases_its_actors_and_down_leaves_no_process(tmp_path):
     """`--backend ray`: the workers are Ray actors of a Ray instance the manager starts. A
     job's lease opens its session on them and its release closes it; `down` stops the

@@ -16,7 +16,7 @@ from mpmd import models
 from tests.runtime.test_transport import start_pair
 from tests.support.reference import batches, make_gpt
 
-pytestmark = pytest.mark.slow  # real worker processes (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # real worker processes (tests/README.md)
 
 GONE_TIMEOUT_S = 10
 

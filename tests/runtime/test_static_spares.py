@@ -17,7 +17,7 @@ from mpmd.runtime.worker.main import READY, cores_for
 from tests.support.processes import ROOT, wait_gone
 from tests.support.recovery_runs import assert_same_run, data, make_trainer, train
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]  # worker processes or a controller (tests/README.md)
 
 TOKEN = "static-spares-token-0123456789abcdef"
 

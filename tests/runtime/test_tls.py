@@ -29,6 +29,8 @@ from mpmd.runtime.wire import tls
 from tests.support import netns, wire_capture
 from tests.support.processes import ROOT, Controller, StandaloneWorkers, tiny_gpt_run
 
+pytestmark = pytest.mark.platform  # certificates, handshakes and the wire (tests/README.md)
+
 
 def test_certificates_are_made_once_and_refused_when_unsafe(tmp_path):
     made = tls.make(tmp_path / "a")

@@ -22,7 +22,7 @@ import pytest
 
 from tests.support import xla
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.platform]  # worker processes or a controller (tests/README.md)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from tests.support import reference
 from tests.support.reference import batches, make_gpt
 
 # Many training runs against the unpipelined model, each seconds: outside the fast loop.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]
 
 
 # SGD with momentum, not Adam: Adam divides each update by the gradient's own running size,

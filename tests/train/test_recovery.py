@@ -31,7 +31,7 @@ from tests.support.recovery_runs import (
     train,
 )
 
-pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]  # worker processes or a controller (tests/README.md)
 
 
 def cpu_s(pid: int) -> float:

@@ -89,6 +89,7 @@ def test_what_the_controller_and_its_workers_wrote_is_the_owners_only(reference)
     assert opened == {}, f"readable by others than the owner: {opened}"
 
 
+@pytest.mark.every_jax  # counts compiles and the persistent cache's loads
 def test_controller_sigterm_commits_and_sigkill_loses_nothing_once_resumed(reference, tmp_path):
     """One run stopped twice: SIGTERMed after step 5, the controller commits a final
     checkpoint (off the checkpoint.every grid or not) and exits 143; the same command resumes
