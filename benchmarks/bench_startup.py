@@ -3,6 +3,7 @@ the installed ml_dtypes beside another version of it, in interleaved rounds of o
 
     .venv/bin/pip install -q --no-deps --target /tmp/ml_dtypes_0.7.0 ml_dtypes==0.7.0
     .venv/bin/python benchmarks/bench_startup.py --other /tmp/ml_dtypes_0.7.0 [--rounds 7]
+    .venv/bin/python benchmarks/bench_startup.py --cluster 4 [--rounds 7]
 
 Every JAX process imports ml_dtypes (jax's dtypes are numpy dtypes it registers): the
 controller, each worker, each gang process, and each replacement worker a recovery spawns,
@@ -12,6 +13,10 @@ instead of the installed one; everything else is the same environment. Per round
 alternating order: a fresh interpreter's `import ml_dtypes` (seconds, timed inside it), and
 a worker (LocalCluster's command line and environment, runtime/launchers/workers.py,
 JAX on the CPU) from Popen until it prints its ready line. Medians over the rounds, and other / installed.
+
+`--cluster N` times a LocalLauncher's start of N workers instead: its processes started side by
+side, then their READY lines awaited (LocalLauncher.start), against one after another, each
+awaited before the next is started (as start did until 2026-12-07), in alternating rounds.
 
 Why pyproject.toml bounds ml_dtypes below 0.7: 0.7.0's import took ~0.5 s on this machine
 (numpy 2.4), 0.5.4's and 0.6.0's ~0.06 s (docs/benchmarks.md, Start-up).
@@ -75,6 +80,37 @@ def worker_ready_s(env: dict) -> float:
         proc.wait(timeout=30)
 
 
+def cluster_start_s(n: int, side_by_side: bool) -> float:
+    """Seconds for a LocalLauncher (no compilation cache, JAX on the CPU) to have n workers ready."""
+    from mpmd.runtime.launchers.local import LocalLauncher
+
+    launcher = LocalLauncher(TOKEN, num_workers=n, log_dir=None)
+    start = time.perf_counter()
+    try:
+        if side_by_side:
+            launcher.start(n, str(REPO))
+        else:  # the launcher's start, each slot awaited before the next
+            launcher._running_root = str(REPO)
+            launcher.addresses = [launcher._spawn(i) for i in range(n)]
+        return time.perf_counter() - start
+    finally:
+        launcher.stop()
+
+
+def main_cluster(n: int, rounds: int) -> None:
+    print(
+        f"bench_startup --cluster {n}: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, {rounds} rounds"
+    )
+    times: dict = {"one after another": [], "side by side": []}
+    for i in range(rounds):
+        for name in list(times) if i % 2 == 0 else list(times)[::-1]:
+            times[name].append(cluster_start_s(n, name == "side by side"))
+    for name, ts in times.items():
+        print(f"{name:<18} median {statistics.median(ts):.2f} s (min {min(ts):.2f}, max {max(ts):.2f})")
+    ratio = statistics.median(times["side by side"]) / statistics.median(times["one after another"])
+    print(f"side by side / one after another: {ratio:.2f}x; load average at end {os.getloadavg()[0]:.2f}")
+
+
 def main(other: str | None, rounds: int) -> None:
     print(f"bench_startup: {os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.2f}, {rounds} rounds")
     variants = {"installed": env_with(None)}
@@ -113,6 +149,7 @@ if __name__ == "__main__":
         help="a directory holding another ml_dtypes (pip install --no-deps --target DIR ml_dtypes==X)",
     )
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--cluster", type=int, default=None, help="time a start of this many workers instead")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -120,5 +157,10 @@ if __name__ == "__main__":
         parser.error(
             f"--other {args.other}: no ml_dtypes package in it (pip install --no-deps --target DIR ml_dtypes==X)"
         )
+    if args.cluster is not None and args.cluster < 1:
+        parser.error(f"--cluster must be at least 1 worker, got {args.cluster}")
     sys.path.insert(0, str(REPO))
-    main(args.other, args.rounds)
+    if args.cluster is not None:
+        main_cluster(args.cluster, args.rounds)
+    else:
+        main(args.other, args.rounds)

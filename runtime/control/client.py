@@ -93,9 +93,8 @@ class ControlPlane(RunDispatch):
     failure_timeout_s: a slice silent this long (no heartbeat answered) is declared lost,
         whatever its probes said: the bound on finding a hung worker.
     probe_timeout_s: a worker whose heartbeat is unanswered is probed (runtime/control/heartbeat.py):
-        a new connection must be up, and its HTTP/2 ping acknowledged by gRPC's own threads,
-        each within this many seconds, else the worker is hung and its slice lost; None: no
-        probes, failure_timeout_s alone. Settable.
+        a new connection up and its HTTP/2 ping acknowledged by gRPC's own threads, each within
+        this many seconds, else it is hung; None: no probes, failure_timeout_s alone. Settable.
     transfer_host: where workers' data-plane servers listen; None: the host of each
         worker's gRPC address.
     step_timeout_s: a step in which no slice advances for this long is aborted (watchdog);
@@ -387,6 +386,7 @@ class ControlPlane(RunDispatch):
                 c = self._readmit(slice_index, e)
         self.clients[slice_index].close()
         self.clients[slice_index] = c  # never a closed client in the list, whatever comes next
+        self.heartbeats.settle(self.clients, steady=False)  # a restore loads them all until a step returns
         try:
             c.wait_ready(self._connect_timeout_s)
         except WorkerError as e:
@@ -395,8 +395,7 @@ class ControlPlane(RunDispatch):
             # The spare went too (a host lost whole, a cluster going down): lost as the slice
             # is, so the caller asks again, of the next spare or of the launcher for its slot.
             raise WorkerLost(slice_index, c.address, f"the hot spare taking it over does not answer: {e}") from None
-        # A new generation: the lost worker, should it come back, is fenced out of it.
-        self._advance([slice_index])
+        self._advance([slice_index])  # a new generation: the lost worker, should it come back, is fenced out
         self._transfer[str(slice_index)] = self._setup(slice_index, c)
         shipped = self._shipped[slice_index]
         if shipped["programs"]:
@@ -472,6 +471,7 @@ class ControlPlane(RunDispatch):
         for name in specs:  # a program loaded again is compiled again
             self._shipped[slice_index]["signatures"].pop(name, None)
         self._load(slice_index, specs)
+        self.heartbeats.settle([self.clients[slice_index]], steady=False)  # its next step compiles
         self.spares.warm(slice_index, {name: [] for name in specs})  # [] : as exported
 
     def _load(self, slice_index: int, specs: dict) -> None:
@@ -529,6 +529,7 @@ class ControlPlane(RunDispatch):
 
     def _wait(self, run: PendingRun) -> list[StepResult]:
         results = self._watch.wait(run, self._in_flight)
+        self.heartbeats.settle(self.clients)  # each returned a step: one failed probe finds it hung
         for i, r in enumerate(results):
             if r.compiled and self.spares.count:  # calls a slice made anew: the spares compile them too
                 new = new_calls(self._shipped[i]["signatures"], r.compiled)

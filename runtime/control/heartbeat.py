@@ -37,6 +37,14 @@ A false verdict needs a live worker whose Python has not answered for SUSPECT_S 
 gRPC threads take more than PROBE_MARGIN times the slowest recent connection to connect or to
 acknowledge a PING: a load that rises that much within NUM_CONNECTS x CALIBRATE_S seconds.
 
+A worker not yet steady gets a second chance: its first failed probe only makes it doubted,
+and it is probed again at once with CONFIRM_FACTOR x the timeout; a second failure makes it
+hung. Steady means it has returned a step since its programs were loaded (ControlPlane.settle):
+a worker compiling its first step (or a hot spare compiling in the background) holds its GIL
+for seconds while the machine is at its busiest, and under that load (test_ray beside
+test_gang_ray on 2 cores, 3 of 10 runs) a live worker's probe handshake took over 0.3 s before
+any slow connection had been timed. A stopped steady worker is still found after one probe.
+
 failure_timeout_s stays the bound: a worker silent that long is lost whatever its probes
 said (its Python may be stuck while gRPC answers), and with probe_timeout_s None it is the
 only rule.
@@ -68,6 +76,7 @@ CALIBRATE_S = 1.0  # a timed connection to one worker (in turn) every this many 
 NUM_CONNECTS = 30  # the probes' timeout follows the slowest of this many recent connections
 PROBE_MARGIN = 3.0  # ... times this
 CALIBRATION_TIMEOUT_S = 10.0  # a timed connection slower than this is not counted
+CONFIRM_FACTOR = 2.0  # a worker not yet steady, doubted by one probe, is probed again with this x the timeout
 
 
 def ping_options(timeout_s: float) -> list[tuple[str, int]]:
@@ -90,15 +99,18 @@ def ping_options(timeout_s: float) -> list[tuple[str, int]]:
 
 class _Beat:
     """One worker's heartbeat state: when its unanswered Heartbeat was sent (None: none is),
-    whether a probe is under way, why it is hung (None: it is not) and when it was last found so."""
+    whether a probe is under way, why it is hung (None: it is not) and when it was last found so,
+    whether one failed probe doubts it, and whether it is steady (one probe is then enough)."""
 
-    __slots__ = ("sent_at", "probing", "hung", "hung_at")
+    __slots__ = ("sent_at", "probing", "hung", "hung_at", "doubted", "steady")
 
     def __init__(self):
         self.sent_at: float | None = None
         self.probing = False
         self.hung: str | None = None
         self.hung_at = float("-inf")
+        self.doubted = False
+        self.steady = False
 
 
 class Heartbeats:
@@ -116,6 +128,7 @@ class Heartbeats:
         self._calibration = None  # (client of the connection being timed, its ready future)
         self.probes = 0  # probes started
         self.busy = 0  # probes that found their worker alive, its Python late
+        self.doubts = 0  # first failed probes of workers not yet steady (probed again, not hung yet)
 
     @property
     def probe_timeout_s(self) -> float | None:
@@ -135,6 +148,13 @@ class Heartbeats:
         with self._lock:  # appended to from gRPC's threads
             slowest_s = max(self.connects_s, default=0.0)
         return max(self.probe_timeout_s, PROBE_MARGIN * slowest_s)
+
+    def settle(self, clients, steady: bool = True) -> None:
+        """Mark `clients` steady (they returned a step since their programs were loaded: one
+        failed probe finds them hung) or, with steady=False, not (programs loaded anew)."""
+        with self._lock:
+            for c in clients:
+                self._beats.setdefault(c, _Beat()).steady = steady
 
     @staticmethod
     def period_s(num_workers: int) -> float:
@@ -164,7 +184,7 @@ class Heartbeats:
             if fresh:
                 self._send(c, beat)
             elif suspect:
-                self._probe(c, beat, now - beat.sent_at, timeout_s)
+                self._probe(c, beat, now - beat.sent_at, timeout_s * (CONFIRM_FACTOR if beat.doubted else 1.0))
         if timeout_s is not None and clients and now - self._calibrated_at >= CALIBRATE_S:
             self._calibrated_at = now
             self._turn += 1
@@ -193,6 +213,7 @@ class Heartbeats:
         else:
             with self._lock:
                 beat.hung = None  # it answers: whatever a probe said, it runs
+                beat.doubted = False
         with self._lock:
             beat.sent_at = None
         if isinstance(progress, list) and len(progress) == 3:
@@ -223,26 +244,32 @@ class Heartbeats:
         """Probe every process of `c`'s worker (a gang's each) on a connection of its own;
         the first that fails UNAVAILABLE makes the worker hung."""
         members = getattr(c, "members", [c])
-        pending = [len(members)]
+        pending = [len(members), False]  # members not yet answered; whether one failed
+        confirming = beat.doubted  # a second probe: its failure finds the worker hung
         self.probes += 1
         for m in members:
             probe = m.sibling(ping_options(timeout_s))
             # Its deadline: past a connection's timeout, then its PING's.
             fut = send(probe, verbs.Empty(), timeout_s=2 * timeout_s + PING_AFTER_S + 0.1, verb="Heartbeat")
             fut.add_done_callback(
-                lambda f, m=m, probe=probe: self._probed(c, beat, m, probe, f, silent_s, timeout_s, pending)
+                lambda f, m=m, probe=probe: self._probed(c, beat, m, probe, f, silent_s, timeout_s, pending, confirming)
             )
 
-    def _probed(self, c, beat: _Beat, member, probe, fut, silent_s: float, timeout_s: float, pending: list) -> None:
+    def _probed(
+        self, c, beat: _Beat, member, probe, fut, silent_s: float, timeout_s: float, pending: list, confirming: bool
+    ) -> None:
         e = fut.exception() if not fut.cancelled() else None
         code = e.code() if isinstance(e, grpc.RpcError) else None
         with self._lock:
-            if code == grpc.StatusCode.UNAVAILABLE and beat.sent_at is not None:
+            if code == grpc.StatusCode.UNAVAILABLE and beat.sent_at is not None and not (beat.steady or confirming):
+                pending[1] = True  # not steady yet: probed again, with CONFIRM_FACTOR x the timeout
+            elif code == grpc.StatusCode.UNAVAILABLE and beat.sent_at is not None:
                 beat.hung = (
                     f"hung: its heartbeat unanswered for {silent_s:.2f} s, then worker {member.address} took "
                     f"no new connection or left its ping unanswered for {timeout_s:.2g} s (probe timeout: "
                     f"probe_timeout_s={self.probe_timeout_s:g}, or {PROBE_MARGIN:g} x the slowest recent "
-                    f"connection): {e.details()}"
+                    f"connection){'; probed twice, no step returned since its programs were loaded' if confirming else ''}: "
+                    f"{e.details()}"
                 )
                 beat.hung_at = time.monotonic()
             elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -251,5 +278,7 @@ class Heartbeats:
                 beat.hung = None  # its Python answered on the new connection
             pending[0] -= 1
             if pending[0] == 0:
+                beat.doubted = pending[1] and beat.hung is None
+                self.doubts += beat.doubted
                 beat.probing = False
         threading.Thread(target=probe.close, daemon=True).start()  # not on gRPC's callback thread

@@ -137,7 +137,9 @@ class LocalLauncher:
         self._check_gpus(n)
         self._running_root = root
         try:
-            self.addresses = [self._spawn(i) for i in range(n)]
+            # Every slot's processes first, then their READY lines: they start side by side.
+            launched = [self._launch(i) for i in range(n)]
+            self.addresses = [self._ready(i, started) for i, started in enumerate(launched)]
         except BaseException:
             self.stop()
             raise
@@ -174,6 +176,11 @@ class LocalLauncher:
         coordinator on a port picked here; its address once every process reported ready
         (a gang reports ready once all its processes joined). A gang that does not form within
         start_timeout_s is stopped whole and named, with the processes that never got ready."""
+        return self._ready(slot, self._launch(slot))
+
+    def _launch(self, slot: int) -> list:
+        """Start slot `slot`'s process or gang (see _spawn) without waiting for it: for each
+        process (process, its ready event, its READY line once read)."""
         k = self.processes_per_slice
         gang_args = (
             []
@@ -195,6 +202,12 @@ class LocalLauncher:
             self.gangs[slot] = procs
         else:
             self.gangs.append(procs)
+        return started
+
+    def _ready(self, slot: int, started: list) -> str | tuple[str, ...]:
+        """The address of slot `slot`'s process or gang launched as `started`, once ready."""
+        k = self.processes_per_slice
+        procs = [p for p, _, _ in started]
         deadline = time.monotonic() + self.start_timeout_s
         for _, ready, _ in started:
             ready.wait(max(0.0, deadline - time.monotonic()))

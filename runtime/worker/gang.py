@@ -66,6 +66,46 @@ def join(coordinator: str, num_processes: int, process_id: int, timeout_s: float
     )
 
 
+# Set in the gang's distributed key-value store by the first process that leaves; the others,
+# polling it every PEERS_POLL_S, leave with it (see announce_leaving).
+LEAVING_KEY = "mpmd/gang/leaving"
+PEERS_POLL_S = 0.5
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def announce_leaving(process_id: int, why: str) -> None:
+    """Tell the gang's other processes that this one leaves, and why: they leave with it
+    (follow_peers). A peer left behind loses the distributed service once process 0 is gone,
+    and JAX aborts it (SIGABRT): seen when a gang member cut off from its host's network and
+    back had its lease renewed after process 0's had lapsed (tests/runtime/test_hosts.py)."""
+    try:
+        _client().key_value_set(LEAVING_KEY, f"process {process_id}: {why}")
+    except Exception as e:  # another announced first, or the service is gone: nothing to tell
+        log.debug("could not announce leaving the gang: %s", e)
+
+
+def follow_peers(stop) -> None:
+    """Watch for a peer's announce_leaving (a daemon thread): then stop(why) this process too."""
+
+    def watch():
+        client = _client()
+        while True:
+            time.sleep(PEERS_POLL_S)
+            try:
+                why = client.key_value_try_get(LEAVING_KEY)
+            except Exception:  # not set (nobody leaves), or the service unreachable for now
+                continue
+            stop(f"its gang leaves ({why})")
+            return
+
+    threading.Thread(target=watch, daemon=True, name="mpmd-gang-peers").start()
+
+
 def leave(wait_s: float) -> None:
     """Leave the distributed group at shutdown, in step with the gang: jax.distributed's
     shutdown waits until every process has called it, and only then does process 0 stop the

@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     tls = read_tls(args.tls)
     configure_process(args.devices, args.cpus)
     if args.num_processes > 1:
-        from mpmd.runtime.worker.gang import join, leave
+        from mpmd.runtime.worker.gang import announce_leaving, follow_peers, join, leave
 
         join(args.coordinator, args.num_processes, args.process_id, args.gang_timeout_s)
 
@@ -358,6 +358,8 @@ def main(argv=None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.token_stdin:
         threading.Thread(target=lambda: (sys.stdin.read(), stop("controller gone (stdin closed)")), daemon=True).start()
+    if args.num_processes > 1:
+        follow_peers(stop)  # a gang leaves as one: a peer that leaves stops this process too
     print(f"{READY} {address}", flush=True)
     logging.info(
         "serving %s on %s; %s; checkpoints confined to %s",
@@ -378,6 +380,8 @@ def main(argv=None) -> int:
             else:
                 stop(f"controller silent for {args.lease_s:.0f} s")
     logging.info("shutting down: %s", reason[0] if reason else "")
+    if args.num_processes > 1:
+        announce_leaving(args.process_id, reason[0] if reason else "")
     server.stop(grace=1.0).wait(2.0)
     service.close()
     if args.num_processes > 1:

@@ -20,8 +20,6 @@ from mpmd.stages import sharding
 from tests.support import moe as tiny
 from tests.support import reference as ref
 
-pytestmark = pytest.mark.every_jax  # experts laid out along mesh axes, across processes
-
 RTOL = 1e-5
 
 

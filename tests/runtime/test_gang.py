@@ -294,3 +294,19 @@ def test_gang_trains_real_workloads_like_unpipelined_jax(gang):
         trainer.close(close_cluster=False)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     reference.assert_leaves_close(params, want_params, 1e-5)
+
+
+def test_a_gang_process_that_leaves_takes_its_peers_with_it(tmp_path):
+    """Process 0 of a gang SIGTERMed (as a lapsed lease or a Shutdown would make it leave):
+    process 1 follows it at once, through the gang's key-value store, and both leave the
+    distributed group together and exit 0; left behind, process 1 would lose the service with
+    process 0 and JAX would abort it (runtime/worker/gang.py announce_leaving)."""
+    from tests.support.processes import StandaloneWorkers
+
+    with StandaloneWorkers(tmp_path, 2, shared=False, processes_per_slice=2, lease_s=600) as workers:
+        workers.procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=30) for p in workers.procs]
+        logs = [log.read_text() for log in workers.logs]
+    assert codes == [0, 0], (codes, [log[-2000:] for log in logs])
+    assert "shutting down: its gang leaves (process 0: SIGTERM)" in logs[1], logs[1][-2000:]
+    assert "did not reach shutdown" not in logs[0], logs[0][-2000:]

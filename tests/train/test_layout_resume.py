@@ -26,7 +26,7 @@ import mpmd
 from tests.support import recovery_runs
 from tests.support.marked_models import MarkedGPT
 
-pytestmark = [pytest.mark.slow, pytest.mark.every_jax]  # worker processes or a controller (tests/README.md)
+pytestmark = pytest.mark.slow  # worker processes or a controller (tests/README.md)
 
 LAYOUTS = {
     "2x1f1b": (2, "1f1b", 1),
