@@ -529,7 +529,7 @@ class ControlPlane(RunDispatch):
 
     def _wait(self, run: PendingRun) -> list[StepResult]:
         results = self._watch.wait(run, self._in_flight)
-        self.heartbeats.settle(self.clients)  # each returned a step: one failed probe finds it hung
+        self.heartbeats.settle([c for c, r in zip(self.clients, results) if not r.compiled])  # warm: steady
         for i, r in enumerate(results):
             if r.compiled and self.spares.count:  # calls a slice made anew: the spares compile them too
                 new = new_calls(self._shipped[i]["signatures"], r.compiled)

@@ -39,7 +39,8 @@ acknowledge a PING: a load that rises that much within NUM_CONNECTS x CALIBRATE_
 
 A worker not yet steady gets a second chance: its first failed probe only makes it doubted,
 and it is probed again at once with CONFIRM_FACTOR x the timeout; a second failure makes it
-hung. Steady means it has returned a step since its programs were loaded (ControlPlane.settle):
+hung. Steady means it has returned a run that called no program for the first time since it
+was loaded (ControlPlane._wait; a replacement makes every worker unsteady again):
 a worker compiling its first step (or a hot spare compiling in the background) holds its GIL
 for seconds while the machine is at its busiest, and under that load (test_ray beside
 test_gang_ray on 2 cores, 3 of 10 runs) a live worker's probe handshake took over 0.3 s before
@@ -150,8 +151,8 @@ class Heartbeats:
         return max(self.probe_timeout_s, PROBE_MARGIN * slowest_s)
 
     def settle(self, clients, steady: bool = True) -> None:
-        """Mark `clients` steady (they returned a step since their programs were loaded: one
-        failed probe finds them hung) or, with steady=False, not (programs loaded anew)."""
+        """Mark `clients` steady (each returned a run that called no program for the first time:
+        one failed probe finds it hung) or, with steady=False, not (programs loaded, a recovery)."""
         with self._lock:
             for c in clients:
                 self._beats.setdefault(c, _Beat()).steady = steady
@@ -268,7 +269,7 @@ class Heartbeats:
                     f"hung: its heartbeat unanswered for {silent_s:.2f} s, then worker {member.address} took "
                     f"no new connection or left its ping unanswered for {timeout_s:.2g} s (probe timeout: "
                     f"probe_timeout_s={self.probe_timeout_s:g}, or {PROBE_MARGIN:g} x the slowest recent "
-                    f"connection){'; probed twice, no step returned since its programs were loaded' if confirming else ''}: "
+                    f"connection){'; probed twice, not warm yet' if confirming else ''}: "
                     f"{e.details()}"
                 )
                 beat.hung_at = time.monotonic()

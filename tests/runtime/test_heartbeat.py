@@ -1,7 +1,7 @@
 """The heartbeats' probes on a real worker process (runtime/control/heartbeat.py): a stopped
-worker that has returned no step since its programs were loaded is found hung by a second
-probe (its first only doubts it), a steady one by its first, and one that runs again is not
-hung any more."""
+worker not yet warm (no run of it returned without a first call of a program) is found hung by
+a second probe (its first only doubts it), a steady one by its first, and one that runs again
+is not hung any more."""
 
 import os
 import signal
@@ -35,7 +35,7 @@ def test_a_stopped_worker_not_yet_steady_is_hung_after_a_second_probe_a_steady_o
             os.kill(pid, signal.SIGSTOP)
             assert _rounds_until(beats, client, lambda: beats.hung(client) is not None)
             assert beats.doubts == 1, beats.doubts
-            assert "probed twice, no step returned since its programs were loaded" in beats.hung(client)
+            assert "probed twice, not warm yet" in beats.hung(client)
             os.kill(pid, signal.SIGCONT)
             assert _rounds_until(beats, client, lambda: beats.hung(client) is None)
 

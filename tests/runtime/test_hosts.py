@@ -47,6 +47,9 @@ LEASE_S = 15.0  # the cut-off worker's: it is still running when its link comes 
 # to lose it and recover; its lease outlasts the pause, so it goes on, back on the network,
 # as a zombie before it leaves.
 PAUSE_S, ZOMBIE_LEASE_S = 12.0, 22.0
+# The workers a stopped run is resumed on must outlive the time from the cut to the second
+# controller's start (its end, the commits' check, its start): 15 s was not enough under load.
+RESUME_LEASE_S = 60.0
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +193,7 @@ def test_the_controller_cut_off_stops_cleanly_when_told_not_to_wait_and_resumes_
     over the same workers (the new controller's generation supersedes the old one's), it
     resumes from that step and ends with the uninterrupted run's losses."""
     with netns.Hosts(3) as hosts:
-        with StandaloneWorkers(tmp_path, 2, shared=False, hosts=hosts, on=[1, 2], lease_s=LEASE_S) as workers:
+        with StandaloneWorkers(tmp_path, 2, shared=False, hosts=hosts, on=[1, 2], lease_s=RESUME_LEASE_S) as workers:
             run_dir = workers.root / "run"
             args = static(workers, [0, 1], failure_timeout_s=2, on_loss="replace", replace_timeout_s=1)
             run = train_on_host_0(hosts, run_dir, *args)
