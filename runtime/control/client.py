@@ -386,7 +386,7 @@ class ControlPlane(RunDispatch):
                 c = self._readmit(slice_index, e)
         self.clients[slice_index].close()
         self.clients[slice_index] = c  # never a closed client in the list, whatever comes next
-        self.heartbeats.settle(self.clients, steady=False)  # a restore loads them all until a step returns
+        self.heartbeats.settle(self.clients, steady=False)  # a restore loads them all: none is warm
         try:
             c.wait_ready(self._connect_timeout_s)
         except WorkerError as e:

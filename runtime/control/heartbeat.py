@@ -182,10 +182,12 @@ class Heartbeats:
                 suspect = suspect and now - beat.sent_at > SUSPECT_S
                 if suspect:
                     beat.probing = True
+                    confirming = beat.doubted  # a second probe: its failure finds the worker hung
             if fresh:
                 self._send(c, beat)
             elif suspect:
-                self._probe(c, beat, now - beat.sent_at, timeout_s * (CONFIRM_FACTOR if beat.doubted else 1.0))
+                t = timeout_s * (CONFIRM_FACTOR if confirming else 1.0)
+                self._probe(c, beat, now - beat.sent_at, t, confirming)
         if timeout_s is not None and clients and now - self._calibrated_at >= CALIBRATE_S:
             self._calibrated_at = now
             self._turn += 1
@@ -241,12 +243,12 @@ class Heartbeats:
 
         fut.add_done_callback(connected)
 
-    def _probe(self, c, beat: _Beat, silent_s: float, timeout_s: float) -> None:
+    def _probe(self, c, beat: _Beat, silent_s: float, timeout_s: float, confirming: bool) -> None:
         """Probe every process of `c`'s worker (a gang's each) on a connection of its own;
-        the first that fails UNAVAILABLE makes the worker hung."""
+        the first that fails UNAVAILABLE makes a steady worker hung, or a worker not yet
+        steady doubted (`confirming`: it was, and this probe's failure makes it hung)."""
         members = getattr(c, "members", [c])
         pending = [len(members), False]  # members not yet answered; whether one failed
-        confirming = beat.doubted  # a second probe: its failure finds the worker hung
         self.probes += 1
         for m in members:
             probe = m.sibling(ping_options(timeout_s))
@@ -262,17 +264,17 @@ class Heartbeats:
         e = fut.exception() if not fut.cancelled() else None
         code = e.code() if isinstance(e, grpc.RpcError) else None
         with self._lock:
-            if code == grpc.StatusCode.UNAVAILABLE and beat.sent_at is not None and not (beat.steady or confirming):
-                pending[1] = True  # not steady yet: probed again, with CONFIRM_FACTOR x the timeout
-            elif code == grpc.StatusCode.UNAVAILABLE and beat.sent_at is not None:
-                beat.hung = (
-                    f"hung: its heartbeat unanswered for {silent_s:.2f} s, then worker {member.address} took "
-                    f"no new connection or left its ping unanswered for {timeout_s:.2g} s (probe timeout: "
-                    f"probe_timeout_s={self.probe_timeout_s:g}, or {PROBE_MARGIN:g} x the slowest recent "
-                    f"connection){'; probed twice, not warm yet' if confirming else ''}: "
-                    f"{e.details()}"
-                )
-                beat.hung_at = time.monotonic()
+            if code == grpc.StatusCode.UNAVAILABLE and beat.sent_at is not None:
+                if not (beat.steady or confirming):
+                    pending[1] = True  # not steady yet: probed again, with CONFIRM_FACTOR x the timeout
+                else:
+                    beat.hung = (
+                        f"hung: its heartbeat unanswered for {silent_s:.2f} s, then worker {member.address} took "
+                        f"no new connection or left its ping unanswered for {timeout_s:.2g} s (probe timeout: "
+                        f"probe_timeout_s={self.probe_timeout_s:g}, or {PROBE_MARGIN:g} x the slowest recent "
+                        f"connection){'; probed twice, not warm yet' if confirming else ''}: {e.details()}"
+                    )
+                    beat.hung_at = time.monotonic()
             elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.busy += 1
             elif e is None:
