@@ -1,0 +1,1 @@
+"""Reinforcement learning across slice groups: a sampler, GRPO's loss, rewards."""
