@@ -290,6 +290,8 @@ def assert_pipelined_equals(unpipelined, samples, schedule, v=None, cluster=None
     assert len(set(losses)) == STEPS
 
 
+@pytest.mark.slow
+@pytest.mark.every_jax
 @pytest.mark.parametrize("schedule,v", [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", 2)])
 def test_pipelined_grpo_training_equals_the_unpipelined_model(unpipelined, samples, schedule, v):
     assert_pipelined_equals(unpipelined, samples, schedule, v)
