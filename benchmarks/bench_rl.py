@@ -44,7 +44,9 @@ def weight_sync(args) -> None:
     try:
         model = models.GPT(256, args.d_model, 4, args.layers, 64, rngs=nnx.Rngs(0))
         pipe = mpmd.Pipeline(mpmd.split(model, num_stages=2), models.lm_loss)
-        trainer = mpmd.Trainer(pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=2, cluster=groups.cluster_for("learner"))
+        trainer = mpmd.Trainer(
+            pipe, optax.sgd(0.1), schedule="1f1b", num_microbatches=2, cluster=groups.cluster_for("learner")
+        )
         x = np.zeros((4, 64), np.int32)
         trainer.step(x, x)
         sync = WeightSync(trainer, groups, "learner", "sampler")
@@ -69,7 +71,9 @@ def weight_sync(args) -> None:
     finally:
         groups.close()
     s, m = statistics.median(times["sync"]), statistics.median(times["memcpy"])
-    print(f"weight sync: {num_bytes / 1e6:.1f} MB of parameters, 2 learner slices -> 1 sampler slice, {args.rounds} rounds")
+    print(
+        f"weight sync: {num_bytes / 1e6:.1f} MB of parameters, 2 learner slices -> 1 sampler slice, {args.rounds} rounds"
+    )
     print(f"  sync    {spread(times['sync'])}   {num_bytes / s / 1e9:.2f} GB/s")
     print(f"  memcpy  {spread(times['memcpy'])}   {num_bytes / m / 1e9:.2f} GB/s")
     print(f"  sync / memcpy: {s / m:.1f}x")

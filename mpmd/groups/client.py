@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -42,6 +42,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mpmd.runtime.worker import programs
 from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
 from mpmd.stages import sharding
+
+if TYPE_CHECKING:
+    from mpmd.groups.cluster import GroupCluster
 
 WINDOW = 8  # calls dispatched ahead of the oldest one still uncollected
 
@@ -83,7 +86,11 @@ class Groups:
         for name, shapes in groups.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"a group's name must be a non-empty string, got {name!r}")
-            shapes = list(shapes) if isinstance(shapes, (list, tuple)) and not isinstance(shapes, sharding.SliceMesh) else [shapes]
+            shapes = (
+                list(shapes)
+                if isinstance(shapes, (list, tuple)) and not isinstance(shapes, sharding.SliceMesh)
+                else [shapes]
+            )
             if not shapes:
                 raise ValueError(f"group {name!r} has no slices: give one mesh shape per slice")
             mine = [sharding.slice_mesh(s, f"group {name!r} slice {k} mesh") for k, s in enumerate(shapes)]
@@ -189,7 +196,9 @@ class Groups:
                 out.append(self.run(_identity, handle, out_layouts=laid))
                 continue
             shapes = handle.shapes
-            specs = self._specs(dst, jax.tree.leaves(shapes), _leaf_layouts(laid, shapes, handle.treedef), f"move to {where!r}")
+            specs = self._specs(
+                dst, jax.tree.leaves(shapes), _leaf_layouts(laid, shapes, handle.treedef), f"move to {where!r}"
+            )
             src = handle.slice
             pieces = tuple(sharding.batch_pieces(P(*s.layout), self.meshes[src]) for s in handle.specs)
             moved = Handle(dst, f"h{next(self._names)}", handle.treedef, specs)
@@ -268,13 +277,19 @@ class Groups:
             fn, args, out_layouts = signature
             abstract = [
                 jax.tree.unflatten(
-                    td, [sharding.with_layout(jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype)), P(*s.layout), mesh) for s in ss]
+                    td,
+                    [
+                        sharding.with_layout(jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype)), P(*s.layout), mesh)
+                        for s in ss
+                    ],
                 )
                 for td, ss in args
             ]
             out_shapes = jax.eval_shape(fn, *abstract)
             out_leaves, out_treedef = jax.tree.flatten(out_shapes)
-            specs = self._specs(r, out_leaves, _leaf_layouts(_thawed(out_layouts), out_shapes, out_treedef), "run's out_layouts")
+            specs = self._specs(
+                r, out_leaves, _leaf_layouts(_thawed(out_layouts), out_shapes, out_treedef), "run's out_layouts"
+            )
             treedefs = [td for td, _ in args]
 
             def bundles(*bundles):

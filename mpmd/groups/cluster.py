@@ -196,8 +196,7 @@ def param_handles(trainer, groups: Groups, group) -> list[Handle]:
         r = g.slices[trainer.placement[k]]
         layouts = trainer.layout.params[k]
         specs = tuple(
-            Spec(tuple(s.shape), np.dtype(s.dtype).name, tuple(layout))
-            for s, layout in zip(fn.param_leaves, layouts)
+            Spec(tuple(s.shape), np.dtype(s.dtype).name, tuple(layout)) for s, layout in zip(fn.param_leaves, layouts)
         )
         out.append(Handle(r, names.params(k), fn.param_tree, specs))
     return out

@@ -10,7 +10,7 @@ import mpmd
 from mpmd import models
 from mpmd.groups.client import Groups
 from mpmd.rl.sync import WeightSync
-from tests.runtime.test_mesh_slices import M, RTOL, assert_matches, data, make_gpt, sgd
+from tests.runtime.test_mesh_slices import M, assert_matches, data, make_gpt, sgd
 from tests.support import reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.every_jax]
@@ -21,7 +21,9 @@ LEARNER = [{"data": 2}, {"tensor": 2}]
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("groups"))
-    g = Groups(mpmd.LocalCluster(3, devices_per_worker=2, root=root), {"learner": LEARNER, "sampler": {"tensor": 2}}, root=root)
+    g = Groups(
+        mpmd.LocalCluster(3, devices_per_worker=2, root=root), {"learner": LEARNER, "sampler": {"tensor": 2}}, root=root
+    )
     yield g
     g.close()
 
