@@ -301,8 +301,10 @@ class GPT(nnx.Module):
     def decode(self, tokens: jax.Array, cache: list, start) -> tuple[jax.Array, list]:
         """(logits [B, T, V], cache) of T new tokens at window positions start .. start+T-1
         (start + T <= seq_len), every earlier position's keys and values read from `cache`
-        (models/kv_cache.py; models/decoding.py drives it). In eval mode (`.eval()`) it gives
-        the logits __call__ gives the window, within float rounding."""
+        (models/kv_cache.py; models/decoding.py drives it). `start`: an int, a traced scalar,
+        or int32 [B], each row at its own positions (learned positions and cache slots alike).
+        In eval mode (`.eval()`) it gives the logits __call__ gives the window, within float
+        rounding."""
         x = self.embed.decode(tokens, start)
         x, cache = kv_cache.through(self.blocks, x, cache, start)
         return self.head(x), cache

@@ -591,7 +591,8 @@ class Llama(nnx.Module):
     def decode(self, tokens: jax.Array, cache: list, start) -> tuple[jax.Array, list]:
         """(float32 logits [B, T, V], cache) of T new tokens at window positions start ..
         start+T-1 (start + T <= seq_len), earlier positions' keys and values read from `cache`
-        (models/gpt.py GPT.decode). Decoding runs on one process: stage marks are not applied."""
+        (models/gpt.py GPT.decode; `start` a scalar or int32 [B], each row rotated at its own
+        positions). Decoding runs on one process: stage marks are not applied."""
         x = self.embed(tokens)
         x, cache = kv_cache.through(self.blocks, x, cache, start)
         return self.head(x), cache
