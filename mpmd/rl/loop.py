@@ -1,0 +1,206 @@
+"""GRPO across slice groups: a pipelined learner on one group, the sampler on another, weights
+moved learner -> sampler after every update, under one controller.
+
+    groups = Groups(mpmd.LocalCluster(3), {"learner": [{}, {}], "sampler": {}})
+    rl = GRPO(groups, model, optax.sgd(0.05, momentum=0.9), reward=my_reward, num_stages=2,
+              num_samples=4, max_new_tokens=8, end_token=eos)
+    for step in range(100):
+        metrics = rl.step(prompts, prompt_ids)      # {"loss", "reward", "length", ...}
+
+One step t, on-policy (`off_policy_steps=0`):
+  1. the learner's parameters w_t (after update t-1) go to the sampler's slice (WeightSync);
+  2. the sampler program draws n completions of each prompt there (mpmd/rl/sampler.py), keyed
+     by fold_in(seed, t) and the prompts' ids; the samples come back to the controller;
+  3. rewards (a Python function of the prompt's and the completion's tokens, the end token
+     not included), group-normalised advantages, the learner batch (mpmd/rl/grpo.py); with a
+     reference group, the frozen reference's log-probabilities of the same rows, for KL;
+  4. the Trainer steps on it: the GRPO loss, token-weighted, through the pipeline.
+With `off_policy_steps=1` the sampler draws step t+1's samples from w_t while the learner
+computes update t: the sampling run is launched before the training run, and each slice runs
+its runs in order, the sampler's slice the sampling, the learner's slices (whose stream in that
+run is empty) the training, at once. The batch of step t+1 was then sampled by the policy one
+update behind the one it trains; the importance ratio in the loss corrects for it.
+
+Every call goes through the Groups client, so nothing here waits for a worker except where a
+result is needed on the controller: the samples (rewards are computed here) and the step's
+metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+import mpmd
+from mpmd.groups.client import Groups, Handle
+from mpmd.rl import grpo, sampler
+from mpmd.rl.sync import WeightSync
+from mpmd.stages.leaf_paths import path_string
+
+
+class GroupSampler:
+    """The sampler program on a group's slice, fed the learner's per-stage parameter handles
+    (WeightSync's) and assembling the whole model there from them."""
+
+    def __init__(self, groups: Groups, where, pipeline, model: nnx.Module, **settings):
+        fn, leaves = sampler.program(model, **settings)
+        paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.split(model)[1])[0]]
+        owner = {path: (k, j) for k, ps in enumerate(pipeline.param_paths) for j, path in enumerate(ps)}
+        source = [owner.get(p) for p in paths]  # a parameter: (stage, leaf); else model state held here
+        if not any(source):
+            raise ValueError("the pipeline's parameters have no model paths: split the model with mpmd.split")
+        self.groups, self.where = groups, where
+        # What no stage trains (RNG counts, a frozen buffer): put once, from the model as it is.
+        self.rest = groups.put([a for a, s in zip(leaves, source) if s is None], where)
+
+        def program(*args):
+            *stages, rest, inputs = args
+            stage_leaves = [jax.tree.leaves(s) for s in stages]
+            others = iter(rest)
+            full = [stage_leaves[s[0]][s[1]] if s is not None else next(others) for s in source]
+            return fn(full, inputs["prompts"], inputs["lens"], inputs["ids"], inputs["key"])
+
+        self._program = program
+
+    def __call__(self, params: Sequence[Handle], prompts, prompt_lens, prompt_ids, key_data) -> Handle:
+        """A handle on the sampler's slice to the Samples of these prompts (arrays as
+        sampler.program takes them; the key as uint32 key data)."""
+        inputs = {
+            "prompts": np.asarray(prompts, np.int32),
+            "lens": np.asarray(prompt_lens, np.int32),
+            "ids": np.asarray(prompt_ids, np.int32),
+            "key": np.asarray(key_data, np.uint32),
+        }
+        fed = self.groups.put(inputs, self.where)
+        out = self.groups.run(self._program, *params, self.rest, fed)
+        self.groups.delete(fed)
+        return out
+
+
+def padded(prompts: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompts right-padded to `width` with sampler.PAD, their lengths)."""
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if len(prompts) == 0 or lens.min() < 1 or lens.max() > width:
+        raise ValueError(f"prompts must be 1..{width} tokens each, got lengths {lens.tolist()}")
+    out = np.full((len(prompts), width), sampler.PAD, np.int32)
+    for row, p in zip(out, prompts):
+        row[: len(p)] = p
+    return out, lens
+
+
+class GRPO:
+    """GRPO on `groups` (module docstring): a Trainer of `model` split into num_stages on the
+    `learner` group, the sampler on the `sampler` group's slice. `reward(prompt, completion)`
+    takes lists of token ids and returns a float. `trainer_kw` go to mpmd.Trainer (schedule,
+    num_microbatches, mesh, ...); its mesh defaults to the learner group's meshes."""
+
+    def __init__(
+        self,
+        groups: Groups,
+        model: nnx.Module,
+        optimizer,
+        *,
+        reward: Callable[[list, list], float],
+        num_stages: int,
+        num_samples: int = 4,
+        max_new_tokens: int,
+        prompt_len: int | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        end_token: int | None = None,
+        clip_eps: float = 0.2,
+        off_policy_steps: int = 0,
+        seed: int = 0,
+        learner: str = "learner",
+        sampler_group: str = "sampler",
+        **trainer_kw,
+    ):
+        if off_policy_steps not in (0, 1):
+            raise ValueError(f"off_policy_steps must be 0 (on-policy) or 1 (sample ahead), got {off_policy_steps!r}")
+        if num_samples < 2:
+            raise ValueError(f"num_samples must be >= 2: GRPO compares each sample with its group's, got {num_samples}")
+        self.groups, self.reward, self.num_samples = groups, reward, num_samples
+        self.max_new_tokens, self.end_token, self.off_policy_steps = max_new_tokens, end_token, off_policy_steps
+        self.seq_len = model.seq_len
+        self.prompt_len = self.seq_len - max_new_tokens if prompt_len is None else prompt_len
+        if not 1 <= self.prompt_len <= self.seq_len - max_new_tokens:
+            raise ValueError(
+                f"prompt_len {self.prompt_len} + max_new_tokens {max_new_tokens} must fit the model's "
+                f"seq_len {self.seq_len}"
+            )
+        self._key = jax.random.key(seed)
+        loss = functools.partial(
+            grpo.grpo_loss, clip_eps=clip_eps, temperature=1.0 if temperature == 0 else temperature
+        )
+        pipeline = mpmd.Pipeline(mpmd.split(model, num_stages=num_stages), loss)
+        group = groups.groups[learner]
+        trainer_kw.setdefault("mesh", mpmd.Mesh([dict(m._asdict()) for m in group.meshes]))
+        self.trainer = mpmd.Trainer(pipeline, optimizer, cluster=groups.cluster_for(learner), **trainer_kw)
+        self.sync = WeightSync(self.trainer, groups, learner, sampler_group)
+        settings = dict(
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            end_token=end_token,
+        )
+        self.sampler = GroupSampler(groups, sampler_group, pipeline, model, **settings)
+        self.step_count = 0
+        self._ahead = None  # off-policy: (prompts, prompt ids, the samples' handle) of the next step
+
+    def _sample(self, prompts, prompt_ids, step: int) -> Handle:
+        tokens, lens = padded(prompts, self.prompt_len)
+        key = jax.random.key_data(jax.random.fold_in(self._key, step))
+        return self.sampler(self.sync.copies, tokens, lens, prompt_ids, key)
+
+    def _batch(self, prompts, samples) -> tuple[dict, dict]:
+        """(the learner batch, metrics of the samples) from fetched Samples."""
+        n = self.num_samples
+        lengths = np.asarray(samples.lengths)
+        completions = [list(map(int, row[:k])) for row, k in zip(np.asarray(samples.tokens), lengths)]
+        logprobs = [list(row[:k]) for row, k in zip(np.asarray(samples.logprobs), lengths)]
+        ended = [c[-1] == self.end_token if self.end_token is not None and c else False for c in completions]
+        rewards = np.array(
+            [
+                float(self.reward(list(prompts[i // n]), c[:-1] if e else c))
+                for i, (c, e) in enumerate(zip(completions, ended))
+            ],
+            np.float32,
+        ).reshape(len(prompts), n)
+        advantages = grpo.group_advantages(rewards)
+        rows = [list(prompts[i // n]) for i in range(len(completions))]
+        batch = grpo.learner_batch(rows, completions, logprobs, advantages, seq_len=self.seq_len)
+        return batch, {"reward": float(rewards.mean()), "length": float(lengths.mean())}
+
+    def step(self, prompts: Sequence[Sequence[int]], prompt_ids, next_prompts=None, next_ids=None) -> dict:
+        """One GRPO step on `prompts` (lists of token ids; `prompt_ids` what each one's draws
+        are keyed by). Off-policy, `next_prompts`/`next_ids` are the next step's, sampled now
+        (while this step trains) from the current weights; the last step passes None."""
+        t = self.step_count
+        if self.sync.copies is None or self.off_policy_steps == 0:
+            self.sync()
+        if self._ahead is None:  # on-policy, or the first step off-policy
+            handle = self._sample(prompts, prompt_ids, t)
+        else:
+            ahead_prompts, ahead_ids, handle = self._ahead
+            if [list(p) for p in ahead_prompts] != [list(p) for p in prompts] or list(ahead_ids) != list(prompt_ids):
+                raise ValueError("step's prompts are not the next_prompts the step before was given")
+        samples = self.groups.fetch(handle)
+        self.groups.delete(handle)
+        self._ahead = None
+        if self.off_policy_steps and next_prompts is not None:
+            # Drawn from the weights this step trains, while it trains: one update behind.
+            self._ahead = (next_prompts, next_ids, self._sample(next_prompts, next_ids, t + 1))
+        batch, metrics = self._batch(prompts, samples)
+        metrics["loss"] = self.trainer.step(batch)["loss"]
+        if self.off_policy_steps:
+            self.sync()  # the next step's sampling (after this one's) sees this update
+        self.step_count += 1
+        return metrics
+
+    def close(self) -> None:
+        self.trainer.close(close_cluster=False)

@@ -1,0 +1,107 @@
+"""GRPO across slice groups on real worker processes: a learner of two pipelined slices, a
+sampler slice, the weights moved learner -> sampler each step (mpmd/rl/loop.py)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import mpmd
+from mpmd import models
+from mpmd.groups.client import Groups
+from mpmd.rl import sampler
+from mpmd.rl.loop import GRPO, padded
+from mpmd.stages.leaf_paths import path_string
+
+pytestmark = [pytest.mark.slow, pytest.mark.every_jax]
+
+TARGET = 3  # the token the reward asks for
+NEW = 6
+
+
+def reward(prompt, completion):
+    return sum(t == TARGET for t in completion) / NEW
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("rl"))
+    g = Groups(mpmd.LocalCluster(3, root=root), {"learner": [{}, {}], "sampler": {}}, root=root)
+    yield g
+    g.close()
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return [list(map(int, rng.integers(4, 16, rng.integers(2, 5)))) for _ in range(64)]
+
+
+def run(groups, steps, lr=0.5, off_policy_steps=0, **kw):
+    """Per step, its metrics; and the GRPO (closed)."""
+    model = models.GPT(16, 16, 2, 2, 12, rngs=nnx.Rngs(0))
+    rl = GRPO(
+        groups,
+        model,
+        optax.sgd(lr, momentum=0.9),
+        reward=reward,
+        num_stages=2,
+        num_samples=4,
+        max_new_tokens=NEW,
+        prompt_len=4,
+        off_policy_steps=off_policy_steps,
+        schedule="1f1b",
+        num_microbatches=2,
+        **kw,
+    )
+    ps = prompts()
+    ids = lambda s: [(4 * s + i) % len(ps) for i in range(4)]
+    out = []
+    try:
+        for s in range(steps):
+            out.append(rl.step([ps[i] for i in ids(s)], ids(s), [ps[i] for i in ids(s + 1)], ids(s + 1)))
+    finally:
+        rl.close()
+    return out, rl
+
+
+def test_grpo_raises_the_reward(groups):
+    metrics, _ = run(groups, 8)
+    rewards = [m["reward"] for m in metrics]
+    assert rewards[0] < 0.15 and rewards[-1] > 0.8, rewards
+
+
+def test_the_sampler_group_draws_what_the_learners_weights_draw_here(groups):
+    """After training, the samples drawn on the sampler's slice from the synced weights are
+    bitwise those the same sampler program draws on this process from those weights."""
+    _, rl = run(groups, 2)
+    model = models.GPT(16, 16, 2, 2, 12, rngs=nnx.Rngs(0))
+    ps = prompts()[:3]
+    tokens, lens = padded(ps, 4)
+    key = jax.random.key_data(jax.random.key(7))
+    handle = rl.sampler(rl.sync(), tokens, lens, [0, 1, 2], key)
+    got = groups.fetch(handle)
+    # the model on this process with the synced parameters (bitwise the learner's:
+    # tests/groups/test_trainer_group.py), through the same sampler program, jitted here
+    fn, _ = sampler.program(model, num_samples=4, max_new_tokens=NEW, temperature=1.0)
+    paths = rl.trainer.pipeline.param_paths
+    stage_params = [groups.fetch(h) for h in rl.sync.copies]
+    leaves = {path: leaf for ps_, tree in zip(paths, stage_params) for path, leaf in zip(ps_, jax.tree.leaves(tree))}
+
+    state = nnx.split(model)[1]
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    assert leaves and set(leaves) <= {path_string(p) for p, _ in flat}  # every trained leaf is placed
+    full = [leaves.get(path_string(p), leaf) for p, leaf in flat]
+    want = jax.jit(fn)(full, tokens, lens, np.arange(3, dtype=np.int32), key)
+    assert np.array_equal(got.tokens, np.asarray(want.tokens))
+    assert np.array_equal(got.lengths, np.asarray(want.lengths))
+    np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs), atol=1e-6)
+
+
+def test_off_policy_samples_come_from_the_weights_one_update_behind(groups):
+    """With off_policy_steps=1, step 1 trains on samples drawn from the initial weights (while
+    step 0 trained): the same draws as a run that never updates; step 0 is the same in both."""
+    off, _ = run(groups, 3, off_policy_steps=1)
+    frozen, _ = run(groups, 2, lr=0.0)
+    assert [m["reward"] for m in off[:2]] == [m["reward"] for m in frozen[:2]]
+    assert off[1]["loss"] != 0.0  # the ratio is no longer 1: the policy moved since the draw
