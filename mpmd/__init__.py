@@ -30,6 +30,7 @@ _WHERE = {
     "NonFinite": "mpmd.train.checkpoints",
     "WorkerLost": "mpmd.runtime.control.cluster",
     "constrain": "mpmd.stages.constraints",
+    "Groups": "mpmd.groups.client",
 }
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "NonFinite",
     "WorkerLost",
     "constrain",
+    "Groups",
 ]
 
 

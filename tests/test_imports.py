@@ -55,6 +55,7 @@ def test_schedule_command_does_not_import_jax(tmp_path):
         ("RayCluster", "mpmd.runtime.launchers.ray"),
         ("StaticCluster", "mpmd.runtime.launchers.static"),
         ("WorkerLost", "mpmd.runtime.control.cluster"),
+        ("Groups", "mpmd.groups.client"),
     ],
 )
 def test_public_names_resolve_lazily(name, module):
@@ -85,6 +86,7 @@ def test_public_names_are_exactly_all():
             "NonFinite",
             "WorkerLost",
             "constrain",
+            "Groups",
         ]
     )
 

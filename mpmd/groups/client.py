@@ -33,18 +33,16 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mpmd.groups.cluster import GroupCluster
 from mpmd.runtime.worker import programs
 from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
 from mpmd.stages import sharding
-
-if TYPE_CHECKING:
-    from mpmd.groups.cluster import GroupCluster
 
 WINDOW = 8  # calls dispatched ahead of the oldest one still uncollected
 
@@ -238,11 +236,9 @@ class Groups:
             if close_cluster:
                 self.cluster.close()
 
-    def cluster_for(self, group) -> "GroupCluster":
+    def cluster_for(self, group) -> GroupCluster:
         """A Cluster of the group's slices alone, for a Trainer (its slices are this group): see
         mpmd/groups/cluster.py."""
-        from mpmd.groups.cluster import GroupCluster
-
         return GroupCluster(self, self.groups[self._group(group).name])
 
     def launch(self, plan: str, feeds=None, fetch=None, trace: bool = False, own: bool = False) -> "Call":

@@ -3,7 +3,7 @@ programs run on others (mpmd/groups/client.py): the Trainer is one client of the
 
     groups = Groups(mpmd.LocalCluster(3), {"learner": [{}, {}], "sampler": {}})
     trainer = mpmd.Trainer(pipeline, optax.sgd(0.1), groups.cluster_for("learner"))
-    params = param_handles(trainer, groups, "learner")   # per stage, a handle on its slice
+    params = param_handles(trainer, groups, "learner")   # mpmd/rl/sync.py: a handle per stage
     on_sampler = [groups.move(h, "sampler") for h in params]
 
 Slice i of the view is slice `group.slices[i]` of the cluster. What the Trainer installs,
@@ -24,11 +24,15 @@ import os
 
 import numpy as np
 
-from mpmd.groups.client import Group, Groups, Handle
+from typing import TYPE_CHECKING
+
 from mpmd.runtime.control.cluster import ReplaceUnsupported, WorkerLost
-from mpmd.runtime.worker.instructions import Recv, Send, Spec
+from mpmd.runtime.worker.instructions import Recv, Send
 from mpmd.runtime.worker.streams import PackedStream
-from mpmd.stages import names, sharding
+from mpmd.stages import sharding
+
+if TYPE_CHECKING:  # the Groups client makes these views (Groups.cluster_for)
+    from mpmd.groups.client import Group, Groups
 
 
 class GroupCluster:
@@ -184,19 +188,3 @@ class _GroupRun:
     def result(self):
         results = self._view._mapped_loss(self._call.result)
         return [results[r] for r in self._view.group.slices]
-
-
-def param_handles(trainer, groups: Groups, group) -> list[Handle]:
-    """Per stage, a handle to the trainer's parameters on its slice (the tree `trainer.params()`
-    gives for that stage), as they are after every step sent before the next call: a move of
-    one sends the parameters of the last update sent, without waiting for it here."""
-    g = groups.groups[groups._group(group).name]
-    out = []
-    for k, fn in enumerate(trainer.pipeline.fns):
-        r = g.slices[trainer.placement[k]]
-        layouts = trainer.layout.params[k]
-        specs = tuple(
-            Spec(tuple(s.shape), np.dtype(s.dtype).name, tuple(layout)) for s, layout in zip(fn.param_leaves, layouts)
-        )
-        out.append(Handle(r, names.params(k), fn.param_tree, specs))
-    return out

@@ -14,9 +14,11 @@ The previous copy is freed on the sampler once the new one is made, after every 
 
 from __future__ import annotations
 
+import numpy as np
+
 from mpmd.groups.client import Groups, Handle
-from mpmd.groups.cluster import param_handles
-from mpmd.stages import sharding
+from mpmd.runtime.worker.instructions import Spec
+from mpmd.stages import names, sharding
 
 
 class WeightSync:
@@ -32,8 +34,6 @@ class WeightSync:
     @property
     def num_bytes(self) -> int:
         """Bytes of parameters one sync moves."""
-        import numpy as np
-
         return sum(
             int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
             for h in param_handles(self.trainer, self.groups, self.learner)
@@ -48,3 +48,19 @@ class WeightSync:
             self.groups.delete(*self.copies)
         self.copies = new
         return new
+
+
+def param_handles(trainer, groups: Groups, group) -> list[Handle]:
+    """Per stage, a handle to the trainer's parameters on its slice (the tree `trainer.params()`
+    gives for that stage), as they are after every step sent before the next call: a move of
+    one sends the parameters of the last update sent, without waiting for it here."""
+    g = groups.groups[groups._group(group).name]
+    out = []
+    for k, fn in enumerate(trainer.pipeline.fns):
+        r = g.slices[trainer.placement[k]]
+        layouts = trainer.layout.params[k]
+        specs = tuple(
+            Spec(tuple(s.shape), np.dtype(s.dtype).name, tuple(layout)) for s, layout in zip(fn.param_leaves, layouts)
+        )
+        out.append(Handle(r, names.params(k), fn.param_tree, specs))
+    return out
