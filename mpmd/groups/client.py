@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mpmd.groups.cluster import GroupCluster
+from mpmd.runtime.control.cluster import Discarded, WorkerLost
 from mpmd.runtime.worker import programs
 from mpmd.runtime.worker.instructions import Delete, Recv, Run, Send, Spec
 from mpmd.stages import sharding
@@ -109,6 +110,12 @@ class Groups:
         self._runs = itertools.count()
         self._plans = 0
         self._failed: BaseException | None = None  # an error of a call of ours, collected for another
+        # Losses: a run that fails with WorkerLost marks its slice dead until replaced; the runs
+        # behind it are Discarded (last_failure says why); a replacement starts a new generation
+        # of the slice, and every handle on it from before is gone.
+        self._dead: set[int] = set()
+        self.last_failure: BaseException | None = None
+        self.generations = [0] * len(meshes)
         self._pending: deque = deque()
         self._programs: dict[tuple, str] = {}  # (slice, signature) -> loaded program name
         self._exported: dict[tuple, tuple] = {}  # (mesh, signature) -> (ProgramSpec, out treedef, out specs)
@@ -156,7 +163,7 @@ class Groups:
         arrays = [np.asarray(a) for a in leaves]
         specs = self._specs(r, arrays, _leaf_layouts(layouts, tree, treedef), f"put on {where!r}")
         name = f"h{next(self._names)}"
-        self.cluster.put(r, name, arrays, layouts=[s.layout for s in specs])
+        self._verb(lambda: self.cluster.put(r, name, arrays, layouts=[s.layout for s in specs]))
         return Handle(r, name, treedef, specs)
 
     # -- calls -------------------------------------------------------------------------------
@@ -216,7 +223,7 @@ class Groups:
     def fetch(self, handle: Handle):
         """The handle's arrays, as numpy, here (waits for every call made before)."""
         self.wait()
-        arrays = self.cluster.get(handle.slice, [handle.name])[handle.name]
+        arrays = self._verb(lambda: self.cluster.get(handle.slice, [handle.name]))[handle.name]
         return jax.tree.unflatten(handle.treedef, list(arrays))
 
     def wait(self) -> None:
@@ -236,6 +243,37 @@ class Groups:
             if close_cluster:
                 self.cluster.close()
 
+    # -- losses -----------------------------------------------------------------------------
+    def replace(self, r: int, force: bool = False) -> bool:
+        """A new worker for slice r if a call found it lost (or `force`): Cluster.replace, the
+        same programs and plans, none of its arrays (its handles are gone: `generations[r]`
+        moves on). Whether it replaced one."""
+        if r not in self._dead and not force:
+            return False
+        self.cluster.replace(r)
+        self._dead.discard(r)
+        self.generations[r] += 1
+        return True
+
+    def _verb(self, call):
+        """`call()`, a verb to one slice; a slice it finds lost is marked so (`replace`)."""
+        try:
+            return call()
+        except WorkerLost as e:
+            if e.slice_index is not None:
+                self._dead.add(e.slice_index)
+            self.last_failure = e
+            raise
+
+    def loss_of(self, error: BaseException) -> WorkerLost | None:
+        """The WorkerLost a call's error stands for: itself, or for a Discarded call the loss
+        that discarded it (None: not a loss)."""
+        if isinstance(error, WorkerLost):
+            return error
+        if isinstance(error, Discarded) and isinstance(self.last_failure, WorkerLost):
+            return self.last_failure
+        return None
+
     def cluster_for(self, group) -> GroupCluster:
         """A Cluster of the group's slices alone, for a Trainer (its slices are this group): see
         mpmd/groups/cluster.py."""
@@ -246,6 +284,7 @@ class Groups:
         calls were made (whoever made them: a Trainer on a group's cluster shares this order).
         `own`: a call of this client's, whose error the next call, fetch or wait raises."""
         call = Call(self, self.cluster.launch(plan, next(self._runs), feeds or {}, fetch or {}, trace), own)
+        call.generations = tuple(self.generations)
         self._pending.append(call)
         return call
 
@@ -256,6 +295,12 @@ class Groups:
             call._value = call._pending.result()
         except BaseException as e:
             call._error = e
+            if not isinstance(e, Discarded):
+                self.last_failure = e
+            r = e.slice_index if isinstance(e, WorkerLost) else None
+            # A loss reported by a call made before the slice's replacement is that old loss.
+            if r is not None and call.generations[r] == self.generations[r]:
+                self._dead.add(r)
             if call.own and self._failed is None:
                 self._failed = e
         call._done = True
@@ -300,7 +345,7 @@ class Groups:
         spec, out_treedef, specs = self._exported[(mesh, signature)]
         if (r, signature) not in self._programs:
             name = f"groups/p{len(self._programs)}"
-            self.cluster.load_programs(r, {name: spec})
+            self._verb(lambda: self.cluster.load_programs(r, {name: spec}))
             self._programs[(r, signature)] = name
         return self._programs[(r, signature)], out_treedef, specs
 
@@ -314,7 +359,7 @@ class Groups:
         self._plans += 1
         for r in range(len(self.meshes)):
             owed = [Delete(n) for n in self._deletes.pop(r, ())]
-            self.cluster.install_plan(r, plan, owed + streams.get(r, []))
+            self._verb(lambda: self.cluster.install_plan(r, plan, owed + streams.get(r, [])))
         self.launch(plan, own=True)
 
 
@@ -324,6 +369,7 @@ class Call:
 
     def __init__(self, groups: Groups, pending, own: bool):
         self._groups, self._pending, self.own = groups, pending, own
+        self.generations: tuple = ()  # each slice's generation when it was made
         self._done = False
         self._value = self._error = None
 

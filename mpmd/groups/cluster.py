@@ -26,7 +26,7 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from mpmd.runtime.control.cluster import ReplaceUnsupported, WorkerLost
+from mpmd.runtime.control.cluster import PeerLost, ReplaceUnsupported, WorkerLost
 from mpmd.runtime.worker.instructions import Recv, Send
 from mpmd.runtime.worker.streams import PackedStream
 from mpmd.stages import sharding
@@ -133,7 +133,7 @@ class GroupCluster:
 
     # -- losses --------------------------------------------------------------------------------
     def replace(self, slice_index, wait_s=None) -> None:
-        self._mapped_loss(lambda: self._groups.cluster.replace(self._at(slice_index), wait_s))
+        self._mapped_loss(lambda: self._groups.replace(self._at(slice_index), force=True))
 
     def remove(self, slice_index, meshes=None) -> None:
         raise ReplaceUnsupported(f"group {self.group.name!r} cannot go on without a slice: its slices are fixed")
@@ -142,14 +142,19 @@ class GroupCluster:
         raise ReplaceUnsupported(f"group {self.group.name!r} cannot grow: its slices are fixed")
 
     def _mapped_loss(self, call):
-        """`call()`, a loss of one of this group's slices raised under the view's index."""
+        """`call()`, a loss raised as seen here: of one of this group's slices, under the view's
+        index (the Trainer replaces it); of another group's slice (or a run discarded by one),
+        PeerLost once that slice has its new worker (the Trainer only restores)."""
         try:
             return call()
-        except WorkerLost as e:
-            if e.slice_index in self.group.slices:
-                local = WorkerLost(self.group.slices.index(e.slice_index), e.address, str(e))
-                raise local from e
-            raise
+        except Exception as e:
+            lost = self._groups.loss_of(e)
+            if lost is None or lost.slice_index is None:
+                raise
+            if lost.slice_index in self.group.slices:
+                raise WorkerLost(self.group.slices.index(lost.slice_index), lost.address, str(lost)) from e
+            self._groups.replace(lost.slice_index)
+            raise PeerLost(lost.slice_index, lost.address, str(lost)) from e
 
     # -- names ---------------------------------------------------------------------------------
     def _plan(self, name: str) -> str:

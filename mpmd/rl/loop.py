@@ -37,6 +37,8 @@ from flax import nnx
 
 import mpmd
 from mpmd.groups.client import Groups, Handle
+from mpmd.runtime.control.cluster import PeerLost, WorkerLost
+from mpmd.train.checkpoints import Rewound
 from mpmd.rl import grpo, sampler
 from mpmd.rl.sync import WeightSync
 from mpmd.stages.leaf_paths import path_string
@@ -54,8 +56,11 @@ class GroupSampler:
         if not any(source):
             raise ValueError("the pipeline's parameters have no model paths: split the model with mpmd.split")
         self.groups, self.where = groups, where
-        # What no stage trains (RNG counts, a frozen buffer): put once, from the model as it is.
-        self.rest = groups.put([a for a, s in zip(leaves, source) if s is None], where)
+        # What no stage trains (RNG counts, a frozen buffer): put once, from the model as it is,
+        # and again on a new worker of the slice (`generations`).
+        self._rest_leaves = [np.asarray(a) for a, s in zip(leaves, source) if s is None]
+        self._slice = groups.slice_of(where)
+        self._generation = None
 
         def program(*args):
             *stages, rest, inputs = args
@@ -75,6 +80,9 @@ class GroupSampler:
             "ids": np.asarray(prompt_ids, np.int32),
             "key": np.asarray(key_data, np.uint32),
         }
+        if self._generation != self.groups.generations[self._slice]:
+            self.rest = self.groups.put(self._rest_leaves, self.where)
+            self._generation = self.groups.generations[self._slice]
         fed = self.groups.put(inputs, self.where)
         out = self.groups.run(self._program, *params, self.rest, fed)
         self.groups.delete(fed)
@@ -149,8 +157,12 @@ class GRPO:
             end_token=end_token,
         )
         self.sampler = GroupSampler(groups, sampler_group, pipeline, model, **settings)
+        self.learner = groups.groups[learner]
         self.step_count = 0
-        self._ahead = None  # off-policy: (prompts, prompt ids, the samples' handle) of the next step
+        self._ahead = None  # off-policy: (prompt ids, Samples) drawn for the next step
+        self._pending = None  # the Trainer's step in flight
+        self._stale = True  # the sampler's weights are not the learner's: sync before sampling
+        self._to_free: list[Handle] = []
 
     def _sample(self, prompts, prompt_ids, step: int) -> Handle:
         tokens, lens = padded(prompts, self.prompt_len)
@@ -176,31 +188,110 @@ class GRPO:
         batch = grpo.learner_batch(rows, completions, logprobs, advantages, seq_len=self.seq_len)
         return batch, {"reward": float(rewards.mean()), "length": float(lengths.mean())}
 
+    def run(self, prompts_of: Callable[[int], tuple], steps: int, on_step=None) -> list[dict]:
+        """Steps from `step_count` to `steps`, with `prompts_of(t) -> (prompts, prompt_ids)`
+        the prompts of step t (a function of t alone, so a replayed step gets the same ones).
+        A worker lost on either group is replaced and the learner restored from its newest
+        saved state (Trainer.recover; mpmd.Checkpointing decides what is saved); the steps
+        after it are replayed, ending in the state and samples an uninterrupted run ends in.
+        `on_step(t, metrics)` after each step; returns the metrics of steps 0..steps-1 done
+        by this call (a replayed step's, the last time)."""
+        done: dict[int, dict] = {}
+        while self.step_count < steps:
+            t = self.step_count
+            try:
+                try:
+                    nxt = prompts_of(t + 1) if self.off_policy_steps and t + 1 < steps else (None, None)
+                    metrics = self.step(*prompts_of(t), *nxt)
+                except WorkerLost as lost:
+                    self._recover(lost)  # raises Rewound, or returns: step t again
+                    continue
+            except Rewound as rewound:
+                self._rewound(rewound)
+                continue
+            done[t] = metrics
+            if on_step is not None:
+                on_step(t, metrics)
+        return [done[t] for t in sorted(done)]
+
     def step(self, prompts: Sequence[Sequence[int]], prompt_ids, next_prompts=None, next_ids=None) -> dict:
         """One GRPO step on `prompts` (lists of token ids; `prompt_ids` what each one's draws
         are keyed by). Off-policy, `next_prompts`/`next_ids` are the next step's, sampled now
-        (while this step trains) from the current weights; the last step passes None."""
+        (while this step trains) from the weights it trains; the last step passes None.
+        A lost worker raises WorkerLost or mpmd.Rewound; `run` recovers from both."""
         t = self.step_count
-        if self.sync.copies is None or self.off_policy_steps == 0:
+        if self._stale or self.off_policy_steps == 0:
             self.sync()
-        if self._ahead is None:  # on-policy, or the first step off-policy
-            handle = self._sample(prompts, prompt_ids, t)
+            self._stale = False
+        if self._ahead is None:  # on-policy, the first step off-policy, or after a rewind
+            samples = self.groups.fetch(self._drawn(self._sample(prompts, prompt_ids, t)))
         else:
-            ahead_prompts, ahead_ids, handle = self._ahead
-            if [list(p) for p in ahead_prompts] != [list(p) for p in prompts] or list(ahead_ids) != list(prompt_ids):
+            ahead_ids, samples = self._ahead
+            if list(map(int, ahead_ids)) != list(map(int, prompt_ids)):
                 raise ValueError("step's prompts are not the next_prompts the step before was given")
-        samples = self.groups.fetch(handle)
-        self.groups.delete(handle)
         self._ahead = None
+        batch, metrics = self._batch(prompts, samples)
+        handle = None
         if self.off_policy_steps and next_prompts is not None:
             # Drawn from the weights this step trains, while it trains: one update behind.
-            self._ahead = (next_prompts, next_ids, self._sample(next_prompts, next_ids, t + 1))
-        batch, metrics = self._batch(prompts, samples)
-        metrics["loss"] = self.trainer.step(batch)["loss"]
-        if self.off_policy_steps:
-            self.sync()  # the next step's sampling (after this one's) sees this update
+            handle = self._drawn(self._sample(next_prompts, next_ids, t + 1))
+        data_state = {"next": t + 1, "ahead": None}
+        self._pending = self.trainer.submit(batch, data_state=data_state)
+        if handle is not None:
+            ahead = self.groups.fetch(handle)  # waits for this step's training too
+            # Saved with the step (both tiers take the data state when the step is collected):
+            # a replay of step t + 1 trains on these samples, which no weights left can draw.
+            data_state["ahead"] = [list(map(int, next_ids)), _encoded(ahead)]
+            self._ahead = (next_ids, ahead)
+            self._stale = True  # the next step's sampling sees this update: synced then
+        metrics["loss"] = self._pending.result()["loss"]
+        self._pending = None
         self.step_count += 1
         return metrics
 
+    def _drawn(self, handle: Handle) -> Handle:
+        """The handle, freed on its slice with the next call after it is fetched."""
+        self._to_free.append(handle)
+        if len(self._to_free) > 2:
+            self.groups.delete(self._to_free.pop(0))
+        return handle
+
+    def _recover(self, lost: WorkerLost) -> None:
+        """A call of ours found a worker lost. The learner's: the Trainer replaces it and
+        restores its newest saved state (Rewound). The sampler's: a new worker; and if a step
+        of the Trainer's is in flight, the Trainer restores too, without collecting it (its
+        run may have been aborted with ours; if not, off-policy, the next step's samples that
+        must be saved with it died with the sampler: it must not be the step restored to).
+        With nothing in flight the learner is untouched and step t is simply done again."""
+        pending, self._pending = self._pending, None
+        self._stale = True
+        r = lost.slice_index
+        if r in self.learner.slices:
+            self._ahead = None
+            self.trainer.recover(WorkerLost(self.learner.slices.index(r), lost.address, str(lost)))
+        self.groups.replace(r)
+        if pending is not None:
+            self._ahead = None
+            self.trainer.recover(PeerLost(r, lost.address, str(lost)))
+
+    def _rewound(self, rewound: Rewound) -> None:
+        """Back at the step the learner was restored to: the samples saved with it, if any."""
+        state = rewound.data_state or {"next": 0, "ahead": None}
+        self.step_count = state["next"]
+        self._pending, self._stale = None, True
+        ahead = state.get("ahead")
+        self._ahead = (ahead[0], _decoded(ahead[1])) if ahead is not None else None
+
     def close(self) -> None:
         self.trainer.close(close_cluster=False)
+
+
+def _encoded(samples) -> dict:
+    """Samples as JSON (a data state goes into both checkpoint tiers): float32 log-probs are
+    exact as JSON numbers, being exact as float64."""
+    return {k: np.asarray(v).tolist() for k, v in samples._asdict().items()}
+
+
+def _decoded(state: dict):
+    dtypes = {"tokens": np.int32, "logprobs": np.float32, "lengths": np.int32}
+    return sampler.Samples(**{k: np.asarray(state[k], dtypes[k]) for k in dtypes})

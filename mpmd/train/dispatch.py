@@ -184,6 +184,11 @@ class Dispatcher:
                 pass
         self._discard()
 
+    def lost_elsewhere(self, lost: WorkerLost) -> NoReturn:
+        """A loss seen by another client of the cluster: the steps in flight are aborted with it."""
+        self._discard()
+        self.events.lost(lost, time.perf_counter())
+
     def _discard(self) -> None:
         """Forget every step in flight (the cluster aborted them with the failed one)."""
         for p in self._pending:

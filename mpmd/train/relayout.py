@@ -126,8 +126,8 @@ class RecoveryPolicy:
                 ) from lost
             try:
                 t1 = time.perf_counter()
-                try:
-                    replaced = self._replace(lost, committed)
+                try:  # a peer's loss (another group's slice) leaves every slice here in place
+                    replaced = lost.slice_index is None or self._replace(lost, committed)
                 finally:
                     replace_s += time.perf_counter() - t1
                 if not replaced:

@@ -257,6 +257,14 @@ class Trainer:
         self.cluster.delete(last, outputs)
         return [np.concatenate(parts, axis=0) for parts in zip(*(got[n] for n in outputs))]
 
+    def recover(self, lost) -> None:
+        """Recover from a loss another client of this Trainer's cluster saw (mpmd.Groups: a
+        program on another group found a slice gone): every step in flight is dropped, the
+        lost slice, if it is this Trainer's, replaced, every slice restored from the newest
+        saved state; raises Rewound as a step would."""
+        self._check_open()
+        self.dispatcher.lost_elsewhere(lost)
+
     def params(self) -> list:
         """Per stage, its nnx.Param state with host (numpy) arrays, fetched from its slice."""
         self._check_open()

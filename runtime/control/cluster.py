@@ -50,6 +50,19 @@ class WorkerLost(RuntimeError):
         self.address = address
 
 
+class PeerLost(WorkerLost):
+    """A slice outside this cluster's view was lost (another group's, on a cluster shared by
+    several clients: mpmd/groups/cluster.py) and is already being replaced by whoever owns it.
+    The run was aborted here too, so this cluster's state must be restored, but none of its
+    slices needs a new worker: `slice_index` is None, `peer` the slice of the whole cluster."""
+
+    def __init__(self, peer: int, address: str, why: str):
+        RuntimeError.__init__(self, f"slice {peer} of another group (worker {address}) lost: {why}")
+        self.slice_index = None
+        self.address = address
+        self.peer = peer
+
+
 class ReplaceUnsupported(RuntimeError):
     """This cluster cannot put a new worker in a lost slice's place (an in-process slice, or
     a StaticCluster with no spare address left). The message says why. `retry`: whether

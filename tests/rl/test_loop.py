@@ -1,6 +1,10 @@
 """GRPO across slice groups on real worker processes: a learner of two pipelined slices, a
 sampler slice, the weights moved learner -> sampler each step (mpmd/rl/loop.py)."""
 
+import os
+import signal
+import tempfile
+
 import jax
 import numpy as np
 import optax
@@ -37,10 +41,11 @@ def prompts():
     return [list(map(int, rng.integers(4, 16, rng.integers(2, 5)))) for _ in range(64)]
 
 
-def run(groups, steps, lr=0.5, off_policy_steps=0, **kw):
-    """Per step, its metrics; and the GRPO (closed)."""
+def grpo_of(groups, lr=0.5, off_policy_steps=0, **kw) -> GRPO:
+    """GRPO of a fresh tiny GPT (vocab 16, width 16, 2 blocks, 12 tokens): 4 prompts x 4 samples
+    x NEW tokens a step, the learner in 2 stages (1F1B, 2 microbatches)."""
     model = models.GPT(16, 16, 2, 2, 12, rngs=nnx.Rngs(0))
-    rl = GRPO(
+    return GRPO(
         groups,
         model,
         optax.sgd(lr, momentum=0.9),
@@ -54,6 +59,11 @@ def run(groups, steps, lr=0.5, off_policy_steps=0, **kw):
         num_microbatches=2,
         **kw,
     )
+
+
+def run(groups, steps, lr=0.5, off_policy_steps=0):
+    """Per step, its metrics; and the GRPO (closed)."""
+    rl = grpo_of(groups, lr, off_policy_steps)
     ps = prompts()
     ids = lambda s: [(4 * s + i) % len(ps) for i in range(4)]
     out = []
@@ -105,3 +115,71 @@ def test_off_policy_samples_come_from_the_weights_one_update_behind(groups):
     frozen, _ = run(groups, 2, lr=0.0)
     assert [m["reward"] for m in off[:2]] == [m["reward"] for m in frozen[:2]]
     assert off[1]["loss"] != 0.0  # the ratio is no longer 1: the policy moved since the draw
+
+
+# -- a worker lost on either group ------------------------------------------------------------
+FAULT_STEPS = 5
+
+
+def faulted(groups, off_policy_steps, kill=None, at=2, in_flight=False):
+    """(per step: reward, length, loss) of a GRPO run of FAULT_STEPS steps with the in-memory tier,
+    whose worker of slice `kill` (None: none) is SIGKILLed once, at step `at`: before it starts,
+    or `in_flight`, right after its training step is sent (off-policy, the next step's sampling
+    is in flight too)."""
+    rl = grpo_of(
+        groups,
+        off_policy_steps=off_policy_steps,
+        run_dir=tempfile.mkdtemp(dir=groups.root),  # under the workers' root
+        checkpoint=mpmd.Checkpointing(memory_every=1),
+    )
+    ps = prompts()
+    killed = []
+    before = groups.generations[kill] if kill is not None else None
+
+    def fire(when):
+        if kill is not None and when == in_flight and rl.step_count == at and not killed:
+            killed.append(groups.cluster.pids[kill])
+            os.kill(killed[0], signal.SIGKILL)
+
+    submit = rl.trainer.submit
+
+    def submit_then_fire(*args, **kw):
+        pending = submit(*args, **kw)
+        fire(True)
+        return pending
+
+    rl.trainer.submit = submit_then_fire
+    batch = lambda s: ([ps[(4 * s + i) % 64] for i in range(4)], [(4 * s + i) % 64 for i in range(4)])
+    try:
+        out = rl.run(batch, FAULT_STEPS, lambda t, m: fire(False))
+    finally:
+        rl.close()
+    assert (kill is None) == (not killed)
+    if killed:  # one new worker serves the slice
+        seen = (groups.generations[kill] - before, groups.cluster.pids[kill], killed[0])
+        assert seen[0] == 1 and seen[1] != seen[2], seen
+    return [(m["reward"], m["length"], m["loss"]) for m in out]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_rl(groups):
+    return {off: faulted(groups, off) for off in (0, 1)}
+
+
+@pytest.mark.parametrize(
+    "group, off_policy_steps, in_flight",
+    [("sampler", 1, True), ("learner", 1, True), ("sampler", 0, False), ("learner", 0, False)],
+    ids=[
+        "sampler-off-policy-in-flight",
+        "learner-off-policy-in-flight",
+        "sampler-between-steps",
+        "learner-between-steps",
+    ],
+)
+def test_a_killed_worker_of_either_group_recovers_bitwise(groups, uninterrupted_rl, group, off_policy_steps, in_flight):
+    """The rewards, completion lengths and losses of every step equal the uninterrupted run's,
+    bitwise: the learner restored from the in-memory tier (with the samples drawn ahead saved
+    beside it), the sampler's new worker given the weights again, the same draws replayed."""
+    kill = groups.slice_of("sampler") if group == "sampler" else groups.groups["learner"].slices[1]
+    got = faulted(groups, off_policy_steps, kill=kill, in_flight=in_flight)
+    assert got == uninterrupted_rl[off_policy_steps]
