@@ -89,6 +89,34 @@ class GroupSampler:
         return out
 
 
+class GroupReference:
+    """A frozen copy of the model on a group's slice (its weights as given: the run's start)
+    and the program that scores learner rows with it: log softmax(logits / temperature) at
+    each target, for GRPO's KL term."""
+
+    def __init__(self, groups: Groups, where, model: nnx.Module, temperature: float):
+        graphdef, state = nnx.split(model)
+        self._leaves, treedef = [np.asarray(a) for a in jax.tree.leaves(state)], jax.tree.structure(state)
+        self.groups, self.where, self._slice, self._generation = groups, where, groups.slice_of(where), None
+
+        def program(params, rows):
+            frozen = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(params)))
+            frozen.eval()
+            return grpo.token_logprobs(frozen(rows["inputs"]), rows["targets"], temperature)
+
+        self._program = program
+
+    def __call__(self, batch: dict) -> Handle:
+        """A handle to the reference's log-probabilities [B, T] of the batch's targets."""
+        if self._generation != self.groups.generations[self._slice]:  # first call, or a new worker
+            self.params = self.groups.put(self._leaves, self.where)
+            self._generation = self.groups.generations[self._slice]
+        rows = self.groups.put({"inputs": batch["inputs"], "targets": batch["targets"]}, self.where)
+        out = self.groups.run(self._program, self.params, rows)
+        self.groups.delete(rows)
+        return out
+
+
 def padded(prompts: Sequence[Sequence[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
     """(prompts right-padded to `width` with sampler.PAD, their lengths)."""
     lens = np.array([len(p) for p in prompts], np.int32)
@@ -121,6 +149,8 @@ class GRPO:
         top_k: int = 0,
         end_token: int | None = None,
         clip_eps: float = 0.2,
+        kl_coef: float = 0.0,
+        reference: str | None = None,
         off_policy_steps: int = 0,
         seed: int = 0,
         learner: str = "learner",
@@ -129,6 +159,8 @@ class GRPO:
     ):
         if off_policy_steps not in (0, 1):
             raise ValueError(f"off_policy_steps must be 0 (on-policy) or 1 (sample ahead), got {off_policy_steps!r}")
+        if kl_coef > 0 and reference is None:
+            raise ValueError(f"kl_coef={kl_coef} needs a reference group to hold the frozen model (reference=...)")
         if num_samples < 2:
             raise ValueError(f"num_samples must be >= 2: GRPO compares each sample with its group's, got {num_samples}")
         self.groups, self.reward, self.num_samples = groups, reward, num_samples
@@ -141,9 +173,8 @@ class GRPO:
                 f"seq_len {self.seq_len}"
             )
         self._key = jax.random.key(seed)
-        loss = functools.partial(
-            grpo.grpo_loss, clip_eps=clip_eps, temperature=1.0 if temperature == 0 else temperature
-        )
+        scale = 1.0 if temperature == 0 else temperature  # the sampler's log-probabilities' temperature
+        loss = functools.partial(grpo.grpo_loss, clip_eps=clip_eps, kl_coef=kl_coef, temperature=scale)
         pipeline = mpmd.Pipeline(mpmd.split(model, num_stages=num_stages), loss)
         group = groups.groups[learner]
         trainer_kw.setdefault("mesh", mpmd.Mesh([dict(m._asdict()) for m in group.meshes]))
@@ -157,6 +188,7 @@ class GRPO:
             end_token=end_token,
         )
         self.sampler = GroupSampler(groups, sampler_group, pipeline, model, **settings)
+        self.reference = GroupReference(groups, reference, model, scale) if reference is not None else None
         self.learner = groups.groups[learner]
         self.step_count = 0
         self._ahead = None  # off-policy: (prompt ids, Samples) drawn for the next step
@@ -186,7 +218,16 @@ class GRPO:
         advantages = grpo.group_advantages(rewards)
         rows = [list(prompts[i // n]) for i in range(len(completions))]
         batch = grpo.learner_batch(rows, completions, logprobs, advantages, seq_len=self.seq_len)
-        return batch, {"reward": float(rewards.mean()), "length": float(lengths.mean())}
+        metrics = {"reward": float(rewards.mean()), "length": float(lengths.mean())}
+        if self.reference is not None:
+            handle = self.reference(batch)
+            ref = np.where(batch["loss_mask"] > 0, self.groups.fetch(handle), 0).astype(np.float32)
+            self.groups.delete(handle)
+            batch["ref_logprobs"] = ref
+            # KL(sampler || reference) per completion token, Schulman's k3 as the loss has it.
+            d = (ref - batch["old_logprobs"])[batch["loss_mask"] > 0].astype(np.float64)
+            metrics["kl"] = float(np.mean(np.exp(d) - d - 1)) if d.size else 0.0
+        return batch, metrics
 
     def run(self, prompts_of: Callable[[int], tuple], steps: int, on_step=None) -> list[dict]:
         """Steps from `step_count` to `steps`, with `prompts_of(t) -> (prompts, prompt_ids)`

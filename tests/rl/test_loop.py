@@ -14,7 +14,7 @@ from flax import nnx
 import mpmd
 from mpmd import models
 from mpmd.groups.client import Groups
-from mpmd.rl import sampler
+from mpmd.rl import grpo, sampler
 from mpmd.rl.loop import GRPO, padded
 from mpmd.stages.leaf_paths import path_string
 
@@ -31,7 +31,7 @@ def reward(prompt, completion):
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("rl"))
-    g = Groups(mpmd.LocalCluster(3, root=root), {"learner": [{}, {}], "sampler": {}}, root=root)
+    g = Groups(mpmd.LocalCluster(4, root=root), {"learner": [{}, {}], "sampler": {}, "reference": {}}, root=root)
     yield g
     g.close()
 
@@ -106,6 +106,29 @@ def test_the_sampler_group_draws_what_the_learners_weights_draw_here(groups):
     assert np.array_equal(got.tokens, np.asarray(want.tokens))
     assert np.array_equal(got.lengths, np.asarray(want.lengths))
     np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs), atol=1e-6)
+
+
+def test_the_kl_term_reads_a_frozen_reference_on_its_own_group(groups):
+    """The reference group holds the model as it started: its log-probabilities of a batch's
+    targets are the starting model's here (1e-5), the KL to it starts at 0 and grows as the
+    policy moves away."""
+    rl = grpo_of(groups, kl_coef=0.5, reference="reference")
+    ps = prompts()
+    try:
+        metrics = rl.run(lambda s: ([ps[(4 * s + i) % 64] for i in range(4)], [(4 * s + i) % 64 for i in range(4)]), 4)
+        rng = np.random.default_rng(3)
+        batch = {
+            "inputs": rng.integers(0, 16, (4, 12)).astype(np.int32),
+            "targets": rng.integers(0, 16, (4, 12)).astype(np.int32),
+        }
+        got = groups.fetch(rl.reference(batch))
+    finally:
+        rl.close()
+    start = models.GPT(16, 16, 2, 2, 12, rngs=nnx.Rngs(0))
+    want = grpo.token_logprobs(start(batch["inputs"]), batch["targets"])
+    np.testing.assert_allclose(got, np.asarray(want), atol=1e-5)
+    kls = [m["kl"] for m in metrics]
+    assert kls[0] < 1e-9 < kls[-1], kls  # step 0 samples from the reference's own weights
 
 
 def test_off_policy_samples_come_from_the_weights_one_update_behind(groups):
