@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd.groups.client import Groups, Handle
@@ -41,6 +42,7 @@ from mpmd.runtime.control.cluster import PeerLost, WorkerLost
 from mpmd.train.checkpoints import Rewound
 from mpmd.rl import grpo, sampler
 from mpmd.rl.sync import WeightSync
+from mpmd.stages import sharding
 from mpmd.stages.leaf_paths import path_string
 
 
@@ -83,7 +85,9 @@ class GroupSampler:
         if self._generation != self.groups.generations[self._slice]:
             self.rest = self.groups.put(self._rest_leaves, self.where)
             self._generation = self.groups.generations[self._slice]
-        fed = self.groups.put(inputs, self.where)
+        # Rows split over the slice's batch axes where they divide (a data-parallel sampler).
+        rows = sharding.batch_layout(inputs["prompts"].shape, self.groups.meshes[self._slice])
+        fed = self.groups.put(inputs, self.where, {"prompts": rows, "lens": rows, "ids": rows, "key": P()})
         out = self.groups.run(self._program, *params, self.rest, fed)
         self.groups.delete(fed)
         return out

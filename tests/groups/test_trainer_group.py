@@ -4,12 +4,15 @@ processes: the Trainer is one client of the groups (mpmd/groups/cluster.py)."""
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import mpmd
 from mpmd import models
 from mpmd.groups.client import Groups
+from mpmd import rl
 from mpmd.rl.sync import WeightSync
+from mpmd.stages.leaf_paths import path_string
 from tests.runtime.test_mesh_slices import M, assert_matches, data, make_gpt, sgd
 from tests.support import reference
 
@@ -89,3 +92,37 @@ def test_a_trainer_must_take_the_groups_slices_and_meshes(groups):
     with pytest.raises(ValueError, match=r"has meshes .* but the run asks"):
         pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)
         mpmd.Trainer(pipe, sgd(), schedule="1f1b", num_microbatches=M, cluster=groups.cluster_for("learner"))
+
+
+def test_a_tensor_parallel_sampler_draws_what_one_device_draws(groups):
+    """The sampler's slice is tensor-parallel (tensor = 2: the synced weights split over it by
+    the model's rules); its draws from the learner's weights are those of the same sampler
+    program on one device here."""
+    trainer = trainer_on(groups)
+    try:
+        x, y = data(1)[0]
+        trainer.step(x, y)
+        sync = WeightSync(trainer, groups, "learner", "sampler")
+        model = make_gpt()
+        sample = rl.GroupSampler(
+            groups, "sampler", trainer.pipeline, model, num_samples=2, max_new_tokens=5, temperature=0.8
+        )
+        prompts = [[3, 1, 4], [1, 5], [9]]
+        tokens, lens = rl.padded(prompts, 3)
+        key = jax.random.key_data(jax.random.key(11))
+        got = groups.fetch(sample(sync(), tokens, lens, [5, 6, 7], key))
+        params = {
+            path: leaf
+            for paths, tree in zip(trainer.pipeline.param_paths, trainer.params())
+            for path, leaf in zip(paths, jax.tree.leaves(tree))
+        }
+    finally:
+        trainer.close(close_cluster=False)
+    state = nnx.split(model)[1]
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    full = [params.get(path_string(p), leaf) for p, leaf in flat]
+    fn, _ = rl.program(model, num_samples=2, max_new_tokens=5, temperature=0.8)
+    want = jax.jit(fn)(full, tokens, lens, np.array([5, 6, 7], np.int32), key)
+    assert any(t != P() for stage in sync.layouts for t in stage)  # the weights are split there
+    assert np.array_equal(got.tokens, np.asarray(want.tokens))
+    np.testing.assert_allclose(got.logprobs, np.asarray(want.logprobs), atol=1e-5)
