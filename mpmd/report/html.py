@@ -4,7 +4,8 @@
     text = render(mpmd.report.load("runs/gpt_tiny", step=3))
 
 Sections, each drawn from mpmd.report.load's Report: training curves (loss and eval loss
-against step and wall time, learning rate, grad norm, tokens/s, step time) with resumes,
+against step and wall time, learning rate, grad norm, tokens/s, step time; the held-out exact
+match, and an rl run's reward and completion length, where logged) with resumes,
 recoveries and relayouts marked; the traced step's measured timeline above the simulated one
 on one time axis (mpmd.schedules.render draws both) with makespans, bubbles and the runs that
 depart most; goodput; memory per slice; config, layout, versions, checkpoints and logs.
@@ -161,8 +162,12 @@ def _training(r: Report) -> str:
             ],
         )
     ]
+    charts_html += [_region(name, chart) for name, chart in _scores(r, by_step)]
     t = r.step_time
     figures = [_figure(fmt(r.metrics[-1]["loss"]), f"loss at step {r.metrics[-1]['step']}")]
+    matched = _exact_match(r)
+    if matched[0]:
+        figures.append(_figure(f"{fmt(matched[1][0])} → {fmt(matched[1][-1])}", "held-out exact match"))
     evals = r.series("eval_loss")
     if evals[0]:
         figures.append(_figure(fmt(evals[1][-1]), f"eval loss at step {evals[0][-1]}"))
@@ -183,6 +188,33 @@ def _training(r: Report) -> str:
         f"<section id='training'><h2>Training</h2><div class='figures'>{''.join(figures)}</div>"
         f"<div class='grid'>{''.join(charts_html)}</div>{marks_html}</section>"
     )
+
+
+def _exact_match(r: Report) -> tuple[list[int], list[float]]:
+    """(steps, scores) of the held-out exact match, the score before training at step 0."""
+    steps, scores = r.series("exact_match")
+    before = r.metrics[0].get("exact_match_before")
+    return ([0] + steps, [before] + scores) if isinstance(before, (int, float)) else (steps, scores)
+
+
+def _scores(r: Report, marks) -> list[tuple[str, str]]:
+    """(region, chart) of what a fine-tuning or rl run scores beside its loss, those it logged:
+    the held-out exact match, and an rl run's reward and completion length (recipes/run/rl.py)."""
+    out = []
+    steps, scores = _exact_match(r)
+    if steps:
+        chart = charts.line_chart("held-out exact match", [Series("exact match", _GREEN, steps, scores)], "step", marks)
+        out.append(("exact-match", chart))
+    for region, key, title, colour in (
+        ("reward", "reward", "reward (mean over the step's completions)", _ORANGE),
+        ("completion-length", "completion_length", "completion length (tokens)", _PURPLE),
+    ):
+        xs, ys = r.series(key)
+        if xs:
+            out.append(
+                (region, charts.line_chart(title, [Series(key.replace("_", " "), colour, xs, ys)], "step", marks))
+            )
+    return out
 
 
 def _run_box(span, colour) -> render.Box:

@@ -108,7 +108,12 @@ def main(argv=None) -> int:
     from mpmd.recipes.run import preempt
 
     try:
-        summary = train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
+        if cfg.rl.algorithm is not None:  # reinforcement learning: a loop of its own
+            from mpmd.recipes.run import rl
+
+            summary = rl.run(cfg, source=(args.config, args.overrides))
+        else:
+            summary = train.run(cfg, allow_config_change=args.allow_config_change, source=(args.config, args.overrides))
     except preempt.Preempted as e:
         from mpmd.runtime.worker.slice_store import CheckpointStore
 

@@ -118,7 +118,7 @@ def run(cfg: config.Config, build):
     from mpmd.recipes.data import loaders as data
 
     t = cfg.tune
-    num_slices = cfg.num_workers
+    num_slices = cfg.num_slices
     loader, _ = data.make_loaders(cfg)
     inputs, targets = loader.batch_at(0)
     units, loss_fn = build.model_units(cfg)

@@ -40,7 +40,7 @@ def _choices(field) -> list[str] | None:
 
 def _allowed(field) -> str:
     choices = _choices(field)
-    return " (one of: " + ", ".join(choices) + ")" if choices else ""
+    return " (one of: " + ", ".join(map(str, choices)) + ")" if choices else ""
 
 
 def _describe_field(name: str, field, indent: str) -> str:

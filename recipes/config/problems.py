@@ -11,6 +11,7 @@ import re
 from typing import TYPE_CHECKING
 
 from mpmd.recipes import registry
+from mpmd.recipes.config import rl
 from mpmd.runtime.worker.mesh import devices_problem
 from mpmd.schedules import core as schedules
 from mpmd.stages.mesh_axes import rule_problem
@@ -97,11 +98,13 @@ def cross_field_problems(c: Config) -> list[str]:
             f"set it to 0 for '{c.optimizer.name}'"
         )
     num_slices = max(1, p.num_stages // p.virtual_stages)
-    if c.cluster.num_workers is not None and c.cluster.num_workers != num_slices:
+    if c.cluster.num_workers is not None and c.cluster.num_workers != max(1, c.num_workers):
+        sampler = " + 1 (rl.algorithm's sampler)" if c.rl.algorithm is not None else ""
         out.append(
             f"cluster.num_workers={c.cluster.num_workers} must equal pipeline.num_stages // "
-            f"pipeline.virtual_stages = {num_slices} (or be null)"
+            f"pipeline.virtual_stages{sampler} = {max(1, c.num_workers)} (or be null)"
         )
+    out += rl.problems(c)
     out += registry.get_backend_spec(c.cluster.backend).problems(c)
     return out + _mesh_problems(c, num_slices)
 

@@ -19,11 +19,13 @@ from pydantic import BaseModel, Field, SerializeAsAny, field_validator, model_va
 
 from mpmd.recipes import registry
 from mpmd.recipes.config import problems
+from mpmd.recipes.config.rl import RLConfig
 from mpmd.recipes.config.sections import (  # noqa: F401  (re-exported: the schema's names)
     ClusterSection,
     ConfigError,
     DataSection,
     ModelSection,
+    SliceShape,
     WorkerSection,
     _known,
     _record_rules,
@@ -212,38 +214,6 @@ class PlanConfig(_Section):
 MESH_AXES = AXES
 
 
-class SliceShape(_Section):
-    """One slice's mesh: data x fsdp x tensor x expert devices (mpmd.stages.sharding.SliceMesh)."""
-
-    data: int | None = Field(
-        None,
-        gt=0,
-        description="ways a microbatch is split (data parallel); null = the devices "
-        "fsdp x tensor x expert leave: max(1, cluster.devices_per_worker // "
-        "(fsdp x tensor x expert))",
-    )
-    fsdp: int = Field(
-        1, gt=0, description="ways a microbatch and the parameter dims the rules put on fsdp are split (ZeRO-3)"
-    )
-    tensor: int = Field(
-        1, gt=0, description="ways the parameter dims the rules put on tensor are split (Megatron-style)"
-    )
-    expert: int = Field(
-        1,
-        gt=0,
-        description="ways a mixture's experts are split (expert parallel: "
-        "each device holds num_experts / expert of every MoE "
-        "layer's); the dense layers split the microbatch over it",
-    )
-
-    def resolved(self, devices_per_worker: int) -> dict[str, int]:
-        """{data, fsdp, tensor[, expert]} with data's null replaced (what mpmd.Trainer(mesh=...)
-        takes); expert only when above 1, so resolved configs without experts read as before."""
-        data = self.data or max(1, devices_per_worker // (self.fsdp * self.expert * self.tensor))
-        shape = {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
-        return {**shape, "expert": self.expert} if self.expert > 1 else shape
-
-
 class MeshConfig(SliceShape):
     stages: list[SliceShape] | None = Field(
         None,
@@ -383,6 +353,7 @@ class Config(_Section):
     log: LogConfig = LogConfig()
     tune: TuneConfig = TuneConfig()
     plan: PlanConfig = PlanConfig()
+    rl: RLConfig = RLConfig()
 
     @field_validator("run_dir_mode", mode="before")
     @classmethod
@@ -413,13 +384,18 @@ class Config(_Section):
         return names
 
     @property
-    def num_workers(self) -> int:
-        """Worker processes (= pipeline slices): each holds virtual_stages stages."""
+    def num_slices(self) -> int:
+        """The pipeline's slices: each holds virtual_stages stages."""
         return self.pipeline.num_stages // self.pipeline.virtual_stages
 
+    @property
+    def num_workers(self) -> int:
+        """Worker processes: one per pipeline slice, and with rl.algorithm one more, the sampler's."""
+        return self.num_slices + (self.rl.algorithm is not None)
+
     def slice_shapes(self) -> list[dict[str, int]]:
-        """{data, fsdp, tensor[, expert]} of each slice's mesh, one per slice (mesh.stages, else mesh)."""
-        shapes = self.mesh.stages if self.mesh.stages is not None else [self.mesh] * self.num_workers
+        """{data, fsdp, tensor[, expert]} of each pipeline slice's mesh (mesh.stages, else mesh)."""
+        shapes = self.mesh.stages if self.mesh.stages is not None else [self.mesh] * self.num_slices
         return [s.resolved(self.cluster.devices_per_worker * self.cluster.processes_per_slice) for s in shapes]
 
     @property

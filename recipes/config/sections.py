@@ -34,6 +34,38 @@ class _Section(BaseModel):
         return values
 
 
+class SliceShape(_Section):
+    """One slice's mesh: data x fsdp x tensor x expert devices (mpmd.stages.sharding.SliceMesh)."""
+
+    data: int | None = Field(
+        None,
+        gt=0,
+        description="ways a microbatch is split (data parallel); null = the devices "
+        "fsdp x tensor x expert leave: max(1, cluster.devices_per_worker // "
+        "(fsdp x tensor x expert))",
+    )
+    fsdp: int = Field(
+        1, gt=0, description="ways a microbatch and the parameter dims the rules put on fsdp are split (ZeRO-3)"
+    )
+    tensor: int = Field(
+        1, gt=0, description="ways the parameter dims the rules put on tensor are split (Megatron-style)"
+    )
+    expert: int = Field(
+        1,
+        gt=0,
+        description="ways a mixture's experts are split (expert parallel: "
+        "each device holds num_experts / expert of every MoE "
+        "layer's); the dense layers split the microbatch over it",
+    )
+
+    def resolved(self, devices_per_worker: int) -> dict[str, int]:
+        """{data, fsdp, tensor[, expert]} with data's null replaced (what mpmd.Trainer(mesh=...)
+        takes); expert only when above 1, so resolved configs without experts read as before."""
+        data = self.data or max(1, devices_per_worker // (self.fsdp * self.expert * self.tensor))
+        shape = {"data": data, "fsdp": self.fsdp, "tensor": self.tensor}
+        return {**shape, "expert": self.expert} if self.expert > 1 else shape
+
+
 class ModelSection(_Section):
     """model.*: the keys every family takes; each family's section (its ModelSpec's, in
     recipes/families/) adds its own, and model.kind picks the section."""
@@ -77,7 +109,9 @@ class ClusterSection(_Section):
         json_schema_extra={"one_of": "cluster"},
     )
     num_workers: int | None = Field(
-        None, gt=0, description="workers; null = num_stages // virtual_stages, the only valid one"
+        None,
+        gt=0,
+        description="workers; null = num_stages // virtual_stages (+ 1 with rl.algorithm: the sampler's), the only valid one",
     )
     devices_per_worker: int = Field(1, gt=0, description="JAX devices each worker owns")
     processes_per_slice: int = Field(

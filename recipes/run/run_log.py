@@ -212,6 +212,10 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+# What the progress shows of a step's metrics, those it has (the last eval's stand until the next).
+SHOWN = ("loss", "eval_loss", "reward", "exact_match", "tok/s")
+
+
 class Progress:
     """A tqdm bar (loss, tok/s, ETA) on a terminal, else one line every `every` steps (loss,
     tok/s, ETA too: a log file or a pipe should say when the run ends as well).
@@ -263,7 +267,7 @@ class Progress:
             self._eta_s = (self.total - step) * (now - self._first[1]) / (step - self._first[0])
         logged = step % self.every == 0 or step == self.total
         if self._bar is not None:
-            shown = {k: _fmt(self._latest[k]) for k in ("loss", "eval_loss", "tok/s") if k in self._latest}
+            shown = {k: _fmt(self._latest[k]) for k in SHOWN if k in self._latest}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(done)
         elif logged:
@@ -277,9 +281,10 @@ class Progress:
 
     def line(self, step: int) -> str:
         """'step 10/200 loss 3.21 eval_loss 3.30 tok/s 1234 eta 2m05s bubble 0.21' (no ETA
-        before two updates, nor on the last step)."""
+        before two updates, nor on the last step; an rl run's reward and exact match after
+        its loss)."""
         parts = [f"step {step}/{self.total}"]
-        for key in ("loss", "eval_loss", "tok/s"):
+        for key in SHOWN:
             if key in self._latest:
                 parts.append(f"{key} {_fmt(self._latest[key])}")
         if step < self.total and self._eta_s is not None:

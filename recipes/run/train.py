@@ -7,7 +7,7 @@ The recipe only combines library parts (models/, mpmd.Pipeline / split / Trainer
 mpmd.recipes.data.loaders, mpmd.recipes.run.run_log); each piece is one small function below. A run leaves in
 <run_dir>: config.yaml (resolved, written before the first step), metrics.jsonl, tb/,
 trace.json (the steps in log.trace_steps), logs/ (recipes/run/console.py) and, for a GPT or Llama
-on text, sample.txt.
+on text, sample.txt. A config with rl.algorithm set runs in recipes/run/rl.py instead (GRPO).
 
 Problems a user's config causes at build time (a custom module that does not import, a stage
 count the model cannot take, a backend whose package is not installed, too few devices for
@@ -31,7 +31,7 @@ import numpy as np
 import mpmd
 from mpmd.recipes import config as config_lib
 from mpmd.recipes import registry
-from mpmd.recipes.config import Config
+from mpmd.recipes.config import Config, ConfigError
 from mpmd.recipes.data import exact_match
 from mpmd.recipes.data import loaders as data
 from mpmd.recipes.data import tokenizer as tokenizer_lib
@@ -70,15 +70,38 @@ def _first_micro(loader: data.Loader, rows: int) -> tuple:
     return {k: v[:rows] for k, v in batch.items()}, None
 
 
-def _should_eval(cfg: Config, step: int) -> bool:
+def should_eval(cfg: Config, step: int) -> bool:
     every = cfg.train.eval_every
     return every > 0 and (step % every == 0 or step == cfg.train.steps)
+
+
+def record_run(cfg: Config, trainer: mpmd.Trainer, micro: tuple, source: tuple[str | None, list[str]]) -> Path:
+    """Writes what the run directory holds before the first step: config.yaml (resolved), the
+    tokenizer's copy and run.json (mpmd.report.record; `micro`: one microbatch as (inputs,
+    targets) or (batch dict, None)); returns the directory."""
+    run_dir = Path(cfg.run_dir)
+    config_lib.dump(cfg, run_dir / "config.yaml")
+    tok = tokenizer_lib.of_config(cfg)
+    tokenizer_lib.save_to_run(tok, run_dir)
+    report_record.write_run_info(
+        run_dir,
+        trainer.pipeline,
+        trainer.optimizer,
+        trainer.schedule,
+        *micro,
+        *source,
+        tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+        layout=trainer.programs.layout,
+    )
+    return run_dir
 
 
 # -- the run -------------------------------------------------------------------------------
 def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None, list[str]] = (None, [])) -> dict:
     """Trains cfg.train.steps steps; returns a summary of the run. `source`: the config file and
     key=value overrides cfg was loaded from, recorded for the report (mpmd.report.record)."""
+    if cfg.rl.algorithm is not None:
+        raise ConfigError(f"rl.algorithm={cfg.rl.algorithm!r} runs in mpmd.recipes.run.rl.run, a loop of its own")
     p = cfg.pipeline
     # Everything that can reject the config runs before a worker starts, and all but the
     # run directory's own check before a run directory exists.
@@ -128,20 +151,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         raise
     abandon = False
     try:
-        run_dir = Path(cfg.run_dir)
-        config_lib.dump(cfg, run_dir / "config.yaml")
-        tok = tokenizer_lib.of_config(cfg)
-        tokenizer_lib.save_to_run(tok, run_dir)
-        report_record.write_run_info(
-            run_dir,
-            pipeline,
-            optimizer,
-            trainer.schedule,
-            *_first_micro(train_loader, len(sample_input)),
-            *source,
-            tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
-            layout=trainer.programs.layout,
-        )
+        run_dir = record_run(cfg, trainer, _first_micro(train_loader, len(sample_input)), source)
         return train(cfg, trainer, train_loader, eval_loader, run_dir)
     except preempt.Preempted:
         abandon = True  # out of time: what is in flight is dropped, the last commit stays
@@ -203,7 +213,7 @@ def train(
                     step < t.steps
                     and not stop.requested
                     and len(pending) <= trainer.run_ahead
-                    and not (pending and _should_eval(cfg, pending[-1][0]))
+                    and not (pending and should_eval(cfg, pending[-1][0]))
                 ):
                     step += 1
                     batch = train_loader.next()
@@ -218,7 +228,7 @@ def train(
                     break
                 done, sent = pending.popleft()
                 out = sent.result()
-                step_eval = evaluate(trainer, eval_loader, t.eval_batches) if _should_eval(cfg, done) else None
+                step_eval = evaluate(trainer, eval_loader, t.eval_batches) if should_eval(cfg, done) else None
                 if scorer is not None and (step_eval is not None or done == t.steps):
                     records.scores[done] = scorer(trainer)
             except mpmd.Rewound as e:
@@ -241,7 +251,7 @@ def train(
                 f"stopped by {stop.requested} after step {step}; checkpoint committed, "
                 f"resume with the same command" + (f" (exit code {preempt.PREEMPTED_EXIT})" if stop.preempted else "")
             )
-        text = _final_sample(cfg, trainer, sinks) if not stop.requested else None
+        text = final_sample(cfg, trainer, sinks) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
     finally:
@@ -255,7 +265,7 @@ def _seek(loader: data.Loader, data_state) -> None:
     loader.restore(data_state)
 
 
-def _final_sample(cfg: Config, trainer: mpmd.Trainer, sinks: Sinks):
+def final_sample(cfg: Config, trainer: mpmd.Trainer, sinks: Sinks):
     t = cfg.train
     if not t.sample_tokens:
         return None
