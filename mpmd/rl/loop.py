@@ -199,6 +199,8 @@ class GRPO:
         self._pending = None  # the Trainer's step in flight
         self._stale = True  # the sampler's weights are not the learner's: sync before sampling
         self._to_free: list[Handle] = []
+        if self.trainer.resumed is not None:  # a run_dir with a committed checkpoint: go on from it
+            self._restart(self.trainer.resumed[1])
 
     def _sample(self, prompts, prompt_ids, step: int) -> Handle:
         tokens, lens = padded(prompts, self.prompt_len)
@@ -233,14 +235,15 @@ class GRPO:
             metrics["kl"] = float(np.mean(np.exp(d) - d - 1)) if d.size else 0.0
         return batch, metrics
 
-    def run(self, prompts_of: Callable[[int], tuple], steps: int, on_step=None) -> list[dict]:
+    def run(self, prompts_of: Callable[[int], tuple], steps: int, on_step=None, on_rewind=None) -> list[dict]:
         """Steps from `step_count` to `steps`, with `prompts_of(t) -> (prompts, prompt_ids)`
         the prompts of step t (a function of t alone, so a replayed step gets the same ones).
         A worker lost on either group is replaced and the learner restored from its newest
         saved state (Trainer.recover; mpmd.Checkpointing decides what is saved); the steps
         after it are replayed, ending in the state and samples an uninterrupted run ends in.
-        `on_step(t, metrics)` after each step; returns the metrics of steps 0..steps-1 done
-        by this call (a replayed step's, the last time)."""
+        `on_step(t, metrics)` after each step, `on_rewind(t, rewound)` when the run goes back
+        to step t; returns the metrics of the steps done by this call (a replayed step's, the
+        last time)."""
         done: dict[int, dict] = {}
         while self.step_count < steps:
             t = self.step_count
@@ -253,6 +256,8 @@ class GRPO:
                     continue
             except Rewound as rewound:
                 self._rewound(rewound)
+                if on_rewind is not None:
+                    on_rewind(self.step_count, rewound)
                 continue
             done[t] = metrics
             if on_step is not None:
@@ -321,7 +326,10 @@ class GRPO:
 
     def _rewound(self, rewound: Rewound) -> None:
         """Back at the step the learner was restored to: the samples saved with it, if any."""
-        state = rewound.data_state or {"next": 0, "ahead": None}
+        self._restart(rewound.data_state)
+
+    def _restart(self, data_state) -> None:
+        state = data_state or {"next": 0, "ahead": None}
         self.step_count = state["next"]
         self._pending, self._stale = None, True
         ahead = state.get("ahead")

@@ -113,9 +113,8 @@ def test_the_kl_term_reads_a_frozen_reference_on_its_own_group(groups):
     targets are the starting model's here (1e-5), the KL to it starts at 0 and grows as the
     policy moves away."""
     rl = grpo_of(groups, kl_coef=0.5, reference="reference")
-    ps = prompts()
     try:
-        metrics = rl.run(lambda s: ([ps[(4 * s + i) % 64] for i in range(4)], [(4 * s + i) % 64 for i in range(4)]), 4)
+        metrics = rl.run(prompts_of, 4)
         rng = np.random.default_rng(3)
         batch = {
             "inputs": rng.integers(0, 16, (4, 12)).astype(np.int32),
@@ -155,7 +154,6 @@ def faulted(groups, off_policy_steps, kill=None, at=2, in_flight=False):
         run_dir=tempfile.mkdtemp(dir=groups.root),  # under the workers' root
         checkpoint=mpmd.Checkpointing(memory_every=1),
     )
-    ps = prompts()
     killed = []
     before = groups.generations[kill] if kill is not None else None
 
@@ -172,16 +170,25 @@ def faulted(groups, off_policy_steps, kill=None, at=2, in_flight=False):
         return pending
 
     rl.trainer.submit = submit_then_fire
-    batch = lambda s: ([ps[(4 * s + i) % 64] for i in range(4)], [(4 * s + i) % 64 for i in range(4)])
     try:
-        out = rl.run(batch, FAULT_STEPS, lambda t, m: fire(False))
+        out = rl.run(prompts_of, FAULT_STEPS, lambda t, m: fire(False))
     finally:
         rl.close()
     assert (kill is None) == (not killed)
     if killed:  # one new worker serves the slice
         seen = (groups.generations[kill] - before, groups.cluster.pids[kill], killed[0])
         assert seen[0] == 1 and seen[1] != seen[2], seen
-    return [(m["reward"], m["length"], m["loss"]) for m in out]
+    return figures(out)
+
+
+def prompts_of(s):
+    """Step s's 4 prompts and their ids."""
+    ps = prompts()
+    return [ps[(4 * s + i) % 64] for i in range(4)], [(4 * s + i) % 64 for i in range(4)]
+
+
+def figures(metrics) -> list:
+    return [(m["reward"], m["length"], m["loss"]) for m in metrics]
 
 
 @pytest.fixture(scope="module")
@@ -206,3 +213,22 @@ def test_a_killed_worker_of_either_group_recovers_bitwise(groups, uninterrupted_
     kill = groups.slice_of("sampler") if group == "sampler" else groups.groups["learner"].slices[1]
     got = faulted(groups, off_policy_steps, kill=kill, in_flight=in_flight)
     assert got == uninterrupted_rl[off_policy_steps]
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(groups, uninterrupted_rl):
+    """Off-policy, stopped after step 3 with a checkpoint at step 2, and started again on the
+    same run directory: steps 2..4 replay from the checkpoint (its data state holds the samples
+    drawn ahead for step 2) and every step's figures are the uninterrupted run's."""
+    run_dir = tempfile.mkdtemp(dir=groups.root)
+    first = grpo_of(groups, off_policy_steps=1, run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=2))
+    try:
+        before = first.run(prompts_of, 3)
+    finally:
+        first.close()
+    again = grpo_of(groups, off_policy_steps=1, run_dir=run_dir, checkpoint=mpmd.Checkpointing(every=2))
+    try:
+        assert again.step_count == 2 and again._ahead is not None
+        after = again.run(prompts_of, FAULT_STEPS)
+    finally:
+        again.close()
+    assert figures(before[:2] + after) == uninterrupted_rl[1]
