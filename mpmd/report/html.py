@@ -199,7 +199,7 @@ def _exact_match(r: Report) -> tuple[list[int], list[float]]:
 
 def _scores(r: Report, marks) -> list[tuple[str, str]]:
     """(region, chart) of what a fine-tuning or rl run scores beside its loss, those it logged:
-    the held-out exact match, and an rl run's reward and completion length (recipes/run/rl.py)."""
+    the held-out exact match, and an rl run's reward, completion length and KL (recipes/run/rl.py)."""
     out = []
     steps, scores = _exact_match(r)
     if steps:
@@ -208,6 +208,7 @@ def _scores(r: Report, marks) -> list[tuple[str, str]]:
     for region, key, title, colour in (
         ("reward", "reward", "reward (mean over the step's completions)", _ORANGE),
         ("completion-length", "completion_length", "completion length (tokens)", _PURPLE),
+        ("kl", "kl", "KL to the starting model (nats per completion token)", _RED),
     ):
         xs, ys = r.series(key)
         if xs:

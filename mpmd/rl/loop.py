@@ -335,6 +335,11 @@ class GRPO:
         ahead = state.get("ahead")
         self._ahead = (ahead[0], _decoded(ahead[1])) if ahead is not None else None
 
+    def data_state(self) -> dict:
+        """What a checkpoint taken now must hold to go on from here (Trainer.save's data_state)."""
+        ahead = None if self._ahead is None else [list(map(int, self._ahead[0])), _encoded(self._ahead[1])]
+        return {"next": self.step_count, "ahead": ahead}
+
     def close(self) -> None:
         self.trainer.close(close_cluster=False)
 

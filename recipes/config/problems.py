@@ -99,7 +99,9 @@ def cross_field_problems(c: Config) -> list[str]:
         )
     num_slices = max(1, p.num_stages // p.virtual_stages)
     if c.cluster.num_workers is not None and c.cluster.num_workers != max(1, c.num_workers):
-        sampler = " + 1 (rl.algorithm's sampler)" if c.rl.algorithm is not None else ""
+        rl_on = c.rl.algorithm is not None
+        sampler = " + 1 (rl.algorithm's sampler)" if rl_on else ""
+        sampler += " + 1 (rl.kl_coef's reference)" if rl_on and c.rl.kl_coef > 0 else ""
         out.append(
             f"cluster.num_workers={c.cluster.num_workers} must equal pipeline.num_stages // "
             f"pipeline.virtual_stages{sampler} = {max(1, c.num_workers)} (or be null)"

@@ -60,6 +60,12 @@ class RLConfig(_Section):
     clip_eps: float = Field(
         0.2, gt=0, description="PPO's clip: a token's probability ratio is clipped to [1 - clip_eps, 1 + clip_eps]"
     )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="weight of the KL penalty to the starting model; > 0 holds a frozen copy of it on "
+        "one more worker (its mesh rl.sampler_mesh) that scores each step's rows, and logs kl",
+    )
     off_policy_steps: Literal[0, 1] = Field(
         0,
         description="0 = on-policy (sample with the weights of the last update); 1 = sample step t+1 "
@@ -110,12 +116,6 @@ def problems(c: Config) -> list[str]:
         out.append(
             f"rl.algorithm runs on cluster.backend='local' (the pipeline's workers and the sampler's), "
             f"got '{c.cluster.backend}'"
-        )
-    if c.checkpoint.every or c.checkpoint.memory_every:
-        out.append(
-            "an rl run saves its parameters once, at the end (resuming one is not built yet): set "
-            f"checkpoint.every=0 and checkpoint.memory_every=0 (got {c.checkpoint.every} and "
-            f"{c.checkpoint.memory_every})"
         )
     if getattr(c.model, "tie_embeddings", False):  # cut at stage marks, which GRPO's mpmd.split does not place
         out.append("rl.algorithm cannot train a llama with model.tie_embeddings=true yet: set it false")

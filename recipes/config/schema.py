@@ -390,8 +390,10 @@ class Config(_Section):
 
     @property
     def num_workers(self) -> int:
-        """Worker processes: one per pipeline slice, and with rl.algorithm one more, the sampler's."""
-        return self.num_slices + (self.rl.algorithm is not None)
+        """Worker processes: one per pipeline slice, and with rl.algorithm one more, the sampler's
+        (and another, the reference's, with rl.kl_coef > 0)."""
+        rl = self.rl.algorithm is not None
+        return self.num_slices + rl + (rl and self.rl.kl_coef > 0)
 
     def slice_shapes(self) -> list[dict[str, int]]:
         """{data, fsdp, tensor[, expert]} of each pipeline slice's mesh (mesh.stages, else mesh)."""

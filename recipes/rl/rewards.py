@@ -99,10 +99,11 @@ class TokenReward:
         return self.end_marker[0] if len(self.end_marker) == 1 else None
 
     def use(self, prompts: Sequence[Sequence[int]], texts: Sequence[str], responses: Sequence[str]) -> None:
-        """The step's prompts (token ids) with their text and response: what the rewards of the
-        next GRPO step are computed for. Two prompts of equal tokens share one entry: GRPO's
-        reward is a function of the prompt and the completion only."""
-        self._step = {tuple(int(t) for t in p): (x, r) for p, x, r in zip(prompts, texts, responses)}
+        """Prompts (token ids) with their text and response, added to those rewards can be
+        computed for (a step's, the next one's drawn ahead, a replayed one's). Two prompts of
+        equal tokens share one entry: GRPO's reward is a function of the prompt and the
+        completion only."""
+        self._step.update({tuple(int(t) for t in p): (x, r) for p, x, r in zip(prompts, texts, responses)})
 
     def cut(self, completion: Sequence[int]) -> tuple[list[int], bool]:
         """(the completion's tokens before its end marker, whether it ended with one)."""

@@ -14,11 +14,15 @@ prompts_per_step x num_samples completions), completion_length (their mean token
 marker included), loss (GRPO's, token-weighted), step_s (sampling and training) and lr; the
 held-out exact match (train.exact_match examples, greedy, recipes/data/exact_match.py) is
 scored on the learner's parameters before the first step, every train.eval_every steps and at
-the end. No KL penalty (the loop has no reference model yet), so none is logged.
+the end. With rl.kl_coef > 0 a frozen copy of the starting model on one more worker scores each
+step's rows for the KL penalty, and each record has kl (k3 between sampler and reference).
 
-Checkpoints: the parameters are saved once, at the end (checkpoint.every=0 is required), so
-`mpmd generate`, `mpmd export` and another run's model.init_from=run:<dir> read the trained
-policy. Resuming an RL run is not built: a run_dir that already holds a checkpoint is refused.
+Checkpoints: checkpoint.every and checkpoint.memory_every as for any run, and always at the end
+(so `mpmd generate`, `mpmd export` and another run's model.init_from=run:<dir> read the trained
+policy). Each holds GRPO's data state beside the learner's state: the next step and, with
+rl.off_policy_steps=1, the samples drawn ahead for it. The same command again resumes from the
+newest; a worker lost on either group is replaced and the run goes on from the newest state
+saved, replaying the steps since (mpmd/rl/loop.py GRPO.run), bitwise as if uninterrupted.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 
 from mpmd.groups.client import Groups
 from mpmd.recipes import registry
-from mpmd.recipes.config import Config, ConfigError
+from mpmd.recipes.config import Config
 from mpmd.recipes.data import exact_match, sft
 from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.recipes.rl import rewards
@@ -43,7 +47,6 @@ from mpmd.recipes.run.sinks import Sinks
 from mpmd.recipes.run.train import final_sample, record_run, should_eval
 from mpmd.rl import grpo as grpo_lib
 from mpmd.rl.loop import GRPO
-from mpmd.runtime.worker.slice_store import CheckpointStore
 from mpmd.train.layout import Mesh
 
 
@@ -59,16 +62,14 @@ def run(cfg: Config, source: tuple[str | None, list[str]] = (None, [])) -> dict:
     model = model[0] if isinstance(model, tuple) else model  # a family may pair it with its loss
     init_params = spec.init_params(cfg)
     optimizer = build.build_optimizer(cfg)
-    if Path(cfg.run_dir).is_dir() and CheckpointStore(cfg.run_dir).committed():
-        raise ConfigError(
-            f"run_dir={cfg.run_dir!r} holds checkpoints: resuming an rl run is not built yet; use another run_dir"
-        )
     ckpt, recovery = build.trainer_options(cfg, resume_metadata(cfg))
     cluster = build.build_cluster(cfg)
     build.check_run_dir(cfg.run_dir, cfg.run_dir_mode)
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     devices = cfg.cluster.devices_per_worker * cfg.cluster.processes_per_slice
     meshes = {"learner": cfg.slice_shapes(), "sampler": r.sampler_mesh.resolved(devices)}
+    if r.kl_coef > 0:  # a frozen copy of the starting model, on a worker of its own
+        meshes["reference"] = r.sampler_mesh.resolved(devices)
     try:
         groups = Groups(cluster, meshes, cfg.run_dir)  # starts every worker
     except BaseException:
@@ -91,6 +92,8 @@ def run(cfg: Config, source: tuple[str | None, list[str]] = (None, [])) -> dict:
             top_k=r.top_k,
             end_token=reward.end_token,
             clip_eps=r.clip_eps,
+            kl_coef=r.kl_coef,
+            reference="reference" if r.kl_coef > 0 else None,
             off_policy_steps=r.off_policy_steps,
             seed=r.seed,
             schedule=p.schedule,
@@ -106,47 +109,75 @@ def run(cfg: Config, source: tuple[str | None, list[str]] = (None, [])) -> dict:
         closing.callback(grpo.close)
         rows = r.prompts_per_step * r.num_samples // p.num_microbatches  # one microbatch, for run.json
         micro = grpo_lib.learner_batch(
-            [[0]] * rows, [[0]] * rows, [[0.0]] * rows, np.zeros(rows), seq_len=model.seq_len
+            [[0]] * rows,
+            [[0]] * rows,
+            [[0.0]] * rows,
+            np.zeros(rows),
+            seq_len=model.seq_len,
+            ref_logprobs=[[0.0]] * rows if r.kl_coef > 0 else None,
         )
         run_dir = record_run(cfg, grpo.trainer, (micro, None), source)
         return train(cfg, grpo, prompts, reward, run_dir)
 
 
 def train(cfg: Config, run: GRPO, prompts: Prompts, reward: rewards.TokenReward, run_dir: Path) -> dict:
-    """The loop: one GRPO step at a time (GRPO overlaps sampling and training itself with
-    rl.off_policy_steps=1), each step's record to the run's Sinks."""
+    """The loop: GRPO.run's steps (it overlaps sampling and training itself with
+    rl.off_policy_steps=1, and recovers a lost worker of either group), each step's record to
+    the run's Sinks; a recovery rewinds them to the step the learner is back at."""
     t, r = cfg.train, cfg.rl
     trainer = run.trainer
+    start = run.step_count  # > 0 when the run directory's checkpoint was resumed
     tokens_per_step = r.prompts_per_step * r.num_samples * cfg.model.seq_len  # the learner's rows
-    sinks = Sinks(cfg, run_dir, tokens_per_step, 0)
-    records = StepRecords(cfg, tokens_per_step, 0)
+    sinks = Sinks(cfg, run_dir, tokens_per_step, start)
+    records = StepRecords(cfg, tokens_per_step, start)
+    if start:
+        sinks.message(f"resumed from {run_dir}/checkpoints/{start}")
     scorer = exact_match.Scorer(cfg) if t.exact_match else None
     if scorer is not None:
-        records.scores[0] = records.marks["exact_match_before"] = scorer(trainer)
-        sinks.message(f"exact match on {len(scorer.examples)} held-out examples at step 0: {records.scores[0]:.3f}")
-    of_step = lambda s: prompts.of_step(s - 1, r.prompts_per_step, r.seed) if s <= t.steps else None
-    rewards_seen: list[float] = []
+        records.scores[start] = records.marks["exact_match_before"] = scorer(trainer)
+        sinks.message(
+            f"exact match on {len(scorer.examples)} held-out examples at step {start}: {records.scores[start]:.3f}"
+        )
+
+    def prompts_of(s: int):  # GRPO's step s (from 0) is the run's step s + 1
+        ids = prompts.of_step(s, r.prompts_per_step, r.seed)
+        tokens, texts, responses = prompts.take(ids)
+        reward.use(tokens, texts, responses)
+        return tokens, ids
+
+    rewards_seen: dict[int, float] = {}
+    clock = [time.perf_counter()]
+
+    def on_step(s: int, out: dict) -> None:
+        step, now = s + 1, time.perf_counter()
+        wall_s, clock[0] = now - clock[0], now
+        if scorer is not None and should_eval(cfg, step):
+            records.scores[step] = scorer(trainer)
+        record, extra = records.build(trainer, step, {"loss": out["loss"], "step_s": wall_s}, wall_s, None, sinks)
+        record.update(reward=out["reward"], completion_length=out["length"])
+        if "kl" in out:
+            record["kl"] = out["kl"]
+        rewards_seen[step] = out["reward"]
+        sinks.write(step, record, extra)
+
+    def on_rewind(s: int, rewound) -> None:
+        sinks.message(f"recovered: {rewound}")
+        records.rewind(s, str(rewound))
+        sinks.rewind(s)
+        clock[0] = time.perf_counter()
+
     try:
-        for step in range(1, t.steps + 1):
-            ids, ahead = of_step(step), of_step(step + 1) if r.off_policy_steps else None
-            tokens, texts, responses = prompts.take(ids)
-            reward.use(tokens, texts, responses)
-            start = time.perf_counter()
-            out = run.step(tokens, ids, None if ahead is None else prompts.take(ahead)[0], ahead)
-            wall_s = time.perf_counter() - start
-            if scorer is not None and should_eval(cfg, step):
-                records.scores[step] = scorer(trainer)
-            record, extra = records.build(trainer, step, {"loss": out["loss"], "step_s": wall_s}, wall_s, None, sinks)
-            record.update(reward=out["reward"], completion_length=out["length"])
-            rewards_seen.append(out["reward"])
-            sinks.write(step, record, extra)
-        trainer.save(wait=True)  # the policy, for generate, export and model.init_from=run:
+        run.run(prompts_of, t.steps, on_step, on_rewind)
+        # The policy, for generate, export and model.init_from=run:, and where to go on from.
+        trainer.save(data_state=run.data_state(), wait=True)
         text = final_sample(cfg, trainer, sinks)
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
     finally:
         sinks.close()
     summary = records.summary(trainer, run_dir, preempted=False)
-    summary["reward_first"], summary["reward_last"] = rewards_seen[0], rewards_seen[-1]
-    print(f"reward (mean over each step's completions) {rewards_seen[0]:.3f} -> {rewards_seen[-1]:.3f}")
+    if rewards_seen:
+        first, last = rewards_seen[min(rewards_seen)], rewards_seen[max(rewards_seen)]
+        summary["reward_first"], summary["reward_last"] = first, last
+        print(f"reward (mean over each step's completions) {first:.3f} -> {last:.3f}")
     return summary

@@ -76,7 +76,6 @@ def test_a_users_reward_module_beside_the_config_is_found(tmp_path, monkeypatch)
         ("rl.seeds=1", "unknown key 'rl.seeds'; did you mean 'rl.seed'?"),
         # across sections
         ("data={source: synthetic}", "needs data.source='jsonl', got 'synthetic'"),
-        ("checkpoint.every=50", "set checkpoint.every=0 and checkpoint.memory_every=0 (got 50 and 0)"),
         ("cluster.backend=inprocess", "rl.algorithm runs on cluster.backend='local'"),
         ("pipeline.num_microbatches=3", "rl.prompts_per_step x rl.num_samples = 128 rows must be divisible by"),
         ("rl.max_new_tokens=24", "rl.max_new_tokens=24 must be below model.seq_len=24"),

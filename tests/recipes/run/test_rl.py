@@ -31,6 +31,7 @@ def test_grpo_run_logs_rewards_and_exact_match_and_saves_the_policy(tmp_path):
         "rl.prompts_per_step=2",
         "rl.num_samples=4",
         "rl.off_policy_steps=1",
+        "rl.kl_coef=0.1",  # a reference worker too
         "log.progress=lines",
         "log.every=1",
         f"run_dir={run_dir}",
@@ -41,7 +42,7 @@ def test_grpo_run_logs_rewards_and_exact_match_and_saves_the_policy(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert 0 <= r["reward"] <= 1 and 1 <= r["completion_length"] <= 8  # rl.max_new_tokens=8
-        assert "loss" in r and r["step_s"] > 0
+        assert "loss" in r and r["step_s"] > 0 and r["kl"] >= 0
     assert 0 <= records[0]["exact_match_before"] <= 1
     assert [r["step"] for r in records if "exact_match" in r] == [2, 3]
     assert "reward" in proc.stdout and "done: 3 steps" in proc.stdout
@@ -50,7 +51,10 @@ def test_grpo_run_logs_rewards_and_exact_match_and_saves_the_policy(tmp_path):
     info = json.loads((run_dir / "run.json").read_text())
     assert info["config_file"] == "configs/llama_grpo.yaml" and info["memory"]["slices"]
     page = (run_dir / "report.html").read_text()
-    assert all(f"data-region='{name}'" in page for name in ("reward", "completion-length", "exact-match"))
-    # Resuming an rl run is not built: the same command again is refused before any worker starts.
-    again = mpmd_train(*args)
-    assert again.returncode == 2 and "resuming an rl run is not built yet" in again.stderr
+    assert all(f"data-region='{name}'" in page for name in ("reward", "completion-length", "exact-match", "kl"))
+    # The same command with more steps resumes from the checkpoint at the end (GRPO's data state
+    # in it) and trains step 4 only.
+    again = mpmd_train(*[a if a != "train.steps=3" else "train.steps=4" for a in args])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout + again.stderr
+    assert [r["step"] for r in run_log.read(run_dir)] == [1, 2, 3, 4]
