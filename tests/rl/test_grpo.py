@@ -191,6 +191,8 @@ def test_a_missing_reference_is_named_when_kl_is_on():
         LOSS(logits, batch)
 
 
+@pytest.mark.slow  # a GPT's gradient twice per case: seconds
+@pytest.mark.every_jax
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
 def test_on_policy_the_gradient_is_the_policy_gradient(kl_coef):
     """With old (and reference) log-probabilities the current policy's, every ratio is 1 and

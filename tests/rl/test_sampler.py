@@ -67,6 +67,8 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow  # compiles a Decoder per prompt beside the sampler: seconds per model
+@pytest.mark.every_jax
 def test_greedy_rows_are_each_prompt_decoded_alone(setup):
     model, s, _ = setup
     out = s.sample(PROMPTS, IDS, 0, num_samples=2, max_new_tokens=NEW, temperature=0)
