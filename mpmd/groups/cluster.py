@@ -83,38 +83,41 @@ class GroupCluster:
     def _at(self, slice_index: int) -> int:
         return self.group.slices[slice_index]
 
+    def _verb(self, verb, slice_index, *args):
+        """A verb of the cluster to one slice of the view, a loss raised as seen here."""
+        return self._mapped_loss(lambda: verb(self._at(slice_index), *args))
+
     def load_programs(self, slice_index, specs) -> None:
-        self._groups.cluster.load_programs(self._at(slice_index), specs)
+        self._verb(self._groups.cluster.load_programs, slice_index, specs)
 
     def install_plan(self, slice_index, name, stream) -> None:
         plan = self._plan(name)
-        self._groups.cluster.install_plan(self._at(slice_index), plan, self._renamed(stream))
+        self._verb(self._groups.cluster.install_plan, slice_index, plan, self._renamed(stream))
         if plan not in self._plans:  # a run runs on every slice: the others need the name too
+            others = [r for r in range(len(self._groups.meshes)) if r not in self.group.slices]
+            self._mapped_loss(lambda: [self._groups.cluster.install_plan(r, plan, []) for r in others])
             self._plans.add(plan)
-            for r in range(len(self._groups.meshes)):
-                if r not in self.group.slices:
-                    self._groups.cluster.install_plan(r, plan, [])
 
     def put(self, slice_index, name, arrays, layouts=None, append=False) -> None:
-        self._groups.cluster.put(self._at(slice_index), name, arrays, layouts, append)
+        self._verb(self._groups.cluster.put, slice_index, name, arrays, layouts, append)
 
     def get(self, slice_index, names_):
-        return self._groups.cluster.get(self._at(slice_index), names_)
+        return self._verb(self._groups.cluster.get, slice_index, names_)
 
     def delete(self, slice_index, names_) -> None:
-        self._groups.cluster.delete(self._at(slice_index), names_)
+        self._verb(self._groups.cluster.delete, slice_index, names_)
 
     def save(self, slice_index, items, digests=True) -> None:
-        self._groups.cluster.save(self._at(slice_index), items, digests)
+        self._verb(self._groups.cluster.save, slice_index, items, digests)
 
     def wait_saves(self, slice_index, directories=None):
-        return self._mapped_loss(lambda: self._groups.cluster.wait_saves(self._at(slice_index), directories))
+        return self._verb(self._groups.cluster.wait_saves, slice_index, directories)
 
     def restore(self, slice_index, items, staged=False, layouts=None, digests=None) -> None:
-        self._groups.cluster.restore(self._at(slice_index), items, staged, layouts, digests)
+        self._verb(self._groups.cluster.restore, slice_index, items, staged, layouts, digests)
 
     def finish_restore(self, slice_index, commit) -> None:
-        self._groups.cluster.finish_restore(self._at(slice_index), commit)
+        self._verb(self._groups.cluster.finish_restore, slice_index, commit)
 
     # -- runs ----------------------------------------------------------------------------------
     def launch(self, plan, run, feeds, fetch, trace=False) -> "_GroupRun":
