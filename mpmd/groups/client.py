@@ -283,8 +283,8 @@ class Groups:
         """Run plan `plan` on every slice with the next run id: a Call, collected in the order
         calls were made (whoever made them: a Trainer on a group's cluster shares this order).
         `own`: a call of this client's, whose error the next call, fetch or wait raises."""
-        call = Call(self, self.cluster.launch(plan, next(self._runs), feeds or {}, fetch or {}, trace), own)
-        call.generations = tuple(self.generations)
+        pending = self.cluster.launch(plan, next(self._runs), feeds or {}, fetch or {}, trace)
+        call = Call(self, pending, own, tuple(self.generations))
         self._pending.append(call)
         return call
 
@@ -363,13 +363,29 @@ class Groups:
         self.launch(plan, own=True)
 
 
+class Resident:
+    """Arrays a client keeps on a slice of a group: put on first use, and again on each new
+    worker of the slice (a replacement holds none of them: `Groups.generations`)."""
+
+    def __init__(self, groups: Groups, tree, where, layouts=None):
+        self._groups, self._tree, self._where, self._layouts = groups, tree, where, layouts
+        self._slice, self._generation, self._handle = groups.slice_of(where), None, None
+
+    @property
+    def handle(self) -> Handle:
+        if self._generation != self._groups.generations[self._slice]:
+            self._handle = self._groups.put(self._tree, self._where, self._layouts)
+            self._generation = self._groups.generations[self._slice]
+        return self._handle
+
+
 class Call:
     """A run launched through Groups: `result()` collects every call before it first (the
     runtime collects runs oldest first), keeping their results for whoever made them."""
 
-    def __init__(self, groups: Groups, pending, own: bool):
+    def __init__(self, groups: Groups, pending, own: bool, generations: tuple):
         self._groups, self._pending, self.own = groups, pending, own
-        self.generations: tuple = ()  # each slice's generation when it was made
+        self.generations = generations  # each slice's generation when it was made
         self._done = False
         self._value = self._error = None
 

@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import mpmd
-from mpmd.groups.client import Groups, Handle
+from mpmd.groups.client import Groups, Handle, Resident
 from mpmd.runtime.control.cluster import PeerLost, WorkerLost
 from mpmd.train.checkpoints import Rewound
 from mpmd.rl import grpo, sampler
@@ -58,11 +58,9 @@ class GroupSampler:
         if not any(source):
             raise ValueError("the pipeline's parameters have no model paths: split the model with mpmd.split")
         self.groups, self.where = groups, where
-        # What no stage trains (RNG counts, a frozen buffer): put once, from the model as it is,
-        # and again on a new worker of the slice (`generations`).
-        self._rest_leaves = [np.asarray(a) for a, s in zip(leaves, source) if s is None]
+        # What no stage trains (RNG counts, a frozen buffer), from the model as it is.
+        self.rest = Resident(groups, [np.asarray(a) for a, s in zip(leaves, source) if s is None], where)
         self._slice = groups.slice_of(where)
-        self._generation = None
 
         def program(*args):
             *stages, rest, inputs = args
@@ -82,13 +80,10 @@ class GroupSampler:
             "ids": np.asarray(prompt_ids, np.int32),
             "key": np.asarray(key_data, np.uint32),
         }
-        if self._generation != self.groups.generations[self._slice]:
-            self.rest = self.groups.put(self._rest_leaves, self.where)
-            self._generation = self.groups.generations[self._slice]
         # Rows split over the slice's batch axes where they divide (a data-parallel sampler).
         rows = sharding.batch_layout(inputs["prompts"].shape, self.groups.meshes[self._slice])
         fed = self.groups.put(inputs, self.where, {"prompts": rows, "lens": rows, "ids": rows, "key": P()})
-        out = self.groups.run(self._program, *params, self.rest, fed)
+        out = self.groups.run(self._program, *params, self.rest.handle, fed)
         self.groups.delete(fed)
         return out
 
@@ -100,8 +95,8 @@ class GroupReference:
 
     def __init__(self, groups: Groups, where, model: nnx.Module, temperature: float):
         graphdef, state = nnx.split(model)
-        self._leaves, treedef = [np.asarray(a) for a in jax.tree.leaves(state)], jax.tree.structure(state)
-        self.groups, self.where, self._slice, self._generation = groups, where, groups.slice_of(where), None
+        self.params = Resident(groups, [np.asarray(a) for a in jax.tree.leaves(state)], where)
+        self.groups, self.where, treedef = groups, where, jax.tree.structure(state)
 
         def program(params, rows):
             frozen = nnx.merge(graphdef, jax.tree.unflatten(treedef, list(params)))
@@ -112,11 +107,8 @@ class GroupReference:
 
     def __call__(self, batch: dict) -> Handle:
         """A handle to the reference's log-probabilities [B, T] of the batch's targets."""
-        if self._generation != self.groups.generations[self._slice]:  # first call, or a new worker
-            self.params = self.groups.put(self._leaves, self.where)
-            self._generation = self.groups.generations[self._slice]
         rows = self.groups.put({"inputs": batch["inputs"], "targets": batch["targets"]}, self.where)
-        out = self.groups.run(self._program, self.params, rows)
+        out = self.groups.run(self._program, self.params.handle, rows)
         self.groups.delete(rows)
         return out
 
@@ -180,8 +172,8 @@ class GRPO:
         scale = 1.0 if temperature == 0 else temperature  # the sampler's log-probabilities' temperature
         loss = functools.partial(grpo.grpo_loss, clip_eps=clip_eps, kl_coef=kl_coef, temperature=scale)
         pipeline = mpmd.Pipeline(mpmd.split(model, num_stages=num_stages), loss)
-        group = groups.groups[learner]
-        trainer_kw.setdefault("mesh", mpmd.Mesh([dict(m._asdict()) for m in group.meshes]))
+        self.learner = groups.groups[learner]
+        trainer_kw.setdefault("mesh", mpmd.Mesh([dict(m._asdict()) for m in self.learner.meshes]))
         self.trainer = mpmd.Trainer(pipeline, optimizer, cluster=groups.cluster_for(learner), **trainer_kw)
         self.sync = WeightSync(self.trainer, groups, learner, sampler_group)
         settings = dict(
@@ -193,7 +185,6 @@ class GRPO:
         )
         self.sampler = GroupSampler(groups, sampler_group, pipeline, model, **settings)
         self.reference = GroupReference(groups, reference, model, scale) if reference is not None else None
-        self.learner = groups.groups[learner]
         self.step_count = 0
         self._ahead = None  # off-policy: (prompt ids, Samples) drawn for the next step
         self._pending = None  # the Trainer's step in flight

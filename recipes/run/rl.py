@@ -36,7 +36,7 @@ import numpy as np
 from mpmd.groups.client import Groups
 from mpmd.recipes import registry
 from mpmd.recipes.config import Config
-from mpmd.recipes.data import exact_match, sft
+from mpmd.recipes.data import sft
 from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.recipes.rl import rewards
 from mpmd.recipes.rl.prompts import Prompts
@@ -44,7 +44,7 @@ from mpmd.recipes.run import build, console
 from mpmd.recipes.run.records import StepRecords
 from mpmd.recipes.run.resume import resume_metadata
 from mpmd.recipes.run.sinks import Sinks
-from mpmd.recipes.run.train import final_sample, record_run, should_eval
+from mpmd.recipes.run.train import final_sample, record_run, score_before, should_eval
 from mpmd.rl import grpo as grpo_lib
 from mpmd.rl.loop import GRPO
 from mpmd.train.layout import Mesh
@@ -132,12 +132,7 @@ def train(cfg: Config, run: GRPO, prompts: Prompts, reward: rewards.TokenReward,
     records = StepRecords(cfg, tokens_per_step, start)
     if start:
         sinks.message(f"resumed from {run_dir}/checkpoints/{start}")
-    scorer = exact_match.Scorer(cfg) if t.exact_match else None
-    if scorer is not None:
-        records.scores[start] = records.marks["exact_match_before"] = scorer(trainer)
-        sinks.message(
-            f"exact match on {len(scorer.examples)} held-out examples at step {start}: {records.scores[start]:.3f}"
-        )
+    scorer = score_before(cfg, trainer, records, sinks, start)
 
     def prompts_of(s: int):  # GRPO's step s (from 0) is the run's step s + 1
         ids = prompts.of_step(s, r.prompts_per_step, r.seed)

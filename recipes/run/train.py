@@ -189,15 +189,7 @@ def train(
         )
     if trainer.layout_change:
         sinks.message(f"layout changed: {trainer.layout_change}")
-    # Held-out exact match (train.exact_match): before the first step, then with each eval and
-    # at the end; the first record carries the score before ("exact_match_before").
-    scorer = exact_match.Scorer(cfg) if t.exact_match else None
-    if scorer is not None:
-        records.scores[start_step] = records.marks["exact_match_before"] = scorer(trainer)
-        sinks.message(
-            f"exact match on {len(scorer.examples)} held-out examples at step {start_step}: "
-            f"{records.scores[start_step]:.3f}"
-        )
+    scorer = score_before(cfg, trainer, records, sinks, start_step)
     stop = preempt.StopRequest(t.preempt_grace_s)
     # Steps sent to the slices and not yet logged, oldest first: up to train.run_ahead are
     # sent beyond the oldest (Trainer.submit), so a slice starts the next step as soon as it
@@ -258,6 +250,19 @@ def train(
         stop.restore()
         sinks.close()
     return records.summary(trainer, run_dir, stop.preempted)
+
+
+def score_before(cfg: Config, trainer, records, sinks, step: int):
+    """Held-out exact match (train.exact_match) at `step`, before training on: scored again with
+    each eval and at the end; the first record carries it ("exact_match_before"). The Scorer,
+    or None when the config scores nothing."""
+    scorer = exact_match.Scorer(cfg) if cfg.train.exact_match else None
+    if scorer is not None:
+        records.scores[step] = records.marks["exact_match_before"] = scorer(trainer)
+        sinks.message(
+            f"exact match on {len(scorer.examples)} held-out examples at step {step}: {records.scores[step]:.3f}"
+        )
+    return scorer
 
 
 def _seek(loader: data.Loader, data_state) -> None:
