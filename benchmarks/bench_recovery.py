@@ -161,9 +161,7 @@ def timed_cluster(**kw):
             if self._in_replace:
                 self.parts["ship"] += time.perf_counter() - t0
 
-    cluster = TimedLocalCluster(**kw)
-    cluster.probe_timeout_s = 0.3  # heartbeat probes (off by default): a SIGSTOP found in ~0.6 s
-    return cluster
+    return TimedLocalCluster(**kw)
 
 
 def lose_worker(trainer, data, sig: int, steady_s: float) -> dict:

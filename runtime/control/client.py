@@ -53,7 +53,7 @@ from mpmd.runtime.wire import format as wire
 from mpmd.runtime.wire import verbs
 from mpmd.runtime.wire.verbs import check_transport
 from mpmd.runtime.control.cluster import InFlight, Launcher, PendingRun, ReplaceUnsupported, RunDispatch, WorkerLost
-from mpmd.runtime.control.heartbeat import HEARTBEAT_S, Heartbeats
+from mpmd.runtime.control.heartbeat import HEARTBEAT_S, PROBE_TIMEOUT_S, Heartbeats
 from mpmd.runtime.control.rpc import GONE, WorkerClient, WorkerError, call, new_token, program_entries, receive, send  # noqa: F401
 from mpmd.runtime.control.spares import HotSpares, new_calls
 from mpmd.runtime.control.runs import FIRST_STEP_TIMEOUT_S, MIN_STEP_TIMEOUT_S, STEP_TIMEOUT_FACTOR, RunWatch  # noqa: F401
@@ -121,7 +121,7 @@ class ControlPlane(RunDispatch):
         transport: str = "auto",
         tls: Tls | None = None,
         hot_spares: int = 0,
-        probe_timeout_s: float | None = None,
+        probe_timeout_s: float | None = PROBE_TIMEOUT_S,
     ):
         if not failure_timeout_s > 0:
             raise ValueError(f"failure_timeout_s must be positive, got {failure_timeout_s!r}")

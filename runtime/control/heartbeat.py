@@ -70,8 +70,8 @@ ROUND_COST_S = 0.5e-3  # ... or every num_workers x this (a round costs ~50 us a
 # sent again after this long, so an idle worker's lease is kept once the link is back.
 HEARTBEAT_DEADLINE_S = 10.0
 SUSPECT_S = 0.2  # a Heartbeat unanswered this long gets its worker probed
-PROBE_TIMEOUT_S = 0.3  # the floor of the probes' timeout recommended (probes are off by default: a
-# worker compiling its first step under heavy load once failed one, its handshake over 0.3 s)
+PROBE_TIMEOUT_S = 0.3  # the default floor of the probes' timeout (a worker not yet warm, whose
+# handshake under heavy load can take longer, is probed twice, the second time with twice this)
 PING_AFTER_S = 0.05  # a probe's PING goes this long after its connection is up
 CALIBRATE_S = 1.0  # a timed connection to one worker (in turn) every this many seconds
 NUM_CONNECTS = 30  # the probes' timeout follows the slowest of this many recent connections

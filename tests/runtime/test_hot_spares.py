@@ -56,7 +56,6 @@ def test_a_lost_worker_is_taken_over_by_a_warm_spare(uninterrupted, tmp_path, si
     """SIGSTOP: the stopped worker is found hung by its heartbeat probe (long before failure_timeout_s),
     and the spare started in its slot stops it for good (SIGKILL by its pid)."""
     cluster = mpmd.LocalCluster(hot_spares=1, failure_timeout_s=30.0)
-    cluster.probe_timeout_s = 0.3  # probes (off by default) find the stopped worker
     run_and_check(cluster, tmp_path, recovery_runs.kill_once(5, sig), uninterrupted)
     assert cluster.spares.started == 1
     if sig == signal.SIGSTOP:

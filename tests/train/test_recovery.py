@@ -208,11 +208,11 @@ def test_worker_sigstopped_is_found_hung_and_replaced(uninterrupted, workers, tm
     long before failure_timeout_s (30 s here), replaced, and the run ends as the uninterrupted one."""
     fault = kill_once(3, signal.SIGSTOP)
     workers.failure_timeout_s = 30.0  # the fixture puts the default back
-    workers.probe_timeout_s = 0.3  # probes are off by default
+    before, workers.probe_timeout_s = workers.probe_timeout_s, 0.3  # the default, whatever was set before
     try:
         losses, params, rewinds = run_with_fault(tmp_path, fault, cluster=workers)
     finally:
-        workers.probe_timeout_s = None
+        workers.probe_timeout_s = before
         _kill_if_stopped(fault.fired)
     assert rewinds == 1
     # Declared lost by its probe, not by its silence (failure_timeout_s) nor the step watchdog.
