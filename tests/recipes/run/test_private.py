@@ -15,9 +15,12 @@ NOBODY = 65534
 
 
 def as_nobody(*command) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*map(str, command)], capture_output=True, text=True, timeout=60, user=NOBODY, group=NOBODY, cwd="/"
-    )
+    """`command` as user and group nobody. Through setpriv (util-linux), not subprocess's
+    user=/group=: those make Python fork() rather than vfork(), and a fork while another
+    thread of this process is in gRPC (a shared fixture's heartbeats) ran gRPC's fork
+    handlers in the child, which crashed once (SIGSEGV) before it could exec."""
+    ids = [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    return subprocess.run(["setpriv", *ids, *map(str, command)], capture_output=True, text=True, timeout=60, cwd="/")
 
 
 @pytest.fixture
