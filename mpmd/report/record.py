@@ -88,9 +88,11 @@ def write_run_info(
     overrides: Sequence[str] = (),
     tokenizer: dict | None = None,
     layout=None,
+    memory: dict | None = None,
 ) -> Path:
     """Writes <run_dir>/run.json (see the module doc); returns its path. `tokenizer`: what
-    the run encodes text with (mpmd.recipes.data.tokenizer.run_tokenizer reads it back)."""
+    the run encodes text with (mpmd.recipes.data.tokenizer.run_tokenizer reads it back).
+    `memory`: predicted_memory's result where the caller has it already (else traced here)."""
     file_values = {}
     if config_file is not None and Path(config_file).is_file():
         file_values = yaml.safe_load(Path(config_file).read_text()) or {}
@@ -100,7 +102,7 @@ def write_run_info(
         "file_values": file_values,
         "overrides": list(overrides),
         **({"tokenizer": tokenizer} if tokenizer else {}),
-        "memory": predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets, layout),
+        "memory": memory or predicted_memory(pipeline, optimizer, schedule, micro_inputs, micro_targets, layout),
     }
     path = Path(run_dir) / RUN_INFO_FILE
     tmp = path.with_name(path.name + ".tmp")

@@ -120,11 +120,19 @@ def measure(pipe: Pipeline, micro_input_spec, micro_target_spec, flops_only: boo
     shapes (pytrees of jax.ShapeDtypeStruct). The first stage's B is 0: its input is data."""
     out = []
     for k, fn, shapes, first, last, loss, _ in _stage_shapes(pipe, micro_input_spec, micro_target_spec):
-        built = {}
-        for split in (True, False):
+        built = {}  # the four programs priced, each exported once
+        for split, kinds in ((True, ("fwd", "bwd_in", "bwd_w_first")), (False, ("bwd_first",))):
             built.update(
                 stage_programs.build(
-                    k, fn, shapes, first=first, last=last, loss_fn=loss, num_microbatches=1, split_backward=split
+                    k,
+                    fn,
+                    shapes,
+                    first=first,
+                    last=last,
+                    loss_fn=loss,
+                    num_microbatches=1,
+                    split_backward=split,
+                    kinds=frozenset(kinds),
                 )
             )
         cost = lambda kind: program_cost(built[names.program(kind, k)], flops_only)

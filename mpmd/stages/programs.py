@@ -344,12 +344,15 @@ def build(
     split_backward: bool,
     partial=None,
     grad_specs: tuple | None = None,
+    kinds: frozenset | None = None,
 ) -> dict:
     """Export forward and backward programs for stage k, named by mpmd/stages/names.py.
     `partial`: the slice's SliceMesh when the stage keeps its gradients unreduced over the
     batch axes (mpmd/stages/partials.py; then build_reduce gives reduce{k}), else None.
     `grad_specs`: the parameters as the gradients lie, where the programs take them in
-    another layout (gathered over fsdp once a step: mpmd/stages/gather.py); default shapes.params."""
+    another layout (gathered over fsdp once a step: mpmd/stages/gather.py); default shapes.params.
+    `kinds`: export only programs of these kinds ("fwd", "bwd_in", ...; None: all), as the
+    cost model prices a few of them."""
     grad_specs = shapes.params if grad_specs is None else grad_specs
     if partial is None:
         forward, res_specs, cotangents = _backward(fn, shapes, first, last, loss_fn, num_microbatches)
@@ -361,11 +364,13 @@ def build(
     x_out = tuple(l.sharding for l in jax.tree.leaves(shapes.x) if differentiable(l))
     aux_out = ((_replicated((shapes.params, shapes.x)),),) if shapes.aux else ()
     state_out = (_layouts(shapes.state),) if shapes.state is not None else ()
-    specs = {
-        names.program("fwd", k): programs.exported(
-            forward, *fwd_args, out_shardings=(y_out, None, *state_out, *aux_out)
-        )
-    }
+    specs = {}
+
+    def export(kind: str, f, *args, out_shardings) -> None:
+        if kinds is None or kind in kinds:
+            specs[names.program(kind, k)] = programs.exported(f, *args, out_shardings=out_shardings)
+
+    export("fwd", forward, *fwd_args, out_shardings=(y_out, None, *state_out, *aux_out))
     g_args = _g_args(shapes, last)
 
     def accumulated(dp, acc):
@@ -381,8 +386,8 @@ def build(
     acc = (grad_specs,)
     full_out = ((x_out,) if not first else ()) + (p_out,)
     if not split_backward:
-        specs[names.program("bwd_first", k)] = programs.exported(full_grad, *base, out_shardings=full_out)
-        specs[names.program("bwd_acc", k)] = programs.exported(full_grad, *base, *acc, out_shardings=full_out)
+        export("bwd_first", full_grad, *base, out_shardings=full_out)
+        export("bwd_acc", full_grad, *base, *acc, out_shardings=full_out)
         return specs
 
     parts = _split(cotangents, shapes.params, res_specs, g_args)
@@ -399,9 +404,9 @@ def build(
         return (accumulated(parts.weight_grad(*params, *res, *g, *mine), acc),)
 
     if not first:
-        specs[names.program("bwd_in", k)] = programs.exported(input_grad, *base, out_shardings=(x_out, None))
-    specs[names.program("bwd_w_first", k)] = programs.exported(weight_grad, *base, *kept, out_shardings=(p_out,))
-    specs[names.program("bwd_w_acc", k)] = programs.exported(weight_grad, *base, *kept, *acc, out_shardings=(p_out,))
+        export("bwd_in", input_grad, *base, out_shardings=(x_out, None))
+    export("bwd_w_first", weight_grad, *base, *kept, out_shardings=(p_out,))
+    export("bwd_w_acc", weight_grad, *base, *kept, *acc, out_shardings=(p_out,))
     return specs
 
 

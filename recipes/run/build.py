@@ -45,10 +45,14 @@ def build_model(cfg: Config, sample_input=None, abstract: bool = False) -> tuple
     model exposing `.layers()`, split like the built-in ones, or a list of stages, either
     alone or paired with its loss as (built, loss_fn); alone, its loss is the spec's.
     """
-    spec = registry.get_model_spec(cfg.model.kind)
-    built, loss_fn = _built(cfg, abstract)
-    stages = spec.split(cfg, built, sample_input)
-    return (stages if stages is not None else split_stages(cfg, built, sample_input)), loss_fn
+    built, loss_fn = built_model(cfg, abstract)
+    return cut_model(cfg, built, sample_input), loss_fn
+
+
+def cut_model(cfg: Config, built, sample_input=None) -> list:
+    """built_model's model (or list of stages) cut into the pipeline's stages, as build_model says."""
+    stages = registry.get_model_spec(cfg.model.kind).split(cfg, built, sample_input)
+    return stages if stages is not None else split_stages(cfg, built, sample_input)
 
 
 def split_stages(cfg: Config, built, sample_input) -> list:
@@ -74,15 +78,16 @@ def model_units(cfg: Config) -> tuple[list, Callable]:
     """(units, loss_fn): the pieces `mpmd tune` cuts stages from: the model's layers(), or a
     builder's own list of stages (unless the family says otherwise)."""
     spec = registry.get_model_spec(cfg.model.kind)
-    built, loss_fn = _built(cfg, abstract=False)
+    built, loss_fn = built_model(cfg, abstract=False)
     units = spec.units(cfg, built)
     if units is None:
         units = list(built.layers()) if callable(getattr(built, "layers", None)) else list(built)
     return units, loss_fn
 
 
-def _built(cfg: Config, abstract: bool):
-    """(model or list of stages, loss_fn) as model.kind's spec builds them."""
+def built_model(cfg: Config, abstract: bool):
+    """(model or list of stages, loss_fn) as model.kind's spec builds them, whole; `abstract`
+    (where the family can): shapes only."""
     spec = registry.get_model_spec(cfg.model.kind)
     built = spec.build(cfg, abstract and spec.can_be_abstract(cfg))
     loss_fn = None

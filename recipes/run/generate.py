@@ -123,13 +123,30 @@ def check_can_generate(cfg: Config) -> None:
         )
 
 
-def model_with(cfg: Config, params: dict) -> object:
+def template_of(model) -> tuple | None:
+    """What model_with needs to make `model` again without building it: (its graph, its
+    parameters as shapes, its other state); None when `model` is not one nnx.Module or its
+    other state is shapes only (built abstract). Shapes only: the template keeps no weights."""
+    import jax
+    from flax import nnx
+
+    if not isinstance(model, nnx.Module):
+        return None
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(rest)):
+        return None
+    return graph, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), rest
+
+
+def model_with(cfg: Config, params: dict, template: tuple | None = None) -> object:
     """model.kind's model built whole on this process, its parameters set from `params`
     ({path in the model: array}, the paths checkpoints name them by: mpmd.stages.leaf_paths).
 
-    Built as shapes only where the family can and the model holds nothing but parameters, so
-    the controller never holds a random initialisation beside the trained values; a model
-    with other state (dropout's RNG streams, unused in eval mode) is initialised for real."""
+    From `template` (template_of the model the run built), where given: nothing is built or
+    traced again. Else built as shapes only where the family can and the model holds nothing
+    but parameters, so the controller never holds a random initialisation beside the trained
+    values; a model with other state (dropout's RNG streams, unused in eval mode) is
+    initialised for real."""
     import jax
     from flax import nnx
 
@@ -141,9 +158,12 @@ def model_with(cfg: Config, params: dict) -> object:
         model = spec.build(cfg, abstract)
         return model[0] if isinstance(model, tuple) else model  # a family may pair it with its loss
 
-    model = built(spec.can_be_abstract(cfg))
-    if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
-        model = built(False)
+    if template is not None:
+        model = nnx.merge(*template)
+    else:
+        model = built(spec.can_be_abstract(cfg))
+        if jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param))):
+            model = built(False)
     state = nnx.state(model, nnx.Param)
     flat, tree = jax.tree_util.tree_flatten_with_path(state)
     leaves, missing = [], []
@@ -239,13 +259,13 @@ def _chat_tokens(tokenizer, message: str) -> list[int]:
     return tokenizer.encode_with_offsets(chat.reply_prompt(template, message))[0]
 
 
-def sample_of(trainer, cfg, prompt: str, num_tokens: int) -> str:
+def sample_of(trainer, cfg, prompt: str, num_tokens: int, template: tuple | None = None) -> str:
     """The prompt and its continuation by num_tokens tokens, drawn as train.sample_temperature
     and train.sample_top_k say (mpmd.models.decoding.next_token), from a generator seeded by
     cfg.seed: the same run samples the same text: what a run of `mpmd train` ends with, decoded
     as `mpmd generate` decodes, with the key-value cache, from the trainer's parameters fetched
-    to this process."""
-    model = model_with(cfg, trainer_params(trainer))
+    to this process (made from `template`, template_of the run's model, where given)."""
+    model = model_with(cfg, trainer_params(trainer), template)
     t = cfg.train
     return continue_text(
         model, tokenizer_of(cfg.run_dir), prompt, num_tokens, t.sample_temperature, t.sample_top_k, cfg.seed

@@ -40,7 +40,7 @@ from mpmd.recipes.data import sft
 from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.recipes.rl import rewards
 from mpmd.recipes.rl.prompts import Prompts
-from mpmd.recipes.run import build, console
+from mpmd.recipes.run import build, console, generate
 from mpmd.recipes.run.records import StepRecords
 from mpmd.recipes.run.resume import resume_metadata
 from mpmd.recipes.run.sinks import Sinks
@@ -60,6 +60,7 @@ def run(cfg: Config, source: tuple[str | None, list[str]] = (None, [])) -> dict:
     spec = registry.get_model_spec(cfg.model.kind)
     model = spec.build(cfg, False)  # whole: the sampler is built from it (its parameters from the learner)
     model = model[0] if isinstance(model, tuple) else model  # a family may pair it with its loss
+    template = generate.template_of(model)  # the end-of-run sample's model
     init_params = spec.init_params(cfg)
     optimizer = build.build_optimizer(cfg)
     ckpt, recovery = build.trainer_options(cfg, resume_metadata(cfg))
@@ -117,13 +118,21 @@ def run(cfg: Config, source: tuple[str | None, list[str]] = (None, [])) -> dict:
             ref_logprobs=[[0.0]] * rows if r.kl_coef > 0 else None,
         )
         run_dir = record_run(cfg, grpo.trainer, (micro, None), source)
-        return train(cfg, grpo, prompts, reward, run_dir)
+        return train(cfg, grpo, prompts, reward, run_dir, template)
 
 
-def train(cfg: Config, run: GRPO, prompts: Prompts, reward: rewards.TokenReward, run_dir: Path) -> dict:
+def train(
+    cfg: Config,
+    run: GRPO,
+    prompts: Prompts,
+    reward: rewards.TokenReward,
+    run_dir: Path,
+    template: tuple | None = None,
+) -> dict:
     """The loop: GRPO.run's steps (it overlaps sampling and training itself with
     rl.off_policy_steps=1, and recovers a lost worker of either group), each step's record to
-    the run's Sinks; a recovery rewinds them to the step the learner is back at."""
+    the run's Sinks; a recovery rewinds them to the step the learner is back at. `template`:
+    the model as generate.template_of keeps it, for the end-of-run sample."""
     t, r = cfg.train, cfg.rl
     trainer = run.trainer
     start = run.step_count  # > 0 when the run directory's checkpoint was resumed
@@ -165,7 +174,7 @@ def train(cfg: Config, run: GRPO, prompts: Prompts, reward: rewards.TokenReward,
         run.run(prompts_of, t.steps, on_step, on_rewind)
         # The policy, for generate, export and model.init_from=run:, and where to go on from.
         trainer.save(data_state=run.data_state(), wait=True)
-        text = final_sample(cfg, trainer, sinks)
+        text = final_sample(cfg, trainer, sinks, template)
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
     finally:

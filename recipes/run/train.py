@@ -22,6 +22,7 @@ Any other error is a bug and stays itself.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import time
 from pathlib import Path
@@ -75,10 +76,13 @@ def should_eval(cfg: Config, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == cfg.train.steps)
 
 
-def record_run(cfg: Config, trainer: mpmd.Trainer, micro: tuple, source: tuple[str | None, list[str]]) -> Path:
+def record_run(
+    cfg: Config, trainer: mpmd.Trainer, micro: tuple, source: tuple[str | None, list[str]], memory: dict | None = None
+) -> Path:
     """Writes what the run directory holds before the first step: config.yaml (resolved), the
     tokenizer's copy and run.json (mpmd.report.record; `micro`: one microbatch as (inputs,
-    targets) or (batch dict, None)); returns the directory."""
+    targets) or (batch dict, None); `memory`: its predicted memory, if traced already);
+    returns the directory."""
     run_dir = Path(cfg.run_dir)
     config_lib.dump(cfg, run_dir / "config.yaml")
     tok = tokenizer_lib.of_config(cfg)
@@ -92,8 +96,19 @@ def record_run(cfg: Config, trainer: mpmd.Trainer, micro: tuple, source: tuple[s
         *source,
         tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
         layout=trainer.programs.layout,
+        memory=memory,
     )
     return run_dir
+
+
+def _memory_meanwhile(pipeline, optimizer, layout, micro: tuple) -> concurrent.futures.Future:
+    """The run record's predicted memory (traced, ~0.7 s for gpt_tiny), traced on a thread
+    while the Trainer starts the workers, which it mostly waits for."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-memory")
+    try:
+        return pool.submit(report_record.predicted_memory, pipeline, optimizer, layout.schedule, *micro, layout.layout)
+    finally:
+        pool.shutdown(wait=False)
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -110,7 +125,9 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
     # Pretrained weights (model.init_from) are read stage by stage onto the slices: the model
     # here needs only its shapes.
     init_params = registry.get_model_spec(cfg.model.kind).init_params(cfg)
-    stages, loss_fn = build.build_model(cfg, sample_input, abstract=init_params is not None)
+    built, loss_fn = build.built_model(cfg, abstract=init_params is not None)
+    template = generate.template_of(built)  # the end-of-run sample's model, without building it again
+    stages = build.cut_model(cfg, built, sample_input)
     pipeline = mpmd.Pipeline(stages, loss_fn, sample_input=sample_input)
     optimizer = build.build_optimizer(cfg)
     if registry.get_data_source(cfg.data.source).tokenizer is not None or cfg.data.tokenizer != tokenizer_lib.BYTES:
@@ -129,6 +146,8 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         cluster.close()
         raise
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
+    micro = _first_micro(train_loader, len(sample_input))
+    memory = _memory_meanwhile(pipeline, optimizer, layout, micro)
     try:
         # A shared cluster's manager may refuse the job (JobRefused).
         with build.config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
@@ -151,8 +170,10 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         raise
     abandon = False
     try:
-        run_dir = record_run(cfg, trainer, _first_micro(train_loader, len(sample_input)), source)
-        return train(cfg, trainer, train_loader, eval_loader, run_dir)
+        # The layout traced for is the Trainer's unless it started on another (a resumed run's).
+        same = trainer.schedule is layout.schedule and trainer.programs.layout is layout.layout
+        run_dir = record_run(cfg, trainer, micro, source, memory.result() if same else None)
+        return train(cfg, trainer, train_loader, eval_loader, run_dir, template)
     except preempt.Preempted:
         abandon = True  # out of time: what is in flight is dropped, the last commit stays
         raise
@@ -164,11 +185,17 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
 
 
 def train(
-    cfg: Config, trainer: mpmd.Trainer, train_loader: data.Loader, eval_loader: data.Loader, run_dir: Path
+    cfg: Config,
+    trainer: mpmd.Trainer,
+    train_loader: data.Loader,
+    eval_loader: data.Loader,
+    run_dir: Path,
+    template: tuple | None = None,
 ) -> dict:
     """The loop: a window of steps sent ahead (train.run_ahead) and collected in order, each
     collected step's record (StepRecords) handed to the run's Sinks; a lost slice rewinds the
-    window to the step every slice is back at (mpmd.Rewound)."""
+    window to the step every slice is back at (mpmd.Rewound). `template`: the run's model as
+    generate.template_of keeps it, for the end-of-run sample."""
     t = cfg.train
     # Tokens for sequence models; examples (one "token" each) for a regressor.
     tokens_per_step = t.batch_size * registry.get_model_spec(cfg.model.kind).tokens_per_example(cfg)
@@ -243,7 +270,7 @@ def train(
                 f"stopped by {stop.requested} after step {step}; checkpoint committed, "
                 f"resume with the same command" + (f" (exit code {preempt.PREEMPTED_EXIT})" if stop.preempted else "")
             )
-        text = final_sample(cfg, trainer, sinks) if not stop.requested else None
+        text = final_sample(cfg, trainer, sinks, template) if not stop.requested else None
         if text is not None:
             (run_dir / "sample.txt").write_text(text)
     finally:
@@ -270,7 +297,7 @@ def _seek(loader: data.Loader, data_state) -> None:
     loader.restore(data_state)
 
 
-def final_sample(cfg: Config, trainer: mpmd.Trainer, sinks: Sinks):
+def final_sample(cfg: Config, trainer: mpmd.Trainer, sinks: Sinks, template: tuple | None = None):
     t = cfg.train
     if not t.sample_tokens:
         return None
@@ -283,7 +310,7 @@ def final_sample(cfg: Config, trainer: mpmd.Trainer, sinks: Sinks):
             f"(got '{cfg.model.kind}' on '{cfg.data.source}')"
         )
         return None
-    text = generate.sample_of(trainer, cfg, t.sample_prompt, t.sample_tokens)
+    text = generate.sample_of(trainer, cfg, t.sample_prompt, t.sample_tokens, template)
     how = (
         "greedy"
         if t.sample_temperature == 0
