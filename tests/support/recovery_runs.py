@@ -87,8 +87,10 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
     per-slice events), start_ns taken just before the step is sent.
     Returns ({step: loss}, final params, number of rewinds); `train.rewound` then holds each
     rewind's message (it names what was lost and why), and `train.compiles` the executables
-    every slice built in each collected step, in the order collected, a rewind as None."""
-    train.rewound, train.compiles = [], []
+    every slice built in each collected step, in the order collected, a rewind as None, and
+    `train.loads` {step: (executables built, of them loaded from the persistent cache)} of
+    the last time each step ran."""
+    train.rewound, train.compiles, train.loads = [], [], {}
     losses, rewinds, i = {}, 0, (trainer.resumed[1]["i"] if trainer.resumed else 0)
     pending = collections.deque()  # (batch index, start_ns, PendingStep), oldest first
     while i < steps or pending:
@@ -120,6 +122,7 @@ def train(trainer, batches, fault=None, traces=None, steps=STEPS, ahead=0):
             traces.append((batch, start_ns, trainer.cluster.pids[1], out["events"]))
         losses[out["step"]] = out["loss"]
         train.compiles.append(out.get("compiles", 0))
+        train.loads[out["step"]] = (out.get("compiles", 0), out.get("cache_loads", 0))
     return losses, reference.stage_leaves(trainer.params()), rewinds
 
 

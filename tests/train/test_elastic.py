@@ -74,7 +74,9 @@ def test_lost_worker_without_replacement_shrinks_then_grows_back(uninterrupted4,
     """on_loss=auto with no worker to be had (max_workers spent): slice 1 of 4 is SIGKILLed
     before step 4, the run restores step 2 onto 3 slices (survivors keep their processes)
     and goes on; capacity returns before step 6, and at the step 6 checkpoint the run is on
-    4 slices again. Losses and final parameters equal the uninterrupted 4-slice run's."""
+    4 slices again. Losses and final parameters equal the uninterrupted 4-slice run's. The
+    first step back on the 4-slice layout, one seen before, compiles nothing: every executable
+    it builds is loaded from the persistent compilation cache."""
     faults = Faults(kill_at=3, capacity_at=5)
     got = run_with_fault(
         tmp_path,
@@ -86,6 +88,8 @@ def test_lost_worker_without_replacement_shrinks_then_grows_back(uninterrupted4,
     assert_close_run(got, uninterrupted4)
     changes = [(c["step"], c["num_slices"]) for c in trainer.layout_changes]
     assert changes == [(EVERY, 3), (3 * EVERY, 4)], trainer.layout_changes
+    built, loaded = train.loads[3 * EVERY + 1]
+    assert built > 0 and loaded == built, (built, loaded)
     assert 3 in faults.slices_seen and faults.slices_seen[-1] == 4
     assert trainer.layout_changes[0]["predicted_slowdown"] > 1
     goodput = trainer.goodput()

@@ -125,6 +125,10 @@ def test_worker_sigkill_recovers_bitwise_then_resumes_tensor_parallel(reference,
     assert len(pids[0]) == 1 and pids[1][0] == victim and len(pids[1]) == 2, f"slot 1 not replaced: {pids}"
     assert not alive(victim) and wait_gone(all_worker_pids(run_dir)) == []
     assert losses(run_dir, STEPS) == reference[:STEPS]
+    # The first step after compiles nothing: every executable the replacement's 2-device mesh
+    # needs is loaded from the persistent compilation cache its predecessor filled.
+    after = next(r for r in run_log.read(run_dir) if "recovered" in r)
+    assert after.get("compiles", 0) == after.get("cache_loads", 0), after
     assert saved_layout(run_dir) == (ON_DATA_2, set())  # data-parallel: parameters replicated
 
     # The same run directory on a tensor-parallel mesh: the checkpoint is laid out anew.
