@@ -32,7 +32,7 @@ def token_batches(steps: int = 3, rows: int = 16, seed: int = 4) -> list[tuple]:
     ]
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama-remat", marks=(pytest.mark.slow, pytest.mark.every_jax))])
 def test_pipelined_dropout_trains_as_nnx_does(name):
     """An abstract model (shapes only; parameters and RNG streams made on the slices, as the
     recipes build it) cut into 3 stages, zb-h1 over 4 microbatches: losses, parameters and

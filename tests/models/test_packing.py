@@ -147,7 +147,12 @@ def unpipelined(data, loss=packed_loss) -> tuple[list, dict, dict]:
 
 
 @pytest.mark.parametrize(
-    "schedule,v,num_stages,weighted", [("1f1b", None, 3, False), ("zb-v", 2, 4, False), ("1f1b", None, 3, True)]
+    "schedule,v,num_stages,weighted",
+    [
+        ("1f1b", None, 3, False),
+        pytest.param("zb-v", 2, 4, False, marks=(pytest.mark.slow, pytest.mark.every_jax)),
+        ("1f1b", None, 3, True),
+    ],
 )
 def test_pipelined_packed_training_equals_the_unpipelined_model(schedule, v, num_stages, weighted):
     data = with_loss_mask(packed_batches()) if weighted else packed_batches()

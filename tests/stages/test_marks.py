@@ -386,7 +386,9 @@ def test_tied_marked_model_trains_like_plain_jax(schedule):
 # there, p=4's interior slices run at m=4 here, and tests/train/test_pipeline_equivalence.py
 # runs both V schedules at p=4, m=8 (untied, unclipped).
 @pytest.mark.parametrize("schedule", ["zb-v", "dualpipe-v"])
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 4)])
+@pytest.mark.parametrize(
+    "p,m", [(2, 4), pytest.param(4, 4, marks=(pytest.mark.slow, pytest.mark.every_jax))]
+)  # p=4: not in the fast loop
 def test_tied_marked_model_on_a_v_with_clipping(schedule, p, m):
     # 2p stages (a mark after every block), the tied embedding on stages 0 and 2p-1: both on
     # slice 0 of the V, so the shared gradient is summed without a transfer. SGD with

@@ -24,7 +24,9 @@ M = 4
 # Arrays reduced per stage a step: data=2, every f32 gradient in one buffer; fsdp=2, one for
 # the leaves split over fsdp (along whichever dim) and one for those it leaves whole.
 @pytest.mark.parametrize(
-    "mesh,schedule,buffers", [({"data": 2}, "1f1b", 1), ({"fsdp": 2}, "zb-h1", 2)], ids=["data2", "fsdp2-zbh1"]
+    "mesh,schedule,buffers",
+    [({"data": 2}, "1f1b", 1), pytest.param({"fsdp": 2}, "zb-h1", 2, marks=(pytest.mark.slow, pytest.mark.every_jax))],
+    ids=["data2", "fsdp2-zbh1"],
 )
 def test_one_reduction_a_step_not_one_per_microbatch(mesh, schedule, buffers):
     pipe = mpmd.Pipeline(mpmd.split(make_gpt(), num_stages=2), models.lm_loss)

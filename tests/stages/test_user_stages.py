@@ -12,7 +12,9 @@ from tests.support import reference
 from tests.support.user_stages import UserModel, token_batches
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "gpipe"])
+@pytest.mark.parametrize(
+    "name", ["1f1b", pytest.param("zb-h1", marks=(pytest.mark.slow, pytest.mark.every_jax)), "gpipe"]
+)
 def test_user_written_stages(name):
     data = token_batches()
     ref_losses, ref_grads, ref_params = reference.train(UserModel, models.lm_loss, data, optax.adamw(1e-3))

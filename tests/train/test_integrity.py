@@ -101,6 +101,8 @@ def test_flipped_byte_in_manifest_is_damage(uninterrupted, tmp_path, caplog):
     assert all(np.array_equal(a, b) for a, b in zip(params, uninterrupted[1])), "final parameters differ"
 
 
+@pytest.mark.slow
+@pytest.mark.every_jax
 def test_checkpoint_without_digests_restores_unverified(uninterrupted, tmp_path, caplog):
     """A step saved before digests were recorded (no leaf digests, no manifest.sha256)
     restores, with one line saying it is unverified, and trains on as before."""

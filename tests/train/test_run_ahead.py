@@ -74,6 +74,8 @@ def synchronous(tmp_path_factory):
     return train_ahead(0, run_dir), run_dir
 
 
+@pytest.mark.slow
+@pytest.mark.every_jax
 def test_run_ahead_is_bitwise_the_synchronous_run(synchronous, tmp_path):
     """Depth 0, 1 and 2: the same losses, parameters and checkpoints, bit for bit, and the
     same as the unpipelined model (within float rounding); the deeper runs really had that

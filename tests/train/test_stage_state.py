@@ -153,6 +153,8 @@ def test_resume_continues_the_streams(tmp_path, make_stages):
         assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.slow
+@pytest.mark.every_jax
 def test_resume_on_another_stage_count_continues_the_streams(tmp_path):
     """Saved on 4 stages, resumed on 2: the stage state is keyed by its place in the model
     (state/blocks.1.norm.mean), so the new stages continue the same streams."""
