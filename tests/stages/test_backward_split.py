@@ -156,6 +156,8 @@ def _check_kept_lifetimes(lowered, num_stages):
 CLIP = 0.2
 
 
+@pytest.mark.slow  # the fast loop has zb-h1 with clipping in the tied test below
+@pytest.mark.every_jax
 def test_zb_h1_with_clipping_equals_unpipelined_under_sgd_momentum():
     data = reference.batches()
     want = reference.train(reference.make_gpt, models.lm_loss, data, sgd(), max_grad_norm=CLIP)
