@@ -95,10 +95,19 @@ GENERATION_KEY = "mpmd-generation"
 # Shipped programs and activations can be large; gRPC's 4 MB default would refuse them.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1)]
 # The server's own: a port another process listens on is refused, not shared (with
-# SO_REUSEPORT two workers on one port would both serve and split the requests), and one
-# connection may not open more than MAX_STREAMS calls at once (the controller needs a few).
+# SO_REUSEPORT two workers on one port would both serve and split the requests), one
+# connection may not open more than MAX_STREAMS calls at once (the controller needs a few),
+# and the keepalive PINGs of the controller's probes (runtime/control/heartbeat.py: one a
+# second on a connection of their own) are welcome: at gRPC's default (one per 5 minutes
+# without data) the third got the connection a GOAWAY (too_many_pings), which fails a probe
+# still waiting on a busy worker UNAVAILABLE, as if the worker were hung.
 MAX_STREAMS = 64
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_STREAMS)]
+SERVER_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", MAX_STREAMS),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 # Trailing metadata of a failed Run: which slice and instruction (UTF-8; "-bin": any bytes).
 FAILED_SLICE_KEY, FAILED_AT_KEY = "mpmd-failed-slice", "mpmd-failed-at-bin"
 # Errors that mean "this request is malformed" whichever handler raised them.

@@ -1,7 +1,8 @@
 """The heartbeats' probes on a real worker process (runtime/control/heartbeat.py): a stopped
 worker not yet warm (no run of it returned without a first call of a program) is found hung by
 a second probe (its first only doubts it), a steady one by its first, and one that runs again
-is not hung any more."""
+is not hung any more; and the worker takes the probes' keepalive PINGs without closing the
+connection (a GOAWAY, too_many_pings, would fail a probe still waiting on a busy worker)."""
 
 import os
 import signal
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from mpmd.runtime.control.heartbeat import HEARTBEAT_S, Heartbeats
+from mpmd.runtime.control.heartbeat import HEARTBEAT_S, Heartbeats, ping_options
 from tests.support.processes import StandaloneWorkers
 
 pytestmark = [pytest.mark.slow, pytest.mark.platform]  # a worker process, SIGSTOP (tests/README.md)
@@ -31,6 +32,15 @@ def test_a_stopped_worker_not_yet_steady_is_hung_after_a_second_probe_a_steady_o
         client, pid = workers.client(0), workers.procs[0].pid
         beats = Heartbeats(0.3)
         try:
+            # A probe's connection held 3.5 s: gRPC pings once a second on it, and the worker's
+            # server, at gRPC's defaults, sent a GOAWAY at the third ping (the channel to IDLE).
+            probe, states = client.sibling(ping_options(2.0)), []
+            probe._channel.subscribe(states.append, try_to_connect=True)
+            time.sleep(3.5)
+            seen = [s.name for s in states]
+            probe.close()
+            assert "READY" in seen and seen[seen.index("READY") :] == ["READY"], seen
+
             assert _rounds_until(beats, client, lambda: len(beats.connects_s) > 0)  # a connection timed
             os.kill(pid, signal.SIGSTOP)
             assert _rounds_until(beats, client, lambda: beats.hung(client) is not None)
