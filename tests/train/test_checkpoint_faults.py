@@ -26,7 +26,7 @@ from mpmd.train.checkpoints import CheckpointError
 from mpmd.recipes.run import run_log
 from mpmd.runtime.worker.slice_store import CheckpointStore
 from tests.support import reference
-from tests.support.processes import ROOT, mpmd_train, wait_gone
+from tests.support.processes import ROOT, children, mpmd_train, wait_gone
 from tests.support.recovery_runs import slice_part
 
 pytestmark = pytest.mark.slow  # real worker processes or a controller subprocess (tests/README.md)
@@ -303,9 +303,7 @@ def test_summary_counts_distinct_steps_after_a_recovery(tmp_path):
             out.append(line)
             if line.startswith("step 5/"):
                 break
-        workers = [
-            int(p) for task in Path(f"/proc/{proc.pid}/task").iterdir() for p in (task / "children").read_text().split()
-        ]
+        workers = children(proc.pid)  # (a thread of the controller may end while they are listed)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         out += proc.stdout.readlines()
