@@ -8,7 +8,7 @@ it before, in alternating rounds of one run (issue 56, item 2):
   built or traced.
 - start: the run record's predicted memory (mpmd.report.record.predicted_memory). Before:
   traced after the Trainer started its workers; now: traced on a thread while it starts them
-  (recipes/run/train.py _memory_meanwhile). Timed from before the Trainer's construction to
+  (mpmd.report.record.memory_meanwhile). Timed from before the Trainer's construction to
   the prediction in hand, on 2 LocalCluster workers.
 - dry run: `mpmd train --dry-run`'s program prices (mpmd.stages.costs.measure). Before: every
   program of both backward forms exported (7 a stage); now the 4 priced.
@@ -75,7 +75,7 @@ def start_parts(cfg):
             t.close()
 
     def now():
-        memory = train_run._memory_meanwhile(pipeline, optimizer, layout, micro)
+        memory = report_record.memory_meanwhile(pipeline, optimizer, layout.schedule, micro, layout.layout)
         t = trainer()
         try:
             memory.result()

@@ -12,11 +12,14 @@ from pathlib import Path
 import numpy as np
 
 import mpmd
+from mpmd.recipes import config as config_lib
 from mpmd.recipes import registry
 from mpmd.recipes.config import Config
+from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.recipes.run import run_log
 from mpmd.recipes.run.build import learning_rate
 from mpmd.report import html as report_html
+from mpmd.report import record as report_record
 from mpmd.stages import leaf_paths
 
 
@@ -163,3 +166,28 @@ def goodput_line(g: dict) -> str:
 
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
+
+
+def record_run(
+    cfg: Config, trainer: mpmd.Trainer, micro: tuple, source: tuple[str | None, list[str]], memory: dict | None = None
+) -> Path:
+    """Writes what the run directory holds before the first step: config.yaml (resolved), the
+    tokenizer's copy and run.json (mpmd.report.record; `micro`: one microbatch as (inputs,
+    targets) or (batch dict, None); `memory`: its predicted memory, if traced already);
+    returns the directory."""
+    run_dir = Path(cfg.run_dir)
+    config_lib.dump(cfg, run_dir / "config.yaml")
+    tok = tokenizer_lib.of_config(cfg)
+    tokenizer_lib.save_to_run(tok, run_dir)
+    report_record.write_run_info(
+        run_dir,
+        trainer.pipeline,
+        trainer.optimizer,
+        trainer.schedule,
+        *micro,
+        *source,
+        tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+        layout=trainer.programs.layout,
+        memory=memory,
+    )
+    return run_dir

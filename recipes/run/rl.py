@@ -44,7 +44,8 @@ from mpmd.recipes.run import build, console, generate
 from mpmd.recipes.run.records import StepRecords
 from mpmd.recipes.run.resume import resume_metadata
 from mpmd.recipes.run.sinks import Sinks
-from mpmd.recipes.run.train import final_sample, record_run, score_before, should_eval
+from mpmd.recipes.run.records import record_run
+from mpmd.recipes.run.train import final_sample, score_before, should_eval
 from mpmd.rl import grpo as grpo_lib
 from mpmd.rl.loop import GRPO
 from mpmd.train.layout import Mesh

@@ -22,7 +22,6 @@ Any other error is a bug and stays itself.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import os
 import time
 from pathlib import Path
@@ -30,14 +29,13 @@ from pathlib import Path
 import numpy as np
 
 import mpmd
-from mpmd.recipes import config as config_lib
 from mpmd.recipes import registry
 from mpmd.recipes.config import Config, ConfigError
 from mpmd.recipes.data import exact_match
 from mpmd.recipes.data import loaders as data
 from mpmd.recipes.data import tokenizer as tokenizer_lib
 from mpmd.recipes.run import build, console, generate, preempt
-from mpmd.recipes.run.records import StepRecords
+from mpmd.recipes.run.records import StepRecords, record_run
 from mpmd.recipes.run.resume import resume_metadata
 from mpmd.recipes.run.sinks import Sinks
 from mpmd.report import record as report_record
@@ -76,41 +74,6 @@ def should_eval(cfg: Config, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == cfg.train.steps)
 
 
-def record_run(
-    cfg: Config, trainer: mpmd.Trainer, micro: tuple, source: tuple[str | None, list[str]], memory: dict | None = None
-) -> Path:
-    """Writes what the run directory holds before the first step: config.yaml (resolved), the
-    tokenizer's copy and run.json (mpmd.report.record; `micro`: one microbatch as (inputs,
-    targets) or (batch dict, None); `memory`: its predicted memory, if traced already);
-    returns the directory."""
-    run_dir = Path(cfg.run_dir)
-    config_lib.dump(cfg, run_dir / "config.yaml")
-    tok = tokenizer_lib.of_config(cfg)
-    tokenizer_lib.save_to_run(tok, run_dir)
-    report_record.write_run_info(
-        run_dir,
-        trainer.pipeline,
-        trainer.optimizer,
-        trainer.schedule,
-        *micro,
-        *source,
-        tokenizer={"spec": tok.spec, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
-        layout=trainer.programs.layout,
-        memory=memory,
-    )
-    return run_dir
-
-
-def _memory_meanwhile(pipeline, optimizer, layout, micro: tuple) -> concurrent.futures.Future:
-    """The run record's predicted memory (traced, ~0.7 s for gpt_tiny), traced on a thread
-    while the Trainer starts the workers, which it mostly waits for."""
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mpmd-memory")
-    try:
-        return pool.submit(report_record.predicted_memory, pipeline, optimizer, layout.schedule, *micro, layout.layout)
-    finally:
-        pool.shutdown(wait=False)
-
-
 # -- the run -------------------------------------------------------------------------------
 def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None, list[str]] = (None, [])) -> dict:
     """Trains cfg.train.steps steps; returns a summary of the run. `source`: the config file and
@@ -147,7 +110,7 @@ def run(cfg: Config, allow_config_change: bool = False, source: tuple[str | None
         raise
     controller_log = console.ControllerLog(cfg.run_dir, console.level(cfg.log.level))
     micro = _first_micro(train_loader, len(sample_input))
-    memory = _memory_meanwhile(pipeline, optimizer, layout, micro)
+    memory = report_record.memory_meanwhile(pipeline, optimizer, layout.schedule, micro, layout.layout)
     try:
         # A shared cluster's manager may refuse the job (JobRefused).
         with build.config_problem(f"cluster.backend='{cfg.cluster.backend}'", (JobRefused,)):
