@@ -5,6 +5,7 @@ stopped, packed or not; packed rows hold whole pieces of documents with their se
 positions and loss mask."""
 
 import json
+import time
 from pathlib import Path
 
 import grain
@@ -71,6 +72,21 @@ def test_batches_are_grains_own_iterator_over_the_windows(corpus_dir):
     inputs, targets = eval_.batch_at(1)
     np.testing.assert_array_equal(inputs, np.stack(windows[split + BATCH : split + 2 * BATCH])[:, :-1])
     assert eval_.batch_at(1)[0] is inputs
+
+
+def test_a_loader_reads_a_few_batches_ahead_not_grains_500(corpus_dir, monkeypatch):
+    """Grain's default read options fill a 500-element buffer on 16 threads at each new
+    iterator; the loader's own read 16 batches ahead (recipes/data/grain.py _read_options)."""
+    reads = []
+    window = grain_data.Windows.__getitem__
+    monkeypatch.setattr(grain_data.Windows, "__getitem__", lambda self, i: reads.append(i) or window(self, i))
+    train, _ = grain_data.loaders(cfg_of(corpus_dir))
+    train.next()
+    settled = -1
+    while settled != len(reads):  # until the read-ahead threads stop
+        settled = len(reads)
+        time.sleep(0.3)
+    assert 2 * BATCH <= len(reads) <= (1 + 16 + 2) * BATCH, f"{len(reads)} windows read for one batch of {BATCH}"
 
 
 @pytest.mark.parametrize("pack", [False, True])
