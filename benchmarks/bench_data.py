@@ -76,6 +76,34 @@ def pipeline_alone(corpus: Path, pack: bool, num_batches: int = 200) -> dict:
     return {"open_s": open_s, "batches_per_s": num_batches / wall_s, "tokens_per_s": num_batches * rows * seq / wall_s}
 
 
+def new_loader_cpu(corpus: Path, rounds: int, first: int) -> dict:
+    """{rows: {"grain defaults" | "loaders": [CPU s per round]}} for part c."""
+    import grain
+
+    from mpmd.recipes.data import grain as grain_data
+    from mpmd.recipes.data import tokens
+
+    c = tokens.Corpus(corpus)
+    out = {}
+    for rows in (8, 32):
+        kinds = {"grain defaults": grain.ReadOptions(), "loaders": None}
+        cpu = {k: [] for k in kinds}
+        for _ in range(rounds):
+            seen = {}
+            for kind, options in kinds.items():
+                t0 = time.process_time()
+                train, _ = grain_data.datasets(c, 128, rows, 0, 0.05, False, read_options=options)
+                it = iter(train)
+                seen[kind] = [next(it)[0] for _ in range(first)]
+                time.sleep(0.5)
+                cpu[kind].append(time.process_time() - t0)
+                del it
+            a, b = seen.values()
+            assert all(np.array_equal(x, y) for x, y in zip(a, b)), "the two read options gave other batches"
+        out[rows] = cpu
+    return out
+
+
 def data_wait(corpus: Path, steps: int, run_dir: Path) -> dict:
     """Trains gpt_small on the corpus, timing every train_loader.next() of the loop."""
     from mpmd.recipes import config
@@ -137,7 +165,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=20_000_000)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--skip-train", action="store_true", help="part a only")
+    parser.add_argument("--skip-train", action="store_true", help="parts a and c only")
+    parser.add_argument("--rounds", type=int, default=5, help="part c's alternating rounds")
+    parser.add_argument("--first", type=int, default=20, help="part c: batches taken from each new loader")
     args = parser.parse_args()
     os.chdir(REPO)
     print(f"load average {os.getloadavg()[0]:.1f}")
@@ -164,6 +194,14 @@ def main() -> None:
             print(
                 f"   {'packed documents' if pack else 'shuffled windows'}: opened in {r['open_s'] * 1e3:.0f} ms; "
                 f"{r['batches_per_s']:.0f} batches/s of 32 x 128, {r['tokens_per_s'] / 1e6:.2f} M tokens/s"
+            )
+        for rows, cpu in new_loader_cpu(corpus, args.rounds, args.first).items():
+            old, new = (float(np.median(cpu[k])) for k in ("grain defaults", "loaders"))
+            spread = lambda k: f"{min(cpu[k]):.2f}-{max(cpu[k]):.2f}"
+            print(
+                f"c. a new loader, {rows} x 128 rows, {args.first} batches: CPU {new:.2f} s ({spread('loaders')}) "
+                f"against Grain's defaults {old:.2f} s ({spread('grain defaults')}), {new / old:.2f}x, "
+                f"medians of {args.rounds} alternating rounds"
             )
         if not args.skip_train:
             r = data_wait(corpus, args.steps, Path(tmp) / "run")

@@ -104,11 +104,15 @@ def _packed(batch: dict) -> dict:
     }
 
 
-def datasets(corpus: Corpus, seq_len: int, batch_size: int, seed: int, eval_fraction: float, pack: bool):
+def datasets(
+    corpus: Corpus, seq_len: int, batch_size: int, seed: int, eval_fraction: float, pack: bool, read_options=None
+):
     """(train, eval) Grain datasets of batches: train shuffled from seed over endless epochs,
-    eval in corpus order; both Grain IterDatasets reading ahead as _read_options says."""
+    eval in corpus order; both Grain IterDatasets reading ahead as `read_options` (a
+    grain.ReadOptions; default _read_options) says."""
     import grain
 
+    read_options = read_options or _read_options()
     if pack:
         source = Pieces.of(corpus, seq_len)
         what = f"{len(source)} document pieces"
@@ -132,14 +136,13 @@ def datasets(corpus: Corpus, seq_len: int, batch_size: int, seed: int, eval_frac
     eval_ = grain.MapDataset.source(parts[1]).repeat()
     if not pack:
         return tuple(
-            ds.batch(batch_size, drop_remainder=True).map(_pair).to_iter_dataset(_read_options())
-            for ds in (train, eval_)
+            ds.batch(batch_size, drop_remainder=True).map(_pair).to_iter_dataset(read_options) for ds in (train, eval_)
         )
 
     def packed(ds):
         # One bin a row: each round of first-fit packing makes one batch of batch_size rows.
         rows = grain.experimental.FirstFitPackIterDataset(
-            ds.to_iter_dataset(_read_options()),
+            ds.to_iter_dataset(read_options),
             length_struct={"inputs": seq_len, "targets": seq_len},
             num_packing_bins=batch_size,
             seed=_grain_seed(seed),
