@@ -12,6 +12,12 @@ it before, in alternating rounds of one run (issue 56, item 2):
   the prediction in hand, on 2 LocalCluster workers.
 - dry run: `mpmd train --dry-run`'s program prices (mpmd.stages.costs.measure). Before: every
   program of both backward forms exported (7 a stage); now the 4 priced.
+- split: the per-layer FLOPs mpmd.split balances stages by (mpmd.stages.costs.layer_costs), on
+  the model built abstractly. Before: every layer lowered; now: a layer with the graphdef,
+  parameters and input of one priced before (a repeated block) is not lowered again.
+
+`--parts split --config configs/llama_1b.yaml` times the split alone (the other parts start
+or trace the whole model).
 
 Medians over the rounds, spread in brackets, and now / before.
 """
@@ -35,6 +41,7 @@ from mpmd.report import record as report_record
 from mpmd.stages import costs, names
 from mpmd.stages import programs as stage_programs
 from mpmd.stages.leaf_paths import path_string
+from mpmd.stages.pipeline import stage_fn
 from mpmd.stages.specs import spec
 
 
@@ -108,13 +115,32 @@ def dry_run_parts(cfg):
     return {"before": before, "now": lambda: costs.measure(pipe, x, y)}
 
 
+def split_parts(cfg):
+    train_loader, _ = data.make_loaders(cfg)
+    inputs, _ = train_loader.batch_at(0)
+    sample = inputs[: len(inputs) // cfg.pipeline.num_microbatches]
+    model, _ = build.built_model(cfg, abstract=True)
+    layers = list(getattr(model, "all_layers", model.layers)())  # a tied Llama's too
+    return {
+        "before": lambda: costs.fn_costs([stage_fn(l) for l in layers], sample),
+        "now": lambda: costs.layer_costs(layers, sample),
+    }
+
+
+PARTS = {"sample": sample_parts, "start": start_parts, "dry run": dry_run_parts, "split": split_parts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/gpt_tiny.yaml")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     args = ap.parse_args()
     cfg = config.load(args.config, ["train.steps=1"])
-    parts = {"sample": sample_parts(cfg), "start": start_parts(cfg), "dry run": dry_run_parts(cfg)}
+    chosen = args.parts.split(",")
+    if unknown := set(chosen) - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(unknown)}; allowed: {', '.join(PARTS)}")
+    parts = {name: PARTS[name](cfg) for name in chosen}
     for pair in parts.values():  # warm: JAX's caches, the workers' compilation cache
         for fn in pair.values():
             fn()

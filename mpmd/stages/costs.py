@@ -52,21 +52,41 @@ class Stages(list):
 def layer_costs(layers, sample_input) -> tuple[list[float], str]:
     if sample_input is None:
         return [float(sum(np.size(p) for p in jax.tree.leaves(nnx.state(l, nnx.Param)))) for l in layers], "params"
-    return fn_costs([stage_fn(l) for l in layers], sample_input), "flops"
+    # Equal graphdefs (a model's repeated blocks) on equal inputs cost the same: priced once.
+    return fn_costs([stage_fn(l) for l in layers], sample_input, same=[nnx.graphdef(l) for l in layers]), "flops"
 
 
-def fn_costs(fns, sample_input, side=None) -> list[float]:
+def fn_costs(fns, sample_input, side=None, same=None) -> list[float]:
     """Forward FLOPs (plus output bytes / 4) of each StageFn in turn, fed by the previous one;
-    `side`: per stage, {batch key: spec} of its side inputs (None: none)."""
+    `side`: per stage, {batch key: spec} of its side inputs (None: none). `same`: per stage,
+    a hashable equal for stages that compute the same function of their parameters and input
+    (nnx graphdefs): one whose key, parameter and input specs were priced already is not
+    lowered again."""
     x = jax.tree.map(spec, sample_input)
-    costs = []
+    costs, priced = [], {}
     for k, fn in enumerate(fns):
         p = tuple(jax.tree.map(spec, fn.param_leaves))
         s = (side[k] if side else None) or {}
         apply = lambda p, x, s, fn=fn: fn.apply(p, x, **s)
-        costs.append(_cost(jax.jit(apply).lower(p, x, s)))
-        x = jax.eval_shape(apply, p, x, s)
+        key = _priced_key(same[k], p, x, s) if same is not None else None
+        if key is None or key not in priced:
+            cost_and_out = (_cost(jax.jit(apply).lower(p, x, s)), jax.eval_shape(apply, p, x, s))
+            if key is not None:
+                priced[key] = cost_and_out
+        cost, x = priced[key] if key is not None else cost_and_out
+        costs.append(cost)
     return costs
+
+
+def _priced_key(same, p, x, s):
+    """fn_costs' key of a stage (None: unhashable, never shared): what it computes and the
+    specs it computes it on."""
+    key = (same, p, *((tuple(leaves), tree) for leaves, tree in (jax.tree.flatten(x), jax.tree.flatten(s))))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _cost(lowered, flops_only: bool = False) -> float:

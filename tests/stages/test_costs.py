@@ -64,3 +64,25 @@ def test_schedule_cli_takes_bw_and_says_what_zb_assumes(tmp_path, capsys):
     assert "assumes" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["1f1b", "--stages", "2", "--microbatches", "4", "--costs", "1,1"])
+
+
+@pytest.mark.parametrize("config_file", ["configs/gpt_tiny.yaml", "configs/gemma3_tiny.yaml", "configs/moe_tiny.yaml"])
+def test_repeated_layers_are_priced_once_each_as_alone(config_file, monkeypatch):
+    """layer_costs prices a layer whose graphdef, parameters and input another layer had
+    already (repeated blocks) without lowering it again, and gets what pricing it alone
+    does: Gemma 3's local and global blocks (other graphdefs) apart, GPT's and MoE's alike."""
+    from mpmd.recipes import config
+    from mpmd.recipes.run import build
+    from mpmd.stages import costs
+
+    model, _ = build.built_model(config.load(config_file), abstract=False)
+    layers = list(getattr(model, "all_layers", model.layers)())  # Gemma 3's: tied, not cut by layers()
+    tokens = np.zeros((2, 16), np.int32)
+    lowered = []
+    cost = costs._cost
+    monkeypatch.setattr(costs, "_cost", lambda low, *a: lowered.append(low) or cost(low, *a))
+    shared, unit = costs.layer_costs(layers, tokens)
+    alone = costs.fn_costs([costs.stage_fn(l) for l in layers], tokens)
+    assert unit == "flops" and shared == alone
+    kinds = len({nnx.graphdef(l) for l in layers})
+    assert len(lowered) == kinds + len(layers) < 2 * len(layers), (len(lowered), kinds, len(layers))
