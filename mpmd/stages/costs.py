@@ -69,11 +69,12 @@ def fn_costs(fns, sample_input, side=None, same=None) -> list[float]:
         s = (side[k] if side else None) or {}
         apply = lambda p, x, s, fn=fn: fn.apply(p, x, **s)
         key = _priced_key(same[k], p, x, s) if same is not None else None
-        if key is None or key not in priced:
-            cost_and_out = (_cost(jax.jit(apply).lower(p, x, s)), jax.eval_shape(apply, p, x, s))
+        if key is not None and key in priced:
+            cost, x = priced[key]
+        else:
+            cost, x = _cost(jax.jit(apply).lower(p, x, s)), jax.eval_shape(apply, p, x, s)
             if key is not None:
-                priced[key] = cost_and_out
-        cost, x = priced[key] if key is not None else cost_and_out
+                priced[key] = cost, x
         costs.append(cost)
     return costs
 
