@@ -15,6 +15,14 @@ b. configs/gpt_small.yaml with data.source=tokens on that corpus (LocalCluster, 
    the training loop spends inside the loader's next() (the data wait: the loop sends nothing
    while it waits, though the slices may still run the step sent before) against the wall
    time from step 1's record to the last one's (step 1 compiles and is left out). Goal < 2 %.
+c. A new train loader's CPU: the process's CPU seconds (every thread's) to open a shuffled-
+   window iterator, take --first batches and let its read-ahead settle (0.5 s), with Grain's
+   default read options (16 threads, 500 elements ahead; the loaders' before 2026-12-08)
+   against the loaders' own (recipes/data/grain.py _read_options), for 8 x 128 + 1 rows
+   (gpt_tiny's batch size) and 32 x 128 + 1 (gpt_small's). Interleaved rounds, both in each,
+   Grain's defaults first: their read-ahead still running is counted to the loaders', against
+   them. The batches of both are checked equal. A run, a resume and each evaluation's
+   batch_at open one such iterator.
 """
 
 from __future__ import annotations
@@ -166,7 +174,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=20_000_000)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-train", action="store_true", help="parts a and c only")
-    parser.add_argument("--rounds", type=int, default=5, help="part c's alternating rounds")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="part c's rounds (both read options in each, Grain's defaults first)"
+    )
     parser.add_argument("--first", type=int, default=20, help="part c: batches taken from each new loader")
     args = parser.parse_args()
     os.chdir(REPO)
@@ -201,7 +211,7 @@ def main() -> None:
             print(
                 f"c. a new loader, {rows} x 128 rows, {args.first} batches: CPU {new:.2f} s ({spread('loaders')}) "
                 f"against Grain's defaults {old:.2f} s ({spread('grain defaults')}), {new / old:.2f}x, "
-                f"medians of {args.rounds} alternating rounds"
+                f"medians of {args.rounds} interleaved rounds"
             )
         if not args.skip_train:
             r = data_wait(corpus, args.steps, Path(tmp) / "run")

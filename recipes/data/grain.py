@@ -16,9 +16,10 @@ The last data.eval_fraction of the examples (the corpus's tail) is the eval spli
 order. A loader's `state()` holds Grain's own iterator state (`DatasetIterator.get_state()`: a
 dict of integers), saved in each checkpoint's manifest; `restore(state)` sets it on a fresh
 iterator, so a resumed, recovered or relayouted run reads exactly the batches an uninterrupted
-one would. Grain reads ahead 16 elements on 2 threads (_read_options). Its defaults, 16 threads
-and 500 elements, made every new iterator (a resume's, an evaluation's) read 500 batches at
-once on the controller's cores: ~1 s of CPU each for gpt_tiny, taken from the workers beside it.
+one would. Grain reads ahead 16 elements on 2 threads (_read_options). Its defaults, 16
+threads and 500 elements, made every new iterator (a resume's, an evaluation's) read 500
+batches at once on the controller's cores: 0.6-0.8 s of CPU each for gpt_tiny, taken from the
+workers beside it (benchmarks/bench_data.py, part c).
 The corpus and tokenizer a checkpoint was trained on are in its manifest's metadata
 (`metadata`), and a run on another one is refused (recipes/run/train.py resume_metadata).
 """
